@@ -1,0 +1,45 @@
+"""xpool: a measured, size-classed, per-device caching allocator for CuPy.
+
+    import xpool
+    pool = xpool.install()            # cupy now allocates through xpool
+    ...
+    xpool.stats()                     # exact counters, one row per device
+"""
+from __future__ import annotations
+
+from .backends import CupyBackend, DeviceOutOfMemory, HostBackend
+from .cupy_adapter import MemoryPool, install, installed, uninstall, use
+from .errors import CorruptionError, CorruptionWarning, OutOfMemoryError
+from .pool import Pool
+from .sizeclass import size_class
+from .stats import Snapshot
+
+__version__ = "0.1.0"
+__all__ = [
+    "size_class", "Pool", "MemoryPool", "HostBackend", "CupyBackend", "install", "uninstall",
+    "installed", "use", "empty_cache", "stats", "snapshot", "OutOfMemoryError",
+    "CorruptionError", "CorruptionWarning", "DeviceOutOfMemory", "Snapshot",
+]
+
+
+def _pool() -> Pool | None:
+    return installed()
+
+
+def empty_cache() -> int:
+    """Give the installed pool's cached blocks back to the devices; bytes released (0 if none)."""
+    pool = _pool()
+    return pool.empty_cache() if pool else 0
+
+
+def stats():
+    """The installed pool's exact counters, one row per device (empty if xpool is not installed)."""
+    from .stats import frame
+    pool = _pool()
+    return pool.stats() if pool else frame([])
+
+
+def snapshot() -> Snapshot:
+    """Cheap counters of the installed pool; `after - before` gives e.g. device mallocs per step."""
+    pool = _pool()
+    return pool.snapshot() if pool else Snapshot({})

@@ -1,0 +1,1183 @@
+/*
+ * xpool._core: the hot path of xpool's caching allocator.
+ *
+ * Layers, bottom up (as in CuPy's memory.pyx):
+ *   size_class()  a pure function: request bytes -> class bytes
+ *   Block         one device allocation of exactly one class size
+ *   PtrTable      open-addressing map ptr -> Block, for the blocks in use
+ *   BinTable      open-addressing map (stream, class) -> Bin, a LIFO stack of free Blocks
+ *   DevicePool    one per device: the two tables, the statistics, the limit, one mutex
+ *   Allocator     the Python object: the device registry, the backend, the timeline
+ *
+ * The raw device allocate/free functions are never called from C directly:
+ * they belong to a Python "backend" object (CuPy's runtime on a GPU, real host
+ * memory in the tests), called only on a miss, on trimming and on OOM
+ * recovery.  The hit path is pure C.
+ *
+ * Concurrency.  Every entry point runs with the GIL held (CuPy calls the
+ * CFunctionAllocator hooks from Cython with the GIL), so under a GIL build the
+ * mutexes are never contended; they make the structures safe where the GIL
+ * does not serialise (free-threaded builds) and they document ownership.
+ * Lock order: Allocator.registry_lock -> (never held with anything else);
+ * DevicePool.lock -> Allocator.timeline_lock.  No lock is ever held while
+ * Python code runs (backend calls, debug hooks, gc): a Python call may switch
+ * threads, and a thread blocked on a C mutex while holding the GIL would
+ * deadlock with the holder waiting for the GIL.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#define XP_ALIGN 512u                     /* cudaMalloc alignment and the small-class step */
+#define XP_SMALL_MAX (1u << 20)           /* up to 1 MiB: multiples of 512 B */
+#define XP_MAX_REQUEST ((size_t)1 << 48)  /* 256 TiB: larger than any device */
+#define XP_MAX_DEVICES 64
+#define XP_MAX_CLASSES_PER_DOUBLING 64
+
+#if PY_VERSION_HEX < 0x030C0000
+/* The 3.12 exception API, for 3.10 and 3.11. */
+static PyObject *PyErr_GetRaisedException(void)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (!type) return NULL;
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb) PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+}
+
+static void PyErr_SetRaisedException(PyObject *exc)
+{
+    if (!exc) { PyErr_Clear(); return; }
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
+}
+#endif
+
+/* ------------------------------------------------------------------ size classes */
+
+static size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
+
+/* Class of an n-byte request; k classes per doubling above 1 MiB.  0 for n too large. */
+static size_t size_class(size_t n, unsigned k)
+{
+    if (n <= XP_SMALL_MAX)
+        return n == 0 ? XP_ALIGN : round_up(n, XP_ALIGN);
+    if (n > XP_MAX_REQUEST)
+        return 0;
+    /* p: the largest power of two below n, so p < n <= 2p */
+    size_t p = (size_t)1 << (63 - __builtin_clzll((unsigned long long)(n - 1)));
+    size_t j = ((n - p) * k + p - 1) / p;          /* ceil((n - p) / (p / k)), exact */
+    size_t cls = p + (j * p + k - 1) / k;          /* p + ceil(j p / k) */
+    return round_up(cls, XP_ALIGN);
+}
+
+/* ------------------------------------------------------------------ blocks and tables */
+
+typedef struct Block {
+    uintptr_t ptr;
+    size_t size;            /* class size: what the device gave */
+    size_t requested;       /* bytes asked for while in use, 0 while cached */
+    intptr_t stream;        /* stream it was handed out on; reused only there */
+    int device;
+    uint64_t serial;        /* allocation number on its device, for diagnostics */
+    struct Block *next;     /* link in its bin while cached */
+} Block;
+
+#define TOMBSTONE ((Block *)1)
+
+typedef struct {
+    Block **slots;
+    size_t cap;             /* power of two */
+    size_t used;            /* live entries */
+    size_t filled;          /* live + tombstones */
+} PtrTable;
+
+typedef struct Bin {
+    intptr_t stream;
+    size_t size;
+    Block *top;
+    size_t count;
+} Bin;
+
+typedef struct {
+    Bin **slots;
+    size_t cap;
+    size_t used;
+} BinTable;
+
+static inline size_t mix(uint64_t x)
+{
+    x ^= x >> 33; x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL;
+    return (size_t)(x ^ (x >> 33));
+}
+
+static int ptrtable_grow(PtrTable *t)
+{
+    size_t cap = t->cap ? t->cap * 2 : 256;
+    while (t->used * 2 >= cap) cap *= 2;
+    Block **slots = calloc(cap, sizeof(Block *));
+    if (!slots) return -1;
+    for (size_t i = 0; i < t->cap; i++) {
+        Block *b = t->slots[i];
+        if (b && b != TOMBSTONE) {
+            size_t h = mix(b->ptr) & (cap - 1);
+            while (slots[h]) h = (h + 1) & (cap - 1);
+            slots[h] = b;
+        }
+    }
+    free(t->slots);
+    t->slots = slots; t->cap = cap; t->filled = t->used;
+    return 0;
+}
+
+static int ptrtable_insert(PtrTable *t, Block *b)
+{
+    if ((t->filled + 1) * 2 > t->cap && ptrtable_grow(t) < 0) return -1;
+    size_t h = mix(b->ptr) & (t->cap - 1);
+    while (t->slots[h] && t->slots[h] != TOMBSTONE) h = (h + 1) & (t->cap - 1);
+    if (!t->slots[h]) t->filled++;
+    t->slots[h] = b; t->used++;
+    return 0;
+}
+
+static Block **ptrtable_slot(PtrTable *t, uintptr_t ptr)
+{
+    if (!t->cap) return NULL;
+    size_t h = mix(ptr) & (t->cap - 1);
+    for (Block *b; (b = t->slots[h]); h = (h + 1) & (t->cap - 1))
+        if (b != TOMBSTONE && b->ptr == ptr) return &t->slots[h];
+    return NULL;
+}
+
+static Block *ptrtable_remove(PtrTable *t, uintptr_t ptr)
+{
+    Block **slot = ptrtable_slot(t, ptr);
+    if (!slot) return NULL;
+    Block *b = *slot;
+    *slot = TOMBSTONE; t->used--;
+    return b;
+}
+
+static inline size_t bin_hash(intptr_t stream, size_t size)
+{
+    return mix((uint64_t)stream * 0x9e3779b97f4a7c15ULL ^ (uint64_t)size);
+}
+
+static Bin *bintable_find(BinTable *t, intptr_t stream, size_t size)
+{
+    if (!t->cap) return NULL;
+    size_t h = bin_hash(stream, size) & (t->cap - 1);
+    for (Bin *b; (b = t->slots[h]); h = (h + 1) & (t->cap - 1))
+        if (b->size == size && b->stream == stream) return b;
+    return NULL;
+}
+
+static Bin *bintable_get(BinTable *t, intptr_t stream, size_t size)
+{
+    Bin *bin = bintable_find(t, stream, size);
+    if (bin) return bin;
+    if ((t->used + 1) * 2 > t->cap) {
+        size_t cap = t->cap ? t->cap * 2 : 64;
+        Bin **slots = calloc(cap, sizeof(Bin *));
+        if (!slots) return NULL;
+        for (size_t i = 0; i < t->cap; i++) {
+            Bin *b = t->slots[i];
+            if (!b) continue;
+            size_t h = bin_hash(b->stream, b->size) & (cap - 1);
+            while (slots[h]) h = (h + 1) & (cap - 1);
+            slots[h] = b;
+        }
+        free(t->slots);
+        t->slots = slots; t->cap = cap;
+    }
+    bin = calloc(1, sizeof(Bin));
+    if (!bin) return NULL;
+    bin->stream = stream; bin->size = size;
+    size_t h = bin_hash(stream, size) & (t->cap - 1);
+    while (t->slots[h]) h = (h + 1) & (t->cap - 1);
+    t->slots[h] = bin; t->used++;
+    return bin;
+}
+
+/* ------------------------------------------------------------------ device pools */
+
+typedef struct {
+    uint64_t requests, hits, misses, device_mallocs, device_frees, frees;
+    uint64_t oom_recoveries, oom_errors;
+    uint64_t blocks_in_use, blocks_cached;
+    uint64_t bytes_in_use;            /* class bytes of blocks in use */
+    uint64_t bytes_requested;         /* requested bytes of blocks in use */
+    uint64_t bytes_cached;            /* class bytes of free blocks */
+    uint64_t peak_bytes_in_use, peak_bytes_requested, peak_bytes_reserved;
+} Stats;
+
+typedef struct {
+    pthread_mutex_t lock;
+    int device;
+    /* everything below is guarded by lock */
+    PtrTable live;          /* blocks in use, by pointer */
+    BinTable bins;          /* free blocks, by (stream, class) */
+    Stats st;
+    uint64_t limit;         /* bytes reserved (in use + cached) allowed; 0 = none */
+} DevicePool;
+
+static inline uint64_t reserved(const Stats *s) { return s->bytes_in_use + s->bytes_cached; }
+
+static void note_peaks(Stats *s)
+{
+    if (s->bytes_in_use > s->peak_bytes_in_use) s->peak_bytes_in_use = s->bytes_in_use;
+    if (s->bytes_requested > s->peak_bytes_requested) s->peak_bytes_requested = s->bytes_requested;
+    if (reserved(s) > s->peak_bytes_reserved) s->peak_bytes_reserved = reserved(s);
+}
+
+/* ------------------------------------------------------------------ timeline */
+
+enum { EV_HIT = 1, EV_MISS = 2, EV_FREE = 3, EV_RELEASE = 4, EV_OOM = 5 };
+
+typedef struct {
+    int64_t t_ns;
+    int32_t device;
+    int32_t event;
+    int64_t stream;
+    uint64_t ptr;
+    uint64_t requested;
+    uint64_t size;
+    uint64_t bytes_in_use;
+    uint64_t bytes_cached;
+} Event;
+
+typedef struct {
+    pthread_mutex_t lock;   /* taken after a DevicePool.lock, never before */
+    Event *buf;             /* ring of cap events, NULL when off */
+    size_t cap;
+    uint64_t count;         /* events ever recorded since the last clear */
+} Timeline;
+
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void timeline_record(Timeline *tl, int event, const DevicePool *pool, const Block *b,
+                            size_t requested)
+{
+    pthread_mutex_lock(&tl->lock);
+    if (tl->buf) {
+        Event *e = &tl->buf[tl->count % tl->cap];
+        e->t_ns = now_ns();
+        e->device = pool->device;
+        e->event = event;
+        e->stream = b ? b->stream : 0;
+        e->ptr = b ? b->ptr : 0;
+        e->requested = requested;
+        e->size = b ? b->size : 0;
+        e->bytes_in_use = pool->st.bytes_in_use;
+        e->bytes_cached = pool->st.bytes_cached;
+        tl->count++;
+    }
+    pthread_mutex_unlock(&tl->lock);
+}
+
+/* ------------------------------------------------------------------ the Allocator object */
+
+typedef intptr_t (*stream_fn_t)(void);
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *backend;        /* .malloc(device, nbytes) -> int, .free(device, ptr, nbytes) */
+    PyObject *error_factory;  /* (device, requested, size, in_use, cached, limit, reason) -> exception */
+    PyObject *debug_hook;     /* None, or .on_alloc(info) / .on_free(info) / .on_reuse(info) */
+    PyObject *weakreflist;
+    stream_fn_t stream_fn;    /* current stream, from CuPy; NULL: stream 0 unless given */
+    unsigned k;               /* classes per doubling above 1 MiB */
+    uint64_t default_limit;
+    size_t debug_tail;        /* bytes of canary room added in debug mode */
+    pthread_mutex_t registry_lock;  /* guards creation of pools[]; lookups read atomically */
+    _Atomic(DevicePool *) pools[XP_MAX_DEVICES];
+    Timeline tl;
+} Allocator;
+
+static PyObject *gc_collect;          /* gc.collect, for the second OOM retry */
+
+static DevicePool *pool_get(Allocator *A, int device)
+{
+    if (device < 0 || device >= XP_MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "device must be in [0, %d), got %d", XP_MAX_DEVICES, device);
+        return NULL;
+    }
+    DevicePool *pool = atomic_load_explicit(&A->pools[device], memory_order_acquire);
+    if (pool) return pool;
+    pthread_mutex_lock(&A->registry_lock);
+    pool = atomic_load_explicit(&A->pools[device], memory_order_relaxed);
+    if (!pool && (pool = calloc(1, sizeof(DevicePool)))) {
+        pthread_mutex_init(&pool->lock, NULL);
+        pool->device = device;
+        pool->limit = A->default_limit;
+        atomic_store_explicit(&A->pools[device], pool, memory_order_release);
+    }
+    pthread_mutex_unlock(&A->registry_lock);
+    if (!pool) PyErr_NoMemory();
+    return pool;
+}
+
+static PyObject *block_info(const Block *b, size_t requested)
+{
+    return Py_BuildValue("{s:i,s:K,s:n,s:n,s:L,s:K}", "device", b->device,
+                         (unsigned long long)b->ptr, "size", (Py_ssize_t)b->size,
+                         "requested", (Py_ssize_t)requested, "stream", (long long)b->stream,
+                         "serial", (unsigned long long)b->serial);
+}
+
+/* Calls debug_hook.<name>(info); -1 with the hook's exception set if it raised. */
+static int call_hook(Allocator *A, const char *name, const Block *b, size_t requested)
+{
+    PyObject *info = block_info(b, requested);
+    if (!info) return -1;
+    PyObject *r = PyObject_CallMethod(A->debug_hook, name, "O", info);
+    Py_DECREF(info);
+    if (!r) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* Pops the cached blocks of one device (of one stream, or all when all_streams),
+ * largest first is not needed: any order frees the same bytes. Stops once the
+ * cached bytes are <= keep.  Returns a malloc'd array of blocks (count in *n). */
+static Block **take_cached(DevicePool *pool, int all_streams, intptr_t stream, uint64_t keep,
+                           size_t *n, Timeline *tl)
+{
+    *n = 0;
+    size_t cap = pool->st.blocks_cached;
+    if (!cap) return NULL;
+    Block **out = malloc(cap * sizeof(Block *));
+    if (!out) return NULL;
+    for (size_t i = 0; i < pool->bins.cap && pool->st.bytes_cached > keep; i++) {
+        Bin *bin = pool->bins.slots[i];
+        if (!bin || (!all_streams && bin->stream != stream)) continue;
+        while (bin->top && pool->st.bytes_cached > keep) {
+            Block *b = bin->top;
+            bin->top = b->next; bin->count--;
+            pool->st.blocks_cached--; pool->st.bytes_cached -= b->size;
+            pool->st.device_frees++;
+            out[(*n)++] = b;
+            timeline_record(tl, EV_RELEASE, pool, b, 0);
+        }
+    }
+    return out;
+}
+
+/* Gives cached blocks back to the device.  Returns bytes released, -1 on error
+ * (the blocks are then forgotten, never reused: their memory state is unknown). */
+static long long release_cached(Allocator *A, DevicePool *pool, int all_streams,
+                                intptr_t stream, uint64_t keep)
+{
+    size_t n;
+    pthread_mutex_lock(&pool->lock);
+    Block **blocks = take_cached(pool, all_streams, stream, keep, &n, &A->tl);
+    pthread_mutex_unlock(&pool->lock);
+    long long released = 0;
+    int failed = 0;
+    PyObject *exc = NULL;
+    for (size_t i = 0; i < n; i++) {
+        Block *b = blocks[i];
+        if (!failed) {
+            PyObject *r = PyObject_CallMethod(A->backend, "free", "iKn", pool->device,
+                                              (unsigned long long)b->ptr, (Py_ssize_t)b->size);
+            if (r) { Py_DECREF(r); released += (long long)b->size; }
+            else { failed = 1; exc = PyErr_GetRaisedException(); }
+        }
+        free(b);
+    }
+    free(blocks);
+    if (failed) { PyErr_SetRaisedException(exc); return -1; }
+    return released;
+}
+
+static PyObject *make_oom(Allocator *A, DevicePool *pool, size_t requested, size_t size,
+                          const char *reason)
+{
+    Stats s;
+    pthread_mutex_lock(&pool->lock);
+    s = pool->st;
+    pool->st.oom_errors++;
+    timeline_record(&A->tl, EV_OOM, pool, NULL, requested);
+    uint64_t limit = pool->limit;
+    pthread_mutex_unlock(&pool->lock);
+    return PyObject_CallFunction(A->error_factory, "inKKKKs", pool->device, (Py_ssize_t)requested,
+                                 (unsigned long long)size, (unsigned long long)s.bytes_in_use,
+                                 (unsigned long long)s.bytes_cached, (unsigned long long)limit,
+                                 reason);
+}
+
+static int raise_oom(Allocator *A, DevicePool *pool, size_t requested, size_t size,
+                     const char *reason, PyObject *cause)
+{
+    PyObject *err = make_oom(A, pool, requested, size, reason);
+    if (err) {
+        if (cause) PyException_SetCause(err, cause); else Py_XDECREF(cause);
+        PyErr_SetObject((PyObject *)Py_TYPE(err), err);
+        Py_DECREF(err);
+    } else {
+        Py_XDECREF(cause);
+    }
+    return -1;
+}
+
+/* One device allocation of `size` bytes through the backend, with the OOM
+ * recovery ladder: free this device's cache and retry; gc.collect(), free the
+ * cache again and retry; then raise xpool.OutOfMemoryError. */
+static int device_malloc(Allocator *A, DevicePool *pool, size_t requested, size_t size,
+                         uintptr_t *ptr)
+{
+    uint64_t limit, res, cached;
+    pthread_mutex_lock(&pool->lock);
+    limit = pool->limit; res = reserved(&pool->st); cached = pool->st.bytes_cached;
+    pthread_mutex_unlock(&pool->lock);
+    if (limit && res + size > limit) {
+        if (cached && release_cached(A, pool, 1, 0, 0) < 0) return -1;
+        pthread_mutex_lock(&pool->lock);
+        res = reserved(&pool->st);
+        pthread_mutex_unlock(&pool->lock);
+        if (res + size > limit) return raise_oom(A, pool, requested, size, "limit", NULL);
+    }
+    for (int attempt = 0; attempt < 3; attempt++) {
+        PyObject *r = PyObject_CallMethod(A->backend, "malloc", "in", pool->device, (Py_ssize_t)size);
+        if (r) {
+            *ptr = (uintptr_t)PyLong_AsUnsignedLongLong(r);
+            Py_DECREF(r);
+            if (PyErr_Occurred()) return -1;
+            if (attempt) {
+                pthread_mutex_lock(&pool->lock);
+                pool->st.oom_recoveries++;
+                pthread_mutex_unlock(&pool->lock);
+            }
+            return 0;
+        }
+        if (!PyErr_ExceptionMatches(PyExc_MemoryError)) return -1;
+        PyObject *exc = PyErr_GetRaisedException();
+        if (attempt == 2) return raise_oom(A, pool, requested, size, "device", exc);
+        Py_DECREF(exc);
+        if (attempt == 1) {
+            /* dead arrays held by reference cycles give their blocks back */
+            PyObject *r2 = PyObject_CallNoArgs(gc_collect);
+            if (!r2) return -1;
+            Py_DECREF(r2);
+        }
+        if (release_cached(A, pool, 1, 0, 0) < 0) return -1;
+    }
+    return -1;  /* not reached */
+}
+
+/* The allocation path.  Returns the block (in use), or NULL with an exception set. */
+static Block *xp_alloc(Allocator *A, int device, intptr_t stream, size_t requested)
+{
+    size_t size = size_class(requested + A->debug_tail, A->k);
+    if (!size) {
+        PyErr_Format(PyExc_ValueError, "nbytes=%zu is larger than any device (max %zu)",
+                     requested, (size_t)XP_MAX_REQUEST);
+        return NULL;
+    }
+    DevicePool *pool = pool_get(A, device);
+    if (!pool) return NULL;
+
+    pthread_mutex_lock(&pool->lock);
+    pool->st.requests++;
+    Bin *bin = bintable_find(&pool->bins, stream, size);
+    Block *b = bin ? bin->top : NULL;
+    if (b) {
+        bin->top = b->next; bin->count--;
+        b->next = NULL;
+        b->requested = requested;
+        b->serial = pool->st.requests;
+        if (ptrtable_insert(&pool->live, b) < 0) {   /* give it back: nothing changed */
+            b->next = bin->top; bin->top = b; bin->count++;
+            pthread_mutex_unlock(&pool->lock);
+            PyErr_NoMemory();
+            return NULL;
+        }
+        pool->st.hits++;
+        pool->st.blocks_cached--; pool->st.bytes_cached -= size;
+        pool->st.blocks_in_use++; pool->st.bytes_in_use += size;
+        pool->st.bytes_requested += requested;
+        note_peaks(&pool->st);
+        timeline_record(&A->tl, EV_HIT, pool, b, requested);
+        pthread_mutex_unlock(&pool->lock);
+        if (A->debug_hook != Py_None && call_hook(A, "on_reuse", b, requested) < 0) {
+            /* the block stays handed out; the caller never sees it, so give it back */
+            PyObject *exc = PyErr_GetRaisedException();
+            pthread_mutex_lock(&pool->lock);
+            ptrtable_remove(&pool->live, b->ptr);
+            pool->st.blocks_in_use--; pool->st.bytes_in_use -= size;
+            pool->st.bytes_requested -= requested;
+            pool->st.blocks_cached++; pool->st.bytes_cached += size;
+            b->requested = 0; b->next = bin->top; bin->top = b; bin->count++;
+            pthread_mutex_unlock(&pool->lock);
+            PyErr_SetRaisedException(exc);
+            return NULL;
+        }
+        return b;
+    }
+    pool->st.misses++;
+    pthread_mutex_unlock(&pool->lock);
+
+    uintptr_t ptr = 0;
+    if (device_malloc(A, pool, requested, size, &ptr) < 0) return NULL;
+    b = calloc(1, sizeof(Block));
+    if (!b) {
+        PyObject *r = PyObject_CallMethod(A->backend, "free", "iKn", device,
+                                          (unsigned long long)ptr, (Py_ssize_t)size);
+        Py_XDECREF(r);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    b->ptr = ptr; b->size = size; b->requested = requested;
+    b->stream = stream; b->device = device;
+    pthread_mutex_lock(&pool->lock);
+    b->serial = pool->st.requests;
+    if (ptrtable_insert(&pool->live, b) < 0) {
+        pthread_mutex_unlock(&pool->lock);
+        PyObject *r = PyObject_CallMethod(A->backend, "free", "iKn", device,
+                                          (unsigned long long)ptr, (Py_ssize_t)size);
+        Py_XDECREF(r);
+        free(b);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    pool->st.device_mallocs++;
+    pool->st.blocks_in_use++; pool->st.bytes_in_use += size;
+    pool->st.bytes_requested += requested;
+    note_peaks(&pool->st);
+    timeline_record(&A->tl, EV_MISS, pool, b, requested);
+    pthread_mutex_unlock(&pool->lock);
+    if (A->debug_hook != Py_None && call_hook(A, "on_alloc", b, requested) < 0) {
+        PyObject *exc = PyErr_GetRaisedException();
+        pthread_mutex_lock(&pool->lock);
+        ptrtable_remove(&pool->live, b->ptr);
+        pool->st.blocks_in_use--; pool->st.bytes_in_use -= size;
+        pool->st.bytes_requested -= requested;
+        pool->st.device_frees++;
+        pthread_mutex_unlock(&pool->lock);
+        PyObject *r = PyObject_CallMethod(A->backend, "free", "iKn", device,
+                                          (unsigned long long)ptr, (Py_ssize_t)size);
+        Py_XDECREF(r);
+        PyErr_Clear();
+        free(b);
+        PyErr_SetRaisedException(exc);
+        return NULL;
+    }
+    return b;
+}
+
+/* The free path: the block goes back to its own device's pool, to the bin of
+ * the stream it was handed out on.  Returns 0; -1 with an exception for a
+ * pointer xpool does not know; 1 with the debug hook's exception when the block
+ * was taken back but the hook found damage (the caller decides whether it can
+ * raise). */
+static int xp_free(Allocator *A, int device, uintptr_t ptr)
+{
+    if (device < 0 || device >= XP_MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "device must be in [0, %d), got %d", XP_MAX_DEVICES, device);
+        return -1;
+    }
+    DevicePool *pool = atomic_load_explicit(&A->pools[device], memory_order_acquire);
+    Block *b = NULL;
+    if (pool) {
+        pthread_mutex_lock(&pool->lock);
+        Block **slot = ptrtable_slot(&pool->live, ptr);
+        b = slot ? *slot : NULL;
+        pthread_mutex_unlock(&pool->lock);
+    }
+    if (!b) {
+        PyErr_Format(PyExc_ValueError,
+                     "xpool: pointer 0x%zx on device %d was not handed out by this pool "
+                     "(or was freed twice)", (size_t)ptr, device);
+        return -1;
+    }
+    int hook_failed = 0;
+    PyObject *exc = NULL;
+    if (A->debug_hook != Py_None) {
+        /* canary check and poisoning run before the block can be reused */
+        if (call_hook(A, "on_free", b, b->requested) < 0) {
+            hook_failed = 1;
+            exc = PyErr_GetRaisedException();
+        }
+    }
+    pthread_mutex_lock(&pool->lock);
+    ptrtable_remove(&pool->live, ptr);
+    Bin *bin = bintable_get(&pool->bins, b->stream, b->size);
+    pool->st.frees++;
+    pool->st.blocks_in_use--; pool->st.bytes_in_use -= b->size;
+    pool->st.bytes_requested -= b->requested;
+    size_t requested = b->requested;
+    b->requested = 0;
+    if (bin) {
+        b->next = bin->top; bin->top = b; bin->count++;
+        pool->st.blocks_cached++; pool->st.bytes_cached += b->size;
+        timeline_record(&A->tl, EV_FREE, pool, b, requested);
+        b = NULL;
+    } else {
+        pool->st.device_frees++;   /* no room to cache it: give it back below */
+    }
+    pthread_mutex_unlock(&pool->lock);
+    if (b) {
+        PyObject *r = PyObject_CallMethod(A->backend, "free", "iKn", device,
+                                          (unsigned long long)b->ptr, (Py_ssize_t)b->size);
+        Py_XDECREF(r);
+        PyErr_Clear();
+        free(b);
+    }
+    if (hook_failed) { PyErr_SetRaisedException(exc); return 1; }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ CuPy's CFunctionAllocator hooks */
+
+/* void *malloc(void *param, size_t size, int device): CuPy (Cython 3) checks for a
+ * Python error when this returns (void *)-1, so an exception set here propagates
+ * out of cupy's allocation as-is. */
+static void *cupy_malloc(void *param, size_t size, int device)
+{
+    Allocator *A = (Allocator *)param;
+    intptr_t stream = 0;
+    if (A->stream_fn) {
+        stream = A->stream_fn();
+        if (stream == 0 && PyErr_Occurred()) return (void *)(intptr_t)-1;
+    }
+    Block *b = xp_alloc(A, device, stream, size);
+    if (!b) return (void *)(intptr_t)-1;
+    Py_INCREF(A);   /* CuPy's memory object does not own the allocator: each block does */
+    return (void *)b->ptr;
+}
+
+/* void free(void *param, void *ptr, int device): called from a destructor, so an
+ * error can only be reported, not raised. */
+static void cupy_free(void *param, void *ptr, int device)
+{
+    Allocator *A = (Allocator *)param;
+    int r = xp_free(A, device, (uintptr_t)ptr);
+    if (r) PyErr_WriteUnraisable(NULL);
+    if (r >= 0) Py_DECREF(A);   /* -1: not ours, so it held no reference */
+}
+
+/* ------------------------------------------------------------------ Allocation: a block as a Python object */
+
+typedef struct {
+    PyObject_HEAD
+    Allocator *owner;
+    uintptr_t ptr;          /* 0 once released */
+    size_t size;
+    size_t requested;
+    intptr_t stream;
+    int device;
+} Allocation;
+
+static PyTypeObject AllocationType;
+
+static int allocation_release(Allocation *self)
+{
+    if (!self->ptr) return 0;
+    uintptr_t ptr = self->ptr;
+    self->ptr = 0;
+    return xp_free(self->owner, self->device, ptr);
+}
+
+static void Allocation_dealloc(Allocation *self)
+{
+    if (self->ptr && allocation_release(self)) PyErr_WriteUnraisable((PyObject *)self);
+    Py_XDECREF(self->owner);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Allocation_release(Allocation *self, PyObject *unused)
+{
+    if (allocation_release(self)) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Allocation_repr(Allocation *self)
+{
+    char buf[200];
+    snprintf(buf, sizeof buf, "<xpool Allocation 0x%zx requested=%zu size=%zu device=%d stream=0x%zx%s>",
+             (size_t)self->ptr, self->requested, self->size, self->device, (size_t)self->stream,
+             self->ptr ? "" : " released");
+    return PyUnicode_FromString(buf);
+}
+
+static PyMemberDef Allocation_members[] = {
+    {"ptr", T_ULONGLONG, offsetof(Allocation, ptr), READONLY, "device address (0 once released)"},
+    {"size", T_PYSSIZET, offsetof(Allocation, size), READONLY, "class size in bytes"},
+    {"requested", T_PYSSIZET, offsetof(Allocation, requested), READONLY, "bytes asked for"},
+    {"stream", T_PYSSIZET, offsetof(Allocation, stream), READONLY, "stream it was handed out on"},
+    {"device", T_INT, offsetof(Allocation, device), READONLY, "device it belongs to"},
+    {NULL}
+};
+
+static PyMethodDef Allocation_methods[] = {
+    {"release", (PyCFunction)Allocation_release, METH_NOARGS,
+     "Give the block back to its pool now (idempotent)."},
+    {NULL}
+};
+
+static PyTypeObject AllocationType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "xpool._core.Allocation",
+    .tp_basicsize = sizeof(Allocation),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A block handed out by an Allocator; given back when released or collected.",
+    .tp_dealloc = (destructor)Allocation_dealloc,
+    .tp_repr = (reprfunc)Allocation_repr,
+    .tp_members = Allocation_members,
+    .tp_methods = Allocation_methods,
+};
+
+/* ------------------------------------------------------------------ Allocator methods */
+
+static int Allocator_init(Allocator *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"backend", "error_factory", "classes_per_doubling", "limit",
+                             "stream_fn", "debug_hook", "debug_tail", NULL};
+    PyObject *backend, *factory, *hook = Py_None;
+    int k = 1;
+    unsigned long long limit = 0, stream_fn = 0;
+    Py_ssize_t tail = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|iKKOn", kwlist, &backend, &factory, &k,
+                                     &limit, &stream_fn, &hook, &tail))
+        return -1;
+    if (k < 1 || k > XP_MAX_CLASSES_PER_DOUBLING) {
+        PyErr_Format(PyExc_ValueError, "classes_per_doubling must be in [1, %d], got %d",
+                     XP_MAX_CLASSES_PER_DOUBLING, k);
+        return -1;
+    }
+    if (tail < 0) {
+        PyErr_SetString(PyExc_ValueError, "debug_tail must be >= 0");
+        return -1;
+    }
+    Py_INCREF(backend); Py_XSETREF(self->backend, backend);
+    Py_INCREF(factory); Py_XSETREF(self->error_factory, factory);
+    Py_INCREF(hook); Py_XSETREF(self->debug_hook, hook);
+    self->k = (unsigned)k;
+    self->default_limit = limit;
+    self->stream_fn = (stream_fn_t)(uintptr_t)stream_fn;
+    self->debug_tail = (size_t)tail;
+    return 0;
+}
+
+static PyObject *Allocator_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    Allocator *self = (Allocator *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    pthread_mutex_init(&self->registry_lock, NULL);
+    pthread_mutex_init(&self->tl.lock, NULL);
+    Py_INCREF(Py_None); self->debug_hook = Py_None;
+    for (int i = 0; i < XP_MAX_DEVICES; i++) atomic_init(&self->pools[i], NULL);
+    return (PyObject *)self;
+}
+
+static void pool_destroy(DevicePool *pool, int free_blocks)
+{
+    if (free_blocks) {
+        for (size_t i = 0; i < pool->live.cap; i++) {
+            Block *b = pool->live.slots[i];
+            if (b && b != TOMBSTONE) free(b);
+        }
+        for (size_t i = 0; i < pool->bins.cap; i++) {
+            Bin *bin = pool->bins.slots[i];
+            if (!bin) continue;
+            for (Block *b = bin->top, *n; b; b = n) { n = b->next; free(b); }
+            free(bin);
+        }
+        free(pool->live.slots);
+        free(pool->bins.slots);
+        pthread_mutex_destroy(&pool->lock);
+        free(pool);
+    }
+}
+
+/* An Allocator is freed only when nothing references it: every Allocation holds
+ * a reference and CuPy's CFunctionAllocator holds one through its owner, so no
+ * block can be in use here.  Cached blocks are given back to the backend. */
+static void Allocator_dealloc(Allocator *self)
+{
+    if (self->weakreflist) PyObject_ClearWeakRefs((PyObject *)self);
+    for (int d = 0; d < XP_MAX_DEVICES; d++) {
+        DevicePool *pool = atomic_load(&self->pools[d]);
+        if (!pool) continue;
+        if (self->backend && release_cached(self, pool, 1, 0, 0) < 0) PyErr_Clear();
+        pool_destroy(pool, 1);
+    }
+    free(self->tl.buf);
+    Py_XDECREF(self->backend);
+    Py_XDECREF(self->error_factory);
+    Py_XDECREF(self->debug_hook);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Allocator_allocate(Allocator *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"nbytes", "device", "stream", NULL};
+    PyObject *nobj;
+    int device = 0;
+    long long stream = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|iL", kwlist, &nobj, &device, &stream))
+        return NULL;
+    if (!PyLong_Check(nobj) || PyBool_Check(nobj)) {
+        PyErr_Format(PyExc_TypeError, "nbytes must be an int, got %.100s", Py_TYPE(nobj)->tp_name);
+        return NULL;
+    }
+    long long n = PyLong_AsLongLong(nobj);
+    if (n == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "nbytes is larger than any device");
+        return NULL;
+    }
+    if (n < 0) {
+        PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, got %lld", n);
+        return NULL;
+    }
+    Block *b = xp_alloc(self, device, (intptr_t)stream, (size_t)n);
+    if (!b) return NULL;
+    Allocation *a = PyObject_New(Allocation, &AllocationType);
+    if (!a) { xp_free(self, device, b->ptr); return NULL; }
+    Py_INCREF(self);
+    a->owner = self; a->ptr = b->ptr; a->size = b->size; a->requested = (size_t)n;
+    a->stream = b->stream; a->device = device;
+    return (PyObject *)a;
+}
+
+static PyObject *Allocator_free_ptr(Allocator *self, PyObject *args)
+{
+    int device;
+    unsigned long long ptr;
+    if (!PyArg_ParseTuple(args, "iK", &device, &ptr)) return NULL;
+    if (xp_free(self, device, (uintptr_t)ptr)) return NULL;
+    Py_RETURN_NONE;
+}
+
+static DevicePool *pool_arg(Allocator *self, int device, int create)
+{
+    if (device < 0 || device >= XP_MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "device must be in [0, %d), got %d", XP_MAX_DEVICES, device);
+        return NULL;
+    }
+    return create ? pool_get(self, device) : atomic_load(&self->pools[device]);
+}
+
+static PyObject *Allocator_stats(Allocator *self, PyObject *args)
+{
+    int device;
+    if (!PyArg_ParseTuple(args, "i", &device)) return NULL;
+    DevicePool *pool = pool_arg(self, device, 1);
+    if (!pool) return NULL;
+    pthread_mutex_lock(&pool->lock);
+    Stats s = pool->st;
+    uint64_t limit = pool->limit;
+    pthread_mutex_unlock(&pool->lock);
+#define K(x) (unsigned long long)(x)
+    return Py_BuildValue(
+        "{s:i,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+        "device", device, "requests", K(s.requests), "hits", K(s.hits), "misses", K(s.misses),
+        "device_mallocs", K(s.device_mallocs), "device_frees", K(s.device_frees),
+        "frees", K(s.frees), "oom_recoveries", K(s.oom_recoveries), "oom_errors", K(s.oom_errors),
+        "blocks_in_use", K(s.blocks_in_use), "blocks_cached", K(s.blocks_cached),
+        "bytes_in_use", K(s.bytes_in_use), "bytes_requested", K(s.bytes_requested),
+        "bytes_cached", K(s.bytes_cached), "bytes_reserved", K(reserved(&s)),
+        "peak_bytes_in_use", K(s.peak_bytes_in_use),
+        "peak_bytes_requested", K(s.peak_bytes_requested),
+        "peak_bytes_reserved", K(s.peak_bytes_reserved), "limit", K(limit));
+#undef K
+}
+
+static PyObject *Allocator_devices(Allocator *self, PyObject *unused)
+{
+    PyObject *out = PyList_New(0);
+    for (int d = 0; out && d < XP_MAX_DEVICES; d++) {
+        if (!atomic_load(&self->pools[d])) continue;
+        PyObject *v = PyLong_FromLong(d);
+        if (!v || PyList_Append(out, v) < 0) { Py_XDECREF(v); Py_CLEAR(out); break; }
+        Py_DECREF(v);
+    }
+    return out;
+}
+
+static PyObject *Allocator_reset_peaks(Allocator *self, PyObject *args)
+{
+    int device;
+    if (!PyArg_ParseTuple(args, "i", &device)) return NULL;
+    DevicePool *pool = pool_arg(self, device, 0);
+    if (PyErr_Occurred()) return NULL;
+    if (pool) {
+        pthread_mutex_lock(&pool->lock);
+        pool->st.peak_bytes_in_use = pool->st.bytes_in_use;
+        pool->st.peak_bytes_requested = pool->st.bytes_requested;
+        pool->st.peak_bytes_reserved = reserved(&pool->st);
+        pthread_mutex_unlock(&pool->lock);
+    }
+    Py_RETURN_NONE;
+}
+
+/* release(device, stream=None, keep=0): give cached blocks back to the device
+ * until at most `keep` bytes stay cached; only the given stream's when one is named. */
+static PyObject *Allocator_release(Allocator *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"device", "stream", "keep", NULL};
+    int device;
+    PyObject *stream = Py_None;
+    unsigned long long keep = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i|OK", kwlist, &device, &stream, &keep))
+        return NULL;
+    DevicePool *pool = pool_arg(self, device, 0);
+    if (PyErr_Occurred()) return NULL;
+    if (!pool) return PyLong_FromLong(0);
+    intptr_t s = 0;
+    if (stream != Py_None) {
+        s = (intptr_t)PyLong_AsLongLong(stream);
+        if (PyErr_Occurred()) return NULL;
+    }
+    long long n = release_cached(self, pool, stream == Py_None, s, keep);
+    return n < 0 ? NULL : PyLong_FromLongLong(n);
+}
+
+static PyObject *Allocator_set_limit(Allocator *self, PyObject *args)
+{
+    int device;
+    unsigned long long limit;
+    if (!PyArg_ParseTuple(args, "iK", &device, &limit)) return NULL;
+    DevicePool *pool = pool_arg(self, device, 1);
+    if (!pool) return NULL;
+    pthread_mutex_lock(&pool->lock);
+    pool->limit = limit;
+    pthread_mutex_unlock(&pool->lock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Allocator_live_blocks(Allocator *self, PyObject *args)
+{
+    int device;
+    if (!PyArg_ParseTuple(args, "i", &device)) return NULL;
+    DevicePool *pool = pool_arg(self, device, 0);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *out = PyList_New(0);
+    if (!out || !pool) return out;
+    /* copy under the lock, build Python objects after it */
+    pthread_mutex_lock(&pool->lock);
+    size_t n = 0, cap = pool->live.used;
+    Block *copy = cap ? malloc(cap * sizeof(Block)) : NULL;
+    for (size_t i = 0; copy && i < pool->live.cap; i++) {
+        Block *b = pool->live.slots[i];
+        if (b && b != TOMBSTONE) copy[n++] = *b;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    if (cap && !copy) { Py_DECREF(out); return PyErr_NoMemory(); }
+    for (size_t i = 0; i < n; i++) {
+        PyObject *info = block_info(&copy[i], copy[i].requested);
+        if (!info || PyList_Append(out, info) < 0) { Py_XDECREF(info); Py_CLEAR(out); break; }
+        Py_DECREF(info);
+    }
+    free(copy);
+    return out;
+}
+
+static PyObject *Allocator_cached_blocks(Allocator *self, PyObject *args)
+{
+    int device;
+    if (!PyArg_ParseTuple(args, "i", &device)) return NULL;
+    DevicePool *pool = pool_arg(self, device, 0);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *out = PyList_New(0);
+    if (!out || !pool) return out;
+    pthread_mutex_lock(&pool->lock);
+    size_t n = 0, cap = pool->st.blocks_cached;
+    Block *copy = cap ? malloc(cap * sizeof(Block)) : NULL;
+    for (size_t i = 0; copy && i < pool->bins.cap; i++) {
+        Bin *bin = pool->bins.slots[i];
+        for (Block *b = bin ? bin->top : NULL; b && n < cap; b = b->next) copy[n++] = *b;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    if (cap && !copy) { Py_DECREF(out); return PyErr_NoMemory(); }
+    for (size_t i = 0; i < n; i++) {
+        PyObject *info = block_info(&copy[i], 0);
+        if (!info || PyList_Append(out, info) < 0) { Py_XDECREF(info); Py_CLEAR(out); break; }
+        Py_DECREF(info);
+    }
+    free(copy);
+    return out;
+}
+
+static PyObject *Allocator_timeline_enable(Allocator *self, PyObject *args)
+{
+    Py_ssize_t cap;
+    if (!PyArg_ParseTuple(args, "n", &cap)) return NULL;
+    if (cap < 0) { PyErr_SetString(PyExc_ValueError, "capacity must be >= 0"); return NULL; }
+    Event *buf = cap ? calloc((size_t)cap, sizeof(Event)) : NULL;
+    if (cap && !buf) return PyErr_NoMemory();
+    pthread_mutex_lock(&self->tl.lock);
+    Event *old = self->tl.buf;
+    self->tl.buf = buf; self->tl.cap = (size_t)cap; self->tl.count = 0;
+    pthread_mutex_unlock(&self->tl.lock);
+    free(old);
+    Py_RETURN_NONE;
+}
+
+/* timeline_events() -> (bytes of the events in time order, events dropped) */
+static PyObject *Allocator_timeline_events(Allocator *self, PyObject *unused)
+{
+    pthread_mutex_lock(&self->tl.lock);
+    size_t cap = self->tl.cap;
+    uint64_t count = self->tl.count;
+    size_t n = count < cap ? (size_t)count : cap;
+    PyObject *bytes = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * sizeof(Event)));
+    if (bytes) {
+        Event *dst = (Event *)PyBytes_AS_STRING(bytes);
+        size_t first = count <= cap ? 0 : (size_t)(count % cap);
+        for (size_t i = 0; i < n; i++) dst[i] = self->tl.buf[(first + i) % cap];
+    }
+    pthread_mutex_unlock(&self->tl.lock);
+    if (!bytes) return NULL;
+    return Py_BuildValue("(NK)", bytes, (unsigned long long)(count - n));
+}
+
+static PyObject *Allocator_set_debug(Allocator *self, PyObject *args)
+{
+    PyObject *hook;
+    Py_ssize_t tail;
+    if (!PyArg_ParseTuple(args, "On", &hook, &tail)) return NULL;
+    if (tail < 0) { PyErr_SetString(PyExc_ValueError, "debug_tail must be >= 0"); return NULL; }
+    Py_INCREF(hook);
+    Py_SETREF(self->debug_hook, hook);
+    self->debug_tail = (size_t)tail;
+    Py_RETURN_NONE;
+}
+
+/* (param, malloc, free) addresses for cupy.cuda.memory.CFunctionAllocator */
+static PyObject *Allocator_cfunctions(Allocator *self, PyObject *unused)
+{
+    return Py_BuildValue("(KKK)", (unsigned long long)(uintptr_t)self,
+                         (unsigned long long)(uintptr_t)&cupy_malloc,
+                         (unsigned long long)(uintptr_t)&cupy_free);
+}
+
+/* In a child made by fork() the parent's device memory is not ours to use or
+ * free: forget every pool without touching the backend, and make the locks new
+ * (one may have been held by a parent thread that does not exist here). */
+static PyObject *Allocator_forget_after_fork(Allocator *self, PyObject *unused)
+{
+    pthread_mutex_init(&self->registry_lock, NULL);
+    pthread_mutex_init(&self->tl.lock, NULL);
+    for (int d = 0; d < XP_MAX_DEVICES; d++) atomic_store(&self->pools[d], NULL);  /* leaked on purpose */
+    self->tl.count = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Allocator_get_k(Allocator *self, void *closure) { return PyLong_FromUnsignedLong(self->k); }
+static PyObject *Allocator_get_tail(Allocator *self, void *closure) { return PyLong_FromSize_t(self->debug_tail); }
+static PyObject *Allocator_get_backend(Allocator *self, void *closure) { return Py_NewRef(self->backend); }
+static PyObject *Allocator_get_hook(Allocator *self, void *closure) { return Py_NewRef(self->debug_hook); }
+
+static PyGetSetDef Allocator_getset[] = {
+    {"classes_per_doubling", (getter)Allocator_get_k, NULL, "size classes per doubling above 1 MiB"},
+    {"debug_tail", (getter)Allocator_get_tail, NULL, "canary bytes added to each request in debug mode"},
+    {"backend", (getter)Allocator_get_backend, NULL, "the raw allocate/free backend"},
+    {"debug_hook", (getter)Allocator_get_hook, NULL, "the debug hook, or None"},
+    {NULL}
+};
+
+static PyMethodDef Allocator_methods[] = {
+    {"allocate", (PyCFunction)(void (*)(void))Allocator_allocate, METH_VARARGS | METH_KEYWORDS,
+     "allocate(nbytes, device=0, stream=0) -> Allocation"},
+    {"free_ptr", (PyCFunction)Allocator_free_ptr, METH_VARARGS, "free_ptr(device, ptr): give a block back by address"},
+    {"stats", (PyCFunction)Allocator_stats, METH_VARARGS, "stats(device) -> dict of exact counters"},
+    {"devices", (PyCFunction)Allocator_devices, METH_NOARGS, "devices that have a pool"},
+    {"reset_peaks", (PyCFunction)Allocator_reset_peaks, METH_VARARGS, "reset_peaks(device)"},
+    {"release", (PyCFunction)(void (*)(void))Allocator_release, METH_VARARGS | METH_KEYWORDS,
+     "release(device, stream=None, keep=0) -> bytes given back to the device"},
+    {"set_limit", (PyCFunction)Allocator_set_limit, METH_VARARGS, "set_limit(device, nbytes); 0: none"},
+    {"live_blocks", (PyCFunction)Allocator_live_blocks, METH_VARARGS, "live_blocks(device) -> [info]"},
+    {"cached_blocks", (PyCFunction)Allocator_cached_blocks, METH_VARARGS, "cached_blocks(device) -> [info]"},
+    {"timeline_enable", (PyCFunction)Allocator_timeline_enable, METH_VARARGS,
+     "timeline_enable(capacity): record events into a ring of that size (0: off)"},
+    {"timeline_events", (PyCFunction)Allocator_timeline_events, METH_NOARGS,
+     "timeline_events() -> (raw event bytes, events dropped)"},
+    {"set_debug", (PyCFunction)Allocator_set_debug, METH_VARARGS, "set_debug(hook_or_None, tail_bytes)"},
+    {"cfunctions", (PyCFunction)Allocator_cfunctions, METH_NOARGS,
+     "(param, malloc, free) for cupy.cuda.memory.CFunctionAllocator"},
+    {"forget_after_fork", (PyCFunction)Allocator_forget_after_fork, METH_NOARGS,
+     "drop every pool without freeing (for a forked child)"},
+    {NULL}
+};
+
+static PyTypeObject AllocatorType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "xpool._core.Allocator",
+    .tp_basicsize = sizeof(Allocator),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "Per-device, size-classed caching allocator over a raw backend.",
+    .tp_new = Allocator_new,
+    .tp_init = (initproc)Allocator_init,
+    .tp_dealloc = (destructor)Allocator_dealloc,
+    .tp_methods = Allocator_methods,
+    .tp_getset = Allocator_getset,
+    .tp_weaklistoffset = offsetof(Allocator, weakreflist),
+};
+
+/* ------------------------------------------------------------------ module */
+
+static PyObject *py_size_class(PyObject *mod, PyObject *args)
+{
+    unsigned long long n;
+    int k = 1;
+    if (!PyArg_ParseTuple(args, "K|i", &n, &k)) return NULL;
+    if (k < 1 || k > XP_MAX_CLASSES_PER_DOUBLING) {
+        PyErr_Format(PyExc_ValueError, "classes_per_doubling must be in [1, %d], got %d",
+                     XP_MAX_CLASSES_PER_DOUBLING, k);
+        return NULL;
+    }
+    size_t c = size_class((size_t)n, (unsigned)k);
+    if (!c) {
+        PyErr_Format(PyExc_ValueError, "nbytes=%llu is larger than any device", n);
+        return NULL;
+    }
+    return PyLong_FromSize_t(c);
+}
+
+static PyMethodDef module_methods[] = {
+    {"size_class", py_size_class, METH_VARARGS, "size_class(nbytes, k=1): the C twin of xpool.size_class"},
+    {NULL}
+};
+
+static struct PyModuleDef core_module = {
+    PyModuleDef_HEAD_INIT, "xpool._core", "The C hot path of xpool's caching allocator.", -1,
+    module_methods
+};
+
+PyMODINIT_FUNC PyInit__core(void)
+{
+    if (PyType_Ready(&AllocatorType) < 0 || PyType_Ready(&AllocationType) < 0) return NULL;
+    PyObject *gc = PyImport_ImportModule("gc");
+    if (!gc) return NULL;
+    gc_collect = PyObject_GetAttrString(gc, "collect");
+    Py_DECREF(gc);
+    if (!gc_collect) return NULL;
+    PyObject *m = PyModule_Create(&core_module);
+    if (!m) return NULL;
+    if (PyModule_AddObjectRef(m, "Allocator", (PyObject *)&AllocatorType) < 0 ||
+        PyModule_AddObjectRef(m, "Allocation", (PyObject *)&AllocationType) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_DEVICES", XP_MAX_DEVICES) < 0 ||
+        PyModule_AddIntConstant(m, "EVENT_SIZE", sizeof(Event)) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_CLASSES_PER_DOUBLING", XP_MAX_CLASSES_PER_DOUBLING) < 0 ||
+        PyModule_AddObject(m, "MAX_REQUEST", PyLong_FromSize_t(XP_MAX_REQUEST)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

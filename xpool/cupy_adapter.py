@@ -1,0 +1,118 @@
+"""CuPy adapter: xpool.MemoryPool with CuPy's pool method names, install/uninstall/use.
+
+The allocation path never runs Python: `MemoryPool.malloc` is CuPy's own
+CFunctionAllocator calling xpool's C functions, so CuPy builds its memory
+object in Cython and xpool's core does the free-list work in C.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+
+from .backends import CupyBackend
+from .pool import Pool
+
+_state_lock = threading.Lock()    # guards _installed and _previous
+_installed = None                 # the MemoryPool install() put in place
+_previous = None                  # CuPy's allocator before install()
+
+
+def _current_stream_fn() -> int:
+    """Address of CuPy's C function `intptr_t get_current_stream_ptr(void)`."""
+    from cupy.cuda import stream as stream_module
+    capsule = stream_module.__pyx_capi__["get_current_stream_ptr"]
+    get_name = ctypes.pythonapi.PyCapsule_GetName
+    get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    get_ptr = ctypes.pythonapi.PyCapsule_GetPointer
+    get_ptr.restype, get_ptr.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    return get_ptr(capsule, get_name(capsule))
+
+
+class MemoryPool(Pool):
+    """Drop-in for cupy.cuda.MemoryPool: `cupy.cuda.set_allocator(xpool.MemoryPool().malloc)`.
+
+    CuPy's methods (malloc, free_all_blocks, used_bytes, free_bytes,
+    total_bytes, n_free_blocks, set_limit, get_limit) act on the current
+    device, as CuPy's do; xpool's own (stats, snapshot, timeline, trim...) are
+    inherited from Pool.
+    """
+
+    def __init__(self, classes_per_doubling: int | None = None, *, limit=None, debug=None,
+                 timeline: int | None = None, backend=None):
+        from cupy.cuda.memory import CFunctionAllocator
+        backend = backend or CupyBackend()
+        # blocks are keyed by CuPy's current stream; other backends (host memory) use stream 0
+        stream_fn = _current_stream_fn() if isinstance(backend, CupyBackend) else 0
+        super().__init__(backend, classes_per_doubling, limit=limit, debug=debug,
+                         timeline=timeline, _stream_fn=stream_fn)
+        param, malloc_fn, free_fn = self._core.cfunctions()
+        self._cfa = CFunctionAllocator(param, malloc_fn, free_fn, self._core)
+        self.malloc = self._cfa.malloc     # malloc(size) -> cupy.cuda.MemoryPointer
+
+    def free_all_blocks(self, stream=None) -> None:
+        """Release cached blocks of the current device (of one stream's, if given)."""
+        d = self.backend.current_device()
+        self._core.release(d, None if stream is None else stream.ptr)
+
+    def used_bytes(self) -> int:
+        return self._core.stats(self.backend.current_device())["bytes_in_use"]
+
+    def free_bytes(self) -> int:
+        return self._core.stats(self.backend.current_device())["bytes_cached"]
+
+    def total_bytes(self) -> int:
+        return self._core.stats(self.backend.current_device())["bytes_reserved"]
+
+    def n_free_blocks(self) -> int:
+        return self._core.stats(self.backend.current_device())["blocks_cached"]
+
+
+def install(pool: MemoryPool | None = None, **kwargs) -> MemoryPool:
+    """Make xpool CuPy's allocator (process-wide); returns the pool. Installing twice is an error."""
+    global _installed, _previous
+    import cupy
+    with _state_lock:
+        if _installed is not None:
+            raise RuntimeError("xpool is already installed; call xpool.uninstall() first "
+                               "(or use `with xpool.use(): ...` for a scoped pool)")
+        if pool is None:
+            pool = MemoryPool(**kwargs)
+        elif kwargs:
+            raise ValueError("give a pool or pool settings, not both")
+        elif not isinstance(pool, MemoryPool):
+            raise TypeError(f"pool must be an xpool.MemoryPool, got {type(pool).__name__}")
+        _previous = cupy.cuda.get_allocator()
+        cupy.cuda.set_allocator(pool.malloc)
+        _installed = pool
+        return pool
+
+
+def uninstall() -> None:
+    """Put back the allocator CuPy had before install(); cached blocks stay until the pool dies."""
+    global _installed, _previous
+    import cupy
+    with _state_lock:
+        if _installed is None:
+            return
+        cupy.cuda.set_allocator(_previous)
+        _installed, _previous = None, None
+
+
+def installed() -> MemoryPool | None:
+    """The installed pool, or None."""
+    return _installed
+
+
+@contextlib.contextmanager
+def use(pool: MemoryPool | None = None, **kwargs):
+    """`with xpool.use() as pool:` — xpool for this thread inside the block, then the previous allocator."""
+    import cupy
+    from cupy.cuda import memory
+    pool = pool if pool is not None else MemoryPool(**kwargs)
+    prev = memory._get_thread_local_allocator()
+    memory._set_thread_local_allocator(pool.malloc)
+    try:
+        yield pool
+    finally:
+        memory._set_thread_local_allocator(prev)

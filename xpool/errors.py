@@ -1,0 +1,58 @@
+"""xpool's exceptions and warnings."""
+from __future__ import annotations
+
+import importlib.util
+
+
+def _cupy_oom_base():
+    """CuPy's OutOfMemoryError when CuPy is installed, so `except` clauses written for CuPy catch ours."""
+    if importlib.util.find_spec("cupy") is None:
+        return MemoryError
+    try:
+        from cupy.cuda.memory import OutOfMemoryError as CupyOOM
+    except Exception:  # a broken CuPy install must not break the allocator core
+        return MemoryError
+    return CupyOOM
+
+
+
+def human(nbytes: int) -> str:
+    """1536 -> '1.50 KiB'."""
+    x = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(x) < 1024:
+            return f"{int(x)} B" if unit == "B" else f"{x:.2f} {unit}"
+        x /= 1024
+    return f"{x:.2f} TiB"
+
+
+class OutOfMemoryError(_cupy_oom_base()):
+    """The device (or the limit) refused an allocation even after the cache was freed."""
+
+    def __init__(self, device, requested, size, bytes_in_use, bytes_cached, limit, reason="device"):
+        self.device, self.requested, self.size = device, requested, size
+        self.bytes_in_use, self.bytes_cached, self.limit, self.reason = (
+            bytes_in_use, bytes_cached, limit, reason)
+        # CuPy's own OutOfMemoryError keeps these three for pickling
+        self._size, self._total, self._limit = requested, bytes_in_use, limit
+        what = "the xpool limit" if reason == "limit" else f"device {device}"
+        msg = (f"xpool: out of memory on device {device}: {what} refused {human(size)} "
+               f"(request {requested:,} B, class {size:,} B); in use {human(bytes_in_use)}, "
+               f"cached {human(bytes_cached)} (freed and retried), "
+               f"limit {human(limit) if limit else 'none'}")
+        MemoryError.__init__(self, msg)
+
+    def __reduce__(self):
+        return (type(self), (self.device, self.requested, self.size, self.bytes_in_use,
+                             self.bytes_cached, self.limit, self.reason))
+
+    def __str__(self):
+        return self.args[0]
+
+
+class CorruptionError(RuntimeError):
+    """Debug mode found a block written after it was freed, or past its requested length."""
+
+
+class CorruptionWarning(RuntimeWarning):
+    """The warning form of CorruptionError (debug='warn')."""

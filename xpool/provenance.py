@@ -1,0 +1,66 @@
+"""Provenance: what every measurement row carries (GPU, driver, CUDA, CuPy, commit, date)."""
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import os
+import platform
+import subprocess
+
+
+@functools.lru_cache(maxsize=1)
+def git_commit() -> str:
+    """Short commit of the working tree ('+dirty' when it has changes), or $XPOOL_COMMIT, or 'unknown'."""
+    if os.environ.get("XPOOL_COMMIT"):
+        return os.environ["XPOOL_COMMIT"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_info() -> dict:
+    """GPU name and count, driver, CUDA runtime and CuPy versions; 'none' where there is no GPU."""
+    info = {"gpu": "none", "n_gpus": 0, "driver": "none", "cuda": "none", "cupy": "none"}
+    try:
+        import cupy
+        info["cupy"] = cupy.__version__
+        rt = cupy.cuda.runtime
+        v = rt.runtimeGetVersion()
+        info["cuda"] = f"{v // 1000}.{v % 1000 // 10}"
+        n = rt.getDeviceCount()
+        info["n_gpus"] = n
+        if n:
+            props = rt.getDeviceProperties(0)
+            name = props["name"]
+            info["gpu"] = name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:
+        pass
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        d = pynvml.nvmlSystemGetDriverVersion()
+        info["driver"] = d.decode() if isinstance(d, bytes) else str(d)
+    except Exception:
+        pass
+    return info
+
+
+def provenance(**params) -> dict:
+    """The provenance columns for one measurement row, plus the run's parameters."""
+    row = dict(gpu_info())
+    row.update(commit=git_commit(), date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+               python=platform.python_version(), host=platform.node())
+    row.update(params)
+    return row
+
+
+def has_gpu() -> bool:
+    """True when CuPy can see at least one CUDA device."""
+    return gpu_info()["n_gpus"] > 0

@@ -1,0 +1,43 @@
+"""Exact statistics: counters per device, cheap snapshots and their differences."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Counters only grow; a difference of two snapshots is what happened in between.
+COUNTERS = ("requests", "hits", "misses", "device_mallocs", "device_frees", "frees",
+            "oom_recoveries", "oom_errors")
+# Gauges are levels; a difference keeps the later value.
+GAUGES = ("blocks_in_use", "blocks_cached", "bytes_in_use", "bytes_requested", "bytes_cached",
+          "bytes_reserved", "peak_bytes_in_use", "peak_bytes_requested", "peak_bytes_reserved",
+          "limit")
+COLUMNS = ("device",) + COUNTERS + GAUGES
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Counters of every device at one moment. `later - earlier` gives the activity between."""
+
+    per_device: dict = field(default_factory=dict)   # device -> {name: int}
+
+    def __sub__(self, earlier: "Snapshot") -> "Snapshot":
+        out = {}
+        for dev, now in self.per_device.items():
+            before = earlier.per_device.get(dev, {})
+            out[dev] = {k: (now[k] - before.get(k, 0) if k in COUNTERS else now[k])
+                        for k in now if k != "device"}
+        return Snapshot(out)
+
+    def total(self, name: str) -> int:
+        """Sum of one counter or gauge over the devices."""
+        return sum(d[name] for d in self.per_device.values())
+
+    def __getattr__(self, name):
+        if name in COUNTERS or name in GAUGES:
+            return self.total(name)
+        raise AttributeError(name)
+
+
+def frame(rows: list[dict]):
+    """One row per device, in a fixed column order."""
+    import pandas as pd
+    return pd.DataFrame(rows, columns=list(COLUMNS))
