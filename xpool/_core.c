@@ -65,6 +65,12 @@ static void PyErr_SetRaisedException(PyObject *exc)
 
 static size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
 
+/* The j-th of the k classes between p and 2p. */
+static inline size_t klass(size_t p, size_t j, unsigned k)
+{
+    return round_up(p + (j * p + k - 1) / k, XP_ALIGN);
+}
+
 /* Class of an n-byte request; k classes per doubling above 1 MiB.  0 for n too large. */
 static size_t size_class(size_t n, unsigned k)
 {
@@ -74,9 +80,11 @@ static size_t size_class(size_t n, unsigned k)
         return 0;
     /* p: the largest power of two below n, so p < n <= 2p */
     size_t p = (size_t)1 << (63 - __builtin_clzll((unsigned long long)(n - 1)));
-    size_t j = ((n - p) * k + p - 1) / p;          /* ceil((n - p) / (p / k)), exact */
-    size_t cls = p + (j * p + k - 1) / k;          /* p + ceil(j p / k) */
-    return round_up(cls, XP_ALIGN);
+    size_t j = ((n - p) * k + p - 1) / p;          /* least j with p + j p / k >= n */
+    /* class j is p + ceil(j p / k) rounded up to 512 B; the rounding can make
+     * class j-1 large enough already (p / k >= 16 KiB, so one step at most) */
+    if (j > 1 && klass(p, j - 1, k) >= n) j--;
+    return klass(p, j, k);
 }
 
 /* ------------------------------------------------------------------ blocks and tables */
@@ -334,7 +342,7 @@ static DevicePool *pool_get(Allocator *A, int device)
 static PyObject *block_info(const Block *b, size_t requested)
 {
     return Py_BuildValue("{s:i,s:K,s:n,s:n,s:L,s:K}", "device", b->device,
-                         (unsigned long long)b->ptr, "size", (Py_ssize_t)b->size,
+                         "ptr", (unsigned long long)b->ptr, "size", (Py_ssize_t)b->size,
                          "requested", (Py_ssize_t)requested, "stream", (long long)b->stream,
                          "serial", (unsigned long long)b->serial);
 }
@@ -694,7 +702,8 @@ static int allocation_release(Allocation *self)
 
 static void Allocation_dealloc(Allocation *self)
 {
-    if (self->ptr && allocation_release(self)) PyErr_WriteUnraisable((PyObject *)self);
+    /* not WriteUnraisable(self): self is already dead, a repr of it would resurrect it */
+    if (self->ptr && allocation_release(self)) PyErr_WriteUnraisable(NULL);
     Py_XDECREF(self->owner);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }

@@ -30,7 +30,7 @@ class DebugHook:
             raise ValueError(f"debug mode must be one of {MODES} (or False/None to turn it off), got {mode!r}")
         self.backend, self.mode, self.tail = backend, mode, tail
         self.check_reuse, self.trace_depth = check_reuse, trace_depth
-        self.where: dict[tuple[int, int], traceback.StackSummary] = {}  # (device, ptr) -> allocation site
+        self.where: dict[tuple[int, int], list] = {}   # (device, ptr) -> allocation site (frames)
         self.pending: list[CorruptionError] = []   # found in a destructor, raised at the next allocation
         self.found: list[str] = []                  # every report, for tests and notebooks
 
@@ -59,7 +59,7 @@ class DebugHook:
         bad = _first_mismatch(tail, CANARY)
         if bad is not None:
             site = self.where.get(key)
-            where = "".join(site.format()) if site else "  (allocation site not recorded)\n"
+            where = "".join(traceback.format_list(site)) if site else "  (not recorded)\n"
             msg = (f"xpool debug: write past the end of block 0x{b['ptr']:x} on device {b['device']}: "
                    f"requested {n} B (class {size} B), byte {n + bad} (+{bad} past the end) is "
                    f"0x{tail[bad]:02x}, not canary 0x{CANARY:02x}. Allocated at:\n{where}")

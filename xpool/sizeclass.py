@@ -47,6 +47,14 @@ def size_class(nbytes: int, classes_per_doubling: int = 1) -> int:
     if n <= SMALL_MAX:
         return max(ALIGN, -(-n // ALIGN) * ALIGN)
     p = 1 << ((n - 1).bit_length() - 1)      # p < n <= 2p
-    j = -(-(n - p) * k // p)
+    j = -(-(n - p) * k // p)                 # least j with p + j*p/k >= n
+    # rounding class j-1 up to 512 B may already cover n (p/k >= 16 KiB: one step at most)
+    if j > 1 and _klass(p, j - 1, k) >= n:
+        j -= 1
+    return _klass(p, j, k)
+
+
+def _klass(p: int, j: int, k: int) -> int:
+    """The j-th of the k classes between p and 2p."""
     cls = p + -(-j * p // k)
     return -(-cls // ALIGN) * ALIGN

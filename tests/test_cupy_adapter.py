@@ -1,0 +1,87 @@
+"""The CuPy adapter's C path, driven through CuPy's own CFunctionAllocatorMemory over host memory (no GPU)."""
+import gc
+import sys
+
+import pytest
+
+cupy_memory = pytest.importorskip("cupy.cuda.memory")
+
+import xpool  # noqa: E402
+from xpool import HostBackend  # noqa: E402
+
+
+def cupy_alloc(pool, nbytes, device=0):
+    """What CFunctionAllocator.malloc does, minus the CUDA call for the current device."""
+    param, malloc_fn, free_fn = pool._core.cfunctions()
+    mem = cupy_memory.CFunctionAllocatorMemory(nbytes, param, malloc_fn, free_fn, device)
+    return cupy_memory.MemoryPointer(mem, 0)
+
+
+def test_cupy_memory_objects_go_through_the_pool():
+    pool = xpool.MemoryPool(backend=HostBackend())
+    mp = cupy_alloc(pool, 1000)
+    assert mp.mem.size == 1000 and mp.device_id == 0
+    assert (pool.used_bytes(), pool.free_bytes(), pool.total_bytes()) == (1024, 0, 1024)
+    ptr = mp.ptr
+    del mp
+    assert (pool.used_bytes(), pool.free_bytes(), pool.n_free_blocks()) == (0, 1024, 1)
+    assert cupy_alloc(pool, 600).ptr == ptr
+    pool.free_all_blocks()
+
+
+def test_blocks_return_to_their_device_pool():
+    pool = xpool.MemoryPool(backend=HostBackend())
+    mp = cupy_alloc(pool, 5000, device=3)
+    del mp
+    assert pool.stats(3).iloc[0].blocks_cached == 1
+
+
+def test_oom_propagates_through_cupy_as_xpool_error():
+    pool = xpool.MemoryPool(backend=HostBackend(capacity=1 << 20))
+    keep = cupy_alloc(pool, 600 << 10)
+    with pytest.raises(xpool.OutOfMemoryError) as info:
+        cupy_alloc(pool, 600 << 10)
+    assert isinstance(info.value, cupy_memory.OutOfMemoryError)
+    assert keep.mem.size == 600 << 10 and pool.used_bytes() == 600 << 10
+
+
+def test_the_allocator_outlives_the_pool_while_cupy_holds_blocks():
+    pool = xpool.MemoryPool(backend=HostBackend())
+    core = pool._core
+    base = sys.getrefcount(core)
+    mp = cupy_alloc(pool, 100)
+    assert sys.getrefcount(core) == base + 1      # each block CuPy holds keeps the core alive
+    del pool, core
+    gc.collect()
+    del mp                                        # frees into a core nobody else references: no crash
+
+
+def test_memory_pool_settings_are_checked():
+    with pytest.raises(ValueError, match="classes_per_doubling"):
+        xpool.MemoryPool(classes_per_doubling=0, backend=HostBackend())
+    pool = xpool.MemoryPool(limit=1 << 20, backend=HostBackend())
+    assert pool.get_limit() == 1 << 20
+
+
+def test_install_twice_is_an_error_and_uninstall_restores():
+    import cupy
+    before = cupy.cuda.get_allocator()
+    pool = xpool.install(xpool.MemoryPool(backend=HostBackend()))
+    try:
+        assert cupy.cuda.get_allocator() == pool.malloc and xpool.installed() is pool
+        with pytest.raises(RuntimeError, match="already installed"):
+            xpool.install()
+    finally:
+        xpool.uninstall()
+    assert cupy.cuda.get_allocator() == before and xpool.installed() is None
+    with pytest.raises(TypeError, match="MemoryPool"):
+        xpool.install(object())
+    assert xpool.installed() is None
+
+
+def test_use_is_scoped_to_the_block():
+    import cupy
+    before = cupy.cuda.get_allocator()
+    with xpool.use(xpool.MemoryPool(backend=HostBackend())) as pool:
+        assert cupy.cuda.get_allocator() == pool.malloc
+    assert cupy.cuda.get_allocator() == before

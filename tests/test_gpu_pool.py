@@ -1,0 +1,148 @@
+"""xpool under CuPy on a real GPU (marked: skipped where no GPU is visible)."""
+import threading
+
+import numpy as np
+import pytest
+
+import xpool
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+
+@pytest.fixture
+def pool():
+    prev = cp.cuda.get_allocator()
+    p = xpool.MemoryPool()
+    cp.cuda.set_allocator(p.malloc)
+    yield p
+    cp.cuda.set_allocator(prev)
+    p.empty_cache()
+
+
+def workload(seed=0):
+    """A handful of CuPy computations whose bits we compare across allocators."""
+    rng = np.random.default_rng(seed)
+    a = cp.asarray(rng.standard_normal((257, 129), dtype=np.float32))
+    b = cp.asarray(rng.standard_normal((129, 65), dtype=np.float32))
+    out = [a @ b, cp.exp(a).sum(axis=0), cp.sort(a.ravel()), cp.cumsum(a, axis=1),
+           cp.fft.fft(a[:, :64]).real.astype(cp.float32), (a[:, :65] * b[:65].T.sum()).max(axis=1)]
+    return [x.get().tobytes() for x in out]
+
+
+def test_results_are_bit_identical_raw_xpool_cupy_pool():
+    prev = cp.cuda.get_allocator()
+    results = {}
+    try:
+        for name, alloc in [("raw", None), ("cupy_pool", cp.cuda.MemoryPool().malloc),
+                            ("xpool", xpool.MemoryPool().malloc),
+                            ("xpool_k4", xpool.MemoryPool(classes_per_doubling=4).malloc)]:
+            cp.cuda.set_allocator(alloc)
+            results[name] = workload()
+    finally:
+        cp.cuda.set_allocator(prev)
+    assert results["xpool"] == results["raw"] == results["cupy_pool"] == results["xpool_k4"]
+
+
+def test_warm_loop_makes_no_device_mallocs(pool):
+    x = cp.arange(1 << 20, dtype=cp.float32)
+
+    def step():
+        y = cp.sin(x) * 2 + 1
+        z = y.reshape(1024, -1) @ y.reshape(-1, 1024)
+        return float(z.sum()) + float(cp.sort(y)[-1])
+
+    step()
+    before = pool.snapshot()
+    for _ in range(20):
+        step()
+    delta = pool.snapshot() - before
+    assert delta.requests > 20 and delta.device_mallocs == 0 and delta.hits == delta.requests
+
+
+def test_array_sees_requested_length_and_block_is_reused(pool):
+    a = cp.empty(1000, dtype=cp.uint8)
+    assert a.nbytes == 1000 and a.data.mem.size == 1000
+    ptr = a.data.ptr
+    del a
+    b = cp.empty(900, dtype=cp.uint8)
+    assert b.data.ptr == ptr
+
+
+def test_streams_do_not_share_blocks(pool):
+    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    with s1:
+        a = cp.empty(4096, dtype=cp.uint8)
+        p1 = a.data.ptr
+        del a
+    with s2:
+        b = cp.empty(4096, dtype=cp.uint8)
+        assert b.data.ptr != p1
+    with s1:
+        c = cp.empty(4096, dtype=cp.uint8)
+        assert c.data.ptr == p1
+
+
+def test_limit_and_out_of_memory(pool):
+    pool.set_limit(size=64 << 20)
+    keep = cp.ones(48 << 20, dtype=cp.uint8)
+    with pytest.raises(xpool.OutOfMemoryError, match="limit") as info:
+        cp.empty(32 << 20, dtype=cp.uint8)
+    assert isinstance(info.value, cp.cuda.memory.OutOfMemoryError)
+    assert int(keep.sum()) == 48 << 20                 # live arrays untouched
+    pool.set_limit(size=0)
+
+
+def test_device_oom_recovers_by_freeing_the_cache(pool):
+    free, total = cp.cuda.runtime.memGetInfo()
+    chunk = int(free * 0.45)
+    a = cp.empty(chunk, dtype=cp.uint8)
+    del a                                              # cached, not free on the device
+    b = cp.empty(int(free * 0.7), dtype=cp.uint8)      # only fits once the cache is released
+    assert pool.stats(0).iloc[0].oom_recoveries == 1
+    del b
+    with pytest.raises(xpool.OutOfMemoryError, match="device 0"):
+        cp.empty(total * 2, dtype=cp.uint8)
+
+
+def test_debug_mode_poisons_and_catches_overrun():
+    prev = cp.cuda.get_allocator()
+    p = xpool.MemoryPool(debug="raise")
+    cp.cuda.set_allocator(p.malloc)
+    try:
+        a = cp.arange(256, dtype=cp.float32)
+        stale = cp.ndarray(a.shape, a.dtype, memptr=cp.cuda.MemoryPointer(
+            cp.cuda.UnownedMemory(a.data.ptr, a.nbytes, None, 0), 0))
+        del a
+        assert bool(cp.isnan(stale).all())            # use-after-free reads NaN
+        b = cp.zeros(100, dtype=cp.uint8)
+        wide = cp.ndarray((101,), cp.uint8, memptr=cp.cuda.MemoryPointer(
+            cp.cuda.UnownedMemory(b.data.ptr, 101, None, 0), 0))
+        wide[100] = 7                                  # one byte past the end
+        cp.cuda.runtime.deviceSynchronize()
+        del b, wide
+        with pytest.raises(xpool.CorruptionError, match="requested 100 B"):
+            cp.empty(8, dtype=cp.uint8)
+    finally:
+        cp.cuda.set_allocator(prev)
+
+
+@pytest.mark.multigpu
+def test_block_released_on_another_thread_returns_to_its_device(pool):
+    with cp.cuda.Device(1):
+        a = cp.empty(1 << 20, dtype=cp.uint8)
+        ptr = a.data.ptr
+    box = [a]
+    del a
+
+    def other():
+        with cp.cuda.Device(0):
+            box.clear()
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    st = pool.stats().set_index("device")
+    assert st.loc[1, "blocks_cached"] == 1 and st.loc[1, "blocks_in_use"] == 0
+    with cp.cuda.Device(1):
+        assert cp.empty(1 << 20, dtype=cp.uint8).data.ptr == ptr

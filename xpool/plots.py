@@ -1,0 +1,570 @@
+"""Figures from the measurement CSVs alone: each function takes a DataFrame as read from data/*.csv and
+returns a matplotlib Figure; `save` writes figures/NAME.png and .svg.
+
+Figures are drawn on the Agg canvas without pyplot: no global state, no display needed, the same
+pixels in a notebook, a script or CI.  Every figure has a title, axis labels with units, and a caption
+naming the machine, software and date the numbers come from (the CSV's provenance columns).
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+
+import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, NullFormatter
+
+PROVENANCE = ("gpu", "driver", "cuda", "cupy", "commit", "date")
+
+# Before (no pool) in grey, the peers in blues, xpool in warm colours and thicker lines.
+ALLOCATORS = {
+    "raw": dict(label="raw cudaMalloc/cudaFree (no pool)", color="#7f7f7f", marker="x", ls="-", lw=1.6),
+    "cupy_pool": dict(label="CuPy MemoryPool (default)", color="#1f77b4", marker="o", ls="-", lw=1.6),
+    "cupy_async": dict(label="CuPy MemoryAsyncPool", color="#6baed6", marker="s", ls="-", lw=1.4),
+    "xpool_k1": dict(label="xpool, 1 class per doubling", color="#d62728", marker="D", ls="-", lw=2.6),
+    "xpool_k4": dict(label="xpool, 4 classes per doubling", color="#ff7f0e", marker="^", ls="--", lw=2.6),
+    "noop": dict(label="floor: allocator doing no work", color="#000000", marker="", ls=":", lw=1.2),
+}
+_OTHER_COLORS = ["#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22"]
+MODES = {"single": "one GPU", "threads": "one thread per GPU (one process)",
+         "processes": "one process per GPU"}
+PASS_COLOR, FAIL_COLOR = "#2ca02c", "#d62728"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shared pieces
+
+
+def style(allocator: str) -> dict:
+    """Label, colour, marker and line for an allocator (stable across every figure)."""
+    if allocator in ALLOCATORS:
+        return ALLOCATORS[allocator]
+    i = sum(map(ord, allocator)) % len(_OTHER_COLORS)
+    return dict(label=allocator, color=_OTHER_COLORS[i], marker="o", ls="-", lw=1.4)
+
+
+def ordered(allocators) -> list[str]:
+    """Allocators in the house order (before → peers → xpool), unknown ones last."""
+    known = [a for a in ALLOCATORS if a in set(allocators)]
+    return known + sorted(set(allocators) - set(known))
+
+
+def _short_date(values) -> str:
+    days = sorted({str(v)[:10] for v in values if isinstance(v, str) and v})
+    if not days:
+        return "unknown date"
+    return days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}"
+
+
+def provenance_summary(df: pd.DataFrame) -> dict:
+    """Each provenance column's distinct values joined by ' / ' ('unknown' where the column is absent)."""
+    out = {}
+    for col in PROVENANCE + ("n_gpus",):
+        if col not in df:
+            out[col] = "unknown"
+        elif col == "date":
+            out[col] = _short_date(df[col].dropna())
+        else:
+            vals = [str(v) for v in pd.unique(df[col].dropna())]
+            vals = [v[:-2] if v.endswith(".0") and col == "n_gpus" else v for v in vals]
+            out[col] = " / ".join(vals) if vals else "unknown"
+    return out
+
+
+def caption(df: pd.DataFrame, note: str = "") -> str:
+    """One line naming the machine and software the figure's numbers were measured with."""
+    p = provenance_summary(df)
+    gpu = "no GPU (CPU)" if p["gpu"] == "none" else p["gpu"]
+    text = (f"Measured on {gpu} · driver {p['driver']} · CUDA {p['cuda']} · CuPy {p['cupy']} · "
+            f"commit {p['commit']} · {p['date']}")
+    return f"{text}\n{note}" if note else text
+
+
+def _figure(nrows: int = 1, ncols: int = 1, size=(10, 5), **kw):
+    fig = Figure(figsize=size, layout="constrained", dpi=110)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, ncols, squeeze=False, **kw)
+    return fig, axes
+
+
+def _finish(fig, title: str, df: pd.DataFrame, note: str = ""):
+    fig.suptitle(title, fontsize=13, fontweight="bold")
+    cap = caption(df, note)
+    lines = cap.count("\n") + 1
+    # Keep a strip at the bottom for the caption so the layout never puts axes labels over it.
+    height = fig.get_figheight()
+    strip = (0.16 + 0.17 * lines) / height
+    fig.get_layout_engine().set(rect=(0, strip, 1, 1 - strip))
+    fig.text(0.01, 0.012, cap, fontsize=8, color="0.3", ha="left", va="bottom")
+    return fig
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def _fmt_si(v: float) -> str:
+    for suffix, scale in (("M", 1e6), ("k", 1e3)):
+        if abs(v) >= scale:
+            return f"{v / scale:.3g}{suffix}"
+    return f"{v:.3g}"
+
+
+def _label_bars(ax, bars, fmt, fontsize=7.5):
+    for b in bars:
+        h = b.get_height()
+        if np.isfinite(h):
+            ax.annotate(fmt(h), (b.get_x() + b.get_width() / 2, h), xytext=(0, 2), textcoords="offset points",
+                        ha="center", va="bottom", fontsize=fontsize)
+
+
+def _grouped_bars(ax, table: pd.DataFrame, fmt=_fmt_si, log=False):
+    """Bars of table (rows: groups on the x axis, columns: allocators), labelled with their values."""
+    allocs = list(table.columns)
+    width = 0.8 / max(len(allocs), 1)
+    x = np.arange(len(table.index))
+    for i, a in enumerate(allocs):
+        st = style(a)
+        vals = table[a].to_numpy(dtype=float)
+        bars = ax.bar(x + (i - (len(allocs) - 1) / 2) * width, vals, width, color=st["color"], label=st["label"],
+                      edgecolor="black" if a.startswith("xpool") else "none", linewidth=0.8)
+        _label_bars(ax, bars, fmt)
+    ax.set_xticks(x)
+    if log:
+        ax.set_yscale("log")
+    ax.margins(y=0.15)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def _empty(ax, text):
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _median(df, keys, cols):
+    """Median over repeats: one row per key combination."""
+    cols = [c for c in cols if c in df]
+    return df.groupby(keys, sort=False)[cols].median().reset_index()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 01: correctness
+
+_PARAM = re.compile(r"^(wte|wpe|lm_head\.\w+|ln_f\.\w+|h\.\d+\.\S+)$")
+
+
+def _check_group(name: str) -> str:
+    """Per-parameter checks ('torch grad float64 h.0.ln_1.w') collapse to one row showing the worst."""
+    head, _, last = name.rpartition(" ")
+    return f"{head} (worst parameter)" if head and _PARAM.match(last) else name
+
+
+def correctness(df: pd.DataFrame) -> Figure:
+    """Each check's measured error as a multiple of its threshold (log scale; left of 1 passes).
+
+    Checks whose threshold is 0 (exact: mismatch counts, bitwise identity) are listed as a count.
+    One panel per device ('cpu', 'gpu') when the frame has a device column.
+    """
+    df = df.copy()
+    df["device"] = df["device"] if "device" in df else "cpu"
+    devices = list(pd.unique(df["device"]))
+    tol = df[df["threshold"] > 0].copy()
+    tol["group"] = tol["check"].map(_check_group)
+    tol["ratio"] = tol["measured"] / tol["threshold"]
+    tol.loc[tol["ratio"].isna(), "ratio"] = np.inf      # NaN never passes: draw it past the line
+    worst = tol.groupby(["device", "group"], sort=False).agg(ratio=("ratio", "max"), passed=("passed", "all"))
+    n_rows = max([len(worst.loc[d]) if d in worst.index.get_level_values(0) else 1 for d in devices])
+    fig, axes = _figure(1, len(devices), size=(7.5 * len(devices), 1.6 + 0.24 * n_rows))
+    finite = tol["ratio"][np.isfinite(tol["ratio"]) & (tol["ratio"] > 0)]
+    lo = min(1e-6, finite.min() / 3) if len(finite) else 1e-6
+    hi = max(10.0, finite.max() * 3) if len(finite) else 10.0
+    for ax, dev in zip(axes[0], devices):
+        sub = df[df["device"] == dev]
+        exact = sub[sub["threshold"] <= 0]
+        title = f"{dev.upper()}: {int(sub['passed'].sum())} of {len(sub)} checks pass"
+        if dev not in worst.index.get_level_values(0):
+            _empty(ax, "no checks with a tolerance")
+        else:
+            w = worst.loc[dev].iloc[::-1]
+            ratios = w["ratio"].clip(lower=lo, upper=hi).to_numpy()
+            colors = [PASS_COLOR if p else FAIL_COLOR for p in w["passed"]]
+            y = np.arange(len(w))
+            ax.barh(y, ratios, left=lo, color=colors, height=0.7)
+            for yi, r in zip(y, w["ratio"]):
+                txt = "0" if r == 0 else ("NaN" if not np.isfinite(r) else f"{r:.1g}")
+                ax.annotate(txt, (max(min(r, hi), lo), yi), xytext=(3, 0), textcoords="offset points",
+                            va="center", fontsize=7)
+            ax.set_yticks(y, [g if len(g) <= 62 else g[:59] + "..." for g in w.index], fontsize=7.5)
+            ax.set_xscale("log")
+            ax.set_xlim(lo, hi)
+            ax.set_ylim(-0.7, len(w) - 0.3)
+            ax.axvline(1.0, color="black", lw=1.2)
+            ax.text(1.0, 1.0, " threshold", transform=ax.get_xaxis_transform(), va="bottom", fontsize=8)
+            ax.set_xlabel("measured error / threshold (dimensionless; < 1 passes)")
+            ax.grid(axis="x", alpha=0.3)
+        if len(exact):
+            ok = int(exact["passed"].sum())
+            title += f"\n(+ {ok} of {len(exact)} exact checks, which must measure 0: bitwise equality, mismatch counts)"
+        ax.set_title(title, fontsize=10)
+    return _finish(fig, "Correctness gate: every check's error against its threshold", df,
+                   "Bars: worst error in each check family, in multiples of its threshold; green passes, red fails.")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 02: allocator microbenchmark
+
+
+def _size_axis(ax, sizes):
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [_fmt_bytes(s) for s in sizes])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def alloc_cost(df: pd.DataFrame) -> Figure:
+    """µs per alloc/free pair against request size (one thread), and each allocator relative to CuPy's pool."""
+    one = df[df["threads"] == df["threads"].min()]
+    m = _median(one, ["allocator", "size_bytes"], ["us_per_pair", "ratio_vs_cupy_pool"])
+    sizes = sorted(m["size_bytes"].unique())
+    fig, axes = _figure(1, 2, size=(13, 5.2))
+    ax, rel = axes[0]
+    for a in ordered(m["allocator"].unique()):
+        s = m[m["allocator"] == a].sort_values("size_bytes")
+        st = style(a)
+        kw = dict(color=st["color"], marker=st["marker"], ls=st["ls"], lw=st["lw"], label=st["label"])
+        ax.plot(s["size_bytes"], s["us_per_pair"], **kw)
+        if a not in ("raw", "cupy_pool") and "ratio_vs_cupy_pool" in s and s["ratio_vs_cupy_pool"].notna().any():
+            rel.plot(s["size_bytes"], s["ratio_vs_cupy_pool"], **kw)
+    _size_axis(ax, sizes)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_xlabel("request size (bytes, log scale)")
+    ax.set_ylabel("µs per alloc/free pair (log scale; lower is faster)")
+    ax.set_title("Cost of `a = cupy.empty(n); del a`, one thread")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="best")
+    _size_axis(rel, sizes)
+    rel.axhline(1.0, color=style("cupy_pool")["color"], lw=1.6)
+    rel.text(sizes[0], 1.0, " CuPy MemoryPool = 1", color=style("cupy_pool")["color"], va="bottom", fontsize=8)
+    rel.set_xlabel("request size (bytes, log scale)")
+    rel.set_ylabel("time per pair / CuPy MemoryPool's (below 1: faster)")
+    rel.set_title("Relative to the default CuPy pool (raw cudaMalloc left out: off the scale)")
+    rel.set_ylim(bottom=0)
+    rel.grid(alpha=0.3)
+    return _finish(fig, "Allocator cost per allocation: xpool against CuPy's pools and raw cudaMalloc", df,
+                   "Median over repeats; each point times many alloc/free pairs through CuPy's array path.")
+
+
+def _thread_size(df, size_bytes):
+    if size_bytes is not None and (df["size_bytes"] == size_bytes).any():
+        return size_bytes
+    multi = df.groupby("size_bytes")["threads"].nunique()
+    multi = multi[multi == multi.max()]
+    return 65536 if 65536 in multi.index else int(multi.index[len(multi) // 2])
+
+
+def alloc_threads(df: pd.DataFrame, size_bytes: int | None = None) -> Figure:
+    """Thousands of alloc/free pairs per second (all threads together) against threads on one GPU."""
+    size = _thread_size(df, size_bytes)
+    s = _median(df[df["size_bytes"] == size], ["allocator", "threads"], ["kpairs_per_s"])
+    threads = sorted(s["threads"].unique())
+    fig, axes = _figure(1, 1, size=(9, 5.2))
+    ax = axes[0][0]
+    for a in ordered(s["allocator"].unique()):
+        t = s[s["allocator"] == a].sort_values("threads")
+        st = style(a)
+        ax.plot(t["threads"], t["kpairs_per_s"], color=st["color"], marker=st["marker"] or "o", ls=st["ls"],
+                lw=st["lw"], label=st["label"])
+        last = t.iloc[-1]
+        ax.annotate(f"{last['kpairs_per_s']:.0f}", (last["threads"], last["kpairs_per_s"]), xytext=(5, 0),
+                    textcoords="offset points", va="center", fontsize=8, color=st["color"])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(threads, [str(t) for t in threads])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("threads allocating on the same GPU")
+    ax.set_ylabel("thousand alloc/free pairs per second (all threads)")
+    ax.set_title(f"{_fmt_bytes(size)} requests; higher is better, flat or rising means no lock contention")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    return _finish(fig, "Several threads on one GPU: allocation throughput", df)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 03: single GPU
+
+
+def _by_batch(df, col):
+    t = _median(df, ["batch", "allocator"], [col]).pivot(index="batch", columns="allocator", values=col)
+    t = t.sort_index(ascending=False)
+    return t[ordered(t.columns)]
+
+
+def single_gpu(df: pd.DataFrame) -> Figure:
+    """Tokens/s, GPU utilisation, device mallocs per step and peak reserved/requested, per allocator and batch."""
+    d = df[df["mode"] == "single"] if "mode" in df and (df["mode"] == "single").any() else df
+    fig, axes = _figure(2, 2, size=(13, 8.5))
+    panels = [
+        ("tokens_per_s", "tokens per second (higher is better)", "Training throughput", _fmt_si, False),
+        ("gpu_util_mean", "mean GPU utilisation (%)", "GPU busy (NVML utilisation, mean over timed steps)",
+         lambda v: f"{v:.0f}%", False),
+        ("device_mallocs_per_step", "cudaMalloc calls per step (log scale; 0 drawn at the axis)",
+         "Device mallocs per training step (after warm-up)", lambda v: f"{v:.3g}", True),
+        ("reserved_over_requested", "peak reserved / peak requested bytes",
+         "Memory overhead: reserved vs requested at the peak", lambda v: f"{v:.2f}", False),
+    ]
+    for ax, (col, ylabel, title, fmt, log) in zip(axes.flat, panels):
+        if col not in d or d[col].isna().all():
+            _empty(ax, f"no {col} in the CSV")
+            ax.set_title(title)
+            continue
+        t = _by_batch(d, col)
+        if log:
+            t = t.clip(lower=0.5)             # log axis: 0 mallocs shows as a stub labelled "0.5" -> relabel
+        _grouped_bars(ax, t, fmt=(lambda v: "0" if v <= 0.5 else fmt(v)) if log else fmt, log=log)
+        ax.set_xticklabels([f"batch {b}" for b in t.index])
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        if col == "reserved_over_requested":
+            ax.axhline(1.0, color="black", lw=0.8)
+            ax.set_ylim(bottom=min(0.9, float(np.nanmin(t.to_numpy())) - 0.05))
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside upper center", ncol=min(len(labels), 4), fontsize=9)
+    return _finish(fig, "One GPU: the small GPT's training step under each allocator", df,
+                   "Medians over timed steps after warm-up; batch 4 is bound by Python dispatch, batch 32 by the GPU.")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 04: several GPUs
+
+
+def _modes(df):
+    return [m for m in ("threads", "processes") if m in set(df["mode"])] or list(pd.unique(df["mode"]))
+
+
+def _scaling_frame(df):
+    """Multi-GPU rows plus, for every mode, the single-GPU rows as its world=1 point."""
+    d = df.copy()
+    single = d[d["mode"] == "single"]
+    parts = [d[d["mode"] != "single"]]
+    for m in _modes(d[d["mode"] != "single"]) if (d["mode"] != "single").any() else []:
+        have1 = ((d["mode"] == m) & (d["world"] == 1)).any()
+        if not have1 and len(single):
+            parts.append(single.assign(mode=m))
+    return pd.concat(parts, ignore_index=True)
+
+
+def ddp_scaling(df: pd.DataFrame) -> Figure:
+    """Tokens/s and speedup against the number of GPUs: one column per mode (threads, processes)."""
+    d = _scaling_frame(df)
+    modes = _modes(d)
+    fig, axes = _figure(2, len(modes), size=(6.5 * len(modes), 8.5), sharey="row")
+    worlds = sorted(d["world"].unique())
+    for j, mode in enumerate(modes):
+        m = _median(d[d["mode"] == mode], ["allocator", "world"], ["tokens_per_s", "speedup"])
+        top, bottom = axes[0][j], axes[1][j]
+        for a in ordered(m["allocator"].unique()):
+            s = m[m["allocator"] == a].sort_values("world")
+            st = style(a)
+            kw = dict(color=st["color"], marker=st["marker"] or "o", ls=st["ls"], lw=st["lw"], label=st["label"])
+            top.plot(s["world"], s["tokens_per_s"], **kw)
+            bottom.plot(s["world"], s["speedup"], **kw)
+            last = s.iloc[-1]
+            bottom.annotate(f"{last['speedup']:.2f}×", (last["world"], last["speedup"]), xytext=(6, 0),
+                            textcoords="offset points", va="center", fontsize=8, color=st["color"])
+        bottom.plot(worlds, worlds, color="black", ls="--", lw=0.8, label="ideal (linear)")
+        top.set_title(MODES.get(mode, mode), fontsize=11)
+        for ax in (top, bottom):
+            ax.set_xticks(worlds, [str(w) for w in worlds])
+            ax.set_xlabel("GPUs")
+            ax.grid(alpha=0.3)
+            ax.set_xlim(min(worlds) - 0.2, max(worlds) + 0.5)
+        top.set_ylim(bottom=0)
+        bottom.set_ylim(bottom=0)
+        top.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _fmt_si(v)))
+    axes[0][0].set_ylabel("tokens per second, all GPUs (higher is better)")
+    axes[1][0].set_ylabel("speedup over the same allocator on 1 GPU (×)")
+    handles, labels = axes[1][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside upper center", ncol=min(len(labels), 5), fontsize=9)
+    batch = ", ".join(str(b) for b in sorted(d["batch"].unique())) if "batch" in d else "?"
+    return _finish(fig, "Several GPUs: data-parallel training throughput and speedup", df,
+                   f"Batch {batch} per GPU; gradients all-reduced with NCCL each step.")
+
+
+def ddp_before_after(df: pd.DataFrame) -> Figure:
+    """Before/after at the largest world: speedup and GPU utilisation per mode and allocator."""
+    d = _scaling_frame(df)
+    d = d[d["mode"] != "single"]
+    world = int(d["world"].max())
+    top = d[d["world"] == world]
+    modes = _modes(top)
+    fig, axes = _figure(1, 2, size=(13, 5.2))
+    sp, ut = axes[0]
+    for ax, col, ylabel, fmt in ((sp, "speedup", f"speedup on {world} GPUs over 1 GPU (×)", lambda v: f"{v:.2f}×"),
+                                 (ut, "gpu_util_mean", "mean GPU utilisation (%)", lambda v: f"{v:.0f}%")):
+        if col not in top or top[col].isna().all():
+            _empty(ax, f"no {col} in the CSV")
+            continue
+        t = _median(top, ["mode", "allocator"], [col]).pivot(index="mode", columns="allocator", values=col)
+        t = t.loc[[m for m in modes if m in t.index]]
+        _grouped_bars(ax, t[ordered(t.columns)], fmt=fmt)
+        ax.set_xticklabels([MODES.get(m, m) for m in t.index], fontsize=9)
+        ax.set_ylabel(ylabel)
+    sp.axhline(world, color="black", ls="--", lw=0.8)
+    sp.text(-0.45, world, f"ideal {world}×", va="bottom", fontsize=8)
+    sp.set_title(f"Speedup on {world} GPUs: before (raw cudaMalloc) → after (a pool)", fontsize=10)
+    ut.set_title(f"GPU utilisation on {world} GPUs", fontsize=10)
+    ut.set_ylim(0, 110)
+    handles, labels = sp.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside upper center", ncol=min(len(labels), 4), fontsize=9)
+    return _finish(fig, f"{world} GPUs: what the allocator changes", df)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 05: memory
+
+
+def memory_waste(df: pd.DataFrame) -> Figure:
+    """Waste per size-class setting: class bytes over requested bytes, and peak reserved over peak requested."""
+    src = "measured" if "source" in df and (df["source"] == "measured").any() else None
+    d = df[df["source"] == src] if src else df
+    d = d.groupby("k", sort=True)[["class_over_requested", "reserved_over_requested"]].median()
+    fig, axes = _figure(1, 1, size=(9, 5.2))
+    ax = axes[0][0]
+    x = np.arange(len(d.index))
+    w = 0.38
+    for off, col, color, label in (
+            (-w / 2, "class_over_requested", "#ff7f0e", "size classes: bytes handed out / bytes requested, "
+                                                        "one step's requests"),
+            (w / 2, "reserved_over_requested", "#d62728", "peak bytes reserved / peak bytes requested, "
+                                                          "whole run")):
+        waste = 100 * (d[col].to_numpy(dtype=float) - 1)
+        bars = ax.bar(x + off, waste, w, color=color, label=label)
+        _label_bars(ax, bars, lambda v: f"{v:.1f}%", fontsize=8.5)
+    ax.set_xticks(x, [f"k = {k}" for k in d.index])
+    ax.set_xlabel("size classes per doubling above 1 MiB (xpool's classes_per_doubling)")
+    ax.set_ylabel("waste: bytes beyond the request (% of requested)")
+    ax.set_title("Fewer classes waste more memory; more classes reuse blocks less often", fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.margins(y=0.15)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8.5, loc="upper right")
+    how = "measured with xpool installed" if src else "replayed on the CPU from the recorded request trace"
+    return _finish(fig, "Memory waste by size-class setting on the GPT training run", df,
+                   f"Numbers {how}.")
+
+
+def _requested_in_use(tl: pd.DataFrame) -> np.ndarray:
+    """Requested bytes held by live blocks after each event (allocs add, frees subtract)."""
+    sign = np.select([tl["event"].isin(["alloc_hit", "alloc_miss"]), tl["event"] == "free"], [1, -1], 0)
+    return np.cumsum(sign * tl["requested"].to_numpy(dtype=float))
+
+
+def memory_timeline(df: pd.DataFrame, step: int | None = None) -> Figure:
+    """Bytes reserved, in use and requested over the recorded run, and zoomed on one training step."""
+    tl = df
+    if "k" in tl and tl["k"].nunique() > 1:
+        tl = tl[tl["k"] == tl["k"].iloc[0]]
+    tl = tl.sort_values("t_s", kind="stable").reset_index(drop=True)
+    req = _requested_in_use(tl) / 2**30
+    steps = sorted(tl["step"].unique()) if "step" in tl else [0]
+    step = steps[-1] if step is None else step
+    fig, axes = _figure(2, 1, size=(12, 8.5))
+    whole, zoom = axes[0][0], axes[1][0]
+
+    def draw(ax, sel, t0, unit, scale):
+        t = (tl["t_s"][sel] - t0) * scale
+        ax.fill_between(t, 0, tl["bytes_in_use"][sel] / 2**30, step="post", color="#fdae6b", alpha=0.8,
+                        label="in use: size-class bytes of live blocks")
+        ax.step(t, req[sel.to_numpy()], where="post", color="#2171b5", lw=1.2,
+                label="requested by live arrays")
+        ax.step(t, tl["bytes_reserved"][sel] / 2**30, where="post", color="#d62728", lw=2,
+                label="reserved from the device (in use + cached)")
+        miss = sel & (tl["event"] == "alloc_miss")
+        if miss.any():
+            ax.plot((tl["t_s"][miss] - t0) * scale, tl["bytes_reserved"][miss] / 2**30, "|", color="black",
+                    ms=7, label=f"cudaMalloc (pool miss): {int(miss.sum())}")
+        ax.set_xlabel(f"time ({unit})")
+        ax.set_ylabel("GiB")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+
+    all_rows = pd.Series(True, index=tl.index)
+    draw(whole, all_rows, tl["t_s"].iloc[0], "s", 1.0)
+    if "step" in tl:
+        for s in steps:
+            rows = tl[tl["step"] == s]
+            if s >= 0 and len(rows):
+                whole.axvline(rows["t_s"].iloc[0], color="0.5", lw=0.6, ls=":")
+                whole.text(rows["t_s"].iloc[0], 1.0, f" step {s}", transform=whole.get_xaxis_transform(),
+                           fontsize=7, va="top", color="0.35")
+    whole.set_title("Whole recording: model setup, then training steps (dotted lines: step starts)", fontsize=10)
+    whole.legend(fontsize=8, loc="upper left")
+    sel = tl["step"] == step if "step" in tl else all_rows
+    if sel.any():
+        draw(zoom, sel, tl["t_s"][sel].iloc[0], "ms from the step's start", 1e3)
+        n_alloc = int((sel & tl["event"].isin(["alloc_hit", "alloc_miss"])).sum())
+        zoom.set_title(f"One training step (step {step}): {n_alloc} allocations", fontsize=10)
+    else:
+        _empty(zoom, f"no events in step {step}")
+    k = int(tl["k"].iloc[0]) if "k" in tl else None
+    return _finish(fig, "Device memory over one training step, from xpool's allocation timeline", df,
+                   f"xpool with {k} size class(es) per doubling." if k else "")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Saving, and every figure from data/
+
+
+def save(fig: Figure, name: str, figures_dir: str | os.PathLike = "figures"):
+    """Write figures/NAME.png and figures/NAME.svg (no timestamps inside, so unchanged data gives unchanged
+    files); returns both paths."""
+    out = pathlib.Path(figures_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    png, svg = out / f"{name}.png", out / f"{name}.svg"
+    with matplotlib.rc_context({"svg.hashsalt": "xpool", "svg.fonttype": "none"}):
+        fig.savefig(png, dpi=110, metadata={"Software": None})
+        fig.savefig(svg, metadata={"Date": None, "Creator": None})
+    return png, svg
+
+
+# name -> (CSV names it needs, all of them, function of the concatenated frame)
+FIGURES = {
+    "correctness": (("correctness_cpu", "correctness_gpu"), correctness),
+    "alloc_cost": (("alloc_microbench",), alloc_cost),
+    "alloc_threads": (("alloc_microbench",), alloc_threads),
+    "single_gpu": (("single_gpu",), single_gpu),
+    "ddp_scaling": (("ddp_scaling",), ddp_scaling),
+    "ddp_before_after": (("ddp_scaling",), ddp_before_after),
+    "memory_waste": (("memory_waste",), memory_waste),
+    "memory_timeline": (("memory_timeline",), memory_timeline),
+}
+
+
+def load_for(name: str, data_dir: str | os.PathLike = "data") -> pd.DataFrame | None:
+    """The frame figure `name` is drawn from: its CSVs concatenated (those present), or None."""
+    frames = [pd.read_csv(p) for csv in FIGURES[name][0] if (p := pathlib.Path(data_dir) / f"{csv}.csv").is_file()]
+    return pd.concat(frames, ignore_index=True) if frames else None
+
+
+def build_all(data_dir: str | os.PathLike = "data", figures_dir: str | os.PathLike = "figures") -> dict:
+    """Every figure whose CSV exists; returns name -> PNG path, or the reason it was skipped."""
+    out = {}
+    for name, (csvs, fn) in FIGURES.items():
+        df = load_for(name, data_dir)
+        if df is None:
+            out[name] = f"skipped: {' / '.join(c + '.csv' for c in csvs)} missing"
+            continue
+        try:
+            out[name] = save(fn(df), name, figures_dir)[0]
+        except Exception as e:                # one bad CSV must not cost the other figures
+            out[name] = f"failed: {type(e).__name__}: {e}"
+    return out
