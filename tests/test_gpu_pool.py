@@ -84,10 +84,10 @@ def test_streams_do_not_share_blocks(pool):
 
 
 def test_limit_and_out_of_memory(pool):
-    pool.set_limit(size=64 << 20)
-    keep = cp.ones(48 << 20, dtype=cp.uint8)
+    pool.set_limit(size=100 << 20)
+    keep = cp.ones(48 << 20, dtype=cp.uint8)            # a 64 MiB class
     with pytest.raises(xpool.OutOfMemoryError, match="limit") as info:
-        cp.empty(32 << 20, dtype=cp.uint8)
+        cp.empty(40 << 20, dtype=cp.uint8)               # another 64 MiB: over the limit
     assert isinstance(info.value, cp.cuda.memory.OutOfMemoryError)
     assert int(keep.sum()) == 48 << 20                 # live arrays untouched
     pool.set_limit(size=0)

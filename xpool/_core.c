@@ -264,6 +264,7 @@ typedef struct {
 } Event;
 
 typedef struct {
+    _Atomic int on;         /* read without the lock: the hot path pays one load when off */
     pthread_mutex_t lock;   /* taken after a DevicePool.lock, never before */
     Event *buf;             /* ring of cap events, NULL when off */
     size_t cap;
@@ -280,6 +281,7 @@ static int64_t now_ns(void)
 static void timeline_record(Timeline *tl, int event, const DevicePool *pool, const Block *b,
                             size_t requested)
 {
+    if (!atomic_load_explicit(&tl->on, memory_order_relaxed)) return;
     pthread_mutex_lock(&tl->lock);
     if (tl->buf) {
         Event *e = &tl->buf[tl->count % tl->cap];
@@ -599,30 +601,33 @@ static int xp_free(Allocator *A, int device, uintptr_t ptr)
         return -1;
     }
     DevicePool *pool = atomic_load_explicit(&A->pools[device], memory_order_acquire);
+    int hook_failed = 0;
+    PyObject *exc = NULL;
+    if (pool && A->debug_hook != Py_None) {
+        /* canary check and poisoning run before the block can be reused, outside the lock */
+        pthread_mutex_lock(&pool->lock);
+        Block **slot = ptrtable_slot(&pool->live, ptr);
+        Block *b = slot ? *slot : NULL;
+        pthread_mutex_unlock(&pool->lock);
+        if (b && call_hook(A, "on_free", b, b->requested) < 0) {
+            hook_failed = 1;
+            exc = PyErr_GetRaisedException();
+        }
+    }
     Block *b = NULL;
     if (pool) {
         pthread_mutex_lock(&pool->lock);
-        Block **slot = ptrtable_slot(&pool->live, ptr);
-        b = slot ? *slot : NULL;
-        pthread_mutex_unlock(&pool->lock);
+        b = ptrtable_remove(&pool->live, ptr);
+        if (!b) pthread_mutex_unlock(&pool->lock);
     }
     if (!b) {
+        Py_XDECREF(exc);
         PyErr_Format(PyExc_ValueError,
                      "xpool: pointer 0x%zx on device %d was not handed out by this pool "
                      "(or was freed twice)", (size_t)ptr, device);
         return -1;
     }
-    int hook_failed = 0;
-    PyObject *exc = NULL;
-    if (A->debug_hook != Py_None) {
-        /* canary check and poisoning run before the block can be reused */
-        if (call_hook(A, "on_free", b, b->requested) < 0) {
-            hook_failed = 1;
-            exc = PyErr_GetRaisedException();
-        }
-    }
-    pthread_mutex_lock(&pool->lock);
-    ptrtable_remove(&pool->live, ptr);
+    /* the pool lock is held from here */
     Bin *bin = bintable_get(&pool->bins, b->stream, b->size);
     pool->st.frees++;
     pool->st.blocks_in_use--; pool->st.bytes_in_use -= b->size;
@@ -1033,6 +1038,7 @@ static PyObject *Allocator_timeline_enable(Allocator *self, PyObject *args)
     pthread_mutex_lock(&self->tl.lock);
     Event *old = self->tl.buf;
     self->tl.buf = buf; self->tl.cap = (size_t)cap; self->tl.count = 0;
+    atomic_store(&self->tl.on, buf != NULL);
     pthread_mutex_unlock(&self->tl.lock);
     free(old);
     Py_RETURN_NONE;
@@ -1159,7 +1165,22 @@ static PyObject *py_size_class(PyObject *mod, PyObject *args)
     return PyLong_FromSize_t(c);
 }
 
+/* A C allocator that does nothing: hands out the one pointer it was given.
+ * Through CFunctionAllocator it measures the floor of CuPy's C-callback path. */
+static void *noop_malloc(void *param, size_t size, int device) { return param; }
+static void noop_free(void *param, void *ptr, int device) { }
+
+static PyObject *py_noop_cfunctions(PyObject *mod, PyObject *args)
+{
+    unsigned long long ptr;
+    if (!PyArg_ParseTuple(args, "K", &ptr)) return NULL;
+    return Py_BuildValue("(KKK)", ptr, (unsigned long long)(uintptr_t)&noop_malloc,
+                         (unsigned long long)(uintptr_t)&noop_free);
+}
+
 static PyMethodDef module_methods[] = {
+    {"noop_cfunctions", py_noop_cfunctions, METH_VARARGS,
+     "noop_cfunctions(ptr) -> (param, malloc, free): a do-nothing C allocator, the floor for benchmarks"},
     {"size_class", py_size_class, METH_VARARGS, "size_class(nbytes, k=1): the C twin of xpool.size_class"},
     {NULL}
 };
