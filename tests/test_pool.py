@@ -286,3 +286,22 @@ def test_timeline_records_every_event_in_a_bounded_ring():
     pool.enable_timeline(0)
     pool.allocate(1)
     assert len(pool.timeline()) == 0
+
+
+def test_request_larger_than_the_device_is_bad_input_and_flushes_nothing():
+    pool, backend = make(capacity=4 * MiB)
+    cached = pool.allocate(1 * MiB)
+    del cached
+    with pytest.raises(ValueError, match="nbytes=5,000,000 .* larger than device 0") as info:
+        pool.allocate(5_000_000)
+    assert isinstance(info.value, xpool.OutOfMemoryError)     # CuPy code catching OOM still does
+    st = pool.stats().iloc[0]
+    assert (st.blocks_cached, st.device_frees, backend.mallocs) == (1, 0, 1)
+
+
+def test_device_beyond_the_machine_is_rejected():
+    pool = Pool(HostBackend(n_devices=2))
+    with pytest.raises(ValueError, match=r"device must be an int in \[0, 2\)"):
+        pool.allocate(10, device=2)
+    with pytest.raises(ValueError, match="device"):
+        pool.stats(device=7)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .backends import CupyBackend, DeviceOutOfMemory, HostBackend
 from .cupy_adapter import MemoryPool, install, installed, uninstall, use
-from .errors import CorruptionError, CorruptionWarning, OutOfMemoryError
+from .errors import CorruptionError, CorruptionWarning, OutOfMemoryError, RequestTooLargeError
 from .pool import Pool
 from .sizeclass import size_class
 from .stats import Snapshot
@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "size_class", "Pool", "MemoryPool", "HostBackend", "CupyBackend", "install", "uninstall",
     "installed", "use", "empty_cache", "stats", "snapshot", "OutOfMemoryError",
-    "CorruptionError", "CorruptionWarning", "DeviceOutOfMemory", "Snapshot",
+    "CorruptionError", "CorruptionWarning", "DeviceOutOfMemory", "RequestTooLargeError", "Snapshot",
 ]
 
 

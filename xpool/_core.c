@@ -236,6 +236,7 @@ typedef struct {
     BinTable bins;          /* free blocks, by (stream, class) */
     Stats st;
     uint64_t limit;         /* bytes reserved (in use + cached) allowed; 0 = none */
+    uint64_t capacity;      /* the device's total bytes, asked once on the first miss; 0 = unknown */
 } DevicePool;
 
 static inline uint64_t reserved(const Stats *s) { return s->bytes_in_use + s->bytes_cached; }
@@ -450,10 +451,24 @@ static int raise_oom(Allocator *A, DevicePool *pool, size_t requested, size_t si
 static int device_malloc(Allocator *A, DevicePool *pool, size_t requested, size_t size,
                          uintptr_t *ptr)
 {
-    uint64_t limit, res, cached;
+    uint64_t limit, res, cached, capacity;
     pthread_mutex_lock(&pool->lock);
     limit = pool->limit; res = reserved(&pool->st); cached = pool->st.bytes_cached;
+    capacity = pool->capacity;
     pthread_mutex_unlock(&pool->lock);
+    if (!capacity) {   /* misses are rare and slow anyway: ask the backend once */
+        PyObject *r = PyObject_CallMethod(A->backend, "total_memory", "i", pool->device);
+        if (r) {
+            capacity = PyLong_AsUnsignedLongLong(r);
+            Py_DECREF(r);
+        }
+        if (!r || PyErr_Occurred()) { PyErr_Clear(); capacity = 0; }
+        pthread_mutex_lock(&pool->lock);
+        pool->capacity = capacity;
+        pthread_mutex_unlock(&pool->lock);
+    }
+    if (capacity && size > capacity)   /* no freeing or retrying can help: bad input */
+        return raise_oom(A, pool, requested, size, "too_large", NULL);
     if (limit && res + size > limit) {
         if (cached && release_cached(A, pool, 1, 0, 0) < 0) return -1;
         pthread_mutex_lock(&pool->lock);

@@ -51,6 +51,9 @@ class HostBackend:
     def set_stream(self, stream: int) -> None:
         self._local.stream = stream
 
+    def device_count(self) -> int:
+        return self.n_devices
+
     def total_memory(self, device: int) -> int:
         self._check_device(device)
         return self.capacity if self.capacity is not None else 1 << 40
@@ -114,6 +117,9 @@ class CupyBackend:
     def current_stream(self) -> int:
         import cupy
         return cupy.cuda.get_current_stream().ptr
+
+    def device_count(self) -> int:
+        return self._rt.getDeviceCount()
 
     def total_memory(self, device: int) -> int:
         with _on_device(self._rt, device):

@@ -35,11 +35,15 @@ class OutOfMemoryError(_cupy_oom_base()):
             bytes_in_use, bytes_cached, limit, reason)
         # CuPy's own OutOfMemoryError keeps these three for pickling
         self._size, self._total, self._limit = requested, bytes_in_use, limit
-        what = "the xpool limit" if reason == "limit" else f"device {device}"
-        msg = (f"xpool: out of memory on device {device}: {what} refused {human(size)} "
-               f"(request {requested:,} B, class {size:,} B); in use {human(bytes_in_use)}, "
-               f"cached {human(bytes_cached)} (freed and retried), "
-               f"limit {human(limit) if limit else 'none'}")
+        if reason == "too_large":
+            msg = (f"xpool: nbytes={requested:,} (class {size:,} B) is larger than device {device} "
+                   f"({human(bytes_in_use + bytes_cached)} in use or cached); no freeing can make it fit")
+        else:
+            what = "the xpool limit" if reason == "limit" else f"device {device}"
+            msg = (f"xpool: out of memory on device {device}: {what} refused {human(size)} "
+                   f"(request {requested:,} B, class {size:,} B); in use {human(bytes_in_use)}, "
+                   f"cached {human(bytes_cached)} (freed and retried), "
+                   f"limit {human(limit) if limit else 'none'}")
         MemoryError.__init__(self, msg)
 
     def __reduce__(self):
@@ -48,6 +52,16 @@ class OutOfMemoryError(_cupy_oom_base()):
 
     def __str__(self):
         return self.args[0]
+
+
+class RequestTooLargeError(OutOfMemoryError, ValueError):
+    """A request larger than the whole device: bad input (ValueError) that CuPy code sees as OOM too."""
+
+
+def make_error(device, requested, size, bytes_in_use, bytes_cached, limit, reason):
+    """The C core's error factory."""
+    cls = RequestTooLargeError if reason == "too_large" else OutOfMemoryError
+    return cls(device, requested, size, bytes_in_use, bytes_cached, limit, reason)
 
 
 class CorruptionError(RuntimeError):

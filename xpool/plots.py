@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, NullFormatter
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 PROVENANCE = ("gpu", "driver", "cuda", "cupy", "commit", "date")
 
@@ -75,13 +75,19 @@ def provenance_summary(df: pd.DataFrame) -> dict:
     return out
 
 
+def _machine(p: dict) -> str:
+    gpu = "no GPU (CPU only)" if p["gpu"] == "none" else p["gpu"]
+    return (f"{gpu} · driver {p['driver']} · CUDA {p['cuda']} · CuPy {p['cupy']} · commit {p['commit']} · "
+            f"{p['date']}")
+
+
 def caption(df: pd.DataFrame, note: str = "") -> str:
-    """One line naming the machine and software the figure's numbers were measured with."""
-    p = provenance_summary(df)
-    gpu = "no GPU (CPU)" if p["gpu"] == "none" else p["gpu"]
-    text = (f"Measured on {gpu} · driver {p['driver']} · CUDA {p['cuda']} · CuPy {p['cupy']} · "
-            f"commit {p['commit']} · {p['date']}")
-    return f"{text}\n{note}" if note else text
+    """Lines naming the machine and software the figure's numbers were measured with (one per machine)."""
+    if "gpu" in df and df["gpu"].nunique() > 1:
+        lines = [f"Measured on {_machine(provenance_summary(g))}" for _, g in df.groupby("gpu", sort=False)]
+    else:
+        lines = [f"Measured on {_machine(provenance_summary(df))}"]
+    return "\n".join(lines + ([note] if note else []))
 
 
 def _figure(nrows: int = 1, ncols: int = 1, size=(10, 5), **kw):
@@ -91,15 +97,17 @@ def _figure(nrows: int = 1, ncols: int = 1, size=(10, 5), **kw):
     return fig, axes
 
 
-def _finish(fig, title: str, df: pd.DataFrame, note: str = ""):
-    fig.suptitle(title, fontsize=13, fontweight="bold")
-    cap = caption(df, note)
-    lines = cap.count("\n") + 1
-    # Keep a strip at the bottom for the caption so the layout never puts axes labels over it.
-    height = fig.get_figheight()
-    strip = (0.16 + 0.17 * lines) / height
-    fig.get_layout_engine().set(rect=(0, strip, 1, 1 - strip))
-    fig.text(0.01, 0.012, cap, fontsize=8, color="0.3", ha="left", va="bottom")
+def _finish(fig, title: str, df: pd.DataFrame, note: str = "", legend_from=None, ncol: int = 4):
+    """Title, caption (machine and date) and, from the axes `legend_from`, one legend for every panel."""
+    if legend_from is not None:
+        # The figure legend carries the title: constrained layout stacks one 'outside' artist cleanly.
+        handles, labels = legend_from.get_legend_handles_labels()
+        fig.legend(handles, labels, loc="outside upper center", ncol=min(len(labels), ncol), fontsize=9,
+                   frameon=False, title=title, title_fontproperties=dict(size=13, weight="bold"))
+    else:
+        fig.suptitle(title, fontsize=13, fontweight="bold")
+    # supxlabel: the layout engine keeps room for it, so the caption never overlaps axis labels.
+    fig.supxlabel(caption(df, note), x=0.005, ha="left", fontsize=8, color="0.3", multialignment="left")
     return fig
 
 
@@ -144,6 +152,19 @@ def _grouped_bars(ax, table: pd.DataFrame, fmt=_fmt_si, log=False):
     ax.grid(axis="y", alpha=0.3)
 
 
+def _end_labels(ax, points, fmt, min_gap=0.045):
+    """Label line ends (x, y, colour) to their right, nudged apart so close values stay readable."""
+    lo, hi = ax.get_ylim()
+    xlo, xhi = ax.get_xlim()
+    gap = min_gap * (hi - lo)
+    placed = []
+    for x, y, color in sorted(points, key=lambda p: p[1]):
+        ty = max(y, placed[-1] + gap) if placed else y
+        placed.append(ty)
+        ax.text(x + 0.02 * (xhi - xlo), ty, fmt(y), va="center", fontsize=8, color=color)
+    return placed
+
+
 def _empty(ax, text):
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4")
     ax.set_xticks([])
@@ -171,52 +192,55 @@ def _check_group(name: str) -> str:
 def correctness(df: pd.DataFrame) -> Figure:
     """Each check's measured error as a multiple of its threshold (log scale; left of 1 passes).
 
-    Checks whose threshold is 0 (exact: mismatch counts, bitwise identity) are listed as a count.
-    One panel per device ('cpu', 'gpu') when the frame has a device column.
+    Exact checks (threshold 0: bitwise identity, mismatch counts) get a row with their verdict instead of
+    a bar. Per-parameter checks collapse to their worst parameter. One panel per device ('cpu', 'gpu').
     """
     df = df.copy()
     df["device"] = df["device"] if "device" in df else "cpu"
     devices = list(pd.unique(df["device"]))
-    tol = df[df["threshold"] > 0].copy()
-    tol["group"] = tol["check"].map(_check_group)
-    tol["ratio"] = tol["measured"] / tol["threshold"]
-    tol.loc[tol["ratio"].isna(), "ratio"] = np.inf      # NaN never passes: draw it past the line
-    worst = tol.groupby(["device", "group"], sort=False).agg(ratio=("ratio", "max"), passed=("passed", "all"))
-    n_rows = max([len(worst.loc[d]) if d in worst.index.get_level_values(0) else 1 for d in devices])
-    fig, axes = _figure(1, len(devices), size=(7.5 * len(devices), 1.6 + 0.24 * n_rows))
-    finite = tol["ratio"][np.isfinite(tol["ratio"]) & (tol["ratio"] > 0)]
+    df["group"] = df["check"].map(_check_group)
+    df["ratio"] = np.where(df["threshold"] > 0, df["measured"] / df["threshold"].where(df["threshold"] > 0), 0.0)
+    df.loc[df["ratio"].isna(), "ratio"] = np.inf        # NaN never passes: draw it past the line
+    df["exact"] = df["threshold"] <= 0
+    rows = df.groupby(["device", "group"], sort=False).agg(ratio=("ratio", "max"), passed=("passed", "all"),
+                                                           exact=("exact", "all"), measured=("measured", "max"))
+    sizes = [len(rows.loc[d]) for d in devices]
+    fig = Figure(figsize=(10, 1.3 + 0.2 * sum(sizes) + 0.6 * len(devices)), layout="constrained", dpi=110)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(devices), 1, squeeze=False, sharex=True, gridspec_kw=dict(height_ratios=sizes))
+    finite = df["ratio"][np.isfinite(df["ratio"]) & (df["ratio"] > 0)]
     lo = min(1e-6, finite.min() / 3) if len(finite) else 1e-6
     hi = max(10.0, finite.max() * 3) if len(finite) else 10.0
-    for ax, dev in zip(axes[0], devices):
+    for ax, dev in zip(axes[:, 0], devices):
         sub = df[df["device"] == dev]
-        exact = sub[sub["threshold"] <= 0]
-        title = f"{dev.upper()}: {int(sub['passed'].sum())} of {len(sub)} checks pass"
-        if dev not in worst.index.get_level_values(0):
-            _empty(ax, "no checks with a tolerance")
-        else:
-            w = worst.loc[dev].iloc[::-1]
-            ratios = w["ratio"].clip(lower=lo, upper=hi).to_numpy()
-            colors = [PASS_COLOR if p else FAIL_COLOR for p in w["passed"]]
-            y = np.arange(len(w))
-            ax.barh(y, ratios, left=lo, color=colors, height=0.7)
-            for yi, r in zip(y, w["ratio"]):
-                txt = "0" if r == 0 else ("NaN" if not np.isfinite(r) else f"{r:.1g}")
-                ax.annotate(txt, (max(min(r, hi), lo), yi), xytext=(3, 0), textcoords="offset points",
-                            va="center", fontsize=7)
-            ax.set_yticks(y, [g if len(g) <= 62 else g[:59] + "..." for g in w.index], fontsize=7.5)
-            ax.set_xscale("log")
-            ax.set_xlim(lo, hi)
-            ax.set_ylim(-0.7, len(w) - 0.3)
-            ax.axvline(1.0, color="black", lw=1.2)
-            ax.text(1.0, 1.0, " threshold", transform=ax.get_xaxis_transform(), va="bottom", fontsize=8)
-            ax.set_xlabel("measured error / threshold (dimensionless; < 1 passes)")
-            ax.grid(axis="x", alpha=0.3)
-        if len(exact):
-            ok = int(exact["passed"].sum())
-            title += f"\n(+ {ok} of {len(exact)} exact checks, which must measure 0: bitwise equality, mismatch counts)"
-        ax.set_title(title, fontsize=10)
+        ax.set_title(f"{dev.upper()}: {int(sub['passed'].sum())} of {len(sub)} checks pass", fontsize=10, loc="left")
+        w = rows.loc[dev].iloc[::-1]
+        y = np.arange(len(w))
+        tol = ~w["exact"].to_numpy()
+        ratios = w["ratio"].clip(lower=lo, upper=hi).to_numpy()
+        colors = np.array([PASS_COLOR if p else FAIL_COLOR for p in w["passed"]])
+        ax.barh(y[tol], ratios[tol] - lo, left=lo, color=colors[tol], height=0.7)
+        for yi, r, exact, passed, measured in zip(y, w["ratio"], w["exact"], w["passed"], w["measured"]):
+            if exact:
+                txt = "exact: measured 0 ✓" if passed else f"exact: measured {measured:g}, must be 0 ✗"
+                ax.annotate(txt, (lo, yi), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7,
+                            color=PASS_COLOR if passed else FAIL_COLOR, fontweight="bold")
+                continue
+            txt = "0" if r == 0 else ("NaN" if not np.isfinite(r) else f"{r:.1g}")
+            ax.annotate(txt, (max(min(r, hi), lo), yi), xytext=(3, 0), textcoords="offset points",
+                        va="center", fontsize=7)
+        ax.set_yticks(y, [g if len(g) <= 70 else g[:67] + "..." for g in w.index], fontsize=7.5)
+        ax.set_xscale("log")
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(-0.7, len(w) - 0.3)
+        ax.axvline(1.0, color="black", lw=1.2)
+        ax.text(1.15, 0.99, "threshold", transform=ax.get_xaxis_transform(), va="top", fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+        ax.tick_params(labelbottom=True)
+    axes[-1, 0].set_xlabel("measured error / threshold (dimensionless, log scale; below 1 passes)")
     return _finish(fig, "Correctness gate: every check's error against its threshold", df,
-                   "Bars: worst error in each check family, in multiples of its threshold; green passes, red fails.")
+                   "Bars: each check's error in multiples of its threshold (per-parameter checks: the worst "
+                   "parameter); green passes, red fails.")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -245,15 +269,17 @@ def alloc_cost(df: pd.DataFrame) -> Figure:
             rel.plot(s["size_bytes"], s["ratio_vs_cupy_pool"], **kw)
     _size_axis(ax, sizes)
     ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("request size (bytes, log scale)")
     ax.set_ylabel("µs per alloc/free pair (log scale; lower is faster)")
-    ax.set_title("Cost of `a = cupy.empty(n); del a`, one thread")
+    ax.set_title("Cost of a = cupy.empty(n, uint8); del a, one thread")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="best")
     _size_axis(rel, sizes)
-    rel.axhline(1.0, color=style("cupy_pool")["color"], lw=1.6)
-    rel.text(sizes[0], 1.0, " CuPy MemoryPool = 1", color=style("cupy_pool")["color"], va="bottom", fontsize=8)
+    rel.axhline(1.0, color=style("cupy_pool")["color"], lw=1.6, label="CuPy MemoryPool = 1")
+    rel.legend(fontsize=8, loc="best")
     rel.set_xlabel("request size (bytes, log scale)")
     rel.set_ylabel("time per pair / CuPy MemoryPool's (below 1: faster)")
     rel.set_title("Relative to the default CuPy pool (raw cudaMalloc left out: off the scale)")
@@ -316,8 +342,8 @@ def single_gpu(df: pd.DataFrame) -> Figure:
         ("tokens_per_s", "tokens per second (higher is better)", "Training throughput", _fmt_si, False),
         ("gpu_util_mean", "mean GPU utilisation (%)", "GPU busy (NVML utilisation, mean over timed steps)",
          lambda v: f"{v:.0f}%", False),
-        ("device_mallocs_per_step", "cudaMalloc calls per step (log scale; 0 drawn at the axis)",
-         "Device mallocs per training step (after warm-up)", lambda v: f"{v:.3g}", True),
+        ("device_mallocs_per_step", "cudaMalloc calls per step (log scale)",
+         "Device mallocs per training step (after warm-up)", lambda v: f"{v:.4g}", True),
         ("reserved_over_requested", "peak reserved / peak requested bytes",
          "Memory overhead: reserved vs requested at the peak", lambda v: f"{v:.2f}", False),
     ]
@@ -333,13 +359,16 @@ def single_gpu(df: pd.DataFrame) -> Figure:
         ax.set_xticklabels([f"batch {b}" for b in t.index])
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=10)
+        if col == "tokens_per_s":
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _fmt_si(v)))
+        if log:
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         if col == "reserved_over_requested":
             ax.axhline(1.0, color="black", lw=0.8)
             ax.set_ylim(bottom=min(0.9, float(np.nanmin(t.to_numpy())) - 0.05))
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside upper center", ncol=min(len(labels), 4), fontsize=9)
     return _finish(fig, "One GPU: the small GPT's training step under each allocator", df,
-                   "Medians over timed steps after warm-up; batch 4 is bound by Python dispatch, batch 32 by the GPU.")
+                   "Medians over the timed steps after warm-up; a pool's 0 mallocs per step are drawn as a stub.",
+                   legend_from=axes[0][0])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -368,6 +397,7 @@ def ddp_scaling(df: pd.DataFrame) -> Figure:
     modes = _modes(d)
     fig, axes = _figure(2, len(modes), size=(6.5 * len(modes), 8.5), sharey="row")
     worlds = sorted(d["world"].unique())
+    ends = []                                 # (column, world, speedup, colour) of each line's last point
     for j, mode in enumerate(modes):
         m = _median(d[d["mode"] == mode], ["allocator", "world"], ["tokens_per_s", "speedup"])
         top, bottom = axes[0][j], axes[1][j]
@@ -378,8 +408,7 @@ def ddp_scaling(df: pd.DataFrame) -> Figure:
             top.plot(s["world"], s["tokens_per_s"], **kw)
             bottom.plot(s["world"], s["speedup"], **kw)
             last = s.iloc[-1]
-            bottom.annotate(f"{last['speedup']:.2f}×", (last["world"], last["speedup"]), xytext=(6, 0),
-                            textcoords="offset points", va="center", fontsize=8, color=st["color"])
+            ends.append((j, last["world"], last["speedup"], st["color"]))
         bottom.plot(worlds, worlds, color="black", ls="--", lw=0.8, label="ideal (linear)")
         top.set_title(MODES.get(mode, mode), fontsize=11)
         for ax in (top, bottom):
@@ -387,16 +416,17 @@ def ddp_scaling(df: pd.DataFrame) -> Figure:
             ax.set_xlabel("GPUs")
             ax.grid(alpha=0.3)
             ax.set_xlim(min(worlds) - 0.2, max(worlds) + 0.5)
-        top.set_ylim(bottom=0)
-        bottom.set_ylim(bottom=0)
         top.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _fmt_si(v)))
+    axes[0][0].set_ylim(0, 1.08 * d["tokens_per_s"].max())
+    axes[1][0].set_ylim(0, 1.08 * max(d["speedup"].max(), max(worlds)))
+    for j in range(len(modes)):
+        _end_labels(axes[1][j], [(w, v, c) for jj, w, v, c in ends if jj == j], lambda v: f"{v:.2f}×")
     axes[0][0].set_ylabel("tokens per second, all GPUs (higher is better)")
     axes[1][0].set_ylabel("speedup over the same allocator on 1 GPU (×)")
-    handles, labels = axes[1][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside upper center", ncol=min(len(labels), 5), fontsize=9)
     batch = ", ".join(str(b) for b in sorted(d["batch"].unique())) if "batch" in d else "?"
     return _finish(fig, "Several GPUs: data-parallel training throughput and speedup", df,
-                   f"Batch {batch} per GPU; gradients all-reduced with NCCL each step.")
+                   f"Batch {batch} per GPU; gradients all-reduced with NCCL each step.", legend_from=axes[1][0],
+                   ncol=3)
 
 
 def ddp_before_after(df: pd.DataFrame) -> Figure:
@@ -423,9 +453,7 @@ def ddp_before_after(df: pd.DataFrame) -> Figure:
     sp.set_title(f"Speedup on {world} GPUs: before (raw cudaMalloc) → after (a pool)", fontsize=10)
     ut.set_title(f"GPU utilisation on {world} GPUs", fontsize=10)
     ut.set_ylim(0, 110)
-    handles, labels = sp.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside upper center", ncol=min(len(labels), 4), fontsize=9)
-    return _finish(fig, f"{world} GPUs: what the allocator changes", df)
+    return _finish(fig, f"{world} GPUs: what the allocator changes", df, legend_from=sp)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -448,11 +476,11 @@ def memory_waste(df: pd.DataFrame) -> Figure:
                                                           "whole run")):
         waste = 100 * (d[col].to_numpy(dtype=float) - 1)
         bars = ax.bar(x + off, waste, w, color=color, label=label)
-        _label_bars(ax, bars, lambda v: f"{v:.1f}%", fontsize=8.5)
+        _label_bars(ax, bars, lambda v: f"{v:.1f}%" if v >= 1 else f"{v:.2g}%", fontsize=8.5)
     ax.set_xticks(x, [f"k = {k}" for k in d.index])
     ax.set_xlabel("size classes per doubling above 1 MiB (xpool's classes_per_doubling)")
     ax.set_ylabel("waste: bytes beyond the request (% of requested)")
-    ax.set_title("Fewer classes waste more memory; more classes reuse blocks less often", fontsize=10)
+    ax.set_title("Bytes the pool holds beyond what the arrays asked for (lower is better)", fontsize=10)
     ax.set_ylim(bottom=0)
     ax.margins(y=0.15)
     ax.grid(axis="y", alpha=0.3)
@@ -469,55 +497,58 @@ def _requested_in_use(tl: pd.DataFrame) -> np.ndarray:
 
 
 def memory_timeline(df: pd.DataFrame, step: int | None = None) -> Figure:
-    """Bytes reserved, in use and requested over the recorded run, and zoomed on one training step."""
+    """Bytes reserved, in use and requested over the recorded run (by event), and over one step (in time)."""
     tl = df
     if "k" in tl and tl["k"].nunique() > 1:
         tl = tl[tl["k"] == tl["k"].iloc[0]]
-    tl = tl.sort_values("t_s", kind="stable").reset_index(drop=True)
+    tl = tl.reset_index(drop=True)               # the CSV keeps the timeline's own (recorded) order
     req = _requested_in_use(tl) / 2**30
     steps = sorted(tl["step"].unique()) if "step" in tl else [0]
     step = steps[-1] if step is None else step
     fig, axes = _figure(2, 1, size=(12, 8.5))
     whole, zoom = axes[0][0], axes[1][0]
 
-    def draw(ax, sel, t0, unit, scale):
-        t = (tl["t_s"][sel] - t0) * scale
-        ax.fill_between(t, 0, tl["bytes_in_use"][sel] / 2**30, step="post", color="#fdae6b", alpha=0.8,
+    def draw(ax, sel, x):
+        ax.fill_between(x, 0, tl["bytes_in_use"][sel] / 2**30, step="post", color="#fdae6b", alpha=0.8,
                         label="in use: size-class bytes of live blocks")
-        ax.step(t, req[sel.to_numpy()], where="post", color="#2171b5", lw=1.2,
-                label="requested by live arrays")
-        ax.step(t, tl["bytes_reserved"][sel] / 2**30, where="post", color="#d62728", lw=2,
+        ax.step(x, req[sel.to_numpy()], where="post", color="#2171b5", lw=1.2, label="requested by live arrays")
+        ax.step(x, tl["bytes_reserved"][sel] / 2**30, where="post", color="#d62728", lw=2,
                 label="reserved from the device (in use + cached)")
-        miss = sel & (tl["event"] == "alloc_miss")
-        if miss.any():
-            ax.plot((tl["t_s"][miss] - t0) * scale, tl["bytes_reserved"][miss] / 2**30, "|", color="black",
-                    ms=7, label=f"cudaMalloc (pool miss): {int(miss.sum())}")
-        ax.set_xlabel(f"time ({unit})")
+        miss = (tl["event"][sel] == "alloc_miss").to_numpy()
+        if miss.any():          # a rug along the top: where the pool had to call cudaMalloc
+            ax.plot(np.asarray(x)[miss], np.full(int(miss.sum()), 0.985), "|", color="black", ms=6, alpha=0.5,
+                    transform=ax.get_xaxis_transform(), label="cudaMalloc (a pool miss), rug along the top")
         ax.set_ylabel("GiB")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
 
-    all_rows = pd.Series(True, index=tl.index)
-    draw(whole, all_rows, tl["t_s"].iloc[0], "s", 1.0)
+    everything = pd.Series(True, index=tl.index)
+    draw(whole, everything, tl.index.to_numpy())
+    whole.set_xlabel("allocator events (allocs and frees), in order")
     if "step" in tl:
         for s in steps:
-            rows = tl[tl["step"] == s]
-            if s >= 0 and len(rows):
-                whole.axvline(rows["t_s"].iloc[0], color="0.5", lw=0.6, ls=":")
-                whole.text(rows["t_s"].iloc[0], 1.0, f" step {s}", transform=whole.get_xaxis_transform(),
-                           fontsize=7, va="top", color="0.35")
-    whole.set_title("Whole recording: model setup, then training steps (dotted lines: step starts)", fontsize=10)
-    whole.legend(fontsize=8, loc="upper left")
-    sel = tl["step"] == step if "step" in tl else all_rows
+            first = tl.index[tl["step"] == s]
+            if len(first):
+                whole.axvline(first[0], color="0.4", lw=0.8, ls=":")
+                whole.text(first[0], 0.03, "setup " if s < 0 else f" step {s}", transform=whole.get_xaxis_transform(),
+                           fontsize=8, va="bottom", ha="right" if s < 0 else "left", color="0.25")
+    whole.set_title("Whole recording: building the model and optimizer, then training steps "
+                    "(dotted lines: where each begins)", fontsize=10)
+    whole.legend(fontsize=8, loc="best")
+    sel = tl["step"] == step if "step" in tl else everything
     if sel.any():
-        draw(zoom, sel, tl["t_s"][sel].iloc[0], "ms from the step's start", 1e3)
+        t = tl["t_s"][sel]
+        draw(zoom, sel, ((t - t.iloc[0]) * 1e3).to_numpy())
+        zoom.set_xlabel("time from the step's first allocation (ms, host clock)")
         n_alloc = int((sel & tl["event"].isin(["alloc_hit", "alloc_miss"])).sum())
-        zoom.set_title(f"One training step (step {step}): {n_alloc} allocations", fontsize=10)
+        n_miss = int((sel & (tl["event"] == "alloc_miss")).sum())
+        zoom.set_title(f"The recorded training step (step {step}): {n_alloc} allocations, {n_miss} cudaMalloc",
+                       fontsize=10)
     else:
         _empty(zoom, f"no events in step {step}")
     k = int(tl["k"].iloc[0]) if "k" in tl else None
-    return _finish(fig, "Device memory over one training step, from xpool's allocation timeline", df,
-                   f"xpool with {k} size class(es) per doubling." if k else "")
+    return _finish(fig, "Device memory during training, from xpool's allocation timeline", df,
+                   f"xpool with {k} size class{'es' if k != 1 else ''} per doubling." if k else "")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import weakref
 
 from . import _core
 from .debug import DEFAULT_TAIL, DebugHook
-from .errors import OutOfMemoryError
+from .errors import make_error
 from .sizeclass import check_classes_per_doubling, check_nbytes
 from .stats import Snapshot, frame
 from .timeline import events_frame
@@ -66,7 +66,7 @@ class Pool:
             classes_per_doubling = int(os.environ.get(ENV_CLASSES, "1"))
         self.classes_per_doubling = check_classes_per_doubling(classes_per_doubling)
         self.backend = backend
-        self._core = _core.Allocator(backend, OutOfMemoryError, self.classes_per_doubling, 0,
+        self._core = _core.Allocator(backend, make_error, self.classes_per_doubling, 0,
                                      _stream_fn)
         self._hook = None
         self.set_debug(_debug_mode(debug))
@@ -93,8 +93,9 @@ class Pool:
     def _device(self, device):
         if device is None:
             return self.backend.current_device()
-        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < _core.MAX_DEVICES:
-            raise ValueError(f"device must be an int in [0, {_core.MAX_DEVICES}), got {device!r}")
+        n = min(self.backend.device_count(), _core.MAX_DEVICES)
+        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < n:
+            raise ValueError(f"device must be an int in [0, {n}) on this machine, got {device!r}")
         return device
 
     def _stream(self, stream):
