@@ -39,7 +39,7 @@ def bench_gpu(cfg, steps, warmup, allocators):
     rows = []
     try:
         for name in allocators:
-            cupy.cuda.set_allocator(make_allocator(name))
+            cupy.cuda.set_allocator(make_allocator(name)[0])
             row = time_training(cupy, cfg, steps, warmup, cupy.cuda.Device().synchronize)
             free, total = cupy.cuda.runtime.memGetInfo()
             rows.append(dict(allocator=name, **row, device_used_gib=(total - free) / 2**30))
