@@ -1,0 +1,330 @@
+"""Training-experiment logic on a CPU: flatten round trip, host all-reduce, the checks (and that they fail
+when they should), rows and ratios, counters, the sampler, the --cpu-smoke CLI. Quick GPU runs are marked."""
+import gc
+import math
+import threading
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from xpool.experiments import __main__ as cli
+from xpool.experiments import allocators, ddp, nvml, train
+from xpool.gpt import GPT, AdamW, load_corpus
+
+TINY = train.make_config("tiny")
+
+
+# --- flatten / unflatten
+
+def test_flatten_unflatten_round_trip_with_loss():
+    rng = np.random.default_rng(0)
+    grads = {"a": rng.normal(size=(3, 4)), "b": rng.normal(size=(5,)), "c": rng.normal(size=(2, 1, 2))}
+    loss = np.array(2.5)
+    flat = train.flatten(grads, loss)
+    assert flat.shape == (12 + 5 + 4 + 1,)
+    back, back_loss = train.unflatten(flat, grads)
+    assert list(back) == list(grads)
+    for k in grads:
+        assert back[k].shape == grads[k].shape
+        np.testing.assert_array_equal(back[k], grads[k])
+        assert np.shares_memory(back[k], flat)          # views: scaling the buffer scales the grads
+    assert float(back_loss) == 2.5
+
+
+def test_unflatten_without_loss_gives_none():
+    grads = {"w": np.ones((2, 2), np.float32)}
+    back, loss = train.unflatten(train.flatten(grads), grads)
+    assert loss is None and back["w"].dtype == np.float32
+
+
+# --- host communicator
+
+def test_host_comm_allreduce_sums_and_bcast_copies_rank0():
+    world = 3
+    comm = train.HostComm(world)
+
+    def rank(r):
+        buf = np.full(4, float(r + 1))
+        comm.rank(r).allreduce(buf)
+        b = np.full(2, float(r))
+        comm.rank(r).bcast(b, 0)
+        return buf, b
+
+    out = train.run_threads(world, rank)
+    for buf, b in out:
+        np.testing.assert_array_equal(buf, np.full(4, 6.0))
+        np.testing.assert_array_equal(b, np.zeros(2))
+
+
+def test_fenced_meets_before_and_waits_after_each_collective():
+    calls = []
+
+    class Comm:
+        def allreduce(self, buf):
+            calls.append("allreduce")
+
+        def bcast(self, buf, root=0):
+            calls.append(f"bcast{root}")
+
+    f = train.Fenced(Comm(), lambda: calls.append("barrier"), lambda: calls.append("sync"))
+    f.allreduce(None)
+    f.bcast(None, 0)
+    assert calls == ["barrier", "allreduce", "sync", "barrier", "bcast0", "sync"]
+
+
+def test_merge_ranks_gathers_each_allocators_runs():
+    per_rank = [[dict(allocator=a, counted_steps=3, timed=[f"t{a}{r}"], counted=[f"c{a}{r}"]) for a in "xy"]
+                for r in range(2)]
+    merged = ddp.merge_ranks(per_rank)
+    assert [m["allocator"] for m in merged] == ["x", "y"]
+    assert merged[1]["timed"] == ["ty0", "ty1"] and merged[0]["counted"] == ["cx0", "cx1"]
+
+
+def test_run_threads_reraises_a_rank_failure():
+    def fn(r):
+        if r == 1:
+            raise ValueError("boom")
+        return r
+
+    with pytest.raises(RuntimeError, match="rank 1"):
+        train.run_threads(2, fn)
+
+
+# --- checks
+
+def test_loss_rel_diff():
+    assert train.loss_rel_diff([1.0, 2.0], [1.0, 2.0]) == 0.0
+    assert train.loss_rel_diff([1.0, 2.0 + 2e-6], [1.0, 2.0]) == pytest.approx(1e-6)
+    assert train.loss_rel_diff([1.0, 2.0, 9.0], [1.0, 2.0]) == 0.0          # the common prefix
+    assert math.isnan(train.loss_rel_diff([1.0, float("nan")], [1.0, 2.0]))
+
+
+def test_checks_fail_when_they_should():
+    assert train.checks_passed(0.0, 0.0)
+    assert train.checks_passed(1e-7, 9e-7)
+    assert train.checks_passed(None, None)                     # nothing checked
+    assert not train.checks_passed(2e-6, 0.0)                  # loss off
+    assert not train.checks_passed(0.0, 1e-6)                  # params must be strictly under 1e-6
+    assert not train.checks_passed(math.nan, None)             # a diverged loss never passes
+    assert not train.checks_passed(None, math.nan)
+
+
+# --- the data-parallel step on NumPy: matches one process on the global batch
+
+def test_ddp_on_host_threads_matches_single_process_on_global_batch():
+    data = load_corpus()
+    ref = ddp.reference_losses(TINY, data, batch=8, steps=3, warmup=1, cpu=True)
+    (m,) = ddp.threads_mode(2, ("numpy",), TINY, data, batch=4, steps=3, warmup=1, count_steps=1, cpu=True,
+                            progress=False)
+    assert len(m["timed"]) == 2
+    row = train.build_row("threads", m, 2, 4, TINY, 3, 1, ref_losses=ref)
+    assert row["loss_rel_diff_max"] < 1e-12 and row["param_rank_diff_max"] < 1e-12
+    assert row["checks_passed"]
+
+
+class NoAverage:
+    """A broken communicator: each rank keeps its own gradients (no all-reduce), bcast works."""
+
+    def __init__(self, host_rank):
+        self.host = host_rank
+
+    def allreduce(self, buf):
+        pass
+
+    def bcast(self, buf, root=0):
+        self.host.bcast(buf, root)
+
+
+def test_checks_catch_a_missing_allreduce():
+    data = load_corpus()
+    ref = ddp.reference_losses(TINY, data, batch=8, steps=3, warmup=1, cpu=True)
+    host = train.HostComm(2)
+    alloc = allocators.make("numpy")
+    timed = train.run_threads(2, lambda r: train.run_rank(
+        alloc, TINY, data, 4, 3, 1, rank=r, world=2, comm=NoAverage(host.rank(r))))
+    m = dict(allocator="numpy", timed=timed, counted=timed, counted_steps=3)
+    row = train.build_row("threads", m, 2, 4, TINY, 3, 1, ref_losses=ref)
+    assert row["loss_rel_diff_max"] > 1e-6
+    assert row["param_rank_diff_max"] > 1e-6
+    assert not row["checks_passed"]
+
+
+def test_train_step_without_comm_is_plain_training():
+    data = load_corpus()
+    model = GPT(TINY, seed=0)
+    opt = AdamW(model.params)
+    before = {k: v.copy() for k, v in model.params.items()}
+    x, y = __import__("xpool.gpt", fromlist=["get_batch"]).get_batch(data, 2, TINY.block_size, 0)
+    loss = train.train_step(model, opt, x, y)
+    assert np.isfinite(float(loss))
+    assert any(not np.array_equal(before[k], model.params[k]) for k in before)
+
+
+# --- rows and ratios
+
+def fake_measure(name, seconds, world=1, mallocs=(0,), counted_steps=10, reserved=(100,), requested=(80,)):
+    timed = [dict(rank=r, device=r, seconds=seconds, device_mallocs=mallocs[r], util={r: 90.0 + r},
+                  losses=[5.0, 4.0], param_rank_diff=0.0 if world > 1 else None,
+                  peak_reserved=reserved[r], peak_requested=requested[r], n_params=123) for r in range(world)]
+    return dict(allocator=name, timed=timed, counted=timed, counted_steps=counted_steps)
+
+
+def test_build_row_formulas():
+    cfg = train.make_config("small")
+    m = fake_measure("xpool_k1", 2.0, world=2, mallocs=(3, 1), reserved=(110, 120), requested=(100, 100))
+    row = train.build_row("threads", m, 2, 8, cfg, steps=10, warmup=2, ref_losses=[5.0, 4.0])
+    assert row["tokens_per_s"] == pytest.approx(2 * 8 * cfg.block_size * 10 / 2.0)
+    assert row["ms_per_step"] == pytest.approx(200.0)
+    assert row["device_mallocs_per_step"] == pytest.approx(4 / (10 * 2))      # per GPU per step
+    assert row["peak_reserved_bytes"] == 120 and row["peak_requested_bytes"] == 100
+    assert row["reserved_over_requested"] == pytest.approx(1.2)
+    assert row["gpu_util_mean"] == pytest.approx(90.5)
+    assert row["loss_rel_diff_max"] == 0.0 and row["checks_passed"]
+    assert row["count_steps"] == 10
+
+
+def test_build_row_without_counters_gives_nan():
+    m = fake_measure("cupy_async", 1.0, mallocs=(None,), reserved=(None,), requested=(None,))
+    row = train.build_row("single", m, 1, 4, TINY, 5, 1)
+    assert math.isnan(row["device_mallocs_per_step"]) and math.isnan(row["reserved_over_requested"])
+    assert math.isnan(row["loss_rel_diff_max"]) and row["checks_passed"]
+
+
+def test_frame_ratios_and_column_order():
+    rows = []
+    for mode, world, name, secs in [("threads", 1, "raw", 3.0), ("threads", 1, "cupy_pool", 1.0),
+                                    ("threads", 1, "xpool_k1", 0.9), ("threads", 2, "xpool_k1", 0.5),
+                                    ("threads", 2, "raw", 3.0), ("processes", 2, "cupy_pool", 0.5)]:
+        m = fake_measure(name, secs, world=world, mallocs=(0,) * world, reserved=(1,) * world,
+                         requested=(1,) * world)
+        rows.append({**train.build_row(mode, m, world, 32, TINY, 10, 2), "gpu": "fake", "commit": "abc"})
+    df = train.frame(rows)
+    assert list(df.columns[:len(train.COLUMNS)]) == train.COLUMNS and "gpu" in df.columns
+    get = df.set_index(["mode", "allocator", "world"])
+    assert get.loc[("threads", "xpool_k1", 2), "speedup"] == pytest.approx(2 * 0.9 / 0.5)
+    assert get.loc[("threads", "xpool_k1", 1), "speedup_vs_raw"] == pytest.approx(3.0 / 0.9)
+    assert get.loc[("threads", "xpool_k1", 1), "ratio_vs_cupy_pool"] == pytest.approx(1.0 / 0.9)
+    assert math.isnan(get.loc[("processes", "cupy_pool", 2), "speedup"])      # no world-1 row
+    assert math.isnan(get.loc[("threads", "xpool_k1", 2), "ratio_vs_cupy_pool"])
+
+
+def test_configs():
+    assert train.make_config(None).n_layer == 12 and train.make_config("small").n_layer == 4
+    assert train.make_config({"n_layer": 1, "n_head": 1, "n_embd": 8, "n_ffn": 8}).n_layer == 1
+    with pytest.raises(ValueError):
+        train.make_config("huge")
+
+
+# --- counters and the sampler
+
+def test_unknown_allocator_is_named():
+    with pytest.raises(ValueError, match="known"):
+        allocators.make("jemalloc")
+
+
+def test_raw_counter_sees_free_through_owner_death():
+    live = allocators._Live()
+    live._allocated(0, 100)
+    owner = allocators._Freed(live, 0, 100, memptr=None)
+    live._allocated(0, 50)
+    del owner
+    gc.collect()
+    assert live.mallocs[0] == 2 and live.live[0] == 50 and live.peak[0] == 150
+
+
+def test_cupy_hook_counts_device_mallocs_and_requested_bytes():
+    pytest.importorskip("cupy")
+    hook = allocators._hook_class()()
+    hook.alloc_preprocess(device_id=0, mem_size=1024)
+    hook.malloc_postprocess(device_id=0, size=1000, mem_size=1024, mem_ptr=1, pmem_id=11)
+    hook.malloc_postprocess(device_id=0, size=10, mem_size=512, mem_ptr=2, pmem_id=12)
+    hook.free_postprocess(device_id=0, mem_size=1024, mem_ptr=1, pmem_id=11)
+    hook.malloc_postprocess(device_id=0, size=20, mem_size=512, mem_ptr=3, pmem_id=13)
+    assert hook.live.mallocs[0] == 1
+    assert hook.live.peak[0] == 1010 and hook.live.live[0] == 30
+
+
+def test_window_counts_and_times():
+    counter = iter([5, 9])
+    calls = []
+    w = train.Window(lambda: next(counter), lambda: calls.append("sync"), lambda: calls.append("barrier"))
+    with w:
+        pass
+    assert w.device_mallocs == 4 and w.seconds >= 0 and calls == ["sync", "barrier", "sync", "barrier"]
+
+
+def test_sampler_means_per_device():
+    readings = iter([{0: 50.0, 1: 10.0}, {0: 100.0, 1: 30.0}] + [{0: 75.0, 1: 20.0}] * 1000)
+    s = nvml.UtilSampler([0, 1], interval=0.001, read=lambda: next(readings))
+    with s:
+        threading.Event().wait(0.02)
+    assert set(s.means) == {0, 1} and 50.0 <= s.means[0] <= 100.0 and 10.0 <= s.means[1] <= 30.0
+
+
+def test_sampler_without_nvml_gives_nan():
+    s = nvml.UtilSampler([0], read=None)
+    s._read = None
+    s.start()
+    assert math.isnan(s.stop()[0])
+
+
+# --- the CLI
+
+def test_cpu_smoke_single_writes_the_schema(tmp_path):
+    out = tmp_path / "single.csv"
+    assert cli.main(["single", "--cpu-smoke", "--no-progress", "--out", str(out)]) == 0
+    df = pd.read_csv(out)
+    assert list(df.columns[:len(train.COLUMNS)]) == train.COLUMNS
+    assert set(df["mode"]) == {"single"} and set(df["world"]) == {1} and df["checks_passed"].all()
+    for col in ("gpu", "driver", "cuda", "cupy", "commit", "date"):
+        assert col in df.columns
+
+
+def test_cpu_smoke_ddp_has_the_same_schema(tmp_path):
+    out = tmp_path / "ddp.csv"
+    assert cli.main(["ddp", "--cpu-smoke", "--no-progress", "--out", str(out)]) == 0
+    df = pd.read_csv(out)
+    assert list(df.columns[:len(train.COLUMNS)]) == train.COLUMNS
+    assert sorted(df["world"]) == [1, 2] and df["checks_passed"].all()
+    assert (df["loss_rel_diff_max"] < 1e-12).all()
+    assert df.loc[df.world == 1, "speedup"].iloc[0] == 1.0
+
+
+def test_quick_and_smoke_flags():
+    a = cli.parse(["single", "--quick"])
+    assert (a.steps, a.warmup) == (5, 2)
+    b = cli.parse(["ddp", "--cpu-smoke"])
+    assert b.config == "tiny" and b.out is None
+
+
+def test_without_gpu_the_cli_says_so(capsys):
+    from xpool.provenance import has_gpu
+    if has_gpu():
+        pytest.skip("a GPU is visible")
+    assert cli.main(["single", "--quick", "--no-progress"]) == 2
+    assert cli.main(["ddp", "--quick", "--no-progress"]) == 2
+    assert "needs" in capsys.readouterr().err
+
+
+# --- quick real runs
+
+@pytest.mark.gpu
+def test_single_gpu_quick(tmp_path):
+    from xpool.experiments import single_gpu
+    df = single_gpu.run(allocators=("raw", "cupy_pool", "xpool_k1"), batches=(4,), steps=3, warmup=2,
+                        count_steps=2, config="small", out=tmp_path / "s.csv", progress=False)
+    by = df.set_index("allocator")
+    assert by.loc["xpool_k1", "device_mallocs_per_step"] == 0
+    assert by.loc["raw", "device_mallocs_per_step"] > 0
+    assert by.loc["raw", "reserved_over_requested"] == 1.0
+    assert by.loc["cupy_pool", "peak_requested_bytes"] > 0
+    assert df["checks_passed"].all()
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("mode", ["threads", "processes"])
+def test_ddp_quick(tmp_path, mode):
+    df = ddp.run(modes=(mode,), worlds=(1, 2), allocators=("xpool_k1",), batch=4, steps=3, warmup=2,
+                 count_steps=2, config="small", out=tmp_path / "d.csv", progress=False)
+    assert len(df) == 2 and df["checks_passed"].all()

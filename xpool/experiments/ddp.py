@@ -1,0 +1,277 @@
+"""Data-parallel training over 1..N GPUs (global batch = per-GPU batch x N), NCCL all-reduce of gradients.
+
+Two modes, the same allocators:
+- threads: one process, one Python thread per GPU, one NCCL communicator per thread
+  (ncclCommInitRank from each thread, NCCL's one-device-per-thread pattern; the calls release the GIL).
+  The all-reduce is fenced (train.Fenced): unfenced, a cudaMalloc/cudaFree during it deadlocks.
+- processes: one process per GPU, started by `mpirun` (mpi4py) where it exists, else by multiprocessing
+  spawn; each rank loops over the allocators itself, so launch, CUDA and NCCL start-up are paid once.
+
+Every run carries its checks: the loss curve against a single-GPU run on the same global batch
+(loss_rel_diff_max <= 1e-6) and the parameters across ranks after the run (param_rank_diff_max < 1e-6).
+NVLink multicast stays off: NCCL_NVLS_ENABLE=0 in every process.
+
+    df = ddp.run(worlds=(1, 2))                   # writes data/ddp_scaling.csv
+    python -m xpool.experiments ddp --worlds 1 2 --modes threads processes
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+
+from xpool.gpt import GPTConfig, load_corpus
+from xpool.provenance import provenance
+
+from . import allocators as registry
+from . import train
+
+ALLOCATORS = ("raw", "cupy_pool", "xpool_k1", "xpool_k4")
+BARRIER_TIMEOUT = 600      # seconds: a rank that waits longer than this has lost a peer
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def no_multicast() -> None:
+    """NCCL_NVLS_ENABLE=0 for this process and every process it starts (multicast can wedge shared GPUs)."""
+    if os.environ.get("NCCL_NVLS_ENABLE", "0") != "0":
+        warnings.warn("NCCL_NVLS_ENABLE was set to something other than 0; setting it to 0")
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+
+
+class NcclComm:
+    """Sum all-reduce and broadcast of one CuPy array, in place, on the current stream."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    @staticmethod
+    def _dtype(a):
+        from cupy.cuda import nccl
+        return {"float32": nccl.NCCL_FLOAT32, "float64": nccl.NCCL_FLOAT64}[a.dtype.name]
+
+    def allreduce(self, buf):
+        import cupy
+        from cupy.cuda import nccl
+        self.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._dtype(buf), nccl.NCCL_SUM,
+                            cupy.cuda.get_current_stream().ptr)
+
+    def bcast(self, buf, root=0):
+        import cupy
+        self.comm.bcast(buf.data.ptr, buf.size, self._dtype(buf), root, cupy.cuda.get_current_stream().ptr)
+
+
+def reference_losses(cfg, data, batch, steps, warmup, cpu=False) -> list:
+    """The single-GPU loss curve on the same global batch (GPU 0, CuPy's pool): what DDP must match."""
+    xp = _xp(cpu)
+    with (contextlib.nullcontext() if cpu else xp.cuda.Device(0)):
+        _, (r,) = train.fresh_run("numpy" if cpu else "cupy_pool",
+                                  lambda alloc, n: [train.run_rank(alloc, cfg, data, batch, n, warmup, xp=xp)],
+                                  steps, False, [0])
+    return r["losses"]
+
+
+def _xp(cpu):
+    if cpu:
+        import numpy
+        return numpy
+    import cupy
+    return cupy
+
+
+# --- threads: one process, a thread per GPU
+
+def threads_mode(world, names, cfg, data, batch, steps, warmup, count_steps, cpu=False, progress=True):
+    """measure() results for each allocator, with `world` threads (NCCL on GPUs, HostComm on NumPy)."""
+    from tqdm.auto import tqdm
+    xp = _xp(cpu)
+    device_ctx = None if cpu else xp.cuda.Device
+    if cpu:
+        host = train.HostComm(world)
+        comms, sampler = [host.rank(r) for r in range(world)], None
+    else:
+        from cupy.cuda import nccl
+
+        from .nvml import UtilSampler
+        uid = nccl.get_unique_id()
+        comms = train.run_threads(world, lambda r: NcclComm(nccl.NcclCommunicator(world, uid, r)), device_ctx)
+        sampler = UtilSampler(range(world))          # rank 0 starts and stops it for all GPUs
+    barrier = threading.Barrier(world, timeout=BARRIER_TIMEOUT)
+    fenced = [train.Fenced(comms[r], barrier.wait, train.synchronizer(xp, r)) for r in range(world)]
+
+    def run_ranks(alloc, n):
+        return train.run_threads(world, lambda r: train.run_rank(
+            alloc, cfg, data, batch, n, warmup, xp=xp, device=r, rank=r, world=world, comm=fenced[r],
+            barrier=barrier.wait, sampler=sampler if r == 0 else None), device_ctx)
+
+    try:
+        return [train.measure(name, run_ranks, steps, count_steps, range(world))
+                for name in tqdm(names, desc=f"threads x{world}", disable=not progress)]
+    finally:
+        if not cpu:
+            train.run_threads(world, lambda r: comms[r].comm.destroy(), device_ctx)
+
+
+# --- processes: one process per GPU
+
+def rank_main(rank, world, uid, spec, barrier) -> list:
+    """One rank of the processes mode: every allocator in turn on GPU `rank`; its measure() results."""
+    no_multicast()
+    import cupy
+    from cupy.cuda import nccl
+    from tqdm.auto import tqdm
+
+    from .nvml import UtilSampler
+    cfg, data = GPTConfig(**spec["config"]), load_corpus()
+    with cupy.cuda.Device(rank):
+        comm = NcclComm(nccl.NcclCommunicator(world, uid, rank))
+        sampler = UtilSampler([rank])
+
+        def run_ranks(alloc, n):
+            return [train.run_rank(alloc, cfg, data, spec["batch"], n, spec["warmup"], xp=cupy, device=rank,
+                                   rank=rank, world=world, comm=comm, barrier=barrier, sampler=sampler)]
+
+        try:
+            return [train.measure(name, run_ranks, spec["steps"], spec["count_steps"], [rank])
+                    for name in tqdm(spec["allocators"], desc=f"processes x{world}",
+                                     disable=rank != 0 or not spec.get("progress", True))]
+        finally:
+            comm.comm.destroy()
+
+
+def worker_main(spec_path) -> None:
+    """Entry point of an `mpirun`-launched rank: NCCL id from rank 0, results gathered to rank 0's file."""
+    from mpi4py import MPI
+    from cupy.cuda import nccl
+    with open(spec_path, "rb") as f:
+        spec = pickle.load(f)
+    c = MPI.COMM_WORLD
+    uid = c.bcast(nccl.get_unique_id() if c.rank == 0 else None, root=0)
+    results = c.gather(rank_main(c.rank, c.size, uid, spec, c.Barrier), root=0)
+    if c.rank == 0:
+        with open(spec["result_path"], "wb") as f:
+            pickle.dump(results, f)
+
+
+def _spawned_rank(rank, world, uid, spec, barrier, queue):
+    import traceback
+    try:
+        queue.put((rank, rank_main(rank, world, uid, spec, lambda: barrier.wait(BARRIER_TIMEOUT)), None))
+    except BaseException:             # noqa: BLE001 - the parent reports it
+        queue.put((rank, None, traceback.format_exc()))
+
+
+def pick_launcher(launcher="auto") -> str:
+    """'mpirun' when it and mpi4py are there (the standard launcher), else 'spawn'."""
+    if launcher != "auto":
+        return launcher
+    return "mpirun" if shutil.which("mpirun") and importlib.util.find_spec("mpi4py") else "spawn"
+
+
+def launch(world, spec, launcher="auto") -> list:
+    """Start `world` rank processes; their results, indexed [rank][allocator]."""
+    launcher = pick_launcher(launcher)
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0",
+               PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
+    with tempfile.TemporaryDirectory(prefix="xpool-ddp-") as tmp:
+        spec = dict(spec, result_path=os.path.join(tmp, "results.pkl"))
+        if launcher == "mpirun":
+            spec_path = os.path.join(tmp, "spec.pkl")
+            with open(spec_path, "wb") as f:
+                pickle.dump(spec, f)
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+            cmd = ["mpirun", "-np", str(world), "--oversubscribe", "--bind-to", "none",
+                   "-x", "NCCL_NVLS_ENABLE", "-x", "PYTHONPATH",
+                   sys.executable, "-m", "xpool.experiments", "worker", spec_path]
+            if os.geteuid() == 0:
+                cmd.insert(1, "--allow-run-as-root")
+            subprocess.run(cmd, env=env, check=True, timeout=BARRIER_TIMEOUT * 2)
+            with open(spec["result_path"], "rb") as f:
+                return pickle.load(f)
+        if launcher == "spawn":
+            return _spawn(world, spec, env)
+    raise ValueError(f"unknown launcher {launcher!r}; use auto, mpirun or spawn")
+
+
+def _spawn(world, spec, env):
+    import multiprocessing as mp
+    import queue as queue_module
+
+    from cupy.cuda import nccl
+    ctx = mp.get_context("spawn")
+    queue, barrier = ctx.Queue(), ctx.Barrier(world)
+    uid = nccl.get_unique_id()
+    os.environ["PYTHONPATH"] = env["PYTHONPATH"]     # spawned children inherit os.environ
+    procs = [ctx.Process(target=_spawned_rank, args=(r, world, uid, spec, barrier, queue), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = [None] * world
+    try:
+        for _ in range(world):
+            while True:
+                try:
+                    rank, result, error = queue.get(timeout=10)
+                    break
+                except queue_module.Empty:
+                    dead = [p for p in procs if p.exitcode not in (None, 0)]
+                    if dead:
+                        raise RuntimeError(f"rank process exited with {dead[0].exitcode}") from None
+            if error:
+                raise RuntimeError(f"rank {rank} failed:\n{error}")
+            results[rank] = result
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    return results
+
+
+def merge_ranks(per_rank: list) -> list:
+    """[rank][allocator] measure() results -> one per allocator, with every rank's run in timed/counted."""
+    out = []
+    for i, first in enumerate(per_rank[0]):
+        out.append(dict(allocator=first["allocator"], counted_steps=first["counted_steps"],
+                        timed=[r[i]["timed"][0] for r in per_rank],
+                        counted=[r[i]["counted"][0] for r in per_rank]))
+    return out
+
+
+def run(modes=("threads", "processes"), worlds=(1, 2), allocators=ALLOCATORS, batch=32, steps=30, warmup=5,
+        count_steps=3, config=None, launcher="auto", out="data/ddp_scaling.csv", cpu=False, progress=True):
+    """Data-parallel tokens/s, speedup over world 1, utilisation, mallocs, peaks and checks; one row per
+    (mode, allocator, world). cpu=True: threads mode on NumPy with HostComm (tests the code, measures nothing)."""
+    no_multicast()
+    if cpu:
+        modes, allocators = tuple(m for m in modes if m == "threads"), ("numpy",)
+    else:
+        registry.require_gpus(max(worlds), "ddp.run")
+    cfg, data = train.make_config(config), load_corpus()
+    spec = dict(allocators=list(allocators), batch=batch, steps=steps, warmup=warmup, count_steps=count_steps,
+                config=dataclasses.asdict(cfg), progress=progress)
+    rows = []
+    for world in worlds:
+        ref = reference_losses(cfg, data, batch * world, steps, warmup, cpu)
+        for mode in modes:
+            if mode == "threads":
+                results, how = threads_mode(world, allocators, cfg, data, batch, steps, warmup, count_steps, cpu,
+                                            progress), "threads"
+            elif mode == "processes":
+                how = pick_launcher(launcher)
+                results = merge_ranks(launch(world, spec, how))
+            else:
+                raise ValueError(f"unknown mode {mode!r}; use threads or processes")
+            for m in results:
+                row = train.build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=ref, launcher=how,
+                                      config=train.config_name(config))
+                rows.append({**row, **provenance(experiment="ddp")})
+            train.write_csv(train.frame(rows), out)      # what is done survives a later failure
+    return train.frame(rows)

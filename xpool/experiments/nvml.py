@@ -1,0 +1,68 @@
+"""GPU utilisation over a time window, sampled by NVML in a background thread.
+
+    with UtilSampler([0, 1]) as s:
+        ...                               # the timed steps
+    s.means                               # {0: 97.1, 1: 96.4}: mean % per CUDA device (NaN without NVML)
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+
+def nvml_reader(devices):
+    """A function returning {device: utilisation %} now, or None when NVML cannot be used.
+
+    CUDA and NVML may number GPUs differently, so handles are found by PCI bus id.
+    """
+    try:
+        import pynvml
+        from cupy.cuda import runtime
+        pynvml.nvmlInit()
+        handles = {d: pynvml.nvmlDeviceGetHandleByPciBusId(runtime.deviceGetPCIBusId(d)) for d in devices}
+    except Exception:
+        return None
+    return lambda: {d: float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu) for d, h in handles.items()}
+
+
+class UtilSampler:
+    """Reads `read()` every `interval` seconds between start() and stop(); `means` is the mean per device."""
+
+    def __init__(self, devices, interval: float = 0.025, read=None):
+        self.devices = list(devices)
+        self.interval = interval
+        self._read = read if read is not None else nvml_reader(self.devices)
+        self.means = {}
+        self._samples, self._stop, self._thread = [], threading.Event(), None
+
+    def start(self) -> "UtilSampler":
+        self._samples, self.means = [], {}
+        if self._read is not None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, daemon=True, name="nvml-sampler")
+            self._thread.start()
+        return self
+
+    def _loop(self):
+        while not self._stop.wait(self.interval):
+            self._samples.append(self._read())
+
+    def stop(self) -> dict:
+        """Stop sampling; {device: mean %} over the window (NaN for every device without NVML)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            if not self._samples:            # a window shorter than one interval: read once
+                self._samples.append(self._read())
+        self.means = {d: mean([s[d] for s in self._samples]) for d in self.devices}
+        return self.means
+
+    __enter__ = start
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def mean(values) -> float:
+    return sum(values) / len(values) if values else math.nan
