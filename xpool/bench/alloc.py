@@ -22,7 +22,7 @@ from xpool.experiments.allocators import KIB, MIB, NoGPU
 SIZES = (4 * KIB, 64 * KIB, MIB, 12 * MIB, 96 * MIB)
 THREADS = (1, 4, 8)
 THREAD_SIZE = 64 * KIB
-ALLOCATORS = ("raw", "cupy_pool", "cupy_async", "xpool_k1", "xpool_k4", "noop")
+ALLOCATORS = ("raw", "cupy_pool", "cupy_async", "xpool_k1", "xpool_k4", "xpool_k1_debug", "noop", "c_noop")
 COUNTED = ("raw", "cupy_pool", "xpool_k1", "xpool_k4")
 COLUMNS = ["allocator", "sweep", "size_bytes", "threads", "us_per_pair", "us_per_pair_min", "us_per_pair_max",
            "kpairs_per_s", "kpairs_per_s_max", "ratio_vs_cupy_pool", "device_mallocs_per_pair", "pairs", "repeats"]
@@ -97,7 +97,7 @@ def measure(allocators=ALLOCATORS, sizes=SIZES, threads=THREADS, repeats=7, targ
     import pandas as pd
     from tqdm.auto import tqdm
     cases = [("size", n, 1) for n in sizes] + [("threads", THREAD_SIZE, t) for t in threads]
-    allocs = {a: registry.make(a, **({"capacity": max(sizes)} if a == "noop" else {})) for a in allocators}
+    allocs = {a: registry.make(a, **({"capacity": max(sizes)} if a.endswith("noop") else {})) for a in allocators}
     pairs, samples = {}, []
     for name in tqdm(allocators, desc="warm-up", disable=not progress):
         with _installed(allocs[name]):

@@ -239,11 +239,11 @@ class XPool(Allocator):
 
     free_counting = True
 
-    def __init__(self, classes_per_doubling: int = 1):
+    def __init__(self, classes_per_doubling: int = 1, debug=None):
         import xpool
         super().__init__()
-        self.name = f"xpool_k{classes_per_doubling}"
-        self.pool = xpool.MemoryPool(classes_per_doubling)
+        self.name = f"xpool_k{classes_per_doubling}" + ("_debug" if debug else "")
+        self.pool = xpool.MemoryPool(classes_per_doubling, debug=debug or False)
 
     def malloc_fn(self):
         return self.pool.malloc
@@ -288,6 +288,21 @@ class Noop(Allocator):
         self.block = None
 
 
+class CNoop(Noop):
+    """The floor of CuPy's C-callback path (CFunctionAllocator), which xpool.MemoryPool uses:
+    a C allocator that hands out one pre-made block and does nothing on free."""
+
+    name = "c_noop"
+
+    def malloc_fn(self):
+        from cupy.cuda.memory import CFunctionAllocator
+
+        from xpool import _core
+        param, malloc, free = _core.noop_cfunctions(self.block.ptr)
+        self.cfa = CFunctionAllocator(param, malloc, free, self.block)
+        return self.cfa.malloc
+
+
 class Host(Allocator):
     """NumPy stand-in for --cpu-smoke and tests: installs nothing, counts nothing."""
 
@@ -301,15 +316,17 @@ class Host(Allocator):
         pass
 
 
-FACTORIES = {"raw": Raw, "cupy_pool": CupyPool, "cupy_async": CupyAsync, "noop": Noop, "numpy": Host}
-NAMES = ("raw", "cupy_pool", "cupy_async", "xpool_k1", "xpool_k4", "noop", "numpy")   # xpool_kN: any N
+FACTORIES = {"raw": Raw, "cupy_pool": CupyPool, "cupy_async": CupyAsync, "noop": Noop, "c_noop": CNoop,
+             "numpy": Host}
+NAMES = ("raw", "cupy_pool", "cupy_async", "xpool_k1", "xpool_k4", "xpool_k1_debug", "noop", "c_noop",
+         "numpy")   # xpool_kN: any N
 
 
 def make(name: str, **kwargs) -> Allocator:
     """A fresh allocator by name: raw, cupy_pool, cupy_async, xpool_k<N>, noop, numpy."""
-    m = re.fullmatch(r"xpool_k(\d+)", name)
+    m = re.fullmatch(r"xpool_k(\d+)(_debug)?", name)
     if m:
-        return XPool(int(m.group(1)), **kwargs)
+        return XPool(int(m.group(1)), debug="raise" if m.group(2) else None, **kwargs)
     if name not in FACTORIES:
         raise ValueError(f"unknown allocator {name!r}; known: {', '.join(NAMES)} (xpool_k<N> for any N)")
     return FACTORIES[name](**kwargs)
