@@ -27,7 +27,10 @@ ALLOCATORS = {
     "cupy_async": dict(label="CuPy MemoryAsyncPool", color="#6baed6", marker="s", ls="-", lw=1.4),
     "xpool_k1": dict(label="xpool, 1 class per doubling", color="#d62728", marker="D", ls="-", lw=2.6),
     "xpool_k4": dict(label="xpool, 4 classes per doubling", color="#ff7f0e", marker="^", ls="--", lw=2.6),
-    "noop": dict(label="floor: allocator doing no work", color="#000000", marker="", ls=":", lw=1.2),
+    "xpool_k1_debug": dict(label="xpool, debug mode (poison + canaries)", color="#9467bd", marker="v", ls="-.",
+                           lw=1.6),
+    "noop": dict(label="floor: Python allocator doing no work", color="#000000", marker="", ls=":", lw=1.2),
+    "c_noop": dict(label="floor: C allocator doing no work", color="#555555", marker="", ls="--", lw=1.2),
 }
 _OTHER_COLORS = ["#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22"]
 MODES = {"single": "one GPU", "threads": "one thread per GPU (one process)",
@@ -76,8 +79,9 @@ def provenance_summary(df: pd.DataFrame) -> dict:
 
 
 def _machine(p: dict) -> str:
-    gpu = "no GPU (CPU only)" if p["gpu"] == "none" else p["gpu"]
-    return (f"{gpu} · driver {p['driver']} · CUDA {p['cuda']} · CuPy {p['cupy']} · commit {p['commit']} · "
+    if p["gpu"] == "none":
+        return f"a CPU, no GPU (NumPy) · CuPy {p['cupy']} · commit {p['commit']} · {p['date']}"
+    return (f"{p['gpu']} · driver {p['driver']} · CUDA {p['cuda']} · CuPy {p['cupy']} · commit {p['commit']} · "
             f"{p['date']}")
 
 
@@ -111,7 +115,7 @@ def _finish(fig, title: str, df: pd.DataFrame, note: str = "", legend_from=None,
     return fig
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             v = n / scale
@@ -119,7 +123,7 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _fmt_si(v: float) -> str:
+def fmt_si(v: float) -> str:
     for suffix, scale in (("M", 1e6), ("k", 1e3)):
         if abs(v) >= scale:
             return f"{v / scale:.3g}{suffix}"
@@ -134,10 +138,10 @@ def _label_bars(ax, bars, fmt, fontsize=7.5):
                         ha="center", va="bottom", fontsize=fontsize)
 
 
-def _grouped_bars(ax, table: pd.DataFrame, fmt=_fmt_si, log=False):
+def _grouped_bars(ax, table: pd.DataFrame, fmt=fmt_si, log=False):
     """Bars of table (rows: groups on the x axis, columns: allocators), labelled with their values."""
     allocs = list(table.columns)
-    width = 0.8 / max(len(allocs), 1)
+    width = min(0.8 / max(len(allocs), 1), 0.22)      # few allocators: keep bars bar-shaped
     x = np.arange(len(table.index))
     for i, a in enumerate(allocs):
         st = style(a)
@@ -146,13 +150,14 @@ def _grouped_bars(ax, table: pd.DataFrame, fmt=_fmt_si, log=False):
                       edgecolor="black" if a.startswith("xpool") else "none", linewidth=0.8)
         _label_bars(ax, bars, fmt)
     ax.set_xticks(x)
+    ax.set_xlim(-0.5, len(x) - 0.5)
     if log:
         ax.set_yscale("log")
     ax.margins(y=0.15)
     ax.grid(axis="y", alpha=0.3)
 
 
-def _end_labels(ax, points, fmt, min_gap=0.045):
+def _end_labels(ax, points, fmt, min_gap=0.045, log_x=False):
     """Label line ends (x, y, colour) to their right, nudged apart so close values stay readable."""
     lo, hi = ax.get_ylim()
     xlo, xhi = ax.get_xlim()
@@ -161,7 +166,8 @@ def _end_labels(ax, points, fmt, min_gap=0.045):
     for x, y, color in sorted(points, key=lambda p: p[1]):
         ty = max(y, placed[-1] + gap) if placed else y
         placed.append(ty)
-        ax.text(x + 0.02 * (xhi - xlo), ty, fmt(y), va="center", fontsize=8, color=color)
+        tx = x * (xhi / xlo) ** 0.02 if log_x else x + 0.02 * (xhi - xlo)
+        ax.text(tx, ty, fmt(y), va="center", fontsize=8, color=color)
     return placed
 
 
@@ -189,14 +195,21 @@ def _check_group(name: str) -> str:
     return f"{head} (worst parameter)" if head and _PARAM.match(last) else name
 
 
+def with_device(df: pd.DataFrame) -> pd.DataFrame:
+    """A copy with a `device` column ('cpu'/'gpu') filled in where a CSV lacks it, from the array module."""
+    df = df.copy()
+    guess = (df["xp"].astype(str) == "cupy").map({True: "gpu", False: "cpu"}) if "xp" in df else "cpu"
+    df["device"] = df["device"].fillna(guess) if "device" in df else guess
+    return df
+
+
 def correctness(df: pd.DataFrame) -> Figure:
     """Each check's measured error as a multiple of its threshold (log scale; left of 1 passes).
 
     Exact checks (threshold 0: bitwise identity, mismatch counts) get a row with their verdict instead of
     a bar. Per-parameter checks collapse to their worst parameter. One panel per device ('cpu', 'gpu').
     """
-    df = df.copy()
-    df["device"] = df["device"] if "device" in df else "cpu"
+    df = with_device(df)
     devices = list(pd.unique(df["device"]))
     df["group"] = df["check"].map(_check_group)
     df["ratio"] = np.where(df["threshold"] > 0, df["measured"] / df["threshold"].where(df["threshold"] > 0), 0.0)
@@ -249,14 +262,16 @@ def correctness(df: pd.DataFrame) -> Figure:
 
 def _size_axis(ax, sizes):
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [_fmt_bytes(s) for s in sizes])
+    ax.set_xticks(sizes, [fmt_bytes(s) for s in sizes])
     ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def alloc_cost(df: pd.DataFrame) -> Figure:
-    """µs per alloc/free pair against request size (one thread), and each allocator relative to CuPy's pool."""
+    """µs per alloc/free pair against request size (one thread), and each allocator's time over CuPy's pool's."""
     one = df[df["threads"] == df["threads"].min()]
-    m = _median(one, ["allocator", "size_bytes"], ["us_per_pair", "ratio_vs_cupy_pool"])
+    m = _median(one, ["allocator", "size_bytes"], ["us_per_pair"])
+    ref = m[m["allocator"] == "cupy_pool"].set_index("size_bytes")["us_per_pair"]
+    m["time_vs_cupy_pool"] = m["us_per_pair"] / m["size_bytes"].map(ref)
     sizes = sorted(m["size_bytes"].unique())
     fig, axes = _figure(1, 2, size=(13, 5.2))
     ax, rel = axes[0]
@@ -265,8 +280,8 @@ def alloc_cost(df: pd.DataFrame) -> Figure:
         st = style(a)
         kw = dict(color=st["color"], marker=st["marker"], ls=st["ls"], lw=st["lw"], label=st["label"])
         ax.plot(s["size_bytes"], s["us_per_pair"], **kw)
-        if a not in ("raw", "cupy_pool") and "ratio_vs_cupy_pool" in s and s["ratio_vs_cupy_pool"].notna().any():
-            rel.plot(s["size_bytes"], s["ratio_vs_cupy_pool"], **kw)
+        if a not in ("raw", "cupy_pool") and s["time_vs_cupy_pool"].notna().any():
+            rel.plot(s["size_bytes"], s["time_vs_cupy_pool"], **kw)
     _size_axis(ax, sizes)
     ax.set_yscale("log")
     ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
@@ -276,17 +291,21 @@ def alloc_cost(df: pd.DataFrame) -> Figure:
     ax.set_ylabel("µs per alloc/free pair (log scale; lower is faster)")
     ax.set_title("Cost of a = cupy.empty(n, uint8); del a, one thread")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8, loc="best")
     _size_axis(rel, sizes)
-    rel.axhline(1.0, color=style("cupy_pool")["color"], lw=1.6, label="CuPy MemoryPool = 1")
-    rel.legend(fontsize=8, loc="best")
+    if len(ref):
+        rel.axhline(1.0, color=style("cupy_pool")["color"], lw=1.6)
+        rel.text(0.99, 1.0, "CuPy MemoryPool = 1", transform=rel.get_yaxis_transform(), ha="right", va="bottom",
+                 fontsize=8, color=style("cupy_pool")["color"])
+        rel.set_ylim(bottom=0)
+    else:
+        _empty(rel, "CuPy MemoryPool not measured: no reference")
     rel.set_xlabel("request size (bytes, log scale)")
     rel.set_ylabel("time per pair / CuPy MemoryPool's (below 1: faster)")
     rel.set_title("Relative to the default CuPy pool (raw cudaMalloc left out: off the scale)")
-    rel.set_ylim(bottom=0)
     rel.grid(alpha=0.3)
     return _finish(fig, "Allocator cost per allocation: xpool against CuPy's pools and raw cudaMalloc", df,
-                   "Median over repeats; each point times many alloc/free pairs through CuPy's array path.")
+                   "Median over repeats; each point times many alloc/free pairs through CuPy's array path.",
+                   legend_from=ax)
 
 
 def _thread_size(df, size_bytes):
@@ -304,24 +323,25 @@ def alloc_threads(df: pd.DataFrame, size_bytes: int | None = None) -> Figure:
     threads = sorted(s["threads"].unique())
     fig, axes = _figure(1, 1, size=(9, 5.2))
     ax = axes[0][0]
+    ends = []
     for a in ordered(s["allocator"].unique()):
         t = s[s["allocator"] == a].sort_values("threads")
         st = style(a)
         ax.plot(t["threads"], t["kpairs_per_s"], color=st["color"], marker=st["marker"] or "o", ls=st["ls"],
                 lw=st["lw"], label=st["label"])
         last = t.iloc[-1]
-        ax.annotate(f"{last['kpairs_per_s']:.0f}", (last["threads"], last["kpairs_per_s"]), xytext=(5, 0),
-                    textcoords="offset points", va="center", fontsize=8, color=st["color"])
+        ends.append((last["threads"], last["kpairs_per_s"], st["color"]))
     ax.set_xscale("log", base=2)
     ax.set_xticks(threads, [str(t) for t in threads])
     ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, 1.08 * s["kpairs_per_s"].max())
+    ax.set_xlim(min(threads) / 1.15, max(threads) * 1.3)
+    _end_labels(ax, ends, lambda v: f"{v:.0f}k", log_x=True)
     ax.set_xlabel("threads allocating on the same GPU")
     ax.set_ylabel("thousand alloc/free pairs per second (all threads)")
-    ax.set_title(f"{_fmt_bytes(size)} requests; higher is better, flat or rising means no lock contention")
+    ax.set_title(f"{fmt_bytes(size)} requests; higher is better, flat or rising means no lock contention")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    return _finish(fig, "Several threads on one GPU: allocation throughput", df)
+    return _finish(fig, "Several threads on one GPU: allocation throughput", df, legend_from=ax, ncol=3)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -339,7 +359,7 @@ def single_gpu(df: pd.DataFrame) -> Figure:
     d = df[df["mode"] == "single"] if "mode" in df and (df["mode"] == "single").any() else df
     fig, axes = _figure(2, 2, size=(13, 8.5))
     panels = [
-        ("tokens_per_s", "tokens per second (higher is better)", "Training throughput", _fmt_si, False),
+        ("tokens_per_s", "tokens per second (higher is better)", "Training throughput", fmt_si, False),
         ("gpu_util_mean", "mean GPU utilisation (%)", "GPU busy (NVML utilisation, mean over timed steps)",
          lambda v: f"{v:.0f}%", False),
         ("device_mallocs_per_step", "cudaMalloc calls per step (log scale)",
@@ -360,7 +380,7 @@ def single_gpu(df: pd.DataFrame) -> Figure:
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=10)
         if col == "tokens_per_s":
-            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _fmt_si(v)))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt_si(v)))
         if log:
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         if col == "reserved_over_requested":
@@ -416,7 +436,7 @@ def ddp_scaling(df: pd.DataFrame) -> Figure:
             ax.set_xlabel("GPUs")
             ax.grid(alpha=0.3)
             ax.set_xlim(min(worlds) - 0.2, max(worlds) + 0.5)
-        top.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _fmt_si(v)))
+        top.yaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt_si(v)))
     axes[0][0].set_ylim(0, 1.08 * d["tokens_per_s"].max())
     axes[1][0].set_ylim(0, 1.08 * max(d["speedup"].max(), max(worlds)))
     for j in range(len(modes)):

@@ -1,0 +1,254 @@
+"""Write notebooks/*.ipynb from the cell sources below: output-free, stable cell ids, diff-friendly.
+
+    python scripts/make_notebooks.py           # (re)write the notebooks
+    python scripts/make_notebooks.py --check   # exit 1 if a committed notebook differs from this script
+
+Each notebook is thin: a markdown header, one cell tagged `parameters` (literal, annotated, commented
+defaults, so `papermill --help-notebook` documents them), then calls into xpool, tables and figures.
+Edit the notebooks here, not in JupyterLab, and re-run this script.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import nbformat
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NB_DIR = ROOT / "notebooks"
+
+COMMON_PARAMS = '''\
+data_dir: str = ""  # folder of the CSVs (empty: the repository's data/)
+figures_dir: str = ""  # folder the figures are saved to (empty: the repository's figures/)'''
+
+SETUP = '''\
+import pandas as pd
+
+from xpool import notebook_utils as nbu
+from xpool import plots
+
+gpu = nbu.gpu_available()  # a GPU measures now; without one the committed CSVs are shown
+print(nbu.machine_line())'''
+
+HOW_TO_RUN = '''
+Interactive: run all cells in JupyterLab. Batch: `papermill notebooks/{name}.ipynb build/notebooks/{name}.ipynb -p NAME VALUE`
+(`papermill --help-notebook notebooks/{name}.ipynb` lists the parameters); `python -m xpool.report` runs every notebook.
+On a GPU machine the notebook measures and writes its CSV to `data/`; without a GPU it runs what the CPU can check,
+shows the committed CSV and says which machine and date it comes from, and skips a figure whose CSV is missing.'''
+
+NOTEBOOKS = {
+    "01_correctness": [
+        ("md", '''\
+# 01 · Correctness gate
+
+Every check of the training workload, one pass/fail table with the measured errors.
+On the CPU (NumPy): finite-difference gradients of every op and of the GPT loss (float64), float32 against
+float64, PyTorch parity (logits, loss, every gradient, AdamW steps), overfitting one batch, checkpoint round trip
+and bit-exact resume, batch consistency, and the closed loop from training to serving.
+On a GPU, in addition: the same checks on CuPy and the **bitwise transparency gate**: training under raw
+`cudaMalloc`, CuPy's pool and xpool must give identical losses and parameters, bit for bit.
+Results: `data/correctness_cpu.csv`, `data/correctness_gpu.csv`.
+''' + HOW_TO_RUN.format(name="01_correctness")),
+        ("params", '''\
+with_torch: bool = True  # PyTorch parity checks (needs torch)
+transparency_steps: int = 50  # GPU only: training steps per allocator in the bitwise transparency gate
+measure: bool = True  # on a GPU: run the GPU checks now and overwrite data/correctness_gpu.csv
+fail_on_error: bool = True  # the last cell raises if a check run here failed, so papermill and CI fail
+''' + COMMON_PARAMS),
+        ("code", SETUP),
+        ("md", "## Checks on the CPU (run now, written to `data/correctness_cpu.csv`)"),
+        ("code", '''\
+cpu_checks = nbu.run_correctness("cpu", with_torch=with_torch,
+                                 out=nbu.data_dir(data_dir) / "correctness_cpu.csv")'''),
+        ("md", "## Checks on a GPU (run now on a GPU machine, else the committed results)"),
+        ("code", '''\
+gpu_checks = nbu.load_or_measure("correctness_gpu", nbu.run_correctness, gpu, data_dir, measure,
+                                 device="gpu", transparency_steps=transparency_steps)'''),
+        ("md", "## Verdict"),
+        ("code", '''\
+checks = pd.concat([f for f in (cpu_checks, gpu_checks) if f is not None], ignore_index=True)
+nbu.correctness_summary(checks)'''),
+        ("code", 'nbu.table(checks, ["device", "check", "measured", "threshold", "passed"])'),
+        ("code", 'nbu.figure(plots.correctness, checks, "correctness", figures_dir)'),
+        ("md", "The gate: this cell raises, failing the notebook (and papermill, and CI), if a check run here failed."),
+        ("code", '''\
+if fail_on_error:
+    nbu.assert_all_passed(nbu.measured_here(cpu_checks, gpu_checks))'''),
+    ],
+    "02_allocator_microbench": [
+        ("md", '''\
+# 02 · Allocator microbenchmark
+
+Microseconds per `a = cupy.empty(n, uint8); del a` pair for each allocator and request size on one thread, and
+thousands of pairs per second with several threads allocating on one GPU. Peers: raw `cudaMalloc`/`cudaFree`,
+CuPy's `MemoryPool` (the default) and `MemoryAsyncPool`, and an allocator doing no work (the floor of CuPy's
+allocation path); xpool with 1 and 4 size classes per doubling.
+Measured by `python -m xpool.bench.alloc --out data/alloc_microbench.csv`.
+''' + HOW_TO_RUN.format(name="02_allocator_microbench")),
+        ("params", '''\
+quick: bool = False  # GPU only: fewer sizes and repeats (a smoke run, not numbers to quote)
+measure: bool = True  # on a GPU: measure now and overwrite data/alloc_microbench.csv
+threads_size_bytes: int = 65536  # request size of the thread-scaling table and figure (bytes)
+''' + COMMON_PARAMS),
+        ("code", SETUP),
+        ("code", '''\
+bench = nbu.load_or_measure("alloc_microbench", "xpool.bench.alloc:run", gpu, data_dir, measure,
+                            how_to_measure="python -m xpool.bench.alloc --out data/alloc_microbench.csv",
+                            quick=quick)'''),
+        ("md", "## One thread: µs per alloc/free pair (median over repeats; lower is faster)"),
+        ("code", 'nbu.pivot(bench, index="allocator", columns="size_bytes", values="us_per_pair", threads=1)'),
+        ("code", 'nbu.figure(plots.alloc_cost, bench, "alloc_cost", figures_dir)'),
+        ("md", "## Several threads on one GPU: thousand pairs per second, all threads together"),
+        ("code", '''\
+nbu.pivot(bench, index="allocator", columns="threads", values="kpairs_per_s", size_bytes=threads_size_bytes)'''),
+        ("code", 'nbu.figure(plots.alloc_threads, bench, "alloc_threads", figures_dir, size_bytes=threads_size_bytes)'),
+    ],
+    "03_single_gpu": [
+        ("md", '''\
+# 03 · One GPU: training throughput and memory
+
+The small GPT (12 layers, 384 wide, 256 tokens per sequence; every op makes a fresh array) trained under each
+allocator: tokens per second, mean GPU utilisation (NVML), device mallocs per step after warm-up, and peak memory
+reserved against requested. Measured by `xpool.experiments.single_gpu.run`, writing `data/single_gpu.csv`.
+''' + HOW_TO_RUN.format(name="03_single_gpu")),
+        ("params", '''\
+steps: int = 30  # timed steps per run
+warmup: int = 5  # untimed steps before the timed ones
+batches: list = [32, 4]  # batch sizes (sequences per step)
+allocators: list = ["raw", "cupy_pool", "xpool_k1", "xpool_k4"]  # allocators to compare
+measure: bool = True  # on a GPU: measure now and overwrite data/single_gpu.csv
+cpu_check: bool = True  # without a GPU: run the measuring code on NumPy with a tiny model (measures nothing)
+''' + COMMON_PARAMS),
+        ("code", SETUP),
+        ("md", "## Without a GPU: the measuring code itself, on NumPy (checks the code, measures nothing)"),
+        ("code", '''\
+if cpu_check and not gpu:
+    nbu.cpu_smoke("xpool.experiments.single_gpu:run", config="tiny", batches=(2,), steps=2, warmup=1,
+                  progress=False)'''),
+        ("md", "## Measurements"),
+        ("code", '''\
+runs = nbu.load_or_measure("single_gpu", "xpool.experiments.single_gpu:run", gpu, data_dir, measure,
+                           allocators=tuple(allocators), batches=tuple(batches), steps=steps, warmup=warmup)'''),
+        ("code", '''\
+nbu.table(runs, ["allocator", "batch", "tokens_per_s", "gpu_util_mean", "device_mallocs_per_step",
+                 "peak_reserved_bytes", "peak_requested_bytes", "reserved_over_requested"])'''),
+        ("code", 'nbu.figure(plots.single_gpu, runs, "single_gpu", figures_dir)'),
+    ],
+    "04_multi_gpu": [
+        ("md", '''\
+# 04 · Several GPUs: data-parallel scaling
+
+Data-parallel training of the same GPT on 1 and 2 GPUs, either one thread per GPU in one process (`threads`) or
+one process per GPU (`processes`), gradients all-reduced with NCCL every step: tokens per second, speedup over one
+GPU, GPU utilisation, before (raw `cudaMalloc`) and after (a pool).
+Measured by `xpool.experiments.ddp.run`, writing `data/ddp_scaling.csv`.
+''' + HOW_TO_RUN.format(name="04_multi_gpu")),
+        ("params", '''\
+modes: list = ["threads", "processes"]  # one thread per GPU in one process, and/or one process per GPU
+worlds: list = [1, 2]  # numbers of GPUs
+allocators: list = ["raw", "cupy_pool", "xpool_k1", "xpool_k4"]  # allocators to compare
+batch: int = 32  # sequences per GPU per step
+steps: int = 30  # timed steps per run
+measure: bool = True  # on a GPU machine: measure now and overwrite data/ddp_scaling.csv
+cpu_check: bool = True  # without a GPU: run the measuring code on NumPy with a tiny model (measures nothing)
+''' + COMMON_PARAMS),
+        ("code", SETUP),
+        ("md", "## Without a GPU: the data-parallel code on NumPy, ranks as threads (checks the code, measures nothing)"),
+        ("code", '''\
+if cpu_check and not gpu:
+    nbu.cpu_smoke("xpool.experiments.ddp:run", modes=("threads",), worlds=(1, 2), config="tiny", batch=2,
+                  steps=2, progress=False)'''),
+        ("md", "## Measurements"),
+        ("code", '''\
+scaling = nbu.load_or_measure("ddp_scaling", "xpool.experiments.ddp:run", gpu, data_dir, measure,
+                              modes=tuple(modes), worlds=tuple(worlds), allocators=tuple(allocators),
+                              batch=batch, steps=steps)'''),
+        ("md", "Speedup over the same allocator on one GPU:"),
+        ("code", 'nbu.pivot(scaling, index=["mode", "allocator"], columns="world", values="speedup")'),
+        ("md", "Tokens per second, all GPUs together:"),
+        ("code", 'nbu.pivot(scaling, index=["mode", "allocator"], columns="world", values="tokens_per_s")'),
+        ("code", 'nbu.figure(plots.ddp_scaling, scaling, "ddp_scaling", figures_dir)'),
+        ("code", 'nbu.figure(plots.ddp_before_after, scaling, "ddp_before_after", figures_dir)'),
+    ],
+    "05_memory": [
+        ("md", '''\
+# 05 · Memory: waste by size-class setting, and one step over time
+
+For k = 1, 2, 4, 8 size classes per doubling above 1 MiB: the bytes the classes hand out over the bytes requested
+(one training step's requests), and peak bytes reserved over peak bytes requested (the whole run). On a GPU:
+measured with xpool installed, plus the allocation timeline of the run (`data/memory_timeline.csv`).
+On any machine: the recorded requests and frees are replayed, in order, through xpool's core over a fake address
+space for every k. A program's requests do not depend on the allocator, so the replay reproduces each setting's
+decisions exactly; the table checks it against the GPU's own counters (`replay_exact`).
+''' + HOW_TO_RUN.format(name="05_memory")),
+        ("params", '''\
+ks: list = [1, 2, 4, 8]  # size classes per doubling to compare
+batch: int = 32  # GPU only: sequences per step in the recorded run
+warmup: int = 1  # GPU only: training steps before the recorded one
+measure: bool = True  # on a GPU: measure now and overwrite data/memory_waste.csv and data/memory_timeline.csv
+''' + COMMON_PARAMS),
+        ("code", SETUP + '''
+from xpool import memory_study'''),
+        ("code", '''\
+measured = nbu.load_or_measure("memory_waste", "xpool.memory_study:run", gpu, data_dir, measure,
+                               how_to_measure="python -m xpool.memory_study --out-dir data",
+                               ks=tuple(ks), batch=batch, warmup=warmup)
+timeline = nbu.load_csv("memory_timeline", data_dir)'''),
+        ("md", "## Replay of the recorded requests through xpool's core, for every k (runs on the CPU)"),
+        ("code", '''\
+replayed = memory_study.replay_waste(timeline, ks) if timeline is not None else None
+memory_study.waste_table(measured, replayed)'''),
+        ("code", '''\
+nbu.figure(plots.memory_waste, measured if measured is not None else replayed, "memory_waste", figures_dir)'''),
+        ("md", "## Memory over time: the whole recording, and one training step"),
+        ("code", 'nbu.figure(plots.memory_timeline, timeline, "memory_timeline", figures_dir)'),
+    ],
+}
+
+
+def build(name: str, cells) -> nbformat.NotebookNode:
+    """One notebook: stable ids (name-NN), no outputs, the parameters cell tagged."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata = {
+        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+        "language_info": {"name": "python"},
+    }
+    for i, (kind, source) in enumerate(cells):
+        if kind == "md":
+            cell = nbformat.v4.new_markdown_cell(source)
+        else:
+            cell = nbformat.v4.new_code_cell(source)
+            if kind == "params":
+                cell.metadata["tags"] = ["parameters"]
+        cell.id = f"{name.split('_')[0]}-{i:02d}"
+        nb.cells.append(cell)
+    nbformat.validate(nb)
+    return nb
+
+
+def render(name: str) -> str:
+    return nbformat.writes(build(name, NOTEBOOKS[name])) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="only compare; exit 1 if a notebook is out of date")
+    args = p.parse_args(argv)
+    NB_DIR.mkdir(exist_ok=True)
+    stale = []
+    for name in NOTEBOOKS:
+        path = NB_DIR / f"{name}.ipynb"
+        text = render(name)
+        if path.is_file() and path.read_text() == text:
+            continue
+        stale.append(path)
+        if not args.check:
+            path.write_text(text)
+    for path in stale:
+        print(f"{'out of date' if args.check else 'wrote'}: {path.relative_to(ROOT)}")
+    return 1 if (args.check and stale) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

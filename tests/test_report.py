@@ -1,0 +1,168 @@
+"""The report (headlines computed from the CSVs, one page, exit status) and the memory study's replay."""
+import pathlib
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import xpool
+from fixtures import synthetic
+from xpool import memory_study, report
+from xpool.memory_study import AddressSpaceBackend, replay, replay_waste, waste_table
+
+# ---------------------------------------------------------------------------------------------------------
+# Replay: a recorded trace through a fresh pool reproduces the pool's own decisions exactly
+
+
+def _record(k, seed=0, n=3000, devices=(0,), streams=(0,)):
+    """Random allocs and frees of GPT-like sizes through a real pool; returns (timeline, stats)."""
+    pool = xpool.Pool(AddressSpaceBackend(), classes_per_doubling=k, limit=0, debug=False, timeline=100_000)
+    rng = np.random.default_rng(seed)
+    sizes = [100, 4096, 70_000, 1 << 20, (1 << 20) + 1, 3 << 20, 5_000_000, 12_582_912, 50_331_649]
+    live = []
+    for _ in range(n):
+        if live and rng.random() < 0.47:
+            live.pop(int(rng.integers(len(live))))
+        else:
+            live.append(pool.allocate(int(rng.choice(sizes)) + int(rng.integers(0, 3000)),
+                                      device=int(rng.choice(devices)), stream=int(rng.choice(streams))))
+    stats = pool.stats()
+    tl = pool.timeline()
+    del live
+    return tl, stats
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_replay_of_a_synthetic_trace_reproduces_every_setting(k):
+    """The trace is recorded at k=1; replayed at k it must match a pool that ran the same program at k."""
+    trace, _ = _record(1, devices=(0, 1), streams=(0, 7))
+    _, truth = _record(k, devices=(0, 1), streams=(0, 7))
+    got = replay(trace, k)
+    for name in ("peak_bytes_reserved", "peak_bytes_requested", "device_mallocs", "requests"):
+        assert got[name] == int(truth[name].sum()), name
+    assert got["unmatched_frees"] == 0
+
+
+def test_replay_skips_frees_of_blocks_allocated_before_the_recording():
+    trace, _ = _record(1, n=400)
+    frees = trace.index[trace["event"] == "free"]
+    first_alloc_of_a_freed_block = trace.index[
+        trace["ptr"].isin(trace.loc[frees, "ptr"]) & trace["event"].str.startswith("alloc")][0]
+    cut = trace.drop(index=first_alloc_of_a_freed_block)
+    assert replay(cut, 1)["unmatched_frees"] >= 1
+
+
+def test_replay_waste_table():
+    trace, stats = _record(1)
+    w = replay_waste(trace, (1, 2, 4, 8))
+    assert list(w["k"]) == [1, 2, 4, 8] and (w["source"] == "replay").all()
+    assert (w["class_over_requested"] >= 1).all() and (w["reserved_over_requested"] >= 1).all()
+    # The classes of k are among those of 2k, so handing out bytes can only get tighter.
+    assert w["class_bytes"].is_monotonic_decreasing
+    assert w.loc[0, "peak_bytes_reserved"] == int(stats["peak_bytes_reserved"].sum())
+    measured = w.assign(source="measured")
+    t = waste_table(measured, w)
+    assert t["replay_exact"].all() and list(t["k"]) == [1, 2, 4, 8]
+    off = measured.assign(peak_bytes_reserved=measured["peak_bytes_reserved"] + 512)
+    assert not waste_table(off, w)["replay_exact"].any()
+    assert waste_table(None, None) is None
+
+
+def test_replay_uses_only_the_last_steps_requests_for_class_waste():
+    tl = synthetic.memory_timeline(steps=2)
+    w = replay_waste(tl, (1,))
+    last = tl[(tl["step"] == tl["step"].max()) & tl["event"].str.startswith("alloc")]
+    assert w.loc[0, "requests"] == len(last) and w.loc[0, "requested_bytes"] == last["requested"].sum()
+    assert w.loc[0, "gpu"] == synthetic.PROV["gpu"]          # the replay keeps the recording's provenance
+
+
+def test_replay_of_the_committed_timeline_matches_the_committed_waste():
+    """On any machine: the committed GPU measurements are reproduced exactly by the CPU replay."""
+    data = pathlib.Path(__file__).resolve().parents[1] / "data"
+    if not (data / "memory_timeline.csv").is_file() or not (data / "memory_waste.csv").is_file():
+        pytest.skip("no committed memory measurements yet")
+    measured = pd.read_csv(data / "memory_waste.csv")
+    replayed = replay_waste(pd.read_csv(data / "memory_timeline.csv"), tuple(measured["k"]))
+    assert waste_table(measured, replayed)["replay_exact"].all()
+
+
+@pytest.mark.gpu
+def test_recorded_gpu_timeline_replays_exactly():
+    cfg = dict(n_layer=2, n_head=2, n_embd=64, n_ffn=256, block_size=32, batch_size=4)
+    waste, timeline = memory_study.measure_waste((1, 4), config=cfg)
+    assert set(timeline["step"]) == {-1, 0, 1}
+    assert waste_table(waste, replay_waste(timeline, (1, 4)))["replay_exact"].all()
+    assert (timeline["step"] == 1).any() and not (timeline[timeline["step"] == 1]["event"] == "alloc_miss").any()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The report
+
+
+@pytest.fixture
+def synthetic_data(tmp_path):
+    data = tmp_path / "data"
+    synthetic.write_all(data)
+    synthetic.correctness("cpu").assign(gpu="none").to_csv(data / "correctness_cpu.csv", index=False)
+    return data
+
+
+def test_headlines_are_computed_from_the_csvs(synthetic_data):
+    heads = "\n".join(report.headlines(synthetic_data))
+    assert "CPU 6 of 6 checks pass" in heads and "GPU 6 of 6" in heads
+    assert "2.10 µs" in heads and "2.00 µs (xpool takes 1.05× CuPy's time)" in heads              # synthetic xpool_k1 / cupy_pool at 64 KiB
+    assert "raw 1.02× → xpool_k1 1.75×" in heads and "raw 1.50× → xpool_k1 1.93×" in heads
+    assert "3.02× raw cudaMalloc" in heads
+    assert "exactly for every k" in heads
+    # Change a CSV, and the headline follows.
+    df = pd.read_csv(synthetic_data / "ddp_scaling.csv")
+    df.loc[(df["mode"] == "threads") & (df["allocator"] == "xpool_k1") & (df["world"] == 2), "speedup"] = 1.99
+    df.to_csv(synthetic_data / "ddp_scaling.csv", index=False)
+    assert "xpool_k1 1.99×" in "\n".join(report.headlines(synthetic_data))
+
+
+def test_headlines_without_data(tmp_path):
+    assert report.headlines(tmp_path) == []
+    text = report.render(tmp_path, [], {}, tmp_path)
+    assert "No measurements" in text and "Not measured yet" in text
+
+
+def test_a_malformed_csv_costs_one_line_not_the_report(synthetic_data):
+    (synthetic_data / "single_gpu.csv").write_text("mode,allocator\nsingle,raw\n")
+    heads = report.headlines(synthetic_data)
+    assert any("could not compute" in h for h in heads) and any("Allocation cost" in h for h in heads)
+
+
+def test_main_writes_one_page_with_working_figure_links(synthetic_data, tmp_path):
+    rc = report.main(["--no-notebooks", "--data", str(synthetic_data), "--figures", str(tmp_path / "figures"),
+                      "--build", str(tmp_path / "build"), "--report-dir", str(tmp_path / "report")])
+    assert rc == 0
+    page = (tmp_path / "report" / "REPORT.md").read_text()
+    assert page == (tmp_path / "build" / "report.md").read_text()
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page)
+    assert len(links) == len(xpool.plots.FIGURES)
+    assert all((tmp_path / "report" / link).resolve().is_file() for link in links)
+    assert "SYNTHETIC GPU" in page                                   # the data table names the machines
+
+
+def test_main_fails_when_a_notebook_fails(synthetic_data, tmp_path, monkeypatch):
+    def fake_run(path, out_dir, parameters=None, timeout=0):
+        ok = not path.stem.startswith("03")
+        return dict(notebook=path.stem, ok=ok, seconds=0.0, output="", error="" if ok else "boom")
+
+    monkeypatch.setattr(report, "run_notebook", fake_run)
+    rc = report.main(["--cpu-quick", "--data", str(synthetic_data), "--figures", str(tmp_path / "figures"),
+                      "--build", str(tmp_path / "build"), "--report-dir", str(tmp_path / "report")])
+    assert rc == 1
+    assert "FAILED: boom" in (tmp_path / "report" / "REPORT.md").read_text()
+
+
+def test_cpu_quick_parameters_exist_in_the_notebooks():
+    import nbformat
+    from papermill.translators import PythonTranslator
+    for name, params in report.CPU_QUICK.items():
+        nb = nbformat.read(report.ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+        cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+        assert set(params) <= {p.name for p in PythonTranslator.inspect(cell)}, name
+        assert params["measure"] is False                     # CPU mode never measures, even on a GPU
