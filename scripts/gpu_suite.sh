@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and measurement of xpool in one call, for a lent GPU machine or your own.
-#   bash scripts/gpu_suite.sh [stage ...]   stages: bench single ddp correctness tests memory (default: all, in that order)
+#   bash scripts/gpu_suite.sh [stage ...]
+#   stages: bench single ddp correctness tests memory debugcost (default: all, in that order; about 11 minutes)
 # CSVs go to data/ (provenance in every row) and, after each stage, with the log to $OUT (default build/gpu),
 # so a run stopped by a time limit still returns what it finished.  STEPS/WARMUP size the training runs.
 set -uo pipefail
@@ -14,7 +15,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export XPOOL_COMMIT=${XPOOL_COMMIT:-$(cat .xpool_commit 2>/dev/null || git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 STEPS=${STEPS:-20}
 WARMUP=${WARMUP:-3}
-stages=${*:-bench single ddp correctness tests memory}
+stages=${*:-bench single ddp correctness tests memory debugcost}
 status=0
 
 stage() {   # stage NAME SECONDS CMD...: time-limited (a hang dumps every thread's stack), logged, CSVs copied out
@@ -37,7 +38,7 @@ TRAIN="--steps $STEPS --warmup $WARMUP --no-progress"
 
 for s in $stages; do
     case $s in
-        bench)       stage bench 150 $PY -m xpool.bench.alloc --out data/alloc_microbench.csv ||
+        bench)       stage bench 240 $PY -m xpool.bench.alloc --out data/alloc_microbench.csv ||
                      stage bench-peers-only 100 $PY -m xpool.bench.alloc --out data/alloc_microbench.csv \
                          --allocators raw cupy_pool cupy_async xpool_k1 xpool_k4 noop ;;
         single)      stage single 150 $PY -m xpool.experiments single $TRAIN --out data/single_gpu.csv ;;
@@ -46,6 +47,8 @@ for s in $stages; do
         tests)       stage tests 120 $PY -m pytest -q -p no:warnings -m "gpu or multigpu" \
                          tests/test_gpu_pool.py tests/test_gpt_gpu.py -k "not transparency_gate_raw" ;;
         memory)      stage memory 60 $PY -m xpool.memory_study --out data ;;
+        debugcost)   stage debugcost 120 $PY -m xpool.bench.alloc --out data/alloc_debug_cost.csv \
+                         --allocators cupy_pool xpool_k1 xpool_k1_debug --sizes 4096 1048576 --target-s 0.1 --repeats 3 ;;
         *) echo "unknown stage $s" | tee -a "$LOG"; status=1 ;;
     esac
 done

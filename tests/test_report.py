@@ -111,7 +111,7 @@ def synthetic_data(tmp_path):
 def test_headlines_are_computed_from_the_csvs(synthetic_data):
     heads = "\n".join(report.headlines(synthetic_data))
     assert "CPU 6 of 6 checks pass" in heads and "GPU 6 of 6" in heads
-    assert "2.10 µs" in heads and "2.00 µs (xpool takes 1.05× CuPy's time)" in heads              # synthetic xpool_k1 / cupy_pool at 64 KiB
+    assert "2.10 µs" in heads and "2.00 µs (xpool takes 1.05× CuPy's time" in heads              # synthetic xpool_k1 / cupy_pool at 64 KiB
     assert "raw 1.02× → xpool_k1 1.75×" in heads and "raw 1.50× → xpool_k1 1.93×" in heads
     assert "3.02× raw cudaMalloc" in heads
     assert "exactly for every k" in heads
@@ -166,3 +166,16 @@ def test_cpu_quick_parameters_exist_in_the_notebooks():
         cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
         assert set(params) <= {p.name for p in PythonTranslator.inspect(cell)}, name
         assert params["measure"] is False                     # CPU mode never measures, even on a GPU
+
+
+def test_targets_follow_the_csvs(synthetic_data):
+    rows = {r["target"]: r for r in report.targets(synthetic_data)}
+    key = "2 GPUs, one thread per GPU: xpool_k1 ≥ 1.85×"
+    assert rows[key]["measured"] == "1.75" and rows[key]["met"] is False
+    df = pd.read_csv(synthetic_data / "ddp_scaling.csv")
+    df.loc[(df["mode"] == "threads") & (df["allocator"] == "xpool_k1") & (df["world"] == 2), "speedup"] = 1.9
+    df.to_csv(synthetic_data / "ddp_scaling.csv", index=False)
+    rows = {r["target"]: r for r in report.targets(synthetic_data)}
+    assert rows[key]["met"] is True
+    text = report.render(synthetic_data, [], {}, synthetic_data)
+    assert "## Targets" in text and "| " + key in text

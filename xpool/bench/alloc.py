@@ -22,7 +22,9 @@ from xpool.experiments.allocators import KIB, MIB, NoGPU
 SIZES = (4 * KIB, 64 * KIB, MIB, 12 * MIB, 96 * MIB)
 THREADS = (1, 4, 8)
 THREAD_SIZE = 64 * KIB
-ALLOCATORS = ("raw", "cupy_pool", "cupy_async", "xpool_k1", "xpool_k4", "xpool_k1_debug", "noop", "c_noop")
+ALLOCATORS = ("raw", "cupy_pool", "cupy_async", "xpool_k1", "xpool_k4", "noop", "c_noop")
+# Debug mode syncs and copies whole blocks to the host on every pair: measure it on its own, small sizes, e.g.
+#   python -m xpool.bench.alloc --allocators cupy_pool xpool_k1 xpool_k1_debug --sizes 4096 1048576 --target-s 0.2
 COUNTED = ("raw", "cupy_pool", "xpool_k1", "xpool_k4")
 COLUMNS = ["allocator", "sweep", "size_bytes", "threads", "us_per_pair", "us_per_pair_min", "us_per_pair_max",
            "kpairs_per_s", "kpairs_per_s_max", "ratio_vs_cupy_pool", "device_mallocs_per_pair", "pairs", "repeats"]
@@ -206,12 +208,14 @@ def write_csv(df, out) -> None:
 
 
 def run(out="data/alloc_microbench.csv", quick=False, repeats=None, target_s=None, allocators=ALLOCATORS,
-        progress=True):
+        progress=True, sizes=SIZES):
     """Measure, summarise, print the table, write the CSV; returns the summary DataFrame."""
     registry.require_gpus(1, "xpool.bench.alloc")
-    repeats = repeats or (5 if quick else 7)
-    target_s = target_s or (0.005 if quick else 0.05)
-    samples, mallocs = measure(allocators, repeats=repeats, target_s=target_s, progress=progress)
+    repeats = repeats or (5 if quick else 9)
+    # 50 ms windows (the first H200 run) let the spread within one case reach 2x: time longer
+    target_s = target_s or (0.005 if quick else 0.25)
+    samples, mallocs = measure(allocators, sizes=tuple(sizes), repeats=repeats, target_s=target_s,
+                               progress=progress)
     df = with_provenance(summarize(samples, mallocs), repeats=repeats, target_s=target_s, quick=quick)
     print(table(df))
     if out:
@@ -226,11 +230,15 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer pairs and repeats: a smoke run")
     ap.add_argument("--repeats", type=int, help="repeats (default 7; 5 with --quick)")
     ap.add_argument("--allocators", nargs="+", default=list(ALLOCATORS))
+    ap.add_argument("--sizes", nargs="+", type=int, default=list(SIZES), help="request sizes in bytes")
+    ap.add_argument("--target-s", type=float, help="seconds per timed window (default 0.25; 0.005 with --quick)")
     args = ap.parse_args(argv)
     if "cupy_pool" not in args.allocators:
         ap.error("the ratios need cupy_pool among --allocators")
+    if any(n <= 0 for n in args.sizes):
+        ap.error("--sizes must be positive byte counts")
     try:
-        run(args.out, args.quick, args.repeats, allocators=tuple(args.allocators))
+        run(args.out, args.quick, args.repeats, args.target_s, allocators=tuple(args.allocators), sizes=args.sizes)
     except NoGPU as e:
         print(f"xpool.bench.alloc: {e}", file=sys.stderr)
         return 2

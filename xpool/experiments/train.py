@@ -318,6 +318,10 @@ def build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=None, launch
                         else sum(mallocs) / (m["counted_steps"] * world))     # per GPU per step
     reserved = _maximum(r["peak_reserved"] for r in counted)                    # per GPU: the largest
     requested = _maximum(r["peak_requested"] for r in counted)
+    if requested is not None and reserved is not None and requested > reserved:
+        # impossible (a pool never reserves less than is asked of it): a counting artefact, seen with CuPy's
+        # thread-local memory hooks at two threads; blank it rather than report it
+        requested = math.nan
     losses = timed[0]["losses"]
     loss_diff = loss_rel_diff(losses, ref_losses) if ref_losses is not None else None
     param_diffs = [r["param_rank_diff"] for r in timed if r["param_rank_diff"] is not None]
