@@ -118,3 +118,12 @@ def test_forked_child_gets_a_fresh_pool():
     os.waitpid(pid, 0)
     assert answer == b"ok"
     assert pool.allocate(4096).ptr == keep    # the parent's pool is untouched
+
+
+def test_debug_cost_benchmark_writes_rows_with_provenance(tmp_path):
+    from xpool.bench import debug_cost
+    out = tmp_path / "cost.csv"
+    df = debug_cost.run(sizes=(4096,), pairs=20, repeats=1, out=str(out))
+    assert out.is_file() and set(df.debug) == {"off", "raise"}
+    assert {"gpu", "commit", "date"} <= set(df.columns)
+    assert df.set_index("debug").loc["raise", "ratio_vs_off"] > 1    # poisoning and canaries are not free

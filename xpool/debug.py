@@ -104,5 +104,6 @@ class DebugHook:
 
 def _first_mismatch(data: bytes, byte: int):
     """Index of the first byte that is not `byte`, or None."""
-    stripped = data.lstrip(bytes([byte]))
-    return None if not stripped else len(data) - len(stripped)
+    import numpy as np
+    bad = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) != byte)
+    return int(bad[0]) if bad.size else None

@@ -1,0 +1,61 @@
+"""What debug mode costs per alloc/free pair over host memory: `python -m xpool.bench.debug_cost`.
+
+Debug mode fills every freed block with poison, checks the poison when the block is reused, and fills and
+checks a canary in every block's tail; each of those is a pass over memory (on a GPU: a memset, and a
+synchronising copy to the host).  This measures the pool core's own cost over host memory, where a pass is a
+memset/memcmp; the GPU figure comes from `xpool.bench.alloc --allocators cupy_pool xpool_k1 xpool_k1_debug`.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+SIZES = (4 << 10, 64 << 10, 1 << 20)
+
+
+def pair_us(pool, nbytes: int, pairs: int) -> float:
+    """µs per allocate/release pair (warm: the block is cached after the first pair)."""
+    pool.allocate(nbytes).release()
+    t0 = time.perf_counter_ns()
+    for _ in range(pairs):
+        pool.allocate(nbytes).release()
+    return (time.perf_counter_ns() - t0) / pairs / 1e3
+
+
+def run(sizes=SIZES, pairs: int = 2000, repeats: int = 5, out: str | None = "data/debug_cost_host.csv"):
+    """One row per (size, debug): median µs per pair over repeats, and the ratio to debug off."""
+    import pandas as pd
+
+    from xpool import HostBackend, Pool
+    from xpool.provenance import provenance
+    pools = {mode: Pool(HostBackend(), debug=mode) for mode in (False, "raise")}
+    rows = []
+    for n in sizes:
+        times = {mode: statistics.median(pair_us(p, n, pairs) for _ in range(repeats)) for mode, p in pools.items()}
+        for mode, us in times.items():
+            rows.append(dict(backend="host", size_bytes=n, debug=mode or "off", us_per_pair=us,
+                             ratio_vs_off=us / times[False], pairs=pairs, repeats=repeats))
+    df = pd.DataFrame(rows)
+    prov = provenance(bench="debug_cost")
+    for k, v in prov.items():
+        df[k] = v
+    print(df[["size_bytes", "debug", "us_per_pair", "ratio_vs_off"]].to_string(index=False))
+    if out:
+        df.to_csv(out, index=False)
+        print(f"wrote {out}")
+    return df
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m xpool.bench.debug_cost", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="data/debug_cost_host.csv")
+    ap.add_argument("--pairs", type=int, default=2000)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    run(pairs=args.pairs, repeats=args.repeats, out=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
