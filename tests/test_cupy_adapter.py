@@ -85,3 +85,30 @@ def test_use_is_scoped_to_the_block():
     with xpool.use(xpool.MemoryPool(backend=HostBackend())) as pool:
         assert cupy.cuda.get_allocator() == pool.malloc
     assert cupy.cuda.get_allocator() == before
+
+
+def test_use_checks_its_arguments():
+    with pytest.raises(TypeError, match="MemoryPool"):
+        with xpool.use(object()):
+            pass
+    with pytest.raises(ValueError, match="not both"):
+        with xpool.use(xpool.MemoryPool(backend=HostBackend()), limit=1):
+            pass
+
+
+def test_per_thread_default_stream_is_keyed_by_thread():
+    """cudaStreamPerThread (handle 2) is a different stream in each thread: blocks must not cross threads."""
+    import ctypes
+    import threading
+    per_thread = ctypes.CFUNCTYPE(ctypes.c_ssize_t)(lambda: 2)       # CuPy's current stream: always PTDS
+    pool = xpool.Pool(HostBackend(), _stream_fn=ctypes.cast(per_thread, ctypes.c_void_p).value)
+    first = cupy_alloc(pool, 4096)
+    ptr = first.ptr
+    del first                                                       # cached for this thread's stream
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(cupy_alloc(pool, 4096).ptr))
+    t.start()
+    t.join()
+    assert seen[0] != ptr                                           # another thread: not reused
+    assert cupy_alloc(pool, 4096).ptr == ptr                        # this thread: reused
+    assert all(b["stream"] < 0 for b in pool._core.cached_blocks(0) + pool._core.live_blocks(0))

@@ -305,3 +305,14 @@ def test_device_beyond_the_machine_is_rejected():
         pool.allocate(10, device=2)
     with pytest.raises(ValueError, match="device"):
         pool.stats(device=7)
+
+
+def test_a_backend_missing_methods_is_named():
+    class Half:
+        def malloc(self, device, nbytes):
+            return 0
+
+    with pytest.raises(TypeError, match="Half lacks free, fill"):
+        Pool(Half())
+    with pytest.raises(TypeError, match="backend must provide"):
+        Pool(None)

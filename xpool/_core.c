@@ -39,6 +39,7 @@
 #define XP_MAX_REQUEST ((size_t)1 << 48)  /* 256 TiB: larger than any device */
 #define XP_MAX_DEVICES 64
 #define XP_MAX_CLASSES_PER_DOUBLING 64
+#define XP_STREAM_PER_THREAD 2            /* cudaStreamPerThread's handle value */
 
 #if PY_VERSION_HEX < 0x030C0000
 /* The 3.12 exception API, for 3.10 and 3.11. */
@@ -681,6 +682,9 @@ static void *cupy_malloc(void *param, size_t size, int device)
     if (A->stream_fn) {
         stream = A->stream_fn();
         if (stream == 0 && PyErr_Occurred()) return (void *)(intptr_t)-1;
+        /* cudaStreamPerThread is one handle for a different stream in each thread: key it by thread
+         * (as CuPy's pool does), or a block freed on one thread's stream would be reused on another's */
+        if (stream == XP_STREAM_PER_THREAD) stream = -(intptr_t)PyThread_get_thread_ident();
     }
     Block *b = xp_alloc(A, device, stream, size);
     if (!b) return (void *)(intptr_t)-1;

@@ -107,9 +107,13 @@ def installed() -> MemoryPool | None:
 @contextlib.contextmanager
 def use(pool: MemoryPool | None = None, **kwargs):
     """`with xpool.use() as pool:` — xpool for this thread inside the block, then the previous allocator."""
-    import cupy
     from cupy.cuda import memory
-    pool = pool if pool is not None else MemoryPool(**kwargs)
+    if pool is None:
+        pool = MemoryPool(**kwargs)
+    elif kwargs:
+        raise ValueError("give a pool or pool settings, not both")
+    elif not isinstance(pool, MemoryPool):
+        raise TypeError(f"pool must be an xpool.MemoryPool, got {type(pool).__name__}")
     prev = memory._get_thread_local_allocator()
     memory._set_thread_local_allocator(pool.malloc)
     try:

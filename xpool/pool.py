@@ -18,6 +18,8 @@ ENV_CLASSES = "XPOOL_CLASSES_PER_DOUBLING"    # "1" (default), "4", ...
 ENV_TIMELINE = "XPOOL_TIMELINE"               # events to keep, e.g. "100000"
 
 _live_pools: "weakref.WeakSet[Pool]" = weakref.WeakSet()
+BACKEND_METHODS = ("malloc", "free", "fill", "read", "current_device", "current_stream", "device_count",
+                   "total_memory")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
           "tb": 1000**4, "tib": 1024**4}
@@ -65,6 +67,10 @@ class Pool:
         if classes_per_doubling is None:
             classes_per_doubling = int(os.environ.get(ENV_CLASSES, "1"))
         self.classes_per_doubling = check_classes_per_doubling(classes_per_doubling)
+        missing = [m for m in BACKEND_METHODS if not callable(getattr(backend, m, None))]
+        if missing:
+            raise TypeError(f"backend must provide {', '.join(BACKEND_METHODS)}; "
+                            f"{type(backend).__name__} lacks {', '.join(missing)}")
         self.backend = backend
         self._core = _core.Allocator(backend, make_error, self.classes_per_doubling, 0,
                                      _stream_fn)
