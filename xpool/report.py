@@ -124,7 +124,8 @@ def headline_alloc(data: pathlib.Path) -> list[str]:
         if "noop" in us:
             text += f", floor (no-op allocator) {us['noop']:.2f} µs"
         out.append(text + f" ({_where(df)}).")
-    multi = df[df["size_bytes"] == size].groupby(["allocator", "threads"])["kpairs_per_s"].median()
+    threaded = df[df["sweep"] == "threads"] if "sweep" in df else df
+    multi = threaded[threaded["size_bytes"] == size].groupby(["allocator", "threads"])["kpairs_per_s"].median()
     top = int(multi.index.get_level_values(1).max())
     if top > 1 and xp in multi and "cupy_pool" in multi:
         k = multi.xs(top, level="threads")
