@@ -112,3 +112,15 @@ def test_per_thread_default_stream_is_keyed_by_thread():
     assert seen[0] != ptr                                           # another thread: not reused
     assert cupy_alloc(pool, 4096).ptr == ptr                        # this thread: reused
     assert all(b["stream"] < 0 for b in pool._core.cached_blocks(0) + pool._core.live_blocks(0))
+
+
+def test_module_functions_follow_the_pool_in_use():
+    assert xpool.current() is None and len(xpool.stats()) == 0 and xpool.empty_cache() == 0
+    with xpool.use(xpool.MemoryPool(backend=HostBackend())) as pool:
+        assert xpool.current() is pool
+        mp = cupy_alloc(pool, 3000)
+        del mp
+        assert xpool.stats().iloc[0].bytes_cached == 3072
+        assert xpool.snapshot().requests == 1
+        assert xpool.empty_cache() == 3072
+    assert xpool.current() is None

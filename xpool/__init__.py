@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from .backends import CupyBackend, DeviceOutOfMemory, HostBackend
-from .cupy_adapter import MemoryPool, install, installed, uninstall, use
+from .cupy_adapter import MemoryPool, current, install, installed, uninstall, use
 from .errors import CorruptionError, CorruptionWarning, OutOfMemoryError, RequestTooLargeError
 from .pool import Pool
 from .sizeclass import size_class
@@ -17,29 +17,31 @@ from .stats import Snapshot
 __version__ = "0.1.0"
 __all__ = [
     "size_class", "Pool", "MemoryPool", "HostBackend", "CupyBackend", "install", "uninstall",
-    "installed", "use", "empty_cache", "stats", "snapshot", "OutOfMemoryError",
+    "installed", "current", "use", "empty_cache", "stats", "snapshot", "OutOfMemoryError",
     "CorruptionError", "CorruptionWarning", "DeviceOutOfMemory", "RequestTooLargeError", "Snapshot",
 ]
 
 
 def _pool() -> Pool | None:
-    return installed()
+    return current()
 
 
 def empty_cache() -> int:
-    """Give the installed pool's cached blocks back to the devices; bytes released (0 if none)."""
+    """Give the current pool's cached blocks back to the devices; bytes released (0 if none).
+
+    The current pool is this thread's `with xpool.use()` pool, else the installed one."""
     pool = _pool()
     return pool.empty_cache() if pool else 0
 
 
 def stats():
-    """The installed pool's exact counters, one row per device (empty if xpool is not installed)."""
+    """The current pool's exact counters, one row per device (empty if xpool is not in use)."""
     from .stats import frame
     pool = _pool()
     return pool.stats() if pool else frame([])
 
 
 def snapshot() -> Snapshot:
-    """Cheap counters of the installed pool; `after - before` gives e.g. device mallocs per step."""
+    """Cheap counters of the current pool; `after - before` gives e.g. device mallocs per step."""
     pool = _pool()
     return pool.snapshot() if pool else Snapshot({})

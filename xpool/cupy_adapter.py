@@ -16,6 +16,7 @@ from .pool import Pool
 _state_lock = threading.Lock()    # guards _installed and _previous
 _installed = None                 # the MemoryPool install() put in place
 _previous = None                  # CuPy's allocator before install()
+_scoped = threading.local()       # .pool: the pool of this thread's innermost `with use()` block
 
 
 def _current_stream_fn() -> int:
@@ -104,6 +105,11 @@ def installed() -> MemoryPool | None:
     return _installed
 
 
+def current() -> MemoryPool | None:
+    """The pool this thread allocates from: its `with use()` block's, else the installed one, else None."""
+    return getattr(_scoped, "pool", None) or _installed
+
+
 @contextlib.contextmanager
 def use(pool: MemoryPool | None = None, **kwargs):
     """`with xpool.use() as pool:` — xpool for this thread inside the block, then the previous allocator."""
@@ -114,9 +120,11 @@ def use(pool: MemoryPool | None = None, **kwargs):
         raise ValueError("give a pool or pool settings, not both")
     elif not isinstance(pool, MemoryPool):
         raise TypeError(f"pool must be an xpool.MemoryPool, got {type(pool).__name__}")
-    prev = memory._get_thread_local_allocator()
+    prev, prev_pool = memory._get_thread_local_allocator(), getattr(_scoped, "pool", None)
     memory._set_thread_local_allocator(pool.malloc)
+    _scoped.pool = pool
     try:
         yield pool
     finally:
         memory._set_thread_local_allocator(prev)
+        _scoped.pool = prev_pool
