@@ -127,3 +127,23 @@ def test_debug_cost_benchmark_writes_rows_with_provenance(tmp_path):
     assert out.is_file() and set(df.debug) == {"off", "raise"}
     assert {"gpu", "commit", "date"} <= set(df.columns)
     assert df.set_index("debug").loc["raise", "ratio_vs_off"] > 1    # poisoning and canaries are not free
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_fork_resets_a_core_whose_pool_wrapper_is_gone():
+    pool = Pool(HostBackend(), debug="raise")
+    core = pool._core                         # what CuPy keeps through MemoryPool.malloc
+    del pool
+    core.allocate(4096).release()
+    assert core.devices() == [0]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(w, b"ok" if core.devices() == [] and not core.debug_hook.where else b"bad")
+        finally:
+            os._exit(0)
+    os.close(w)
+    answer = os.read(r, 16)
+    os.waitpid(pid, 0)
+    assert answer == b"ok"

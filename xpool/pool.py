@@ -17,7 +17,9 @@ ENV_DEBUG = "XPOOL_DEBUG"                     # "raise", "warn", "1" (= raise), 
 ENV_CLASSES = "XPOOL_CLASSES_PER_DOUBLING"    # "1" (default), "4", ...
 ENV_TIMELINE = "XPOOL_TIMELINE"               # events to keep, e.g. "100000"
 
-_live_pools: "weakref.WeakSet[Pool]" = weakref.WeakSet()
+# every C allocator alive, for the fork handler; the cores, not the Pool wrappers: CuPy may hold a pool's
+# malloc (and so its core) after the wrapper is gone
+_live_cores: "weakref.WeakSet[_core.Allocator]" = weakref.WeakSet()
 BACKEND_METHODS = ("malloc", "free", "fill", "read", "current_device", "current_stream", "device_count",
                    "total_memory")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
@@ -88,7 +90,7 @@ class Pool:
             timeline = int(os.environ.get(ENV_TIMELINE, "0"))
         if timeline:
             self.enable_timeline(timeline)
-        _live_pools.add(self)
+        _live_cores.add(self._core)
 
     # --- allocation (the CuPy adapter has its own C-level path)
     def allocate(self, nbytes: int, device: int | None = None, stream: int | None = None):
@@ -200,11 +202,12 @@ class Pool:
 
 def _after_fork_in_child() -> None:
     # The parent's device memory is not the child's: forget it, never free or reuse it.
-    for pool in list(_live_pools):
-        pool._core.forget_after_fork()
-        if pool._hook:
-            pool._hook.where.clear()
-            pool._hook.pending.clear()
+    for core in list(_live_cores):
+        core.forget_after_fork()
+        hook = core.debug_hook
+        if hook is not None:
+            hook.where.clear()
+            hook.pending.clear()
 
 
 if hasattr(os, "register_at_fork"):
