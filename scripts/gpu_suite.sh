@@ -3,7 +3,8 @@
 #   bash scripts/gpu_suite.sh [stage ...]
 #   stages: bench single ddp correctness tests memory debugcost (default: all, in that order; about 11 minutes)
 # CSVs go to data/ (provenance in every row) and, after each stage, with the log to $OUT (default build/gpu),
-# so a run stopped by a time limit still returns what it finished.  STEPS/WARMUP size the training runs.
+# so a run stopped by a time limit still returns what it finished.  STEPS/WARMUP size the training runs,
+# WORLDS the GPU counts of the data-parallel runs (default "1 2"; "1 2 4 8" on an eight-GPU machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu}
@@ -15,6 +16,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export XPOOL_COMMIT=${XPOOL_COMMIT:-$(cat .xpool_commit 2>/dev/null || git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 STEPS=${STEPS:-20}
 WARMUP=${WARMUP:-3}
+WORLDS=${WORLDS:-1 2}
 stages=${*:-bench single ddp correctness tests memory debugcost}
 status=0
 
@@ -42,7 +44,7 @@ for s in $stages; do
                      stage bench-peers-only 100 $PY -m xpool.bench.alloc --out data/alloc_microbench.csv \
                          --allocators raw cupy_pool cupy_async xpool_k1 xpool_k4 noop ;;
         single)      stage single 150 $PY -m xpool.experiments single $TRAIN --out data/single_gpu.csv ;;
-        ddp)         stage ddp 200 $PY -m xpool.experiments ddp $TRAIN --out data/ddp_scaling.csv ;;
+        ddp)         stage ddp 200 $PY -m xpool.experiments ddp $TRAIN --worlds $WORLDS --out data/ddp_scaling.csv ;;
         correctness) stage correctness 120 $PY -m xpool.gpt.checks --gpu --out data/correctness_gpu.csv ;;
         tests)       stage tests 120 $PY -m pytest -q -p no:warnings -m "gpu or multigpu" \
                          tests/test_gpu_pool.py tests/test_gpt_gpu.py -k "not transparency_gate_raw" ;;
