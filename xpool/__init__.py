@@ -7,6 +7,12 @@
 """
 from __future__ import annotations
 
+try:
+    from . import _core  # noqa: F401 - the C hot path; everything below needs it
+except ImportError as e:  # a source checkout that was never built
+    raise ImportError("xpool's C core (xpool._core) is not built: run `pip install -e .` or "
+                      "`python setup.py build_ext --inplace` in the repository (needs a C compiler)") from e
+
 from .backends import CupyBackend, DeviceOutOfMemory, HostBackend
 from .cupy_adapter import MemoryPool, current, install, installed, uninstall, use
 from .errors import CorruptionError, CorruptionWarning, OutOfMemoryError, RequestTooLargeError
