@@ -4,7 +4,8 @@
 #   stages: bench single ddp correctness tests memory debugcost (default: all, in that order; about 11 minutes)
 # CSVs go to data/ (provenance in every row) and, after each stage, with the log to $OUT (default build/gpu),
 # so a run stopped by a time limit still returns what it finished.  STEPS/WARMUP size the training runs,
-# WORLDS the GPU counts of the data-parallel runs (default "1 2"; "1 2 4 8" on an eight-GPU machine).
+# WORLDS the GPU counts of the data-parallel runs (default "1 2"; "1 2 4 8" on an eight-GPU machine),
+# XPOOL_ADAMW=foreach the optimizer form (default per_param, the workload as first measured; rows record it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu}

@@ -328,3 +328,18 @@ def test_ddp_quick(tmp_path, mode):
     df = ddp.run(modes=(mode,), worlds=(1, 2), allocators=("xpool_k1",), batch=4, steps=3, warmup=2,
                  count_steps=2, config="small", out=tmp_path / "d.csv", progress=False)
     assert len(df) == 2 and df["checks_passed"].all()
+
+
+def test_adamw_form_is_recorded_and_foreach_trains_the_same(tmp_path, monkeypatch):
+    monkeypatch.setenv(train.ADAMW_ENV, "per_param")    # so the variable main() sets is undone afterwards
+    rows = {}
+    for form in ("per_param", "foreach"):
+        out = tmp_path / f"{form}.csv"
+        assert cli.main(["single", "--cpu-smoke", "--no-progress", "--adamw", form, "--out", str(out)]) == 0
+        rows[form] = pd.read_csv(out)
+        assert set(rows[form]["adamw"]) == {form}
+    # the tiny config is float64 and foreach is bit-identical: the same losses to the last bit
+    assert rows["foreach"]["loss_last"].tolist() == rows["per_param"]["loss_last"].tolist()
+    monkeypatch.setenv(train.ADAMW_ENV, "fused")
+    with pytest.raises(ValueError, match="XPOOL_ADAMW"):
+        train.adamw_form()

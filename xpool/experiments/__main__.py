@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .allocators import NoGPU
@@ -22,6 +23,8 @@ def _common(p, out):
     p.add_argument("--cpu-smoke", action="store_true",
                    help="run the loop on NumPy with the tiny config for two steps (no GPU needed; measures nothing)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--adamw", choices=["per_param", "foreach"], default=None,
+                   help="optimizer form (default: $XPOOL_ADAMW or per_param, the workload as measured)")
 
 
 def parse(argv=None):
@@ -55,6 +58,8 @@ def main(argv=None) -> int:
         from .ddp import worker_main
         worker_main(args.spec)
         return 0
+    if args.adamw:
+        os.environ["XPOOL_ADAMW"] = args.adamw      # read by every rank, launched ones too
     common = dict(steps=args.steps, warmup=args.warmup, count_steps=args.count_steps, config=args.config,
                   out=args.out, cpu=args.cpu_smoke, progress=not args.no_progress)
     if args.allocators:

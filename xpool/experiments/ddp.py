@@ -178,7 +178,7 @@ def pick_launcher(launcher="auto") -> str:
 def launch(world, spec, launcher="auto") -> list:
     """Start `world` rank processes; their results, indexed [rank][allocator]."""
     launcher = pick_launcher(launcher)
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0",
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", **{train.ADAMW_ENV: train.adamw_form()},
                PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
     with tempfile.TemporaryDirectory(prefix="xpool-ddp-") as tmp:
         spec = dict(spec, result_path=os.path.join(tmp, "results.pkl"))
@@ -188,7 +188,7 @@ def launch(world, spec, launcher="auto") -> list:
                 pickle.dump(spec, f)
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
             cmd = ["mpirun", "-np", str(world), "--oversubscribe", "--bind-to", "none",
-                   "-x", "NCCL_NVLS_ENABLE", "-x", "PYTHONPATH",
+                   "-x", "NCCL_NVLS_ENABLE", "-x", "PYTHONPATH", "-x", train.ADAMW_ENV,
                    sys.executable, "-m", "xpool.experiments", "worker", spec_path]
             if os.geteuid() == 0:
                 cmd.insert(1, "--allow-run-as-root")

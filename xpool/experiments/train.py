@@ -23,6 +23,17 @@ from xpool.gpt.tape import array_module
 from . import allocators as registry
 
 LR, WEIGHT_DECAY, SEED = 3e-4, 0.1, 0
+# The optimizer's form: "per_param" (a dozen ops per parameter: the measured default) or "foreach" (one flat
+# buffer, bit-identical, a dozen ops per step). An environment variable, so launched ranks inherit it.
+ADAMW_ENV = "XPOOL_ADAMW"
+ADAMW_FORMS = ("per_param", "foreach")
+
+
+def adamw_form() -> str:
+    form = os.environ.get(ADAMW_ENV, "per_param")
+    if form not in ADAMW_FORMS:
+        raise ValueError(f"{ADAMW_ENV}={form!r}: expected one of {', '.join(ADAMW_FORMS)}")
+    return form
 LOSS_TOL = 1e-6     # DDP loss vs one GPU on the same global batch: max relative difference
 PARAM_TOL = 1e-6    # parameters across ranks: max absolute difference
 
@@ -38,7 +49,7 @@ COLUMNS = [
     "ratio_vs_cupy_pool", "gpu_util_mean", "device_mallocs_per_step", "peak_reserved_bytes",
     "peak_requested_bytes", "reserved_over_requested", "loss_first", "loss_last", "loss_rel_diff_max",
     "param_rank_diff_max", "checks_passed", "launcher", "config", "n_params", "block_size", "steps",
-    "warmup", "count_steps",
+    "warmup", "count_steps", "adamw",
 ]
 
 
@@ -204,7 +215,7 @@ def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0,
     window = Window(lambda: alloc.device_mallocs(device), synchronizer(xp, device), barrier, sampler)
     with alloc.tracking():              # everything allocated in the run, parameters too, is seen
         model = GPT(cfg, xp=xp, seed=SEED)
-        opt = AdamW(model.params, lr=LR, weight_decay=WEIGHT_DECAY)
+        opt = AdamW(model.params, lr=LR, weight_decay=WEIGHT_DECAY, foreach=adamw_form() == "foreach")
         losses = xp.zeros(warmup + steps, dtype=cfg.dtype)
 
         def step(i):
@@ -336,7 +347,7 @@ def build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=None, launch
         loss_first=losses[0], loss_last=losses[-1],
         loss_rel_diff_max=math.nan if loss_diff is None else loss_diff,
         param_rank_diff_max=math.nan if param_diff is None else param_diff,
-        checks_passed=checks_passed(loss_diff, param_diff), launcher=launcher, config=config,
+        checks_passed=checks_passed(loss_diff, param_diff), launcher=launcher, config=config, adamw=adamw_form(),
         n_params=timed[0]["n_params"], block_size=cfg.block_size, steps=steps, warmup=warmup,
         count_steps=m["counted_steps"],     # the steps that device mallocs and peaks were counted over
     )
