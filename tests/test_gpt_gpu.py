@@ -96,3 +96,15 @@ def test_bench_runs_on_gpu_with_small_step_count():
     assert all(r["tokens_per_s"] > 0 for r in rows)
     # Same seed, same batches, same deterministic kernels: every allocator ends on the same loss.
     assert len({r["final_loss"] for r in rows}) == 1
+
+
+def test_gpu_foreach_adamw_is_bit_identical_to_per_parameter():
+    cfg = checks.transparency_config()
+    data = load_corpus()
+    result = {}
+    for foreach in (False, True):
+        model = GPT(cfg, xp=cupy, seed=0)
+        opt = AdamW(model.params, lr=1e-3, foreach=foreach)
+        losses = checks.train(model, opt, data, 5)
+        result[foreach] = (cupy.stack(losses).get().tobytes(), checks.params_sha256(model.params))
+    assert result[True] == result[False]
