@@ -147,3 +147,29 @@ def test_fork_resets_a_core_whose_pool_wrapper_is_gone():
     answer = os.read(r, 16)
     os.waitpid(pid, 0)
     assert answer == b"ok"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_parent_blocks_dying_in_a_child_are_ignored_quietly():
+    from cupy.cuda import memory as cupy_memory
+    pool = xpool.MemoryPool(backend=HostBackend())
+    param, malloc_fn, free_fn = pool._core.cfunctions()
+    via_cupy = cupy_memory.CFunctionAllocatorMemory(4096, param, malloc_fn, free_fn, 0)
+    direct = pool.allocate(4096)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            import sys
+            seen = []
+            sys.unraisablehook = seen.append
+            del via_cupy
+            direct.release()              # an inherited block: nothing to give back here
+            os.write(w, b"ok" if not seen and pool.devices() == [] else repr(seen).encode()[:200])
+        finally:
+            os._exit(0)
+    os.close(w)
+    answer = os.read(r, 256)
+    os.waitpid(pid, 0)
+    assert answer == b"ok"
+    assert pool.stats().iloc[0].blocks_in_use == 2   # the parent's pool is untouched

@@ -315,6 +315,7 @@ typedef struct {
     unsigned k;               /* classes per doubling above 1 MiB */
     uint64_t default_limit;
     size_t debug_tail;        /* bytes of canary room added in debug mode */
+    int forked;               /* set in a fork()ed child: frees of the parent's blocks are ignored */
     pthread_mutex_t registry_lock;  /* guards creation of pools[]; lookups read atomically */
     _Atomic(DevicePool *) pools[XP_MAX_DEVICES];
     Timeline tl;
@@ -698,6 +699,11 @@ static void cupy_free(void *param, void *ptr, int device)
 {
     Allocator *A = (Allocator *)param;
     int r = xp_free(A, device, (uintptr_t)ptr);
+    if (r < 0 && A->forked) {   /* a block the parent handed out, dying in a child: not ours to free */
+        PyErr_Clear();
+        Py_DECREF(A);           /* the parent's reference, copied with the block */
+        return;
+    }
     if (r) PyErr_WriteUnraisable(NULL);
     if (r >= 0) Py_DECREF(A);   /* -1: not ours, so it held no reference */
 }
@@ -727,14 +733,20 @@ static int allocation_release(Allocation *self)
 static void Allocation_dealloc(Allocation *self)
 {
     /* not WriteUnraisable(self): self is already dead, a repr of it would resurrect it */
-    if (self->ptr && allocation_release(self)) PyErr_WriteUnraisable(NULL);
+    if (self->ptr && allocation_release(self)) {
+        if (self->owner->forked && !PyErr_ExceptionMatches(PyExc_Warning)) PyErr_Clear();  /* the parent's */
+        else PyErr_WriteUnraisable(NULL);
+    }
     Py_XDECREF(self->owner);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyObject *Allocation_release(Allocation *self, PyObject *unused)
 {
-    if (allocation_release(self)) return NULL;
+    if (allocation_release(self)) {
+        if (!self->owner->forked || PyErr_ExceptionMatches(PyExc_Warning)) return NULL;
+        PyErr_Clear();   /* a block the parent handed out, released in a fork()ed child */
+    }
     Py_RETURN_NONE;
 }
 
@@ -1110,6 +1122,7 @@ static PyObject *Allocator_forget_after_fork(Allocator *self, PyObject *unused)
     pthread_mutex_init(&self->tl.lock, NULL);
     for (int d = 0; d < XP_MAX_DEVICES; d++) atomic_store(&self->pools[d], NULL);  /* leaked on purpose */
     self->tl.count = 0;
+    self->forked = 1;
     Py_RETURN_NONE;
 }
 
