@@ -97,26 +97,41 @@ def test_debug_off_adds_no_tail():
     assert pool.allocate(512).size == 512
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_forked_child_gets_a_fresh_pool():
-    pool, backend = Pool(HostBackend()), None
-    a = pool.allocate(4096)
-    keep = a.ptr
-    del a                                     # cached in the parent
+needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+
+
+def in_forked_child(check) -> str:
+    """Run check() in a fork()ed child; its answer ('ok' or what went wrong) comes back through a pipe."""
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:                              # child: must not reuse the parent's block
+    if pid == 0:
         try:
-            st = pool.stats()
-            b = pool.allocate(4096)
-            ok = len(st) == 0 and b.ptr != keep and pool.stats().iloc[0].misses == 1
-            os.write(w, b"ok" if ok else b"bad")
+            try:
+                answer = check()
+            except BaseException as e:  # noqa: BLE001 - reported to the parent
+                answer = f"raised {e!r}"
+            os.write(w, answer.encode()[:1000])
         finally:
             os._exit(0)
     os.close(w)
-    answer = os.read(r, 16)
+    answer = os.read(r, 1000).decode()
     os.waitpid(pid, 0)
-    assert answer == b"ok"
+    return answer
+
+
+@needs_fork
+def test_forked_child_gets_a_fresh_pool():
+    pool = Pool(HostBackend())
+    a = pool.allocate(4096)
+    keep = a.ptr
+    del a                                     # cached in the parent
+
+    def child():                              # must not reuse the parent's block
+        st = pool.stats()
+        b = pool.allocate(4096)
+        return "ok" if len(st) == 0 and b.ptr != keep and pool.stats().iloc[0].misses == 1 else "reused"
+
+    assert in_forked_child(child) == "ok"
     assert pool.allocate(4096).ptr == keep    # the parent's pool is untouched
 
 
@@ -129,47 +144,32 @@ def test_debug_cost_benchmark_writes_rows_with_provenance(tmp_path):
     assert df.set_index("debug").loc["raise", "ratio_vs_off"] > 1    # poisoning and canaries are not free
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@needs_fork
 def test_fork_resets_a_core_whose_pool_wrapper_is_gone():
     pool = Pool(HostBackend(), debug="raise")
     core = pool._core                         # what CuPy keeps through MemoryPool.malloc
     del pool
     core.allocate(4096).release()
     assert core.devices() == [0]
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.write(w, b"ok" if core.devices() == [] and not core.debug_hook.where else b"bad")
-        finally:
-            os._exit(0)
-    os.close(w)
-    answer = os.read(r, 16)
-    os.waitpid(pid, 0)
-    assert answer == b"ok"
+    assert in_forked_child(lambda: "ok" if core.devices() == [] and not core.debug_hook.where else "kept") == "ok"
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@needs_fork
 def test_parent_blocks_dying_in_a_child_are_ignored_quietly():
+    import sys
+
     from cupy.cuda import memory as cupy_memory
     pool = xpool.MemoryPool(backend=HostBackend())
     param, malloc_fn, free_fn = pool._core.cfunctions()
-    via_cupy = cupy_memory.CFunctionAllocatorMemory(4096, param, malloc_fn, free_fn, 0)
+    held = [cupy_memory.CFunctionAllocatorMemory(4096, param, malloc_fn, free_fn, 0)]
     direct = pool.allocate(4096)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            import sys
-            seen = []
-            sys.unraisablehook = seen.append
-            del via_cupy
-            direct.release()              # an inherited block: nothing to give back here
-            os.write(w, b"ok" if not seen and pool.devices() == [] else repr(seen).encode()[:200])
-        finally:
-            os._exit(0)
-    os.close(w)
-    answer = os.read(r, 256)
-    os.waitpid(pid, 0)
-    assert answer == b"ok"
+
+    def child():
+        seen = []
+        sys.unraisablehook = seen.append
+        held.clear()                          # CuPy's memory object dies here
+        direct.release()                      # an inherited block: nothing to give back here
+        return "ok" if not seen and pool.devices() == [] else repr(seen)
+
+    assert in_forked_child(child) == "ok"
     assert pool.stats().iloc[0].blocks_in_use == 2   # the parent's pool is untouched

@@ -69,6 +69,17 @@ class MemoryPool(Pool):
         return self._core.stats(self.backend.current_device())["blocks_cached"]
 
 
+def _pool_from(pool, kwargs) -> MemoryPool:
+    """The pool given, or a new one from settings; not both."""
+    if pool is None:
+        return MemoryPool(**kwargs)
+    if kwargs:
+        raise ValueError("give a pool or pool settings, not both")
+    if not isinstance(pool, MemoryPool):
+        raise TypeError(f"pool must be an xpool.MemoryPool, got {type(pool).__name__}")
+    return pool
+
+
 def install(pool: MemoryPool | None = None, **kwargs) -> MemoryPool:
     """Make xpool CuPy's allocator (process-wide); returns the pool. Installing twice is an error."""
     global _installed, _previous
@@ -77,12 +88,7 @@ def install(pool: MemoryPool | None = None, **kwargs) -> MemoryPool:
         if _installed is not None:
             raise RuntimeError("xpool is already installed; call xpool.uninstall() first "
                                "(or use `with xpool.use(): ...` for a scoped pool)")
-        if pool is None:
-            pool = MemoryPool(**kwargs)
-        elif kwargs:
-            raise ValueError("give a pool or pool settings, not both")
-        elif not isinstance(pool, MemoryPool):
-            raise TypeError(f"pool must be an xpool.MemoryPool, got {type(pool).__name__}")
+        pool = _pool_from(pool, kwargs)
         _previous = cupy.cuda.get_allocator()
         cupy.cuda.set_allocator(pool.malloc)
         _installed = pool
@@ -114,12 +120,7 @@ def current() -> MemoryPool | None:
 def use(pool: MemoryPool | None = None, **kwargs):
     """`with xpool.use() as pool:` — xpool for this thread inside the block, then the previous allocator."""
     from cupy.cuda import memory
-    if pool is None:
-        pool = MemoryPool(**kwargs)
-    elif kwargs:
-        raise ValueError("give a pool or pool settings, not both")
-    elif not isinstance(pool, MemoryPool):
-        raise TypeError(f"pool must be an xpool.MemoryPool, got {type(pool).__name__}")
+    pool = _pool_from(pool, kwargs)
     prev, prev_pool = memory._get_thread_local_allocator(), getattr(_scoped, "pool", None)
     memory._set_thread_local_allocator(pool.malloc)
     _scoped.pool = pool
