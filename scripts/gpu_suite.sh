@@ -18,6 +18,7 @@ export XPOOL_COMMIT=${XPOOL_COMMIT:-$(cat .xpool_commit 2>/dev/null || git rev-p
 STEPS=${STEPS:-20}
 WARMUP=${WARMUP:-3}
 WORLDS=${WORLDS:-1 2}
+DDP_LIMIT=${DDP_LIMIT:-$((100 * $(echo $WORLDS | wc -w)))}   # about 100 s per GPU count at the default steps
 stages=${*:-bench single ddp correctness tests memory debugcost}
 status=0
 
@@ -45,7 +46,7 @@ for s in $stages; do
                      stage bench-peers-only 100 $PY -m xpool.bench.alloc --out data/alloc_microbench.csv \
                          --allocators raw cupy_pool cupy_async xpool_k1 xpool_k4 noop ;;
         single)      stage single 150 $PY -m xpool.experiments single $TRAIN --out data/single_gpu.csv ;;
-        ddp)         stage ddp 200 $PY -m xpool.experiments ddp $TRAIN --worlds $WORLDS --out data/ddp_scaling.csv ;;
+        ddp)         stage ddp "$DDP_LIMIT" $PY -m xpool.experiments ddp $TRAIN --worlds $WORLDS --out data/ddp_scaling.csv ;;
         correctness) stage correctness 120 $PY -m xpool.gpt.checks --gpu --out data/correctness_gpu.csv ;;
         tests)       stage tests 120 $PY -m pytest -q -p no:warnings -m "gpu or multigpu" \
                          tests/test_gpu_pool.py tests/test_gpt_gpu.py -k "not transparency_gate_raw" ;;
