@@ -74,6 +74,7 @@ class Pool:
             raise TypeError(f"backend must provide {', '.join(BACKEND_METHODS)}; "
                             f"{type(backend).__name__} lacks {', '.join(missing)}")
         self.backend = backend
+        self._n_devices = min(backend.device_count(), _core.MAX_DEVICES)   # asked once, not per call
         self._core = _core.Allocator(backend, make_error, self.classes_per_doubling, 0,
                                      _stream_fn)
         self._hook = None
@@ -101,7 +102,7 @@ class Pool:
     def _device(self, device):
         if device is None:
             return self.backend.current_device()
-        n = min(self.backend.device_count(), _core.MAX_DEVICES)
+        n = self._n_devices
         if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < n:
             raise ValueError(f"device must be an int in [0, {n}) on this machine, got {device!r}")
         return device

@@ -306,7 +306,7 @@ def bounds(data: pathlib.Path) -> list[str]:
         spread = max(abs(one[a] / s.loc[(a, 32), "tokens_per_s"] - 1) for a in both)
         got = ddp[(ddp["mode"] == "processes") & (ddp["world"] == 2)].set_index("allocator")["speedup"]
         out.append(
-            f"**One process per GPU** reaches " + ", ".join(f"{a} {v:.2f}×" for a, v in got.items() if a != "raw")
+            "**One process per GPU** reaches " + ", ".join(f"{a} {v:.2f}×" for a, v in got.items() if a != "raw")
             + f". The same allocator's one-GPU throughput differs by up to {spread:.0%} between the single-GPU "
             f"run and the one-process run of the same session ({int(ddp['steps'].iloc[0])} timed steps each), "
             f"as large as the differences between the pools here: longer runs are needed to rank them.")
