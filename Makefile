@@ -17,7 +17,7 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 report: setup
-	$(BIN)/python -m xpool.report
+	$(BIN)/python -m xlab.report
 
 # On a GPU machine: every GPU test and measurement in one go (CSVs to data/, logs to $$OUT or build/).
 gpu:

@@ -25,15 +25,15 @@ figures_dir: str = ""  # folder the figures are saved to (empty: the repository'
 SETUP = '''\
 import pandas as pd
 
-from xpool import notebook_utils as nbu
-from xpool import plots
+from xlab import notebook_utils as nbu
+from xlab import plots
 
 gpu = nbu.gpu_available()  # a GPU measures now; without one the committed CSVs are shown
 print(nbu.machine_line())'''
 
 HOW_TO_RUN = '''
 Interactive: run all cells in JupyterLab. Batch: `papermill notebooks/{name}.ipynb build/notebooks/{name}.ipynb -p NAME VALUE`
-(`papermill --help-notebook notebooks/{name}.ipynb` lists the parameters); `python -m xpool.report` runs every notebook.
+(`papermill --help-notebook notebooks/{name}.ipynb` lists the parameters); `python -m xlab.report` runs every notebook.
 On a GPU machine the notebook measures and writes its CSV to `data/`; without a GPU it runs what the CPU can check,
 shows the committed CSV and says which machine and date it comes from, and skips a figure whose CSV is missing.'''
 
@@ -84,7 +84,7 @@ Microseconds per `a = cupy.empty(n, uint8); del a` pair for each allocator and r
 thousands of pairs per second with several threads allocating on one GPU. Peers: raw `cudaMalloc`/`cudaFree`,
 CuPy's `MemoryPool` (the default) and `MemoryAsyncPool`, and an allocator doing no work (the floor of CuPy's
 allocation path); xpool with 1 and 4 size classes per doubling.
-Measured by `python -m xpool.bench.alloc --out data/alloc_microbench.csv`.
+Measured by `python -m xlab.bench.alloc --out data/alloc_microbench.csv`.
 ''' + HOW_TO_RUN.format(name="02_allocator_microbench")),
         ("params", '''\
 quick: bool = False  # GPU only: fewer sizes and repeats (a smoke run, not numbers to quote)
@@ -93,8 +93,8 @@ threads_size_bytes: int = 65536  # request size of the thread-scaling table and 
 ''' + COMMON_PARAMS),
         ("code", SETUP),
         ("code", '''\
-bench = nbu.load_or_measure("alloc_microbench", "xpool.bench.alloc:run", gpu, data_dir, measure,
-                            how_to_measure="python -m xpool.bench.alloc --out data/alloc_microbench.csv",
+bench = nbu.load_or_measure("alloc_microbench", "xlab.bench.alloc:run", gpu, data_dir, measure,
+                            how_to_measure="python -m xlab.bench.alloc --out data/alloc_microbench.csv",
                             quick=quick)'''),
         ("md", "## One thread: µs per alloc/free pair (median over repeats; lower is faster)"),
         ("code", 'nbu.pivot(bench, index="allocator", columns="size_bytes", values="us_per_pair", threads=1)'),
@@ -110,7 +110,7 @@ nbu.pivot(bench, index="allocator", columns="threads", values="kpairs_per_s", si
 
 The small GPT (12 layers, 384 wide, 256 tokens per sequence; every op makes a fresh array) trained under each
 allocator: tokens per second, mean GPU utilisation (NVML), device mallocs per step after warm-up, and peak memory
-reserved against requested. Measured by `xpool.experiments.single_gpu.run`, writing `data/single_gpu.csv`.
+reserved against requested. Measured by `xlab.experiments.single_gpu.run`, writing `data/single_gpu.csv`.
 ''' + HOW_TO_RUN.format(name="03_single_gpu")),
         ("params", '''\
 steps: int = 30  # timed steps per run
@@ -124,11 +124,11 @@ cpu_check: bool = True  # without a GPU: run the measuring code on NumPy with a 
         ("md", "## Without a GPU: the measuring code itself, on NumPy (checks the code, measures nothing)"),
         ("code", '''\
 if cpu_check and not gpu:
-    nbu.cpu_smoke("xpool.experiments.single_gpu:run", config="tiny", batches=(2,), steps=2, warmup=1,
+    nbu.cpu_smoke("xlab.experiments.single_gpu:run", config="tiny", batches=(2,), steps=2, warmup=1,
                   progress=False)'''),
         ("md", "## Measurements"),
         ("code", '''\
-runs = nbu.load_or_measure("single_gpu", "xpool.experiments.single_gpu:run", gpu, data_dir, measure,
+runs = nbu.load_or_measure("single_gpu", "xlab.experiments.single_gpu:run", gpu, data_dir, measure,
                            allocators=tuple(allocators), batches=tuple(batches), steps=steps, warmup=warmup)'''),
         ("code", '''\
 nbu.table(runs, ["allocator", "batch", "tokens_per_s", "gpu_util_mean", "device_mallocs_per_step",
@@ -142,7 +142,7 @@ nbu.table(runs, ["allocator", "batch", "tokens_per_s", "gpu_util_mean", "device_
 Data-parallel training of the same GPT on 1 and 2 GPUs, either one thread per GPU in one process (`threads`) or
 one process per GPU (`processes`), gradients all-reduced with NCCL every step: tokens per second, speedup over one
 GPU, GPU utilisation, before (raw `cudaMalloc`) and after (a pool).
-Measured by `xpool.experiments.ddp.run`, writing `data/ddp_scaling.csv`.
+Measured by `xlab.experiments.ddp.run`, writing `data/ddp_scaling.csv`.
 ''' + HOW_TO_RUN.format(name="04_multi_gpu")),
         ("params", '''\
 modes: list = ["threads", "processes"]  # one thread per GPU in one process, and/or one process per GPU
@@ -157,11 +157,11 @@ cpu_check: bool = True  # without a GPU: run the measuring code on NumPy with a 
         ("md", "## Without a GPU: the data-parallel code on NumPy, ranks as threads (checks the code, measures nothing)"),
         ("code", '''\
 if cpu_check and not gpu:
-    nbu.cpu_smoke("xpool.experiments.ddp:run", modes=("threads",), worlds=(1, 2), config="tiny", batch=2,
+    nbu.cpu_smoke("xlab.experiments.ddp:run", modes=("threads",), worlds=(1, 2), config="tiny", batch=2,
                   steps=2, progress=False)'''),
         ("md", "## Measurements"),
         ("code", '''\
-scaling = nbu.load_or_measure("ddp_scaling", "xpool.experiments.ddp:run", gpu, data_dir, measure,
+scaling = nbu.load_or_measure("ddp_scaling", "xlab.experiments.ddp:run", gpu, data_dir, measure,
                               modes=tuple(modes), worlds=tuple(worlds), allocators=tuple(allocators),
                               batch=batch, steps=steps)'''),
         ("md", "Speedup over the same allocator on one GPU:"),
@@ -189,10 +189,10 @@ warmup: int = 1  # GPU only: training steps before the recorded one
 measure: bool = True  # on a GPU: measure now and overwrite data/memory_waste.csv and data/memory_timeline.csv
 ''' + COMMON_PARAMS),
         ("code", SETUP + '''
-from xpool import memory_study'''),
+from xlab import memory_study'''),
         ("code", '''\
-measured = nbu.load_or_measure("memory_waste", "xpool.memory_study:run", gpu, data_dir, measure,
-                               how_to_measure="python -m xpool.memory_study --out-dir data",
+measured = nbu.load_or_measure("memory_waste", "xlab.memory_study:run", gpu, data_dir, measure,
+                               how_to_measure="python -m xlab.memory_study --out-dir data",
                                ks=tuple(ks), batch=batch, warmup=warmup)
 timeline = nbu.load_csv("memory_timeline", data_dir)'''),
         ("md", "## Replay of the recorded requests through xpool's core, for every k (runs on the CPU)"),

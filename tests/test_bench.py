@@ -4,7 +4,7 @@ import math
 import pandas as pd
 import pytest
 
-from xpool.bench import alloc as bench
+from xlab.bench import alloc as bench
 
 
 def fake_samples():
@@ -81,7 +81,7 @@ def test_fmt_size():
 
 
 def test_without_gpu_exits_with_a_message(capsys):
-    from xpool.provenance import has_gpu
+    from xlab.provenance import has_gpu
     if has_gpu():
         pytest.skip("a GPU is visible")
     assert bench.main(["--quick", "--out", "unused.csv"]) == 2

@@ -136,7 +136,7 @@ def test_forked_child_gets_a_fresh_pool():
 
 
 def test_debug_cost_benchmark_writes_rows_with_provenance(tmp_path):
-    from xpool.bench import debug_cost
+    from xlab.bench import debug_cost
     out = tmp_path / "cost.csv"
     df = debug_cost.run(sizes=(4096,), pairs=20, repeats=1, out=str(out))
     assert out.is_file() and set(df.debug) == {"off", "raise"}

@@ -8,9 +8,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from xpool.experiments import __main__ as cli
-from xpool.experiments import allocators, ddp, nvml, train
-from xpool.gpt import GPT, AdamW, load_corpus
+from xlab.experiments import __main__ as cli
+from xlab import allocators, nvml
+from xlab.experiments import ddp, train
+from tapegpt import GPT, AdamW, load_corpus
 
 TINY = train.make_config("tiny")
 
@@ -155,7 +156,7 @@ def test_train_step_without_comm_is_plain_training():
     model = GPT(TINY, seed=0)
     opt = AdamW(model.params)
     before = {k: v.copy() for k, v in model.params.items()}
-    x, y = __import__("xpool.gpt", fromlist=["get_batch"]).get_batch(data, 2, TINY.block_size, 0)
+    x, y = __import__("tapegpt", fromlist=["get_batch"]).get_batch(data, 2, TINY.block_size, 0)
     loss = train.train_step(model, opt, x, y)
     assert np.isfinite(float(loss))
     assert any(not np.array_equal(before[k], model.params[k]) for k in before)
@@ -299,7 +300,7 @@ def test_quick_and_smoke_flags():
 
 
 def test_without_gpu_the_cli_says_so(capsys):
-    from xpool.provenance import has_gpu
+    from xlab.provenance import has_gpu
     if has_gpu():
         pytest.skip("a GPU is visible")
     assert cli.main(["single", "--quick", "--no-progress"]) == 2
@@ -311,7 +312,7 @@ def test_without_gpu_the_cli_says_so(capsys):
 
 @pytest.mark.gpu
 def test_single_gpu_quick(tmp_path):
-    from xpool.experiments import single_gpu
+    from xlab.experiments import single_gpu
     df = single_gpu.run(allocators=("raw", "cupy_pool", "xpool_k1"), batches=(4,), steps=3, warmup=2,
                         count_steps=2, config="small", out=tmp_path / "s.csv", progress=False)
     by = df.set_index("allocator")

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from xpool.gpt import AdamW, GPT, get_batch, load_checkpoint, load_corpus, save_checkpoint
-from xpool.gpt.checks import params_sha256, small_config
+from tapegpt import AdamW, GPT, get_batch, load_checkpoint, load_corpus, save_checkpoint
+from tapegpt.checks import params_sha256, small_config
 
 
 def train(foreach, steps, dtype="float32", lr=None, opt_state=None):

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from xpool.gpt import checks, tape
-from xpool.gpt.tape import Tensor
+from tapegpt import checks, tape
+from tapegpt.tape import Tensor
 
 CASES = checks._op_cases(np)
 FD_TOL = 1e-6  # central differences in float64 with eps=1e-6: measured errors are ~1e-10 to 1e-9

@@ -1,7 +1,7 @@
 """PyTorch (CPU) parity: logits, loss, every gradient, and AdamW training steps."""
 import torch
 
-from xpool.gpt import checks
+from tapegpt import checks
 
 
 def _assert_all_passed(df):

@@ -4,9 +4,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-import xpool.gpt as gpt
-from xpool.gpt import AdamW, GPT, GPTConfig, Server, checks, get_batch, load_corpus
-from xpool.gpt import bench, data as data_mod
+import tapegpt as gpt
+from tapegpt import AdamW, GPT, GPTConfig, Server, checks, get_batch, load_corpus
+from tapegpt import bench, data as data_mod
 
 
 def _assert_all_passed(df):
@@ -180,7 +180,7 @@ def test_corpus_missing_gives_clear_error(tmp_path):
 def test_make_corpus_is_deterministic(tmp_path):
     import importlib.util
     import pathlib
-    script = pathlib.Path(data_mod.__file__).resolve().parents[2] / "scripts" / "make_corpus.py"
+    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "make_corpus.py"
     spec = importlib.util.spec_from_file_location("make_corpus", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -12,8 +12,8 @@ import pytest
 from matplotlib.figure import Figure
 
 from fixtures import synthetic
-from xpool import notebook_utils as nbu
-from xpool import plots, report
+from xlab import notebook_utils as nbu
+from xlab import plots, report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -234,7 +234,7 @@ def test_notebook_json_is_diff_friendly():
 
 
 def test_correctness_csv_without_device_column():
-    """`python -m xpool.gpt.checks --gpu` writes no device column: the array module says where it ran."""
+    """`python -m tapegpt.checks --gpu` writes no device column: the array module says where it ran."""
     gpu = synthetic.correctness("gpu").drop(columns="device")
     both = pd.concat([synthetic.correctness("cpu"), gpu], ignore_index=True)
     assert list(nbu.correctness_summary(both)["device"]) == ["cpu", "gpu"]

@@ -17,7 +17,8 @@ def _name(req: str) -> str:
 
 def test_environment_yml_matches_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    pip = {_name(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]}
+    extras = project["optional-dependencies"]
+    pip = {_name(r) for r in project["dependencies"] + extras["lab"] + extras["dev"]} - {"xpool"}
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     conda = {_name(d) for d in env["dependencies"] if isinstance(d, str)} - CONDA_ONLY
     assert {CONDA_TO_PIP.get(n, n) for n in conda} == pip
@@ -28,3 +29,24 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "make test" in readme and "make test" in ci
     assert "make report" in readme
+
+
+def test_allocator_imports_no_research_dependency():
+    """`import xpool` pulls in neither the lab's dependencies nor the sibling packages."""
+    import subprocess
+    import sys
+    code = ("import sys, xpool; heavy = [m for m in ('pandas', 'matplotlib', 'tqdm', 'pynvml', 'tapegpt', 'xlab') "
+            "if m in sys.modules]; print(','.join(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "", f"import xpool imported {out}"
+
+
+def test_packages_keep_their_direction():
+    """The lab imports the workload and the allocator; the workload and the allocator never import the lab, and
+    no package computes repository paths from its own location."""
+    for pkg, banned in (("xpool", ("xlab", "tapegpt")), ("tapegpt", ("xlab",)), ("xlab", ())):
+        for path in (ROOT / pkg).rglob("*.py"):
+            text = path.read_text()
+            for name in banned:
+                assert not re.search(rf"^\s*(from|import) {name}\b", text, re.M), f"{path} imports {name}"
+            assert "__file__" not in text, f"{path} derives a path from __file__"

@@ -8,8 +8,8 @@ import pytest
 
 import xpool
 from fixtures import synthetic
-from xpool import memory_study, report
-from xpool.memory_study import AddressSpaceBackend, replay, replay_waste, waste_table
+from xlab import memory_study, paths, plots, report
+from xlab.memory_study import AddressSpaceBackend, replay, replay_waste, waste_table
 
 # ---------------------------------------------------------------------------------------------------------
 # Replay: a recorded trace through a fresh pool reproduces the pool's own decisions exactly
@@ -141,7 +141,7 @@ def test_main_writes_one_page_with_working_figure_links(synthetic_data, tmp_path
     page = (tmp_path / "report" / "REPORT.md").read_text()
     assert page == (tmp_path / "build" / "report.md").read_text()
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page)
-    assert len(links) == len(xpool.plots.FIGURES)
+    assert len(links) == len(plots.FIGURES)
     assert all((tmp_path / "report" / link).resolve().is_file() for link in links)
     assert "SYNTHETIC GPU" in page                                   # the data table names the machines
 
@@ -162,7 +162,7 @@ def test_cpu_quick_parameters_exist_in_the_notebooks():
     import nbformat
     from papermill.translators import PythonTranslator
     for name, params in report.CPU_QUICK.items():
-        nb = nbformat.read(report.ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+        nb = nbformat.read(paths.repo_root() / "notebooks" / f"{name}.ipynb", as_version=4)
         cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
         assert set(params) <= {p.name for p in PythonTranslator.inspect(cell)}, name
         assert params["measure"] is False                     # CPU mode never measures, even on a GPU

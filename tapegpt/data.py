@@ -1,17 +1,21 @@
 """The shipped byte-level corpus and a deterministic, rank-splittable batch sampler."""
+import importlib.resources
 import pathlib
 
 import numpy as np
 
-CORPUS_PATH = pathlib.Path(__file__).resolve().parents[2] / "data" / "corpus.txt"
+CORPUS_RESOURCE = "corpus.txt"   # package data of tapegpt: it installs with the workload
 
 
 def load_corpus(path=None):
-    """The corpus bytes as a NumPy uint8 array (default: <repo>/data/corpus.txt)."""
-    path = pathlib.Path(path) if path is not None else CORPUS_PATH
+    """The corpus bytes as a NumPy uint8 array (default: the corpus shipped inside tapegpt)."""
+    if path is None:
+        resource = importlib.resources.files("tapegpt") / CORPUS_RESOURCE
+        return np.frombuffer(resource.read_bytes(), dtype=np.uint8)
+    path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"corpus not found at {path}; it ships with the repository (regenerate with "
+            f"corpus not found at {path}; one ships inside tapegpt (regenerate with "
             f"`python scripts/make_corpus.py`)")
     return np.frombuffer(path.read_bytes(), dtype=np.uint8)
 

@@ -13,13 +13,14 @@ def git_commit() -> str:
     """Short commit of the working tree ('+dirty' when it has changes), or $XPOOL_COMMIT, or 'unknown'."""
     if os.environ.get("XPOOL_COMMIT"):
         return os.environ["XPOOL_COMMIT"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
+        from .paths import repo_root
+        root = str(repo_root())
         sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
                              text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, subprocess.SubprocessError):   # FileNotFoundError: not run from a checkout
         return "unknown"
     return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
 

@@ -1,9 +1,9 @@
-"""What debug mode costs per alloc/free pair over host memory: `python -m xpool.bench.debug_cost`.
+"""What debug mode costs per alloc/free pair over host memory: `python -m xlab.bench.debug_cost`.
 
 Debug mode fills every freed block with poison, checks the poison when the block is reused, and fills and
 checks a canary in every block's tail; each of those is a pass over memory (on a GPU: a memset, and a
 synchronising copy to the host).  This measures the pool core's own cost over host memory, where a pass is a
-memset/memcmp; the GPU figure comes from `xpool.bench.alloc --allocators cupy_pool xpool_k1 xpool_k1_debug`.
+memset/memcmp; the GPU figure comes from `xlab.bench.alloc --allocators cupy_pool xpool_k1 xpool_k1_debug`.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def run(sizes=SIZES, pairs: int = 2000, repeats: int = 5, out: str | None = "dat
     import pandas as pd
 
     from xpool import HostBackend, Pool
-    from xpool.provenance import provenance
+    from xlab.provenance import provenance
     pools = {mode: Pool(HostBackend(), debug=mode) for mode in (False, "raise")}
     rows = []
     for n in sizes:
@@ -48,7 +48,7 @@ def run(sizes=SIZES, pairs: int = 2000, repeats: int = 5, out: str | None = "dat
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m xpool.bench.debug_cost", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m xlab.bench.debug_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="data/debug_cost_host.csv")
     ap.add_argument("--pairs", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=5)

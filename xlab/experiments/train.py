@@ -17,10 +17,10 @@ import time
 
 import numpy as np
 
-from xpool.gpt import AdamW, GPT, GPTConfig, get_batch
-from xpool.gpt.tape import array_module
+from tapegpt import AdamW, GPT, GPTConfig, get_batch
+from tapegpt.tape import array_module
 
-from . import allocators as registry
+from xlab import allocators as registry
 
 LR, WEIGHT_DECAY, SEED = 3e-4, 0.1, 0
 # The optimizer's form: "per_param" (a dozen ops per parameter: the measured default) or "foreach" (one flat
@@ -43,7 +43,7 @@ CONFIGS = {
     "tiny": dict(n_layer=2, n_head=2, n_embd=32, n_ffn=64, block_size=16, dtype="float64"),
 }
 
-# The rows' columns, in order; provenance columns follow (xpool.provenance).
+# The rows' columns, in order; provenance columns follow (xlab.provenance).
 COLUMNS = [
     "mode", "allocator", "world", "batch", "tokens_per_s", "ms_per_step", "speedup", "speedup_vs_raw",
     "ratio_vs_cupy_pool", "gpu_util_mean", "device_mallocs_per_step", "peak_reserved_bytes",

@@ -267,7 +267,7 @@ def _size_axis(ax, sizes):
 
 
 def _sweep(df: pd.DataFrame, name: str) -> pd.DataFrame:
-    """The rows of one sweep of xpool.bench.alloc ('size' or 'threads'). The two sweeps both have a
+    """The rows of one sweep of xlab.bench.alloc ('size' or 'threads'). The two sweeps both have a
     one-thread 64 KiB case, timed differently (main thread vs a worker), so they must not be pooled."""
     if "sweep" in df:
         return df[df["sweep"] == name]

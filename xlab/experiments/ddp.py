@@ -12,7 +12,7 @@ Every run carries its checks: the loss curve against a single-GPU run on the sam
 NVLink multicast stays off: NCCL_NVLS_ENABLE=0 in every process.
 
     df = ddp.run(worlds=(1, 2))                   # writes data/ddp_scaling.csv
-    python -m xpool.experiments ddp --worlds 1 2 --modes threads processes
+    python -m xlab.experiments ddp --worlds 1 2 --modes threads processes
 """
 from __future__ import annotations
 
@@ -28,15 +28,15 @@ import tempfile
 import threading
 import warnings
 
-from xpool.gpt import GPTConfig, load_corpus
-from xpool.provenance import provenance
+from tapegpt import GPTConfig, load_corpus
+from xlab.paths import repo_root
+from xlab.provenance import provenance
 
-from . import allocators as registry
+from xlab import allocators as registry
 from . import train
 
 ALLOCATORS = ("raw", "cupy_pool", "xpool_k1", "xpool_k4")
 BARRIER_TIMEOUT = 600      # seconds: a rank that waits longer than this has lost a peer
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def no_multicast() -> None:
@@ -99,7 +99,7 @@ def threads_mode(world, names, cfg, data, batch, steps, warmup, count_steps, cpu
     else:
         from cupy.cuda import nccl
 
-        from .nvml import UtilSampler
+        from xlab.nvml import UtilSampler
         uid = nccl.get_unique_id()
         comms = train.run_threads(world, lambda r: NcclComm(nccl.NcclCommunicator(world, uid, r)), device_ctx)
         sampler = UtilSampler(range(world))          # rank 0 starts and stops it for all GPUs
@@ -128,7 +128,7 @@ def rank_main(rank, world, uid, spec, barrier) -> list:
     from cupy.cuda import nccl
     from tqdm.auto import tqdm
 
-    from .nvml import UtilSampler
+    from xlab.nvml import UtilSampler
     cfg, data = GPTConfig(**spec["config"]), load_corpus()
     with cupy.cuda.Device(rank):
         comm = NcclComm(nccl.NcclCommunicator(world, uid, rank))
@@ -179,7 +179,7 @@ def launch(world, spec, launcher="auto") -> list:
     """Start `world` rank processes; their results, indexed [rank][allocator]."""
     launcher = pick_launcher(launcher)
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", **{train.ADAMW_ENV: train.adamw_form()},
-               PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
+               PYTHONPATH=os.pathsep.join(p for p in (str(repo_root()), os.environ.get("PYTHONPATH")) if p))
     with tempfile.TemporaryDirectory(prefix="xpool-ddp-") as tmp:
         spec = dict(spec, result_path=os.path.join(tmp, "results.pkl"))
         if launcher == "mpirun":
@@ -189,7 +189,7 @@ def launch(world, spec, launcher="auto") -> list:
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
             cmd = ["mpirun", "-np", str(world), "--oversubscribe", "--bind-to", "none",
                    "-x", "NCCL_NVLS_ENABLE", "-x", "PYTHONPATH", "-x", train.ADAMW_ENV,
-                   sys.executable, "-m", "xpool.experiments", "worker", spec_path]
+                   sys.executable, "-m", "xlab.experiments", "worker", spec_path]
             if os.geteuid() == 0:
                 cmd.insert(1, "--allow-run-as-root")
             subprocess.run(cmd, env=env, check=True, timeout=BARRIER_TIMEOUT * 2)

@@ -12,21 +12,21 @@ import tempfile
 
 import pandas as pd
 
-from . import plots
+from . import paths, plots
+from .correctness import run_correctness, transparency_rows  # noqa: F401 - the notebooks' names
 from .provenance import has_gpu, provenance
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent   # the repository (xpool is installed editable)
 PROVENANCE = plots.PROVENANCE
 
 
 def data_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
     """The folder of the CSVs: `path` if given (and not ''), else the repository's data/."""
-    return pathlib.Path(path) if path else ROOT / "data"
+    return pathlib.Path(path) if path else paths.data_dir()
 
 
 def figures_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
     """The folder figures are saved to: `path` if given (and not ''), else the repository's figures/."""
-    return pathlib.Path(path) if path else ROOT / "figures"
+    return pathlib.Path(path) if path else paths.figures_dir()
 
 
 def gpu_available() -> bool:
@@ -183,49 +183,6 @@ def table(df: pd.DataFrame | None, columns=None, **query):
 
 # ---------------------------------------------------------------------------------------------------------
 # Correctness (notebook 01, and the GPU script)
-
-
-def _as_rows(df: pd.DataFrame) -> pd.DataFrame:
-    """Bring a check's frame to (check, measured, threshold, passed, xp)."""
-    df = df.rename(columns={"max_rel_err": "measured", "tol": "threshold"})
-    return df[["check", "measured", "threshold", "passed", "xp"]]
-
-
-def transparency_rows(gate: pd.DataFrame) -> pd.DataFrame:
-    """The transparency gate's per-allocator frame as check rows (measured 0 = bitwise identical)."""
-    col = next(c for c in gate.columns if c.startswith("identical_to_"))
-    ref = col.removeprefix("identical_to_")
-    clean = gate["debug_reports"] == 0 if "debug_reports" in gate else True   # debug mode found no damage
-    gate = gate.assign(**{col: gate[col] & clean})
-    rows = [dict(check=f"transparency: {r.allocator} bitwise = {ref}, {r.steps} steps (losses, params)",
-                 measured=float(not r[col]), threshold=0.0, passed=bool(r[col]), xp="cupy")
-            for _, r in gate.iterrows() if r.allocator != ref]
-    return pd.DataFrame(rows)
-
-
-def run_correctness(device: str = "cpu", with_torch: bool = True, transparency_steps: int = 50,
-                    out: str | os.PathLike | None = None) -> pd.DataFrame:
-    """Run the correctness checks: device='cpu' on NumPy (with PyTorch parity), 'gpu' on CuPy plus the
-    bitwise transparency gate. Returns (check, measured, threshold, passed, xp, device + provenance);
-    writes it to `out` if given.
-    """
-    from .gpt import checks
-    if device == "cpu":
-        import numpy as xp
-        frames = [checks.run_all(xp, with_torch=with_torch)]
-    elif device == "gpu":
-        import cupy as xp
-        frames = [checks.run_all(xp, with_torch=False),
-                  transparency_rows(checks.transparency_gate(steps=transparency_steps))]
-    else:
-        raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
-    df = pd.concat([_as_rows(f) for f in frames], ignore_index=True)
-    df = df.assign(device=device, **provenance(with_torch=with_torch, transparency_steps=transparency_steps))
-    if out is not None:
-        pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
-        df.to_csv(out, index=False)
-    df.attrs["source"] = "measured"
-    return df
 
 
 def measured_here(*frames) -> pd.DataFrame:

@@ -7,7 +7,7 @@ depend on the allocator, so replaying the recorded requests and frees, in order,
 `xpool.Pool` of any setting reproduces that setting's decisions exactly: `replay_waste` does this on a
 CPU over a backend that hands out addresses and touches no memory.
 
-    python -m xpool.memory_study --out-dir data     # on a GPU: data/memory_timeline.csv, data/memory_waste.csv
+    python -m xlab.memory_study --out-dir data     # on a GPU: data/memory_timeline.csv, data/memory_waste.csv
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import pathlib
 import numpy as np
 import pandas as pd
 
-from .backends import HostBackend
-from .pool import Pool
-from .sizeclass import size_class
+from xpool.backends import HostBackend
+from xpool.pool import Pool
+from xpool.sizeclass import size_class
 
 KS = (1, 2, 4, 8)
 SETUP_STEP = -1                  # `step` of the events recorded while the model and optimizer are built
@@ -157,7 +157,7 @@ def waste_table(measured: pd.DataFrame | None = None, replayed: pd.DataFrame | N
 
 
 def _config(config=None, batch=None):
-    from .gpt import GPTConfig
+    from tapegpt import GPTConfig
     if config is None:
         cfg = GPTConfig()
     elif isinstance(config, dict):
@@ -178,8 +178,8 @@ def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warm
     """
     import cupy
 
-    from .cupy_adapter import MemoryPool, use
-    from .gpt import GPT, AdamW, get_batch, load_corpus
+    from xpool.cupy_adapter import MemoryPool, use
+    from tapegpt import GPT, AdamW, get_batch, load_corpus
     cfg = _config(config, batch)
     pool = pool if pool is not None else MemoryPool(classes_per_doubling=k, timeline=capacity)
     data = load_corpus()

@@ -27,7 +27,7 @@ class NoGPU(RuntimeError):
 
 def require_gpus(n: int = 1, what: str = "this measurement") -> None:
     """Raise NoGPU with a clear message unless at least n CUDA GPUs are visible."""
-    from xpool.provenance import gpu_info
+    from xlab.provenance import gpu_info
     have = gpu_info()["n_gpus"]
     if have < n:
         raise NoGPU(f"{what} needs {n} CUDA GPU{'s' * (n > 1)}; {have} visible "
@@ -75,6 +75,9 @@ class Allocator:
 
     def release(self, devices=()) -> None:
         """Give cached memory back (call after every array made under it is gone)."""
+
+    def check(self) -> None:
+        """Raise what a debug mode found (xpool.CorruptionError); nothing for allocators without one."""
 
 
 class _Freed:
@@ -260,6 +263,10 @@ class XPool(Allocator):
 
     def peak_requested(self, device):
         return self._stat(device, "peak_bytes_requested")
+
+    def check(self):
+        if self.pool.debug:
+            self.pool.check()
 
     def release(self, devices=()):
         self.pool.empty_cache()

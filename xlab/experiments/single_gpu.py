@@ -2,7 +2,7 @@
 memory for each allocator, each run from a fresh pool and a fresh model (same seed).
 
     df = single_gpu.run()                        # writes data/single_gpu.csv
-    python -m xpool.experiments single --steps 30
+    python -m xlab.experiments single --steps 30
 
 Columns (shared with ddp; see train.COLUMNS): tokens_per_s over the timed steps after warm-up;
 gpu_util_mean, NVML's mean over the timed window; device_mallocs_per_step, cudaMallocs per step
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import contextlib
 
-from xpool.gpt import load_corpus
-from xpool.provenance import provenance
+from tapegpt import load_corpus
+from xlab.provenance import provenance
 
-from . import allocators as registry
+from xlab import allocators as registry
 from . import train
 
 ALLOCATORS = ("raw", "cupy_pool", "xpool_k1", "xpool_k4")
@@ -36,7 +36,7 @@ def run(allocators=ALLOCATORS, batches=(32, 4), steps=30, warmup=5, config=None,
     else:
         registry.require_gpus(1, "single_gpu.run")
         import cupy as xp
-        from .nvml import UtilSampler
+        from xlab.nvml import UtilSampler
         sampler, on_device = UtilSampler([device]), lambda: xp.cuda.Device(device)
     cfg, data = train.make_config(config), load_corpus()
     rows, first = [], {}                       # first: batch -> the first allocator's loss curve

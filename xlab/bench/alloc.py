@@ -1,7 +1,7 @@
 """Allocator microbenchmark: µs per `a = cupy.empty(n, cupy.uint8); del a` pair, one thread at five sizes,
 and thousands of pairs per second from 1, 4 and 8 threads on one device at 64 KiB.
 
-    python -m xpool.bench.alloc [--quick] [--out data/alloc_microbench.csv]
+    python -m xlab.bench.alloc [--quick] [--out data/alloc_microbench.csv]
 
 Host-side costs: each measurement synchronises the device, then times many pairs with perf_counter_ns.
 Every (allocator, case) is warmed up and calibrated to about `target_s` seconds once; then the repeats
@@ -16,15 +16,15 @@ import sys
 import threading
 import time
 
-from xpool.experiments import allocators as registry
-from xpool.experiments.allocators import KIB, MIB, NoGPU
+from xlab import allocators as registry
+from xlab.allocators import KIB, MIB, NoGPU
 
 SIZES = (4 * KIB, 64 * KIB, MIB, 12 * MIB, 96 * MIB)
 THREADS = (1, 4, 8)
 THREAD_SIZE = 64 * KIB
 ALLOCATORS = ("raw", "cupy_pool", "cupy_async", "xpool_k1", "xpool_k4", "noop", "c_noop")
 # Debug mode syncs and copies whole blocks to the host on every pair: measure it on its own, small sizes, e.g.
-#   python -m xpool.bench.alloc --allocators cupy_pool xpool_k1 xpool_k1_debug --sizes 4096 1048576 --target-s 0.2
+#   python -m xlab.bench.alloc --allocators cupy_pool xpool_k1 xpool_k1_debug --sizes 4096 1048576 --target-s 0.2
 COUNTED = ("raw", "cupy_pool", "xpool_k1", "xpool_k4")
 COLUMNS = ["allocator", "sweep", "size_bytes", "threads", "us_per_pair", "us_per_pair_min", "us_per_pair_max",
            "kpairs_per_s", "kpairs_per_s_max", "ratio_vs_cupy_pool", "device_mallocs_per_pair", "pairs", "repeats"]
@@ -196,7 +196,7 @@ def table(summary) -> str:
 
 def with_provenance(summary, **params):
     """Every row gets the provenance columns (GPU, driver, CUDA, CuPy, commit, date) and the run's params."""
-    from xpool.provenance import provenance
+    from xlab.provenance import provenance
     prov = provenance(bench="alloc", **params)
     return summary.assign(**prov)
 
@@ -210,7 +210,7 @@ def write_csv(df, out) -> None:
 def run(out="data/alloc_microbench.csv", quick=False, repeats=None, target_s=None, allocators=ALLOCATORS,
         progress=True, sizes=SIZES):
     """Measure, summarise, print the table, write the CSV; returns the summary DataFrame."""
-    registry.require_gpus(1, "xpool.bench.alloc")
+    registry.require_gpus(1, "xlab.bench.alloc")
     repeats = repeats or (5 if quick else 9)
     # 50 ms windows (the first H200 run) let the spread within one case reach 2x: time longer
     target_s = target_s or (0.005 if quick else 0.25)
@@ -225,7 +225,7 @@ def run(out="data/alloc_microbench.csv", quick=False, repeats=None, target_s=Non
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m xpool.bench.alloc", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m xlab.bench.alloc", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="data/alloc_microbench.csv")
     ap.add_argument("--quick", action="store_true", help="fewer pairs and repeats: a smoke run")
     ap.add_argument("--repeats", type=int, help="repeats (default 7; 5 with --quick)")
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
     try:
         run(args.out, args.quick, args.repeats, args.target_s, allocators=tuple(args.allocators), sizes=args.sizes)
     except NoGPU as e:
-        print(f"xpool.bench.alloc: {e}", file=sys.stderr)
+        print(f"xlab.bench.alloc: {e}", file=sys.stderr)
         return 2
     return 0
 

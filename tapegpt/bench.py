@@ -1,8 +1,10 @@
-"""Steady-state training throughput of the GPT under each allocator: python -m xpool.gpt.bench."""
+"""Steady-state training throughput of the GPT, nanoGPT-style: python -m tapegpt.bench [--cpu].
+
+It trains under whatever allocator CuPy has; comparing allocators is the lab's job (python -m xlab.experiments).
+"""
 import argparse
 import time
 
-from .checks import make_allocator
 from .data import get_batch, load_corpus
 from .model import GPT, GPTConfig
 from .optim import AdamW
@@ -32,22 +34,14 @@ def time_training(xp, cfg, steps, warmup, sync, seed=0):
                 final_loss=float(loss), params=model.num_params())
 
 
-def bench_gpu(cfg, steps, warmup, allocators):
-    """One row per allocator; the previous allocator is restored afterwards."""
+def bench_gpu(cfg, steps, warmup):
+    """One row: the GPT on CuPy under CuPy's current allocator."""
     import cupy
-    previous = cupy.cuda.get_allocator()
-    rows = []
-    try:
-        for name in allocators:
-            cupy.cuda.set_allocator(make_allocator(name)[0])
-            row = time_training(cupy, cfg, steps, warmup, cupy.cuda.Device().synchronize)
-            free, total = cupy.cuda.runtime.memGetInfo()
-            rows.append(dict(allocator=name, **row, device_used_gib=(total - free) / 2**30))
-            cupy.cuda.set_allocator(previous)  # drop the pool (and what it caches) before the next allocator
-            cupy.cuda.Device().synchronize()
-    finally:
-        cupy.cuda.set_allocator(previous)
-    return rows
+    row = time_training(cupy, cfg, steps, warmup, cupy.cuda.Device().synchronize)
+    free, total = cupy.cuda.runtime.memGetInfo()
+    current = cupy.cuda.get_allocator()
+    name = getattr(current, "__qualname__", type(current).__name__) if current else "cudaMalloc"
+    return [dict(allocator=name, **row, device_used_gib=(total - free) / 2**30)]
 
 
 def bench_cpu(cfg, steps, warmup):
@@ -61,7 +55,6 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=20, help="timed steps")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (kernel compilation, pool growth)")
     ap.add_argument("--batch", type=int, default=None, help="batch size (default: the config's)")
-    ap.add_argument("--allocators", default="raw,cupy,xpool", help="comma-separated: raw, cupy, xpool")
     ap.add_argument("--cpu", action="store_true", help="tiny config on NumPy, a smoke test")
     args = ap.parse_args(argv)
     cfg = GPTConfig(**TINY) if args.cpu else GPTConfig()
@@ -71,10 +64,10 @@ def main(argv=None):
     if args.cpu:
         rows = bench_cpu(cfg, args.steps, args.warmup)
     else:
-        rows = bench_gpu(cfg, args.steps, args.warmup, [a.strip() for a in args.allocators.split(",") if a.strip()])
-    print(f"{'allocator':<10} {'tokens/s':>12} {'ms/step':>10} {'final loss':>11}")
+        rows = bench_gpu(cfg, args.steps, args.warmup)
+    print(f"{'allocator':<20} {'tokens/s':>12} {'ms/step':>10} {'final loss':>11}")
     for r in rows:
-        print(f"{r['allocator']:<10} {r['tokens_per_s']:>12.0f} {r['ms_per_step']:>10.2f} {r['final_loss']:>11.4f}")
+        print(f"{r['allocator']:<20} {r['tokens_per_s']:>12.0f} {r['ms_per_step']:>10.2f} {r['final_loss']:>11.4f}")
     return rows
 
 

@@ -1,11 +1,11 @@
-"""CLI: `python -m xpool.experiments single|ddp [options]` (see --help); writes the CSV and prints the table."""
+"""CLI: `python -m xlab.experiments single|ddp [options]` (see --help); writes the CSV and prints the table."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 
-from .allocators import NoGPU
+from xlab.allocators import NoGPU
 
 SHOW = ["mode", "allocator", "world", "batch", "tokens_per_s", "speedup", "speedup_vs_raw", "ratio_vs_cupy_pool",
         "gpu_util_mean", "device_mallocs_per_step", "reserved_over_requested", "checks_passed"]
@@ -28,7 +28,7 @@ def _common(p, out):
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m xpool.experiments", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m xlab.experiments", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("single", help="one GPU, every allocator, batch 32 and 4")
     _common(s, "data/single_gpu.csv")
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
             df = run(modes=tuple(args.modes), worlds=tuple(args.worlds), batch=args.batch, launcher=args.launcher,
                      **common)
     except NoGPU as e:
-        print(f"xpool.experiments {args.cmd}: {e}", file=sys.stderr)
+        print(f"xlab.experiments {args.cmd}: {e}", file=sys.stderr)
         return 2
     with __import__("pandas").option_context("display.width", 200, "display.max_columns", 20):
         print(df[SHOW].to_string(index=False, float_format=lambda v: f"{v:.3g}"))

@@ -1,1 +1,0 @@
-"""Benchmarks anyone can run: each prints a short table and writes a CSV (`python -m xpool.bench.alloc`)."""
