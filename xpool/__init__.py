@@ -4,6 +4,7 @@
     pool = xpool.install()            # cupy now allocates through xpool
     ...
     xpool.stats()                     # exact counters, one row per device
+    xpool.enable_torch()              # PyTorch's CUDA tensors from the same pool (before torch's first one)
 """
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ from .errors import CorruptionError, CorruptionWarning, OutOfMemoryError, Reques
 from .pool import Pool
 from .sizeclass import size_class
 from .stats import Snapshot
+from .torch_allocator import enable as enable_torch   # imports torch only when called
 
 __version__ = "0.1.0"
 __all__ = [
     "size_class", "Pool", "MemoryPool", "HostBackend", "CupyBackend", "install", "uninstall",
     "installed", "current", "use", "empty_cache", "stats", "snapshot", "OutOfMemoryError",
     "CorruptionError", "CorruptionWarning", "DeviceOutOfMemory", "RequestTooLargeError", "Snapshot",
+    "enable_torch",
 ]
 
 

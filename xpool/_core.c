@@ -27,6 +27,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -40,6 +41,11 @@
 #define XP_MAX_DEVICES 64
 #define XP_MAX_CLASSES_PER_DOUBLING 64
 #define XP_STREAM_PER_THREAD 2            /* cudaStreamPerThread's handle value */
+#define XP_EXPORT __attribute__((visibility("default")))   /* symbols PyTorch looks up by name */
+
+/* Who a block was handed to: CuPy's C hooks, PyTorch's pluggable-allocator hooks, Allocator.allocate(). */
+enum { ORIGIN_CUPY = 0, ORIGIN_TORCH = 1, ORIGIN_PYTHON = 2, XP_ORIGINS = 3 };
+static const char *const origin_names[XP_ORIGINS] = {"cupy", "torch", "python"};
 
 #if PY_VERSION_HEX < 0x030C0000
 /* The 3.12 exception API, for 3.10 and 3.11. */
@@ -96,6 +102,7 @@ typedef struct Block {
     size_t requested;       /* bytes asked for while in use, 0 while cached */
     intptr_t stream;        /* stream it was handed out on; reused only there */
     int device;
+    int origin;             /* who it was last handed to: ORIGIN_CUPY, ORIGIN_TORCH or ORIGIN_PYTHON */
     uint64_t serial;        /* allocation number on its device, for diagnostics */
     struct Block *next;     /* link in its bin while cached */
 } Block;
@@ -227,7 +234,20 @@ typedef struct {
     uint64_t bytes_requested;         /* requested bytes of blocks in use */
     uint64_t bytes_cached;            /* class bytes of free blocks */
     uint64_t peak_bytes_in_use, peak_bytes_requested, peak_bytes_reserved;
+    /* class bytes in use by origin; [ORIGIN_CUPY] stays 0: CuPy's share is bytes_in_use less the
+     * others, so CuPy's path pays no counter for it (see origin_in/origin_out) */
+    uint64_t bytes_in_use_by[XP_ORIGINS];
 } Stats;
+
+static inline void origin_in(Stats *s, int origin, size_t size)
+{
+    if (origin != ORIGIN_CUPY) s->bytes_in_use_by[origin] += size;
+}
+
+static inline void origin_out(Stats *s, int origin, size_t size)
+{
+    if (origin != ORIGIN_CUPY) s->bytes_in_use_by[origin] -= size;
+}
 
 typedef struct {
     pthread_mutex_t lock;
@@ -263,6 +283,8 @@ typedef struct {
     uint64_t size;
     uint64_t bytes_in_use;
     uint64_t bytes_cached;
+    int32_t origin;         /* the block's origin; -1 for an event without a block (oom) */
+    int32_t unused;
 } Event;
 
 typedef struct {
@@ -296,6 +318,7 @@ static void timeline_record(Timeline *tl, int event, const DevicePool *pool, con
         e->size = b ? b->size : 0;
         e->bytes_in_use = pool->st.bytes_in_use;
         e->bytes_cached = pool->st.bytes_cached;
+        e->origin = b ? b->origin : -1;
         tl->count++;
     }
     pthread_mutex_unlock(&tl->lock);
@@ -346,10 +369,10 @@ static DevicePool *pool_get(Allocator *A, int device)
 
 static PyObject *block_info(const Block *b, size_t requested)
 {
-    return Py_BuildValue("{s:i,s:K,s:n,s:n,s:L,s:K}", "device", b->device,
+    return Py_BuildValue("{s:i,s:K,s:n,s:n,s:L,s:K,s:s}", "device", b->device,
                          "ptr", (unsigned long long)b->ptr, "size", (Py_ssize_t)b->size,
                          "requested", (Py_ssize_t)requested, "stream", (long long)b->stream,
-                         "serial", (unsigned long long)b->serial);
+                         "serial", (unsigned long long)b->serial, "origin", origin_names[b->origin]);
 }
 
 /* Calls debug_hook.<name>(info); -1 with the hook's exception set if it raised. */
@@ -507,7 +530,7 @@ static int device_malloc(Allocator *A, DevicePool *pool, size_t requested, size_
 }
 
 /* The allocation path.  Returns the block (in use), or NULL with an exception set. */
-static Block *xp_alloc(Allocator *A, int device, intptr_t stream, size_t requested)
+static Block *xp_alloc(Allocator *A, int device, intptr_t stream, size_t requested, int origin)
 {
     size_t size = size_class(requested + A->debug_tail, A->k);
     if (!size) {
@@ -527,6 +550,7 @@ static Block *xp_alloc(Allocator *A, int device, intptr_t stream, size_t request
         b->next = NULL;
         b->requested = requested;
         b->serial = pool->st.requests;
+        b->origin = origin;
         if (ptrtable_insert(&pool->live, b) < 0) {   /* give it back: nothing changed */
             b->next = bin->top; bin->top = b; bin->count++;
             pthread_mutex_unlock(&pool->lock);
@@ -537,6 +561,7 @@ static Block *xp_alloc(Allocator *A, int device, intptr_t stream, size_t request
         pool->st.blocks_cached--; pool->st.bytes_cached -= size;
         pool->st.blocks_in_use++; pool->st.bytes_in_use += size;
         pool->st.bytes_requested += requested;
+        origin_in(&pool->st, origin, size);
         note_peaks(&pool->st);
         timeline_record(&A->tl, EV_HIT, pool, b, requested);
         pthread_mutex_unlock(&pool->lock);
@@ -547,6 +572,7 @@ static Block *xp_alloc(Allocator *A, int device, intptr_t stream, size_t request
             ptrtable_remove(&pool->live, b->ptr);
             pool->st.blocks_in_use--; pool->st.bytes_in_use -= size;
             pool->st.bytes_requested -= requested;
+            origin_out(&pool->st, origin, size);
             pool->st.blocks_cached++; pool->st.bytes_cached += size;
             b->requested = 0; b->next = bin->top; bin->top = b; bin->count++;
             pthread_mutex_unlock(&pool->lock);
@@ -569,7 +595,7 @@ static Block *xp_alloc(Allocator *A, int device, intptr_t stream, size_t request
         return NULL;
     }
     b->ptr = ptr; b->size = size; b->requested = requested;
-    b->stream = stream; b->device = device;
+    b->stream = stream; b->device = device; b->origin = origin;
     pthread_mutex_lock(&pool->lock);
     b->serial = pool->st.requests;
     if (ptrtable_insert(&pool->live, b) < 0) {
@@ -584,6 +610,7 @@ static Block *xp_alloc(Allocator *A, int device, intptr_t stream, size_t request
     pool->st.device_mallocs++;
     pool->st.blocks_in_use++; pool->st.bytes_in_use += size;
     pool->st.bytes_requested += requested;
+    origin_in(&pool->st, origin, size);
     note_peaks(&pool->st);
     timeline_record(&A->tl, EV_MISS, pool, b, requested);
     pthread_mutex_unlock(&pool->lock);
@@ -593,6 +620,7 @@ static Block *xp_alloc(Allocator *A, int device, intptr_t stream, size_t request
         ptrtable_remove(&pool->live, b->ptr);
         pool->st.blocks_in_use--; pool->st.bytes_in_use -= size;
         pool->st.bytes_requested -= requested;
+        origin_out(&pool->st, origin, size);
         pool->st.device_frees++;
         pthread_mutex_unlock(&pool->lock);
         PyObject *r = PyObject_CallMethod(A->backend, "free", "iKn", device,
@@ -649,6 +677,7 @@ static int xp_free(Allocator *A, int device, uintptr_t ptr)
     pool->st.frees++;
     pool->st.blocks_in_use--; pool->st.bytes_in_use -= b->size;
     pool->st.bytes_requested -= b->requested;
+    origin_out(&pool->st, b->origin, b->size);
     size_t requested = b->requested;
     b->requested = 0;
     if (bin) {
@@ -687,7 +716,7 @@ static void *cupy_malloc(void *param, size_t size, int device)
          * (as CuPy's pool does), or a block freed on one thread's stream would be reused on another's */
         if (stream == XP_STREAM_PER_THREAD) stream = -(intptr_t)PyThread_get_thread_ident();
     }
-    Block *b = xp_alloc(A, device, stream, size);
+    Block *b = xp_alloc(A, device, stream, size, ORIGIN_CUPY);
     if (!b) return (void *)(intptr_t)-1;
     Py_INCREF(A);   /* CuPy's memory object does not own the allocator: each block does */
     return (void *)b->ptr;
@@ -706,6 +735,259 @@ static void cupy_free(void *param, void *ptr, int device)
     }
     if (r) PyErr_WriteUnraisable(NULL);
     if (r >= 0) Py_DECREF(A);   /* -1: not ours, so it held no reference */
+}
+
+/* ------------------------------------------------------------------ PyTorch's CUDAPluggableAllocator hooks */
+
+/* torch.cuda.memory.CUDAPluggableAllocator(xpool._core.__file__, "xpool_torch_malloc", "xpool_torch_free")
+ * serves PyTorch's CUDA tensors from the same Allocator as CuPy (xpool.enable_torch() sets it up), so a
+ * block one framework frees is reused by the other: same device, same stream handle (PyTorch passes its
+ * current cudaStream_t; CuPy's current stream pointer is the same handle for the same stream).
+ *
+ * PyTorch calls these without the GIL, from any thread (its autograd engine runs backward in its own
+ * threads).  The hit path and the free path touch only C structures under the pool's mutex, so they run
+ * without the GIL; everything that can call Python (a miss: backend, OOM ladder, gc; debug hooks; error
+ * reports) takes it with PyGILState_Ensure, holding no mutex, as the rest of the core does. */
+
+/* The Allocator PyTorch allocates from (Allocator.bind_torch).  Its reference is never dropped: a PyTorch
+ * thread may be inside it without the GIL at any moment, and PyTorch cannot change allocators once it has
+ * allocated anyway. */
+static _Atomic(Allocator *) torch_allocator;
+static _Thread_local char torch_error[1024];   /* why this thread's last xpool_torch_* call failed */
+
+static inline intptr_t torch_stream_key(void *stream)
+{
+    /* as cupy_malloc keys it: cudaStreamPerThread is a different stream in each thread */
+    intptr_t s = (intptr_t)stream;
+    return s == XP_STREAM_PER_THREAD ? -(intptr_t)PyThread_get_thread_ident() : s;
+}
+
+static int python_usable(void)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+    return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
+}
+
+/* xp_alloc's hit path, callable without the GIL: C structures only, no Python object, no error set.
+ * NULL when no cached block fits; nothing is counted then (the caller goes on to xp_alloc, which counts
+ * the request).  Keep it in step with xp_alloc's hit path: tests/test_torch_allocator.py checks that a
+ * hit through either path leaves the same counters and timeline events. */
+static Block *torch_take_cached(Allocator *A, DevicePool *pool, intptr_t stream, size_t size,
+                                size_t requested)
+{
+    pthread_mutex_lock(&pool->lock);
+    Bin *bin = bintable_find(&pool->bins, stream, size);
+    Block *b = bin ? bin->top : NULL;
+    if (!b || ptrtable_insert(&pool->live, b) < 0) {   /* no room in the table: xp_alloc reports it */
+        pthread_mutex_unlock(&pool->lock);
+        return NULL;
+    }
+    bin->top = b->next; bin->count--;
+    b->next = NULL;
+    pool->st.requests++;
+    b->requested = requested;
+    b->serial = pool->st.requests;
+    b->origin = ORIGIN_TORCH;
+    pool->st.hits++;
+    pool->st.blocks_cached--; pool->st.bytes_cached -= size;
+    pool->st.blocks_in_use++; pool->st.bytes_in_use += size;
+    pool->st.bytes_requested += requested;
+    origin_in(&pool->st, ORIGIN_TORCH, size);
+    note_peaks(&pool->st);
+    timeline_record(&A->tl, EV_HIT, pool, b, requested);
+    pthread_mutex_unlock(&pool->lock);
+    return b;
+}
+
+/* xp_free's caching path, callable without the GIL.  0: the block is back in its bin; -1: nothing
+ * changed, the caller takes the GIL path (an unknown pointer, a block handed to CuPy or Python, no
+ * memory for a new bin).  Keep it in step with xp_free. */
+static int torch_give_back(Allocator *A, DevicePool *pool, uintptr_t ptr)
+{
+    pthread_mutex_lock(&pool->lock);
+    Block **slot = ptrtable_slot(&pool->live, ptr);
+    Block *b = slot ? *slot : NULL;
+    Bin *bin = b && b->origin == ORIGIN_TORCH ? bintable_get(&pool->bins, b->stream, b->size) : NULL;
+    if (!bin) {
+        pthread_mutex_unlock(&pool->lock);
+        return -1;
+    }
+    ptrtable_remove(&pool->live, ptr);
+    pool->st.frees++;
+    pool->st.blocks_in_use--; pool->st.bytes_in_use -= b->size;
+    pool->st.bytes_requested -= b->requested;
+    origin_out(&pool->st, ORIGIN_TORCH, b->size);
+    size_t requested = b->requested;
+    b->requested = 0;
+    b->next = bin->top; bin->top = b; bin->count++;
+    pool->st.blocks_cached++; pool->st.bytes_cached += b->size;
+    timeline_record(&A->tl, EV_FREE, pool, b, requested);
+    pthread_mutex_unlock(&pool->lock);
+    return 0;
+}
+
+/* With the GIL held and an exception set: its "Type: message" into torch_error; the exception stays set. */
+static void torch_note_error(void)
+{
+    PyObject *exc = PyErr_GetRaisedException();
+    PyObject *text = exc ? PyObject_Str(exc) : NULL;
+    const char *msg = text ? PyUnicode_AsUTF8(text) : NULL;
+    snprintf(torch_error, sizeof torch_error, "%s: %s", exc ? Py_TYPE(exc)->tp_name : "error",
+             msg ? msg : "(no message)");
+    PyErr_Clear();
+    Py_XDECREF(text);
+    PyErr_SetRaisedException(exc);
+}
+
+/* The allocation behind both exported malloc functions.  0 and *out on success; -1 with torch_error. */
+static int torch_alloc(size_t size, int device, void *stream_handle, void **out)
+{
+    Allocator *A = atomic_load_explicit(&torch_allocator, memory_order_acquire);
+    if (!A) {
+        snprintf(torch_error, sizeof torch_error, "xpool: no pool is bound to PyTorch; call "
+                 "xpool.enable_torch() before PyTorch's first CUDA allocation");
+        return -1;
+    }
+    intptr_t stream = torch_stream_key(stream_handle);
+    /* the hit path, without the GIL; debug mode's checks run Python, so it always takes the GIL path */
+    if (device >= 0 && device < XP_MAX_DEVICES && size <= XP_MAX_REQUEST &&
+        __atomic_load_n(&A->debug_hook, __ATOMIC_ACQUIRE) == Py_None) {
+        DevicePool *pool = atomic_load_explicit(&A->pools[device], memory_order_acquire);
+        size_t cls = size_class(size + A->debug_tail, A->k);
+        Block *b = pool && cls ? torch_take_cached(A, pool, stream, cls, size) : NULL;
+        if (b) { *out = (void *)b->ptr; return 0; }
+    }
+    if (!python_usable()) {
+        snprintf(torch_error, sizeof torch_error, "xpool: PyTorch asked for %zu bytes while Python "
+                 "is shutting down", size);
+        return -1;
+    }
+    PyGILState_STATE gil = PyGILState_Ensure();
+    Block *b = xp_alloc(A, device, stream, size, ORIGIN_TORCH);
+    if (b) {
+        *out = (void *)b->ptr;
+    } else {
+        torch_note_error();
+        PyErr_Clear();   /* PyTorch gets it as a C++ exception, or a C caller from xpool_torch_last_error() */
+    }
+    PyGILState_Release(gil);
+    return b ? 0 : -1;
+}
+
+/* PyTorch's CUDAPluggableAllocator does not check what malloc returns: a NULL would become a tensor's
+ * data pointer and the next kernel would fault.  The one error it surfaces is a C++ exception (a
+ * std::exception reaches Python as RuntimeError with its what()), the documented contract.  The core is
+ * C, so it throws std::runtime_error through the C++ ABI (Itanium, libstdc++: PyTorch's Linux builds),
+ * looked up in the libstdc++ PyTorch has loaded.  Returns only if that is impossible. */
+static void throw_runtime_error(const char *msg)
+{
+    void *lib = dlopen("libstdc++.so.6", RTLD_LAZY | RTLD_NOLOAD);
+    void *h = lib ? lib : RTLD_DEFAULT;
+    void *(*allocate)(size_t) = (void *(*)(size_t))dlsym(h, "__cxa_allocate_exception");
+    void (*construct)(void *, const char *) = (void (*)(void *, const char *))dlsym(h, "_ZNSt13runtime_errorC1EPKc");
+    void (*destroy)(void *) = (void (*)(void *))dlsym(h, "_ZNSt13runtime_errorD1Ev");
+    void *type_info = dlsym(h, "_ZTISt13runtime_error");
+    void (*throw_)(void *, void *, void (*)(void *)) =
+        (void (*)(void *, void *, void (*)(void *)))dlsym(h, "__cxa_throw");
+    if (lib) dlclose(lib);   /* NOLOAD: PyTorch's reference keeps it loaded */
+    if (!allocate || !construct || !destroy || !type_info || !throw_) return;
+    void *e = allocate(64);  /* sizeof(std::runtime_error) is 16 with libstdc++ on LP64: room to spare */
+    construct(e, msg);
+    throw_(e, type_info, destroy);
+}
+
+/* void *malloc(ssize_t size, int device, cudaStream_t stream): PyTorch's pluggable-allocator signature.
+ * On failure (after xpool's OOM ladder) it throws std::runtime_error("xpool.OutOfMemoryError: ..."). */
+XP_EXPORT void *xpool_torch_malloc(ssize_t size, int device, void *stream)
+{
+    void *p = NULL;
+    if (torch_alloc((size_t)size, device, stream, &p) == 0) return p;
+    throw_runtime_error(torch_error);
+    fprintf(stderr, "%s\nxpool: could not raise this through PyTorch (no C++ runtime found)\n", torch_error);
+    return NULL;
+}
+
+/* The same for C callers (and tests): NULL on failure, the reason in xpool_torch_last_error(). */
+XP_EXPORT void *xpool_torch_try_malloc(ssize_t size, int device, void *stream)
+{
+    void *p = NULL;
+    return torch_alloc((size_t)size, device, stream, &p) == 0 ? p : NULL;
+}
+
+XP_EXPORT const char *xpool_torch_last_error(void) { return torch_error; }
+
+/* void free(void *ptr, ssize_t size, int device, cudaStream_t stream): called from PyTorch's deleters,
+ * which cannot fail, so an error (a pointer xpool did not hand to PyTorch) is reported as unraisable. */
+XP_EXPORT void xpool_torch_free(void *ptr, ssize_t size, int device, void *stream)
+{
+    Allocator *A = atomic_load_explicit(&torch_allocator, memory_order_acquire);
+    DevicePool *pool = A && device >= 0 && device < XP_MAX_DEVICES
+                       ? atomic_load_explicit(&A->pools[device], memory_order_acquire) : NULL;
+    torch_error[0] = 0;
+    if (pool && __atomic_load_n(&A->debug_hook, __ATOMIC_ACQUIRE) == Py_None &&
+        torch_give_back(A, pool, (uintptr_t)ptr) == 0)
+        return;
+    if (!python_usable()) return;   /* the process is ending: the device memory goes with it */
+    PyGILState_STATE gil = PyGILState_Ensure();
+    int origin = -1;
+    if (pool) {
+        pthread_mutex_lock(&pool->lock);
+        Block **slot = ptrtable_slot(&pool->live, (uintptr_t)ptr);
+        if (slot) origin = (*slot)->origin;
+        pthread_mutex_unlock(&pool->lock);
+    }
+    int r = 0;
+    if (!A) {
+        PyErr_Format(PyExc_RuntimeError, "xpool: PyTorch freed pointer %p but no pool is bound to PyTorch", ptr);
+        r = -1;
+    } else if (origin >= 0 && origin != ORIGIN_TORCH) {
+        PyErr_Format(PyExc_ValueError, "xpool: PyTorch freed pointer %p on device %d, a block handed to "
+                     "%s, not to PyTorch; it stays in use", ptr, device, origin_names[origin]);
+        r = -1;
+    } else {
+        r = xp_free(A, device, (uintptr_t)ptr);
+    }
+    if (r < 0 && A && A->forked) {
+        PyErr_Clear();   /* a block the parent handed out, dying in a fork()ed child: not ours */
+    } else if (r) {
+        torch_note_error();
+        PyErr_WriteUnraisable(NULL);
+    }
+    PyGILState_Release(gil);
+}
+
+/* bind_torch(): make this Allocator the one PyTorch's hooks serve from. */
+static PyObject *Allocator_bind_torch(Allocator *self, PyObject *unused)
+{
+    Allocator *old = atomic_load(&torch_allocator);
+    if (old == self) Py_RETURN_NONE;
+    if (old) {
+        for (int d = 0; d < XP_MAX_DEVICES; d++) {
+            DevicePool *pool = atomic_load(&old->pools[d]);
+            if (!pool) continue;
+            pthread_mutex_lock(&pool->lock);
+            uint64_t held = pool->st.bytes_in_use_by[ORIGIN_TORCH];
+            pthread_mutex_unlock(&pool->lock);
+            if (held) {
+                PyErr_Format(PyExc_RuntimeError, "xpool: PyTorch still holds %llu bytes on device %d from "
+                             "the pool bound before; they must go back to it first",
+                             (unsigned long long)held, d);
+                return NULL;
+            }
+        }
+    }
+    Py_INCREF(self);   /* kept for the life of the process, as is the one bound before (see above) */
+    atomic_store_explicit(&torch_allocator, self, memory_order_release);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_torch_bound(PyObject *mod, PyObject *unused)
+{
+    Allocator *A = atomic_load(&torch_allocator);
+    return Py_NewRef(A ? (PyObject *)A : Py_None);
 }
 
 /* ------------------------------------------------------------------ Allocation: a block as a Python object */
@@ -890,7 +1172,7 @@ static PyObject *Allocator_allocate(Allocator *self, PyObject *args, PyObject *k
         PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, got %lld", n);
         return NULL;
     }
-    Block *b = xp_alloc(self, device, (intptr_t)stream, (size_t)n);
+    Block *b = xp_alloc(self, device, (intptr_t)stream, (size_t)n, ORIGIN_PYTHON);
     if (!b) return NULL;
     Allocation *a = PyObject_New(Allocation, &AllocationType);
     if (!a) { xp_free(self, device, b->ptr); return NULL; }
@@ -930,7 +1212,7 @@ static PyObject *Allocator_stats(Allocator *self, PyObject *args)
     pthread_mutex_unlock(&pool->lock);
 #define K(x) (unsigned long long)(x)
     return Py_BuildValue(
-        "{s:i,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+        "{s:i,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
         "device", device, "requests", K(s.requests), "hits", K(s.hits), "misses", K(s.misses),
         "device_mallocs", K(s.device_mallocs), "device_frees", K(s.device_frees),
         "frees", K(s.frees), "oom_recoveries", K(s.oom_recoveries), "oom_errors", K(s.oom_errors),
@@ -939,7 +1221,10 @@ static PyObject *Allocator_stats(Allocator *self, PyObject *args)
         "bytes_cached", K(s.bytes_cached), "bytes_reserved", K(reserved(&s)),
         "peak_bytes_in_use", K(s.peak_bytes_in_use),
         "peak_bytes_requested", K(s.peak_bytes_requested),
-        "peak_bytes_reserved", K(s.peak_bytes_reserved), "limit", K(limit));
+        "peak_bytes_reserved", K(s.peak_bytes_reserved), "limit", K(limit),
+        "bytes_in_use_cupy", K(s.bytes_in_use - s.bytes_in_use_by[ORIGIN_TORCH] - s.bytes_in_use_by[ORIGIN_PYTHON]),
+        "bytes_in_use_torch", K(s.bytes_in_use_by[ORIGIN_TORCH]),
+        "bytes_in_use_python", K(s.bytes_in_use_by[ORIGIN_PYTHON]));
 #undef K
 }
 
@@ -1160,6 +1445,8 @@ static PyMethodDef Allocator_methods[] = {
      "(param, malloc, free) for cupy.cuda.memory.CFunctionAllocator"},
     {"forget_after_fork", (PyCFunction)Allocator_forget_after_fork, METH_NOARGS,
      "drop every pool without freeing (for a forked child)"},
+    {"bind_torch", (PyCFunction)Allocator_bind_torch, METH_NOARGS,
+     "serve PyTorch's xpool_torch_malloc/xpool_torch_free from this allocator (for the life of the process)"},
     {NULL}
 };
 
@@ -1214,6 +1501,7 @@ static PyMethodDef module_methods[] = {
     {"noop_cfunctions", py_noop_cfunctions, METH_VARARGS,
      "noop_cfunctions(ptr) -> (param, malloc, free): a do-nothing C allocator, the floor for benchmarks"},
     {"size_class", py_size_class, METH_VARARGS, "size_class(nbytes, k=1): the C twin of xpool.size_class"},
+    {"torch_bound", py_torch_bound, METH_NOARGS, "the Allocator PyTorch's hooks serve from, or None"},
     {NULL}
 };
 

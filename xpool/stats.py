@@ -9,7 +9,7 @@ COUNTERS = ("requests", "hits", "misses", "device_mallocs", "device_frees", "fre
 # Gauges are levels; a difference keeps the later value.
 GAUGES = ("blocks_in_use", "blocks_cached", "bytes_in_use", "bytes_requested", "bytes_cached",
           "bytes_reserved", "peak_bytes_in_use", "peak_bytes_requested", "peak_bytes_reserved",
-          "limit")
+          "limit", "bytes_in_use_cupy", "bytes_in_use_torch", "bytes_in_use_python")
 COLUMNS = ("device",) + COUNTERS + GAUGES
 
 

@@ -1,0 +1,96 @@
+"""One pool for CuPy and PyTorch: PyTorch's CUDA tensors through xpool.
+
+    import torch, xpool
+    pool = xpool.enable_torch()        # first thing, before PyTorch's first CUDA allocation
+    ...                                # cupy and torch now draw from one pool
+    pool.stats()[["bytes_in_use_cupy", "bytes_in_use_torch"]]
+
+PyTorch's `CUDAPluggableAllocator` loads two C functions by name from xpool's core (`xpool._core`):
+`xpool_torch_malloc(size, device, stream)` and `xpool_torch_free(ptr, size, device, stream)`. They serve
+from the Allocator CuPy uses, so a block one framework frees is reused by the other (same device and
+stream). Importing xpool does not import torch; this module imports it only inside `enable()`.
+"""
+from __future__ import annotations
+
+import threading
+
+from . import _core
+
+ALLOC_FN = "xpool_torch_malloc"
+FREE_FN = "xpool_torch_free"
+
+_lock = threading.Lock()     # guards _enabled
+_enabled = None              # (MemoryPool, torch's CUDAPluggableAllocator) once enable() succeeded
+
+TOO_LATE = ("PyTorch's CUDA allocator is already initialised in this process (something ran on CUDA "
+            "through PyTorch before xpool.enable_torch()), and PyTorch cannot change allocators after "
+            "that. Call xpool.enable_torch() right after `import torch`, before any CUDA tensor, "
+            "torch.cuda call or model.cuda(), or start a fresh process.")
+
+
+def library_path() -> str:
+    """The shared library that exports xpool_torch_malloc / xpool_torch_free (the C core)."""
+    return _core.__file__
+
+
+def enabled():
+    """The pool PyTorch allocates from, or None."""
+    return _enabled[0] if _enabled else None
+
+
+def enable(pool=None, **settings):
+    """Serve PyTorch's CUDA allocations from xpool's pool (CuPy's, installed here if it is not yet).
+
+    Must run before PyTorch's first CUDA allocation; the choice holds for the life of the process.
+    Calling it again returns the same pool. `pool` / `settings` are those of `xpool.install()`.
+    """
+    global _enabled
+    with _lock:
+        if _enabled is not None:
+            if (pool is not None and pool is not _enabled[0]) or settings:
+                raise RuntimeError("xpool.enable_torch() already ran with another pool; PyTorch keeps "
+                                   "its allocator for the life of the process")
+            return _enabled[0]
+        torch = _import_torch()
+        from .cupy_adapter import install, installed
+        current = installed()
+        if current is not None and (pool is not None and pool is not current or settings):
+            raise RuntimeError("xpool is already installed for CuPy with another pool; call "
+                               "xpool.enable_torch() without arguments to share that one, or "
+                               "xpool.uninstall() first")
+        new = current is None
+        pool = install(pool, **settings) if new else current
+        try:
+            pool._core.bind_torch()
+            allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path(), ALLOC_FN, FREE_FN)
+            try:
+                torch.cuda.memory.change_current_allocator(allocator)
+            except RuntimeError as e:   # "Can't swap an already initialized allocator"
+                if "initialized" in str(e):
+                    raise RuntimeError(TOO_LATE) from e
+                raise
+        except BaseException:
+            if new:
+                from .cupy_adapter import uninstall
+                uninstall()
+            raise
+        _enabled = (pool, allocator)     # keeps torch's allocator object alive with the pool
+        return pool
+
+
+def _import_torch():
+    """torch, checked to be a CUDA build whose CUDA allocator is still unused."""
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError("xpool.enable_torch() needs PyTorch (a CUDA build): pip install torch") from e
+    memory = getattr(getattr(torch, "cuda", None), "memory", None)
+    if memory is None or not hasattr(memory, "CUDAPluggableAllocator"):
+        raise RuntimeError(f"PyTorch {getattr(torch, '__version__', '?')} has no "
+                           "torch.cuda.memory.CUDAPluggableAllocator (PyTorch >= 2.0 needed)")
+    if not hasattr(torch._C, "_cuda_customAllocator"):
+        raise RuntimeError(f"PyTorch {torch.__version__} is built without CUDA: "
+                           "xpool.enable_torch() needs a CUDA build of PyTorch")
+    if torch.cuda.is_initialized():
+        raise RuntimeError(TOO_LATE)
+    return torch
