@@ -1,0 +1,271 @@
+"""PyTorch through xpool against PyTorch's own caching allocator, and the memory of a mixed CuPy/PyTorch loop.
+
+    python -m xlab.bench.torch_interop [--trials 5] [--out data/torch_interop.csv]     # ~2-3 min on one H200
+
+Two cases, each arm in a fresh process (PyTorch picks its allocator once per process), the arms alternating
+and swapping which goes first from trial to trial:
+- `empty_del`: µs per `a = torch.empty(n, dtype=uint8, device="cuda"); del a` pair at three sizes (host-bound:
+  the allocator's path plus PyTorch's tensor construction);
+- `train_step`: tokens/s of the parity model (tapegpt's torch twin of the GPT, reference size, AdamW) over
+  timed steps after warm-up; the GPU is busy for most of a step, so this shows whether the allocator costs
+  the training loop anything.
+One CSV row per (trial, arm, case, size) with provenance. The summary gives each arm's median with a 95%
+bootstrap interval, and the ratio xpool / native with its interval (above 1: xpool faster).
+
+For the notebook: `plot(df)` draws the two cases with their intervals; `in_use_by_origin(timeline)` turns an
+xpool timeline into bytes in use per framework over time and `plot_mixed_memory(...)` draws it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ARMS = ("native", "xpool")
+SIZES = (4096, 1 << 20, 64 << 20)
+COLUMNS = ["case", "arm", "trial", "order", "size_bytes", "value", "unit", "pairs", "steps", "batch_size",
+           "device_mallocs_per_step", "peak_reserved_bytes", "torch"]
+
+
+# --- one arm, in its own process
+
+def time_empty_del(torch, nbytes: int, pairs: int) -> float:
+    """µs per torch.empty + del pair (after a warm-up that leaves the block cached)."""
+    empty, u8, dev = torch.empty, torch.uint8, torch.device("cuda", 0)
+    for _ in range(100):
+        a = empty(nbytes, dtype=u8, device=dev)
+        del a
+    torch.cuda.synchronize()
+    t0 = time.perf_counter_ns()
+    for _ in range(pairs):
+        a = empty(nbytes, dtype=u8, device=dev)
+        del a
+    torch.cuda.synchronize()
+    return (time.perf_counter_ns() - t0) / pairs / 1e3
+
+
+def time_train(torch, steps: int, warmup: int, batch_size: int | None):
+    """(tokens/s, batch size, device mallocs per timed step or None) of the parity model with torch.optim.AdamW."""
+    from tapegpt.checks import torch_logits
+    from tapegpt.model import GPTConfig, init_params
+    import xpool
+    cfg = GPTConfig() if batch_size is None else GPTConfig(batch_size=batch_size)
+    dev = torch.device("cuda", 0)
+    P = {k: torch.tensor(v, device=dev, requires_grad=True) for k, v in init_params(cfg).items()}
+    opt = torch.optim.AdamW(P.values(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    B, T, V = cfg.batch_size, cfg.block_size, cfg.vocab_size
+
+    def step():
+        idx = torch.randint(0, V, (B, T + 1), device=dev, generator=gen)
+        logits = torch_logits(cfg, P, idx[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), idx[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    pool = xpool.installed()
+    before = pool.snapshot() if pool else None
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    mallocs = (pool.snapshot() - before).device_mallocs / steps if pool else None
+    return B * T * steps / dt, B, mallocs
+
+
+def worker(arm: str, pairs: int, steps: int, warmup: int, batch_size: int | None) -> list[dict]:
+    """Every case for one arm; call in a fresh process."""
+    import torch
+    if arm == "xpool":
+        import xpool
+        xpool.enable_torch()
+    elif arm != "native":
+        raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
+    rows = [dict(case="empty_del", size_bytes=n, value=time_empty_del(torch, n, pairs), unit="us_per_pair",
+                 pairs=pairs) for n in SIZES]
+    tps, B, mallocs = time_train(torch, steps, warmup, batch_size)
+    rows.append(dict(case="train_step", value=tps, unit="tokens_per_s", steps=steps, batch_size=B,
+                     device_mallocs_per_step=mallocs, peak_reserved_bytes=_peak_reserved(torch, arm)))
+    for r in rows:
+        r.update(arm=arm, torch=torch.__version__)
+    return rows
+
+
+def _peak_reserved(torch, arm):
+    if arm == "native":
+        return int(torch.cuda.max_memory_reserved())
+    import xpool
+    return int(xpool.installed().stats(0).iloc[0].peak_bytes_reserved)
+
+
+# --- the trials, interleaved
+
+def run(trials: int = 5, pairs: int = 50_000, steps: int = 20, warmup: int = 5, batch_size: int | None = None,
+        command=None, timeout: float = 120.0):
+    """Rows of `trials` interleaved trials, one fresh process per (trial, arm); a DataFrame with provenance.
+
+    `command(arm)` gives the worker's argv (tests replace the GPU worker with a stand-in)."""
+    import pandas as pd
+
+    from xlab.provenance import provenance
+    if command is None:
+        def command(arm):
+            argv = [sys.executable, "-m", "xlab.bench.torch_interop", "--worker", arm, "--pairs", str(pairs),
+                    "--steps", str(steps), "--warmup", str(warmup)]
+            return argv + (["--batch-size", str(batch_size)] if batch_size else [])
+    rows = []
+    for trial in range(trials):
+        order = ARMS if trial % 2 == 0 else ARMS[::-1]        # who goes first alternates
+        for position, arm in enumerate(order):
+            out = subprocess.run(command(arm), capture_output=True, text=True, timeout=timeout)
+            if out.returncode:
+                raise RuntimeError(f"trial {trial}, arm {arm} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+            for r in json.loads(out.stdout.strip().splitlines()[-1]):
+                rows.append({**r, "trial": trial, "order": position})
+    prov = provenance(bench="torch_interop", trials=trials)
+    df = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    return df.assign(**{k: v for k, v in prov.items() if k not in df.columns})
+
+
+def bootstrap_median(values, n_boot: int = 4000, seed: int = 0, level: float = 0.95):
+    """(median, low, high): the median and its percentile-bootstrap interval."""
+    v = np.asarray(values, dtype=float)
+    rng = np.random.default_rng(seed)
+    meds = np.median(rng.choice(v, size=(n_boot, v.size), replace=True), axis=1)
+    a = (1 - level) / 2
+    return float(np.median(v)), float(np.quantile(meds, a)), float(np.quantile(meds, 1 - a))
+
+
+def bootstrap_ratio(num, den, n_boot: int = 4000, seed: int = 0, level: float = 0.95):
+    """(ratio of medians, low, high), resampling each arm's trials on its own."""
+    num, den = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
+    rng = np.random.default_rng(seed)
+    r = (np.median(rng.choice(num, size=(n_boot, num.size)), axis=1) /
+         np.median(rng.choice(den, size=(n_boot, den.size)), axis=1))
+    a = (1 - level) / 2
+    return float(np.median(num) / np.median(den)), float(np.quantile(r, a)), float(np.quantile(r, 1 - a))
+
+
+def summarize(df):
+    """One row per (case, size): each arm's median [95% interval], and xpool's speed relative to native.
+
+    speedup > 1 means xpool is faster: native µs / xpool µs for empty_del, xpool / native tokens/s for training."""
+    import pandas as pd
+    out = []
+    for (case, size), g in df.groupby(["case", df["size_bytes"].fillna(0)], sort=False):
+        vals = {arm: g.loc[g.arm == arm, "value"].to_numpy() for arm in ARMS}
+        row = {"case": case, "size_bytes": int(size) or None, "unit": g.unit.iloc[0],
+               "trials": min(len(v) for v in vals.values())}
+        for arm in ARMS:
+            row[f"{arm}_median"], row[f"{arm}_low"], row[f"{arm}_high"] = bootstrap_median(vals[arm])
+        num, den = (vals["native"], vals["xpool"]) if case == "empty_del" else (vals["xpool"], vals["native"])
+        row["speedup"], row["speedup_low"], row["speedup_high"] = bootstrap_ratio(num, den)
+        row["verdict"] = ("inside the noise" if row["speedup_low"] <= 1 <= row["speedup_high"]
+                          else "xpool faster" if row["speedup_low"] > 1 else "xpool slower")
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+# --- the mixed loop's memory, for the notebook
+
+def in_use_by_origin(tl):
+    """An xpool timeline -> bytes in use per framework after each event (columns cupy, torch, python, reserved).
+
+    Starts from zero at the first event kept: record from the start (or from an empty pool) for absolute levels."""
+    import pandas as pd
+    sign = tl.event.map({"alloc_hit": 1, "alloc_miss": 1, "free": -1}).fillna(0).to_numpy()
+    out = pd.DataFrame({"t_s": tl.t_s.to_numpy(), "reserved": tl.bytes_reserved.to_numpy()})
+    for origin in ("cupy", "torch", "python"):
+        out[origin] = np.cumsum(np.where(tl.origin.to_numpy() == origin, sign * tl["size"].to_numpy(), 0))
+    return out
+
+
+def plot_mixed_memory(mem, title="One pool for CuPy and PyTorch"):
+    """Stacked bytes in use by framework, and bytes reserved, over time (from in_use_by_origin)."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(10, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    gib = 1 << 30
+    ax.stackplot(mem.t_s, mem.torch / gib, mem.cupy / gib, mem.python / gib,
+                 labels=["in use: PyTorch", "in use: CuPy", "in use: Python"], step="post", alpha=0.8)
+    ax.step(mem.t_s, mem.reserved / gib, where="post", color="black", lw=1.2, label="reserved (one pool)")
+    ax.set(xlabel="time (s)", ylabel="GiB", title=title)
+    ax.legend(loc="upper left", fontsize=8)
+    return fig
+
+
+def plot(df):
+    """Left: µs per torch.empty+del pair by size; right: training tokens/s; medians with 95% intervals."""
+    from matplotlib.figure import Figure
+    s = summarize(df)
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    colors = {"native": "#7f7f7f", "xpool": "#1f77b4"}
+    e = s[s.case == "empty_del"].sort_values("size_bytes")
+    x = np.arange(len(e))
+    for i, arm in enumerate(ARMS):
+        med = e[f"{arm}_median"].to_numpy()
+        err = [med - e[f"{arm}_low"].to_numpy(), e[f"{arm}_high"].to_numpy() - med]
+        left.bar(x + (i - 0.5) * 0.38, med, 0.38, yerr=err, capsize=3, color=colors[arm],
+                 label="PyTorch's allocator" if arm == "native" else "xpool")
+    left.set_xticks(x, [_fmt_size(n) for n in e.size_bytes])
+    left.set(ylabel="µs per torch.empty + del", title="allocation cost (lower is better)")
+    left.legend(fontsize=8)
+    t = s[s.case == "train_step"]
+    for i, arm in enumerate(ARMS):
+        if len(t):
+            med = t[f"{arm}_median"].iloc[0]
+            right.bar(i, med / 1e3, 0.6, color=colors[arm],
+                      yerr=[[(med - t[f"{arm}_low"].iloc[0]) / 1e3], [(t[f"{arm}_high"].iloc[0] - med) / 1e3]],
+                      capsize=4)
+    right.set_xticks(range(len(ARMS)), ["PyTorch's allocator", "xpool"])
+    if len(t):
+        r = t.iloc[0]
+        right.set_title(f"training step: xpool/native {r.speedup:.3f} [{r.speedup_low:.3f}, {r.speedup_high:.3f}]")
+    right.set(ylabel="k tokens/s (higher is better)")
+    return fig
+
+
+def _fmt_size(n):
+    n = int(n)
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--pairs", type=int, default=50_000, help="torch.empty+del pairs timed per size")
+    p.add_argument("--steps", type=int, default=20, help="timed training steps")
+    p.add_argument("--warmup", type=int, default=5, help="training steps before timing")
+    p.add_argument("--batch-size", type=int, default=None, help="default: the reference config's")
+    p.add_argument("--out", default=None, help="CSV path (default: data/torch_interop.csv)")
+    p.add_argument("--worker", choices=ARMS, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        print(json.dumps(worker(a.worker, a.pairs, a.steps, a.warmup, a.batch_size)))
+        return
+    df = run(a.trials, a.pairs, a.steps, a.warmup, a.batch_size)
+    out = a.out
+    if out is None:
+        from xlab.paths import data_dir
+        out = str(data_dir() / "torch_interop.csv")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    df.to_csv(out, index=False)
+    import pandas as pd
+    with pd.option_context("display.width", 160, "display.max_columns", 20):
+        print(summarize(df).round(3).to_string(index=False))
+    print(f"wrote {len(df)} rows to {out}")
+
+
+if __name__ == "__main__":
+    main()
