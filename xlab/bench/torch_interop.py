@@ -12,8 +12,13 @@ and swapping which goes first from trial to trial:
 One CSV row per (trial, arm, case, size) with provenance. The summary gives each arm's median with a 95%
 bootstrap interval, and the ratio xpool / native with its interval (above 1: xpool faster).
 
-For the notebook: `plot(df)` draws the two cases with their intervals; `in_use_by_origin(timeline)` turns an
-xpool timeline into bytes in use per framework over time and `plot_mixed_memory(...)` draws it.
+For the notebook ("CuPy and PyTorch in one pool"): `plot(df)` draws the two cases with their intervals from
+the CSV. `mixed_memory()` runs a mixed loop (a PyTorch MLP training step, then CuPy matmuls on its weights
+through DLPack, feeding the next step) under xpool and under the two frameworks' own pools, each in a fresh
+process; `plot_mixed_memory(mem, two_pools)` draws the bytes each framework holds over time in the one pool,
+the pool's reserved bytes, and the peak the two separate pools reserve together. What to read: the stack
+alternates between PyTorch and CuPy while reserved stays flat once warm (each reuses what the other freed),
+below the dashed line of two pools.
 """
 from __future__ import annotations
 
@@ -176,7 +181,82 @@ def summarize(df):
     return pd.DataFrame(out)
 
 
-# --- the mixed loop's memory, for the notebook
+# --- a mixed CuPy/PyTorch loop, and its memory (the notebook's section; tests/test_torch_gpu.py runs it too)
+
+MIX_B, MIX_D, MIX_H = 4096, 1024, 4096   # PyTorch's B*H*4 activations = CuPy's H*H*4 temporaries = 64 MiB
+
+
+def mixed_setup(torch, seed=0):
+    """(model, optimizer, first input) of the mixed loop: an MLP trained with AdamW on CUDA device 0."""
+    torch.manual_seed(seed)
+    dev = torch.device("cuda", 0)
+    model = torch.nn.Sequential(torch.nn.Linear(MIX_D, MIX_H), torch.nn.GELU(),
+                                torch.nn.Linear(MIX_H, MIX_D)).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(MIX_B, MIX_D, device=dev, generator=torch.Generator(device=dev).manual_seed(seed + 1))
+    return model, opt, x
+
+
+def mixed_step(torch, cupy, model, opt, x):
+    """A PyTorch training step, then CuPy on the first layer's weight (shared through DLPack, no copy), whose
+    result feeds PyTorch's next input. Returns (loss, CuPy's sum, next input), all on the device."""
+    loss = ((model(x) - x) ** 2).mean()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    w = cupy.from_dlpack(model[0].weight.detach())        # (H, D)
+    a = w @ w.T                                            # (H, H): 64 MiB, the size PyTorch's activations had
+    b = cupy.tanh(a) * 0.5
+    c = b @ b
+    total = c.sum()
+    feed = cupy.ascontiguousarray(c[:MIX_B, :MIX_D] * 1e-3)
+    del a, b, c
+    return loss.detach(), total, x * 0.5 + torch.from_dlpack(feed)
+
+
+def mixed_worker(arm: str, steps: int, out_csv: str | None) -> dict:
+    """The mixed loop in this (fresh) process. xpool: its memory by framework to `out_csv`; peaks either way."""
+    import cupy
+    import torch
+    pool = None
+    if arm == "xpool":
+        import xpool
+        pool = xpool.enable_torch(timeline=1_000_000)
+    model, opt, x = mixed_setup(torch)
+    for _ in range(steps):
+        _, _, x = mixed_step(torch, cupy, model, opt, x)
+    torch.cuda.synchronize()
+    if pool is None:
+        return {"arm": arm, "peak_reserved_torch": int(torch.cuda.max_memory_reserved()),
+                "peak_reserved_cupy": int(cupy.get_default_memory_pool().total_bytes())}
+    if out_csv:
+        in_use_by_origin(pool.timeline()).to_csv(out_csv, index=False)
+    return {"arm": arm, "peak_reserved": int(pool.stats(0).iloc[0].peak_bytes_reserved)}
+
+
+def mixed_memory(steps: int = 4, timeout: float = 180.0):
+    """Run the mixed loop under xpool and under the two frameworks' own pools, each in a fresh process.
+
+    Returns (memory by framework over time under xpool, {"one_pool": xpool's peak reserved, "two_pools":
+    PyTorch's + CuPy's peak reserved}); usable from a notebook kernel that already touched CUDA."""
+    import tempfile
+
+    import pandas as pd
+    peaks = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "mixed.csv")
+        for arm in ARMS:
+            argv = [sys.executable, "-m", "xlab.bench.torch_interop", "--mixed", arm, "--steps", str(steps),
+                    "--mixed-out", path]
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+            if out.returncode:
+                raise RuntimeError(f"mixed loop, arm {arm} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+            peaks[arm] = json.loads(out.stdout.strip().splitlines()[-1])
+        mem = pd.read_csv(path)
+    n = peaks["native"]
+    return mem, {"one_pool": peaks["xpool"]["peak_reserved"],
+                 "two_pools": n["peak_reserved_torch"] + n["peak_reserved_cupy"]}
+
 
 def in_use_by_origin(tl):
     """An xpool timeline -> bytes in use per framework after each event (columns cupy, torch, python, reserved).
@@ -190,8 +270,9 @@ def in_use_by_origin(tl):
     return out
 
 
-def plot_mixed_memory(mem, title="One pool for CuPy and PyTorch"):
-    """Stacked bytes in use by framework, and bytes reserved, over time (from in_use_by_origin)."""
+def plot_mixed_memory(mem, two_pools: int | None = None, title="One pool for CuPy and PyTorch"):
+    """Stacked bytes in use by framework, and bytes reserved, over time (from in_use_by_origin); `two_pools`:
+    the sum of the frameworks' own pools' peaks, drawn for comparison."""
     from matplotlib.figure import Figure
     fig = Figure(figsize=(10, 4.5), layout="constrained")
     ax = fig.add_subplot()
@@ -199,6 +280,9 @@ def plot_mixed_memory(mem, title="One pool for CuPy and PyTorch"):
     ax.stackplot(mem.t_s, mem.torch / gib, mem.cupy / gib, mem.python / gib,
                  labels=["in use: PyTorch", "in use: CuPy", "in use: Python"], step="post", alpha=0.8)
     ax.step(mem.t_s, mem.reserved / gib, where="post", color="black", lw=1.2, label="reserved (one pool)")
+    if two_pools:
+        ax.axhline(two_pools / gib, color="#d62728", ls="--", lw=1.2,
+                   label="peak reserved, PyTorch's + CuPy's own pools")
     ax.set(xlabel="time (s)", ylabel="GiB", title=title)
     ax.legend(loc="upper left", fontsize=8)
     return fig
@@ -250,7 +334,12 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=None, help="default: the reference config's")
     p.add_argument("--out", default=None, help="CSV path (default: data/torch_interop.csv)")
     p.add_argument("--worker", choices=ARMS, help=argparse.SUPPRESS)
+    p.add_argument("--mixed", choices=ARMS, help=argparse.SUPPRESS)
+    p.add_argument("--mixed-out", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.mixed:
+        print(json.dumps(mixed_worker(a.mixed, a.steps, a.mixed_out)))
+        return
     if a.worker:
         print(json.dumps(worker(a.worker, a.pairs, a.steps, a.warmup, a.batch_size)))
         return
