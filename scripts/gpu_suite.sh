@@ -2,6 +2,7 @@
 # Every GPU test and measurement of xpool in one call, for a lent GPU machine or your own.
 #   bash scripts/gpu_suite.sh [stage ...]
 #   stages: bench single ddp correctness tests memory debugcost (default: all, in that order; about 11 minutes)
+#   opt-in: torch (PyTorch and CuPy sharing xpool: its GPU tests, then the interop benchmark; about 5 minutes)
 # CSVs go to data/ (provenance in every row) and, after each stage, with the log to $OUT (default build/gpu),
 # so a run stopped by a time limit still returns what it finished.  STEPS/WARMUP size the training runs,
 # WORLDS the GPU counts of the data-parallel runs (default "1 2"; "1 2 4 8" on an eight-GPU machine),
@@ -53,6 +54,8 @@ for s in $stages; do
         memory)      stage memory 60 $PY -m xlab.memory_study --out data ;;
         debugcost)   stage debugcost 120 $PY -m xlab.bench.alloc --out data/alloc_debug_cost.csv \
                          --allocators cupy_pool xpool_k1 xpool_k1_debug --sizes 4096 1048576 --target-s 0.1 --repeats 3 ;;
+        torch)       stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/test_torch_gpu.py
+                     stage torch-bench 200 $PY -m xlab.bench.torch_interop --out data/torch_interop.csv ;;
         *) echo "unknown stage $s" | tee -a "$LOG"; status=1 ;;
     esac
 done
