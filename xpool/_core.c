@@ -18,6 +18,8 @@
  * CFunctionAllocator hooks from Cython with the GIL), so under a GIL build the
  * mutexes are never contended; they make the structures safe where the GIL
  * does not serialise (free-threaded builds) and they document ownership.
+ * PyTorch's hooks (xpool_torch_malloc/free) are the exception: PyTorch calls them
+ * without the GIL, so they take it for every path that runs Python (see there).
  * Lock order: Allocator.registry_lock -> (never held with anything else);
  * DevicePool.lock -> Allocator.timeline_lock.  No lock is ever held while
  * Python code runs (backend calls, debug hooks, gc): a Python call may switch
