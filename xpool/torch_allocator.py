@@ -29,8 +29,9 @@ TOO_LATE = ("PyTorch's CUDA allocator is already initialised in this process (so
 
 
 def library_path() -> str:
-    """The shared library that exports xpool_torch_malloc / xpool_torch_free (the C core)."""
-    return _core.__file__
+    """The shared library that exports xpool_torch_malloc / xpool_torch_free: the C core, where it was loaded from
+    (the extension's own file, which PyTorch dlopen()s again; not a path into the repository)."""
+    return _core.__spec__.origin
 
 
 def enabled():
