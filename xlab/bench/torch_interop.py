@@ -263,10 +263,10 @@ def in_use_by_origin(tl):
 
     Starts from zero at the first event kept: record from the start (or from an empty pool) for absolute levels."""
     import pandas as pd
-    sign = tl.event.map({"alloc_hit": 1, "alloc_miss": 1, "free": -1}).fillna(0).to_numpy()
+    sign = tl.event.map({"alloc_hit": 1, "alloc_miss": 1, "free": -1}).fillna(0).to_numpy(dtype=np.int64)
     out = pd.DataFrame({"t_s": tl.t_s.to_numpy(), "reserved": tl.bytes_reserved.to_numpy()})
     for origin in ("cupy", "torch", "python"):
-        out[origin] = np.cumsum(np.where(tl.origin.to_numpy() == origin, sign * tl["size"].to_numpy(), 0))
+        out[origin] = np.cumsum(np.where(tl.origin.to_numpy() == origin, sign * tl["size"].to_numpy(dtype=np.int64), 0))
     return out
 
 
