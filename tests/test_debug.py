@@ -6,6 +6,7 @@ import warnings
 import pytest
 
 import xpool
+from faults import in_child as in_forked_child
 from xpool import HostBackend, Pool
 from xpool.debug import CANARY, POISON
 
@@ -98,25 +99,6 @@ def test_debug_off_adds_no_tail():
 
 
 needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-
-
-def in_forked_child(check) -> str:
-    """Run check() in a fork()ed child; its answer ('ok' or what went wrong) comes back through a pipe."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            try:
-                answer = check()
-            except BaseException as e:  # noqa: BLE001 - reported to the parent
-                answer = f"raised {e!r}"
-            os.write(w, answer.encode()[:1000])
-        finally:
-            os._exit(0)
-    os.close(w)
-    answer = os.read(r, 1000).decode()
-    os.waitpid(pid, 0)
-    return answer
 
 
 @needs_fork

@@ -15,16 +15,25 @@
  * recovery.  The hit path is pure C.
  *
  * Concurrency.  Every entry point runs with the GIL held (CuPy calls the
- * CFunctionAllocator hooks from Cython with the GIL), so under a GIL build the
- * mutexes are never contended; they make the structures safe where the GIL
- * does not serialise (free-threaded builds) and they document ownership.
- * PyTorch's hooks (xpool_torch_malloc/free) are the exception: PyTorch calls them
- * without the GIL, so they take it for every path that runs Python (see there).
- * Lock order: Allocator.registry_lock -> (never held with anything else);
+ * CFunctionAllocator hooks from Cython with the GIL), and the module says so
+ * to free-threaded CPython (Py_MOD_GIL_USED): the debug hook's Python state,
+ * the hook and backend references and the fork bookkeeping rely on it.  The
+ * mutexes guard the C structures and document ownership.  PyTorch's hooks
+ * (xpool_torch_malloc/free) are the exception: PyTorch calls them without the
+ * GIL; their hit and free paths touch only C structures under the pool mutex,
+ * and every path that runs Python takes the GIL first (see there).
+ * Lock order: Allocator.registry_lock, Allocator.debug_lock: each alone;
  * DevicePool.lock -> Allocator.timeline_lock.  No lock is ever held while
  * Python code runs (backend calls, debug hooks, gc): a Python call may switch
  * threads, and a thread blocked on a C mutex while holding the GIL would
  * deadlock with the holder waiting for the GIL.
+ *
+ * The limit.  Every byte the backend may hold for a device is counted while
+ * the pool lock is dropped around a backend call: bytes_pending from before a
+ * device malloc until its block is recorded, bytes_releasing from when a block
+ * leaves the cache until the backend has freed it.  So threads sharing a
+ * device cannot pass the limit check together, and the device never holds
+ * more than the limit.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -43,6 +52,7 @@
 #define XP_MAX_DEVICES 64
 #define XP_MAX_CLASSES_PER_DOUBLING 64
 #define XP_STREAM_PER_THREAD 2            /* cudaStreamPerThread's handle value */
+#define XP_MAX_DEBUG_TAIL (1 << 20)       /* canary bytes; keeps request + tail far from wrapping */
 #define XP_EXPORT __attribute__((visibility("default")))   /* symbols PyTorch looks up by name */
 
 /* Who a block was handed to: CuPy's C hooks, PyTorch's pluggable-allocator hooks, Allocator.allocate(). */
@@ -104,9 +114,14 @@ typedef struct Block {
     size_t requested;       /* bytes asked for while in use, 0 while cached */
     intptr_t stream;        /* stream it was handed out on; reused only there */
     int device;
-    int origin;             /* who it was last handed to: ORIGIN_CUPY, ORIGIN_TORCH or ORIGIN_PYTHON */
+    int origin;             /* who it was last handed to: ORIGIN_CUPY, ORIGIN_TORCH or ORIGIN_PYTHON;
+                             * a block handed to CuPy holds a reference to the Allocator (cupy_malloc) */
     uint64_t serial;        /* allocation number on its device, for diagnostics */
     struct Block *next;     /* link in its bin while cached */
+    /* Debug state, so a hook turned on while blocks exist checks only what it prepared */
+    unsigned guarded : 1;    /* a debug hook wrote the canary past `requested` when handed out */
+    unsigned poisoned : 1;   /* a debug hook filled it with poison when it was cached */
+    unsigned handed_out : 1; /* in use and its hook has run: listed by live_blocks(), check() */
 } Block;
 
 #define TOMBSTONE ((Block *)1)
@@ -138,10 +153,16 @@ static inline size_t mix(uint64_t x)
     return (size_t)(x ^ (x >> 33));
 }
 
-static int ptrtable_grow(PtrTable *t)
+#define PTRTABLE_MIN_CAP 256
+
+/* Rehashes into a table sized for the live entries alone, dropping the
+ * tombstones: at most a quarter full afterwards, so the next rehash is at
+ * least cap/4 inserts away (amortised O(1)), and a table whose blocks came and
+ * went at ever new addresses stays as small as what is alive. */
+static int ptrtable_rehash(PtrTable *t)
 {
-    size_t cap = t->cap ? t->cap * 2 : 256;
-    while (t->used * 2 >= cap) cap *= 2;
+    size_t cap = PTRTABLE_MIN_CAP;
+    while ((t->used + 1) * 4 > cap) cap *= 2;
     Block **slots = calloc(cap, sizeof(Block *));
     if (!slots) return -1;
     for (size_t i = 0; i < t->cap; i++) {
@@ -159,7 +180,7 @@ static int ptrtable_grow(PtrTable *t)
 
 static int ptrtable_insert(PtrTable *t, Block *b)
 {
-    if ((t->filled + 1) * 2 > t->cap && ptrtable_grow(t) < 0) return -1;
+    if ((t->filled + 1) * 2 > t->cap && ptrtable_rehash(t) < 0) return -1;
     size_t h = mix(b->ptr) & (t->cap - 1);
     while (t->slots[h] && t->slots[h] != TOMBSTONE) h = (h + 1) & (t->cap - 1);
     if (!t->slots[h]) t->filled++;
@@ -235,6 +256,8 @@ typedef struct {
     uint64_t bytes_in_use;            /* class bytes of blocks in use */
     uint64_t bytes_requested;         /* requested bytes of blocks in use */
     uint64_t bytes_cached;            /* class bytes of free blocks */
+    uint64_t bytes_pending;           /* reserved for device mallocs in flight */
+    uint64_t bytes_releasing;         /* taken from the cache, the backend's free not yet returned */
     uint64_t peak_bytes_in_use, peak_bytes_requested, peak_bytes_reserved;
     /* class bytes in use by origin; [ORIGIN_CUPY] stays 0: CuPy's share is bytes_in_use less the
      * others, so CuPy's path pays no counter for it (see origin_in/origin_out) */
@@ -251,18 +274,26 @@ static inline void origin_out(Stats *s, int origin, size_t size)
     if (origin != ORIGIN_CUPY) s->bytes_in_use_by[origin] -= size;
 }
 
-typedef struct {
+typedef struct DevicePool {
     pthread_mutex_t lock;
     int device;
     /* everything below is guarded by lock */
     PtrTable live;          /* blocks in use, by pointer */
     BinTable bins;          /* free blocks, by (stream, class) */
     Stats st;
-    uint64_t limit;         /* bytes reserved (in use + cached) allowed; 0 = none */
+    uint64_t limit;         /* bytes the device may hold for this pool, pending mallocs included; 0 = none */
     uint64_t capacity;      /* the device's total bytes, asked once on the first miss; 0 = unknown */
+    struct DevicePool *older;   /* in a fork()ed child: the parent's pool it replaced (forked_pools) */
 } DevicePool;
 
-static inline uint64_t reserved(const Stats *s) { return s->bytes_in_use + s->bytes_cached; }
+/* Bytes the device holds for the pool: in use, cached, and being given back. */
+static inline uint64_t reserved(const Stats *s)
+{
+    return s->bytes_in_use + s->bytes_cached + s->bytes_releasing;
+}
+
+/* What the limit is checked against: reserved plus device mallocs in flight. */
+static inline uint64_t committed(const Stats *s) { return reserved(s) + s->bytes_pending; }
 
 static void note_peaks(Stats *s)
 {
@@ -332,21 +363,52 @@ typedef intptr_t (*stream_fn_t)(void);
 
 typedef struct {
     PyObject_HEAD
-    PyObject *backend;        /* .malloc(device, nbytes) -> int, .free(device, ptr, nbytes) */
+    PyObject *backend;        /* .malloc(device, nbytes) -> int, .free(device, ptr, nbytes): xpool.backends.Backend */
     PyObject *error_factory;  /* (device, requested, size, in_use, cached, limit, reason) -> exception */
-    PyObject *debug_hook;     /* None, or .on_alloc(info) / .on_free(info) / .on_reuse(info) */
     PyObject *weakreflist;
     stream_fn_t stream_fn;    /* current stream, from CuPy; NULL: stream 0 unless given */
     unsigned k;               /* classes per doubling above 1 MiB */
-    uint64_t default_limit;
+    int forked;               /* set in a fork()ed child */
+    pthread_mutex_t debug_lock;     /* guards debug_hook and debug_tail: set_debug swaps them together */
+    PyObject *debug_hook;     /* NULL, or .on_alloc(info) / .on_free(info) / .on_reuse(info) */
     size_t debug_tail;        /* bytes of canary room added in debug mode */
-    int forked;               /* set in a fork()ed child: frees of the parent's blocks are ignored */
-    pthread_mutex_t registry_lock;  /* guards creation of pools[]; lookups read atomically */
+    _Atomic int debug_on;     /* debug_hook != NULL; read without the lock, so the hot path pays one load */
+    pthread_mutex_t registry_lock;  /* guards creation of pools[], default_limit and default_fraction;
+                                       lookups read pools[] atomically */
+    uint64_t default_limit;   /* the limit of a device's pool when it is created; 0 = none */
+    double default_fraction;  /* > 0: instead, that share of the device's memory */
     _Atomic(DevicePool *) pools[XP_MAX_DEVICES];
+    /* In a fork()ed child: the parent's pools (linked by .older), whose blocks may still die here;
+     * written only by forget_after_fork, in the child before it has other threads. */
+    DevicePool *forked_pools[XP_MAX_DEVICES];
     Timeline tl;
 } Allocator;
 
 static PyObject *gc_collect;          /* gc.collect, for the second OOM retry */
+
+static int collect_garbage(void)
+{
+    PyObject *r = PyObject_CallNoArgs(gc_collect);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+}
+
+/* The device's total bytes, from backend.total_memory(device); -1 with its error. */
+static int device_capacity(Allocator *A, int device, uint64_t *out)
+{
+    PyObject *r = PyObject_CallMethod(A->backend, "total_memory", "i", device);
+    if (!r) return -1;
+    *out = PyLong_AsUnsignedLongLong(r);
+    Py_DECREF(r);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* A limit of `fraction` (> 0) of a device: at least one byte, never "no limit". */
+static uint64_t limit_from_fraction(double fraction, uint64_t capacity)
+{
+    uint64_t limit = (uint64_t)(fraction * (double)capacity);
+    return limit ? limit : 1;
+}
 
 static DevicePool *pool_get(Allocator *A, int device)
 {
@@ -357,11 +419,20 @@ static DevicePool *pool_get(Allocator *A, int device)
     DevicePool *pool = atomic_load_explicit(&A->pools[device], memory_order_acquire);
     if (pool) return pool;
     pthread_mutex_lock(&A->registry_lock);
+    uint64_t limit = A->default_limit, capacity = 0;
+    double fraction = A->default_fraction;
+    pthread_mutex_unlock(&A->registry_lock);
+    if (fraction > 0) {   /* the limit is a share of this device: ask its size, outside the lock */
+        if (device_capacity(A, device, &capacity) < 0) return NULL;
+        limit = limit_from_fraction(fraction, capacity);
+    }
+    pthread_mutex_lock(&A->registry_lock);
     pool = atomic_load_explicit(&A->pools[device], memory_order_relaxed);
     if (!pool && (pool = calloc(1, sizeof(DevicePool)))) {
         pthread_mutex_init(&pool->lock, NULL);
         pool->device = device;
-        pool->limit = A->default_limit;
+        pool->limit = limit;
+        pool->capacity = capacity;
         atomic_store_explicit(&A->pools[device], pool, memory_order_release);
     }
     pthread_mutex_unlock(&A->registry_lock);
@@ -371,74 +442,138 @@ static DevicePool *pool_get(Allocator *A, int device)
 
 static PyObject *block_info(const Block *b, size_t requested)
 {
-    return Py_BuildValue("{s:i,s:K,s:n,s:n,s:L,s:K,s:s}", "device", b->device,
+    return Py_BuildValue("{s:i,s:K,s:n,s:n,s:L,s:K,s:s,s:O,s:O}", "device", b->device,
                          "ptr", (unsigned long long)b->ptr, "size", (Py_ssize_t)b->size,
                          "requested", (Py_ssize_t)requested, "stream", (long long)b->stream,
-                         "serial", (unsigned long long)b->serial, "origin", origin_names[b->origin]);
+                         "serial", (unsigned long long)b->serial, "origin", origin_names[b->origin],
+                         "guarded", b->guarded ? Py_True : Py_False,
+                         "poisoned", b->poisoned ? Py_True : Py_False);
 }
 
-/* Calls debug_hook.<name>(info); -1 with the hook's exception set if it raised. */
-static int call_hook(Allocator *A, const char *name, const Block *b, size_t requested)
+/* The debug hook (a new reference, NULL when off) and its tail, as one pair:
+ * an operation uses the hook it started with, even if set_debug swaps it while
+ * a hook call has let another thread run. */
+static PyObject *debug_snapshot(Allocator *A, size_t *tail)
+{
+    *tail = 0;
+    if (!atomic_load_explicit(&A->debug_on, memory_order_acquire)) return NULL;
+    pthread_mutex_lock(&A->debug_lock);
+    PyObject *hook = A->debug_hook;
+    Py_XINCREF(hook);
+    if (hook) *tail = A->debug_tail;
+    pthread_mutex_unlock(&A->debug_lock);
+    return hook;
+}
+
+/* Drops debug_snapshot()'s reference, keeping any exception set: it may be the
+ * hook's last reference, and freeing it may run Python code. */
+static void drop_hook(PyObject *hook)
+{
+    if (!hook) return;
+    PyObject *exc = PyErr_GetRaisedException();
+    Py_DECREF(hook);
+    if (exc) PyErr_SetRaisedException(exc);
+}
+
+/* Calls hook.<name>(info); -1 with the hook's exception set if it raised. */
+static int call_hook(PyObject *hook, const char *name, const Block *b, size_t requested)
 {
     PyObject *info = block_info(b, requested);
     if (!info) return -1;
-    PyObject *r = PyObject_CallMethod(A->debug_hook, name, "O", info);
+    PyObject *r = PyObject_CallMethod(hook, name, "O", info);
     Py_DECREF(info);
     if (!r) return -1;
     Py_DECREF(r);
     return 0;
 }
 
-/* Pops the cached blocks of one device (of one stream, or all when all_streams),
- * largest first is not needed: any order frees the same bytes. Stops once the
- * cached bytes are <= keep.  Returns a malloc'd array of blocks (count in *n). */
-static Block **take_cached(DevicePool *pool, int all_streams, intptr_t stream, uint64_t keep,
-                           size_t *n, Timeline *tl)
+/* Puts a block that is in no table into the cache, in the bin of its stream
+ * and class.  That bin exists: xp_alloc makes it before the block is first
+ * handed out, and bins are never removed, so caching never needs memory.
+ * Pool lock held; the caller takes the block's bytes off the counter they
+ * were on. */
+static void cache_block(DevicePool *pool, Block *b)
 {
-    *n = 0;
+    Bin *bin = bintable_find(&pool->bins, b->stream, b->size);
+    b->requested = 0;
+    b->next = bin->top; bin->top = b; bin->count++;
+    pool->st.blocks_cached++; pool->st.bytes_cached += b->size;
+}
+
+/* Takes cached blocks of one device (of one stream, or all when all_streams)
+ * out of the cache until at most `keep` bytes stay cached; their bytes move to
+ * bytes_releasing, so they still count against the limit.  Pool lock held.
+ * 0 with a malloc'd array in *out (*n blocks), -1 without memory. */
+static int take_cached(DevicePool *pool, int all_streams, intptr_t stream, uint64_t keep,
+                       Block ***out, size_t *n)
+{
+    *n = 0; *out = NULL;
     size_t cap = pool->st.blocks_cached;
-    if (!cap) return NULL;
-    Block **out = malloc(cap * sizeof(Block *));
-    if (!out) return NULL;
+    if (!cap || pool->st.bytes_cached <= keep) return 0;
+    Block **blocks = malloc(cap * sizeof(Block *));
+    if (!blocks) return -1;
     for (size_t i = 0; i < pool->bins.cap && pool->st.bytes_cached > keep; i++) {
         Bin *bin = pool->bins.slots[i];
         if (!bin || (!all_streams && bin->stream != stream)) continue;
         while (bin->top && pool->st.bytes_cached > keep) {
             Block *b = bin->top;
             bin->top = b->next; bin->count--;
+            b->next = NULL;
             pool->st.blocks_cached--; pool->st.bytes_cached -= b->size;
-            pool->st.device_frees++;
-            out[(*n)++] = b;
-            timeline_record(tl, EV_RELEASE, pool, b, 0);
+            pool->st.bytes_releasing += b->size;
+            blocks[(*n)++] = b;
         }
     }
-    return out;
+    *out = blocks;
+    return 0;
 }
 
-/* Gives cached blocks back to the device.  Returns bytes released, -1 on error
- * (the blocks are then forgotten, never reused: their memory state is unknown). */
+/* Gives a block that is in no table, its bytes on bytes_releasing, back to
+ * the device.  A backend free that raises has not freed the block (the
+ * Backend contract): it goes back to the cache, so the counters keep matching
+ * what the device holds and a later release tries again; -1 with the
+ * backend's exception. */
+static int give_back(Allocator *A, DevicePool *pool, Block *b)
+{
+    PyObject *r = PyObject_CallMethod(A->backend, "free", "iKn", pool->device,
+                                      (unsigned long long)b->ptr, (Py_ssize_t)b->size);
+    Py_XDECREF(r);
+    pthread_mutex_lock(&pool->lock);
+    pool->st.bytes_releasing -= b->size;
+    if (r) {
+        pool->st.device_frees++;
+        timeline_record(&A->tl, EV_RELEASE, pool, b, 0);
+    } else {
+        cache_block(pool, b);
+    }
+    pthread_mutex_unlock(&pool->lock);
+    if (!r) return -1;
+    free(b);
+    return 0;
+}
+
+/* Gives cached blocks back to the device.  Returns bytes released; -1 with
+ * the first failed free's exception (every block is tried; those whose free
+ * failed stay cached). */
 static long long release_cached(Allocator *A, DevicePool *pool, int all_streams,
                                 intptr_t stream, uint64_t keep)
 {
+    Block **blocks;
     size_t n;
     pthread_mutex_lock(&pool->lock);
-    Block **blocks = take_cached(pool, all_streams, stream, keep, &n, &A->tl);
+    int taken = take_cached(pool, all_streams, stream, keep, &blocks, &n);
     pthread_mutex_unlock(&pool->lock);
+    if (taken < 0) { PyErr_NoMemory(); return -1; }
     long long released = 0;
-    int failed = 0;
-    PyObject *exc = NULL;
+    PyObject *first = NULL;
     for (size_t i = 0; i < n; i++) {
-        Block *b = blocks[i];
-        if (!failed) {
-            PyObject *r = PyObject_CallMethod(A->backend, "free", "iKn", pool->device,
-                                              (unsigned long long)b->ptr, (Py_ssize_t)b->size);
-            if (r) { Py_DECREF(r); released += (long long)b->size; }
-            else { failed = 1; exc = PyErr_GetRaisedException(); }
-        }
-        free(b);
+        size_t size = blocks[i]->size;
+        if (give_back(A, pool, blocks[i]) == 0) released += (long long)size;
+        else if (!first) first = PyErr_GetRaisedException();
+        else PyErr_Clear();
     }
     free(blocks);
-    if (failed) { PyErr_SetRaisedException(exc); return -1; }
+    if (first) { PyErr_SetRaisedException(first); return -1; }
     return released;
 }
 
@@ -472,74 +607,133 @@ static int raise_oom(Allocator *A, DevicePool *pool, size_t requested, size_t si
     return -1;
 }
 
+/* Counts `size` bytes as pending against the device's limit, under the lock,
+ * before the backend is called: threads sharing a device cannot all pass the
+ * check and overshoot together.  Over the limit: free the cache and retry;
+ * gc.collect(), free the cache again and retry; then raise
+ * xpool.OutOfMemoryError.  A request larger than the limit itself raises at
+ * once, leaving the cache alone. */
+static int reserve(Allocator *A, DevicePool *pool, size_t requested, size_t size)
+{
+    for (int attempt = 0; ; attempt++) {
+        pthread_mutex_lock(&pool->lock);
+        uint64_t limit = pool->limit;
+        int fits = !limit || committed(&pool->st) + size <= limit;
+        if (fits) pool->st.bytes_pending += size;
+        pthread_mutex_unlock(&pool->lock);
+        if (fits) return 0;
+        if (size > limit || attempt == 2) return raise_oom(A, pool, requested, size, "limit", NULL);
+        if (attempt == 1 && collect_garbage() < 0) return -1;
+        if (release_cached(A, pool, 1, 0, 0) < 0) return -1;
+    }
+}
+
+static void unreserve(DevicePool *pool, size_t size)
+{
+    pthread_mutex_lock(&pool->lock);
+    pool->st.bytes_pending -= size;
+    pthread_mutex_unlock(&pool->lock);
+}
+
 /* One device allocation of `size` bytes through the backend, with the OOM
  * recovery ladder: free this device's cache and retry; gc.collect(), free the
- * cache again and retry; then raise xpool.OutOfMemoryError. */
+ * cache again and retry; then raise xpool.OutOfMemoryError.  Only a
+ * MemoryError from backend.malloc starts the ladder; any other error is
+ * passed on.  On success the bytes stay pending: the caller records the block. */
 static int device_malloc(Allocator *A, DevicePool *pool, size_t requested, size_t size,
                          uintptr_t *ptr)
 {
-    uint64_t limit, res, cached, capacity;
     pthread_mutex_lock(&pool->lock);
-    limit = pool->limit; res = reserved(&pool->st); cached = pool->st.bytes_cached;
-    capacity = pool->capacity;
+    uint64_t capacity = pool->capacity;
     pthread_mutex_unlock(&pool->lock);
     if (!capacity) {   /* misses are rare and slow anyway: ask the backend once */
-        PyObject *r = PyObject_CallMethod(A->backend, "total_memory", "i", pool->device);
-        if (r) {
-            capacity = PyLong_AsUnsignedLongLong(r);
-            Py_DECREF(r);
-        }
-        if (!r || PyErr_Occurred()) { PyErr_Clear(); capacity = 0; }
+        if (device_capacity(A, pool->device, &capacity) < 0) { PyErr_Clear(); capacity = 0; }
         pthread_mutex_lock(&pool->lock);
         pool->capacity = capacity;
         pthread_mutex_unlock(&pool->lock);
     }
     if (capacity && size > capacity)   /* no freeing or retrying can help: bad input */
         return raise_oom(A, pool, requested, size, "too_large", NULL);
-    if (limit && res + size > limit) {
-        if (cached && release_cached(A, pool, 1, 0, 0) < 0) return -1;
-        pthread_mutex_lock(&pool->lock);
-        res = reserved(&pool->st);
-        pthread_mutex_unlock(&pool->lock);
-        if (res + size > limit) return raise_oom(A, pool, requested, size, "limit", NULL);
-    }
+    if (reserve(A, pool, requested, size) < 0) return -1;
     for (int attempt = 0; attempt < 3; attempt++) {
         PyObject *r = PyObject_CallMethod(A->backend, "malloc", "in", pool->device, (Py_ssize_t)size);
         if (r) {
-            *ptr = (uintptr_t)PyLong_AsUnsignedLongLong(r);
-            Py_DECREF(r);
-            if (PyErr_Occurred()) return -1;
-            if (attempt) {
-                pthread_mutex_lock(&pool->lock);
-                pool->st.oom_recoveries++;
-                pthread_mutex_unlock(&pool->lock);
+            unsigned long long p = PyLong_Check(r) ? PyLong_AsUnsignedLongLong(r) : 0;
+            if (PyErr_Occurred()) p = 0;   /* negative, or past 64 bits */
+            if (!p) {   /* 0 is no address: a block there could never be told apart from "released" */
+                PyErr_Clear();
+                PyErr_Format(PyLong_Check(r) ? PyExc_ValueError : PyExc_TypeError,
+                             "backend.malloc(%d, %zu) must return the block's address, an int > 0; "
+                             "got %R", pool->device, size, r);
+                Py_DECREF(r);
+                break;
             }
+            Py_DECREF(r);
+            pthread_mutex_lock(&pool->lock);
+            pool->st.device_mallocs++;
+            if (attempt) pool->st.oom_recoveries++;
+            pthread_mutex_unlock(&pool->lock);
+            *ptr = (uintptr_t)p;
             return 0;
         }
-        if (!PyErr_ExceptionMatches(PyExc_MemoryError)) return -1;
+        if (!PyErr_ExceptionMatches(PyExc_MemoryError)) break;
         PyObject *exc = PyErr_GetRaisedException();
-        if (attempt == 2) return raise_oom(A, pool, requested, size, "device", exc);
-        Py_DECREF(exc);
-        if (attempt == 1) {
-            /* dead arrays held by reference cycles give their blocks back */
-            PyObject *r2 = PyObject_CallNoArgs(gc_collect);
-            if (!r2) return -1;
-            Py_DECREF(r2);
+        if (attempt == 2) {
+            unreserve(pool, size);
+            return raise_oom(A, pool, requested, size, "device", exc);
         }
-        if (release_cached(A, pool, 1, 0, 0) < 0) return -1;
+        Py_DECREF(exc);
+        /* dead arrays held by reference cycles give their blocks back */
+        if (attempt == 1 && collect_garbage() < 0) break;
+        if (release_cached(A, pool, 1, 0, 0) < 0) break;
     }
-    return -1;  /* not reached */
+    unreserve(pool, size);
+    return -1;
 }
 
-/* The allocation path.  Returns the block (in use), or NULL with an exception set. */
-static Block *xp_alloc(Allocator *A, int device, intptr_t stream, size_t requested, int origin)
+/* A block handed out in debug mode becomes visible to check() only once its
+ * hook has written the canary. */
+static int prepare(DevicePool *pool, Block *b, PyObject *hook, const char *name)
 {
-    size_t size = size_class(requested + A->debug_tail, A->k);
-    if (!size) {
-        PyErr_Format(PyExc_ValueError, "nbytes=%zu is larger than any device (max %zu)",
-                     requested, (size_t)XP_MAX_REQUEST);
-        return NULL;
-    }
+    if (call_hook(hook, name, b, b->requested) < 0) return -1;
+    pthread_mutex_lock(&pool->lock);
+    b->guarded = 1; b->handed_out = 1;
+    pthread_mutex_unlock(&pool->lock);
+    return 0;
+}
+
+/* Counts a block as handed out, with its requested bytes set.  Pool lock held. */
+static void count_in_use(Allocator *A, DevicePool *pool, Block *b, int event)
+{
+    pool->st.blocks_in_use++; pool->st.bytes_in_use += b->size;
+    pool->st.bytes_requested += b->requested;
+    origin_in(&pool->st, b->origin, b->size);
+    note_peaks(&pool->st);
+    timeline_record(&A->tl, event, pool, b, b->requested);
+}
+
+/* Undoes the hand-out of a block whose debug hook raised (the caller never sees
+ * it), keeping the hook's exception set: back to the cache (a reused block), or
+ * to the device (a new one).  Either way it is not known to hold poison now. */
+static void take_back(Allocator *A, DevicePool *pool, Block *b, int to_device)
+{
+    PyObject *exc = PyErr_GetRaisedException();
+    pthread_mutex_lock(&pool->lock);
+    ptrtable_remove(&pool->live, b->ptr);
+    pool->st.blocks_in_use--; pool->st.bytes_in_use -= b->size;
+    pool->st.bytes_requested -= b->requested;
+    origin_out(&pool->st, b->origin, b->size);
+    b->poisoned = 0;
+    if (to_device) pool->st.bytes_releasing += b->size;
+    else cache_block(pool, b);
+    pthread_mutex_unlock(&pool->lock);
+    if (to_device && give_back(A, pool, b) < 0) PyErr_Clear();   /* then it is cached */
+    PyErr_SetRaisedException(exc);
+}
+
+static Block *alloc_block(Allocator *A, int device, intptr_t stream, size_t requested,
+                          size_t size, PyObject *hook, int origin)
+{
     DevicePool *pool = pool_get(A, device);
     if (!pool) return NULL;
 
@@ -548,157 +742,172 @@ static Block *xp_alloc(Allocator *A, int device, intptr_t stream, size_t request
     Bin *bin = bintable_find(&pool->bins, stream, size);
     Block *b = bin ? bin->top : NULL;
     if (b) {
-        bin->top = b->next; bin->count--;
-        b->next = NULL;
-        b->requested = requested;
-        b->serial = pool->st.requests;
-        b->origin = origin;
-        if (ptrtable_insert(&pool->live, b) < 0) {   /* give it back: nothing changed */
-            b->next = bin->top; bin->top = b; bin->count++;
+        if (ptrtable_insert(&pool->live, b) < 0) {   /* nothing changed yet */
             pthread_mutex_unlock(&pool->lock);
             PyErr_NoMemory();
             return NULL;
         }
+        bin->top = b->next; bin->count--;
+        b->next = NULL;
+        b->requested = requested;
+        b->serial = pool->st.requests;
+        b->origin = origin; b->handed_out = !hook; b->guarded = 0;
         pool->st.hits++;
         pool->st.blocks_cached--; pool->st.bytes_cached -= size;
-        pool->st.blocks_in_use++; pool->st.bytes_in_use += size;
-        pool->st.bytes_requested += requested;
-        origin_in(&pool->st, origin, size);
-        note_peaks(&pool->st);
-        timeline_record(&A->tl, EV_HIT, pool, b, requested);
+        count_in_use(A, pool, b, EV_HIT);
         pthread_mutex_unlock(&pool->lock);
-        if (A->debug_hook != Py_None && call_hook(A, "on_reuse", b, requested) < 0) {
-            /* the block stays handed out; the caller never sees it, so give it back */
-            PyObject *exc = PyErr_GetRaisedException();
-            pthread_mutex_lock(&pool->lock);
-            ptrtable_remove(&pool->live, b->ptr);
-            pool->st.blocks_in_use--; pool->st.bytes_in_use -= size;
-            pool->st.bytes_requested -= requested;
-            origin_out(&pool->st, origin, size);
-            pool->st.blocks_cached++; pool->st.bytes_cached += size;
-            b->requested = 0; b->next = bin->top; bin->top = b; bin->count++;
-            pthread_mutex_unlock(&pool->lock);
-            PyErr_SetRaisedException(exc);
+        if (hook && prepare(pool, b, hook, "on_reuse") < 0) {
+            take_back(A, pool, b, 0);
             return NULL;
         }
         return b;
     }
     pool->st.misses++;
+    /* the block's bin exists before the block is handed out: freeing it never needs memory */
+    bin = bintable_get(&pool->bins, stream, size);
     pthread_mutex_unlock(&pool->lock);
-
-    uintptr_t ptr = 0;
-    if (device_malloc(A, pool, requested, size, &ptr) < 0) return NULL;
-    b = calloc(1, sizeof(Block));
-    if (!b) {
-        PyObject *r = PyObject_CallMethod(A->backend, "free", "iKn", device,
-                                          (unsigned long long)ptr, (Py_ssize_t)size);
-        Py_XDECREF(r);
+    if (!bin || !(b = calloc(1, sizeof(Block)))) {
         PyErr_NoMemory();
+        return NULL;
+    }
+    uintptr_t ptr = 0;
+    if (device_malloc(A, pool, requested, size, &ptr) < 0) {
+        free(b);
         return NULL;
     }
     b->ptr = ptr; b->size = size; b->requested = requested;
-    b->stream = stream; b->device = device; b->origin = origin;
+    b->stream = stream; b->device = device; b->origin = origin; b->handed_out = !hook;
     pthread_mutex_lock(&pool->lock);
+    pool->st.bytes_pending -= size;
     b->serial = pool->st.requests;
     if (ptrtable_insert(&pool->live, b) < 0) {
+        pool->st.bytes_releasing += size;
         pthread_mutex_unlock(&pool->lock);
-        PyObject *r = PyObject_CallMethod(A->backend, "free", "iKn", device,
-                                          (unsigned long long)ptr, (Py_ssize_t)size);
-        Py_XDECREF(r);
-        free(b);
+        if (give_back(A, pool, b) < 0) PyErr_Clear();   /* then it is cached */
         PyErr_NoMemory();
         return NULL;
     }
-    pool->st.device_mallocs++;
-    pool->st.blocks_in_use++; pool->st.bytes_in_use += size;
-    pool->st.bytes_requested += requested;
-    origin_in(&pool->st, origin, size);
-    note_peaks(&pool->st);
-    timeline_record(&A->tl, EV_MISS, pool, b, requested);
+    count_in_use(A, pool, b, EV_MISS);
     pthread_mutex_unlock(&pool->lock);
-    if (A->debug_hook != Py_None && call_hook(A, "on_alloc", b, requested) < 0) {
-        PyObject *exc = PyErr_GetRaisedException();
-        pthread_mutex_lock(&pool->lock);
-        ptrtable_remove(&pool->live, b->ptr);
-        pool->st.blocks_in_use--; pool->st.bytes_in_use -= size;
-        pool->st.bytes_requested -= requested;
-        origin_out(&pool->st, origin, size);
-        pool->st.device_frees++;
-        pthread_mutex_unlock(&pool->lock);
-        PyObject *r = PyObject_CallMethod(A->backend, "free", "iKn", device,
-                                          (unsigned long long)ptr, (Py_ssize_t)size);
-        Py_XDECREF(r);
-        PyErr_Clear();
-        free(b);
-        PyErr_SetRaisedException(exc);
+    if (hook && prepare(pool, b, hook, "on_alloc") < 0) {
+        take_back(A, pool, b, 1);
         return NULL;
     }
     return b;
 }
 
-/* The free path: the block goes back to its own device's pool, to the bin of
- * the stream it was handed out on.  Returns 0; -1 with an exception for a
- * pointer xpool does not know; 1 with the debug hook's exception when the block
- * was taken back but the hook found damage (the caller decides whether it can
- * raise). */
-static int xp_free(Allocator *A, int device, uintptr_t ptr)
+/* The allocation path.  Returns the block (in use), or NULL with an exception
+ * set.  origin: who the block is handed to (ORIGIN_CUPY: the caller gives it a
+ * reference to A). */
+static Block *xp_alloc(Allocator *A, int device, intptr_t stream, size_t requested, int origin)
 {
+    /* checked before the debug tail is added: near 2**64 the sum would wrap to a small class */
+    if (requested > XP_MAX_REQUEST) {
+        PyErr_Format(PyExc_ValueError, "nbytes=%zu is larger than any device (max %zu)",
+                     requested, (size_t)XP_MAX_REQUEST);
+        return NULL;
+    }
+    size_t tail;
+    PyObject *hook = debug_snapshot(A, &tail);
+    size_t size = size_class(requested + tail, A->k);
+    Block *b = NULL;
+    if (!size)
+        PyErr_Format(PyExc_ValueError, "nbytes=%zu is larger than any device (max %zu)",
+                     requested, (size_t)XP_MAX_REQUEST - tail);
+    else
+        b = alloc_block(A, device, stream, requested, size, hook, origin);
+    drop_hook(hook);
+    return b;
+}
+
+/* In a fork()ed child: forgets a block the parent handed out (its memory is
+ * never freed or reused here).  1 if ptr was one, with *holds_ref set. */
+static int forget_inherited(Allocator *A, int device, uintptr_t ptr, int *holds_ref)
+{
+    for (DevicePool *p = A->forked_pools[device]; p; p = p->older) {
+        pthread_mutex_lock(&p->lock);
+        Block *b = ptrtable_remove(&p->live, ptr);
+        pthread_mutex_unlock(&p->lock);
+        if (b) {
+            *holds_ref = b->origin == ORIGIN_CUPY;
+            free(b);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* The free path: the block goes back to its own device's pool, to the bin of
+ * the stream it was handed out on.  Returns
+ *   0  done;
+ *   1  with the debug hook's exception: the block was taken back, but the hook
+ *      raised (it found damage, or could not poison the block: the block then
+ *      goes back to the device rather than into the cache unpoisoned);
+ *   2  a block the parent process handed out, dying in a fork()ed child: forgotten;
+ *  -1  with an exception: a pointer this pool did not hand out (nothing changed).
+ * *holds_ref: the block held a reference to A (it was handed to CuPy); the
+ * caller drops it, last. */
+static int xp_free(Allocator *A, int device, uintptr_t ptr, int *holds_ref)
+{
+    *holds_ref = 0;
     if (device < 0 || device >= XP_MAX_DEVICES) {
         PyErr_Format(PyExc_ValueError, "device must be in [0, %d), got %d", XP_MAX_DEVICES, device);
         return -1;
     }
     DevicePool *pool = atomic_load_explicit(&A->pools[device], memory_order_acquire);
-    int hook_failed = 0;
-    PyObject *exc = NULL;
-    if (pool && A->debug_hook != Py_None) {
-        /* canary check and poisoning run before the block can be reused, outside the lock */
-        pthread_mutex_lock(&pool->lock);
-        Block **slot = ptrtable_slot(&pool->live, ptr);
-        Block *b = slot ? *slot : NULL;
-        pthread_mutex_unlock(&pool->lock);
-        if (b && call_hook(A, "on_free", b, b->requested) < 0) {
-            hook_failed = 1;
-            exc = PyErr_GetRaisedException();
-        }
-    }
+    PyObject *hook = NULL;
     Block *b = NULL;
+    size_t requested = 0, tail;
     if (pool) {
+        hook = debug_snapshot(A, &tail);
         pthread_mutex_lock(&pool->lock);
         b = ptrtable_remove(&pool->live, ptr);
-        if (!b) pthread_mutex_unlock(&pool->lock);
+        if (b) {
+            *holds_ref = b->origin == ORIGIN_CUPY;
+            requested = b->requested;
+            b->handed_out = 0;
+            pool->st.frees++;
+            pool->st.blocks_in_use--; pool->st.bytes_in_use -= b->size;
+            pool->st.bytes_requested -= requested;
+            origin_out(&pool->st, b->origin, b->size);
+            if (!hook) {   /* the hot path: one lock section */
+                b->poisoned = 0;
+                cache_block(pool, b);
+                timeline_record(&A->tl, EV_FREE, pool, b, requested);
+                pthread_mutex_unlock(&pool->lock);
+                return 0;
+            }
+            /* debug mode: out of the live table, so check() never reads it half poisoned and no
+             * other free can take it.  Neither in use nor cached while the hook works on it, the
+             * block counts with the bytes on their way out (bytes_releasing): the device holds it. */
+            pool->st.bytes_releasing += b->size;
+        }
+        pthread_mutex_unlock(&pool->lock);
     }
     if (!b) {
-        Py_XDECREF(exc);
+        drop_hook(hook);
+        if (A->forked && forget_inherited(A, device, ptr, holds_ref)) return 2;
         PyErr_Format(PyExc_ValueError,
                      "xpool: pointer 0x%zx on device %d was not handed out by this pool "
                      "(or was freed twice)", (size_t)ptr, device);
         return -1;
     }
-    /* the pool lock is held from here */
-    Bin *bin = bintable_get(&pool->bins, b->stream, b->size);
-    pool->st.frees++;
-    pool->st.blocks_in_use--; pool->st.bytes_in_use -= b->size;
-    pool->st.bytes_requested -= b->requested;
-    origin_out(&pool->st, b->origin, b->size);
-    size_t requested = b->requested;
-    b->requested = 0;
-    if (bin) {
-        b->next = bin->top; bin->top = b; bin->count++;
-        pool->st.blocks_cached++; pool->st.bytes_cached += b->size;
-        timeline_record(&A->tl, EV_FREE, pool, b, requested);
-        b = NULL;
-    } else {
-        pool->st.device_frees++;   /* no room to cache it: give it back below */
+    /* the block is this thread's alone until it is cached */
+    int hook_failed = call_hook(hook, "on_free", b, requested) < 0;
+    drop_hook(hook);
+    PyObject *exc = hook_failed ? PyErr_GetRaisedException() : NULL;
+    if (hook_failed) {
+        b->poisoned = 0;
+        if (give_back(A, pool, b) < 0) PyErr_Clear();   /* then it is cached, unpoisoned */
+        PyErr_SetRaisedException(exc);
+        return 1;
     }
+    pthread_mutex_lock(&pool->lock);
+    pool->st.bytes_releasing -= b->size;
+    b->poisoned = 1;
+    cache_block(pool, b);
+    timeline_record(&A->tl, EV_FREE, pool, b, requested);
     pthread_mutex_unlock(&pool->lock);
-    if (b) {
-        PyObject *r = PyObject_CallMethod(A->backend, "free", "iKn", device,
-                                          (unsigned long long)b->ptr, (Py_ssize_t)b->size);
-        Py_XDECREF(r);
-        PyErr_Clear();
-        free(b);
-    }
-    if (hook_failed) { PyErr_SetRaisedException(exc); return 1; }
     return 0;
 }
 
@@ -724,19 +933,18 @@ static void *cupy_malloc(void *param, size_t size, int device)
     return (void *)b->ptr;
 }
 
-/* void free(void *param, void *ptr, int device): called from a destructor, so an
- * error can only be reported, not raised. */
+/* void free(void *param, void *ptr, int device): called from a destructor, maybe
+ * while an exception propagates (which must survive), so an error here can only
+ * be reported, not raised. */
 static void cupy_free(void *param, void *ptr, int device)
 {
     Allocator *A = (Allocator *)param;
-    int r = xp_free(A, device, (uintptr_t)ptr);
-    if (r < 0 && A->forked) {   /* a block the parent handed out, dying in a child: not ours to free */
-        PyErr_Clear();
-        Py_DECREF(A);           /* the parent's reference, copied with the block */
-        return;
-    }
-    if (r) PyErr_WriteUnraisable(NULL);
-    if (r >= 0) Py_DECREF(A);   /* -1: not ours, so it held no reference */
+    PyObject *in_flight = PyErr_GetRaisedException();
+    int holds_ref;
+    int r = xp_free(A, device, (uintptr_t)ptr, &holds_ref);
+    if (r == -1 || r == 1) PyErr_WriteUnraisable(NULL);
+    if (in_flight) PyErr_SetRaisedException(in_flight);
+    if (holds_ref) Py_DECREF(A);   /* last: it may be the allocator's last reference */
 }
 
 /* ------------------------------------------------------------------ PyTorch's CUDAPluggableAllocator hooks */
@@ -792,28 +1000,23 @@ static Block *torch_take_cached(Allocator *A, DevicePool *pool, intptr_t stream,
     pool->st.requests++;
     b->requested = requested;
     b->serial = pool->st.requests;
-    b->origin = ORIGIN_TORCH;
+    b->origin = ORIGIN_TORCH; b->handed_out = 1; b->guarded = 0;   /* never in debug mode */
     pool->st.hits++;
     pool->st.blocks_cached--; pool->st.bytes_cached -= size;
-    pool->st.blocks_in_use++; pool->st.bytes_in_use += size;
-    pool->st.bytes_requested += requested;
-    origin_in(&pool->st, ORIGIN_TORCH, size);
-    note_peaks(&pool->st);
-    timeline_record(&A->tl, EV_HIT, pool, b, requested);
+    count_in_use(A, pool, b, EV_HIT);
     pthread_mutex_unlock(&pool->lock);
     return b;
 }
 
-/* xp_free's caching path, callable without the GIL.  0: the block is back in its bin; -1: nothing
- * changed, the caller takes the GIL path (an unknown pointer, a block handed to CuPy or Python, no
- * memory for a new bin).  Keep it in step with xp_free. */
+/* xp_free's caching path (debug mode off), callable without the GIL.  0: the block is back in its
+ * bin (which exists: caching needs no memory); -1: nothing changed, the caller takes the GIL path (an
+ * unknown pointer, a block handed to CuPy or Python).  Keep it in step with xp_free. */
 static int torch_give_back(Allocator *A, DevicePool *pool, uintptr_t ptr)
 {
     pthread_mutex_lock(&pool->lock);
     Block **slot = ptrtable_slot(&pool->live, ptr);
     Block *b = slot ? *slot : NULL;
-    Bin *bin = b && b->origin == ORIGIN_TORCH ? bintable_get(&pool->bins, b->stream, b->size) : NULL;
-    if (!bin) {
+    if (!b || b->origin != ORIGIN_TORCH) {
         pthread_mutex_unlock(&pool->lock);
         return -1;
     }
@@ -823,9 +1026,8 @@ static int torch_give_back(Allocator *A, DevicePool *pool, uintptr_t ptr)
     pool->st.bytes_requested -= b->requested;
     origin_out(&pool->st, ORIGIN_TORCH, b->size);
     size_t requested = b->requested;
-    b->requested = 0;
-    b->next = bin->top; bin->top = b; bin->count++;
-    pool->st.blocks_cached++; pool->st.bytes_cached += b->size;
+    b->handed_out = 0; b->poisoned = 0;
+    cache_block(pool, b);
     timeline_record(&A->tl, EV_FREE, pool, b, requested);
     pthread_mutex_unlock(&pool->lock);
     return 0;
@@ -856,9 +1058,9 @@ static int torch_alloc(size_t size, int device, void *stream_handle, void **out)
     intptr_t stream = torch_stream_key(stream_handle);
     /* the hit path, without the GIL; debug mode's checks run Python, so it always takes the GIL path */
     if (device >= 0 && device < XP_MAX_DEVICES && size <= XP_MAX_REQUEST &&
-        __atomic_load_n(&A->debug_hook, __ATOMIC_ACQUIRE) == Py_None) {
+        !atomic_load_explicit(&A->debug_on, memory_order_acquire)) {
         DevicePool *pool = atomic_load_explicit(&A->pools[device], memory_order_acquire);
-        size_t cls = size_class(size + A->debug_tail, A->k);
+        size_t cls = size_class(size, A->k);   /* no debug tail: debug mode is off */
         Block *b = pool && cls ? torch_take_cached(A, pool, stream, cls, size) : NULL;
         if (b) { *out = (void *)b->ptr; return 0; }
     }
@@ -929,7 +1131,7 @@ XP_EXPORT void xpool_torch_free(void *ptr, ssize_t size, int device, void *strea
     DevicePool *pool = A && device >= 0 && device < XP_MAX_DEVICES
                        ? atomic_load_explicit(&A->pools[device], memory_order_acquire) : NULL;
     torch_error[0] = 0;
-    if (pool && __atomic_load_n(&A->debug_hook, __ATOMIC_ACQUIRE) == Py_None &&
+    if (pool && !atomic_load_explicit(&A->debug_on, memory_order_acquire) &&
         torch_give_back(A, pool, (uintptr_t)ptr) == 0)
         return;
     if (!python_usable()) return;   /* the process is ending: the device memory goes with it */
@@ -950,11 +1152,10 @@ XP_EXPORT void xpool_torch_free(void *ptr, ssize_t size, int device, void *strea
                      "%s, not to PyTorch; it stays in use", ptr, device, origin_names[origin]);
         r = -1;
     } else {
-        r = xp_free(A, device, (uintptr_t)ptr);
+        int holds_ref;   /* 0: a block handed to PyTorch holds no reference to A */
+        r = xp_free(A, device, (uintptr_t)ptr, &holds_ref);   /* 2: the parent's, in a fork()ed child */
     }
-    if (r < 0 && A && A->forked) {
-        PyErr_Clear();   /* a block the parent handed out, dying in a fork()ed child: not ours */
-    } else if (r) {
+    if (r == -1 || r == 1) {
         torch_note_error();
         PyErr_WriteUnraisable(NULL);
     }
@@ -1006,20 +1207,28 @@ typedef struct {
 
 static PyTypeObject AllocationType;
 
+/* xp_free's answer: -1 and 1 with an exception set; 0, and 2 for a block of the parent process
+ * released in a fork()ed child (nothing to give back), without. */
 static int allocation_release(Allocation *self)
 {
     if (!self->ptr) return 0;
     uintptr_t ptr = self->ptr;
     self->ptr = 0;
-    return xp_free(self->owner, self->device, ptr);
+    int holds_ref;
+    int r = xp_free(self->owner, self->device, ptr, &holds_ref);
+    if (holds_ref) Py_DECREF(self->owner);   /* not ours (a CuPy block's); self still holds owner */
+    return r;
 }
 
 static void Allocation_dealloc(Allocation *self)
 {
-    /* not WriteUnraisable(self): self is already dead, a repr of it would resurrect it */
-    if (self->ptr && allocation_release(self)) {
-        if (self->owner->forked && !PyErr_ExceptionMatches(PyExc_Warning)) PyErr_Clear();  /* the parent's */
-        else PyErr_WriteUnraisable(NULL);
+    if (self->ptr) {
+        /* the object may die while an exception propagates (int(pool.allocate(n))): keep it */
+        PyObject *in_flight = PyErr_GetRaisedException();
+        int r = allocation_release(self);
+        /* not WriteUnraisable(self): self is already dead, a repr of it would resurrect it */
+        if (r == -1 || r == 1) PyErr_WriteUnraisable(NULL);
+        if (in_flight) PyErr_SetRaisedException(in_flight);
     }
     Py_XDECREF(self->owner);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -1027,10 +1236,8 @@ static void Allocation_dealloc(Allocation *self)
 
 static PyObject *Allocation_release(Allocation *self, PyObject *unused)
 {
-    if (allocation_release(self)) {
-        if (!self->owner->forked || PyErr_ExceptionMatches(PyExc_Warning)) return NULL;
-        PyErr_Clear();   /* a block the parent handed out, released in a fork()ed child */
-    }
+    int r = allocation_release(self);
+    if (r == -1 || r == 1) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -1072,6 +1279,49 @@ static PyTypeObject AllocationType = {
 
 /* ------------------------------------------------------------------ Allocator methods */
 
+static PyObject *py_zero;
+
+/* A non-negative int argument as uint64, or an error naming it: PyArg's "K"
+ * would take -1 as 2**64-1. */
+static int u64_arg(PyObject *o, unsigned long long *out, const char *name)
+{
+    PyObject *n = PyNumber_Index(o);
+    if (!n) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int, got %.100s", name, Py_TYPE(o)->tp_name);
+        return 0;
+    }
+    int negative = PyObject_RichCompareBool(n, py_zero, Py_LT);
+    unsigned long long v = negative ? 0 : PyLong_AsUnsignedLongLong(n);
+    Py_DECREF(n);
+    if (negative < 0) return 0;
+    if (negative || PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s must be an int in [0, 2**64), got %R", name, o);
+        return 0;
+    }
+    *out = v;
+    return 1;
+}
+
+static int u64_limit(PyObject *o, void *out) { return u64_arg(o, out, "limit"); }
+static int u64_keep(PyObject *o, void *out) { return u64_arg(o, out, "keep"); }
+static int u64_ptr(PyObject *o, void *out) { return u64_arg(o, out, "ptr"); }
+
+/* Swaps the debug hook (None: off) and its tail together; the old hook is
+ * dropped after the lock, as dropping it may run Python code. */
+static void set_hook(Allocator *A, PyObject *hook, size_t tail)
+{
+    if (hook == Py_None) hook = NULL;
+    Py_XINCREF(hook);
+    pthread_mutex_lock(&A->debug_lock);
+    PyObject *old = A->debug_hook;
+    A->debug_hook = hook;
+    A->debug_tail = hook ? tail : 0;
+    atomic_store_explicit(&A->debug_on, hook != NULL, memory_order_release);
+    pthread_mutex_unlock(&A->debug_lock);
+    Py_XDECREF(old);
+}
+
 static int Allocator_init(Allocator *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"backend", "error_factory", "classes_per_doubling", "limit",
@@ -1080,8 +1330,8 @@ static int Allocator_init(Allocator *self, PyObject *args, PyObject *kwds)
     int k = 1;
     unsigned long long limit = 0, stream_fn = 0;
     Py_ssize_t tail = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|iKKOn", kwlist, &backend, &factory, &k,
-                                     &limit, &stream_fn, &hook, &tail))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|iO&KOn", kwlist, &backend, &factory, &k,
+                                     u64_limit, &limit, &stream_fn, &hook, &tail))
         return -1;
     if (k < 1 || k > XP_MAX_CLASSES_PER_DOUBLING) {
         PyErr_Format(PyExc_ValueError, "classes_per_doubling must be in [1, %d], got %d",
@@ -1092,13 +1342,16 @@ static int Allocator_init(Allocator *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_ValueError, "debug_tail must be >= 0");
         return -1;
     }
+    if (tail > XP_MAX_DEBUG_TAIL) {
+        PyErr_Format(PyExc_ValueError, "debug_tail must be <= %d", XP_MAX_DEBUG_TAIL);
+        return -1;
+    }
     Py_INCREF(backend); Py_XSETREF(self->backend, backend);
     Py_INCREF(factory); Py_XSETREF(self->error_factory, factory);
-    Py_INCREF(hook); Py_XSETREF(self->debug_hook, hook);
     self->k = (unsigned)k;
     self->default_limit = limit;
     self->stream_fn = (stream_fn_t)(uintptr_t)stream_fn;
-    self->debug_tail = (size_t)tail;
+    set_hook(self, hook, (size_t)tail);
     return 0;
 }
 
@@ -1107,8 +1360,9 @@ static PyObject *Allocator_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     Allocator *self = (Allocator *)type->tp_alloc(type, 0);
     if (!self) return NULL;
     pthread_mutex_init(&self->registry_lock, NULL);
+    pthread_mutex_init(&self->debug_lock, NULL);
     pthread_mutex_init(&self->tl.lock, NULL);
-    Py_INCREF(Py_None); self->debug_hook = Py_None;
+    self->debug_hook = NULL;
     for (int i = 0; i < XP_MAX_DEVICES; i++) atomic_init(&self->pools[i], NULL);
     return (PyObject *)self;
 }
@@ -1138,13 +1392,21 @@ static void pool_destroy(DevicePool *pool, int free_blocks)
  * block can be in use here.  Cached blocks are given back to the backend. */
 static void Allocator_dealloc(Allocator *self)
 {
+    PyObject *in_flight = PyErr_GetRaisedException();   /* the backend's frees must not lose it */
     if (self->weakreflist) PyObject_ClearWeakRefs((PyObject *)self);
     for (int d = 0; d < XP_MAX_DEVICES; d++) {
         DevicePool *pool = atomic_load(&self->pools[d]);
-        if (!pool) continue;
-        if (self->backend && release_cached(self, pool, 1, 0, 0) < 0) PyErr_Clear();
-        pool_destroy(pool, 1);
+        if (pool) {
+            /* a block whose free fails now is lost to the process: nothing is left to retry it */
+            if (self->backend && release_cached(self, pool, 1, 0, 0) < 0) PyErr_WriteUnraisable(NULL);
+            pool_destroy(pool, 1);
+        }
+        for (DevicePool *p = self->forked_pools[d], *older; p; p = older) {   /* our copies only */
+            older = p->older;
+            pool_destroy(p, 1);
+        }
     }
+    if (in_flight) PyErr_SetRaisedException(in_flight);
     free(self->tl.buf);
     Py_XDECREF(self->backend);
     Py_XDECREF(self->error_factory);
@@ -1177,7 +1439,13 @@ static PyObject *Allocator_allocate(Allocator *self, PyObject *args, PyObject *k
     Block *b = xp_alloc(self, device, (intptr_t)stream, (size_t)n, ORIGIN_PYTHON);
     if (!b) return NULL;
     Allocation *a = PyObject_New(Allocation, &AllocationType);
-    if (!a) { xp_free(self, device, b->ptr); return NULL; }
+    if (!a) {
+        int holds_ref;
+        PyObject *exc = PyErr_GetRaisedException();
+        if (xp_free(self, device, b->ptr, &holds_ref) != 0) PyErr_Clear();
+        PyErr_SetRaisedException(exc);
+        return NULL;
+    }
     Py_INCREF(self);
     a->owner = self; a->ptr = b->ptr; a->size = b->size; a->requested = (size_t)n;
     a->stream = b->stream; a->device = device;
@@ -1186,10 +1454,12 @@ static PyObject *Allocator_allocate(Allocator *self, PyObject *args, PyObject *k
 
 static PyObject *Allocator_free_ptr(Allocator *self, PyObject *args)
 {
-    int device;
+    int device, holds_ref;
     unsigned long long ptr;
-    if (!PyArg_ParseTuple(args, "iK", &device, &ptr)) return NULL;
-    if (xp_free(self, device, (uintptr_t)ptr)) return NULL;
+    if (!PyArg_ParseTuple(args, "iO&", &device, u64_ptr, &ptr)) return NULL;
+    int r = xp_free(self, device, (uintptr_t)ptr, &holds_ref);
+    if (holds_ref) Py_DECREF(self);   /* a CuPy block's reference; the caller holds self */
+    if (r == -1 || r == 1) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -1214,13 +1484,14 @@ static PyObject *Allocator_stats(Allocator *self, PyObject *args)
     pthread_mutex_unlock(&pool->lock);
 #define K(x) (unsigned long long)(x)
     return Py_BuildValue(
-        "{s:i,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+        "{s:i,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
         "device", device, "requests", K(s.requests), "hits", K(s.hits), "misses", K(s.misses),
         "device_mallocs", K(s.device_mallocs), "device_frees", K(s.device_frees),
         "frees", K(s.frees), "oom_recoveries", K(s.oom_recoveries), "oom_errors", K(s.oom_errors),
         "blocks_in_use", K(s.blocks_in_use), "blocks_cached", K(s.blocks_cached),
         "bytes_in_use", K(s.bytes_in_use), "bytes_requested", K(s.bytes_requested),
         "bytes_cached", K(s.bytes_cached), "bytes_reserved", K(reserved(&s)),
+        "bytes_pending", K(s.bytes_pending), "bytes_releasing", K(s.bytes_releasing),
         "peak_bytes_in_use", K(s.peak_bytes_in_use),
         "peak_bytes_requested", K(s.peak_bytes_requested),
         "peak_bytes_reserved", K(s.peak_bytes_reserved), "limit", K(limit),
@@ -1266,7 +1537,7 @@ static PyObject *Allocator_release(Allocator *self, PyObject *args, PyObject *kw
     int device;
     PyObject *stream = Py_None;
     unsigned long long keep = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i|OK", kwlist, &device, &stream, &keep))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i|OO&", kwlist, &device, &stream, u64_keep, &keep))
         return NULL;
     DevicePool *pool = pool_arg(self, device, 0);
     if (PyErr_Occurred()) return NULL;
@@ -1284,7 +1555,7 @@ static PyObject *Allocator_set_limit(Allocator *self, PyObject *args)
 {
     int device;
     unsigned long long limit;
-    if (!PyArg_ParseTuple(args, "iK", &device, &limit)) return NULL;
+    if (!PyArg_ParseTuple(args, "iO&", &device, u64_limit, &limit)) return NULL;
     DevicePool *pool = pool_arg(self, device, 1);
     if (!pool) return NULL;
     pthread_mutex_lock(&pool->lock);
@@ -1293,7 +1564,9 @@ static PyObject *Allocator_set_limit(Allocator *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-static PyObject *Allocator_live_blocks(Allocator *self, PyObject *args)
+/* The blocks of one device, in use (live) or cached, as a list of infos:
+ * copied under the lock, turned into Python objects after it. */
+static PyObject *list_blocks(Allocator *self, PyObject *args, int live)
 {
     int device;
     if (!PyArg_ParseTuple(args, "i", &device)) return NULL;
@@ -1301,13 +1574,20 @@ static PyObject *Allocator_live_blocks(Allocator *self, PyObject *args)
     if (PyErr_Occurred()) return NULL;
     PyObject *out = PyList_New(0);
     if (!out || !pool) return out;
-    /* copy under the lock, build Python objects after it */
     pthread_mutex_lock(&pool->lock);
-    size_t n = 0, cap = pool->live.used;
+    size_t n = 0, cap = live ? pool->live.used : pool->st.blocks_cached;
     Block *copy = cap ? malloc(cap * sizeof(Block)) : NULL;
-    for (size_t i = 0; copy && i < pool->live.cap; i++) {
-        Block *b = pool->live.slots[i];
-        if (b && b != TOMBSTONE) copy[n++] = *b;
+    if (live) {
+        /* a block whose debug hook is still running is not handed out yet: no canary to check */
+        for (size_t i = 0; copy && i < pool->live.cap; i++) {
+            Block *b = pool->live.slots[i];
+            if (b && b != TOMBSTONE && b->handed_out) copy[n++] = *b;
+        }
+    } else {
+        for (size_t i = 0; copy && i < pool->bins.cap; i++) {
+            Bin *bin = pool->bins.slots[i];
+            for (Block *b = bin ? bin->top : NULL; b && n < cap; b = b->next) copy[n++] = *b;
+        }
     }
     pthread_mutex_unlock(&pool->lock);
     if (cap && !copy) { Py_DECREF(out); return PyErr_NoMemory(); }
@@ -1320,30 +1600,38 @@ static PyObject *Allocator_live_blocks(Allocator *self, PyObject *args)
     return out;
 }
 
-static PyObject *Allocator_cached_blocks(Allocator *self, PyObject *args)
+static PyObject *Allocator_live_blocks(Allocator *self, PyObject *args) { return list_blocks(self, args, 1); }
+static PyObject *Allocator_cached_blocks(Allocator *self, PyObject *args) { return list_blocks(self, args, 0); }
+
+/* (live table slots, live entries, bin table slots) of one device: the tables' memory, for tests */
+static PyObject *Allocator_table_sizes(Allocator *self, PyObject *args)
 {
     int device;
     if (!PyArg_ParseTuple(args, "i", &device)) return NULL;
     DevicePool *pool = pool_arg(self, device, 0);
-    if (PyErr_Occurred()) return NULL;
-    PyObject *out = PyList_New(0);
-    if (!out || !pool) return out;
+    if (!pool) return PyErr_Occurred() ? NULL : Py_BuildValue("(nnn)", 0, 0, 0);
     pthread_mutex_lock(&pool->lock);
-    size_t n = 0, cap = pool->st.blocks_cached;
-    Block *copy = cap ? malloc(cap * sizeof(Block)) : NULL;
-    for (size_t i = 0; copy && i < pool->bins.cap; i++) {
-        Bin *bin = pool->bins.slots[i];
-        for (Block *b = bin ? bin->top : NULL; b && n < cap; b = b->next) copy[n++] = *b;
-    }
+    size_t live_cap = pool->live.cap, live_used = pool->live.used, bins_cap = pool->bins.cap;
     pthread_mutex_unlock(&pool->lock);
-    if (cap && !copy) { Py_DECREF(out); return PyErr_NoMemory(); }
-    for (size_t i = 0; i < n; i++) {
-        PyObject *info = block_info(&copy[i], 0);
-        if (!info || PyList_Append(out, info) < 0) { Py_XDECREF(info); Py_CLEAR(out); break; }
-        Py_DECREF(info);
+    return Py_BuildValue("(nnn)", (Py_ssize_t)live_cap, (Py_ssize_t)live_used, (Py_ssize_t)bins_cap);
+}
+
+/* set_default_limit(nbytes, fraction): the limit of every device's pool created from now on:
+ * nbytes (0: none), or, when fraction > 0, that share of the device's memory. */
+static PyObject *Allocator_set_default_limit(Allocator *self, PyObject *args)
+{
+    unsigned long long limit;
+    double fraction;
+    if (!PyArg_ParseTuple(args, "O&d", u64_limit, &limit, &fraction)) return NULL;
+    if (!(fraction >= 0 && fraction <= 1)) {
+        PyErr_Format(PyExc_ValueError, "fraction must be in [0, 1], got %R", PyTuple_GET_ITEM(args, 1));
+        return NULL;
     }
-    free(copy);
-    return out;
+    pthread_mutex_lock(&self->registry_lock);
+    self->default_limit = limit;
+    self->default_fraction = fraction;
+    pthread_mutex_unlock(&self->registry_lock);
+    Py_RETURN_NONE;
 }
 
 static PyObject *Allocator_timeline_enable(Allocator *self, PyObject *args)
@@ -1385,10 +1673,11 @@ static PyObject *Allocator_set_debug(Allocator *self, PyObject *args)
     PyObject *hook;
     Py_ssize_t tail;
     if (!PyArg_ParseTuple(args, "On", &hook, &tail)) return NULL;
-    if (tail < 0) { PyErr_SetString(PyExc_ValueError, "debug_tail must be >= 0"); return NULL; }
-    Py_INCREF(hook);
-    Py_SETREF(self->debug_hook, hook);
-    self->debug_tail = (size_t)tail;
+    if (tail < 0 || tail > XP_MAX_DEBUG_TAIL) {
+        PyErr_Format(PyExc_ValueError, "debug_tail must be in [0, %d]", XP_MAX_DEBUG_TAIL);
+        return NULL;
+    }
+    set_hook(self, hook, (size_t)tail);
     Py_RETURN_NONE;
 }
 
@@ -1406,17 +1695,38 @@ static PyObject *Allocator_cfunctions(Allocator *self, PyObject *unused)
 static PyObject *Allocator_forget_after_fork(Allocator *self, PyObject *unused)
 {
     pthread_mutex_init(&self->registry_lock, NULL);
+    pthread_mutex_init(&self->debug_lock, NULL);
     pthread_mutex_init(&self->tl.lock, NULL);
-    for (int d = 0; d < XP_MAX_DEVICES; d++) atomic_store(&self->pools[d], NULL);  /* leaked on purpose */
+    for (int d = 0; d < XP_MAX_DEVICES; d++) {
+        /* kept, not freed: the parent's blocks may die here, and only those may be forgotten */
+        DevicePool *pool = atomic_load(&self->pools[d]);
+        if (pool) {
+            pool->older = self->forked_pools[d];
+            self->forked_pools[d] = pool;
+            atomic_store(&self->pools[d], NULL);
+        }
+        for (DevicePool *p = self->forked_pools[d]; p; p = p->older) pthread_mutex_init(&p->lock, NULL);
+    }
     self->tl.count = 0;
     self->forked = 1;
     Py_RETURN_NONE;
 }
 
 static PyObject *Allocator_get_k(Allocator *self, void *closure) { return PyLong_FromUnsignedLong(self->k); }
-static PyObject *Allocator_get_tail(Allocator *self, void *closure) { return PyLong_FromSize_t(self->debug_tail); }
+static PyObject *Allocator_get_tail(Allocator *self, void *closure)
+{
+    size_t tail;
+    PyObject *hook = debug_snapshot(self, &tail);
+    Py_XDECREF(hook);
+    return PyLong_FromSize_t(tail);
+}
 static PyObject *Allocator_get_backend(Allocator *self, void *closure) { return Py_NewRef(self->backend); }
-static PyObject *Allocator_get_hook(Allocator *self, void *closure) { return Py_NewRef(self->debug_hook); }
+static PyObject *Allocator_get_hook(Allocator *self, void *closure)
+{
+    size_t tail;
+    PyObject *hook = debug_snapshot(self, &tail);
+    return hook ? hook : Py_NewRef(Py_None);
+}
 
 static PyGetSetDef Allocator_getset[] = {
     {"classes_per_doubling", (getter)Allocator_get_k, NULL, "size classes per doubling above 1 MiB"},
@@ -1435,9 +1745,13 @@ static PyMethodDef Allocator_methods[] = {
     {"reset_peaks", (PyCFunction)Allocator_reset_peaks, METH_VARARGS, "reset_peaks(device)"},
     {"release", (PyCFunction)(void (*)(void))Allocator_release, METH_VARARGS | METH_KEYWORDS,
      "release(device, stream=None, keep=0) -> bytes given back to the device"},
-    {"set_limit", (PyCFunction)Allocator_set_limit, METH_VARARGS, "set_limit(device, nbytes); 0: none"},
+    {"set_limit", (PyCFunction)Allocator_set_limit, METH_VARARGS, "set_limit(device, limit); 0: none"},
     {"live_blocks", (PyCFunction)Allocator_live_blocks, METH_VARARGS, "live_blocks(device) -> [info]"},
     {"cached_blocks", (PyCFunction)Allocator_cached_blocks, METH_VARARGS, "cached_blocks(device) -> [info]"},
+    {"table_sizes", (PyCFunction)Allocator_table_sizes, METH_VARARGS,
+     "table_sizes(device) -> (live table slots, live blocks, bin table slots)"},
+    {"set_default_limit", (PyCFunction)Allocator_set_default_limit, METH_VARARGS,
+     "set_default_limit(nbytes, fraction): the limit of each device's pool created from now on"},
     {"timeline_enable", (PyCFunction)Allocator_timeline_enable, METH_VARARGS,
      "timeline_enable(capacity): record events into a ring of that size (0: off)"},
     {"timeline_events", (PyCFunction)Allocator_timeline_events, METH_NOARGS,
@@ -1520,8 +1834,15 @@ PyMODINIT_FUNC PyInit__core(void)
     gc_collect = PyObject_GetAttrString(gc, "collect");
     Py_DECREF(gc);
     if (!gc_collect) return NULL;
+    py_zero = PyLong_FromLong(0);
+    if (!py_zero) return NULL;
     PyObject *m = PyModule_Create(&core_module);
     if (!m) return NULL;
+#ifdef Py_GIL_DISABLED
+    /* The debug hook's state, the hook and backend references and the fork bookkeeping rely on
+     * the GIL (see Concurrency at the top): a free-threaded interpreter keeps it on for us. */
+    if (PyUnstable_Module_SetGIL(m, Py_MOD_GIL_USED) < 0) { Py_DECREF(m); return NULL; }
+#endif
     if (PyModule_AddObjectRef(m, "Allocator", (PyObject *)&AllocatorType) < 0 ||
         PyModule_AddObjectRef(m, "Allocation", (PyObject *)&AllocationType) < 0 ||
         PyModule_AddIntConstant(m, "MAX_DEVICES", XP_MAX_DEVICES) < 0 ||

@@ -1,26 +1,122 @@
 """Raw allocate/free backends: the only code that touches device memory.
 
-The C core calls a backend on a miss (`malloc`), when it trims or recovers
-from OOM (`free`), and the debug hook uses `fill`/`read`.  A backend raises a
-MemoryError subclass when the device is out of memory; the core then frees its
-cache and retries.
+`Backend` is the contract (a `typing.Protocol`); `HostBackend` (host memory
+standing in for devices, for tests and CPU machines) and `CupyBackend`
+(cudaMalloc/cudaFree through CuPy) implement it.
 """
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
+import weakref
+from typing import Protocol, runtime_checkable
 
 
 class DeviceOutOfMemory(MemoryError):
     """A backend's raw allocation failed for lack of memory."""
 
 
+@runtime_checkable
+class Backend(Protocol):
+    """The raw device memory under a `Pool`: write these eight methods for any device.
+
+    The pool calls ``malloc`` only on a cache miss, ``free`` only when it gives
+    cached blocks back (``empty_cache``, ``trim``, out-of-memory recovery, the
+    pool's end), ``fill``/``read`` only in debug mode, and never calls a method
+    for memory it did not get from ``malloc``.
+
+    Units: sizes in bytes; addresses as ints; devices as ints in
+    ``[0, device_count())``; streams as opaque int handles (0: the default).
+
+    Thread-safety: any method may be called from several threads at once, on
+    the same device or others, with the GIL held.  The pool holds none of its
+    locks during a call, so a method may block, release the GIL, or call back
+    into the pool.  The pool's limit counts a block's bytes from before
+    ``malloc`` is called until ``free`` has returned, so a backend never holds
+    more for the pool than its limit.
+
+    Out of memory: ``malloc`` raises a ``MemoryError`` (``DeviceOutOfMemory``
+    is one) when the device has no room.  That, and only that, starts the
+    pool's recovery ladder: free this device's cache and retry; then
+    ``gc.collect()``, free the cache again and retry; then raise
+    ``xpool.OutOfMemoryError`` chained to the backend's error.  Any other
+    exception from ``malloc`` reaches the caller at once, and nothing is
+    counted.
+
+    Failed frees: ``free`` either frees the whole block and returns, or raises
+    and frees nothing.  After a raise the pool keeps the block cached (still
+    counted as reserved, so its counters keep matching what the device holds)
+    and tries it again on the next release; the exception reaches the caller
+    of ``empty_cache``/``trim`` (or the allocation whose recovery it was) after
+    the other blocks have been tried.
+
+    Fork: in a ``fork()``ed child the pool starts empty and never calls
+    ``free`` for the parent's blocks; a backend with locks must make them
+    usable in the child (``os.register_at_fork``).
+    """
+
+    def malloc(self, device: int, nbytes: int) -> int:
+        """Allocate ``nbytes`` (> 0, a multiple of 512) on ``device``.
+
+        Returns:
+            int: the block's address, > 0, aligned to at least 512 bytes.
+
+        Raises:
+            MemoryError: the device has no room (starts the recovery ladder).
+        """
+
+    def free(self, device: int, ptr: int, nbytes: int) -> None:
+        """Free the block ``malloc(device, nbytes)`` returned as ``ptr``.
+
+        Raises:
+            Exception: the block was not freed (the pool keeps it cached).
+        """
+
+    def fill(self, device: int, ptr: int, nbytes: int, byte: int) -> None:
+        """Set ``nbytes`` bytes from address ``ptr`` to ``byte`` (debug mode), finished on return."""
+
+    def read(self, device: int, ptr: int, nbytes: int) -> bytes:
+        """Copy ``nbytes`` bytes from address ``ptr`` to the host (debug mode), after pending writes."""
+
+    def current_device(self) -> int:
+        """The calling thread's current device."""
+
+    def current_stream(self) -> int:
+        """The calling thread's current stream handle."""
+
+    def device_count(self) -> int:
+        """How many devices there are."""
+
+    def total_memory(self, device: int) -> int:
+        """The device's total bytes (for ``fraction`` limits and too-large requests)."""
+
+
+# every HostBackend alive, so a fork()ed child can replace their locks
+_host_backends: "weakref.WeakSet[HostBackend]" = weakref.WeakSet()
+
+
+def _host_backends_after_fork_in_child() -> None:
+    # a parent thread may have held a backend's lock at the fork: it would never be released here
+    for backend in list(_host_backends):
+        backend._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_host_backends_after_fork_in_child)
+
+
 class HostBackend:
     """Real host memory standing in for devices, so the whole core runs on a CPU.
 
-    `capacity` bytes per "device" (None: unbounded) models a device that
-    refuses allocations past its size.  The current device and stream are
-    per thread, like CUDA's.
+    The current device and stream are per thread, like CUDA's.  Usable in a
+    ``fork()``ed child.  It keeps its own accounting to check a pool against:
+    ``used(device)``, ``high_water[device]``, ``mallocs``, ``frees``.
+
+    Args:
+        capacity (int): bytes per "device"; past it ``malloc`` raises
+            ``DeviceOutOfMemory``, as a full device would.  None: unbounded.
+        n_devices (int): how many devices it pretends to have.
     """
 
     def __init__(self, capacity: int | None = None, n_devices: int = 8):
@@ -30,12 +126,14 @@ class HostBackend:
         self._libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
                                               ctypes.c_size_t]
         self._libc.free.argtypes = [ctypes.c_void_p]
-        self._lock = threading.Lock()        # guards _live and _used
+        self._lock = threading.Lock()        # guards _live, _used, high_water, mallocs, frees
         self._live: dict[int, tuple[int, int]] = {}   # ptr -> (device, nbytes)
         self._used = [0] * n_devices
+        self.high_water = [0] * n_devices    # the most bytes each device ever held
         self._local = threading.local()
         self.mallocs = 0                     # raw calls, to check the core's counters against
         self.frees = 0
+        _host_backends.add(self)
 
     # the current device and stream, per thread
     def current_device(self) -> int:
@@ -70,6 +168,7 @@ class HostBackend:
                     f"host device {device}: {nbytes} B requested, "
                     f"{self.capacity - self._used[device]} B free")
             self._used[device] += nbytes
+            self.high_water[device] = max(self.high_water[device], self._used[device])
         out = ctypes.c_void_p()
         if self._libc.posix_memalign(ctypes.byref(out), 512, max(nbytes, 1)) != 0:
             with self._lock:
@@ -99,12 +198,22 @@ class HostBackend:
         return ctypes.string_at(ptr, nbytes)
 
     def used(self, device: int) -> int:
+        """Bytes this backend holds on ``device`` now."""
         with self._lock:
             return self._used[device]
 
+    def live(self) -> dict[int, tuple[int, int]]:
+        """Every block held now: ``{ptr: (device, nbytes)}``."""
+        with self._lock:
+            return dict(self._live)
+
 
 class CupyBackend:
-    """cudaMalloc/cudaFree through CuPy's runtime bindings (works with CUDA 12 and 13 builds)."""
+    """cudaMalloc/cudaFree through CuPy's runtime bindings (works with CUDA 12 and 13 builds).
+
+    ``malloc`` raises ``DeviceOutOfMemory`` for ``cudaErrorMemoryAllocation``
+    and CuPy's ``CUDARuntimeError`` for anything else.
+    """
 
     def __init__(self):
         from cupy.cuda import runtime

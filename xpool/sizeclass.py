@@ -27,10 +27,16 @@ def check_nbytes(nbytes, name: str = "nbytes") -> int:
 
 
 def check_classes_per_doubling(k) -> int:
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_CLASSES_PER_DOUBLING:
-        raise ValueError(
-            f"classes_per_doubling must be an int in [1, {MAX_CLASSES_PER_DOUBLING}], got {k!r}"
-        )
+    """Return k as an int (NumPy integers too), or raise a ValueError that names the argument."""
+    bad = ValueError(f"classes_per_doubling must be an int in [1, {MAX_CLASSES_PER_DOUBLING}], got {k!r}")
+    if isinstance(k, bool):
+        raise bad
+    try:
+        k = operator.index(k)
+    except TypeError:
+        raise bad from None
+    if not 1 <= k <= MAX_CLASSES_PER_DOUBLING:
+        raise bad
     return k
 
 
@@ -41,6 +47,16 @@ def size_class(nbytes: int, classes_per_doubling: int = 1) -> int:
     classes per doubling, the classes between p and 2p (p a power of two) are
     p + j*p/k for j = 1..k, each rounded up to 512 B; k=1 is the next power of
     two.  k=4 bounds the waste at 25 % of p, about 20 % of the class.
+
+    Args:
+        nbytes (int): the request, 0 to 2**48.
+        classes_per_doubling (int): k, 1 to 64.
+
+    Returns:
+        int: the class size in bytes, a multiple of 512 and >= nbytes.
+
+    Raises:
+        ValueError: bad ``nbytes`` or ``classes_per_doubling``, naming it.
     """
     n = check_nbytes(nbytes)
     k = check_classes_per_doubling(classes_per_doubling)
