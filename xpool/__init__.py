@@ -14,7 +14,7 @@ except ImportError as e:  # a source checkout that was never built
     raise ImportError("xpool's C core (xpool._core) is not built: run `pip install -e .` or "
                       "`python setup.py build_ext --inplace` in the repository (needs a C compiler)") from e
 
-from .backends import CupyBackend, DeviceOutOfMemory, HostBackend
+from .backends import Backend, CupyBackend, DeviceOutOfMemory, HostBackend
 from .cupy_adapter import MemoryPool, current, install, installed, uninstall, use
 from .errors import CorruptionError, CorruptionWarning, OutOfMemoryError, RequestTooLargeError
 from .pool import Pool
@@ -24,7 +24,7 @@ from .torch_allocator import enable as enable_torch   # imports torch only when 
 
 __version__ = "0.1.0"
 __all__ = [
-    "size_class", "Pool", "MemoryPool", "HostBackend", "CupyBackend", "install", "uninstall",
+    "size_class", "Pool", "MemoryPool", "Backend", "HostBackend", "CupyBackend", "install", "uninstall",
     "installed", "current", "use", "empty_cache", "stats", "snapshot", "OutOfMemoryError",
     "CorruptionError", "CorruptionWarning", "DeviceOutOfMemory", "RequestTooLargeError", "Snapshot",
     "enable_torch",
@@ -36,21 +36,39 @@ def _pool() -> Pool | None:
 
 
 def empty_cache() -> int:
-    """Give the current pool's cached blocks back to the devices; bytes released (0 if none).
+    """Give the current pool's cached blocks back to the devices.
 
-    The current pool is this thread's `with xpool.use()` pool, else the installed one."""
+    The current pool is this thread's ``with xpool.use()`` pool, else the installed one.
+
+    Returns:
+        int: bytes given back (0 when xpool is not in use).
+
+    Raises:
+        Exception: a failed ``backend.free`` (see ``Pool.empty_cache``).
+    """
     pool = _pool()
     return pool.empty_cache() if pool else 0
 
 
 def stats():
-    """The current pool's exact counters, one row per device (empty if xpool is not in use)."""
+    """The current pool's exact counters.
+
+    Returns:
+        pandas.DataFrame: one row per device (no rows when xpool is not in use).
+
+    Raises:
+        ImportError: pandas is not installed (``snapshot()`` needs no pandas).
+    """
     from .stats import frame
     pool = _pool()
     return pool.stats() if pool else frame([])
 
 
 def snapshot() -> Snapshot:
-    """Cheap counters of the current pool; `after - before` gives e.g. device mallocs per step."""
+    """Cheap counters of the current pool.
+
+    Returns:
+        Snapshot: ``(after - before).device_mallocs`` and the like (empty when xpool is not in use).
+    """
     pool = _pool()
     return pool.snapshot() if pool else Snapshot({})

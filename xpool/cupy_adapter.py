@@ -36,7 +36,17 @@ class MemoryPool(Pool):
     CuPy's methods (malloc, free_all_blocks, used_bytes, free_bytes,
     total_bytes, n_free_blocks, set_limit, get_limit) act on the current
     device, as CuPy's do; xpool's own (stats, snapshot, timeline, trim...) are
-    inherited from Pool.
+    inherited from Pool.  ``malloc(size)`` returns a ``cupy.cuda.MemoryPointer``
+    and raises ``xpool.OutOfMemoryError`` (a CuPy ``OutOfMemoryError``).
+
+    Args:
+        classes_per_doubling, limit, debug, timeline: as for ``xpool.Pool``.
+        backend: the raw memory (default ``CupyBackend()``; ``HostBackend()``
+            runs CuPy's C allocator path over host memory, for tests).
+
+    Raises:
+        ImportError: CuPy is not installed.
+        ValueError: a bad setting, naming it.
     """
 
     def __init__(self, classes_per_doubling: int | None = None, *, limit=None, debug=None,
@@ -52,20 +62,47 @@ class MemoryPool(Pool):
         self.malloc = self._cfa.malloc     # malloc(size) -> cupy.cuda.MemoryPointer
 
     def free_all_blocks(self, stream=None) -> None:
-        """Release cached blocks of the current device (of one stream's, if given)."""
+        """Give the current device's cached blocks back (CuPy's name for ``empty_cache``).
+
+        Args:
+            stream (cupy.cuda.Stream): only the blocks cached for this stream; None: all.
+
+        Raises:
+            Exception: as ``Pool.empty_cache``.
+        """
         d = self.backend.current_device()
         self._core.release(d, None if stream is None else stream.ptr)
 
     def used_bytes(self) -> int:
+        """Bytes in use on the current device.
+
+        Returns:
+            int: class bytes of the blocks in use.
+        """
         return self._core.stats(self.backend.current_device())["bytes_in_use"]
 
     def free_bytes(self) -> int:
+        """Bytes cached on the current device.
+
+        Returns:
+            int: class bytes of the cached blocks.
+        """
         return self._core.stats(self.backend.current_device())["bytes_cached"]
 
     def total_bytes(self) -> int:
+        """Bytes the current device holds for this pool.
+
+        Returns:
+            int: in use + cached (+ being given back).
+        """
         return self._core.stats(self.backend.current_device())["bytes_reserved"]
 
     def n_free_blocks(self) -> int:
+        """Blocks cached on the current device.
+
+        Returns:
+            int: how many.
+        """
         return self._core.stats(self.backend.current_device())["blocks_cached"]
 
 
@@ -81,7 +118,20 @@ def _pool_from(pool, kwargs) -> MemoryPool:
 
 
 def install(pool: MemoryPool | None = None, **kwargs) -> MemoryPool:
-    """Make xpool CuPy's allocator (process-wide); returns the pool. Installing twice is an error."""
+    """Make xpool CuPy's allocator, process-wide.
+
+    Args:
+        pool (MemoryPool): the pool to install; None: a new one from ``kwargs``.
+        **kwargs: ``MemoryPool`` settings (``classes_per_doubling``, ``limit``, ``debug``, ``timeline``).
+
+    Returns:
+        MemoryPool: the installed pool.
+
+    Raises:
+        RuntimeError: xpool is already installed.
+        ValueError: both a pool and settings given, or a bad setting.
+        TypeError: ``pool`` is not an ``xpool.MemoryPool``.
+    """
     global _installed, _previous
     import cupy
     with _state_lock:
@@ -96,7 +146,10 @@ def install(pool: MemoryPool | None = None, **kwargs) -> MemoryPool:
 
 
 def uninstall() -> None:
-    """Put back the allocator CuPy had before install(); cached blocks stay until the pool dies."""
+    """Put back the allocator CuPy had before ``install()`` (nothing happens if none is installed).
+
+    Cached blocks stay until the pool dies or ``empty_cache()`` is called on it.
+    """
     global _installed, _previous
     import cupy
     with _state_lock:
@@ -107,18 +160,37 @@ def uninstall() -> None:
 
 
 def installed() -> MemoryPool | None:
-    """The installed pool, or None."""
+    """The installed pool.
+
+    Returns:
+        MemoryPool or None.
+    """
     return _installed
 
 
 def current() -> MemoryPool | None:
-    """The pool this thread allocates from: its `with use()` block's, else the installed one, else None."""
+    """The pool this thread allocates from.
+
+    Returns:
+        MemoryPool or None: this thread's innermost ``with use()`` pool, else the installed one, else None.
+    """
     return getattr(_scoped, "pool", None) or _installed
 
 
 @contextlib.contextmanager
 def use(pool: MemoryPool | None = None, **kwargs):
-    """`with xpool.use() as pool:` — xpool for this thread inside the block, then the previous allocator."""
+    """``with xpool.use() as pool:`` -- xpool for this thread inside the block, then the previous allocator.
+
+    Args:
+        pool (MemoryPool): the pool to use; None: a new one from ``kwargs``.
+        **kwargs: ``MemoryPool`` settings.
+
+    Yields:
+        MemoryPool: the pool in use.
+
+    Raises:
+        ValueError, TypeError: as ``install``.
+    """
     from cupy.cuda import memory
     pool = _pool_from(pool, kwargs)
     prev, prev_pool = memory._get_thread_local_allocator(), getattr(_scoped, "pool", None)

@@ -27,7 +27,20 @@ def human(nbytes: int) -> str:
 
 
 class OutOfMemoryError(_cupy_oom_base()):
-    """The device (or the limit) refused an allocation even after the cache was freed."""
+    """The device (or the limit) refused an allocation even after the cache was freed.
+
+    A subclass of CuPy's ``OutOfMemoryError`` when CuPy is installed (else of ``MemoryError``), so
+    code written for CuPy's pool catches it.  Its ``__cause__`` is the backend's last ``MemoryError``.
+
+    Attributes:
+        device (int): the device.
+        requested (int): bytes asked for.
+        size (int): the size class that was refused.
+        bytes_in_use (int), bytes_cached (int): the device's counters when it was raised.
+        limit (int): the device's limit (0: none).
+        reason (str): ``"device"`` (the backend refused), ``"limit"`` (xpool's limit), or
+            ``"too_large"`` (larger than the whole device: ``RequestTooLargeError``).
+    """
 
     def __init__(self, device, requested, size, bytes_in_use, bytes_cached, limit, reason="device"):
         self.device, self.requested, self.size = device, requested, size

@@ -1,6 +1,7 @@
 """Exact statistics: counters per device, cheap snapshots and their differences."""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 
 # Counters only grow; a difference of two snapshots is what happened in between.
@@ -13,9 +14,22 @@ GAUGES = ("blocks_in_use", "blocks_cached", "bytes_in_use", "bytes_requested", "
 COLUMNS = ("device",) + COUNTERS + GAUGES
 
 
+def pandas(what: str):
+    """pandas, imported only where a DataFrame is asked for (the allocator itself needs none)."""
+    try:
+        return importlib.import_module("pandas")
+    except ImportError as e:
+        raise ImportError(f"xpool: {what} returns a pandas DataFrame; install pandas "
+                          f"(Pool.snapshot() and _core.stats() need none)") from e
+
+
 @dataclass(frozen=True)
 class Snapshot:
-    """Counters of every device at one moment. `later - earlier` gives the activity between."""
+    """Counters of every device at one moment; ``later - earlier`` gives the activity between.
+
+    Counters (``COUNTERS``) are differenced, gauges (``GAUGES``) keep the later value; either is
+    read summed over the devices as an attribute (``snap.device_mallocs``) or with ``total(name)``.
+    """
 
     per_device: dict = field(default_factory=dict)   # device -> {name: int}
 
@@ -39,5 +53,5 @@ class Snapshot:
 
 def frame(rows: list[dict]):
     """One row per device, in a fixed column order."""
-    import pandas as pd
+    pd = pandas("stats()")
     return pd.DataFrame(rows, columns=list(COLUMNS))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _core
+from .stats import pandas
 
 EVENT_DTYPE = np.dtype([
     ("t_ns", "<i8"), ("device", "<i4"), ("event", "<i4"), ("stream", "<i8"), ("ptr", "<u8"),
@@ -18,7 +19,7 @@ ORIGIN_NAMES = {0: "cupy", 1: "torch", 2: "python", -1: ""}   # who the block wa
 
 def events_frame(raw: bytes, dropped: int):
     """Raw event bytes -> tidy DataFrame (t_s from the first event kept)."""
-    import pandas as pd
+    pd = pandas("timeline()")
     ev = np.frombuffer(raw, dtype=EVENT_DTYPE)
     df = pd.DataFrame({name: ev[name] for name in EVENT_DTYPE.names if name != "unused"})
     df["event"] = df["event"].map(EVENT_NAMES)
