@@ -1,0 +1,126 @@
+"""Issue #11 on a real GPU: limits per device and under threads, failed frees, huge requests through CuPy's
+C path, check() under concurrency (marked: skipped where no GPU is visible)."""
+import threading
+
+import pytest
+
+import xpool
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+MiB = 1 << 20
+
+
+def test_limit_argument_is_per_device_and_a_share_of_each():
+    pool = xpool.MemoryPool(limit="1%")
+    total = cp.cuda.runtime.memGetInfo()[1]
+    assert abs(pool.get_limit() - total / 100) <= 1
+    with xpool.use(pool), pytest.raises(xpool.OutOfMemoryError) as info:
+        cp.empty(total // 50, dtype=cp.uint8)
+    assert info.value.reason == "limit"
+
+
+@pytest.mark.multigpu
+def test_limit_argument_holds_on_a_second_gpu():
+    pool = xpool.MemoryPool(limit="64MiB")
+    with cp.cuda.Device(1), xpool.use(pool):
+        assert pool.get_limit() == 64 * MiB
+        a = cp.empty(48 * MiB, dtype=cp.uint8)
+        with pytest.raises(xpool.OutOfMemoryError, match="limit"):
+            cp.empty(48 * MiB, dtype=cp.uint8)
+        del a
+    assert pool.stats(device=1).iloc[0].peak_bytes_reserved <= 64 * MiB
+
+
+def test_limit_holds_when_threads_share_a_gpu():
+    limit = 64 * MiB
+    pool = xpool.MemoryPool(limit=limit)
+    errors, barrier = [], threading.Barrier(8)
+
+    def worker():
+        try:
+            cp.cuda.Device(0).use()
+            with xpool.use(pool):
+                barrier.wait()
+                for _ in range(20):
+                    held = []
+                    for _ in range(3):
+                        try:
+                            held.append(cp.empty(12 * MiB, dtype=cp.uint8))   # 16 MiB class
+                        except xpool.OutOfMemoryError as e:
+                            assert e.reason == "limit"
+                    del held
+        except Exception as e:  # noqa: BLE001 - surfaced below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    st = pool._core.stats(0)
+    assert st["peak_bytes_reserved"] <= limit and st["bytes_in_use"] == st["bytes_pending"] == 0
+    pool.empty_cache()
+    assert pool._core.stats(0)["bytes_reserved"] == 0
+
+
+def test_a_failed_cuda_free_keeps_the_block():
+    class FlakyFree(xpool.CupyBackend):
+        fail_next = 0
+
+        def free(self, device, ptr, nbytes):
+            if self.fail_next:
+                self.fail_next -= 1
+                raise RuntimeError("injected: cudaFree failed")
+            super().free(device, ptr, nbytes)
+
+    backend = FlakyFree()
+    pool = xpool.MemoryPool(backend=backend)
+    with xpool.use(pool):
+        arrays = [cp.empty(MiB, dtype=cp.uint8) for _ in range(8)]
+    del arrays
+    backend.fail_next = 1
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.free_all_blocks()
+    assert (pool.n_free_blocks(), pool.total_bytes()) == (1, MiB)      # kept, counted
+    assert pool.stats().iloc[0].device_frees == 7                      # the other seven went back
+    pool.free_all_blocks()
+    assert (pool.n_free_blocks(), pool.total_bytes()) == (0, 0)
+
+
+def test_a_request_near_2_64_through_cupys_c_path_is_refused_in_debug_mode():
+    from cupy.cuda import memory
+    pool = xpool.MemoryPool(debug="raise")
+    for n in (2**64 - 1, 2**64 - 64):
+        with pytest.raises(ValueError, match="larger than any device"):
+            memory.CFunctionAllocatorMemory(n, *pool._core.cfunctions(), 0)
+    assert pool.devices() == []
+
+
+def test_check_is_quiet_while_threads_allocate_in_debug_mode():
+    pool = xpool.MemoryPool(debug="raise")
+    stop, errors = threading.Event(), []
+
+    def churn():
+        try:
+            with xpool.use(pool):
+                while not stop.is_set():
+                    a = cp.ones(1000, dtype=cp.float32)
+                    b = cp.empty(70_000, dtype=cp.uint8)
+                    b[:] = 3
+                    del a, b
+        except Exception as e:  # noqa: BLE001 - surfaced below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=churn) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(100):
+            pool.check()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert errors == [] and pool._hook.found == []
