@@ -412,3 +412,51 @@ def test_a_failed_free_on_one_device_does_not_stop_the_others():
         pool.empty_cache()
     assert [backend.used(d) for d in range(3)] == [4 * KiB, 0, 0]
     assert [pool._core.stats(d)["bytes_cached"] for d in range(3)] == [4 * KiB, 0, 0]
+
+
+# code read: the debug free path used the block after unlocking; a double free racing the first one then
+# checked and poisoned the block after it had been cached and handed to its next owner
+def test_a_racing_double_free_never_touches_the_blocks_next_owner():
+    pool = Pool(HostBackend(), debug="raise")
+    hook, real_on_free = pool._hook, pool._hook.on_free
+    inside, go = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()]
+    calls = []
+
+    def on_free(info):                          # the n-th free waits inside the hook until told to go
+        n = len(calls)
+        calls.append(n)
+        if n < 2:
+            inside[n].set()
+            go[n].wait(10)
+        real_on_free(info)
+
+    hook.on_free = on_free
+    a = pool._core.allocate(256)
+    results = {}
+
+    def free(name):
+        try:
+            pool._core.free_ptr(0, a.ptr)
+            results[name] = "freed"
+        except ValueError as e:
+            results[name] = str(e)
+
+    first = threading.Thread(target=free, args=("first",))
+    first.start()
+    inside[0].wait(10)
+    second = threading.Thread(target=free, args=("second",))     # the double free, while the first runs
+    second.start()
+    wait_for(lambda: inside[1].is_set() or "second" in results)
+    go[0].set()
+    first.join()
+    hook.on_free = real_on_free
+    b = pool._core.allocate(256)                                  # the block's next owner
+    assert b.ptr == a.ptr
+    ctypes.memset(b.ptr, 0x11, 256)
+    go[1].set()
+    second.join()
+    assert results["first"] == "freed" and "not handed out" in results["second"]
+    assert ctypes.string_at(b.ptr, 256) == b"\x11" * 256
+    b.release()
+    with pytest.raises(ValueError, match="not handed out"):
+        a.release()
