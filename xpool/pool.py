@@ -427,9 +427,9 @@ def _after_fork_in_child() -> None:
     # The parent's device memory is not the child's: forget it, never free or reuse it.
     for core in list(_live_cores):
         core.forget_after_fork()
-        hook = core.debug_hook
-        if hook is not None:
-            hook.after_fork_in_child()
+        reset = getattr(core.debug_hook, "after_fork_in_child", None)   # a user's own hook may have none
+        if reset is not None:
+            reset()
 
 
 if hasattr(os, "register_at_fork"):
