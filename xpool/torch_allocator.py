@@ -43,7 +43,18 @@ def enable(pool=None, **settings):
     """Serve PyTorch's CUDA allocations from xpool's pool (CuPy's, installed here if it is not yet).
 
     Must run before PyTorch's first CUDA allocation; the choice holds for the life of the process.
-    Calling it again returns the same pool. `pool` / `settings` are those of `xpool.install()`.
+    Calling it again returns the same pool.
+
+    Args:
+        pool (MemoryPool): the pool to share; None: the installed one, else a new one from ``settings``.
+        **settings: ``MemoryPool`` settings, as for ``xpool.install()``.
+
+    Returns:
+        MemoryPool: the pool PyTorch and CuPy now allocate from.
+
+    Raises:
+        RuntimeError: PyTorch already allocated on CUDA, or xpool runs another pool for CuPy or PyTorch.
+        ImportError: PyTorch is not installed.
     """
     global _enabled
     with _lock:
