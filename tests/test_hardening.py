@@ -303,10 +303,13 @@ def test_core_refuses_negative_numbers_by_name(call, name):
 # without making it safe.
 @pytest.mark.skipif(not sysconfig.get_config_var("Py_GIL_DISABLED"), reason="free-threaded CPython only")
 def test_free_threaded_python_keeps_the_gil_for_the_core():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", "import sys, xpool; print(sys._is_gil_enabled())"],
-                         capture_output=True, text=True, cwd=root, check=True,
-                         env={**os.environ, "PYTHONPATH": root})
+    from xpool import _core
+    # the extension alone: numpy or CuPy, imported by the package, could turn the GIL on themselves
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('xpool._core', "
+            f"{_core.__file__!r}); spec.loader.exec_module(importlib.util.module_from_spec(spec)); "
+            "print(sys._is_gil_enabled())")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON_GIL"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == "True"
 
 
