@@ -4,6 +4,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from . import fused as fused_ops
 from . import tape
 from .tape import Tensor
 
@@ -68,11 +69,16 @@ def init_params(cfg, seed=0):
     return params
 
 
-def gpt_logits(cfg, P, idx):
-    """Logits (B, T, vocab) from parameter tensors P (name -> Tensor) and token ids idx (B, T)."""
+def gpt_logits(cfg, P, idx, fused=False):
+    """Logits (B, T, vocab) from parameter tensors P (name -> Tensor) and token ids idx (B, T).
+
+    fused=True builds the same model from tapegpt.fused's ops: six tape nodes per layer and a few kernels each.
+    """
     B, T = idx.shape
     if T > cfg.block_size:
         raise ValueError(f"sequence length {T} exceeds block_size {cfg.block_size}")
+    if fused:
+        return _gpt_logits_fused(cfg, P, idx)
     H, C = cfg.n_head, cfg.n_embd
     D = C // H
     x = tape.add(tape.embedding(P["wte"], idx), tape.narrow(P["wpe"], 0, 0, T))
@@ -91,11 +97,31 @@ def gpt_logits(cfg, P, idx):
     return tape.linear(x, P["lm_head.w"])
 
 
-class GPT:
-    """The training model: parameters live in `params` (name -> xp array), gradients come from the tape."""
+def _gpt_logits_fused(cfg, P, idx):
+    f = fused_ops
+    x = f.embed(P["wte"], P["wpe"], idx)
+    for i in range(cfg.n_layer):
+        p = f"h.{i}."
+        h = f.layer_norm(x, P[p + "ln_1.w"], P[p + "ln_1.b"], cfg.ln_eps)
+        y = f.attention(h, P[p + "attn.c_attn.w"], P[p + "attn.c_attn.b"], cfg.n_head)
+        x = f.linear_residual(x, y, P[p + "attn.c_proj.w"], P[p + "attn.c_proj.b"])
+        h = f.layer_norm(x, P[p + "ln_2.w"], P[p + "ln_2.b"], cfg.ln_eps)
+        h = f.linear_gelu(h, P[p + "mlp.c_fc.w"], P[p + "mlp.c_fc.b"])
+        x = f.linear_residual(x, h, P[p + "mlp.c_proj.w"], P[p + "mlp.c_proj.b"])
+    x = f.layer_norm(x, P["ln_f.w"], P["ln_f.b"], cfg.ln_eps)
+    return tape.matmul(x, P["lm_head.w"])
 
-    def __init__(self, cfg, xp=np, seed=0):
+
+class GPT:
+    """The training model: parameters live in `params` (name -> xp array), gradients come from the tape.
+
+    fused: build the step from tapegpt.fused's ops (default: tapegpt.fused.enabled, env TAPEGPT_FUSED) or
+    from the unfused ops of tapegpt.tape; the same math either way, up to floating-point rounding.
+    """
+
+    def __init__(self, cfg, xp=np, seed=0, fused=None):
         self.cfg, self.xp, self.seed = cfg, xp, seed
+        self.fused = fused_ops.enabled if fused is None else bool(fused)
         self.params = {k: xp.asarray(v) for k, v in init_params(cfg, seed).items()}
 
     def num_params(self):
@@ -107,16 +133,21 @@ class GPT:
 
     def forward(self, idx):
         """Logits (B, T, vocab) as an xp array; no tape is recorded."""
-        return gpt_logits(self.cfg, self._tensors(False), idx).data
+        return gpt_logits(self.cfg, self._tensors(False), idx, self.fused).data
+
+    def loss_tensor(self, P, x, y):
+        """The mean cross-entropy as a tape tensor over parameter tensors P (before its backward)."""
+        ce = fused_ops.cross_entropy if self.fused else tape.cross_entropy
+        return ce(gpt_logits(self.cfg, P, x, self.fused), y)
 
     def loss(self, x, y):
         """Mean cross-entropy as a 0-d xp array, without a tape (for evaluation)."""
-        return tape.cross_entropy(gpt_logits(self.cfg, self._tensors(False), x), y).data
+        return self.loss_tensor(self._tensors(False), x, y).data
 
     def loss_and_grads(self, x, y):
         """(loss, grads): 0-d loss array and name -> gradient array, one forward and one backward pass."""
         P = self._tensors(True)
-        loss = tape.cross_entropy(gpt_logits(self.cfg, P, x), y)
+        loss = self.loss_tensor(P, x, y)
         value = loss.data
         loss.backward()
         xp = self.xp

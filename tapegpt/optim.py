@@ -12,13 +12,14 @@ def default_decay(name, shape):
 class AdamW:
     """Updates the arrays of `params` (name -> xp array) in place; the step count stays on the host.
 
-    foreach=True updates every parameter at once, as torch's foreach AdamW does: the parameters are packed into
+    foreach=True (the default) updates every parameter at once, as torch's foreach AdamW does: the parameters are packed into
     one flat buffer (the dict's arrays become views of it, decayed ones first) and a step is a dozen array ops
     instead of a dozen per parameter, with bit-identical results (the same arithmetic on every element).
+    foreach=False is the per-parameter loop (the workload as first measured).
     """
 
     def __init__(self, params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, decay=default_decay,
-                 foreach=False):
+                 foreach=True):
         self.params = params
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
         # Names whose parameters get weight decay; fixed at construction so checkpoints can record it.

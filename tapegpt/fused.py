@@ -1,0 +1,413 @@
+"""Fused ops: each one tape node with a hand-written backward, replacing a chain of the ops in tape.py.
+
+Every array-level op below has two implementations of the same formulas, chosen by the array module: NumPy
+(plain array code, so the CPU tests and the NumPy path exercise the math) and CuPy (one kernel from
+tapegpt.kernels, or a few). On CuPy a training step is then about 45 launches per layer instead of ~150,
+which is what bounds the host's dispatch time (issue 13).
+
+`enabled` is the model's default (environment: TAPEGPT_FUSED=0 selects the unfused ops of tape.py, e.g. when
+a kernel misbehaves on a new GPU); GPT(fused=...) overrides it per model and records the choice.
+"""
+import functools
+import math
+import os
+
+import numpy as np
+
+from . import kernels
+from .tape import _accumulate, _make, _swap, array_module
+
+FUSED_ENV = "TAPEGPT_FUSED"
+
+
+def _enabled_from_env():
+    value = os.environ.get(FUSED_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{FUSED_ENV}={value!r}: expected 0 (unfused ops) or 1 (fused kernels)")
+    return value == "1"
+
+
+enabled = _enabled_from_env()
+
+# Set by tapegpt.profile while it counts a step's ops on NumPy: it is told the CuPy launch count of each fused
+# op and ignores the NumPy ops that implement it. None otherwise (the hot path only tests it).
+_recorder = None
+
+
+def _launches(n):
+    """Mark an array-level fused op as `n` CuPy kernel launches, for the op-count profile."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def op(*args):
+            if _recorder is None:
+                return fn(*args)
+            return _recorder.fused_op(fn.__name__, n, fn, args)
+        return op
+    return wrap
+
+
+def _on_host(a):
+    return isinstance(a, np.ndarray)
+
+
+def _c(a):
+    """a as a C-contiguous array (the kernels index flat); a no-op for the arrays the model makes."""
+    return a if a.flags.c_contiguous else array_module(a).ascontiguousarray(a)
+
+
+def _i64(*values):
+    return tuple(np.int64(v) for v in values)
+
+
+def _launch_elem(name, n, args, dtype):
+    grid, block = kernels.elem_grid(n)
+    kernels.kernel(name, dtype)(grid, block, args)
+
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+# ---------------------------------------------------------------------------------------------------------
+# Array-level ops: NumPy formulas first, then the kernel launch that computes the same thing on CuPy.
+
+
+@_launches(1)
+def layer_norm_fwd(x, w, b, eps):
+    """(y, mean, rstd) for rows x (N, C); mean and rstd are (N, 1)."""
+    if _on_host(x):
+        mean = x.mean(axis=-1, keepdims=True)
+        xc = x - mean
+        rstd = 1.0 / (((xc * xc).mean(axis=-1, keepdims=True) + eps) ** 0.5)
+        return (xc * rstd) * w + b, mean, rstd
+    cp = array_module(x)
+    x, n, c = _c(x), x.shape[0], x.shape[1]
+    y, mean, rstd = cp.empty_like(x), cp.empty((n, 1), x.dtype), cp.empty((n, 1), x.dtype)
+    kernels.kernel("ln_fwd", x.dtype)(*kernels.row_grid(n), (x, _c(w), _c(b), y, mean, rstd,
+                                                            *_i64(n, c), x.dtype.type(eps)))
+    return y, mean, rstd
+
+
+@_launches(3)
+def layer_norm_bwd(g, x, w, mean, rstd, acc):
+    """(dx, dw, db) of layer norm for rows (N, C); dx includes acc (a gradient already there) unless None."""
+    if _on_host(x):
+        xhat = (x - mean) * rstd
+        dxhat = g * w
+        inner = dxhat - dxhat.mean(axis=-1, keepdims=True)
+        inner = inner - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
+        dx = rstd * inner
+        return (dx if acc is None else acc + dx), (g * xhat).sum(axis=0), g.sum(axis=0)
+    cp = array_module(x)
+    g, x, n, c = _c(g), _c(x), x.shape[0], x.shape[1]
+    dx = cp.empty_like(x)
+    has_acc = acc is not None
+    kernels.kernel("ln_bwd", x.dtype)(*kernels.row_grid(n), (g, x, _c(w), mean, rstd, _c(acc) if has_acc else x,
+                                                            dx, *_i64(n, c), np.int32(has_acc)))
+    rows, chunks = _chunking(n)
+    part = cp.empty((chunks, 2 * c), x.dtype)
+    kernels.kernel("ln_param_partial", x.dtype)((-(-c // kernels.COL_BLOCK), chunks), (kernels.COL_BLOCK,),
+                                                (g, x, mean, rstd, part, *_i64(n, c, rows)))
+    dwb = _colsum_rows(part)
+    return dx, dwb[:c], dwb[c:]
+
+
+def _chunking(n):
+    """(rows per chunk, chunks) for a column sum over n rows: at most ~512 chunks, at least 16 rows each."""
+    rows = max(16, -(-n // 512))
+    return rows, -(-n // rows)
+
+
+def _colsum_rows(a):
+    """Column sums of a small (rows, C) CuPy array in one launch: one thread per column, rows in order."""
+    cp = array_module(a)
+    n, c = a.shape
+    out = cp.empty((c,), a.dtype)
+    kernels.kernel("colsum_partial", a.dtype)((-(-c // kernels.COL_BLOCK), 1), (kernels.COL_BLOCK,),
+                                              (a, out, *_i64(n, c, n)))
+    return out
+
+
+@_launches(2)
+def colsum(a):
+    """Sum of a (N, C) over its rows: a bias's gradient. Deterministic: chunks of rows, then the chunks."""
+    if _on_host(a):
+        return a.sum(axis=0)
+    cp = array_module(a)
+    a, n, c = _c(a), a.shape[0], a.shape[1]
+    rows, chunks = _chunking(n)
+    if chunks == 1:
+        return _colsum_rows(a)
+    part = cp.empty((chunks, c), a.dtype)
+    kernels.kernel("colsum_partial", a.dtype)((-(-c // kernels.COL_BLOCK), chunks), (kernels.COL_BLOCK,),
+                                              (a, part, *_i64(n, c, rows)))
+    return _colsum_rows(part)
+
+
+@_launches(1)
+def bias_gelu(a, b):
+    """gelu(a + b), tanh form, with b broadcast over the last axis."""
+    if _on_host(a):
+        u = a + b
+        t = np.tanh(_GELU_C * (u + 0.044715 * u * u * u))
+        return 0.5 * u * (1.0 + t)
+    a = _c(a)
+    y = array_module(a).empty_like(a)
+    _launch_elem("bias_gelu_fwd", a.size, (a, _c(b), y, *_i64(a.size, b.size)), a.dtype)
+    return y
+
+
+@_launches(1)
+def bias_gelu_bwd(g, a, b):
+    """d gelu(a + b) / d(a + b) times g."""
+    if _on_host(a):
+        u = a + b
+        t = np.tanh(_GELU_C * (u + 0.044715 * u * u * u))
+        du = _GELU_C * (1.0 + 3 * 0.044715 * u * u)
+        return g * (0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * du)
+    a = _c(a)
+    out = array_module(a).empty_like(a)
+    _launch_elem("bias_gelu_bwd", a.size, (_c(g), a, _c(b), out, *_i64(a.size, b.size)), a.dtype)
+    return out
+
+
+@_launches(1)
+def bias_residual(x, a, b):
+    """x + (a + b): a residual stream plus a projection and its bias."""
+    if _on_host(a):
+        return x + (a + b)
+    a = _c(a)
+    y = array_module(a).empty_like(a)
+    _launch_elem("bias_residual", a.size, (_c(x), a, _c(b), y, *_i64(a.size, b.size)), a.dtype)
+    return y
+
+
+@_launches(1)
+def embed_fwd(wte, wpe, idx):
+    """wte[idx] + wpe[:T] for token ids idx (B, T)."""
+    if _on_host(wte):
+        return np.take(wte, idx, axis=0) + wpe[:idx.shape[1]]
+    cp = array_module(wte)
+    idx = _c(idx.astype(np.int64, copy=False))
+    c = wte.shape[1]
+    y = cp.empty(idx.shape + (c,), wte.dtype)
+    _launch_elem("embed_fwd", y.size, (_c(wte), _c(wpe), idx, y, *_i64(y.size, idx.shape[1], c)), wte.dtype)
+    return y
+
+
+@_launches(1)
+def onehot_t(idx, vocab, dtype):
+    """The (vocab, N) matrix with a 1 where row v meets a token id v: its product with g sums rows exactly."""
+    idx = idx.reshape(-1)
+    if _on_host(idx):
+        return (np.arange(vocab).reshape(-1, 1) == idx.reshape(1, -1)).astype(dtype)
+    cp = array_module(idx)
+    idx = _c(idx.astype(np.int64, copy=False))
+    out = cp.empty((vocab, idx.size), dtype)
+    _launch_elem("onehot_t", out.size, (idx, out, *_i64(out.size, idx.size)), out.dtype)
+    return out
+
+
+@_launches(1)
+def qkv_heads(a, b, n_head):
+    """(B, T, 3C) projections plus bias -> (3, B, H, T, D): q, k, v with heads split out, each contiguous."""
+    B, T, C3 = a.shape
+    D = C3 // (3 * n_head)
+    if _on_host(a):
+        return np.ascontiguousarray((a + b).reshape(B, T, 3, n_head, D).transpose(2, 0, 3, 1, 4))
+    a = _c(a)
+    out = array_module(a).empty((3, B, n_head, T, D), a.dtype)
+    _launch_elem("qkv_heads", a.size, (a, _c(b), out, *_i64(a.size, B, T, n_head, D)), a.dtype)
+    return out
+
+
+def _causal_mask(tq, tk):
+    """True where query i (at absolute position i + tk - tq) may see key j."""
+    return np.arange(tk).reshape(1, -1) <= (np.arange(tq).reshape(-1, 1) + (tk - tq))
+
+
+@_launches(1)
+def causal_softmax(s, scale):
+    """softmax(scale * s) over the last axis with the causal mask, written into s (..., Tq, Tk)."""
+    tq, tk = s.shape[-2:]
+    if _on_host(s):
+        x = np.where(_causal_mask(tq, tk), s * scale, s.dtype.type(-np.inf))
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        s[...] = e / e.sum(axis=-1, keepdims=True)
+        return s
+    s = _c(s)
+    n_rows = s.size // tk
+    kernels.kernel("causal_softmax_fwd", s.dtype)(*kernels.row_grid(n_rows),
+                                                  (s, *_i64(n_rows, tq, tk), s.dtype.type(scale)))
+    return s
+
+
+@_launches(1)
+def causal_softmax_bwd(p, dp, scale):
+    """Scores' gradient scale * p * (dp - sum(dp * p)), written into dp (masked entries get 0)."""
+    tq, tk = p.shape[-2:]
+    if _on_host(p):
+        dp[...] = np.where(_causal_mask(tq, tk), scale * (p * (dp - (dp * p).sum(axis=-1, keepdims=True))), 0)
+        return dp
+    dp = _c(dp)
+    n_rows = p.size // tk
+    kernels.kernel("causal_softmax_bwd", p.dtype)(*kernels.row_grid(n_rows),
+                                                  (_c(p), dp, *_i64(n_rows, tq, tk), p.dtype.type(scale)))
+    return dp
+
+
+@_launches(1)
+def ce_fwd(z, t):
+    """Per-row cross-entropy of logits z (N, V) against int targets t (N,): (loss, max, sum of exp), each (N, 1)."""
+    if _on_host(z):
+        m = z.max(axis=-1, keepdims=True)
+        s = np.exp(z - m).sum(axis=-1, keepdims=True)
+        picked = np.take_along_axis(z, t.reshape(-1, 1), axis=-1)
+        return np.log(s) + m - picked, m, s
+    cp = array_module(z)
+    z, t, n = _c(z), _c(t.astype(np.int64, copy=False)), z.shape[0]
+    loss, m, s = (cp.empty((n, 1), z.dtype) for _ in range(3))
+    kernels.kernel("ce_fwd", z.dtype)(*kernels.row_grid(n), (z, t, loss, m, s, *_i64(n, z.shape[1])))
+    return loss, m, s
+
+
+@_launches(1)
+def ce_bwd(z, t, m, s, g):
+    """(softmax(z) - onehot(t)) * g / N: the logits' gradient of the mean loss, g its 0-d gradient."""
+    n, vocab = z.shape
+    if _on_host(z):
+        onehot = (t.reshape(-1, 1) == np.arange(vocab).reshape(1, -1)).astype(z.dtype)
+        return (np.exp(z - m) / s - onehot) * (g / n)
+    cp = array_module(z)
+    z, t = _c(z), _c(t.astype(np.int64, copy=False))
+    g = _c(cp.asarray(g, dtype=z.dtype).reshape(1))
+    dz = cp.empty_like(z)
+    _launch_elem("ce_bwd", z.size, (z, t, m, s, g, dz, *_i64(z.size, vocab, n)), z.dtype)
+    return dz
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tape ops: one node each.
+
+
+def _set_grad(t, g):
+    """Store a gradient buffer this op just made (no other tensor holds it, so later sums may reuse it)."""
+    if t.requires_grad:
+        t.grad, t._owned = g, True
+
+
+def _linear_grads(g2, h, h2, w, b):
+    """Gradients of h2 @ w + b given g2 = d(out) as rows: into b, w and h (h's shape restored)."""
+    xp = array_module(g2)
+    if b.requires_grad:
+        _accumulate(b, colsum(g2))
+    if w.requires_grad:
+        _accumulate(w, xp.matmul(h2.T, g2))
+    if h.requires_grad:
+        _accumulate(h, xp.matmul(g2, w.data.T).reshape(h.shape))
+
+
+def embed(wte, wpe, idx):
+    """wte[idx] + wpe[:T]: token plus position embeddings of ids idx (B, T)."""
+    xp = array_module(wte.data)
+    B, T = idx.shape
+    vocab, C = wte.shape
+    out = embed_fwd(wte.data, wpe.data, idx)
+
+    def backward(g):
+        if wte.requires_grad:
+            # A one-hot GEMM rather than a scatter-add: it sums in a fixed order, atomics do not.
+            _accumulate(wte, xp.matmul(onehot_t(idx, vocab, g.dtype), g.reshape(-1, C)))
+        if wpe.requires_grad:
+            gp = colsum(g.reshape(B, T * C)).reshape(T, C)
+            if T < wpe.shape[0]:
+                full = xp.zeros(wpe.shape, g.dtype)
+                full[:T] = gp
+                gp = full
+            _accumulate(wpe, gp)
+
+    return _make(out, (wte, wpe), backward)
+
+
+def layer_norm(x, w, b, eps=1e-5):
+    """Layer norm over the last axis (as tape.layer_norm); its backward adds into x's gradient in the kernel."""
+    C = x.shape[-1]
+    x2 = x.data.reshape(-1, C)
+    y, mean, rstd = layer_norm_fwd(x2, w.data, b.data, eps)
+
+    def backward(g):
+        acc = None if x.grad is None else x.grad.reshape(-1, C)
+        dx, dw, db = layer_norm_bwd(g.reshape(-1, C), x2, w.data, mean, rstd, acc)
+        _set_grad(x, dx.reshape(x.shape))
+        _accumulate(w, dw)
+        _accumulate(b, db)
+
+    return _make(y.reshape(x.shape), (x, w, b), backward)
+
+
+def attention(h, w, b, n_head):
+    """Causal self-attention of h (B, T, C) up to the output projection: the heads' outputs merged, (B, T, C).
+
+    q, k, v = split(h @ w + b); per head softmax(q k^T / sqrt(D) + mask) v, batched over (B, H) in one GEMM.
+    """
+    xp = array_module(h.data)
+    B, T, C = h.shape
+    D = C // n_head
+    scale = 1.0 / math.sqrt(D)
+    h2 = h.data.reshape(-1, C)
+    qkv = qkv_heads(xp.matmul(h2, w.data).reshape(B, T, 3 * C), b.data, n_head)
+    q, k, v = qkv
+    p = causal_softmax(xp.matmul(q, _swap(k)), scale)
+    y = xp.matmul(p, v).transpose(0, 2, 1, 3).reshape(B, T, C)
+
+    def backward(g):
+        gh = g.reshape(B, T, n_head, D).transpose(0, 2, 1, 3)
+        gh = xp.ascontiguousarray(gh)
+        d = xp.empty_like(qkv)  # (3, B, H, T, D): dq, dk, dv written in place by the GEMMs
+        xp.matmul(_swap(p), gh, out=d[2])
+        ds = causal_softmax_bwd(p, xp.matmul(gh, _swap(v)), scale)
+        xp.matmul(ds, k, out=d[0])
+        xp.matmul(_swap(ds), q, out=d[1])
+        da = d.transpose(1, 3, 0, 2, 4).reshape(-1, 3 * C)  # back to (B*T, 3C): one copy
+        _linear_grads(da, h, h2, w, b)
+
+    return _make(y, (h, w, b), backward)
+
+
+def linear_gelu(h, w, b):
+    """gelu(h @ w + b)."""
+    xp = array_module(h.data)
+    h2 = h.data.reshape(-1, h.shape[-1])
+    a = xp.matmul(h2, w.data)
+    y = bias_gelu(a, b.data).reshape(h.shape[:-1] + (w.shape[1],))
+
+    def backward(g):
+        _linear_grads(bias_gelu_bwd(g.reshape(a.shape), a, b.data), h, h2, w, b)
+
+    return _make(y, (h, w, b), backward)
+
+
+def linear_residual(x, h, w, b):
+    """x + (h @ w + b): a residual connection around a projection."""
+    xp = array_module(h.data)
+    h2 = h.data.reshape(-1, h.shape[-1])
+    a = xp.matmul(h2, w.data)
+    y = bias_residual(x.data.reshape(a.shape), a, b.data).reshape(x.shape)
+
+    def backward(g):
+        _accumulate(x, g)
+        _linear_grads(g.reshape(a.shape), h, h2, w, b)
+
+    return _make(y, (x, h, w, b), backward)
+
+
+def cross_entropy(logits, targets):
+    """Mean over tokens of -log softmax(logits)[target] (as tape.cross_entropy); a 0-d tensor."""
+    vocab = logits.shape[-1]
+    z = logits.data.reshape(-1, vocab)
+    t = targets.reshape(-1)
+    rows, m, s = ce_fwd(z, t)
+    out = rows.mean(keepdims=True).reshape(())
+
+    def backward(g):
+        _accumulate(logits, ce_bwd(z, t, m, s, g).reshape(logits.shape))
+
+    return _make(out, (logits,), backward)

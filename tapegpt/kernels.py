@@ -1,0 +1,240 @@
+"""The CUDA kernels behind tapegpt.fused: one source, compiled once per (device, dtype, kernel) and cached.
+
+Every kernel is deterministic: a reduction runs in a fixed order (a loop, or a warp's shuffle tree to lane 0
+that is then broadcast, so every lane uses the same bits) and nothing uses atomics, so a step's result does
+not depend on the allocator or on timing. Row kernels give each row one warp (`ROW_BLOCK / 32` rows per block);
+the guard `row >= n_rows` is the same for all 32 lanes of a warp, so every shuffle sees its whole warp.
+Elementwise kernels give each element one thread. Sizes are `long long` so no index can overflow.
+"""
+import threading
+
+import numpy as np
+
+ROW_BLOCK = 256   # threads per block of a row kernel: 8 rows (warps) per block
+ELEM_BLOCK = 256  # threads per block of an elementwise kernel
+COL_BLOCK = 128   # threads (columns) per block of the column-sum kernels
+
+SOURCE = r"""
+typedef long long i64;
+
+__device__ __forceinline__ T warp_sum(T v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+    return __shfl_sync(0xffffffffu, v, 0);
+}
+
+__device__ __forceinline__ T warp_max(T v) {
+    for (int o = 16; o > 0; o >>= 1) { T u = __shfl_down_sync(0xffffffffu, v, o); v = u > v ? u : v; }
+    return __shfl_sync(0xffffffffu, v, 0);
+}
+
+__device__ __forceinline__ T neg_inf() { return (T)(-__longlong_as_double(0x7ff0000000000000LL)); }
+
+#define ROW_PROLOGUE \
+    const i64 row = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; \
+    const int lane = threadIdx.x & 31; \
+    if (row >= n_rows) return;
+
+#define ELEM_LOOP for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+
+// ---- layer norm over rows of length C: y = (x - mean) * rstd * w + b (biased variance, as torch)
+extern "C" __global__ void ln_fwd(const T* x, const T* w, const T* b, T* y, T* mean, T* rstd,
+                                  i64 n_rows, i64 C, T eps) {
+    ROW_PROLOGUE
+    const T* xr = x + row * C;
+    T s = 0;
+    for (i64 j = lane; j < C; j += 32) s += xr[j];
+    const T mu = warp_sum(s) / (T)C;
+    T v = 0;
+    for (i64 j = lane; j < C; j += 32) { T d = xr[j] - mu; v += d * d; }
+    const T rs = (T)1 / sqrt(warp_sum(v) / (T)C + eps);
+    for (i64 j = lane; j < C; j += 32) y[row * C + j] = ((xr[j] - mu) * rs) * w[j] + b[j];
+    if (lane == 0) { mean[row] = mu; rstd[row] = rs; }
+}
+
+// dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)) with dxhat = g * w, plus acc when given.
+extern "C" __global__ void ln_bwd(const T* g, const T* x, const T* w, const T* mean, const T* rstd,
+                                  const T* acc, T* dx, i64 n_rows, i64 C, int has_acc) {
+    ROW_PROLOGUE
+    const i64 o = row * C;
+    const T mu = mean[row], rs = rstd[row];
+    T s1 = 0, s2 = 0;
+    for (i64 j = lane; j < C; j += 32) {
+        T xh = (x[o + j] - mu) * rs, dxh = g[o + j] * w[j];
+        s1 += dxh; s2 += dxh * xh;
+    }
+    const T m1 = warp_sum(s1) / (T)C, m2 = warp_sum(s2) / (T)C;
+    for (i64 j = lane; j < C; j += 32) {
+        T xh = (x[o + j] - mu) * rs, dxh = g[o + j] * w[j];
+        T d = rs * ((dxh - m1) - xh * m2);
+        dx[o + j] = has_acc ? acc[o + j] + d : d;
+    }
+}
+
+// Per chunk of rows: partial column sums of g * xhat (columns 0..C-1) and of g (columns C..2C-1).
+extern "C" __global__ void ln_param_partial(const T* g, const T* x, const T* mean, const T* rstd, T* out,
+                                            i64 n_rows, i64 C, i64 rows_per_chunk) {
+    const i64 col = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= C) return;
+    const i64 r0 = (i64)blockIdx.y * rows_per_chunk;
+    const i64 r1 = r0 + rows_per_chunk < n_rows ? r0 + rows_per_chunk : n_rows;
+    T sw = 0, sb = 0;
+    for (i64 r = r0; r < r1; ++r) {
+        T gv = g[r * C + col];
+        sw += gv * ((x[r * C + col] - mean[r]) * rstd[r]);
+        sb += gv;
+    }
+    out[(i64)blockIdx.y * 2 * C + col] = sw;
+    out[(i64)blockIdx.y * 2 * C + C + col] = sb;
+}
+
+// Per chunk of rows: partial column sums of a (n_rows, C). Applied twice it is a deterministic column sum.
+extern "C" __global__ void colsum_partial(const T* a, T* out, i64 n_rows, i64 C, i64 rows_per_chunk) {
+    const i64 col = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= C) return;
+    const i64 r0 = (i64)blockIdx.y * rows_per_chunk;
+    const i64 r1 = r0 + rows_per_chunk < n_rows ? r0 + rows_per_chunk : n_rows;
+    T s = 0;
+    for (i64 r = r0; r < r1; ++r) s += a[r * C + col];
+    out[(i64)blockIdx.y * C + col] = s;
+}
+
+// ---- GELU (tanh form) of a + b, with b a bias over the last axis (C)
+extern "C" __global__ void bias_gelu_fwd(const T* a, const T* b, T* y, i64 n, i64 C) {
+    ELEM_LOOP {
+        T u = a[i] + b[i % C];
+        T t = tanh((T)0.7978845608028654 * (u + (T)0.044715 * u * u * u));
+        y[i] = (T)0.5 * u * ((T)1 + t);
+    }
+}
+
+extern "C" __global__ void bias_gelu_bwd(const T* g, const T* a, const T* b, T* du, i64 n, i64 C) {
+    ELEM_LOOP {
+        T u = a[i] + b[i % C];
+        T t = tanh((T)0.7978845608028654 * (u + (T)0.044715 * u * u * u));
+        T d = (T)0.7978845608028654 * ((T)1 + (T)(3 * 0.044715) * u * u);
+        du[i] = g[i] * ((T)0.5 * ((T)1 + t) + (T)0.5 * u * ((T)1 - t * t) * d);
+    }
+}
+
+// ---- residual + (a + bias)
+extern "C" __global__ void bias_residual(const T* x, const T* a, const T* b, T* y, i64 n, i64 C) {
+    ELEM_LOOP { y[i] = x[i] + (a[i] + b[i % C]); }
+}
+
+// ---- token + position embedding: y[r, c] = wte[idx[r], c] + wpe[r % T, c]
+extern "C" __global__ void embed_fwd(const T* wte, const T* wpe, const i64* idx, T* y, i64 n, i64 T_, i64 C) {
+    ELEM_LOOP {
+        const i64 r = i / C, c = i % C;
+        y[i] = wte[idx[r] * C + c] + wpe[(r % T_) * C + c];
+    }
+}
+
+// onehot_t[v, r] = (idx[r] == v): the transposed one-hot matrix of the embedding's gradient GEMM.
+extern "C" __global__ void onehot_t(const i64* idx, T* out, i64 n, i64 N) {
+    ELEM_LOOP { out[i] = idx[i % N] == i / N ? (T)1 : (T)0; }
+}
+
+// ---- (B, T, 3C) + bias -> (3, B, H, T, D): q, k, v split into heads, each contiguous
+extern "C" __global__ void qkv_heads(const T* a, const T* b, T* out, i64 n, i64 B, i64 T_, i64 H, i64 D) {
+    ELEM_LOOP {
+        i64 r = i;
+        const i64 d = r % D; r /= D;
+        const i64 t = r % T_; r /= T_;
+        const i64 h = r % H; r /= H;
+        const i64 bb = r % B, s = r / B;
+        const i64 col = s * H * D + h * D + d;
+        out[i] = a[(bb * T_ + t) * 3 * H * D + col] + b[col];
+    }
+}
+
+// ---- causal softmax over the last axis of s (rows of Tk keys, Tq queries per head), in place:
+// p = softmax(scale * s) over the keys j <= i + (Tk - Tq) that query i may see, 0 elsewhere.
+extern "C" __global__ void causal_softmax_fwd(T* s, i64 n_rows, i64 Tq, i64 Tk, T scale) {
+    ROW_PROLOGUE
+    T* r = s + row * Tk;
+    const i64 last = row % Tq + (Tk - Tq);  // the last visible key
+    T m = neg_inf();
+    for (i64 j = lane; j <= last && j < Tk; j += 32) { T v = r[j] * scale; m = v > m ? v : m; }
+    m = warp_max(m);
+    T z = 0;
+    for (i64 j = lane; j <= last && j < Tk; j += 32) z += exp(r[j] * scale - m);
+    z = warp_sum(z);
+    for (i64 j = lane; j < Tk; j += 32) r[j] = j <= last ? exp(r[j] * scale - m) / z : (T)0;
+}
+
+// ds = scale * p * (dp - sum_j dp_j p_j), in place over dp; masked entries (p == 0) get exactly 0.
+extern "C" __global__ void causal_softmax_bwd(const T* p, T* dp, i64 n_rows, i64 Tq, i64 Tk, T scale) {
+    ROW_PROLOGUE
+    const i64 o = row * Tk;
+    const i64 last = row % Tq + (Tk - Tq);
+    T s = 0;
+    for (i64 j = lane; j <= last && j < Tk; j += 32) s += dp[o + j] * p[o + j];
+    s = warp_sum(s);
+    for (i64 j = lane; j < Tk; j += 32) dp[o + j] = j <= last ? scale * (p[o + j] * (dp[o + j] - s)) : (T)0;
+}
+
+// ---- cross-entropy rows: loss = log(sum exp(z - m)) + m - z[target]; keeps m and the sum for the backward
+extern "C" __global__ void ce_fwd(const T* z, const i64* t, T* loss, T* m_out, T* s_out, i64 n_rows, i64 V) {
+    ROW_PROLOGUE
+    const T* zr = z + row * V;
+    T m = neg_inf();
+    for (i64 j = lane; j < V; j += 32) m = zr[j] > m ? zr[j] : m;
+    m = warp_max(m);
+    T s = 0;
+    for (i64 j = lane; j < V; j += 32) s += exp(zr[j] - m);
+    s = warp_sum(s);
+    if (lane == 0) { m_out[row] = m; s_out[row] = s; loss[row] = log(s) + m - zr[t[row]]; }
+}
+
+// dz = (exp(z - m) / s - onehot(target)) * (g / N), with g the loss's 0-d gradient on the device.
+extern "C" __global__ void ce_bwd(const T* z, const i64* t, const T* m, const T* s, const T* g, T* dz,
+                                  i64 n, i64 V, i64 N) {
+    const T gn = g[0] / (T)N;
+    ELEM_LOOP {
+        const i64 r = i / V;
+        dz[i] = (exp(z[i] - m[r]) / s[r] - (i % V == t[r] ? (T)1 : (T)0)) * gn;
+    }
+}
+"""
+
+KERNEL_NAMES = ("ln_fwd", "ln_bwd", "ln_param_partial", "colsum_partial", "bias_gelu_fwd", "bias_gelu_bwd",
+                "bias_residual", "embed_fwd", "onehot_t", "qkv_heads", "causal_softmax_fwd",
+                "causal_softmax_bwd", "ce_fwd", "ce_bwd")
+
+_CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+
+
+def source(dtype):
+    """The kernel source for one floating dtype (T is a typedef, so one text serves float and double)."""
+    return f"typedef {_CTYPE[np.dtype(dtype)]} T;\n" + SOURCE
+
+
+# (device id, dtype char) -> RawModule and (device id, dtype char, name) -> kernel. _lock guards insertion
+# only: lookups of a built entry are plain dict reads (atomic under the GIL), so a launch takes no lock.
+_modules, _functions = {}, {}
+_lock = threading.Lock()
+
+
+def kernel(name, dtype):
+    """The compiled kernel `name` for `dtype` on the current device (compiled on first use, then cached)."""
+    import cupy
+    key = (cupy.cuda.runtime.getDevice(), np.dtype(dtype).char, name)
+    fn = _functions.get(key)
+    if fn is None:
+        with _lock:
+            mod = _modules.get(key[:2])
+            if mod is None:
+                mod = _modules[key[:2]] = cupy.RawModule(code=source(dtype), options=("--std=c++14",))
+            fn = _functions[key] = mod.get_function(name)
+    return fn
+
+
+def elem_grid(n):
+    """Grid for an elementwise kernel over n elements (grid-stride loop past 2**20 blocks)."""
+    return (max(1, min(-(-n // ELEM_BLOCK), 1 << 20)),), (ELEM_BLOCK,)
+
+
+def row_grid(n_rows):
+    """Grid for a warp-per-row kernel."""
+    per_block = ROW_BLOCK // 32
+    return (max(1, -(-n_rows // per_block)),), (ROW_BLOCK,)
