@@ -1,11 +1,13 @@
 """Correctness checks as plain functions returning tidy pandas rows (check, measured, threshold, passed, xp)."""
+import contextlib
 import hashlib
+import math
 import os
 import tempfile
 
 import numpy as np
 
-from . import tape
+from . import fused, tape
 from .checkpoint import export_weights, load_checkpoint, save_checkpoint, to_numpy
 from .data import get_batch, load_corpus
 from .model import GPT, GPTConfig
@@ -129,6 +131,16 @@ def _op_cases(xp):
          [n((2, 3, 6))]),
         ("split + direct use of the same input",
          lambda x: tape.mul(tape.add(*tape.split(x, 2)), tape.narrow(tape.gelu(x), -1, 0, 2)), [n((3, 4))]),
+        # The fused ops (tapegpt.fused): on CuPy these run the kernels.
+        ("fused layer_norm", lambda x, w, b: fused.layer_norm(x, w, b), [n((2, 3, 6)), 1 + 0.1 * n((6,)), n((6,))]),
+        ("fused layer_norm adding into an existing gradient",
+         lambda x, w, b: tape.add(fused.layer_norm(x, w, b), tape.mul(x, x)), [n((2, 3, 6)), n((6,)), n((6,))]),
+        ("fused attention (2 heads)", lambda h, w, b: fused.attention(h, w, b, 2),
+         [n((2, 5, 4)), n((4, 12)), n((12,))]),
+        ("fused linear_gelu", fused.linear_gelu, [n((2, 3, 4)), n((4, 5)), 3 * n((5,))]),
+        ("fused linear_residual", fused.linear_residual, [n((2, 3, 5)), n((2, 3, 4)), n((4, 5)), n((5,))]),
+        ("fused embed (T < block)", lambda wte, wpe: fused.embed(wte, wpe, idx), [n((6, 4)), n((7, 4))]),
+        ("fused cross_entropy", lambda z: fused.cross_entropy(z, targets), [n((2, 3, 7))]),
     ]
 
 
@@ -138,16 +150,21 @@ def grad_check_all(xp=np, tol=1e-6):
     for name, build, inputs in _op_cases(xp):
         err = _fd_max_rel_err(xp, build, [np.asarray(a, dtype=np.float64) for a in inputs])
         rows.append(dict(check=f"grad {name}", max_rel_err=err, tol=tol, passed=bool(err <= tol), xp=xp.__name__))
-    err = model_grad_check(xp)
-    rows.append(dict(check="grad GPT loss (3 entries / param)", max_rel_err=err, tol=tol,
-                     passed=bool(err <= tol), xp=xp.__name__))
+    for fused_model in (False, True):
+        err = model_grad_check(xp, fused=fused_model)
+        rows.append(dict(check=f"grad GPT loss (3 entries / param, {_form(fused_model)})", max_rel_err=err,
+                         tol=tol, passed=bool(err <= tol), xp=xp.__name__))
     return _frame(rows)
 
 
-def model_grad_check(xp=np, entries=3, seed=0, eps=1e-5):
+def _form(fused_model):
+    return "fused" if fused_model else "unfused"
+
+
+def model_grad_check(xp=np, entries=3, seed=0, eps=1e-5, fused=None):
     """Worst relative error of the float64 small model's loss gradient against central differences."""
     cfg = small_config(dtype="float64")
-    model = GPT(cfg, xp=xp, seed=seed)
+    model = GPT(cfg, xp=xp, seed=seed, fused=fused)
     x, y = get_batch(load_corpus(), 2, 8, step=0, xp=xp)
     _, grads = model.loss_and_grads(x, y)
     rng = np.random.default_rng(seed)
@@ -218,24 +235,28 @@ TORCH_TOL = {"float64": dict(logits=1e-11, loss=1e-11, grad=1e-9, adamw=1e-8),
              "float32": dict(logits=2e-5, loss=2e-6, grad=2e-4, adamw=2e-2)}
 
 
-def torch_parity(dtype="float64", adam_steps=5, lr=1e-3, seed=0):
-    """Logits, loss, every gradient and `adam_steps` AdamW training steps against torch on the CPU."""
+def torch_parity(dtype="float64", adam_steps=5, lr=1e-3, seed=0, fused=None):
+    """Logits, loss, every gradient and `adam_steps` AdamW training steps against torch on the CPU.
+
+    fused: the model's form (default: tapegpt.fused.enabled); the check names say which one ran.
+    """
     import torch
     cfg = small_config(dtype=dtype)
     tol = TORCH_TOL[dtype]
     data = load_corpus()
-    model = GPT(cfg, xp=np, seed=seed)
+    model = GPT(cfg, xp=np, seed=seed, fused=fused)
+    label = f"{dtype} {_form(model.fused)}"
     P = {k: torch.tensor(v, requires_grad=True) for k, v in model.params.items()}
     x, y = get_batch(data, cfg.batch_size, cfg.block_size, step=0)
     loss, grads = model.loss_and_grads(x, y)
     t_logits, t_loss = _torch_loss(cfg, P, torch.from_numpy(x), torch.from_numpy(y))
     t_loss.backward()
     rows = [
-        _row(f"torch logits {dtype} (B={cfg.batch_size})", _rel_err(model.forward(x), t_logits.detach().numpy()),
+        _row(f"torch logits {label} (B={cfg.batch_size})", _rel_err(model.forward(x), t_logits.detach().numpy()),
              tol["logits"], np),
-        _row(f"torch loss {dtype}", _rel_err(loss, t_loss.detach().numpy()), tol["loss"], np),
+        _row(f"torch loss {label}", _rel_err(loss, t_loss.detach().numpy()), tol["loss"], np),
     ]
-    rows += [_row(f"torch grad {dtype} {k}", _rel_err(grads[k], P[k].grad.numpy()), tol["grad"], np)
+    rows += [_row(f"torch grad {label} {k}", _rel_err(grads[k], P[k].grad.numpy()), tol["grad"], np)
              for k in model.params]
 
     # Several full training steps: each side computes its own gradients from its own parameters.
@@ -254,8 +275,8 @@ def torch_parity(dtype="float64", adam_steps=5, lr=1e-3, seed=0):
         t_opt.step()
         loss_err = max(loss_err, _rel_err(loss, t_loss.detach().numpy()))
     param_err = max(float(np.abs(model.params[k] - P[k].detach().numpy()).max()) for k in P) / lr
-    rows.append(_row(f"torch AdamW {adam_steps} steps: losses {dtype}", loss_err, tol["loss"], np))
-    rows.append(_row(f"torch AdamW {adam_steps} steps: max |param diff| / lr, {dtype}", param_err,
+    rows.append(_row(f"torch AdamW {adam_steps} steps: losses {label}", loss_err, tol["loss"], np))
+    rows.append(_row(f"torch AdamW {adam_steps} steps: max |param diff| / lr, {label}", param_err,
                      tol["adamw"], np))
     return _frame(rows)
 
@@ -421,14 +442,111 @@ def get_batch_checks(xp=np, world=4, steps=3):
                    _row(f"get_batch rank split, world={world} (mismatches)", bad_split, 0, xp)])
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Fused kernels against their NumPy formulas, and the fused model against the unfused one
+
+
+def _fused_cases(dtype, large=False):
+    """(name, fn, inputs) for every array-level fused op, on odd shapes (T not a multiple of 32, C not a
+    multiple of 32, vocab rows longer than a warp's stride); large=True adds rows of the reference model's sizes."""
+    rng = np.random.default_rng(5)
+    B, T, H, D, F, V = (4, 300, 6, 64, 1536, 256) if large else (2, 37, 2, 5, 24, 300)
+    C = H * D
+    N = B * T
+
+    def n(*shape):
+        return rng.standard_normal(shape).astype(dtype)
+
+    x, w, b = n(N, C), 1 + 0.1 * n(C), n(C)
+    y, mean, rstd = fused.layer_norm_fwd(x, w, b, 1e-5)
+    idx = rng.integers(0, V, size=(B, T))
+    z = 3 * n(N, V)
+    t = rng.integers(0, V, size=N)
+    _, m, se = fused.ce_fwd(z, t)
+    scale = 1.0 / math.sqrt(D)
+    p = fused.causal_softmax(n(B, H, T, T), scale)
+    p_short = fused.causal_softmax(n(B, H, 5, T), scale)
+    return [
+        ("layer_norm_fwd", lambda *a: fused.layer_norm_fwd(*a, 1e-5), [x, w, b]),
+        ("layer_norm_fwd, rows of 1000", lambda *a: fused.layer_norm_fwd(*a, 1e-5),
+         [n(9, 1000), n(1000), n(1000)]),
+        ("layer_norm_bwd", lambda *a: fused.layer_norm_bwd(*a, None), [n(N, C), x, w, mean, rstd]),
+        ("layer_norm_bwd adding into a gradient", fused.layer_norm_bwd, [n(N, C), x, w, mean, rstd, n(N, C)]),
+        ("colsum, many rows (two passes)", fused.colsum, [n(1100, 7)]),
+        ("colsum, few rows (one pass)", fused.colsum, [n(20, 5)]),
+        ("bias_gelu", fused.bias_gelu, [3 * n(N, F), n(F)]),
+        ("bias_gelu_bwd", fused.bias_gelu_bwd, [n(N, F), 3 * n(N, F), n(F)]),
+        ("bias_residual", fused.bias_residual, [n(N, C), n(N, C), n(C)]),
+        ("embed_fwd (T < block)", lambda wte, wpe: fused.embed_fwd(wte, wpe, idx), [n(V, C), n(T + 3, C)]),
+        ("onehot_t", lambda i: fused.onehot_t(i, V, dtype), [idx]),
+        ("qkv_heads", lambda a, bias: fused.qkv_heads(a, bias, H), [n(B, T, 3 * C), n(3 * C)]),
+        ("heads_to_rows, one part", fused.heads_to_rows, [n(B, H, T, D)]),
+        ("heads_to_rows, three parts", fused.heads_to_rows, [n(B, H, T, D), n(B, H, T, D), n(B, H, T, D)]),
+        ("causal_softmax", lambda s: fused.causal_softmax(s, scale), [n(B, H, T, T)]),
+        ("causal_softmax, fewer queries than keys", lambda s: fused.causal_softmax(s, scale), [n(B, H, 5, T)]),
+        ("causal_softmax_bwd", lambda pp, dp: fused.causal_softmax_bwd(pp, dp, scale), [p, n(B, H, T, T)]),
+        ("causal_softmax_bwd, fewer queries", lambda pp, dp: fused.causal_softmax_bwd(pp, dp, scale),
+         [p_short, n(B, H, 5, T)]),
+        ("ce_fwd", fused.ce_fwd, [z, t]),
+        ("ce_bwd", fused.ce_bwd, [z, t, m, se, np.asarray(0.7, dtype=dtype)]),
+    ]
+
+
+# Rounding only: exp/tanh/sqrt differ by an ulp or two between libm and CUDA, sums run in other orders, and nvcc
+# contracts a * b + c into one FMA. A wrong index or mask gives errors of order 1.
+FUSED_TOL = {"float32": 1e-5, "float64": 1e-12}
+
+
+def fused_kernel_parity(xp=np, dtype="float32", large=False, tol=None, on_device=contextlib.nullcontext):
+    """Each fused op on xp (CuPy: its kernel) against its NumPy formulas: max relative error of every output.
+
+    On NumPy both sides are the formulas (the check is trivial there); `on_device` wraps the xp side, so the
+    CPU tests can run the kernels through an emulator.
+    """
+    tol = FUSED_TOL[dtype] if tol is None else tol
+    rows = []
+    for name, fn, inputs in _fused_cases(dtype, large):
+        ref = fn(*[a.copy() for a in inputs])           # copies: two of the ops write into an input
+        with on_device():
+            out = fn(*[xp.array(a) for a in inputs])
+        ref, out = (r if isinstance(r, tuple) else (r,) for r in (ref, out))
+        err = max(_rel_err(o, r) for o, r in zip(out, ref))
+        rows.append(_row(f"fused {name} {dtype}{' large' if large else ''} vs NumPy", err, tol, xp))
+    return _frame(rows)
+
+
+def loss_curve_drift(xp=np, cfg=None, steps=50, lr=3e-4, seed=0):
+    """Train the fused and the unfused model side by side (same init, batches, foreach AdamW): one row per step.
+
+    Their math is the same, so the curves differ by floating-point rounding only; this says by how much.
+    """
+    cfg = cfg or GPTConfig()
+    data = load_corpus()
+    losses = {}
+    for f in (False, True):
+        model = GPT(cfg, xp=xp, seed=seed, fused=f)
+        losses[f] = [float(v) for v in train(model, AdamW(model.params, lr=lr), data, steps, seed=seed)]
+    return _frame([dict(step=i, loss_unfused=a, loss_fused=b, rel_diff=abs(a - b) / abs(a), xp=xp.__name__,
+                        dtype=cfg.dtype) for i, (a, b) in enumerate(zip(losses[False], losses[True]))])
+
+
+def fused_vs_unfused(xp=np, steps=20, tol=1e-4):
+    """The small float32 model's loss curve, fused vs unfused: worst relative difference over `steps` steps."""
+    df = loss_curve_drift(xp, small_config(), steps=steps, lr=1e-3)
+    return _frame([_row(f"fused vs unfused loss curve, {steps} steps float32 (max rel diff)", df.rel_diff.max(),
+                        tol, xp, final_rel_diff=float(df.rel_diff.iloc[-1]))])
+
+
 def run_all(xp=np, with_torch=True):
     """Every check in one tidy frame (check, measured, threshold, passed, xp)."""
     import pandas as pd
     g = grad_check_all(xp).rename(columns={"max_rel_err": "measured", "tol": "threshold"})
     frames = [g, matmul_reference(xp), fp32_vs_fp64(xp), overfit(xp), checkpoint_roundtrip(xp),
-              batch_consistency(xp), closed_loop(xp), get_batch_checks(xp)]
+              batch_consistency(xp), closed_loop(xp), get_batch_checks(xp), fused_kernel_parity(xp, "float64"),
+              fused_kernel_parity(xp, "float32"), fused_vs_unfused(xp)]
     if with_torch:
-        frames += [torch_parity("float64"), torch_parity("float32"), adamw_isolated_parity()]
+        frames += [torch_parity(dtype, fused=f) for dtype in ("float64", "float32") for f in (False, True)]
+        frames.append(adamw_isolated_parity())
     return pd.concat(frames, ignore_index=True)
 
 

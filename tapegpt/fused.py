@@ -219,6 +219,20 @@ def qkv_heads(a, b, n_head):
     return out
 
 
+@_launches(1)
+def heads_to_rows(*heads):
+    """Heads (B, H, T, D), one to three of them -> rows (B*T, S*H*D) with part s holding heads[s]."""
+    B, H, T, D = heads[0].shape
+    S = len(heads)
+    if _on_host(heads[0]):
+        return np.stack(heads, axis=2).transpose(0, 3, 2, 1, 4).reshape(B * T, S * H * D)
+    heads = [_c(a) for a in heads]
+    a0, a1, a2 = (heads + heads[:1] * 2)[:3]
+    out = array_module(a0).empty((B * T, S * H * D), a0.dtype)
+    _launch_elem("heads_to_rows", out.size, (a0, a1, a2, out, *_i64(out.size, B, T, H, D, S)), a0.dtype)
+    return out
+
+
 def _causal_mask(tq, tk):
     """True where query i (at absolute position i + tk - tq) may see key j."""
     return np.arange(tk).reshape(1, -1) <= (np.arange(tq).reshape(-1, 1) + (tk - tq))
@@ -296,13 +310,12 @@ def _set_grad(t, g):
 
 def _linear_grads(g2, h, h2, w, b):
     """Gradients of h2 @ w + b given g2 = d(out) as rows: into b, w and h (h's shape restored)."""
-    xp = array_module(g2)
     if b.requires_grad:
         _accumulate(b, colsum(g2))
     if w.requires_grad:
-        _accumulate(w, xp.matmul(h2.T, g2))
+        _accumulate(w, h2.T @ g2)
     if h.requires_grad:
-        _accumulate(h, xp.matmul(g2, w.data.T).reshape(h.shape))
+        _accumulate(h, (g2 @ w.data.T).reshape(h.shape))
 
 
 def embed(wte, wpe, idx):
@@ -315,7 +328,7 @@ def embed(wte, wpe, idx):
     def backward(g):
         if wte.requires_grad:
             # A one-hot GEMM rather than a scatter-add: it sums in a fixed order, atomics do not.
-            _accumulate(wte, xp.matmul(onehot_t(idx, vocab, g.dtype), g.reshape(-1, C)))
+            _accumulate(wte, onehot_t(idx, vocab, g.dtype) @ g.reshape(-1, C))
         if wpe.requires_grad:
             gp = colsum(g.reshape(B, T * C)).reshape(T, C)
             if T < wpe.shape[0]:
@@ -348,35 +361,28 @@ def attention(h, w, b, n_head):
 
     q, k, v = split(h @ w + b); per head softmax(q k^T / sqrt(D) + mask) v, batched over (B, H) in one GEMM.
     """
-    xp = array_module(h.data)
     B, T, C = h.shape
     D = C // n_head
     scale = 1.0 / math.sqrt(D)
     h2 = h.data.reshape(-1, C)
-    qkv = qkv_heads(xp.matmul(h2, w.data).reshape(B, T, 3 * C), b.data, n_head)
+    qkv = qkv_heads((h2 @ w.data).reshape(B, T, 3 * C), b.data, n_head)
     q, k, v = qkv
-    p = causal_softmax(xp.matmul(q, _swap(k)), scale)
-    y = xp.matmul(p, v).transpose(0, 2, 1, 3).reshape(B, T, C)
+    p = causal_softmax(q @ _swap(k), scale)
+    y = heads_to_rows(p @ v).reshape(B, T, C)
 
     def backward(g):
-        gh = g.reshape(B, T, n_head, D).transpose(0, 2, 1, 3)
-        gh = xp.ascontiguousarray(gh)
-        d = xp.empty_like(qkv)  # (3, B, H, T, D): dq, dk, dv written in place by the GEMMs
-        xp.matmul(_swap(p), gh, out=d[2])
-        ds = causal_softmax_bwd(p, xp.matmul(gh, _swap(v)), scale)
-        xp.matmul(ds, k, out=d[0])
-        xp.matmul(_swap(ds), q, out=d[1])
-        da = d.transpose(1, 3, 0, 2, 4).reshape(-1, 3 * C)  # back to (B*T, 3C): one copy
-        _linear_grads(da, h, h2, w, b)
+        gh = g.reshape(B, T, n_head, D).transpose(0, 2, 1, 3).copy()   # (B, H, T, D), contiguous
+        dv = _swap(p) @ gh
+        ds = causal_softmax_bwd(p, gh @ _swap(v), scale)
+        _linear_grads(heads_to_rows(ds @ k, _swap(ds) @ q, dv), h, h2, w, b)
 
     return _make(y, (h, w, b), backward)
 
 
 def linear_gelu(h, w, b):
     """gelu(h @ w + b)."""
-    xp = array_module(h.data)
     h2 = h.data.reshape(-1, h.shape[-1])
-    a = xp.matmul(h2, w.data)
+    a = h2 @ w.data
     y = bias_gelu(a, b.data).reshape(h.shape[:-1] + (w.shape[1],))
 
     def backward(g):
@@ -387,9 +393,8 @@ def linear_gelu(h, w, b):
 
 def linear_residual(x, h, w, b):
     """x + (h @ w + b): a residual connection around a projection."""
-    xp = array_module(h.data)
     h2 = h.data.reshape(-1, h.shape[-1])
-    a = xp.matmul(h2, w.data)
+    a = h2 @ w.data
     y = bias_residual(x.data.reshape(a.shape), a, b.data).reshape(x.shape)
 
     def backward(g):

@@ -147,6 +147,21 @@ extern "C" __global__ void qkv_heads(const T* a, const T* b, T* out, i64 n, i64 
     }
 }
 
+// ---- (S parts of) heads (B, H, T, D) -> rows (B, T, S*H*D): the inverse of qkv_heads (S = 3, without the bias),
+// or the merge of the heads' outputs (S = 1, a1 and a2 unused)
+extern "C" __global__ void heads_to_rows(const T* a0, const T* a1, const T* a2, T* out, i64 n, i64 B, i64 T_,
+                                         i64 H, i64 D, i64 S) {
+    ELEM_LOOP {
+        i64 r = i;
+        const i64 d = r % D; r /= D;
+        const i64 h = r % H; r /= H;
+        const i64 s = r % S; r /= S;
+        const i64 t = r % T_, bb = r / T_;
+        const T* a = s == 0 ? a0 : (s == 1 ? a1 : a2);
+        out[i] = a[((bb * H + h) * T_ + t) * D + d];
+    }
+}
+
 // ---- causal softmax over the last axis of s (rows of Tk keys, Tq queries per head), in place:
 // p = softmax(scale * s) over the keys j <= i + (Tk - Tq) that query i may see, 0 elsewhere.
 extern "C" __global__ void causal_softmax_fwd(T* s, i64 n_rows, i64 Tq, i64 Tk, T scale) {
@@ -198,7 +213,7 @@ extern "C" __global__ void ce_bwd(const T* z, const i64* t, const T* m, const T*
 """
 
 KERNEL_NAMES = ("ln_fwd", "ln_bwd", "ln_param_partial", "colsum_partial", "bias_gelu_fwd", "bias_gelu_bwd",
-                "bias_residual", "embed_fwd", "onehot_t", "qkv_heads", "causal_softmax_fwd",
+                "bias_residual", "embed_fwd", "onehot_t", "qkv_heads", "heads_to_rows", "causal_softmax_fwd",
                 "causal_softmax_bwd", "ce_fwd", "ce_bwd")
 
 _CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}

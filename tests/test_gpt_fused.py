@@ -1,0 +1,146 @@
+"""Fused ops on the CPU: the fused model equals the unfused one, the CUDA kernels (run by an emulator) equal the
+NumPy formulas, the switch works, and a step dispatches fewer ops. (Finite differences: test_gpt_ops; torch:
+test_gpt_torch; the kernels on a real GPU: test_gpt_gpu.)"""
+import contextlib
+import dataclasses
+
+import numpy as np
+import pytest
+
+import cuda_emu
+from tapegpt import GPT, checks, fused, get_batch, kernels, load_corpus, profile
+
+
+@contextlib.contextmanager
+def emulated_kernels(kernel=cuda_emu.kernel):
+    """Run the fused ops' CuPy path on NumPy arrays, each kernel launch executed by the CPU emulator."""
+    on_host, real = fused._on_host, kernels.kernel
+    fused._on_host, kernels.kernel = (lambda a: False), kernel
+    try:
+        yield
+    finally:
+        fused._on_host, kernels.kernel = on_host, real
+
+
+def _assert_all_passed(df):
+    assert df.passed.all(), "\n" + df[~df.passed].to_string()
+
+
+def _loss_and_grads(dtype, fused_model, batch=None):
+    cfg = checks.small_config(dtype=dtype)
+    x, y = get_batch(load_corpus(), batch or cfg.batch_size, cfg.block_size, 0)
+    return GPT(cfg, seed=0, fused=fused_model).loss_and_grads(x, y)
+
+
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-13), ("float32", 1e-5)])
+def test_fused_model_equals_unfused(dtype, tol):
+    l0, g0 = _loss_and_grads(dtype, False)
+    l1, g1 = _loss_and_grads(dtype, True)
+    assert checks._rel_err(l1, l0) <= tol
+    assert list(g1) == list(g0)
+    for k in g0:
+        assert g1[k].shape == g0[k].shape and g1[k].dtype == g0[k].dtype
+        assert checks._rel_err(g1[k], g0[k]) <= tol, k
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_emulated_kernels_match_numpy(dtype):
+    _assert_all_passed(checks.fused_kernel_parity(np, dtype, on_device=emulated_kernels))
+
+
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-13), ("float32", 1e-5)])
+def test_model_on_emulated_kernels_matches_numpy(dtype, tol):
+    # The whole fused step through the CuPy code path (kernel launches, contiguity, shapes), on NumPy arrays.
+    l0, g0 = _loss_and_grads(dtype, True, batch=2)
+    with emulated_kernels():
+        l1, g1 = _loss_and_grads(dtype, True, batch=2)
+    assert checks._rel_err(l1, l0) <= tol
+    assert max(checks._rel_err(g1[k], g0[k]) for k in g0) <= tol
+
+
+def test_emulated_parity_catches_a_broken_kernel(monkeypatch):
+    # The check must be able to fail: a softmax that lets each query see one key too many.
+    bad = kernels.SOURCE.replace("const i64 last = row % Tq + (Tk - Tq);  // the last visible key",
+                                 "const i64 last = row % Tq + (Tk - Tq) + 1;")
+    assert bad != kernels.SOURCE
+    monkeypatch.setattr(kernels, "SOURCE", bad)
+    monkeypatch.setattr(cuda_emu, "_libs", {})
+    monkeypatch.setattr(cuda_emu, "_kernels", {})
+    df = checks.fused_kernel_parity(np, "float64", on_device=emulated_kernels)
+    failed = set(df.check[~df.passed])
+    assert "fused causal_softmax float64 vs NumPy" in failed
+
+
+def test_emulator_rejects_divergent_shuffles(monkeypatch):
+    # A warp whose lanes shuffle different numbers of times is undefined on a GPU; the emulator must say so.
+    bad = kernels.SOURCE.replace("    ROW_PROLOGUE\n    const T* xr = x + row * C;",
+                                 "    ROW_PROLOGUE\n    if (lane == 3) return;\n    const T* xr = x + row * C;")
+    assert bad != kernels.SOURCE
+    monkeypatch.setattr(kernels, "SOURCE", bad)
+    monkeypatch.setattr(cuda_emu, "_libs", {})
+    monkeypatch.setattr(cuda_emu, "_kernels", {})
+    x = np.ones((3, 40))
+    with emulated_kernels(), pytest.raises(RuntimeError, match="ln_fwd"):
+        fused.layer_norm_fwd(x, np.ones(40), np.zeros(40), 1e-5)
+
+
+def test_switch_selects_the_form(monkeypatch):
+    cfg = checks.small_config()
+    assert GPT(cfg, fused=True).fused and not GPT(cfg, fused=False).fused
+    monkeypatch.setattr(fused, "enabled", False)
+    assert not GPT(cfg).fused
+    monkeypatch.setattr(fused, "enabled", True)
+    assert GPT(cfg).fused
+
+
+@pytest.mark.parametrize("value,expected", [("0", False), ("1", True)])
+def test_environment_switch(monkeypatch, value, expected):
+    monkeypatch.setenv(fused.FUSED_ENV, value)
+    assert fused._enabled_from_env() is expected
+
+
+def test_environment_switch_rejects_other_values(monkeypatch):
+    monkeypatch.setenv(fused.FUSED_ENV, "yes")
+    with pytest.raises(ValueError, match="TAPEGPT_FUSED"):
+        fused._enabled_from_env()
+
+
+def test_unfused_model_makes_no_fused_op():
+    counts = profile.reference_counts(dataclasses.replace(checks.small_config(), n_layer=1), fused_model=False)
+    assert not any(k.startswith("fused.") for k in counts["by_op"])
+
+
+def test_fused_step_dispatches_far_fewer_ops():
+    # The reference depth (12 layers, 12 heads): counts do not depend on the widths or the batch.
+    unfused = profile.reference_counts(fused_model=False, foreach=True)
+    fused_ = profile.reference_counts(fused_model=True, foreach=True)
+    per_param = profile.reference_counts(fused_model=True, foreach=False)
+    assert fused_["tape_nodes"] <= 6 * 12 + 4 < unfused["tape_nodes"]
+    assert fused_["launches"] * 2.5 < unfused["launches"]
+    assert fused_["launches"] < per_param["launches"]
+    assert fused_["fused"] and not unfused["fused"] and per_param["adamw"] == "per_param"
+
+
+def test_op_counts_see_every_kind_of_op():
+    # The counter must not be blind: a tiny program with one of each counted op.
+    rec = profile._Recorder()
+    profile._rec = rec
+    try:
+        a = np.ones((2, 3)).view(profile.Counted)
+        b = (a + 1).sum(axis=0)                      # add, add.reduce
+        c = a.T.reshape(6)                           # a copying reshape
+        np.take(a, [0], axis=0)                      # an array function
+        d = a.astype(np.float32)                     # astype
+        d[0] = 2                                     # setitem
+        a.reshape(3, 2)                              # a view: free
+    finally:
+        profile._rec = None
+    assert rec.ops == {"add": 1, "add.reduce": 1, "reshape (copy)": 1, "take": 1, "astype": 1, "setitem": 1}
+    assert b.shape == (3,) and c.shape == (6,)
+
+
+def test_loss_curve_drift_is_rounding_only():
+    df = checks.loss_curve_drift(np, checks.small_config(), steps=3, lr=1e-3)
+    assert list(df.step) == [0, 1, 2]
+    assert (df.rel_diff < 1e-5).all() and (df.rel_diff >= 0).all()
+    _assert_all_passed(checks.fused_vs_unfused(np, steps=3))
