@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cuda_emu
-from tapegpt import GPT, checks, fused, get_batch, kernels, load_corpus, profile
+from tapegpt import GPT, bench, checks, fused, get_batch, kernels, load_corpus, profile
 
 
 @contextlib.contextmanager
@@ -144,3 +144,15 @@ def test_loss_curve_drift_is_rounding_only():
     assert list(df.step) == [0, 1, 2]
     assert (df.rel_diff < 1e-5).all() and (df.rel_diff >= 0).all()
     _assert_all_passed(checks.fused_vs_unfused(np, steps=3))
+
+
+def test_step_profile_on_numpy():
+    r = bench.step_profile(np, checks.small_config(), steps=2, warmup=1, fused=True)
+    assert r["host_ms"] > 0 and np.isnan(r["gpu_ms"]) and r["bound"] == "host" and r["ms_per_step"] > 0
+    assert r["fused"] and r["adamw"] == "foreach" and r["launches"] > 0 and r["tape_nodes"] == 6 * 2 + 4  # embed, 6 per layer, ln_f, lm_head, loss
+
+
+def test_bench_profile_command_prints_both_forms(capsys):
+    rows = bench.main(["--cpu", "--profile", "--steps", "1", "--warmup", "1"])
+    assert [r["fused"] for r in rows] == [False, True]
+    assert "launches" in capsys.readouterr().out

@@ -106,3 +106,57 @@ def test_gpu_foreach_adamw_is_bit_identical_to_per_parameter():
         losses = checks.train(model, opt, data, 5)
         result[foreach] = (cupy.stack(losses).get().tobytes(), checks.params_sha256(model.params))
     assert result[True] == result[False]
+
+
+# --- fused kernels (tapegpt.fused): each CuPy kernel against its NumPy formulas, then the model
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["odd-shapes", "reference-rows"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gpu_fused_kernels_match_numpy(dtype, large):
+    # Forward and backward of every kernel; T = 37 and 300 (not multiples of 32), C = 10/384, vocab rows of 300.
+    _assert_all_passed(checks.fused_kernel_parity(cupy, dtype, large=large))
+
+
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-12), ("float32", 1e-4)])
+def test_gpu_fused_model_matches_unfused_and_numpy(dtype, tol):
+    cfg = checks.small_config(dtype=dtype)
+    x, y = get_batch(load_corpus(), cfg.batch_size, cfg.block_size, 0)
+    results = {}
+    for name, xp, fused in (("numpy", np, True), ("unfused", cupy, False), ("fused", cupy, True)):
+        model = GPT(cfg, xp=xp, seed=0, fused=fused)
+        results[name] = model.loss_and_grads(xp.asarray(x), xp.asarray(y))
+    ref_loss, ref_grads = results["numpy"]
+    for name in ("unfused", "fused"):
+        loss, grads = results[name]
+        assert checks._rel_err(loss, ref_loss) <= tol, name
+        worst = max(checks._rel_err(grads[k], ref_grads[k]) for k in ref_grads)
+        assert worst <= tol, (name, worst)
+
+
+def test_gpu_fused_training_is_bitwise_identical_across_allocators():
+    # The fused kernels use no atomics: raw cudaMalloc, CuPy's pool and xpool give the same bits.
+    cfg = correctness.transparency_config()
+    df = correctness.transparency_gate(steps=5, cfg=cfg, allocators=("raw", "cupy_pool", "xpool_k1"))
+    assert df.identical_to_raw.all(), df
+
+
+def test_gpu_fused_is_the_default_and_unfused_still_trains():
+    from tapegpt import fused
+    cfg = checks.small_config()
+    assert GPT(cfg, xp=cupy).fused == fused.enabled
+    model = GPT(cfg, xp=cupy, seed=0, fused=False)
+    losses = checks.train(model, AdamW(model.params, lr=1e-3), load_corpus(), 3)
+    assert np.isfinite(float(losses[-1]))
+
+
+def test_gpu_loss_curve_drift_fused_vs_unfused():
+    df = checks.loss_curve_drift(cupy, correctness.transparency_config(), steps=10, lr=1e-3)
+    assert (df.rel_diff < 1e-4).all(), df
+
+
+def test_gpu_step_profile_reports_host_and_gpu_time():
+    from tapegpt import bench
+    r = bench.step_profile(cupy, correctness.transparency_config(), steps=3, warmup=1)
+    assert r["host_ms"] > 0 and r["gpu_ms"] > 0 and r["ms_per_step"] > 0 and r["bound"] in ("host", "gpu")
+    assert r["fused"] and r["launches"] > 0 and np.isfinite(r["final_loss"])

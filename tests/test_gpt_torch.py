@@ -1,4 +1,5 @@
-"""PyTorch (CPU) parity: logits, loss, every gradient, and AdamW training steps."""
+"""PyTorch (CPU) parity: logits, loss, every gradient, and AdamW training steps, for both forms of the model."""
+import pytest
 import torch
 
 from tapegpt import checks
@@ -8,16 +9,22 @@ def _assert_all_passed(df):
     assert df.passed.all(), "\n" + df[~df.passed].to_string()
 
 
-def test_torch_parity_float64():
+FORMS = pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+
+
+@FORMS
+def test_torch_parity_float64(fused):
     # Tolerances: logits/loss 1e-11 and gradients 1e-9 relative; measured ~1e-16..1e-15.
-    df = checks.torch_parity("float64")
+    df = checks.torch_parity("float64", fused=fused)
     assert len(df) == 2 + len(checks.GPT(checks.small_config()).params) + 2
+    assert df.check.str.contains("unfused" if not fused else " fused").all()
     _assert_all_passed(df)
 
 
-def test_torch_parity_float32():
+@FORMS
+def test_torch_parity_float32(fused):
     # Tolerances: logits 2e-5, loss 2e-6, gradients 2e-4 relative; AdamW param drift 2e-2 lr (see TORCH_TOL).
-    _assert_all_passed(checks.torch_parity("float32"))
+    _assert_all_passed(checks.torch_parity("float32", fused=fused))
 
 
 def test_adamw_matches_torch_with_identical_gradients():
