@@ -111,8 +111,9 @@ def layer_norm_bwd(g, x, w, mean, rstd, acc):
 
 
 def _chunking(n):
-    """(rows per chunk, chunks) for a column sum over n rows: at most ~512 chunks, at least 16 rows each."""
-    rows = max(16, -(-n // 512))
+    """(rows per chunk, chunks) for a two-pass column sum over n rows: about sqrt(n) of each, so that neither
+    pass has a long serial loop (8192 rows: chunks of 91 rows, then 91 partial sums per column)."""
+    rows = max(16, math.isqrt(n - 1) + 1) if n > 1 else 1
     return rows, -(-n // rows)
 
 

@@ -78,6 +78,7 @@ extern "C" __global__ void ln_param_partial(const T* g, const T* x, const T* mea
     const i64 r0 = (i64)blockIdx.y * rows_per_chunk;
     const i64 r1 = r0 + rows_per_chunk < n_rows ? r0 + rows_per_chunk : n_rows;
     T sw = 0, sb = 0;
+    #pragma unroll 4
     for (i64 r = r0; r < r1; ++r) {
         T gv = g[r * C + col];
         sw += gv * ((x[r * C + col] - mean[r]) * rstd[r]);
@@ -94,6 +95,7 @@ extern "C" __global__ void colsum_partial(const T* a, T* out, i64 n_rows, i64 C,
     const i64 r0 = (i64)blockIdx.y * rows_per_chunk;
     const i64 r1 = r0 + rows_per_chunk < n_rows ? r0 + rows_per_chunk : n_rows;
     T s = 0;
+    #pragma unroll 4
     for (i64 r = r0; r < r1; ++r) s += a[r * C + col];
     out[(i64)blockIdx.y * C + col] = s;
 }
@@ -232,7 +234,7 @@ _lock = threading.Lock()
 
 def kernel(name, dtype):
     """The compiled kernel `name` for `dtype` on the current device (compiled on first use, then cached)."""
-    import cupy
+    import cupy  # already imported by the caller's arrays; kept here so importing tapegpt never needs CuPy
     key = (cupy.cuda.runtime.getDevice(), np.dtype(dtype).char, name)
     fn = _functions.get(key)
     if fn is None:

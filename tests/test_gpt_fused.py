@@ -3,6 +3,8 @@ NumPy formulas, the switch works, and a step dispatches fewer ops. (Finite diffe
 test_gpt_torch; the kernels on a real GPU: test_gpt_gpu.)"""
 import contextlib
 import dataclasses
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -56,6 +58,19 @@ def test_model_on_emulated_kernels_matches_numpy(dtype, tol):
         l1, g1 = _loss_and_grads(dtype, True, batch=2)
     assert checks._rel_err(l1, l0) <= tol
     assert max(checks._rel_err(g1[k], g0[k]) for k in g0) <= tol
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_kernels_compile_with_nvcc(tmp_path, dtype):
+    # The GPU compiles them with NVRTC at first use; nvcc (same front end) catches a syntax error here first.
+    src = tmp_path / "k.cu"
+    src.write_text(kernels.source(dtype))
+    r = subprocess.run(["nvcc", "-ptx", "-arch=compute_90", "-std=c++14", "-Werror", "all-warnings", str(src),
+                        "-o", str(tmp_path / "k.ptx")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    ptx = (tmp_path / "k.ptx").read_text()
+    assert all(f".entry {name}(" in ptx for name in kernels.KERNEL_NAMES)
 
 
 def test_emulated_parity_catches_a_broken_kernel(monkeypatch):
