@@ -448,7 +448,8 @@ def get_batch_checks(xp=np, world=4, steps=3):
 
 def _fused_cases(dtype, large=False):
     """(name, fn, inputs) for every array-level fused op, on odd shapes (T not a multiple of 32, C not a
-    multiple of 32, vocab rows longer than a warp's stride); large=True adds rows of the reference model's sizes."""
+    multiple of 32, vocab rows longer than a warp's stride); large=True adds rows of the reference model's sizes.
+    Every array an op reads is one of its inputs (they are moved to the device), never captured by fn."""
     rng = np.random.default_rng(5)
     B, T, H, D, F, V = (4, 300, 6, 64, 1536, 256) if large else (2, 37, 2, 5, 24, 300)
     C = H * D
@@ -477,7 +478,7 @@ def _fused_cases(dtype, large=False):
         ("bias_gelu", fused.bias_gelu, [3 * n(N, F), n(F)]),
         ("bias_gelu_bwd", fused.bias_gelu_bwd, [n(N, F), 3 * n(N, F), n(F)]),
         ("bias_residual", fused.bias_residual, [n(N, C), n(N, C), n(C)]),
-        ("embed_fwd (T < block)", lambda wte, wpe: fused.embed_fwd(wte, wpe, idx), [n(V, C), n(T + 3, C)]),
+        ("embed_fwd (T < block)", fused.embed_fwd, [n(V, C), n(T + 3, C), idx]),
         ("onehot_t", lambda i: fused.onehot_t(i, V, dtype), [idx]),
         ("qkv_heads", lambda a, bias: fused.qkv_heads(a, bias, H), [n(B, T, 3 * C), n(3 * C)]),
         ("heads_to_rows, one part", fused.heads_to_rows, [n(B, H, T, D)]),

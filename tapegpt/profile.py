@@ -8,6 +8,7 @@ Array creation without a source (zeros, empty) is not counted: on CuPy it is an 
 """
 import collections
 import dataclasses
+import threading
 
 import numpy as np
 
@@ -23,15 +24,20 @@ FREE = {"reshape", "transpose", "swapaxes", "ravel", "shape", "ndim", "empty_lik
 
 
 class _Recorder:
+    """Counts the ops of the thread that made it (other threads training meanwhile pass through uncounted)."""
+
     def __init__(self):
         self.ops = collections.Counter()
         self.muted = 0
+        self.thread = threading.get_ident()
 
     def count(self, name, n=1):
-        if not self.muted:
+        if not self.muted and threading.get_ident() == self.thread:
             self.ops[name] += n
 
     def fused_op(self, name, launches, fn, args):
+        if threading.get_ident() != self.thread:
+            return fn(*args)
         self.count(f"fused.{name}", launches)
         self.muted += 1
         try:

@@ -118,8 +118,9 @@ def test_gpu_fused_kernels_match_numpy(dtype, large):
     _assert_all_passed(checks.fused_kernel_parity(cupy, dtype, large=large))
 
 
-@pytest.mark.parametrize("dtype,tol", [("float64", 1e-12), ("float32", 1e-4)])
-def test_gpu_fused_model_matches_unfused_and_numpy(dtype, tol):
+@pytest.mark.parametrize("dtype,loss_tol,grad_tol", [("float64", 1e-12, 1e-10), ("float32", 1e-5, 1e-3)])
+def test_gpu_fused_model_matches_unfused_and_numpy(dtype, loss_tol, grad_tol):
+    # float32 gradients: 1e-3 relative, as fp32_vs_fp64 allows; a wrong kernel is off by order 1.
     cfg = checks.small_config(dtype=dtype)
     x, y = get_batch(load_corpus(), cfg.batch_size, cfg.block_size, 0)
     results = {}
@@ -129,9 +130,9 @@ def test_gpu_fused_model_matches_unfused_and_numpy(dtype, tol):
     ref_loss, ref_grads = results["numpy"]
     for name in ("unfused", "fused"):
         loss, grads = results[name]
-        assert checks._rel_err(loss, ref_loss) <= tol, name
+        assert checks._rel_err(loss, ref_loss) <= loss_tol, name
         worst = max(checks._rel_err(grads[k], ref_grads[k]) for k in ref_grads)
-        assert worst <= tol, (name, worst)
+        assert worst <= grad_tol, (name, worst)
 
 
 def test_gpu_fused_training_is_bitwise_identical_across_allocators():

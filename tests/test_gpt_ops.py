@@ -15,16 +15,17 @@ def test_op_gradient_matches_finite_differences(name, build, inputs):
     assert err < FD_TOL, f"{name}: max relative error {err:.3g}"
 
 
-def test_model_loss_gradient_matches_finite_differences():
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_model_loss_gradient_matches_finite_differences(fused):
     # 3 random entries of every parameter of the float64 small model.
-    err = checks.model_grad_check(np)
+    err = checks.model_grad_check(np, fused=fused)
     assert err < FD_TOL, err
 
 
 def test_grad_check_all_frame_shape_and_pass():
     df = checks.grad_check_all(np)
     assert list(df.columns[:4]) == ["check", "max_rel_err", "tol", "passed"]
-    assert len(df) == len(CASES) + 1
+    assert len(df) == len(CASES) + 2  # and the model, unfused and fused
     assert df.passed.all(), df[~df.passed]
 
 
