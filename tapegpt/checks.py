@@ -480,9 +480,12 @@ def _fused_cases(dtype, large=False):
         ("bias_residual", fused.bias_residual, [n(N, C), n(N, C), n(C)]),
         ("embed_fwd (T < block)", fused.embed_fwd, [n(V, C), n(T + 3, C), idx]),
         ("onehot_t", lambda i: fused.onehot_t(i, V, dtype), [idx]),
-        ("qkv_heads", lambda a, bias: fused.qkv_heads(a, bias, H), [n(B, T, 3 * C), n(3 * C)]),
-        ("heads_to_rows, one part", fused.heads_to_rows, [n(B, H, T, D)]),
-        ("heads_to_rows, three parts", fused.heads_to_rows, [n(B, H, T, D), n(B, H, T, D), n(B, H, T, D)]),
+        ("rows_to_heads, q k v plus bias", lambda a, bias: _flat(fused.rows_to_heads(a, bias, H, 3)),
+         [n(B, T, 3 * C), n(3 * C)]),
+        ("rows_to_heads, one part", lambda a: _flat(fused.rows_to_heads(a, None, H, 1)), [n(B, T, C)]),
+        ("heads_to_rows, one part", lambda a: fused.heads_to_rows([a], [False]), [n(B, H, T, D)]),
+        ("heads_to_rows, three parts, two transposed", lambda a0, a1, a2: fused.heads_to_rows(
+            [a0, a1, a2], [False, True, True]), [n(B, H, T, D), n(B, H, D, T), n(B, H, D, T)]),
         ("causal_softmax", lambda s: fused.causal_softmax(s, scale), [n(B, H, T, T)]),
         ("causal_softmax, fewer queries than keys", lambda s: fused.causal_softmax(s, scale), [n(B, H, 5, T)]),
         ("causal_softmax_bwd", lambda pp, dp: fused.causal_softmax_bwd(pp, dp, scale), [p, n(B, H, T, T)]),
@@ -495,6 +498,10 @@ def _fused_cases(dtype, large=False):
 
 # Rounding only: exp/tanh/sqrt differ by an ulp or two between libm and CUDA, sums run in other orders, and nvcc
 # contracts a * b + c into one FMA. A wrong index or mask gives errors of order 1.
+def _flat(pairs):
+    return tuple(a for pair in pairs for a in pair)
+
+
 FUSED_TOL = {"float32": 1e-5, "float64": 1e-12}
 
 

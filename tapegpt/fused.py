@@ -208,29 +208,39 @@ def onehot_t(idx, vocab, dtype):
 
 
 @_launches(1)
-def qkv_heads(a, b, n_head):
-    """(B, T, 3C) projections plus bias -> (3, B, H, T, D): q, k, v with heads split out, each contiguous."""
-    B, T, C3 = a.shape
-    D = C3 // (3 * n_head)
+def rows_to_heads(a, bias, n_head, S):
+    """Rows a (B, T, S*C) plus bias (or None) -> for each of the S parts (q, k, v when S = 3) the pair of
+    contiguous arrays (heads (B, H, T, D), the same transposed (B, H, D, T)): no matmul gets a transposed operand."""
+    B, T, SC = a.shape
+    D = SC // (S * n_head)
     if _on_host(a):
-        return np.ascontiguousarray((a + b).reshape(B, T, 3, n_head, D).transpose(2, 0, 3, 1, 4))
+        u = (a if bias is None else a + bias).reshape(B, T, S, n_head, D)
+        heads = [u[:, :, s].transpose(0, 2, 1, 3) for s in range(S)]
+        return [(np.ascontiguousarray(x), np.ascontiguousarray(_swap(x))) for x in heads]
     a = _c(a)
-    out = array_module(a).empty((3, B, n_head, T, D), a.dtype)
-    _launch_elem("qkv_heads", a.size, (a, _c(b), out, *_i64(a.size, B, T, n_head, D)), a.dtype)
-    return out
+    M = B * n_head * T * D
+    out = array_module(a).empty((2 * S, M), a.dtype)
+    has_bias = bias is not None
+    _launch_elem("rows_to_heads", a.size, (a, _c(bias) if has_bias else a, out, *_i64(a.size, B, T, n_head, D, S),
+                                           np.int32(has_bias)), a.dtype)
+    return [(out[2 * s].reshape(B, n_head, T, D), out[2 * s + 1].reshape(B, n_head, D, T)) for s in range(S)]
 
 
 @_launches(1)
-def heads_to_rows(*heads):
-    """Heads (B, H, T, D), one to three of them -> rows (B*T, S*H*D) with part s holding heads[s]."""
-    B, H, T, D = heads[0].shape
-    S = len(heads)
-    if _on_host(heads[0]):
+def heads_to_rows(parts, transposed):
+    """Heads -> rows (B*T, S*H*D), part s from parts[s]: (B, H, T, D), or (B, H, D, T) where transposed[s]."""
+    S = len(parts)
+    B, H = parts[0].shape[:2]
+    T, D = parts[0].shape[2:][::-1] if transposed[0] else parts[0].shape[2:]
+    if _on_host(parts[0]):
+        heads = [_swap(x) if t else x for x, t in zip(parts, transposed)]
         return np.stack(heads, axis=2).transpose(0, 3, 2, 1, 4).reshape(B * T, S * H * D)
-    heads = [_c(a) for a in heads]
-    a0, a1, a2 = (heads + heads[:1] * 2)[:3]
+    parts = [_c(x) for x in parts]
+    a0, a1, a2 = (parts + parts[:1] * 2)[:3]
+    mask = sum(1 << s for s, t in enumerate(transposed) if t)
     out = array_module(a0).empty((B * T, S * H * D), a0.dtype)
-    _launch_elem("heads_to_rows", out.size, (a0, a1, a2, out, *_i64(out.size, B, T, H, D, S)), a0.dtype)
+    _launch_elem("heads_to_rows", out.size, (a0, a1, a2, out, *_i64(out.size, B, T, H, D, S), np.int32(mask)),
+                 a0.dtype)
     return out
 
 
@@ -363,19 +373,18 @@ def attention(h, w, b, n_head):
     q, k, v = split(h @ w + b); per head softmax(q k^T / sqrt(D) + mask) v, batched over (B, H) in one GEMM.
     """
     B, T, C = h.shape
-    D = C // n_head
-    scale = 1.0 / math.sqrt(D)
+    scale = 1.0 / math.sqrt(C // n_head)
     h2 = h.data.reshape(-1, C)
-    qkv = qkv_heads((h2 @ w.data).reshape(B, T, 3 * C), b.data, n_head)
-    q, k, v = qkv
-    p = causal_softmax(q @ _swap(k), scale)
-    y = heads_to_rows(p @ v).reshape(B, T, C)
+    (q, qT), (k, kT), (v, vT) = rows_to_heads((h2 @ w.data).reshape(B, T, 3 * C), b.data, n_head, 3)
+    p = causal_softmax(q @ kT, scale)
+    y = heads_to_rows([p @ v], [False]).reshape(B, T, C)
 
     def backward(g):
-        gh = g.reshape(B, T, n_head, D).transpose(0, 2, 1, 3).copy()   # (B, H, T, D), contiguous
-        dv = _swap(p) @ gh
-        ds = causal_softmax_bwd(p, gh @ _swap(v), scale)
-        _linear_grads(heads_to_rows(ds @ k, _swap(ds) @ q, dv), h, h2, w, b)
+        [(gh, ghT)] = rows_to_heads(g, None, n_head, 1)
+        ds = causal_softmax_bwd(p, gh @ vT, scale)
+        # dq = ds k; dk = ds^T q and dv = p^T g, computed transposed (q^T ds, g^T p) so every operand is contiguous.
+        da = heads_to_rows([ds @ k, qT @ ds, ghT @ p], [False, True, True])
+        _linear_grads(da, h, h2, w, b)
 
     return _make(y, (h, w, b), backward)
 

@@ -136,23 +136,28 @@ extern "C" __global__ void onehot_t(const i64* idx, T* out, i64 n, i64 N) {
     ELEM_LOOP { out[i] = idx[i % N] == i / N ? (T)1 : (T)0; }
 }
 
-// ---- (B, T, 3C) + bias -> (3, B, H, T, D): q, k, v split into heads, each contiguous
-extern "C" __global__ void qkv_heads(const T* a, const T* b, T* out, i64 n, i64 B, i64 T_, i64 H, i64 D) {
+// ---- rows (B, T, S*H*D) (+ bias) -> for each part s its heads twice: out[2s] as (B, H, T, D) and out[2s+1]
+// transposed, (B, H, D, T). CuPy's batched matmul copies a transposed operand to make it contiguous (for the
+// (T, T) probabilities, 100 MB a layer at the reference size); writing both layouts here avoids every such copy.
+extern "C" __global__ void rows_to_heads(const T* a, const T* bias, T* out, i64 n, i64 B, i64 T_, i64 H, i64 D,
+                                         i64 S, int has_bias) {
+    const i64 M = B * H * T_ * D;  // one part's size
     ELEM_LOOP {
         i64 r = i;
         const i64 d = r % D; r /= D;
-        const i64 t = r % T_; r /= T_;
         const i64 h = r % H; r /= H;
-        const i64 bb = r % B, s = r / B;
-        const i64 col = s * H * D + h * D + d;
-        out[i] = a[(bb * T_ + t) * 3 * H * D + col] + b[col];
+        const i64 s = r % S; r /= S;
+        const i64 t = r % T_, bb = r / T_;
+        const T v = has_bias ? a[i] + bias[i % (S * H * D)] : a[i];
+        out[2 * s * M + ((bb * H + h) * T_ + t) * D + d] = v;
+        out[(2 * s + 1) * M + ((bb * H + h) * D + d) * T_ + t] = v;
     }
 }
 
-// ---- (S parts of) heads (B, H, T, D) -> rows (B, T, S*H*D): the inverse of qkv_heads (S = 3, without the bias),
-// or the merge of the heads' outputs (S = 1, a1 and a2 unused)
+// ---- S parts of heads -> rows (B, T, S*H*D), part s read from a_s laid out (B, H, T, D), or (B, H, D, T) when
+// bit s of transposed is set: the inverse of rows_to_heads, and the merge of the heads' outputs (S = 1).
 extern "C" __global__ void heads_to_rows(const T* a0, const T* a1, const T* a2, T* out, i64 n, i64 B, i64 T_,
-                                         i64 H, i64 D, i64 S) {
+                                         i64 H, i64 D, i64 S, int transposed) {
     ELEM_LOOP {
         i64 r = i;
         const i64 d = r % D; r /= D;
@@ -160,7 +165,7 @@ extern "C" __global__ void heads_to_rows(const T* a0, const T* a1, const T* a2, 
         const i64 s = r % S; r /= S;
         const i64 t = r % T_, bb = r / T_;
         const T* a = s == 0 ? a0 : (s == 1 ? a1 : a2);
-        out[i] = a[((bb * H + h) * T_ + t) * D + d];
+        out[i] = (transposed >> s) & 1 ? a[((bb * H + h) * D + d) * T_ + t] : a[((bb * H + h) * T_ + t) * D + d];
     }
 }
 
@@ -215,7 +220,7 @@ extern "C" __global__ void ce_bwd(const T* z, const i64* t, const T* m, const T*
 """
 
 KERNEL_NAMES = ("ln_fwd", "ln_bwd", "ln_param_partial", "colsum_partial", "bias_gelu_fwd", "bias_gelu_bwd",
-                "bias_residual", "embed_fwd", "onehot_t", "qkv_heads", "heads_to_rows", "causal_softmax_fwd",
+                "bias_residual", "embed_fwd", "onehot_t", "rows_to_heads", "heads_to_rows", "causal_softmax_fwd",
                 "causal_softmax_bwd", "ce_fwd", "ce_bwd")
 
 _CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}

@@ -2,7 +2,8 @@
 
 On CuPy the host's time per step is roughly launches x 5-20 us, so the count is the profile that matters for
 issue 13 and it needs no GPU. Every NumPy ufunc call (elementwise ops, reductions, matmul), array function
-(take, where, concatenate, ...), copying reshape, copy, astype and slice assignment counts as one launch; a
+(take, where, concatenate, ...), copying reshape, copy, astype and slice assignment counts as one launch, and so
+does each operand CuPy's matmul copies to make it contiguous (a transposed operand of a batched product); a
 fused op (tapegpt.fused) counts as the kernels its CuPy form launches, whatever NumPy does to compute it.
 Array creation without a source (zeros, empty) is not counted: on CuPy it is an allocation (zeros: a memset).
 """
@@ -63,12 +64,22 @@ def _wrap(r):
     return r
 
 
+def _copied_by_cupy_matmul(a, inputs):
+    """Whether CuPy's matmul copies operand a first: a batched product (ndim > 2) makes both operands
+    C-contiguous (cupy/_core/_routines_linalg.pyx), a 2-D one takes C or F order (a transpose is free)."""
+    if max(np.ndim(x) for x in inputs) > 2:
+        return not a.flags.c_contiguous
+    return not (a.flags.c_contiguous or a.flags.f_contiguous)
+
+
 class Counted(np.ndarray):
     """A NumPy array that reports each op it takes part in to the active recorder."""
 
     def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kw):
         if _rec is not None:
             _rec.count(ufunc.__name__ if method == "__call__" else f"{ufunc.__name__}.{method}")
+            if ufunc is np.matmul:
+                _rec.count("matmul operand copy", sum(map(_copied_by_cupy_matmul, inputs, [inputs] * len(inputs))))
         if out is not None:
             kw["out"] = tuple(_plain(o) for o in out)
         result = getattr(ufunc, method)(*(_plain(a) for a in inputs), **kw)

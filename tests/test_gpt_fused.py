@@ -148,9 +148,13 @@ def test_op_counts_see_every_kind_of_op():
         d = a.astype(np.float32)                     # astype
         d[0] = 2                                     # setitem
         a.reshape(3, 2)                              # a view: free
+        a.T @ a                                      # 2-D: CuPy passes a transpose to cuBLAS as is
+        m = np.ones((2, 3, 3)).view(profile.Counted)
+        m @ m.swapaxes(-1, -2)                       # batched: CuPy copies the transposed operand
     finally:
         profile._rec = None
-    assert rec.ops == {"add": 1, "add.reduce": 1, "reshape (copy)": 1, "take": 1, "astype": 1, "setitem": 1}
+    assert rec.ops == {"add": 1, "add.reduce": 1, "reshape (copy)": 1, "take": 1, "astype": 1, "setitem": 1,
+                       "matmul": 2, "matmul operand copy": 1}
     assert b.shape == (3,) and c.shape == (6,)
 
 
