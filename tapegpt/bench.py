@@ -1,7 +1,8 @@
-"""Steady-state training throughput of the GPT, nanoGPT-style: python -m tapegpt.bench [--cpu] [--profile].
+"""Steady-state training throughput of the GPT, nanoGPT-style: python -m tapegpt.bench [--cpu] [--profile] [--drift N].
 
 It trains under whatever allocator CuPy has; comparing allocators is the lab's job (python -m xlab.experiments).
---profile prints step_profile (host and GPU time of a step, what it dispatches) for the fused and unfused model.
+--profile prints step_profile (host and GPU time of a step, what it dispatches) for the fused and unfused model;
+--drift N trains both forms N steps side by side and prints how far the fused loss curve moves (rounding only).
 """
 import argparse
 import statistics
@@ -112,16 +113,27 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=None, help="batch size (default: the config's)")
     ap.add_argument("--cpu", action="store_true", help="tiny config on NumPy, a smoke test")
     ap.add_argument("--profile", action="store_true", help="step_profile of the fused and the unfused model")
+    ap.add_argument("--drift", type=int, default=0, metavar="N", help="fused vs unfused loss curve over N steps")
+    ap.add_argument("--out", default=None, help="CSV for the --drift rows")
     args = ap.parse_args(argv)
     cfg = GPTConfig(**TINY) if args.cpu else GPTConfig()
     if args.batch is not None:
         cfg.batch_size = args.batch
     print(f"config: {cfg}")
-    if args.profile:
+    if args.profile or args.drift:
         if args.cpu:
             import numpy as xp
         else:
             import cupy as xp
+    if args.drift:
+        from .checks import loss_curve_drift
+        df = loss_curve_drift(xp, cfg, steps=args.drift)
+        print(f"fused vs unfused over {args.drift} steps on {xp.__name__}: max relative loss difference "
+              f"{df.rel_diff.max():.3g}, at the last step {df.rel_diff.iloc[-1]:.3g}")
+        if args.out:
+            df.to_csv(args.out, index=False)
+        return df
+    if args.profile:
         rows = [step_profile(xp, cfg, args.steps, args.warmup, fused=f) for f in (False, True)]
         print(f"{'fused':<6} {'adamw':<9} {'host ms':>8} {'gpu ms':>8} {'ms/step':>8} {'bound':>5} "
               f"{'launches':>8} {'nodes':>6}")

@@ -246,7 +246,7 @@ def kernel(name, dtype):
         with _lock:
             mod = _modules.get(key[:2])
             if mod is None:
-                mod = _modules[key[:2]] = cupy.RawModule(code=source(dtype), options=("--std=c++14",))
+                mod = _modules[key[:2]] = cupy.RawModule(code=source(dtype))
             fn = _functions[key] = mod.get_function(name)
     return fn
 

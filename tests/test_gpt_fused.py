@@ -66,7 +66,7 @@ def test_kernels_compile_with_nvcc(tmp_path, dtype):
     # The GPU compiles them with NVRTC at first use; nvcc (same front end) catches a syntax error here first.
     src = tmp_path / "k.cu"
     src.write_text(kernels.source(dtype))
-    r = subprocess.run(["nvcc", "-ptx", "-arch=compute_90", "-std=c++14", "-Werror", "all-warnings", str(src),
+    r = subprocess.run(["nvcc", "-ptx", "-arch=compute_90", "-Werror", "all-warnings", str(src),
                         "-o", str(tmp_path / "k.ptx")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     ptx = (tmp_path / "k.ptx").read_text()
@@ -175,3 +175,9 @@ def test_bench_profile_command_prints_both_forms(capsys):
     rows = bench.main(["--cpu", "--profile", "--steps", "1", "--warmup", "1"])
     assert [r["fused"] for r in rows] == [False, True]
     assert "launches" in capsys.readouterr().out
+
+
+def test_bench_drift_command(tmp_path, capsys):
+    df = bench.main(["--cpu", "--drift", "2", "--out", str(tmp_path / "drift.csv")])
+    assert len(df) == 2 and (tmp_path / "drift.csv").exists()
+    assert "max relative loss difference" in capsys.readouterr().out
