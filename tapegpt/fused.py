@@ -57,7 +57,8 @@ def _c(a):
 
 
 def _i64(*values):
-    return tuple(np.int64(v) for v in values)
+    """Sizes as the kernels' `long long` (typed NumPy scalars: CuPy passes them with exactly that width)."""
+    return tuple(map(np.int64, values))
 
 
 def _launch_elem(name, n, args, dtype):
