@@ -3,8 +3,10 @@
 Each launch runs every block's warps one after another; a warp is 32 OS threads in lockstep at each shuffle
 (write a slot, barrier, read a slot, barrier), which is what the kernels assume of a converged warp. A lane
 that shuffles a different number of times than its warp-mates (divergent shuffles: undefined on a GPU) makes
-the launch raise. Slow, but it lets the CPU tests check the kernels' indexing, masking and reductions
-against the NumPy formulas before a GPU ever runs them.
+the launch raise. Every pointer is bounds-checked (the source's `T*` become a checked pointer type here), so
+a read or write outside an array (which on a GPU would hit a neighbour, or xpool's debug canary) raises too.
+Slow, but it lets the CPU tests check the kernels' indexing, masking and reductions against the NumPy formulas
+before a GPU ever runs them.
 """
 import ctypes
 import hashlib
@@ -19,11 +21,13 @@ from tapegpt import kernels
 
 SHIM = r"""
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 #include <chrono>
 
@@ -65,11 +69,33 @@ template <class V> static V __shfl_down_sync(unsigned, V v, int d) {
 template <class V> static V __shfl_sync(unsigned, V v, int src) { return emu_exchange(v, src, false); }
 static double __longlong_as_double(long long x) { double d; memcpy(&d, &x, 8); return d; }
 
+// A pointer that knows its array: out-of-bounds accesses are recorded (the launch then fails), not performed.
+static std::mutex emu_oob_lock;
+static char emu_oob_msg[256];
+static int emu_oob_flag = 0;
+template <class U> struct EmuPtr {
+    U* base; long long size, off; const char* name;
+    EmuPtr(U* b, long long n, const char* nm) : base(b), size(n), off(0), name(nm) {}
+    EmuPtr operator+(long long k) const { EmuPtr r = *this; r.off += k; return r; }
+    U& operator[](long long i) const {
+        long long j = off + i;
+        if (j < 0 || j >= size) {
+            std::lock_guard<std::mutex> g(emu_oob_lock);
+            if (!emu_oob_flag) snprintf(emu_oob_msg, sizeof emu_oob_msg, "%s[%lld] outside 0..%lld", name, j, size);
+            emu_oob_flag = 1;
+            static thread_local std::remove_const_t<U> dummy;
+            return dummy;
+        }
+        return base[j];
+    }
+};
+extern "C" const char* emu_oob_message() { return emu_oob_msg; }
+
 // Runs fn for every thread of the grid, one warp at a time; returns 0, or 1 when the lanes of a warp
 // shuffled different numbers of times (or deadlocked doing so).
 static int emu_run(unsigned gx, unsigned gy, unsigned bx, std::function<void()> fn) {
     gridDim = {gx, gy, 1}; blockDim = {bx, 1, 1};
-    emu_bar.failed = false; emu_bar.count = 0;
+    emu_bar.failed = false; emu_bar.count = 0; emu_oob_flag = 0;
     std::vector<long> counts(32);
     int bad = 0;
     for (unsigned by_ = 0; by_ < gy; ++by_)
@@ -86,6 +112,7 @@ static int emu_run(unsigned gx, unsigned gy, unsigned bx, std::function<void()> 
                 for (auto& t : lanes) t.join();
                 for (int l = 0; l < 32; ++l) if (counts[l] != counts[0] || counts[l] < 0) bad = 1;
                 if (bad) return 1;
+                if (emu_oob_flag) return 2;
             }
     return 0;
 }
@@ -104,14 +131,21 @@ def _params(text):
     return out
 
 
+def _checked(src):
+    """The kernel source with every pointer (parameter or local) made an EmuPtr."""
+    src = re.sub(r"\bconst (T|i64)\* ", r"EmuPtr<const \1> ", src)
+    return re.sub(r"\bT\* ", "EmuPtr<T> ", src)
+
+
 def _launchers(src):
     lines = []
     for name, params in _SIG.findall(src):
         ps = _params(params)
-        decl = ", ".join(f"{t} {n}" for t, n in ps)
+        decl = ", ".join(f"void* p_{n}, long long n_{n}" if "*" in t else f"{t} {n}" for t, n in ps)
+        wrap = " ".join(f'EmuPtr<{t.rstrip("*").strip()}> {n}(({t})p_{n}, n_{n}, "{n}");' for t, n in ps if "*" in t)
         call = ", ".join(n for _, n in ps)
         lines.append(f'extern "C" int launch_{name}(unsigned gx, unsigned gy, unsigned bx, {decl}) '
-                     f'{{ return emu_run(gx, gy, bx, [=] {{ {name}({call}); }}); }}')
+                     f'{{ {wrap} return emu_run(gx, gy, bx, [=] {{ {name}({call}); }}); }}')
     return "\n".join(lines)
 
 
@@ -123,7 +157,7 @@ def _library(dtype):
     if dtype.char in _libs:
         return _libs[dtype.char]
     src = kernels.source(dtype)
-    full = SHIM + src + "\n" + _launchers(src)
+    full = SHIM + _checked(src) + "\n" + _launchers(src)
     tag = hashlib.sha256(full.encode()).hexdigest()[:16]
     d = os.path.join(tempfile.gettempdir(), f"tapegpt_cuda_emu_{os.getuid()}")
     os.makedirs(d, exist_ok=True)
@@ -152,9 +186,13 @@ class Kernel:
         self.name, self.params = name, sigs[name]
         self.fn = getattr(lib, f"launch_{name}")
         real = ctypes.c_float if np.dtype(dtype) == np.float32 else ctypes.c_double
-        self.fn.argtypes = [ctypes.c_uint] * 3 + [
-            ctypes.c_void_p if "*" in t else _CT.get(t, real) for t, _ in self.params]
+        types = [ctypes.c_uint] * 3
+        for t, _ in self.params:
+            types += [ctypes.c_void_p, ctypes.c_longlong] if "*" in t else [_CT.get(t, real)]
+        self.fn.argtypes = types
         self.fn.restype = ctypes.c_int
+        self.message = lib.emu_oob_message
+        self.message.restype = ctypes.c_char_p
         self.launches = 0
 
     def __call__(self, grid, block, args):
@@ -163,14 +201,17 @@ class Kernel:
         for a, (t, n) in zip(args, self.params):
             if "*" in t:
                 assert isinstance(a, np.ndarray) and a.flags.c_contiguous, (self.name, n)
-                conv.append(a.ctypes.data)
+                conv += [a.ctypes.data, a.size]
             else:
                 assert isinstance(a, np.generic), (self.name, n, type(a))  # CuPy needs typed scalars too
                 conv.append(a.item())
         gy = grid[1] if len(grid) > 1 else 1
         assert block[0] % 32 == 0
-        if self.fn(grid[0], gy, block[0], *conv):
+        status = self.fn(grid[0], gy, block[0], *conv)
+        if status == 1:
             raise RuntimeError(f"{self.name}: the lanes of a warp shuffled different numbers of times")
+        if status == 2:
+            raise IndexError(f"{self.name}: {self.message().decode()}")
         self.launches += 1
 
 

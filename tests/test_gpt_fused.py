@@ -101,6 +101,19 @@ def test_emulator_rejects_divergent_shuffles(monkeypatch):
         fused.layer_norm_fwd(x, np.ones(40), np.zeros(40), 1e-5)
 
 
+def test_emulator_rejects_out_of_bounds_access(monkeypatch):
+    # Every pointer is checked: a kernel that writes one element past its output must fail, not pass silently.
+    bad = kernels.SOURCE.replace("ELEM_LOOP { y[i] = x[i] + (a[i] + b[i % C]); }",
+                                 "ELEM_LOOP { y[i + 1] = x[i] + (a[i] + b[i % C]); }")
+    assert bad != kernels.SOURCE
+    monkeypatch.setattr(kernels, "SOURCE", bad)
+    monkeypatch.setattr(cuda_emu, "_libs", {})
+    monkeypatch.setattr(cuda_emu, "_kernels", {})
+    x = np.ones((3, 5))
+    with emulated_kernels(), pytest.raises(IndexError, match=r"bias_residual: y\[15\] outside 0..15"):
+        fused.bias_residual(x, x, np.ones(5))
+
+
 def test_switch_selects_the_form(monkeypatch):
     cfg = checks.small_config()
     assert GPT(cfg, fused=True).fused and not GPT(cfg, fused=False).fused
