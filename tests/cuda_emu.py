@@ -183,7 +183,7 @@ class Kernel:
 
     def __init__(self, name, dtype):
         lib, sigs = _library(dtype)
-        self.name, self.params = name, sigs[name]
+        self.name, self.params, self.dtype = name, sigs[name], np.dtype(dtype)
         self.fn = getattr(lib, f"launch_{name}")
         real = ctypes.c_float if np.dtype(dtype) == np.float32 else ctypes.c_double
         types = [ctypes.c_uint] * 3
@@ -201,9 +201,13 @@ class Kernel:
         for a, (t, n) in zip(args, self.params):
             if "*" in t:
                 assert isinstance(a, np.ndarray) and a.flags.c_contiguous, (self.name, n)
+                elem = {"T": self.dtype, "i64": np.dtype(np.int64)}[t.replace("const", "").strip(" *")]
+                assert a.dtype == elem, (self.name, n, a.dtype, t)
                 conv += [a.ctypes.data, a.size]
             else:
-                assert isinstance(a, np.generic), (self.name, n, type(a))  # CuPy needs typed scalars too
+                # CuPy passes a NumPy scalar with its own width: it must be the parameter's type exactly.
+                want = {"i64": np.int64, "int": np.int32, "T": self.dtype.type}[t]
+                assert type(a) is want, (self.name, n, type(a), t)
                 conv.append(a.item())
         gy = grid[1] if len(grid) > 1 else 1
         assert block[0] % 32 == 0

@@ -114,6 +114,17 @@ def test_emulator_rejects_out_of_bounds_access(monkeypatch):
         fused.bias_residual(x, x, np.ones(5))
 
 
+def test_emulator_rejects_arguments_of_the_wrong_width():
+    # CuPy passes a NumPy scalar with its own width, so an int32 where the kernel takes long long is a bug.
+    k = cuda_emu.kernel("bias_residual", np.float64)
+    x = np.ones(4)
+    k((1,), (32,), (x, x, x, x, np.int64(4), np.int64(4)))
+    with pytest.raises(AssertionError):
+        k((1,), (32,), (x, x, x, x, np.int32(4), np.int64(4)))
+    with pytest.raises(AssertionError):
+        k((1,), (32,), (x, x, x.astype(np.float32), x, np.int64(4), np.int64(4)))
+
+
 def test_switch_selects_the_form(monkeypatch):
     cfg = checks.small_config()
     assert GPT(cfg, fused=True).fused and not GPT(cfg, fused=False).fused
