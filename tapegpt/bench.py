@@ -34,7 +34,8 @@ def time_training(xp, cfg, steps, warmup, sync, seed=0):
     sync()
     dt = time.perf_counter() - t0
     return dict(tokens_per_s=steps * cfg.batch_size * cfg.block_size / dt, ms_per_step=1e3 * dt / steps,
-                final_loss=float(loss), params=model.num_params())
+                final_loss=float(loss), params=model.num_params(), fused=model.fused,
+                adamw="foreach" if opt.foreach else "per_param")
 
 
 def step_profile(xp, cfg=None, steps=10, warmup=3, fused=None, foreach=True, seed=0):

@@ -196,6 +196,7 @@ def test_make_corpus_is_deterministic(tmp_path):
 def test_bench_cpu_smoke(capsys):
     rows = bench.main(["--cpu", "--steps", "2", "--warmup", "1"])
     assert rows[0]["allocator"] == "numpy" and rows[0]["tokens_per_s"] > 0 and np.isfinite(rows[0]["final_loss"])
+    assert rows[0]["fused"] == gpt.fused.enabled and rows[0]["adamw"] == "foreach"  # the workload's defaults
     assert "tokens/s" in capsys.readouterr().out
 
 
