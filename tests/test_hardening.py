@@ -18,6 +18,14 @@ from faults import AddressBackend, FaultyBackend, InjectedFault, in_child
 from xpool import HostBackend, Pool
 from xpool.debug import CANARY, POISON
 
+
+@pytest.fixture(autouse=True)
+def _design_scheme(monkeypatch):
+    """These tests spell out the bytes of the design's size classes: they run under scheme seed.  Scheme
+    xpool (the default: segments) has its own in tests/test_segments.py."""
+    monkeypatch.setenv("XPOOL_SCHEME", "seed")
+
+
 KiB, MiB = 1 << 10, 1 << 20
 needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 

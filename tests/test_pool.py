@@ -7,6 +7,14 @@ import pytest
 import xpool
 from xpool import HostBackend, Pool
 
+
+@pytest.fixture(autouse=True)
+def _design_scheme(monkeypatch):
+    """These tests spell out the bytes of the design's size classes: they run under scheme seed.  Scheme
+    xpool (the default: segments) has its own in tests/test_segments.py."""
+    monkeypatch.setenv("XPOOL_SCHEME", "seed")
+
+
 KiB, MiB = 1 << 10, 1 << 20
 
 

@@ -19,6 +19,14 @@ import xpool
 from xpool import HostBackend, _core
 from xpool import torch_allocator
 
+
+@pytest.fixture(autouse=True)
+def _design_scheme(monkeypatch):
+    """These tests spell out the bytes of the design's size classes: they run under scheme seed.  Scheme
+    xpool (the default: segments) has its own in tests/test_segments.py."""
+    monkeypatch.setenv("XPOOL_SCHEME", "seed")
+
+
 LIB = ctypes.CDLL(_core.__file__)
 MALLOC = LIB.xpool_torch_malloc
 MALLOC.restype, MALLOC.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]

@@ -11,6 +11,14 @@ import pytest
 from xlab.bench import torch_interop as bench
 
 
+@pytest.fixture(autouse=True)
+def _design_scheme(monkeypatch):
+    """These tests spell out the bytes of the design's size classes: they run under scheme seed.  Scheme
+    xpool (the default: segments) has its own in tests/test_segments.py."""
+    monkeypatch.setenv("XPOOL_SCHEME", "seed")
+
+
+
 def stand_in(arm):
     """A worker that needs no GPU: xpool's empty_del is 10% faster, training the same up to noise."""
     rows = [{"case": "empty_del", "size_bytes": n, "value": (2.0 if arm == "native" else 1.8), "unit": "us_per_pair",

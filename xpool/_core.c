@@ -3,7 +3,8 @@
  *
  * Layers, bottom up (as in CuPy's memory.pyx):
  *   size_class()  a pure function: request bytes -> class bytes
- *   Block         one device allocation of exactly one class size
+ *   Block         one device allocation of one class size (scheme seed), or a range of a
+ *                 segment (scheme xpool: best fit, split, merged again; _segments.c)
  *   PtrTable      open-addressing map ptr -> Block, for the blocks in use
  *   BinTable      open-addressing map (stream, class) -> Bin, a LIFO stack of free Blocks
  *   DevicePool    one per device: the two tables, the statistics, the limit, one mutex
@@ -46,6 +47,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "_segments.h"
+
 #define XP_ALIGN 512u                     /* cudaMalloc alignment and the small-class step */
 #define XP_SMALL_MAX (1u << 20)           /* up to 1 MiB: multiples of 512 B */
 #define XP_MAX_REQUEST ((size_t)1 << 48)  /* 256 TiB: larger than any device */
@@ -54,6 +57,12 @@
 #define XP_STREAM_PER_THREAD 2            /* cudaStreamPerThread's handle value */
 #define XP_MAX_DEBUG_TAIL (1 << 20)       /* canary bytes; keeps request + tail far from wrapping */
 #define XP_EXPORT __attribute__((visibility("default")))   /* symbols PyTorch looks up by name */
+/* Scheme xpool cuts every block from segments (best fit, split, merge; _segments.c).  Scheme seed
+ * (the design's) gives each block a device allocation of its class: 512 B steps to 1 MiB, then k
+ * classes per doubling.  Replays of recorded traces chose segments for small blocks too: with
+ * sequence lengths that vary, 512 B classes made 30-190 device mallocs per step (memory_study.py). */
+#define XP_SCHEME_XPOOL 0
+#define XP_SCHEME_SEED 1
 
 /* Who a block was handed to: CuPy's C hooks, PyTorch's pluggable-allocator hooks, Allocator.allocate(). */
 enum { ORIGIN_CUPY = 0, ORIGIN_TORCH = 1, ORIGIN_PYTHON = 2, XP_ORIGINS = 3 };
@@ -106,23 +115,17 @@ static size_t size_class(size_t n, unsigned k)
     return klass(p, j, k);
 }
 
+/* Bytes a block takes: its class (seed), or the request rounded up to 512 B, cut from a segment
+ * (xpool).  0 for n too large. */
+static size_t block_size(size_t n, int scheme, unsigned k)
+{
+    if (scheme == XP_SCHEME_SEED) return size_class(n, k);
+    return n > XP_MAX_REQUEST ? 0 : n == 0 ? XP_ALIGN : round_up(n, XP_ALIGN);
+}
+
 /* ------------------------------------------------------------------ blocks and tables */
 
-typedef struct Block {
-    uintptr_t ptr;
-    size_t size;            /* class size: what the device gave */
-    size_t requested;       /* bytes asked for while in use, 0 while cached */
-    intptr_t stream;        /* stream it was handed out on; reused only there */
-    int device;
-    int origin;             /* who it was last handed to: ORIGIN_CUPY, ORIGIN_TORCH or ORIGIN_PYTHON;
-                             * a block handed to CuPy holds a reference to the Allocator (cupy_malloc) */
-    uint64_t serial;        /* allocation number on its device, for diagnostics */
-    struct Block *next;     /* link in its bin while cached */
-    /* Debug state, so a hook turned on while blocks exist checks only what it prepared */
-    unsigned guarded : 1;    /* a debug hook wrote the canary past `requested` when handed out */
-    unsigned poisoned : 1;   /* a debug hook filled it with poison when it was cached */
-    unsigned handed_out : 1; /* in use and its hook has run: listed by live_blocks(), check() */
-} Block;
+/* Block (a class block, or a range of a segment) is defined in _segments.h */
 
 #define TOMBSTONE ((Block *)1)
 
@@ -280,6 +283,7 @@ typedef struct DevicePool {
     /* everything below is guarded by lock */
     PtrTable live;          /* blocks in use, by pointer */
     BinTable bins;          /* free blocks, by (stream, class) */
+    FreeTree segs;          /* free ranges of segments (scheme xpool), by (stream, size, ptr) */
     Stats st;
     uint64_t limit;         /* bytes the device may hold for this pool, pending mallocs included; 0 = none */
     uint64_t capacity;      /* the device's total bytes, asked once on the first miss; 0 = unknown */
@@ -294,6 +298,12 @@ static inline uint64_t reserved(const Stats *s)
 
 /* What the limit is checked against: reserved plus device mallocs in flight. */
 static inline uint64_t committed(const Stats *s) { return reserved(s) + s->bytes_pending; }
+
+static void apply_delta(Stats *st, SegDelta d)
+{
+    st->blocks_cached += d.free_ranges;
+    st->bytes_cached += d.free_bytes;
+}
 
 static void note_peaks(Stats *s)
 {
@@ -367,7 +377,11 @@ typedef struct {
     PyObject *error_factory;  /* (device, requested, size, in_use, cached, limit, reason) -> exception */
     PyObject *weakreflist;
     stream_fn_t stream_fn;    /* current stream, from CuPy; NULL: stream 0 unless given */
-    unsigned k;               /* classes per doubling above 1 MiB */
+    unsigned k;               /* classes per doubling above 1 MiB (scheme seed) */
+    int scheme;               /* XP_SCHEME_*: how blocks are made */
+    size_t segment_round;     /* scheme xpool: a new segment for a block above 1 MiB: rounded up to this */
+    size_t small_segment;     /* scheme xpool: a new segment for a block up to 1 MiB: rounded up to this */
+    int release_on_miss;      /* scheme xpool: a miss gives whole free segments of its stream back first */
     int forked;               /* set in a fork()ed child */
     pthread_mutex_t debug_lock;     /* guards debug_hook and debug_tail: set_debug swaps them together */
     PyObject *debug_hook;     /* NULL, or .on_alloc(info) / .on_free(info) / .on_reuse(info) */
@@ -494,10 +508,35 @@ static int call_hook(PyObject *hook, const char *name, const Block *b, size_t re
  * were on. */
 static void cache_block(DevicePool *pool, Block *b)
 {
-    Bin *bin = bintable_find(&pool->bins, b->stream, b->size);
     b->requested = 0;
+    if (b->in_segment) {   /* merges with free neighbours: b may be freed, never use it after this */
+        SegDelta d = {0, 0};
+        seg_put(&pool->segs, b, &d);
+        apply_delta(&pool->st, d);
+        return;
+    }
+    Bin *bin = bintable_find(&pool->bins, b->stream, b->size);
     b->next = bin->top; bin->top = b; bin->count++;
     pool->st.blocks_cached++; pool->st.bytes_cached += b->size;
+}
+
+/* A cached block of `size` bytes for `stream`, taken off the cached counters; NULL when none.  Pool
+ * lock held.  A range can come out larger than asked (no memory to split it): see b->size. */
+static Block *cache_take(Allocator *A, DevicePool *pool, intptr_t stream, size_t size)
+{
+    if (A->scheme == XP_SCHEME_XPOOL) {
+        SegDelta d = {0, 0};
+        Block *b = seg_take(&pool->segs, stream, size, &d);
+        apply_delta(&pool->st, d);
+        return b;
+    }
+    Bin *bin = bintable_find(&pool->bins, stream, size);
+    Block *b = bin ? bin->top : NULL;
+    if (!b) return NULL;
+    bin->top = b->next; bin->count--;
+    b->next = NULL;
+    pool->st.blocks_cached--; pool->st.bytes_cached -= b->size;
+    return b;
 }
 
 /* Takes cached blocks of one device (of one stream, or all when all_streams)
@@ -505,14 +544,14 @@ static void cache_block(DevicePool *pool, Block *b)
  * bytes_releasing, so they still count against the limit.  Pool lock held.
  * 0 with a malloc'd array in *out (*n blocks), -1 without memory. */
 static int take_cached(DevicePool *pool, int all_streams, intptr_t stream, uint64_t keep,
-                       Block ***out, size_t *n)
+                       int segments_only, Block ***out, size_t *n)
 {
     *n = 0; *out = NULL;
     size_t cap = pool->st.blocks_cached;
     if (!cap || pool->st.bytes_cached <= keep) return 0;
     Block **blocks = malloc(cap * sizeof(Block *));
     if (!blocks) return -1;
-    for (size_t i = 0; i < pool->bins.cap && pool->st.bytes_cached > keep; i++) {
+    for (size_t i = 0; !segments_only && i < pool->bins.cap && pool->st.bytes_cached > keep; i++) {
         Bin *bin = pool->bins.slots[i];
         if (!bin || (!all_streams && bin->stream != stream)) continue;
         while (bin->top && pool->st.bytes_cached > keep) {
@@ -523,6 +562,14 @@ static int take_cached(DevicePool *pool, int all_streams, intptr_t stream, uint6
             pool->st.bytes_releasing += b->size;
             blocks[(*n)++] = b;
         }
+    }
+    if (pool->segs.root && pool->st.bytes_cached > keep) {   /* of segments, whole free ones only */
+        size_t first = *n;
+        uint64_t cached = pool->st.bytes_cached;
+        SegDelta d = {0, 0};
+        seg_take_whole(&pool->segs, all_streams, stream, keep, &cached, blocks, n, cap, &d);
+        apply_delta(&pool->st, d);
+        for (size_t i = first; i < *n; i++) pool->st.bytes_releasing += blocks[i]->size;
     }
     *out = blocks;
     return 0;
@@ -555,13 +602,13 @@ static int give_back(Allocator *A, DevicePool *pool, Block *b)
 /* Gives cached blocks back to the device.  Returns bytes released; -1 with
  * the first failed free's exception (every block is tried; those whose free
  * failed stay cached). */
-static long long release_cached(Allocator *A, DevicePool *pool, int all_streams,
-                                intptr_t stream, uint64_t keep)
+static long long release_from(Allocator *A, DevicePool *pool, int all_streams,
+                              intptr_t stream, uint64_t keep, int segments_only)
 {
     Block **blocks;
     size_t n;
     pthread_mutex_lock(&pool->lock);
-    int taken = take_cached(pool, all_streams, stream, keep, &blocks, &n);
+    int taken = take_cached(pool, all_streams, stream, keep, segments_only, &blocks, &n);
     pthread_mutex_unlock(&pool->lock);
     if (taken < 0) { PyErr_NoMemory(); return -1; }
     long long released = 0;
@@ -575,6 +622,18 @@ static long long release_cached(Allocator *A, DevicePool *pool, int all_streams,
     free(blocks);
     if (first) { PyErr_SetRaisedException(first); return -1; }
     return released;
+}
+
+static long long release_cached(Allocator *A, DevicePool *pool, int all_streams,
+                                intptr_t stream, uint64_t keep)
+{
+    return release_from(A, pool, all_streams, stream, keep, 0);
+}
+
+/* Whole free segments of one stream back to the device (scheme xpool, on a miss). */
+static long long release_segments(Allocator *A, DevicePool *pool, intptr_t stream)
+{
+    return release_from(A, pool, 0, stream, 0, 1);
 }
 
 static PyObject *make_oom(Allocator *A, DevicePool *pool, size_t requested, size_t size,
@@ -731,6 +790,26 @@ static void take_back(Allocator *A, DevicePool *pool, Block *b, int to_device)
     PyErr_SetRaisedException(exc);
 }
 
+/* Bytes of a new segment for a `size`-byte range: up to 1 MiB, small_segment bytes (shared by later small
+ * blocks, as PyTorch's small pool does); above, the range rounded up to segment_round; exactly size
+ * when the rounding alone would break the device's size or the limit (the request may still fit). */
+static size_t segment_bytes(Allocator *A, DevicePool *pool, size_t size)
+{
+    size_t got = seg_size_for(size, size <= XP_SMALL_MAX ? A->small_segment : A->segment_round);
+    if (got == size) return got;
+    pthread_mutex_lock(&pool->lock);
+    uint64_t limit = pool->limit, res = committed(&pool->st), capacity = pool->capacity;
+    pthread_mutex_unlock(&pool->lock);
+    if (!capacity) {   /* as device_malloc does: asked once, on the first miss */
+        if (device_capacity(A, pool->device, &capacity) < 0) { PyErr_Clear(); capacity = 0; }
+        pthread_mutex_lock(&pool->lock);
+        pool->capacity = capacity;
+        pthread_mutex_unlock(&pool->lock);
+    }
+    if ((capacity && got > capacity) || (limit && res + got > limit)) return size;
+    return got;
+}
+
 static Block *alloc_block(Allocator *A, int device, intptr_t stream, size_t requested,
                           size_t size, PyObject *hook, int origin)
 {
@@ -739,21 +818,18 @@ static Block *alloc_block(Allocator *A, int device, intptr_t stream, size_t requ
 
     pthread_mutex_lock(&pool->lock);
     pool->st.requests++;
-    Bin *bin = bintable_find(&pool->bins, stream, size);
-    Block *b = bin ? bin->top : NULL;
+    Block *b = cache_take(A, pool, stream, size);
     if (b) {
-        if (ptrtable_insert(&pool->live, b) < 0) {   /* nothing changed yet */
+        if (ptrtable_insert(&pool->live, b) < 0) {   /* back where it was */
+            cache_block(pool, b);
             pthread_mutex_unlock(&pool->lock);
             PyErr_NoMemory();
             return NULL;
         }
-        bin->top = b->next; bin->count--;
-        b->next = NULL;
         b->requested = requested;
         b->serial = pool->st.requests;
         b->origin = origin; b->handed_out = !hook; b->guarded = 0;
         pool->st.hits++;
-        pool->st.blocks_cached--; pool->st.bytes_cached -= size;
         count_in_use(A, pool, b, EV_HIT);
         pthread_mutex_unlock(&pool->lock);
         if (hook && prepare(pool, b, hook, "on_reuse") < 0) {
@@ -763,34 +839,68 @@ static Block *alloc_block(Allocator *A, int device, intptr_t stream, size_t requ
         return b;
     }
     pool->st.misses++;
+    /* scheme xpool: a new segment, the block its first range */
+    int segment = A->scheme == XP_SCHEME_XPOOL;
     /* the block's bin exists before the block is handed out: freeing it never needs memory */
-    bin = bintable_get(&pool->bins, stream, size);
+    Bin *bin = segment ? NULL : bintable_get(&pool->bins, stream, size);
     pthread_mutex_unlock(&pool->lock);
-    if (!bin || !(b = calloc(1, sizeof(Block)))) {
+    if ((!segment && !bin) || !(b = calloc(1, sizeof(Block)))) {
         PyErr_NoMemory();
         return NULL;
     }
-    uintptr_t ptr = 0;
-    if (device_malloc(A, pool, requested, size, &ptr) < 0) {
+    /* Whole free segments of this stream are all smaller than the request (best fit found none):
+     * on a miss they go back first, so the new segment takes their place instead of adding to the
+     * reserve.  Without it, memory freed as many segments (activations) cannot serve a larger
+     * request (the optimizer's flat buffers) and reserved grows by both (memory_study.py: 1.24 ->
+     * 1.02 peak reserved/requested with varying sequence lengths).  Costs backend frees (cudaFree
+     * synchronises) on misses only, which stop once a step's working set settles. */
+    if (segment && A->release_on_miss && release_segments(A, pool, stream) < 0) {
         free(b);
         return NULL;
     }
-    b->ptr = ptr; b->size = size; b->requested = requested;
+    size_t got = segment ? segment_bytes(A, pool, size) : size;
+    uintptr_t ptr = 0;
+    if (device_malloc(A, pool, requested, got, &ptr) < 0) {
+        free(b);
+        return NULL;
+    }
+    b->ptr = ptr; b->size = got; b->requested = requested;
     b->stream = stream; b->device = device; b->origin = origin; b->handed_out = !hook;
+    b->in_segment = segment;   /* from here a failed give_back caches it as a whole free segment */
+    if (got > size && hook) {
+        /* the rest of the segment is cached from the start: poisoned, as a freed block is */
+        if (call_hook(hook, "on_segment", b, 0) < 0) {
+            PyObject *exc = PyErr_GetRaisedException();
+            pthread_mutex_lock(&pool->lock);
+            pool->st.bytes_pending -= got;
+            pool->st.bytes_releasing += got;
+            pthread_mutex_unlock(&pool->lock);
+            if (give_back(A, pool, b) < 0) PyErr_Clear();   /* then it is cached */
+            PyErr_SetRaisedException(exc);
+            return NULL;
+        }
+        b->poisoned = 1;
+    }
     pthread_mutex_lock(&pool->lock);
-    pool->st.bytes_pending -= size;
+    pool->st.bytes_pending -= got;
     b->serial = pool->st.requests;
     if (ptrtable_insert(&pool->live, b) < 0) {
-        pool->st.bytes_releasing += size;
+        pool->st.bytes_releasing += got;
         pthread_mutex_unlock(&pool->lock);
         if (give_back(A, pool, b) < 0) PyErr_Clear();   /* then it is cached */
         PyErr_NoMemory();
         return NULL;
     }
+    if (segment) {
+        SegDelta d = {0, 0};
+        seg_init(&pool->segs, b, size, &d);   /* the rest: a free range, poisoned if b was */
+        apply_delta(&pool->st, d);
+        b->poisoned = 0;
+    }
     count_in_use(A, pool, b, EV_MISS);
     pthread_mutex_unlock(&pool->lock);
     if (hook && prepare(pool, b, hook, "on_alloc") < 0) {
-        take_back(A, pool, b, 1);
+        take_back(A, pool, b, !segment);   /* a range: the rest of its segment may be in use already */
         return NULL;
     }
     return b;
@@ -809,7 +919,7 @@ static Block *xp_alloc(Allocator *A, int device, intptr_t stream, size_t request
     }
     size_t tail;
     PyObject *hook = debug_snapshot(A, &tail);
-    size_t size = size_class(requested + tail, A->k);
+    size_t size = block_size(requested + tail, A->scheme, A->k);
     Block *b = NULL;
     if (!size)
         PyErr_Format(PyExc_ValueError, "nbytes=%zu is larger than any device (max %zu)",
@@ -872,8 +982,9 @@ static int xp_free(Allocator *A, int device, uintptr_t ptr, int *holds_ref)
             origin_out(&pool->st, b->origin, b->size);
             if (!hook) {   /* the hot path: one lock section */
                 b->poisoned = 0;
+                Block freed = *b;   /* a range may merge into its neighbour and be gone */
                 cache_block(pool, b);
-                timeline_record(&A->tl, EV_FREE, pool, b, requested);
+                timeline_record(&A->tl, EV_FREE, pool, &freed, requested);
                 pthread_mutex_unlock(&pool->lock);
                 return 0;
             }
@@ -898,15 +1009,23 @@ static int xp_free(Allocator *A, int device, uintptr_t ptr, int *holds_ref)
     PyObject *exc = hook_failed ? PyErr_GetRaisedException() : NULL;
     if (hook_failed) {
         b->poisoned = 0;
-        if (give_back(A, pool, b) < 0) PyErr_Clear();   /* then it is cached, unpoisoned */
+        if (b->in_segment) {   /* a range is no device allocation: cached, known unpoisoned */
+            pthread_mutex_lock(&pool->lock);
+            pool->st.bytes_releasing -= b->size;
+            cache_block(pool, b);
+            pthread_mutex_unlock(&pool->lock);
+        } else if (give_back(A, pool, b) < 0) {
+            PyErr_Clear();   /* then it is cached, unpoisoned */
+        }
         PyErr_SetRaisedException(exc);
         return 1;
     }
     pthread_mutex_lock(&pool->lock);
     pool->st.bytes_releasing -= b->size;
     b->poisoned = 1;
+    Block freed = *b;
     cache_block(pool, b);
-    timeline_record(&A->tl, EV_FREE, pool, b, requested);
+    timeline_record(&A->tl, EV_FREE, pool, &freed, requested);
     pthread_mutex_unlock(&pool->lock);
     return 0;
 }
@@ -989,20 +1108,21 @@ static Block *torch_take_cached(Allocator *A, DevicePool *pool, intptr_t stream,
                                 size_t requested)
 {
     pthread_mutex_lock(&pool->lock);
-    Bin *bin = bintable_find(&pool->bins, stream, size);
-    Block *b = bin ? bin->top : NULL;
-    if (!b || ptrtable_insert(&pool->live, b) < 0) {   /* no room in the table: xp_alloc reports it */
+    Block *b = cache_take(A, pool, stream, size);
+    if (!b) {
         pthread_mutex_unlock(&pool->lock);
         return NULL;
     }
-    bin->top = b->next; bin->count--;
-    b->next = NULL;
+    if (ptrtable_insert(&pool->live, b) < 0) {   /* no room in the table: back, xp_alloc reports it */
+        cache_block(pool, b);
+        pthread_mutex_unlock(&pool->lock);
+        return NULL;
+    }
     pool->st.requests++;
     b->requested = requested;
     b->serial = pool->st.requests;
     b->origin = ORIGIN_TORCH; b->handed_out = 1; b->guarded = 0;   /* never in debug mode */
     pool->st.hits++;
-    pool->st.blocks_cached--; pool->st.bytes_cached -= size;
     count_in_use(A, pool, b, EV_HIT);
     pthread_mutex_unlock(&pool->lock);
     return b;
@@ -1027,8 +1147,9 @@ static int torch_give_back(Allocator *A, DevicePool *pool, uintptr_t ptr)
     origin_out(&pool->st, ORIGIN_TORCH, b->size);
     size_t requested = b->requested;
     b->handed_out = 0; b->poisoned = 0;
+    Block freed = *b;   /* a range may merge into its neighbour and be gone */
     cache_block(pool, b);
-    timeline_record(&A->tl, EV_FREE, pool, b, requested);
+    timeline_record(&A->tl, EV_FREE, pool, &freed, requested);
     pthread_mutex_unlock(&pool->lock);
     return 0;
 }
@@ -1060,7 +1181,7 @@ static int torch_alloc(size_t size, int device, void *stream_handle, void **out)
     if (device >= 0 && device < XP_MAX_DEVICES && size <= XP_MAX_REQUEST &&
         !atomic_load_explicit(&A->debug_on, memory_order_acquire)) {
         DevicePool *pool = atomic_load_explicit(&A->pools[device], memory_order_acquire);
-        size_t cls = size_class(size, A->k);   /* no debug tail: debug mode is off */
+        size_t cls = block_size(size, A->scheme, A->k);   /* no debug tail: debug mode is off */
         Block *b = pool && cls ? torch_take_cached(A, pool, stream, cls, size) : NULL;
         if (b) { *out = (void *)b->ptr; return 0; }
     }
@@ -1325,14 +1446,37 @@ static void set_hook(Allocator *A, PyObject *hook, size_t tail)
 static int Allocator_init(Allocator *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"backend", "error_factory", "classes_per_doubling", "limit",
-                             "stream_fn", "debug_hook", "debug_tail", NULL};
+                             "stream_fn", "debug_hook", "debug_tail", "scheme", "segment_round",
+                             "small_segment", "release_on_miss", NULL};
     PyObject *backend, *factory, *hook = Py_None;
+    const char *scheme = "xpool";
     int k = 1;
     unsigned long long limit = 0, stream_fn = 0;
-    Py_ssize_t tail = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|iO&KOn", kwlist, &backend, &factory, &k,
-                                     u64_limit, &limit, &stream_fn, &hook, &tail))
+    /* Blocks up to 1 MiB start 2 MiB segments that later small blocks share (few device calls for
+     * many small arrays, as PyTorch's small pool); a larger block's segment is its size to 512 B, as
+     * CuPy's arena allocates.  Chosen, with release_on_miss, by replaying the recorded traces
+     * (xlab/memory_study.py): rounding large segments to 2 MiB wasted more at batch 4. */
+    Py_ssize_t tail = 0, seg_round = XP_ALIGN, small_seg = 2 << 20;
+    int release_on_miss = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|iO&KOnsnnp", kwlist, &backend, &factory, &k,
+                                     u64_limit, &limit, &stream_fn, &hook, &tail, &scheme, &seg_round,
+                                     &small_seg, &release_on_miss))
         return -1;
+    int scheme_id;
+    if (!strcmp(scheme, "xpool")) scheme_id = XP_SCHEME_XPOOL;
+    else if (!strcmp(scheme, "seed")) scheme_id = XP_SCHEME_SEED;
+    else {
+        PyErr_Format(PyExc_ValueError, "scheme must be 'xpool' or 'seed', got '%s'", scheme);
+        return -1;
+    }
+    if (seg_round < (Py_ssize_t)XP_ALIGN || seg_round % XP_ALIGN) {
+        PyErr_Format(PyExc_ValueError, "segment_round must be a positive multiple of 512, got %zd", seg_round);
+        return -1;
+    }
+    if (small_seg < (Py_ssize_t)XP_ALIGN || small_seg % XP_ALIGN) {
+        PyErr_Format(PyExc_ValueError, "small_segment must be a positive multiple of 512, got %zd", small_seg);
+        return -1;
+    }
     if (k < 1 || k > XP_MAX_CLASSES_PER_DOUBLING) {
         PyErr_Format(PyExc_ValueError, "classes_per_doubling must be in [1, %d], got %d",
                      XP_MAX_CLASSES_PER_DOUBLING, k);
@@ -1349,6 +1493,10 @@ static int Allocator_init(Allocator *self, PyObject *args, PyObject *kwds)
     Py_INCREF(backend); Py_XSETREF(self->backend, backend);
     Py_INCREF(factory); Py_XSETREF(self->error_factory, factory);
     self->k = (unsigned)k;
+    self->scheme = scheme_id;
+    self->segment_round = (size_t)seg_round;
+    self->small_segment = (size_t)small_seg;
+    self->release_on_miss = release_on_miss;
     self->default_limit = limit;
     self->stream_fn = (stream_fn_t)(uintptr_t)stream_fn;
     set_hook(self, hook, (size_t)tail);
@@ -1380,6 +1528,7 @@ static void pool_destroy(DevicePool *pool, int free_blocks)
             for (Block *b = bin->top, *n; b; b = n) { n = b->next; free(b); }
             free(bin);
         }
+        seg_destroy(&pool->segs);
         free(pool->live.slots);
         free(pool->bins.slots);
         pthread_mutex_destroy(&pool->lock);
@@ -1566,6 +1715,16 @@ static PyObject *Allocator_set_limit(Allocator *self, PyObject *args)
 
 /* The blocks of one device, in use (live) or cached, as a list of infos:
  * copied under the lock, turned into Python objects after it. */
+typedef struct { Block *out; size_t n, cap; } CopyOut;
+
+static int copy_free_range(Block *b, void *arg)
+{
+    CopyOut *c = arg;
+    if (c->n >= c->cap) return 1;
+    c->out[c->n++] = *b;
+    return 0;
+}
+
 static PyObject *list_blocks(Allocator *self, PyObject *args, int live)
 {
     int device;
@@ -1588,6 +1747,9 @@ static PyObject *list_blocks(Allocator *self, PyObject *args, int live)
             Bin *bin = pool->bins.slots[i];
             for (Block *b = bin ? bin->top : NULL; b && n < cap; b = b->next) copy[n++] = *b;
         }
+        CopyOut c = {copy, n, cap};
+        if (copy) seg_each_free(&pool->segs, copy_free_range, &c);
+        n = c.n;
     }
     pthread_mutex_unlock(&pool->lock);
     if (cap && !copy) { Py_DECREF(out); return PyErr_NoMemory(); }
@@ -1720,6 +1882,10 @@ static PyObject *Allocator_get_tail(Allocator *self, void *closure)
     Py_XDECREF(hook);
     return PyLong_FromSize_t(tail);
 }
+static PyObject *Allocator_get_scheme(Allocator *self, void *closure)
+{
+    return PyUnicode_FromString(self->scheme == XP_SCHEME_SEED ? "seed" : "xpool");
+}
 static PyObject *Allocator_get_backend(Allocator *self, void *closure) { return Py_NewRef(self->backend); }
 static PyObject *Allocator_get_hook(Allocator *self, void *closure)
 {
@@ -1730,6 +1896,7 @@ static PyObject *Allocator_get_hook(Allocator *self, void *closure)
 
 static PyGetSetDef Allocator_getset[] = {
     {"classes_per_doubling", (getter)Allocator_get_k, NULL, "size classes per doubling above 1 MiB"},
+    {"scheme", (getter)Allocator_get_scheme, NULL, "'xpool' (segments) or 'seed' (size classes)"},
     {"debug_tail", (getter)Allocator_get_tail, NULL, "canary bytes added to each request in debug mode"},
     {"backend", (getter)Allocator_get_backend, NULL, "the raw allocate/free backend"},
     {"debug_hook", (getter)Allocator_get_hook, NULL, "the debug hook, or None"},

@@ -40,7 +40,7 @@ class MemoryPool(Pool):
     and raises ``xpool.OutOfMemoryError`` (a CuPy ``OutOfMemoryError``).
 
     Args:
-        classes_per_doubling, limit, debug, timeline: as for ``xpool.Pool``.
+        classes_per_doubling, scheme, limit, debug, timeline: as for ``xpool.Pool``.
         backend: the raw memory (default ``CupyBackend()``; ``HostBackend()``
             runs CuPy's C allocator path over host memory, for tests).
 
@@ -49,13 +49,13 @@ class MemoryPool(Pool):
         ValueError: a bad setting, naming it.
     """
 
-    def __init__(self, classes_per_doubling: int | None = None, *, limit=None, debug=None,
-                 timeline: int | None = None, backend=None):
+    def __init__(self, classes_per_doubling: int | None = None, *, scheme: str | None = None, limit=None,
+                 debug=None, timeline: int | None = None, backend=None):
         from cupy.cuda.memory import CFunctionAllocator
         backend = backend or CupyBackend()
         # blocks are keyed by CuPy's current stream; other backends (host memory) use stream 0
         stream_fn = _current_stream_fn() if isinstance(backend, CupyBackend) else 0
-        super().__init__(backend, classes_per_doubling, limit=limit, debug=debug,
+        super().__init__(backend, classes_per_doubling, scheme=scheme, limit=limit, debug=debug,
                          timeline=timeline, _stream_fn=stream_fn)
         param, malloc_fn, free_fn = self._core.cfunctions()
         self._cfa = CFunctionAllocator(param, malloc_fn, free_fn, self._core)
@@ -122,7 +122,8 @@ def install(pool: MemoryPool | None = None, **kwargs) -> MemoryPool:
 
     Args:
         pool (MemoryPool): the pool to install; None: a new one from ``kwargs``.
-        **kwargs: ``MemoryPool`` settings (``classes_per_doubling``, ``limit``, ``debug``, ``timeline``).
+        **kwargs: ``MemoryPool`` settings (``scheme``, ``classes_per_doubling``, ``limit``, ``debug``,
+            ``timeline``).
 
     Returns:
         MemoryPool: the installed pool.

@@ -6,7 +6,7 @@ CuPy's, PyTorch's and RMM's pools reuse memory silently; here, in debug mode,
 - on reuse the poison is checked, so a write after free is caught;
 - every request gets `tail` extra bytes, filled with a canary checked when the
   block comes back, so a write past the requested length is caught.
-The C core calls on_alloc / on_reuse / on_free outside its locks, on a block no
+The C core calls on_alloc / on_reuse / on_free / on_segment outside its locks, on a block no
 other thread can reach: on_alloc / on_reuse before the block is listed by
 `live_blocks()` (so `Pool.check()` never reads a canary not yet written), on_free
 after it left that list and before it is cached.  Each block's info says what
@@ -70,6 +70,11 @@ class DebugHook:
                        f"0x{data[bad]:02x}, not poison 0x{POISON:02x}")
                 self._report(msg, can_raise=True)
         self._arm(b)
+
+    def on_segment(self, b: dict) -> None:
+        """A new segment (scheme xpool): its rest is cached from the start, so it is poisoned as a freed
+        block would be; its first range is armed by on_alloc next."""
+        self.backend.fill(b["device"], b["ptr"], b["size"], POISON)
 
     def on_free(self, b: dict) -> None:
         key = (b["device"], b["ptr"])

@@ -16,7 +16,9 @@ from .timeline import events_frame
 
 ENV_LIMIT = "XPOOL_MEMORY_LIMIT"              # "8GiB", "123456789", "50%" (of the device)
 ENV_DEBUG = "XPOOL_DEBUG"                     # "raise", "warn", "1" (= raise), "0"
-ENV_CLASSES = "XPOOL_CLASSES_PER_DOUBLING"    # "1" (default), "4", ...
+ENV_CLASSES = "XPOOL_CLASSES_PER_DOUBLING"    # "1" (default of scheme seed), "4", ...; alone, selects seed
+ENV_SCHEME = "XPOOL_SCHEME"                   # "xpool" (default) or "seed"
+SCHEMES = ("xpool", "seed")   # segments (best fit, split, merge), or the design's size classes
 ENV_TIMELINE = "XPOOL_TIMELINE"               # events to keep, e.g. "100000"
 
 # every C allocator alive, for the fork handler; the cores, not the Pool wrappers: CuPy may hold a pool's
@@ -79,6 +81,29 @@ def _int_from_env(name: str, default: int) -> int:
         raise ValueError(f"{name}={text!r}: expected a whole number") from None
 
 
+def _scheme(scheme, classes_per_doubling):
+    """(scheme, k), k None under scheme xpool.  classes_per_doubling without a scheme selects seed."""
+    from_env = scheme is None
+    if from_env:
+        scheme = os.environ.get(ENV_SCHEME, "").strip() or None
+    if classes_per_doubling is None and scheme != "xpool" and os.environ.get(ENV_CLASSES, "").strip():
+        classes_per_doubling = _int_from_env(ENV_CLASSES, 1)
+        try:
+            check_classes_per_doubling(classes_per_doubling)
+        except ValueError as e:
+            raise ValueError(f"{ENV_CLASSES}: {e}") from None
+    if scheme is None:
+        scheme = "xpool" if classes_per_doubling is None else "seed"
+    if scheme not in SCHEMES:
+        raise ValueError(f"{ENV_SCHEME if from_env else 'scheme'} must be one of {SCHEMES}, got {scheme!r}")
+    if scheme == "seed":
+        return scheme, check_classes_per_doubling(1 if classes_per_doubling is None else classes_per_doubling)
+    if classes_per_doubling is not None:
+        raise ValueError(f"classes_per_doubling={classes_per_doubling!r} applies to scheme='seed' only; "
+                         f"scheme='xpool' cuts blocks from segments to the request")
+    return scheme, None
+
+
 def _debug_mode(debug):
     if debug is None:
         debug = os.environ.get(ENV_DEBUG, "0")
@@ -100,9 +125,15 @@ class Pool:
     Args:
         backend: the raw allocate/free functions, an ``xpool.backends.Backend``
             (``HostBackend()`` in tests, ``CupyBackend()`` on a GPU).
-        classes_per_doubling (int): size classes between p and 2p above 1 MiB
-            (1: powers of two).  None reads ``$XPOOL_CLASSES_PER_DOUBLING``
-            (default 1).
+        classes_per_doubling (int): scheme seed's size classes between p and
+            2p above 1 MiB (1: powers of two).  Given without a scheme (here
+            or in ``$XPOOL_CLASSES_PER_DOUBLING``), it selects scheme seed.
+        scheme (str): ``"xpool"`` (the default; ``$XPOOL_SCHEME``): every
+            block is the request rounded up to 512 B, cut by best fit from a
+            segment of its device and stream and merged with its free
+            neighbours when freed; a miss first gives that stream's wholly
+            free segments back.  ``"seed"``: the design's size classes, one
+            device allocation per block.
         limit (int or str): bytes each device may hold for this pool (in use,
             cached, and in flight), for every device, including those first
             used later: an int, ``"8GiB"``, or ``"50%"`` of each device's
@@ -117,15 +148,10 @@ class Pool:
         ValueError: a bad setting, naming the argument or variable.
     """
 
-    def __init__(self, backend, classes_per_doubling: int | None = None, *, limit=None,
-                 debug=None, timeline: int | None = None, _stream_fn: int = 0):
-        if classes_per_doubling is None:
-            classes_per_doubling = _int_from_env(ENV_CLASSES, 1)
-            try:
-                check_classes_per_doubling(classes_per_doubling)
-            except ValueError as e:
-                raise ValueError(f"{ENV_CLASSES}: {e}") from None
-        self.classes_per_doubling = check_classes_per_doubling(classes_per_doubling)
+    def __init__(self, backend, classes_per_doubling: int | None = None, *, scheme: str | None = None,
+                 limit=None, debug=None, timeline: int | None = None, _stream_fn: int = 0,
+                 _segments: dict | None = None):
+        self.scheme, self.classes_per_doubling = _scheme(scheme, classes_per_doubling)
         missing = [m for m in BACKEND_METHODS if not callable(getattr(backend, m, None))]
         if missing:
             raise TypeError(f"backend must provide {', '.join(BACKEND_METHODS)}; "
@@ -137,8 +163,9 @@ class Pool:
                 raise ValueError(f"{ENV_TIMELINE}={timeline}: expected a number of events >= 0")
         self.backend = backend
         self._n_devices = min(backend.device_count(), _core.MAX_DEVICES)   # asked once, not per call
-        self._core = _core.Allocator(backend, make_error, self.classes_per_doubling, 0,
-                                     _stream_fn)
+        # _segments: segment_round, small_segment, release_on_miss (the memory study compares them)
+        self._core = _core.Allocator(backend, make_error, self.classes_per_doubling or 1, 0,
+                                     _stream_fn, scheme=self.scheme, **(_segments or {}))
         self._hook = None
         self.set_debug(_debug_mode(debug))
         if limit_setting is not None:
@@ -419,7 +446,8 @@ class Pool:
         return self._core.live_blocks(self._device(device))
 
     def __repr__(self):
-        return (f"<{type(self).__name__} classes_per_doubling={self.classes_per_doubling} "
+        k = f" classes_per_doubling={self.classes_per_doubling}" if self.scheme == "seed" else ""
+        return (f"<{type(self).__name__} scheme={self.scheme}{k} "
                 f"devices={self.devices()} debug={self.debug}>")
 
 

@@ -1,0 +1,345 @@
+"""Scheme xpool (the default): blocks cut from segments by best fit, split, merged again; over host memory."""
+import ctypes
+import os
+
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import xpool
+from xpool import HostBackend, Pool
+from xpool.debug import POISON
+
+KiB, MiB = 1 << 10, 1 << 20
+SEGMENT = 2 * MiB              # a block up to 1 MiB starts a segment of this size; a larger one, of its own
+
+
+def make(capacity=None, n_devices=8, **kw):
+    backend = HostBackend(capacity=capacity, n_devices=n_devices)
+    return Pool(backend, **kw), backend
+
+
+def segments(backend, device=0):
+    """The backend's allocations of one device: {ptr: bytes}."""
+    return {p: n for p, (d, n) in backend._live.items() if d == device}
+
+
+def test_blocks_are_cut_from_one_segment_and_merge_back_whole():
+    pool, backend = make()
+    a, b, c = pool.allocate(1000), pool.allocate(300 * KiB), pool.allocate(5000)
+    assert backend.mallocs == 1 and a.size == 1024 and b.size == 300 * KiB and c.size == 5120
+    assert b.ptr == a.ptr + a.size and c.ptr == b.ptr + b.size           # cut in address order
+    s = pool.stats().iloc[0]
+    assert (s.bytes_in_use, s.bytes_reserved, s.blocks_cached) == (a.size + b.size + c.size, SEGMENT, 1)
+    del b                                  # a hole between two live ranges
+    assert pool.stats().iloc[0].blocks_cached == 2
+    del a, c                               # all three merge with the rest: one whole segment
+    cached = pool._core.cached_blocks(0)
+    assert [(x["ptr"], x["size"]) for x in cached] == list(segments(backend).items())
+    assert pool.empty_cache() == SEGMENT and backend.used(0) == 0
+
+
+def test_best_fit_takes_the_smallest_free_range_that_fits():
+    pool, backend = make()
+    blocks = {n: pool.allocate(n * MiB) for n in (3, 5, 4)}   # above 1 MiB: a segment each, of its size
+    holes = {n: b.ptr for n, b in blocks.items()}
+    del blocks                             # three whole free segments: 3, 4 and 5 MiB
+    b = pool.allocate(3 * MiB + 1)         # fits the 4 and the 5 MiB one: takes the 4
+    assert b.ptr == holes[4] and backend.mallocs == 3
+    c = pool.allocate(MiB + 1)             # the 4 MiB one's rest is 512 B short: the 3 MiB one
+    assert c.ptr == holes[3] and backend.mallocs == 3
+
+
+def test_a_range_is_reused_only_on_its_stream():
+    pool, backend = make()
+    a = pool.allocate(4 * MiB, stream=1)
+    ptr = a.ptr
+    del a
+    b = pool.allocate(MiB, stream=2)       # stream 1's segment is free, but not stream 2's
+    assert b.ptr != ptr and backend.mallocs == 2
+    assert pool.allocate(MiB, stream=1).ptr == ptr
+
+
+def test_devices_have_their_own_segments():
+    pool, backend = make()
+    a = pool.allocate(MiB, device=0)
+    b = pool.allocate(MiB, device=1)
+    assert backend.mallocs == 2 and a.device == 0 and b.device == 1
+    del a
+    assert pool.stats(1).iloc[0].bytes_cached == SEGMENT - MiB   # device 0's free range is not device 1's
+
+
+def test_empty_cache_gives_back_whole_free_segments_only():
+    pool, backend = make()
+    live = pool.allocate(MiB)              # a 2 MiB small-block segment: stays, part of it is in use
+    other = pool.allocate(3 * MiB)         # a 3 MiB segment of its own, whole once freed
+    del other
+    before = backend.used(0)
+    assert pool.empty_cache() == 3 * MiB and backend.used(0) == before - 3 * MiB
+    s = pool.stats().iloc[0]
+    assert (s.bytes_reserved, s.bytes_cached, s.device_frees) == (SEGMENT, SEGMENT - MiB, 1)
+    del live
+    assert pool.trim(0) == SEGMENT and backend.used(0) == 0
+
+
+def test_a_miss_gives_the_streams_whole_free_segments_back_first():
+    pool, backend = make()
+    small = pool.allocate(3 * MiB)
+    other = pool.allocate(3 * MiB, stream=7)
+    del small, other
+    big = pool.allocate(6 * MiB)           # fits no free range: stream 0's whole segment goes first
+    s = pool.stats().iloc[0]
+    assert (s.device_mallocs, s.device_frees) == (3, 1)
+    assert s.bytes_reserved == backend.used(0) == 6 * MiB + 3 * MiB    # stream 7's stays
+    assert big.size == 6 * MiB
+
+
+def test_release_on_miss_can_be_turned_off():
+    pool, backend = make(_segments=dict(release_on_miss=False))
+    a = pool.allocate(3 * MiB)
+    del a
+    pool.allocate(6 * MiB)
+    assert pool.stats().iloc[0].device_frees == 0 and backend.used(0) == 9 * MiB
+
+
+def test_segment_rounding_gives_way_to_a_small_device_and_to_the_limit():
+    pool, backend = make(capacity=MiB)
+    a = pool.allocate(600 * KiB)           # a 2 MiB segment would not fit the device: exactly 600 KiB
+    assert backend.used(0) == 600 * KiB and a.size == 600 * KiB
+    pool2, backend2 = make(limit=3 * MiB)
+    b = pool2.allocate(MiB)                # 2 MiB fits the limit
+    c = pool2.allocate(MiB)                # the rest of b's segment
+    d = pool2.allocate(512 * KiB)          # 2 MiB more would pass the limit: exactly 512 KiB
+    assert backend2.used(0) == 2 * MiB + 512 * KiB and b.size and c.size and d.size
+
+
+def test_limit_and_oom_ladder_free_whole_segments_and_retry():
+    pool, backend = make(capacity=8 * MiB)
+    keep = pool.allocate(3 * MiB)          # stream 0
+    other = pool.allocate(3 * MiB, stream=1)
+    del other                              # a whole free segment of stream 1: only the ladder frees it
+    c = pool.allocate(4 * MiB, stream=0)   # the device has 2 MiB left: free the cache, retry
+    s = pool.stats().iloc[0]
+    assert (s.oom_recoveries, s.device_frees) == (1, 1) and backend.used(0) == 7 * MiB
+    with pytest.raises(xpool.OutOfMemoryError):
+        pool.allocate(4 * MiB)
+    assert keep.size == 3 * MiB and c.size == 4 * MiB
+    s = pool.stats().iloc[0]
+    assert s.bytes_in_use == 7 * MiB and s.bytes_reserved == backend.used(0)
+
+
+def test_write_past_a_split_block_is_caught():
+    pool = Pool(HostBackend(), debug="raise")
+    a = pool.allocate(1000)
+    b = pool.allocate(1000)                # b's range starts where a's ends, inside one segment
+    assert b.ptr == a.ptr + a.size
+    ctypes.memset(a.ptr + 1000, 0x42, 1)   # one byte past a: a's canary, not b's data
+    with pytest.raises(xpool.CorruptionError, match="past the end"):
+        del a
+        pool.allocate(10)
+
+
+def test_write_after_free_into_a_range_is_caught_when_it_is_cut_again():
+    pool = Pool(HostBackend(), debug="raise")
+    a = pool.allocate(1000)
+    keep = pool.allocate(1000)             # a's range stays apart from the segment's rest
+    ptr = a.ptr
+    del a
+    ctypes.memset(ptr, 0x11, 8)
+    with pytest.raises(xpool.CorruptionError, match="written after it was freed"):
+        pool.allocate(200)                 # best fit: a's old range
+    assert keep.size == 1536               # 1000 B + the 64 B canary, to 512 B
+
+
+def test_the_rest_of_a_new_segment_starts_poisoned():
+    pool = Pool(HostBackend(), debug="raise")
+    a = pool.allocate(4096)
+    rest = a.ptr + a.size + 64
+    assert ctypes.string_at(rest, 64) == bytes([POISON]) * 64
+    pool.allocate(4096)                    # cut from the poisoned rest: no false alarm
+    pool.check()
+
+
+def test_scheme_is_chosen_by_name_and_classes_per_doubling_selects_seed(monkeypatch):
+    backend = HostBackend()
+    assert Pool(backend).scheme == "xpool" and Pool(backend).classes_per_doubling is None
+    assert Pool(backend, scheme="seed").classes_per_doubling == 1
+    seed = Pool(backend, classes_per_doubling=4)
+    assert seed.scheme == "seed" and seed.allocate(4 * MiB + 1).size == 5 * MiB
+    with pytest.raises(ValueError, match="classes_per_doubling"):
+        Pool(backend, scheme="xpool", classes_per_doubling=4)
+    with pytest.raises(ValueError, match="scheme"):
+        Pool(backend, scheme="arena")
+    monkeypatch.setenv("XPOOL_SCHEME", "seed")
+    assert Pool(backend).scheme == "seed"
+    monkeypatch.setenv("XPOOL_SCHEME", "buddy")
+    with pytest.raises(ValueError, match="XPOOL_SCHEME"):
+        Pool(backend)
+    monkeypatch.delenv("XPOOL_SCHEME")
+    monkeypatch.setenv("XPOOL_CLASSES_PER_DOUBLING", "4")
+    assert Pool(backend).scheme == "seed" and Pool(backend, scheme="xpool").scheme == "xpool"
+    with pytest.raises(ValueError, match="segment_round"):
+        Pool(backend, scheme="xpool", _segments=dict(segment_round=1000))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_forked_child_starts_without_the_parents_segments():
+    from test_debug import in_forked_child
+    pool, backend = make()
+    a = pool.allocate(4096)                # the parent's segment has a live range and a free rest
+
+    def child():
+        b = pool.allocate(4096)            # must not be cut from the parent's segment
+        a.release()                        # the parent's block: nothing to give back here
+        s = pool.stats().iloc[0]
+        inside = a.ptr <= b.ptr < a.ptr + SEGMENT
+        return "ok" if not inside and (s.device_mallocs, s.blocks_in_use) == (1, 1) else "reused"
+
+    assert in_forked_child(child) == "ok"
+    assert pool.stats().iloc[0].blocks_in_use == 1 and a.ptr
+
+
+SIZES = st.one_of(st.integers(0, 64 * KiB), st.integers(MiB - 4 * KiB, 3 * MiB),
+                  st.sampled_from([512, SEGMENT, SEGMENT + 1, 5 * MiB]))
+
+
+class SegmentModel(RuleBasedStateMachine):
+    """Random allocs, frees, cache flushes and limits on 2 devices x 2 streams of a small host device;
+    after every step the pool's ranges must tile the backend's allocations exactly."""
+
+    CAPACITY = 16 * MiB
+
+    def __init__(self):
+        super().__init__()
+        self.backend = HostBackend(capacity=self.CAPACITY, n_devices=2)
+        self.pool = Pool(self.backend)
+        self.live = []
+
+    @rule(n=SIZES, device=st.integers(0, 1), stream=st.integers(0, 1))
+    def allocate(self, n, device, stream):
+        m = n + self.pool._core.debug_tail         # debug mode's canary room
+        size = max(512, -(-m // 512) * 512)
+        bound = min(self.pool.get_limit(device) or self.CAPACITY, self.CAPACITY)
+        mallocs = self.pool._core.stats(device)["device_mallocs"]
+        try:
+            a = self.pool.allocate(n, device=device, stream=stream)
+        except xpool.OutOfMemoryError:
+            # only when even after giving every whole free segment back (what the ladder did), the
+            # segments still partly in use leave no room on the device or under the limit for its new
+            # segment: 2 MiB for a block up to 1 MiB (exactly its size where the limit has no room for 2)
+            limit = self.pool.get_limit(device)
+            used = self.backend.used(device)
+            segment = SEGMENT if size <= MiB and not (limit and used + SEGMENT > limit) else size
+            assert used + segment > bound
+            return
+        self.live.append(a)
+        assert (a.size, a.requested, a.device, a.stream) == (size, n, device, stream)
+        if self.pool._core.stats(device)["device_mallocs"] > mallocs:     # the pool grew: within bounds
+            assert self.backend.used(device) <= bound
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 10_000))
+    def release(self, i):
+        self.live.pop(i % len(self.live)).release()
+
+    @rule(device=st.integers(0, 1))
+    def empty_cache(self, device):
+        before = self.backend.used(device)
+        released = self.pool.empty_cache(device)
+        assert self.backend.used(device) == before - released
+        # only whole free segments went: every one left holds a block in use
+        used = {p for p, n in segments(self.backend, device).items()
+                if any(p <= a.ptr < p + n for a in self.live if a.device == device)}
+        assert used == set(segments(self.backend, device))
+
+    @rule(device=st.integers(0, 1), mib=st.sampled_from([0, 6, 10]))
+    def set_limit(self, device, mib):
+        self.pool.set_limit(size=mib * MiB, device=device)
+
+    @invariant()
+    def ranges_tile_the_segments(self):
+        for device in self.pool.devices():
+            s = self.pool._core.stats(device)
+            mine = [a for a in self.live if a.device == device]
+            cached = self.pool._core.cached_blocks(device)
+            ranges = sorted([(a.ptr, a.size, a.stream) for a in mine] +
+                            [(c["ptr"], c["size"], c["stream"]) for c in cached])
+            segs = segments(self.backend, device)
+            # every range lies in one segment, ranges never overlap, and together they fill every segment
+            covered = dict.fromkeys(segs, 0)
+            streams = {}
+            for ptr, size, stream in ranges:
+                seg = [p for p, n in segs.items() if p <= ptr and ptr + size <= p + n]
+                assert len(seg) == 1, "a range outside every segment"
+                covered[seg[0]] += size
+                assert streams.setdefault(seg[0], stream) == stream, "one segment, two streams"
+            assert covered == segs
+            for (p1, n1, _), (p2, _, _) in zip(ranges, ranges[1:]):
+                assert p1 + n1 <= p2, "overlapping ranges"
+            # a free range never sits next to another free one of its segment: they merge
+            free = sorted((c["ptr"], c["size"]) for c in cached)
+            for (p1, n1), (p2, _) in zip(free, free[1:]):
+                assert p1 + n1 != p2 or not any(p <= p1 < p + n and p <= p2 < p + n for p, n in segs.items())
+            # counters are exact and reserved is what the backend holds
+            assert s["bytes_in_use"] == sum(a.size for a in mine)
+            assert s["bytes_requested"] == sum(a.requested for a in mine)
+            assert s["blocks_in_use"] == len(mine)
+            assert s["bytes_cached"] == sum(c["size"] for c in cached)
+            assert s["blocks_cached"] == len(cached)
+            assert s["bytes_reserved"] == self.backend.used(device) == sum(segs.values())
+            assert s["device_mallocs"] - s["device_frees"] == len(segs)
+
+    @rule()
+    def release_all(self):
+        while self.live:
+            self.live.pop().release()
+        for device in self.pool.devices():
+            assert self.pool._core.stats(device)["bytes_in_use"] == 0
+            # with nothing in use, every segment is one free range again, and all of them go back
+            cached = self.pool._core.cached_blocks(device)
+            assert sorted((c["ptr"], c["size"]) for c in cached) == sorted(segments(self.backend, device).items())
+        self.pool.empty_cache()
+        assert all(self.backend.used(d) == 0 for d in range(2))
+
+    def teardown(self):
+        self.live.clear()
+
+
+TestSegmentModel = SegmentModel.TestCase
+TestSegmentModel.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+class DebugSegmentModel(SegmentModel):
+    """The same, in debug mode: split, merged and new ranges keep poison and canaries consistent (a false
+    alarm raises CorruptionError out of allocate)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool.set_debug("raise")
+
+    @invariant()
+    def no_damage_found(self):
+        self.pool.check()
+        assert not self.pool._hook.found
+
+
+TestDebugSegmentModel = DebugSegmentModel.TestCase
+TestDebugSegmentModel.settings = settings(max_examples=15, stateful_step_count=30, deadline=None)
+
+
+def test_pytorchs_gil_free_path_cuts_and_merges_ranges_too():
+    from test_torch_allocator import torch_free, torch_malloc
+    pool, backend = make()
+    pool._core.bind_torch()
+    a = torch_malloc(1000, 0, 5)           # a miss: takes the GIL, starts a segment on stream 5
+    b = torch_malloc(3000, 0, 5)           # a hit without the GIL: the next range of that segment
+    assert b == a + 1024 and backend.mallocs == 1
+    s = pool._core.stats(0)
+    assert (s["hits"], s["bytes_in_use_torch"], s["bytes_reserved"]) == (1, 1024 + 3072, SEGMENT)
+    torch_free(a, 1000, 0, 5)
+    torch_free(b, 3000, 0, 5)              # both back without the GIL: one whole free segment again
+    s = pool._core.stats(0)
+    assert (s["bytes_in_use"], s["blocks_cached"], s["bytes_cached"]) == (0, 1, SEGMENT)
+    assert torch_malloc(SEGMENT, 0, 5) == a and backend.mallocs == 1    # the whole segment, best fit
+    torch_free(a, SEGMENT, 0, 5)
+    assert pool.empty_cache() == SEGMENT and backend.used(0) == 0

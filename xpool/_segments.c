@@ -1,0 +1,219 @@
+/* xpool._segments: best fit with splitting and coalescing inside segments (see _segments.h). */
+#include <stdlib.h>
+
+#include "_segments.h"
+
+static uint32_t prio_of(uintptr_t ptr)
+{
+    uint64_t x = (uint64_t)ptr;
+    x ^= x >> 33; x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL;
+    return (uint32_t)(x ^ (x >> 33));
+}
+
+/* a before b in (stream, size, ptr) order */
+static inline int before(const Block *a, const Block *b)
+{
+    if (a->stream != b->stream) return a->stream < b->stream;
+    if (a->size != b->size) return a->size < b->size;
+    return a->ptr < b->ptr;
+}
+
+/* ------------------------------------------------------------------ treap */
+
+static Block *tree_insert(Block *root, Block *n)
+{
+    if (!root) return n;
+    if (before(n, root)) {
+        root->left = tree_insert(root->left, n);
+        if (root->left->prio > root->prio) {          /* rotate right */
+            Block *l = root->left;
+            root->left = l->right; l->right = root;
+            return l;
+        }
+    } else {
+        root->right = tree_insert(root->right, n);
+        if (root->right->prio > root->prio) {         /* rotate left */
+            Block *r = root->right;
+            root->right = r->left; r->left = root;
+            return r;
+        }
+    }
+    return root;
+}
+
+/* joins two treaps, every key of a before every key of b */
+static Block *tree_join(Block *a, Block *b)
+{
+    if (!a) return b;
+    if (!b) return a;
+    if (a->prio > b->prio) { a->right = tree_join(a->right, b); return a; }
+    b->left = tree_join(a, b->left);
+    return b;
+}
+
+static Block *tree_remove(Block *root, Block *n)
+{
+    if (!root) return NULL;   /* not reached: n is in the tree */
+    if (root == n) {
+        Block *j = tree_join(n->left, n->right);
+        n->left = n->right = NULL;
+        return j;
+    }
+    if (before(n, root)) root->left = tree_remove(root->left, n);
+    else root->right = tree_remove(root->right, n);
+    return root;
+}
+
+static void file_free(FreeTree *t, Block *b)
+{
+    b->is_free = 1; b->requested = 0;
+    b->left = b->right = NULL;
+    b->prio = prio_of(b->ptr);
+    t->root = tree_insert(t->root, b);
+}
+
+static void unfile(FreeTree *t, Block *b)
+{
+    t->root = tree_remove(t->root, b);
+    b->is_free = 0;
+}
+
+/* ------------------------------------------------------------------ ranges */
+
+size_t seg_size_for(size_t size, size_t round)
+{
+    return (size + round - 1) / round * round;
+}
+
+/* Cuts b to `size` bytes; the rest becomes a free range after it.  When no Block can be had for the
+ * rest, b keeps it (handed out larger than asked: counted as such, never lost). */
+static void split(FreeTree *t, Block *b, size_t size, SegDelta *d)
+{
+    if (b->size <= size) return;
+    Block *rest = calloc(1, sizeof(Block));
+    if (!rest) return;
+    rest->ptr = b->ptr + size; rest->size = b->size - size;
+    rest->stream = b->stream; rest->device = b->device;
+    rest->poisoned = b->poisoned;           /* the rest of a poisoned range is poisoned */
+    rest->in_segment = 1;
+    rest->prev_addr = b; rest->next_addr = b->next_addr;
+    if (b->next_addr) b->next_addr->prev_addr = rest;
+    b->next_addr = rest;
+    b->size = size;
+    file_free(t, rest);
+    d->free_ranges += 1; d->free_bytes += (int64_t)rest->size;
+}
+
+void seg_init(FreeTree *t, Block *b, size_t size, SegDelta *d)
+{
+    b->in_segment = 1; b->is_free = 0;
+    b->prev_addr = b->next_addr = b->left = b->right = NULL;
+    split(t, b, size, d);
+}
+
+Block *seg_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d)
+{
+    Block *best = NULL;
+    for (Block *x = t->root; x;) {   /* the least key >= (stream, size, 0) */
+        if (x->stream > stream || (x->stream == stream && x->size >= size)) { best = x; x = x->left; }
+        else x = x->right;
+    }
+    if (!best || best->stream != stream) return NULL;
+    unfile(t, best);
+    d->free_ranges -= 1; d->free_bytes -= (int64_t)best->size;
+    split(t, best, size, d);
+    return best;
+}
+
+Block *seg_put(FreeTree *t, Block *b, SegDelta *d)
+{
+    d->free_ranges += 1; d->free_bytes += (int64_t)b->size;
+    Block *n = b->next_addr;
+    if (n && n->is_free) {               /* b swallows its free successor */
+        unfile(t, n);
+        b->size += n->size;
+        b->poisoned &= n->poisoned;      /* poisoned only if every part is */
+        b->next_addr = n->next_addr;
+        if (n->next_addr) n->next_addr->prev_addr = b;
+        free(n);
+        d->free_ranges -= 1;
+    }
+    Block *p = b->prev_addr;
+    if (p && p->is_free) {               /* its free predecessor swallows b */
+        unfile(t, p);                    /* its key (size) changes */
+        p->size += b->size;
+        p->poisoned &= b->poisoned;
+        p->next_addr = b->next_addr;
+        if (b->next_addr) b->next_addr->prev_addr = p;
+        free(b);
+        d->free_ranges -= 1;
+        b = p;
+    }
+    file_free(t, b);
+    return b;
+}
+
+typedef struct {
+    int all_streams;
+    intptr_t stream;
+    uint64_t keep, cached;
+    Block **out;
+    size_t n, cap;
+} WholeScan;
+
+static int collect_whole(Block *b, void *arg)
+{
+    WholeScan *s = arg;
+    if (s->cached <= s->keep || s->n >= s->cap) return 1;
+    if (b->prev_addr || b->next_addr) return 0;          /* part of a segment still partly in use */
+    if (!s->all_streams && b->stream != s->stream) return 0;
+    s->out[s->n++] = b;
+    s->cached -= b->size;
+    return 0;
+}
+
+void seg_take_whole(FreeTree *t, int all_streams, intptr_t stream, uint64_t keep, uint64_t *cached,
+                    Block **out, size_t *n, size_t cap, SegDelta *d)
+{
+    WholeScan s = {all_streams, stream, keep, *cached, out, *n, cap};
+    seg_each_free(t, collect_whole, &s);   /* collect first: the walk must not see the tree change */
+    for (size_t i = *n; i < s.n; i++) {
+        unfile(t, out[i]);
+        d->free_ranges -= 1; d->free_bytes -= (int64_t)out[i]->size;
+    }
+    *n = s.n;
+    *cached = s.cached;
+}
+
+static int walk(Block *x, int (*fn)(Block *, void *), void *arg)
+{
+    while (x) {   /* recursion on the left, a loop on the right: depth stays O(log n) expected */
+        if (walk(x->left, fn, arg)) return 1;
+        if (fn(x, arg)) return 1;
+        x = x->right;
+    }
+    return 0;
+}
+
+int seg_each_free(const FreeTree *t, int (*fn)(Block *, void *), void *arg)
+{
+    return walk(t->root, fn, arg);
+}
+
+static void destroy(Block *x)
+{
+    while (x) {
+        destroy(x->left);
+        Block *r = x->right;
+        free(x);
+        x = r;
+    }
+}
+
+void seg_destroy(FreeTree *t)
+{
+    destroy(t->root);
+    t->root = NULL;
+}
+

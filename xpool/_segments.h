@@ -1,0 +1,85 @@
+/*
+ * xpool._segments: the large-block allocator of the `xpool` scheme.
+ *
+ * A segment is one backend allocation.  It is cut into ranges, each a Block:
+ * in use (in the core's live table) or free (in the device's FreeTree).  A
+ * request is served from the best-fitting free range of a segment of its own
+ * stream, split when the range is larger; a range given back merges with free
+ * neighbours of its segment, so a segment whose ranges are all free is one
+ * free Block again, and only such whole segments go back to the backend
+ * (empty_cache, the OOM ladder, and a miss: see xp_alloc in _core.c).
+ *
+ * Ranges never cross segments (the neighbours are linked per segment) and a
+ * segment serves one stream, so reuse stays stream-ordered as with the size
+ * classes.  The tree is ordered by (stream, size, ptr): best fit is one
+ * descent, O(log n) expected (a treap, its priorities hashed from the
+ * address, so replays are deterministic).
+ *
+ * Nothing here locks, calls Python or the backend: the core calls these under
+ * its DevicePool.lock and does the backend calls itself.
+ */
+#ifndef XPOOL_SEGMENTS_H
+#define XPOOL_SEGMENTS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct Block {
+    uintptr_t ptr;
+    size_t size;            /* bytes it spans: a class size, or a range of a segment */
+    size_t requested;       /* bytes asked for while in use, 0 while cached */
+    intptr_t stream;        /* stream it was handed out on; reused only there */
+    int device;
+    int origin;             /* who it was last handed to: ORIGIN_CUPY, ORIGIN_TORCH or ORIGIN_PYTHON;
+                             * a block handed to CuPy holds a reference to the Allocator (cupy_malloc) */
+    uint64_t serial;        /* allocation number on its device, for diagnostics */
+    struct Block *next;     /* link in its bin while cached (size classes only) */
+    /* Debug state, so a hook turned on while blocks exist checks only what it prepared */
+    unsigned guarded : 1;    /* a debug hook wrote the canary past `requested` when handed out */
+    unsigned poisoned : 1;   /* a debug hook filled it with poison when it was cached (ranges: all of it) */
+    unsigned handed_out : 1; /* in use and its hook has run: listed by live_blocks(), check() */
+    /* ranges of a segment only (in_segment set); the rest is unused for class blocks */
+    struct Block *prev_addr, *next_addr;   /* neighbours in the same segment, by address */
+    struct Block *left, *right;            /* children in the FreeTree while free */
+    uint32_t prio;                          /* treap priority */
+    uint8_t in_segment;
+    uint8_t is_free;
+} Block;
+
+typedef struct {
+    Block *root;            /* free ranges by (stream, size, ptr) */
+} FreeTree;
+
+/* Change of the core's counters caused by one call (the core's Stats stay the one source of truth). */
+typedef struct {
+    int64_t free_ranges;    /* blocks_cached */
+    int64_t free_bytes;     /* bytes_cached */
+} SegDelta;
+
+/* Bytes of the segment made for a `size`-byte range: size rounded up to `round`. */
+size_t seg_size_for(size_t size, size_t round);
+
+/* A new segment: b spans it (ptr, size = segment bytes, stream, device set).  Cuts the first
+ * `size` bytes off for use and files the rest as a free range. */
+void seg_init(FreeTree *t, Block *b, size_t size, SegDelta *d);
+
+/* The best-fitting free range of `stream` with at least `size` bytes, taken out of the tree and
+ * cut to `size` (the rest stays free); NULL when none fits. */
+Block *seg_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d);
+
+/* Gives an in-use range back: it merges with its free neighbours (their Blocks are freed) and is
+ * filed in the tree.  Returns the free range that now holds it. */
+Block *seg_put(FreeTree *t, Block *b, SegDelta *d);
+
+/* Takes whole free segments (of `stream` only, unless all_streams) out of the tree, appending them to
+ * out[*n] (room for `cap`), until the free bytes `*cached` drop to `keep` or none is left. */
+void seg_take_whole(FreeTree *t, int all_streams, intptr_t stream, uint64_t keep, uint64_t *cached,
+                    Block **out, size_t *n, size_t cap, SegDelta *d);
+
+/* Calls fn(b, arg) on every free range, in key order; stops early when fn returns nonzero. */
+int seg_each_free(const FreeTree *t, int (*fn)(Block *, void *), void *arg);
+
+/* Frees every Block of the tree (the pool is being destroyed). */
+void seg_destroy(FreeTree *t);
+
+#endif
