@@ -45,15 +45,15 @@ for s in $stages; do
     case $s in
         bench)       stage bench 240 $PY -m xlab.bench.alloc --out data/alloc_microbench.csv ||
                      stage bench-peers-only 100 $PY -m xlab.bench.alloc --out data/alloc_microbench.csv \
-                         --allocators raw cupy_pool cupy_async xpool_k1 xpool_k4 noop ;;
+                         --allocators raw cupy_pool cupy_async xpool xpool_seed xpool_k4 noop ;;
         single)      stage single 150 $PY -m xlab.experiments single $TRAIN --out data/single_gpu.csv ;;
         ddp)         stage ddp "$DDP_LIMIT" $PY -m xlab.experiments ddp $TRAIN --worlds $WORLDS --out data/ddp_scaling.csv ;;
         correctness) stage correctness 180 $PY -m xlab.correctness --gpu --out data/correctness_gpu.csv ;;
         tests)       stage tests 120 $PY -m pytest -q -p no:warnings -m "gpu or multigpu" \
-                         tests/test_gpu_pool.py tests/test_gpt_gpu.py -k "not transparency_gate_raw" ;;
+                         tests/test_gpu_pool.py tests/test_gpu_segments.py tests/test_gpt_gpu.py -k "not transparency_gate_raw" ;;
         memory)      stage memory 60 $PY -m xlab.memory_study --out data ;;
         debugcost)   stage debugcost 120 $PY -m xlab.bench.alloc --out data/alloc_debug_cost.csv \
-                         --allocators cupy_pool xpool_k1 xpool_k1_debug --sizes 4096 1048576 --target-s 0.1 --repeats 3 ;;
+                         --allocators cupy_pool xpool xpool_debug --sizes 4096 1048576 --target-s 0.1 --repeats 3 ;;
         torch)       stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/test_torch_gpu.py
                      stage torch-bench 200 $PY -m xlab.bench.torch_interop --out data/torch_interop.csv ;;
         *) echo "unknown stage $s" | tee -a "$LOG"; status=1 ;;

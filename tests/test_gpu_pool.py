@@ -36,12 +36,13 @@ def test_results_are_bit_identical_raw_xpool_cupy_pool():
     try:
         for name, alloc in [("raw", None), ("cupy_pool", cp.cuda.MemoryPool().malloc),
                             ("xpool", xpool.MemoryPool().malloc),
-                            ("xpool_k4", xpool.MemoryPool(classes_per_doubling=4).malloc)]:
+                            ("xpool_k4", xpool.MemoryPool(classes_per_doubling=4).malloc),
+                            ("xpool_seed", xpool.MemoryPool(scheme="seed").malloc)]:
             cp.cuda.set_allocator(alloc)
             results[name] = workload()
     finally:
         cp.cuda.set_allocator(prev)
-    assert results["xpool"] == results["raw"] == results["cupy_pool"] == results["xpool_k4"]
+    assert results["xpool"] == results["raw"] == results["cupy_pool"] == results["xpool_k4"] == results["xpool_seed"]
 
 
 def test_warm_loop_makes_no_device_mallocs(pool):
@@ -85,9 +86,9 @@ def test_streams_do_not_share_blocks(pool):
 
 def test_limit_and_out_of_memory(pool):
     pool.set_limit(size=100 << 20)
-    keep = cp.ones(48 << 20, dtype=cp.uint8)            # a 64 MiB class
+    keep = cp.ones(48 << 20, dtype=cp.uint8)            # a 48 MiB segment
     with pytest.raises(xpool.OutOfMemoryError, match="limit") as info:
-        cp.empty(40 << 20, dtype=cp.uint8)               # another 64 MiB: over the limit
+        cp.empty(60 << 20, dtype=cp.uint8)               # 60 MiB more: over the limit
     assert isinstance(info.value, cp.cuda.memory.OutOfMemoryError)
     assert int(keep.sum()) == 48 << 20                 # live arrays untouched
     pool.set_limit(size=0)
@@ -96,8 +97,9 @@ def test_limit_and_out_of_memory(pool):
 def test_device_oom_recovers_by_freeing_the_cache(pool):
     free, total = cp.cuda.runtime.memGetInfo()
     chunk = int(free * 0.45)
-    a = cp.empty(chunk, dtype=cp.uint8)
-    del a                                              # cached, not free on the device
+    with cp.cuda.Stream(non_blocking=True):            # another stream's: a miss here does not give it back
+        a = cp.empty(chunk, dtype=cp.uint8)
+        del a                                          # cached, not free on the device
     b = cp.empty(int(free * 0.7), dtype=cp.uint8)      # only fits once the cache is released
     assert pool.stats(0).iloc[0].oom_recoveries == 1
     del b

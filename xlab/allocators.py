@@ -238,15 +238,16 @@ class CupyAsync(Allocator):
 
 
 class XPool(Allocator):
-    """xpool.MemoryPool with k classes per doubling."""
+    """xpool.MemoryPool: scheme xpool (segments; classes_per_doubling None), or seed with k classes per doubling."""
 
     free_counting = True
 
-    def __init__(self, classes_per_doubling: int = 1, debug=None):
+    def __init__(self, classes_per_doubling: int | None = None, debug=None, name: str | None = None):
         import xpool
         super().__init__()
-        self.name = f"xpool_k{classes_per_doubling}" + ("_debug" if debug else "")
-        self.pool = xpool.MemoryPool(classes_per_doubling, debug=debug or False)
+        k = classes_per_doubling
+        self.name = name or ("xpool" if k is None else f"xpool_k{k}") + ("_debug" if debug else "")
+        self.pool = xpool.MemoryPool(k, scheme="xpool" if k is None else "seed", debug=debug or False)
 
     def malloc_fn(self):
         return self.pool.malloc
@@ -325,15 +326,16 @@ class Host(Allocator):
 
 FACTORIES = {"raw": Raw, "cupy_pool": CupyPool, "cupy_async": CupyAsync, "noop": Noop, "c_noop": CNoop,
              "numpy": Host}
-NAMES = ("raw", "cupy_pool", "cupy_async", "xpool_k1", "xpool_k4", "xpool_k1_debug", "noop", "c_noop",
-         "numpy")   # xpool_kN: any N
+NAMES = ("raw", "cupy_pool", "cupy_async", "xpool", "xpool_debug", "xpool_seed", "xpool_k4", "xpool_k1_debug",
+         "noop", "c_noop", "numpy")   # xpool: scheme xpool; xpool_seed = xpool_k1: the design's classes; xpool_kN: any N
 
 
 def make(name: str, **kwargs) -> Allocator:
-    """A fresh allocator by name: raw, cupy_pool, cupy_async, xpool_k<N>, noop, numpy."""
-    m = re.fullmatch(r"xpool_k(\d+)(_debug)?", name)
+    """A fresh allocator by name: raw, cupy_pool, cupy_async, xpool, xpool_seed, xpool_k<N>, noop, numpy."""
+    m = re.fullmatch(r"xpool(?:_k(\d+)|_(seed))?(_debug)?", name)
     if m:
-        return XPool(int(m.group(1)), debug="raise" if m.group(2) else None, **kwargs)
+        k = 1 if m.group(2) else (int(m.group(1)) if m.group(1) else None)
+        return XPool(k, debug="raise" if m.group(3) else None, name=name, **kwargs)
     if name not in FACTORIES:
         raise ValueError(f"unknown allocator {name!r}; known: {', '.join(NAMES)} (xpool_k<N> for any N)")
     return FACTORIES[name](**kwargs)

@@ -8,19 +8,30 @@ depend on the allocator, so replaying the recorded requests and frees, in order,
 CPU over a backend that hands out addresses and touches no memory.
 
     python -m xlab.memory_study --out-dir data     # on a GPU: data/memory_timeline.csv, data/memory_waste.csv
+
+Schemes (scheme xpool's segments against the design's classes, `xpool_seed`, and a model of CuPy's pool)
+are compared on every recorded trace, the GPU's and two recorded on the CPU from the GPT on NumPy
+(`NumpyRecorder`: NumPy's own allocation hook), one with sequence lengths that vary per step:
+
+    python -m xlab.memory_study --record-numpy     # CPU, ~5 min: data/memory_trace_numpy_*.csv.gz
+    python -m xlab.memory_study --schemes          # CPU: data/memory_schemes.csv, figures/memory_schemes.*
 """
 from __future__ import annotations
 
 import argparse
+import bisect
+import ctypes
 import itertools
+import math
 import pathlib
+from collections import defaultdict
 
 import numpy as np
 import pandas as pd
 
 from xpool.backends import HostBackend
 from xpool.pool import Pool
-from xpool.sizeclass import size_class
+from xpool.sizeclass import ALIGN, size_class
 
 KS = (1, 2, 4, 8)
 SETUP_STEP = -1                  # `step` of the events recorded while the model and optimizer are built
@@ -35,17 +46,19 @@ WASTE_COLUMNS = ["k", "source", "requests", "requested_bytes", "class_bytes", "c
 
 
 class AddressSpaceBackend(HostBackend):
-    """HostBackend's devices and streams, but malloc hands out distinct aligned addresses and touches no
-    memory: a replay of a GPU's many GiB costs nothing on the host."""
+    """HostBackend's devices and streams, but malloc hands out aligned address ranges that never overlap
+    and touches no memory: a replay of a GPU's many GiB costs nothing on the host."""
 
     def __init__(self, n_devices: int = 64):
         super().__init__(capacity=None, n_devices=n_devices)
-        self._next = itertools.count(1)
+        self._next = 1 << 12
 
     def malloc(self, device: int, nbytes: int) -> int:
         self._check_device(device)
         self.mallocs += 1
-        return next(self._next) << 12             # distinct and aligned; nothing is ever stored there
+        # a segment's ranges are addresses inside it: the next allocation starts past its end
+        ptr, self._next = self._next, self._next + (-(-max(nbytes, 1) // 4096) + 1) * 4096
+        return ptr                                # nothing is ever stored there
 
     def free(self, device: int, ptr: int, nbytes: int) -> None:
         self.frees += 1
@@ -85,6 +98,87 @@ def replay(timeline: pd.DataFrame, k: int) -> dict:
     out["unmatched_frees"] = unmatched
     live.clear()
     return out
+
+
+class CupyPoolModel:
+    """CuPy's `MemoryPool` (cupy/cuda/memory.pyx, SingleDeviceMemoryPool), modelled for replays: requests
+    rounded to 512 B; per (device, stream) arena, the free chunk of the least size >= the request (best
+    fit; the newest among equals), split, the rest kept free; a freed chunk merges with free neighbours
+    of its allocation; a miss allocates exactly the rounded size.  Counts bytes like xpool's pools:
+    reserved = what the device holds.  Only what the replay needs: no limits, no OOM."""
+
+    def __init__(self):
+        self.free = {}          # (device, stream) -> sorted [(size, -serial, ptr)]
+        self.chunks = {}        # (device, ptr) -> [size, stream, prev ptr|None, next ptr|None, in use]
+        self.reserved, self.requested = defaultdict(int), defaultdict(int)
+        self.peak_reserved, self.peak_requested = defaultdict(int), defaultdict(int)
+        self.device_mallocs = defaultdict(int)
+        self.requests = defaultdict(int)
+        self._serial = itertools.count()
+        self._next = itertools.count(1)
+        self._free_key = {}     # (device, ptr) -> its entry in the free list
+
+    def _file(self, device, ptr):
+        size, stream = self.chunks[(device, ptr)][:2]
+        entry = (size, -next(self._serial), ptr)
+        bisect.insort(self.free.setdefault((device, stream), []), entry)
+        self._free_key[(device, ptr)] = entry
+
+    def _unfile(self, device, ptr):
+        entry = self._free_key.pop((device, ptr))
+        lst = self.free[(device, self.chunks[(device, ptr)][1])]
+        del lst[bisect.bisect_left(lst, entry)]
+
+    def allocate(self, nbytes: int, device: int = 0, stream: int = 0) -> tuple[int, int, int]:
+        """A chunk for nbytes; returns its handle (device, ptr, nbytes) for `free`."""
+        size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        self.requests[device] += 1
+        lst = self.free.get((device, stream), [])
+        i = bisect.bisect_left(lst, (size, -math.inf, 0))
+        if i < len(lst):
+            ptr = lst[i][2]
+            self._unfile(device, ptr)
+            c = self.chunks[(device, ptr)]
+            if c[0] > size:                   # split: the rest stays free
+                rest = ptr + size
+                self.chunks[(device, rest)] = [c[0] - size, stream, ptr, c[3], False]
+                if c[3] is not None:
+                    self.chunks[(device, c[3])][2] = rest
+                c[0], c[3] = size, rest
+                self._file(device, rest)
+        else:
+            ptr = next(self._next) << 40      # apart from every other allocation
+            self.chunks[(device, ptr)] = [size, stream, None, None, False]
+            self.reserved[device] += size
+            self.device_mallocs[device] += 1
+        self.chunks[(device, ptr)][4] = True
+        self.requested[device] += nbytes
+        self.peak_reserved[device] = max(self.peak_reserved[device], self.reserved[device])
+        self.peak_requested[device] = max(self.peak_requested[device], self.requested[device])
+        return device, ptr, nbytes
+
+    def free_chunk(self, handle) -> None:
+        device, ptr, nbytes = handle
+        self.requested[device] -= nbytes
+        c = self.chunks[(device, ptr)]
+        c[4] = False
+        nxt = c[3]
+        if nxt is not None and not self.chunks[(device, nxt)][4]:
+            self._unfile(device, nxt)
+            n = self.chunks.pop((device, nxt))
+            c[0] += n[0]; c[3] = n[3]
+            if n[3] is not None:
+                self.chunks[(device, n[3])][2] = ptr
+        prv = c[2]
+        if prv is not None and not self.chunks[(device, prv)][4]:
+            self._unfile(device, prv)
+            p = self.chunks[(device, prv)]
+            p[0] += c[0]; p[3] = c[3]
+            if c[3] is not None:
+                self.chunks[(device, c[3])][2] = prv
+            del self.chunks[(device, ptr)]
+            ptr = prv
+        self._file(device, ptr)
 
 
 def class_bytes(requested, k: int) -> int:
@@ -150,6 +244,313 @@ def waste_table(measured: pd.DataFrame | None = None, replayed: pd.DataFrame | N
         out["replay_exact"] = ((ks.map(rep["peak_bytes_reserved"]).to_numpy() == main["peak_bytes_reserved"].to_numpy())
                                & (ks.map(rep["device_mallocs"]).to_numpy() == main["device_mallocs"].to_numpy()))
     return out.reset_index(drop=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU: the allocation schemes on every recorded trace
+
+# name -> (file under data/, what was recorded)
+TRACES = {
+    "gpt_b32_gpu": ("memory_timeline.csv", "GPT training, batch 32, CuPy on a GPU (setup + 2 steps)"),
+    "gpt_b4_numpy": ("memory_trace_numpy_b4.csv.gz", "GPT training, batch 4, NumPy (setup + 8 steps)"),
+    "gpt_varlen_numpy": ("memory_trace_numpy_varlen.csv.gz",
+                         "GPT training, batch 8, sequence length varying per step, NumPy (setup + 12 steps)"),
+}
+NUMPY_TRACES = {   # name -> record_numpy_timeline arguments
+    "gpt_b4_numpy": dict(batch=4, block_sizes=(256,) * 8),
+    "gpt_varlen_numpy": dict(batch=8, block_sizes=(256, 64, 192, 128, 224, 96, 160, 32, 256, 128, 200, 80)),
+}
+# the replayed allocators: xpool's schemes, xpool without giving segments back on a miss, CuPy's pool
+SCHEME_ALLOCATORS = ("xpool", "xpool_norelease", "xpool_seed", "cupy_pool_model")
+SCHEME_COLUMNS = ["trace", "allocator", "source", "requests", "peak_bytes_requested", "peak_bytes_reserved",
+                  "reserved_over_requested", "device_mallocs", "device_mallocs_last_step", "unmatched_frees",
+                  "ns_per_pair", "ns_per_pair_min", "ns_per_pair_max", "floor_ns_per_pair", "timed_pairs",
+                  "repeats", "trace_recorded_on", "trace_commit", "trace_date", "trace_batch"]
+
+
+def replay_pool(allocator: str):
+    """A fresh pool of one of SCHEME_ALLOCATORS over a backend that touches no memory (or CuPy's model)."""
+    if allocator == "cupy_pool_model":
+        return CupyPoolModel()
+    kw = {"xpool": dict(scheme="xpool"),
+          "xpool_norelease": dict(scheme="xpool", _segments=dict(release_on_miss=False)),
+          "xpool_seed": dict(scheme="seed", classes_per_doubling=1)}
+    if allocator not in kw:
+        raise ValueError(f"allocator must be one of {SCHEME_ALLOCATORS}, got {allocator!r}")
+    return Pool(AddressSpaceBackend(), limit=0, debug=False, timeline=0, **kw[allocator])
+
+
+def _replay_events(timeline: pd.DataFrame) -> pd.DataFrame:
+    ev = timeline[timeline["event"].isin(ALLOC_EVENTS + ("free",))]
+    step = ev["step"] if "step" in ev else pd.Series(0, index=ev.index)
+    return pd.DataFrame({"alloc": ev["event"].isin(ALLOC_EVENTS).to_numpy(), "device": ev["device"].to_numpy(),
+                         "stream": ev["stream"].to_numpy(), "ptr": ev["ptr"].to_numpy(),
+                         "requested": ev["requested"].to_numpy(), "step": step.to_numpy()})
+
+
+def _drive(pool, ev: pd.DataFrame, on_step=None):
+    """Replays the events through pool (an xpool Pool or CupyPoolModel); returns (live blocks, unmatched)."""
+    model = isinstance(pool, CupyPoolModel)
+    alloc = pool.allocate if model else pool._core.allocate          # the C entry point: no Python checks
+    live, unmatched, last = {}, 0, None
+    for is_alloc, device, stream, ptr, requested, step in ev.itertuples(index=False):
+        if on_step is not None and step != last:
+            on_step(last)
+            last = step
+        key = (device, ptr)
+        # no local name may hold a block: a block is given back when its last reference goes
+        if is_alloc:
+            if model and key in live:
+                pool.free_chunk(live[key])
+            live[key] = alloc(int(requested), int(device), int(stream))
+        elif key not in live:
+            unmatched += 1
+        elif model:
+            pool.free_chunk(live.pop(key))
+        else:
+            del live[key]
+    if on_step is not None:
+        on_step(last)
+    return live, unmatched
+
+
+def _counters(pool) -> dict:
+    if isinstance(pool, CupyPoolModel):
+        return dict(requests=sum(pool.requests.values()), device_mallocs=sum(pool.device_mallocs.values()),
+                    peak_bytes_requested=sum(pool.peak_requested.values()),
+                    peak_bytes_reserved=sum(pool.peak_reserved.values()))
+    st = pool.stats()
+    return {c: int(st[c].sum()) for c in ("requests", "device_mallocs", "peak_bytes_requested",
+                                          "peak_bytes_reserved")}
+
+
+def replay_allocator(timeline: pd.DataFrame, allocator: str) -> dict:
+    """Replays `timeline` through a fresh `allocator` (one of SCHEME_ALLOCATORS): its peaks, device mallocs
+    (in all and in the last recorded step, which should be 0 once warm), and unmatched frees."""
+    pool = replay_pool(allocator)
+    ev = _replay_events(timeline)
+    mallocs = {}
+    live, unmatched = _drive(pool, ev, lambda step: mallocs.__setitem__(step, _counters(pool)["device_mallocs"]))
+    out = _counters(pool)
+    steps = [s for s in mallocs if s is not None]
+    out["device_mallocs_last_step"] = mallocs[steps[-1]] - (mallocs[steps[-2]] if len(steps) > 1 else 0)
+    out["unmatched_frees"] = unmatched
+    out["reserved_over_requested"] = out["peak_bytes_reserved"] / max(out["peak_bytes_requested"], 1)
+    live.clear()
+    return out
+
+
+def replay_cost(timeline: pd.DataFrame, allocators=("xpool", "xpool_seed"), repeats: int = 7,
+                min_pairs: int = 20_000) -> pd.DataFrame:
+    """Benchmark: ns per alloc+free pair of each xpool scheme over the host backend, on the last step of a
+    recorded trace once the whole trace has warmed the pool (so no backend call is timed).
+
+    The pairs go through the C core from a Python loop; `floor_ns_per_pair` is the same loop around a
+    function that allocates nothing, and is subtracted.  Repeats interleave the allocators.  CuPy's pool
+    cannot run without a GPU: its cost is measured by xpool.bench.alloc on one."""
+    import time
+    ev = _replay_events(timeline)
+    step = ev[ev["step"] == ev["step"].max()]
+    passes = max(1, -(-min_pairs // max(int(step["alloc"].sum()), 1)))
+    pools = {}
+    for a in allocators:
+        pools[a] = replay_pool(a)
+        pools[a]._keep = _drive(pools[a], ev)[0]       # warm, holding what the recording left live
+
+    class Floor:
+        _core = type("NoCore", (), {"allocate": staticmethod(lambda n, d, s: n)})()
+
+    def timed(pool):
+        t0 = time.perf_counter_ns()
+        for _ in range(passes):
+            live, _ = _drive(pool, step)
+            live.clear()
+        return (time.perf_counter_ns() - t0) / (passes * int(step["alloc"].sum()))
+
+    runs = {a: [] for a in (*allocators, "floor")}
+    for r in range(repeats):
+        order = [*allocators, "floor"]
+        for a in order[r % len(order):] + order[:r % len(order)]:
+            runs[a].append(timed(Floor() if a == "floor" else pools[a]))
+    floor = float(np.median(runs["floor"]))
+    rows = [dict(allocator=a, ns_per_pair=float(np.median(runs[a])) - floor,
+                 ns_per_pair_min=min(runs[a]) - floor, ns_per_pair_max=max(runs[a]) - floor,
+                 floor_ns_per_pair=floor, timed_pairs=passes * int(step["alloc"].sum()), repeats=repeats)
+            for a in allocators]
+    for p in pools.values():
+        p._keep.clear()
+    return pd.DataFrame(rows)
+
+
+def load_traces(data_dir=None, names=None) -> dict:
+    """The recorded traces of TRACES present under data_dir (default: the repository's data/): name ->
+    timeline."""
+    from .paths import data_dir as repo_data
+    out = {}
+    for name in names or TRACES:
+        path = pathlib.Path(data_dir if data_dir is not None else repo_data()) / TRACES[name][0]
+        if path.is_file():
+            out[name] = pd.read_csv(path)
+    return out
+
+
+def scheme_study(traces: dict, allocators=SCHEME_ALLOCATORS, repeats: int = 7) -> pd.DataFrame:
+    """One row per (trace, allocator): peak reserved / peak requested and device mallocs by replay, and ns
+    per alloc+free pair over the host backend (xpool's schemes; NaN for CuPy's model), with provenance."""
+    from .provenance import provenance
+    rows = []
+    for name, tl in traces.items():
+        cost = replay_cost(tl, [a for a in allocators if a != "cupy_pool_model"], repeats=repeats)
+        cost = cost.set_index("allocator")
+        first = tl.iloc[0] if len(tl) else {}
+        for a in allocators:
+            r = dict(trace=name, allocator=a, source="replay", **replay_allocator(tl, a))
+            if a in cost.index:
+                r.update(cost.loc[a].to_dict())
+            r.update(trace_recorded_on=first.get("gpu", "unknown") if len(tl) else "unknown",
+                     trace_commit=first.get("commit", "unknown") if len(tl) else "unknown",
+                     trace_date=first.get("date", "unknown") if len(tl) else "unknown",
+                     trace_batch=first.get("batch", np.nan) if len(tl) else np.nan)
+            rows.append(r)
+    return pd.DataFrame(rows, columns=SCHEME_COLUMNS).assign(**provenance())
+
+
+def record_numpy_traces(data_dir="data", names=None) -> dict:
+    """CPU: records the NumPy traces of NUMPY_TRACES into data_dir (gzipped CSV, provenance per row)."""
+    from .provenance import provenance
+    out = {}
+    for name in names or NUMPY_TRACES:
+        kw = NUMPY_TRACES[name]
+        tl = record_numpy_timeline(**kw)
+        cfg = _config(None, kw["batch"])
+        prov = provenance(batch=cfg.batch_size, n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,
+                          block_sizes=" ".join(map(str, kw["block_sizes"])), adamw="foreach")
+        tl = tl[["step", "event", "device", "stream", "ptr", "requested"]].assign(**prov)
+        if prov["gpu"] == "none":
+            tl["gpu"] = "none (NumPy on the CPU)"
+        path = pathlib.Path(data_dir) / TRACES[name][0]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tl.to_csv(path, index=False)
+        out[name] = tl
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU: record the GPT's requests on NumPy
+
+
+class _NumpyHandler(ctypes.Structure):
+    """NumPy's PyDataMem_Handler (numpy/ndarraytypes.h, version 1)."""
+
+    MALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    CALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t)
+    REALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    _fields_ = [("name", ctypes.c_char * 127), ("version", ctypes.c_uint8), ("ctx", ctypes.c_void_p),
+                ("malloc", MALLOC), ("calloc", CALLOC), ("realloc", REALLOC), ("free", FREE)]
+
+
+_SET_HANDLER = 304              # PyDataMem_SetHandler's slot in NumPy's C API table (NumPy >= 1.22)
+_recorders: list = []           # kept for the life of the process: arrays made under one call it when they die
+
+
+class NumpyRecorder:
+    """Records every NumPy data allocation and free made inside `with` as (is_alloc, ptr, nbytes) events.
+
+    NumPy's own allocation policy hook (PyDataMem_SetHandler) routes array data through libc's malloc/free
+    here; each call appends one event.  A NumPy program's requests stand in for a device's: the same
+    arrays, in the same order (NumPy, unlike CuPy, reuses some temporaries in place)."""
+
+    def __init__(self):
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        libc.calloc.restype, libc.calloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_size_t]
+        libc.realloc.restype, libc.realloc.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+        self.events: list[tuple[int, int, int]] = []
+        self.on = False
+        ev = self.events
+
+        def malloc(ctx, n):
+            p = libc.malloc(n or 1)
+            if self.on and p:
+                ev.append((1, p, n))
+            return p
+
+        def calloc(ctx, count, size):
+            p = libc.calloc(count or 1, size or 1)
+            if self.on and p:
+                ev.append((1, p, count * size))
+            return p
+
+        def realloc(ctx, p, n):
+            q = libc.realloc(p, n or 1)
+            if self.on and q:
+                if p:
+                    ev.append((0, p, 0))
+                ev.append((1, q, n))
+            return q
+
+        def free(ctx, p, n):
+            if p:
+                if self.on:
+                    ev.append((0, p, n))
+                libc.free(p)
+
+        H = _NumpyHandler
+        self._handler = H(b"xpool_recorder", 1, None, H.MALLOC(malloc), H.CALLOC(calloc), H.REALLOC(realloc),
+                          H.FREE(free))
+        get_ptr = ctypes.pythonapi.PyCapsule_GetPointer
+        get_ptr.restype, get_ptr.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+        table = ctypes.cast(get_ptr(np._core._multiarray_umath._ARRAY_API, None), ctypes.POINTER(ctypes.c_void_p))
+        self._set = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.py_object)(table[_SET_HANDLER])
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        self._capsule = new(ctypes.addressof(self._handler), b"mem_handler", None)
+        _recorders.append(self)
+
+    def __enter__(self):
+        self.on = True
+        self._previous = self._set(self._capsule)
+        return self
+
+    def __exit__(self, *exc):
+        self._set(self._previous)
+        self.on = False
+
+
+def record_numpy_timeline(batch: int = 4, block_sizes=(256, 256), seed: int = 0, foreach: bool = True,
+                          config=None) -> pd.DataFrame:
+    """CPU: the request timeline of the GPT trained on NumPy: setup (step -1), then one step per entry of
+    `block_sizes` (sequence lengths, each at most the config's block_size), in TIMELINE_COLUMNS.
+
+    The requests are NumPy's data allocations, all on device 0, stream 0; `size` is the request (no
+    allocator took part).  Replays treat it as they treat a GPU timeline."""
+    from tapegpt import GPT, AdamW, get_batch, load_corpus
+    cfg = _config(config, batch)
+    if max(block_sizes) > cfg.block_size or min(block_sizes) < 1:
+        raise ValueError(f"block_sizes must be in [1, {cfg.block_size}], got {block_sizes}")
+    data = load_corpus()
+    rec = NumpyRecorder()
+    marks = []
+    with rec:
+        model = GPT(cfg, seed=seed)
+        opt = AdamW(model.params, lr=1e-3, foreach=foreach)
+        marks.append(len(rec.events))
+        for step, T in enumerate(block_sizes):
+            x, y = get_batch(data, cfg.batch_size, int(T), step, seed=seed)
+            loss, grads = model.loss_and_grads(x, y)
+            opt.step(grads)
+            del x, y, loss, grads
+            marks.append(len(rec.events))
+        del model, opt            # nothing made under the recorder outlives it
+    ev = np.array(rec.events[:marks[-1]], dtype=np.int64).reshape(-1, 3)
+    step = np.searchsorted(np.asarray(marks), np.arange(len(ev)), side="right") - 1
+    out = pd.DataFrame({"step": step, "t_s": 0.0, "device": 0,
+                        "event": np.where(ev[:, 0] == 1, "alloc_miss", "free"), "stream": 0, "ptr": ev[:, 1],
+                        "requested": np.where(ev[:, 0] == 1, ev[:, 2], 0), "size": ev[:, 2],
+                        "bytes_in_use": 0, "bytes_cached": 0, "bytes_reserved": 0})
+    return out[TIMELINE_COLUMNS]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -250,13 +651,36 @@ def run(out="data/memory_waste.csv", ks=KS, config=None, batch: int | None = Non
     return waste
 
 
+def schemes(data_dir="data", figures_dir="figures", repeats: int = 7) -> pd.DataFrame:
+    """CPU: replays every recorded trace through each scheme; writes data/memory_schemes.csv and its figure."""
+    from . import plots
+    df = scheme_study(load_traces(data_dir), repeats=repeats)
+    out = pathlib.Path(data_dir) / "memory_schemes.csv"
+    df.to_csv(out, index=False)
+    plots.save(plots.memory_schemes(df), "memory_schemes", figures_dir)
+    return df
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", "--out", default="data", help="folder the two CSVs go to (default: data)")
     p.add_argument("--ks", default="1,2,4,8", help="size classes per doubling to compare (default: 1,2,4,8)")
     p.add_argument("--batch", type=int, default=None, help="batch size (default: GPTConfig's)")
     p.add_argument("--warmup", type=int, default=1, help="steps before the recorded one (default: 1)")
+    p.add_argument("--record-numpy", action="store_true",
+                   help="CPU: record the NumPy traces (TRACES) into --out-dir, then stop")
+    p.add_argument("--schemes", action="store_true",
+                   help="CPU: replay every recorded trace through each scheme: memory_schemes.csv + figure")
     a = p.parse_args(argv)
+    if a.record_numpy or a.schemes:
+        if a.record_numpy:
+            record_numpy_traces(a.out_dir)
+        if a.schemes:
+            df = schemes(a.out_dir)
+            cols = ["trace", "allocator", "reserved_over_requested", "device_mallocs", "device_mallocs_last_step",
+                    "ns_per_pair"]
+            print(df[cols].to_string(index=False))
+        return
     ks = tuple(int(k) for k in a.ks.split(","))
     waste = run(pathlib.Path(a.out_dir) / "memory_waste.csv", ks, batch=a.batch, warmup=a.warmup)
     replayed = replay_waste(pd.read_csv(pathlib.Path(a.out_dir) / "memory_timeline.csv"), ks)

@@ -25,6 +25,12 @@ ALLOCATORS = {
     "raw": dict(label="raw cudaMalloc/cudaFree (no pool)", color="#7f7f7f", marker="x", ls="-", lw=1.6),
     "cupy_pool": dict(label="CuPy MemoryPool (default)", color="#1f77b4", marker="o", ls="-", lw=1.6),
     "cupy_async": dict(label="CuPy MemoryAsyncPool", color="#6baed6", marker="s", ls="-", lw=1.4),
+    "xpool": dict(label="xpool (segments: best fit, split, merge)", color="#d62728", marker="D", ls="-", lw=2.6),
+    "xpool_norelease": dict(label="xpool, segments never given back on a miss", color="#e377c2", marker="P",
+                            ls=":", lw=1.8),
+    "xpool_seed": dict(label="xpool_seed (the design's classes: powers of two)", color="#8c564b", marker="h",
+                       ls="-.", lw=2.0),
+    "cupy_pool_model": dict(label="CuPy MemoryPool (model, replayed)", color="#1f77b4", marker="o", ls="--", lw=1.6),
     "xpool_k1": dict(label="xpool, 1 class per doubling", color="#d62728", marker="D", ls="-", lw=2.6),
     "xpool_k4": dict(label="xpool, 4 classes per doubling", color="#ff7f0e", marker="^", ls="--", lw=2.6),
     "xpool_k1_debug": dict(label="xpool, debug mode (poison + canaries)", color="#9467bd", marker="v", ls="-.",
@@ -519,6 +525,47 @@ def memory_waste(df: pd.DataFrame) -> Figure:
                    f"Numbers {how}.")
 
 
+def memory_schemes(df: pd.DataFrame) -> Figure:
+    """Per recorded trace and allocator: peak reserved over peak requested (replayed), and ns per
+    alloc+free pair over the host backend (xpool's schemes only)."""
+    traces = list(dict.fromkeys(df["trace"]))
+    allocs = [a for a in ordered(df["allocator"].unique())]
+    fig, axes = _figure(1, 2, size=(14, 5.6))
+    ax, cost = axes[0]
+    waste = df.pivot_table(index="trace", columns="allocator", values="reserved_over_requested",
+                           aggfunc="median").reindex(index=traces, columns=allocs)
+    _grouped_bars(ax, 100 * (waste - 1), fmt=lambda v: f"{v:.0f}%" if v >= 10 else f"{v:.1f}%")
+    ax.set_xticklabels(traces, fontsize=8.5)
+    ax.set_ylabel("peak reserved / peak requested − 1 (%; lower wastes less)")
+    ax.set_title("Memory held beyond the arrays' peak, replayed on the CPU", fontsize=10)
+    c = df.dropna(subset=["ns_per_pair"])
+    if len(c):
+        med = c.pivot_table(index="trace", columns="allocator", values="ns_per_pair").reindex(index=traces)
+        lo = c.pivot_table(index="trace", columns="allocator", values="ns_per_pair_min").reindex(index=traces)
+        hi = c.pivot_table(index="trace", columns="allocator", values="ns_per_pair_max").reindex(index=traces)
+        cols = [a for a in allocs if a in med.columns]
+        width = min(0.8 / max(len(cols), 1), 0.22)
+        x = np.arange(len(traces))
+        for i, a in enumerate(cols):
+            st = style(a)
+            m = med[a].to_numpy(dtype=float)
+            err = np.vstack([m - lo[a].to_numpy(dtype=float), hi[a].to_numpy(dtype=float) - m])
+            bars = cost.bar(x + (i - (len(cols) - 1) / 2) * width, m, width, yerr=err, capsize=3,
+                            color=st["color"], edgecolor="black", linewidth=0.8)
+            _label_bars(cost, bars, lambda v: f"{v:.0f}")
+        cost.set_xticks(x, traces, fontsize=8.5)
+        cost.margins(y=0.15)
+        cost.grid(axis="y", alpha=0.3)
+        cost.set_ylabel("ns per alloc+free pair in the C core (Python loop floor subtracted)")
+        cost.set_title("Cost of the last step's requests once warm, host backend\n"
+                       "(CuPy's pool needs a GPU: see the allocator microbenchmark)", fontsize=10)
+    else:
+        _empty(cost, "no cost measured")
+    return _finish(fig, "Memory waste and allocation cost of each scheme on the recorded request traces", df,
+                   "Waste: every trace replayed, in order, through each pool (CuPy's as a model of its arena); "
+                   "cost: median with min–max over interleaved repeats.", legend_from=ax)
+
+
 def _requested_in_use(tl: pd.DataFrame) -> np.ndarray:
     """Requested bytes held by live blocks after each event (allocs add, frees subtract)."""
     sign = np.select([tl["event"].isin(["alloc_hit", "alloc_miss"]), tl["event"] == "free"], [1, -1], 0)
@@ -606,6 +653,7 @@ FIGURES = {
     "ddp_before_after": (("ddp_scaling",), ddp_before_after),
     "memory_waste": (("memory_waste",), memory_waste),
     "memory_timeline": (("memory_timeline",), memory_timeline),
+    "memory_schemes": (("memory_schemes",), memory_schemes),
 }
 
 

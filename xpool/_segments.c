@@ -1,5 +1,6 @@
 /* xpool._segments: best fit with splitting and coalescing inside segments (see _segments.h). */
 #include <stdlib.h>
+#include <string.h>
 
 #include "_segments.h"
 
@@ -88,10 +89,27 @@ size_t seg_size_for(size_t size, size_t round)
 
 /* Cuts b to `size` bytes; the rest becomes a free range after it.  When no Block can be had for the
  * rest, b keeps it (handed out larger than asked: counted as such, never lost). */
+#define MAX_SPARE 4096
+
+static Block *new_block(FreeTree *t)
+{
+    Block *b = t->spare;
+    if (!b) return calloc(1, sizeof(Block));
+    t->spare = b->next; t->n_spare--;
+    memset(b, 0, sizeof *b);
+    return b;
+}
+
+static void drop_block(FreeTree *t, Block *b)
+{
+    if (t->n_spare >= MAX_SPARE) { free(b); return; }
+    b->next = t->spare; t->spare = b; t->n_spare++;
+}
+
 static void split(FreeTree *t, Block *b, size_t size, SegDelta *d)
 {
     if (b->size <= size) return;
-    Block *rest = calloc(1, sizeof(Block));
+    Block *rest = new_block(t);
     if (!rest) return;
     rest->ptr = b->ptr + size; rest->size = b->size - size;
     rest->stream = b->stream; rest->device = b->device;
@@ -136,7 +154,7 @@ Block *seg_put(FreeTree *t, Block *b, SegDelta *d)
         b->poisoned &= n->poisoned;      /* poisoned only if every part is */
         b->next_addr = n->next_addr;
         if (n->next_addr) n->next_addr->prev_addr = b;
-        free(n);
+        drop_block(t, n);
         d->free_ranges -= 1;
     }
     Block *p = b->prev_addr;
@@ -146,7 +164,7 @@ Block *seg_put(FreeTree *t, Block *b, SegDelta *d)
         p->poisoned &= b->poisoned;
         p->next_addr = b->next_addr;
         if (b->next_addr) b->next_addr->prev_addr = p;
-        free(b);
+        drop_block(t, b);
         d->free_ranges -= 1;
         b = p;
     }
@@ -215,5 +233,11 @@ void seg_destroy(FreeTree *t)
 {
     destroy(t->root);
     t->root = NULL;
+    while (t->spare) {
+        Block *b = t->spare;
+        t->spare = b->next;
+        free(b);
+    }
+    t->n_spare = 0;
 }
 

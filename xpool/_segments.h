@@ -48,6 +48,10 @@ typedef struct Block {
 
 typedef struct {
     Block *root;            /* free ranges by (stream, size, ptr) */
+    Block *spare;           /* Blocks of merged ranges, kept for the next split (linked by .next):
+                             * a split and a merge per alloc/free pair would otherwise cost a malloc
+                             * and a free each */
+    size_t n_spare;
 } FreeTree;
 
 /* Change of the core's counters caused by one call (the core's Stats stay the one source of truth). */

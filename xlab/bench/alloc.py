@@ -22,10 +22,10 @@ from xlab.allocators import KIB, MIB, NoGPU
 SIZES = (4 * KIB, 64 * KIB, MIB, 12 * MIB, 96 * MIB)
 THREADS = (1, 4, 8)
 THREAD_SIZE = 64 * KIB
-ALLOCATORS = ("raw", "cupy_pool", "cupy_async", "xpool_k1", "xpool_k4", "noop", "c_noop")
+ALLOCATORS = ("raw", "cupy_pool", "cupy_async", "xpool", "xpool_seed", "noop", "c_noop")
 # Debug mode syncs and copies whole blocks to the host on every pair: measure it on its own, small sizes, e.g.
-#   python -m xlab.bench.alloc --allocators cupy_pool xpool_k1 xpool_k1_debug --sizes 4096 1048576 --target-s 0.2
-COUNTED = ("raw", "cupy_pool", "xpool_k1", "xpool_k4")
+#   python -m xlab.bench.alloc --allocators cupy_pool xpool xpool_debug --sizes 4096 1048576 --target-s 0.2
+COUNTED = ("raw", "cupy_pool", "xpool", "xpool_seed")
 COLUMNS = ["allocator", "sweep", "size_bytes", "threads", "us_per_pair", "us_per_pair_min", "us_per_pair_max",
            "kpairs_per_s", "kpairs_per_s_max", "ratio_vs_cupy_pool", "device_mallocs_per_pair", "pairs", "repeats"]
 

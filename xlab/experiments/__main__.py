@@ -12,7 +12,7 @@ SHOW = ["mode", "allocator", "world", "batch", "tokens_per_s", "speedup", "speed
 
 
 def _common(p, out):
-    p.add_argument("--allocators", nargs="+", help="allocator names (default: raw cupy_pool xpool_k1 xpool_k4)")
+    p.add_argument("--allocators", nargs="+", help="allocator names (default: raw cupy_pool xpool xpool_seed)")
     p.add_argument("--steps", type=int, default=30, help="timed steps after warm-up")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     p.add_argument("--count-steps", type=int, default=3, help="steps of the counting run (raw, cupy_pool)")

@@ -35,7 +35,7 @@ from xlab.provenance import provenance
 from xlab import allocators as registry
 from . import train
 
-ALLOCATORS = ("raw", "cupy_pool", "xpool_k1", "xpool_k4")
+ALLOCATORS = ("raw", "cupy_pool", "xpool", "xpool_seed")
 BARRIER_TIMEOUT = 600      # seconds: a rank that waits longer than this has lost a peer
 
 

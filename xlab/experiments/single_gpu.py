@@ -20,7 +20,7 @@ from xlab.provenance import provenance
 from xlab import allocators as registry
 from . import train
 
-ALLOCATORS = ("raw", "cupy_pool", "xpool_k1", "xpool_k4")
+ALLOCATORS = ("raw", "cupy_pool", "xpool", "xpool_seed")
 
 
 def run(allocators=ALLOCATORS, batches=(32, 4), steps=30, warmup=5, config=None, out="data/single_gpu.csv",

@@ -1,0 +1,111 @@
+"""Scheme xpool (segments) under CuPy on a real GPU (marked: skipped where no GPU is visible)."""
+import numpy as np
+import pytest
+
+import xpool
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+MiB = 1 << 20
+
+
+@pytest.fixture
+def pool():
+    prev = cp.cuda.get_allocator()
+    p = xpool.MemoryPool()
+    cp.cuda.set_allocator(p.malloc)
+    yield p
+    cp.cuda.set_allocator(prev)
+    p.empty_cache()
+
+
+def test_training_is_bit_identical_under_both_schemes_and_debug_mode():
+    from xlab import correctness
+    df = correctness.transparency_gate(steps=20, allocators=("raw", "xpool", "xpool_seed", "xpool_debug"))
+    assert df.identical_to_raw.all(), "\n" + df.to_string()     # debug mode found nothing, too
+
+
+@pytest.mark.parametrize("batch,foreach", [(4, True), (32, False)])
+def test_training_makes_no_device_mallocs_once_warm(pool, batch, foreach):
+    from tapegpt import GPT, AdamW, GPTConfig, get_batch, load_corpus
+    cfg = GPTConfig(batch_size=batch)
+    data = load_corpus()
+    model = GPT(cfg, xp=cp)
+    opt = AdamW(model.params, lr=1e-3, foreach=foreach)
+
+    def step(i):
+        x, y = get_batch(data, cfg.batch_size, cfg.block_size, i, xp=cp)
+        loss, grads = model.loss_and_grads(x, y)
+        opt.step(grads)
+
+    for i in range(5):                     # the experiments' warm-up
+        step(i)
+    cp.cuda.Device().synchronize()
+    before = pool.snapshot()
+    for i in range(5, 10):
+        step(i)
+    cp.cuda.Device().synchronize()
+    delta = pool.snapshot() - before
+    assert delta.requests > 100 and delta.device_mallocs == 0 and delta.device_frees == 0
+    s = pool.stats(0).iloc[0]
+    assert s.bytes_reserved == s.bytes_in_use + s.bytes_cached
+
+
+def test_ranges_of_one_segment_and_streams(pool):
+    a = cp.empty(1000, dtype=cp.uint8)
+    b = cp.empty(1000, dtype=cp.uint8)
+    assert b.data.ptr == a.data.ptr + 1024            # cut one after the other from one segment
+    pa = a.data.ptr
+    s1 = cp.cuda.Stream(non_blocking=True)
+    with s1:
+        c = cp.empty(3 * MiB, dtype=cp.uint8)
+        pc = c.data.ptr
+        del c
+    d = cp.empty(3 * MiB, dtype=cp.uint8)             # the default stream: not s1's free range
+    assert d.data.ptr != pc
+    with s1:
+        assert cp.empty(MiB, dtype=cp.uint8).data.ptr == pc
+    del a
+    assert cp.empty(512, dtype=cp.uint8).data.ptr == pa
+
+
+def test_overrun_of_a_split_block_is_caught():
+    prev = cp.cuda.get_allocator()
+    p = xpool.MemoryPool(debug="raise")
+    cp.cuda.set_allocator(p.malloc)
+    try:
+        a = cp.zeros(100, dtype=cp.uint8)
+        b = cp.zeros(100, dtype=cp.uint8)              # its neighbour in the same segment
+        assert b.data.ptr == a.data.ptr + 512              # 100 B + the 64 B canary: one 512 B range
+        wide = cp.ndarray((101,), cp.uint8, memptr=cp.cuda.MemoryPointer(
+            cp.cuda.UnownedMemory(a.data.ptr, 101, None, 0), 0))
+        wide[100] = 7                                  # one byte past a: its canary, not b
+        cp.cuda.runtime.deviceSynchronize()
+        assert int(b.sum()) == 0
+        del a, wide
+        with pytest.raises(xpool.CorruptionError, match="requested 100 B"):
+            cp.empty(8, dtype=cp.uint8)
+        p.check()
+    finally:
+        cp.cuda.set_allocator(prev)
+
+
+def test_empty_cache_gives_whole_segments_back_to_the_device(pool):
+    keep = cp.empty(MiB, dtype=cp.uint8)               # its segment stays: partly in use
+    a = cp.empty(256 * MiB, dtype=cp.uint8)
+    del a
+    cp.cuda.Device().synchronize()
+    free_before = cp.cuda.runtime.memGetInfo()[0]
+    assert pool.empty_cache() == 256 * MiB
+    assert cp.cuda.runtime.memGetInfo()[0] - free_before >= 200 * MiB
+    s = pool.stats(0).iloc[0]
+    assert s.bytes_reserved == 2 * MiB and s.bytes_in_use == MiB and int(keep.size) == MiB
+
+
+def test_a_miss_gives_the_streams_whole_free_segments_back(pool):
+    a = cp.empty(64 * MiB, dtype=cp.uint8)
+    del a
+    b = cp.empty(128 * MiB, dtype=cp.uint8)            # fits no free range: the 64 MiB segment goes first
+    s = pool.stats(0).iloc[0]
+    assert (s.device_mallocs, s.device_frees, s.bytes_reserved) == (2, 1, 128 * MiB)
+    assert np.isfinite(float(cp.ones(4, cp.float32).sum())) and b.nbytes == 128 * MiB
