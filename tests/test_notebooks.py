@@ -115,6 +115,7 @@ FRAMES = {
     "ddp_before_after": synthetic.ddp_scaling,
     "memory_waste": synthetic.memory_waste,
     "memory_timeline": synthetic.memory_timeline,
+    "memory_schemes": synthetic.memory_schemes,
 }
 
 
