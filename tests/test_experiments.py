@@ -10,7 +10,7 @@ import pytest
 
 from xlab.experiments import __main__ as cli
 from xlab import allocators, nvml
-from xlab.experiments import ddp, train
+from xlab.experiments import ddp, runner, train
 from tapegpt import GPT, AdamW, load_corpus
 
 TINY = train.make_config("tiny")
@@ -52,7 +52,7 @@ def test_host_comm_allreduce_sums_and_bcast_copies_rank0():
         comm.rank(r).bcast(b, 0)
         return buf, b
 
-    out = train.run_threads(world, rank)
+    out = runner.run_threads(world, rank)
     for buf, b in out:
         np.testing.assert_array_equal(buf, np.full(4, 6.0))
         np.testing.assert_array_equal(b, np.zeros(2))
@@ -72,14 +72,87 @@ def test_fenced_meets_before_and_waits_after_each_collective():
     f.allreduce(None)
     f.bcast(None, 0)
     assert calls == ["barrier", "allreduce", "sync", "barrier", "bcast0", "sync"]
+    calls.clear()
+    f.armed = False                     # a warm pool: the all-reduce runs unfenced, the check's bcast never does
+    f.allreduce(None)
+    f.bcast(None, 0)
+    assert calls == ["allreduce", "barrier", "bcast0", "sync"]
+
+
+class _Counting(allocators.Host):
+    """NumPy stand-in that says whether it calls the device once warm."""
+
+    def __init__(self, device_calls_when_warm):
+        super().__init__()
+        self.device_calls_when_warm = device_calls_when_warm
+
+
+@pytest.mark.parametrize("device_calls", [True, False])
+def test_fence_is_armed_in_warmup_and_only_where_needed_after(device_calls):
+    """Warm-up steps are fenced for every allocator; timed steps only for one that still calls the device."""
+    data = load_corpus()
+    host = train.HostComm(2)
+    barriers = [0, 0]
+
+    def rank(r):
+        def count():
+            barriers[r] += 1
+        fenced = train.Fenced(host.rank(r), count, lambda: None)
+        out = train.run_rank(_Counting(device_calls), TINY, data, 2, 3, 2, rank=r, world=2, comm=fenced)
+        assert fenced.armed                                  # re-armed after the window, for the checks
+        return out
+
+    out = runner.run_threads(2, rank)
+    # 2 warm-up all-reduces + (3 timed all-reduces if armed) + 1 bcast of the parameter check
+    assert barriers == [2 + 3 * device_calls + 1] * 2
+    assert all(o["fenced"] == device_calls for o in out)
+    assert out[0]["losses"] == out[1]["losses"]
 
 
 def test_merge_ranks_gathers_each_allocators_runs():
-    per_rank = [[dict(allocator=a, counted_steps=3, timed=[f"t{a}{r}"], counted=[f"c{a}{r}"]) for a in "xy"]
-                for r in range(2)]
+    per_rank = [[(t, dict(allocator=a, counted_steps=3, timed=[f"t{a}{r}{t}"],
+                          counted=[f"c{a}{r}"] if t == 0 else None))
+                 for t, a in runner.interleaved(2, "xy")] for r in range(2)]
     merged = ddp.merge_ranks(per_rank)
-    assert [m["allocator"] for m in merged] == ["x", "y"]
-    assert merged[1]["timed"] == ["ty0", "ty1"] and merged[0]["counted"] == ["cx0", "cx1"]
+    assert [(t, m["allocator"]) for t, m in merged] == [(0, "x"), (0, "y"), (1, "x"), (1, "y")]
+    assert merged[1][1]["timed"] == ["ty00", "ty10"] and merged[0][1]["counted"] == ["cx0", "cx1"]
+    assert merged[3][1]["counted"] is None and merged[3][1]["timed"] == ["ty01", "ty11"]
+
+
+def test_interleaved_order_and_bad_arguments():
+    assert runner.interleaved(2, ["a", "b"]) == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
+    with pytest.raises(ValueError, match="trials"):
+        runner.interleaved(0, ["a"])
+    with pytest.raises(ValueError, match="arms"):
+        runner.interleaved(2, [])
+
+
+def test_run_arm_counts_once_and_releases():
+    made = []
+
+    class Fake(allocators.Host):
+        free_counting = False
+
+        def __init__(self):
+            super().__init__()
+            self.released = False
+            made.append(self)
+
+        def release(self, devices=()):
+            self.released = True
+
+    orig = allocators.FACTORIES["numpy"]
+    allocators.FACTORIES["numpy"] = Fake
+    try:
+        steps = []
+        ranks = lambda alloc, n: steps.append((alloc.counting, n)) or [{"n": n}]      # noqa: E731
+        m = runner.run_arm("numpy", ranks, 5, 2, [0], count=True)
+        assert steps == [(False, 5), (True, 2)] and m["counted_steps"] == 2 and m["counted"] == [{"n": 2}]
+        m = runner.run_arm("numpy", ranks, 5, 2, [0], count=False)
+        assert m["counted"] is None and m["counted_steps"] == 0
+        assert len(made) == 3 and all(a.released for a in made)
+    finally:
+        allocators.FACTORIES["numpy"] = orig
 
 
 def test_run_threads_reraises_a_rank_failure():
@@ -89,7 +162,7 @@ def test_run_threads_reraises_a_rank_failure():
         return r
 
     with pytest.raises(RuntimeError, match="rank 1"):
-        train.run_threads(2, fn)
+        runner.run_threads(2, fn)
 
 
 # --- checks
@@ -116,8 +189,9 @@ def test_checks_fail_when_they_should():
 def test_ddp_on_host_threads_matches_single_process_on_global_batch():
     data = load_corpus()
     ref = ddp.reference_losses(TINY, data, batch=8, steps=3, warmup=1, cpu=True)
-    (m,) = ddp.threads_mode(2, ("numpy",), TINY, data, batch=4, steps=3, warmup=1, count_steps=1, cpu=True,
-                            progress=False)
+    ((trial, m),) = ddp.threads_arms(2, ("numpy",), TINY, data, batch=4, steps=3, warmup=1, count_steps=1,
+                                     cpu=True, progress=False, trials=1)
+    assert trial == 0
     assert len(m["timed"]) == 2
     row = train.build_row("threads", m, 2, 4, TINY, 3, 1, ref_losses=ref)
     assert row["loss_rel_diff_max"] < 1e-12 and row["param_rank_diff_max"] < 1e-12
@@ -142,7 +216,7 @@ def test_checks_catch_a_missing_allreduce():
     ref = ddp.reference_losses(TINY, data, batch=8, steps=3, warmup=1, cpu=True)
     host = train.HostComm(2)
     alloc = allocators.make("numpy")
-    timed = train.run_threads(2, lambda r: train.run_rank(
+    timed = runner.run_threads(2, lambda r: train.run_rank(
         alloc, TINY, data, 4, 3, 1, rank=r, world=2, comm=NoAverage(host.rank(r))))
     m = dict(allocator="numpy", timed=timed, counted=timed, counted_steps=3)
     row = train.build_row("threads", m, 2, 4, TINY, 3, 1, ref_losses=ref)
@@ -165,7 +239,8 @@ def test_train_step_without_comm_is_plain_training():
 # --- rows and ratios
 
 def fake_measure(name, seconds, world=1, mallocs=(0,), counted_steps=10, reserved=(100,), requested=(80,)):
-    timed = [dict(rank=r, device=r, seconds=seconds, device_mallocs=mallocs[r], util={r: 90.0 + r},
+    timed = [dict(rank=r, device=r, seconds=seconds, host_seconds=seconds / 2, gpu_ms_per_step=150.0,
+                  gc_seconds=0.01, gc_collections=2, device_mallocs=mallocs[r], util={r: 90.0 + r},
                   losses=[5.0, 4.0], param_rank_diff=0.0 if world > 1 else None,
                   peak_reserved=reserved[r], peak_requested=requested[r], n_params=123) for r in range(world)]
     return dict(allocator=name, timed=timed, counted=timed, counted_steps=counted_steps)
@@ -183,6 +258,37 @@ def test_build_row_formulas():
     assert row["gpu_util_mean"] == pytest.approx(90.5)
     assert row["loss_rel_diff_max"] == 0.0 and row["checks_passed"]
     assert row["count_steps"] == 10
+    assert row["host_ms_per_step"] == pytest.approx(100.0) and row["gpu_ms_per_step"] == 150.0
+    assert row["gpu_busy_ms_per_step"] == pytest.approx(200.0 * 0.905) and row["bound"] == "gpu"
+    assert row["gc_ms_per_step"] == pytest.approx(1.0) and row["gc_collections"] == 2 and row["gc"]
+    assert row["trial"] == 0 and set(row) == set(train.COLUMNS)
+
+
+def test_step_bound():
+    assert train.step_bound(95.0, 10.0, 100.0) == "gpu"
+    assert train.step_bound(40.0, 99.0, 100.0) == "host"
+    assert train.step_bound(math.nan, 90.0, 100.0) == "host"       # no NVML: the thread's CPU time decides
+    assert train.step_bound(math.nan, 30.0, 100.0) == "gpu"
+    assert train.step_bound(math.nan, math.nan, 100.0) == ""
+
+
+def test_gc_pauses_are_timed():
+    with train.GcPauses() as p:
+        gc.collect()
+    assert p.collections == 1 and p.seconds > 0
+    gc.collect()
+    assert p.collections == 1                                      # no longer listening
+
+
+def test_ratios_pair_each_trial_with_its_own_reference():
+    rows = []
+    for trial, (raw, pool) in enumerate([(3.0, 1.0), (6.0, 1.5)]):
+        for name, secs in (("raw", raw), ("cupy_pool", pool)):
+            m = fake_measure(name, secs)
+            rows.append(train.build_row("single", m, 1, 32, TINY, 10, 2, trial=trial))
+    df = train.frame(rows).set_index(["allocator", "trial"])
+    assert df.loc[("cupy_pool", 0), "speedup_vs_raw"] == pytest.approx(3.0)
+    assert df.loc[("cupy_pool", 1), "speedup_vs_raw"] == pytest.approx(4.0)
 
 
 def test_build_row_without_counters_gives_nan():
@@ -190,6 +296,9 @@ def test_build_row_without_counters_gives_nan():
     row = train.build_row("single", m, 1, 4, TINY, 5, 1)
     assert math.isnan(row["device_mallocs_per_step"]) and math.isnan(row["reserved_over_requested"])
     assert math.isnan(row["loss_rel_diff_max"]) and row["checks_passed"]
+    m = dict(fake_measure("raw", 1.0), counted=None, counted_steps=0)       # a later trial: not counted
+    row = train.build_row("single", m, 1, 4, TINY, 5, 1, trial=3)
+    assert math.isnan(row["device_mallocs_per_step"]) and row["count_steps"] == 0 and row["trial"] == 3
 
 
 def test_frame_ratios_and_column_order():
@@ -287,14 +396,34 @@ def test_cpu_smoke_ddp_has_the_same_schema(tmp_path):
     assert cli.main(["ddp", "--cpu-smoke", "--no-progress", "--out", str(out)]) == 0
     df = pd.read_csv(out)
     assert list(df.columns[:len(train.COLUMNS)]) == train.COLUMNS
-    assert sorted(df["world"]) == [1, 2] and df["checks_passed"].all()
+    assert sorted(df["world"]) == [1, 1, 2, 2] and df["checks_passed"].all()
+    assert sorted(df["trial"]) == [0, 0, 1, 1]
     assert (df["loss_rel_diff_max"] < 1e-12).all()
-    assert df.loc[df.world == 1, "speedup"].iloc[0] == 1.0
+    assert (df.loc[df.world == 1, "speedup"] == 1.0).all()
 
+
+def test_cpu_smoke_sweep(tmp_path):
+    out = tmp_path / "sweep.csv"
+    assert cli.main(["sweep", "--cpu-smoke", "--no-progress", "--out", str(out)]) == 0
+    df = pd.read_csv(out)
+    assert list(df.columns[:len(train.COLUMNS)]) == train.COLUMNS
+    assert len(df) == 2 * 2 * 2 and set(df["batch"]) == {2, 4} and df["checks_passed"].all()
+    # interleaved: trial 0 of every (batch, world) comes before any trial 1
+    assert list(df["trial"]) == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_sweep_steps_shrink_with_batch():
+    from xlab.experiments import sweep
+    steps = [sweep.steps_for(b) for b in sweep.BATCHES]
+    assert steps == sorted(steps, reverse=True) and min(steps) >= 2
+    assert sweep.steps_for(128, 0.1) == 2
 
 def test_quick_and_smoke_flags():
     a = cli.parse(["single", "--quick"])
-    assert (a.steps, a.warmup) == (5, 2)
+    assert (a.steps, a.warmup, a.trials) == (3, 2, 2)
+    assert cli.parse(["single"]).trials == 5 and cli.parse(["ddp"]).steps == 8
+    with pytest.raises(SystemExit):
+        cli.parse(["single", "--trials", "0"])
     b = cli.parse(["ddp", "--cpu-smoke"])
     assert b.config == "tiny" and b.out is None
 
@@ -314,8 +443,10 @@ def test_without_gpu_the_cli_says_so(capsys):
 def test_single_gpu_quick(tmp_path):
     from xlab.experiments import single_gpu
     df = single_gpu.run(allocators=("raw", "cupy_pool", "xpool_k1"), batches=(4,), steps=3, warmup=2,
-                        count_steps=2, config="small", out=tmp_path / "s.csv", progress=False)
-    by = df.set_index("allocator")
+                        count_steps=2, config="small", out=tmp_path / "s.csv", progress=False, trials=2)
+    assert len(df) == 6 and (df["host_ms_per_step"] > 0).all() and (df["gpu_ms_per_step"] > 0).all()
+    assert set(df["bound"]) <= {"host", "gpu"}
+    by = df[df["trial"] == 0].set_index("allocator")
     assert by.loc["xpool_k1", "device_mallocs_per_step"] == 0
     assert by.loc["raw", "device_mallocs_per_step"] > 0
     assert by.loc["raw", "reserved_over_requested"] == 1.0
@@ -326,12 +457,26 @@ def test_single_gpu_quick(tmp_path):
 @pytest.mark.multigpu
 @pytest.mark.parametrize("mode", ["threads", "processes"])
 def test_ddp_quick(tmp_path, mode):
-    df = ddp.run(modes=(mode,), worlds=(1, 2), allocators=("xpool_k1",), batch=4, steps=3, warmup=2,
-                 count_steps=2, config="small", out=tmp_path / "d.csv", progress=False)
-    assert len(df) == 2 and df["checks_passed"].all()
+    df = ddp.run(modes=(mode,), worlds=(1, 2), allocators=("raw", "xpool_k1"), batch=4, steps=3, warmup=2,
+                 count_steps=2, config="small", out=tmp_path / "d.csv", progress=False, trials=2)
+    assert len(df) == 8 and df["checks_passed"].all()
+    two = df[df["world"] == 2].set_index("allocator")
+    if mode == "threads":        # raw keeps the fence in the timed steps, a warm pool drops it
+        assert two.loc["raw", "fenced"].all() and not two.loc["xpool_k1", "fenced"].any()
+
+
+@pytest.mark.multigpu
+def test_sweep_quick(tmp_path):
+    from xlab.experiments import sweep
+    df = sweep.run(allocators=("raw", "xpool_k1"), batches=(4, 8), warmup=2, steps_scale=0.3, config="small",
+                   out=tmp_path / "b.csv", progress=False, trials=2)
+    assert len(df) == 2 * 2 * 2 * 2 and df["checks_passed"].all()
+    assert df["speedup"].notna().all()
 
 
 def test_adamw_form_is_recorded_and_foreach_trains_the_same(tmp_path, monkeypatch):
+    monkeypatch.delenv(train.ADAMW_ENV, raising=False)
+    assert train.adamw_form() == "foreach"                # the flat-buffer AdamW is the experiments' default
     monkeypatch.setenv(train.ADAMW_ENV, "per_param")    # so the variable main() sets is undone afterwards
     rows = {}
     for form in ("per_param", "foreach"):

@@ -8,8 +8,15 @@ Counters are per device and None where the allocator cannot count exactly:
 - cupy_pool: device mallocs and live requested bytes from a CuPy MemoryHook, entered per thread only
   while counting (hooks cost time); reserved bytes from `total_bytes()` after every step (it only grows
   between `free_all_blocks` calls, so the last sample is the peak).
-- xpool_kN: the pool's own exact counters; counting is free, so the timed run counts too.
-- cupy_async, noop: timing only.
+- xpool, xpool_seed, xpool_kN: the pool's own exact counters; counting is free, so the timed run counts too.
+  `xpool` is xpool.MemoryPool's default scheme, `xpool_seed` the design's scheme (size classes, k = 1),
+  `xpool_kN` the design's scheme with N classes per doubling; `_debug` after any of them turns debug mode on.
+- torch: PyTorch's caching allocator handing CuPy its blocks (torch.empty wrapped in UnownedMemory); its own
+  counters (torch.cuda.memory_stats) are exact and free.
+- cupy_async, noop, c_noop: timing only.
+
+`device_calls_when_warm` says whether an allocator still calls the device (cudaMalloc/cudaFree, or their
+stream-ordered forms) once its cache is warm: the threads-mode training fences collectives for those only.
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ class Allocator:
 
     name = "?"
     free_counting = False   # True: counting costs nothing, so the timed run itself gives the counts
+    device_calls_when_warm = False   # True: allocates from the device on every request, warm or not
 
     def __init__(self):
         self.counting = False
@@ -75,6 +83,10 @@ class Allocator:
 
     def release(self, devices=()) -> None:
         """Give cached memory back (call after every array made under it is gone)."""
+
+    def trim(self, devices=()) -> None:
+        """Give cached blocks back to the device but stay usable (the benchmark calls it on every other arm
+        before timing one, so no arm runs beside another arm's cached blocks)."""
 
     def check(self) -> None:
         """Raise what a debug mode found (xpool.CorruptionError); nothing for allocators without one."""
@@ -116,6 +128,7 @@ class Raw(Allocator):
     """cudaMalloc/cudaFree for every array (`cupy.cuda.set_allocator(None)`)."""
 
     name = "raw"
+    device_calls_when_warm = True
 
     def __init__(self):
         super().__init__()
@@ -174,6 +187,28 @@ def _hook_class():
     return CountingHook
 
 
+class RawHeld(Raw):
+    """raw, with one 512-byte cudaMalloc block held alive while installed.
+
+    The CUDA driver packs small allocations into larger chunks it maps once; while any small block lives, a
+    cudaMalloc/cudaFree pair of a small size (below 1 MiB) need not map and unmap a chunk, and costs a tenth of
+    what it costs on an otherwise empty device. The first benchmark measured raw beside the other pools' cached
+    small blocks, i.e. in this state, by accident (6.8 µs at 4 KiB against 68 µs measured alone); this arm keeps
+    that case on purpose, beside `raw` measured alone.
+    """
+
+    name = "raw_held"
+
+    def install(self, counting: bool = False) -> None:
+        from cupy.cuda import memory
+        super().install(counting)
+        self._held = memory._malloc(512)
+
+    def uninstall(self) -> None:
+        self._held = None
+        super().uninstall()
+
+
 class CupyPool(Allocator):
     """CuPy's default best-fit pool (`cupy.cuda.MemoryPool`), fresh for each run."""
 
@@ -207,11 +242,14 @@ class CupyPool(Allocator):
     def peak_requested(self, device):
         return self.hook.live.peak[device] if self.counting else None
 
-    def release(self, devices=()):
+    def trim(self, devices=()):
         import cupy
         for d in devices:
             with cupy.cuda.Device(d):
                 self.pool.free_all_blocks()
+
+    def release(self, devices=()):
+        self.trim(devices)
         self.pool = None                       # a dead pool frees the split blocks too
 
 
@@ -219,6 +257,7 @@ class CupyAsync(Allocator):
     """CuPy's `MemoryAsyncPool` (cudaMallocAsync on the current stream)."""
 
     name = "cupy_async"
+    device_calls_when_warm = True             # cudaMallocAsync/cudaFreeAsync on every request
 
     def __init__(self):
         import cupy
@@ -228,26 +267,53 @@ class CupyAsync(Allocator):
     def malloc_fn(self):
         return self.pool.malloc
 
-    def release(self, devices=()):
+    def trim(self, devices=()):
         import cupy
         for d in devices:
             with cupy.cuda.Device(d):
                 cupy.cuda.Device(d).synchronize()
                 self.pool.free_all_blocks()
+
+    def release(self, devices=()):
+        self.trim(devices)
         self.pool = None
 
 
+def schemes_supported() -> bool:
+    """True when xpool.MemoryPool takes `scheme=` (the segment scheme of issue #14 is in this checkout)."""
+    import inspect
+
+    import xpool
+    return "scheme" in inspect.signature(xpool.MemoryPool).parameters
+
+
+def xpool_kwargs(scheme: str | None, classes_per_doubling: int | None) -> dict:
+    """xpool.MemoryPool's arguments for a registry name's scheme and k: the one place that maps names to them.
+
+    scheme None: the pool's default scheme. Where MemoryPool has no `scheme=` yet, 'seed' is its only scheme
+    (size classes): `xpool` and `xpool_seed` are then both its default, k = 1.
+    """
+    kwargs = {}
+    if classes_per_doubling is not None:
+        kwargs["classes_per_doubling"] = classes_per_doubling
+    if scheme is not None and schemes_supported():
+        kwargs["scheme"] = scheme
+    return kwargs
+
+
 class XPool(Allocator):
-    """xpool.MemoryPool: scheme xpool (segments; classes_per_doubling None), or seed with k classes per doubling."""
+    """xpool.MemoryPool: its default scheme (`xpool`), the design's (`xpool_seed`), or k classes per doubling."""
 
     free_counting = True
 
-    def __init__(self, classes_per_doubling: int | None = None, debug=None, name: str | None = None):
+    def __init__(self, classes_per_doubling: int | None = None, debug=None, scheme: str | None = None,
+                 name: str | None = None):
         import xpool
         super().__init__()
-        k = classes_per_doubling
-        self.name = name or ("xpool" if k is None else f"xpool_k{k}") + ("_debug" if debug else "")
-        self.pool = xpool.MemoryPool(k, scheme="xpool" if k is None else "seed", debug=debug or False)
+        base = (f"xpool_k{classes_per_doubling}" if classes_per_doubling is not None
+                else "xpool" if scheme is None else f"xpool_{scheme}")
+        self.name = name or base + ("_debug" if debug else "")
+        self.pool = xpool.MemoryPool(**xpool_kwargs(scheme, classes_per_doubling), debug=debug or False)
 
     def malloc_fn(self):
         return self.pool.malloc
@@ -269,9 +335,64 @@ class XPool(Allocator):
         if self.pool.debug:
             self.pool.check()
 
+    def trim(self, devices=()):
+        self.pool.empty_cache()
+
     def release(self, devices=()):
         self.pool.empty_cache()
         self.pool = None
+
+
+class Torch(Allocator):
+    """PyTorch's caching allocator as CuPy's: each request is a `torch.empty(n, uint8)` on CuPy's current device,
+    handed to CuPy as `MemoryPointer(UnownedMemory(ptr, n, tensor, device), 0)`; the block goes back to PyTorch's
+    cache when CuPy drops the tensor. Both use the legacy default stream unless told otherwise.
+    """
+
+    name = "torch"
+    free_counting = True
+
+    def __init__(self):
+        super().__init__()
+        try:
+            import torch
+        except ImportError as e:
+            raise ImportError(f"allocator 'torch' needs PyTorch ({e})") from e
+        if not torch.cuda.is_available():
+            raise NoGPU("allocator 'torch' needs PyTorch built with CUDA and a visible GPU")
+        self.torch = torch
+
+    def malloc_fn(self):
+        from cupy.cuda import memory, runtime
+        torch, u8 = self.torch, self.torch.uint8
+
+        def malloc(size):
+            device = runtime.getDevice()
+            t = torch.empty(size, dtype=u8, device=torch.device("cuda", device))
+            return memory.MemoryPointer(memory.UnownedMemory(t.data_ptr(), size, t, device), 0)
+        return malloc
+
+    def _stat(self, device, key):
+        return int(self.torch.cuda.memory_stats(device).get(key, 0))
+
+    def device_mallocs(self, device):
+        return self._stat(device, "segment.all.allocated")     # cudaMallocs since the process began
+
+    def peak_reserved(self, device):
+        return self._stat(device, "reserved_bytes.all.peak")
+
+    def peak_requested(self, device):
+        return self._stat(device, "requested_bytes.all.peak")
+
+    def install(self, counting=False):
+        for d in range(self.torch.cuda.device_count()):
+            self.torch.cuda.reset_peak_memory_stats(d)
+        super().install(counting)
+
+    def trim(self, devices=()):
+        self.torch.cuda.empty_cache()
+
+    release = trim
 
 
 class Noop(Allocator):
@@ -324,18 +445,37 @@ class Host(Allocator):
         pass
 
 
-FACTORIES = {"raw": Raw, "cupy_pool": CupyPool, "cupy_async": CupyAsync, "noop": Noop, "c_noop": CNoop,
-             "numpy": Host}
-NAMES = ("raw", "cupy_pool", "cupy_async", "xpool", "xpool_debug", "xpool_seed", "xpool_k4", "xpool_k1_debug",
-         "noop", "c_noop", "numpy")   # xpool: scheme xpool; xpool_seed = xpool_k1: the design's classes; xpool_kN: any N
+FACTORIES = {"raw": Raw, "raw_held": RawHeld, "cupy_pool": CupyPool, "cupy_async": CupyAsync, "torch": Torch,
+             "noop": Noop, "c_noop": CNoop, "numpy": Host}
+NAMES = ("raw", "raw_held", "cupy_pool", "cupy_async", "torch", "xpool", "xpool_seed", "xpool_k1", "xpool_k4",
+         "xpool_k1_debug", "noop", "c_noop", "numpy")   # xpool_kN: any N; _debug after any xpool name
+_XPOOL = re.compile(r"xpool(?:_k(?P<k>\d+)|_(?P<scheme>seed))?(?P<debug>_debug)?")
+
+
+def xpool_arms() -> tuple[str, str]:
+    """The two xpool arms the experiments compare: the default scheme and the design's (`xpool`, `xpool_seed`)
+    where MemoryPool has schemes, else its two class settings (`xpool_k1`, `xpool_k4`)."""
+    return ("xpool", "xpool_seed") if schemes_supported() else ("xpool_k1", "xpool_k4")
 
 
 def make(name: str, **kwargs) -> Allocator:
-    """A fresh allocator by name: raw, cupy_pool, cupy_async, xpool, xpool_seed, xpool_k<N>, noop, numpy."""
-    m = re.fullmatch(r"xpool(?:_k(\d+)|_(seed))?(_debug)?", name)
+    """A fresh allocator by name.
+
+    Args:
+        name: raw, raw_held, cupy_pool, cupy_async, torch, xpool, xpool_seed, xpool_k<N> (any of the xpool
+            names with `_debug` appended: debug mode), noop, c_noop, numpy.
+        **kwargs: passed to the allocator's class.
+
+    Returns:
+        An Allocator, not installed.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    m = _XPOOL.fullmatch(name)
     if m:
-        k = 1 if m.group(2) else (int(m.group(1)) if m.group(1) else None)
-        return XPool(k, debug="raise" if m.group(3) else None, name=name, **kwargs)
+        k = int(m["k"]) if m["k"] else (1 if m["scheme"] == "seed" else None)
+        return XPool(k, debug="raise" if m["debug"] else None, scheme=m["scheme"], name=name, **kwargs)
     if name not in FACTORIES:
         raise ValueError(f"unknown allocator {name!r}; known: {', '.join(NAMES)} (xpool_k<N> for any N)")
     return FACTORIES[name](**kwargs)

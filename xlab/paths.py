@@ -50,3 +50,17 @@ def figures_dir() -> pathlib.Path:
 def build_dir() -> pathlib.Path:
     """<repo>/build: what a run produces and nobody commits (executed notebooks, CPU check results)."""
     return repo_root() / "build"
+
+
+def write_csv(df, out) -> None:
+    """Write a DataFrame to the CSV `out`, making its folder; nothing when out is None.
+
+    Args:
+        df: the frame (written without its index).
+        out: a path, or None.
+    """
+    if out is None:
+        return
+    path = pathlib.Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(path, index=False)

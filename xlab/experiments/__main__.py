@@ -1,4 +1,5 @@
-"""CLI: `python -m xlab.experiments single|ddp [options]` (see --help); writes the CSV and prints the table."""
+"""CLI: `python -m xlab.experiments single|ddp|sweep [options]` (see --help); writes the CSV and prints a table
+of medians over the trials."""
 from __future__ import annotations
 
 import argparse
@@ -7,46 +8,64 @@ import sys
 
 from xlab.allocators import NoGPU
 
-SHOW = ["mode", "allocator", "world", "batch", "tokens_per_s", "speedup", "speedup_vs_raw", "ratio_vs_cupy_pool",
-        "gpu_util_mean", "device_mallocs_per_step", "reserved_over_requested", "checks_passed"]
+SHOW = ["mode", "allocator", "world", "batch", "tokens_per_s", "speedup", "ratio_vs_cupy_pool", "host_ms_per_step",
+        "gpu_ms_per_step", "gpu_util_mean", "device_mallocs_per_step", "reserved_over_requested"]
 
 
-def _common(p, out):
-    p.add_argument("--allocators", nargs="+", help="allocator names (default: raw cupy_pool xpool xpool_seed)")
-    p.add_argument("--steps", type=int, default=30, help="timed steps after warm-up")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first")
-    p.add_argument("--count-steps", type=int, default=3, help="steps of the counting run (raw, cupy_pool)")
+def _common(p, out, steps, warmup):
+    p.add_argument("--allocators", nargs="+", help="allocator names (default: raw cupy_pool and two xpool arms)")
+    p.add_argument("--trials", type=int, default=5, help="trials per configuration, interleaved (default 5)")
+    p.add_argument("--warmup", type=int, default=warmup, help=f"untimed steps first (default {warmup})")
     p.add_argument("--config", default="reference", help="GPT config: reference, small or tiny")
     p.add_argument("--out", help=f"CSV to write (default {out}; with --cpu-smoke: none)")
     p.set_defaults(default_out=out)
-    p.add_argument("--quick", action="store_true", help="a smoke run: 5 timed steps, 2 warm-up, 2 counted")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 2 trials of few steps")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="run the loop on NumPy with the tiny config for two steps (no GPU needed; measures nothing)")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--adamw", choices=["per_param", "foreach"], default=None,
-                   help="optimizer form (default: $XPOOL_ADAMW or per_param, the workload as measured)")
+    p.add_argument("--adamw", choices=["foreach", "per_param"], default=None,
+                   help="optimizer form (default: $XPOOL_ADAMW or foreach, the flat-buffer AdamW)")
+    if steps is not None:
+        p.add_argument("--steps", type=int, default=steps, help=f"timed steps after warm-up (default {steps})")
+        p.add_argument("--count-steps", type=int, default=3,
+                       help="steps of the counting run (raw, cupy_pool; trial 0 only)")
 
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(prog="python -m xlab.experiments", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("single", help="one GPU, every allocator, batch 32 and 4")
-    _common(s, "data/single_gpu.csv")
+    _common(s, "data/single_gpu.csv", 10, 3)
     s.add_argument("--batches", nargs="+", type=int, default=[32, 4])
     d = sub.add_parser("ddp", help="data-parallel scaling over 1..N GPUs")
-    _common(d, "data/ddp_scaling.csv")
+    _common(d, "data/ddp_scaling.csv", 8, 3)
     d.add_argument("--modes", nargs="+", default=["threads", "processes"], choices=["threads", "processes"])
     d.add_argument("--worlds", nargs="+", type=int, default=[1, 2])
     d.add_argument("--batch", type=int, default=32, help="per-GPU batch")
     d.add_argument("--launcher", default="auto", choices=["auto", "mpirun", "spawn"])
-    w = sub.add_parser("worker", help=argparse.SUPPRESS)    # one mpirun-launched rank of `ddp`
-    w.add_argument("spec")
+    w = sub.add_parser("sweep", help="threads on 1 and 2 GPUs against per-GPU batch")
+    _common(w, "data/batch_sweep.csv", None, 2)
+    w.add_argument("--batches", nargs="+", type=int, default=[4, 8, 16, 32, 64, 128])
+    w.add_argument("--worlds", nargs="+", type=int, default=[1, 2])
+    w.add_argument("--steps-scale", type=float, default=1.0, help="multiplies the timed steps per batch")
+    k = sub.add_parser("worker", help=argparse.SUPPRESS)    # one mpirun-launched rank of `ddp`
+    k.add_argument("spec")
     args = ap.parse_args(argv)
     if args.cmd != "worker":
+        if args.trials < 1:
+            ap.error("--trials must be at least 1")
         if args.quick:
-            args.steps, args.warmup, args.count_steps = 5, 2, 2
+            args.trials, args.warmup = 2, 2
+            if args.cmd == "sweep":
+                args.steps_scale = 0.5
+            else:
+                args.steps, args.count_steps = 3, 2
         if args.cpu_smoke:
-            args.steps, args.warmup, args.count_steps, args.config = 2, 1, 1, "tiny"
+            args.trials, args.warmup, args.config = 2, 1, "tiny"
+            if args.cmd == "sweep":
+                args.batches, args.steps_scale = [2, 4], 0.3
+            else:
+                args.steps, args.count_steps = 2, 1
         elif args.out is None:
             args.out = args.default_out
     return args
@@ -60,23 +79,32 @@ def main(argv=None) -> int:
         return 0
     if args.adamw:
         os.environ["XPOOL_ADAMW"] = args.adamw      # read by every rank, launched ones too
-    common = dict(steps=args.steps, warmup=args.warmup, count_steps=args.count_steps, config=args.config,
-                  out=args.out, cpu=args.cpu_smoke, progress=not args.no_progress)
+    common = dict(warmup=args.warmup, config=args.config, out=args.out, cpu=args.cpu_smoke,
+                  progress=not args.no_progress, trials=args.trials)
+    if args.cmd != "sweep":
+        common.update(steps=args.steps, count_steps=args.count_steps)
     if args.allocators:
         common["allocators"] = tuple(args.allocators)
     try:
         if args.cmd == "single":
             from .single_gpu import run
             df = run(batches=tuple(args.batches), **common)
-        else:
+        elif args.cmd == "ddp":
             from .ddp import run
             df = run(modes=tuple(args.modes), worlds=tuple(args.worlds), batch=args.batch, launcher=args.launcher,
+                     **common)
+        else:
+            from .sweep import run
+            df = run(batches=tuple(args.batches), worlds=tuple(args.worlds), steps_scale=args.steps_scale,
                      **common)
     except NoGPU as e:
         print(f"xlab.experiments {args.cmd}: {e}", file=sys.stderr)
         return 2
+    keys = ["mode", "allocator", "world", "batch"]
+    med = df.groupby(keys, sort=False)[[c for c in SHOW if c not in keys]].median(numeric_only=True).reset_index()
     with __import__("pandas").option_context("display.width", 200, "display.max_columns", 20):
-        print(df[SHOW].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+        print(f"medians over {args.trials} trial(s):")
+        print(med.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     if args.out:
         print(f"wrote {args.out}")
     return 0 if df["checks_passed"].all() else 1

@@ -1,18 +1,25 @@
 """Data-parallel training over 1..N GPUs (global batch = per-GPU batch x N), NCCL all-reduce of gradients.
 
-Two modes, the same allocators:
-- threads: one process, one Python thread per GPU, one NCCL communicator per thread
-  (ncclCommInitRank from each thread, NCCL's one-device-per-thread pattern; the calls release the GIL).
-  The all-reduce is fenced (train.Fenced): unfenced, a cudaMalloc/cudaFree during it deadlocks.
+Two modes, the same allocators, `trials` trials interleaved across them (A B C D, A B C D, ...):
+- threads: one process, one Python thread per GPU, one NCCL communicator per thread (`ThreadGroup`:
+  ncclCommInitRank from each thread, NCCL's one-device-per-thread pattern; the calls release the GIL).
+  The all-reduce is fenced (train.Fenced) during warm-up, and in the timed steps only for allocators that call
+  the device once warm (raw): a cudaMalloc/cudaFree during a peer's NCCL kernel deadlocks.
+  The gradient all-reduce is not overlapped with the backward pass: the tape runs backward as one call with no
+  per-gradient hook, so buckets on a side stream would need the workload changed (not done).
 - processes: one process per GPU, started by `mpirun` (mpi4py) where it exists, else by multiprocessing
-  spawn; each rank loops over the allocators itself, so launch, CUDA and NCCL start-up are paid once.
+  spawn; each rank runs the interleaved trials itself, so launch, CUDA and NCCL start-up are paid once.
+
+How it reads: `run` -> for each world, a mode's arms (`threads_arms`: a ThreadGroup; `launch`: rank processes
+running `rank_main`) -> runner.run_arm for each (trial, allocator) around rank functions built from
+train.run_rank -> train.build_row. Nothing calls back up.
 
 Every run carries its checks: the loss curve against a single-GPU run on the same global batch
 (loss_rel_diff_max <= 1e-6) and the parameters across ranks after the run (param_rank_diff_max < 1e-6).
 NVLink multicast stays off: NCCL_NVLS_ENABLE=0 in every process.
 
     df = ddp.run(worlds=(1, 2))                   # writes data/ddp_scaling.csv
-    python -m xlab.experiments ddp --worlds 1 2 --modes threads processes
+    python -m xlab.experiments ddp --worlds 1 2 --modes threads processes --trials 5
 """
 from __future__ import annotations
 
@@ -29,13 +36,13 @@ import threading
 import warnings
 
 from tapegpt import GPTConfig, load_corpus
-from xlab.paths import repo_root
+from xlab.paths import repo_root, write_csv
 from xlab.provenance import provenance
 
 from xlab import allocators as registry
-from . import train
+from . import runner, train
+from .single_gpu import TRIALS, default_allocators
 
-ALLOCATORS = ("raw", "cupy_pool", "xpool", "xpool_seed")
 BARRIER_TIMEOUT = 600      # seconds: a rank that waits longer than this has lost a peer
 
 
@@ -72,10 +79,8 @@ def reference_losses(cfg, data, batch, steps, warmup, cpu=False) -> list:
     """The single-GPU loss curve on the same global batch (GPU 0, CuPy's pool): what DDP must match."""
     xp = _xp(cpu)
     with (contextlib.nullcontext() if cpu else xp.cuda.Device(0)):
-        _, (r,) = train.fresh_run("numpy" if cpu else "cupy_pool",
-                                  lambda alloc, n: [train.run_rank(alloc, cfg, data, batch, n, warmup, xp=xp)],
-                                  steps, False, [0])
-    return r["losses"]
+        with runner.installed("numpy" if cpu else "cupy_pool", False, [0]) as alloc:
+            return train.run_rank(alloc, cfg, data, batch, steps, warmup, xp=xp)["losses"]
 
 
 def _xp(cpu):
@@ -88,41 +93,64 @@ def _xp(cpu):
 
 # --- threads: one process, a thread per GPU
 
-def threads_mode(world, names, cfg, data, batch, steps, warmup, count_steps, cpu=False, progress=True):
-    """measure() results for each allocator, with `world` threads (NCCL on GPUs, HostComm on NumPy)."""
-    from tqdm.auto import tqdm
-    xp = _xp(cpu)
-    device_ctx = None if cpu else xp.cuda.Device
-    if cpu:
-        host = train.HostComm(world)
-        comms, sampler = [host.rank(r) for r in range(world)], None
-    else:
-        from cupy.cuda import nccl
+class ThreadGroup:
+    """`world` ranks as threads of this process, each with its communicator (NCCL on GPUs, HostComm on NumPy)
+    wrapped in train.Fenced; `ranks(batch)` gives the runner's rank function for one arm."""
 
-        from xlab.nvml import UtilSampler
-        uid = nccl.get_unique_id()
-        comms = train.run_threads(world, lambda r: NcclComm(nccl.NcclCommunicator(world, uid, r)), device_ctx)
-        sampler = UtilSampler(range(world))          # rank 0 starts and stops it for all GPUs
-    barrier = threading.Barrier(world, timeout=BARRIER_TIMEOUT)
-    fenced = [train.Fenced(comms[r], barrier.wait, train.synchronizer(xp, r)) for r in range(world)]
-
-    def run_ranks(alloc, n):
-        return train.run_threads(world, lambda r: train.run_rank(
-            alloc, cfg, data, batch, n, warmup, xp=xp, device=r, rank=r, world=world, comm=fenced[r],
-            barrier=barrier.wait, sampler=sampler if r == 0 else None), device_ctx)
-
-    try:
-        return [train.measure(name, run_ranks, steps, count_steps, range(world))
-                for name in tqdm(names, desc=f"threads x{world}", disable=not progress)]
-    finally:
+    def __init__(self, world, cfg, data, warmup, cpu=False):
+        self.world, self.cfg, self.data, self.warmup, self.cpu = world, cfg, data, warmup, cpu
+        self.xp = xp = _xp(cpu)
+        self.device_ctx = None if cpu else xp.cuda.Device
+        self.sampler = None
+        if world == 1:
+            self.comms = [None]
+        elif cpu:
+            host = train.HostComm(world)
+            self.comms = [host.rank(r) for r in range(world)]
+        else:
+            from cupy.cuda import nccl
+            uid = nccl.get_unique_id()
+            self.comms = runner.run_threads(world, lambda r: NcclComm(nccl.NcclCommunicator(world, uid, r)),
+                                            self.device_ctx)
         if not cpu:
-            train.run_threads(world, lambda r: comms[r].comm.destroy(), device_ctx)
+            from xlab.nvml import UtilSampler
+            self.sampler = UtilSampler(range(world))          # rank 0 starts and stops it for all GPUs
+        self.barrier = threading.Barrier(world, timeout=BARRIER_TIMEOUT)
+        # one rank needs no collective (and no fence): world 1 is the same loop without an all-reduce
+        self.fenced = ([train.Fenced(self.comms[r], self.barrier.wait, train.synchronizer(xp, r))
+                        for r in range(world)] if world > 1 else [None])
+
+    def ranks(self, batch):
+        """ranks(alloc, steps) -> every rank's run_rank dict, one thread per rank."""
+        def run(alloc, steps):
+            return runner.run_threads(self.world, lambda r: train.run_rank(
+                alloc, self.cfg, self.data, batch, steps, self.warmup, xp=self.xp, device=r, rank=r,
+                world=self.world, comm=self.fenced[r], barrier=self.barrier.wait if self.world > 1 else None,
+                sampler=self.sampler if r == 0 else None), self.device_ctx)
+        return run
+
+    def close(self):
+        if not self.cpu and self.world > 1:
+            runner.run_threads(self.world, lambda r: self.comms[r].comm.destroy(), self.device_ctx)
+
+
+def threads_arms(world, names, cfg, data, batch, steps, warmup, count_steps, cpu=False, progress=True,
+                 trials=TRIALS) -> list:
+    """(trial, runner.run_arm result) for each trial and allocator, interleaved, with `world` threads."""
+    from tqdm.auto import tqdm
+    group = ThreadGroup(world, cfg, data, warmup, cpu)
+    try:
+        return [(t, runner.run_arm(name, group.ranks(batch), steps, count_steps, range(world), count=t == 0))
+                for t, name in tqdm(runner.interleaved(trials, names), desc=f"threads x{world}",
+                                    disable=not progress)]
+    finally:
+        group.close()
 
 
 # --- processes: one process per GPU
 
 def rank_main(rank, world, uid, spec, barrier) -> list:
-    """One rank of the processes mode: every allocator in turn on GPU `rank`; its measure() results."""
+    """One rank of the processes mode: every (trial, allocator) in turn on GPU `rank`; [(trial, run_arm result)]."""
     no_multicast()
     import cupy
     from cupy.cuda import nccl
@@ -131,19 +159,21 @@ def rank_main(rank, world, uid, spec, barrier) -> list:
     from xlab.nvml import UtilSampler
     cfg, data = GPTConfig(**spec["config"]), load_corpus()
     with cupy.cuda.Device(rank):
-        comm = NcclComm(nccl.NcclCommunicator(world, uid, rank))
+        comm = NcclComm(nccl.NcclCommunicator(world, uid, rank)) if world > 1 else None
         sampler = UtilSampler([rank])
 
-        def run_ranks(alloc, n):
+        def ranks(alloc, n):
             return [train.run_rank(alloc, cfg, data, spec["batch"], n, spec["warmup"], xp=cupy, device=rank,
                                    rank=rank, world=world, comm=comm, barrier=barrier, sampler=sampler)]
 
         try:
-            return [train.measure(name, run_ranks, spec["steps"], spec["count_steps"], [rank])
-                    for name in tqdm(spec["allocators"], desc=f"processes x{world}",
-                                     disable=rank != 0 or not spec.get("progress", True))]
+            return [(t, runner.run_arm(name, ranks, spec["steps"], spec["count_steps"], [rank], count=t == 0))
+                    for t, name in tqdm(runner.interleaved(spec["trials"], spec["allocators"]),
+                                        desc=f"processes x{world}",
+                                        disable=rank != 0 or not spec.get("progress", True))]
         finally:
-            comm.comm.destroy()
+            if comm is not None:
+                comm.comm.destroy()
 
 
 def worker_main(spec_path) -> None:
@@ -236,42 +266,58 @@ def _spawn(world, spec, env):
 
 
 def merge_ranks(per_rank: list) -> list:
-    """[rank][allocator] measure() results -> one per allocator, with every rank's run in timed/counted."""
+    """[rank][i] = (trial, run_arm result) -> [(trial, one result per arm with every rank's run in timed/counted)]."""
     out = []
-    for i, first in enumerate(per_rank[0]):
-        out.append(dict(allocator=first["allocator"], counted_steps=first["counted_steps"],
-                        timed=[r[i]["timed"][0] for r in per_rank],
-                        counted=[r[i]["counted"][0] for r in per_rank]))
+    for i, (trial, first) in enumerate(per_rank[0]):
+        counted = None if first["counted"] is None else [r[i][1]["counted"][0] for r in per_rank]
+        out.append((trial, dict(allocator=first["allocator"], counted_steps=first["counted_steps"],
+                                timed=[r[i][1]["timed"][0] for r in per_rank], counted=counted)))
     return out
 
 
-def run(modes=("threads", "processes"), worlds=(1, 2), allocators=ALLOCATORS, batch=32, steps=30, warmup=5,
-        count_steps=3, config=None, launcher="auto", out="data/ddp_scaling.csv", cpu=False, progress=True):
-    """Data-parallel tokens/s, speedup over world 1, utilisation, mallocs, peaks and checks; one row per
-    (mode, allocator, world). cpu=True: threads mode on NumPy with HostComm (tests the code, measures nothing)."""
+def run(modes=("threads", "processes"), worlds=(1, 2), allocators=None, batch=32, steps=8, warmup=3,
+        count_steps=3, config=None, launcher="auto", out="data/ddp_scaling.csv", cpu=False, progress=True,
+        trials=TRIALS):
+    """Data-parallel tokens/s, speedup over world 1, host and GPU ms per step, utilisation, mallocs, peaks and
+    checks.
+
+    Args:
+        modes: "threads" and/or "processes".
+        worlds: GPU counts (world 1 is every speedup's reference).
+        allocators: registry names (default: single_gpu.default_allocators()).
+        batch: sequences per GPU per step.
+        steps, warmup, count_steps: timed steps, untimed steps first, steps of the counting run (trial 0).
+        config: GPT config; launcher: processes' launcher (auto, mpirun, spawn); out: the CSV (None: none).
+        cpu: threads mode on NumPy with HostComm (tests the code, measures nothing).
+        progress: progress bars; trials: trials per (mode, world, allocator), interleaved across allocators.
+
+    Returns:
+        A tidy DataFrame, one row per (mode, world, trial, allocator).
+    """
     no_multicast()
+    allocators = tuple(allocators or default_allocators())
     if cpu:
         modes, allocators = tuple(m for m in modes if m == "threads"), ("numpy",)
     else:
         registry.require_gpus(max(worlds), "ddp.run")
     cfg, data = train.make_config(config), load_corpus()
     spec = dict(allocators=list(allocators), batch=batch, steps=steps, warmup=warmup, count_steps=count_steps,
-                config=dataclasses.asdict(cfg), progress=progress)
+                config=dataclasses.asdict(cfg), progress=progress, trials=trials)
     rows = []
     for world in worlds:
         ref = reference_losses(cfg, data, batch * world, steps, warmup, cpu)
         for mode in modes:
             if mode == "threads":
-                results, how = threads_mode(world, allocators, cfg, data, batch, steps, warmup, count_steps, cpu,
-                                            progress), "threads"
+                results, how = threads_arms(world, allocators, cfg, data, batch, steps, warmup, count_steps, cpu,
+                                            progress, trials), "threads"
             elif mode == "processes":
                 how = pick_launcher(launcher)
                 results = merge_ranks(launch(world, spec, how))
             else:
                 raise ValueError(f"unknown mode {mode!r}; use threads or processes")
-            for m in results:
+            for trial, m in results:
                 row = train.build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=ref, launcher=how,
-                                      config=train.config_name(config))
-                rows.append({**row, **provenance(experiment="ddp")})
-            train.write_csv(train.frame(rows), out)      # what is done survives a later failure
+                                      config=train.config_name(config), trial=trial)
+                rows.append({**row, **provenance(experiment="ddp", trials=trials)})
+            write_csv(train.frame(rows), out)      # what is done survives a later failure
     return train.frame(rows)

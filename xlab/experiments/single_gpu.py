@@ -1,13 +1,15 @@
-"""One GPU, reference config: steady-state tokens/s, GPU utilisation, device mallocs per step and peak
-memory for each allocator, each run from a fresh pool and a fresh model (same seed).
+"""One GPU, reference config: steady-state tokens/s, host and GPU ms per step, what bounds the step, GPU
+utilisation, device mallocs per step and peak memory for each allocator, each run from a fresh pool and a fresh
+model (same seed); `trials` trials interleaved across the allocators and batches.
 
-    df = single_gpu.run()                        # writes data/single_gpu.csv
-    python -m xlab.experiments single --steps 30
+    df = single_gpu.run()                        # writes data/single_gpu.csv, one row per (trial, batch, allocator)
+    python -m xlab.experiments single --steps 10 --trials 5
 
 Columns (shared with ddp; see train.COLUMNS): tokens_per_s over the timed steps after warm-up;
-gpu_util_mean, NVML's mean over the timed window; device_mallocs_per_step, cudaMallocs per step
-after warm-up (raw and cupy_pool: counted in a separate counting run, see allocators.py);
-peak_reserved_bytes / peak_requested_bytes over the whole run (model, warm-up and steps);
+host_ms_per_step, the dispatching thread's CPU time; gpu_ms_per_step, the step's span on the stream (CUDA
+events); gpu_util_mean, NVML's mean over the timed window; bound, host or gpu; device_mallocs_per_step,
+cudaMallocs per step after warm-up (raw and cupy_pool: counted in a separate counting run in trial 0, see
+allocators.py); peak_reserved_bytes / peak_requested_bytes over the whole run (model, warm-up and steps);
 loss_rel_diff_max, this allocator's loss curve against the first allocator's at the same batch.
 """
 from __future__ import annotations
@@ -15,21 +17,40 @@ from __future__ import annotations
 import contextlib
 
 from tapegpt import load_corpus
+from xlab.paths import write_csv
 from xlab.provenance import provenance
 
 from xlab import allocators as registry
-from . import train
+from . import runner, train
 
-ALLOCATORS = ("raw", "cupy_pool", "xpool", "xpool_seed")
+TRIALS = 5
 
 
-def run(allocators=ALLOCATORS, batches=(32, 4), steps=30, warmup=5, config=None, out="data/single_gpu.csv",
-        count_steps=3, device=0, cpu=False, progress=True):
-    """Measure every allocator at every batch size; a tidy DataFrame, one row per (allocator, batch).
+def default_allocators() -> tuple:
+    """raw, CuPy's pool and the two xpool arms (allocators.xpool_arms)."""
+    return ("raw", "cupy_pool") + registry.xpool_arms()
 
-    cpu=True runs the same loop on NumPy (allocator 'numpy'): it tests the code and measures nothing.
+
+def run(allocators=None, batches=(32, 4), steps=10, warmup=3, config=None, out="data/single_gpu.csv",
+        count_steps=3, device=0, cpu=False, progress=True, trials=TRIALS):
+    """Measure every allocator at every batch size, `trials` times, interleaved.
+
+    Args:
+        allocators: registry names (default: default_allocators()).
+        batches: sequences per step.
+        steps, warmup, count_steps: timed steps, untimed steps first, steps of the counting run.
+        config: GPT config name or fields (train.make_config).
+        out: the CSV, rewritten after every run (None: none).
+        device: the GPU.
+        cpu: run the same loop on NumPy (allocator 'numpy'): it tests the code and measures nothing.
+        progress: show a progress bar.
+        trials: trials per (batch, allocator).
+
+    Returns:
+        A tidy DataFrame, one row per (trial, batch, allocator).
     """
     from tqdm.auto import tqdm
+    allocators = tuple(allocators or default_allocators())
     if cpu:
         import numpy as xp
         allocators, sampler, on_device = ("numpy",), None, contextlib.nullcontext
@@ -39,17 +60,17 @@ def run(allocators=ALLOCATORS, batches=(32, 4), steps=30, warmup=5, config=None,
         from xlab.nvml import UtilSampler
         sampler, on_device = UtilSampler([device]), lambda: xp.cuda.Device(device)
     cfg, data = train.make_config(config), load_corpus()
+    arms = [(b, a) for b in batches for a in allocators]
     rows, first = [], {}                       # first: batch -> the first allocator's loss curve
-    for batch, name in tqdm([(b, a) for b in batches for a in allocators], desc="single_gpu",
-                            disable=not progress):
-        def run_ranks(alloc, n):
+    for trial, (batch, name) in tqdm(runner.interleaved(trials, arms), desc="single_gpu", disable=not progress):
+        def ranks(alloc, n):
             with on_device():
                 return [train.run_rank(alloc, cfg, data, batch, n, warmup, xp=xp, device=device,
                                        sampler=sampler)]
-        m = train.measure(name, run_ranks, steps, count_steps, [device])
+        m = runner.run_arm(name, ranks, steps, count_steps, [device], count=trial == 0)
         ref = first.setdefault(batch, m["timed"][0]["losses"])
         row = train.build_row("single", m, 1, batch, cfg, steps, warmup, ref_losses=ref,
-                              config=train.config_name(config))
-        rows.append({**row, **provenance(experiment="single_gpu")})
-        train.write_csv(train.frame(rows), out)          # what is done survives a later failure
+                              config=train.config_name(config), trial=trial)
+        rows.append({**row, **provenance(experiment="single_gpu", trials=trials)})
+        write_csv(train.frame(rows), out)          # what is done survives a later failure
     return train.frame(rows)

@@ -1,13 +1,18 @@
-"""The training measurement shared by the single-GPU and data-parallel experiments.
+"""One rank's training run and the row it becomes: the pieces the experiments' runner (runner.py) composes.
 
 One rank's run (`run_rank`) is: a fresh model and optimiser (seed 0), `warmup` steps, then a timed
 window of `steps` steps. Data-parallel ranks flatten their gradients and the loss into one buffer,
 sum it over the ranks (one all-reduce per step) and scale by 1/world. Everything here runs on NumPy
 too, with `HostComm` standing in for NCCL, so the loop, the checks and the rows are tested on a CPU.
+
+What a timed window records, per step: wall time; the dispatching thread's CPU time (`time.thread_time`, the
+host's work: it excludes time spent waiting for the GIL, and includes time spinning in a synchronising CUDA
+call); the span of the step on the GPU's stream (CUDA events recorded before and after each step); and NVML's
+utilisation over the window. Python's garbage collector stays on in every arm alike; the pauses it takes
+inside the window are timed (gc.callbacks) and recorded with the row.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import math
@@ -20,20 +25,30 @@ import numpy as np
 from tapegpt import AdamW, GPT, GPTConfig, get_batch
 from tapegpt.tape import array_module
 
-from xlab import allocators as registry
-
 LR, WEIGHT_DECAY, SEED = 3e-4, 0.1, 0
-# The optimizer's form: "per_param" (a dozen ops per parameter: the measured default) or "foreach" (one flat
-# buffer, bit-identical, a dozen ops per step). An environment variable, so launched ranks inherit it.
+# The optimizer's form: "foreach" (one flat buffer, a dozen ops per step: the default) or "per_param" (a dozen
+# ops per parameter, bit-identical: the workload as first measured). An environment variable, so launched ranks
+# inherit it.
 ADAMW_ENV = "XPOOL_ADAMW"
-ADAMW_FORMS = ("per_param", "foreach")
+ADAMW_FORMS = ("foreach", "per_param")
+ADAMW_DEFAULT = "foreach"
 
 
 def adamw_form() -> str:
-    form = os.environ.get(ADAMW_ENV, "per_param")
+    """The optimizer form of this process's runs: $XPOOL_ADAMW, else foreach.
+
+    Returns:
+        "foreach" or "per_param".
+
+    Raises:
+        ValueError: $XPOOL_ADAMW names neither.
+    """
+    form = os.environ.get(ADAMW_ENV, ADAMW_DEFAULT)
     if form not in ADAMW_FORMS:
         raise ValueError(f"{ADAMW_ENV}={form!r}: expected one of {', '.join(ADAMW_FORMS)}")
     return form
+
+
 LOSS_TOL = 1e-6     # DDP loss vs one GPU on the same global batch: max relative difference
 PARAM_TOL = 1e-6    # parameters across ranks: max absolute difference
 
@@ -45,12 +60,15 @@ CONFIGS = {
 
 # The rows' columns, in order; provenance columns follow (xlab.provenance).
 COLUMNS = [
-    "mode", "allocator", "world", "batch", "tokens_per_s", "ms_per_step", "speedup", "speedup_vs_raw",
-    "ratio_vs_cupy_pool", "gpu_util_mean", "device_mallocs_per_step", "peak_reserved_bytes",
-    "peak_requested_bytes", "reserved_over_requested", "loss_first", "loss_last", "loss_rel_diff_max",
-    "param_rank_diff_max", "checks_passed", "launcher", "config", "n_params", "block_size", "steps",
-    "warmup", "count_steps", "adamw",
+    "mode", "allocator", "world", "batch", "trial", "tokens_per_s", "ms_per_step", "speedup", "speedup_vs_raw",
+    "ratio_vs_cupy_pool", "host_ms_per_step", "gpu_ms_per_step", "gpu_busy_ms_per_step", "bound",
+    "gpu_util_mean", "gc_ms_per_step", "gc_collections", "gc", "fenced", "device_mallocs_per_step",
+    "peak_reserved_bytes", "peak_requested_bytes", "reserved_over_requested", "loss_first", "loss_last",
+    "loss_rel_diff_max", "param_rank_diff_max", "checks_passed", "launcher", "config", "n_params", "block_size",
+    "steps", "warmup", "count_steps", "adamw",
 ]
+GC_POLICY = "on, pauses timed"   # the `gc` column: the collector runs as usual in every arm; its pauses are shown
+HOST_BOUND_UTIL = 80.0           # % GPU busy below which the GPU waited for the host: the step is host-bound
 
 
 def make_config(config=None) -> GPTConfig:
@@ -142,12 +160,22 @@ class Fenced:
     the peers too, so a rank allocating while a peer's NCCL kernel waits for that rank's launch
     deadlocks (seen on two H200s with raw cudaMalloc and with CuPy's pool during warm-up). With the
     fence no rank is inside its step while a collective is in flight.
+
+    The fence costs the overlap of one rank's host work with the other's GPU work, so it is only armed where
+    it is needed: during warm-up for every allocator (pools call cudaMalloc while they fill), and in the timed
+    steps only for allocators that still call the device once warm (`device_calls_when_warm`: raw, cudaMallocAsync).
+    A pool that makes no device call once warm cannot meet that deadlock. `bcast` (the checks after the run) is
+    always fenced: the check allocates fresh buffers.
     """
 
     def __init__(self, comm, barrier, sync):
         self.comm, self.barrier, self.sync = comm, barrier, sync
+        self.armed = True
 
     def allreduce(self, buf):
+        if not self.armed:
+            self.comm.allreduce(buf)
+            return
         self.barrier()
         self.comm.allreduce(buf)
         self.sync()
@@ -168,12 +196,40 @@ def param_rank_diff(params: dict, comm) -> float:
 
 # --- one rank's run
 
+class GcPauses:
+    """Time spent in Python's garbage collector while active (every thread's collections: gc.callbacks)."""
+
+    def __init__(self):
+        self.seconds, self.collections, self._t0 = 0.0, 0, None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+            self.collections += 1
+            self._t0 = None
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+        return False
+
+
 class Window:
-    """The timed part of a run: synchronise, meet the other ranks, read counters and clock; again at the end."""
+    """The timed part of a run: synchronise, meet the other ranks, read counters and clocks; again at the end.
+
+    `dispatched()` marks the end of the host's work (before the closing synchronisation, whose wait is not
+    dispatch): host_seconds is this thread's CPU time from the start to that mark.
+    """
 
     def __init__(self, mallocs, sync, barrier=None, sampler=None):
         self.mallocs, self.sync, self.barrier, self.sampler = mallocs, sync, barrier, sampler
-        self.seconds, self.device_mallocs, self.util = math.nan, None, {}
+        self.seconds, self.host_seconds, self.device_mallocs, self.util = math.nan, math.nan, None, {}
+        self.gc = GcPauses()
 
     def __enter__(self):
         self.sync()
@@ -182,14 +238,22 @@ class Window:
         self.m0 = self.mallocs()
         if self.sampler:
             self.sampler.start()
+        self.gc.__enter__()
+        self.h0, self._h1 = time.thread_time(), None
         self.t0 = time.perf_counter()
         return self
 
+    def dispatched(self) -> None:
+        self._h1 = time.thread_time()
+
     def __exit__(self, exc_type, *_):
+        self.gc.__exit__()
         if exc_type is not None:
             return False
+        h1 = self._h1 if self._h1 is not None else time.thread_time()
         self.sync()
         self.seconds = time.perf_counter() - self.t0
+        self.host_seconds = h1 - self.h0
         if self.barrier:
             self.barrier()
         if self.sampler:
@@ -199,7 +263,30 @@ class Window:
         return False
 
 
+class StepEvents:
+    """CUDA events recorded on the current stream before and after each timed step (made before the window, so
+    the window creates none); `ms()` is the mean span of a step on the stream, read after the closing sync."""
+
+    def __init__(self, xp, steps):
+        self.pairs = [] if xp is np else [(xp.cuda.Event(), xp.cuda.Event()) for _ in range(steps)]
+        self.xp = xp
+
+    def start(self, i):
+        if self.pairs:
+            self.pairs[i][0].record()
+
+    def stop(self, i):
+        if self.pairs:
+            self.pairs[i][1].record()
+
+    def ms(self) -> float:
+        if not self.pairs:
+            return math.nan
+        return float(np.mean([self.xp.cuda.get_elapsed_time(a, b) for a, b in self.pairs]))
+
+
 def synchronizer(xp, device):
+    """A function that waits for `device` (nothing on NumPy)."""
     if xp is np:
         return lambda: None
     return xp.cuda.Device(device).synchronize
@@ -207,82 +294,62 @@ def synchronizer(xp, device):
 
 def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0, world=1, comm=None,
              barrier=None, sampler=None) -> dict:
-    """One rank: fresh model, `warmup` steps, `steps` timed steps; a dict of host values.
+    """One rank: fresh model, `warmup` steps, `steps` timed steps.
 
-    The allocator must already be installed (by the caller: it is process-wide). Losses stay on the
-    device until the end: reading one per step would synchronise every step.
+    Args:
+        alloc: the registry Allocator, already installed by the caller (CuPy's allocator is process-wide).
+        cfg, data, batch: the GPT config, the token array, sequences per step on this rank.
+        steps, warmup: timed steps and untimed steps before them.
+        xp: numpy or cupy; device, rank, world: where this rank runs and how many there are.
+        comm: the communicator (None: one rank, no all-reduce); a `Fenced` one is disarmed after warm-up when
+            the allocator makes no device call once warm.
+        barrier, sampler: meet the other ranks at the window's edges; NVML sampler (rank 0 only).
+
+    Returns:
+        A dict of host values: seconds, host_seconds, gpu_ms_per_step, gc_seconds, gc_collections,
+        device_mallocs, util, losses, param_rank_diff, peak_reserved, peak_requested, n_params, fenced.
+        Losses stay on the device until the end: reading one per step would synchronise every step.
     """
     window = Window(lambda: alloc.device_mallocs(device), synchronizer(xp, device), barrier, sampler)
+    fence = comm if isinstance(comm, Fenced) else None
     with alloc.tracking():              # everything allocated in the run, parameters too, is seen
         model = GPT(cfg, xp=xp, seed=SEED)
         opt = AdamW(model.params, lr=LR, weight_decay=WEIGHT_DECAY, foreach=adamw_form() == "foreach")
         losses = xp.zeros(warmup + steps, dtype=cfg.dtype)
+        events = StepEvents(xp, steps)
 
         def step(i):
             x, y = get_batch(data, batch, cfg.block_size, i, seed=SEED, xp=xp, rank=rank, world=world)
             losses[i] = train_step(model, opt, x, y, comm, world)
             alloc.sample(device)
 
+        if fence is not None:
+            fence.armed = True
         for i in range(warmup):
             step(i)
-        with window:
-            for i in range(warmup, warmup + steps):
-                step(i)
+        if fence is not None:       # every rank switches after the same step: their barriers stay matched
+            fence.armed = alloc.device_calls_when_warm
+        try:
+            with window:
+                for i in range(steps):
+                    events.start(i)
+                    step(warmup + i)
+                    events.stop(i)
+                window.dispatched()
+        finally:
+            if fence is not None:
+                fence.armed = True
         param_diff = param_rank_diff(model.params, comm) if comm is not None else None
         n_params = model.num_params()
-        out = dict(rank=rank, device=device, seconds=window.seconds, device_mallocs=window.device_mallocs,
-                   util=window.util, losses=[float(v) for v in (losses.get() if xp is not np else losses)],
+        out = dict(rank=rank, device=device, seconds=window.seconds, host_seconds=window.host_seconds,
+                   gpu_ms_per_step=events.ms(), gc_seconds=window.gc.seconds, gc_collections=window.gc.collections,
+                   device_mallocs=window.device_mallocs, util=window.util,
+                   losses=[float(v) for v in (losses.get() if xp is not np else losses)],
                    param_rank_diff=param_diff, peak_reserved=alloc.peak_reserved(device),
-                   peak_requested=alloc.peak_requested(device), n_params=n_params)
+                   peak_requested=alloc.peak_requested(device), n_params=n_params,
+                   fenced=fence is not None and alloc.device_calls_when_warm)
         del model, opt, losses
     return out
-
-
-def measure(name, run_ranks, steps, count_steps, devices) -> dict:
-    """One allocator: a timed run and, unless counting is free, a counting run, each with a fresh allocator.
-
-    run_ranks(alloc, steps) runs every rank with `alloc` installed and returns their run_rank dicts.
-    """
-    alloc, timed = fresh_run(name, run_ranks, steps, False, devices)
-    if alloc.free_counting:
-        return dict(allocator=name, timed=timed, counted=timed, counted_steps=steps)
-    _, counted = fresh_run(name, run_ranks, count_steps, True, devices)
-    return dict(allocator=name, timed=timed, counted=counted, counted_steps=count_steps)
-
-
-def fresh_run(name, run_ranks, steps, counting, devices):
-    alloc = registry.make(name)
-    alloc.install(counting)
-    try:
-        return alloc, run_ranks(alloc, steps)
-    finally:
-        alloc.uninstall()
-        gc.collect()                     # arrays in reference cycles die before their pool does
-        alloc.release(devices)
-
-
-def run_threads(world: int, fn, device_ctx=None, timeout: float = 900.0) -> list:
-    """fn(rank) on one thread per rank (inside device_ctx(rank) when given); results in rank order."""
-    results, errors = [None] * world, []
-
-    def target(r):
-        try:
-            with (device_ctx(r) if device_ctx else contextlib.nullcontext()):
-                results[r] = fn(r)
-        except BaseException as e:          # noqa: BLE001 - re-raised in the caller's thread
-            errors.append((r, e))
-
-    threads = [threading.Thread(target=target, args=(r,), daemon=True, name=f"rank{r}") for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        if t.is_alive():
-            raise TimeoutError(f"{t.name} still running after {timeout} s (a peer failed inside NCCL?)")
-    if errors:
-        r, e = errors[0]
-        raise RuntimeError(f"rank {r} failed: {e!r}") from e
-    return results
 
 
 # --- checks
@@ -309,6 +376,21 @@ def checks_passed(loss_rel_diff_max=None, param_rank_diff_max=None, loss_tol=LOS
     return ok
 
 
+def step_bound(gpu_util: float, host_ms: float, ms_per_step: float) -> str:
+    """What bounds a step: "gpu" when the GPU was busy at least HOST_BOUND_UTIL % of the window (it never waited
+    for the host), else "host". Without NVML: "host" when the dispatching thread was busy at least 80% of the
+    step's wall time. "" when neither can be told.
+
+    Thread CPU time alone cannot tell: a host that runs ahead of the GPU fills the launch queue and then spins
+    in the driver, which counts as CPU time too.
+    """
+    if gpu_util is not None and math.isfinite(gpu_util):
+        return "gpu" if gpu_util >= HOST_BOUND_UTIL else "host"
+    if math.isfinite(host_ms) and math.isfinite(ms_per_step) and ms_per_step > 0:
+        return "host" if host_ms >= 0.8 * ms_per_step else "gpu"
+    return ""
+
+
 # --- rows
 
 def _maximum(values):
@@ -316,19 +398,43 @@ def _maximum(values):
     return max(values) if values else math.nan
 
 
+def _mean(values):
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return float(np.mean(values)) if values else math.nan
+
+
 def build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=None, launcher="none",
-              config="reference") -> dict:
-    """One tidy row (without provenance) from measure()'s result over all ranks of one run."""
+              config="reference", trial=0) -> dict:
+    """One tidy row (without provenance) from one arm's run over all its ranks.
+
+    Args:
+        mode: "single", "threads" or "processes".
+        m: the runner's result for one arm: allocator, timed (every rank's run_rank dict), counted (the
+            counting run's, or the timed one's when counting is free; None: not counted), counted_steps.
+        world, batch, cfg, steps, warmup: the run's shape.
+        ref_losses: the loss curve this run must match (None: not checked).
+        launcher, config: recorded as given.
+        trial: which trial of the interleaved sequence this run was.
+
+    Returns:
+        A dict with the keys of COLUMNS; ratios are NaN until `frame` fills them.
+    """
     timed, counted = m["timed"], m["counted"]
     seconds = max(r["seconds"] for r in timed)
+    ms_per_step = 1000 * seconds / steps
     util = {}
     for r in timed:
         util.update(r["util"])
-    mallocs = [r["device_mallocs"] for r in counted]
-    mallocs_per_step = (math.nan if any(v is None for v in mallocs)
-                        else sum(mallocs) / (m["counted_steps"] * world))     # per GPU per step
-    reserved = _maximum(r["peak_reserved"] for r in counted)                    # per GPU: the largest
-    requested = _maximum(r["peak_requested"] for r in counted)
+    gpu_util = float(np.mean(list(util.values()))) if util else math.nan
+    host_ms = _mean(1000 * r.get("host_seconds", math.nan) / steps for r in timed)
+    if counted is None:
+        mallocs_per_step, reserved, requested = math.nan, math.nan, math.nan
+    else:
+        mallocs = [r["device_mallocs"] for r in counted]
+        mallocs_per_step = (math.nan if any(v is None for v in mallocs)
+                            else sum(mallocs) / (m["counted_steps"] * world))     # per GPU per step
+        reserved = _maximum(r["peak_reserved"] for r in counted)                    # per GPU: the largest
+        requested = _maximum(r["peak_requested"] for r in counted)
     if requested is not None and reserved is not None and requested > reserved:
         # impossible (a pool never reserves less than is asked of it): a counting artefact, seen with CuPy's
         # thread-local memory hooks at two threads; blank it rather than report it
@@ -338,10 +444,15 @@ def build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=None, launch
     param_diffs = [r["param_rank_diff"] for r in timed if r["param_rank_diff"] is not None]
     param_diff = max(param_diffs) if param_diffs else None
     return dict(
-        mode=mode, allocator=m["allocator"], world=world, batch=batch,
-        tokens_per_s=world * batch * cfg.block_size * steps / seconds, ms_per_step=1000 * seconds / steps,
+        mode=mode, allocator=m["allocator"], world=world, batch=batch, trial=trial,
+        tokens_per_s=world * batch * cfg.block_size * steps / seconds, ms_per_step=ms_per_step,
         speedup=math.nan, speedup_vs_raw=math.nan, ratio_vs_cupy_pool=math.nan,
-        gpu_util_mean=float(np.mean(list(util.values()))) if util else math.nan,
+        host_ms_per_step=host_ms, gpu_ms_per_step=_mean(r.get("gpu_ms_per_step", math.nan) for r in timed),
+        gpu_busy_ms_per_step=ms_per_step * gpu_util / 100, bound=step_bound(gpu_util, host_ms, ms_per_step),
+        gpu_util_mean=gpu_util,
+        gc_ms_per_step=_mean(1000 * r.get("gc_seconds", math.nan) / steps for r in timed),
+        gc_collections=max(r.get("gc_collections", 0) for r in timed), gc=GC_POLICY,
+        fenced=any(r.get("fenced", False) for r in timed),
         device_mallocs_per_step=mallocs_per_step, peak_reserved_bytes=reserved, peak_requested_bytes=requested,
         reserved_over_requested=reserved / requested if requested and not math.isnan(requested) else math.nan,
         loss_first=losses[0], loss_last=losses[-1],
@@ -349,21 +460,24 @@ def build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=None, launch
         param_rank_diff_max=math.nan if param_diff is None else param_diff,
         checks_passed=checks_passed(loss_diff, param_diff), launcher=launcher, config=config, adamw=adamw_form(),
         n_params=timed[0]["n_params"], block_size=cfg.block_size, steps=steps, warmup=warmup,
-        count_steps=m["counted_steps"],     # the steps that device mallocs and peaks were counted over
+        count_steps=m["counted_steps"] if counted is not None else 0,   # steps mallocs and peaks were counted over
     )
 
 
 def add_ratios(df):
-    """Fill speedup (over world 1: same mode, allocator, batch), speedup_vs_raw and ratio_vs_cupy_pool
-    (both: same mode, world, batch); NaN where the reference row is absent."""
-    tps = {(r.mode, r.allocator, r.world, r.batch): r.tokens_per_s for r in df.itertuples()}
+    """Fill speedup (over world 1: same mode, allocator, batch), speedup_vs_raw and ratio_vs_cupy_pool (both:
+    same mode, world, batch), each against the reference run of the same trial (the one it ran beside); NaN
+    where that run is absent. A CSV without a trial column is one trial."""
+    if "trial" not in df:
+        df["trial"] = 0
+    tps = {(r.mode, r.allocator, r.world, r.batch, r.trial): r.tokens_per_s for r in df.itertuples()}
 
     def ratio(key_fn):
         return [t / tps.get(key_fn(r), math.nan) for r, t in zip(df.itertuples(), df["tokens_per_s"])]
 
-    df["speedup"] = ratio(lambda r: (r.mode, r.allocator, 1, r.batch))
-    df["speedup_vs_raw"] = ratio(lambda r: (r.mode, "raw", r.world, r.batch))
-    df["ratio_vs_cupy_pool"] = ratio(lambda r: (r.mode, "cupy_pool", r.world, r.batch))
+    df["speedup"] = ratio(lambda r: (r.mode, r.allocator, 1, r.batch, r.trial))
+    df["speedup_vs_raw"] = ratio(lambda r: (r.mode, "raw", r.world, r.batch, r.trial))
+    df["ratio_vs_cupy_pool"] = ratio(lambda r: (r.mode, "cupy_pool", r.world, r.batch, r.trial))
     return df
 
 
@@ -375,12 +489,3 @@ def frame(rows):
         return pd.DataFrame(columns=COLUMNS)
     df = add_ratios(df)
     return df[COLUMNS + [c for c in df.columns if c not in COLUMNS]]
-
-
-def write_csv(df, out) -> None:
-    """Write df to out (making its folder); nothing when out is None."""
-    if out is None:
-        return
-    folder = os.path.dirname(os.path.abspath(out))
-    os.makedirs(folder, exist_ok=True)
-    df.to_csv(out, index=False)

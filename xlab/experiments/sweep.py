@@ -1,0 +1,76 @@
+"""Batch sweep (issue #13.4): one thread per GPU on 2 GPUs against 1, per-GPU batch 4 to 128, for raw, CuPy's pool
+and xpool; where the host stops bounding the step, the speedup rises towards 2.
+
+    df = sweep.run()                      # writes data/batch_sweep.csv, one row per (trial, batch, world, allocator)
+    python -m xlab.experiments sweep --trials 5
+
+Every (batch, world, allocator) runs `trials` times, interleaved; a speedup is trial t on 2 GPUs over trial t on
+one. Big batches take few timed steps (STEPS) so the sweep stays affordable: a 128-sequence step is ~30 times the
+GPU work of a 4-sequence one. No counting runs and no loss check against one GPU (the ddp experiment has both);
+the parameters are still checked across ranks.
+"""
+from __future__ import annotations
+
+from tapegpt import load_corpus
+from xlab.paths import write_csv
+from xlab.provenance import provenance
+
+from xlab import allocators as registry
+from . import runner, train
+from .ddp import ThreadGroup, no_multicast
+from .single_gpu import TRIALS
+
+BATCHES = (4, 8, 16, 32, 64, 128)
+STEPS = {4: 8, 8: 8, 16: 6, 32: 5, 64: 4, 128: 3}      # timed steps per run, by per-GPU batch
+
+
+def default_allocators() -> tuple:
+    """raw, CuPy's pool and xpool's default arm."""
+    return ("raw", "cupy_pool", registry.xpool_arms()[0])
+
+
+def steps_for(batch: int, scale: float = 1.0) -> int:
+    """Timed steps at a per-GPU batch: STEPS where listed, else as for the nearest listed batch; times `scale`,
+    at least 2."""
+    near = min(STEPS, key=lambda b: abs(b - batch))
+    return max(2, round(STEPS[near] * scale))
+
+
+def run(allocators=None, batches=BATCHES, worlds=(1, 2), warmup=2, steps_scale=1.0, config=None,
+        out="data/batch_sweep.csv", cpu=False, progress=True, trials=TRIALS):
+    """Threads mode at each per-GPU batch on 1 and 2 GPUs.
+
+    Args:
+        allocators: registry names (default: default_allocators()).
+        batches: per-GPU batches.
+        worlds: GPU counts; the first is the speedup's reference (1).
+        warmup: untimed steps per run; steps_scale: multiplies STEPS.
+        config: GPT config; out: the CSV (None: none).
+        cpu: the same loop on NumPy with HostComm (tests the code, measures nothing).
+        progress: a progress bar; trials: trials per (batch, world, allocator), interleaved.
+
+    Returns:
+        A tidy DataFrame (train.COLUMNS), one row per (trial, batch, world, allocator), speedup filled per trial.
+    """
+    from tqdm.auto import tqdm
+    no_multicast()
+    allocators = ("numpy",) if cpu else tuple(allocators or default_allocators())
+    if not cpu:
+        registry.require_gpus(max(worlds), "sweep.run")
+    cfg, data = train.make_config(config), load_corpus()
+    groups = {w: ThreadGroup(w, cfg, data, warmup, cpu) for w in worlds}
+    arms = [(b, w, a) for b in batches for w in worlds for a in allocators]
+    rows = []
+    try:
+        for trial, (batch, world, name) in tqdm(runner.interleaved(trials, arms), desc="batch sweep",
+                                                disable=not progress):
+            steps = steps_for(batch, steps_scale)
+            m = runner.run_arm(name, groups[world].ranks(batch), steps, 0, range(world), count=False)
+            row = train.build_row("threads", m, world, batch, cfg, steps, warmup, launcher="threads",
+                                  config=train.config_name(config), trial=trial)
+            rows.append({**row, **provenance(experiment="batch_sweep", trials=trials)})
+            write_csv(train.frame(rows), out)          # what is done survives a later failure
+    finally:
+        for g in groups.values():
+            g.close()
+    return train.frame(rows)

@@ -1,0 +1,179 @@
+"""Medians with 95% bootstrap intervals over trials, paired ratios, and a verdict on a target: the lab's one
+place for statistics over repeated measurements (benchmarks, training runs, sweeps).
+
+A measurement is a distribution: every configuration runs several trials, interleaved across the arms it is
+compared with (A B C D, A B C D, ...), so drift hits every arm alike. Trial t of arm A and trial t of arm B ran
+back to back: a ratio between arms is computed over those pairs, which cancels the drift they share.
+
+The bootstrap is seeded, so the same CSV always gives the same interval (the report changes only when the data
+does). With one trial there is no interval: the bounds are NaN and `judge` says "single run".
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+LEVEL = 0.95
+RESAMPLES = 2000
+SEED = 0
+
+MET, MISSED, NOISE, SINGLE = "met", "missed", "within noise", "single run, no interval"
+
+
+def _clean(values) -> np.ndarray:
+    a = np.asarray(values, dtype=float).ravel()
+    return a[np.isfinite(a)]
+
+
+def _bounds(stats: np.ndarray, level: float) -> tuple[float, float]:
+    lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+def median_ci(values, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = SEED):
+    """The median of `values` and a percentile-bootstrap interval for it.
+
+    Args:
+        values: one number per trial (NaN and inf are dropped).
+        level: coverage of the interval (0.95: 95%).
+        resamples: bootstrap resamples.
+        seed: the resampling seed (fixed, so one CSV gives one interval).
+
+    Returns:
+        (median, lo, hi, n): lo and hi are NaN with fewer than two trials; all NaN with none.
+    """
+    a = _clean(values)
+    if len(a) == 0:
+        return math.nan, math.nan, math.nan, 0
+    med = float(np.median(a))
+    if len(a) < 2:
+        return med, math.nan, math.nan, 1
+    idx = np.random.default_rng(seed).integers(0, len(a), size=(resamples, len(a)))
+    lo, hi = _bounds(np.median(a[idx], axis=1), level)
+    return med, lo, hi, len(a)
+
+
+def ratio_ci(numerator, denominator, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = SEED):
+    """The ratio of medians of paired trials, median(numerator) / median(denominator), with a bootstrap interval
+    that resamples the pairs (trial t of both arms together).
+
+    Args:
+        numerator, denominator: equal-length sequences; element t of each is trial t (pairs with a NaN are
+            dropped).
+        level, resamples, seed: as for `median_ci`.
+
+    Returns:
+        (ratio, lo, hi, n_pairs): lo and hi are NaN with fewer than two pairs.
+
+    Raises:
+        ValueError: the two sequences differ in length (the trials are not paired).
+    """
+    a, b = np.asarray(numerator, dtype=float).ravel(), np.asarray(denominator, dtype=float).ravel()
+    if a.shape != b.shape:
+        raise ValueError(f"numerator and denominator must pair trial by trial; got {len(a)} and {len(b)} trials")
+    keep = np.isfinite(a) & np.isfinite(b)
+    a, b = a[keep], b[keep]
+    if len(a) == 0:
+        return math.nan, math.nan, math.nan, 0
+    ratio = float(np.median(a) / np.median(b))
+    if len(a) < 2:
+        return ratio, math.nan, math.nan, 1
+    idx = np.random.default_rng(seed).integers(0, len(a), size=(resamples, len(a)))
+    lo, hi = _bounds(np.median(a[idx], axis=1) / np.median(b[idx], axis=1), level)
+    return ratio, lo, hi, len(a)
+
+
+def judge(value: float, lo: float, hi: float, target: float, higher_is_better: bool = True) -> str:
+    """Whether a target is met, judged on the interval rather than the median.
+
+    Args:
+        value: the median (or ratio of medians).
+        lo, hi: its interval (NaN: a single run).
+        target: the bound to reach.
+        higher_is_better: True for "value >= target", False for "value <= target".
+
+    Returns:
+        "met" when the whole interval is on the right side of the target, "missed" when it is all on the wrong
+        side, "within noise" when the interval straddles it; "single run, no interval (the median meets it)" or
+        "... misses it)" when there is no interval; "not measured" when the value is NaN.
+    """
+    if value is None or not math.isfinite(value):
+        return "not measured"
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        ok = value >= target if higher_is_better else value <= target
+        return f"{SINGLE} (the median {'meets' if ok else 'misses'} it)"
+    good_lo, good_hi = (lo >= target, hi >= target) if higher_is_better else (hi <= target, lo <= target)
+    if good_lo and good_hi:
+        return MET
+    if not good_lo and not good_hi:
+        return MISSED
+    return NOISE
+
+
+def summarize(df, by, value: str, trial: str = "trial"):
+    """Median and interval of `value` per group of `by`: one row per group with value, value_lo, value_hi and
+    n_trials (NaN bounds for a group with one trial; CSVs without a trial column count as one trial per row).
+
+    Args:
+        df: a tidy frame, one row per trial.
+        by: the grouping columns.
+        value: the measured column.
+        trial: the trial column (only used for the count).
+
+    Returns:
+        A DataFrame with the `by` columns, `value`, `value + "_lo"`, `value + "_hi"` and `n_trials`, groups in
+        order of first appearance.
+    """
+    import pandas as pd
+    by = list(by)
+    rows = []
+    for key, g in df.groupby(by, sort=False, dropna=False):
+        key = key if isinstance(key, tuple) else (key,)
+        med, lo, hi, n = median_ci(g[value])
+        rows.append({**dict(zip(by, key)), value: med, f"{value}_lo": lo, f"{value}_hi": hi, "n_trials": n})
+    return pd.DataFrame(rows, columns=by + [value, f"{value}_lo", f"{value}_hi", "n_trials"])
+
+
+def paired(df, value: str, arm: str, reference, by=(), trial: str = "trial"):
+    """Every arm's value over the reference arm's, per group of `by`, paired by trial (ratio_ci).
+
+    Args:
+        df: a tidy frame with one row per (group, arm, trial).
+        value: the measured column.
+        arm: the column naming the arm (e.g. "allocator", or "world" for a speedup).
+        reference: the arm every other is divided by.
+        by: the grouping columns (e.g. ["batch"]).
+        trial: the pairing column; a frame without it pairs its rows in order.
+
+    Returns:
+        A DataFrame with the `by` columns, `arm`, ratio, ratio_lo, ratio_hi and n_pairs; the reference arm
+        itself is left out. Empty when the reference arm is absent.
+    """
+    import pandas as pd
+    by = list(by)
+    d = df if trial in df else df.assign(**{trial: df.groupby(by + [arm], sort=False).cumcount()})
+    rows = []
+    groups = d.groupby(by, sort=False, dropna=False) if by else [((), d)]
+    for key, g in groups:
+        key = key if isinstance(key, tuple) else (key,)
+        ref = g[g[arm] == reference].groupby(trial)[value].median()
+        if ref.empty:
+            continue
+        for name, a in g[g[arm] != reference].groupby(arm, sort=False):
+            mine = a.groupby(trial)[value].median()
+            common = mine.index.intersection(ref.index)
+            r, lo, hi, n = ratio_ci(mine.loc[common].to_numpy(), ref.loc[common].to_numpy())
+            rows.append({**dict(zip(by, key)), arm: name, "ratio": r, "ratio_lo": lo, "ratio_hi": hi,
+                         "n_pairs": n})
+    return pd.DataFrame(rows, columns=by + [arm, "ratio", "ratio_lo", "ratio_hi", "n_pairs"])
+
+
+def fmt_ci(value: float, lo: float, hi: float, fmt: str = "{:.2f}", unit: str = "") -> str:
+    """'1.93× [1.90, 1.95]' (or '1.93× (single run)' without an interval)."""
+    if value is None or not math.isfinite(value):
+        return "n/a"
+    head = fmt.format(value) + unit
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return f"{head} (single run)"
+    return f"{head} [{fmt.format(lo)}, {fmt.format(hi)}]"
