@@ -1,13 +1,23 @@
 """Allocator microbenchmark: µs per `a = cupy.empty(n, cupy.uint8); del a` pair, one thread at five sizes,
 and thousands of pairs per second from 1, 4 and 8 threads on one device at 64 KiB.
 
-    python -m xlab.bench.alloc [--quick] [--out data/alloc_microbench.csv]
+    python -m xlab.bench.alloc [--quick] [--trials 5] [--out data/alloc_microbench.csv]
 
-Host-side costs: each measurement synchronises the device, then times many pairs with perf_counter_ns.
-Every (allocator, case) is warmed up and calibrated to about `target_s` seconds once; then the repeats
-interleave the allocators (rotating their order) so drift hits all of them alike. Reported: median,
-min and max over the repeats; ratio_vs_cupy_pool = CuPy pool's median µs / this median µs (> 1: faster
-than CuPy's pool). device_mallocs_per_pair comes from a separate counting pass (see allocators.py).
+Host-side costs: each window synchronises the device, then times many pairs with perf_counter_ns. Every
+(allocator, case) is calibrated once to about `target_s` seconds per window; then `trials` trials run the
+allocators in a fixed order (A B C D, A B C D, ...), so drift hits all of them alike. The CSV keeps one row per
+(trial, allocator, case); ratio_vs_cupy_pool is CuPy's pool's time over this allocator's in the same trial
+(> 1: faster than CuPy's pool); the report takes medians with bootstrap intervals (xlab.intervals).
+device_mallocs_per_pair comes from a separate counting pass (see allocators.py).
+
+Each arm runs alone: before an allocator is timed, every other one gives its cached blocks back (`trim`), then
+the arm warms its own cache (untimed) for each case. Raw cudaMalloc's cost depends on what else lives on the
+device: the driver packs small allocations into chunks it maps once, and a small cudaMalloc/cudaFree pair is
+about ten times cheaper while any other small block keeps its chunk mapped. The first version of this benchmark
+timed raw beside the pools' cached blocks, which is why it reported 6.8 µs per pair at 4 KiB where
+`cupy.empty(4096, uint8)` + `del` on a device with nothing else allocated costs 68-73 µs. `raw` is now timed
+alone; `raw_held` keeps one 512-byte block alive while timed, the state the old number measured.
+PyTorch's caching allocator (`torch`) takes part where PyTorch with CUDA is installed.
 """
 from __future__ import annotations
 
@@ -18,16 +28,34 @@ import time
 
 from xlab import allocators as registry
 from xlab.allocators import KIB, MIB, NoGPU
+from xlab.paths import write_csv
 
 SIZES = (4 * KIB, 64 * KIB, MIB, 12 * MIB, 96 * MIB)
 THREADS = (1, 4, 8)
 THREAD_SIZE = 64 * KIB
-ALLOCATORS = ("raw", "cupy_pool", "cupy_async", "xpool", "xpool_seed", "noop", "c_noop")
+TRIALS = 5
 # Debug mode syncs and copies whole blocks to the host on every pair: measure it on its own, small sizes, e.g.
-#   python -m xlab.bench.alloc --allocators cupy_pool xpool xpool_debug --sizes 4096 1048576 --target-s 0.2
-COUNTED = ("raw", "cupy_pool", "xpool", "xpool_seed")
-COLUMNS = ["allocator", "sweep", "size_bytes", "threads", "us_per_pair", "us_per_pair_min", "us_per_pair_max",
-           "kpairs_per_s", "kpairs_per_s_max", "ratio_vs_cupy_pool", "device_mallocs_per_pair", "pairs", "repeats"]
+#   python -m xlab.bench.alloc --allocators cupy_pool xpool_k1 xpool_k1_debug --sizes 4096 1048576 --target-s 0.2
+COLUMNS = ["allocator", "sweep", "size_bytes", "threads", "trial", "us_per_pair", "kpairs_per_s",
+           "ratio_vs_cupy_pool", "device_mallocs_per_pair", "pairs", "trials"]
+
+
+def default_allocators() -> tuple:
+    """Every arm this machine can run: raw alone and with a small block held, CuPy's two pools, PyTorch's (if
+    PyTorch with CUDA is installed), xpool's two arms, and the two floors (allocators doing no work)."""
+    arms = ["raw", "raw_held", "cupy_pool", "cupy_async"]
+    if torch_available():
+        arms.append("torch")
+    return tuple(arms) + registry.xpool_arms() + ("noop", "c_noop")
+
+
+def torch_available() -> bool:
+    """True when PyTorch imports and sees a CUDA device."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
 
 
 # --- timing (GPU)
@@ -92,38 +120,51 @@ def calibrated_pairs(ns: int, pairs: int, target_s: float, lo: int = 200, hi: in
     return int(min(hi, max(lo, target_s * 1e9 * pairs / max(ns, 1))))
 
 
-def measure(allocators=ALLOCATORS, sizes=SIZES, threads=THREADS, repeats=7, target_s=0.05, count_pairs=200,
+def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target_s=0.1, count_pairs=200,
             progress=True):
-    """Raw samples: one row per (repeat, allocator, case) with ns and pairs; and mallocs per pair by
-    (allocator, size) from the counting pass."""
+    """Raw samples: one row per (trial, allocator, case) with ns and pairs; and mallocs per pair by
+    (allocator, size) from the counting pass (allocators that can count)."""
     import pandas as pd
     from tqdm.auto import tqdm
+    allocators = tuple(allocators or default_allocators())
     cases = [("size", n, 1) for n in sizes] + [("threads", THREAD_SIZE, t) for t in threads]
     allocs = {a: registry.make(a, **({"capacity": max(sizes)} if a.endswith("noop") else {})) for a in allocators}
+
+    def alone(name, counting=False):
+        """Every other arm gives its cache back: nothing but this arm's blocks lives on the device."""
+        for other, a in allocs.items():
+            if other != name:
+                a.trim([0])
+        return _installed(allocs[name], counting)
+
     pairs, samples = {}, []
-    for name in tqdm(allocators, desc="warm-up", disable=not progress):
-        with _installed(allocs[name]):
+    for name in tqdm(allocators, desc="calibrate", disable=not progress):
+        with alone(name):
             for case in cases:
                 run = timer(case)
-                run(50)                                     # fill the caches
+                run(50)                                     # fill the cache
                 pairs[name, case] = calibrated_pairs(*run(200), target_s)
-    for rep in tqdm(range(repeats), desc="repeats", disable=not progress):
-        order = list(allocators[rep % len(allocators):]) + list(allocators[:rep % len(allocators)])
-        for name in order:
-            with _installed(allocs[name]):
-                for case in cases:
-                    ns, n = timer(case)(pairs[name, case])
-                    samples.append(dict(allocator=name, sweep=case[0], size_bytes=case[1], threads=case[2],
-                                        repeat=rep, ns=ns, pairs=n))
+    for trial, name in tqdm([(t, a) for t in range(trials) for a in allocators], desc="trials",
+                            disable=not progress):
+        with alone(name):
+            for case in cases:
+                run = timer(case)
+                run(50)                                     # this arm's cache, warm again after the others ran
+                ns, n = run(pairs[name, case])
+                samples.append(dict(allocator=name, sweep=case[0], size_bytes=case[1], threads=case[2],
+                                    trial=trial, ns=ns, pairs=n))
     mallocs = {}
-    for name in [a for a in allocators if a in COUNTED]:
-        alloc = allocs[name]
-        with _installed(alloc, counting=True), alloc.tracking():
+    for name, alloc in allocs.items():
+        if name in ("cupy_async", "noop", "c_noop"):
+            continue                                        # they cannot count
+        with alone(name, counting=True), alloc.tracking():
             for n in sizes:
                 time_pairs(n, 20)
                 m0 = alloc.device_mallocs(0)
                 time_pairs(n, count_pairs)
-                mallocs[name, n] = (alloc.device_mallocs(0) - m0) / count_pairs
+                m1 = alloc.device_mallocs(0)
+                if m0 is not None and m1 is not None:
+                    mallocs[name, n] = (m1 - m0) / count_pairs
     for alloc in allocs.values():
         alloc.release([0])
     return pd.DataFrame(samples), mallocs
@@ -144,35 +185,39 @@ class _installed:
 
 # --- pure logic (tested on a CPU with fake timings)
 
-def summarize(samples, mallocs=None):
-    """One row per (allocator, sweep, size, threads): median/min/max over repeats, ratio to CuPy's pool."""
+def trial_rows(samples, mallocs=None):
+    """The CSV's rows: one per (trial, allocator, case) with µs per pair, thousand pairs/s and the ratio to CuPy's
+    pool in the same trial (NaN without it); device mallocs per pair from the counting pass (size sweep only)."""
     import numpy as np
-    import pandas as pd
     mallocs = mallocs or {}
-    s = samples.assign(us=samples.ns / samples.pairs / 1e3, kps=samples.pairs * 1e6 / samples.ns)
-    keys = ["allocator", "sweep", "size_bytes", "threads"]
-    g = s.groupby(keys, sort=False)
-    df = pd.DataFrame({
-        "us_per_pair": g.us.median(), "us_per_pair_min": g.us.min(), "us_per_pair_max": g.us.max(),
-        "kpairs_per_s": g.kps.median(), "kpairs_per_s_max": g.kps.max(), "pairs": g.pairs.median(),
-        "repeats": g.us.size()}).reset_index()
-    base = df[df.allocator == "cupy_pool"].set_index(["sweep", "size_bytes", "threads"]).us_per_pair
-    df["ratio_vs_cupy_pool"] = [base.get((r.sweep, r.size_bytes, r.threads), np.nan) / r.us_per_pair
+    df = samples.assign(us_per_pair=samples.ns / samples.pairs / 1e3, kpairs_per_s=samples.pairs * 1e6 / samples.ns)
+    base = df[df.allocator == "cupy_pool"].set_index(["sweep", "size_bytes", "threads", "trial"]).us_per_pair
+    df["ratio_vs_cupy_pool"] = [base.get((r.sweep, r.size_bytes, r.threads, r.trial), np.nan) / r.us_per_pair
                                 for r in df.itertuples()]
     df["device_mallocs_per_pair"] = [mallocs.get((r.allocator, r.size_bytes), np.nan) if r.sweep == "size"
                                      else np.nan for r in df.itertuples()]
-    return df[COLUMNS]
+    df["trials"] = df["trial"].nunique() if len(df) else 0
+    return df[COLUMNS].reset_index(drop=True)
 
 
-def fmt_size(n: int) -> str:
-    for unit, scale in (("MiB", MIB), ("KiB", KIB)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale} {unit}"
-    return f"{n} B"
+def summary(rows):
+    """Medians over trials with 95% intervals: one row per (allocator, sweep, size, threads) with us_per_pair,
+    kpairs_per_s and ratio_vs_cupy_pool (each with _lo/_hi), n_trials and device_mallocs_per_pair. Old CSVs (one summary row per case,
+    no trial column) come out as single runs."""
+    from xlab import intervals
+    keys = ["allocator", "sweep", "size_bytes", "threads"]
+    out = None
+    for col in ("us_per_pair", "kpairs_per_s", "ratio_vs_cupy_pool"):
+        s = intervals.summarize(rows, keys, col)
+        out = s if out is None else out.merge(s.drop(columns="n_trials"), on=keys)
+    counts = rows.groupby(keys, sort=False)["device_mallocs_per_pair"].median().reset_index()   # exact: no interval
+    return out.merge(counts, on=keys)
 
 
 def table(summary) -> str:
-    """Two plain-text tables: µs per pair by size, and kpairs/s by threads; (×) = ratio vs CuPy's pool."""
+    """Two plain-text tables of medians over trials: µs per pair by size, and kpairs/s by threads; (x) = speed
+    relative to CuPy's pool in the same trial (median of the paired ratios)."""
+    from xlab.plots import fmt_bytes
     lines = []
     for sweep, col, value, unit in (("size", "size_bytes", "us_per_pair", "µs per pair (median)"),
                                     ("threads", "threads", "kpairs_per_s", "thousand pairs/s, 64 KiB")):
@@ -181,7 +226,7 @@ def table(summary) -> str:
             continue
         heads = list(dict.fromkeys(part[col]))
         names = list(dict.fromkeys(part.allocator))
-        label = (lambda h: fmt_size(h)) if sweep == "size" else (lambda h: f"{h} thr")
+        label = fmt_bytes if sweep == "size" else (lambda h: f"{h} thr")
         lines.append(f"{unit}; (x) = speed vs cupy_pool")
         lines.append(f"{'allocator':<12}" + "".join(f"{label(h):>18}" for h in heads))
         for name in names:
@@ -194,30 +239,36 @@ def table(summary) -> str:
     return "\n".join(lines)
 
 
-def with_provenance(summary, **params):
+def with_provenance(rows, **params):
     """Every row gets the provenance columns (GPU, driver, CUDA, CuPy, commit, date) and the run's params."""
     from xlab.provenance import provenance
-    prov = provenance(bench="alloc", **params)
-    return summary.assign(**prov)
+    return rows.assign(**provenance(bench="alloc", **params))
 
 
-def write_csv(df, out) -> None:
-    import os
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    df.to_csv(out, index=False)
-
-
-def run(out="data/alloc_microbench.csv", quick=False, repeats=None, target_s=None, allocators=ALLOCATORS,
+def run(out="data/alloc_microbench.csv", quick=False, trials=None, target_s=None, allocators=None,
         progress=True, sizes=SIZES):
-    """Measure, summarise, print the table, write the CSV; returns the summary DataFrame."""
+    """Measure, print the table of medians, write the CSV (one row per trial).
+
+    Args:
+        out: the CSV (None: none).
+        quick: a smoke run (2 trials, 5 ms windows).
+        trials: trials per arm (default 5).
+        target_s: seconds per timed window (default 0.1).
+        allocators: registry names (default: default_allocators()).
+        progress: progress bars.
+        sizes: request sizes of the size sweep, bytes.
+
+    Returns:
+        The per-trial DataFrame that was written.
+    """
     registry.require_gpus(1, "xlab.bench.alloc")
-    repeats = repeats or (5 if quick else 9)
-    # 50 ms windows (the first H200 run) let the spread within one case reach 2x: time longer
-    target_s = target_s or (0.005 if quick else 0.25)
-    samples, mallocs = measure(allocators, sizes=tuple(sizes), repeats=repeats, target_s=target_s,
+    trials = trials or (2 if quick else TRIALS)
+    target_s = target_s or (0.005 if quick else 0.1)
+    allocators = tuple(allocators or default_allocators())
+    samples, mallocs = measure(allocators, sizes=tuple(sizes), trials=trials, target_s=target_s,
                                progress=progress)
-    df = with_provenance(summarize(samples, mallocs), repeats=repeats, target_s=target_s, quick=quick)
-    print(table(df))
+    df = with_provenance(trial_rows(samples, mallocs), target_s=target_s, quick=quick)
+    print(table(summary(df)))
     if out:
         write_csv(df, out)
         print(f"wrote {out}")
@@ -227,18 +278,20 @@ def run(out="data/alloc_microbench.csv", quick=False, repeats=None, target_s=Non
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m xlab.bench.alloc", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="data/alloc_microbench.csv")
-    ap.add_argument("--quick", action="store_true", help="fewer pairs and repeats: a smoke run")
-    ap.add_argument("--repeats", type=int, help="repeats (default 7; 5 with --quick)")
-    ap.add_argument("--allocators", nargs="+", default=list(ALLOCATORS))
+    ap.add_argument("--quick", action="store_true", help="fewer pairs and trials: a smoke run")
+    ap.add_argument("--trials", type=int, help="trials per arm, interleaved (default 5; 2 with --quick)")
+    ap.add_argument("--allocators", nargs="+", help="registry names (default: every arm this machine can run)")
     ap.add_argument("--sizes", nargs="+", type=int, default=list(SIZES), help="request sizes in bytes")
-    ap.add_argument("--target-s", type=float, help="seconds per timed window (default 0.25; 0.005 with --quick)")
+    ap.add_argument("--target-s", type=float, help="seconds per timed window (default 0.1; 0.005 with --quick)")
     args = ap.parse_args(argv)
-    if "cupy_pool" not in args.allocators:
+    if args.allocators and "cupy_pool" not in args.allocators:
         ap.error("the ratios need cupy_pool among --allocators")
     if any(n <= 0 for n in args.sizes):
         ap.error("--sizes must be positive byte counts")
+    if args.trials is not None and args.trials < 1:
+        ap.error("--trials must be at least 1")
     try:
-        run(args.out, args.quick, args.repeats, args.target_s, allocators=tuple(args.allocators), sizes=args.sizes)
+        run(args.out, args.quick, args.trials, args.target_s, allocators=args.allocators, sizes=args.sizes)
     except NoGPU as e:
         print(f"xlab.bench.alloc: {e}", file=sys.stderr)
         return 2
