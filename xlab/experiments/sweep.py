@@ -21,7 +21,7 @@ from .ddp import ThreadGroup, no_multicast
 from .single_gpu import TRIALS
 
 BATCHES = (4, 8, 16, 32, 64, 128)
-STEPS = {4: 8, 8: 8, 16: 6, 32: 5, 64: 4, 128: 3}      # timed steps per run, by per-GPU batch
+STEPS = {4: 6, 8: 6, 16: 5, 32: 4, 64: 3, 128: 2}      # timed steps per run, by per-GPU batch
 
 
 def default_allocators() -> tuple:
