@@ -100,26 +100,90 @@ def test_recorded_gpu_timeline_replays_exactly():
 # The report
 
 
-@pytest.fixture
-def synthetic_data(tmp_path):
-    data = tmp_path / "data"
-    synthetic.write_all(data)
+def _write(data, trials):
+    synthetic.write_all(data, trials=trials)
     synthetic.correctness("cpu").assign(gpu="none").to_csv(data / "correctness_cpu.csv", index=False)
     return data
+
+
+@pytest.fixture
+def synthetic_data(tmp_path):
+    """The old schema: one row per configuration (what data/ held before trials were kept)."""
+    return _write(tmp_path / "data", 0)
+
+
+@pytest.fixture
+def trial_data(tmp_path):
+    """Five interleaved trials per configuration, with host/GPU ms, and the batch sweep."""
+    return _write(tmp_path / "trials", 5)
 
 
 def test_headlines_are_computed_from_the_csvs(synthetic_data):
     heads = "\n".join(report.headlines(synthetic_data))
     assert "CPU 6 of 6 checks pass" in heads and "GPU 6 of 6" in heads
-    assert "2.10 µs" in heads and "2.00 µs (xpool takes 1.05× CuPy's time" in heads              # synthetic xpool_k1 / cupy_pool at 64 KiB
-    assert "raw 1.02× → xpool_k1 1.75×" in heads and "raw 1.50× → xpool_k1 1.93×" in heads
-    assert "3.02× raw cudaMalloc" in heads
+    # synthetic xpool_k1 / cupy_pool at 64 KiB; the old CSV's rows are single runs and say so
+    assert "2.10 µs (single run)" in heads and "2.00 µs (single run) (xpool takes 1.05× (single run)" in heads
+    assert "raw 1.02× (single run) → xpool_k1 1.75× (single run)" in heads
+    assert "raw 1.50× (single run) → xpool_k1 1.93× (single run)" in heads
+    assert "3.02× (single run) raw cudaMalloc" in heads
     assert "exactly for every k" in heads
     # Change a CSV, and the headline follows.
     df = pd.read_csv(synthetic_data / "ddp_scaling.csv")
     df.loc[(df["mode"] == "threads") & (df["allocator"] == "xpool_k1") & (df["world"] == 2), "speedup"] = 1.99
     df.to_csv(synthetic_data / "ddp_scaling.csv", index=False)
     assert "xpool_k1 1.99×" in "\n".join(report.headlines(synthetic_data))
+
+
+def test_headlines_with_trials_give_intervals(trial_data):
+    heads = "\n".join(report.headlines(trial_data))
+    assert "(single run)" not in heads
+    assert re.search(r"xpool_k1 2\.\d\d µs \[2\.\d\d, 2\.\d\d\]", heads)
+    # ratios are paired per trial: the shared drift cancels, so the interval is the point
+    assert "3.02× [3.02, 3.02] raw cudaMalloc" in heads
+    assert "**Batch sweep**" in heads and "128: 2.00×" in heads
+
+
+def test_targets_are_judged_on_the_interval(trial_data):
+    rows = {r["target"]: r for r in report.targets(trial_data)}
+    key = "2 GPUs, one thread per GPU, batch 32: xpool_k1 ≥ 1.85×"
+    assert rows[key]["verdict"] == "missed"                             # 1.75x in every trial
+    df = pd.read_csv(trial_data / "ddp_scaling.csv")
+    sel = (df["mode"] == "threads") & (df["allocator"] == "xpool_k1") & (df["world"] == 2)
+    df.loc[sel, "speedup"] = [1.80, 1.84, 1.86, 1.90, 1.83]             # straddles 1.85
+    df.to_csv(trial_data / "ddp_scaling.csv", index=False)
+    assert {r["target"]: r for r in report.targets(trial_data)}[key]["verdict"] == "within noise"
+    df.loc[sel, "speedup"] = [1.90, 1.92, 1.95, 1.91, 1.93]
+    df.to_csv(trial_data / "ddp_scaling.csv", index=False)
+    row = {r["target"]: r for r in report.targets(trial_data)}[key]
+    assert row["verdict"] == "met" and row["measured"].startswith("1.92× [")
+    host = "host ms per step ≤ 12 at batch 32 (xpool_k1, thread CPU time)"
+    assert host in {r["target"] for r in report.targets(trial_data)}
+
+
+def test_bounds_and_projection(trial_data, synthetic_data):
+    rows = {(r["batch"], r["allocator"]): r for r in report.bound_rows(trial_data)}
+    assert rows[32, "xpool_k1"]["bound"] == "gpu" and rows[4, "xpool_k1"]["bound"] == "host"
+    proj = {p["allocator"]: p for p in report.projection(trial_data)}
+    p = proj["xpool_k1"]
+    assert p["h_source"] == "batch-4 thread CPU time"            # batch 32 is GPU-bound: its thread time spins
+    for n, s in p["speedup"].items():
+        assert s == pytest.approx(n * max(p["h"], p["g"]) / max(n * p["h"], p["g"]))
+    assert p["speedup"][8] <= p["speedup"][4] * 2 and "raw" not in proj
+    text = "\n".join(report.bounds(trial_data))
+    assert "Projection, not a measurement" in text and "| 8 GPUs |" in text
+    # a CSV without host ms (measured before it was recorded): the projection says where h came from instead
+    df = pd.read_csv(trial_data / "single_gpu.csv").drop(columns=["host_ms_per_step", "bound"])
+    df.to_csv(synthetic_data / "single_gpu.csv", index=False)
+    old = {p["allocator"]: p for p in report.projection(synthetic_data)}
+    assert old["xpool_k1"]["h_source"].startswith("batch-4 wall time")
+
+
+def test_report_builds_from_trials_with_every_figure(trial_data, tmp_path):
+    rc = report.main(["--no-notebooks", "--data", str(trial_data), "--figures", str(tmp_path / "figures"),
+                      "--build", str(tmp_path / "build"), "--report-dir", str(tmp_path / "report")])
+    assert rc == 0
+    page = (tmp_path / "report" / "REPORT.md").read_text()
+    assert "not built" not in page and "batch_sweep" in page
 
 
 def test_headlines_without_data(tmp_path):
@@ -170,12 +234,12 @@ def test_cpu_quick_parameters_exist_in_the_notebooks():
 
 def test_targets_follow_the_csvs(synthetic_data):
     rows = {r["target"]: r for r in report.targets(synthetic_data)}
-    key = "2 GPUs, one thread per GPU: xpool_k1 ≥ 1.85×"
-    assert rows[key]["measured"] == "1.75" and rows[key]["met"] is False
+    key = "2 GPUs, one thread per GPU, batch 32: xpool_k1 ≥ 1.85×"
+    assert rows[key]["measured"] == "1.75× (single run)" and "misses" in rows[key]["verdict"]
     df = pd.read_csv(synthetic_data / "ddp_scaling.csv")
     df.loc[(df["mode"] == "threads") & (df["allocator"] == "xpool_k1") & (df["world"] == 2), "speedup"] = 1.9
     df.to_csv(synthetic_data / "ddp_scaling.csv", index=False)
     rows = {r["target"]: r for r in report.targets(synthetic_data)}
-    assert rows[key]["met"] is True
+    assert rows[key]["verdict"] == "single run, no interval (the median meets it)"
     text = report.render(synthetic_data, [], {}, synthetic_data)
     assert "## Targets" in text and "| " + key in text

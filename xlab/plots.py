@@ -3,7 +3,9 @@ returns a matplotlib Figure; `save` writes figures/NAME.png and .svg.
 
 Figures are drawn on the Agg canvas without pyplot: no global state, no display needed, the same
 pixels in a notebook, a script or CI.  Every figure has a title, axis labels with units, and a caption
-naming the machine, software and date the numbers come from (the CSV's provenance columns).
+naming the machine, software and date the numbers come from (the CSV's provenance columns).  Every timed
+number is the median over trials with its 95% bootstrap interval as an error bar (xlab.intervals); a CSV with
+one run per configuration is drawn without bars and the caption says so.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from . import intervals
+
 PROVENANCE = ("gpu", "driver", "cuda", "cupy", "commit", "date")
 
 # Before (no pool) in grey, the peers in blues, xpool in warm colours and thicker lines.
@@ -25,12 +29,11 @@ ALLOCATORS = {
     "raw": dict(label="raw cudaMalloc/cudaFree (no pool)", color="#7f7f7f", marker="x", ls="-", lw=1.6),
     "cupy_pool": dict(label="CuPy MemoryPool (default)", color="#1f77b4", marker="o", ls="-", lw=1.6),
     "cupy_async": dict(label="CuPy MemoryAsyncPool", color="#6baed6", marker="s", ls="-", lw=1.4),
-    "xpool": dict(label="xpool (segments: best fit, split, merge)", color="#d62728", marker="D", ls="-", lw=2.6),
-    "xpool_norelease": dict(label="xpool, segments never given back on a miss", color="#e377c2", marker="P",
-                            ls=":", lw=1.8),
-    "xpool_seed": dict(label="xpool_seed (the design's classes: powers of two)", color="#8c564b", marker="h",
-                       ls="-.", lw=2.0),
-    "cupy_pool_model": dict(label="CuPy MemoryPool (model, replayed)", color="#1f77b4", marker="o", ls="--", lw=1.6),
+    "raw_held": dict(label="raw, one small block held alive", color="#bdbdbd", marker="+", ls=":", lw=1.4),
+    "torch": dict(label="PyTorch caching allocator", color="#17becf", marker="P", ls="-", lw=1.4),
+    "xpool": dict(label="xpool (default scheme)", color="#d62728", marker="D", ls="-", lw=2.6),
+    "xpool_seed": dict(label="xpool, the design's scheme (classes, k=1)", color="#ff7f0e", marker="^", ls="--",
+                       lw=2.6),
     "xpool_k1": dict(label="xpool, 1 class per doubling", color="#d62728", marker="D", ls="-", lw=2.6),
     "xpool_k4": dict(label="xpool, 4 classes per doubling", color="#ff7f0e", marker="^", ls="--", lw=2.6),
     "xpool_k1_debug": dict(label="xpool, debug mode (poison + canaries)", color="#9467bd", marker="v", ls="-.",
@@ -144,16 +147,22 @@ def _label_bars(ax, bars, fmt, fontsize=7.5):
                         ha="center", va="bottom", fontsize=fontsize)
 
 
-def _grouped_bars(ax, table: pd.DataFrame, fmt=fmt_si, log=False):
-    """Bars of table (rows: groups on the x axis, columns: allocators), labelled with their values."""
+def _grouped_bars(ax, table: pd.DataFrame, fmt=fmt_si, log=False, lo=None, hi=None):
+    """Bars of table (rows: groups on the x axis, columns: allocators), labelled with their values; lo/hi
+    (tables of the same shape) draw each bar's interval."""
     allocs = list(table.columns)
     width = min(0.8 / max(len(allocs), 1), 0.22)      # few allocators: keep bars bar-shaped
     x = np.arange(len(table.index))
     for i, a in enumerate(allocs):
         st = style(a)
         vals = table[a].to_numpy(dtype=float)
+        yerr = None
+        if lo is not None and hi is not None and a in lo:
+            yerr = np.nan_to_num(np.vstack([vals - lo[a].to_numpy(dtype=float),
+                                            hi[a].to_numpy(dtype=float) - vals]), nan=0.0).clip(min=0)
         bars = ax.bar(x + (i - (len(allocs) - 1) / 2) * width, vals, width, color=st["color"], label=st["label"],
-                      edgecolor="black" if a.startswith("xpool") else "none", linewidth=0.8)
+                      edgecolor="black" if a.startswith("xpool") else "none", linewidth=0.8, yerr=yerr,
+                      error_kw=dict(elinewidth=1, capsize=2, ecolor="0.15"))
         _label_bars(ax, bars, fmt)
     ax.set_xticks(x)
     ax.set_xlim(-0.5, len(x) - 0.5)
@@ -184,9 +193,31 @@ def _empty(ax, text):
 
 
 def _median(df, keys, cols):
-    """Median over repeats: one row per key combination."""
+    """Median over trials: one row per key combination."""
     cols = [c for c in cols if c in df]
     return df.groupby(keys, sort=False)[cols].median().reset_index()
+
+
+def _stat(df, keys, col):
+    """Median of `col` over trials with its 95% interval (col_lo, col_hi; NaN for a single run) per key."""
+    return intervals.summarize(df, keys, col)
+
+
+def _yerr(s: pd.DataFrame, col: str) -> np.ndarray:
+    """matplotlib's yerr (2 x n, distances below and above) from col_lo/col_hi; 0 where there is no interval."""
+    lo = (s[col] - s[f"{col}_lo"]).to_numpy(dtype=float)
+    hi = (s[f"{col}_hi"] - s[col]).to_numpy(dtype=float)
+    return np.nan_to_num(np.vstack([lo, hi]), nan=0.0).clip(min=0)
+
+
+def trials_note(df: pd.DataFrame, keys) -> str:
+    """The caption's sentence on what a point is: a median of n trials with an interval, or a single run."""
+    n = df.groupby(list(keys), sort=False).size() if len(df) else pd.Series([], dtype=int)
+    if "trial" not in df or not len(n) or n.max() < 2:
+        return "One row per point in this CSV (measured before every trial was kept): no interval."
+    lo, hi = int(n.min()), int(n.max())
+    count = f"{lo}" if lo == hi else f"{lo}-{hi}"
+    return f"Median of {count} interleaved trials per point; bars: 95% bootstrap interval."
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -281,21 +312,28 @@ def _sweep(df: pd.DataFrame, name: str) -> pd.DataFrame:
 
 
 def alloc_cost(df: pd.DataFrame) -> Figure:
-    """µs per alloc/free pair against request size (one thread), and each allocator's time over CuPy's pool's."""
+    """µs per alloc/free pair against request size (one thread), and each allocator's time over CuPy's pool's
+    in the same trial; medians over trials with 95% intervals."""
     one = _sweep(df, "size")
-    m = _median(one, ["allocator", "size_bytes"], ["us_per_pair"])
-    ref = m[m["allocator"] == "cupy_pool"].set_index("size_bytes")["us_per_pair"]
-    m["time_vs_cupy_pool"] = m["us_per_pair"] / m["size_bytes"].map(ref)
+    m = _stat(one, ["allocator", "size_bytes"], "us_per_pair")
+    if "ratio_vs_cupy_pool" in one:
+        rel_df = _stat(one.assign(time_vs_cupy_pool=1 / one["ratio_vs_cupy_pool"]), ["allocator", "size_bytes"],
+                       "time_vs_cupy_pool")
+    else:
+        rel_df = pd.DataFrame(columns=["allocator", "size_bytes", "time_vs_cupy_pool", "time_vs_cupy_pool_lo",
+                                       "time_vs_cupy_pool_hi"])
+    has_ref = (m["allocator"] == "cupy_pool").any()
     sizes = sorted(m["size_bytes"].unique())
     fig, axes = _figure(1, 2, size=(13, 5.2))
     ax, rel = axes[0]
     for a in ordered(m["allocator"].unique()):
         s = m[m["allocator"] == a].sort_values("size_bytes")
         st = style(a)
-        kw = dict(color=st["color"], marker=st["marker"], ls=st["ls"], lw=st["lw"], label=st["label"])
-        ax.plot(s["size_bytes"], s["us_per_pair"], **kw)
-        if a not in ("raw", "cupy_pool") and s["time_vs_cupy_pool"].notna().any():
-            rel.plot(s["size_bytes"], s["time_vs_cupy_pool"], **kw)
+        kw = dict(color=st["color"], marker=st["marker"], ls=st["ls"], lw=st["lw"], label=st["label"], capsize=2)
+        ax.errorbar(s["size_bytes"], s["us_per_pair"], yerr=_yerr(s, "us_per_pair"), **kw)
+        r = rel_df[rel_df["allocator"] == a].sort_values("size_bytes")
+        if a not in ("raw", "raw_held", "cupy_pool") and r["time_vs_cupy_pool"].notna().any():
+            rel.errorbar(r["size_bytes"], r["time_vs_cupy_pool"], yerr=_yerr(r, "time_vs_cupy_pool"), **kw)
     _size_axis(ax, sizes)
     ax.set_yscale("log")
     ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
@@ -306,7 +344,7 @@ def alloc_cost(df: pd.DataFrame) -> Figure:
     ax.set_title("Cost of a = cupy.empty(n, uint8); del a, one thread")
     ax.grid(alpha=0.3, which="both")
     _size_axis(rel, sizes)
-    if len(ref):
+    if has_ref:
         rel.axhline(1.0, color=style("cupy_pool")["color"], lw=1.6)
         rel.text(0.01, 1.0, "CuPy MemoryPool = 1", transform=rel.get_yaxis_transform(), ha="left", va="bottom",
                  fontsize=8, color=style("cupy_pool")["color"])
@@ -314,12 +352,12 @@ def alloc_cost(df: pd.DataFrame) -> Figure:
     else:
         _empty(rel, "CuPy MemoryPool not measured: no reference")
     rel.set_xlabel("request size (bytes, log scale)")
-    rel.set_ylabel("time per pair / CuPy MemoryPool's (below 1: faster)")
+    rel.set_ylabel("time per pair / CuPy MemoryPool's, same trial (below 1: faster)")
     rel.set_title("Relative to the default CuPy pool (raw cudaMalloc left out: off the scale)")
     rel.grid(alpha=0.3)
-    return _finish(fig, "Allocator cost per allocation: xpool against CuPy's pools and raw cudaMalloc", df,
-                   "Median over repeats; each point times many alloc/free pairs through CuPy's array path.",
-                   legend_from=ax)
+    return _finish(fig, "Allocator cost per allocation: xpool against its peers and raw cudaMalloc", df,
+                   trials_note(one, ["allocator", "size_bytes"]) + " Each point times many alloc/free pairs "
+                   "through CuPy's array path.", legend_from=ax)
 
 
 def _thread_size(df, size_bytes):
@@ -334,7 +372,8 @@ def alloc_threads(df: pd.DataFrame, size_bytes: int | None = None) -> Figure:
     """Thousands of alloc/free pairs per second (all threads together) against threads on one GPU."""
     df = _sweep(df, "threads")
     size = _thread_size(df, size_bytes)
-    s = _median(df[df["size_bytes"] == size], ["allocator", "threads"], ["kpairs_per_s"])
+    sized = df[df["size_bytes"] == size]
+    s = _stat(sized, ["allocator", "threads"], "kpairs_per_s")
     threads = sorted(s["threads"].unique())
     fig, axes = _figure(1, 1, size=(9, 5.2))
     ax = axes[0][0]
@@ -342,21 +381,22 @@ def alloc_threads(df: pd.DataFrame, size_bytes: int | None = None) -> Figure:
     for a in ordered(s["allocator"].unique()):
         t = s[s["allocator"] == a].sort_values("threads")
         st = style(a)
-        ax.plot(t["threads"], t["kpairs_per_s"], color=st["color"], marker=st["marker"] or "o", ls=st["ls"],
-                lw=st["lw"], label=st["label"])
+        ax.errorbar(t["threads"], t["kpairs_per_s"], yerr=_yerr(t, "kpairs_per_s"), color=st["color"],
+                    marker=st["marker"] or "o", ls=st["ls"], lw=st["lw"], label=st["label"], capsize=2)
         last = t.iloc[-1]
         ends.append((last["threads"], last["kpairs_per_s"], st["color"]))
     ax.set_xscale("log", base=2)
     ax.set_xticks(threads, [str(t) for t in threads])
     ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_ylim(0, 1.08 * s["kpairs_per_s"].max())
+    ax.set_ylim(0, 1.08 * np.nanmax(np.r_[s["kpairs_per_s"], s["kpairs_per_s_hi"]]))
     ax.set_xlim(min(threads) / 1.15, max(threads) * 1.3)
     _end_labels(ax, ends, lambda v: f"{v:.0f}k", log_x=True)
     ax.set_xlabel("threads allocating on the same GPU")
     ax.set_ylabel("thousand alloc/free pairs per second (all threads)")
     ax.set_title(f"{fmt_bytes(size)} requests; higher is better, flat or rising means no lock contention")
     ax.grid(alpha=0.3)
-    return _finish(fig, "Several threads on one GPU: allocation throughput", df, legend_from=ax, ncol=3)
+    return _finish(fig, "Several threads on one GPU: allocation throughput", df,
+                   trials_note(sized, ["allocator", "threads"]), legend_from=ax, ncol=3)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -364,17 +404,25 @@ def alloc_threads(df: pd.DataFrame, size_bytes: int | None = None) -> Figure:
 
 
 def _by_batch(df, col):
-    t = _median(df, ["batch", "allocator"], [col]).pivot(index="batch", columns="allocator", values=col)
-    t = t.sort_index(ascending=False)
-    return t[ordered(t.columns)]
+    """(median, lo, hi) tables: rows batch (largest first), columns allocators in house order."""
+    s = _stat(df, ["batch", "allocator"], col)
+    out = []
+    for c in (col, f"{col}_lo", f"{col}_hi"):
+        t = s.pivot(index="batch", columns="allocator", values=c).sort_index(ascending=False)
+        out.append(t[ordered(t.columns)])
+    return out
 
 
 def single_gpu(df: pd.DataFrame) -> Figure:
     """Tokens/s, GPU utilisation, device mallocs per step and peak reserved/requested, per allocator and batch."""
     d = df[df["mode"] == "single"] if "mode" in df and (df["mode"] == "single").any() else df
-    fig, axes = _figure(2, 2, size=(13, 8.5))
+    fig, axes = _figure(3, 2, size=(13, 12.5))
     panels = [
         ("tokens_per_s", "tokens per second (higher is better)", "Training throughput", fmt_si, False),
+        ("host_ms_per_step", "ms of the dispatching thread's CPU time per step",
+         "Host work per step (thread CPU time)", lambda v: f"{v:.0f}", False),
+        ("gpu_ms_per_step", "ms per step on the GPU's stream (CUDA events)",
+         "Step span on the GPU stream (= wall time when host-bound)", lambda v: f"{v:.0f}", False),
         ("gpu_util_mean", "mean GPU utilisation (%)", "GPU busy (NVML utilisation, mean over timed steps)",
          lambda v: f"{v:.0f}%", False),
         ("device_mallocs_per_step", "cudaMalloc calls per step (log scale)",
@@ -387,10 +435,10 @@ def single_gpu(df: pd.DataFrame) -> Figure:
             _empty(ax, f"no {col} in the CSV")
             ax.set_title(title)
             continue
-        t = _by_batch(d, col)
+        t, lo, hi = _by_batch(d, col)
         if log:
-            t = t.clip(lower=0.5)             # log axis: 0 mallocs shows as a stub labelled "0.5" -> relabel
-        _grouped_bars(ax, t, fmt=(lambda v: "0" if v <= 0.5 else fmt(v)) if log else fmt, log=log)
+            t, lo, hi = t.clip(lower=0.5), None, None  # exact counts: no interval; 0 drawn as a stub, relabelled
+        _grouped_bars(ax, t, fmt=(lambda v: "0" if v <= 0.5 else fmt(v)) if log else fmt, log=log, lo=lo, hi=hi)
         ax.set_xticklabels([f"batch {b}" for b in t.index])
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=10)
@@ -402,8 +450,8 @@ def single_gpu(df: pd.DataFrame) -> Figure:
             ax.axhline(1.0, color="black", lw=0.8)
             ax.set_ylim(bottom=min(0.9, float(np.nanmin(t.to_numpy())) - 0.05))
     return _finish(fig, "One GPU: the small GPT's training step under each allocator", df,
-                   "Medians over the timed steps after warm-up; a pool's 0 mallocs per step are drawn as a stub.",
-                   legend_from=axes[0][0])
+                   trials_note(d, ["batch", "allocator"]) + " Each trial times the steps after warm-up; a pool's "
+                   "0 mallocs per step are drawn as a stub.", legend_from=axes[0][0])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -427,21 +475,26 @@ def _scaling_frame(df):
 
 
 def ddp_scaling(df: pd.DataFrame) -> Figure:
-    """Tokens/s and speedup against the number of GPUs: one column per mode (threads, processes)."""
+    """Tokens/s and speedup against the number of GPUs: one column per mode (threads, processes); medians over
+    trials with 95% intervals (a speedup is trial t on N GPUs over trial t on one)."""
     d = _scaling_frame(df)
     modes = _modes(d)
     fig, axes = _figure(2, len(modes), size=(6.5 * len(modes), 8.5), sharey="row")
     worlds = sorted(d["world"].unique())
     ends = []                                 # (column, world, speedup, colour) of each line's last point
     for j, mode in enumerate(modes):
-        m = _median(d[d["mode"] == mode], ["allocator", "world"], ["tokens_per_s", "speedup"])
+        sub = d[d["mode"] == mode]
+        tps = _stat(sub, ["allocator", "world"], "tokens_per_s")
+        spd = _stat(sub, ["allocator", "world"], "speedup")
         top, bottom = axes[0][j], axes[1][j]
-        for a in ordered(m["allocator"].unique()):
-            s = m[m["allocator"] == a].sort_values("world")
+        for a in ordered(tps["allocator"].unique()):
             st = style(a)
-            kw = dict(color=st["color"], marker=st["marker"] or "o", ls=st["ls"], lw=st["lw"], label=st["label"])
-            top.plot(s["world"], s["tokens_per_s"], **kw)
-            bottom.plot(s["world"], s["speedup"], **kw)
+            kw = dict(color=st["color"], marker=st["marker"] or "o", ls=st["ls"], lw=st["lw"], label=st["label"],
+                      capsize=2)
+            s = tps[tps["allocator"] == a].sort_values("world")
+            top.errorbar(s["world"], s["tokens_per_s"], yerr=_yerr(s, "tokens_per_s"), **kw)
+            s = spd[spd["allocator"] == a].sort_values("world")
+            bottom.errorbar(s["world"], s["speedup"], yerr=_yerr(s, "speedup"), **kw)
             last = s.iloc[-1]
             ends.append((j, last["world"], last["speedup"], st["color"]))
         bottom.plot(worlds, worlds, color="black", ls="--", lw=0.8, label="ideal (linear)")
@@ -460,8 +513,8 @@ def ddp_scaling(df: pd.DataFrame) -> Figure:
     axes[1][0].set_ylabel("speedup over the same allocator on 1 GPU (×)")
     batch = ", ".join(str(b) for b in sorted(d["batch"].unique())) if "batch" in d else "?"
     return _finish(fig, "Several GPUs: data-parallel training throughput and speedup", df,
-                   f"Batch {batch} per GPU; gradients all-reduced with NCCL each step.", legend_from=axes[1][0],
-                   ncol=3)
+                   f"Batch {batch} per GPU; gradients all-reduced with NCCL each step. "
+                   + trials_note(d, ["mode", "allocator", "world"]), legend_from=axes[1][0], ncol=3)
 
 
 def ddp_before_after(df: pd.DataFrame) -> Figure:
@@ -478,9 +531,11 @@ def ddp_before_after(df: pd.DataFrame) -> Figure:
         if col not in top or top[col].isna().all():
             _empty(ax, f"no {col} in the CSV")
             continue
-        t = _median(top, ["mode", "allocator"], [col]).pivot(index="mode", columns="allocator", values=col)
-        t = t.loc[[m for m in modes if m in t.index]]
-        _grouped_bars(ax, t[ordered(t.columns)], fmt=fmt)
+        st = _stat(top, ["mode", "allocator"], col)
+        t, lo, hi = [st.pivot(index="mode", columns="allocator", values=c) for c in (col, f"{col}_lo", f"{col}_hi")]
+        keep = [m for m in modes if m in t.index]
+        cols = ordered(t.columns)
+        _grouped_bars(ax, t.loc[keep, cols], fmt=fmt, lo=lo.loc[keep, cols], hi=hi.loc[keep, cols])
         ax.set_xticklabels([MODES.get(m, m) for m in t.index], fontsize=9)
         ax.set_ylabel(ylabel)
     sp.axhline(world, color="black", ls="--", lw=0.8)
@@ -488,7 +543,62 @@ def ddp_before_after(df: pd.DataFrame) -> Figure:
     sp.set_title(f"Speedup on {world} GPUs: before (raw cudaMalloc) → after (a pool)", fontsize=10)
     ut.set_title(f"GPU utilisation on {world} GPUs", fontsize=10)
     ut.set_ylim(0, 110)
-    return _finish(fig, f"{world} GPUs: what the allocator changes", df, legend_from=sp)
+    return _finish(fig, f"{world} GPUs: what the allocator changes", df, trials_note(top, ["mode", "allocator"]),
+                   legend_from=sp)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 04: batch sweep
+
+
+def batch_sweep(df: pd.DataFrame) -> Figure:
+    """Threads on N GPUs against 1, by per-GPU batch: the speedup (median, 95% interval), and the one-GPU step's
+    host work against its GPU work, whose crossing is where the host bound ends."""
+    d = df[df["mode"] == "threads"] if "mode" in df else df
+    world = int(d["world"].max())
+    fig, axes = _figure(1, 2, size=(13, 5.4))
+    sp, ms = axes[0]
+    top = d[d["world"] == world]
+    spd = _stat(top, ["allocator", "batch"], "speedup")
+    batches = sorted(d["batch"].unique())
+    for a in ordered(spd["allocator"].unique()):
+        s = spd[spd["allocator"] == a].sort_values("batch")
+        st = style(a)
+        sp.errorbar(s["batch"], s["speedup"], yerr=_yerr(s, "speedup"), color=st["color"], marker=st["marker"] or "o",
+                    ls=st["ls"], lw=st["lw"], label=st["label"], capsize=2)
+    sp.axhline(world, color="black", ls="--", lw=0.8)
+    sp.text(batches[0], world, f" ideal {world}×", va="bottom", fontsize=8)
+    sp.set_ylim(0, 1.15 * np.nanmax(np.r_[world, spd["speedup"], spd["speedup_hi"]]))
+    sp.set_ylabel(f"speedup, {world} GPUs over 1 (same trial)")
+    sp.set_title(f"One thread per GPU, {world} GPUs: speedup by per-GPU batch", fontsize=10)
+    one = d[d["world"] == 1]
+    pools = [a for a in ordered(one["allocator"].unique()) if a != "raw"]
+    if pools and {"host_ms_per_step", "gpu_busy_ms_per_step"} <= set(one.columns):
+        a = pools[-1] if any(p.startswith("xpool") for p in pools) else pools[0]
+        a = next((p for p in pools if p.startswith("xpool")), a)
+        mine = one[one["allocator"] == a]
+        for col, label, color in (("host_ms_per_step", "host: dispatching thread's CPU time", "#6a3d9a"),
+                                  ("gpu_busy_ms_per_step", "GPU: busy time (wall x NVML utilisation)", "#33a02c")):
+            s = _stat(mine, ["batch"], col).sort_values("batch")
+            ms.errorbar(s["batch"], s[col], yerr=_yerr(s, col), color=color, marker="o", label=label, capsize=2)
+        ms.set_title(f"Where the host bound ends: one GPU, {style(a)['label']}", fontsize=10)
+        ms.legend(fontsize=8, loc="upper left")
+        ms.set_yscale("log")
+        ms.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+        ms.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ms.yaxis.set_minor_formatter(NullFormatter())
+    else:
+        _empty(ms, "no host/GPU ms per step in the CSV")
+    ms.set_ylabel("ms per step (log scale)")
+    for ax in (sp, ms):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("sequences per GPU per step (log scale)")
+        ax.grid(alpha=0.3)
+    return _finish(fig, "Batch sweep: where one thread per GPU starts to scale", df,
+                   "Two threads share one GIL: while a step's host work exceeds half its GPU work the speedup stays "
+                   "near 1. " + trials_note(d, ["allocator", "world", "batch"]), legend_from=sp, ncol=3)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -651,6 +761,7 @@ FIGURES = {
     "single_gpu": (("single_gpu",), single_gpu),
     "ddp_scaling": (("ddp_scaling",), ddp_scaling),
     "ddp_before_after": (("ddp_scaling",), ddp_before_after),
+    "batch_sweep": (("batch_sweep",), batch_sweep),
     "memory_waste": (("memory_waste",), memory_waste),
     "memory_timeline": (("memory_timeline",), memory_timeline),
     "memory_schemes": (("memory_schemes",), memory_schemes),
