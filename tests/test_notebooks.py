@@ -113,9 +113,17 @@ FRAMES = {
     "single_gpu": synthetic.single_gpu,
     "ddp_scaling": synthetic.ddp_scaling,
     "ddp_before_after": synthetic.ddp_scaling,
+    "batch_sweep": lambda: synthetic.with_trials(synthetic.batch_sweep()),
     "memory_waste": synthetic.memory_waste,
     "memory_timeline": synthetic.memory_timeline,
     "memory_schemes": synthetic.memory_schemes,
+}
+TRIAL_FRAMES = {   # the newer schema: five trials per configuration, host/GPU ms per step
+    "alloc_cost": lambda: synthetic.with_trials(synthetic.alloc_microbench()),
+    "alloc_threads": lambda: synthetic.with_trials(synthetic.alloc_microbench()),
+    "single_gpu": lambda: synthetic.with_trials(synthetic.with_step_times(synthetic.single_gpu())),
+    "ddp_scaling": lambda: synthetic.with_trials(synthetic.with_step_times(synthetic.ddp_scaling())),
+    "ddp_before_after": lambda: synthetic.with_trials(synthetic.with_step_times(synthetic.ddp_scaling())),
 }
 
 
@@ -139,12 +147,27 @@ def test_plot_has_title_labels_and_machine_caption(name, tmp_path):
     assert png.stat().st_size > 10_000 and svg.stat().st_size > 10_000
 
 
-def test_plots_survive_a_csv_round_trip(tmp_path):
+@pytest.mark.parametrize("name", sorted(TRIAL_FRAMES))
+def test_timed_figures_draw_error_bars_from_trials(name):
+    """Every timed figure shows each median's 95% interval: with trials there are error bars, and the caption
+    says what a point is; the old one-row-per-point CSVs draw none and say so."""
+    def bars(fig):
+        return sum(len(c) for ax in fig.axes for c in ax.containers
+                   if getattr(c, "has_yerr", False) or getattr(c, "errorbar", None) is not None)
+    new = plots.FIGURES[name][1](TRIAL_FRAMES[name]())
+    assert bars(new) > 0 and "95% bootstrap interval" in _all_text(new)
+    old = plots.FIGURES[name][1](FRAMES[name]())
+    assert "no interval" in _all_text(old)
+
+
+@pytest.mark.parametrize("trials", [0, 5])
+def test_plots_survive_a_csv_round_trip(tmp_path, trials):
     """Figures are made from the CSVs alone: what was written must plot after reading it back."""
-    synthetic.write_all(tmp_path / "data")
+    synthetic.write_all(tmp_path / "data", trials=trials)
     (tmp_path / "data" / "correctness_cpu.csv").write_text(synthetic.correctness("cpu").to_csv(index=False))
     built = plots.build_all(tmp_path / "data", tmp_path / "figures")
-    assert all(isinstance(v, pathlib.Path) and v.is_file() for v in built.values()), built
+    skipped = {"batch_sweep"} if not trials else set()
+    assert all(isinstance(v, pathlib.Path) and v.is_file() for k, v in built.items() if k not in skipped), built
 
 
 def test_build_all_skips_missing_csvs(tmp_path):
