@@ -48,7 +48,9 @@ float64, PyTorch parity (logits, loss, every gradient, AdamW steps), overfitting
 and bit-exact resume, batch consistency, and the closed loop from training to serving.
 On a GPU, in addition: the same checks on CuPy and the **bitwise transparency gate**: training under raw
 `cudaMalloc`, CuPy's pool and xpool must give identical losses and parameters, bit for bit.
-Results: `data/correctness_cpu.csv`, `data/correctness_gpu.csv`.
+Results: the CPU checks run here go to `build/correctness_cpu.csv` (a run never rewrites committed data; the
+committed `data/correctness_cpu.csv` is refreshed on purpose with `python -m xlab.correctness --out
+data/correctness_cpu.csv`), the GPU checks to `data/correctness_gpu.csv`.
 ''' + HOW_TO_RUN.format(name="01_correctness")),
         ("params", '''\
 with_torch: bool = True  # PyTorch parity checks (needs torch)
@@ -57,10 +59,9 @@ measure: bool = True  # on a GPU: run the GPU checks now and overwrite data/corr
 fail_on_error: bool = True  # the last cell raises if a check run here failed, so papermill and CI fail
 ''' + COMMON_PARAMS),
         ("code", SETUP),
-        ("md", "## Checks on the CPU (run now, written to `data/correctness_cpu.csv`)"),
+        ("md", "## Checks on the CPU (run now, written to `build/correctness_cpu.csv`)"),
         ("code", '''\
-cpu_checks = nbu.run_correctness("cpu", with_torch=with_torch,
-                                 out=nbu.data_dir(data_dir) / "correctness_cpu.csv")'''),
+cpu_checks = nbu.run_correctness("cpu", with_torch=with_torch, out=nbu.build_dir() / "correctness_cpu.csv")'''),
         ("md", "## Checks on a GPU (run now on a GPU machine, else the committed results)"),
         ("code", '''\
 gpu_checks = nbu.load_or_measure("correctness_gpu", nbu.run_correctness, gpu, data_dir, measure,
@@ -81,13 +82,15 @@ if fail_on_error:
 # 02 · Allocator microbenchmark
 
 Microseconds per `a = cupy.empty(n, uint8); del a` pair for each allocator and request size on one thread, and
-thousands of pairs per second with several threads allocating on one GPU. Peers: raw `cudaMalloc`/`cudaFree`,
-CuPy's `MemoryPool` (the default) and `MemoryAsyncPool`, and an allocator doing no work (the floor of CuPy's
-allocation path); xpool with 1 and 4 size classes per doubling.
+thousands of pairs per second with several threads allocating on one GPU. Peers: raw `cudaMalloc`/`cudaFree`
+(alone on the device, and with one small block held alive, which makes small pairs ten times cheaper), CuPy's
+`MemoryPool` (the default) and `MemoryAsyncPool`, PyTorch's caching allocator (where PyTorch has CUDA), and
+allocators doing no work (the floor of CuPy's allocation path); xpool's default scheme and the design's.
+Five trials, the allocators interleaved in each; medians with 95% bootstrap intervals.
 Measured by `python -m xlab.bench.alloc --out data/alloc_microbench.csv`.
 ''' + HOW_TO_RUN.format(name="02_allocator_microbench")),
         ("params", '''\
-quick: bool = False  # GPU only: fewer sizes and repeats (a smoke run, not numbers to quote)
+quick: bool = False  # GPU only: fewer trials, short windows (a smoke run, not numbers to quote)
 measure: bool = True  # on a GPU: measure now and overwrite data/alloc_microbench.csv
 threads_size_bytes: int = 65536  # request size of the thread-scaling table and figure (bytes)
 ''' + COMMON_PARAMS),
@@ -96,7 +99,7 @@ threads_size_bytes: int = 65536  # request size of the thread-scaling table and 
 bench = nbu.load_or_measure("alloc_microbench", "xlab.bench.alloc:run", gpu, data_dir, measure,
                             how_to_measure="python -m xlab.bench.alloc --out data/alloc_microbench.csv",
                             quick=quick)'''),
-        ("md", "## One thread: µs per alloc/free pair (median over repeats; lower is faster)"),
+        ("md", "## One thread: µs per alloc/free pair (median over trials; lower is faster)"),
         ("code", 'nbu.pivot(bench, index="allocator", columns="size_bytes", values="us_per_pair", threads=1)'),
         ("code", 'nbu.figure(plots.alloc_cost, bench, "alloc_cost", figures_dir)'),
         ("md", "## Several threads on one GPU: thousand pairs per second, all threads together"),
@@ -109,14 +112,17 @@ nbu.pivot(bench, index="allocator", columns="threads", values="kpairs_per_s", si
 # 03 · One GPU: training throughput and memory
 
 The small GPT (12 layers, 384 wide, 256 tokens per sequence; every op makes a fresh array) trained under each
-allocator: tokens per second, mean GPU utilisation (NVML), device mallocs per step after warm-up, and peak memory
-reserved against requested. Measured by `xlab.experiments.single_gpu.run`, writing `data/single_gpu.csv`.
+allocator: tokens per second, host ms per step (the dispatching thread's CPU time), the step's span on the GPU
+stream (CUDA events), mean GPU utilisation (NVML) and what bounds the step, device mallocs per step after warm-up,
+and peak memory reserved against requested. Five trials, allocators interleaved; flat-buffer AdamW.
+Measured by `xlab.experiments.single_gpu.run`, writing `data/single_gpu.csv` (one row per trial).
 ''' + HOW_TO_RUN.format(name="03_single_gpu")),
         ("params", '''\
-steps: int = 30  # timed steps per run
-warmup: int = 5  # untimed steps before the timed ones
+steps: int = 10  # timed steps per run
+warmup: int = 3  # untimed steps before the timed ones
+trials: int = 5  # trials per (batch, allocator), interleaved across allocators
 batches: list = [32, 4]  # batch sizes (sequences per step)
-allocators: list = ["raw", "cupy_pool", "xpool_k1", "xpool_k4"]  # allocators to compare
+allocators: list = []  # allocators to compare (empty: raw, cupy_pool and xpool's two arms)
 measure: bool = True  # on a GPU: measure now and overwrite data/single_gpu.csv
 cpu_check: bool = True  # without a GPU: run the measuring code on NumPy with a tiny model (measures nothing)
 ''' + COMMON_PARAMS),
@@ -125,14 +131,15 @@ cpu_check: bool = True  # without a GPU: run the measuring code on NumPy with a 
         ("code", '''\
 if cpu_check and not gpu:
     nbu.cpu_smoke("xlab.experiments.single_gpu:run", config="tiny", batches=(2,), steps=2, warmup=1,
-                  progress=False)'''),
-        ("md", "## Measurements"),
+                  progress=False, trials=2)'''),
+        ("md", "## Measurements (medians over trials; the CSV keeps every trial)"),
         ("code", '''\
 runs = nbu.load_or_measure("single_gpu", "xlab.experiments.single_gpu:run", gpu, data_dir, measure,
-                           allocators=tuple(allocators), batches=tuple(batches), steps=steps, warmup=warmup)'''),
+                           allocators=tuple(allocators) or None, batches=tuple(batches), steps=steps,
+                           warmup=warmup, trials=trials)'''),
         ("code", '''\
-nbu.table(runs, ["allocator", "batch", "tokens_per_s", "gpu_util_mean", "device_mallocs_per_step",
-                 "peak_reserved_bytes", "peak_requested_bytes", "reserved_over_requested"])'''),
+nbu.medians(runs, ["batch", "allocator"], ["tokens_per_s", "ms_per_step", "host_ms_per_step", "gpu_ms_per_step",
+                                           "gpu_util_mean", "device_mallocs_per_step", "reserved_over_requested"])'''),
         ("code", 'nbu.figure(plots.single_gpu, runs, "single_gpu", figures_dir)'),
     ],
     "04_multi_gpu": [
@@ -141,15 +148,19 @@ nbu.table(runs, ["allocator", "batch", "tokens_per_s", "gpu_util_mean", "device_
 
 Data-parallel training of the same GPT on 1 and 2 GPUs, either one thread per GPU in one process (`threads`) or
 one process per GPU (`processes`), gradients all-reduced with NCCL every step: tokens per second, speedup over one
-GPU, GPU utilisation, before (raw `cudaMalloc`) and after (a pool).
-Measured by `xlab.experiments.ddp.run`, writing `data/ddp_scaling.csv`.
+GPU, GPU utilisation, before (raw `cudaMalloc`) and after (a pool); then the batch sweep: one thread per GPU on 2
+GPUs against 1 at per-GPU batch 4 to 128, where the host bound ends. Five trials, allocators interleaved.
+Measured by `xlab.experiments.ddp.run` and `xlab.experiments.sweep.run`, writing `data/ddp_scaling.csv` and
+`data/batch_sweep.csv` (one row per trial).
 ''' + HOW_TO_RUN.format(name="04_multi_gpu")),
         ("params", '''\
 modes: list = ["threads", "processes"]  # one thread per GPU in one process, and/or one process per GPU
 worlds: list = [1, 2]  # numbers of GPUs
-allocators: list = ["raw", "cupy_pool", "xpool_k1", "xpool_k4"]  # allocators to compare
+allocators: list = []  # allocators to compare (empty: raw, cupy_pool and xpool's two arms)
 batch: int = 32  # sequences per GPU per step
-steps: int = 30  # timed steps per run
+steps: int = 8  # timed steps per run
+trials: int = 5  # trials per (mode, world, allocator), interleaved across allocators
+sweep: bool = True  # on a GPU machine: also measure the batch sweep (data/batch_sweep.csv)
 measure: bool = True  # on a GPU machine: measure now and overwrite data/ddp_scaling.csv
 cpu_check: bool = True  # without a GPU: run the measuring code on NumPy with a tiny model (measures nothing)
 ''' + COMMON_PARAMS),
@@ -158,18 +169,26 @@ cpu_check: bool = True  # without a GPU: run the measuring code on NumPy with a 
         ("code", '''\
 if cpu_check and not gpu:
     nbu.cpu_smoke("xlab.experiments.ddp:run", modes=("threads",), worlds=(1, 2), config="tiny", batch=2,
-                  steps=2, progress=False)'''),
-        ("md", "## Measurements"),
+                  steps=2, progress=False, trials=2)
+    nbu.cpu_smoke("xlab.experiments.sweep:run", batches=(2, 4), config="tiny", steps_scale=0.3, progress=False,
+                  trials=2)'''),
+        ("md", "## Measurements (medians over trials; the CSV keeps every trial)"),
         ("code", '''\
 scaling = nbu.load_or_measure("ddp_scaling", "xlab.experiments.ddp:run", gpu, data_dir, measure,
-                              modes=tuple(modes), worlds=tuple(worlds), allocators=tuple(allocators),
-                              batch=batch, steps=steps)'''),
+                              modes=tuple(modes), worlds=tuple(worlds), allocators=tuple(allocators) or None,
+                              batch=batch, steps=steps, trials=trials)'''),
         ("md", "Speedup over the same allocator on one GPU:"),
         ("code", 'nbu.pivot(scaling, index=["mode", "allocator"], columns="world", values="speedup")'),
         ("md", "Tokens per second, all GPUs together:"),
         ("code", 'nbu.pivot(scaling, index=["mode", "allocator"], columns="world", values="tokens_per_s")'),
         ("code", 'nbu.figure(plots.ddp_scaling, scaling, "ddp_scaling", figures_dir)'),
         ("code", 'nbu.figure(plots.ddp_before_after, scaling, "ddp_before_after", figures_dir)'),
+        ("md", "## Batch sweep: one thread per GPU, 2 GPUs over 1, by per-GPU batch"),
+        ("code", '''\
+sweep_runs = nbu.load_or_measure("batch_sweep", "xlab.experiments.sweep:run", gpu, data_dir, measure and sweep,
+                                 trials=trials)'''),
+        ("code", 'nbu.pivot(sweep_runs, index="allocator", columns="batch", values="speedup", world=2)'),
+        ("code", 'nbu.figure(plots.batch_sweep, sweep_runs, "batch_sweep", figures_dir)'),
     ],
     "05_memory": [
         ("md", '''\

@@ -29,6 +29,11 @@ def figures_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
     return pathlib.Path(path) if path else paths.figures_dir()
 
 
+def build_dir() -> pathlib.Path:
+    """The repository's build/: what a run makes and nobody commits (CPU check results, executed notebooks)."""
+    return paths.build_dir()
+
+
 def gpu_available() -> bool:
     """True when CuPy sees a CUDA device (the notebook measures instead of loading)."""
     return has_gpu()
@@ -158,6 +163,25 @@ def pivot(df: pd.DataFrame | None, index, columns: str, values: str, **query):
     if columns == "size_bytes":
         t = t[sorted(t.columns)]
         t.columns = [plots.fmt_bytes(c) for c in t.columns]
+    return t.style.format(_number)
+
+
+def medians(df: pd.DataFrame | None, by, columns):
+    """Median of each column over trials per group of `by`, with a trials count, for display; None if no data.
+
+    Args:
+        df: a tidy frame, one row per trial.
+        by: grouping columns (e.g. ["batch", "allocator"]).
+        columns: the columns to summarise (absent ones are skipped).
+
+    Returns:
+        A styled table (numbers shortened).
+    """
+    if df is None or not len(df):
+        return None
+    cols = [c for c in columns if c in df]
+    t = df.groupby(list(by), sort=False)[cols].median(numeric_only=True)
+    t["trials"] = df.groupby(list(by), sort=False).size()
     return t.style.format(_number)
 
 

@@ -29,8 +29,8 @@ from . import paths, plots
 CPU_QUICK = {
     "01_correctness": dict(measure=False, transparency_steps=5),
     "02_allocator_microbench": dict(measure=False, quick=True),
-    "03_single_gpu": dict(measure=False, steps=3, warmup=1),
-    "04_multi_gpu": dict(measure=False, steps=3),
+    "03_single_gpu": dict(measure=False, steps=3, warmup=1, trials=2),
+    "04_multi_gpu": dict(measure=False, steps=3, trials=2),
     "05_memory": dict(measure=False),
 }
 
