@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pathlib
 
 import numpy as np
 import pandas as pd
@@ -16,6 +15,7 @@ import xpool
 from tapegpt import AdamW, GPT, GPTConfig, checks, load_corpus
 
 from . import allocators as registry
+from .paths import write_csv
 from .provenance import provenance
 
 # raw first: every other allocator is compared with it. The debug arm poisons every freed block with NaN bytes
@@ -98,9 +98,7 @@ def run_correctness(device: str = "cpu", with_torch: bool = True, transparency_s
         raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
     df = pd.concat([_as_rows(f) for f in frames], ignore_index=True)
     df = df.assign(device=device, **provenance(with_torch=with_torch, transparency_steps=transparency_steps))
-    if out is not None:
-        pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
-        df.to_csv(out, index=False)
+    write_csv(df, out)
     df.attrs["source"] = "measured"
     return df
 

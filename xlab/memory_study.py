@@ -29,6 +29,7 @@ from collections import defaultdict
 import numpy as np
 import pandas as pd
 
+from xlab.paths import write_csv
 from xpool.backends import HostBackend
 from xpool.pool import Pool
 from xpool.sizeclass import ALIGN, size_class
@@ -661,9 +662,8 @@ def run(out="data/memory_waste.csv", ks=KS, config=None, batch: int | None = Non
     """
     waste, timeline = measure_waste(tuple(int(k) for k in ks), config, batch, warmup)
     out = pathlib.Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    waste.to_csv(out, index=False)
-    timeline.to_csv(out.parent / "memory_timeline.csv", index=False)
+    write_csv(waste, out)
+    write_csv(timeline, out.parent / "memory_timeline.csv")
     return waste
 
 

@@ -91,7 +91,7 @@ def load_or_measure(name: str, measure_fn, gpu_available: bool, data: str | os.P
         if df is None:
             df = pd.read_csv(path)
         elif not path.is_file():
-            df.to_csv(path, index=False)
+            paths.write_csv(df, path)
         print(f"Measured now and written to {path}: {describe_provenance(df)}.")
         df.attrs["source"] = "measured"
         return df

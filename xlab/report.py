@@ -101,6 +101,12 @@ def _ci(value, lo, hi, fmt="{:.2f}", unit=""):
     return iv.fmt_ci(value, lo, hi, fmt, unit)
 
 
+def _with_xpool(data: pathlib.Path, name: str):
+    """(data/NAME.csv, the xpool arm to quote in it), or (None, None) when the CSV is missing."""
+    df = _read(data, name)
+    return (None, None) if df is None else (df, _xpool(df["allocator"].unique()))
+
+
 def _where(df: pd.DataFrame) -> str:
     p = plots.provenance_summary(df)
     gpu = "CPU, no GPU" if p["gpu"] == "none" else p["gpu"]
@@ -127,10 +133,9 @@ def headline_correctness(data: pathlib.Path) -> str | None:
 
 
 def headline_alloc(data: pathlib.Path) -> list[str]:
-    df = _read(data, "alloc_microbench")
+    df, xp = _with_xpool(data, "alloc_microbench")
     if df is None:
         return []
-    xp = _xpool(df["allocator"].unique())
     # the size sweep (one thread, on the main thread); the thread sweep's 1-thread case runs in a worker
     sized = df[df["sweep"] == "size"] if "sweep" in df else df[df["threads"] == df["threads"].min()]
     sizes = sorted(sized["size_bytes"].unique())
@@ -182,10 +187,9 @@ def headline_alloc(data: pathlib.Path) -> list[str]:
 
 
 def headline_single(data: pathlib.Path) -> str | None:
-    df = _read(data, "single_gpu")
+    df, xp = _with_xpool(data, "single_gpu")
     if df is None:
         return None
-    xp = _xpool(df["allocator"].unique())
     batch = int(df["batch"].max())
     b = df[df["batch"] == batch]
     if xp not in set(b["allocator"]):
@@ -215,10 +219,9 @@ def headline_single(data: pathlib.Path) -> str | None:
 
 
 def headline_ddp(data: pathlib.Path) -> str | None:
-    df = _read(data, "ddp_scaling")
+    df, xp = _with_xpool(data, "ddp_scaling")
     if df is None:
         return None
-    xp = _xpool(df["allocator"].unique())
     world = int(df["world"].max())
     top = df[df["world"] == world]
     parts = []
@@ -236,10 +239,9 @@ def headline_ddp(data: pathlib.Path) -> str | None:
 
 
 def headline_sweep(data: pathlib.Path) -> str | None:
-    df = _read(data, "batch_sweep")
+    df, xp = _with_xpool(data, "batch_sweep")
     if df is None:
         return None
-    xp = _xpool(df["allocator"].unique())
     world = int(df["world"].max())
     mine = df[(df["allocator"] == xp) & (df["world"] == world)]
     if not len(mine):

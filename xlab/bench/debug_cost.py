@@ -28,6 +28,7 @@ def run(sizes=SIZES, pairs: int = 2000, repeats: int = 5, out: str | None = "dat
     import pandas as pd
 
     from xpool import HostBackend, Pool
+    from xlab.paths import write_csv
     from xlab.provenance import provenance
     pools = {mode: Pool(HostBackend(), debug=mode) for mode in (False, "raise")}
     rows = []
@@ -42,7 +43,7 @@ def run(sizes=SIZES, pairs: int = 2000, repeats: int = 5, out: str | None = "dat
         df[k] = v
     print(df[["size_bytes", "debug", "us_per_pair", "ratio_vs_off"]].to_string(index=False))
     if out:
-        df.to_csv(out, index=False)
+        write_csv(df, out)
         print(f"wrote {out}")
     return df
 
