@@ -31,6 +31,8 @@ import time
 
 import numpy as np
 
+from xlab import intervals
+
 ARMS = ("native", "xpool")
 SIZES = (4096, 1 << 20, 64 << 20)
 COLUMNS = ["case", "arm", "trial", "order", "size_bytes", "value", "unit", "pairs", "steps", "batch_size",
@@ -143,22 +145,16 @@ def run(trials: int = 5, pairs: int = 50_000, steps: int = 20, warmup: int = 5, 
 
 
 def bootstrap_median(values, n_boot: int = 4000, seed: int = 0, level: float = 0.95):
-    """(median, low, high): the median and its percentile-bootstrap interval."""
-    v = np.asarray(values, dtype=float)
-    rng = np.random.default_rng(seed)
-    meds = np.median(rng.choice(v, size=(n_boot, v.size), replace=True), axis=1)
-    a = (1 - level) / 2
-    return float(np.median(v)), float(np.quantile(meds, a)), float(np.quantile(meds, 1 - a))
+    """(median, low, high): the median and its percentile-bootstrap interval (xlab.intervals.median_ci)."""
+    m, lo, hi, _ = intervals.median_ci(values, level=level, resamples=n_boot, seed=seed)
+    return m, lo, hi
 
 
 def bootstrap_ratio(num, den, n_boot: int = 4000, seed: int = 0, level: float = 0.95):
-    """(ratio of medians, low, high), resampling each arm's trials on its own."""
-    num, den = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
-    rng = np.random.default_rng(seed)
-    r = (np.median(rng.choice(num, size=(n_boot, num.size)), axis=1) /
-         np.median(rng.choice(den, size=(n_boot, den.size)), axis=1))
-    a = (1 - level) / 2
-    return float(np.median(num) / np.median(den)), float(np.quantile(r, a)), float(np.quantile(r, 1 - a))
+    """(ratio of medians, low, high) over trials paired by index: trial t of both arms ran back to back
+    (xlab.intervals.ratio_ci)."""
+    r, lo, hi, _ = intervals.ratio_ci(num, den, level=level, resamples=n_boot, seed=seed)
+    return r, lo, hi
 
 
 def summarize(df):
@@ -291,6 +287,8 @@ def plot_mixed_memory(mem, two_pools: int | None = None, title="One pool for CuP
 def plot(df):
     """Left: µs per torch.empty+del pair by size; right: training tokens/s; medians with 95% intervals."""
     from matplotlib.figure import Figure
+
+    from xlab.plots import fmt_bytes
     s = summarize(df)
     fig = Figure(figsize=(11, 4.5), layout="constrained")
     left, right = fig.subplots(1, 2)
@@ -302,7 +300,7 @@ def plot(df):
         err = [med - e[f"{arm}_low"].to_numpy(), e[f"{arm}_high"].to_numpy() - med]
         left.bar(x + (i - 0.5) * 0.38, med, 0.38, yerr=err, capsize=3, color=colors[arm],
                  label="PyTorch's allocator" if arm == "native" else "xpool")
-    left.set_xticks(x, [_fmt_size(n) for n in e.size_bytes])
+    left.set_xticks(x, [fmt_bytes(int(n)) for n in e.size_bytes])
     left.set(ylabel="µs per torch.empty + del", title="allocation cost (lower is better)")
     left.legend(fontsize=8)
     t = s[s.case == "train_step"]
@@ -318,11 +316,6 @@ def plot(df):
         right.set_title(f"training step: xpool/native {r.speedup:.3f} [{r.speedup_low:.3f}, {r.speedup_high:.3f}]")
     right.set(ylabel="k tokens/s (higher is better)")
     return fig
-
-
-def _fmt_size(n):
-    n = int(n)
-    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
 def main(argv=None):
