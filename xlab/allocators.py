@@ -190,11 +190,9 @@ def _hook_class():
 class RawHeld(Raw):
     """raw, with one 512-byte cudaMalloc block held alive while installed.
 
-    The CUDA driver packs small allocations into larger chunks it maps once; while any small block lives, a
-    cudaMalloc/cudaFree pair of a small size (below 1 MiB) need not map and unmap a chunk, and costs a tenth of
-    what it costs on an otherwise empty device. The first benchmark measured raw beside the other pools' cached
-    small blocks, i.e. in this state, by accident (6.8 µs at 4 KiB against 68 µs measured alone); this arm keeps
-    that case on purpose, beside `raw` measured alone.
+    A raw pair's cost depends on what else the device holds (68 µs at 4 KiB measured alone, 2.6-10 µs beside other
+    live blocks: see xlab.bench.alloc); a plausible cause is the driver packing small allocations into chunks it
+    maps once, which a live block keeps mapped. This arm, timed beside `raw` alone, tests that.
     """
 
     name = "raw_held"

@@ -165,11 +165,10 @@ def headline_alloc(data: pathlib.Path) -> list[str]:
     if "raw_held" in set(sized["allocator"]) and "raw" in set(sized["allocator"]):
         small = sized[sized["size_bytes"] == sizes[0]]
         alone, held = us("raw", small), us("raw_held", small)
-        out.append(f"**Raw cudaMalloc depends on what else is allocated**: at {plots.fmt_bytes(sizes[0])}, a "
-                   f"cudaMalloc/cudaFree pair costs {_ci(*alone, fmt='{:.3g}', unit=' µs')} on a device with nothing "
-                   f"else allocated, and {_ci(*held, fmt='{:.3g}', unit=' µs')} while one other small block lives "
-                   f"(the driver keeps its chunk mapped). The first benchmark timed raw beside the pools' cached "
-                   f"blocks: that is the 6.8 µs it reported.")
+        out.append(f"**Raw cudaMalloc and what else is allocated**: at {plots.fmt_bytes(sizes[0])}, a "
+                   f"cudaMalloc/cudaFree pair costs {_ci(*alone, fmt='{:.3g}', unit=' µs')} with nothing else "
+                   f"allocated and {_ci(*held, fmt='{:.3g}', unit=' µs')} while one other 512-byte block lives. "
+                   f"(The first benchmark timed raw beside the other arms' cached blocks and reported 6.8 µs.)")
     threaded = df[df["sweep"] == "threads"] if "sweep" in df else df
     tsize = threaded[threaded["size_bytes"] == size]
     if len(tsize):
@@ -432,9 +431,10 @@ def projection(data: pathlib.Path, worlds=(2, 4, 8)) -> list[dict]:
 
     Model: the ranks' host work h serialises on one GIL while their GPU work g overlaps, so a step takes
     max(N·h, g) against max(h, g) on one GPU (the all-reduce is left out): speedup N·max(h, g) / max(N·h, g).
-    g is the batch-32 step's GPU busy time (wall × NVML utilisation); h its dispatching thread's CPU time when the
-    step is host-bound, else the batch-4 step's (the same ops: a GPU-bound host spins in the driver, which thread
-    time counts). Old CSVs without host ms use the batch-4 step's wall time for h.
+    g is the batch-32 step's GPU busy time (wall × NVML utilisation); h its dispatching thread's CPU time (a probe
+    at 70fd21b, data/host_profile_baseline.csv, found 39 ms of thread time in a 90 ms GPU-bound step: a host
+    ahead of the GPU does not spin that up). Old CSVs without host ms use the batch-4 step's wall time for h (the
+    same ops, dispatch-bound).
 
     Returns:
         One dict per allocator: allocator, h, g, h_source and {N: projected speedup}.
@@ -445,10 +445,8 @@ def projection(data: pathlib.Path, worlds=(2, 4, 8)) -> list[dict]:
         if batch != 32 or alloc == "raw":
             continue
         g = r["busy"][0]
-        if r["bound"] == "host" and math.isfinite(r["host"][0]):
+        if math.isfinite(r["host"][0]):
             h, src = r["host"][0], "batch-32 thread CPU time"
-        elif (4, alloc) in rows and math.isfinite(rows[4, alloc]["host"][0]):
-            h, src = rows[4, alloc]["host"][0], "batch-4 thread CPU time"
         elif (4, alloc) in rows:
             h, src = rows[4, alloc]["ms"][0], "batch-4 wall time (no host ms in this CSV)"
         else:

@@ -11,12 +11,14 @@ allocators in a fixed order (A B C D, A B C D, ...), so drift hits all of them a
 device_mallocs_per_pair comes from a separate counting pass (see allocators.py).
 
 Each arm runs alone: before an allocator is timed, every other one gives its cached blocks back (`trim`), then
-the arm warms its own cache (untimed) for each case. Raw cudaMalloc's cost depends on what else lives on the
-device: the driver packs small allocations into chunks it maps once, and a small cudaMalloc/cudaFree pair is
-about ten times cheaper while any other small block keeps its chunk mapped. The first version of this benchmark
-timed raw beside the pools' cached blocks, which is why it reported 6.8 µs per pair at 4 KiB where
-`cupy.empty(4096, uint8)` + `del` on a device with nothing else allocated costs 68-73 µs. `raw` is now timed
-alone; `raw_held` keeps one 512-byte block alive while timed, the state the old number measured.
+the arm warms its own cache (untimed) for each case. The raw arm times exactly `cupy.empty(n, uint8)` + `del` with
+CuPy's allocator unset (cudaMalloc + cudaFree through CuPy's `Memory`), but what a raw pair costs depends on the
+state of the device: 68-73 µs at 4 KiB measured alone (shared/ANCHORS.md), 2.6 µs for bare
+`runtime.malloc`+`free` and 4.6 µs through `cupy.empty` in a process whose CuPy pool still held a training run's
+blocks (data/raw_pair_probe.csv), and 6.8 µs in the first version of this benchmark, which timed raw beside the
+other arms' cached blocks while its own calibration pass, run first on an empty device, took ~120 µs per pair.
+So the first CSV's raw was not wrong but measured another state. `raw` is now timed alone; `raw_held` keeps one
+512-byte block alive while timed, to show whether other live blocks are what makes a pair cheap.
 PyTorch's caching allocator (`torch`) takes part where PyTorch with CUDA is installed.
 """
 from __future__ import annotations

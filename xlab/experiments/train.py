@@ -381,8 +381,8 @@ def step_bound(gpu_util: float, host_ms: float, ms_per_step: float) -> str:
     for the host), else "host". Without NVML: "host" when the dispatching thread was busy at least 80% of the
     step's wall time. "" when neither can be told.
 
-    Thread CPU time alone cannot tell: a host that runs ahead of the GPU fills the launch queue and then spins
-    in the driver, which counts as CPU time too.
+    NVML first: thread CPU time counts a synchronising call's spin (raw's cudaFree), so alone it would call a
+    raw step host-bound however busy the GPU was.
     """
     if gpu_util is not None and math.isfinite(gpu_util):
         return "gpu" if gpu_util >= HOST_BOUND_UTIL else "host"
