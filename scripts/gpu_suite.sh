@@ -43,8 +43,8 @@ stage() {   # stage NAME SECONDS CMD...: time-limited (a hang dumps every thread
     local name=$1 limit=$2; shift 2
     echo "=== $name ($(date -u +%T), limit ${limit}s): $*" | tee -a "$LOG"
     local t0=$SECONDS
-    timeout -s ABRT "$limit" "$@" > >(tee "$OUT/$name.log" >>"$LOG") 2>&1
-    local rc=$?
+    timeout -s ABRT "$limit" "$@" 2>&1 | tee "$OUT/$name.log" >>"$LOG"
+    local rc=${PIPESTATUS[0]}
     echo "=== $name: rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
     tail -n 25 "$OUT/$name.log"
     cp data/*.csv "$OUT"/ 2>/dev/null
