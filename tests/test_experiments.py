@@ -489,3 +489,32 @@ def test_adamw_form_is_recorded_and_foreach_trains_the_same(tmp_path, monkeypatc
     monkeypatch.setenv(train.ADAMW_ENV, "fused")
     with pytest.raises(ValueError, match="XPOOL_ADAMW"):
         train.adamw_form()
+
+
+# --- registry names (the pool itself needs a GPU: its arguments are checked here)
+
+@pytest.mark.parametrize("schemes", [True, False])
+def test_registry_names_map_to_pool_arguments(monkeypatch, schemes):
+    made = []
+
+    class FakePool:
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+            self.debug = kwargs.get("debug")
+
+    monkeypatch.setattr("xpool.MemoryPool", FakePool)
+    monkeypatch.setattr(allocators, "schemes_supported", lambda: schemes)
+    names = ["xpool", "xpool_seed", "xpool_k4", "xpool_k1_debug", "xpool_seed_debug"]
+    got = {n: allocators.make(n) for n in names}
+    assert [g.name for g in got.values()] == names
+    scheme = (lambda s: {"scheme": s}) if schemes else (lambda s: {})
+    assert made == [dict(scheme("xpool") if schemes else {}, debug=False),
+                    dict(classes_per_doubling=1, **scheme("seed"), debug=False),
+                    dict(classes_per_doubling=4, debug=False),
+                    dict(classes_per_doubling=1, debug="raise"),
+                    dict(classes_per_doubling=1, **scheme("seed"), debug="raise")]
+    assert allocators.xpool_arms() == (("xpool", "xpool_seed") if schemes else ("xpool_k1", "xpool_k4"))
+    assert not any(g.device_calls_when_warm for g in got.values())
+    assert allocators.Raw.device_calls_when_warm and allocators.CupyAsync.device_calls_when_warm
+    with pytest.raises(ValueError, match="known"):
+        allocators.make("xpool_k")

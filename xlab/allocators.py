@@ -473,7 +473,8 @@ def make(name: str, **kwargs) -> Allocator:
     m = _XPOOL.fullmatch(name)
     if m:
         k = int(m["k"]) if m["k"] else (1 if m["scheme"] == "seed" else None)
-        return XPool(k, debug="raise" if m["debug"] else None, scheme=m["scheme"], name=name, **kwargs)
+        scheme = m["scheme"] or (None if k else "xpool")     # `xpool` names its scheme: $XPOOL_SCHEME cannot move it
+        return XPool(k, debug="raise" if m["debug"] else None, scheme=scheme, name=name, **kwargs)
     if name not in FACTORIES:
         raise ValueError(f"unknown allocator {name!r}; known: {', '.join(NAMES)} (xpool_k<N> for any N)")
     return FACTORIES[name](**kwargs)
