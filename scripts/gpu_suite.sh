@@ -2,26 +2,31 @@
 # Every GPU test and measurement of xpool, by stage, for a lent GPU machine or your own.
 #   bash scripts/gpu_suite.sh [stage ...]        (default: every stage, in the order below)
 #
-# stage        what                                                     expected wall time (2x H200)   limit
-# tests        every test marked gpu or multigpu                        ~2.5 min                       200 s
-# bench        allocator microbenchmark, 5 interleaved trials           ~1.5 min                       150 s
-# single       one GPU, batch 32 and 4, 4 allocators x 5 trials         ~2 min                         170 s
-# correctness  the correctness gate on CuPy, bitwise transparency       ~1 min                         150 s
-# debugcost    debug mode's cost per pair on the GPU                    ~0.5 min                        60 s
-# ddp          threads and processes on 1 and 2 GPUs, batch 32, x 5     ~3.5 min                       260 s
-# sweep        threads on 1 and 2 GPUs, batch 4..128, 3 allocators x 5  ~4 min                        300 s
-# memory       memory study (timeline + waste per size-class setting)   ~0.5 min                        60 s
+# stage        what                                                     expected (2x H200)   limit
+# tests        every test marked gpu or multigpu (not test_torch_gpu)   ~2.5 min             200 s
+# bench        allocator microbenchmark, 5 interleaved trials           ~1.5 min             150 s
+# single       one GPU, batch 32 and 4, 4 allocators x 5 trials         ~1.7 min             170 s
+# ddp          threads and processes on 1 and 2 GPUs, batch 32, x 5     ~3.5 min             130 s per GPU count
+# correctness  the correctness gate on CuPy, bitwise transparency       ~1 min               150 s
+# debugcost    debug mode's cost per pair on the GPU                    ~0.5 min              60 s
+# memory       memory study (timeline + waste per size-class setting)   ~0.5 min              60 s
+# sweep        threads on 1 and 2 GPUs, batch 4..128, 3 allocators x 5  ~5 min               330 s
 # torch        opt-in, not in the default list: PyTorch and CuPy sharing xpool, its GPU tests then the interop
-#              benchmark                                                 ~5 min                         440 s
+#              benchmark                                                 ~5 min               440 s
+# (expected times from the H200 step times at 70fd21b: 90 ms per batch-32 step, 48 ms per batch-4 step, raw
+# about 4x; the fused kernels of issue #13 shorten them.)
 #
-# Within a 9-minute command limit, run it as two commands (the CSVs of each stage survive the other):
-#   bash scripts/gpu_suite.sh tests bench single correctness debugcost     # ~8 min at most
-#   bash scripts/gpu_suite.sh ddp sweep memory                             # ~8.5 min at most
+# Within a 9-minute limit per command, three commands keep every command under it even if every stage runs to
+# its limit (about 16 minutes expected in all):
+#   bash scripts/gpu_suite.sh tests bench single                    # limits 520 s, ~6 min expected
+#   bash scripts/gpu_suite.sh ddp correctness debugcost memory      # limits 530 s, ~5.5 min expected
+#   bash scripts/gpu_suite.sh sweep                                 # limit 330 s, ~5 min expected
+# A stage stopped by its limit keeps what it finished (its CSV is rewritten after every run); finish it later
+# with RESUME=1 bash scripts/gpu_suite.sh STAGE (single, ddp, sweep: only the missing trials run; never fewer).
 # Each stage writes its own CSV in data/ (every row: GPU, driver, CUDA, CuPy, commit, date and the run's
-# parameters) and copies it, with the stage's log, to $OUT (default build/gpu) as soon as it ends, so a run stopped
-# by a time limit returns what it finished; a stage re-run replaces only its own CSV.
+# parameters) and copies it, with the stage's log, to $OUT (default build/gpu) as soon as it ends.
 # Knobs: TRIALS (default 5), STEPS/WARMUP (single and ddp), WORLDS (ddp; default "1 2", "1 2 4 8" on eight GPUs),
-# XPOOL_ADAMW (default foreach, the flat-buffer AdamW; rows record it).
+# RESUME=1, XPOOL_ADAMW (default foreach, the flat-buffer AdamW; rows record it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu}
@@ -36,7 +41,7 @@ STEPS=${STEPS:-}
 WARMUP=${WARMUP:-}
 WORLDS=${WORLDS:-1 2}
 DDP_LIMIT=${DDP_LIMIT:-$((130 * $(echo $WORLDS | wc -w)))}   # about 130 s per GPU count at the defaults
-stages=${*:-tests bench single correctness debugcost ddp sweep memory}
+stages=${*:-tests bench single ddp correctness debugcost memory sweep}
 status=0
 
 stage() {   # stage NAME SECONDS CMD...: time-limited (a hang dumps every thread's stack), logged, CSVs copied out
@@ -55,7 +60,8 @@ stage() {   # stage NAME SECONDS CMD...: time-limited (a hang dumps every thread
 { nvidia-smi -L; python3 -c "import cupy; print('cupy', cupy.__version__, 'cuda', cupy.cuda.runtime.runtimeGetVersion())"; } 2>&1 | tee -a "$LOG"
 python3 setup.py build_ext --inplace -q >>"$LOG" 2>&1 || { echo "build failed" | tee -a "$LOG"; exit 1; }
 PY="python3 -X faulthandler"
-TRAIN="--trials $TRIALS --no-progress ${STEPS:+--steps $STEPS} ${WARMUP:+--warmup $WARMUP}"
+RESUME=${RESUME:-}
+TRAIN="--trials $TRIALS --no-progress ${STEPS:+--steps $STEPS} ${WARMUP:+--warmup $WARMUP} ${RESUME:+--resume}"
 
 for s in $stages; do
     case $s in
@@ -67,8 +73,8 @@ for s in $stages; do
         debugcost)   stage debugcost 60 $PY -m xlab.bench.alloc --out data/alloc_debug_cost.csv --trials 3 \
                          --allocators cupy_pool xpool_k1 xpool_k1_debug --sizes 4096 1048576 --target-s 0.05 ;;
         ddp)         stage ddp "$DDP_LIMIT" $PY -m xlab.experiments ddp $TRAIN --worlds $WORLDS --out data/ddp_scaling.csv ;;
-        sweep)       stage sweep 300 $PY -m xlab.experiments sweep --trials "$TRIALS" --no-progress \
-                         --out data/batch_sweep.csv ;;
+        sweep)       stage sweep 330 $PY -m xlab.experiments sweep --trials "$TRIALS" --no-progress \
+                         ${RESUME:+--resume} --out data/batch_sweep.csv ;;
         memory)      stage memory 60 $PY -m xlab.memory_study --out data ;;
         torch)       stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/test_torch_gpu.py
                      stage torch-bench 200 $PY -m xlab.bench.torch_interop --out data/torch_interop.csv ;;

@@ -421,7 +421,7 @@ def test_sweep_steps_shrink_with_batch():
 def test_quick_and_smoke_flags():
     a = cli.parse(["single", "--quick"])
     assert (a.steps, a.warmup, a.trials) == (3, 2, 2)
-    assert cli.parse(["single"]).trials == 5 and cli.parse(["ddp"]).steps == 8
+    assert cli.parse(["single"]).trials == 5 and cli.parse(["ddp"]).steps == 6
     with pytest.raises(SystemExit):
         cli.parse(["single", "--trials", "0"])
     b = cli.parse(["ddp", "--cpu-smoke"])
@@ -518,3 +518,27 @@ def test_registry_names_map_to_pool_arguments(monkeypatch, schemes):
     assert allocators.Raw.device_calls_when_warm and allocators.CupyAsync.device_calls_when_warm
     with pytest.raises(ValueError, match="known"):
         allocators.make("xpool_k")
+
+
+def test_an_interrupted_run_is_finished_not_restarted(tmp_path, monkeypatch):
+    """--resume keeps what an earlier run of this commit and settings wrote and measures only the rest."""
+    from xlab.experiments import single_gpu, sweep
+    out = tmp_path / "s.csv"
+    kw = dict(config="tiny", batches=(2,), steps=2, warmup=1, out=out, cpu=True, progress=False, trials=3)
+    full = single_gpu.run(**kw)
+    full.iloc[:1].to_csv(out, index=False)                    # stopped after trial 0
+    calls = []
+    real = runner.run_arm
+    monkeypatch.setattr(runner, "run_arm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = single_gpu.run(**kw, resume=True)
+    assert len(calls) == 2 and sorted(again["trial"]) == [0, 1, 2]
+    assert again.loc[again.trial == 0, "tokens_per_s"].item() == full.loc[full.trial == 0, "tokens_per_s"].item()
+    pd.read_csv(out).assign(commit="another").to_csv(out, index=False)
+    calls.clear()
+    single_gpu.run(**kw, resume=True)                          # another commit's rows are never mixed in
+    assert len(calls) == 3
+    out2 = tmp_path / "w.csv"
+    kw2 = dict(config="tiny", batches=(2,), steps_scale=0.3, warmup=1, out=out2, cpu=True, progress=False, trials=2)
+    sweep.run(**kw2)
+    calls.clear()
+    assert len(sweep.run(**kw2, resume=True)) == 4 and calls == []

@@ -23,6 +23,8 @@ def _common(p, out, steps, warmup):
     p.add_argument("--cpu-smoke", action="store_true",
                    help="run the loop on NumPy with the tiny config for two steps (no GPU needed; measures nothing)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--resume", action="store_true",
+                   help="finish an interrupted run: keep what --out holds from this commit and settings")
     p.add_argument("--adamw", choices=["foreach", "per_param"], default=None,
                    help="optimizer form (default: $XPOOL_ADAMW or foreach, the flat-buffer AdamW)")
     if steps is not None:
@@ -38,7 +40,7 @@ def parse(argv=None):
     _common(s, "data/single_gpu.csv", 10, 3)
     s.add_argument("--batches", nargs="+", type=int, default=[32, 4])
     d = sub.add_parser("ddp", help="data-parallel scaling over 1..N GPUs")
-    _common(d, "data/ddp_scaling.csv", 8, 3)
+    _common(d, "data/ddp_scaling.csv", 6, 3)
     d.add_argument("--modes", nargs="+", default=["threads", "processes"], choices=["threads", "processes"])
     d.add_argument("--worlds", nargs="+", type=int, default=[1, 2])
     d.add_argument("--batch", type=int, default=32, help="per-GPU batch")
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
     if args.adamw:
         os.environ["XPOOL_ADAMW"] = args.adamw      # read by every rank, launched ones too
     common = dict(warmup=args.warmup, config=args.config, out=args.out, cpu=args.cpu_smoke,
-                  progress=not args.no_progress, trials=args.trials)
+                  progress=not args.no_progress, trials=args.trials, resume=args.resume)
     if args.cmd != "sweep":
         common.update(steps=args.steps, count_steps=args.count_steps)
     if args.allocators:

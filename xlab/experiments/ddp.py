@@ -37,7 +37,7 @@ import warnings
 
 from tapegpt import GPTConfig, load_corpus
 from xlab.paths import repo_root, write_csv
-from xlab.provenance import provenance
+from xlab.provenance import git_commit, provenance
 
 from xlab import allocators as registry
 from . import runner, train
@@ -275,9 +275,9 @@ def merge_ranks(per_rank: list) -> list:
     return out
 
 
-def run(modes=("threads", "processes"), worlds=(1, 2), allocators=None, batch=32, steps=8, warmup=3,
+def run(modes=("threads", "processes"), worlds=(1, 2), allocators=None, batch=32, steps=6, warmup=3,
         count_steps=3, config=None, launcher="auto", out="data/ddp_scaling.csv", cpu=False, progress=True,
-        trials=TRIALS):
+        trials=TRIALS, resume=False):
     """Data-parallel tokens/s, speedup over world 1, host and GPU ms per step, utilisation, mallocs, peaks and
     checks.
 
@@ -290,6 +290,8 @@ def run(modes=("threads", "processes"), worlds=(1, 2), allocators=None, batch=32
         config: GPT config; launcher: processes' launcher (auto, mpirun, spawn); out: the CSV (None: none).
         cpu: threads mode on NumPy with HostComm (tests the code, measures nothing).
         progress: progress bars; trials: trials per (mode, world, allocator), interleaved across allocators.
+        resume: keep the (world, mode) blocks an interrupted run of this commit and these settings completed in
+            `out`, and measure the others.
 
     Returns:
         A tidy DataFrame, one row per (mode, world, trial, allocator).
@@ -303,10 +305,16 @@ def run(modes=("threads", "processes"), worlds=(1, 2), allocators=None, batch=32
     cfg, data = train.make_config(config), load_corpus()
     spec = dict(allocators=list(allocators), batch=batch, steps=steps, warmup=warmup, count_steps=count_steps,
                 config=dataclasses.asdict(cfg), progress=progress, trials=trials)
-    rows = []
+    rows, done = (runner.resumed(out, ("world", "mode", "trial", "allocator"), commit=git_commit(), steps=steps,
+                                 warmup=warmup, batch=batch, config=train.config_name(config))
+                  if resume else ([], set()))
     for world in worlds:
+        todo = [m for m in modes if not all((world, m, t, a) in done for t, a in runner.interleaved(trials, allocators))]
+        if not todo:
+            continue
         ref = reference_losses(cfg, data, batch * world, steps, warmup, cpu)
-        for mode in modes:
+        for mode in todo:
+            rows = [r for r in rows if (r["world"], r["mode"]) != (world, mode)]    # a block is redone whole
             if mode == "threads":
                 results, how = threads_arms(world, allocators, cfg, data, batch, steps, warmup, count_steps, cpu,
                                             progress, trials), "threads"

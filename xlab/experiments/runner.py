@@ -104,3 +104,32 @@ def run_threads(world: int, fn, device_ctx=None, timeout: float = 900.0) -> list
         r, e = errors[0]
         raise RuntimeError(f"rank {r} failed: {e!r}") from e
     return results
+
+
+def resumed(out, keys, **same) -> tuple[list, set]:
+    """The rows an earlier, interrupted run of the same experiment left in `out`, to finish it instead of
+    starting over (a stage stopped by a time limit: never fewer trials, the rest in a later run).
+
+    Args:
+        out: the CSV (None or missing: nothing to resume).
+        keys: the columns that name one run, e.g. ("trial", "batch", "allocator").
+        **same: columns whose values must match this run (commit, config, steps, ...); rows that differ are
+            dropped, so a CSV of another commit or another setting is never mixed in.
+
+    Returns:
+        (rows as dicts, the set of key tuples already measured).
+    """
+    import pathlib
+
+    import pandas as pd
+    if out is None or not pathlib.Path(out).is_file():
+        return [], set()
+    df = pd.read_csv(out)
+    for col, value in same.items():
+        if col not in df:
+            return [], set()
+        df = df[df[col].astype(str) == str(value)]
+    if not set(keys) <= set(df.columns):
+        return [], set()
+    rows = df.to_dict("records")
+    return rows, {tuple(r[k] for k in keys) for r in rows}

@@ -18,7 +18,7 @@ import contextlib
 
 from tapegpt import load_corpus
 from xlab.paths import write_csv
-from xlab.provenance import provenance
+from xlab.provenance import git_commit, provenance
 
 from xlab import allocators as registry
 from . import runner, train
@@ -32,7 +32,7 @@ def default_allocators() -> tuple:
 
 
 def run(allocators=None, batches=(32, 4), steps=10, warmup=3, config=None, out="data/single_gpu.csv",
-        count_steps=3, device=0, cpu=False, progress=True, trials=TRIALS):
+        count_steps=3, device=0, cpu=False, progress=True, trials=TRIALS, resume=False):
     """Measure every allocator at every batch size, `trials` times, interleaved.
 
     Args:
@@ -45,6 +45,8 @@ def run(allocators=None, batches=(32, 4), steps=10, warmup=3, config=None, out="
         cpu: run the same loop on NumPy (allocator 'numpy'): it tests the code and measures nothing.
         progress: show a progress bar.
         trials: trials per (batch, allocator).
+        resume: keep the runs an interrupted run of this commit and these settings left in `out` and measure
+            only the missing ones (runner.resumed).
 
     Returns:
         A tidy DataFrame, one row per (trial, batch, allocator).
@@ -61,8 +63,13 @@ def run(allocators=None, batches=(32, 4), steps=10, warmup=3, config=None, out="
         sampler, on_device = UtilSampler([device]), lambda: xp.cuda.Device(device)
     cfg, data = train.make_config(config), load_corpus()
     arms = [(b, a) for b in batches for a in allocators]
-    rows, first = [], {}                       # first: batch -> the first allocator's loss curve
+    rows, done = (runner.resumed(out, ("trial", "batch", "allocator"), commit=git_commit(), steps=steps,
+                                 warmup=warmup, config=train.config_name(config)) if resume else ([], set()))
+    first = {}                                 # first: batch -> the first allocator's loss curve
     for trial, (batch, name) in tqdm(runner.interleaved(trials, arms), desc="single_gpu", disable=not progress):
+        if (trial, batch, name) in done:
+            continue
+
         def ranks(alloc, n):
             with on_device():
                 return [train.run_rank(alloc, cfg, data, batch, n, warmup, xp=xp, device=device,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from tapegpt import load_corpus
 from xlab.paths import write_csv
-from xlab.provenance import provenance
+from xlab.provenance import git_commit, provenance
 
 from xlab import allocators as registry
 from . import runner, train
@@ -21,7 +21,7 @@ from .ddp import ThreadGroup, no_multicast
 from .single_gpu import TRIALS
 
 BATCHES = (4, 8, 16, 32, 64, 128)
-STEPS = {4: 6, 8: 6, 16: 5, 32: 4, 64: 3, 128: 2}      # timed steps per run, by per-GPU batch
+STEPS = {4: 4, 8: 4, 16: 3, 32: 3, 64: 2, 128: 2}      # timed steps per run, by per-GPU batch
 
 
 def default_allocators() -> tuple:
@@ -37,7 +37,7 @@ def steps_for(batch: int, scale: float = 1.0) -> int:
 
 
 def run(allocators=None, batches=BATCHES, worlds=(1, 2), warmup=2, steps_scale=1.0, config=None,
-        out="data/batch_sweep.csv", cpu=False, progress=True, trials=TRIALS):
+        out="data/batch_sweep.csv", cpu=False, progress=True, trials=TRIALS, resume=False):
     """Threads mode at each per-GPU batch on 1 and 2 GPUs.
 
     Args:
@@ -48,6 +48,7 @@ def run(allocators=None, batches=BATCHES, worlds=(1, 2), warmup=2, steps_scale=1
         config: GPT config; out: the CSV (None: none).
         cpu: the same loop on NumPy with HostComm (tests the code, measures nothing).
         progress: a progress bar; trials: trials per (batch, world, allocator), interleaved.
+        resume: keep what an interrupted run of this commit and these settings left in `out`; measure the rest.
 
     Returns:
         A tidy DataFrame (train.COLUMNS), one row per (trial, batch, world, allocator), speedup filled per trial.
@@ -60,10 +61,13 @@ def run(allocators=None, batches=BATCHES, worlds=(1, 2), warmup=2, steps_scale=1
     cfg, data = train.make_config(config), load_corpus()
     groups = {w: ThreadGroup(w, cfg, data, warmup, cpu) for w in worlds}
     arms = [(b, w, a) for b in batches for w in worlds for a in allocators]
-    rows = []
+    rows, done = (runner.resumed(out, ("trial", "batch", "world", "allocator"), commit=git_commit(),
+                                 warmup=warmup, config=train.config_name(config)) if resume else ([], set()))
     try:
         for trial, (batch, world, name) in tqdm(runner.interleaved(trials, arms), desc="batch sweep",
                                                 disable=not progress):
+            if (trial, batch, world, name) in done:
+                continue
             steps = steps_for(batch, steps_scale)
             m = runner.run_arm(name, groups[world].ranks(batch), steps, 0, range(world), count=False)
             row = train.build_row("threads", m, world, batch, cfg, steps, warmup, launcher="threads",
