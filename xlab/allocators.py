@@ -33,7 +33,15 @@ class NoGPU(RuntimeError):
 
 
 def require_gpus(n: int = 1, what: str = "this measurement") -> None:
-    """Raise NoGPU with a clear message unless at least n CUDA GPUs are visible."""
+    """Raise NoGPU with a clear message unless at least n CUDA GPUs are visible.
+
+    Args:
+        n: GPUs needed.
+        what: what needs them, for the message.
+
+    Raises:
+        NoGPU: fewer are visible.
+    """
     from xlab.provenance import gpu_info
     have = gpu_info()["n_gpus"]
     if have < n:
@@ -290,6 +298,13 @@ def xpool_kwargs(scheme: str | None, classes_per_doubling: int | None) -> dict:
 
     scheme None: the pool's default scheme. Where MemoryPool has no `scheme=` yet, 'seed' is its only scheme
     (size classes): `xpool` and `xpool_seed` are then both its default, k = 1.
+
+    Args:
+        scheme: "xpool", "seed" or None (the pool's default).
+        classes_per_doubling: k, or None.
+
+    Returns:
+        A dict of keyword arguments.
     """
     kwargs = {}
     if classes_per_doubling is not None:

@@ -170,7 +170,16 @@ def paired(df, value: str, arm: str, reference, by=(), trial: str = "trial"):
 
 
 def fmt_ci(value: float, lo: float, hi: float, fmt: str = "{:.2f}", unit: str = "") -> str:
-    """'1.93× [1.90, 1.95]' (or '1.93× (single run)' without an interval)."""
+    """'1.93× [1.90, 1.95]' (or '1.93× (single run)' without an interval).
+
+    Args:
+        value, lo, hi: a median (or ratio) and its interval (NaN bounds: a single run).
+        fmt: the number format.
+        unit: appended to the value.
+
+    Returns:
+        A string ("n/a" for a NaN value).
+    """
     if value is None or not math.isfinite(value):
         return "n/a"
     head = fmt.format(value) + unit

@@ -14,6 +14,12 @@ def nvml_reader(devices):
     """A function returning {device: utilisation %} now, or None when NVML cannot be used.
 
     CUDA and NVML may number GPUs differently, so handles are found by PCI bus id.
+
+    Args:
+        devices: CUDA device numbers.
+
+    Returns:
+        A function of no arguments, or None.
     """
     try:
         import pynvml
@@ -65,4 +71,12 @@ class UtilSampler:
 
 
 def mean(values) -> float:
+    """The arithmetic mean; NaN for no values.
+
+    Args:
+        values: a sequence of numbers.
+
+    Returns:
+        A float.
+    """
     return sum(values) / len(values) if values else math.nan

@@ -76,7 +76,17 @@ class NcclComm:
 
 
 def reference_losses(cfg, data, batch, steps, warmup, cpu=False) -> list:
-    """The single-GPU loss curve on the same global batch (GPU 0, CuPy's pool): what DDP must match."""
+    """The single-GPU loss curve on the same global batch (GPU 0, CuPy's pool): what DDP must match.
+
+    Args:
+        cfg, data: the GPT config and the token array.
+        batch: the global batch (per-GPU batch x world).
+        steps, warmup: as the DDP run's.
+        cpu: on NumPy.
+
+    Returns:
+        The loss curve, a list of floats (warm-up steps first).
+    """
     xp = _xp(cpu)
     with (contextlib.nullcontext() if cpu else xp.cuda.Device(0)):
         with runner.installed("numpy" if cpu else "cupy_pool", False, [0]) as alloc:
@@ -136,7 +146,19 @@ class ThreadGroup:
 
 def threads_arms(world, names, cfg, data, batch, steps, warmup, count_steps, cpu=False, progress=True,
                  trials=TRIALS) -> list:
-    """(trial, runner.run_arm result) for each trial and allocator, interleaved, with `world` threads."""
+    """(trial, runner.run_arm result) for each trial and allocator, interleaved, with `world` threads.
+
+    Args:
+        world: GPUs, one thread each.
+        names: allocator names.
+        cfg, data, batch, steps, warmup, count_steps: the run's shape (train.run_rank, runner.run_arm).
+        cpu: NumPy ranks with HostComm.
+        progress: a progress bar.
+        trials: trials per allocator.
+
+    Returns:
+        A list of (trial, result) in the order they ran.
+    """
     from tqdm.auto import tqdm
     group = ThreadGroup(world, cfg, data, warmup, cpu)
     try:
@@ -150,7 +172,17 @@ def threads_arms(world, names, cfg, data, batch, steps, warmup, count_steps, cpu
 # --- processes: one process per GPU
 
 def rank_main(rank, world, uid, spec, barrier) -> list:
-    """One rank of the processes mode: every (trial, allocator) in turn on GPU `rank`; [(trial, run_arm result)]."""
+    """One rank of the processes mode: every (trial, allocator) in turn on GPU `rank`; [(trial, run_arm result)].
+
+    Args:
+        rank, world: this process's rank and the number of ranks.
+        uid: the NCCL unique id (from rank 0).
+        spec: the run's settings (allocators, batch, steps, warmup, count_steps, config, trials, progress).
+        barrier: a function meeting every rank.
+
+    Returns:
+        A list of (trial, result) in the order they ran.
+    """
     no_multicast()
     import cupy
     from cupy.cuda import nccl
@@ -177,7 +209,11 @@ def rank_main(rank, world, uid, spec, barrier) -> list:
 
 
 def worker_main(spec_path) -> None:
-    """Entry point of an `mpirun`-launched rank: NCCL id from rank 0, results gathered to rank 0's file."""
+    """Entry point of an `mpirun`-launched rank: NCCL id from rank 0, results gathered to rank 0's file.
+
+    Args:
+        spec_path: a pickled spec (see rank_main) with result_path, where rank 0 writes every rank's results.
+    """
     from mpi4py import MPI
     from cupy.cuda import nccl
     with open(spec_path, "rb") as f:
@@ -199,14 +235,34 @@ def _spawned_rank(rank, world, uid, spec, barrier, queue):
 
 
 def pick_launcher(launcher="auto") -> str:
-    """'mpirun' when it and mpi4py are there (the standard launcher), else 'spawn'."""
+    """'mpirun' when it and mpi4py are there (the standard launcher), else 'spawn'.
+
+    Args:
+        launcher: "auto", "mpirun" or "spawn".
+
+    Returns:
+        "mpirun" or "spawn" (anything else is returned as given, and launch() rejects it).
+    """
     if launcher != "auto":
         return launcher
     return "mpirun" if shutil.which("mpirun") and importlib.util.find_spec("mpi4py") else "spawn"
 
 
 def launch(world, spec, launcher="auto") -> list:
-    """Start `world` rank processes; their results, indexed [rank][allocator]."""
+    """Start `world` rank processes; their results, indexed [rank][allocator].
+
+    Args:
+        world: ranks.
+        spec: see rank_main.
+        launcher: "auto", "mpirun" or "spawn".
+
+    Returns:
+        [rank] -> rank_main's list.
+
+    Raises:
+        RuntimeError: a rank failed (its traceback included).
+        ValueError: an unknown launcher.
+    """
     launcher = pick_launcher(launcher)
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", **{train.ADAMW_ENV: train.adamw_form()},
                PYTHONPATH=os.pathsep.join(p for p in (str(repo_root()), os.environ.get("PYTHONPATH")) if p))
@@ -266,7 +322,14 @@ def _spawn(world, spec, env):
 
 
 def merge_ranks(per_rank: list) -> list:
-    """[rank][i] = (trial, run_arm result) -> [(trial, one result per arm with every rank's run in timed/counted)]."""
+    """[rank][i] = (trial, run_arm result) -> [(trial, one result per arm with every rank's run in timed/counted)].
+
+    Args:
+        per_rank: launch()'s result.
+
+    Returns:
+        A list of (trial, result) as threads_arms gives.
+    """
     out = []
     for i, (trial, first) in enumerate(per_rank[0]):
         counted = None if first["counted"] is None else [r[i][1]["counted"][0] for r in per_rank]

@@ -40,7 +40,16 @@ def interleaved(trials: int, arms):
 @contextlib.contextmanager
 def installed(name: str, counting: bool, devices):
     """A fresh allocator `name`, installed for the block; afterwards uninstalled, garbage collected (arrays in
-    reference cycles die before their pool) and released on `devices`."""
+    reference cycles die before their pool) and released on `devices`.
+
+    Args:
+        name: a registry name.
+        counting: install the counting variant.
+        devices: the devices to release on afterwards.
+
+    Returns:
+        A context manager giving the installed Allocator.
+    """
     alloc = registry.make(name)
     alloc.install(counting)
     try:
@@ -83,6 +92,15 @@ def run_threads(world: int, fn, device_ctx=None, timeout: float = 900.0) -> list
     Raises:
         TimeoutError: a rank still runs after `timeout` seconds (a peer failed inside NCCL?).
         RuntimeError: a rank raised (the first failure, chained).
+
+    Args:
+        world: threads.
+        fn: fn(rank) -> result.
+        device_ctx: device_ctx(rank) -> a context entered in the thread (e.g. cupy.cuda.Device), or None.
+        timeout: seconds to wait for each thread.
+
+    Returns:
+        [fn(0), ..., fn(world - 1)].
     """
     results, errors = [None] * world, []
 

@@ -31,7 +31,15 @@ def default_allocators() -> tuple:
 
 def steps_for(batch: int, scale: float = 1.0) -> int:
     """Timed steps at a per-GPU batch: STEPS where listed, else as for the nearest listed batch; times `scale`,
-    at least 2."""
+    at least 2.
+
+    Args:
+        batch: sequences per GPU.
+        scale: a factor on STEPS.
+
+    Returns:
+        An int, at least 2.
+    """
     near = min(STEPS, key=lambda b: abs(b - batch))
     return max(2, round(STEPS[near] * scale))
 

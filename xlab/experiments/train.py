@@ -72,7 +72,17 @@ HOST_BOUND_UTIL = 80.0           # % GPU busy below which the GPU waited for the
 
 
 def make_config(config=None) -> GPTConfig:
-    """A GPTConfig from a name in CONFIGS ('reference' when None), a dict of fields, or itself."""
+    """A GPTConfig from a name in CONFIGS ('reference' when None), a dict of fields, or itself.
+
+    Args:
+        config: None, a name in CONFIGS, a dict of GPTConfig fields, or a GPTConfig.
+
+    Returns:
+        A GPTConfig.
+
+    Raises:
+        ValueError: an unknown name.
+    """
     if isinstance(config, GPTConfig):
         return config
     if isinstance(config, dict):
@@ -84,13 +94,29 @@ def make_config(config=None) -> GPTConfig:
 
 
 def config_name(config) -> str:
+    """The config's name for the CSV: its name, "reference" for None, "custom" otherwise.
+
+    Args:
+        config: what make_config takes.
+
+    Returns:
+        A string.
+    """
     return config if isinstance(config, str) else ("reference" if config is None else "custom")
 
 
 # --- one step
 
 def flatten(grads: dict, loss=None):
-    """One contiguous buffer: every gradient raveled in the dict's order, then the loss (one all-reduce)."""
+    """One contiguous buffer: every gradient raveled in the dict's order, then the loss (one all-reduce).
+
+    Args:
+        grads: name -> array (all of one dtype).
+        loss: a 0-d array appended at the end, or None.
+
+    Returns:
+        A new 1-d array.
+    """
     xp = array_module(next(iter(grads.values())))
     parts = [g.ravel() for g in grads.values()]
     if loss is not None:
@@ -99,7 +125,15 @@ def flatten(grads: dict, loss=None):
 
 
 def unflatten(flat, like: dict):
-    """(grads, loss): views into `flat` shaped like `like`; loss is the 0-d tail (None if there is none)."""
+    """(grads, loss): views into `flat` shaped like `like`; loss is the 0-d tail (None if there is none).
+
+    Args:
+        flat: what flatten returned (possibly all-reduced).
+        like: the dict flatten was given (shapes and order).
+
+    Returns:
+        (grads, loss).
+    """
     out, offset = {}, 0
     for k, g in like.items():
         out[k] = flat[offset:offset + g.size].reshape(g.shape)
@@ -109,7 +143,17 @@ def unflatten(flat, like: dict):
 
 
 def train_step(model, opt, x, y, comm=None, world: int = 1):
-    """Forward, backward, (all-reduce mean of gradients and loss), AdamW; returns the (global mean) loss."""
+    """Forward, backward, (all-reduce mean of gradients and loss), AdamW; returns the (global mean) loss.
+
+    Args:
+        model, opt: the GPT and its AdamW.
+        x, y: a batch of token ids and targets.
+        comm: the rank's communicator (None: one rank).
+        world: ranks in all (the all-reduced sum is divided by it).
+
+    Returns:
+        The loss, a 0-d device array (the mean over all ranks when comm is given).
+    """
     loss, grads = model.loss_and_grads(x, y)
     if comm is not None:
         flat = flatten(grads, loss)     # allocates a fresh buffer every step, as a framework would
@@ -187,7 +231,15 @@ class Fenced:
 
 
 def param_rank_diff(params: dict, comm) -> float:
-    """Max |p - p_rank0| over all parameters, rank 0's broadcast to every rank."""
+    """Max |p - p_rank0| over all parameters, rank 0's broadcast to every rank.
+
+    Args:
+        params: name -> array, this rank's parameters.
+        comm: the rank's communicator (bcast).
+
+    Returns:
+        The largest absolute difference, a float (0.0 on rank 0).
+    """
     mine = flatten(params)
     root = mine.copy()
     comm.bcast(root, 0)
@@ -286,7 +338,15 @@ class StepEvents:
 
 
 def synchronizer(xp, device):
-    """A function that waits for `device` (nothing on NumPy)."""
+    """A function that waits for `device` (nothing on NumPy).
+
+    Args:
+        xp: numpy or cupy.
+        device: the CUDA device.
+
+    Returns:
+        A function of no arguments.
+    """
     if xp is np:
         return lambda: None
     return xp.cuda.Device(device).synchronize
@@ -356,7 +416,14 @@ def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0,
 # --- checks
 
 def loss_rel_diff(losses, reference) -> float:
-    """Max |loss - ref| / |ref| over the steps both curves have (NaN if a loss is not finite)."""
+    """Max |loss - ref| / |ref| over the steps both curves have (NaN if a loss is not finite).
+
+    Args:
+        losses, reference: two loss curves, one float per step.
+
+    Returns:
+        A float.
+    """
     n = min(len(losses), len(reference))
     a, b = np.asarray(losses[:n], dtype=float), np.asarray(reference[:n], dtype=float)
     if n == 0:
@@ -368,7 +435,16 @@ def loss_rel_diff(losses, reference) -> float:
 
 def checks_passed(loss_rel_diff_max=None, param_rank_diff_max=None, loss_tol=LOSS_TOL,
                   param_tol=PARAM_TOL) -> bool:
-    """Every check that was made passed (None: not made; NaN fails)."""
+    """Every check that was made passed (None: not made; NaN fails).
+
+    Args:
+        loss_rel_diff_max: the loss curve's largest relative difference from its reference, or None.
+        param_rank_diff_max: the parameters' largest difference across ranks, or None.
+        loss_tol, param_tol: the thresholds.
+
+    Returns:
+        A bool.
+    """
     ok = True
     if loss_rel_diff_max is not None:
         ok &= bool(loss_rel_diff_max <= loss_tol)          # NaN compares False
@@ -384,6 +460,14 @@ def step_bound(gpu_util: float, host_ms: float, ms_per_step: float) -> str:
 
     NVML first: thread CPU time counts a synchronising call's spin (raw's cudaFree), so alone it would call a
     raw step host-bound however busy the GPU was.
+
+    Args:
+        gpu_util: NVML's mean utilisation over the window, % (NaN: no NVML).
+        host_ms: the dispatching thread's CPU ms per step.
+        ms_per_step: the wall ms per step.
+
+    Returns:
+        "gpu", "host" or "".
     """
     if gpu_util is not None and math.isfinite(gpu_util):
         return "gpu" if gpu_util >= HOST_BOUND_UTIL else "host"
@@ -469,7 +553,14 @@ def build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=None, launch
 def add_ratios(df):
     """Fill speedup (over world 1: same mode, allocator, batch), speedup_vs_raw and ratio_vs_cupy_pool (both:
     same mode, world, batch), each against the reference run of the same trial (the one it ran beside); NaN
-    where that run is absent. A CSV without a trial column is one trial."""
+    where that run is absent. A CSV without a trial column is one trial.
+
+    Args:
+        df: training rows (train.COLUMNS).
+
+    Returns:
+        df, with the three ratio columns filled in place.
+    """
     if "trial" not in df:
         df["trial"] = 0
     tps = {(r.mode, r.allocator, r.world, r.batch, r.trial): r.tokens_per_s for r in df.itertuples()}
@@ -484,7 +575,14 @@ def add_ratios(df):
 
 
 def frame(rows):
-    """Rows (dicts with provenance) as a DataFrame: COLUMNS first, then provenance, with ratios filled."""
+    """Rows (dicts with provenance) as a DataFrame: COLUMNS first, then provenance, with ratios filled.
+
+    Args:
+        rows: dicts from build_row, with provenance.
+
+    Returns:
+        A DataFrame (an empty one with COLUMNS when there are no rows).
+    """
     import pandas as pd
     df = pd.DataFrame(rows)
     if df.empty:
