@@ -80,6 +80,10 @@ def replay(timeline: pd.DataFrame, k: int) -> dict:
     Returns the pool's counters summed over devices: peak_bytes_requested, peak_bytes_reserved,
     device_mallocs, requests, plus unmatched_frees (frees of blocks allocated before the recording began;
     they are skipped).
+
+    Args:
+        timeline: a recorded timeline (xpool's columns, in order).
+        k: size classes per doubling.
     """
     pool = Pool(AddressSpaceBackend(), classes_per_doubling=k, limit=0, debug=False, timeline=0)
     live = {}                                # (device, recorded ptr) -> the replayed block
@@ -183,7 +187,15 @@ class CupyPoolModel:
 
 
 def class_bytes(requested, k: int) -> int:
-    """Total bytes the size classes of setting k give to these requests."""
+    """Total bytes the size classes of setting k give to these requests.
+
+    Args:
+        requested: request sizes in bytes.
+        k: size classes per doubling.
+
+    Returns:
+        An int.
+    """
     return int(sum(size_class(int(n), k) for n in requested))
 
 
@@ -200,6 +212,13 @@ def replay_waste(timeline: pd.DataFrame, ks=KS) -> pd.DataFrame:
 
     class_over_requested: bytes the classes hand out / bytes requested, over the last step's requests;
     reserved_over_requested: peak bytes reserved / peak bytes requested over the whole recording.
+
+    Args:
+        timeline: the recording (memory_timeline.csv).
+        ks: the settings to replay.
+
+    Returns:
+        A DataFrame with WASTE_COLUMNS (source "replay") and the recording's provenance.
     """
     requested = _step_requests(timeline)
     rows = []
@@ -223,6 +242,13 @@ def waste_table(measured: pd.DataFrame | None = None, replayed: pd.DataFrame | N
     """One row per k: waste in percent, with the measured and replayed peaks side by side where both exist.
 
     `replay_exact` says whether the CPU replay reproduced the GPU's peak reserved bytes and device mallocs.
+
+    Args:
+        measured: measured waste rows, or None.
+        replayed: replayed waste rows, or None.
+
+    Returns:
+        A DataFrame, or None when both are None.
     """
     frames = [f for f in (measured, replayed) if f is not None and len(f)]
     if not frames:
@@ -593,6 +619,18 @@ def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warm
 
     Each event carries `step` (-1: building the model and optimizer; the last step is the recorded one).
     Raises if the ring of `capacity` events overflowed (the replay needs every event).
+
+    Args:
+        k: size classes per doubling.
+        config: GPT config (name, dict or GPTConfig).
+        batch: sequences per step.
+        warmup: steps before the recorded one.
+        seed: the model's seed.
+        capacity: events the timeline keeps.
+        pool: an xpool.MemoryPool to use (default: a fresh one with k).
+
+    Returns:
+        The timeline DataFrame with a step column (-1: setup).
     """
     import cupy
 
@@ -632,7 +670,15 @@ def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warm
 
 
 def measure_waste(ks=KS, config=None, batch: int | None = None, warmup: int = 1, seed: int = 0):
-    """GPU: for each k, train with xpool(k) installed; returns (waste rows, the timeline recorded at ks[0])."""
+    """GPU: for each k, train with xpool(k) installed; returns (waste rows, the timeline recorded at ks[0]).
+
+    Args:
+        ks: the settings.
+        config, batch, warmup, seed: the run.
+
+    Returns:
+        (waste rows, source "measured"; the first setting's timeline).
+    """
     from .provenance import provenance
     cfg = _config(config, batch)
     rows, first = [], None
@@ -659,6 +705,10 @@ def run(out="data/memory_waste.csv", ks=KS, config=None, batch: int | None = Non
     """GPU: measure; write the waste rows to `out` and the timeline to memory_timeline.csv beside it.
 
     Returns the waste rows (what a notebook's load_or_measure expects).
+
+    Args:
+        out: the waste CSV.
+        ks, config, batch, warmup: as measure_waste.
     """
     waste, timeline = measure_waste(tuple(int(k) for k in ks), config, batch, warmup)
     out = pathlib.Path(out)
@@ -678,6 +728,14 @@ def schemes(data_dir="data", figures_dir="figures", repeats: int = 7) -> pd.Data
 
 
 def main(argv=None):
+    """The command line (--out-dir, --ks, --batch, --warmup).
+
+    Args:
+        argv: arguments (default: sys.argv[1:]).
+
+    Returns:
+        The exit status.
+    """
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", "--out", default="data", help="folder the two CSVs go to (default: data)")
     p.add_argument("--ks", default="1,2,4,8", help="size classes per doubling to compare (default: 1,2,4,8)")

@@ -20,12 +20,26 @@ PROVENANCE = plots.PROVENANCE
 
 
 def data_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
-    """The folder of the CSVs: `path` if given (and not ''), else the repository's data/."""
+    """The folder of the CSVs: `path` if given (and not ''), else the repository's data/.
+
+    Args:
+        path: a folder, or None/''.
+
+    Returns:
+        A Path.
+    """
     return pathlib.Path(path) if path else paths.data_dir()
 
 
 def figures_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
-    """The folder figures are saved to: `path` if given (and not ''), else the repository's figures/."""
+    """The folder figures are saved to: `path` if given (and not ''), else the repository's figures/.
+
+    Args:
+        path: a folder, or None/''.
+
+    Returns:
+        A Path.
+    """
     return pathlib.Path(path) if path else paths.figures_dir()
 
 
@@ -48,7 +62,14 @@ def machine_line() -> str:
 
 
 def describe_provenance(df: pd.DataFrame) -> str:
-    """'measured on <gpu> (driver ..., CUDA ..., CuPy ...), commit ..., <date>' from the provenance columns."""
+    """'measured on <gpu> (driver ..., CUDA ..., CuPy ...), commit ..., <date>' from the provenance columns.
+
+    Args:
+        df: a measurement frame, or None.
+
+    Returns:
+        A sentence ("no measurements" for None or no rows).
+    """
     if df is None or not len(df):
         return "no measurements"
     p = plots.provenance_summary(df)
@@ -62,7 +83,15 @@ def describe_provenance(df: pd.DataFrame) -> str:
 
 
 def load_csv(name: str, data: str | os.PathLike | None = None) -> pd.DataFrame | None:
-    """data/NAME.csv as a DataFrame, or None if it is not there."""
+    """data/NAME.csv as a DataFrame, or None if it is not there.
+
+    Args:
+        name: the CSV's name without .csv.
+        data: the CSV folder (default: data/).
+
+    Returns:
+        A DataFrame, or None.
+    """
     path = data_dir(data) / f"{name}.csv"
     return pd.read_csv(path) if path.is_file() else None
 
@@ -83,6 +112,15 @@ def load_or_measure(name: str, measure_fn, gpu_available: bool, data: str | os.P
     returning a DataFrame (written to the CSV if the function did not write it). Returns None when there
     is nothing to show (no GPU and no CSV): the caller skips its figure. df.attrs['source'] says
     'measured' or 'committed'.
+
+    Args:
+        name: the CSV's name without .csv.
+        measure_fn: the measuring function.
+        gpu_available: whether this kernel sees a GPU.
+        data: the CSV folder (default: data/).
+        measure: False loads even on a GPU.
+        how_to_measure: the hint printed when there is nothing to load.
+        **kwargs: passed to measure_fn.
     """
     path = data_dir(data) / f"{name}.csv"
     if gpu_available and measure:
@@ -115,6 +153,13 @@ def cpu_smoke(measure_fn, **kwargs) -> pd.DataFrame | None:
 
     It checks that the code runs and its rows have the CSV's schema; it measures nothing and writes
     nothing into data/. Returns its rows, or None if the measuring module does not exist yet.
+
+    Args:
+        measure_fn: a callable or 'module:function' taking cpu= and out=.
+        **kwargs: passed to it.
+
+    Raises:
+        AssertionError: the rows' own checks failed.
     """
     try:
         fn = _resolve(measure_fn)
@@ -132,7 +177,18 @@ def cpu_smoke(measure_fn, **kwargs) -> pd.DataFrame | None:
 
 
 def figure(plot_fn, df: pd.DataFrame | None, name: str, figures: str | os.PathLike | None = None, **kwargs):
-    """plot_fn(df, **kwargs) saved as figures/NAME.png and .svg and returned for display; None if no data."""
+    """plot_fn(df, **kwargs) saved as figures/NAME.png and .svg and returned for display; None if no data.
+
+    Args:
+        plot_fn: a plots function.
+        df: its frame, or None.
+        name: the file name.
+        figures: the folder (default: figures/).
+        **kwargs: passed to plot_fn.
+
+    Returns:
+        What `show` returns, or None.
+    """
     if df is None or not len(df):
         print(f"No data: figure {name} skipped.")
         return None
@@ -140,7 +196,16 @@ def figure(plot_fn, df: pd.DataFrame | None, name: str, figures: str | os.PathLi
 
 
 def show(fig, name: str, figures: str | os.PathLike | None = None):
-    """Save fig as figures/NAME.png and .svg and return the PNG for Jupyter to display (its path without IPython)."""
+    """Save fig as figures/NAME.png and .svg and return the PNG for Jupyter to display (its path without IPython).
+
+    Args:
+        fig: a Figure.
+        name: the file name.
+        figures: the folder (default: figures/).
+
+    Returns:
+        An IPython Image, or the PNG's path.
+    """
     png, _ = plots.save(fig, name, figures_dir(figures))
     try:
         from IPython.display import Image
@@ -154,6 +219,14 @@ def pivot(df: pd.DataFrame | None, index, columns: str, values: str, **query):
     None if no data.
 
     Byte sizes as columns are shown as '64 KiB'.
+
+    Args:
+        df: a tidy frame, or None.
+        index, columns, values: as DataFrame.pivot_table.
+        **query: column=value filters.
+
+    Returns:
+        A styled table, or None.
     """
     if df is None or not len(df):
         return None
@@ -196,6 +269,14 @@ def table(df: pd.DataFrame | None, columns=None, **query):
     """A compact view of a tidy frame for a notebook (chosen columns, numbers shortened); None if no data.
 
     Keyword arguments filter rows by equality, e.g. table(df, threads=1).
+
+    Args:
+        df: a tidy frame, or None.
+        columns: the columns to show (default: all).
+        **query: column=value filters.
+
+    Returns:
+        A styled table, or None.
     """
     if df is None or not len(df):
         return None
@@ -216,13 +297,27 @@ def measured_here(*frames) -> pd.DataFrame:
 
 
 def correctness_summary(df: pd.DataFrame) -> pd.DataFrame:
-    """Pass counts per device: the one-glance verdict above the full table."""
+    """Pass counts per device: the one-glance verdict above the full table.
+
+    Args:
+        df: correctness rows.
+
+    Returns:
+        A DataFrame: device, checks, passed, failed.
+    """
     g = plots.with_device(df).groupby("device", sort=False)["passed"]
     return pd.DataFrame({"checks": g.size(), "passed": g.sum(), "failed": g.size() - g.sum()}).reset_index()
 
 
 def assert_all_passed(df: pd.DataFrame) -> None:
-    """Raise (failing the notebook, so papermill and CI fail) if any check in df failed."""
+    """Raise (failing the notebook, so papermill and CI fail) if any check in df failed.
+
+    Args:
+        df: correctness rows.
+
+    Raises:
+        AssertionError: naming each failed check.
+    """
     failed = df[~df["passed"].astype(bool)]
     if len(failed):
         lines = "\n".join(f"  {r.check}: measured {r.measured:.3g} > threshold {r.threshold:.3g}"

@@ -52,7 +52,14 @@ PASS_COLOR, FAIL_COLOR = "#2ca02c", "#d62728"
 
 
 def style(allocator: str) -> dict:
-    """Label, colour, marker and line for an allocator (stable across every figure)."""
+    """Label, colour, marker and line for an allocator (stable across every figure).
+
+    Args:
+        allocator: a registry name.
+
+    Returns:
+        A dict with label, color, marker, ls and lw.
+    """
     if allocator in ALLOCATORS:
         return ALLOCATORS[allocator]
     i = sum(map(ord, allocator)) % len(_OTHER_COLORS)
@@ -60,7 +67,14 @@ def style(allocator: str) -> dict:
 
 
 def ordered(allocators) -> list[str]:
-    """Allocators in the house order (before → peers → xpool), unknown ones last."""
+    """Allocators in the house order (before → peers → xpool), unknown ones last.
+
+    Args:
+        allocators: registry names.
+
+    Returns:
+        A list.
+    """
     known = [a for a in ALLOCATORS if a in set(allocators)]
     return known + sorted(set(allocators) - set(known))
 
@@ -73,7 +87,14 @@ def _short_date(values) -> str:
 
 
 def provenance_summary(df: pd.DataFrame) -> dict:
-    """Each provenance column's distinct values joined by ' / ' ('unknown' where the column is absent)."""
+    """Each provenance column's distinct values joined by ' / ' ('unknown' where the column is absent).
+
+    Args:
+        df: a measurement frame.
+
+    Returns:
+        A dict: gpu, driver, cuda, cupy, commit, date (a day or a range of days) and n_gpus.
+    """
     out = {}
     for col in PROVENANCE + ("n_gpus",):
         if col not in df:
@@ -95,7 +116,15 @@ def _machine(p: dict) -> str:
 
 
 def caption(df: pd.DataFrame, note: str = "") -> str:
-    """Lines naming the machine and software the figure's numbers were measured with (one per machine)."""
+    """Lines naming the machine and software the figure's numbers were measured with (one per machine).
+
+    Args:
+        df: the frame the figure is drawn from.
+        note: a last line (what a point is, what was measured).
+
+    Returns:
+        The caption's text.
+    """
     if "gpu" in df and df["gpu"].nunique() > 1:
         lines = [f"Measured on {_machine(provenance_summary(g))}" for _, g in df.groupby("gpu", sort=False)]
     else:
@@ -125,6 +154,14 @@ def _finish(fig, title: str, df: pd.DataFrame, note: str = "", legend_from=None,
 
 
 def fmt_bytes(n: float) -> str:
+    """A byte count for people: '64 KiB', '1.5 MiB', '100 B' (binary units): the lab's one byte formatter.
+
+    Args:
+        n: bytes.
+
+    Returns:
+        A string.
+    """
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             v = n / scale
@@ -133,6 +170,14 @@ def fmt_bytes(n: float) -> str:
 
 
 def fmt_si(v: float) -> str:
+    """A count with k or M: '91.2k', '1.5M'.
+
+    Args:
+        v: the number.
+
+    Returns:
+        A string.
+    """
     for suffix, scale in (("M", 1e6), ("k", 1e3)):
         if abs(v) >= scale:
             return f"{v / scale:.3g}{suffix}"
@@ -211,7 +256,15 @@ def _yerr(s: pd.DataFrame, col: str) -> np.ndarray:
 
 
 def trials_note(df: pd.DataFrame, keys) -> str:
-    """The caption's sentence on what a point is: a median of n trials with an interval, or a single run."""
+    """The caption's sentence on what a point is: a median of n trials with an interval, or a single run.
+
+    Args:
+        df: the frame a panel is drawn from.
+        keys: the columns naming one point.
+
+    Returns:
+        A sentence.
+    """
     n = df.groupby(list(keys), sort=False).size() if len(df) else pd.Series([], dtype=int)
     if "trial" not in df or not len(n) or n.max() < 2:
         return "One row per point in this CSV (measured before every trial was kept): no interval."
@@ -233,7 +286,14 @@ def _check_group(name: str) -> str:
 
 
 def with_device(df: pd.DataFrame) -> pd.DataFrame:
-    """A copy with a `device` column ('cpu'/'gpu') filled in where a CSV lacks it, from the array module."""
+    """A copy with a `device` column ('cpu'/'gpu') filled in where a CSV lacks it, from the array module.
+
+    Args:
+        df: correctness rows.
+
+    Returns:
+        A new DataFrame.
+    """
     df = df.copy()
     guess = (df["xp"].astype(str) == "cupy").map({True: "gpu", False: "cpu"}) if "xp" in df else "cpu"
     df["device"] = df["device"].fillna(guess) if "device" in df else guess
@@ -245,6 +305,12 @@ def correctness(df: pd.DataFrame) -> Figure:
 
     Exact checks (threshold 0: bitwise identity, mismatch counts) get a row with their verdict instead of
     a bar. Per-parameter checks collapse to their worst parameter. One panel per device ('cpu', 'gpu').
+
+    Args:
+        df: correctness rows of one or both devices, as read from the CSV (one row per trial, or the old one row per configuration).
+
+    Returns:
+        A matplotlib Figure (Agg canvas).
     """
     df = with_device(df)
     devices = list(pd.unique(df["device"]))
@@ -313,7 +379,14 @@ def _sweep(df: pd.DataFrame, name: str) -> pd.DataFrame:
 
 def alloc_cost(df: pd.DataFrame) -> Figure:
     """µs per alloc/free pair against request size (one thread), and each allocator's time over CuPy's pool's
-    in the same trial; medians over trials with 95% intervals."""
+    in the same trial; medians over trials with 95% intervals.
+
+    Args:
+        df: xlab.bench.alloc rows, as read from the CSV (one row per trial, or the old one row per configuration).
+
+    Returns:
+        A matplotlib Figure (Agg canvas).
+    """
     one = _sweep(df, "size")
     m = _stat(one, ["allocator", "size_bytes"], "us_per_pair")
     if "ratio_vs_cupy_pool" in one:
@@ -369,7 +442,15 @@ def _thread_size(df, size_bytes):
 
 
 def alloc_threads(df: pd.DataFrame, size_bytes: int | None = None) -> Figure:
-    """Thousands of alloc/free pairs per second (all threads together) against threads on one GPU."""
+    """Thousands of alloc/free pairs per second (all threads together) against threads on one GPU.
+
+    Args:
+        df: xlab.bench.alloc rows.
+        size_bytes: the request size to draw (default: 64 KiB, or the size measured at most thread counts).
+
+    Returns:
+        A matplotlib Figure (Agg canvas).
+    """
     df = _sweep(df, "threads")
     size = _thread_size(df, size_bytes)
     sized = df[df["size_bytes"] == size]
@@ -414,7 +495,14 @@ def _by_batch(df, col):
 
 
 def single_gpu(df: pd.DataFrame) -> Figure:
-    """Tokens/s, GPU utilisation, device mallocs per step and peak reserved/requested, per allocator and batch."""
+    """Tokens/s, GPU utilisation, device mallocs per step and peak reserved/requested, per allocator and batch.
+
+    Args:
+        df: single_gpu rows, as read from the CSV (one row per trial, or the old one row per configuration).
+
+    Returns:
+        A matplotlib Figure (Agg canvas).
+    """
     d = df[df["mode"] == "single"] if "mode" in df and (df["mode"] == "single").any() else df
     fig, axes = _figure(3, 2, size=(13, 12.5))
     panels = [
@@ -476,7 +564,14 @@ def _scaling_frame(df):
 
 def ddp_scaling(df: pd.DataFrame) -> Figure:
     """Tokens/s and speedup against the number of GPUs: one column per mode (threads, processes); medians over
-    trials with 95% intervals (a speedup is trial t on N GPUs over trial t on one)."""
+    trials with 95% intervals (a speedup is trial t on N GPUs over trial t on one).
+
+    Args:
+        df: ddp_scaling rows (single_gpu rows may stand in for world 1), as read from the CSV (one row per trial, or the old one row per configuration).
+
+    Returns:
+        A matplotlib Figure (Agg canvas).
+    """
     d = _scaling_frame(df)
     modes = _modes(d)
     fig, axes = _figure(2, len(modes), size=(6.5 * len(modes), 8.5), sharey="row")
@@ -518,7 +613,14 @@ def ddp_scaling(df: pd.DataFrame) -> Figure:
 
 
 def ddp_before_after(df: pd.DataFrame) -> Figure:
-    """Before/after at the largest world: speedup and GPU utilisation per mode and allocator."""
+    """Before/after at the largest world: speedup and GPU utilisation per mode and allocator.
+
+    Args:
+        df: ddp_scaling rows, as read from the CSV (one row per trial, or the old one row per configuration).
+
+    Returns:
+        A matplotlib Figure (Agg canvas).
+    """
     d = _scaling_frame(df)
     d = d[d["mode"] != "single"]
     world = int(d["world"].max())
@@ -553,7 +655,14 @@ def ddp_before_after(df: pd.DataFrame) -> Figure:
 
 def batch_sweep(df: pd.DataFrame) -> Figure:
     """Threads on N GPUs against 1, by per-GPU batch: the speedup (median, 95% interval), and the one-GPU step's
-    host work against its GPU work, whose crossing is where the host bound ends."""
+    host work against its GPU work, whose crossing is where the host bound ends.
+
+    Args:
+        df: batch_sweep rows, as read from the CSV (one row per trial, or the old one row per configuration).
+
+    Returns:
+        A matplotlib Figure (Agg canvas).
+    """
     d = df[df["mode"] == "threads"] if "mode" in df else df
     world = int(d["world"].max())
     fig, axes = _figure(1, 2, size=(13, 5.4))
@@ -606,7 +715,14 @@ def batch_sweep(df: pd.DataFrame) -> Figure:
 
 
 def memory_waste(df: pd.DataFrame) -> Figure:
-    """Waste per size-class setting: class bytes over requested bytes, and peak reserved over peak requested."""
+    """Waste per size-class setting: class bytes over requested bytes, and peak reserved over peak requested.
+
+    Args:
+        df: memory_waste rows (measured, or replayed).
+
+    Returns:
+        A matplotlib Figure (Agg canvas).
+    """
     src = "measured" if "source" in df and (df["source"] == "measured").any() else None
     d = df[df["source"] == src] if src else df
     d = d.groupby("k", sort=True)[["class_over_requested", "reserved_over_requested"]].median()
@@ -683,7 +799,15 @@ def _requested_in_use(tl: pd.DataFrame) -> np.ndarray:
 
 
 def memory_timeline(df: pd.DataFrame, step: int | None = None) -> Figure:
-    """Bytes reserved, in use and requested over the recorded run (by event), and over one step (in time)."""
+    """Bytes reserved, in use and requested over the recorded run (by event), and over one step (in time).
+
+    Args:
+        df: a memory_timeline frame (xpool's timeline with a step column; the first k if several).
+        step: the step to zoom into (default: the last).
+
+    Returns:
+        A matplotlib Figure (Agg canvas).
+    """
     tl = df
     if "k" in tl and tl["k"].nunique() > 1:
         tl = tl[tl["k"] == tl["k"].iloc[0]]
@@ -743,7 +867,16 @@ def memory_timeline(df: pd.DataFrame, step: int | None = None) -> Figure:
 
 def save(fig: Figure, name: str, figures_dir: str | os.PathLike = "figures"):
     """Write figures/NAME.png and figures/NAME.svg (no timestamps inside, so unchanged data gives unchanged
-    files); returns both paths."""
+    files); returns both paths.
+
+    Args:
+        fig: the figure.
+        name: the file name without extension.
+        figures_dir: the folder (made if missing).
+
+    Returns:
+        (png path, svg path).
+    """
     out = pathlib.Path(figures_dir)
     out.mkdir(parents=True, exist_ok=True)
     png, svg = out / f"{name}.png", out / f"{name}.svg"
@@ -769,13 +902,29 @@ FIGURES = {
 
 
 def load_for(name: str, data_dir: str | os.PathLike = "data") -> pd.DataFrame | None:
-    """The frame figure `name` is drawn from: its CSVs concatenated (those present), or None."""
+    """The frame figure `name` is drawn from: its CSVs concatenated (those present), or None.
+
+    Args:
+        name: a key of FIGURES.
+        data_dir: the CSV folder.
+
+    Returns:
+        A DataFrame, or None.
+    """
     frames = [pd.read_csv(p) for csv in FIGURES[name][0] if (p := pathlib.Path(data_dir) / f"{csv}.csv").is_file()]
     return pd.concat(frames, ignore_index=True) if frames else None
 
 
 def build_all(data_dir: str | os.PathLike = "data", figures_dir: str | os.PathLike = "figures") -> dict:
-    """Every figure whose CSV exists; returns name -> PNG path, or the reason it was skipped."""
+    """Every figure whose CSV exists; returns name -> PNG path, or the reason it was skipped.
+
+    Args:
+        data_dir: the CSV folder.
+        figures_dir: where the PNG and SVG files go.
+
+    Returns:
+        A dict: figure name -> PNG path, or a string saying why it was skipped or failed.
+    """
     out = {}
     for name, (csvs, fn) in FIGURES.items():
         df = load_for(name, data_dir)

@@ -36,7 +36,15 @@ CPU_QUICK = {
 
 
 def notebooks(root: pathlib.Path | None = None, only=None) -> list[pathlib.Path]:
-    """notebooks/NN_*.ipynb in order; `only` keeps those whose name starts with one of its prefixes."""
+    """notebooks/NN_*.ipynb in order; `only` keeps those whose name starts with one of its prefixes.
+
+    Args:
+        root: the repository (default: paths.repo_root()).
+        only: name prefixes to keep, or None for all.
+
+    Returns:
+        A list of paths.
+    """
     root = root or paths.repo_root()
     found = sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     return [p for p in found if not only or any(p.stem.startswith(o) for o in only)]
@@ -51,7 +59,17 @@ def _kernel_env(root: pathlib.Path) -> None:
 
 def run_notebook(path: pathlib.Path, out_dir: pathlib.Path, parameters: dict | None = None,
                  timeout: int = 1800) -> dict:
-    """Execute one notebook with papermill into out_dir; returns name, ok, seconds and the error, if any."""
+    """Execute one notebook with papermill into out_dir; returns name, ok, seconds and the error, if any.
+
+    Args:
+        path: the notebook.
+        out_dir: where the executed copy goes.
+        parameters: papermill parameters.
+        timeout: seconds a cell may run.
+
+    Returns:
+        A dict: notebook, ok, seconds, output, error ("" when it ran).
+    """
     import papermill
     _kernel_env(paths.repo_root())
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -114,6 +132,14 @@ def _where(df: pd.DataFrame) -> str:
 
 
 def headline_correctness(data: pathlib.Path) -> str | None:
+    """The correctness headline, from correctness_cpu.csv and correctness_gpu.csv.
+
+    Args:
+        data: the CSV folder.
+
+    Returns:
+        One sentence on both devices' checks, or None where the CSV is missing.
+    """
     parts = []
     for name in ("correctness_cpu", "correctness_gpu"):
         df = _read(data, name)
@@ -133,6 +159,14 @@ def headline_correctness(data: pathlib.Path) -> str | None:
 
 
 def headline_alloc(data: pathlib.Path) -> list[str]:
+    """The microbenchmark's headlines, from alloc_microbench.csv.
+
+    Args:
+        data: the CSV folder.
+
+    Returns:
+        Sentences on allocation cost, raw cudaMalloc's two states and thread scaling (empty without the CSV).
+    """
     df, xp = _with_xpool(data, "alloc_microbench")
     if df is None:
         return []
@@ -186,6 +220,14 @@ def headline_alloc(data: pathlib.Path) -> list[str]:
 
 
 def headline_single(data: pathlib.Path) -> str | None:
+    """The one-GPU headline, from single_gpu.csv.
+
+    Args:
+        data: the CSV folder.
+
+    Returns:
+        One sentence on one GPU at the largest batch, or None where the CSV is missing.
+    """
     df, xp = _with_xpool(data, "single_gpu")
     if df is None:
         return None
@@ -218,6 +260,14 @@ def headline_single(data: pathlib.Path) -> str | None:
 
 
 def headline_ddp(data: pathlib.Path) -> str | None:
+    """The data-parallel headline, from ddp_scaling.csv.
+
+    Args:
+        data: the CSV folder.
+
+    Returns:
+        One sentence on the speedups at the largest GPU count, or None where the CSV is missing.
+    """
     df, xp = _with_xpool(data, "ddp_scaling")
     if df is None:
         return None
@@ -238,6 +288,14 @@ def headline_ddp(data: pathlib.Path) -> str | None:
 
 
 def headline_sweep(data: pathlib.Path) -> str | None:
+    """The batch-sweep headline, from batch_sweep.csv.
+
+    Args:
+        data: the CSV folder.
+
+    Returns:
+        One sentence on the batch sweep's speedups, or None where the CSV is missing.
+    """
     df, xp = _with_xpool(data, "batch_sweep")
     if df is None:
         return None
@@ -252,6 +310,14 @@ def headline_sweep(data: pathlib.Path) -> str | None:
 
 
 def headline_memory(data: pathlib.Path) -> str | None:
+    """The memory headline, from memory_waste.csv and memory_timeline.csv.
+
+    Args:
+        data: the CSV folder.
+
+    Returns:
+        One sentence on the waste of each size-class setting, or None where the CSV is missing.
+    """
     df = _read(data, "memory_waste")
     if df is None:
         return None
@@ -271,7 +337,14 @@ def headline_memory(data: pathlib.Path) -> str | None:
 
 
 def headlines(data: pathlib.Path) -> list[str]:
-    """Every headline sentence the CSVs allow, in notebook order."""
+    """Every headline sentence the CSVs allow, in notebook order.
+
+    Args:
+        data: the CSV folder.
+
+    Returns:
+        A list of markdown sentences (a CSV that cannot be read costs its own line only).
+    """
     out = []
     for fn in (headline_correctness, headline_alloc, headline_single, headline_ddp, headline_sweep,
                headline_memory):
@@ -328,6 +401,9 @@ def targets(data: pathlib.Path) -> list[dict]:
     Returns:
         One dict per target with target, measured ("median [lo, hi]" or "value (single run)") and verdict
         (met, missed, within noise, or single run with the median's side).
+
+    Args:
+        data: the CSV folder.
     """
     rows = []
     bench = _read(data, "alloc_microbench")
@@ -408,7 +484,14 @@ def targets(data: pathlib.Path) -> list[dict]:
 
 def bound_rows(data: pathlib.Path) -> list[dict]:
     """One row per (batch, allocator) of the one-GPU CSV: ms per step, host ms, GPU stream ms, GPU busy ms and %,
-    and what bounds the step (the rows' own `bound`, else from utilisation as train.step_bound decides)."""
+    and what bounds the step (the rows' own `bound`, else from utilisation as train.step_bound decides).
+
+    Args:
+        data: the CSV folder.
+
+    Returns:
+        A list of dicts: batch, allocator, and (median, lo, hi) for ms, host, stream, busy and util; bound.
+    """
     from .experiments.train import step_bound
     df = _read(data, "single_gpu")
     if df is None:
@@ -438,6 +521,10 @@ def projection(data: pathlib.Path, worlds=(2, 4, 8)) -> list[dict]:
 
     Returns:
         One dict per allocator: allocator, h, g, h_source and {N: projected speedup}.
+
+    Args:
+        data: the CSV folder.
+        worlds: the GPU counts to project to.
     """
     rows = {(r["batch"], r["allocator"]): r for r in bound_rows(data)}
     out = []
@@ -459,7 +546,14 @@ def projection(data: pathlib.Path, worlds=(2, 4, 8)) -> list[dict]:
 
 
 def bounds(data: pathlib.Path) -> list[str]:
-    """Markdown: what bounds each one-GPU row, and the projection of one thread per GPU to 4 and 8 GPUs."""
+    """Markdown: what bounds each one-GPU row, and the projection of one thread per GPU to 4 and 8 GPUs.
+
+    Args:
+        data: the CSV folder.
+
+    Returns:
+        Markdown lines (empty without the one-GPU CSV).
+    """
     rows = bound_rows(data)
     if not rows:
         return []
@@ -497,6 +591,14 @@ def bounds(data: pathlib.Path) -> list[str]:
 
 
 def data_table(data: pathlib.Path) -> list[str]:
+    """The CSVs in data/ with their provenance, as a markdown table.
+
+    Args:
+        data: the CSV folder.
+
+    Returns:
+        Markdown lines.
+    """
     rows = ["| CSV | rows | measured on | driver | CUDA | CuPy | commit | date |", "|---|---|---|---|---|---|---|---|"]
     for p in sorted(data.glob("*.csv")):
         df = pd.read_csv(p)
@@ -510,7 +612,17 @@ def data_table(data: pathlib.Path) -> list[str]:
 
 def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib.Path) -> str:
     """The report's markdown; figure links are relative to `report_dir` (build/ and report/ are both one
-    level below the repository, so one text serves both)."""
+    level below the repository, so one text serves both).
+
+    Args:
+        data: the CSV folder.
+        runs: run_notebook results (an empty list leaves the notebooks section out).
+        figs: plots.build_all's result.
+        report_dir: where the page will live.
+
+    Returns:
+        The markdown text.
+    """
     lines = ["# xpool: results", "",
              "_Generated by `python -m xlab.report` (`make report`) from the CSVs in `data/`: every number here is "
              "computed from them, every figure is drawn from them alone._", "", "## Headlines", ""]
@@ -561,6 +673,14 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
 
 
 def main(argv=None) -> int:
+    """The command line (see the module docstring and --help).
+
+    Args:
+        argv: arguments (default: sys.argv[1:]).
+
+    Returns:
+        The exit status: 1 if a notebook failed, else 0.
+    """
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-quick", action="store_true",
                    help="CPU mode with small parameters (never measures, even on a GPU): what CI runs")

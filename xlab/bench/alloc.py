@@ -63,7 +63,15 @@ def torch_available() -> bool:
 # --- timing (GPU)
 
 def time_pairs(nbytes: int, pairs: int) -> tuple[int, int]:
-    """(ns, pairs) for `pairs` alloc/free pairs on this thread."""
+    """(ns, pairs) for `pairs` alloc/free pairs on this thread.
+
+    Args:
+        nbytes: the request size.
+        pairs: how many pairs.
+
+    Returns:
+        (nanoseconds, pairs).
+    """
     import cupy
     empty, u8 = cupy.empty, cupy.uint8
     cupy.cuda.Device().synchronize()
@@ -76,7 +84,16 @@ def time_pairs(nbytes: int, pairs: int) -> tuple[int, int]:
 
 
 def time_threads(nbytes: int, pairs: int, threads: int) -> tuple[int, int]:
-    """(ns, pairs done) with `threads` threads released together by a barrier, pairs split among them."""
+    """(ns, pairs done) with `threads` threads released together by a barrier, pairs split among them.
+
+    Args:
+        nbytes: the request size.
+        pairs: pairs in all.
+        threads: threads.
+
+    Returns:
+        (nanoseconds, pairs done).
+    """
     import cupy
     per = max(1, pairs // threads)
     barrier, errors = threading.Barrier(threads + 1), []
@@ -111,6 +128,14 @@ def time_threads(nbytes: int, pairs: int, threads: int) -> tuple[int, int]:
 
 
 def timer(case):
+    """The timing function of one case.
+
+    Args:
+        case: (sweep, nbytes, threads).
+
+    Returns:
+        timer(pairs) -> (ns, pairs).
+    """
     sweep, nbytes, threads = case
     if sweep == "size":
         return lambda pairs: time_pairs(nbytes, pairs)
@@ -118,14 +143,36 @@ def timer(case):
 
 
 def calibrated_pairs(ns: int, pairs: int, target_s: float, lo: int = 200, hi: int = 400_000) -> int:
-    """Pairs that take about target_s at the rate of a trial (ns for pairs), within [lo, hi]."""
+    """Pairs that take about target_s at the rate of a trial (ns for pairs), within [lo, hi].
+
+    Args:
+        ns, pairs: a trial window's time and pairs.
+        target_s: the window to aim for.
+        lo, hi: the bounds.
+
+    Returns:
+        An int.
+    """
     return int(min(hi, max(lo, target_s * 1e9 * pairs / max(ns, 1))))
 
 
 def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target_s=0.1, count_pairs=200,
             progress=True):
     """Raw samples: one row per (trial, allocator, case) with ns and pairs; and mallocs per pair by
-    (allocator, size) from the counting pass (allocators that can count)."""
+    (allocator, size) from the counting pass (allocators that can count).
+
+    Args:
+        allocators: registry names (default: default_allocators()).
+        sizes: the size sweep's request sizes.
+        threads: the thread sweep's thread counts.
+        trials: trials per arm.
+        target_s: seconds per window.
+        count_pairs: pairs of the counting pass.
+        progress: progress bars.
+
+    Returns:
+        (samples DataFrame, {(allocator, size): device mallocs per pair}).
+    """
     import pandas as pd
     from tqdm.auto import tqdm
     allocators = tuple(allocators or default_allocators())
@@ -189,7 +236,15 @@ class _installed:
 
 def trial_rows(samples, mallocs=None):
     """The CSV's rows: one per (trial, allocator, case) with µs per pair, thousand pairs/s and the ratio to CuPy's
-    pool in the same trial (NaN without it); device mallocs per pair from the counting pass (size sweep only)."""
+    pool in the same trial (NaN without it); device mallocs per pair from the counting pass (size sweep only).
+
+    Args:
+        samples: measure()'s samples.
+        mallocs: measure()'s counts.
+
+    Returns:
+        A DataFrame with COLUMNS.
+    """
     import numpy as np
     mallocs = mallocs or {}
     df = samples.assign(us_per_pair=samples.ns / samples.pairs / 1e3, kpairs_per_s=samples.pairs * 1e6 / samples.ns)
@@ -205,7 +260,14 @@ def trial_rows(samples, mallocs=None):
 def summary(rows):
     """Medians over trials with 95% intervals: one row per (allocator, sweep, size, threads) with us_per_pair,
     kpairs_per_s and ratio_vs_cupy_pool (each with _lo/_hi), n_trials and device_mallocs_per_pair. Old CSVs (one summary row per case,
-    no trial column) come out as single runs."""
+    no trial column) come out as single runs.
+
+    Args:
+        rows: the CSV's rows.
+
+    Returns:
+        A DataFrame.
+    """
     from xlab import intervals
     keys = ["allocator", "sweep", "size_bytes", "threads"]
     out = None
@@ -218,7 +280,14 @@ def summary(rows):
 
 def table(summary) -> str:
     """Two plain-text tables of medians over trials: µs per pair by size, and kpairs/s by threads; (x) = speed
-    relative to CuPy's pool in the same trial (median of the paired ratios)."""
+    relative to CuPy's pool in the same trial (median of the paired ratios).
+
+    Args:
+        summary: summary()'s frame.
+
+    Returns:
+        The text.
+    """
     from xlab.plots import fmt_bytes
     lines = []
     for sweep, col, value, unit in (("size", "size_bytes", "us_per_pair", "µs per pair (median)"),
@@ -242,7 +311,15 @@ def table(summary) -> str:
 
 
 def with_provenance(rows, **params):
-    """Every row gets the provenance columns (GPU, driver, CUDA, CuPy, commit, date) and the run's params."""
+    """Every row gets the provenance columns (GPU, driver, CUDA, CuPy, commit, date) and the run's params.
+
+    Args:
+        rows: the CSV's rows.
+        **params: the run's parameters.
+
+    Returns:
+        A new DataFrame.
+    """
     from xlab.provenance import provenance
     return rows.assign(**provenance(bench="alloc", **params))
 
@@ -278,6 +355,14 @@ def run(out="data/alloc_microbench.csv", quick=False, trials=None, target_s=None
 
 
 def main(argv=None) -> int:
+    """The command line (see --help).
+
+    Args:
+        argv: arguments (default: sys.argv[1:]).
+
+    Returns:
+        The exit status: 2 without a GPU.
+    """
     ap = argparse.ArgumentParser(prog="python -m xlab.bench.alloc", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="data/alloc_microbench.csv")
     ap.add_argument("--quick", action="store_true", help="fewer pairs and trials: a smoke run")

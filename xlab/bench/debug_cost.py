@@ -15,7 +15,16 @@ SIZES = (4 << 10, 64 << 10, 1 << 20)
 
 
 def pair_us(pool, nbytes: int, pairs: int) -> float:
-    """µs per allocate/release pair (warm: the block is cached after the first pair)."""
+    """µs per allocate/release pair (warm: the block is cached after the first pair).
+
+    Args:
+        pool: an xpool.Pool.
+        nbytes: the request size.
+        pairs: how many pairs.
+
+    Returns:
+        µs per pair.
+    """
     pool.allocate(nbytes).release()
     t0 = time.perf_counter_ns()
     for _ in range(pairs):
@@ -24,7 +33,17 @@ def pair_us(pool, nbytes: int, pairs: int) -> float:
 
 
 def run(sizes=SIZES, pairs: int = 2000, repeats: int = 5, out: str | None = "data/debug_cost_host.csv"):
-    """One row per (size, debug): median µs per pair over repeats, and the ratio to debug off."""
+    """One row per (size, debug): median µs per pair over repeats, and the ratio to debug off.
+
+    Args:
+        sizes: request sizes.
+        pairs: pairs per window.
+        repeats: windows per (size, debug).
+        out: the CSV, or None.
+
+    Returns:
+        The DataFrame.
+    """
     import pandas as pd
 
     from xpool import HostBackend, Pool
@@ -49,6 +68,14 @@ def run(sizes=SIZES, pairs: int = 2000, repeats: int = 5, out: str | None = "dat
 
 
 def main(argv=None) -> int:
+    """The command line (--out, --pairs, --repeats).
+
+    Args:
+        argv: arguments (default: sys.argv[1:]).
+
+    Returns:
+        0.
+    """
     ap = argparse.ArgumentParser(prog="python -m xlab.bench.debug_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="data/debug_cost_host.csv")
     ap.add_argument("--pairs", type=int, default=2000)
