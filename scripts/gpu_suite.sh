@@ -26,11 +26,13 @@
 # Each stage writes its own CSV in data/ (every row: GPU, driver, CUDA, CuPy, commit, date and the run's
 # parameters) and copies it, with the stage's log, to $OUT (default build/gpu) as soon as it ends.
 # Knobs: TRIALS (default 5), STEPS/WARMUP (single and ddp), WORLDS (ddp; default "1 2", "1 2 4 8" on eight GPUs),
-# RESUME=1, XPOOL_ADAMW (default foreach, the flat-buffer AdamW; rows record it).
+# RESUME=1, XPOOL_ADAMW (default foreach, the flat-buffer AdamW; rows record it), DATA (default data; DATA=data/rerun
+# for the second run on a fresh machine: the report checks its ratios against the first run's intervals).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu}
-mkdir -p "$OUT" data
+DATA=${DATA:-data}       # data/rerun for the second run on a fresh machine (issue #12; the report compares them)
+mkdir -p "$OUT" "$DATA"
 LOG="$OUT/gpu_suite.log"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared hosts (see the device notes); NCCL inherits this in every process
@@ -52,7 +54,7 @@ stage() {   # stage NAME SECONDS CMD...: time-limited (a hang dumps every thread
     local rc=${PIPESTATUS[0]}
     echo "=== $name: rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
     tail -n 25 "$OUT/$name.log"
-    cp data/*.csv "$OUT"/ 2>/dev/null
+    cp "$DATA"/*.csv "$OUT"/ 2>/dev/null
     [ "$rc" = 0 ] || status=1
     return "$rc"
 }
@@ -67,17 +69,17 @@ for s in $stages; do
     case $s in
         tests)       stage tests 200 $PY -m pytest -q -p no:warnings -m "gpu or multigpu" tests \
                          -k "not transparency_gate_raw" --ignore=tests/test_torch_gpu.py ;;
-        bench)       stage bench 150 $PY -m xlab.bench.alloc --trials "$TRIALS" --out data/alloc_microbench.csv ;;
-        single)      stage single 170 $PY -m xlab.experiments single $TRAIN --out data/single_gpu.csv ;;
-        correctness) stage correctness 150 $PY -m xlab.correctness --gpu --out data/correctness_gpu.csv ;;
-        debugcost)   stage debugcost 60 $PY -m xlab.bench.alloc --out data/alloc_debug_cost.csv --trials 3 \
+        bench)       stage bench 150 $PY -m xlab.bench.alloc --trials "$TRIALS" --out "$DATA"/alloc_microbench.csv ;;
+        single)      stage single 170 $PY -m xlab.experiments single $TRAIN --out "$DATA"/single_gpu.csv ;;
+        correctness) stage correctness 150 $PY -m xlab.correctness --gpu --out "$DATA"/correctness_gpu.csv ;;
+        debugcost)   stage debugcost 60 $PY -m xlab.bench.alloc --out "$DATA"/alloc_debug_cost.csv --trials 3 \
                          --allocators cupy_pool xpool_k1 xpool_k1_debug --sizes 4096 1048576 --target-s 0.05 ;;
-        ddp)         stage ddp "$DDP_LIMIT" $PY -m xlab.experiments ddp $TRAIN --worlds $WORLDS --out data/ddp_scaling.csv ;;
+        ddp)         stage ddp "$DDP_LIMIT" $PY -m xlab.experiments ddp $TRAIN --worlds $WORLDS --out "$DATA"/ddp_scaling.csv ;;
         sweep)       stage sweep 330 $PY -m xlab.experiments sweep --trials "$TRIALS" --no-progress \
-                         ${RESUME:+--resume} --out data/batch_sweep.csv ;;
-        memory)      stage memory 60 $PY -m xlab.memory_study --out data ;;
+                         ${RESUME:+--resume} --out "$DATA"/batch_sweep.csv ;;
+        memory)      stage memory 60 $PY -m xlab.memory_study --out "$DATA" ;;
         torch)       stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/test_torch_gpu.py
-                     stage torch-bench 200 $PY -m xlab.bench.torch_interop --out data/torch_interop.csv ;;
+                     stage torch-bench 200 $PY -m xlab.bench.torch_interop --out "$DATA"/torch_interop.csv ;;
         *) echo "unknown stage $s (stages: tests bench single correctness debugcost ddp sweep memory torch)" | tee -a "$LOG"
            status=1 ;;
     esac

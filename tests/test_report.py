@@ -179,6 +179,20 @@ def test_bounds_and_projection(trial_data, synthetic_data):
     assert old["xpool_k1"]["h_source"].startswith("batch-4 wall time")
 
 
+def test_a_second_run_is_checked_against_the_first_runs_intervals(trial_data):
+    assert report.replication(trial_data) == [] and "second run" not in report.render(trial_data, [], {}, trial_data)
+    synthetic.write_all(trial_data / "rerun", trials=5)
+    rows = {r["name"]: r for r in report.replication(trial_data)}
+    assert len(rows) > 20 and all(r["inside"] for r in rows.values())      # the same numbers: every one inside
+    df = pd.read_csv(trial_data / "rerun" / "ddp_scaling.csv")
+    df.loc[(df["mode"] == "threads") & (df["allocator"] == "xpool_k1") & (df["world"] == 2), "speedup"] = 1.95
+    df.to_csv(trial_data / "rerun" / "ddp_scaling.csv", index=False)
+    rows = {r["name"]: r for r in report.replication(trial_data)}
+    assert rows["2 GPUs, threads, batch 32: xpool_k1 speedup"]["inside"] is False
+    text = report.render(trial_data, [], {}, trial_data)
+    assert "### Does a second run agree?" in text and "| **no** |" in text and "`data/rerun/ddp_scaling.csv`" in text
+
+
 def test_report_builds_from_trials_with_every_figure(trial_data, tmp_path):
     rc = report.main(["--no-notebooks", "--data", str(trial_data), "--figures", str(tmp_path / "figures"),
                       "--build", str(tmp_path / "build"), "--report-dir", str(tmp_path / "report")])

@@ -590,6 +590,80 @@ def bounds(data: pathlib.Path) -> list[str]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------------------
+# A second run on a fresh machine (issue #12): do its ratios fall inside the first run's intervals?
+
+RERUN = "rerun"     # data/rerun/: the same suite run again on a fresh machine (DATA=data/rerun)
+
+
+def _ratios(data: pathlib.Path) -> dict:
+    """Every ratio the targets rest on, as {name: (ratio, lo, hi)}: xpool and raw against CuPy's pool (one GPU,
+    paired trials), speedups over one GPU (data-parallel and the batch sweep), and the microbenchmark's time
+    against CuPy's pool."""
+    out = {}
+    single = _read(data, "single_gpu")
+    if single is not None:
+        for b in sorted(single["batch"].unique()):
+            sub = single[single["batch"] == b]
+            for arm in sorted(set(sub["allocator"]) - {"cupy_pool"}):
+                r = _paired_row(sub, "tokens_per_s", arm, "cupy_pool")
+                if r[0] is not None:
+                    out[f"one GPU, batch {b}: {arm} / CuPy pool, tokens/s"] = r
+    for name, label in (("ddp_scaling", "2 GPUs"), ("batch_sweep", "batch sweep, 2 GPUs")):
+        df = _read(data, name)
+        if df is None or not (df["world"] == 2).any():
+            continue
+        two = df[df["world"] == 2]
+        for (mode, b, arm), g in two.groupby(["mode", "batch", "allocator"], sort=True):
+            out[f"{label}, {mode}, batch {b}: {arm} speedup"] = _med(g["speedup"])
+    bench = _read(data, "alloc_microbench")
+    if bench is not None and "ratio_vs_cupy_pool" in bench:
+        sized = bench[bench["sweep"] == "size"] if "sweep" in bench else bench
+        for (arm, size), g in sized.groupby(["allocator", "size_bytes"], sort=True):
+            if arm != "cupy_pool":
+                out[f"microbenchmark, {plots.fmt_bytes(int(size))}: CuPy pool's time / {arm}'s"] = _med(
+                    g["ratio_vs_cupy_pool"])
+    return out
+
+
+def replication(data: pathlib.Path) -> list[dict]:
+    """Each ratio of data/rerun/ (a second run on a fresh machine) against the first run's interval.
+
+    Args:
+        data: the CSV folder; its rerun/ subfolder holds the second run.
+
+    Returns:
+        One dict per ratio measured in both: name, first (median, lo, hi), second (median, lo, hi) and inside
+        (True when the second median lies in the first run's interval; None when the first has no interval).
+    """
+    if not (data / RERUN).is_dir():
+        return []
+    first, second = _ratios(data), _ratios(data / RERUN)
+    rows = []
+    for name in [n for n in first if n in second]:
+        (m1, lo1, hi1), m2 = first[name], second[name]
+        inside = (lo1 <= m2[0] <= hi1) if math.isfinite(lo1) and math.isfinite(hi1) else None
+        rows.append(dict(name=name, first=(m1, lo1, hi1), second=m2, inside=inside))
+    return rows
+
+
+def replication_lines(data: pathlib.Path) -> list[str]:
+    """Markdown for `replication` (empty when there is no second run)."""
+    rows = replication(data)
+    if not rows:
+        return []
+    judged = [r for r in rows if r["inside"] is not None]
+    out = [f"A second run of the suite on a fresh machine (`data/{RERUN}/`): {sum(r['inside'] for r in judged)} "
+           f"of {len(judged)} ratios fall inside the first run's 95% interval"
+           + (f" ({len(rows) - len(judged)} more without an interval in the first run)" if len(judged) < len(rows)
+              else "") + ". Where one does not, the row says **no**.", "",
+           "| ratio | first run | second run | inside |", "|---|---|---|---|"]
+    for r in rows:
+        verdict = "n/a" if r["inside"] is None else ("yes" if r["inside"] else "**no**")
+        out.append(f"| {r['name']} | {_ci(*r['first'], unit='×')} | {_ci(*r['second'], unit='×')} | {verdict} |")
+    return out
+
+
 def data_table(data: pathlib.Path) -> list[str]:
     """The CSVs in data/ with their provenance, as a markdown table.
 
@@ -600,12 +674,12 @@ def data_table(data: pathlib.Path) -> list[str]:
         Markdown lines.
     """
     rows = ["| CSV | rows | measured on | driver | CUDA | CuPy | commit | date |", "|---|---|---|---|---|---|---|---|"]
-    for p in sorted(data.glob("*.csv")):
+    for p in sorted(data.glob("*.csv")) + sorted((data / RERUN).glob("*.csv")):
         df = pd.read_csv(p)
         if not set(plots.PROVENANCE) & set(df.columns):
             continue
         s = plots.provenance_summary(df)
-        rows.append(f"| `data/{p.name}` | {len(df)} | {s['gpu']} | {s['driver']} | {s['cuda']} | {s['cupy']} | "
+        rows.append(f"| `data/{p.relative_to(data).as_posix()}` | {len(df)} | {s['gpu']} | {s['driver']} | {s['cuda']} | {s['cupy']} | "
                     f"{s['commit']} | {s['date']} |")
     return rows
 
@@ -654,6 +728,12 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
         why = [f"(could not compute: {type(e).__name__}: {e})"]
     if why:
         lines += ["", "### What bounds each step", ""] + why + [""]
+    try:
+        again = replication_lines(data)
+    except (KeyError, ValueError, IndexError, TypeError) as e:
+        again = [f"(could not compare the second run: {type(e).__name__}: {e})"]
+    if again:
+        lines += ["", "### Does a second run agree?", ""] + again + [""]
     for title, names in SECTIONS:
         lines += ["", f"## {title}", ""]
         for name in names:
