@@ -504,6 +504,7 @@ def bound_rows(data: pathlib.Path) -> list[dict]:
         bound = (g["bound"].mode().iloc[0] if "bound" in g and g["bound"].notna().any()
                  else step_bound(util[0], host[0], ms[0]))
         out.append(dict(batch=int(batch), allocator=alloc, ms=ms, host=host, stream=m("gpu_ms_per_step"),
+                        gc=m("gc_ms_per_step"),
                         busy=(ms[0] * util[0] / 100,) * 3 if not math.isfinite(m("gpu_busy_ms_per_step")[0])
                         else m("gpu_busy_ms_per_step"), util=util, bound=bound or "?"))
     return out
@@ -561,12 +562,17 @@ def bounds(data: pathlib.Path) -> list[str]:
            "step's span on the GPU's stream (CUDA events; it equals the wall time when the host is the bound), "
            "busy ms the wall time times NVML's utilisation. A step is GPU-bound when the GPU is busy at least "
            "80% of the time.", "",
-           "| batch | allocator | ms per step | host ms | stream ms | GPU busy ms | GPU busy | bound |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| batch | allocator | ms per step | host ms | stream ms | GPU busy ms | GPU busy | GC ms | bound |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (-r["batch"], plots.ordered([a["allocator"] for a in rows]).index(r["allocator"]))):
         out.append(f"| {r['batch']} | {r['allocator']} | {_ci(*r['ms'], fmt='{:.1f}')} | "
                    f"{_ci(*r['host'], fmt='{:.1f}')} | {_ci(*r['stream'], fmt='{:.1f}')} | "
-                   f"{r['busy'][0]:.1f} | {_ci(*r['util'], fmt='{:.0f}', unit='%')} | {r['bound']} |")
+                   f"{r['busy'][0]:.1f} | {_ci(*r['util'], fmt='{:.0f}', unit='%')} | "
+                   f"{_ci(*r['gc'], fmt='{:.2f}')} | {r['bound']} |")
+    single = _read(data, "single_gpu")
+    if single is not None and "gc" in single and single["gc"].notna().any():
+        out += ["", f"Python's garbage collector: {', '.join(sorted(set(single['gc'].dropna().astype(str))))} in every "
+                f"arm alike; GC ms is the collector's pause time per step inside the timed window (gc.callbacks)."]
     proj = projection(data)
     if proj:
         worlds = sorted(proj[0]["speedup"])
