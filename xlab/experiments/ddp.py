@@ -9,6 +9,8 @@ Two modes, the same allocators, `trials` trials interleaved across them (A B C D
   per-gradient hook, so buckets on a side stream would need the workload changed (not done).
 - processes: one process per GPU, started by `mpirun` (mpi4py) where it exists, else by multiprocessing
   spawn; each rank runs the interleaved trials itself, so launch, CUDA and NCCL start-up are paid once.
+World 1 is the plain one-GPU loop in both modes (no communicator, no all-reduce), so a speedup is over
+training on one GPU, not over a one-rank all-reduce (the first H200 CSV's world-1 rows still all-reduced).
 
 How it reads: `run` -> for each world, a mode's arms (`threads_arms`: a ThreadGroup; `launch`: rank processes
 running `rank_main`) -> runner.run_arm for each (trial, allocator) around rank functions built from
