@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import warnings
 
 from tapegpt import GPTConfig, load_corpus
@@ -231,7 +232,8 @@ def worker_main(spec_path) -> None:
 def _spawned_rank(rank, world, uid, spec, barrier, queue):
     import traceback
     try:
-        queue.put((rank, rank_main(rank, world, uid, spec, lambda: barrier.wait(BARRIER_TIMEOUT)), None))
+        timeout = spec.get("barrier_timeout", BARRIER_TIMEOUT)
+        queue.put((rank, rank_main(rank, world, uid, spec, lambda: barrier.wait(timeout)), None))
     except BaseException:             # noqa: BLE001 - the parent reports it
         queue.put((rank, None, traceback.format_exc()))
 
@@ -280,7 +282,7 @@ def launch(world, spec, launcher="auto") -> list:
                    sys.executable, "-m", "xlab.experiments", "worker", spec_path]
             if os.geteuid() == 0:
                 cmd.insert(1, "--allow-run-as-root")
-            subprocess.run(cmd, env=env, check=True, timeout=BARRIER_TIMEOUT * 2)
+            subprocess.run(cmd, env=env, check=True, timeout=spec.get("barrier_timeout", BARRIER_TIMEOUT) * 2)
             with open(spec["result_path"], "rb") as f:
                 return pickle.load(f)
         if launcher == "spawn":
@@ -302,6 +304,8 @@ def _spawn(world, spec, env):
     for p in procs:
         p.start()
     results = [None] * world
+    # a rank hung inside NCCL never exits: give up after twice the barrier timeout, as mpirun's launch does
+    deadline = time.monotonic() + 2 * spec.get("barrier_timeout", BARRIER_TIMEOUT)
     try:
         for _ in range(world):
             while True:
@@ -312,6 +316,9 @@ def _spawn(world, spec, env):
                     dead = [p for p in procs if p.exitcode not in (None, 0)]
                     if dead:
                         raise RuntimeError(f"rank process exited with {dead[0].exitcode}") from None
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"rank processes still running after "
+                                           f"{2 * spec.get('barrier_timeout', BARRIER_TIMEOUT)} s") from None
             if error:
                 raise RuntimeError(f"rank {rank} failed:\n{error}")
             results[rank] = result
@@ -369,7 +376,7 @@ def run(modes=("threads", "processes"), worlds=(1, 2), allocators=None, batch=32
         registry.require_gpus(max(worlds), "ddp.run")
     cfg, data = train.make_config(config), load_corpus()
     spec = dict(allocators=list(allocators), batch=batch, steps=steps, warmup=warmup, count_steps=count_steps,
-                config=dataclasses.asdict(cfg), progress=progress, trials=trials)
+                config=dataclasses.asdict(cfg), progress=progress, trials=trials, barrier_timeout=BARRIER_TIMEOUT)
     rows, done = (runner.resumed(out, ("world", "mode", "trial", "allocator"), commit=git_commit(), steps=steps,
                                  warmup=warmup, batch=batch, config=train.config_name(config))
                   if resume else ([], set()))

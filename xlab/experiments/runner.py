@@ -17,6 +17,8 @@ import threading
 
 from xlab import allocators as registry
 
+RANK_TIMEOUT = 900.0      # seconds a rank thread may run before run_threads gives up on it (a hang inside NCCL)
+
 
 def interleaved(trials: int, arms):
     """(trial, arm) pairs in the order A B C, A B C, ...: drift between trials hits every arm alike.
@@ -86,7 +88,7 @@ def run_arm(name: str, ranks, steps: int, count_steps: int, devices, count: bool
     return dict(allocator=name, timed=timed, counted=counted, counted_steps=count_steps)
 
 
-def run_threads(world: int, fn, device_ctx=None, timeout: float = 900.0) -> list:
+def run_threads(world: int, fn, device_ctx=None, timeout: float | None = None) -> list:
     """fn(rank) on one thread per rank (inside device_ctx(rank) when given); results in rank order.
 
     Raises:
@@ -97,12 +99,13 @@ def run_threads(world: int, fn, device_ctx=None, timeout: float = 900.0) -> list
         world: threads.
         fn: fn(rank) -> result.
         device_ctx: device_ctx(rank) -> a context entered in the thread (e.g. cupy.cuda.Device), or None.
-        timeout: seconds to wait for each thread.
+        timeout: seconds to wait for each thread (default RANK_TIMEOUT).
 
     Returns:
         [fn(0), ..., fn(world - 1)].
     """
     results, errors = [None] * world, []
+    timeout = RANK_TIMEOUT if timeout is None else timeout
 
     def target(r):
         try:
