@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from xlab import intervals
+from xlab.paths import write_csv
 
 ARMS = ("native", "xpool")
 SIZES = (4096, 1 << 20, 64 << 20)
@@ -42,7 +43,16 @@ COLUMNS = ["case", "arm", "trial", "order", "size_bytes", "value", "unit", "pair
 # --- one arm, in its own process
 
 def time_empty_del(torch, nbytes: int, pairs: int) -> float:
-    """µs per torch.empty + del pair (after a warm-up that leaves the block cached)."""
+    """µs per torch.empty + del pair (after a warm-up that leaves the block cached).
+
+    Args:
+        torch: the torch module (allocating through the arm's allocator).
+        nbytes: the request size.
+        pairs: how many pairs.
+
+    Returns:
+        µs per pair, a float.
+    """
     empty, u8, dev = torch.empty, torch.uint8, torch.device("cuda", 0)
     for _ in range(100):
         a = empty(nbytes, dtype=u8, device=dev)
@@ -57,7 +67,16 @@ def time_empty_del(torch, nbytes: int, pairs: int) -> float:
 
 
 def time_train(torch, steps: int, warmup: int, batch_size: int | None):
-    """(tokens/s, batch size, device mallocs per timed step or None) of the parity model with torch.optim.AdamW."""
+    """(tokens/s, batch size, device mallocs per timed step or None) of the parity model with torch.optim.AdamW.
+
+    Args:
+        torch: the torch module.
+        steps, warmup: timed steps and untimed steps first.
+        batch_size: sequences per step (None: the parity model's default).
+
+    Returns:
+        (tokens per second, batch size, device mallocs per timed step or None).
+    """
     from tapegpt.checks import torch_logits
     from tapegpt.model import GPTConfig, init_params
     import xpool
@@ -91,7 +110,16 @@ def time_train(torch, steps: int, warmup: int, batch_size: int | None):
 
 
 def worker(arm: str, pairs: int, steps: int, warmup: int, batch_size: int | None) -> list[dict]:
-    """Every case for one arm; call in a fresh process."""
+    """Every case for one arm; call in a fresh process.
+
+    Args:
+        arm: "native" (PyTorch's own allocator) or "xpool".
+        pairs: pairs per empty/del window.
+        steps, warmup, batch_size: the training case.
+
+    Returns:
+        A list of row dicts (case, size_bytes, value, unit, ...).
+    """
     import torch
     if arm == "xpool":
         import xpool
@@ -121,7 +149,20 @@ def run(trials: int = 5, pairs: int = 50_000, steps: int = 20, warmup: int = 5, 
         command=None, timeout: float = 120.0):
     """Rows of `trials` interleaved trials, one fresh process per (trial, arm); a DataFrame with provenance.
 
-    `command(arm)` gives the worker's argv (tests replace the GPU worker with a stand-in)."""
+    `command(arm)` gives the worker's argv (tests replace the GPU worker with a stand-in).
+
+    Args:
+        trials: trials per arm, interleaved (who goes first alternates).
+        pairs, steps, warmup, batch_size: passed to the worker.
+        command: command(arm) -> argv of the worker process (default: this module's GPU worker).
+        timeout: seconds one worker may run.
+
+    Returns:
+        A DataFrame with COLUMNS and provenance.
+
+    Raises:
+        RuntimeError: a worker failed, naming its trial and arm.
+    """
     import pandas as pd
 
     from xlab.provenance import provenance
@@ -145,14 +186,30 @@ def run(trials: int = 5, pairs: int = 50_000, steps: int = 20, warmup: int = 5, 
 
 
 def bootstrap_median(values, n_boot: int = 4000, seed: int = 0, level: float = 0.95):
-    """(median, low, high): the median and its percentile-bootstrap interval (xlab.intervals.median_ci)."""
+    """(median, low, high): the median and its percentile-bootstrap interval (xlab.intervals.median_ci).
+
+    Args:
+        values: one number per trial.
+        n_boot, seed, level: resamples, seed and coverage.
+
+    Returns:
+        (median, low, high).
+    """
     m, lo, hi, _ = intervals.median_ci(values, level=level, resamples=n_boot, seed=seed)
     return m, lo, hi
 
 
 def bootstrap_ratio(num, den, n_boot: int = 4000, seed: int = 0, level: float = 0.95):
     """(ratio of medians, low, high) over trials paired by index: trial t of both arms ran back to back
-    (xlab.intervals.ratio_ci)."""
+    (xlab.intervals.ratio_ci).
+
+    Args:
+        num, den: equal-length per-trial values.
+        n_boot, seed, level: resamples, seed and coverage.
+
+    Returns:
+        (ratio, low, high).
+    """
     r, lo, hi, _ = intervals.ratio_ci(num, den, level=level, resamples=n_boot, seed=seed)
     return r, lo, hi
 
@@ -160,7 +217,14 @@ def bootstrap_ratio(num, den, n_boot: int = 4000, seed: int = 0, level: float = 
 def summarize(df):
     """One row per (case, size): each arm's median [95% interval], and xpool's speed relative to native.
 
-    speedup > 1 means xpool is faster: native µs / xpool µs for empty_del, xpool / native tokens/s for training."""
+    speedup > 1 means xpool is faster: native µs / xpool µs for empty_del, xpool / native tokens/s for training.
+
+    Args:
+        df: run()'s rows.
+
+    Returns:
+        A DataFrame: case, size_bytes, unit, trials, each arm's median/low/high, speedup/low/high, verdict.
+    """
     import pandas as pd
     out = []
     for (case, size), g in df.groupby(["case", df["size_bytes"].fillna(0)], sort=False):
@@ -183,7 +247,12 @@ MIX_B, MIX_D, MIX_H = 4096, 1024, 4096   # PyTorch's B*H*4 activations = CuPy's 
 
 
 def mixed_setup(torch, seed=0):
-    """(model, optimizer, first input) of the mixed loop: an MLP trained with AdamW on CUDA device 0."""
+    """(model, optimizer, first input) of the mixed loop: an MLP trained with AdamW on CUDA device 0.
+
+    Args:
+        torch: the torch module.
+        seed: the model's seed.
+    """
     torch.manual_seed(seed)
     dev = torch.device("cuda", 0)
     model = torch.nn.Sequential(torch.nn.Linear(MIX_D, MIX_H), torch.nn.GELU(),
@@ -195,7 +264,12 @@ def mixed_setup(torch, seed=0):
 
 def mixed_step(torch, cupy, model, opt, x):
     """A PyTorch training step, then CuPy on the first layer's weight (shared through DLPack, no copy), whose
-    result feeds PyTorch's next input. Returns (loss, CuPy's sum, next input), all on the device."""
+    result feeds PyTorch's next input. Returns (loss, CuPy's sum, next input), all on the device.
+
+    Args:
+        torch, cupy: the modules.
+        model, opt, x: mixed_setup's result (x: this step's input).
+    """
     loss = ((model(x) - x) ** 2).mean()
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -211,7 +285,16 @@ def mixed_step(torch, cupy, model, opt, x):
 
 
 def mixed_worker(arm: str, steps: int, out_csv: str | None) -> dict:
-    """The mixed loop in this (fresh) process. xpool: its memory by framework to `out_csv`; peaks either way."""
+    """The mixed loop in this (fresh) process. xpool: its memory by framework to `out_csv`; peaks either way.
+
+    Args:
+        arm: "xpool" or "native".
+        steps: loop steps.
+        out_csv: where xpool's memory by framework goes (None: not written).
+
+    Returns:
+        A dict: the arm and its peak reserved bytes (xpool's one pool, or each framework's own).
+    """
     import cupy
     import torch
     pool = None
@@ -234,7 +317,12 @@ def mixed_memory(steps: int = 4, timeout: float = 180.0):
     """Run the mixed loop under xpool and under the two frameworks' own pools, each in a fresh process.
 
     Returns (memory by framework over time under xpool, {"one_pool": xpool's peak reserved, "two_pools":
-    PyTorch's + CuPy's peak reserved}); usable from a notebook kernel that already touched CUDA."""
+    PyTorch's + CuPy's peak reserved}); usable from a notebook kernel that already touched CUDA.
+
+    Args:
+        steps: loop steps.
+        timeout: seconds one worker process may run.
+    """
     import tempfile
 
     import pandas as pd
@@ -257,7 +345,14 @@ def mixed_memory(steps: int = 4, timeout: float = 180.0):
 def in_use_by_origin(tl):
     """An xpool timeline -> bytes in use per framework after each event (columns cupy, torch, python, reserved).
 
-    Starts from zero at the first event kept: record from the start (or from an empty pool) for absolute levels."""
+    Starts from zero at the first event kept: record from the start (or from an empty pool) for absolute levels.
+
+    Args:
+        tl: an xpool timeline DataFrame with an origin column.
+
+    Returns:
+        A DataFrame.
+    """
     import pandas as pd
     sign = tl.event.map({"alloc_hit": 1, "alloc_miss": 1, "free": -1}).fillna(0).to_numpy(dtype=np.int64)
     out = pd.DataFrame({"t_s": tl.t_s.to_numpy(), "reserved": tl.bytes_reserved.to_numpy()})
@@ -268,7 +363,16 @@ def in_use_by_origin(tl):
 
 def plot_mixed_memory(mem, two_pools: int | None = None, title="One pool for CuPy and PyTorch"):
     """Stacked bytes in use by framework, and bytes reserved, over time (from in_use_by_origin); `two_pools`:
-    the sum of the frameworks' own pools' peaks, drawn for comparison."""
+    the sum of the frameworks' own pools' peaks, drawn for comparison.
+
+    Args:
+        mem: in_use_by_origin's frame.
+        two_pools: bytes, or None.
+        title: the figure's title.
+
+    Returns:
+        A matplotlib Figure.
+    """
     from matplotlib.figure import Figure
     fig = Figure(figsize=(10, 4.5), layout="constrained")
     ax = fig.add_subplot()
@@ -285,7 +389,14 @@ def plot_mixed_memory(mem, two_pools: int | None = None, title="One pool for CuP
 
 
 def plot(df):
-    """Left: µs per torch.empty+del pair by size; right: training tokens/s; medians with 95% intervals."""
+    """Left: µs per torch.empty+del pair by size; right: training tokens/s; medians with 95% intervals.
+
+    Args:
+        df: run()'s rows.
+
+    Returns:
+        A matplotlib Figure.
+    """
     from matplotlib.figure import Figure
 
     from xlab.plots import fmt_bytes
@@ -319,6 +430,11 @@ def plot(df):
 
 
 def main(argv=None):
+    """The command line: measure, print the summary, write the CSV (see --help); or, hidden, one worker.
+
+    Args:
+        argv: arguments (default: sys.argv[1:]).
+    """
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--pairs", type=int, default=50_000, help="torch.empty+del pairs timed per size")
@@ -341,8 +457,7 @@ def main(argv=None):
     if out is None:
         from xlab.paths import data_dir
         out = str(data_dir() / "torch_interop.csv")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    df.to_csv(out, index=False)
+    write_csv(df, out)
     import pandas as pd
     with pd.option_context("display.width", 160, "display.max_columns", 20):
         print(summarize(df).round(3).to_string(index=False))
