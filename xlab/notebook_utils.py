@@ -20,10 +20,10 @@ PROVENANCE = plots.PROVENANCE
 
 
 def data_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
-    """The folder of the CSVs: `path` if given (and not ''), else the repository's data/.
+    """The folder of the CSVs (a notebook's `data_dir` parameter).
 
     Args:
-        path: a folder, or None/''.
+        path: a folder; None or '' for the repository's data/.
 
     Returns:
         A Path.
@@ -32,14 +32,7 @@ def data_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
 
 
 def figures_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
-    """The folder figures are saved to: `path` if given (and not ''), else the repository's figures/.
-
-    Args:
-        path: a folder, or None/''.
-
-    Returns:
-        A Path.
-    """
+    """Where figures are saved (a notebook's `figures_dir` parameter): `path`, else the repository's figures/."""
     return pathlib.Path(path) if path else paths.figures_dir()
 
 
@@ -214,6 +207,15 @@ def show(fig, name: str, figures: str | os.PathLike | None = None):
     return Image(filename=str(png))
 
 
+def _selected(df: pd.DataFrame | None, query: dict) -> pd.DataFrame | None:
+    """The rows of df matching every column=value of query; None for no data."""
+    if df is None or not len(df):
+        return None
+    for col, value in query.items():
+        df = df[df[col] == value]
+    return df
+
+
 def pivot(df: pd.DataFrame | None, index, columns: str, values: str, **query):
     """Median of `values` by index x columns, for display, after filtering rows by equality (e.g. threads=1);
     None if no data.
@@ -228,10 +230,9 @@ def pivot(df: pd.DataFrame | None, index, columns: str, values: str, **query):
     Returns:
         A styled table, or None.
     """
-    if df is None or not len(df):
+    df = _selected(df, query)
+    if df is None:
         return None
-    for col, value in query.items():
-        df = df[df[col] == value]
     t = df.pivot_table(index=index, columns=columns, values=values, aggfunc="median", sort=False)
     if columns == "size_bytes":
         t = t[sorted(t.columns)]
@@ -278,10 +279,9 @@ def table(df: pd.DataFrame | None, columns=None, **query):
     Returns:
         A styled table, or None.
     """
-    if df is None or not len(df):
+    df = _selected(df, query)
+    if df is None:
         return None
-    for col, value in query.items():
-        df = df[df[col] == value]
     view = df[[c for c in columns if c in df]] if columns is not None else df
     return view.style.format(_number, subset=list(view.select_dtypes("number").columns)).hide(axis="index")
 

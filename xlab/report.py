@@ -728,18 +728,13 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
                   "| target | measured | verdict |", "|---|---|---|"]
         lines += [f"| {r['target']} | {r['measured']} | "
                   f"{r['verdict'] if r['verdict'] != iv.MISSED else '**missed**'} |" for r in rows]
-    try:
-        why = bounds(data)
-    except (KeyError, ValueError, IndexError, TypeError) as e:
-        why = [f"(could not compute: {type(e).__name__}: {e})"]
-    if why:
-        lines += ["", "### What bounds each step", ""] + why + [""]
-    try:
-        again = replication_lines(data)
-    except (KeyError, ValueError, IndexError, TypeError) as e:
-        again = [f"(could not compare the second run: {type(e).__name__}: {e})"]
-    if again:
-        lines += ["", "### Does a second run agree?", ""] + again + [""]
+    for title, fn in (("What bounds each step", bounds), ("Does a second run agree?", replication_lines)):
+        try:
+            got = fn(data)
+        except (KeyError, ValueError, IndexError, TypeError) as e:     # a malformed CSV costs its section only
+            got = [f"(could not compute: {type(e).__name__}: {e})"]
+        if got:
+            lines += ["", f"### {title}", ""] + got + [""]
     for title, names in SECTIONS:
         lines += ["", f"## {title}", ""]
         for name in names:

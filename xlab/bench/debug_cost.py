@@ -61,20 +61,15 @@ def run(sizes=SIZES, pairs: int = 2000, repeats: int = 5, out: str | None = "dat
     for k, v in prov.items():
         df[k] = v
     print(df[["size_bytes", "debug", "us_per_pair", "ratio_vs_off"]].to_string(index=False))
-    if out:
-        write_csv(df, out)
-        print(f"wrote {out}")
+    write_csv(df, out)
     return df
 
 
 def main(argv=None) -> int:
-    """The command line (--out, --pairs, --repeats).
+    """`python -m xlab.bench.debug_cost [--out CSV] [--pairs N] [--repeats N]`; returns 0.
 
     Args:
-        argv: arguments (default: sys.argv[1:]).
-
-    Returns:
-        0.
+        argv: the arguments after the program name (None: the process's).
     """
     ap = argparse.ArgumentParser(prog="python -m xlab.bench.debug_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="data/debug_cost_host.csv")
