@@ -260,3 +260,15 @@ def test_targets_follow_the_csvs(synthetic_data):
     assert rows[key]["verdict"] == "single run, no interval (the median meets it)"
     text = report.render(synthetic_data, [], {}, synthetic_data)
     assert "## Targets" in text and "| " + key in text
+
+
+def test_the_committed_report_is_what_the_committed_csvs_give():
+    """report/REPORT.md is rebuilt from data/ by `make report`; committed stale, a fresh clone's `make report`
+    would change it. Regenerate with `python -m xlab.report --no-notebooks`."""
+    root = paths.repo_root()
+    figs = {}
+    for name, (csvs, _) in plots.FIGURES.items():
+        have = plots.load_for(name, root / "data") is not None
+        figs[name] = (root / "figures" / f"{name}.png" if have
+                      else f"skipped: {' / '.join(c + '.csv' for c in csvs)} missing")
+    assert report.render(root / "data", [], figs, root / "report") == (root / "report" / "REPORT.md").read_text()
