@@ -411,23 +411,29 @@ class Torch(Allocator):
 class Noop(Allocator):
     """The floor: a Python callable handing out one pre-made block (the cost of CuPy's array path alone).
 
-    Every array aliases the same memory: for timing allocation only, never for computing.
+    Every array aliases the same memory: for timing allocation only, never for computing. The block lives only
+    while installed, so no other arm is ever timed beside it.
     """
 
     name = "noop"
 
     def __init__(self, capacity: int = 96 * MIB):
-        from cupy.cuda import memory
         super().__init__()
         self.capacity = capacity
-        self.block = memory._malloc(capacity)
+        self.block = None
+
+    def install(self, counting: bool = False) -> None:
+        from cupy.cuda import memory
+        self.block = memory._malloc(self.capacity)
+        super().install(counting)
+
+    def uninstall(self) -> None:
+        super().uninstall()
+        self.block = self.cfa = None
 
     def malloc_fn(self):
         block = self.block
         return lambda size: block
-
-    def release(self, devices=()):
-        self.block = None
 
 
 class CNoop(Noop):
@@ -435,6 +441,7 @@ class CNoop(Noop):
     a C allocator that hands out one pre-made block and does nothing on free."""
 
     name = "c_noop"
+    cfa = None
 
     def malloc_fn(self):
         from cupy.cuda.memory import CFunctionAllocator

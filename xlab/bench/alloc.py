@@ -30,6 +30,7 @@ import time
 
 from xlab import allocators as registry
 from xlab.allocators import KIB, MIB, NoGPU
+from xlab.experiments.runner import interleaved
 from xlab.paths import write_csv
 
 SIZES = (4 * KIB, 64 * KIB, MIB, 12 * MIB, 96 * MIB)
@@ -193,8 +194,7 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
                 run = timer(case)
                 run(50)                                     # fill the cache
                 pairs[name, case] = calibrated_pairs(*run(200), target_s)
-    for trial, name in tqdm([(t, a) for t in range(trials) for a in allocators], desc="trials",
-                            disable=not progress):
+    for trial, name in tqdm(interleaved(trials, allocators), desc="trials", disable=not progress):
         with alone(name):
             for case in cases:
                 run = timer(case)
