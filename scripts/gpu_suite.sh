@@ -3,9 +3,9 @@
 #   bash scripts/gpu_suite.sh [stage ...]        (default: every stage, in the order below)
 #
 # stage        what                                                     expected (2x H200)   limit
-# tests        every test marked gpu or multigpu (not test_torch_gpu)   ~2.5 min             200 s
-# bench        allocator microbenchmark, 5 interleaved trials           ~1.5 min             150 s
-# single       one GPU, batch 32 and 4, 4 allocators x 5 trials         ~1.7 min             170 s
+# tests        every test marked gpu or multigpu (not test_torch_gpu)   ~3 min               240 s
+# bench        allocator microbenchmark, 5 interleaved trials           ~1.3 min             140 s
+# single       one GPU, batch 32 and 4, 4 allocators x 5 trials         ~1.5 min             150 s
 # ddp          threads and processes on 1 and 2 GPUs, batch 32, x 5     ~3.5 min             130 s per GPU count
 # correctness  the correctness gate on CuPy, bitwise transparency       ~1 min               150 s
 # debugcost    debug mode's cost per pair on the GPU                    ~0.5 min              60 s
@@ -13,12 +13,12 @@
 # sweep        threads on 1 and 2 GPUs, batch 4..128, 3 allocators x 5  ~5 min               330 s
 # torch        opt-in, not in the default list: PyTorch and CuPy sharing xpool, its GPU tests then the interop
 #              benchmark                                                 ~5 min               440 s
-# (expected times from the H200 step times at 70fd21b: 90 ms per batch-32 step, 48 ms per batch-4 step, raw
-# about 4x; the fused kernels of issue #13 shorten them.)
+# (expected times from the H200 step times at 70fd21b, before the fused kernels: 90 ms per batch-32 step, 48 ms
+# per batch-4 step, raw about 4x; the fused kernels shorten the host-bound ones.)
 #
 # Within a 9-minute limit per command, three commands keep every command under it even if every stage runs to
 # its limit (about 16 minutes expected in all):
-#   bash scripts/gpu_suite.sh tests bench single                    # limits 520 s, ~6 min expected
+#   bash scripts/gpu_suite.sh tests bench single                    # limits 530 s, ~6 min expected
 #   bash scripts/gpu_suite.sh ddp correctness debugcost memory      # limits 530 s, ~5.5 min expected
 #   bash scripts/gpu_suite.sh sweep                                 # limit 330 s, ~5 min expected
 # A stage stopped by its limit keeps what it finished (its CSV is rewritten after every run); finish it later
@@ -67,10 +67,10 @@ TRAIN="--trials $TRIALS --no-progress ${STEPS:+--steps $STEPS} ${WARMUP:+--warmu
 
 for s in $stages; do
     case $s in
-        tests)       stage tests 200 $PY -m pytest -q -p no:warnings -m "gpu or multigpu" tests \
+        tests)       stage tests 240 $PY -m pytest -q -p no:warnings -m "gpu or multigpu" tests \
                          -k "not transparency_gate_raw" --ignore=tests/test_torch_gpu.py ;;
-        bench)       stage bench 150 $PY -m xlab.bench.alloc --trials "$TRIALS" --out "$DATA"/alloc_microbench.csv ;;
-        single)      stage single 170 $PY -m xlab.experiments single $TRAIN --out "$DATA"/single_gpu.csv ;;
+        bench)       stage bench 140 $PY -m xlab.bench.alloc --trials "$TRIALS" --out "$DATA"/alloc_microbench.csv ;;
+        single)      stage single 150 $PY -m xlab.experiments single $TRAIN --out "$DATA"/single_gpu.csv ;;
         correctness) stage correctness 150 $PY -m xlab.correctness --gpu --out "$DATA"/correctness_gpu.csv ;;
         debugcost)   stage debugcost 60 $PY -m xlab.bench.alloc --out "$DATA"/alloc_debug_cost.csv --trials 3 \
                          --allocators cupy_pool xpool_k1 xpool_k1_debug --sizes 4096 1048576 --target-s 0.05 ;;
