@@ -157,7 +157,11 @@ def test_targets_are_judged_on_the_interval(trial_data):
     row = {r["target"]: r for r in report.targets(trial_data)}[key]
     assert row["verdict"] == "met" and row["measured"].startswith("1.92× [")
     host = "host ms per step ≤ 12 at batch 32 (xpool_k1, thread CPU time)"
-    assert host in {r["target"] for r in report.targets(trial_data)}
+    rows = {r["target"]: r for r in report.targets(trial_data)}
+    assert rows[host]["bound"] == "gpu"                                  # what bounds each target's steps
+    assert rows["one GPU, batch 4: GPU busy ≥ 70% (xpool_k1, NVML)"]["bound"] == "host"
+    assert rows["one GPU, batch 32: xpool_k1 ≥ 2.9× raw (tokens/s)"]["bound"] == "xpool_k1 gpu, raw host"
+    assert rows["xpool_k1 µs per pair ≤ 1.05× CuPy MemoryPool's, every size (worst size)"]["bound"] == "host"
 
 
 def test_bounds_and_projection(trial_data, synthetic_data):

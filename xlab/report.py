@@ -371,19 +371,33 @@ SECTIONS = [
 ]
 
 
-def _target(rows, target, med, lo, hi, goal, higher=True, fmt="{:.2f}", unit=""):
+def _target(rows, target, med, lo, hi, goal, higher=True, fmt="{:.2f}", unit="", bound="—"):
     """Append one judged target row (nothing when the value is not measured)."""
     if med is None or not math.isfinite(med):
         return
     rows.append(dict(target=target, measured=_ci(med, lo, hi, fmt, unit),
-                     verdict=iv.judge(med, lo, hi, goal, higher_is_better=higher)))
+                     verdict=iv.judge(med, lo, hi, goal, higher_is_better=higher), bound=bound))
 
 
 def _exact(rows, target, value, ok, fmt="{:.2f}"):
     """A target on an exact quantity (a count, a bitwise check, a deterministic replay): no interval."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return
-    rows.append(dict(target=target, measured=fmt.format(value), verdict=iv.MET if ok else iv.MISSED))
+    rows.append(dict(target=target, measured=fmt.format(value), verdict=iv.MET if ok else iv.MISSED, bound="—"))
+
+
+def _bound_of(df) -> str:
+    """What bounds the steps of these training rows: their own `bound` (the most common), else decided from the
+    medians as train.step_bound does (CSVs measured before rows recorded it); "?" when it cannot be told."""
+    from .experiments.train import step_bound
+    if df is None or not len(df):
+        return "?"
+    if "bound" in df and df["bound"].notna().any():
+        return str(df["bound"].dropna().mode().iloc[0])
+
+    def med(col):
+        return float(df[col].median()) if col in df else math.nan
+    return step_bound(med("gpu_util_mean"), med("host_ms_per_step"), med("ms_per_step")) or "?"
 
 
 def _paired_row(df, value, arm, reference, **where):
@@ -398,12 +412,13 @@ def _paired_row(df, value, arm, reference, **where):
 def targets(data: pathlib.Path) -> list[dict]:
     """The issues' targets against the measurements, judged on 95% intervals over trials.
 
-    Returns:
-        One dict per target with target, measured ("median [lo, hi]" or "value (single run)") and verdict
-        (met, missed, within noise, or single run with the median's side).
-
     Args:
         data: the CSV folder.
+
+    Returns:
+        One dict per target with target, measured ("median [lo, hi]" or "value (single run)"), verdict (met,
+        missed, within noise, or single run with the median's side) and bound (what bounds the measured steps:
+        host or gpu; host for the microbenchmark, whose pairs are host work; — for exact quantities).
     """
     rows = []
     bench = _read(data, "alloc_microbench")
@@ -417,32 +432,36 @@ def targets(data: pathlib.Path) -> list[dict]:
                     worst = r
             if worst:
                 _target(rows, f"{xp} µs per pair ≤ 1.05× CuPy MemoryPool's, every size (worst size)", *worst, 1.05,
-                        higher=False, unit="×")
+                        higher=False, unit="×", bound="host")
             thr = bench[(bench["allocator"] == xp) & (bench["sweep"] == "threads")] if "sweep" in bench else None
             if thr is not None and {1, 8} <= set(thr["threads"]):
                 r = iv.paired(thr.assign(arm=thr["threads"].astype(str)), "kpairs_per_s", "arm", "1")
                 r = r[r["arm"] == "8"]
                 if len(r):
                     _target(rows, f"{xp}: 8 threads ≥ 1 thread in pairs/s (ratio)", r["ratio"].iloc[0],
-                            r["ratio_lo"].iloc[0], r["ratio_hi"].iloc[0], 1.0, unit="×")
+                            r["ratio_lo"].iloc[0], r["ratio_hi"].iloc[0], 1.0, unit="×", bound="host")
     single = _read(data, "single_gpu")
     if single is not None:
+        def where(a, b):
+            return single[(single["allocator"] == a) & (single["batch"] == b)]
         for xp in _xpools(single["allocator"].unique()):
             _target(rows, f"one GPU, batch 32: {xp} ≥ 2.9× raw (tokens/s)",
-                    *_paired_row(single, "tokens_per_s", xp, "raw", batch=32), 2.9, unit="×")
+                    *_paired_row(single, "tokens_per_s", xp, "raw", batch=32), 2.9, unit="×",
+                    bound=f"{xp} {_bound_of(where(xp, 32))}, raw {_bound_of(where('raw', 32))}")
             for b in (32, 4):
                 _target(rows, f"one GPU, batch {b}: {xp} ≥ 1.00× CuPy MemoryPool (tokens/s)",
-                        *_paired_row(single, "tokens_per_s", xp, "cupy_pool", batch=b), 1.0, unit="×")
+                        *_paired_row(single, "tokens_per_s", xp, "cupy_pool", batch=b), 1.0, unit="×",
+                        bound=_bound_of(where(xp, b)))
         xp = _xpool(single["allocator"].unique())
-        mine = single[single["allocator"] == xp]
-        b32, b4 = mine[mine["batch"] == 32], mine[mine["batch"] == 4]
+        b32, b4 = where(xp, 32), where(xp, 4)
         _target(rows, f"one GPU, batch 32: {xp} ≥ 91.2k tokens/s (flat-buffer AdamW, H200)",
-                *_med(b32["tokens_per_s"] / 1e3), 91.2, fmt="{:.1f}", unit="k")
-        if "host_ms_per_step" in mine:
+                *_med(b32["tokens_per_s"] / 1e3), 91.2, fmt="{:.1f}", unit="k", bound=_bound_of(b32))
+        if "host_ms_per_step" in b32:
             _target(rows, f"host ms per step ≤ 12 at batch 32 ({xp}, thread CPU time)",
-                    *_med(b32["host_ms_per_step"]), 12.0, higher=False, fmt="{:.1f}", unit=" ms")
+                    *_med(b32["host_ms_per_step"]), 12.0, higher=False, fmt="{:.1f}", unit=" ms",
+                    bound=_bound_of(b32))
         _target(rows, f"one GPU, batch 4: GPU busy ≥ 70% ({xp}, NVML)", *_med(b4["gpu_util_mean"]), 70.0,
-                fmt="{:.0f}", unit="%")
+                fmt="{:.0f}", unit="%", bound=_bound_of(b4))
         pools = single[single["allocator"].str.startswith("xpool")]["device_mallocs_per_step"].dropna()
         _exact(rows, "device mallocs per step after warm-up, every xpool run (max)", pools.max() if len(pools) else None,
                len(pools) and pools.max() == 0, "{:.0f}")
@@ -454,10 +473,12 @@ def targets(data: pathlib.Path) -> list[dict]:
             unit = "thread" if mode == "threads" else "process"
             for xp in _xpools(sub["allocator"].unique()):
                 _target(rows, f"2 GPUs, one {unit} per GPU, batch 32: {xp} ≥ {goal}×",
-                        *_med(sub[sub["allocator"] == xp]["speedup"]), goal, unit="×")
+                        *_med(sub[sub["allocator"] == xp]["speedup"]), goal, unit="×",
+                        bound=_bound_of(sub[sub["allocator"] == xp]))
             if mode == "threads" and "raw" in set(sub["allocator"]):
                 _target(rows, "2 GPUs, one thread per GPU, batch 32: raw ≤ 1.3× (the cliff stays visible)",
-                        *_med(sub[sub["allocator"] == "raw"]["speedup"]), 1.3, higher=False, unit="×")
+                        *_med(sub[sub["allocator"] == "raw"]["speedup"]), 1.3, higher=False, unit="×",
+                        bound=_bound_of(sub[sub["allocator"] == "raw"]))
         if "loss_rel_diff_max" in ddp:
             v = ddp["loss_rel_diff_max"].max()
             _exact(rows, "DDP loss vs one GPU on the same global batch ≤ 1e-6 (max relative difference)", v,
@@ -726,9 +747,10 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
                   f"noise, {single} from a single run. Measured: the median over trials [95% bootstrap interval]; "
                   f"ratios over paired trials. A target is met when the whole interval is on its side, missed when "
                   f"the whole interval is not, and within noise when the interval straddles it.", "",
-                  "| target | measured | verdict |", "|---|---|---|"]
+                  "Bound: what bounds the measured steps (host: the GPU waited for Python; gpu: it did not).", "",
+                  "| target | measured | verdict | bound |", "|---|---|---|---|"]
         lines += [f"| {r['target']} | {r['measured']} | "
-                  f"{r['verdict'] if r['verdict'] != iv.MISSED else '**missed**'} |" for r in rows]
+                  f"{r['verdict'] if r['verdict'] != iv.MISSED else '**missed**'} | {r['bound']} |" for r in rows]
     for title, fn in (("What bounds each step", bounds), ("Does a second run agree?", replication_lines)):
         try:
             got = fn(data)
