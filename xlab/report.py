@@ -367,7 +367,7 @@ SECTIONS = [
     ("Allocator microbenchmark", ["alloc_cost", "alloc_threads"]),
     ("One GPU", ["single_gpu"]),
     ("Several GPUs", ["ddp_scaling", "ddp_before_after", "batch_sweep"]),
-    ("Memory", ["memory_waste", "memory_timeline"]),
+    ("Memory", ["memory_waste", "memory_timeline", "memory_schemes"]),
 ]
 
 
