@@ -76,7 +76,7 @@ def test_a_failed_cuda_free_keeps_the_block():
             super().free(device, ptr, nbytes)
 
     backend = FlakyFree()
-    pool = xpool.MemoryPool(backend=backend)
+    pool = xpool.MemoryPool(backend=backend, scheme="seed")   # one device allocation per block
     with xpool.use(pool):
         arrays = [cp.empty(MiB, dtype=cp.uint8) for _ in range(8)]
     del arrays

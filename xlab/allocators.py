@@ -398,6 +398,7 @@ class Torch(Allocator):
         return self._stat(device, "requested_bytes.all.peak")
 
     def install(self, counting=False):
+        self.torch.cuda.init()      # PyTorch's allocator knows no device before CUDA is initialised
         for d in range(self.torch.cuda.device_count()):
             self.torch.cuda.reset_peak_memory_stats(d)
         super().install(counting)
