@@ -78,9 +78,11 @@ for s in $stages; do
         sweep)       stage sweep 330 $PY -m xlab.experiments sweep --trials "$TRIALS" --no-progress \
                          ${RESUME:+--resume} --out "$DATA"/batch_sweep.csv ;;
         memory)      stage memory 60 $PY -m xlab.memory_study --out "$DATA" ;;
+        torch-tests) stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/test_torch_gpu.py ;;
+        torch-bench) stage torch-bench 200 $PY -m xlab.bench.torch_interop --out "$DATA"/torch_interop.csv ;;
         torch)       stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/test_torch_gpu.py
                      stage torch-bench 200 $PY -m xlab.bench.torch_interop --out "$DATA"/torch_interop.csv ;;
-        *) echo "unknown stage $s (stages: tests bench single correctness debugcost ddp sweep memory torch)" | tee -a "$LOG"
+        *) echo "unknown stage $s (stages: tests bench single correctness debugcost ddp sweep memory torch torch-tests torch-bench)" | tee -a "$LOG"
            status=1 ;;
     esac
 done
