@@ -21,3 +21,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "multigpu" in item.keywords and N_GPUS < 2:
             item.add_marker(skip_multi)
+
+
+@pytest.fixture
+def pool():
+    """A fresh xpool.MemoryPool installed as CuPy's allocator for one GPU test; its cache is emptied after."""
+    cp = pytest.importorskip("cupy")
+    import xpool
+    prev = cp.cuda.get_allocator()
+    p = xpool.MemoryPool()
+    cp.cuda.set_allocator(p.malloc)
+    yield p
+    cp.cuda.set_allocator(prev)
+    p.empty_cache()

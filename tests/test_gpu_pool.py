@@ -10,16 +10,6 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 
-@pytest.fixture
-def pool():
-    prev = cp.cuda.get_allocator()
-    p = xpool.MemoryPool()
-    cp.cuda.set_allocator(p.malloc)
-    yield p
-    cp.cuda.set_allocator(prev)
-    p.empty_cache()
-
-
 def workload(seed=0):
     """A handful of CuPy computations whose bits we compare across allocators."""
     rng = np.random.default_rng(seed)

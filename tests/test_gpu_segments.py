@@ -9,16 +9,6 @@ cp = pytest.importorskip("cupy")
 MiB = 1 << 20
 
 
-@pytest.fixture
-def pool():
-    prev = cp.cuda.get_allocator()
-    p = xpool.MemoryPool()
-    cp.cuda.set_allocator(p.malloc)
-    yield p
-    cp.cuda.set_allocator(prev)
-    p.empty_cache()
-
-
 def test_training_is_bit_identical_under_both_schemes_and_debug_mode():
     from xlab import correctness
     df = correctness.transparency_gate(steps=20, allocators=("raw", "xpool", "xpool_seed", "xpool_debug"))
