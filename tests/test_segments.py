@@ -82,7 +82,7 @@ def test_empty_cache_gives_back_whole_free_segments_only():
     assert pool.trim(0) == SEGMENT and backend.used(0) == 0
 
 
-def test_a_miss_gives_the_streams_whole_free_segments_back_first():
+def test_a_miss_above_the_high_water_mark_gives_the_streams_whole_free_segments_back_first():
     pool, backend = make()
     small = pool.allocate(3 * MiB)
     other = pool.allocate(3 * MiB, stream=7)
@@ -94,8 +94,68 @@ def test_a_miss_gives_the_streams_whole_free_segments_back_first():
     assert big.size == 6 * MiB
 
 
+def test_a_miss_below_the_high_water_mark_gives_nothing_back():
+    pool, backend = make()
+    a, b = pool.allocate(8 * MiB), pool.allocate(3 * MiB)    # the mark: 11 MiB
+    del a
+    pool.empty_cache()                     # 3 MiB reserved
+    del b                                  # a whole free 3 MiB segment, too small for ...
+    c = pool.allocate(4 * MiB)             # ... this miss: 3 + 4 MiB stay below the mark, it is kept
+    s = pool.stats().iloc[0]
+    assert (s.device_mallocs, s.device_frees, s.bytes_reserved) == (3, 1, 7 * MiB) and c.size == 4 * MiB
+    assert backend.used(0) == 7 * MiB
+
+
+def test_a_miss_gives_back_only_what_keeps_it_at_the_mark_best_fitting_first():
+    pool, backend = make()
+    other = pool.allocate(6 * MiB, stream=1)
+    a, b = pool.allocate(3 * MiB), pool.allocate(5 * MiB)   # the mark: 14 MiB
+    del other
+    pool.empty_cache()                     # 8 MiB reserved
+    del a, b
+    c = pool.allocate(7 * MiB)             # 8 + 7 MiB: 1 MiB above the mark; the 3 MiB segment covers it
+    assert sorted(segments(backend).values()) == [5 * MiB, 7 * MiB] and c.size == 7 * MiB
+    d = pool.allocate(9 * MiB)             # 12 + 9 MiB: 7 MiB above 14; only 5 MiB is whole and free
+    assert sorted(segments(backend).values()) == [7 * MiB, 9 * MiB] and d.size == 9 * MiB
+    e, f = pool.allocate(2 * MiB), pool.allocate(2 * MiB)       # a mark of 20 MiB
+    del c, d, e, f                         # whole and free: 7, 9 and 2 x 2 MiB
+    g = pool.allocate(10 * MiB)            # 20 + 10 MiB: 10 MiB above; the largest first: 9, then 7
+    assert sorted(segments(backend).values()) == [2 * MiB, 2 * MiB, 10 * MiB] and g.size == 10 * MiB
+
+
+def test_misses_stop_giving_back_past_twice_the_high_water_mark_until_empty_cache():
+    pool, backend = make()
+    for n in range(2, 12):                 # each miss above the mark: the last segment goes back ...
+        a = pool.allocate(n * MiB)
+        del a
+    s = pool.stats().iloc[0]
+    # ... until 2 + 3 + 4 + 5 = 14 MiB given back pass 2 x 6 MiB: from then on misses only add
+    assert s.device_frees == 4 and backend.used(0) == sum(range(6, 12)) * MiB
+    pool.empty_cache()                     # and misses may give back again
+    for n in (60, 61):                     # 61 + 60 MiB pass the mark, 60 MiB
+        a = pool.allocate(n * MiB)
+        del a
+    assert pool.stats().iloc[0].device_frees == 4 + 6 + 1 and backend.used(0) == 61 * MiB
+
+
+def test_release_on_miss_all_gives_back_every_whole_free_segment():
+    pool, backend = make(_segments=dict(release_on_miss=2))
+    a, b = pool.allocate(8 * MiB), pool.allocate(3 * MiB)
+    del a
+    pool.empty_cache()
+    del b
+    pool.allocate(4 * MiB)                 # below the mark, yet b's segment goes back
+    assert pool.stats().iloc[0].device_frees == 2 and backend.used(0) == 4 * MiB
+
+
+@pytest.mark.parametrize("bad", [-1, 3])
+def test_release_on_miss_is_checked(bad):
+    with pytest.raises(ValueError, match="release_on_miss"):
+        make(_segments=dict(release_on_miss=bad))
+
+
 def test_release_on_miss_can_be_turned_off():
-    pool, backend = make(_segments=dict(release_on_miss=False))
+    pool, backend = make(_segments=dict(release_on_miss=0))
     a = pool.allocate(3 * MiB)
     del a
     pool.allocate(6 * MiB)

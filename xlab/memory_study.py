@@ -279,18 +279,22 @@ def waste_table(measured: pd.DataFrame | None = None, replayed: pd.DataFrame | N
 # name -> (file under data/, what was recorded)
 TRACES = {
     "gpt_b32_gpu": ("memory_timeline.csv", "GPT training, batch 32, CuPy on a GPU (setup + 2 steps)"),
-    "gpt_b4_numpy": ("memory_trace_numpy_b4.csv.gz", "GPT training, batch 4, NumPy (setup + 8 steps)"),
+    "gpt_b4_numpy": ("memory_trace_numpy_b4.csv.gz", "GPT training, batch 4, NumPy (setup + 10 steps)"),
+    "gpt_b32_numpy": ("memory_trace_numpy_b32.csv.gz", "GPT training, batch 32, NumPy (setup + 10 steps)"),
     "gpt_varlen_numpy": ("memory_trace_numpy_varlen.csv.gz",
                          "GPT training, batch 8, sequence length varying per step, NumPy (setup + 12 steps)"),
 }
 NUMPY_TRACES = {   # name -> record_numpy_timeline arguments
-    "gpt_b4_numpy": dict(batch=4, block_sizes=(256,) * 8),
+    "gpt_b4_numpy": dict(batch=4, block_sizes=(256,) * 10),
+    "gpt_b32_numpy": dict(batch=32, block_sizes=(256,) * 10),
     "gpt_varlen_numpy": dict(batch=8, block_sizes=(256, 64, 192, 128, 224, 96, 160, 32, 256, 128, 200, 80)),
 }
-# the replayed allocators: xpool's schemes, xpool without giving segments back on a miss, CuPy's pool
-SCHEME_ALLOCATORS = ("xpool", "xpool_norelease", "xpool_seed", "cupy_pool_model")
+# the replayed allocators: xpool's schemes, xpool giving segments back on a miss never or always (the default:
+# above the high-water mark only), CuPy's pool
+SCHEME_ALLOCATORS = ("xpool", "xpool_norelease", "xpool_release_all", "xpool_seed", "cupy_pool_model")
 SCHEME_COLUMNS = ["trace", "allocator", "source", "requests", "peak_bytes_requested", "peak_bytes_reserved",
-                  "reserved_over_requested", "device_mallocs", "device_mallocs_last_step", "unmatched_frees",
+                  "reserved_over_requested", "device_mallocs", "device_mallocs_last_step", "device_mallocs_warm",
+                  "device_frees_warm", "unmatched_frees",
                   "ns_per_pair", "ns_per_pair_min", "ns_per_pair_max", "floor_ns_per_pair", "timed_pairs",
                   "repeats", "timed_device_mallocs", "trace_recorded_on", "trace_commit", "trace_date", "trace_batch"]
 
@@ -300,7 +304,8 @@ def replay_pool(allocator: str):
     if allocator == "cupy_pool_model":
         return CupyPoolModel()
     kw = {"xpool": dict(scheme="xpool"),
-          "xpool_norelease": dict(scheme="xpool", _segments=dict(release_on_miss=False)),
+          "xpool_norelease": dict(scheme="xpool", _segments=dict(release_on_miss=0)),
+          "xpool_release_all": dict(scheme="xpool", _segments=dict(release_on_miss=2)),
           "xpool_seed": dict(scheme="seed", classes_per_doubling=1)}
     if allocator not in kw:
         raise ValueError(f"allocator must be one of {SCHEME_ALLOCATORS}, got {allocator!r}")
@@ -359,16 +364,48 @@ def _counters(pool) -> dict:
                                           "peak_bytes_reserved")}
 
 
+WARMUP_STEPS = 5   # the experiments' warm-up: from this step on, a warm pool makes no device malloc or free
+
+
+def _device_calls(pool) -> tuple:
+    if isinstance(pool, CupyPoolModel):
+        return sum(pool.device_mallocs.values()), 0      # the model never frees
+    st = pool.stats()
+    return int(st["device_mallocs"].sum()), int(st["device_frees"].sum())
+
+
+def replay_steps(timeline: pd.DataFrame, allocator: str) -> pd.DataFrame:
+    """Device mallocs and frees per recorded step (-1: setup) of `timeline` replayed through `allocator`."""
+    pool = replay_pool(allocator)
+    rows, last = [], [0, 0]
+
+    def on_step(step):
+        m, f = _device_calls(pool)
+        if step is not None:
+            rows.append((step, m - last[0], f - last[1]))
+        last[:] = [m, f]
+    live, _ = _drive(pool, _replay_events(timeline), on_step)
+    live.clear()
+    return pd.DataFrame(rows, columns=["step", "device_mallocs", "device_frees"])
+
+
 def replay_allocator(timeline: pd.DataFrame, allocator: str) -> dict:
     """Replays `timeline` through a fresh `allocator` (one of SCHEME_ALLOCATORS): its peaks, device mallocs
-    (in all and in the last recorded step, which should be 0 once warm), and unmatched frees."""
+    (in all, in the last recorded step, and in the steps from WARMUP_STEPS on, which should make none:
+    NaN when the trace has no such step), device frees from WARMUP_STEPS on, and unmatched frees."""
     pool = replay_pool(allocator)
     ev = _replay_events(timeline)
-    mallocs = {}
-    live, unmatched = _drive(pool, ev, lambda step: mallocs.__setitem__(step, _counters(pool)["device_mallocs"]))
+    calls = {}
+    live, unmatched = _drive(pool, ev, lambda step: calls.__setitem__(step, _device_calls(pool)))
     out = _counters(pool)
-    steps = [s for s in mallocs if s is not None]
-    out["device_mallocs_last_step"] = mallocs[steps[-1]] - (mallocs[steps[-2]] if len(steps) > 1 else 0)
+    steps = [s for s in calls if s is not None]
+    out["device_mallocs_last_step"] = calls[steps[-1]][0] - (calls[steps[-2]][0] if len(steps) > 1 else 0)
+    before = [s for s in steps if s < WARMUP_STEPS]
+    if steps[-1] >= WARMUP_STEPS and before:
+        out["device_mallocs_warm"] = calls[steps[-1]][0] - calls[before[-1]][0]
+        out["device_frees_warm"] = calls[steps[-1]][1] - calls[before[-1]][1]
+    else:
+        out["device_mallocs_warm"] = out["device_frees_warm"] = float("nan")
     out["unmatched_frees"] = unmatched
     out["reserved_over_requested"] = out["peak_bytes_reserved"] / max(out["peak_bytes_requested"], 1)
     live.clear()
@@ -752,7 +789,7 @@ def main(argv=None):
         if a.schemes:
             df = schemes(a.out_dir)
             cols = ["trace", "allocator", "reserved_over_requested", "device_mallocs", "device_mallocs_last_step",
-                    "ns_per_pair"]
+                    "device_mallocs_warm", "device_frees_warm", "ns_per_pair"]
             print(df[cols].to_string(index=False))
         return
     ks = tuple(int(k) for k in a.ks.split(","))

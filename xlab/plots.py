@@ -34,6 +34,8 @@ ALLOCATORS = {
     "xpool": dict(label="xpool (segments: best fit, split, merge)", color="#d62728", marker="D", ls="-", lw=2.6),
     "xpool_norelease": dict(label="xpool, segments never given back on a miss", color="#e377c2", marker="P",
                             ls=":", lw=1.8),
+    "xpool_release_all": dict(label="xpool, every whole free segment given back on a miss", color="#ff9896",
+                              marker="X", ls="--", lw=1.8),
     "xpool_seed": dict(label="xpool_seed (the design's classes: powers of two)", color="#8c564b", marker="h",
                        ls="-.", lw=2.0),
     "cupy_pool_model": dict(label="CuPy MemoryPool (model, replayed)", color="#1f77b4", marker="o", ls="--", lw=1.6),

@@ -241,3 +241,44 @@ void seg_destroy(FreeTree *t)
     t->n_spare = 0;
 }
 
+
+typedef struct {
+    intptr_t stream;
+    Block **out;
+    size_t n, cap;
+} WholeList;
+
+static int list_whole(Block *b, void *arg)
+{
+    WholeList *s = arg;
+    if (s->n >= s->cap) return 1;
+    if (b->prev_addr || b->next_addr || b->stream != s->stream) return 0;
+    s->out[s->n++] = b;                  /* the walk is in (stream, size) order: ascending sizes */
+    return 0;
+}
+
+void seg_take_whole_need(FreeTree *t, intptr_t stream, uint64_t need, Block **out, size_t *n, size_t cap,
+                         SegDelta *d)
+{
+    WholeList s = {stream, out, *n, cap};
+    seg_each_free(t, list_whole, &s);
+    size_t first = *n, m = s.n - first, k = 0;
+    Block **c = out + first;
+    /* the smallest one that covers `need` alone; else the largest first until they do */
+    size_t i;
+    for (i = 0; i < m && c[i]->size < need; i++) ;
+    if (i < m) {
+        c[0] = c[i]; k = 1;
+    } else {                             /* the largest: the tail c[j..m) */
+        uint64_t got = 0;
+        size_t j = m;
+        while (j > 0 && got < need) got += c[--j]->size;
+        k = m - j;
+        memmove(c, c + j, k * sizeof(Block *));
+    }
+    for (i = 0; i < k; i++) {
+        unfile(t, c[i]);
+        d->free_ranges -= 1; d->free_bytes -= (int64_t)c[i]->size;
+    }
+    *n = first + k;
+}

@@ -77,6 +77,10 @@ Block *seg_put(FreeTree *t, Block *b, SegDelta *d);
 
 /* Takes whole free segments (of `stream` only, unless all_streams) out of the tree, appending them to
  * out[*n] (room for `cap`), until the free bytes `*cached` drop to `keep` or none is left. */
+/* Whole free segments of `stream`, unfiled into out[*n..]: the smallest one of at least `need` bytes, or
+ * else the largest first until `need` bytes are covered (or none are left). */
+void seg_take_whole_need(FreeTree *t, intptr_t stream, uint64_t need, Block **out, size_t *n, size_t cap,
+                         SegDelta *d);
 void seg_take_whole(FreeTree *t, int all_streams, intptr_t stream, uint64_t keep, uint64_t *cached,
                     Block **out, size_t *n, size_t cap, SegDelta *d);
 
