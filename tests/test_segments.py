@@ -123,19 +123,19 @@ def test_a_miss_gives_back_only_what_keeps_it_at_the_mark_best_fitting_first():
     assert sorted(segments(backend).values()) == [2 * MiB, 2 * MiB, 10 * MiB] and g.size == 10 * MiB
 
 
-def test_misses_stop_giving_back_past_twice_the_high_water_mark_until_empty_cache():
+def test_misses_stop_giving_back_past_the_high_water_mark_in_bytes_until_empty_cache():
     pool, backend = make()
     for n in range(2, 12):                 # each miss above the mark: the last segment goes back ...
         a = pool.allocate(n * MiB)
         del a
     s = pool.stats().iloc[0]
-    # ... until 2 + 3 + 4 + 5 = 14 MiB given back pass 2 x 6 MiB: from then on misses only add
-    assert s.device_frees == 4 and backend.used(0) == sum(range(6, 12)) * MiB
+    # ... until 2 + 3 = 5 MiB given back pass the mark, 4 MiB: from then on misses only add
+    assert s.device_frees == 2 and backend.used(0) == sum(range(4, 12)) * MiB
     pool.empty_cache()                     # and misses may give back again
     for n in (60, 61):                     # 61 + 60 MiB pass the mark, 60 MiB
         a = pool.allocate(n * MiB)
         del a
-    assert pool.stats().iloc[0].device_frees == 4 + 6 + 1 and backend.used(0) == 61 * MiB
+    assert pool.stats().iloc[0].device_frees == 2 + 8 + 1 and backend.used(0) == 61 * MiB
 
 
 def test_release_on_miss_all_gives_back_every_whole_free_segment():

@@ -278,7 +278,8 @@ def waste_table(measured: pd.DataFrame | None = None, replayed: pd.DataFrame | N
 
 # name -> (file under data/, what was recorded)
 TRACES = {
-    "gpt_b32_gpu": ("memory_timeline.csv", "GPT training, batch 32, CuPy on a GPU (setup + 2 steps)"),
+    "gpt_b32_gpu": ("memory_timeline.csv", "GPT training, batch 32, CuPy on a GPU (setup + 2 steps; before the "
+                    "fused model)"),
     "gpt_b4_numpy": ("memory_trace_numpy_b4.csv.gz", "GPT training, batch 4, NumPy (setup + 10 steps)"),
     "gpt_b32_numpy": ("memory_trace_numpy_b32.csv.gz", "GPT training, batch 32, NumPy (setup + 10 steps)"),
     "gpt_varlen_numpy": ("memory_trace_numpy_varlen.csv.gz",

@@ -377,7 +377,8 @@ typedef intptr_t (*stream_fn_t)(void);
 
 /* release_on_miss: what a miss of scheme xpool gives back first (release_for_miss) */
 enum { XP_RELEASE_OFF, XP_RELEASE_HIGH_WATER, XP_RELEASE_ALL, XP_RELEASE_MAX = XP_RELEASE_ALL };
-#define XP_MISS_BUDGET 2    /* the bytes misses may give back, in high-water marks (release_for_miss) */
+#define XP_MISS_BUDGET 1    /* bytes misses may give back, in high-water marks, until empty_cache
+                               (release_for_miss) */
 
 typedef struct {
     PyObject_HEAD
