@@ -28,15 +28,18 @@ def test_training_makes_no_device_mallocs_once_warm(pool, batch, foreach):
         loss, grads = model.loss_and_grads(x, y)
         opt.step(grads)
 
-    for i in range(5):                     # the experiments' warm-up
+    per_step = []                          # (device mallocs, device frees) of each step, for the message
+    for i in range(10):                    # 5 warm-up steps, as the experiments run, then 5 warm ones
+        if i == 5:
+            before = pool.snapshot()
+        last = pool.snapshot()
         step(i)
-    cp.cuda.Device().synchronize()
-    before = pool.snapshot()
-    for i in range(5, 10):
-        step(i)
-    cp.cuda.Device().synchronize()
+        cp.cuda.Device().synchronize()
+        d = pool.snapshot() - last
+        per_step.append((int(d.device_mallocs), int(d.device_frees)))
     delta = pool.snapshot() - before
-    assert delta.requests > 100 and delta.device_mallocs == 0 and delta.device_frees == 0
+    assert delta.requests > 100, per_step
+    assert delta.device_mallocs == 0 and delta.device_frees == 0, f"device (mallocs, frees) per step: {per_step}"
     s = pool.stats(0).iloc[0]
     assert s.bytes_reserved == s.bytes_in_use + s.bytes_cached
 
