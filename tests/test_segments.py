@@ -403,3 +403,20 @@ def test_pytorchs_gil_free_path_cuts_and_merges_ranges_too():
     assert torch_malloc(SEGMENT, 0, 5) == a and backend.mallocs == 1    # the whole segment, best fit
     torch_free(a, SEGMENT, 0, 5)
     assert pool.empty_cache() == SEGMENT and backend.used(0) == 0
+
+
+def test_a_miss_whose_give_back_fails_raises_and_keeps_the_segment_cached():
+    from faults import FaultyBackend, InjectedFault
+    backend = FaultyBackend()
+    pool = Pool(backend)
+    a = pool.allocate(3 * MiB)
+    del a                                  # whole and free; the mark: 3 MiB
+    backend.fail_frees = 1
+    with pytest.raises(InjectedFault):
+        pool.allocate(4 * MiB)             # 3 + 4 MiB pass the mark: the 3 MiB segment should go back
+    s = pool.stats().iloc[0]
+    assert (s.bytes_reserved, s.bytes_cached, s.bytes_in_use, s.device_frees) == (3 * MiB, 3 * MiB, 0, 0)
+    assert backend.used(0) == 3 * MiB
+    b = pool.allocate(4 * MiB)             # tried again: now it goes back
+    s = pool.stats().iloc[0]
+    assert (s.device_frees, s.bytes_reserved) == (1, 4 * MiB) and backend.used(0) == 4 * MiB and b.size

@@ -653,9 +653,10 @@ static long long release_segments(Allocator *A, DevicePool *pool, intptr_t strea
  * committed bytes above their high-water mark, and then only enough to stay at it: the smallest whole
  * free segment that covers the excess, else the largest first.  Below the mark a miss just adds a
  * segment, so the cache fills up to what a step needs and the misses stop; giving everything back on
- * every miss (XP_RELEASE_ALL) kept re-missing segments it had just freed (memory_study.py: device
- * mallocs per step at batch 4 ran 120, 57, 22, 3 before settling; with the mark: 120, 7, 5, 1, 0, and
- * less waste, 1.26 against 1.34 peak reserved/requested).  As a backstop for a program whose requests
+ * every miss (XP_RELEASE_ALL) kept re-missing segments it had just freed (memory_study.py, the unfused
+ * GPT's batch-4 trace: device mallocs per step ran 120, 57, 22, 3 before settling; with the mark: 120,
+ * 7, 5, 1, 0, and less waste, 1.26 against 1.34 peak reserved/requested; on the H200, 2 device mallocs
+ * per step after 5 warm-up steps at batch 32).  As a backstop for a program whose requests
  * never settle: once misses have given back more than XP_MISS_BUDGET times the mark, they give back
  * nothing until the next empty_cache(), as with release_on_miss=0, which never frees. */
 static int release_for_miss(Allocator *A, DevicePool *pool, intptr_t stream, size_t size)
@@ -675,17 +676,19 @@ static int release_for_miss(Allocator *A, DevicePool *pool, intptr_t stream, siz
     SegDelta d = {0, 0};
     seg_take_whole_need(&pool->segs, stream, after - mark, blocks, &n, cap, &d);
     apply_delta(&pool->st, d);
-    for (size_t i = 0; i < n; i++) {
-        pool->st.bytes_releasing += blocks[i]->size;
-        pool->miss_released += blocks[i]->size;
-    }
+    for (size_t i = 0; i < n; i++) pool->st.bytes_releasing += blocks[i]->size;
     pthread_mutex_unlock(&pool->lock);
     PyObject *first = NULL;
+    uint64_t released = 0;
     for (size_t i = 0; i < n; i++) {
-        if (give_back(A, pool, blocks[i]) == 0) continue;
+        size_t bytes = blocks[i]->size;
+        if (give_back(A, pool, blocks[i]) == 0) { released += bytes; continue; }
         if (!first) first = PyErr_GetRaisedException(); else PyErr_Clear();   /* it is cached again */
     }
     free(blocks);
+    pthread_mutex_lock(&pool->lock);
+    pool->miss_released += released;   /* what the device got back: a failed free spends no budget */
+    pthread_mutex_unlock(&pool->lock);
     if (first) { PyErr_SetRaisedException(first); return -1; }
     return 0;
 }
@@ -907,7 +910,8 @@ static Block *alloc_block(Allocator *A, int device, intptr_t stream, size_t requ
      * reserve.  Without it, memory freed as many segments (activations) cannot serve a larger
      * request (the optimizer's flat buffers) and reserved grows by both (memory_study.py: 1.24 ->
      * 1.02 peak reserved/requested with varying sequence lengths).  Costs backend frees (cudaFree
-     * synchronises) on misses only, which stop once a step's working set settles. */
+     * synchronises) on misses only, which stop once a step's working set settles: release_for_miss
+     * says which segments and when. */
     if (segment && A->release_on_miss && release_for_miss(A, pool, stream, size) < 0) {
         free(b);
         return NULL;
