@@ -197,6 +197,21 @@ class _HostRank:
         self._exchange(buf, lambda slots: slots[root].copy())
 
 
+FENCE_ENV = "XLAB_FENCE"   # "always": keep every threads-mode all-reduce fenced, whatever the allocator
+
+
+def fence_always() -> bool:
+    """True when $XLAB_FENCE=always: threads mode fences the timed steps of every allocator too (rows say so).
+
+    Raises:
+        ValueError: $XLAB_FENCE is set to anything but "always" or "auto".
+    """
+    value = os.environ.get(FENCE_ENV, "auto")
+    if value not in ("always", "auto"):
+        raise ValueError(f"${FENCE_ENV} must be 'always' or 'auto', got {value!r}")
+    return value == "always"
+
+
 class Fenced:
     """A communicator for ranks that are threads of one process: meet, run the collective, wait for it.
 
@@ -388,7 +403,7 @@ def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0,
         for i in range(warmup):
             step(i)
         if fence is not None:       # every rank switches after the same step: their barriers stay matched
-            fence.armed = alloc.device_calls_when_warm
+            fence.armed = alloc.device_calls_when_warm or fence_always()
         try:
             with window:
                 for i in range(steps):
@@ -407,7 +422,7 @@ def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0,
                    losses=[float(v) for v in (losses.get() if xp is not np else losses)],
                    param_rank_diff=param_diff, peak_reserved=alloc.peak_reserved(device),
                    peak_requested=alloc.peak_requested(device), n_params=n_params,
-                   fenced=fence is not None and alloc.device_calls_when_warm,
+                   fenced=fence is not None and (alloc.device_calls_when_warm or fence_always()),
                    fused=getattr(model, "fused", None))   # the workload's fused kernels (tapegpt's GPT(fused=)), if any
         del model, opt, losses
     return out
