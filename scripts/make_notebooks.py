@@ -106,6 +106,29 @@ bench = nbu.load_or_measure("alloc_microbench", "xlab.bench.alloc:run", gpu, dat
         ("code", '''\
 nbu.pivot(bench, index="allocator", columns="threads", values="kpairs_per_s", size_bytes=threads_size_bytes)'''),
         ("code", 'nbu.figure(plots.alloc_threads, bench, "alloc_threads", figures_dir, size_bytes=threads_size_bytes)'),
+        ("md", '''\
+## CuPy and PyTorch in one pool
+
+With `xpool.enable_torch()` PyTorch allocates from the same pool as CuPy. Left: µs per `torch.empty`+`del` pair
+through xpool and through PyTorch's own caching allocator; right: tokens/s of a PyTorch training step (the parity
+model at the reference size) through each; medians of five interleaved trials (each arm a fresh process) with
+95% intervals. Measured by `python -m xlab.bench.torch_interop --out data/torch_interop.csv`.'''),
+        ("code", '''\
+from xlab.bench import torch_interop
+interop = nbu.load_csv("torch_interop", data_dir)
+torch_interop.plot(interop) if interop is not None else print("no data/torch_interop.csv yet")'''),
+        ("md", '''\
+A mixed loop (a PyTorch training step, then CuPy work on its weights through DLPack, feeding the next step), on a GPU
+with PyTorch: the bytes each framework holds in the one pool over time, the pool's reserved bytes, and (dashed) the
+peak that the two frameworks' own pools reserve together. Once warm the stack alternates between the frameworks
+while reserved stays flat: each reuses what the other freed.'''),
+        ("code", '''\
+if gpu and measure and torch_interop.torch_cuda_available():
+    mem, peaks = torch_interop.mixed_memory()
+    print(f"peak reserved: one pool {peaks['one_pool'] / 2**20:.0f} MiB, two pools {peaks['two_pools'] / 2**20:.0f} MiB")
+    display(torch_interop.plot_mixed_memory(mem, peaks["two_pools"]))
+else:
+    print("The mixed loop runs on a GPU with PyTorch (CUDA) only.")'''),
     ],
     "03_single_gpu": [
         ("md", '''\

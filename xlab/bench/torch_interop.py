@@ -342,6 +342,16 @@ def mixed_memory(steps: int = 4, timeout: float = 180.0):
                  "two_pools": n["peak_reserved_torch"] + n["peak_reserved_cupy"]}
 
 
+def torch_cuda_available() -> bool:
+    """True when PyTorch is installed with CUDA and sees a device (checked in a subprocess: this process's
+    PyTorch must stay uninitialised for xpool.enable_torch())."""
+    code = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    try:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 def in_use_by_origin(tl):
     """An xpool timeline -> bytes in use per framework after each event (columns cupy, torch, python, reserved).
 
