@@ -1094,6 +1094,14 @@ static int xp_free(Allocator *A, int device, uintptr_t ptr, int *holds_ref)
 /* void *malloc(void *param, size_t size, int device): CuPy (Cython 3) checks for a
  * Python error when this returns (void *)-1, so an exception set here propagates
  * out of cupy's allocation as-is. */
+/* The free-list key of a stream handle.  cudaStreamPerThread is one handle for a different stream in each
+ * thread: key it by thread (as CuPy's pool does), or a block freed on one thread's stream would be reused on
+ * another's.  CuPy's and PyTorch's entry points key alike, so the two frameworks share blocks per stream. */
+static inline intptr_t stream_key(intptr_t stream)
+{
+    return stream == XP_STREAM_PER_THREAD ? -(intptr_t)PyThread_get_thread_ident() : stream;
+}
+
 static void *cupy_malloc(void *param, size_t size, int device)
 {
     Allocator *A = (Allocator *)param;
@@ -1101,9 +1109,7 @@ static void *cupy_malloc(void *param, size_t size, int device)
     if (A->stream_fn) {
         stream = A->stream_fn();
         if (stream == 0 && PyErr_Occurred()) return (void *)(intptr_t)-1;
-        /* cudaStreamPerThread is one handle for a different stream in each thread: key it by thread
-         * (as CuPy's pool does), or a block freed on one thread's stream would be reused on another's */
-        if (stream == XP_STREAM_PER_THREAD) stream = -(intptr_t)PyThread_get_thread_ident();
+        stream = stream_key(stream);
     }
     Block *b = xp_alloc(A, device, stream, size, ORIGIN_CUPY);
     if (!b) return (void *)(intptr_t)-1;
@@ -1143,12 +1149,6 @@ static void cupy_free(void *param, void *ptr, int device)
 static _Atomic(Allocator *) torch_allocator;
 static _Thread_local char torch_error[1024];   /* why this thread's last xpool_torch_* call failed */
 
-static inline intptr_t torch_stream_key(void *stream)
-{
-    /* as cupy_malloc keys it: cudaStreamPerThread is a different stream in each thread */
-    intptr_t s = (intptr_t)stream;
-    return s == XP_STREAM_PER_THREAD ? -(intptr_t)PyThread_get_thread_ident() : s;
-}
 
 static int python_usable(void)
 {
@@ -1235,7 +1235,7 @@ static int torch_alloc(size_t size, int device, void *stream_handle, void **out)
                  "xpool.enable_torch() before PyTorch's first CUDA allocation");
         return -1;
     }
-    intptr_t stream = torch_stream_key(stream_handle);
+    intptr_t stream = stream_key((intptr_t)stream_handle);
     /* the hit path, without the GIL; debug mode's checks run Python, so it always takes the GIL path */
     if (device >= 0 && device < XP_MAX_DEVICES && size <= XP_MAX_REQUEST &&
         !atomic_load_explicit(&A->debug_on, memory_order_acquire)) {
