@@ -8,6 +8,7 @@ import argparse
 import statistics
 import time
 
+from . import blas
 from .data import get_batch, load_corpus
 from .model import GPT, GPTConfig
 from .optim import AdamW
@@ -85,7 +86,8 @@ def step_profile(xp, cfg=None, steps=10, warmup=3, fused=None, foreach=True, see
     counts = reference_counts(cfg, fused_model=model.fused, foreach=foreach)
     host_ms = statistics.median(host)
     gpu_ms = statistics.median(gpu) if gpu else float("nan")
-    return dict(xp=xp.__name__, fused=model.fused, adamw=counts["adamw"], batch=cfg.batch_size,
+    return dict(xp=xp.__name__, fused=model.fused, gemm="cublas" if blas.enabled and on_gpu else "matmul",
+                adamw=counts["adamw"], batch=cfg.batch_size,
                 host_ms=host_ms, host_ms_min=min(host), gpu_ms=gpu_ms, ms_per_step=wall,
                 bound="host" if not host_ms <= gpu_ms else "gpu", launches=counts["launches"],
                 tape_nodes=counts["tape_nodes"], final_loss=float(loss), steps=steps, warmup=warmup)

@@ -15,6 +15,7 @@ import os
 import numpy as np
 
 from . import kernels
+from .blas import mm
 from .tape import _accumulate, _make, _swap, array_module
 
 FUSED_ENV = "TAPEGPT_FUSED"
@@ -209,6 +210,14 @@ def onehot_t(idx, vocab, dtype):
     return out
 
 
+def _row_view(out, i, shape):
+    """Row i of a C-contiguous 2-D array as an array of `shape`, a view. On CuPy a view made at a byte offset
+    (out.data + offset): an integer index goes through CuPy's general indexing, several times the host time."""
+    if isinstance(out, np.ndarray):
+        return out[i].reshape(shape)
+    return type(out)(shape, out.dtype, out.data + i * out.shape[1] * out.itemsize)
+
+
 @_launches(1)
 def rows_to_heads(a, bias, n_head, S):
     """Rows a (B, T, S*C) plus bias (or None) -> for each of the S parts (q, k, v when S = 3) the pair of
@@ -225,7 +234,7 @@ def rows_to_heads(a, bias, n_head, S):
     has_bias = bias is not None
     _launch_elem("rows_to_heads", a.size, (a, _c(bias) if has_bias else a, out, *_i64(a.size, B, T, n_head, D, S),
                                            np.int32(has_bias)), a.dtype)
-    return [(out[2 * s].reshape(B, n_head, T, D), out[2 * s + 1].reshape(B, n_head, D, T)) for s in range(S)]
+    return [(_row_view(out, 2 * s, (B, n_head, T, D)), _row_view(out, 2 * s + 1, (B, n_head, D, T))) for s in range(S)]
 
 
 @_launches(1)
@@ -326,9 +335,9 @@ def _linear_grads(g2, h, h2, w, b):
     if b.requires_grad:
         _accumulate(b, colsum(g2))
     if w.requires_grad:
-        _accumulate(w, h2.T @ g2)
+        _accumulate(w, mm(h2.T, g2))
     if h.requires_grad:
-        _accumulate(h, (g2 @ w.data.T).reshape(h.shape))
+        _accumulate(h, mm(g2, w.data.T).reshape(h.shape))
 
 
 def embed(wte, wpe, idx):
@@ -341,7 +350,7 @@ def embed(wte, wpe, idx):
     def backward(g):
         if wte.requires_grad:
             # A one-hot GEMM rather than a scatter-add: it sums in a fixed order, atomics do not.
-            _accumulate(wte, onehot_t(idx, vocab, g.dtype) @ g.reshape(-1, C))
+            _accumulate(wte, mm(onehot_t(idx, vocab, g.dtype), g.reshape(-1, C)))
         if wpe.requires_grad:
             gp = colsum(g.reshape(B, T * C)).reshape(T, C)
             if T < wpe.shape[0]:
@@ -377,15 +386,15 @@ def attention(h, w, b, n_head):
     B, T, C = h.shape
     scale = 1.0 / math.sqrt(C // n_head)
     h2 = h.data.reshape(-1, C)
-    (q, qT), (k, kT), (v, vT) = rows_to_heads((h2 @ w.data).reshape(B, T, 3 * C), b.data, n_head, 3)
-    p = causal_softmax(q @ kT, scale)
-    y = heads_to_rows([p @ v], [False]).reshape(B, T, C)
+    (q, qT), (k, kT), (v, vT) = rows_to_heads(mm(h2, w.data).reshape(B, T, 3 * C), b.data, n_head, 3)
+    p = causal_softmax(mm(q, kT), scale)
+    y = heads_to_rows([mm(p, v)], [False]).reshape(B, T, C)
 
     def backward(g):
         [(gh, ghT)] = rows_to_heads(g, None, n_head, 1)
-        ds = causal_softmax_bwd(p, gh @ vT, scale)
+        ds = causal_softmax_bwd(p, mm(gh, vT), scale)
         # dq = ds k; dk = ds^T q and dv = p^T g, computed transposed (q^T ds, g^T p) so every operand is contiguous.
-        da = heads_to_rows([ds @ k, qT @ ds, ghT @ p], [False, True, True])
+        da = heads_to_rows([mm(ds, k), mm(qT, ds), mm(ghT, p)], [False, True, True])
         _linear_grads(da, h, h2, w, b)
 
     return _make(y, (h, w, b), backward)
@@ -394,7 +403,7 @@ def attention(h, w, b, n_head):
 def linear_gelu(h, w, b):
     """gelu(h @ w + b)."""
     h2 = h.data.reshape(-1, h.shape[-1])
-    a = h2 @ w.data
+    a = mm(h2, w.data)
     y = bias_gelu(a, b.data).reshape(h.shape[:-1] + (w.shape[1],))
 
     def backward(g):
@@ -406,7 +415,7 @@ def linear_gelu(h, w, b):
 def linear_residual(x, h, w, b):
     """x + (h @ w + b): a residual connection around a projection."""
     h2 = h.data.reshape(-1, h.shape[-1])
-    a = h2 @ w.data
+    a = mm(h2, w.data)
     y = bias_residual(x.data.reshape(a.shape), a, b.data).reshape(x.shape)
 
     def backward(g):

@@ -4,6 +4,8 @@ import sys
 
 import numpy as np
 
+from . import blas
+
 
 def array_module(a):
     """NumPy for host arrays, CuPy otherwise (CuPy is only ever imported by the caller)."""
@@ -112,10 +114,11 @@ def _swap(a):
 
 
 def _mm(xp, a, b):
-    """a @ b; rows times one shared matrix become a single 2-D GEMM (faster than a stride-0 batched one)."""
+    """a @ b; rows times one shared matrix become a single 2-D GEMM (faster than a stride-0 batched one).
+    On CuPy a GEMM is one direct cuBLAS call (tapegpt.blas), the costliest op of a step to dispatch otherwise."""
     if b.ndim == 2 and a.ndim > 2:
-        return xp.matmul(a.reshape(-1, a.shape[-1]), b).reshape(a.shape[:-1] + (b.shape[-1],))
-    return xp.matmul(a, b)
+        return blas.mm(a.reshape(-1, a.shape[-1]), b).reshape(a.shape[:-1] + (b.shape[-1],))
+    return blas.mm(a, b) if a.ndim == b.ndim else xp.matmul(a, b)
 
 
 def matmul(a, b):
@@ -131,7 +134,7 @@ def matmul(a, b):
             if b.ndim == 2 and a.ndim > 2:
                 # A shared weight: fold the batch into rows so its gradient is one GEMM, not a batched sum.
                 k, n = b.shape
-                gb = xp.matmul(a.data.reshape(-1, k).T, g.reshape(-1, n))
+                gb = blas.mm(a.data.reshape(-1, k).T, g.reshape(-1, n))
             else:
                 gb = _unbroadcast(xp.matmul(_swap(a.data), g), b.shape)
             _accumulate(b, gb)

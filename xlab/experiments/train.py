@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from tapegpt import AdamW, GPT, GPTConfig, get_batch
+from tapegpt import blas as tapegpt_blas
 from tapegpt.tape import array_module
 
 LR, WEIGHT_DECAY, SEED = 3e-4, 0.1, 0
@@ -65,7 +66,7 @@ COLUMNS = [
     "gpu_util_mean", "gc_ms_per_step", "gc_collections", "gc", "fenced", "device_mallocs_per_step",
     "peak_reserved_bytes", "peak_requested_bytes", "reserved_over_requested", "loss_first", "loss_last",
     "loss_rel_diff_max", "param_rank_diff_max", "checks_passed", "launcher", "config", "n_params", "block_size",
-    "steps", "warmup", "count_steps", "adamw", "fused",
+    "steps", "warmup", "count_steps", "adamw", "fused", "gemm",
 ]
 GC_POLICY = "on, pauses timed"   # the `gc` column: the collector runs as usual in every arm; its pauses are shown
 HOST_BOUND_UTIL = 80.0           # % GPU busy below which the GPU waited for the host: the step is host-bound
@@ -423,7 +424,8 @@ def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0,
                    param_rank_diff=param_diff, peak_reserved=alloc.peak_reserved(device),
                    peak_requested=alloc.peak_requested(device), n_params=n_params,
                    fenced=fence is not None and (alloc.device_calls_when_warm or fence_always()),
-                   fused=getattr(model, "fused", None))   # the workload's fused kernels (tapegpt's GPT(fused=)), if any
+                   fused=getattr(model, "fused", None),   # the workload's fused kernels (tapegpt's GPT(fused=)), if any
+                   gemm="cublas" if tapegpt_blas.enabled and xp is not np else "matmul")   # how GEMMs were made
         del model, opt, losses
     return out
 
@@ -559,7 +561,7 @@ def build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=None, launch
         loss_rel_diff_max=math.nan if loss_diff is None else loss_diff,
         param_rank_diff_max=math.nan if param_diff is None else param_diff,
         checks_passed=checks_passed(loss_diff, param_diff), launcher=launcher, config=config, adamw=adamw_form(),
-        fused=timed[0].get("fused"),
+        fused=timed[0].get("fused"), gemm=timed[0].get("gemm"),
         n_params=timed[0]["n_params"], block_size=cfg.block_size, steps=steps, warmup=warmup,
         count_steps=m["counted_steps"] if counted is not None else 0,   # steps mallocs and peaks were counted over
     )

@@ -1,0 +1,185 @@
+"""What two dispatching threads cost each other under one GIL: ops per second from 1 and 2 threads, per op kind.
+
+    python -m xlab.bench.gil [--trials 5] [--seconds 0.5] [--out data/gil_probe.csv]
+
+Thread-per-GPU training dispatches every op from Python, under one GIL. CuPy releases the GIL around each
+driver call (`with nogil: cuLaunchKernel(...)`), so a rank thread gives the GIL up at every launch; a peer
+thread waiting for it wakes, and the two trade the lock hundreds of times per step (the convoy effect). This
+probe measures the cost directly: each arm runs its op in a loop for `seconds` on 1 thread, then on 2 threads
+(thread t on GPU t when there are two, else two streams of one GPU), and reports ops per second in all.
+With no GIL contention 2 threads would do 2x the ops of one; pure Python work (`python`) can do at most 1x;
+below 1x, handing the GIL over costs more than it lets run in parallel.
+
+Arms (each op is what a training step dispatches hundreds of times):
+- python: ~1 us of pure Python (holds the GIL throughout): the serial bound, 1x.
+- launch: an empty RawKernel launch through CuPy (GIL released around cuLaunchKernel).
+- launch_gil: the same kernel launched through ctypes.PyDLL (the GIL is held during cuLaunchKernel).
+- add: `x + y` on 1-element CuPy arrays (an allocation from CuPy's current allocator, one launch).
+- gemm: a 16x16 float32 product by tapegpt.blas (one cuBLAS call, GIL released).
+- matmul: the same product by cupy.matmul.
+Trials interleave the arms (A B C, A B C, ...); `sys.getswitchinterval()` is recorded and varied with
+--switch-intervals.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+import threading
+import time
+
+import pandas as pd
+
+from xlab.paths import write_csv
+from xlab.provenance import provenance
+
+ARMS = ("python", "launch", "launch_gil", "add", "gemm", "matmul")
+TRIALS = 5
+EMPTY = 'extern "C" __global__ void empty_kernel() {}'
+
+
+def _python_op():
+    x = 0
+    for i in range(20):
+        x += i
+    return x
+
+
+class _Rank:
+    """One thread's device, stream and ops."""
+
+    def __init__(self, cupy, device, n_devices):
+        self.cupy = cupy
+        self.device = device % n_devices
+        with cupy.cuda.Device(self.device):
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+            self.kernel = cupy.RawKernel(EMPTY, "empty_kernel")
+            with self.stream:
+                self.x = cupy.ones(1, cupy.float32)
+                self.a = cupy.ones((16, 16), cupy.float32)
+                self.kernel((1,), (1,), ())                 # compile and load on this device now
+            self.stream.synchronize()
+            self.fn = self.kernel.kernel.ptr
+        self.libcuda = ctypes.PyDLL("libcuda.so.1")       # PyDLL: the GIL stays held during the call
+        launch = self.libcuda.cuLaunchKernel
+        launch.restype = ctypes.c_int
+        launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        self.cu_launch = launch
+
+    def op(self, arm):
+        cupy, s = self.cupy, self.stream
+        if arm == "python":
+            return _python_op
+        if arm == "launch":
+            return lambda: self.kernel((1,), (1,), ())
+        if arm == "launch_gil":
+            fn, ptr, launch = self.fn, s.ptr, self.cu_launch
+
+            def op():
+                if launch(fn, 1, 1, 1, 1, 1, 1, 0, ptr, None, None) != 0:
+                    raise RuntimeError("cuLaunchKernel failed")
+            return op
+        if arm == "add":
+            return lambda: self.x + self.x
+        if arm == "gemm":
+            from tapegpt import blas
+            return lambda: blas.mm(self.a, self.a)
+        if arm == "matmul":
+            return lambda: cupy.matmul(self.a, self.a)
+        raise ValueError(f"unknown arm {arm!r}; known: {', '.join(ARMS)}")
+
+
+def _run(ranks, arm, seconds):
+    """Every rank's thread runs `arm` for `seconds`; returns (total ops, per-thread CPU seconds)."""
+    counts, cpu = [0] * len(ranks), [0.0] * len(ranks)
+    start = threading.Barrier(len(ranks))
+
+    def body(i):
+        r = ranks[i]
+        with r.cupy.cuda.Device(r.device), r.stream:
+            op = r.op(arm)
+            for _ in range(50):
+                op()
+            r.stream.synchronize()
+            start.wait()
+            c0, n = time.thread_time(), 0
+            t_end = time.perf_counter() + seconds
+            while time.perf_counter() < t_end:
+                for _ in range(32):
+                    op()
+                n += 32
+            r.stream.synchronize()
+            counts[i], cpu[i] = n, time.thread_time() - c0
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(len(ranks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts), cpu
+
+
+def run(arms=ARMS, trials=TRIALS, seconds=0.5, switch_intervals=(None,), out="data/gil_probe.csv") -> pd.DataFrame:
+    """Ops per second of each arm on 1 and 2 threads, `trials` interleaved trials.
+
+    Args:
+        arms: names from ARMS.
+        trials: trials per (arm, threads, switch interval).
+        seconds: length of each timed loop.
+        switch_intervals: values for sys.setswitchinterval (None: leave Python's, 5 ms).
+        out: the CSV (None: none).
+
+    Returns:
+        One row per (trial, switch interval, arm, threads): ops_per_s, speedup over 1 thread in the same trial.
+
+    Raises:
+        ValueError: an unknown arm.
+    """
+    import cupy
+    bad = [a for a in arms if a not in ARMS]
+    if bad:
+        if arm == "matmul":
+            return lambda: cupy.matmul(self.a, self.a)
+        raise ValueError(f"unknown arms {bad}; known: {', '.join(ARMS)}")
+    n_dev = cupy.cuda.runtime.getDeviceCount()
+    ranks = [_Rank(cupy, d, n_dev) for d in range(2)]
+    default = sys.getswitchinterval()
+    rows = []
+    try:
+        for trial in range(trials):
+            for si in switch_intervals:
+                sys.setswitchinterval(default if si is None else si)
+                for arm in arms:
+                    one = None
+                    for n in (1, 2):
+                        ops, cpu = _run(ranks[:n], arm, seconds)
+                        rate = ops / seconds
+                        one = rate if n == 1 else one
+                        rows.append(dict(arm=arm, threads=n, trial=trial, switch_interval_s=sys.getswitchinterval(),
+                                         ops_per_s=rate, speedup=rate / one, us_per_op=1e6 * seconds / ops * n,
+                                         cpu_s_per_thread=sum(cpu) / n, devices=min(n, n_dev), seconds=seconds))
+    finally:
+        sys.setswitchinterval(default)
+    df = pd.DataFrame(rows)
+    for k, v in provenance(bench="gil", trials=trials).items():
+        df[k] = v
+    write_csv(df, out)
+    return df
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arms", nargs="+", default=list(ARMS))
+    ap.add_argument("--trials", type=int, default=TRIALS)
+    ap.add_argument("--seconds", type=float, default=0.5)
+    ap.add_argument("--switch-intervals", nargs="+", type=float, default=None,
+                    help="values for sys.setswitchinterval, seconds (default: Python's)")
+    ap.add_argument("--out", default="data/gil_probe.csv")
+    args = ap.parse_args(argv)
+    df = run(args.arms, args.trials, args.seconds, tuple(args.switch_intervals or (None,)), args.out)
+    summary = df.groupby(["switch_interval_s", "arm", "threads"])[["ops_per_s", "speedup", "us_per_op"]].median()
+    print(summary.to_string())
+
+
+if __name__ == "__main__":
+    main()
