@@ -10,7 +10,8 @@
 # correctness  the correctness gate on CuPy, bitwise transparency       ~1 min               150 s
 # debugcost    debug mode's cost per pair on the GPU                    ~0.5 min              60 s
 # memory       memory study (timeline + waste per size-class setting)   ~0.5 min              60 s
-# sweep        threads on 1 and 2 GPUs, batch 4..128, 3 allocators x 5  ~5 min               330 s
+# sweep        threads on 1 and 2 GPUs, batch 4..128, 3 allocators x 5  ~4 min               330 s
+# gil          GIL probe: ops/s of 1, 2, 4, 8 dispatching threads        ~0.7 min              90 s
 # torch        opt-in, not in the default list: PyTorch and CuPy sharing xpool, its GPU tests then the interop
 #              benchmark                                                 ~5 min               440 s
 # (expected times from the H200 step times at 70fd21b, before the fused kernels: 90 ms per batch-32 step, 48 ms
@@ -26,6 +27,7 @@
 # Each stage writes its own CSV in data/ (every row: GPU, driver, CUDA, CuPy, commit, date and the run's
 # parameters) and copies it, with the stage's log, to $OUT (default build/gpu) as soon as it ends.
 # Knobs: TRIALS (default 5), STEPS/WARMUP (single and ddp), WORLDS (ddp; default "1 2", "1 2 4 8" on eight GPUs),
+# DDP_ALLOCATORS (ddp; default: single's),
 # RESUME=1, XPOOL_ADAMW (default foreach, the flat-buffer AdamW; rows record it), DATA (default data; DATA=data/rerun
 # for the second run on a fresh machine: the report checks its ratios against the first run's intervals).
 set -uo pipefail
@@ -74,15 +76,17 @@ for s in $stages; do
         correctness) stage correctness 150 $PY -m xlab.correctness --gpu --out "$DATA"/correctness_gpu.csv ;;
         debugcost)   stage debugcost 60 $PY -m xlab.bench.alloc --out "$DATA"/alloc_debug_cost.csv --trials 3 \
                          --allocators cupy_pool xpool_k1 xpool_k1_debug --sizes 4096 1048576 --target-s 0.05 ;;
-        ddp)         stage ddp "$DDP_LIMIT" $PY -m xlab.experiments ddp $TRAIN --worlds $WORLDS --out "$DATA"/ddp_scaling.csv ;;
+        ddp)         stage ddp "$DDP_LIMIT" $PY -m xlab.experiments ddp $TRAIN --worlds $WORLDS \
+                         ${DDP_ALLOCATORS:+--allocators $DDP_ALLOCATORS} --out "$DATA"/ddp_scaling.csv ;;
         sweep)       stage sweep 330 $PY -m xlab.experiments sweep --trials "$TRIALS" --no-progress \
                          ${RESUME:+--resume} --out "$DATA"/batch_sweep.csv ;;
-        memory)      stage memory 60 $PY -m xlab.memory_study --out "$DATA" ;;
+        memory)      stage memory 120 $PY -m xlab.memory_study --out "$DATA" ;;
+        gil)         stage gil 90 $PY -m xlab.bench.gil --trials "$TRIALS" --seconds 0.25 --out "$DATA"/gil_probe.csv ;;
         torch-tests) stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/test_torch_gpu.py ;;
         torch-bench) stage torch-bench 200 $PY -m xlab.bench.torch_interop --out "$DATA"/torch_interop.csv ;;
         torch)       stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/test_torch_gpu.py
                      stage torch-bench 200 $PY -m xlab.bench.torch_interop --out "$DATA"/torch_interop.csv ;;
-        *) echo "unknown stage $s (stages: tests bench single correctness debugcost ddp sweep memory torch torch-tests torch-bench)" | tee -a "$LOG"
+        *) echo "unknown stage $s (stages: tests bench single correctness debugcost ddp sweep memory gil torch torch-tests torch-bench)" | tee -a "$LOG"
            status=1 ;;
     esac
 done

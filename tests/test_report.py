@@ -174,13 +174,44 @@ def test_bounds_and_projection(trial_data, synthetic_data):
         assert s == pytest.approx(n * max(p["h"], p["g"]) / max(n * p["h"], p["g"]))
     assert p["speedup"][8] <= p["speedup"][4] * 2 and "raw" not in proj
     text = "\n".join(report.bounds(trial_data))
-    assert "Projection, not a measurement" in text and "| 8 GPUs |" in text
+    assert "Projection, not a measurement" in text and "| 8 GPUs (s_8) |" in text
     # a CSV without host ms (measured before it was recorded): the projection says where h came from instead
     df = pd.read_csv(trial_data / "single_gpu.csv").drop(columns=["host_ms_per_step", "bound"])
     # (and at batch 32 the thread time is preferred; without it the batch-4 wall time stands in)
     df.to_csv(synthetic_data / "single_gpu.csv", index=False)
     old = {p["allocator"]: p for p in report.projection(synthetic_data)}
     assert old["xpool_k1"]["h_source"].startswith("batch-4 wall time")
+
+
+def _gil_csv(data, share=(0.7, 0.6)):
+    rows = []
+    for trial in range(5):
+        for n, sp in zip((1, 2, 4), (1.0,) + share):
+            rows.append(dict(arm="add", threads=n, trial=trial, switch_interval_s=0.005, ops_per_s=1e5 * sp,
+                             speedup=sp, us_per_op=10.0 * n / sp, commit="abc"))
+    pd.DataFrame(rows).to_csv(data / "gil_probe.csv", index=False)
+
+
+def test_the_gil_probe_feeds_the_projection_and_its_own_table(trial_data):
+    _gil_csv(trial_data)
+    assert report.gil_sharing(trial_data) == {2: (0.7, 0.7, 0.7), 4: (0.6, 0.6, 0.6)}
+    p = {p["allocator"]: p for p in report.projection(trial_data)}["xpool_k1"]
+    assert p["sharing"] == {2: 0.7, 4: 0.6, 8: 1.0}                   # 8 threads not probed: plain serialisation
+    for n, s in p["speedup"].items():
+        assert s == pytest.approx(n * max(p["h"], p["g"]) / max(n * p["h"] / p["sharing"][n], p["g"]))
+    text = "\n".join(report.gil_lines(trial_data))
+    assert "| `x + x`, 1 element (allocation + launch) | 10.0 [10.0, 10.0] | 0.70× [0.70, 0.70] | 0.60×" in text
+    assert "### Threads under one GIL" in report.render(trial_data, [], {}, trial_data)
+
+
+def test_the_host_target_uses_the_dispatch_time_when_measured(trial_data):
+    df = pd.read_csv(trial_data / "single_gpu.csv")
+    df["dispatch_ms_per_step"] = 11.0
+    df.to_csv(trial_data / "single_gpu.csv", index=False)
+    rows = {r["target"]: r for r in report.targets(trial_data)}
+    row = rows["host ms per step ≤ 12 at batch 32 (xpool_k1, thread CPU time of a step started on an idle device)"]
+    assert row["verdict"] == "met" and row["bound"] == "host"
+    assert report.projection(trial_data)[0]["h"] == 11.0
 
 
 def test_a_second_run_is_checked_against_the_first_runs_intervals(trial_data):
@@ -193,6 +224,10 @@ def test_a_second_run_is_checked_against_the_first_runs_intervals(trial_data):
     df.to_csv(trial_data / "rerun" / "ddp_scaling.csv", index=False)
     rows = {r["name"]: r for r in report.replication(trial_data)}
     assert rows["2 GPUs, threads, batch 32: xpool_k1 speedup"]["inside"] is False
+    _gil_csv(trial_data)
+    _gil_csv(trial_data / "rerun", share=(0.9, 0.6))
+    rows = {r["name"]: r for r in report.replication(trial_data)}
+    assert rows["GIL probe (add): 2 threads / 1 thread, ops per second"]["inside"] is False
     text = report.render(trial_data, [], {}, trial_data)
     assert "### Does a second run agree?" in text and "| **no** |" in text and "`data/rerun/ddp_scaling.csv`" in text
 

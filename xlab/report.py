@@ -20,6 +20,7 @@ import pathlib
 import sys
 import time
 
+import numpy as np
 import pandas as pd
 
 from . import intervals as iv
@@ -456,7 +457,11 @@ def targets(data: pathlib.Path) -> list[dict]:
         b32, b4 = where(xp, 32), where(xp, 4)
         _target(rows, f"one GPU, batch 32: {xp} ≥ 91.2k tokens/s (flat-buffer AdamW, H200)",
                 *_med(b32["tokens_per_s"] / 1e3), 91.2, fmt="{:.1f}", unit="k", bound=_bound_of(b32))
-        if "host_ms_per_step" in b32:
+        if "dispatch_ms_per_step" in b32 and b32["dispatch_ms_per_step"].notna().any():
+            _target(rows, f"host ms per step ≤ 12 at batch 32 ({xp}, thread CPU time of a step started on an idle "
+                    f"device)", *_med(b32["dispatch_ms_per_step"]), 12.0, higher=False, fmt="{:.1f}", unit=" ms",
+                    bound="host")
+        elif "host_ms_per_step" in b32:
             _target(rows, f"host ms per step ≤ 12 at batch 32 ({xp}, thread CPU time)",
                     *_med(b32["host_ms_per_step"]), 12.0, higher=False, fmt="{:.1f}", unit=" ms",
                     bound=_bound_of(b32))
@@ -523,39 +528,92 @@ def bound_rows(data: pathlib.Path) -> list[dict]:
         def m(col):
             return _med(g[col]) if col in g else (math.nan, math.nan, math.nan)
         ms, host, util = m("ms_per_step"), m("host_ms_per_step"), m("gpu_util_mean")
+        dispatch = m("dispatch_ms_per_step")
         bound = (g["bound"].mode().iloc[0] if "bound" in g and g["bound"].notna().any()
                  else step_bound(util[0], host[0], ms[0]))
-        out.append(dict(batch=int(batch), allocator=alloc, ms=ms, host=host, stream=m("gpu_ms_per_step"),
+        out.append(dict(batch=int(batch), allocator=alloc, ms=ms, host=host, dispatch=dispatch,
+                        stream=m("gpu_ms_per_step"),
                         gc=m("gc_ms_per_step"),
                         busy=(ms[0] * util[0] / 100,) * 3 if not math.isfinite(m("gpu_busy_ms_per_step")[0])
                         else m("gpu_busy_ms_per_step"), util=util, bound=bound or "?"))
     return out
 
 
+GIL_ARM = "add"    # the GIL probe's op that stands for a training step's ops: an allocation and one launch
+
+
+def gil_sharing(data: pathlib.Path, arm: str = GIL_ARM) -> dict:
+    """What N dispatching threads get done together, as a fraction of one thread: {N: (median, lo, hi)} of
+    the GIL probe's (data/gil_probe.csv) total ops per second on N threads over one thread's, paired by trial.
+
+    Args:
+        data: the CSV folder.
+        arm: the probe's op (default GIL_ARM).
+
+    Returns:
+        A dict (empty without the probe's CSV).
+    """
+    df = _read(data, "gil_probe")
+    if df is None:
+        return {}
+    df = df[df["arm"] == arm]
+    if "switch_interval_s" in df and df["switch_interval_s"].nunique() > 1:      # Python's default, 5 ms
+        df = df[np.isclose(df["switch_interval_s"], 0.005)]
+    return {int(n): _med(g["speedup"]) for n, g in df.groupby("threads") if n > 1}
+
+
+def gil_lines(data: pathlib.Path) -> list[str]:
+    """Markdown: the GIL probe, ops per second of N threads against one, per op (empty without its CSV)."""
+    df = _read(data, "gil_probe")
+    if df is None:
+        return []
+    if "switch_interval_s" in df and df["switch_interval_s"].nunique() > 1:
+        df = df[np.isclose(df["switch_interval_s"], 0.005)]
+    threads = sorted(n for n in df["threads"].unique() if n > 1)
+    out = ["What dispatching threads cost each other under one GIL (`xlab.bench.gil`, host-bound by design): each op "
+           "runs in a loop on 1 thread, then on N threads (thread t on GPU t mod 2); the table gives all N threads' "
+           "ops per second over one thread's, median of paired trials [95% interval]. 1.0 would be perfect "
+           "serialisation; more would be parallel work. CuPy releases the GIL around every driver call, so a "
+           "waiting thread is woken at every launch and the threads trade the lock (the convoy effect).", "",
+           "| op | µs per op, 1 thread | " + " | ".join(f"{n} threads / 1" for n in threads) + " |",
+           "|---|---|" + "---|" * len(threads)]
+    labels = {"python": "pure Python (holds the GIL)", "launch": "empty kernel launch (CuPy, GIL released)",
+              "launch_gil": "empty kernel launch holding the GIL (ctypes.PyDLL)", "add": "`x + x`, 1 element "
+              "(allocation + launch)", "gemm": "16×16 GEMM, tapegpt.blas", "matmul": "16×16 GEMM, cupy.matmul"}
+    for arm, g in df.groupby("arm", sort=False):
+        one = g[g["threads"] == 1]["us_per_op"]
+        cells = [_ci(*_med(g[g["threads"] == n]["speedup"]), unit="×") for n in threads]
+        out.append(f"| {labels.get(arm, arm)} | {_ci(*_med(one), fmt='{:.1f}')} | " + " | ".join(cells) + " |")
+    return out
+
+
 def projection(data: pathlib.Path, worlds=(2, 4, 8)) -> list[dict]:
     """A projection (not a measurement) of one thread per GPU on N GPUs at batch 32 from one-GPU rows.
 
-    Model: the ranks' host work h serialises on one GIL while their GPU work g overlaps, so a step takes
-    max(N·h, g) against max(h, g) on one GPU (the all-reduce is left out): speedup N·max(h, g) / max(N·h, g).
-    g is the batch-32 step's GPU busy time (wall × NVML utilisation); h its dispatching thread's CPU time (a probe
-    at 70fd21b, data/host_profile_baseline.csv, found 39 ms of thread time in a 90 ms GPU-bound step: a host
-    ahead of the GPU does not spin that up). Old CSVs without host ms use the batch-4 step's wall time for h (the
-    same ops, dispatch-bound).
-
-    Returns:
-        One dict per allocator: allocator, h, g, h_source and {N: projected speedup}.
+    Model: the ranks' host work h runs one rank at a time under the GIL, and N threads together get through
+    only s_N times one thread's ops per second (the GIL probe: handing the lock over costs), while their GPU
+    work g overlaps; so a step takes max(N·h / s_N, g) against max(h, g) on one GPU (the all-reduce is left
+    out): speedup N·max(h, g) / max(N·h / s_N, g). s_N = 1 where the probe did not run N threads.
+    h is the batch-32 step's dispatch time (thread CPU time of a step started on an idle device; older CSVs:
+    the window's thread time, or the batch-4 step's wall time), g its GPU busy time (wall × NVML utilisation).
 
     Args:
         data: the CSV folder.
         worlds: the GPU counts to project to.
+
+    Returns:
+        One dict per allocator: allocator, h, g, h_source, sharing ({N: s_N}) and {N: projected speedup}.
     """
     rows = {(r["batch"], r["allocator"]): r for r in bound_rows(data)}
+    share = {n: v[0] for n, v in gil_sharing(data).items()}
     out = []
     for (batch, alloc), r in rows.items():
         if batch != 32 or alloc == "raw":
             continue
         g = r["busy"][0]
-        if math.isfinite(r["host"][0]):
+        if math.isfinite(r["dispatch"][0]):
+            h, src = r["dispatch"][0], "batch-32 dispatch (thread CPU time, idle device)"
+        elif math.isfinite(r["host"][0]):
             h, src = r["host"][0], "batch-32 thread CPU time"
         elif (4, alloc) in rows:
             h, src = rows[4, alloc]["ms"][0], "batch-4 wall time (no host ms in this CSV)"
@@ -563,8 +621,9 @@ def projection(data: pathlib.Path, worlds=(2, 4, 8)) -> list[dict]:
             continue
         if not (math.isfinite(h) and math.isfinite(g)) or h <= 0 or g <= 0:
             continue
-        out.append(dict(allocator=alloc, h=h, g=g, h_source=src,
-                        speedup={n: n * max(h, g) / max(n * h, g) for n in worlds}))
+        s = {n: share.get(n, 1.0) for n in worlds}
+        out.append(dict(allocator=alloc, h=h, g=g, h_source=src, sharing=s,
+                        speedup={n: n * max(h, g) / max(n * h / s[n], g) for n in worlds}))
     return out
 
 
@@ -580,15 +639,18 @@ def bounds(data: pathlib.Path) -> list[str]:
     rows = bound_rows(data)
     if not rows:
         return []
-    out = ["What bounds each one-GPU row: host ms is the dispatching thread's CPU time per step, stream ms the "
+    out = ["What bounds each one-GPU row: host ms is the dispatching thread's CPU time per step in the timed "
+           "window (a host ahead of a busy GPU spins in a full launch queue, and that counts), dispatch ms the same "
+           "for steps started on an idle device (the host's own work), stream ms the "
            "step's span on the GPU's stream (CUDA events; it equals the wall time when the host is the bound), "
            "busy ms the wall time times NVML's utilisation. A step is GPU-bound when the GPU is busy at least "
            "80% of the time.", "",
-           "| batch | allocator | ms per step | host ms | stream ms | GPU busy ms | GPU busy | GC ms | bound |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| batch | allocator | ms per step | host ms | dispatch ms | stream ms | GPU busy ms | GPU busy | GC ms | "
+           "bound |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (-r["batch"], plots.ordered([a["allocator"] for a in rows]).index(r["allocator"]))):
         out.append(f"| {r['batch']} | {r['allocator']} | {_ci(*r['ms'], fmt='{:.1f}')} | "
-                   f"{_ci(*r['host'], fmt='{:.1f}')} | {_ci(*r['stream'], fmt='{:.1f}')} | "
+                   f"{_ci(*r['host'], fmt='{:.1f}')} | {_ci(*r['dispatch'], fmt='{:.1f}')} | "
+                   f"{_ci(*r['stream'], fmt='{:.1f}')} | "
                    f"{r['busy'][0]:.1f} | {_ci(*r['util'], fmt='{:.0f}', unit='%')} | "
                    f"{_ci(*r['gc'], fmt='{:.2f}')} | {r['bound']} |")
     single = _read(data, "single_gpu")
@@ -599,15 +661,16 @@ def bounds(data: pathlib.Path) -> list[str]:
     if proj:
         worlds = sorted(proj[0]["speedup"])
         out += ["", "**Projection, not a measurement**: one thread per GPU on N GPUs at batch 32, from the one-GPU "
-                "rows above. The ranks' host work h runs one at a time under the GIL while their GPU work g "
-                "overlaps, so a step takes max(N·h, g) against max(h, g) on one GPU; the all-reduce is left out, "
-                "so these are upper bounds. Replace them with measurements once 4- and 8-GPU machines run the ddp "
-                "stage (`WORLDS=\"1 2 4 8\"`).", "",
-                "| allocator | h (host ms) | g (GPU ms) | h from | " + " | ".join(f"{n} GPUs" for n in worlds) + " |",
-                "|---|---|---|---|" + "---|" * len(worlds)]
+                "rows above and the GIL probe below. The ranks' host work h runs one rank at a time under the GIL, "
+                "N threads together get through s_N times one thread's ops (the probe's `x + x` row; 1 where it "
+                "did not run N threads), and their GPU work g overlaps, so a step takes max(N·h/s_N, g) against "
+                "max(h, g) on one GPU; the all-reduce is left out, so these are upper bounds. Replace them with "
+                "measurements once 4- and 8-GPU machines run the ddp stage (`WORLDS=\"1 2 4 8\"`).", "",
+                "| allocator | h (host ms) | g (GPU ms) | h from | " + " | ".join(f"{n} GPUs (s_{n})" for n in worlds)
+                + " |", "|---|---|---|---|" + "---|" * len(worlds)]
         for p in proj:
             out.append(f"| {p['allocator']} | {p['h']:.1f} | {p['g']:.1f} | {p['h_source']} | "
-                       + " | ".join(f"{p['speedup'][n]:.2f}×" for n in worlds) + " |")
+                       + " | ".join(f"{p['speedup'][n]:.2f}× ({p['sharing'][n]:.2f})" for n in worlds) + " |")
         ddp = _read(data, "ddp_scaling")
         if ddp is not None:
             two = ddp[(ddp["mode"] == "threads") & (ddp["world"] == 2)]
@@ -651,7 +714,32 @@ def _ratios(data: pathlib.Path) -> dict:
             if arm != "cupy_pool":
                 out[f"microbenchmark, {plots.fmt_bytes(int(size))}: CuPy pool's time / {arm}'s"] = _med(
                     g["ratio_vs_cupy_pool"])
+    torch = _read(data, "torch_interop")
+    if torch is not None:
+        for (case, size), g in torch.groupby(["case", torch["size_bytes"].fillna(0)], sort=True):
+            faster = g.assign(v=1 / g["value"]) if (g["unit"] == "us_per_pair").all() else g.assign(v=g["value"])
+            r = iv.paired(faster, "v", "arm", "native")
+            r = r[r["arm"] == "xpool"]
+            if len(r):
+                what = f"{case}, {plots.fmt_bytes(int(size))}" if size else case
+                out[f"PyTorch {what}: xpool / PyTorch's allocator (speed)"] = (
+                    r["ratio"].iloc[0], r["ratio_lo"].iloc[0], r["ratio_hi"].iloc[0])
+    gil = gil_sharing(data)
+    for n, v in gil.items():
+        out[f"GIL probe ({GIL_ARM}): {n} threads / 1 thread, ops per second"] = v
     return out
+
+
+def _commits(data: pathlib.Path, names=None) -> str:
+    """The commits the CSVs of a folder (only those named, when given) were measured at, comma-separated."""
+    found = set()
+    for f in sorted(data.glob("*.csv")):
+        if names is not None and f.name not in names:
+            continue
+        df = pd.read_csv(f, usecols=lambda c: c == "commit")
+        if "commit" in df:
+            found |= set(df["commit"].dropna().astype(str))
+    return ", ".join(sorted(found)) or "unknown"
 
 
 def replication(data: pathlib.Path) -> list[dict]:
@@ -681,7 +769,9 @@ def replication_lines(data: pathlib.Path) -> list[str]:
     if not rows:
         return []
     judged = [r for r in rows if r["inside"] is not None]
-    out = [f"A second run of the suite on a fresh machine (`data/{RERUN}/`): {sum(r['inside'] for r in judged)} "
+    names = {f.name for f in (data / RERUN).glob("*.csv")}
+    out = [f"A second run of the suite on a fresh machine (`data/{RERUN}/`, commits {_commits(data / RERUN)}; first "
+           f"run: commits {_commits(data, names)}): {sum(r['inside'] for r in judged)} "
            f"of {len(judged)} ratios fall inside the first run's 95% interval"
            + (f" ({len(rows) - len(judged)} more without an interval in the first run)" if len(judged) < len(rows)
               else "") + ". Where one does not, the row says **no**.", "",
@@ -751,7 +841,8 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
                   "| target | measured | verdict | bound |", "|---|---|---|---|"]
         lines += [f"| {r['target']} | {r['measured']} | "
                   f"{r['verdict'] if r['verdict'] != iv.MISSED else '**missed**'} | {r['bound']} |" for r in rows]
-    for title, fn in (("What bounds each step", bounds), ("Does a second run agree?", replication_lines)):
+    for title, fn in (("What bounds each step", bounds), ("Threads under one GIL", gil_lines),
+                      ("Does a second run agree?", replication_lines)):
         try:
             got = fn(data)
         except (KeyError, ValueError, IndexError, TypeError) as e:     # a malformed CSV costs its section only

@@ -5,10 +5,10 @@
 Thread-per-GPU training dispatches every op from Python, under one GIL. CuPy releases the GIL around each
 driver call (`with nogil: cuLaunchKernel(...)`), so a rank thread gives the GIL up at every launch; a peer
 thread waiting for it wakes, and the two trade the lock hundreds of times per step (the convoy effect). This
-probe measures the cost directly: each arm runs its op in a loop for `seconds` on 1 thread, then on 2 threads
-(thread t on GPU t when there are two, else two streams of one GPU), and reports ops per second in all.
-With no GIL contention 2 threads would do 2x the ops of one; pure Python work (`python`) can do at most 1x;
-below 1x, handing the GIL over costs more than it lets run in parallel.
+probe measures the cost directly: each arm runs its op in a loop for `seconds` on 1 thread, then on 2, 4 and 8
+threads (thread t on GPU t mod #GPUs, each on its own stream), and reports ops per second in all. With no GIL
+contention N threads would do N times the ops of one; pure Python work (`python`) can do at most 1x; below 1x,
+handing the GIL over costs more than it lets run in parallel.
 
 Arms (each op is what a training step dispatches hundreds of times):
 - python: ~1 us of pure Python (holds the GIL throughout): the serial bound, 1x.
@@ -35,6 +35,7 @@ from xlab.provenance import provenance
 
 ARMS = ("python", "launch", "launch_gil", "add", "gemm", "matmul")
 TRIALS = 5
+THREADS = (1, 2, 4, 8)
 EMPTY = 'extern "C" __global__ void empty_kernel() {}'
 
 
@@ -119,14 +120,16 @@ def _run(ranks, arm, seconds):
     return sum(counts), cpu
 
 
-def run(arms=ARMS, trials=TRIALS, seconds=0.5, switch_intervals=(None,), out="data/gil_probe.csv") -> pd.DataFrame:
-    """Ops per second of each arm on 1 and 2 threads, `trials` interleaved trials.
+def run(arms=ARMS, trials=TRIALS, seconds=0.5, switch_intervals=(None,), threads=THREADS,
+        out="data/gil_probe.csv") -> pd.DataFrame:
+    """Ops per second of each arm on 1, 2, ... threads, `trials` interleaved trials.
 
     Args:
         arms: names from ARMS.
         trials: trials per (arm, threads, switch interval).
         seconds: length of each timed loop.
         switch_intervals: values for sys.setswitchinterval (None: leave Python's, 5 ms).
+        threads: thread counts; 1 is always measured first (the reference); thread t drives GPU t mod #GPUs.
         out: the CSV (None: none).
 
     Returns:
@@ -151,7 +154,7 @@ def run(arms=ARMS, trials=TRIALS, seconds=0.5, switch_intervals=(None,), out="da
                 sys.setswitchinterval(default if si is None else si)
                 for arm in arms:
                     one = None
-                    for n in (1, 2):
+                    for n in counts:
                         ops, cpu = _run(ranks[:n], arm, seconds)
                         rate = ops / seconds
                         one = rate if n == 1 else one
@@ -172,11 +175,13 @@ def main(argv=None):
     ap.add_argument("--arms", nargs="+", default=list(ARMS))
     ap.add_argument("--trials", type=int, default=TRIALS)
     ap.add_argument("--seconds", type=float, default=0.5)
+    ap.add_argument("--threads", nargs="+", type=int, default=list(THREADS))
     ap.add_argument("--switch-intervals", nargs="+", type=float, default=None,
                     help="values for sys.setswitchinterval, seconds (default: Python's)")
     ap.add_argument("--out", default="data/gil_probe.csv")
     args = ap.parse_args(argv)
-    df = run(args.arms, args.trials, args.seconds, tuple(args.switch_intervals or (None,)), args.out)
+    df = run(args.arms, args.trials, args.seconds, tuple(args.switch_intervals or (None,)), tuple(args.threads),
+             args.out)
     summary = df.groupby(["switch_interval_s", "arm", "threads"])[["ops_per_s", "speedup", "us_per_op"]].median()
     print(summary.to_string())
 

@@ -6,7 +6,8 @@ model (same seed); `trials` trials interleaved across the allocators and batches
     python -m xlab.experiments single --steps 10 --trials 5
 
 Columns (shared with ddp; see train.COLUMNS): tokens_per_s over the timed steps after warm-up;
-host_ms_per_step, the dispatching thread's CPU time; gpu_ms_per_step, the step's span on the stream (CUDA
+host_ms_per_step, the dispatching thread's CPU time in the window; dispatch_ms_per_step, the same for a step
+started on an idle device (after the window: no launch queue to wait in, so the host's own work); gpu_ms_per_step, the step's span on the stream (CUDA
 events); gpu_util_mean, NVML's mean over the timed window; bound, host or gpu; device_mallocs_per_step,
 cudaMallocs per step after warm-up (raw and cupy_pool: counted in a separate counting run in trial 0, see
 allocators.py); peak_reserved_bytes / peak_requested_bytes over the whole run (model, warm-up and steps);
@@ -24,6 +25,7 @@ from xlab import allocators as registry
 from . import runner, train
 
 TRIALS = 5
+DISPATCH_STEPS = 3     # steps after the window, each from an idle device: the host's work per step (train.run_rank)
 
 
 def default_allocators() -> tuple:
@@ -73,7 +75,7 @@ def run(allocators=None, batches=(32, 4), steps=10, warmup=3, config=None, out="
         def ranks(alloc, n):
             with on_device():
                 return [train.run_rank(alloc, cfg, data, batch, n, warmup, xp=xp, device=device,
-                                       sampler=sampler)]
+                                       sampler=sampler, dispatch_steps=DISPATCH_STEPS)]
         m = runner.run_arm(name, ranks, steps, count_steps, [device], count=trial == 0)
         ref = first.setdefault(batch, m["timed"][0]["losses"])
         row = train.build_row("single", m, 1, batch, cfg, steps, warmup, ref_losses=ref,

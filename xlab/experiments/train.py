@@ -62,7 +62,8 @@ CONFIGS = {
 # The rows' columns, in order; provenance columns follow (xlab.provenance).
 COLUMNS = [
     "mode", "allocator", "world", "batch", "trial", "tokens_per_s", "ms_per_step", "speedup", "speedup_vs_raw",
-    "ratio_vs_cupy_pool", "host_ms_per_step", "gpu_ms_per_step", "gpu_busy_ms_per_step", "bound",
+    "ratio_vs_cupy_pool", "host_ms_per_step", "dispatch_ms_per_step", "gpu_ms_per_step", "gpu_busy_ms_per_step",
+    "bound",
     "gpu_util_mean", "gc_ms_per_step", "gc_collections", "gc", "fenced", "device_mallocs_per_step",
     "peak_reserved_bytes", "peak_requested_bytes", "reserved_over_requested", "loss_first", "loss_last",
     "loss_rel_diff_max", "param_rank_diff_max", "checks_passed", "launcher", "config", "n_params", "block_size",
@@ -369,8 +370,8 @@ def synchronizer(xp, device):
 
 
 def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0, world=1, comm=None,
-             barrier=None, sampler=None) -> dict:
-    """One rank: fresh model, `warmup` steps, `steps` timed steps.
+             barrier=None, sampler=None, dispatch_steps: int = 0) -> dict:
+    """One rank: fresh model, `warmup` steps, `steps` timed steps (then `dispatch_steps` dispatch probes).
 
     Args:
         alloc: the registry Allocator, already installed by the caller (CuPy's allocator is process-wide).
@@ -380,9 +381,13 @@ def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0,
         comm: the communicator (None: one rank, no all-reduce); a `Fenced` one is disarmed after warm-up when
             the allocator makes no device call once warm.
         barrier, sampler: meet the other ranks at the window's edges; NVML sampler (rank 0 only).
+        dispatch_steps: steps after the window, each started on an idle device, whose dispatching thread's CPU
+            time is the host's work per step without waiting: in the window a host that runs ahead of a busy
+            GPU fills CUDA's launch queue and then spins in a launch until a slot frees, which thread time counts.
 
     Returns:
-        A dict of host values: seconds, host_seconds, gpu_ms_per_step, gc_seconds, gc_collections,
+        A dict of host values: seconds, host_seconds, dispatch_ms (median over the probes; NaN without),
+        gpu_ms_per_step, gc_seconds, gc_collections,
         device_mallocs, util, losses, param_rank_diff, peak_reserved, peak_requested, n_params, fenced.
         Losses stay on the device until the end: reading one per step would synchronise every step.
     """
@@ -391,7 +396,7 @@ def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0,
     with alloc.tracking():              # everything allocated in the run, parameters too, is seen
         model = GPT(cfg, xp=xp, seed=SEED)
         opt = AdamW(model.params, lr=LR, weight_decay=WEIGHT_DECAY, foreach=adamw_form() == "foreach")
-        losses = xp.zeros(warmup + steps, dtype=cfg.dtype)
+        losses = xp.zeros(warmup + steps + dispatch_steps, dtype=cfg.dtype)
         events = StepEvents(xp, steps)
 
         def step(i):
@@ -415,9 +420,17 @@ def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0,
         finally:
             if fence is not None:
                 fence.armed = True
+        dispatch = []
+        for i in range(dispatch_steps):
+            window.sync()
+            t0 = time.thread_time()
+            step(warmup + steps + i)
+            dispatch.append(1000 * (time.thread_time() - t0))
+        window.sync()
         param_diff = param_rank_diff(model.params, comm) if comm is not None else None
         n_params = model.num_params()
         out = dict(rank=rank, device=device, seconds=window.seconds, host_seconds=window.host_seconds,
+                   dispatch_ms=float(np.median(dispatch)) if dispatch else math.nan,
                    gpu_ms_per_step=events.ms(), gc_seconds=window.gc.seconds, gc_collections=window.gc.collections,
                    device_mallocs=window.device_mallocs, util=window.util,
                    losses=[float(v) for v in (losses.get() if xp is not np else losses)],
@@ -549,7 +562,8 @@ def build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=None, launch
         mode=mode, allocator=m["allocator"], world=world, batch=batch, trial=trial,
         tokens_per_s=world * batch * cfg.block_size * steps / seconds, ms_per_step=ms_per_step,
         speedup=math.nan, speedup_vs_raw=math.nan, ratio_vs_cupy_pool=math.nan,
-        host_ms_per_step=host_ms, gpu_ms_per_step=_mean(r.get("gpu_ms_per_step", math.nan) for r in timed),
+        host_ms_per_step=host_ms, dispatch_ms_per_step=_mean(r.get("dispatch_ms", math.nan) for r in timed),
+        gpu_ms_per_step=_mean(r.get("gpu_ms_per_step", math.nan) for r in timed),
         gpu_busy_ms_per_step=ms_per_step * gpu_util / 100, bound=step_bound(gpu_util, host_ms, ms_per_step),
         gpu_util_mean=gpu_util,
         gc_ms_per_step=_mean(1000 * r.get("gc_seconds", math.nan) / steps for r in timed),
