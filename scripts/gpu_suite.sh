@@ -39,6 +39,9 @@ LOG="$OUT/gpu_suite.log"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared hosts (see the device notes); NCCL inherits this in every process
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# a deeper launch queue (CUDA 12.8+; ignored before): a launch that finds it full blocks, with the GIL held when
+# tapegpt.launch makes it (the training loops keep two steps in flight at most, far below either depth)
+export CUDA_SCALE_LAUNCH_QUEUES=${CUDA_SCALE_LAUNCH_QUEUES:-4x}
 export XPOOL_COMMIT=${XPOOL_COMMIT:-$(cat .xpool_commit 2>/dev/null || git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 TRIALS=${TRIALS:-5}
 STEPS=${STEPS:-}

@@ -12,11 +12,15 @@ C = A @ B is computed as C^T = B^T A^T with the operands swapped; a transposed o
 `w.T`) is passed with op T and no copy. Anything else (NumPy arrays, other dtypes, broadcast batch axes,
 non-contiguous layouts) falls back to `a @ b`.
 
-`enabled` (environment TAPEGPT_BLAS=0 turns it off) selects this path; the lab records it with each row.
+The call itself goes through tapegpt.launch (the GIL held, like the fused kernels' launches) unless that is
+switched off (TAPEGPT_LAUNCH=cupy); then through CuPy's cuBLAS wrappers. `enabled` (environment TAPEGPT_BLAS=0
+turns it off) selects this path at all; the lab records both switches with each row.
 """
 import os
 
 import numpy as np
+
+from . import launch
 
 BLAS_ENV = "TAPEGPT_BLAS"
 
@@ -104,8 +108,13 @@ def _gemm(a, b):
     dt = a.dtype
     out = cupy.empty((M, N), dt)
     t, compute = types[dt]
-    cublas.gemmEx(_handle(cupy, cublas), pb[0], pa[0], N, M, K, _ONE_PTR[dt], b.data.ptr, t, pb[1],
-                  a.data.ptr, t, pa[1], _ZERO_PTR[dt], out.data.ptr, t, N, compute, algo)
+    h = _handle(cupy, cublas)
+    if _direct():
+        launch.gemm_ex(h, pb[0], pa[0], N, M, K, _ONE_PTR[dt], b.data.ptr, pb[1], a.data.ptr, pa[1],
+                       _ZERO_PTR[dt], out.data.ptr, N, t, compute, algo)
+    else:
+        cublas.gemmEx(h, pb[0], pa[0], N, M, K, _ONE_PTR[dt], b.data.ptr, t, pb[1],
+                      a.data.ptr, t, pa[1], _ZERO_PTR[dt], out.data.ptr, t, N, compute, algo)
     return out
 
 
@@ -121,7 +130,15 @@ def _gemm_batched(a, b):
     dt, op_n = a.dtype, cublas.CUBLAS_OP_N
     out = cupy.empty(a.shape[:-2] + (M, N), dt)
     # CuPy's matmul makes this same call (sgemmStridedBatched/dgemmStridedBatched) for contiguous stacks
-    gemm = cublas.sgemmStridedBatched if dt == _FLOATS[0] else cublas.dgemmStridedBatched
-    gemm(_handle(cupy, cublas), op_n, op_n, N, M, K, _ONE_PTR[dt], b.data.ptr, N, K * N,
-         a.data.ptr, K, M * K, _ZERO_PTR[dt], out.data.ptr, N, M * N, batch)
+    args = (_handle(cupy, cublas), op_n, op_n, N, M, K, _ONE_PTR[dt], b.data.ptr, N, K * N,
+            a.data.ptr, K, M * K, _ZERO_PTR[dt], out.data.ptr, N, M * N, batch)
+    if _direct():
+        launch.gemm_strided_batched(dt, *args)
+    else:
+        (cublas.sgemmStridedBatched if dt == _FLOATS[0] else cublas.dgemmStridedBatched)(*args)
     return out
+
+
+def _direct():
+    """Whether cuBLAS is called with the GIL held (tapegpt.launch), else through CuPy's wrappers."""
+    return launch.direct and launch.cublas()[1] is not None

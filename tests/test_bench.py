@@ -134,3 +134,64 @@ def test_torch_arm_hands_cupy_torch_blocks(tmp_path):
     df = bench.run(out=tmp_path / "t.csv", trials=2, target_s=0.002, allocators=("cupy_pool", "torch"),
                    sizes=(4096,), progress=False)
     assert (df[df.allocator == "torch"].us_per_pair > 0).all()
+
+
+def test_gil_probe_checks_its_arguments_before_touching_a_gpu():
+    from xlab.bench import gil
+    with pytest.raises(ValueError, match="unknown arms"):
+        gil.run(arms=("nope",), out=None)
+    with pytest.raises(ValueError, match="threads must be positive"):
+        gil.run(arms=("python",), threads=(0, 2), out=None)
+
+
+def test_gil_probe_loop_counts_every_thread(monkeypatch):
+    # _run on stand-in ranks (no GPU): every thread's ops are counted and the CPU time is per thread
+    import contextlib
+    import types
+    from xlab.bench import gil
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda d: contextlib.nullcontext()))
+
+    class Stream(contextlib.nullcontext):
+        def synchronize(self):
+            pass
+
+    class Rank:
+        cupy, device, stream = fake_cupy, 0, Stream()
+
+        def op(self, arm):
+            return gil._python_op
+
+    total, cpu = gil._run([Rank(), Rank()], "python", 0.05)
+    assert total >= 2 * 50 and len(cpu) == 2 and all(c > 0 for c in cpu)
+
+
+def test_eight_argument_buffer_has_cudas_parameter_layout():
+    # three pointers, three long longs, an int and a float: offsets 0..40, 48, 52; 56 bytes, as the C struct
+    from xlab.bench import gil
+    assert gil.EIGHT_ARGS.size == 56
+    raw = gil.EIGHT_ARGS.pack(1, 2, 3, 4, 5, 6, 7, 8.0)
+    import struct
+    assert struct.unpack_from("<q", raw, 40)[0] == 6 and struct.unpack_from("<i", raw, 48)[0] == 7
+    assert struct.unpack_from("<f", raw, 52)[0] == 8.0
+
+
+def test_gil_probe_fails_when_an_op_fails():
+    import contextlib
+    import types
+    from xlab.bench import gil
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda d: contextlib.nullcontext()))
+
+    class Stream(contextlib.nullcontext):
+        def synchronize(self):
+            pass
+
+    class Rank:
+        cupy, device, stream = fake_cupy, 0, Stream()
+
+        def op(self, arm):
+            def boom():
+                raise RuntimeError("cuLaunchKernel failed")
+            return boom
+
+    with pytest.raises(RuntimeError, match="cuLaunchKernel failed"):
+        gil._run([Rank(), Rank()], "launch", 0.05)

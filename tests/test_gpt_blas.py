@@ -7,7 +7,7 @@ import types
 import numpy as np
 import pytest
 
-from tapegpt import blas
+from tapegpt import blas, launch
 
 OP_N, OP_T = 0, 1
 
@@ -81,6 +81,7 @@ def fake_cublas(monkeypatch):
     dtypes = {dt: (dt, ("acc", dt)) for dt in (f32, f64)}
     monkeypatch.setattr(blas, "_lib", (cupy, cublas, dtypes, "algo"))
     monkeypatch.setattr(blas, "enabled", True)
+    monkeypatch.setattr(launch, "direct", False)          # CuPy's wrappers; test_direct_path covers the other
     return calls
 
 
@@ -110,6 +111,34 @@ def test_batched_gemm_is_one_call(fake_cublas, shape_a, shape_b):
     out = blas.mm(FakeArray(a), FakeArray(b))
     assert fake_cublas == ["batched"]
     np.testing.assert_allclose(out.x, a @ b, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ta,tb", LAYOUTS)
+def test_direct_path_makes_the_same_calls_with_the_stream_set(fake_cublas, monkeypatch, ta, tb):
+    streams = []
+
+    def set_stream(handle, stream):
+        streams.append((handle, stream))
+        return 0
+
+    f32, f64 = np.dtype(np.float32), np.dtype(np.float64)
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        get_current_stream=lambda: types.SimpleNamespace(ptr=1234)))
+    lib = (set_stream, lambda *a: (fake_cublas.append("direct gemm"), _gemm_ex(*a))[1] or 0,
+           {f32: _batched(f32), f64: _batched(f64)})
+    monkeypatch.setattr(launch, "_lib", (fake_cupy, None, lib))
+    monkeypatch.setattr(launch, "direct", True)
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((5, 3)), rng.standard_normal((3, 4))
+    A = FakeArray(np.ascontiguousarray(a.T)).T if ta else FakeArray(a)
+    B = FakeArray(np.ascontiguousarray(b.T)).T if tb else FakeArray(b)
+    np.testing.assert_allclose(blas.mm(A, B).x, a @ b)
+    x, y = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 4, 2))
+    np.testing.assert_allclose(blas.mm(FakeArray(x), FakeArray(y)).x, x @ y)
+    assert fake_cublas == ["direct gemm"] and streams == [(7, 1234), (7, 1234)]
+    monkeypatch.setattr(launch, "_lib", (fake_cupy, None, (lambda h, s: 0, lambda *a: 13, {})))
+    with pytest.raises(RuntimeError, match="cublasGemmEx failed: status 13"):
+        blas.mm(A, B)
 
 
 def test_what_cublas_cannot_take_falls_back_to_matmul(fake_cublas):

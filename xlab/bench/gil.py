@@ -14,8 +14,12 @@ Arms (each op is what a training step dispatches hundreds of times):
 - python: ~1 us of pure Python (holds the GIL throughout): the serial bound, 1x.
 - launch: an empty RawKernel launch through CuPy (GIL released around cuLaunchKernel).
 - launch_gil: the same kernel launched through ctypes.PyDLL (the GIL is held during cuLaunchKernel).
+- launch8, launch8_gil: a kernel of eight arguments (three pointers, three sizes, an int, a float: a fused op's
+  shape) through CuPy, and through ctypes.PyDLL with the arguments packed by `struct` into one buffer
+  (cuLaunchKernel's CU_LAUNCH_PARAM_BUFFER_POINTER).
 - add: `x + y` on 1-element CuPy arrays (an allocation from CuPy's current allocator, one launch).
 - gemm: a 16x16 float32 product by tapegpt.blas (one cuBLAS call, GIL released).
+- gemm_gil: the same cublasGemmEx call through ctypes.PyDLL on CuPy's handle (GIL held; the stream set once).
 - matmul: the same product by cupy.matmul.
 Trials interleave the arms (A B C, A B C, ...); `sys.getswitchinterval()` is recorded and varied with
 --switch-intervals.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import struct
 import sys
 import threading
 import time
@@ -33,10 +38,13 @@ import pandas as pd
 from xlab.paths import write_csv
 from xlab.provenance import provenance
 
-ARMS = ("python", "launch", "launch_gil", "add", "gemm", "matmul")
+ARMS = ("python", "launch", "launch_gil", "launch8", "launch8_gil", "add", "gemm", "gemm_gil", "matmul")
 TRIALS = 5
 THREADS = (1, 2, 4, 8)
 EMPTY = 'extern "C" __global__ void empty_kernel() {}'
+EIGHT = ('extern "C" __global__ void eight(const float* a, const float* b, float* c, long long n, long long m, '
+         'long long o, int f, float g) {}')
+EIGHT_ARGS = struct.Struct("@PPPqqqif")     # the same parameters as a C struct: CUDA's kernel-parameter layout
 
 
 def _python_op():
@@ -55,17 +63,51 @@ class _Rank:
         with cupy.cuda.Device(self.device):
             self.stream = cupy.cuda.Stream(non_blocking=True)
             self.kernel = cupy.RawKernel(EMPTY, "empty_kernel")
+            self.eight = cupy.RawKernel(EIGHT, "eight")
             with self.stream:
                 self.x = cupy.ones(1, cupy.float32)
                 self.a = cupy.ones((16, 16), cupy.float32)
+                self.c = cupy.empty((16, 16), cupy.float32)
                 self.kernel((1,), (1,), ())                 # compile and load on this device now
+                self.eight((1,), (32,), self._eight_args())
             self.stream.synchronize()
             self.fn = self.kernel.kernel.ptr
+            self.fn8 = self.eight.kernel.ptr
         self.libcuda = ctypes.PyDLL("libcuda.so.1")       # PyDLL: the GIL stays held during the call
         launch = self.libcuda.cuLaunchKernel
         launch.restype = ctypes.c_int
         launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
         self.cu_launch = launch
+        # CU_LAUNCH_PARAM_BUFFER_POINTER, the buffer, CU_LAUNCH_PARAM_BUFFER_SIZE, its size, CU_LAUNCH_PARAM_END
+        self.buf = ctypes.create_string_buffer(EIGHT_ARGS.size)
+        self.size = ctypes.c_size_t(EIGHT_ARGS.size)
+        self.extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(self.buf), 2, ctypes.addressof(self.size), 0)
+
+    def _eight_args(self):
+        import numpy as np
+        return (self.a, self.a, self.c, np.int64(256), np.int64(16), np.int64(16), np.int32(1), np.float32(2.0))
+
+    def _gemm_gil(self):
+        from cupy_backends.cuda.api import runtime
+        from cupy_backends.cuda.libs import cublas
+        lib = ctypes.PyDLL("libcublas.so." + str(runtime.runtimeGetVersion() // 1000))
+        gemm = lib.cublasGemmEx
+        gemm.restype = ctypes.c_int
+        mat = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        gemm.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] + mat * 2 + [ctypes.c_void_p] \
+            + mat + [ctypes.c_int] * 2
+        h = self.cupy.cuda.device.get_cublas_handle()
+        cublas.setStream(h, self.stream.ptr)
+        one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        p1, p0 = ctypes.addressof(one), ctypes.addressof(zero)
+        t, ct, algo, op_n = runtime.CUDA_R_32F, cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP, 0
+        a, c = self.a.data.ptr, self.c.data.ptr
+
+        def op():
+            if gemm(h, op_n, op_n, 16, 16, 16, p1, a, t, 16, a, t, 16, p0, c, t, 16, ct, algo) != 0:
+                raise RuntimeError("cublasGemmEx failed")
+        op.keep = (one, zero)
+        return op
 
     def op(self, arm):
         cupy, s = self.cupy, self.stream
@@ -80,6 +122,19 @@ class _Rank:
                 if launch(fn, 1, 1, 1, 1, 1, 1, 0, ptr, None, None) != 0:
                     raise RuntimeError("cuLaunchKernel failed")
             return op
+        if arm == "launch8":
+            return lambda: self.eight((1,), (32,), self._eight_args())
+        if arm == "launch8_gil":
+            fn, ptr, launch, pack, buf, extra = self.fn8, s.ptr, self.cu_launch, EIGHT_ARGS.pack_into, self.buf, self.extra
+            a, c = self.a.data.ptr, self.c.data.ptr
+
+            def op():
+                pack(buf, 0, a, a, c, 256, 16, 16, 1, 2.0)
+                if launch(fn, 1, 1, 1, 32, 1, 1, 0, ptr, None, extra) != 0:
+                    raise RuntimeError("cuLaunchKernel failed")
+            return op
+        if arm == "gemm_gil":
+            return self._gemm_gil()
         if arm == "add":
             return lambda: self.x + self.x
         if arm == "gemm":
@@ -92,10 +147,17 @@ class _Rank:
 
 def _run(ranks, arm, seconds):
     """Every rank's thread runs `arm` for `seconds`; returns (total ops, per-thread CPU seconds)."""
-    counts, cpu = [0] * len(ranks), [0.0] * len(ranks)
-    start = threading.Barrier(len(ranks))
+    counts, cpu, errors = [0] * len(ranks), [0.0] * len(ranks), []
+    start = threading.Barrier(len(ranks), timeout=60)
 
     def body(i):
+        try:
+            measure(i)
+        except BaseException as e:          # a failing op must fail the probe, not count as zero ops
+            errors.append(e)
+            start.abort()
+
+    def measure(i):
         r = ranks[i]
         with r.cupy.cuda.Device(r.device), r.stream:
             op = r.op(arm)
@@ -117,6 +179,8 @@ def _run(ranks, arm, seconds):
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise errors[0]
     return sum(counts), cpu
 
 
@@ -141,11 +205,12 @@ def run(arms=ARMS, trials=TRIALS, seconds=0.5, switch_intervals=(None,), threads
     import cupy
     bad = [a for a in arms if a not in ARMS]
     if bad:
-        if arm == "matmul":
-            return lambda: cupy.matmul(self.a, self.a)
         raise ValueError(f"unknown arms {bad}; known: {', '.join(ARMS)}")
+    counts = sorted({1, *threads})
+    if counts[0] < 1:
+        raise ValueError(f"threads must be positive, got {threads}")
     n_dev = cupy.cuda.runtime.getDeviceCount()
-    ranks = [_Rank(cupy, d, n_dev) for d in range(2)]
+    ranks = [_Rank(cupy, d, n_dev) for d in range(counts[-1])]
     default = sys.getswitchinterval()
     rows = []
     try:

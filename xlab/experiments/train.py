@@ -13,6 +13,7 @@ inside the window are timed (gc.callbacks) and recorded with the row.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import gc
 import math
@@ -24,6 +25,7 @@ import numpy as np
 
 from tapegpt import AdamW, GPT, GPTConfig, get_batch
 from tapegpt import blas as tapegpt_blas
+from tapegpt import launch as tapegpt_launch
 from tapegpt.tape import array_module
 
 LR, WEIGHT_DECAY, SEED = 3e-4, 0.1, 0
@@ -50,6 +52,11 @@ def adamw_form() -> str:
     return form
 
 
+# Steps a rank may have on the GPU while it dispatches the next: the host stays ahead of the GPU (two steps of
+# work queued is plenty) but never fills CUDA's launch queue, where a launch would block: tapegpt.launch keeps
+# the GIL during a launch, and a thread blocked there holding it would stall the other rank threads.
+AHEAD = 2
+
 LOSS_TOL = 1e-6     # DDP loss vs one GPU on the same global batch: max relative difference
 PARAM_TOL = 1e-6    # parameters across ranks: max absolute difference
 
@@ -67,7 +74,7 @@ COLUMNS = [
     "gpu_util_mean", "gc_ms_per_step", "gc_collections", "gc", "fenced", "device_mallocs_per_step",
     "peak_reserved_bytes", "peak_requested_bytes", "reserved_over_requested", "loss_first", "loss_last",
     "loss_rel_diff_max", "param_rank_diff_max", "checks_passed", "launcher", "config", "n_params", "block_size",
-    "steps", "warmup", "count_steps", "adamw", "fused", "gemm",
+    "steps", "warmup", "count_steps", "adamw", "fused", "gemm", "launch",
 ]
 GC_POLICY = "on, pauses timed"   # the `gc` column: the collector runs as usual in every arm; its pauses are shown
 HOST_BOUND_UTIL = 80.0           # % GPU busy below which the GPU waited for the host: the step is host-bound
@@ -399,10 +406,17 @@ def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0,
         losses = xp.zeros(warmup + steps + dispatch_steps, dtype=cfg.dtype)
         events = StepEvents(xp, steps)
 
+        in_flight = collections.deque()     # events recorded after each step still on the GPU (CuPy only)
+
         def step(i):
+            if len(in_flight) >= AHEAD:
+                in_flight.popleft().synchronize()
             x, y = get_batch(data, batch, cfg.block_size, i, seed=SEED, xp=xp, rank=rank, world=world)
             losses[i] = train_step(model, opt, x, y, comm, world)
             alloc.sample(device)
+            if xp is not np:
+                in_flight.append(xp.cuda.Event(disable_timing=True))
+                in_flight[-1].record()
 
         if fence is not None:
             fence.armed = True
@@ -438,7 +452,8 @@ def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0,
                    peak_requested=alloc.peak_requested(device), n_params=n_params,
                    fenced=fence is not None and (alloc.device_calls_when_warm or fence_always()),
                    fused=getattr(model, "fused", None),   # the workload's fused kernels (tapegpt's GPT(fused=)), if any
-                   gemm="cublas" if tapegpt_blas.enabled and xp is not np else "matmul")   # how GEMMs were made
+                   gemm="cublas" if tapegpt_blas.enabled and xp is not np else "matmul",   # how GEMMs were made
+                   launch=("direct" if tapegpt_launch.direct else "cupy") if xp is not np else None)
         del model, opt, losses
     return out
 
@@ -575,7 +590,7 @@ def build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=None, launch
         loss_rel_diff_max=math.nan if loss_diff is None else loss_diff,
         param_rank_diff_max=math.nan if param_diff is None else param_diff,
         checks_passed=checks_passed(loss_diff, param_diff), launcher=launcher, config=config, adamw=adamw_form(),
-        fused=timed[0].get("fused"), gemm=timed[0].get("gemm"),
+        fused=timed[0].get("fused"), gemm=timed[0].get("gemm"), launch=timed[0].get("launch"),
         n_params=timed[0]["n_params"], block_size=cfg.block_size, steps=steps, warmup=warmup,
         count_steps=m["counted_steps"] if counted is not None else 0,   # steps mallocs and peaks were counted over
     )
