@@ -73,7 +73,7 @@ TRAIN="--trials $TRIALS --no-progress ${STEPS:+--steps $STEPS} ${WARMUP:+--warmu
 for s in $stages; do
     case $s in
         tests)       stage tests 240 $PY -m pytest -q -p no:warnings -m "gpu or multigpu" tests \
-                         -k "not transparency_gate_raw" --ignore=tests/test_torch_gpu.py ;;
+                         -k "not transparency_gate_raw" --ignore=tests/test_torch_gpu.py ${TESTS_IGNORE:-} ;;
         bench)       stage bench 140 $PY -m xlab.bench.alloc --trials "$TRIALS" --out "$DATA"/alloc_microbench.csv ;;
         single)      stage single 150 $PY -m xlab.experiments single $TRAIN --out "$DATA"/single_gpu.csv ;;
         correctness) stage correctness 150 $PY -m xlab.correctness --gpu --out "$DATA"/correctness_gpu.csv ;;

@@ -8,7 +8,7 @@ import argparse
 import statistics
 import time
 
-from . import blas
+from . import blas, launch
 from .data import get_batch, load_corpus
 from .model import GPT, GPTConfig
 from .optim import AdamW
@@ -87,6 +87,7 @@ def step_profile(xp, cfg=None, steps=10, warmup=3, fused=None, foreach=True, see
     host_ms = statistics.median(host)
     gpu_ms = statistics.median(gpu) if gpu else float("nan")
     return dict(xp=xp.__name__, fused=model.fused, gemm="cublas" if blas.enabled and on_gpu else "matmul",
+                launch=("direct" if launch.direct else "cupy") if on_gpu else None,
                 adamw=counts["adamw"], batch=cfg.batch_size,
                 host_ms=host_ms, host_ms_min=min(host), gpu_ms=gpu_ms, ms_per_step=wall,
                 bound="host" if not host_ms <= gpu_ms else "gpu", launches=counts["launches"],
@@ -138,10 +139,10 @@ def main(argv=None):
         return df
     if args.profile:
         rows = [step_profile(xp, cfg, args.steps, args.warmup, fused=f) for f in (False, True)]
-        print(f"{'fused':<6} {'adamw':<9} {'host ms':>8} {'gpu ms':>8} {'ms/step':>8} {'bound':>5} "
+        print(f"{'fused':<6} {'launch':<7} {'adamw':<9} {'host ms':>8} {'gpu ms':>8} {'ms/step':>8} {'bound':>5} "
               f"{'launches':>8} {'nodes':>6}")
         for r in rows:
-            print(f"{r['fused']!s:<6} {r['adamw']:<9} {r['host_ms']:>8.2f} {r['gpu_ms']:>8.2f} "
+            print(f"{r['fused']!s:<6} {r['launch']!s:<7} {r['adamw']:<9} {r['host_ms']:>8.2f} {r['gpu_ms']:>8.2f} "
                   f"{r['ms_per_step']:>8.2f} {r['bound']:>5} {r['launches']:>8} {r['tape_nodes']:>6}")
         return rows
     if args.cpu:
