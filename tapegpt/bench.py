@@ -53,7 +53,7 @@ def step_profile(xp, cfg=None, steps=10, warmup=3, fused=None, foreach=True, see
     on_gpu = xp.__name__ == "cupy"
     sync = xp.cuda.Device().synchronize if on_gpu else (lambda: None)
     model = GPT(cfg, xp=xp, seed=seed, fused=fused)
-    opt = AdamW(model.params, foreach=foreach)
+    opt = AdamW(model.params, foreach=foreach, fused=model.fused)
     data = load_corpus()
     batches = [get_batch(data, cfg.batch_size, cfg.block_size, s, seed=seed, xp=xp) for s in range(warmup + steps)]
 

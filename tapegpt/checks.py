@@ -460,6 +460,8 @@ def _fused_cases(dtype, large=False):
 
     x, w, b = n(N, C), 1 + 0.1 * n(C), n(C)
     y, mean, rstd = fused.layer_norm_fwd(x, w, b, 1e-5)
+    x9, w9 = n(9, 1000), 1 + 0.1 * n(1000)
+    stats9 = fused.layer_norm_fwd(x9, w9, n(1000), 1e-5)[1:]
     idx = rng.integers(0, V, size=(B, T))
     z = 3 * n(N, V)
     t = rng.integers(0, V, size=N)
@@ -473,10 +475,15 @@ def _fused_cases(dtype, large=False):
          [n(9, 1000), n(1000), n(1000)]),
         ("layer_norm_bwd", lambda *a: fused.layer_norm_bwd(*a, None), [n(N, C), x, w, mean, rstd]),
         ("layer_norm_bwd adding into a gradient", fused.layer_norm_bwd, [n(N, C), x, w, mean, rstd, n(N, C)]),
-        ("colsum, many rows (two passes)", fused.colsum, [n(1100, 7)]),
-        ("colsum, few rows (one pass)", fused.colsum, [n(20, 5)]),
+        ("layer_norm_bwd, rows of 1000", lambda *a: fused.layer_norm_bwd(*a, None), [n(9, 1000), x9, w9, *stats9]),
+        ("colsum, many rows (128 row groups, fewer columns than a block)", fused.colsum, [n(1100, 7)]),
+        ("colsum, few rows (2 row groups)", fused.colsum, [n(20, 5)]),
+        ("colsum, one row", fused.colsum, [n(1, 37)]),
+        ("colsum, 37 rows of 70 (4 row groups, a partial block)", fused.colsum, [n(37, 70)]),
+        ("colsum, reference rows" if large else "colsum, 300 rows", fused.colsum, [n(N if large else 300, F)]),
         ("bias_gelu", fused.bias_gelu, [3 * n(N, F), n(F)]),
-        ("bias_gelu_bwd", fused.bias_gelu_bwd, [n(N, F), 3 * n(N, F), n(F)]),
+        ("bias_gelu_bwd (and the bias's gradient)", fused.bias_gelu_bwd, [n(N, F), 3 * n(N, F), n(F)]),
+        ("bias_gelu_bwd, one row", fused.bias_gelu_bwd, [n(1, 37), 3 * n(1, 37), n(37)]),
         ("bias_residual", fused.bias_residual, [n(N, C), n(N, C), n(C)]),
         ("embed_fwd (T < block)", fused.embed_fwd, [n(V, C), n(T + 3, C), idx]),
         ("onehot_t", lambda i: fused.onehot_t(i, V, dtype), [idx]),
@@ -523,6 +530,28 @@ def fused_kernel_parity(xp=np, dtype="float32", large=False, tol=None, on_device
     return _frame(rows)
 
 
+def adamw_bitwise(xp=np, dtype="float32", large=False, on_device=contextlib.nullcontext, steps=3):
+    """The foreach AdamW update (tapegpt.fused.adamw; on CuPy one kernel) against its NumPy formulas over a few
+    steps: elements of p, m and v whose bits differ (the kernel rounds each operation as NumPy does: 0)."""
+    rng = np.random.default_rng(11)
+    size = (1 << 21) + 5 if large else 777           # not a multiple of a block; large: a grid of 8193 blocks
+    n_decay = size // 3
+    lr, (b1, b2), eps, wd = 1e-2, (0.9, 0.95), 1e-8, 0.1
+    p, m, g = (rng.standard_normal(size).astype(dtype) for _ in range(3))
+    v = (rng.standard_normal(size) ** 2 * 1e-3).astype(dtype)
+    ref, out = [p, m, v], [xp.array(a) for a in (p, m, v)]
+    for t in range(1, steps + 1):
+        gt = (g * rng.uniform(0.5, 2.0, size)).astype(dtype)
+        hyper = (n_decay, 1.0 - lr * wd, b1, b2, lr / (1.0 - b1 ** t), math.sqrt(1.0 - b2 ** t), eps)
+        ref[1:] = fused.adamw_formulas(*ref, gt, *hyper)
+        with on_device():
+            out[1:] = fused.adamw(*out, xp.array(gt), *hyper)
+    bits = np.uint32 if np.dtype(dtype).itemsize == 4 else np.uint64
+    differ = sum(int(np.count_nonzero(to_numpy(o).view(bits) != r.view(bits))) for o, r in zip(out, ref))
+    return _frame([_row(f"fused adamw {dtype}{' large' if large else ''} vs NumPy, {steps} steps (elements whose "
+                        f"bits differ)", differ, 0, xp)])
+
+
 def loss_curve_drift(xp=np, cfg=None, steps=50, lr=3e-4, seed=0):
     """Train the fused and the unfused model side by side (same init, batches, foreach AdamW): one row per step.
 
@@ -533,7 +562,7 @@ def loss_curve_drift(xp=np, cfg=None, steps=50, lr=3e-4, seed=0):
     losses = {}
     for f in (False, True):
         model = GPT(cfg, xp=xp, seed=seed, fused=f)
-        losses[f] = [float(v) for v in train(model, AdamW(model.params, lr=lr), data, steps, seed=seed)]
+        losses[f] = [float(v) for v in train(model, AdamW(model.params, lr=lr, fused=f), data, steps, seed=seed)]
     return _frame([dict(step=i, loss_unfused=a, loss_fused=b, rel_diff=abs(a - b) / abs(a), xp=xp.__name__,
                         dtype=cfg.dtype) for i, (a, b) in enumerate(zip(losses[False], losses[True]))])
 
@@ -551,7 +580,8 @@ def run_all(xp=np, with_torch=True):
     g = grad_check_all(xp).rename(columns={"max_rel_err": "measured", "tol": "threshold"})
     frames = [g, matmul_reference(xp), fp32_vs_fp64(xp), overfit(xp), checkpoint_roundtrip(xp),
               batch_consistency(xp), closed_loop(xp), get_batch_checks(xp), fused_kernel_parity(xp, "float64"),
-              fused_kernel_parity(xp, "float32"), fused_vs_unfused(xp)]
+              fused_kernel_parity(xp, "float32"), adamw_bitwise(xp, "float64"), adamw_bitwise(xp, "float32"),
+              fused_vs_unfused(xp)]
     if with_torch:
         frames += [torch_parity(dtype, fused=f) for dtype in ("float64", "float32") for f in (False, True)]
         frames.append(adamw_isolated_parity())

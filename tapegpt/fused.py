@@ -89,7 +89,7 @@ def layer_norm_fwd(x, w, b, eps):
     return y, mean, rstd
 
 
-@_launches(3)
+@_launches(2)
 def layer_norm_bwd(g, x, w, mean, rstd, acc):
     """(dx, dw, db) of layer norm for rows (N, C); dx includes acc (a gradient already there) unless None."""
     if _on_host(x):
@@ -102,48 +102,25 @@ def layer_norm_bwd(g, x, w, mean, rstd, acc):
     cp = array_module(x)
     g, x, n, c = _c(g), _c(x), x.shape[0], x.shape[1]
     dx = cp.empty_like(x)
+    dwb = cp.empty((2, c), x.dtype)
     has_acc = acc is not None
+    sizes = _i64(n, c)
     kernels.kernel("ln_bwd", x.dtype)(*kernels.row_grid(n), (g, x, _c(w), mean, rstd, _c(acc) if has_acc else x,
-                                                            dx, *_i64(n, c), np.int32(has_acc)))
-    rows, chunks = _chunking(n)
-    part = cp.empty((chunks, 2 * c), x.dtype)
-    kernels.kernel("ln_param_partial", x.dtype)((-(-c // kernels.COL_BLOCK), chunks), (kernels.COL_BLOCK,),
-                                                (g, x, mean, rstd, part, *_i64(n, c, rows)))
-    dwb = _colsum_rows(part)
-    return dx, dwb[:c], dwb[c:]
+                                                            dx, *sizes, np.int32(has_acc)))
+    dw, db = dwb
+    kernels.kernel("ln_param", x.dtype)(*kernels.col_grid(n, c), (g, x, mean, rstd, dw, db, *sizes))
+    return dx, dw, db
 
 
-def _chunking(n):
-    """(rows per chunk, chunks) for a two-pass column sum over n rows: about sqrt(n) of each, so that neither
-    pass has a long serial loop (8192 rows: chunks of 91 rows, then 91 partial sums per column)."""
-    rows = max(16, math.isqrt(n - 1) + 1) if n > 1 else 1
-    return rows, -(-n // rows)
-
-
-def _colsum_rows(a):
-    """Column sums of a small (rows, C) CuPy array in one launch: one thread per column, rows in order."""
-    cp = array_module(a)
-    n, c = a.shape
-    out = cp.empty((c,), a.dtype)
-    kernels.kernel("colsum_partial", a.dtype)((-(-c // kernels.COL_BLOCK), 1), (kernels.COL_BLOCK,),
-                                              (a, out, *_i64(n, c, n)))
-    return out
-
-
-@_launches(2)
+@_launches(1)
 def colsum(a):
-    """Sum of a (N, C) over its rows: a bias's gradient. Deterministic: chunks of rows, then the chunks."""
+    """Sum of a (N, C) over its rows: a bias's gradient. Deterministic: fixed row order, then a fixed tree."""
     if _on_host(a):
         return a.sum(axis=0)
-    cp = array_module(a)
     a, n, c = _c(a), a.shape[0], a.shape[1]
-    rows, chunks = _chunking(n)
-    if chunks == 1:
-        return _colsum_rows(a)
-    part = cp.empty((chunks, c), a.dtype)
-    kernels.kernel("colsum_partial", a.dtype)((-(-c // kernels.COL_BLOCK), chunks), (kernels.COL_BLOCK,),
-                                              (a, part, *_i64(n, c, rows)))
-    return _colsum_rows(part)
+    out = array_module(a).empty((c,), a.dtype)
+    kernels.kernel("colsum", a.dtype)(*kernels.col_grid(n, c), (a, out, *_i64(n, c)))
+    return out
 
 
 @_launches(1)
@@ -161,16 +138,18 @@ def bias_gelu(a, b):
 
 @_launches(1)
 def bias_gelu_bwd(g, a, b):
-    """d gelu(a + b) / d(a + b) times g."""
+    """(du, db): du = g times d gelu(a + b) / d(a + b), rows (N, C), and db its sum over rows (b's gradient)."""
     if _on_host(a):
         u = a + b
         t = np.tanh(_GELU_C * (u + 0.044715 * u * u * u))
-        du = _GELU_C * (1.0 + 3 * 0.044715 * u * u)
-        return g * (0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * du)
-    a = _c(a)
-    out = array_module(a).empty_like(a)
-    _launch_elem("bias_gelu_bwd", a.size, (_c(g), a, _c(b), out, *_i64(a.size, b.size)), a.dtype)
-    return out
+        d = _GELU_C * (1.0 + 3 * 0.044715 * u * u)
+        du = g * (0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * d)
+        return du, du.sum(axis=0)
+    cp = array_module(a)
+    a, n, c = _c(a), a.shape[0], a.shape[1]
+    du, db = cp.empty_like(a), cp.empty((c,), a.dtype)
+    kernels.kernel("bias_gelu_bwd", a.dtype)(*kernels.col_grid(n, c), (_c(g), a, _c(b), du, db, *_i64(n, c)))
+    return du, db
 
 
 @_launches(1)
@@ -320,6 +299,32 @@ def ce_bwd(z, t, m, s, g):
     return dz
 
 
+def adamw_formulas(p, m, v, g, n_decay, decay, b1, b2, step_size, bc2_sqrt, eps):
+    """One AdamW step on flat arrays as array code (NumPy or CuPy): p updated in place, the new (m, v) returned.
+
+    The first n_decay elements of p get weight decay (p *= decay). The square root is sqrt, not `** 0.5`:
+    NumPy computes `** 0.5` as sqrt anyway, CuPy as powf, which may differ from sqrt in the last bit."""
+    m = b1 * m + (1.0 - b1) * g
+    v = b2 * v + (1.0 - b2) * (g * g)
+    if n_decay:
+        decayed = p[:n_decay]   # a view: in-place on it, no write-back copy
+        decayed *= decay
+    p -= step_size * (m / (array_module(v).sqrt(v) / bc2_sqrt + eps))
+    return m, v
+
+
+@_launches(1)
+def adamw(p, m, v, g, n_decay, decay, b1, b2, step_size, bc2_sqrt, eps):
+    """adamw_formulas in one kernel over flat contiguous p, m and v, all three updated in place; the result is
+    bit-identical (each operation rounds as it does there, see the kernel). Returns (m, v)."""
+    if _on_host(p):
+        return adamw_formulas(p, m, v, g, n_decay, decay, b1, b2, step_size, bc2_sqrt, eps)
+    t = p.dtype.type   # Python floats meet float32 arrays as float32 (NumPy's and CuPy's weak scalars)
+    _launch_elem("adamw", p.size, (p, m, v, _c(g), *_i64(p.size, n_decay), t(b1), t(1.0 - b1), t(b2), t(1.0 - b2),
+                                   t(decay), t(bc2_sqrt), t(eps), t(step_size)), p.dtype)
+    return m, v
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Tape ops: one node each.
 
@@ -331,8 +336,8 @@ def _set_grad(t, g):
 
 
 def _linear_grads(g2, h, h2, w, b):
-    """Gradients of h2 @ w + b given g2 = d(out) as rows: into b, w and h (h's shape restored)."""
-    if b.requires_grad:
+    """Gradients of h2 @ w + b given g2 = d(out) as rows: into b (unless None: the caller did it), w and h."""
+    if b is not None and b.requires_grad:
         _accumulate(b, colsum(g2))
     if w.requires_grad:
         _accumulate(w, mm(h2.T, g2))
@@ -407,7 +412,9 @@ def linear_gelu(h, w, b):
     y = bias_gelu(a, b.data).reshape(h.shape[:-1] + (w.shape[1],))
 
     def backward(g):
-        _linear_grads(bias_gelu_bwd(g.reshape(a.shape), a, b.data), h, h2, w, b)
+        du, db = bias_gelu_bwd(g.reshape(a.shape), a, b.data)    # the bias's gradient in the same pass
+        _accumulate(b, db)
+        _linear_grads(du, h, h2, w, None)
 
     return _make(y, (h, w, b), backward)
 

@@ -1,10 +1,12 @@
 """The CUDA kernels behind tapegpt.fused: one source, compiled once per (device, dtype, kernel) and cached.
 
-Every kernel is deterministic: a reduction runs in a fixed order (a loop, or a warp's shuffle tree to lane 0
-that is then broadcast, so every lane uses the same bits) and nothing uses atomics, so a step's result does
-not depend on the allocator or on timing. Row kernels give each row one warp (`ROW_BLOCK / 32` rows per block);
-the guard `row >= n_rows` is the same for all 32 lanes of a warp, so every shuffle sees its whole warp.
-Elementwise kernels give each element one thread. Sizes are `long long` so no index can overflow.
+Every kernel is deterministic: a reduction runs in a fixed order (a loop, a warp's shuffle tree to lane 0
+that is then broadcast, so every lane uses the same bits, or a fixed tree in shared memory) and nothing uses
+atomics, so a step's result does not depend on the allocator or on timing. Row kernels give each row one warp
+(`ROW_BLOCK / 32` rows per block); the guard `row >= n_rows` is the same for all 32 lanes of a warp, so every
+shuffle sees its whole warp.
+Elementwise kernels give each element one thread; column kernels (column sums over rows) give a block a few
+adjacent columns over all rows (see col_grid). Sizes are `long long` so no index can overflow.
 """
 import threading
 
@@ -12,7 +14,8 @@ import numpy as np
 
 ROW_BLOCK = 256   # threads per block of a row kernel: 8 rows (warps) per block
 ELEM_BLOCK = 256  # threads per block of an elementwise kernel
-COL_BLOCK = 128   # threads (columns) per block of the column-sum kernels
+COL_ROWS = 16     # rows per thread that a column kernel aims for (fewer row groups for short arrays)
+COL_MAX_RY = 128  # row groups per block of a column kernel, at most (so at most 1024 threads, COL_MAX_THREADS)
 
 SOURCE = r"""
 typedef long long i64;
@@ -70,34 +73,56 @@ extern "C" __global__ void ln_bwd(const T* g, const T* x, const T* w, const T* m
     }
 }
 
-// Per chunk of rows: partial column sums of g * xhat (columns 0..C-1) and of g (columns C..2C-1).
-extern "C" __global__ void ln_param_partial(const T* g, const T* x, const T* mean, const T* rstd, T* out,
-                                            i64 n_rows, i64 C, i64 rows_per_chunk) {
-    const i64 col = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (col >= C) return;
-    const i64 r0 = (i64)blockIdx.y * rows_per_chunk;
-    const i64 r1 = r0 + rows_per_chunk < n_rows ? r0 + rows_per_chunk : n_rows;
-    T sw = 0, sb = 0;
-    #pragma unroll 4
-    for (i64 r = r0; r < r1; ++r) {
-        T gv = g[r * C + col];
-        sw += gv * ((x[r * C + col] - mean[r]) * rstd[r]);
-        sb += gv;
+// ---- column kernels: a block of (CX, RY) threads owns CX adjacent columns of a (n_rows, C) array over all
+// its rows, so a column's sum is finished in one launch without atomics. Thread (x, y) walks rows y, y + RY,
+// y + 2 RY, ... in order; rows_tree_sum then adds the RY partial sums in a fixed tree. CX >= 8 keeps each row
+// segment a whole 32-byte sector; RY is a power of two (tapegpt.kernels.col_block picks both).
+
+// The sum over threadIdx.y of v for column threadIdx.x, returned to every thread of the block. sh has room for
+// blockDim.x * blockDim.y values; every thread of the block must call it (it synchronises the block).
+__device__ __forceinline__ T rows_tree_sum(T* sh, T v) {
+    const int X = blockDim.x, x = threadIdx.x, y = threadIdx.y;
+    sh[y * X + x] = v;
+    __syncthreads();
+    for (int h = blockDim.y >> 1; h > 0; h >>= 1) {
+        if (y < h) sh[y * X + x] += sh[(y + h) * X + x];
+        __syncthreads();
     }
-    out[(i64)blockIdx.y * 2 * C + col] = sw;
-    out[(i64)blockIdx.y * 2 * C + C + col] = sb;
+    return sh[x];
 }
 
-// Per chunk of rows: partial column sums of a (n_rows, C). Applied twice it is a deterministic column sum.
-extern "C" __global__ void colsum_partial(const T* a, T* out, i64 n_rows, i64 C, i64 rows_per_chunk) {
+#define COL_MAX_THREADS 1024
+
+// out[c] = sum over rows of a[r, c]: a bias's gradient.
+extern "C" __global__ void colsum(const T* a, T* out, i64 n_rows, i64 C) {
+    __shared__ T sh[COL_MAX_THREADS];
     const i64 col = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (col >= C) return;
-    const i64 r0 = (i64)blockIdx.y * rows_per_chunk;
-    const i64 r1 = r0 + rows_per_chunk < n_rows ? r0 + rows_per_chunk : n_rows;
     T s = 0;
-    #pragma unroll 4
-    for (i64 r = r0; r < r1; ++r) s += a[r * C + col];
-    out[(i64)blockIdx.y * C + col] = s;
+    if (col < C) {
+        #pragma unroll 4
+        for (i64 r = threadIdx.y; r < n_rows; r += blockDim.y) s += a[r * C + col];
+    }
+    s = rows_tree_sum(sh, s);
+    if (threadIdx.y == 0 && col < C) out[col] = s;
+}
+
+// Layer norm's parameter gradients in one pass: dw[c] = sum_r g * xhat, db[c] = sum_r g.
+extern "C" __global__ void ln_param(const T* g, const T* x, const T* mean, const T* rstd, T* dw, T* db,
+                                    i64 n_rows, i64 C) {
+    __shared__ T sh_w[COL_MAX_THREADS], sh_b[COL_MAX_THREADS];
+    const i64 col = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    T sw = 0, sb = 0;
+    if (col < C) {
+        #pragma unroll 4
+        for (i64 r = threadIdx.y; r < n_rows; r += blockDim.y) {
+            const T gv = g[r * C + col];
+            sw += gv * ((x[r * C + col] - mean[r]) * rstd[r]);
+            sb += gv;
+        }
+    }
+    sw = rows_tree_sum(sh_w, sw);
+    sb = rows_tree_sum(sh_b, sb);
+    if (threadIdx.y == 0 && col < C) { dw[col] = sw; db[col] = sb; }
 }
 
 // ---- GELU (tanh form) of a + b, with b a bias over the last axis (C)
@@ -109,13 +134,30 @@ extern "C" __global__ void bias_gelu_fwd(const T* a, const T* b, T* y, i64 n, i6
     }
 }
 
-extern "C" __global__ void bias_gelu_bwd(const T* g, const T* a, const T* b, T* du, i64 n, i64 C) {
-    ELEM_LOOP {
-        T u = a[i] + b[i % C];
-        T t = tanh((T)0.7978845608028654 * (u + (T)0.044715 * u * u * u));
-        T d = (T)0.7978845608028654 * ((T)1 + (T)(3 * 0.044715) * u * u);
-        du[i] = g[i] * ((T)0.5 * ((T)1 + t) + (T)0.5 * u * ((T)1 - t * t) * d);
+__device__ __forceinline__ T gelu_grad(T g, T u) {
+    T t = tanh((T)0.7978845608028654 * (u + (T)0.044715 * u * u * u));
+    T d = (T)0.7978845608028654 * ((T)1 + (T)(3 * 0.044715) * u * u);
+    return g * ((T)0.5 * ((T)1 + t) + (T)0.5 * u * ((T)1 - t * t) * d);
+}
+
+// du = g * gelu'(a + b) over (n_rows, C), and db[c] = sum_r du[r, c] (the bias's gradient) in the same pass.
+extern "C" __global__ void bias_gelu_bwd(const T* g, const T* a, const T* b, T* du, T* db,
+                                         i64 n_rows, i64 C) {
+    __shared__ T sh[COL_MAX_THREADS];
+    const i64 col = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    T s = 0;
+    if (col < C) {
+        const T bc = b[col];
+        #pragma unroll 4
+        for (i64 r = threadIdx.y; r < n_rows; r += blockDim.y) {
+            const i64 i = r * C + col;
+            const T d = gelu_grad(g[i], a[i] + bc);
+            du[i] = d;
+            s += d;
+        }
     }
+    s = rows_tree_sum(sh, s);
+    if (threadIdx.y == 0 && col < C) db[col] = s;
 }
 
 // ---- residual + (a + bias)
@@ -217,11 +259,39 @@ extern "C" __global__ void ce_bwd(const T* z, const i64* t, const T* m, const T*
         dz[i] = (exp(z[i] - m[r]) / s[r] - (i % V == t[r] ? (T)1 : (T)0)) * gn;
     }
 }
+
+// ---- AdamW over flat parameters p, moments m and v (in place), gradients g; p[0, n_decay) get weight decay.
+// Every operation rounds on its own, in the order of tapegpt.optim's NumPy formulas (no FMA contraction, IEEE
+// division and square root), so the update is bit-identical to them:
+// m = b1 m + c1 g; v = b2 v + c2 (g g); p = p decay (decayed only); p = p - step (m / (sqrt(v) / bc2 + eps)).
+__device__ __forceinline__ float rn_add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double rn_add(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float rn_sub(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ double rn_sub(double a, double b) { return __dsub_rn(a, b); }
+__device__ __forceinline__ float rn_mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double rn_mul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float rn_div(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double rn_div(double a, double b) { return __ddiv_rn(a, b); }
+__device__ __forceinline__ float rn_sqrt(float a) { return __fsqrt_rn(a); }
+__device__ __forceinline__ double rn_sqrt(double a) { return __dsqrt_rn(a); }
+
+extern "C" __global__ void adamw(T* p, T* m, T* v, const T* g, i64 n, i64 n_decay, T b1, T c1, T b2, T c2,
+                                 T decay, T bc2, T eps, T step) {
+    ELEM_LOOP {
+        const T gi = g[i];
+        const T mi = rn_add(rn_mul(b1, m[i]), rn_mul(c1, gi));
+        const T vi = rn_add(rn_mul(b2, v[i]), rn_mul(c2, rn_mul(gi, gi)));
+        m[i] = mi;
+        v[i] = vi;
+        const T pi = i < n_decay ? rn_mul(p[i], decay) : p[i];
+        p[i] = rn_sub(pi, rn_mul(step, rn_div(mi, rn_add(rn_div(rn_sqrt(vi), bc2), eps))));
+    }
+}
 """
 
-KERNEL_NAMES = ("ln_fwd", "ln_bwd", "ln_param_partial", "colsum_partial", "bias_gelu_fwd", "bias_gelu_bwd",
+KERNEL_NAMES = ("ln_fwd", "ln_bwd", "ln_param", "colsum", "bias_gelu_fwd", "bias_gelu_bwd",
                 "bias_residual", "embed_fwd", "onehot_t", "rows_to_heads", "heads_to_rows", "causal_softmax_fwd",
-                "causal_softmax_bwd", "ce_fwd", "ce_bwd")
+                "causal_softmax_bwd", "ce_fwd", "ce_bwd", "adamw")
 
 _CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
@@ -254,6 +324,18 @@ def kernel(name, dtype):
 def elem_grid(n):
     """Grid for an elementwise kernel over n elements (grid-stride loop past 2**20 blocks)."""
     return (max(1, min(-(-n // ELEM_BLOCK), 1 << 20)),), (ELEM_BLOCK,)
+
+
+def col_grid(n_rows, C):
+    """Grid and block (CX, RY) for a column kernel over (n_rows, C): RY row groups, the power of two that gives
+    each thread about COL_ROWS rows (at most COL_MAX_RY), and CX = 256 / RY columns but at least 8 per block.
+
+    One launch and no atomics means a column never spans blocks, so the grid is C / CX blocks: 8 columns a
+    block gives (8192, 1536) 192 blocks of 1024 threads, and a short array (the position embedding's gradient,
+    (B, T*C)) 256 columns a block, one row group."""
+    ry = min(COL_MAX_RY, 1 << (-(-n_rows // COL_ROWS) - 1).bit_length())
+    cx = max(8, 256 // ry)
+    return (max(1, -(-C // cx)),), (cx, ry)
 
 
 def row_grid(n_rows):

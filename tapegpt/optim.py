@@ -1,6 +1,7 @@
 """AdamW with decoupled weight decay, the same update as torch.optim.AdamW (non-amsgrad)."""
 import math
 
+from . import fused as fused_ops
 from .tape import array_module
 
 
@@ -16,16 +17,19 @@ class AdamW:
     one flat buffer (the dict's arrays become views of it, decayed ones first) and a step is a dozen array ops
     instead of a dozen per parameter, with bit-identical results (the same arithmetic on every element).
     foreach=False is the per-parameter loop (the workload as first measured).
+    fused (foreach only; default tapegpt.fused.enabled, env TAPEGPT_FUSED): on CuPy the whole update is one kernel
+    (tapegpt.fused.adamw), bit-identical to the array code it replaces.
     """
 
     def __init__(self, params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, decay=default_decay,
-                 foreach=True):
+                 foreach=True, fused=None):
         self.params = params
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
         # Names whose parameters get weight decay; fixed at construction so checkpoints can record it.
         self.decay = {k for k, p in params.items() if decay(k, p.shape)}
         self.t = 0
         self.foreach = foreach
+        self.fused = fused_ops.enabled if fused is None else bool(fused)
         if foreach:
             self._pack()
         else:
@@ -61,13 +65,10 @@ class AdamW:
 
     def _step_foreach(self, grads, lr, step_size, bc2_sqrt):
         xp = array_module(self._flat)
-        b1, b2 = self.betas
         g = xp.concatenate([grads[k].ravel() for k in self._order])
-        self._m = b1 * self._m + (1.0 - b1) * g
-        self._v = b2 * self._v + (1.0 - b2) * (g * g)
-        if self.weight_decay and self._n_decay:
-            self._flat[:self._n_decay] *= 1.0 - lr * self.weight_decay
-        self._flat -= step_size * (self._m / (self._v ** 0.5 / bc2_sqrt + self.eps))
+        update = fused_ops.adamw if self.fused else fused_ops.adamw_formulas
+        self._m, self._v = update(self._flat, self._m, self._v, g, self._n_decay if self.weight_decay else 0,
+                                  1.0 - lr * self.weight_decay, *self.betas, step_size, bc2_sqrt, self.eps)
 
     def step(self, grads, lr=None):
         """One update from grads (name -> array). `lr` overrides the learning rate for this step only."""
@@ -89,12 +90,14 @@ class AdamW:
             self.m[k], self.v[k] = m, v
             if self.weight_decay and k in self.decay:
                 p *= 1.0 - lr * self.weight_decay
-            p -= step_size * (m / (v ** 0.5 / bc2_sqrt + self.eps))
+            p -= step_size * (m / (array_module(v).sqrt(v) / bc2_sqrt + self.eps))   # sqrt: see fused.adamw_formulas
 
     def state_dict(self):
-        """Hyper-parameters, step count and moments (moments as xp arrays)."""
+        """Hyper-parameters, step count and moments (moments as xp arrays, copies: foreach updates its in place)."""
+        copy = self.foreach
         return {"lr": self.lr, "betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay,
-                "decay": sorted(self.decay), "t": self.t, "m": dict(self.m), "v": dict(self.v)}
+                "decay": sorted(self.decay), "t": self.t, "m": {k: a.copy() if copy else a for k, a in self.m.items()},
+                "v": {k: a.copy() if copy else a for k, a in self.v.items()}}
 
     def load_state_dict(self, state):
         """Restore what state_dict() returned (moments are taken as given, not copied)."""

@@ -126,7 +126,7 @@ def op_counts(cfg=None, fused_model=None, foreach=True, seed=0):
     cfg = cfg or GPTConfig()
     model = GPT(cfg, xp=np, seed=seed, fused=fused_model)
     model.params = {k: v.view(Counted) for k, v in model.params.items()}
-    opt = AdamW(model.params, foreach=foreach)
+    opt = AdamW(model.params, foreach=foreach, fused=model.fused)
     x, y = get_batch(load_corpus(), cfg.batch_size, cfg.block_size, 0)
     rec = _rec = fused._recorder = _Recorder()
     try:

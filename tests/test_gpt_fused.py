@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cuda_emu
-from tapegpt import GPT, bench, checks, fused, get_batch, kernels, load_corpus, profile
+from tapegpt import GPT, AdamW, bench, checks, fused, get_batch, kernels, load_corpus, profile
 
 
 @contextlib.contextmanager
@@ -162,6 +162,18 @@ def test_fused_step_dispatches_far_fewer_ops():
     assert fused_["fused"] and not unfused["fused"] and per_param["adamw"] == "per_param"
 
 
+def test_fused_step_launch_count_does_not_grow_back():
+    # 561 launches before one-pass column sums, the 2-launch layer-norm backward, the bias gradient inside the
+    # GELU backward and the one-kernel AdamW; a change that adds launches back must say so here.
+    counts = profile.reference_counts(fused_model=True, foreach=True)
+    ops = counts["by_op"]
+    assert counts["launches"] <= 461, ops
+    assert ops["fused.colsum"] == 12 * 3 + 1          # attention in/out and MLP out biases, and wpe: one each
+    assert ops["fused.layer_norm_bwd"] == 2 * 25 and ops["fused.bias_gelu_bwd"] == 12
+    assert ops["fused.adamw"] == 1 and ops["concatenate"] == 1
+    assert not any(k in ops for k in ("multiply", "sqrt", "subtract", "setitem"))    # AdamW's array ops are gone
+
+
 def test_op_counts_see_every_kind_of_op():
     # The counter must not be blind: a tiny program with one of each counted op.
     rec = profile._Recorder()
@@ -227,3 +239,93 @@ def test_emulated_row_kernels_any_row_length(rows, cols, seed):
         out_sum = fused.colsum(g)
     for o, r in zip(out + out_bwd + (out_p, out_sum), ref + ref_bwd + (ref_p, g.sum(axis=0))):
         np.testing.assert_allclose(o, r, rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=8, deadline=None)
+@given(rows=st.integers(1, 700), cols=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_emulated_column_kernels_any_shape(rows, cols, seed):
+    # Column kernels: row counts that leave row groups idle or uneven, and column counts that leave a block partial.
+    rng = np.random.default_rng(seed)
+    x, w, g, a, b = (rng.standard_normal(s) for s in ((rows, cols), cols, (rows, cols), (rows, cols), cols))
+    _, mean, rstd = fused.layer_norm_fwd(x, w, b, 1e-5)
+    ref = (fused.colsum(g),) + fused.layer_norm_bwd(g, x, w, mean, rstd, None)[1:] + fused.bias_gelu_bwd(g, a, b)
+    with emulated_kernels():
+        out = (fused.colsum(g),) + fused.layer_norm_bwd(g, x, w, mean, rstd, None)[1:] + fused.bias_gelu_bwd(g, a, b)
+    for o, r in zip(out, ref):
+        np.testing.assert_allclose(o, r, rtol=1e-12, atol=1e-12)
+
+
+def test_column_grid_covers_every_column_with_whole_warps():
+    for n_rows in (0, 1, 16, 17, 100, 1024, 8192, 10**6):
+        for c in (1, 7, 8, 384, 1536, 98304):
+            (grid,), (cx, ry) = kernels.col_grid(n_rows, c)
+            assert grid * cx >= c > (grid - 1) * cx
+            assert ry & (ry - 1) == 0 and ry <= kernels.COL_MAX_RY and cx >= 8 and (cx * ry) % 32 == 0
+            assert cx * ry <= 1024 and (ry == kernels.COL_MAX_RY or ry * kernels.COL_ROWS >= n_rows)
+    assert kernels.col_grid(8192, 1536) == ((192,), (8, 128)) and kernels.col_grid(4, 98304) == ((384,), (256, 1))
+
+
+def test_emulated_parity_catches_a_broken_column_tree(monkeypatch):
+    # A tree that starts at a quarter of the row groups drops half of the partial sums.
+    bad = kernels.SOURCE.replace("for (int h = blockDim.y >> 1; h > 0; h >>= 1)",
+                                 "for (int h = blockDim.y >> 2; h > 0; h >>= 1)")
+    assert bad != kernels.SOURCE
+    monkeypatch.setattr(kernels, "SOURCE", bad)
+    monkeypatch.setattr(cuda_emu, "_libs", {})
+    monkeypatch.setattr(cuda_emu, "_kernels", {})
+    df = checks.fused_kernel_parity(np, "float64", on_device=emulated_kernels)
+    failed = set(df.check[~df.passed])
+    assert "fused colsum, 300 rows float64 vs NumPy" in failed and "fused layer_norm_bwd float64 vs NumPy" in failed
+
+
+def test_emulator_rejects_divergent_syncthreads(monkeypatch):
+    # __syncthreads reached by only some threads of a block is undefined on a GPU; the emulator must say so.
+    bad = kernels.SOURCE.replace("        if (y < h) sh[y * X + x] += sh[(y + h) * X + x];\n        __syncthreads();",
+                                 "        if (y < h) { sh[y * X + x] += sh[(y + h) * X + x]; __syncthreads(); }")
+    assert bad != kernels.SOURCE
+    monkeypatch.setattr(kernels, "SOURCE", bad)
+    monkeypatch.setattr(cuda_emu, "_libs", {})
+    monkeypatch.setattr(cuda_emu, "_kernels", {})
+    with emulated_kernels(), pytest.raises(RuntimeError, match="colsum: the threads of a block passed __syncthreads"):
+        fused.colsum(np.ones((100, 3)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_emulated_adamw_kernel_is_bit_identical_to_numpy(dtype):
+    _assert_all_passed(checks.adamw_bitwise(np, dtype, on_device=emulated_kernels))
+
+
+def test_adamw_bitwise_check_catches_a_reordered_update(monkeypatch):
+    # Dividing by bc2 as a multiplication by its reciprocal is the same math, other bits: the check must see it.
+    bad = kernels.SOURCE.replace("rn_div(rn_sqrt(vi), bc2)", "rn_mul(rn_sqrt(vi), (T)1 / bc2)")
+    assert bad != kernels.SOURCE
+    monkeypatch.setattr(kernels, "SOURCE", bad)
+    monkeypatch.setattr(cuda_emu, "_libs", {})
+    monkeypatch.setattr(cuda_emu, "_kernels", {})
+    df = checks.adamw_bitwise(np, "float32", on_device=emulated_kernels)
+    assert not df.passed.any() and df.measured[0] > 0
+
+
+def _train_adamw(foreach, on_device, steps=3):
+    cfg = checks.small_config()
+    model = GPT(cfg, seed=0)
+    opt = AdamW(model.params, lr=1e-2, foreach=foreach, fused=True)
+    data, losses = load_corpus(), []
+    for i in range(steps):
+        loss, grads = model.loss_and_grads(*get_batch(data, cfg.batch_size, cfg.block_size, i))
+        with on_device():
+            opt.step(grads)
+        losses.append(float(loss))
+    return losses, checks.params_sha256(model.params), opt
+
+
+def test_foreach_adamw_on_the_emulated_kernel_trains_like_per_parameter():
+    # The optimizer's call of the kernel (argument order, the decayed slice, the step's bias corrections).
+    l1, h1, _ = _train_adamw(False, contextlib.nullcontext)
+    l2, h2, opt = _train_adamw(True, emulated_kernels)
+    assert l1 == l2 and h1 == h2
+    state = opt.state_dict()
+    before = {k: a.copy() for k, a in state["m"].items()}
+    with emulated_kernels():    # the kernel updates the moments in place: a state taken earlier must not change
+        opt.step({k: np.ones_like(p) for k, p in opt.params.items()})
+    assert all(np.array_equal(state["m"][k], before[k]) for k in before)
