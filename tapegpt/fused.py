@@ -164,6 +164,20 @@ def bias_residual(x, a, b):
 
 
 @_launches(1)
+def residual_layer_norm_fwd(x, a, bias, w, b, eps):
+    """(r, y, mean, rstd): r = x + (a + bias) as bias_residual, and layer_norm_fwd of r, from one kernel."""
+    if _on_host(x):
+        r = x + (a + bias)
+        return (r, *layer_norm_fwd(r, w, b, eps))
+    cp = array_module(x)
+    x, a, n, c = _c(x), _c(a), x.shape[0], x.shape[1]
+    r, y, mean, rstd = cp.empty_like(x), cp.empty_like(x), cp.empty((n, 1), x.dtype), cp.empty((n, 1), x.dtype)
+    kernels.kernel("residual_ln_fwd", x.dtype)(*kernels.row_grid(n), (x, a, _c(bias), _c(w), _c(b), r, y, mean, rstd,
+                                                                     *_i64(n, c), x.dtype.type(eps)))
+    return r, y, mean, rstd
+
+
+@_launches(1)
 def embed_fwd(wte, wpe, idx):
     """wte[idx] + wpe[:T] for token ids idx (B, T)."""
     if _on_host(wte):
@@ -369,9 +383,13 @@ def embed(wte, wpe, idx):
 
 def layer_norm(x, w, b, eps=1e-5):
     """Layer norm over the last axis (as tape.layer_norm); its backward adds into x's gradient in the kernel."""
+    x2 = x.data.reshape(-1, x.shape[-1])
+    return _layer_norm_node(x, x2, *layer_norm_fwd(x2, w.data, b.data, eps), w, b)
+
+
+def _layer_norm_node(x, x2, y, mean, rstd, w, b):
+    """The tape node of y = layer norm of x (x2: x's data as rows), its forward already computed."""
     C = x.shape[-1]
-    x2 = x.data.reshape(-1, C)
-    y, mean, rstd = layer_norm_fwd(x2, w.data, b.data, eps)
 
     def backward(g):
         acc = None if x.grad is None else x.grad.reshape(-1, C)
@@ -419,17 +437,23 @@ def linear_gelu(h, w, b):
     return _make(y, (h, w, b), backward)
 
 
-def linear_residual(x, h, w, b):
-    """x + (h @ w + b): a residual connection around a projection."""
+def linear_residual(x, h, w, b, ln=None):
+    """x + (h @ w + b): a residual connection around a projection. With ln = (ln_w, ln_b, eps), the same kernel
+    also computes the layer norm that reads the new residual stream: returns (x + ..., its layer norm)."""
     h2 = h.data.reshape(-1, h.shape[-1])
     a = mm(h2, w.data)
-    y = bias_residual(x.data.reshape(a.shape), a, b.data).reshape(x.shape)
+    x2 = x.data.reshape(a.shape)
+    if ln is None:
+        y = bias_residual(x2, a, b.data)
+    else:
+        y, *norm = residual_layer_norm_fwd(x2, a, b.data, ln[0].data, ln[1].data, ln[2])
 
     def backward(g):
         _accumulate(x, g)
         _linear_grads(g.reshape(a.shape), h, h2, w, b)
 
-    return _make(y, (x, h, w, b), backward)
+    out = _make(y.reshape(x.shape), (x, h, w, b), backward)
+    return out if ln is None else (out, _layer_norm_node(out, y, *norm, ln[0], ln[1]))
 
 
 def cross_entropy(logits, targets):

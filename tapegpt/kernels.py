@@ -54,6 +54,22 @@ extern "C" __global__ void ln_fwd(const T* x, const T* w, const T* b, T* y, T* m
     if (lane == 0) { mean[row] = mu; rstd[row] = rs; }
 }
 
+// ---- the residual stream's next value and the layer norm that reads it, one pass over each row:
+// r = x + (a + bias) (as bias_residual), then y, mean and rstd of r (as ln_fwd).
+extern "C" __global__ void residual_ln_fwd(const T* x, const T* a, const T* bias, const T* w, const T* b, T* r,
+                                           T* y, T* mean, T* rstd, i64 n_rows, i64 C, T eps) {
+    ROW_PROLOGUE
+    const i64 o = row * C;
+    T s = 0;
+    for (i64 j = lane; j < C; j += 32) { const T v = x[o + j] + (a[o + j] + bias[j]); r[o + j] = v; s += v; }
+    const T mu = warp_sum(s) / (T)C;
+    T v = 0;
+    for (i64 j = lane; j < C; j += 32) { T d = r[o + j] - mu; v += d * d; }   // this lane's own writes
+    const T rs = (T)1 / sqrt(warp_sum(v) / (T)C + eps);
+    for (i64 j = lane; j < C; j += 32) y[o + j] = ((r[o + j] - mu) * rs) * w[j] + b[j];
+    if (lane == 0) { mean[row] = mu; rstd[row] = rs; }
+}
+
 // dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)) with dxhat = g * w, plus acc when given.
 extern "C" __global__ void ln_bwd(const T* g, const T* x, const T* w, const T* mean, const T* rstd,
                                   const T* acc, T* dx, i64 n_rows, i64 C, int has_acc) {
@@ -289,7 +305,7 @@ extern "C" __global__ void adamw(T* p, T* m, T* v, const T* g, i64 n, i64 n_deca
 }
 """
 
-KERNEL_NAMES = ("ln_fwd", "ln_bwd", "ln_param", "colsum", "bias_gelu_fwd", "bias_gelu_bwd",
+KERNEL_NAMES = ("ln_fwd", "residual_ln_fwd", "ln_bwd", "ln_param", "colsum", "bias_gelu_fwd", "bias_gelu_bwd",
                 "bias_residual", "embed_fwd", "onehot_t", "rows_to_heads", "heads_to_rows", "causal_softmax_fwd",
                 "causal_softmax_bwd", "ce_fwd", "ce_bwd", "adamw")
 

@@ -100,16 +100,18 @@ def gpt_logits(cfg, P, idx, fused=False):
 def _gpt_logits_fused(cfg, P, idx):
     f = fused_ops
     x = f.embed(P["wte"], P["wpe"], idx)
+    h = f.layer_norm(x, P["h.0.ln_1.w"], P["h.0.ln_1.b"], cfg.ln_eps)
     for i in range(cfg.n_layer):
         p = f"h.{i}."
-        h = f.layer_norm(x, P[p + "ln_1.w"], P[p + "ln_1.b"], cfg.ln_eps)
+        # Each residual add also computes the layer norm that reads its result: the next layer's ln_1, or ln_f.
+        nxt = f"h.{i + 1}.ln_1." if i + 1 < cfg.n_layer else "ln_f."
         y = f.attention(h, P[p + "attn.c_attn.w"], P[p + "attn.c_attn.b"], cfg.n_head)
-        x = f.linear_residual(x, y, P[p + "attn.c_proj.w"], P[p + "attn.c_proj.b"])
-        h = f.layer_norm(x, P[p + "ln_2.w"], P[p + "ln_2.b"], cfg.ln_eps)
+        x, h = f.linear_residual(x, y, P[p + "attn.c_proj.w"], P[p + "attn.c_proj.b"],
+                                 (P[p + "ln_2.w"], P[p + "ln_2.b"], cfg.ln_eps))
         h = f.linear_gelu(h, P[p + "mlp.c_fc.w"], P[p + "mlp.c_fc.b"])
-        x = f.linear_residual(x, h, P[p + "mlp.c_proj.w"], P[p + "mlp.c_proj.b"])
-    x = f.layer_norm(x, P["ln_f.w"], P["ln_f.b"], cfg.ln_eps)
-    return tape.matmul(x, P["lm_head.w"])
+        x, h = f.linear_residual(x, h, P[p + "mlp.c_proj.w"], P[p + "mlp.c_proj.b"],
+                                 (P[nxt + "w"], P[nxt + "b"], cfg.ln_eps))
+    return tape.matmul(h, P["lm_head.w"])
 
 
 class GPT:

@@ -161,3 +161,34 @@ def test_gpu_step_profile_reports_host_and_gpu_time():
     r = bench.step_profile(cupy, correctness.transparency_config(), steps=3, warmup=1)
     assert r["host_ms"] > 0 and r["gpu_ms"] > 0 and r["ms_per_step"] > 0 and r["bound"] in ("host", "gpu")
     assert r["fused"] and r["launches"] > 0 and np.isfinite(r["final_loss"])
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["777", "2M"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gpu_adamw_kernel_is_bit_identical_to_numpy(dtype, large):
+    # No FMA contraction, IEEE division and sqrt: the kernel's update has NumPy's bits, element for element.
+    _assert_all_passed(checks.adamw_bitwise(cupy, dtype, large=large))
+
+
+@pytest.mark.parametrize("cols", [384, 1152, 1536, 37])
+@pytest.mark.parametrize("rows", [8192, 1024, 1, 4100])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gpu_column_kernels_match_numpy_and_repeat_bitwise(dtype, rows, cols):
+    # The model's shapes (batch 32 and 4 at T = 256) and odd ones; a second launch gives the same bits.
+    from tapegpt import fused
+    rng = np.random.default_rng(rows + cols)
+    g, x, a = (rng.standard_normal((rows, cols)).astype(dtype) for _ in range(3))
+    w, b = (rng.standard_normal(cols).astype(dtype) for _ in range(2))
+    _, mean, rstd = fused.layer_norm_fwd(x, w, b, 1e-5)
+    inputs = (g, x, w, mean, rstd, a, b)
+
+    def run(v):
+        return (fused.colsum(v[0]),) + fused.layer_norm_bwd(*v[:5], None)[1:] + fused.bias_gelu_bwd(v[0], v[5], v[6])
+
+    ref = run([v.astype(np.float64) for v in inputs])    # NumPy in float64: the float32 sums' own error only
+    d = [cupy.asarray(v) for v in inputs]
+    first, second = run(d), run(d)
+    tol = {"float32": 1e-4, "float64": 1e-12}[dtype]
+    for name, o, o2, r in zip(("colsum", "ln dw", "ln db", "gelu du", "gelu db"), first, second, ref):
+        assert checks._rel_err(o, r) <= tol, name
+        assert o.get().tobytes() == o2.get().tobytes(), name
