@@ -57,9 +57,7 @@ def _c(a):
     return a if a.flags.c_contiguous else array_module(a).ascontiguousarray(a)
 
 
-def _i64(*values):
-    """Sizes as the kernels' `long long` (typed NumPy scalars: CuPy passes them with exactly that width)."""
-    return tuple(map(np.int64, values))
+_i64 = kernels.sizes   # sizes as the kernels' `long long`
 
 
 def _launch_elem(name, n, args, dtype):

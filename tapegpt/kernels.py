@@ -8,6 +8,7 @@ shuffle sees its whole warp.
 Elementwise kernels give each element one thread; column kernels (column sums over rows) give a block a few
 adjacent columns over all rows (see col_grid). Sizes are `long long` so no index can overflow.
 """
+import functools
 import threading
 
 import numpy as np
@@ -115,7 +116,7 @@ extern "C" __global__ void colsum(const T* a, T* out, i64 n_rows, i64 C) {
     const i64 col = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     T s = 0;
     if (col < C) {
-        #pragma unroll 4
+        #pragma unroll 8   // 8 loads in flight a thread: (8192, 384) has only 48 blocks to hide the latency with
         for (i64 r = threadIdx.y; r < n_rows; r += blockDim.y) s += a[r * C + col];
     }
     s = rows_tree_sum(sh, s);
@@ -317,31 +318,49 @@ def source(dtype):
     return f"typedef {_CTYPE[np.dtype(dtype)]} T;\n" + SOURCE
 
 
-# (device id, dtype char) -> RawModule and (device id, dtype char, name) -> kernel. _lock guards insertion
+# (device id, dtype char) -> RawModule and (device id, dtype as given, name) -> kernel. _lock guards insertion
 # only: lookups of a built entry are plain dict reads (atomic under the GIL), so a launch takes no lock.
 _modules, _functions = {}, {}
 _lock = threading.Lock()
+_get_device = None   # cupy.cuda.runtime.getDevice, bound at the first build (importing tapegpt never needs CuPy)
 
 
 def kernel(name, dtype):
-    """The compiled kernel `name` for `dtype` on the current device (compiled on first use, then cached)."""
-    import cupy  # already imported by the caller's arrays; kept here so importing tapegpt never needs CuPy
-    key = (cupy.cuda.runtime.getDevice(), np.dtype(dtype).char, name)
-    fn = _functions.get(key)
-    if fn is None:
-        with _lock:
-            mod = _modules.get(key[:2])
-            if mod is None:
-                mod = _modules[key[:2]] = cupy.RawModule(code=source(dtype))
-            fn = _functions[key] = mod.get_function(name)
+    """The compiled kernel `name` for `dtype` on the current device (compiled on first use, then cached).
+
+    Called at every launch, so a built kernel costs one device query and one dict lookup."""
+    fn = _functions.get((_get_device(), dtype, name)) if _get_device is not None else None
+    return fn if fn is not None else _build(name, dtype)
+
+
+def _build(name, dtype):
+    global _get_device
+    import cupy  # already imported by the caller's arrays
+    _get_device = cupy.cuda.runtime.getDevice
+    device, char = _get_device(), np.dtype(dtype).char
+    with _lock:
+        mod = _modules.get((device, char))
+        if mod is None:
+            mod = _modules[(device, char)] = cupy.RawModule(code=source(dtype))
+        fn = _functions[(device, dtype, name)] = mod.get_function(name)
     return fn
 
 
+@functools.lru_cache(maxsize=4096)
+def sizes(*values):
+    """Sizes as the kernels' `long long` (typed NumPy scalars: CuPy passes them with exactly that width); cached,
+    since a step asks for the same few shapes at every launch and the scalars are immutable."""
+    return tuple(map(np.int64, values))
+
+
+# The grids are pure functions of the sizes, asked for at every launch: cached for the same reason.
+@functools.lru_cache(maxsize=4096)
 def elem_grid(n):
     """Grid for an elementwise kernel over n elements (grid-stride loop past 2**20 blocks)."""
     return (max(1, min(-(-n // ELEM_BLOCK), 1 << 20)),), (ELEM_BLOCK,)
 
 
+@functools.lru_cache(maxsize=4096)
 def col_grid(n_rows, C):
     """Grid and block (CX, RY) for a column kernel over (n_rows, C): RY row groups, the power of two that gives
     each thread about COL_ROWS rows (at most COL_MAX_RY), and CX = 256 / RY columns but at least 8 per block.
@@ -354,6 +373,7 @@ def col_grid(n_rows, C):
     return (max(1, -(-C // cx)),), (cx, ry)
 
 
+@functools.lru_cache(maxsize=4096)
 def row_grid(n_rows):
     """Grid for a warp-per-row kernel."""
     per_block = ROW_BLOCK // 32

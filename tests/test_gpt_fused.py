@@ -5,6 +5,8 @@ import contextlib
 import dataclasses
 import shutil
 import subprocess
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -332,3 +334,31 @@ def test_foreach_adamw_on_the_emulated_kernel_trains_like_per_parameter():
     with emulated_kernels():    # the kernel updates the moments in place: a state taken earlier must not change
         opt.step({k: np.ones_like(p) for k, p in opt.params.items()})
     assert all(np.array_equal(state["m"][k], before[k]) for k in before)
+
+
+def test_kernel_lookup_compiles_once_per_device_and_dtype(monkeypatch):
+    # The launch path's cache: a built kernel is a dict hit, but never another device's or dtype's kernel.
+    compiled, device = [], [0]
+
+    class FakeModule:
+        def __init__(self, code):
+            compiled.append(code.splitlines()[0])
+
+        def get_function(self, name):
+            return (name, len(compiled))
+
+    runtime = types.SimpleNamespace(getDevice=lambda: device[0])
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(RawModule=FakeModule,
+                                                                   cuda=types.SimpleNamespace(runtime=runtime)))
+    monkeypatch.setattr(kernels, "_modules", {})
+    monkeypatch.setattr(kernels, "_functions", {})
+    monkeypatch.setattr(kernels, "_get_device", None)
+    f32 = np.dtype(np.float32)
+    first = kernels.kernel("colsum", f32)
+    assert kernels.kernel("colsum", f32) is first and kernels.kernel("ln_param", f32) == ("ln_param", 1)
+    assert compiled == ["typedef float T;"]
+    assert kernels.kernel("colsum", np.float64) == ("colsum", 2) and compiled[1] == "typedef double T;"
+    device[0] = 1
+    assert kernels.kernel("colsum", f32) == ("colsum", 3) and len(compiled) == 3
+    device[0] = 0
+    assert kernels.kernel("colsum", f32) is first and len(compiled) == 3
