@@ -105,7 +105,7 @@ def layer_norm_bwd(g, x, w, mean, rstd, acc):
     sizes = _i64(n, c)
     kernels.kernel("ln_bwd", x.dtype)(*kernels.row_grid(n), (g, x, _c(w), mean, rstd, _c(acc) if has_acc else x,
                                                             dx, *sizes, np.int32(has_acc)))
-    dw, db = dwb
+    dw, db = _row_view(dwb, 0, (c,)), _row_view(dwb, 1, (c,))
     kernels.kernel("ln_param", x.dtype)(*kernels.col_grid(n, c), (g, x, mean, rstd, dw, db, *sizes))
     return dx, dw, db
 
