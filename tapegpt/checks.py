@@ -462,6 +462,8 @@ def _fused_cases(dtype, large=False):
     y, mean, rstd = fused.layer_norm_fwd(x, w, b, 1e-5)
     x9, w9 = n(9, 1000), 1 + 0.1 * n(1000)
     stats9 = fused.layer_norm_fwd(x9, w9, n(1000), 1e-5)[1:]
+    x1, w1 = n(1, 37), 1 + 0.1 * n(37)
+    stats1 = fused.layer_norm_fwd(x1, w1, n(37), 1e-5)[1:]
     idx = rng.integers(0, V, size=(B, T))
     z = 3 * n(N, V)
     t = rng.integers(0, V, size=N)
@@ -476,6 +478,7 @@ def _fused_cases(dtype, large=False):
         ("layer_norm_bwd", lambda *a: fused.layer_norm_bwd(*a, None), [n(N, C), x, w, mean, rstd]),
         ("layer_norm_bwd adding into a gradient", fused.layer_norm_bwd, [n(N, C), x, w, mean, rstd, n(N, C)]),
         ("layer_norm_bwd, rows of 1000", lambda *a: fused.layer_norm_bwd(*a, None), [n(9, 1000), x9, w9, *stats9]),
+        ("layer_norm_bwd, one row", lambda *a: fused.layer_norm_bwd(*a, None), [n(1, 37), x1, w1, *stats1]),
         ("colsum, many rows (128 row groups, fewer columns than a block)", fused.colsum, [n(1100, 7)]),
         ("colsum, few rows (2 row groups)", fused.colsum, [n(20, 5)]),
         ("colsum, one row", fused.colsum, [n(1, 37)]),
@@ -488,6 +491,8 @@ def _fused_cases(dtype, large=False):
         ("residual_layer_norm_fwd", lambda *a: fused.residual_layer_norm_fwd(*a, 1e-5), [n(N, C), n(N, C), n(C), w, b]),
         ("residual_layer_norm_fwd, rows of 1000", lambda *a: fused.residual_layer_norm_fwd(*a, 1e-5),
          [n(9, 1000), n(9, 1000), n(1000), w9, n(1000)]),
+        ("residual_layer_norm_fwd, one row", lambda *a: fused.residual_layer_norm_fwd(*a, 1e-5),
+         [n(1, 37), n(1, 37), n(37), w1, n(37)]),
         ("embed_fwd (T < block)", fused.embed_fwd, [n(V, C), n(T + 3, C), idx]),
         ("onehot_t", lambda i: fused.onehot_t(i, V, dtype), [idx]),
         ("rows_to_heads, q k v plus bias", lambda a, bias: _flat(fused.rows_to_heads(a, bias, H, 3)),
