@@ -93,7 +93,7 @@ extern "C" __global__ void ln_bwd(const T* g, const T* x, const T* w, const T* m
 // ---- column kernels: a block of (CX, RY) threads owns CX adjacent columns of a (n_rows, C) array over all
 // its rows, so a column's sum is finished in one launch without atomics. Thread (x, y) walks rows y, y + RY,
 // y + 2 RY, ... in order; rows_tree_sum then adds the RY partial sums in a fixed tree. CX >= 8 keeps each row
-// segment a whole 32-byte sector; RY is a power of two (tapegpt.kernels.col_block picks both).
+// segment a whole 32-byte sector; RY is a power of two (tapegpt.kernels.col_grid picks both).
 
 // The sum over threadIdx.y of v for column threadIdx.x, returned to every thread of the block. sh has room for
 // blockDim.x * blockDim.y values; every thread of the block must call it (it synchronises the block).
@@ -116,7 +116,8 @@ extern "C" __global__ void colsum(const T* a, T* out, i64 n_rows, i64 C) {
     const i64 col = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     T s = 0;
     if (col < C) {
-        #pragma unroll 8   // 8 loads in flight a thread: (8192, 384) has only 48 blocks to hide the latency with
+        // 8 loads in flight a thread: (8192, 384) has only 48 blocks to hide the memory latency with.
+        #pragma unroll 8
         for (i64 r = threadIdx.y; r < n_rows; r += blockDim.y) s += a[r * C + col];
     }
     s = rows_tree_sum(sh, s);
