@@ -13,6 +13,8 @@ import threading
 
 import numpy as np
 
+from . import launch
+
 ROW_BLOCK = 256   # threads per block of a row kernel: 8 rows (warps) per block
 ELEM_BLOCK = 256  # threads per block of an elementwise kernel
 COL_ROWS = 16     # rows per thread that a column kernel aims for (fewer row groups for short arrays)
@@ -343,7 +345,10 @@ def _build(name, dtype):
         mod = _modules.get((device, char))
         if mod is None:
             mod = _modules[(device, char)] = cupy.RawModule(code=source(dtype))
-        fn = _functions[(device, dtype, name)] = mod.get_function(name)
+        # Launched by tapegpt.launch: with the GIL held (TAPEGPT_LAUNCH=cupy: through CuPy), parameters typed
+        # from this source's signature.
+        fn = _functions[(device, dtype, name)] = launch.Kernel(
+            mod.get_function(name), launch.signature(SOURCE, name, _CTYPE[np.dtype(dtype)]))
     return fn
 
 

@@ -355,10 +355,10 @@ def test_kernel_lookup_compiles_once_per_device_and_dtype(monkeypatch):
     monkeypatch.setattr(kernels, "_get_device", None)
     f32 = np.dtype(np.float32)
     first = kernels.kernel("colsum", f32)
-    assert kernels.kernel("colsum", f32) is first and kernels.kernel("ln_param", f32) == ("ln_param", 1)
-    assert compiled == ["typedef float T;"]
-    assert kernels.kernel("colsum", np.float64) == ("colsum", 2) and compiled[1] == "typedef double T;"
+    assert kernels.kernel("colsum", f32) is first and kernels.kernel("ln_param", f32).function == ("ln_param", 1)
+    assert compiled == ["typedef float T;"] and first.codes == "PPqq"     # launched by tapegpt.launch
+    assert kernels.kernel("colsum", np.float64).function == ("colsum", 2) and compiled[1] == "typedef double T;"
     device[0] = 1
-    assert kernels.kernel("colsum", f32) == ("colsum", 3) and len(compiled) == 3
+    assert kernels.kernel("colsum", f32).function == ("colsum", 3) and len(compiled) == 3
     device[0] = 0
     assert kernels.kernel("colsum", f32) is first and len(compiled) == 3
