@@ -5,7 +5,8 @@ Arms per shape, interleaved in every trial: colsum (one pass) vs two passes (chu
 layer norm's dw and db (one pass) vs partial sums then their sum; GELU backward with the bias gradient (one
 kernel) vs the elementwise backward then a two-pass column sum; AdamW's update, one kernel vs the array code
 (reference model's parameter count). Each row: microseconds of GPU time per call (CUDA events around `reps`
-calls), one row per trial and arm; the table printed is the median with the range over trials.
+calls queued behind a spinning kernel, so the host's dispatch is not timed), one row per trial and arm; the
+table printed is the median with the range over trials.
 """
 import argparse
 import math
@@ -50,6 +51,12 @@ extern "C" __global__ void colsum_partial(const T* a, T* out, i64 n_rows, i64 C,
     out[(i64)blockIdx.y * C + col] = s;
 }
 
+// Keeps the GPU busy for `cycles` clocks, so the launches queued behind it run back to back when it ends.
+extern "C" __global__ void spin(i64 cycles) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) { }
+}
+
 extern "C" __global__ void bias_gelu_bwd(const T* g, const T* a, const T* b, T* du, i64 n, i64 C) {
     ELEM_LOOP {
         T u = a[i] + b[i % C];
@@ -64,7 +71,7 @@ COL_BLOCK = 128
 
 def _baseline():
     mod = cupy.RawModule(code="typedef float T;\n" + BASELINE)
-    return {k: mod.get_function(k) for k in ("ln_param_partial", "colsum_partial", "bias_gelu_bwd")}
+    return {k: mod.get_function(k) for k in ("ln_param_partial", "colsum_partial", "bias_gelu_bwd", "spin")}
 
 
 def _i64(*v):
@@ -129,9 +136,12 @@ def _adamw_arms():
                ("adamw", "array code"): lambda: fused.adamw_formulas(p, m, v, g, *hyper)}
 
 
-def _gpu_us(fn, reps):
+def _gpu_us(k, fn, reps):
+    """GPU microseconds per call of fn: the calls are queued behind a kernel that spins long enough (200 us of
+    dispatch a call, at 2 GHz) for all of them to be queued, so the events time the GPU's work, not the host's."""
     stream = cupy.cuda.get_current_stream()
     e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+    k["spin"]((1,), (32,), (np.int64(reps * 400_000),))
     e0.record(stream)
     for _ in range(reps):
         fn()
@@ -149,12 +159,12 @@ def measure(trials=7, reps=50, shapes=((8192, 384), (8192, 1152), (8192, 1536), 
     cases.append(((n, 1), adam))
     for _, arms in cases:                      # compile and warm every arm first
         for fn in arms.values():
-            _gpu_us(fn, 2)
+            _gpu_us(k, fn, 2)
     rows = []
     for trial in range(trials):
         for (r, c), arms in cases:
             for (op, form), fn in arms.items():
-                rows.append(dict(op=op, form=form, rows=r, cols=c, trial=trial, gpu_us=_gpu_us(fn, reps)))
+                rows.append(dict(op=op, form=form, rows=r, cols=c, trial=trial, gpu_us=_gpu_us(k, fn, reps)))
     return pd.DataFrame(rows)
 
 
