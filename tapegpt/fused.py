@@ -2,8 +2,9 @@
 
 Every array-level op below has two implementations of the same formulas, chosen by the array module: NumPy
 (plain array code, so the CPU tests and the NumPy path exercise the math) and CuPy (one kernel from
-tapegpt.kernels, or a few). On CuPy a training step is then about 45 launches per layer instead of ~130
-(tapegpt.profile counts them), and launches are what bound the host's dispatch time (issue 13).
+tapegpt.kernels, or two). On CuPy a training step is then about 35 launches per layer (18 of them GEMMs)
+instead of ~130 (tapegpt.profile counts them), and launches are what bound the host's dispatch time (issue 13).
+The foreach AdamW's update is one of these ops too (adamw).
 
 `enabled` is the model's default (environment: TAPEGPT_FUSED=0 selects the unfused ops of tape.py, e.g. when
 a kernel misbehaves on a new GPU); GPT(fused=...) overrides it per model and records the choice.
