@@ -2,7 +2,7 @@
 
 Every array-level op below has two implementations of the same formulas, chosen by the array module: NumPy
 (plain array code, so the CPU tests and the NumPy path exercise the math) and CuPy (one kernel from
-tapegpt.kernels, or two). On CuPy a training step is then about 35 launches per layer (18 of them GEMMs)
+tapegpt.kernels, or two). On CuPy a training step is then about 33 launches per layer (18 of them GEMMs)
 instead of ~130 (tapegpt.profile counts them), and launches are what bound the host's dispatch time (issue 13).
 The foreach AdamW's update is one of these ops too (adamw).
 
@@ -91,24 +91,38 @@ def layer_norm_fwd(x, w, b, eps):
 @_launches(2)
 def layer_norm_bwd(g, x, w, mean, rstd, acc):
     """(dx, dw, db) of layer norm for rows (N, C); dx includes acc (a gradient already there) unless None."""
+    return _layer_norm_bwd(g, x, w, mean, rstd, acc, False)
+
+
+@_launches(2)
+def layer_norm_bwd_sum(g, x, w, mean, rstd, acc):
+    """layer_norm_bwd and the column sums of the dx it returns, (dx, dw, db, ds), from the same two launches."""
+    return _layer_norm_bwd(g, x, w, mean, rstd, acc, True)
+
+
+def _layer_norm_bwd(g, x, w, mean, rstd, acc, with_sum):
     if _on_host(x):
         xhat = (x - mean) * rstd
         dxhat = g * w
         inner = dxhat - dxhat.mean(axis=-1, keepdims=True)
         inner = inner - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
         dx = rstd * inner
-        return (dx if acc is None else acc + dx), (g * xhat).sum(axis=0), g.sum(axis=0)
+        dx = dx if acc is None else acc + dx
+        grads = dx, (g * xhat).sum(axis=0), g.sum(axis=0)
+        return grads + (dx.sum(axis=0),) if with_sum else grads
     cp = array_module(x)
     g, x, n, c = _c(g), _c(x), x.shape[0], x.shape[1]
     dx = cp.empty_like(x)
-    dwb = cp.empty((2, c), x.dtype)
+    sums = cp.empty((3 if with_sum else 2, c), x.dtype)
     has_acc = acc is not None
     sizes = _i64(n, c)
     kernels.kernel("ln_bwd", x.dtype)(*kernels.row_grid(n), (g, x, _c(w), mean, rstd, _c(acc) if has_acc else x,
                                                             dx, *sizes, np.int32(has_acc)))
-    dw, db = _row_view(dwb, 0, (c,)), _row_view(dwb, 1, (c,))
-    kernels.kernel("ln_param", x.dtype)(*kernels.col_grid(n, c), (g, x, mean, rstd, dw, db, *sizes))
-    return dx, dw, db
+    out = tuple(_row_view(sums, i, (c,)) for i in range(sums.shape[0]))
+    ds = out[2] if with_sum else out[0]     # (not written without with_sum)
+    kernels.kernel("ln_param", x.dtype)(*kernels.col_grid(n, c), (g, x, mean, rstd, dx, out[0], out[1], ds, *sizes,
+                                                                  np.int32(with_sum)))
+    return (dx,) + out
 
 
 @_launches(1)
@@ -386,14 +400,23 @@ def layer_norm(x, w, b, eps=1e-5):
     return _layer_norm_node(x, x2, *layer_norm_fwd(x2, w.data, b.data, eps), w, b)
 
 
-def _layer_norm_node(x, x2, y, mean, rstd, w, b):
-    """The tape node of y = layer norm of x (x2: x's data as rows), its forward already computed."""
+def _layer_norm_node(x, x2, y, mean, rstd, w, b, handoff=None):
+    """The tape node of y = layer norm of x (x2: x's data as rows), its forward already computed.
+
+    With handoff (a dict), its backward also sums the gradient it writes into x over the rows, in the same
+    launches, and leaves that gradient and its sums there: x's own backward needs them for a bias."""
     C = x.shape[-1]
 
     def backward(g):
         acc = None if x.grad is None else x.grad.reshape(-1, C)
-        dx, dw, db = layer_norm_bwd(g.reshape(-1, C), x2, w.data, mean, rstd, acc)
+        args = (g.reshape(-1, C), x2, w.data, mean, rstd, acc)
+        if handoff is None:
+            dx, dw, db = layer_norm_bwd(*args)
+        else:
+            dx, dw, db, ds = layer_norm_bwd_sum(*args)
         _set_grad(x, dx.reshape(x.shape))
+        if handoff is not None:
+            handoff.update(grad=x.grad, sum=ds)
         _accumulate(w, dw)
         _accumulate(b, db)
 
@@ -446,13 +469,22 @@ def linear_residual(x, h, w, b, ln=None):
         y = bias_residual(x2, a, b.data)
     else:
         y, *norm = residual_layer_norm_fwd(x2, a, b.data, ln[0].data, ln[1].data, ln[2])
+    # The layer norm's backward writes this op's whole gradient when it runs last among the result's readers
+    # (the next residual add runs first and leaves its part for the norm's kernel to add to): then it also hands
+    # over the gradient's column sums, b's gradient, and no launch of colsum is needed here.
+    handoff = None if ln is None else {}
 
     def backward(g):
         _accumulate(x, g)
-        _linear_grads(g.reshape(a.shape), h, h2, w, b)
+        summed = handoff is not None and handoff.get("grad") is g
+        if summed:
+            _accumulate(b, handoff["sum"])
+        if handoff:
+            handoff.clear()
+        _linear_grads(g.reshape(a.shape), h, h2, w, None if summed else b)
 
     out = _make(y.reshape(x.shape), (x, h, w, b), backward)
-    return out if ln is None else (out, _layer_norm_node(out, y, *norm, ln[0], ln[1]))
+    return out if ln is None else (out, _layer_norm_node(out, y, *norm, ln[0], ln[1], handoff))
 
 
 def cross_entropy(logits, targets):

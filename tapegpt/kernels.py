@@ -126,23 +126,30 @@ extern "C" __global__ void colsum(const T* a, T* out, i64 n_rows, i64 C) {
     if (threadIdx.y == 0 && col < C) out[col] = s;
 }
 
-// Layer norm's parameter gradients in one pass: dw[c] = sum_r g * xhat, db[c] = sum_r g.
-extern "C" __global__ void ln_param(const T* g, const T* x, const T* mean, const T* rstd, T* dw, T* db,
-                                    i64 n_rows, i64 C) {
-    __shared__ T sh_w[COL_MAX_THREADS], sh_b[COL_MAX_THREADS];
+// Layer norm's parameter gradients in one pass: dw[c] = sum_r g * xhat, db[c] = sum_r g; when has_dx, also
+// ds[c] = sum_r dx (the column sums of the gradient ln_bwd wrote: the bias gradient of the op that made x).
+extern "C" __global__ void ln_param(const T* g, const T* x, const T* mean, const T* rstd, const T* dx, T* dw,
+                                    T* db, T* ds, i64 n_rows, i64 C, int has_dx) {
+    __shared__ T sh_w[COL_MAX_THREADS], sh_b[COL_MAX_THREADS], sh_d[COL_MAX_THREADS];
     const i64 col = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    T sw = 0, sb = 0;
+    T sw = 0, sb = 0, sd = 0;
     if (col < C) {
         #pragma unroll 4
         for (i64 r = threadIdx.y; r < n_rows; r += blockDim.y) {
             const T gv = g[r * C + col];
             sw += gv * ((x[r * C + col] - mean[r]) * rstd[r]);
             sb += gv;
+            if (has_dx) sd += dx[r * C + col];
         }
     }
     sw = rows_tree_sum(sh_w, sw);
     sb = rows_tree_sum(sh_b, sb);
-    if (threadIdx.y == 0 && col < C) { dw[col] = sw; db[col] = sb; }
+    if (has_dx) sd = rows_tree_sum(sh_d, sd);   // has_dx is the same for the whole block
+    if (threadIdx.y == 0 && col < C) {
+        dw[col] = sw;
+        db[col] = sb;
+        if (has_dx) ds[col] = sd;
+    }
 }
 
 // ---- GELU (tanh form) of a + b, with b a bias over the last axis (C)

@@ -183,12 +183,12 @@ def test_gpu_column_kernels_match_numpy_and_repeat_bitwise(dtype, rows, cols):
     inputs = (g, x, w, mean, rstd, a, b)
 
     def run(v):
-        return (fused.colsum(v[0]),) + fused.layer_norm_bwd(*v[:5], None)[1:] + fused.bias_gelu_bwd(v[0], v[5], v[6])
+        return (fused.colsum(v[0]),) + fused.layer_norm_bwd_sum(*v[:6])[1:] + fused.bias_gelu_bwd(v[0], v[5], v[6])
 
     ref = run([v.astype(np.float64) for v in inputs])    # NumPy in float64: the float32 sums' own error only
     d = [cupy.asarray(v) for v in inputs]
     first, second = run(d), run(d)
     tol = {"float32": 1e-4, "float64": 1e-12}[dtype]
-    for name, o, o2, r in zip(("colsum", "ln dw", "ln db", "gelu du", "gelu db"), first, second, ref):
+    for name, o, o2, r in zip(("colsum", "ln dw", "ln db", "ln dx sums", "gelu du", "gelu db"), first, second, ref):
         assert checks._rel_err(o, r) <= tol, name
         assert o.get().tobytes() == o2.get().tobytes(), name
