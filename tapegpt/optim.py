@@ -13,12 +13,12 @@ def default_decay(name, shape):
 class AdamW:
     """Updates the arrays of `params` (name -> xp array) in place; the step count stays on the host.
 
-    foreach=True (the default) updates every parameter at once, as torch's foreach AdamW does: the parameters are packed into
-    one flat buffer (the dict's arrays become views of it, decayed ones first) and a step is a dozen array ops
-    instead of a dozen per parameter, with bit-identical results (the same arithmetic on every element).
-    foreach=False is the per-parameter loop (the workload as first measured).
-    fused (foreach only; default tapegpt.fused.enabled, env TAPEGPT_FUSED): on CuPy the whole update is one kernel
-    (tapegpt.fused.adamw), bit-identical to the array code it replaces.
+    foreach=True (the default) updates every parameter at once, as torch's foreach AdamW does: the parameters are
+    packed into one flat buffer (the dict's arrays become views of it, decayed ones first) and a step is the
+    gradients' concatenation and one update of the buffer, with bit-identical results (the same arithmetic on
+    every element). The update is one kernel on CuPy (tapegpt.fused.adamw, bit-identical to the array code)
+    unless fused=False (default tapegpt.fused.enabled, env TAPEGPT_FUSED): then a dozen array ops.
+    foreach=False is the per-parameter loop (the workload as first measured; `fused` does not apply).
     """
 
     def __init__(self, params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, decay=default_decay,
