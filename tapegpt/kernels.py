@@ -94,8 +94,9 @@ extern "C" __global__ void ln_bwd(const T* g, const T* x, const T* w, const T* m
 
 // ---- column kernels: a block of (CX, RY) threads owns CX adjacent columns of a (n_rows, C) array over all
 // its rows, so a column's sum is finished in one launch without atomics. Thread (x, y) walks rows y, y + RY,
-// y + 2 RY, ... in order; rows_tree_sum then adds the RY partial sums in a fixed tree. CX >= 8 keeps each row
-// segment a whole 32-byte sector; RY is a power of two (tapegpt.kernels.col_grid picks both).
+// y + 2 RY, ... in order (loading COL_BATCH rows ahead); rows_tree_sum then adds the RY partial sums in a fixed
+// tree. CX >= 8 keeps each row segment a whole 32-byte sector; RY is a power of two (tapegpt.kernels.col_grid
+// picks both).
 
 // The sum over threadIdx.y of v for column threadIdx.x, returned to every thread of the block. sh has room for
 // blockDim.x * blockDim.y values; every thread of the block must call it (it synchronises the block).
@@ -111,6 +112,18 @@ __device__ __forceinline__ T rows_tree_sum(T* sh, T v) {
 }
 
 #define COL_MAX_THREADS 1024
+// Rows a thread loads before it adds them (in row order): a plain loop issues one load, then waits for it at its
+// add, so a thread would have one load in flight; a batch keeps COL_BATCH in flight.
+#define COL_BATCH 8
+
+// Declared first to bound their blocks: at COL_MAX_THREADS threads a thread may use at most 64 registers, which
+// the compiler then keeps to (unbounded, the float64 GELU backward took 70 and could not launch at 1024 threads).
+extern "C" __global__ void __launch_bounds__(COL_MAX_THREADS) colsum(const T* a, T* out, i64 n_rows, i64 C);
+extern "C" __global__ void __launch_bounds__(COL_MAX_THREADS) ln_param(
+    const T* g, const T* x, const T* mean, const T* rstd, const T* dx, T* dw, T* db, T* ds, i64 n_rows, i64 C,
+    int has_dx);
+extern "C" __global__ void __launch_bounds__(COL_MAX_THREADS) bias_gelu_bwd(
+    const T* g, const T* a, const T* b, T* du, T* db, i64 n_rows, i64 C);
 
 // out[c] = sum over rows of a[r, c]: a bias's gradient.
 extern "C" __global__ void colsum(const T* a, T* out, i64 n_rows, i64 C) {
@@ -118,9 +131,16 @@ extern "C" __global__ void colsum(const T* a, T* out, i64 n_rows, i64 C) {
     const i64 col = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     T s = 0;
     if (col < C) {
-        // 8 loads in flight a thread: (8192, 384) has only 48 blocks to hide the memory latency with.
-        #pragma unroll 8
-        for (i64 r = threadIdx.y; r < n_rows; r += blockDim.y) s += a[r * C + col];
+        const i64 step = blockDim.y;
+        i64 r = threadIdx.y;
+        for (; r + (COL_BATCH - 1) * step < n_rows; r += COL_BATCH * step) {
+            T v[COL_BATCH];
+            #pragma unroll
+            for (int k = 0; k < COL_BATCH; ++k) v[k] = a[(r + k * step) * C + col];
+            #pragma unroll
+            for (int k = 0; k < COL_BATCH; ++k) s += v[k];
+        }
+        for (; r < n_rows; r += step) s += a[r * C + col];
     }
     s = rows_tree_sum(sh, s);
     if (threadIdx.y == 0 && col < C) out[col] = s;
@@ -134,8 +154,21 @@ extern "C" __global__ void ln_param(const T* g, const T* x, const T* mean, const
     const i64 col = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     T sw = 0, sb = 0, sd = 0;
     if (col < C) {
-        #pragma unroll 4
-        for (i64 r = threadIdx.y; r < n_rows; r += blockDim.y) {
+        const i64 step = blockDim.y;
+        i64 r = threadIdx.y;
+        for (; r + (COL_BATCH - 1) * step < n_rows; r += COL_BATCH * step) {
+            T gv[COL_BATCH], xh[COL_BATCH], dv[COL_BATCH];
+            #pragma unroll
+            for (int k = 0; k < COL_BATCH; ++k) {
+                const i64 rk = r + k * step;
+                gv[k] = g[rk * C + col];
+                xh[k] = (x[rk * C + col] - mean[rk]) * rstd[rk];
+                dv[k] = has_dx ? dx[rk * C + col] : (T)0;
+            }
+            #pragma unroll
+            for (int k = 0; k < COL_BATCH; ++k) { sw += gv[k] * xh[k]; sb += gv[k]; sd += dv[k]; }
+        }
+        for (; r < n_rows; r += step) {
             const T gv = g[r * C + col];
             sw += gv * ((x[r * C + col] - mean[r]) * rstd[r]);
             sb += gv;
@@ -175,11 +208,25 @@ extern "C" __global__ void bias_gelu_bwd(const T* g, const T* a, const T* b, T* 
     T s = 0;
     if (col < C) {
         const T bc = b[col];
-        #pragma unroll 4
-        for (i64 r = threadIdx.y; r < n_rows; r += blockDim.y) {
-            const i64 i = r * C + col;
-            const T d = gelu_grad(g[i], a[i] + bc);
-            du[i] = d;
+        const i64 step = blockDim.y;
+        i64 r = threadIdx.y;
+        for (; r + (COL_BATCH - 1) * step < n_rows; r += COL_BATCH * step) {
+            T gv[COL_BATCH], av[COL_BATCH];
+            #pragma unroll
+            for (int k = 0; k < COL_BATCH; ++k) {
+                gv[k] = g[(r + k * step) * C + col];
+                av[k] = a[(r + k * step) * C + col];
+            }
+            #pragma unroll
+            for (int k = 0; k < COL_BATCH; ++k) {
+                const T d = gelu_grad(gv[k], av[k] + bc);
+                du[(r + k * step) * C + col] = d;
+                s += d;
+            }
+        }
+        for (; r < n_rows; r += step) {
+            const T d = gelu_grad(g[r * C + col], a[r * C + col] + bc);
+            du[r * C + col] = d;
             s += d;
         }
     }

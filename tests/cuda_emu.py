@@ -37,6 +37,7 @@ SHIM = r"""
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
+#define __launch_bounds__(...)
 
 struct emu_dim3 { unsigned x, y, z; };
 static thread_local emu_dim3 threadIdx, blockIdx;
@@ -151,7 +152,7 @@ static int emu_run(unsigned gx, unsigned gy, unsigned bx, unsigned by, std::func
 }
 """
 
-_SIG = re.compile(r'extern "C" __global__ void (\w+)\(([^)]*)\)', re.S)
+_SIG = re.compile(r'extern "C" __global__ void (\w+)\(([^)]*)\)\s*\{', re.S)   # definitions only
 
 
 def _params(text):
