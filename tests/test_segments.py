@@ -420,3 +420,77 @@ def test_a_miss_whose_give_back_fails_raises_and_keeps_the_segment_cached():
     b = pool.allocate(4 * MiB)             # tried again: now it goes back
     s = pool.stats().iloc[0]
     assert (s.device_frees, s.bytes_reserved) == (1, 4 * MiB) and backend.used(0) == 4 * MiB and b.size
+
+
+# --- the exact-size fast path (FreeTree.recent): where a freed range waits changes no decision
+
+def test_a_freed_range_with_nothing_to_merge_comes_back_to_its_size_and_counts_as_cached():
+    pool, backend = make()
+    a = pool.allocate(12 * MiB)            # a whole segment: nothing to merge with once free
+    ptr = a.ptr
+    del a
+    s = pool.stats().iloc[0]
+    assert (s.blocks_cached, s.bytes_cached) == (1, 12 * MiB)
+    assert [(c["ptr"], c["size"]) for c in pool._core.cached_blocks(0)] == [(ptr, 12 * MiB)]
+    b = pool.allocate(12 * MiB)
+    assert b.ptr == ptr and backend.mallocs == 1 and pool.stats().iloc[0].hits == 1
+
+
+def test_the_lowest_free_range_of_a_size_is_taken_first_as_without_the_fast_path():
+    pool, backend = make()
+    x = [pool.allocate(64 * KiB) for _ in range(5)]      # one segment: x0 x1 x2 x3 x4, then its rest
+    low, high = x[1].ptr, x[3].ptr
+    x[3].release()                         # neighbours in use: it waits for a request of 64 KiB
+    x[1].release()                         # the same size: x1 waits, x3 goes to the tree
+    r1 = pool.allocate(64 * KiB)           # the waiting one is the lowest of its size
+    r3 = pool.allocate(64 * KiB)
+    assert (r1.ptr, r3.ptr, backend.mallocs) == (low, high, 1)
+    r1.release()                           # x1 waits
+    r3.release()                           # x3 waits, x1 goes to the tree
+    r = pool.allocate(64 * KiB)            # best fit (lowest address) beats the waiting one
+    assert r.ptr == low and backend.mallocs == 1
+    assert pool.stats().iloc[0].blocks_cached == 2   # x3's hole and the segment's rest
+
+
+def test_a_range_freed_next_to_a_waiting_one_merges_with_it():
+    pool, backend = make()
+    a, b = pool.allocate(256 * KiB), pool.allocate(256 * KiB)
+    rest = pool.allocate(SEGMENT - 512 * KiB)           # fills the segment
+    assert backend.mallocs == 1 and rest.ptr == b.ptr + b.size
+    ptr = a.ptr
+    del a                                  # waits: its neighbour is in use
+    del b                                  # frees next to it: one range again
+    assert [(c["ptr"], c["size"]) for c in pool._core.cached_blocks(0)] == [(ptr, 512 * KiB)]
+    assert pool.stats().iloc[0].blocks_cached == 1
+    assert pool.allocate(512 * KiB).ptr == ptr and backend.mallocs == 1
+
+
+def test_empty_cache_gives_back_a_waiting_whole_segment():
+    pool, backend = make()
+    a = pool.allocate(12 * MiB)
+    del a                                  # waits in the exact-size cache
+    assert pool.empty_cache() == 12 * MiB and backend.used(0) == 0
+    assert pool.stats().iloc[0].blocks_cached == 0
+
+
+def test_a_miss_gives_back_a_waiting_whole_segment_above_the_mark():
+    pool, backend = make()
+    a = pool.allocate(3 * MiB)
+    del a                                  # waits; the mark is 3 MiB
+    big = pool.allocate(6 * MiB)           # no fit: the waiting 3 MiB segment goes back first
+    s = pool.stats().iloc[0]
+    assert (s.device_mallocs, s.device_frees, s.bytes_reserved) == (2, 1, 6 * MiB) and big.size == 6 * MiB
+
+
+def test_time_pairs_runs_pairs_through_a_c_allocator_in_c():
+    from xpool import _core
+    pool, backend = make()
+    param, malloc, free = pool._core.cfunctions()
+    assert _core.time_pairs(param, malloc, free, 12 * MiB, 1000) > 0
+    s = pool.stats().iloc[0]
+    assert (s.requests, s.hits, s.device_mallocs, s.blocks_in_use) == (1000, 999, 1, 0)
+    assert _core.time_pairs(*_core.noop_cfunctions(4096), 4096, 10) >= 0
+    with pytest.raises(ValueError, match="pairs"):
+        _core.time_pairs(param, malloc, free, 4096, -1)
+    with pytest.raises(ValueError, match="malloc"):
+        _core.time_pairs(param, 0, free, 4096, 1)

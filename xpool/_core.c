@@ -530,6 +530,17 @@ static void cache_block(DevicePool *pool, Block *b)
     pool->st.blocks_cached++; pool->st.bytes_cached += b->size;
 }
 
+/* cache_block on the free hot path (no debug hook): a range with nothing to merge with waits for a
+ * request of its exact size (FreeTree.recent).  Pool lock held; b may be freed (merged). */
+static void cache_block_hot(DevicePool *pool, Block *b)
+{
+    b->requested = 0;
+    if (!b->in_segment) { cache_block(pool, b); return; }
+    SegDelta d = {0, 0};
+    seg_put_recent(&pool->segs, b, &d);
+    apply_delta(&pool->st, d);
+}
+
 /* A cached block of `size` bytes for `stream`, taken off the cached counters; NULL when none.  Pool
  * lock held.  A range can come out larger than asked (no memory to split it): see b->size. */
 static Block *cache_take(Allocator *A, DevicePool *pool, intptr_t stream, size_t size)
@@ -573,7 +584,7 @@ static int take_cached(DevicePool *pool, int all_streams, intptr_t stream, uint6
             blocks[(*n)++] = b;
         }
     }
-    if (pool->segs.root && pool->st.bytes_cached > keep) {   /* of segments, whole free ones only */
+    if ((pool->segs.root || pool->segs.n_recent) && pool->st.bytes_cached > keep) {   /* of segments, whole free ones only */
         size_t first = *n;
         uint64_t cached = pool->st.bytes_cached;
         SegDelta d = {0, 0};
@@ -666,7 +677,7 @@ static int release_for_miss(Allocator *A, DevicePool *pool, intptr_t stream, siz
     pthread_mutex_lock(&pool->lock);
     uint64_t after = committed(&pool->st) + want, mark = pool->high_water;
     if (pool->miss_released > XP_MISS_BUDGET * mark) pool->miss_release_off = 1;
-    if (after <= mark || pool->miss_release_off || !pool->segs.root || !pool->st.blocks_cached) {
+    if (after <= mark || pool->miss_release_off || !(pool->segs.root || pool->segs.n_recent) || !pool->st.blocks_cached) {
         pthread_mutex_unlock(&pool->lock);
         return 0;
     }
@@ -1041,9 +1052,13 @@ static int xp_free(Allocator *A, int device, uintptr_t ptr, int *holds_ref)
             origin_out(&pool->st, b->origin, b->size);
             if (!hook) {   /* the hot path: one lock section */
                 b->poisoned = 0;
-                Block freed = *b;   /* a range may merge into its neighbour and be gone */
-                cache_block(pool, b);
-                timeline_record(&A->tl, EV_FREE, pool, &freed, requested);
+                if (atomic_load_explicit(&A->tl.on, memory_order_relaxed)) {
+                    Block freed = *b;   /* a range may merge into its neighbour and be gone */
+                    cache_block_hot(pool, b);
+                    timeline_record(&A->tl, EV_FREE, pool, &freed, requested);
+                } else {
+                    cache_block_hot(pool, b);
+                }
                 pthread_mutex_unlock(&pool->lock);
                 return 0;
             }
@@ -1207,7 +1222,7 @@ static int torch_give_back(Allocator *A, DevicePool *pool, uintptr_t ptr)
     size_t requested = b->requested;
     b->handed_out = 0; b->poisoned = 0;
     Block freed = *b;   /* a range may merge into its neighbour and be gone */
-    cache_block(pool, b);
+    cache_block_hot(pool, b);
     timeline_record(&A->tl, EV_FREE, pool, &freed, requested);
     pthread_mutex_unlock(&pool->lock);
     return 0;
@@ -2050,7 +2065,41 @@ static PyObject *py_noop_cfunctions(PyObject *mod, PyObject *args)
                          (unsigned long long)(uintptr_t)&noop_free);
 }
 
+/* time_pairs(param, malloc, free, nbytes, pairs, device=0) -> ns: `pairs` malloc+free pairs through a C
+ * allocator's two functions (Allocator.cfunctions(), noop_cfunctions()), timed in C.  The C allocator's own
+ * cost, without CuPy's objects or a Python loop around it: xlab.bench.alloc --host measures the hit path
+ * with it on a CPU (over host memory), where CuPy's arrays cannot be made. */
+static PyObject *py_time_pairs(PyObject *mod, PyObject *args)
+{
+    unsigned long long param, malloc_fn, free_fn;
+    Py_ssize_t nbytes, pairs;
+    int device = 0;
+    if (!PyArg_ParseTuple(args, "KKKnn|i", &param, &malloc_fn, &free_fn, &nbytes, &pairs, &device))
+        return NULL;
+    if (nbytes < 0 || pairs < 0) {
+        PyErr_Format(PyExc_ValueError, "nbytes and pairs must be >= 0, got nbytes=%zd, pairs=%zd", nbytes,
+                     pairs);
+        return NULL;
+    }
+    if (!malloc_fn || !free_fn) {
+        PyErr_SetString(PyExc_ValueError, "malloc and free must be function addresses, got 0");
+        return NULL;
+    }
+    void *(*m)(void *, size_t, int) = (void *(*)(void *, size_t, int))(uintptr_t)malloc_fn;
+    void (*f)(void *, void *, int) = (void (*)(void *, void *, int))(uintptr_t)free_fn;
+    void *p = (void *)(uintptr_t)param;
+    int64_t t0 = now_ns();
+    for (Py_ssize_t i = 0; i < pairs; i++) {
+        void *ptr = m(p, (size_t)nbytes, device);
+        if (ptr == (void *)(intptr_t)-1) return NULL;   /* the allocator's exception is set */
+        f(p, ptr, device);
+    }
+    return PyLong_FromLongLong(now_ns() - t0);
+}
+
 static PyMethodDef module_methods[] = {
+    {"time_pairs", py_time_pairs, METH_VARARGS,
+     "time_pairs(param, malloc, free, nbytes, pairs, device=0) -> ns: malloc+free pairs timed in C"},
     {"noop_cfunctions", py_noop_cfunctions, METH_VARARGS,
      "noop_cfunctions(ptr) -> (param, malloc, free): a do-nothing C allocator, the floor for benchmarks"},
     {"size_class", py_size_class, METH_VARARGS, "size_class(nbytes, k=1): the C twin of xpool.size_class"},

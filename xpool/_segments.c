@@ -130,13 +130,61 @@ void seg_init(FreeTree *t, Block *b, size_t size, SegDelta *d)
     split(t, b, size, d);
 }
 
-Block *seg_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d)
+static inline size_t recent_slot(intptr_t stream, size_t size)
+{
+    return (size_t)((((uint64_t)size >> 9) ^ ((uint64_t)stream << 7)) * 0x9e3779b97f4a7c15ULL >> 58)
+           & (SEG_RECENT - 1);
+}
+
+/* Takes a waiting range out of t->recent (it stays free: the caller files, merges or hands it out). */
+static void unwait(FreeTree *t, Block *b)
+{
+    t->recent[recent_slot(b->stream, b->size)] = NULL;
+    t->n_recent--;
+    b->waiting = 0;
+}
+
+Block *seg_put_recent(FreeTree *t, Block *b, SegDelta *d)
+{
+    if ((b->prev_addr && (b->prev_addr->is_free || b->prev_addr->waiting)) ||
+        (b->next_addr && (b->next_addr->is_free || b->next_addr->waiting)))
+        return seg_put(t, b, d);         /* it merges: the tree's way */
+    size_t i = recent_slot(b->stream, b->size);
+    Block *old = t->recent[i];
+    if (old) {                           /* moves to the tree; its neighbours are in use: no merge */
+        unwait(t, old);
+        file_free(t, old);
+    }
+    t->recent[i] = b; t->n_recent++;
+    b->waiting = 1; b->requested = 0;
+    d->free_ranges += 1; d->free_bytes += (int64_t)b->size;
+    return b;
+}
+
+void seg_flush(FreeTree *t)
+{
+    for (size_t i = 0; t->n_recent && i < SEG_RECENT; i++) {
+        Block *b = t->recent[i];
+        if (!b) continue;
+        unwait(t, b);
+        file_free(t, b);
+    }
+}
+
+/* The tree's least key >= (stream, size, 0): the best fit there, if it is of `stream`. */
+static Block *tree_fit(const FreeTree *t, intptr_t stream, size_t size)
 {
     Block *best = NULL;
-    for (Block *x = t->root; x;) {   /* the least key >= (stream, size, 0) */
+    for (Block *x = t->root; x;) {
         if (x->stream > stream || (x->stream == stream && x->size >= size)) { best = x; x = x->left; }
         else x = x->right;
     }
+    return best;
+}
+
+static Block *tree_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d)
+{
+    Block *best = tree_fit(t, stream, size);
     if (!best || best->stream != stream) return NULL;
     unfile(t, best);
     d->free_ranges -= 1; d->free_bytes -= (int64_t)best->size;
@@ -144,12 +192,30 @@ Block *seg_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d)
     return best;
 }
 
+Block *seg_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d)
+{
+    size_t i = recent_slot(stream, size);
+    Block *b = t->recent[i];
+    Block *x;
+    /* the exact-size fast path, when the waiting range is the best fit of all: exactly `size` bytes and
+     * no free range of that size at a lower address (the tree's order breaks ties), so every request
+     * gets the range it would get without this cache (replays stay exact: memory_study.py) */
+    if (b && b->size == size && b->stream == stream &&
+        (!(x = tree_fit(t, stream, size)) || x->stream != stream || x->size != size || x->ptr > b->ptr)) {
+        unwait(t, b);
+        d->free_ranges -= 1; d->free_bytes -= (int64_t)size;
+        return b;
+    }
+    seg_flush(t);   /* best fit over every free range, as without the cache */
+    return tree_take(t, stream, size, d);
+}
+
 Block *seg_put(FreeTree *t, Block *b, SegDelta *d)
 {
     d->free_ranges += 1; d->free_bytes += (int64_t)b->size;
     Block *n = b->next_addr;
-    if (n && n->is_free) {               /* b swallows its free successor */
-        unfile(t, n);
+    if (n && n->waiting) unwait(t, n); else if (n && n->is_free) unfile(t, n); else n = NULL;
+    if (n) {                             /* b swallows its free successor */
         b->size += n->size;
         b->poisoned &= n->poisoned;      /* poisoned only if every part is */
         b->next_addr = n->next_addr;
@@ -158,8 +224,8 @@ Block *seg_put(FreeTree *t, Block *b, SegDelta *d)
         d->free_ranges -= 1;
     }
     Block *p = b->prev_addr;
-    if (p && p->is_free) {               /* its free predecessor swallows b */
-        unfile(t, p);                    /* its key (size) changes */
+    if (p && p->waiting) unwait(t, p); else if (p && p->is_free) unfile(t, p); else p = NULL;
+    if (p) {                             /* its free predecessor swallows b (its key, size, changes) */
         p->size += b->size;
         p->poisoned &= b->poisoned;
         p->next_addr = b->next_addr;
@@ -194,6 +260,7 @@ static int collect_whole(Block *b, void *arg)
 void seg_take_whole(FreeTree *t, int all_streams, intptr_t stream, uint64_t keep, uint64_t *cached,
                     Block **out, size_t *n, size_t cap, SegDelta *d)
 {
+    seg_flush(t);   /* a waiting range may be a whole segment */
     WholeScan s = {all_streams, stream, keep, *cached, out, *n, cap};
     seg_each_free(t, collect_whole, &s);   /* collect first: the walk must not see the tree change */
     for (size_t i = *n; i < s.n; i++) {
@@ -216,7 +283,10 @@ static int walk(Block *x, int (*fn)(Block *, void *), void *arg)
 
 int seg_each_free(const FreeTree *t, int (*fn)(Block *, void *), void *arg)
 {
-    return walk(t->root, fn, arg);
+    if (walk(t->root, fn, arg)) return 1;
+    for (size_t i = 0; t->n_recent && i < SEG_RECENT; i++)
+        if (t->recent[i] && fn(t->recent[i], arg)) return 1;
+    return 0;
 }
 
 static void destroy(Block *x)
@@ -233,6 +303,11 @@ void seg_destroy(FreeTree *t)
 {
     destroy(t->root);
     t->root = NULL;
+    for (size_t i = 0; i < SEG_RECENT; i++) {
+        free(t->recent[i]);
+        t->recent[i] = NULL;
+    }
+    t->n_recent = 0;
     while (t->spare) {
         Block *b = t->spare;
         t->spare = b->next;
@@ -260,6 +335,7 @@ static int list_whole(Block *b, void *arg)
 void seg_take_whole_need(FreeTree *t, intptr_t stream, uint64_t need, Block **out, size_t *n, size_t cap,
                          SegDelta *d)
 {
+    seg_flush(t);   /* a waiting range may be a whole segment */
     WholeList s = {stream, out, *n, cap};
     seg_each_free(t, list_whole, &s);
     size_t first = *n, m = s.n - first, k = 0;

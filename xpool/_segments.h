@@ -43,11 +43,26 @@ typedef struct Block {
     struct Block *left, *right;            /* children in the FreeTree while free */
     uint32_t prio;                          /* treap priority */
     uint8_t in_segment;
-    uint8_t is_free;
+    uint8_t is_free;        /* free, in the tree */
+    uint8_t waiting;        /* free, in FreeTree.recent */
 } Block;
+
+/* Slots of the exact-size cache (a power of two): see FreeTree.recent. */
+#define SEG_RECENT 64
 
 typedef struct {
     Block *root;            /* free ranges by (stream, size, ptr) */
+    /* The exact-size fast path.  A range freed on the hot path with no free neighbour (nothing to merge
+     * with: a whole segment, or one between ranges in use) waits here instead of the tree, one per slot
+     * by (stream, size), and the next request of its exact size and stream takes it back in O(1): no
+     * descent, insert or remove.  Programs ask again for the sizes they just freed (a training step's
+     * layers, the microbenchmark's pairs).  A waiting range is a free range like any other (cached,
+     * merged with a neighbour freed next to it: seg_put), so what is free and how it is merged stays
+     * exactly as without this cache; only where it is kept differs.  It moves into the tree when its
+     * slot is taken by another key, and all of them do before a request the cache cannot serve exactly
+     * (best fit then sees every free range) and before segments are given back (seg_flush). */
+    Block *recent[SEG_RECENT];
+    size_t n_recent;        /* ranges waiting in recent[] */
     Block *spare;           /* Blocks of merged ranges, kept for the next split (linked by .next):
                              * a split and a merge per alloc/free pair would otherwise cost a malloc
                              * and a free each */
@@ -67,9 +82,17 @@ size_t seg_size_for(size_t size, size_t round);
  * `size` bytes off for use and files the rest as a free range. */
 void seg_init(FreeTree *t, Block *b, size_t size, SegDelta *d);
 
-/* The best-fitting free range of `stream` with at least `size` bytes, taken out of the tree and
- * cut to `size` (the rest stays free); NULL when none fits. */
+/* A free range of `stream` for `size` bytes: a waiting range of exactly that size (t->recent), else the
+ * best-fitting free range of the tree (merging the waiting ones first if the tree alone has none),
+ * taken out and cut to `size` (the rest stays free); NULL when none fits. */
 Block *seg_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d);
+
+/* seg_put on the hot path: a range with no free neighbour waits in t->recent (its slot's former
+ * range moves to the tree); else as seg_put.  Returns the free range that now holds it. */
+Block *seg_put_recent(FreeTree *t, Block *b, SegDelta *d);
+
+/* Moves every range waiting in t->recent into the tree (see FreeTree.recent). */
+void seg_flush(FreeTree *t);
 
 /* Gives an in-use range back: it merges with its free neighbours (their Blocks are freed) and is
  * filed in the tree.  Returns the free range that now holds it. */
@@ -84,7 +107,8 @@ void seg_take_whole_need(FreeTree *t, intptr_t stream, uint64_t need, Block **ou
 void seg_take_whole(FreeTree *t, int all_streams, intptr_t stream, uint64_t keep, uint64_t *cached,
                     Block **out, size_t *n, size_t cap, SegDelta *d);
 
-/* Calls fn(b, arg) on every free range, in key order; stops early when fn returns nonzero. */
+/* Calls fn(b, arg) on every free range, in key order (the waiting ones after the tree's); stops early
+ * when fn returns nonzero. */
 int seg_each_free(const FreeTree *t, int (*fn)(Block *, void *), void *arg);
 
 /* Frees every Block of the tree (the pool is being destroyed). */
