@@ -4,12 +4,12 @@
 #
 # stage        what                                                     expected (2x H200)   limit
 # tests        every test marked gpu or multigpu (not test_torch_gpu)   ~3 min               240 s
-# bench        allocator microbenchmark, 5 interleaved trials           ~1.3 min             140 s
+# bench        allocator microbenchmark, 7 trials, arms back to back     ~2 min               150 s
 # single       one GPU, batch 32 and 4, 4 allocators x 5 trials         ~1.5 min             150 s
 # ddp          threads and processes on 1 and 2 GPUs, batch 32, x 5     ~3.5 min             130 s per GPU count
 # correctness  the correctness gate on CuPy, bitwise transparency       ~1 min               150 s
 # debugcost    debug mode's cost per pair on the GPU                    ~0.5 min              60 s
-# memory       memory study (timeline + waste per size-class setting)   ~0.5 min              60 s
+# memory       memory study (waste per class setting; varying lengths)  ~1 min               120 s
 # sweep        threads on 1 and 2 GPUs, batch 4..128, 3 allocators x 5  ~4 min               330 s
 # gil          GIL probe: ops/s of 1, 2, 4, 8 dispatching threads        ~0.7 min              90 s
 # torch        opt-in, not in the default list: PyTorch and CuPy sharing xpool, its GPU tests then the interop
@@ -18,16 +18,16 @@
 # per batch-4 step, raw about 4x; the fused kernels shorten the host-bound ones.)
 #
 # Within a 9-minute limit per command, three commands keep every command under it even if every stage runs to
-# its limit (about 16 minutes expected in all):
-#   bash scripts/gpu_suite.sh tests bench single                    # limits 530 s, ~6 min expected
-#   bash scripts/gpu_suite.sh ddp correctness debugcost memory      # limits 530 s, ~5.5 min expected
-#   bash scripts/gpu_suite.sh sweep                                 # limit 330 s, ~5 min expected
+# its limit (about 17 minutes expected in all):
+#   bash scripts/gpu_suite.sh tests bench single                    # limits 540 s, ~6.5 min expected
+#   bash scripts/gpu_suite.sh ddp correctness debugcost             # limits 470 s, ~5 min expected
+#   bash scripts/gpu_suite.sh memory sweep                          # limits 450 s, ~6 min expected
 # A stage stopped by its limit keeps what it finished (its CSV is rewritten after every run); finish it later
 # with RESUME=1 bash scripts/gpu_suite.sh STAGE (single, ddp, sweep: only the missing trials run; never fewer).
 # Each stage writes its own CSV in data/ (every row: GPU, driver, CUDA, CuPy, commit, date and the run's
 # parameters) and copies it, with the stage's log, to $OUT (default build/gpu) as soon as it ends.
-# Knobs: TRIALS (default 5), STEPS/WARMUP (single and ddp), WORLDS (ddp; default "1 2", "1 2 4 8" on eight GPUs),
-# DDP_ALLOCATORS (ddp; default: single's),
+# Knobs: TRIALS (default 5), BENCH_TRIALS (bench; default 7), STEPS/WARMUP (single and ddp), WORLDS (ddp; default
+# "1 2", "1 2 4 8" on eight GPUs), DDP_ALLOCATORS (ddp; default: single's),
 # RESUME=1, XPOOL_ADAMW (default foreach, the flat-buffer AdamW; rows record it), DATA (default data; DATA=data/rerun
 # for the second run on a fresh machine: the report checks its ratios against the first run's intervals).
 set -uo pipefail
@@ -74,7 +74,7 @@ for s in $stages; do
     case $s in
         tests)       stage tests 240 $PY -m pytest -q -p no:warnings -m "gpu or multigpu" tests \
                          -k "not transparency_gate_raw" --ignore=tests/test_torch_gpu.py ${TESTS_IGNORE:-} ;;
-        bench)       stage bench 140 $PY -m xlab.bench.alloc --trials "$TRIALS" --out "$DATA"/alloc_microbench.csv ;;
+        bench)       stage bench 150 $PY -m xlab.bench.alloc --trials "${BENCH_TRIALS:-7}" --out "$DATA"/alloc_microbench.csv ;;
         single)      stage single 150 $PY -m xlab.experiments single $TRAIN --out "$DATA"/single_gpu.csv ;;
         correctness) stage correctness 150 $PY -m xlab.correctness --gpu --out "$DATA"/correctness_gpu.csv ;;
         debugcost)   stage debugcost 60 $PY -m xlab.bench.alloc --out "$DATA"/alloc_debug_cost.csv --trials 3 \

@@ -195,3 +195,81 @@ def test_gil_probe_fails_when_an_op_fails():
 
     with pytest.raises(RuntimeError, match="cuLaunchKernel failed"):
         gil._run([Rank(), Rank()], "launch", 0.05)
+
+
+def test_rotated_puts_every_arm_in_every_position_once_per_len_trials():
+    arms = ["a", "b", "c"]
+    orders = [bench.rotated(arms, t) for t in range(3)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert all(sorted(o) == arms for o in orders) and bench.rotated(arms, 3) == arms
+    for position in range(3):
+        assert {o[position] for o in orders} == set(arms)
+
+
+def test_median_window_keeps_the_median_windows_rate():
+    rates = iter([10.0, 99.0, 11.0, 12.0, 10.5])     # one window hit by a burst of other work
+    calls = []
+
+    def run(pairs):
+        calls.append(pairs)
+        return int(next(rates) * pairs), pairs
+    ns, pairs = bench.median_window(run, 1000, 5)
+    assert calls == [200] * 5 and pairs == 1000
+    assert ns / pairs == pytest.approx(11.0)          # the burst moves nothing
+
+
+def test_size_sweep_arms_of_one_case_run_back_to_back(monkeypatch):
+    """Every (trial, case) times each arm once, in the trial's rotated order, before the next case."""
+    seen = []
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def install(self, counting=False):
+            seen.append(("install", self.name))
+
+        def uninstall(self):
+            pass
+
+        def trim(self, devices=()):
+            pass
+
+        def release(self, devices=()):
+            pass
+
+        def tracking(self):
+            import contextlib
+            return contextlib.nullcontext()
+
+        def device_mallocs(self, device):
+            return None
+
+    monkeypatch.setattr(bench.registry, "make", lambda name, **kw: Fake(name))
+    monkeypatch.setattr(bench, "timer", lambda case: (lambda pairs: (1000 * pairs, pairs)))
+    monkeypatch.setattr(bench, "time_pairs", lambda n, pairs: (1000 * pairs, pairs))
+    samples, _ = bench.measure(("cupy_pool", "xpool", "c_noop"), sizes=(4096, 1 << 20), threads=(1,), trials=2,
+                               target_s=0.001, progress=False)
+    assert len(samples) == 2 * 3 * 3 and (samples[samples.sweep == "size"].windows == bench.WINDOWS).all()
+    first = samples[samples.trial == 0]
+    assert list(first.allocator[:3]) == ["cupy_pool", "xpool", "c_noop"]       # case 4 KiB, arms together
+    assert list(first.size_bytes[:3]) == [4096] * 3
+    second = samples[samples.trial == 1]
+    assert list(second.allocator[:3]) == ["xpool", "c_noop", "cupy_pool"]      # rotated by one
+
+
+def test_host_mode_times_the_c_core_on_a_cpu(tmp_path):
+    out = tmp_path / "host.csv"
+    df = bench.run_host(out=out, trials=2, target_s=0.002, sizes=(4096, 12 << 20), progress=False)
+    assert list(df.columns[:len(bench.HOST_COLUMNS)]) == bench.HOST_COLUMNS
+    assert len(df) == 2 * len(bench.HOST_ARMS) * len(bench.HOST_SCENARIOS) * 2
+    assert (df.ns_per_pair > 0).all() and set(df.scenario) == set(bench.HOST_SCENARIOS)
+    seed = df[df.allocator == "xpool_seed"]
+    assert (seed.ratio_vs_xpool_seed == 1).all()
+    assert {"commit", "date", "target_s"} <= set(pd.read_csv(out).columns)
+
+
+def test_host_pool_busy_leaves_ranges_free_and_in_use():
+    pool = bench.host_pool("xpool", busy=True)
+    s = pool._core.stats(0)
+    assert s["blocks_in_use"] == 150 and s["blocks_cached"] > 10

@@ -110,3 +110,18 @@ def test_a_miss_gives_the_streams_whole_free_segments_back(pool):
     s = pool.stats(0).iloc[0]
     assert (s.device_mallocs, s.device_frees, s.bytes_reserved) == (2, 1, 128 * MiB)
     assert np.isfinite(float(cp.ones(4, cp.float32).sum())) and b.nbytes == 128 * MiB
+
+
+def test_varying_length_training_run_measures_each_allocators_peaks(tmp_path):
+    """The memory stage's varying-length run (issue #14): one row per allocator with exact peaks."""
+    from xlab import memory_study
+    df = memory_study.measure_varlen(block_sizes=(64, 16, 48, 32, 64, 24, 40))
+    assert list(df["allocator"]) == list(memory_study.VARLEN_ALLOCATORS)
+    assert set(memory_study.VARLEN_COLUMNS) <= set(df.columns) and {"gpu", "commit", "date"} <= set(df.columns)
+    assert (df["peak_bytes_reserved"] >= df["peak_bytes_requested"]).all()
+    assert (df["reserved_over_requested"] >= 1).all() and (df["device_mallocs"] > 0).all()
+    by = df.set_index("allocator")
+    # the two counters agree on what the program asked for: the same requests under every allocator
+    assert by.loc["xpool", "peak_bytes_requested"] == by.loc["xpool_seed", "peak_bytes_requested"]
+    assert by.loc["xpool", "reserved_over_requested"] < by.loc["xpool_seed", "reserved_over_requested"]
+    assert (df["block_sizes"] == "64 16 48 32 64 24 40").all() and (df["adamw"] == "foreach").all()

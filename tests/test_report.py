@@ -311,3 +311,34 @@ def test_the_committed_report_is_what_the_committed_csvs_give():
         figs[name] = (root / "figures" / f"{name}.png" if have
                       else f"skipped: {' / '.join(c + '.csv' for c in csvs)} missing")
     assert report.render(root / "data", [], figs, root / "report") == (root / "report" / "REPORT.md").read_text()
+
+
+def _memory_csvs(data, varlen_gpu: bool):
+    """single_gpu rows (xpool and CuPy's pool at batch 32 and 4), the CPU replay's varying-length rows, and, if
+    varlen_gpu, the GPU's varying-length rows."""
+    data.mkdir(parents=True, exist_ok=True)
+    prov = dict(gpu="NVIDIA H200", n_gpus=1, driver="580", cuda="13.2", cupy="14.2.0", commit="abc", date="2026-11-30")
+    pd.DataFrame([dict(allocator=a, batch=b, trial=0, tokens_per_s=1.0, reserved_over_requested=r, **prov)
+                  for a, b, r in (("xpool", 32, 1.008), ("cupy_pool", 32, 1.075), ("xpool", 4, 1.459),
+                                  ("cupy_pool", 4, 1.460))]).to_csv(data / "single_gpu.csv", index=False)
+    pd.DataFrame([dict(trace="gpt_varlen_numpy", allocator=a, reserved_over_requested=r, gpu="none")
+                  for a, r in (("xpool", 1.024), ("cupy_pool_model", 1.321))]).to_csv(data / "memory_schemes.csv",
+                                                                                       index=False)
+    if varlen_gpu:
+        pd.DataFrame([dict(trace="gpt_varlen_gpu", allocator=a, reserved_over_requested=r, **prov)
+                      for a, r in (("xpool", 1.40), ("xpool_seed", 2.5), ("cupy_pool", 1.35))]).to_csv(
+            data / "memory_varlen.csv", index=False)
+    return data
+
+
+def test_memory_targets_of_issue_14_use_gpu_rows_for_the_varying_trace_when_measured(tmp_path):
+    rows = {r["target"]: r for r in report.memory_targets(_memory_csvs(tmp_path / "cpu", varlen_gpu=False))}
+    assert rows["#14: batch 32: xpool peak reserved / peak requested ≤ 1.05 (one GPU)"]["verdict"] == "met"
+    b4 = rows["#14: batch 4: xpool peak reserved / peak requested ≤ CuPy MemoryPool's (one GPU)"]
+    assert b4["verdict"] == "met" and b4["measured"] == "1.459 (CuPy 1.460)"
+    (replayed,) = [r for t, r in rows.items() if "varying" in t]
+    assert "CPU replay" in replayed["target"] and replayed["verdict"] == "met"
+    rows = {r["target"]: r for r in report.memory_targets(_memory_csvs(tmp_path / "gpu", varlen_gpu=True))}
+    (measured,) = [r for t, r in rows.items() if "varying" in t]
+    assert "measured, NVIDIA H200" in measured["target"] and "CPU replay" not in measured["target"]
+    assert measured["verdict"] == "missed" and measured["measured"] == "1.400 (CuPy 1.350)"

@@ -7,7 +7,13 @@ depend on the allocator, so replaying the recorded requests and frees, in order,
 `xpool.Pool` of any setting reproduces that setting's decisions exactly: `replay_waste` does this on a
 CPU over a backend that hands out addresses and touches no memory.
 
-    python -m xlab.memory_study --out-dir data     # on a GPU: data/memory_timeline.csv, data/memory_waste.csv
+    python -m xlab.memory_study --out-dir data     # on a GPU: data/memory_timeline.csv, data/memory_waste.csv,
+                                                   #   data/memory_varlen.csv
+
+The GPU run also trains with the sequence length changing every step (the varying-length trace's batch and
+lengths, `NUMPY_TRACES["gpt_varlen_numpy"]`) under xpool, xpool_seed and CuPy's pool, each reading its own
+counters: `measure_varlen` writes their peaks to data/memory_varlen.csv (issue #14's varying-size target; the
+report falls back to the CPU replay, and says so, where that CSV is missing).
 
 Schemes (scheme xpool's segments against the design's classes, `xpool_seed`, and a model of CuPy's pool)
 are compared on every recorded trace, the GPU's and two recorded on the CPU from the GPT on NumPy
@@ -755,6 +761,100 @@ def run(out="data/memory_waste.csv", ks=KS, config=None, batch: int | None = Non
     return waste
 
 
+VARLEN_ALLOCATORS = ("xpool", "xpool_seed", "cupy_pool")
+VARLEN_COLUMNS = ["trace", "allocator", "source", "steps", "peak_bytes_requested", "peak_bytes_reserved",
+                  "reserved_over_requested", "device_mallocs", "device_mallocs_warm", "batch", "block_sizes",
+                  "adamw"]
+
+
+def train_varlen(alloc, cfg, block_sizes, seed: int = 0, foreach: bool = True) -> list:
+    """GPU: the GPT trained on CuPy with `alloc` (an xlab.allocators.Allocator) installed and counting, one step
+    per entry of `block_sizes` (sequence lengths); device mallocs after setup and after each step.
+
+    Args:
+        alloc: the allocator, not installed.
+        cfg: the GPTConfig.
+        block_sizes: sequence length of each step.
+        seed: the model's and batches' seed.
+        foreach: flat-buffer AdamW (the default) or per-parameter.
+
+    Returns:
+        The device mallocs counted after setup and after each step (len(block_sizes) + 1 numbers).
+    """
+    import gc
+
+    import cupy
+
+    from tapegpt import GPT, AdamW, get_batch, load_corpus
+    data = load_corpus()
+    alloc.install(counting=True)
+    mallocs = []
+    try:
+        with alloc.tracking():
+            model = GPT(cfg, xp=cupy, seed=seed)
+            opt = AdamW(model.params, lr=1e-3, foreach=foreach)
+            cupy.cuda.Device().synchronize()
+            alloc.sample(0)
+            mallocs.append(alloc.device_mallocs(0))
+            for step, T in enumerate(block_sizes):
+                x, y = get_batch(data, cfg.batch_size, int(T), step, seed=seed, xp=cupy)
+                loss, grads = model.loss_and_grads(x, y)
+                opt.step(grads)
+                del x, y, loss, grads
+                cupy.cuda.Device().synchronize()
+                alloc.sample(0)
+                mallocs.append(alloc.device_mallocs(0))
+            del model, opt
+    finally:
+        alloc.uninstall()
+        gc.collect()
+    return mallocs
+
+
+def measure_varlen(allocators=VARLEN_ALLOCATORS, batch: int | None = None, block_sizes=None, seed: int = 0,
+                   foreach: bool = True) -> pd.DataFrame:
+    """GPU: peak reserved / peak requested of each allocator over a training run whose sequence length changes
+    every step (default: the varying-length trace's batch and lengths), one row each, with provenance.
+
+    The peaks are the allocators' own exact counters (CuPy's pool: total_bytes() after every step and a
+    MemoryHook's live requested bytes), deterministic for a given program, so one run per allocator.
+    device_mallocs_warm counts the steps from WARMUP_STEPS on.
+
+    Args:
+        allocators: registry names.
+        batch: sequences per step (default: the trace's).
+        block_sizes: sequence lengths (default: the trace's).
+        seed: the run's seed.
+        foreach: flat-buffer AdamW.
+
+    Returns:
+        A DataFrame with VARLEN_COLUMNS and the provenance columns.
+    """
+    from . import allocators as registry
+    from .provenance import provenance
+    spec = NUMPY_TRACES["gpt_varlen_numpy"]
+    batch = int(batch or spec["batch"])
+    block_sizes = tuple(int(t) for t in (block_sizes or spec["block_sizes"]))
+    cfg = _config(None, batch)
+    if max(block_sizes) > cfg.block_size or min(block_sizes) < 1:
+        raise ValueError(f"block_sizes must be in [1, {cfg.block_size}], got {block_sizes}")
+    rows = []
+    for name in allocators:
+        alloc = registry.make(name)
+        mallocs = train_varlen(alloc, cfg, block_sizes, seed, foreach)
+        reserved, requested = alloc.peak_reserved(0), alloc.peak_requested(0)
+        warm = mallocs[-1] - mallocs[WARMUP_STEPS] if len(mallocs) > WARMUP_STEPS + 1 else math.nan
+        rows.append(dict(trace="gpt_varlen_gpu", allocator=name, source="measured", steps=len(block_sizes),
+                         peak_bytes_requested=requested, peak_bytes_reserved=reserved,
+                         reserved_over_requested=reserved / max(requested or 0, 1) if reserved and requested else
+                         math.nan,
+                         device_mallocs=mallocs[-1], device_mallocs_warm=warm, batch=batch,
+                         block_sizes=" ".join(map(str, block_sizes)), adamw="foreach" if foreach else "per_param"))
+        alloc.release([0])
+    prov = provenance(n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size, seed=seed)
+    return pd.DataFrame(rows, columns=VARLEN_COLUMNS).assign(**prov)
+
+
 def schemes(data_dir="data", figures_dir="figures", repeats: int = 7) -> pd.DataFrame:
     """CPU: replays every recorded trace through each scheme; writes data/memory_schemes.csv and its figure."""
     from . import plots
@@ -779,6 +879,8 @@ def main(argv=None):
     p.add_argument("--ks", default="1,2,4,8", help="size classes per doubling to compare (default: 1,2,4,8)")
     p.add_argument("--batch", type=int, default=None, help="batch size (default: GPTConfig's)")
     p.add_argument("--warmup", type=int, default=1, help="steps before the recorded one (default: 1)")
+    p.add_argument("--no-varlen", action="store_true",
+                   help="GPU: skip the varying-length training run (data/memory_varlen.csv)")
     p.add_argument("--record-numpy", action="store_true",
                    help="CPU: record the NumPy traces (TRACES) into --out-dir, then stop")
     p.add_argument("--schemes", action="store_true",
@@ -797,6 +899,11 @@ def main(argv=None):
     waste = run(pathlib.Path(a.out_dir) / "memory_waste.csv", ks, batch=a.batch, warmup=a.warmup)
     replayed = replay_waste(pd.read_csv(pathlib.Path(a.out_dir) / "memory_timeline.csv"), ks)
     print(waste_table(waste, replayed).to_string(index=False))
+    if not a.no_varlen:
+        varlen = measure_varlen()
+        write_csv(varlen, pathlib.Path(a.out_dir) / "memory_varlen.csv")
+        print(varlen[["allocator", "reserved_over_requested", "device_mallocs", "device_mallocs_warm"]]
+              .to_string(index=False))
 
 
 if __name__ == "__main__":

@@ -434,6 +434,9 @@ def targets(data: pathlib.Path) -> list[dict]:
             if worst:
                 _target(rows, f"{xp} µs per pair ≤ 1.05× CuPy MemoryPool's, every size (worst size)", *worst, 1.05,
                         higher=False, unit="×", bound="host")
+                if xp == "xpool":
+                    _target(rows, "#14: xpool alloc+free ≤ CuPy MemoryPool's, every size (worst size, µs per pair)",
+                            *worst, 1.0, higher=False, unit="×", bound="host")
             thr = bench[(bench["allocator"] == xp) & (bench["sweep"] == "threads")] if "sweep" in bench else None
             if thr is not None and {1, 8} <= set(thr["threads"]):
                 r = iv.paired(thr.assign(arm=thr["threads"].astype(str)), "kpairs_per_s", "arm", "1")
@@ -496,12 +499,60 @@ def targets(data: pathlib.Path) -> list[dict]:
         best = waste.loc[waste["reserved_over_requested"].idxmin()]
         _exact(rows, f"peak reserved / peak requested ≤ 1.10 with the best class setting (k={int(best['k'])})",
                float(best["reserved_over_requested"]), best["reserved_over_requested"] <= 1.10, "{:.3f}")
+    rows += memory_targets(data)
     gpu = _read(data, "correctness_gpu")
     if gpu is not None:
         gate = gpu[gpu["check"].str.contains("transparency")]
         if len(gate):
             _exact(rows, "transparency gate: every allocator bit-identical to raw cudaMalloc (rows passing)",
                    float(gate["passed"].sum()), gate["passed"].all(), f"{{:.0f}} of {len(gate)}")
+    return rows
+
+
+def _ror(df, allocator, **where) -> float | None:
+    """The median peak reserved / peak requested of `allocator`'s rows matching `where` (None: no such row)."""
+    for k, v in where.items():
+        df = df[df[k] == v]
+    v = df[df["allocator"] == allocator]["reserved_over_requested"].dropna()
+    return float(v.median()) if len(v) else None
+
+
+def memory_targets(data: pathlib.Path) -> list[dict]:
+    """Issue #14's memory targets at the default scheme (`xpool`): peak reserved / peak requested ≤ 1.05 at
+    batch 32, ≤ CuPy's pool at batch 4 (one-GPU training rows) and on the varying-length trace: measured on a GPU
+    (memory_varlen.csv) where that exists, else replayed on the CPU from the NumPy trace (memory_schemes.csv,
+    against the model of CuPy's pool), and the target says which. Peaks are exact counters, deterministic for
+    a program: no interval, and equal counts as ≤.
+
+    Args:
+        data: the CSV folder.
+
+    Returns:
+        Target rows, as targets() makes them.
+    """
+    rows = []
+    single = _read(data, "single_gpu")
+    if single is not None and "reserved_over_requested" in single:
+        v = _ror(single, "xpool", batch=32)
+        _exact(rows, "#14: batch 32: xpool peak reserved / peak requested ≤ 1.05 (one GPU)", v,
+               v is not None and v <= 1.05, "{:.3f}")
+        v, c = _ror(single, "xpool", batch=4), _ror(single, "cupy_pool", batch=4)
+        if c is not None:
+            _exact(rows, "#14: batch 4: xpool peak reserved / peak requested ≤ CuPy MemoryPool's (one GPU)", v,
+                   v is not None and v <= c, "{:.3f} (CuPy " + f"{c:.3f})")
+    varlen, label = _read(data, "memory_varlen"), None
+    if varlen is not None:
+        v, c = _ror(varlen, "xpool"), _ror(varlen, "cupy_pool")
+        label = f"measured, {plots.provenance_summary(varlen)['gpu']}"
+    else:
+        schemes = _read(data, "memory_schemes")
+        if schemes is not None:
+            v = _ror(schemes, "xpool", trace="gpt_varlen_numpy")
+            c = _ror(schemes, "cupy_pool_model", trace="gpt_varlen_numpy")
+            label = "CPU replay of the NumPy trace, not measured on a GPU"
+    if label and c is not None:
+        _exact(rows, f"#14: varying sequence lengths: xpool peak reserved / peak requested ≤ CuPy's pool ({label})",
+               v, v is not None and v <= c, "{:.3f} (CuPy " + f"{c:.3f})")
     return rows
 
 

@@ -4,11 +4,22 @@ and thousands of pairs per second from 1, 4 and 8 threads on one device at 64 Ki
     python -m xlab.bench.alloc [--quick] [--trials 5] [--out data/alloc_microbench.csv]
 
 Host-side costs: each window synchronises the device, then times many pairs with perf_counter_ns. Every
-(allocator, case) is calibrated once to about `target_s` seconds per window; then `trials` trials run the
-allocators in a fixed order (A B C D, A B C D, ...), so drift hits all of them alike. The CSV keeps one row per
-(trial, allocator, case); ratio_vs_cupy_pool is CuPy's pool's time over this allocator's in the same trial
-(> 1: faster than CuPy's pool); the report takes medians with bootstrap intervals (xlab.intervals).
-device_mallocs_per_pair comes from a separate counting pass (see allocators.py).
+(allocator, case) is calibrated once to about `target_s` seconds per trial. A trial times every case, and
+within a case every arm back to back (the arms' order rotates by one each trial, so no arm always runs first
+or right after the same other arm): an arm's time in a trial is the median of `windows` windows of
+target_s / windows each, so a burst of other work on the machine (the first H200 run had untimed work on the
+second GPU beside it) moves one window, not the trial. Arms of one case in one trial run within about a second
+of each other, so drift between trials cancels in their ratio. The first version ran each arm through all cases
+before the next arm (ratios of samples seconds apart) and its trial-to-trial spread reached 1.8x for one arm.
+The CSV keeps one row per (trial, allocator, case); ratio_vs_cupy_pool is CuPy's pool's time over this
+allocator's in the same trial (> 1: faster than CuPy's pool); the report takes medians with bootstrap intervals
+(xlab.intervals). device_mallocs_per_pair comes from a separate counting pass (see allocators.py).
+
+`--host` measures xpool's C core alone on a CPU: malloc+free pairs through its CuPy hooks, timed in C
+(`xpool._core.time_pairs`), over host memory, for the default scheme, the design's (seed) and a C allocator
+that does nothing (c_noop), with the pool alone and with a training-like population of ranges around it
+(`busy`); the same interleaving, CSV data/alloc_core_host.csv. CuPy's pool cannot run there (it needs a GPU),
+so its ratios are against xpool_seed. This is how the hit path was profiled (NOTES.md).
 
 Each arm runs alone: before an allocator is timed, every other one gives its cached blocks back (`trim`), then
 the arm warms its own cache (untimed) for each case. The raw arm times exactly `cupy.empty(n, uint8)` + `del` with
@@ -30,17 +41,18 @@ import time
 
 from xlab import allocators as registry
 from xlab.allocators import KIB, MIB, NoGPU
-from xlab.experiments.runner import interleaved
 from xlab.paths import write_csv
 
 SIZES = (4 * KIB, 64 * KIB, MIB, 12 * MIB, 96 * MIB)
 THREADS = (1, 4, 8)
 THREAD_SIZE = 64 * KIB
-TRIALS = 5
+TRIALS = 7
+TARGET_S = 0.12     # seconds per (trial, arm, case), split into WINDOWS windows
+WINDOWS = 5
 # Debug mode syncs and copies whole blocks to the host on every pair: measure it on its own, small sizes, e.g.
 #   python -m xlab.bench.alloc --allocators cupy_pool xpool_k1 xpool_k1_debug --sizes 4096 1048576 --target-s 0.2
 COLUMNS = ["allocator", "sweep", "size_bytes", "threads", "trial", "us_per_pair", "kpairs_per_s",
-           "ratio_vs_cupy_pool", "device_mallocs_per_pair", "pairs", "trials"]
+           "ratio_vs_cupy_pool", "device_mallocs_per_pair", "pairs", "trials", "windows"]
 
 
 def default_allocators() -> tuple:
@@ -157,8 +169,46 @@ def calibrated_pairs(ns: int, pairs: int, target_s: float, lo: int = 200, hi: in
     return int(min(hi, max(lo, target_s * 1e9 * pairs / max(ns, 1))))
 
 
-def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target_s=0.1, count_pairs=200,
-            progress=True):
+def rotated(arms, trial: int) -> list:
+    """The arms in trial `trial`'s order: the fixed order rotated by `trial`, so across trials each arm runs
+    in each position and after each neighbour alike.
+
+    Args:
+        arms: the arms, in a fixed order.
+        trial: the trial number (>= 0).
+
+    Returns:
+        A list.
+    """
+    arms = list(arms)
+    k = trial % len(arms) if arms else 0
+    return arms[k:] + arms[:k]
+
+
+def median_window(run, pairs: int, windows: int) -> tuple[int, int]:
+    """(ns, pairs) of one trial: `windows` windows of pairs // windows pairs each; ns is the median window's
+    time per pair times all the pairs, so ns / pairs is the median window's time per pair.
+
+    Args:
+        run: run(pairs) -> (ns, pairs done).
+        pairs: pairs in all.
+        windows: windows (>= 1).
+
+    Returns:
+        (ns, pairs).
+    """
+    import statistics
+    per = max(1, pairs // windows)
+    done, rates = 0, []
+    for _ in range(windows):
+        ns, n = run(per)
+        done += n
+        rates.append(ns / n)
+    return int(statistics.median(rates) * done), done
+
+
+def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target_s=TARGET_S, count_pairs=200,
+            progress=True, windows=WINDOWS):
     """Raw samples: one row per (trial, allocator, case) with ns and pairs; and mallocs per pair by
     (allocator, size) from the counting pass (allocators that can count).
 
@@ -167,13 +217,17 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
         sizes: the size sweep's request sizes.
         threads: the thread sweep's thread counts.
         trials: trials per arm.
-        target_s: seconds per window.
+        target_s: seconds per (trial, arm, case).
         count_pairs: pairs of the counting pass.
         progress: progress bars.
+        windows: windows per (trial, arm, case) of the size sweep, their median kept (the thread sweep times
+            one window: each starts its threads anew).
 
     Returns:
         (samples DataFrame, {(allocator, size): device mallocs per pair}).
     """
+    import gc
+
     import pandas as pd
     from tqdm.auto import tqdm
     allocators = tuple(allocators or default_allocators())
@@ -194,14 +248,19 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
                 run = timer(case)
                 run(50)                                     # fill the cache
                 pairs[name, case] = calibrated_pairs(*run(200), target_s)
-    for trial, name in tqdm(interleaved(trials, allocators), desc="trials", disable=not progress):
+    order = [(t, case, name) for t in range(trials) for case in cases for name in rotated(allocators, t)]
+    for trial, case, name in tqdm(order, desc="trials", disable=not progress):
         with alone(name):
-            for case in cases:
-                run = timer(case)
-                run(50)                                     # this arm's cache, warm again after the others ran
-                ns, n = run(pairs[name, case])
-                samples.append(dict(allocator=name, sweep=case[0], size_bytes=case[1], threads=case[2],
-                                    trial=trial, ns=ns, pairs=n))
+            run = timer(case)
+            run(50)                                         # this arm's cache, warm again after the others ran
+            n_windows = windows if case[0] == "size" else 1
+            gc.disable()     # a collection (every 700 new arrays) would land in some windows and not others
+            try:
+                ns, n = median_window(run, pairs[name, case], n_windows)
+            finally:
+                gc.enable()
+            samples.append(dict(allocator=name, sweep=case[0], size_bytes=case[1], threads=case[2],
+                                trial=trial, ns=ns, pairs=n, windows=n_windows))
     mallocs = {}
     for name, alloc in allocs.items():
         if name in ("cupy_async", "noop", "c_noop"):
@@ -217,6 +276,154 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
     for alloc in allocs.values():
         alloc.release([0])
     return pd.DataFrame(samples), mallocs
+
+
+# --- the C core alone, on a CPU (--host)
+
+HOST_ARMS = ("xpool", "xpool_seed", "c_noop")
+HOST_SCENARIOS = ("alone", "busy")
+HOST_COLUMNS = ["allocator", "scenario", "size_bytes", "trial", "ns_per_pair", "ratio_vs_xpool_seed", "pairs",
+                "windows", "trials"]
+
+
+def host_pool(scheme: str, busy: bool, seed: int = 0):
+    """An xpool.Pool over host memory: alone, or busy (300 blocks of 512 B - 16 MiB made and every other one
+    freed, as a training step leaves ranges of many sizes free and in use around the ones it asks for).
+
+    Args:
+        scheme: "xpool" or "seed".
+        busy: with the population.
+        seed: the population's seed.
+
+    Returns:
+        The Pool (its population kept alive in `_population`).
+    """
+    import random
+
+    import xpool
+    pool = xpool.Pool(xpool.HostBackend(), scheme=scheme)
+    pool._population = []
+    if busy:
+        rng = random.Random(seed)
+        blocks = [pool.allocate(rng.choice([rng.randrange(512, MIB), rng.randrange(MIB, 16 * MIB)]))
+                  for _ in range(300)]
+        for b in blocks[::2]:
+            b.release()
+        pool._population = blocks[1::2]
+    return pool
+
+
+def measure_host(sizes=SIZES, trials=TRIALS, target_s=TARGET_S / 3, windows=WINDOWS, progress=True):
+    """Samples of the C core's malloc+free pairs over host memory (xpool._core.time_pairs): one row per
+    (trial, allocator, scenario, size) with ns and pairs, arms interleaved and rotated as on the GPU.
+
+    Args:
+        sizes: request sizes.
+        trials: trials.
+        target_s: seconds per (trial, arm, case), in `windows` windows (median kept).
+        windows: windows.
+        progress: a progress bar.
+
+    Returns:
+        A DataFrame.
+    """
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    from xpool import _core
+    pools = {(a, sc): host_pool("seed" if a == "xpool_seed" else "xpool", sc == "busy")
+             for a in HOST_ARMS if a != "c_noop" for sc in HOST_SCENARIOS}
+    noop = _core.noop_cfunctions(1 << 20)
+
+    def runner(arm, scenario, nbytes):
+        cf = noop if arm == "c_noop" else pools[arm, scenario]._core.cfunctions()
+        return lambda pairs: (_core.time_pairs(*cf, nbytes, pairs), pairs)
+
+    cases = [(sc, n) for sc in HOST_SCENARIOS for n in sizes]
+    pairs = {}
+    for arm in HOST_ARMS:
+        for sc, n in cases:
+            run = runner(arm, sc, n)
+            run(1000)                                       # the cache holds the block
+            pairs[arm, sc, n] = calibrated_pairs(*run(20_000), target_s, lo=1000, hi=10_000_000)
+    rows = []
+    order = [(t, case, arm) for t in range(trials) for case in cases for arm in rotated(HOST_ARMS, t)]
+    for trial, (sc, n), arm in tqdm(order, desc="host trials", disable=not progress):
+        run = runner(arm, sc, n)
+        run(100)
+        ns, done = median_window(run, pairs[arm, sc, n], windows)
+        rows.append(dict(allocator=arm, scenario=sc, size_bytes=n, trial=trial, ns=ns, pairs=done,
+                         windows=windows))
+    for pool in pools.values():
+        pool._population = []
+        pool.empty_cache()
+    return pd.DataFrame(rows)
+
+
+def host_rows(samples):
+    """The --host CSV's rows: ns per pair and the ratio to xpool_seed in the same trial (> 1: faster).
+
+    Args:
+        samples: measure_host()'s samples.
+
+    Returns:
+        A DataFrame with HOST_COLUMNS.
+    """
+    import numpy as np
+    df = samples.assign(ns_per_pair=samples.ns / samples.pairs)
+    base = df[df.allocator == "xpool_seed"].set_index(["scenario", "size_bytes", "trial"]).ns_per_pair
+    df["ratio_vs_xpool_seed"] = [base.get((r.scenario, r.size_bytes, r.trial), np.nan) / r.ns_per_pair
+                                 for r in df.itertuples()]
+    df["trials"] = df["trial"].nunique() if len(df) else 0
+    return df[HOST_COLUMNS].reset_index(drop=True)
+
+
+def host_table(rows) -> str:
+    """Medians over trials with 95% intervals, ns per pair, one line per (scenario, allocator).
+
+    Args:
+        rows: host_rows()'s frame.
+
+    Returns:
+        The text.
+    """
+    from xlab import intervals
+    from xlab.plots import fmt_bytes
+    keys = ["scenario", "allocator", "size_bytes"]
+    s = intervals.summarize(rows, keys, "ns_per_pair")
+    lines = ["ns per malloc+free pair through the C core over host memory (median [95% interval])"]
+    sizes = list(dict.fromkeys(s.size_bytes))
+    lines.append(f"{'':<20}" + "".join(f"{fmt_bytes(n):>22}" for n in sizes))
+    for (sc, arm), part in s.groupby(["scenario", "allocator"], sort=False):
+        cells = [intervals.fmt_ci(r.ns_per_pair, r.ns_per_pair_lo, r.ns_per_pair_hi, "{:.1f}")
+                 for r in part.itertuples()]
+        lines.append(f"{sc + ' ' + arm:<20}" + "".join(f"{c:>22}" for c in cells))
+    return "\n".join(lines)
+
+
+def run_host(out="data/alloc_core_host.csv", trials=None, target_s=None, sizes=SIZES, progress=True):
+    """Measure the C core on this CPU, print the table, write the CSV (one row per trial, with provenance).
+
+    Args:
+        out: the CSV (None: none).
+        trials: trials (default TRIALS).
+        target_s: seconds per (trial, arm, case) (default TARGET_S / 3).
+        sizes: request sizes.
+        progress: a progress bar.
+
+    Returns:
+        The rows written.
+    """
+    trials = trials or TRIALS
+    target_s = target_s or TARGET_S / 3
+    from xlab.provenance import provenance
+    df = host_rows(measure_host(tuple(sizes), trials, target_s, progress=progress))
+    df = df.assign(**provenance(bench="alloc_host", target_s=target_s))
+    print(host_table(df))
+    if out:
+        write_csv(df, out)
+        print(f"wrote {out}")
+    return df
 
 
 class _installed:
@@ -254,6 +461,8 @@ def trial_rows(samples, mallocs=None):
     df["device_mallocs_per_pair"] = [mallocs.get((r.allocator, r.size_bytes), np.nan) if r.sweep == "size"
                                      else np.nan for r in df.itertuples()]
     df["trials"] = df["trial"].nunique() if len(df) else 0
+    if "windows" not in df:
+        df["windows"] = 1
     return df[COLUMNS].reset_index(drop=True)
 
 
@@ -331,8 +540,8 @@ def run(out="data/alloc_microbench.csv", quick=False, trials=None, target_s=None
     Args:
         out: the CSV (None: none).
         quick: a smoke run (2 trials, 5 ms windows).
-        trials: trials per arm (default 5).
-        target_s: seconds per timed window (default 0.1).
+        trials: trials per arm (default TRIALS).
+        target_s: seconds per (trial, arm, case) (default TARGET_S), in WINDOWS windows.
         allocators: registry names (default: default_allocators()).
         progress: progress bars.
         sizes: request sizes of the size sweep, bytes.
@@ -342,7 +551,7 @@ def run(out="data/alloc_microbench.csv", quick=False, trials=None, target_s=None
     """
     registry.require_gpus(1, "xlab.bench.alloc")
     trials = trials or (2 if quick else TRIALS)
-    target_s = target_s or (0.005 if quick else 0.1)
+    target_s = target_s or (0.005 if quick else TARGET_S)
     allocators = tuple(allocators or default_allocators())
     samples, mallocs = measure(allocators, sizes=tuple(sizes), trials=trials, target_s=target_s,
                                progress=progress)
@@ -364,12 +573,15 @@ def main(argv=None) -> int:
         The exit status: 2 without a GPU.
     """
     ap = argparse.ArgumentParser(prog="python -m xlab.bench.alloc", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="data/alloc_microbench.csv")
+    ap.add_argument("--out", help="the CSV (default data/alloc_microbench.csv; with --host, "
+                    "data/alloc_core_host.csv)")
+    ap.add_argument("--host", action="store_true", help="the C core alone over host memory, on a CPU")
     ap.add_argument("--quick", action="store_true", help="fewer pairs and trials: a smoke run")
-    ap.add_argument("--trials", type=int, help="trials per arm, interleaved (default 5; 2 with --quick)")
+    ap.add_argument("--trials", type=int, help=f"trials per arm, interleaved (default {TRIALS}; 2 with --quick)")
     ap.add_argument("--allocators", nargs="+", help="registry names (default: every arm this machine can run)")
     ap.add_argument("--sizes", nargs="+", type=int, default=list(SIZES), help="request sizes in bytes")
-    ap.add_argument("--target-s", type=float, help="seconds per timed window (default 0.1; 0.005 with --quick)")
+    ap.add_argument("--target-s", type=float, help=f"seconds per (trial, arm, case), in {WINDOWS} windows "
+                    f"(default {TARGET_S}; 0.005 with --quick)")
     args = ap.parse_args(argv)
     if args.allocators and "cupy_pool" not in args.allocators:
         ap.error("the ratios need cupy_pool among --allocators")
@@ -377,8 +589,11 @@ def main(argv=None) -> int:
         ap.error("--sizes must be positive byte counts")
     if args.trials is not None and args.trials < 1:
         ap.error("--trials must be at least 1")
+    if args.host:
+        run_host(args.out or "data/alloc_core_host.csv", args.trials, args.target_s, sizes=args.sizes)
+        return 0
     try:
-        run(args.out, args.quick, args.trials, args.target_s, allocators=args.allocators, sizes=args.sizes)
+        run(args.out or "data/alloc_microbench.csv", args.quick, args.trials, args.target_s, allocators=args.allocators, sizes=args.sizes)
     except NoGPU as e:
         print(f"xlab.bench.alloc: {e}", file=sys.stderr)
         return 2
