@@ -290,11 +290,16 @@ TRACES = {
     "gpt_b32_numpy": ("memory_trace_numpy_b32.csv.gz", "GPT training, batch 32, NumPy (setup + 10 steps)"),
     "gpt_varlen_numpy": ("memory_trace_numpy_varlen.csv.gz",
                          "GPT training, batch 8, sequence length varying per step, NumPy (setup + 12 steps)"),
+    "gpt_b32_perparam_numpy": ("memory_trace_numpy_b32_perparam.csv.gz",
+                               "GPT training, batch 32, per-parameter AdamW, NumPy (setup + 10 steps)"),
 }
 NUMPY_TRACES = {   # name -> record_numpy_timeline arguments
     "gpt_b4_numpy": dict(batch=4, block_sizes=(256,) * 10),
     "gpt_b32_numpy": dict(batch=32, block_sizes=(256,) * 10),
     "gpt_varlen_numpy": dict(batch=8, block_sizes=(256, 64, 192, 128, 224, 96, 160, 32, 256, 128, 200, 80)),
+    # per-parameter AdamW remakes every moment array each step (m, v: fresh arrays, the old ones freed after):
+    # the arrays walk through memory, the case of the late device mallocs (NOTES.md, #14)
+    "gpt_b32_perparam_numpy": dict(batch=32, block_sizes=(256,) * 10, foreach=False),
 }
 # the replayed allocators: xpool's schemes, xpool giving segments back on a miss never or always (the default:
 # above the high-water mark only), CuPy's pool
@@ -504,22 +509,39 @@ def scheme_study(traces: dict, allocators=SCHEME_ALLOCATORS, repeats: int = 7) -
 
 def record_numpy_traces(data_dir="data", names=None) -> dict:
     """CPU: records the NumPy traces of NUMPY_TRACES into data_dir (gzipped CSV, provenance per row)."""
-    from .provenance import provenance
     out = {}
     for name in names or NUMPY_TRACES:
         kw = NUMPY_TRACES[name]
         tl = record_numpy_timeline(**kw)
-        cfg = _config(None, kw["batch"])
-        prov = provenance(batch=cfg.batch_size, n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,
-                          block_sizes=" ".join(map(str, kw["block_sizes"])), adamw="foreach")
-        tl = tl[["step", "event", "device", "stream", "ptr", "requested"]].assign(**prov)
-        if prov["gpu"] == "none":
-            tl["gpu"] = "none (NumPy on the CPU)"
-        path = pathlib.Path(data_dir) / TRACES[name][0]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tl.to_csv(path, index=False)
-        out[name] = tl
+        out[name] = write_numpy_trace(tl, name, data_dir)
     return out
+
+
+def write_numpy_trace(tl: pd.DataFrame, name: str, data_dir="data") -> pd.DataFrame:
+    """Writes a timeline record_numpy_timeline made with NUMPY_TRACES[name]'s arguments to its file under
+    data_dir, with provenance on every row; returns what was written.
+
+    Args:
+        tl: the timeline.
+        name: its key in NUMPY_TRACES.
+        data_dir: the folder.
+
+    Returns:
+        The rows written.
+    """
+    from .provenance import provenance
+    kw = NUMPY_TRACES[name]
+    cfg = _config(None, kw["batch"])
+    prov = provenance(batch=cfg.batch_size, n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,
+                      block_sizes=" ".join(map(str, kw["block_sizes"])),
+                      adamw="foreach" if kw.get("foreach", True) else "per_param")
+    tl = tl[["step", "event", "device", "stream", "ptr", "requested"]].assign(**prov)
+    if prov["gpu"] == "none":
+        tl["gpu"] = "none (NumPy on the CPU)"
+    path = pathlib.Path(data_dir) / TRACES[name][0]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tl.to_csv(path, index=False)
+    return tl
 
 
 # ---------------------------------------------------------------------------------------------------------
