@@ -3,7 +3,7 @@ import ctypes
 import os
 
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import xpool
@@ -494,3 +494,72 @@ def test_time_pairs_runs_pairs_through_a_c_allocator_in_c():
         _core.time_pairs(param, malloc, free, 4096, -1)
     with pytest.raises(ValueError, match="malloc"):
         _core.time_pairs(param, 0, free, 4096, 1)
+
+
+class _BestFitModel:
+    """Scheme xpool's decisions in plain Python, for one stream: the free range of least (size, address) that
+    fits, cut at its start, the rest kept free; a freed range merges with free neighbours of its segment."""
+
+    def __init__(self):
+        self.free = {}             # ptr -> size of the free ranges
+        self.segment_of = {}       # ptr of a range (free or in use) -> (segment ptr, segment end)
+        self.used = {}             # ptr -> size in use
+
+    def fit(self, size):
+        fits = [(n, p) for p, n in self.free.items() if n >= size]
+        return min(fits)[1] if fits else None
+
+    def take(self, ptr, size):
+        n = self.free.pop(ptr)
+        if n > size:
+            self.free[ptr + size] = n - size
+            self.segment_of[ptr + size] = self.segment_of[ptr]
+        self.used[ptr] = size
+
+    def new_segment(self, ptr, seg_bytes, size):
+        self.segment_of[ptr] = (ptr, ptr + seg_bytes)
+        self.free[ptr] = seg_bytes
+        self.take(ptr, size)
+
+    def give_back(self, ptr):
+        size = self.used.pop(ptr)
+        lo, hi = self.segment_of[ptr]
+        nxt = ptr + size
+        if nxt < hi and nxt in self.free:
+            size += self.free.pop(nxt)
+        prev = next((p for p, n in self.free.items() if p + n == ptr and p >= lo), None)
+        if prev is not None:
+            ptr, size = prev, size + self.free.pop(prev)
+        self.free[ptr] = size
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 2), st.sampled_from([4096, 64 * KiB, 64 * KiB, 300 * KiB, 3 * MiB,
+                                                                   3 * MiB, 5 * MiB]),
+                              st.integers(0, 10_000)), min_size=1, max_size=150))
+def test_every_request_gets_the_best_fit_of_all_free_ranges_waiting_or_filed(ops):
+    """The exact-size cache (FreeTree.recent) changes where free ranges are kept, never which range a request
+    gets: the least (size, address) of every free range of its stream that fits, as a plain model says."""
+    from xlab.memory_study import AddressSpaceBackend
+    backend = AddressSpaceBackend()                     # addresses in order: the same case, the same run
+    pool = Pool(backend, _segments=dict(release_on_miss=0))
+    model, live = _BestFitModel(), []
+    for alloc, n, i in ops:
+        if alloc or not live:             # two allocs to one free: the pool grows, ranges of a size recur
+            mallocs = backend.mallocs
+            expect = model.fit(n)
+            a = pool.allocate(n)
+            if backend.mallocs > mallocs:               # a new segment: no free range fitted
+                assert expect is None
+                model.new_segment(a.ptr, SEGMENT if n <= MiB else n, a.size)
+            else:
+                assert a.ptr == expect
+                model.take(a.ptr, a.size)
+            live.append(a)
+        else:
+            a = live.pop(i % len(live))
+            model.give_back(a.ptr)
+            a.release()
+    s = pool.stats().iloc[0]
+    assert (s.blocks_cached, s.bytes_cached) == (len(model.free), sum(model.free.values()))
+    assert sorted((c["ptr"], c["size"]) for c in pool._core.cached_blocks(0)) == sorted(model.free.items())

@@ -530,17 +530,6 @@ static void cache_block(DevicePool *pool, Block *b)
     pool->st.blocks_cached++; pool->st.bytes_cached += b->size;
 }
 
-/* cache_block on the free hot path (no debug hook): a range with nothing to merge with waits for a
- * request of its exact size (FreeTree.recent).  Pool lock held; b may be freed (merged). */
-static void cache_block_hot(DevicePool *pool, Block *b)
-{
-    b->requested = 0;
-    if (!b->in_segment) { cache_block(pool, b); return; }
-    SegDelta d = {0, 0};
-    seg_put_recent(&pool->segs, b, &d);
-    apply_delta(&pool->st, d);
-}
-
 /* A cached block of `size` bytes for `stream`, taken off the cached counters; NULL when none.  Pool
  * lock held.  A range can come out larger than asked (no memory to split it): see b->size. */
 static Block *cache_take(Allocator *A, DevicePool *pool, intptr_t stream, size_t size)
@@ -1054,10 +1043,10 @@ static int xp_free(Allocator *A, int device, uintptr_t ptr, int *holds_ref)
                 b->poisoned = 0;
                 if (atomic_load_explicit(&A->tl.on, memory_order_relaxed)) {
                     Block freed = *b;   /* a range may merge into its neighbour and be gone */
-                    cache_block_hot(pool, b);
+                    cache_block(pool, b);
                     timeline_record(&A->tl, EV_FREE, pool, &freed, requested);
                 } else {
-                    cache_block_hot(pool, b);
+                    cache_block(pool, b);
                 }
                 pthread_mutex_unlock(&pool->lock);
                 return 0;
@@ -1222,7 +1211,7 @@ static int torch_give_back(Allocator *A, DevicePool *pool, uintptr_t ptr)
     size_t requested = b->requested;
     b->handed_out = 0; b->poisoned = 0;
     Block freed = *b;   /* a range may merge into its neighbour and be gone */
-    cache_block_hot(pool, b);
+    cache_block(pool, b);
     timeline_record(&A->tl, EV_FREE, pool, &freed, requested);
     pthread_mutex_unlock(&pool->lock);
     return 0;

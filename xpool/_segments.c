@@ -106,6 +106,46 @@ static void drop_block(FreeTree *t, Block *b)
     b->next = t->spare; t->spare = b; t->n_spare++;
 }
 
+static inline size_t recent_slot(intptr_t stream, size_t size)
+{
+    return (size_t)((((uint64_t)size >> 9) ^ ((uint64_t)stream << 7)) * 0x9e3779b97f4a7c15ULL >> 58)
+           & (SEG_RECENT - 1);
+}
+
+/* Takes a waiting range out of t->recent (it stays free: the caller files, merges or hands it out). */
+static void unwait(FreeTree *t, Block *b)
+{
+    size_t i = recent_slot(b->stream, b->size);
+    t->recent[i] = NULL;
+    t->occupied &= ~((uint64_t)1 << i);
+    t->n_recent--;
+    b->waiting = 0;
+}
+
+/* A free range with no free neighbour waits in t->recent; its slot's former range moves to the tree. */
+static void wait_free(FreeTree *t, Block *b)
+{
+    size_t i = recent_slot(b->stream, b->size);
+    Block *old = t->recent[i];
+    if (old) {
+        unwait(t, old);
+        file_free(t, old);
+    }
+    t->recent[i] = b;
+    t->occupied |= (uint64_t)1 << i;
+    t->n_recent++;
+    b->waiting = 1; b->is_free = 0; b->requested = 0;
+}
+
+void seg_flush(FreeTree *t)
+{
+    while (t->occupied) {
+        Block *b = t->recent[__builtin_ctzll(t->occupied)];
+        unwait(t, b);
+        file_free(t, b);
+    }
+}
+
 static void split(FreeTree *t, Block *b, size_t size, SegDelta *d)
 {
     if (b->size <= size) return;
@@ -119,7 +159,7 @@ static void split(FreeTree *t, Block *b, size_t size, SegDelta *d)
     if (b->next_addr) b->next_addr->prev_addr = rest;
     b->next_addr = rest;
     b->size = size;
-    file_free(t, rest);
+    wait_free(t, rest);   /* its neighbours: b, in use, and what was in use after the range it was cut from */
     d->free_ranges += 1; d->free_bytes += (int64_t)rest->size;
 }
 
@@ -128,47 +168,6 @@ void seg_init(FreeTree *t, Block *b, size_t size, SegDelta *d)
     b->in_segment = 1; b->is_free = 0;
     b->prev_addr = b->next_addr = b->left = b->right = NULL;
     split(t, b, size, d);
-}
-
-static inline size_t recent_slot(intptr_t stream, size_t size)
-{
-    return (size_t)((((uint64_t)size >> 9) ^ ((uint64_t)stream << 7)) * 0x9e3779b97f4a7c15ULL >> 58)
-           & (SEG_RECENT - 1);
-}
-
-/* Takes a waiting range out of t->recent (it stays free: the caller files, merges or hands it out). */
-static void unwait(FreeTree *t, Block *b)
-{
-    t->recent[recent_slot(b->stream, b->size)] = NULL;
-    t->n_recent--;
-    b->waiting = 0;
-}
-
-Block *seg_put_recent(FreeTree *t, Block *b, SegDelta *d)
-{
-    if ((b->prev_addr && (b->prev_addr->is_free || b->prev_addr->waiting)) ||
-        (b->next_addr && (b->next_addr->is_free || b->next_addr->waiting)))
-        return seg_put(t, b, d);         /* it merges: the tree's way */
-    size_t i = recent_slot(b->stream, b->size);
-    Block *old = t->recent[i];
-    if (old) {                           /* moves to the tree; its neighbours are in use: no merge */
-        unwait(t, old);
-        file_free(t, old);
-    }
-    t->recent[i] = b; t->n_recent++;
-    b->waiting = 1; b->requested = 0;
-    d->free_ranges += 1; d->free_bytes += (int64_t)b->size;
-    return b;
-}
-
-void seg_flush(FreeTree *t)
-{
-    for (size_t i = 0; t->n_recent && i < SEG_RECENT; i++) {
-        Block *b = t->recent[i];
-        if (!b) continue;
-        unwait(t, b);
-        file_free(t, b);
-    }
 }
 
 /* The tree's least key >= (stream, size, 0): the best fit there, if it is of `stream`. */
@@ -182,32 +181,41 @@ static Block *tree_fit(const FreeTree *t, intptr_t stream, size_t size)
     return best;
 }
 
-static Block *tree_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d)
-{
-    Block *best = tree_fit(t, stream, size);
-    if (!best || best->stream != stream) return NULL;
-    unfile(t, best);
-    d->free_ranges -= 1; d->free_bytes -= (int64_t)best->size;
-    split(t, best, size, d);
-    return best;
-}
+/* Waiting ranges a request scans beside the tree before they are all filed in it (seg_take). */
+#define SEG_SCAN 8
 
 Block *seg_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d)
 {
     size_t i = recent_slot(stream, size);
-    Block *b = t->recent[i];
-    Block *x;
-    /* the exact-size fast path, when the waiting range is the best fit of all: exactly `size` bytes and
-     * no free range of that size at a lower address (the tree's order breaks ties), so every request
-     * gets the range it would get without this cache (replays stay exact: memory_study.py) */
-    if (b && b->size == size && b->stream == stream &&
-        (!(x = tree_fit(t, stream, size)) || x->stream != stream || x->size != size || x->ptr > b->ptr)) {
-        unwait(t, b);
+    Block *w = t->recent[i];
+    Block *best = tree_fit(t, stream, size);   /* the least key >= (stream, size, 0) in the tree */
+    if (best && best->stream != stream) best = NULL;
+    /* the exact-size fast path: the waiting range of exactly `size` bytes, when no range of that size
+     * lies at a lower address in the tree (the tree's order breaks ties), so every request gets the
+     * range best fit over all free ranges gives (replays stay exact: memory_study.py) */
+    if (w && w->size == size && w->stream == stream &&
+        (!best || best->size != size || best->ptr > w->ptr)) {
+        unwait(t, w);
         d->free_ranges -= 1; d->free_bytes -= (int64_t)size;
-        return b;
+        return w;
     }
-    seg_flush(t);   /* best fit over every free range, as without the cache */
-    return tree_take(t, stream, size, d);
+    if (t->n_recent > SEG_SCAN) {   /* too many to scan on every request: file them */
+        seg_flush(t);
+        best = tree_fit(t, stream, size);
+        if (best && best->stream != stream) best = NULL;
+    } else {                        /* the best fit of the tree's and the waiting ranges, in key order */
+        for (uint64_t bits = t->occupied; bits; bits &= bits - 1) {
+            Block *x = t->recent[__builtin_ctzll(bits)];
+            if (x->stream == stream && x->size >= size &&
+                (!best || x->size < best->size || (x->size == best->size && x->ptr < best->ptr)))
+                best = x;
+        }
+    }
+    if (!best) return NULL;
+    if (best->waiting) unwait(t, best); else unfile(t, best);
+    d->free_ranges -= 1; d->free_bytes -= (int64_t)best->size;
+    split(t, best, size, d);
+    return best;
 }
 
 Block *seg_put(FreeTree *t, Block *b, SegDelta *d)
@@ -234,7 +242,7 @@ Block *seg_put(FreeTree *t, Block *b, SegDelta *d)
         d->free_ranges -= 1;
         b = p;
     }
-    file_free(t, b);
+    wait_free(t, b);   /* merged with every free neighbour: none is left */
     return b;
 }
 

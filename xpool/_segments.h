@@ -52,16 +52,18 @@ typedef struct Block {
 
 typedef struct {
     Block *root;            /* free ranges by (stream, size, ptr) */
-    /* The exact-size fast path.  A range freed on the hot path with no free neighbour (nothing to merge
-     * with: a whole segment, or one between ranges in use) waits here instead of the tree, one per slot
-     * by (stream, size), and the next request of its exact size and stream takes it back in O(1): no
-     * descent, insert or remove.  Programs ask again for the sizes they just freed (a training step's
-     * layers, the microbenchmark's pairs).  A waiting range is a free range like any other (cached,
-     * merged with a neighbour freed next to it: seg_put), so what is free and how it is merged stays
-     * exactly as without this cache; only where it is kept differs.  It moves into the tree when its
-     * slot is taken by another key, and all of them do before a request the cache cannot serve exactly
-     * (best fit then sees every free range) and before segments are given back (seg_flush). */
+    /* The exact-size fast path.  A free range is filed here first, one per slot by (stream, size): the
+     * rest of a split, a freed range once merged with its free neighbours.  The next request of its
+     * exact size and stream takes it back in O(1), with no insert or remove in the tree, when it is the
+     * best fit of all (no free range of that size at a lower address in the tree); a freed range
+     * merges with a waiting neighbour at once.  So what is free, how it is merged and which range each
+     * request gets stay exactly as with the tree alone (replays are unchanged); only where a range is
+     * kept differs.  A range moves into the tree when its slot is taken by another key, and all of them
+     * do before a request the cache cannot serve (best fit then sees every free range) and before
+     * segments are given back (seg_flush).  A pair of requests that cut a range and give it back costs a
+     * best-fit descent and one remove and one insert, not two of each; an exact-size pair, a slot. */
     Block *recent[SEG_RECENT];
+    uint64_t occupied;      /* bit i: recent[i] holds a range */
     size_t n_recent;        /* ranges waiting in recent[] */
     Block *spare;           /* Blocks of merged ranges, kept for the next split (linked by .next):
                              * a split and a merge per alloc/free pair would otherwise cost a malloc
@@ -87,15 +89,11 @@ void seg_init(FreeTree *t, Block *b, size_t size, SegDelta *d);
  * taken out and cut to `size` (the rest stays free); NULL when none fits. */
 Block *seg_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d);
 
-/* seg_put on the hot path: a range with no free neighbour waits in t->recent (its slot's former
- * range moves to the tree); else as seg_put.  Returns the free range that now holds it. */
-Block *seg_put_recent(FreeTree *t, Block *b, SegDelta *d);
-
 /* Moves every range waiting in t->recent into the tree (see FreeTree.recent). */
 void seg_flush(FreeTree *t);
 
-/* Gives an in-use range back: it merges with its free neighbours (their Blocks are freed) and is
- * filed in the tree.  Returns the free range that now holds it. */
+/* Gives an in-use range back: it merges with its free neighbours (their Blocks are freed) and waits
+ * in t->recent.  Returns the free range that now holds it. */
 Block *seg_put(FreeTree *t, Block *b, SegDelta *d);
 
 /* Takes whole free segments (of `stream` only, unless all_streams) out of the tree, appending them to
