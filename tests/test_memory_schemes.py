@@ -126,3 +126,9 @@ def test_per_parameter_adamw_makes_no_device_malloc_once_warm():
     tl = memory_study.load_traces(names=["gpt_b32_perparam_numpy"])["gpt_b32_perparam_numpy"]
     r = replay_allocator(tl, "xpool")
     assert (r["device_mallocs_warm"], r["device_frees_warm"]) == (0, 0)
+
+
+def test_trace_labels_are_short_and_say_where_the_trace_was_recorded():
+    from xlab import plots
+    assert plots.trace_label("gpt_b32_perparam_numpy") == "b32 perparam\n(NumPy)"
+    assert plots.trace_label("gpt_b32_gpu") == "b32\n(GPU)" and plots.trace_label("random") == "random"

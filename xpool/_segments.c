@@ -181,9 +181,6 @@ static Block *tree_fit(const FreeTree *t, intptr_t stream, size_t size)
     return best;
 }
 
-/* Waiting ranges a request scans beside the tree before they are all filed in it (seg_take). */
-#define SEG_SCAN 8
-
 Block *seg_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d)
 {
     size_t i = recent_slot(stream, size);

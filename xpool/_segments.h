@@ -47,8 +47,10 @@ typedef struct Block {
     uint8_t waiting;        /* free, in FreeTree.recent */
 } Block;
 
-/* Slots of the exact-size cache (a power of two): see FreeTree.recent. */
+/* Slots of the exact-size cache (at most 64: FreeTree.occupied is their bitmap), and how many waiting ranges
+ * a request scans beside the tree before they are all filed in it (seg_take). */
 #define SEG_RECENT 64
+#define SEG_SCAN 8
 
 typedef struct {
     Block *root;            /* free ranges by (stream, size, ptr) */
@@ -59,9 +61,10 @@ typedef struct {
      * merges with a waiting neighbour at once.  So what is free, how it is merged and which range each
      * request gets stay exactly as with the tree alone (replays are unchanged); only where a range is
      * kept differs.  A range moves into the tree when its slot is taken by another key, and all of them
-     * do before a request the cache cannot serve (best fit then sees every free range) and before
-     * segments are given back (seg_flush).  A pair of requests that cut a range and give it back costs a
-     * best-fit descent and one remove and one insert, not two of each; an exact-size pair, a slot. */
+     * do when too many wait for a request to scan them beside the tree (seg_take) and before segments
+     * are given back (seg_flush).  A pair that cuts a range and gives it back (the rest waits, the freed
+     * range merges with it and waits) so costs a descent and no insert or remove in the tree, where it
+     * cost two of each; an exact-size pair, a slot and a descent. */
     Block *recent[SEG_RECENT];
     uint64_t occupied;      /* bit i: recent[i] holds a range */
     size_t n_recent;        /* ranges waiting in recent[] */
@@ -84,9 +87,10 @@ size_t seg_size_for(size_t size, size_t round);
  * `size` bytes off for use and files the rest as a free range. */
 void seg_init(FreeTree *t, Block *b, size_t size, SegDelta *d);
 
-/* A free range of `stream` for `size` bytes: a waiting range of exactly that size (t->recent), else the
- * best-fitting free range of the tree (merging the waiting ones first if the tree alone has none),
- * taken out and cut to `size` (the rest stays free); NULL when none fits. */
+/* The best fit for `size` bytes on `stream`, the least (size, address) of every free range that fits,
+ * waiting or in the tree, taken out and cut to `size` (the rest stays free); NULL when none fits.  A
+ * waiting range of exactly `size` that is this best fit is taken in O(1); up to SEG_SCAN waiting ranges
+ * are scanned beside the tree's descent, more are filed in the tree first. */
 Block *seg_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d);
 
 /* Moves every range waiting in t->recent into the tree (see FreeTree.recent). */
