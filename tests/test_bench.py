@@ -256,6 +256,14 @@ def test_size_sweep_arms_of_one_case_run_back_to_back(monkeypatch):
     assert list(first.size_bytes[:3]) == [4096] * 3
     second = samples[samples.trial == 1]
     assert list(second.allocator[:3]) == ["xpool", "c_noop", "cupy_pool"]      # rotated by one
+    import gc
+    assert gc.isenabled()                       # off only while a window is timed
+    gc.disable()
+    try:
+        bench.measure(("cupy_pool",), sizes=(4096,), threads=(), trials=1, target_s=0.001, progress=False)
+        assert not gc.isenabled()               # and left as the caller had it
+    finally:
+        gc.enable()
 
 
 def test_host_mode_times_the_c_core_on_a_cpu(tmp_path):

@@ -254,11 +254,13 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
             run = timer(case)
             run(50)                                         # this arm's cache, warm again after the others ran
             n_windows = windows if case[0] == "size" else 1
+            gc_was_on = gc.isenabled()
             gc.disable()     # a collection (every 700 new arrays) would land in some windows and not others
             try:
                 ns, n = median_window(run, pairs[name, case], n_windows)
             finally:
-                gc.enable()
+                if gc_was_on:
+                    gc.enable()
             samples.append(dict(allocator=name, sweep=case[0], size_bytes=case[1], threads=case[2],
                                 trial=trial, ns=ns, pairs=n, windows=n_windows))
     mallocs = {}
