@@ -312,6 +312,7 @@ void seg_destroy(FreeTree *t)
         free(t->recent[i]);
         t->recent[i] = NULL;
     }
+    t->occupied = 0;
     t->n_recent = 0;
     while (t->spare) {
         Block *b = t->spare;
