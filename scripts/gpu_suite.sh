@@ -27,7 +27,8 @@
 # Each stage writes its own CSV in data/ (every row: GPU, driver, CUDA, CuPy, commit, date and the run's
 # parameters) and copies it, with the stage's log, to $OUT (default build/gpu) as soon as it ends.
 # Knobs: TRIALS (default 5), BENCH_TRIALS (bench; default 7), STEPS/WARMUP (single and ddp), WORLDS (ddp; default
-# "1 2", "1 2 4 8" on eight GPUs), DDP_ALLOCATORS (ddp; default: single's),
+# "1 2", "1 2 4 8" on eight GPUs), DDP_ALLOCATORS and DDP_MODES (ddp; default: single's allocators, both modes),
+# SWEEP_ALLOCATORS (sweep; default raw, cupy_pool, xpool),
 # RESUME=1, XPOOL_ADAMW (default foreach, the flat-buffer AdamW; rows record it), DATA (default data; DATA=data/rerun
 # for the second run on a fresh machine: the report checks its ratios against the first run's intervals).
 set -uo pipefail
@@ -80,9 +81,11 @@ for s in $stages; do
         debugcost)   stage debugcost 60 $PY -m xlab.bench.alloc --out "$DATA"/alloc_debug_cost.csv --trials 3 \
                          --allocators cupy_pool xpool_k1 xpool_k1_debug --sizes 4096 1048576 --target-s 0.05 ;;
         ddp)         stage ddp "$DDP_LIMIT" $PY -m xlab.experiments ddp $TRAIN --worlds $WORLDS \
-                         ${DDP_ALLOCATORS:+--allocators $DDP_ALLOCATORS} --out "$DATA"/ddp_scaling.csv ;;
+                         ${DDP_ALLOCATORS:+--allocators $DDP_ALLOCATORS} ${DDP_MODES:+--modes $DDP_MODES} \
+                         --out "$DATA"/ddp_scaling.csv ;;
         sweep)       stage sweep 330 $PY -m xlab.experiments sweep --trials "$TRIALS" --no-progress \
-                         ${RESUME:+--resume} --out "$DATA"/batch_sweep.csv ;;
+                         ${SWEEP_ALLOCATORS:+--allocators $SWEEP_ALLOCATORS} ${RESUME:+--resume} \
+                         --out "$DATA"/batch_sweep.csv ;;
         memory)      stage memory 120 $PY -m xlab.memory_study --out "$DATA" ;;
         gil)         stage gil 90 $PY -m xlab.bench.gil --trials "$TRIALS" --seconds 0.25 --out "$DATA"/gil_probe.csv ;;
         torch-tests) stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/test_torch_gpu.py ;;
