@@ -4,14 +4,14 @@
 # the device tool stops a command at 600): a stage that would not fit is skipped and the log says so, and the
 # tarball of logs and CSVs is always written.
 #   bash scripts/gpu_session.sh A1|A2|B          (OUT: where the tarball goes)
-# A1: a warm-up on both GPUs (kernel cache, clocks); the gate (the launcher's, cuBLAS path's and fused kernels'
-#     GPU tests) on GPU 1 beside the bench on GPU 0; then GPU 1 runs the untimed work (GPU tests, correctness
-#     gate, memory study, PyTorch tests) beside GPU 0's single stage and host profiles (separate processes on a
-#     32-core host; arms stay interleaved, so ratios see the same machine); the multi-GPU tests; ddp.  ~8 min
-# A2: the GIL probe and the batch sweep on both GPUs; then the fused-kernel drift on GPU 0 beside debug mode's
-#     cost and the column kernels' GPU time on GPU 1.                                                   ~5 min
+# A1: the gate (the launcher's, cuBLAS path's and fused kernels' GPU tests) on GPU 1 beside the bench on GPU 0;
+#     then GPU 1 runs the other GPU tests beside GPU 0's single stage and host profiles (separate processes on a
+#     32-core host; arms stay interleaved, so ratios see the same machine); the multi-GPU tests; ddp.  ~6 min
+# A2: the GIL probe and the batch sweep on both GPUs; then the fused-kernel drift and the column kernels' GPU
+#     time on GPU 0 beside the correctness gate, memory study, debug mode's cost and PyTorch tests on GPU 1. ~7 min
 # B:  on a fresh machine: bench and single on GPU 0 beside the PyTorch interop benchmark on GPU 1; ddp in
 #     threads mode; the sweep for the pools (raw's cliff is re-measured by ddp).                        ~7 min
+# (warm() is there for a session that wants the kernel cache filled and the clocks up before timing.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:?A1, A2 or B}
@@ -45,13 +45,12 @@ gate() {   # the launcher, cuBLAS path and fused kernels on GPU 1: direct launch
     [ $rc = 0 ] || echo "gate rc=$rc: see gate.log"; }
 
 case $part in
-    A1) warm
-        CUDA_VISIBLE_DEVICES=0 suite gpu0 bench >/dev/null 2>&1 &
+    A1) CUDA_VISIBLE_DEVICES=0 suite gpu0 bench >/dev/null 2>&1 &
         gate; gated=$?
         wait
         if [ $gated = 0 ]; then
             TESTS_IGNORE="--ignore=tests/test_gpt_launch.py --ignore=tests/test_gpt_blas.py --ignore=tests/test_gpt_gpu.py" \
-                CUDA_VISIBLE_DEVICES=1 suite gpu1 tests correctness memory torch-tests >/dev/null 2>&1 &
+                CUDA_VISIBLE_DEVICES=1 suite gpu1 tests >/dev/null 2>&1 &
             CUDA_VISIBLE_DEVICES=0 suite gpu0 single >/dev/null 2>&1
             for b in 4 32; do for l in direct cupy; do TAPEGPT_LAUNCH=$l CUDA_VISIBLE_DEVICES=0 bounded \
                 profile_b${b}_$l 100 python3 -m tapegpt.bench --profile --batch $b; done; done
@@ -60,9 +59,10 @@ case $part in
             suite both ddp >/dev/null 2>&1
         fi ;;
     A2) suite both gil sweep >/dev/null 2>&1
-        { CUDA_VISIBLE_DEVICES=1 suite gpu1 debugcost; CUDA_VISIBLE_DEVICES=1 bounded column_kernels 120 \
-              python3 scripts/column_kernels.py --out "$DATA/column_kernels.csv"; } >/dev/null 2>&1 &
-        CUDA_VISIBLE_DEVICES=0 bounded drift 200 python3 -m tapegpt.bench --drift 50 --out "$DATA/fused_drift.csv"
+        CUDA_VISIBLE_DEVICES=1 suite gpu1 correctness memory debugcost torch-tests >/dev/null 2>&1 &
+        { CUDA_VISIBLE_DEVICES=0 bounded drift 200 python3 -m tapegpt.bench --drift 50 --out "$DATA/fused_drift.csv"
+          CUDA_VISIBLE_DEVICES=0 bounded column_kernels 120 python3 scripts/column_kernels.py \
+              --out "$DATA/column_kernels.csv"; }
         wait ;;
     B)  CUDA_VISIBLE_DEVICES=1 suite gpu1 torch-bench >/dev/null 2>&1 &
         CUDA_VISIBLE_DEVICES=0 suite gpu0 bench single >/dev/null 2>&1

@@ -87,7 +87,8 @@ for s in $stages; do
                          ${SWEEP_ALLOCATORS:+--allocators $SWEEP_ALLOCATORS} ${RESUME:+--resume} \
                          --out "$DATA"/batch_sweep.csv ;;
         memory)      stage memory 120 $PY -m xlab.memory_study --out "$DATA" ;;
-        gil)         stage gil 90 $PY -m xlab.bench.gil --trials "$TRIALS" --seconds 0.25 --out "$DATA"/gil_probe.csv ;;
+        gil)         stage gil 90 $PY -m xlab.bench.gil --trials "$TRIALS" --seconds 0.25 \
+                         --arms python launch launch_gil add gemm gemm_gil --out "$DATA"/gil_probe.csv ;;
         torch-tests) stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/test_torch_gpu.py ;;
         torch-bench) stage torch-bench 200 $PY -m xlab.bench.torch_interop --out "$DATA"/torch_interop.csv ;;
         torch)       stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/test_torch_gpu.py

@@ -127,12 +127,14 @@ class Kernel:
     """A compiled kernel (CuPy's Function), launched with the GIL held when `direct`, else by CuPy.
 
     Args:
-        function: `cupy.RawModule(...).get_function(name)`, on the device it will run on.
+        function: `cupy.RawModule(...).get_function(name)` (a RawKernel; its `.kernel` is the loaded CUDA
+            function, `.kernel.ptr` the CUfunction) on the device it will run on, or a Function with `.ptr`.
         fmt: its parameters' struct format (`signature`): one code per parameter.
     """
 
     def __init__(self, function, fmt):
         self.function = function
+        self._ptr = None                 # the CUfunction, looked up at the first direct launch (loads the module)
         self.codes = fmt.lstrip("@")
         self.is_pointer = tuple(c == "P" for c in self.codes)
         # One C value per parameter and the array of their addresses cuLaunchKernel takes (kernelParams): the
@@ -149,9 +151,12 @@ class Kernel:
             raise TypeError(f"kernel takes {len(self.slots)} arguments, got {len(args)}")
         for slot, pointer, value in zip(self.slots, self.is_pointer, args):
             slot.value = value.data.ptr if pointer else value
+        if self._ptr is None:
+            f = self.function
+            self._ptr = f.ptr if hasattr(f, "ptr") else f.kernel.ptr
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         bx, by, bz = (tuple(block) + (1, 1))[:3]
-        _check(launch(self.function.ptr, gx, gy, gz, bx, by, bz, shared_mem, cupy.cuda.get_current_stream().ptr,
+        _check(launch(self._ptr, gx, gy, gz, bx, by, bz, shared_mem, cupy.cuda.get_current_stream().ptr,
                       self.params, None), "cuLaunchKernel")
 
 

@@ -68,6 +68,13 @@ def test_a_direct_launch_passes_pointers_and_scalars_in_the_kernels_types(fake_d
     assert _read_params(fake_driver[-1]["params"], "PPqqif") == [1, 2, 1, 2, 3, 4.0]
 
 
+def test_a_raw_kernel_launches_by_its_loaded_functions_pointer(fake_driver):
+    # CuPy's RawModule.get_function gives a RawKernel: the CUfunction is .kernel.ptr (a Function has .ptr)
+    raw = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=99))
+    launch.Kernel(raw, "@q")((1,), (1,), (5,))
+    assert fake_driver[-1]["fn"] == 99
+
+
 def test_a_direct_launch_checks_its_arguments_and_status(fake_driver, monkeypatch):
     k = launch.Kernel(types.SimpleNamespace(ptr=1), "@Pq")
     with pytest.raises(TypeError, match="takes 2 arguments, got 1"):
