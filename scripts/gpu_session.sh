@@ -19,6 +19,7 @@ DEST=${OUT:-build/gpu}
 case $part in B) export DATA=${DATA:-data/rerun} ;; *) export DATA=${DATA:-data} ;; esac
 export OUT=/tmp/xpool-$part WARMUP=${WARMUP:-5} DDP_ALLOCATORS=${DDP_ALLOCATORS:-raw cupy_pool xpool}
 mkdir -p "$OUT" "$DEST" "$DATA"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1     # scripts/*.py import the packages too
 deadline=$((SECONDS + ${SESSION_LIMIT:-560}))
 python3 setup.py build_ext --inplace -q >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 
@@ -64,7 +65,8 @@ case $part in
           CUDA_VISIBLE_DEVICES=0 bounded column_kernels 120 python3 scripts/column_kernels.py \
               --out "$DATA/column_kernels.csv"; }
         wait ;;
-    B)  CUDA_VISIBLE_DEVICES=1 suite gpu1 torch-bench >/dev/null 2>&1 &
+    B)  DATA=data suite both gil >/dev/null 2>&1      # the GIL probe's first run (its window fixed after A2)
+        CUDA_VISIBLE_DEVICES=1 suite gpu1 torch-bench >/dev/null 2>&1 &
         CUDA_VISIBLE_DEVICES=0 suite gpu0 bench single >/dev/null 2>&1
         wait
         DDP_MODES=threads suite both ddp >/dev/null 2>&1

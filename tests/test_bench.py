@@ -281,3 +281,26 @@ def test_host_pool_busy_leaves_ranges_free_and_in_use():
     pool = bench.host_pool("xpool", busy=True)
     s = pool._core.stats(0)
     assert s["blocks_in_use"] == 150 and s["blocks_cached"] > 10
+
+
+def test_gil_probe_threads_share_one_window():
+    # Pure Python on 4 threads under one GIL cannot do more than one thread's work in the same window: each
+    # thread's window is the shared one, not its own from whenever it first got the GIL.
+    import contextlib
+    import types
+    from xlab.bench import gil
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda d: contextlib.nullcontext()))
+
+    class Stream(contextlib.nullcontext):
+        def synchronize(self):
+            pass
+
+    class Rank:
+        cupy, device, stream = fake_cupy, 0, Stream()
+
+        def op(self, arm):
+            return gil._python_op
+
+    one, _ = gil._run([Rank()], "python", 0.3)
+    four, _ = gil._run([Rank() for _ in range(4)], "python", 0.3)
+    assert four < 1.3 * one, (one, four)

@@ -148,7 +148,10 @@ class _Rank:
 def _run(ranks, arm, seconds):
     """Every rank's thread runs `arm` for `seconds`; returns (total ops, per-thread CPU seconds)."""
     counts, cpu, errors = [0] * len(ranks), [0.0] * len(ranks), []
-    start = threading.Barrier(len(ranks), timeout=60)
+    deadline = [0.0]     # one window for every thread, set as they meet: a thread that waits for the GIL
+    # loses its time; it does not get a window of its own later (which would count more than `seconds` of work)
+    start = threading.Barrier(len(ranks), action=lambda: deadline.__setitem__(0, time.perf_counter() + seconds),
+                              timeout=60)
 
     def body(i):
         try:
@@ -165,8 +168,7 @@ def _run(ranks, arm, seconds):
                 op()
             r.stream.synchronize()
             start.wait()
-            c0, n = time.thread_time(), 0
-            t_end = time.perf_counter() + seconds
+            c0, n, t_end = time.thread_time(), 0, deadline[0]
             while time.perf_counter() < t_end:
                 for _ in range(32):
                     op()
