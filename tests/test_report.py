@@ -200,7 +200,7 @@ def test_the_gil_probe_feeds_the_projection_and_its_own_table(trial_data):
     for n, s in p["speedup"].items():
         assert s == pytest.approx(n * max(p["h"], p["g"]) / max(n * p["h"] / p["sharing"][n], p["g"]))
     text = "\n".join(report.gil_lines(trial_data))
-    assert "| `x + x`, 1 element (allocation + launch) | 10.0 [10.0, 10.0] | 0.70× [0.70, 0.70] | 0.60×" in text
+    assert "| `x + x`, 1 element, CuPy (allocation + launch, GIL released) | 10.0 [10.0, 10.0] | 0.70× [0.70, 0.70] | 0.60×" in text
     assert "### Threads under one GIL" in report.render(trial_data, [], {}, trial_data)
 
 

@@ -628,9 +628,13 @@ def gil_lines(data: pathlib.Path) -> list[str]:
            "waiting thread is woken at every launch and the threads trade the lock (the convoy effect).", "",
            "| op | µs per op, 1 thread | " + " | ".join(f"{n} threads / 1" for n in threads) + " |",
            "|---|---|" + "---|" * len(threads)]
-    labels = {"python": "pure Python (holds the GIL)", "launch": "empty kernel launch (CuPy, GIL released)",
-              "launch_gil": "empty kernel launch holding the GIL (ctypes.PyDLL)", "add": "`x + x`, 1 element "
-              "(allocation + launch)", "gemm": "16×16 GEMM, tapegpt.blas", "matmul": "16×16 GEMM, cupy.matmul"}
+    labels = {"python": "pure Python (holds the GIL)", "launch": "empty kernel launch through CuPy (GIL released)",
+              "launch_gil": "empty kernel launch by ctypes.PyDLL (GIL held)",
+              "launch8": "8-argument kernel launch through CuPy (GIL released)",
+              "launch8_gil": "8-argument kernel launch by ctypes.PyDLL (GIL held)",
+              "add": "`x + x`, 1 element, CuPy (allocation + launch, GIL released)",
+              "gemm": "16×16 GEMM by tapegpt.blas (allocation + cuBLAS call; GIL as tapegpt.launch decides)",
+              "gemm_gil": "cublasGemmEx alone by ctypes.PyDLL (GIL held)", "matmul": "16×16 GEMM, cupy.matmul"}
     for arm, g in df.groupby("arm", sort=False):
         one = g[g["threads"] == 1]["us_per_op"]
         cells = [_ci(*_med(g[g["threads"] == n]["speedup"]), unit="×") for n in threads]
@@ -825,12 +829,20 @@ def replication_lines(data: pathlib.Path) -> list[str]:
            f"run: commits {_commits(data, names)}): {sum(r['inside'] for r in judged)} "
            f"of {len(judged)} ratios fall inside the first run's 95% interval"
            + (f" ({len(rows) - len(judged)} more without an interval in the first run)" if len(judged) < len(rows)
-              else "") + ". Where one does not, the row says **no**.", "",
-           "| ratio | first run | second run | inside |", "|---|---|---|---|"]
+              else "") + f"; {sum(abs(_change(r)) <= 0.05 for r in rows)} of {len(rows)} medians within 5% of the "
+           "first run's. Where one falls outside, the row says **no**; the change column says by how much (an "
+           "interval of paired trials can be far narrower than the difference between two machines).", "",
+           "| ratio | first run | second run | change | inside |", "|---|---|---|---|---|"]
     for r in rows:
         verdict = "n/a" if r["inside"] is None else ("yes" if r["inside"] else "**no**")
-        out.append(f"| {r['name']} | {_ci(*r['first'], unit='×')} | {_ci(*r['second'], unit='×')} | {verdict} |")
+        out.append(f"| {r['name']} | {_ci(*r['first'], unit='×')} | {_ci(*r['second'], unit='×')} | "
+                   f"{100 * _change(r):+.1f}% | {verdict} |")
     return out
+
+
+def _change(row) -> float:
+    """The second run's median over the first's, minus one."""
+    return row["second"][0] / row["first"][0] - 1 if row["first"][0] else math.nan
 
 
 def data_table(data: pathlib.Path) -> list[str]:
