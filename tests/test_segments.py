@@ -12,6 +12,9 @@ from xpool.debug import POISON
 
 KiB, MiB = 1 << 10, 1 << 20
 SEGMENT = 2 * MiB              # a block up to 1 MiB starts a segment of this size; a larger one, of its own
+# the high-water mark's rule alone: a miss may give back a segment freed just before it (the default waits
+# until it has been whole and free for 64 requests: the tests of release_idle below)
+EAGER = dict(_segments=dict(release_idle=0))
 
 
 def make(capacity=None, n_devices=8, **kw):
@@ -83,7 +86,7 @@ def test_empty_cache_gives_back_whole_free_segments_only():
 
 
 def test_a_miss_above_the_high_water_mark_gives_the_streams_whole_free_segments_back_first():
-    pool, backend = make()
+    pool, backend = make(**EAGER)
     small = pool.allocate(3 * MiB)
     other = pool.allocate(3 * MiB, stream=7)
     del small, other
@@ -107,7 +110,7 @@ def test_a_miss_below_the_high_water_mark_gives_nothing_back():
 
 
 def test_a_miss_gives_back_only_what_keeps_it_at_the_mark_best_fitting_first():
-    pool, backend = make()
+    pool, backend = make(**EAGER)
     other = pool.allocate(6 * MiB, stream=1)
     a, b = pool.allocate(3 * MiB), pool.allocate(5 * MiB)   # the mark: 14 MiB
     del other
@@ -124,7 +127,7 @@ def test_a_miss_gives_back_only_what_keeps_it_at_the_mark_best_fitting_first():
 
 
 def test_misses_stop_giving_back_past_the_high_water_mark_in_bytes_until_empty_cache():
-    pool, backend = make()
+    pool, backend = make(**EAGER)
     for n in range(2, 12):                 # each miss above the mark: the last segment goes back ...
         a = pool.allocate(n * MiB)
         del a
@@ -160,6 +163,25 @@ def test_release_on_miss_can_be_turned_off():
     del a
     pool.allocate(6 * MiB)
     assert pool.stats().iloc[0].device_frees == 0 and backend.used(0) == 9 * MiB
+
+
+@pytest.mark.parametrize("hits,given_back", [(0, False), (62, False), (63, True)])
+def test_a_miss_gives_back_only_segments_whole_and_free_for_64_requests(hits, given_back):
+    pool, backend = make()
+    keep = pool.allocate(KiB)              # request 1: a 2 MiB segment
+    a = pool.allocate(3 * MiB)             # request 2; the mark: 5 MiB
+    del a                                  # whole and free from here
+    for _ in range(hits):                  # requests 3..: cut from keep's segment, the best fit
+        pool.allocate(KiB)
+    big = pool.allocate(6 * MiB)           # a miss above the mark; the 3 MiB segment idle for hits + 1 requests
+    s = pool.stats().iloc[0]
+    assert s.device_frees == int(given_back) and big.size == 6 * MiB and keep.size
+    assert s.bytes_reserved == backend.used(0) == (2 + 6 + (0 if given_back else 3)) * MiB
+
+
+def test_release_idle_is_checked():
+    with pytest.raises(ValueError, match="release_idle"):
+        make(_segments=dict(release_idle=-1))
 
 
 def test_segment_rounding_gives_way_to_a_small_device_and_to_the_limit():
@@ -408,7 +430,7 @@ def test_pytorchs_gil_free_path_cuts_and_merges_ranges_too():
 def test_a_miss_whose_give_back_fails_raises_and_keeps_the_segment_cached():
     from faults import FaultyBackend, InjectedFault
     backend = FaultyBackend()
-    pool = Pool(backend)
+    pool = Pool(backend, **EAGER)
     a = pool.allocate(3 * MiB)
     del a                                  # whole and free; the mark: 3 MiB
     backend.fail_frees = 1
@@ -474,7 +496,7 @@ def test_empty_cache_gives_back_a_waiting_whole_segment():
 
 
 def test_a_miss_gives_back_a_waiting_whole_segment_above_the_mark():
-    pool, backend = make()
+    pool, backend = make(**EAGER)
     a = pool.allocate(3 * MiB)
     del a                                  # waits; the mark is 3 MiB
     big = pool.allocate(6 * MiB)           # no fit: the waiting 3 MiB segment goes back first

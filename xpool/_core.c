@@ -377,6 +377,8 @@ typedef intptr_t (*stream_fn_t)(void);
 
 /* release_on_miss: what a miss of scheme xpool gives back first (release_for_miss) */
 enum { XP_RELEASE_OFF, XP_RELEASE_HIGH_WATER, XP_RELEASE_ALL, XP_RELEASE_MAX = XP_RELEASE_ALL };
+#define XP_RELEASE_IDLE 64  /* requests a whole free segment must stay so before a miss gives it back
+                               (release_for_miss) */
 #define XP_MISS_BUDGET 1    /* bytes misses may give back, in high-water marks, until empty_cache
                                (release_for_miss) */
 
@@ -392,6 +394,8 @@ typedef struct {
     size_t small_segment;     /* scheme xpool: a new segment for a block up to 1 MiB: rounded up to this */
     int release_on_miss;      /* scheme xpool: XP_RELEASE_*: which whole free segments of its stream a miss
                                  gives back first (release_for_miss) */
+    uint64_t release_idle;    /* XP_RELEASE_HIGH_WATER: a miss gives back only segments whole and free for at
+                                 least this many requests (release_for_miss); default XP_RELEASE_IDLE */
     int forked;               /* set in a fork()ed child */
     pthread_mutex_t debug_lock;     /* guards debug_hook and debug_tail: set_debug swaps them together */
     PyObject *debug_hook;     /* NULL, or .on_alloc(info) / .on_free(info) / .on_reuse(info) */
@@ -656,9 +660,22 @@ static long long release_segments(Allocator *A, DevicePool *pool, intptr_t strea
  * every miss (XP_RELEASE_ALL) kept re-missing segments it had just freed (memory_study.py, the unfused
  * GPT's batch-4 trace: device mallocs per step ran 120, 57, 22, 3 before settling; with the mark: 120,
  * 7, 5, 1, 0, and less waste, 1.26 against 1.34 peak reserved/requested; on the H200, 2 device mallocs
- * per step after 5 warm-up steps at batch 32).  As a backstop for a program whose requests
- * never settle: once misses have given back more than XP_MISS_BUDGET times the mark, they give back
- * nothing until the next empty_cache(), as with release_on_miss=0, which never frees. */
+ * per step after 5 warm-up steps at batch 32).
+ *
+ * And only segments that have been whole and free for at least A->release_idle requests (XP_RELEASE_IDLE,
+ * 64; FreeTree.clock counts them).  A segment freed moments ago is in the working set (the forward's
+ * activations, all freed as the backward reaches them) and is cut again later in the step: once the pool
+ * sits at its mark, every miss gave back such segments and the next step re-made them, for good (the
+ * fused GPT's batch 4 on the H200: 1-3 device mallocs and 0-38 frees in every step after warm-up; replayed
+ * on the CuPy-path trace: 3, 2, 1, 1, 1, 2 per step, then 0 only by luck).  What a miss should give back is
+ * dead: the setup's segments, a shape no longer asked for; those stay idle far longer than 64 requests.
+ * Replayed (memory_study, CuPy-path traces; peak reserved/requested, device calls after 5 warm-up steps):
+ * batch 4 1.051 and 3/75 -> 1.037 and 0/0; varying lengths 1.007 and 4/4 -> 1.029 and 1/0 (the longest
+ * length after shorter ones); per-parameter AdamW 1.031 and 2/31 -> 1.042 and 0/0.  8-150 requests all
+ * converge at batch 4; 32 still churns with per-parameter AdamW, 200 keeps the setup's segments through
+ * step 0 (1.11).  As a backstop for a program whose requests never settle: once misses have given back
+ * more than XP_MISS_BUDGET times the mark, they give back nothing until the next empty_cache(), as with
+ * release_on_miss=0, which never frees. */
 static int release_for_miss(Allocator *A, DevicePool *pool, intptr_t stream, size_t size)
 {
     if (A->release_on_miss == XP_RELEASE_ALL) return release_segments(A, pool, stream) < 0 ? -1 : 0;
@@ -674,7 +691,7 @@ static int release_for_miss(Allocator *A, DevicePool *pool, intptr_t stream, siz
     Block **blocks = malloc(cap * sizeof(Block *));
     if (!blocks) { pthread_mutex_unlock(&pool->lock); PyErr_NoMemory(); return -1; }
     SegDelta d = {0, 0};
-    seg_take_whole_need(&pool->segs, stream, after - mark, blocks, &n, cap, &d);
+    seg_take_whole_need(&pool->segs, stream, after - mark, A->release_idle, blocks, &n, cap, &d);
     apply_delta(&pool->st, d);
     for (size_t i = 0; i < n; i++) pool->st.bytes_releasing += blocks[i]->size;
     pthread_mutex_unlock(&pool->lock);
@@ -1510,7 +1527,7 @@ static int Allocator_init(Allocator *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"backend", "error_factory", "classes_per_doubling", "limit",
                              "stream_fn", "debug_hook", "debug_tail", "scheme", "segment_round",
-                             "small_segment", "release_on_miss", NULL};
+                             "small_segment", "release_on_miss", "release_idle", NULL};
     PyObject *backend, *factory, *hook = Py_None;
     const char *scheme = "xpool";
     int k = 1;
@@ -1521,9 +1538,10 @@ static int Allocator_init(Allocator *self, PyObject *args, PyObject *kwds)
      * (xlab/memory_study.py): rounding large segments to 2 MiB wasted more at batch 4. */
     Py_ssize_t tail = 0, seg_round = XP_ALIGN, small_seg = 2 << 20;
     int release_on_miss = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|iO&KOnsnni", kwlist, &backend, &factory, &k,
+    long long release_idle = XP_RELEASE_IDLE;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|iO&KOnsnniL", kwlist, &backend, &factory, &k,
                                      u64_limit, &limit, &stream_fn, &hook, &tail, &scheme, &seg_round,
-                                     &small_seg, &release_on_miss))
+                                     &small_seg, &release_on_miss, &release_idle))
         return -1;
     int scheme_id;
     if (!strcmp(scheme, "xpool")) scheme_id = XP_SCHEME_XPOOL;
@@ -1558,6 +1576,10 @@ static int Allocator_init(Allocator *self, PyObject *args, PyObject *kwds)
                      release_on_miss);
         return -1;
     }
+    if (release_idle < 0) {
+        PyErr_Format(PyExc_ValueError, "release_idle must be >= 0, got %lld", release_idle);
+        return -1;
+    }
     Py_INCREF(backend); Py_XSETREF(self->backend, backend);
     Py_INCREF(factory); Py_XSETREF(self->error_factory, factory);
     self->k = (unsigned)k;
@@ -1565,6 +1587,7 @@ static int Allocator_init(Allocator *self, PyObject *args, PyObject *kwds)
     self->segment_round = (size_t)seg_round;
     self->small_segment = (size_t)small_seg;
     self->release_on_miss = release_on_miss;
+    self->release_idle = (uint64_t)release_idle;
     self->default_limit = limit;
     self->stream_fn = (stream_fn_t)(uintptr_t)stream_fn;
     set_hook(self, hook, (size_t)tail);

@@ -183,6 +183,7 @@ static Block *tree_fit(const FreeTree *t, intptr_t stream, size_t size)
 
 Block *seg_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d)
 {
+    t->clock++;
     size_t i = recent_slot(stream, size);
     Block *w = t->recent[i];
     Block *best = tree_fit(t, stream, size);   /* the least key >= (stream, size, 0) in the tree */
@@ -239,6 +240,7 @@ Block *seg_put(FreeTree *t, Block *b, SegDelta *d)
         d->free_ranges -= 1;
         b = p;
     }
+    if (!b->prev_addr && !b->next_addr) b->whole_since = t->clock;   /* its segment is all free from now */
     wait_free(t, b);   /* merged with every free neighbour: none is left */
     return b;
 }
@@ -325,6 +327,7 @@ void seg_destroy(FreeTree *t)
 
 typedef struct {
     intptr_t stream;
+    uint64_t clock, min_idle;
     Block **out;
     size_t n, cap;
 } WholeList;
@@ -334,15 +337,16 @@ static int list_whole(Block *b, void *arg)
     WholeList *s = arg;
     if (s->n >= s->cap) return 1;
     if (b->prev_addr || b->next_addr || b->stream != s->stream) return 0;
+    if (s->clock - b->whole_since < s->min_idle) return 0;
     s->out[s->n++] = b;                  /* the walk is in (stream, size) order: ascending sizes */
     return 0;
 }
 
-void seg_take_whole_need(FreeTree *t, intptr_t stream, uint64_t need, Block **out, size_t *n, size_t cap,
-                         SegDelta *d)
+void seg_take_whole_need(FreeTree *t, intptr_t stream, uint64_t need, uint64_t min_idle, Block **out, size_t *n,
+                         size_t cap, SegDelta *d)
 {
     seg_flush(t);   /* a waiting range may be a whole segment */
-    WholeList s = {stream, out, *n, cap};
+    WholeList s = {stream, t->clock, min_idle, out, *n, cap};
     seg_each_free(t, list_whole, &s);
     size_t first = *n, m = s.n - first, k = 0;
     Block **c = out + first;

@@ -45,6 +45,7 @@ typedef struct Block {
     uint8_t in_segment;
     uint8_t is_free;        /* free, in the tree */
     uint8_t waiting;        /* free, in FreeTree.recent */
+    uint64_t whole_since;   /* a whole free segment: FreeTree.clock when it last became one (its idle age) */
 } Block;
 
 /* Slots of the exact-size cache (at most 64: FreeTree.occupied is their bitmap), and how many waiting ranges
@@ -72,6 +73,7 @@ typedef struct {
                              * a split and a merge per alloc/free pair would otherwise cost a malloc
                              * and a free each */
     size_t n_spare;
+    uint64_t clock;         /* calls of seg_take (one per request of the pool): the clock of Block.whole_since */
 } FreeTree;
 
 /* Change of the core's counters caused by one call (the core's Stats stay the one source of truth). */
@@ -102,10 +104,11 @@ Block *seg_put(FreeTree *t, Block *b, SegDelta *d);
 
 /* Takes whole free segments (of `stream` only, unless all_streams) out of the tree, appending them to
  * out[*n] (room for `cap`), until the free bytes `*cached` drop to `keep` or none is left. */
-/* Whole free segments of `stream`, unfiled into out[*n..]: the smallest one of at least `need` bytes, or
- * else the largest first until `need` bytes are covered (or none are left). */
-void seg_take_whole_need(FreeTree *t, intptr_t stream, uint64_t need, Block **out, size_t *n, size_t cap,
-                         SegDelta *d);
+/* Whole free segments of `stream` that have been whole and free for at least `min_idle` requests (ticks of
+ * t->clock), unfiled into out[*n..]: the smallest one of at least `need` bytes, or else the largest first
+ * until `need` bytes are covered (or none are left). */
+void seg_take_whole_need(FreeTree *t, intptr_t stream, uint64_t need, uint64_t min_idle, Block **out, size_t *n,
+                         size_t cap, SegDelta *d);
 void seg_take_whole(FreeTree *t, int all_streams, intptr_t stream, uint64_t keep, uint64_t *cached,
                     Block **out, size_t *n, size_t cap, SegDelta *d);
 

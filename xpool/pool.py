@@ -164,7 +164,8 @@ class Pool:
         self.backend = backend
         self._n_devices = min(backend.device_count(), _core.MAX_DEVICES)   # asked once, not per call
         # _segments: segment_round, small_segment, release_on_miss (0 never, 1 above the high-water mark: the
-        # default, 2 always; the memory study compares them)
+        # default, 2 always; the memory study compares them), release_idle (with 1: requests a segment stays
+        # whole and free before a miss may give it back; default 64)
         self._core = _core.Allocator(backend, make_error, self.classes_per_doubling or 1, 0,
                                      _stream_fn, scheme=self.scheme, **(_segments or {}))
         self._hook = None
