@@ -18,12 +18,12 @@ def test_training_is_bit_identical_under_both_schemes_and_debug_mode():
 @pytest.mark.parametrize("batch,foreach", [
     (4, True),
     (32, True),
-    # Measured on an H200 (commit ee5bd130e6da): device (mallocs, frees) per step [(155, 16), (1, 4), (1, 7),
-    # (1, 7), (0, 0), (1, 10), (0, 0), ...]. The CPU trace gpt_b32_perparam_numpy shows the same (steps 5 and 8):
-    # the per-parameter update remakes every moment array each step, the arrays walk through memory, and at the
-    # step's peak the free 3.4% is in pieces too small for a 48 MiB request (NOTES.md). Issue #14 stays open on it.
-    pytest.param(32, False, marks=pytest.mark.xfail(reason="late device mallocs at steps 5 and 8: moments remade "
-                                                           "every step walk through memory (#14)", strict=False)),
+    # Per-parameter AdamW: measured on an H200 (commit ee5bd130e6da), device (mallocs, frees) per step [(155, 16),
+    # (1, 4), (1, 7), (1, 7), (0, 0), (1, 10), (0, 0), ...]: the update remakes every moment array each step, the
+    # arrays walk through memory, and a miss at the high-water mark gave back segments freed moments before. Its
+    # CPU twin (test_memory_schemes, gpt_b32_perparam_numpy) converges at step 1 since a miss gives back only
+    # segments idle for 64 requests; this was an xfail until then.
+    (32, False),
 ])
 def test_training_makes_no_device_mallocs_once_warm(pool, batch, foreach):
     from tapegpt import GPT, AdamW, GPTConfig, get_batch, load_corpus

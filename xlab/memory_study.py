@@ -292,6 +292,15 @@ TRACES = {
                          "GPT training, batch 8, sequence length varying per step, NumPy (setup + 12 steps)"),
     "gpt_b32_perparam_numpy": ("memory_trace_numpy_b32_perparam.csv.gz",
                                "GPT training, batch 32, per-parameter AdamW, NumPy (setup + 10 steps)"),
+    # the fused ops' CuPy branch over NumPy, kernels not run (record_numpy_timeline(cupy_path=True)): the GPU's
+    # requests, which the traces above (NumPy formulas, their temporaries) do not show
+    "gpt_b4_cupy_path_numpy": ("memory_trace_cupy_path_b4.csv.gz",
+                               "GPT training, batch 4, fused ops' CuPy path on NumPy (setup + 10 steps)"),
+    "gpt_b32_cupy_path_numpy": ("memory_trace_cupy_path_b32.csv.gz",
+                                "GPT training, batch 32, fused ops' CuPy path on NumPy (setup + 10 steps)"),
+    "gpt_varlen_cupy_path_numpy": ("memory_trace_cupy_path_varlen.csv.gz",
+                                   "GPT training, batch 8, sequence length varying per step, fused ops' CuPy "
+                                   "path on NumPy (setup + 12 steps)"),
 }
 NUMPY_TRACES = {   # name -> record_numpy_timeline arguments
     "gpt_b4_numpy": dict(batch=4, block_sizes=(256,) * 10),
@@ -300,6 +309,10 @@ NUMPY_TRACES = {   # name -> record_numpy_timeline arguments
     # per-parameter AdamW remakes every moment array each step (m, v: fresh arrays, the old ones freed after):
     # the arrays walk through memory, the case of the late device mallocs (NOTES.md, #14)
     "gpt_b32_perparam_numpy": dict(batch=32, block_sizes=(256,) * 10, foreach=False),
+    "gpt_b4_cupy_path_numpy": dict(batch=4, block_sizes=(256,) * 10, cupy_path=True),
+    "gpt_b32_cupy_path_numpy": dict(batch=32, block_sizes=(256,) * 10, cupy_path=True),
+    "gpt_varlen_cupy_path_numpy": dict(batch=8, block_sizes=(256, 64, 192, 128, 224, 96, 160, 32, 256, 128, 200, 80),
+                                       cupy_path=True),
 }
 # the replayed allocators: xpool's schemes, xpool giving segments back on a miss never or always (the default:
 # above the high-water mark only), CuPy's pool
@@ -318,9 +331,12 @@ def replay_pool(allocator: str):
     kw = {"xpool": dict(scheme="xpool"),
           "xpool_norelease": dict(scheme="xpool", _segments=dict(release_on_miss=0)),
           "xpool_release_all": dict(scheme="xpool", _segments=dict(release_on_miss=2)),
+          # the high-water rule before release_idle: a miss may give back a segment freed just before it
+          "xpool_release_fresh": dict(scheme="xpool", _segments=dict(release_idle=0)),
           "xpool_seed": dict(scheme="seed", classes_per_doubling=1)}
     if allocator not in kw:
-        raise ValueError(f"allocator must be one of {SCHEME_ALLOCATORS}, got {allocator!r}")
+        raise ValueError(f"allocator must be one of {(*SCHEME_ALLOCATORS, 'xpool_release_fresh')}, got "
+                         f"{allocator!r}")
     return Pool(AddressSpaceBackend(), limit=0, debug=False, timeline=0, **kw[allocator])
 
 
@@ -534,7 +550,8 @@ def write_numpy_trace(tl: pd.DataFrame, name: str, data_dir="data") -> pd.DataFr
     cfg = _config(None, kw["batch"])
     prov = provenance(batch=cfg.batch_size, n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,
                       block_sizes=" ".join(map(str, kw["block_sizes"])),
-                      adamw="foreach" if kw.get("foreach", True) else "per_param")
+                      adamw="foreach" if kw.get("foreach", True) else "per_param",
+                      fused_ops="cupy_path" if kw.get("cupy_path") else "numpy_formulas")
     tl = tl[["step", "event", "device", "stream", "ptr", "requested"]].assign(**prov)
     if prov["gpu"] == "none":
         tl["gpu"] = "none (NumPy on the CPU)"
@@ -629,16 +646,30 @@ class NumpyRecorder:
 
 
 def record_numpy_timeline(batch: int = 4, block_sizes=(256, 256), seed: int = 0, foreach: bool = True,
-                          config=None) -> pd.DataFrame:
+                          config=None, cupy_path: bool = False) -> pd.DataFrame:
     """CPU: the request timeline of the GPT trained on NumPy: setup (step -1), then one step per entry of
     `block_sizes` (sequence lengths, each at most the config's block_size), in TIMELINE_COLUMNS.
 
     The requests are NumPy's data allocations, all on device 0, stream 0; `size` is the request (no
-    allocator took part).  Replays treat it as they treat a GPU timeline."""
-    from tapegpt import GPT, AdamW, get_batch, load_corpus
+    allocator took part).  Replays treat it as they treat a GPU timeline.
+
+    cupy_path: the fused ops (tapegpt.fused) take their CuPy branch over NumPy arrays, with every kernel
+    launch a no-op: the outputs they allocate (`empty`) are the GPU's, and the NumPy formulas' temporaries,
+    which the GPU never makes, are gone.  The values are garbage (nothing depends on them but the loss);
+    the requests are the GPU step's, up to CuPy's own temporaries (cuBLAS, reductions).  The plain NumPy
+    path missed the churn the H200 showed at batch 4 (NOTES.md, #14); this one replays it."""
+    from tapegpt import GPT, AdamW, fused, get_batch, kernels, load_corpus
     cfg = _config(config, batch)
     if max(block_sizes) > cfg.block_size or min(block_sizes) < 1:
         raise ValueError(f"block_sizes must be in [1, {cfg.block_size}], got {block_sizes}")
+    if cupy_path:
+        saved = fused._on_host, kernels.kernel
+        fused._on_host, kernels.kernel = (lambda a: False), (lambda name, dtype: lambda *args: None)
+        try:
+            with np.errstate(all="ignore"):
+                return record_numpy_timeline(batch, block_sizes, seed, foreach, cfg)
+        finally:
+            fused._on_host, kernels.kernel = saved
     data = load_corpus()
     rec = NumpyRecorder()
     marks = []
