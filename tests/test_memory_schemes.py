@@ -165,3 +165,4 @@ def test_trace_labels_are_short_and_say_where_the_trace_was_recorded():
     from xlab import plots
     assert plots.trace_label("gpt_b32_perparam_numpy") == "b32 perparam\n(NumPy)"
     assert plots.trace_label("gpt_b32_gpu") == "b32\n(GPU)" and plots.trace_label("random") == "random"
+    assert plots.trace_label("gpt_varlen_cupy_path_numpy") == "varlen\n(CuPy path)"

@@ -759,7 +759,7 @@ def memory_waste(df: pd.DataFrame) -> Figure:
 def trace_label(name: str) -> str:
     """A recorded trace's name as a short two-line tick label: 'gpt_b32_perparam_numpy' -> 'b32 perparam\n(NumPy)'."""
     base = name[4:] if name.startswith("gpt_") else name
-    for suffix, where in (("_numpy", "NumPy"), ("_gpu", "GPU")):
+    for suffix, where in (("_cupy_path_numpy", "CuPy path"), ("_numpy", "NumPy"), ("_gpu", "GPU")):
         if base.endswith(suffix):
             return f"{base[:-len(suffix)].replace('_', ' ')}\n({where})"
     return base.replace("_", " ")
