@@ -104,13 +104,20 @@ def test_empty_cache_gives_whole_segments_back_to_the_device(pool):
     assert s.bytes_reserved == 2 * MiB and s.bytes_in_use == MiB and int(keep.size) == MiB
 
 
-def test_a_miss_gives_the_streams_whole_free_segments_back(pool):
-    a = cp.empty(64 * MiB, dtype=cp.uint8)
+def test_a_miss_gives_the_streams_idle_whole_free_segments_back(pool):
+    keep = cp.empty(512, dtype=cp.uint8)               # request 1: a 2 MiB segment
+    a = cp.empty(64 * MiB, dtype=cp.uint8)             # request 2
     del a
-    b = cp.empty(128 * MiB, dtype=cp.uint8)            # fits no free range: the 64 MiB segment goes first
-    s = pool.stats(0).iloc[0]
-    assert (s.device_mallocs, s.device_frees, s.bytes_reserved) == (2, 1, 128 * MiB)
-    assert np.isfinite(float(cp.ones(4, cp.float32).sum())) and b.nbytes == 128 * MiB
+    b = cp.empty(128 * MiB, dtype=cp.uint8)            # fits no free range; the 64 MiB segment was freed 1 request
+    s = pool.stats(0).iloc[0]                          # ago: part of the working set, it stays
+    assert (s.device_mallocs, s.device_frees, s.bytes_reserved) == (3, 0, 194 * MiB)
+    for _ in range(64):                                # requests 4-67: cut from keep's segment, the best fit
+        cp.empty(512, dtype=cp.uint8)
+    del b
+    c = cp.empty(256 * MiB, dtype=cp.uint8)            # the 64 MiB segment, idle 66 requests, goes back first;
+    s = pool.stats(0).iloc[0]                          # b's, freed 1 request ago, stays
+    assert (s.device_mallocs, s.device_frees, s.bytes_reserved) == (4, 1, (2 + 128 + 256) * MiB)
+    assert np.isfinite(float(cp.ones(4, cp.float32).sum())) and c.nbytes == 256 * MiB and keep.nbytes == 512
 
 
 def test_varying_length_training_run_measures_each_allocators_peaks(tmp_path):
