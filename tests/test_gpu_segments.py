@@ -18,12 +18,13 @@ def test_training_is_bit_identical_under_both_schemes_and_debug_mode():
 @pytest.mark.parametrize("batch,foreach", [
     (4, True),
     (32, True),
-    # Per-parameter AdamW: measured on an H200 (commit ee5bd130e6da), device (mallocs, frees) per step [(155, 16),
-    # (1, 4), (1, 7), (1, 7), (0, 0), (1, 10), (0, 0), ...]: the update remakes every moment array each step, the
-    # arrays walk through memory, and a miss at the high-water mark gave back segments freed moments before. Its
-    # CPU twin (test_memory_schemes, gpt_b32_perparam_numpy) converges at step 1 since a miss gives back only
-    # segments idle for 64 requests; this was an xfail until then.
-    (32, False),
+    # Measured on an H200 (commit ee5bd130e6da): device (mallocs, frees) per step [(155, 16), (1, 4), (1, 7),
+    # (1, 7), (0, 0), (1, 10), (0, 0), ...]. The per-parameter update remakes every moment array each step and the
+    # arrays walk through memory. Replayed on the CuPy-path trace (gpt_b32_perparam_cupy_path_numpy) with a miss
+    # giving back only segments idle for 64 requests: steps 6 and 9 still miss; never giving back, step 6 does
+    # (NOTES.md). Issue #14 stays open on it.
+    pytest.param(32, False, marks=pytest.mark.xfail(reason="late device mallocs: moments remade every step walk "
+                                                           "through memory (#14)", strict=False)),
 ])
 def test_training_makes_no_device_mallocs_once_warm(pool, batch, foreach):
     from tapegpt import GPT, AdamW, GPTConfig, get_batch, load_corpus

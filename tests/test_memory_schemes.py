@@ -120,8 +120,9 @@ def test_committed_traces_meet_the_waste_targets():
     wastes less than CuPy's pool (at most 5 % at batch 32), and where steps repeat their shapes, the steps
     after the experiments' 5 warm-up steps make no device malloc and no device free.
 
-    Per-parameter AdamW is the exception to the first: it converges only by keeping every segment it makes
-    (no miss there finds one idle for 64 requests), 1.042 against the CuPy model's 1.033 (NOTES.md, #14)."""
+    Per-parameter AdamW is the exception to both: its moments walk through memory (late misses on the CuPy-path
+    trace, with any policy), and on the NumPy trace it converges only by keeping every segment it makes, 1.042
+    against the CuPy model's 1.033 (NOTES.md, #14). It is held to the batch-32 target, 1.05."""
     traces = memory_study.load_traces()
     assert {"gpt_b32_gpu", "gpt_b4_numpy", "gpt_b32_numpy", "gpt_b4_cupy_path_numpy", "gpt_b32_cupy_path_numpy",
             "gpt_varlen_cupy_path_numpy"} <= set(traces)
@@ -131,7 +132,7 @@ def test_committed_traces_meet_the_waste_targets():
             assert ours["reserved_over_requested"] <= 1.05, name
         else:
             assert ours["reserved_over_requested"] < cupy["reserved_over_requested"], name
-        if tl["step"].max() >= memory_study.WARMUP_STEPS and "varlen" not in name:
+        if tl["step"].max() >= memory_study.WARMUP_STEPS and "varlen" not in name and "perparam" not in name:
             assert (ours["device_mallocs_warm"], ours["device_frees_warm"]) == (0, 0), name
     for name in ("gpt_b32_numpy", "gpt_b32_gpu", "gpt_b32_cupy_path_numpy"):
         assert replay_allocator(traces[name], "xpool")["reserved_over_requested"] <= 1.05, name
@@ -152,11 +153,21 @@ def test_fused_gpt_at_batch_4_makes_no_device_call_once_warm():
     assert r["reserved_over_requested"] < cupy["reserved_over_requested"]
 
 
-def test_per_parameter_adamw_makes_no_device_malloc_once_warm():
-    """The CPU twin of the GPU test's per-parameter case (test_gpu_segments, batch 32): the moments, remade every
-    step, walk through memory; with the high-water rule alone steps 5 and 8 each made a device malloc and gave
-    segments back (it was a strict xfail). Giving back only segments idle for 64 requests converges at step 1."""
+def test_per_parameter_adamw_on_numpy_makes_no_device_malloc_once_warm():
+    """On the NumPy trace, where the high-water rule alone made a device malloc at steps 5 and 8, giving back only
+    segments idle for 64 requests converges at step 1 (it keeps every segment it makes)."""
     tl = memory_study.load_traces(names=["gpt_b32_perparam_numpy"])["gpt_b32_perparam_numpy"]
+    r = replay_allocator(tl, "xpool")
+    assert (r["device_mallocs_warm"], r["device_frees_warm"]) == (0, 0)
+
+
+@pytest.mark.xfail(strict=True, reason="#14: per-parameter AdamW's moments, remade every step, walk through memory; "
+                                       "even never giving back misses at step 6 (NOTES.md)")
+def test_per_parameter_adamw_makes_no_device_malloc_once_warm():
+    """The CPU twin of the GPU test's xfail (test_gpu_segments, batch 32, per-parameter AdamW), on the CuPy-path
+    trace: replayed, steps 6 and 9 each make a device malloc and give idle segments back (19, 13); with
+    release_on_miss=0 step 6 still misses, the CuPy model's step 5. Strict: it fails loudly once a policy fixes it."""
+    tl = memory_study.load_traces(names=["gpt_b32_perparam_cupy_path_numpy"])["gpt_b32_perparam_cupy_path_numpy"]
     r = replay_allocator(tl, "xpool")
     assert (r["device_mallocs_warm"], r["device_frees_warm"]) == (0, 0)
 

@@ -298,6 +298,9 @@ TRACES = {
                                "GPT training, batch 4, fused ops' CuPy path on NumPy (setup + 10 steps)"),
     "gpt_b32_cupy_path_numpy": ("memory_trace_cupy_path_b32.csv.gz",
                                 "GPT training, batch 32, fused ops' CuPy path on NumPy (setup + 10 steps)"),
+    "gpt_b32_perparam_cupy_path_numpy": ("memory_trace_cupy_path_b32_perparam.csv.gz",
+                                         "GPT training, batch 32, per-parameter AdamW, fused ops' CuPy path on "
+                                         "NumPy (setup + 10 steps)"),
     "gpt_varlen_cupy_path_numpy": ("memory_trace_cupy_path_varlen.csv.gz",
                                    "GPT training, batch 8, sequence length varying per step, fused ops' CuPy "
                                    "path on NumPy (setup + 12 steps)"),
@@ -311,6 +314,7 @@ NUMPY_TRACES = {   # name -> record_numpy_timeline arguments
     "gpt_b32_perparam_numpy": dict(batch=32, block_sizes=(256,) * 10, foreach=False),
     "gpt_b4_cupy_path_numpy": dict(batch=4, block_sizes=(256,) * 10, cupy_path=True),
     "gpt_b32_cupy_path_numpy": dict(batch=32, block_sizes=(256,) * 10, cupy_path=True),
+    "gpt_b32_perparam_cupy_path_numpy": dict(batch=32, block_sizes=(256,) * 10, foreach=False, cupy_path=True),
     "gpt_varlen_cupy_path_numpy": dict(batch=8, block_sizes=(256, 64, 192, 128, 224, 96, 160, 32, 256, 128, 200, 80),
                                        cupy_path=True),
 }

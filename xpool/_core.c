@@ -672,7 +672,8 @@ static long long release_segments(Allocator *A, DevicePool *pool, intptr_t strea
  * Replayed (memory_study, CuPy-path traces; peak reserved/requested, device mallocs/frees after 5 warm-up
  * steps): batch 4 1.051 and 3/75 -> 1.037 and 0/0; batch 32 1.002 -> 1.017, 0/0 both; varying lengths 1.007
  * and 4/4 -> 1.029 and 1/0 (the longest length after shorter ones); per-parameter AdamW (NumPy trace) 1.031
- * and 2/31 -> 1.042 and 0/0.  10-150 requests all converge at batch 4; 32 still churns with
+ * and 2/31 -> 1.042 and 0/0 (its CuPy-path trace still misses at steps 6 and 9: its moments walk through
+ * memory, and never giving back misses at step 6 too).  10-150 requests all converge at batch 4; 32 still churns with
  * per-parameter AdamW; 200 keeps the setup's segments through step 0 (1.11).  As a backstop for a program whose requests never settle: once misses have given back
  * more than XP_MISS_BUDGET times the mark, they give back nothing until the next empty_cache(), as with
  * release_on_miss=0, which never frees. */
