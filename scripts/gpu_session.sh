@@ -11,12 +11,13 @@
 #     time on GPU 0 beside the correctness gate, memory study, debug mode's cost and PyTorch tests on GPU 1. ~7 min
 # B:  on a fresh machine: bench and single on GPU 0 beside the PyTorch interop benchmark on GPU 1; ddp in
 #     threads mode; the sweep for the pools (raw's cliff is re-measured by ddp).                        ~7 min
+# L:  (DATA=data/launch) ddp in threads mode with CuPy's launches, to compare with A1's direct ones.   ~1 min
 # (warm() is there for a session that wants the kernel cache filled and the clocks up before timing.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?A1, A2 or B}
+part=${1:?A1, A2, B or L}
 DEST=${OUT:-build/gpu}
-case $part in B) export DATA=${DATA:-data/rerun} ;; *) export DATA=${DATA:-data} ;; esac
+case $part in B) export DATA=${DATA:-data/rerun} ;; L) export DATA=${DATA:-data/launch} ;; *) export DATA=${DATA:-data} ;; esac
 export OUT=/tmp/xpool-$part WARMUP=${WARMUP:-5} DDP_ALLOCATORS=${DDP_ALLOCATORS:-raw cupy_pool xpool}
 mkdir -p "$OUT" "$DEST" "$DATA"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1     # scripts/*.py import the packages too
@@ -71,7 +72,11 @@ case $part in
         wait
         DDP_MODES=threads suite both ddp >/dev/null 2>&1
         SWEEP_ALLOCATORS="cupy_pool xpool" suite both sweep >/dev/null 2>&1 ;;
-    *) echo "unknown part $part (A1 A2 B)"; exit 2 ;;
+    L)  # the launchers in threads mode: ddp threads with CuPy's launches (TAPEGPT_LAUNCH=cupy), beside the
+        # first run's direct ones, to say what the GIL-held launcher gives two rank threads (not yet measured)
+        TAPEGPT_LAUNCH=cupy DDP_MODES=threads DDP_ALLOCATORS="cupy_pool xpool" suite both ddp >/dev/null 2>&1
+        cp "$DATA/ddp_scaling.csv" "$DATA/ddp_launch_cupy.csv" 2>/dev/null ;;
+    *) echo "unknown part $part (A1 A2 B L)"; exit 2 ;;
 esac
 for f in "$OUT"/*/gpu_suite.log "$OUT"/*.log; do [ -f "$f" ] && { echo "== $f"; grep -E "^=== |passed|failed|rc=|skipped|fail" "$f" | tail -12; }; done
 for f in "$OUT"/profile_*.log; do [ -f "$f" ] && { echo "== $f"; tail -4 "$f"; }; done
