@@ -16,20 +16,17 @@ The call itself goes through tapegpt.launch (the GIL held, like the fused kernel
 switched off (TAPEGPT_LAUNCH=cupy); then through CuPy's cuBLAS wrappers. `enabled` (environment TAPEGPT_BLAS=0
 turns it off) selects this path at all; the lab records both switches with each row.
 """
-import os
 
 import numpy as np
 
 from . import launch
+from .switches import env_choice
 
 BLAS_ENV = "TAPEGPT_BLAS"
 
 
 def _enabled_from_env():
-    value = os.environ.get(BLAS_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{BLAS_ENV}={value!r}: expected 0 (cupy.matmul) or 1 (direct cuBLAS calls)")
-    return value == "1"
+    return env_choice(BLAS_ENV, {"0": "cupy.matmul", "1": "direct cuBLAS calls"}, "1") == "1"
 
 
 enabled = _enabled_from_env()
@@ -109,8 +106,9 @@ def _gemm(a, b):
     out = cupy.empty((M, N), dt)
     t, compute = types[dt]
     h = _handle(cupy, cublas)
-    if _direct():
-        launch.gemm_ex(h, pb[0], pa[0], N, M, K, _ONE_PTR[dt], b.data.ptr, pb[1], a.data.ptr, pa[1],
+    direct = launch.cublas()
+    if direct:
+        launch.gemm_ex(direct, h, pb[0], pa[0], N, M, K, _ONE_PTR[dt], b.data.ptr, pb[1], a.data.ptr, pa[1],
                        _ZERO_PTR[dt], out.data.ptr, N, t, compute, algo)
     else:
         cublas.gemmEx(h, pb[0], pa[0], N, M, K, _ONE_PTR[dt], b.data.ptr, t, pb[1],
@@ -132,13 +130,10 @@ def _gemm_batched(a, b):
     # CuPy's matmul makes this same call (sgemmStridedBatched/dgemmStridedBatched) for contiguous stacks
     args = (_handle(cupy, cublas), op_n, op_n, N, M, K, _ONE_PTR[dt], b.data.ptr, N, K * N,
             a.data.ptr, K, M * K, _ZERO_PTR[dt], out.data.ptr, N, M * N, batch)
-    if _direct():
-        launch.gemm_strided_batched(dt, *args)
+    direct = launch.cublas()
+    if direct:
+        launch.gemm_strided_batched(direct, dt, *args)
     else:
         (cublas.sgemmStridedBatched if dt == _FLOATS[0] else cublas.dgemmStridedBatched)(*args)
     return out
 
-
-def _direct():
-    """Whether cuBLAS is called with the GIL held (tapegpt.launch), else through CuPy's wrappers."""
-    return launch.direct and launch.cublas()[1] is not None

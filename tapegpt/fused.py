@@ -11,22 +11,19 @@ a kernel misbehaves on a new GPU); GPT(fused=...) overrides it per model and rec
 """
 import functools
 import math
-import os
 
 import numpy as np
 
 from . import kernels
 from .blas import mm
+from .switches import env_choice
 from .tape import _accumulate, _make, _swap, array_module
 
 FUSED_ENV = "TAPEGPT_FUSED"
 
 
 def _enabled_from_env():
-    value = os.environ.get(FUSED_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{FUSED_ENV}={value!r}: expected 0 (unfused ops) or 1 (fused kernels)")
-    return value == "1"
+    return env_choice(FUSED_ENV, {"0": "unfused ops", "1": "fused kernels"}, "1") == "1"
 
 
 enabled = _enabled_from_env()

@@ -18,20 +18,18 @@ collective that waits for a peer, deadlock them). The training loops keep at mos
 goes through CuPy as before. The kernels and cuBLAS routines are the same either way, so are the results.
 """
 import ctypes
-import os
 import re
 
 import numpy as np
 
+from .switches import env_choice
+
 LAUNCH_ENV = "TAPEGPT_LAUNCH"
-MODES = ("direct", "cupy")
+MODES = {"direct": "GIL kept", "cupy": "CuPy's launches"}
 
 
 def _mode_from_env():
-    value = os.environ.get(LAUNCH_ENV, "direct")
-    if value not in MODES:
-        raise ValueError(f"{LAUNCH_ENV}={value!r}: expected direct (GIL kept) or cupy (CuPy's launches)")
-    return value
+    return env_choice(LAUNCH_ENV, MODES, "direct")
 
 
 direct = _mode_from_env() == "direct"
@@ -161,24 +159,26 @@ class Kernel:
 
 
 def cublas():
-    """(cupy, (setStream, gemmEx, {dtype: gemmStridedBatched})) with the GIL held, or (cupy, None) when `direct`
-    is off or cuBLAS could not be opened by name."""
+    """(cupy, (setStream, gemmEx, {dtype: gemmStridedBatched})) to call with the GIL held; None when `direct` is
+    off or cuBLAS could not be opened by name. What gemm_ex and gemm_strided_batched take as `lib`."""
+    if not direct:
+        return None
     cupy, _, lib = _load()
-    return cupy, (lib if direct else None)
+    return None if lib is None else (cupy, lib)
 
 
-def gemm_ex(handle, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, cuda_type, compute, algo):
+def gemm_ex(lib, handle, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, cuda_type, compute, algo):
     """cublasGemmEx on the current stream with the GIL held (the arguments as cuBLAS's, types shared)."""
-    cupy, (set_stream, gemm, _) = cublas()
+    cupy, (set_stream, gemm, _) = lib
     _check(set_stream(handle, cupy.cuda.get_current_stream().ptr), "cublasSetStream")
     _check(gemm(handle, transa, transb, m, n, k, alpha, a, cuda_type, lda, b, cuda_type, ldb, beta, c, cuda_type,
                 ldc, compute, algo), "cublasGemmEx")
 
 
-def gemm_strided_batched(dtype, handle, transa, transb, m, n, k, alpha, a, lda, sa, b, ldb, sb, beta, c, ldc, sc,
-                         batch):
+def gemm_strided_batched(lib, dtype, handle, transa, transb, m, n, k, alpha, a, lda, sa, b, ldb, sb, beta, c, ldc,
+                         sc, batch):
     """cublas[SD]gemmStridedBatched on the current stream with the GIL held."""
-    cupy, (set_stream, _, batched) = cublas()
+    cupy, (set_stream, _, batched) = lib
     _check(set_stream(handle, cupy.cuda.get_current_stream().ptr), "cublasSetStream")
     _check(batched[dtype](handle, transa, transb, m, n, k, alpha, a, lda, sa, b, ldb, sb, beta, c, ldc, sc, batch),
            "cublasGemmStridedBatched")
