@@ -144,11 +144,10 @@ def test_gil_probe_checks_its_arguments_before_touching_a_gpu():
         gil.run(arms=("python",), threads=(0, 2), out=None)
 
 
-def test_gil_probe_loop_counts_every_thread(monkeypatch):
-    # _run on stand-in ranks (no GPU): every thread's ops are counted and the CPU time is per thread
+def _stand_in_rank(op):
+    """A GIL-probe rank without a GPU (a class: each instance is one rank), whose op for an arm is op(arm)."""
     import contextlib
     import types
-    from xlab.bench import gil
     fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda d: contextlib.nullcontext()))
 
     class Stream(contextlib.nullcontext):
@@ -159,8 +158,14 @@ def test_gil_probe_loop_counts_every_thread(monkeypatch):
         cupy, device, stream = fake_cupy, 0, Stream()
 
         def op(self, arm):
-            return gil._python_op
+            return op(arm)
+    return Rank
 
+
+def test_gil_probe_loop_counts_every_thread(monkeypatch):
+    # _run on stand-in ranks (no GPU): every thread's ops are counted and the CPU time is per thread
+    from xlab.bench import gil
+    Rank = _stand_in_rank(lambda arm: gil._python_op)
     total, cpu = gil._run([Rank(), Rank()], "python", 0.05)
     assert total >= 2 * 50 and len(cpu) == 2 and all(c > 0 for c in cpu)
 
@@ -176,23 +181,11 @@ def test_eight_argument_buffer_has_cudas_parameter_layout():
 
 
 def test_gil_probe_fails_when_an_op_fails():
-    import contextlib
-    import types
     from xlab.bench import gil
-    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda d: contextlib.nullcontext()))
 
-    class Stream(contextlib.nullcontext):
-        def synchronize(self):
-            pass
-
-    class Rank:
-        cupy, device, stream = fake_cupy, 0, Stream()
-
-        def op(self, arm):
-            def boom():
-                raise RuntimeError("cuLaunchKernel failed")
-            return boom
-
+    def boom():
+        raise RuntimeError("cuLaunchKernel failed")
+    Rank = _stand_in_rank(lambda arm: boom)
     with pytest.raises(RuntimeError, match="cuLaunchKernel failed"):
         gil._run([Rank(), Rank()], "launch", 0.05)
 
@@ -286,21 +279,8 @@ def test_host_pool_busy_leaves_ranges_free_and_in_use():
 def test_gil_probe_threads_share_one_window():
     # Pure Python on 4 threads under one GIL cannot do more than one thread's work in the same window: each
     # thread's window is the shared one, not its own from whenever it first got the GIL.
-    import contextlib
-    import types
     from xlab.bench import gil
-    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda d: contextlib.nullcontext()))
-
-    class Stream(contextlib.nullcontext):
-        def synchronize(self):
-            pass
-
-    class Rank:
-        cupy, device, stream = fake_cupy, 0, Stream()
-
-        def op(self, arm):
-            return gil._python_op
-
+    Rank = _stand_in_rank(lambda arm: gil._python_op)
     one, _ = gil._run([Rank()], "python", 0.3)
     four, _ = gil._run([Rank() for _ in range(4)], "python", 0.3)
     assert four < 1.3 * one, (one, four)

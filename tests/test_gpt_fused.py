@@ -29,6 +29,15 @@ def emulated_kernels(kernel=cuda_emu.kernel):
         fused._on_host, kernels.kernel = on_host, real
 
 
+def _mutate(monkeypatch, old, new):
+    """The kernels' source with `old` replaced by `new` (which must occur), freshly built for the emulator."""
+    bad = kernels.SOURCE.replace(old, new)
+    assert bad != kernels.SOURCE
+    monkeypatch.setattr(kernels, "SOURCE", bad)
+    monkeypatch.setattr(cuda_emu, "_libs", {})
+    monkeypatch.setattr(cuda_emu, "_kernels", {})
+
+
 def _assert_all_passed(df):
     assert df.passed.all(), "\n" + df[~df.passed].to_string()
 
@@ -80,12 +89,8 @@ def test_kernels_compile_with_nvcc(tmp_path, dtype):
 
 def test_emulated_parity_catches_a_broken_kernel(monkeypatch):
     # The check must be able to fail: a softmax that lets each query see one key too many.
-    bad = kernels.SOURCE.replace("const i64 last = row % Tq + (Tk - Tq);  // the last visible key",
-                                 "const i64 last = row % Tq + (Tk - Tq) + 1;")
-    assert bad != kernels.SOURCE
-    monkeypatch.setattr(kernels, "SOURCE", bad)
-    monkeypatch.setattr(cuda_emu, "_libs", {})
-    monkeypatch.setattr(cuda_emu, "_kernels", {})
+    _mutate(monkeypatch, "const i64 last = row % Tq + (Tk - Tq);  // the last visible key",
+            "const i64 last = row % Tq + (Tk - Tq) + 1;")
     df = checks.fused_kernel_parity(np, "float64", on_device=emulated_kernels)
     failed = set(df.check[~df.passed])
     assert "fused causal_softmax float64 vs NumPy" in failed
@@ -93,12 +98,8 @@ def test_emulated_parity_catches_a_broken_kernel(monkeypatch):
 
 def test_emulator_rejects_divergent_shuffles(monkeypatch):
     # A warp whose lanes shuffle different numbers of times is undefined on a GPU; the emulator must say so.
-    bad = kernels.SOURCE.replace("    ROW_PROLOGUE\n    const T* xr = x + row * C;",
-                                 "    ROW_PROLOGUE\n    if (lane == 3) return;\n    const T* xr = x + row * C;")
-    assert bad != kernels.SOURCE
-    monkeypatch.setattr(kernels, "SOURCE", bad)
-    monkeypatch.setattr(cuda_emu, "_libs", {})
-    monkeypatch.setattr(cuda_emu, "_kernels", {})
+    _mutate(monkeypatch, "    ROW_PROLOGUE\n    const T* xr = x + row * C;",
+            "    ROW_PROLOGUE\n    if (lane == 3) return;\n    const T* xr = x + row * C;")
     x = np.ones((3, 40))
     with emulated_kernels(), pytest.raises(RuntimeError, match="ln_fwd"):
         fused.layer_norm_fwd(x, np.ones(40), np.zeros(40), 1e-5)
@@ -106,12 +107,8 @@ def test_emulator_rejects_divergent_shuffles(monkeypatch):
 
 def test_emulator_rejects_out_of_bounds_access(monkeypatch):
     # Every pointer is checked: a kernel that writes one element past its output must fail, not pass silently.
-    bad = kernels.SOURCE.replace("ELEM_LOOP { y[i] = x[i] + (a[i] + b[i % C]); }",
-                                 "ELEM_LOOP { y[i + 1] = x[i] + (a[i] + b[i % C]); }")
-    assert bad != kernels.SOURCE
-    monkeypatch.setattr(kernels, "SOURCE", bad)
-    monkeypatch.setattr(cuda_emu, "_libs", {})
-    monkeypatch.setattr(cuda_emu, "_kernels", {})
+    _mutate(monkeypatch, "ELEM_LOOP { y[i] = x[i] + (a[i] + b[i % C]); }",
+            "ELEM_LOOP { y[i + 1] = x[i] + (a[i] + b[i % C]); }")
     x = np.ones((3, 5))
     with emulated_kernels(), pytest.raises(IndexError, match=r"bias_residual: y\[15\] outside 0..15"):
         fused.bias_residual(x, x, np.ones(5))
@@ -275,12 +272,8 @@ def test_column_grid_covers_every_column_with_whole_warps():
 
 def test_emulated_parity_catches_a_broken_column_tree(monkeypatch):
     # A tree that starts at a quarter of the row groups drops half of the partial sums.
-    bad = kernels.SOURCE.replace("for (int h = blockDim.y >> 1; h > 0; h >>= 1)",
-                                 "for (int h = blockDim.y >> 2; h > 0; h >>= 1)")
-    assert bad != kernels.SOURCE
-    monkeypatch.setattr(kernels, "SOURCE", bad)
-    monkeypatch.setattr(cuda_emu, "_libs", {})
-    monkeypatch.setattr(cuda_emu, "_kernels", {})
+    _mutate(monkeypatch, "for (int h = blockDim.y >> 1; h > 0; h >>= 1)",
+            "for (int h = blockDim.y >> 2; h > 0; h >>= 1)")
     df = checks.fused_kernel_parity(np, "float64", on_device=emulated_kernels)
     failed = set(df.check[~df.passed])
     assert "fused colsum, 300 rows float64 vs NumPy" in failed and "fused layer_norm_bwd float64 vs NumPy" in failed
@@ -288,12 +281,8 @@ def test_emulated_parity_catches_a_broken_column_tree(monkeypatch):
 
 def test_emulator_rejects_divergent_syncthreads(monkeypatch):
     # __syncthreads reached by only some threads of a block is undefined on a GPU; the emulator must say so.
-    bad = kernels.SOURCE.replace("        if (y < h) sh[y * X + x] += sh[(y + h) * X + x];\n        __syncthreads();",
-                                 "        if (y < h) { sh[y * X + x] += sh[(y + h) * X + x]; __syncthreads(); }")
-    assert bad != kernels.SOURCE
-    monkeypatch.setattr(kernels, "SOURCE", bad)
-    monkeypatch.setattr(cuda_emu, "_libs", {})
-    monkeypatch.setattr(cuda_emu, "_kernels", {})
+    _mutate(monkeypatch, "        if (y < h) sh[y * X + x] += sh[(y + h) * X + x];\n        __syncthreads();",
+            "        if (y < h) { sh[y * X + x] += sh[(y + h) * X + x]; __syncthreads(); }")
     with emulated_kernels(), pytest.raises(RuntimeError, match="colsum: the threads of a block passed __syncthreads"):
         fused.colsum(np.ones((100, 3)))
 
@@ -305,11 +294,7 @@ def test_emulated_adamw_kernel_is_bit_identical_to_numpy(dtype):
 
 def test_adamw_bitwise_check_catches_a_reordered_update(monkeypatch):
     # Dividing by bc2 as a multiplication by its reciprocal is the same math, other bits: the check must see it.
-    bad = kernels.SOURCE.replace("rn_div(rn_sqrt(vi), bc2)", "rn_mul(rn_sqrt(vi), (T)1 / bc2)")
-    assert bad != kernels.SOURCE
-    monkeypatch.setattr(kernels, "SOURCE", bad)
-    monkeypatch.setattr(cuda_emu, "_libs", {})
-    monkeypatch.setattr(cuda_emu, "_kernels", {})
+    _mutate(monkeypatch, "rn_div(rn_sqrt(vi), bc2)", "rn_mul(rn_sqrt(vi), (T)1 / bc2)")
     df = checks.adamw_bitwise(np, "float32", on_device=emulated_kernels)
     assert not df.passed.any() and df.measured[0] > 0
 
