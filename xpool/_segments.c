@@ -245,9 +245,13 @@ Block *seg_put(FreeTree *t, Block *b, SegDelta *d)
     return b;
 }
 
+/* Whole free segments (of one stream, or all), listed in the walk's (stream, size) order: those whole and free
+   for at least min_idle requests, until `cached` (counted down by each one listed) is down to `keep` or `out`
+   is full. Listed first and unfiled after: the walk must not see the tree change. */
 typedef struct {
     int all_streams;
     intptr_t stream;
+    uint64_t clock, min_idle;
     uint64_t keep, cached;
     Block **out;
     size_t n, cap;
@@ -259,21 +263,27 @@ static int collect_whole(Block *b, void *arg)
     if (s->cached <= s->keep || s->n >= s->cap) return 1;
     if (b->prev_addr || b->next_addr) return 0;          /* part of a segment still partly in use */
     if (!s->all_streams && b->stream != s->stream) return 0;
+    if (s->clock - b->whole_since < s->min_idle) return 0;
     s->out[s->n++] = b;
     s->cached -= b->size;
     return 0;
+}
+
+static void unfile_all(FreeTree *t, Block **blocks, size_t k, SegDelta *d)
+{
+    for (size_t i = 0; i < k; i++) {
+        unfile(t, blocks[i]);
+        d->free_ranges -= 1; d->free_bytes -= (int64_t)blocks[i]->size;
+    }
 }
 
 void seg_take_whole(FreeTree *t, int all_streams, intptr_t stream, uint64_t keep, uint64_t *cached,
                     Block **out, size_t *n, size_t cap, SegDelta *d)
 {
     seg_flush(t);   /* a waiting range may be a whole segment */
-    WholeScan s = {all_streams, stream, keep, *cached, out, *n, cap};
-    seg_each_free(t, collect_whole, &s);   /* collect first: the walk must not see the tree change */
-    for (size_t i = *n; i < s.n; i++) {
-        unfile(t, out[i]);
-        d->free_ranges -= 1; d->free_bytes -= (int64_t)out[i]->size;
-    }
+    WholeScan s = {all_streams, stream, t->clock, 0, keep, *cached, out, *n, cap};
+    seg_each_free(t, collect_whole, &s);
+    unfile_all(t, out + *n, s.n - *n, d);
     *n = s.n;
     *cached = s.cached;
 }
@@ -324,30 +334,12 @@ void seg_destroy(FreeTree *t)
     t->n_spare = 0;
 }
 
-
-typedef struct {
-    intptr_t stream;
-    uint64_t clock, min_idle;
-    Block **out;
-    size_t n, cap;
-} WholeList;
-
-static int list_whole(Block *b, void *arg)
-{
-    WholeList *s = arg;
-    if (s->n >= s->cap) return 1;
-    if (b->prev_addr || b->next_addr || b->stream != s->stream) return 0;
-    if (s->clock - b->whole_since < s->min_idle) return 0;
-    s->out[s->n++] = b;                  /* the walk is in (stream, size) order: ascending sizes */
-    return 0;
-}
-
 void seg_take_whole_need(FreeTree *t, intptr_t stream, uint64_t need, uint64_t min_idle, Block **out, size_t *n,
                          size_t cap, SegDelta *d)
 {
     seg_flush(t);   /* a waiting range may be a whole segment */
-    WholeList s = {stream, t->clock, min_idle, out, *n, cap};
-    seg_each_free(t, list_whole, &s);
+    WholeScan s = {0, stream, t->clock, min_idle, 0, UINT64_MAX, out, *n, cap};   /* no byte budget */
+    seg_each_free(t, collect_whole, &s);   /* in (stream, size) order: ascending sizes */
     size_t first = *n, m = s.n - first, k = 0;
     Block **c = out + first;
     /* the smallest one that covers `need` alone; else the largest first until they do */
@@ -362,9 +354,6 @@ void seg_take_whole_need(FreeTree *t, intptr_t stream, uint64_t need, uint64_t m
         k = m - j;
         memmove(c, c + j, k * sizeof(Block *));
     }
-    for (i = 0; i < k; i++) {
-        unfile(t, c[i]);
-        d->free_ranges -= 1; d->free_bytes -= (int64_t)c[i]->size;
-    }
+    unfile_all(t, c, k, d);
     *n = first + k;
 }
