@@ -14,6 +14,10 @@ Counters are per device and None where the allocator cannot count exactly:
 - torch: PyTorch's caching allocator handing CuPy its blocks (torch.empty wrapped in UnownedMemory); its own
   counters (torch.cuda.memory_stats) are exact and free.
 - cupy_async, noop, c_noop: timing only.
+- `<pool>_graph` (xpool, xpool_seed, xpool_kN, cupy_pool): that pool, with each training step's forward and
+  backward pass captured once as a CUDA graph (tapegpt.graph.CapturedStep) over a private pool of the same kind
+  (`graph_pool`), replayed every step. Only pools can capture: capture must not call cudaMalloc/cudaFree. The
+  private pools' device mallocs count with the arm's; their bytes are `graph_pool_bytes`, apart from the peaks.
 
 `device_calls_when_warm` says whether an allocator still calls the device (cudaMalloc/cudaFree, or their
 stream-ordered forms) once its cache is warm: the threads-mode training fences collectives for those only.
@@ -55,10 +59,13 @@ class Allocator:
     name = "?"
     free_counting = False   # True: counting costs nothing, so the timed run itself gives the counts
     device_calls_when_warm = False   # True: allocates from the device on every request, warm or not
+    can_capture = False     # True: graph_pool() gives private pools, so a `_graph` arm of it can exist
+    graph = False           # True: a `_graph` arm: the training step is captured (xlab.experiments.train)
 
     def __init__(self):
         self.counting = False
         self._previous = None
+        self._private = []      # the private pools graph_pool() made, alive until release()
 
     def malloc_fn(self):
         raise NotImplementedError
@@ -98,6 +105,27 @@ class Allocator:
 
     def check(self) -> None:
         """Raise what a debug mode found (xpool.CorruptionError); nothing for allocators without one."""
+
+    def graph_pool(self):
+        """A new private pool of this allocator's kind for one captured graph: its `malloc` goes to
+        tapegpt.graph.CapturedStep. It lives until release(), which gives its blocks back (after the graph is gone).
+
+        Raises:
+            ValueError: this allocator cannot capture (it calls the device on every request).
+        """
+        if not self.can_capture:
+            raise ValueError(f"allocator {self.name!r} cannot capture a CUDA graph: capture needs a pool that "
+                             "makes no cudaMalloc/cudaFree once warm")
+        pool = self._make_private()
+        self._private.append(pool)
+        return pool
+
+    def _make_private(self):
+        raise NotImplementedError
+
+    def graph_pool_bytes(self, device: int):
+        """Bytes the private pools hold on `device` (None: no private pool, or not counted)."""
+        return None
 
 
 class _Freed:
@@ -248,15 +276,30 @@ class CupyPool(Allocator):
     def peak_requested(self, device):
         return self.hook.live.peak[device] if self.counting else None
 
+    can_capture = True
+
+    def _make_private(self):
+        import cupy
+        return cupy.cuda.MemoryPool()
+
+    def graph_pool_bytes(self, device):
+        import cupy
+        if not self._private:
+            return None
+        with cupy.cuda.Device(device):
+            return sum(p.total_bytes() for p in self._private)
+
     def trim(self, devices=()):
         import cupy
         for d in devices:
             with cupy.cuda.Device(d):
                 self.pool.free_all_blocks()
+                for p in self._private:
+                    p.free_all_blocks()
 
     def release(self, devices=()):
         self.trim(devices)
-        self.pool = None                       # a dead pool frees the split blocks too
+        self.pool, self._private = None, []    # a dead pool frees the split blocks too
 
 
 class CupyAsync(Allocator):
@@ -326,17 +369,29 @@ class XPool(Allocator):
         base = (f"xpool_k{classes_per_doubling}" if classes_per_doubling is not None
                 else "xpool" if scheme is None else f"xpool_{scheme}")
         self.name = name or base + ("_debug" if debug else "")
-        self.pool = xpool.MemoryPool(**xpool_kwargs(scheme, classes_per_doubling), debug=debug or False)
+        self._settings = dict(xpool_kwargs(scheme, classes_per_doubling), debug=debug or False)
+        self.pool = xpool.MemoryPool(**self._settings)
+
+    can_capture = True
+
+    def _make_private(self):
+        import xpool
+        return xpool.MemoryPool(**self._settings)     # the arm's own settings: same scheme, same debug mode
 
     def malloc_fn(self):
         return self.pool.malloc
 
-    def _stat(self, device, key):
-        counters = self.pool.snapshot().per_device.get(device)
+    def _stat(self, device, key, pool=None):
+        counters = (pool or self.pool).snapshot().per_device.get(device)
         return counters[key] if counters else 0
 
     def device_mallocs(self, device):
-        return self._stat(device, "device_mallocs")
+        return sum(self._stat(device, "device_mallocs", p) for p in [self.pool, *self._private])
+
+    def graph_pool_bytes(self, device):
+        if not self._private:
+            return None
+        return sum(self._stat(device, "bytes_reserved", p) for p in self._private)
 
     def peak_reserved(self, device):
         return self._stat(device, "peak_bytes_reserved")
@@ -345,15 +400,17 @@ class XPool(Allocator):
         return self._stat(device, "peak_bytes_requested")
 
     def check(self):
-        if self.pool.debug:
-            self.pool.check()
+        for p in [self.pool, *self._private]:
+            if p.debug:
+                p.check()
 
     def trim(self, devices=()):
-        self.pool.empty_cache()
+        for p in [self.pool, *self._private]:
+            p.empty_cache()
 
     def release(self, devices=()):
-        self.pool.empty_cache()
-        self.pool = None
+        self.trim(devices)
+        self.pool, self._private = None, []
 
 
 class Torch(Allocator):
@@ -470,6 +527,7 @@ FACTORIES = {"raw": Raw, "raw_held": RawHeld, "cupy_pool": CupyPool, "cupy_async
              "noop": Noop, "c_noop": CNoop, "numpy": Host}
 NAMES = ("raw", "raw_held", "cupy_pool", "cupy_async", "torch", "xpool", "xpool_seed", "xpool_k1", "xpool_k4",
          "xpool_k1_debug", "noop", "c_noop", "numpy")   # xpool_kN: any N; _debug after any xpool name
+GRAPH_SUFFIX = "_graph"   # after a pool's name: its training steps are captured as CUDA graphs
 _XPOOL = re.compile(r"xpool(?:_k(?P<k>\d+)|_(?P<scheme>seed))?(?P<debug>_debug)?")
 
 
@@ -484,7 +542,8 @@ def make(name: str, **kwargs) -> Allocator:
 
     Args:
         name: raw, raw_held, cupy_pool, cupy_async, torch, xpool, xpool_seed, xpool_k<N> (any of the xpool
-            names with `_debug` appended: debug mode), noop, c_noop, numpy.
+            names with `_debug` appended: debug mode), noop, c_noop, numpy; a pool's name with `_graph` appended
+            (cupy_pool_graph, xpool_graph, ...): that pool, training steps captured as CUDA graphs.
         **kwargs: passed to the allocator's class.
 
     Returns:
@@ -493,6 +552,15 @@ def make(name: str, **kwargs) -> Allocator:
     Raises:
         ValueError: an unknown name.
     """
+    if name.endswith(GRAPH_SUFFIX):
+        base = name[:-len(GRAPH_SUFFIX)]
+        cls = XPool if _XPOOL.fullmatch(base) else FACTORIES.get(base)
+        if cls is not None and not cls.can_capture:     # refused before anything is made
+            raise ValueError(f"allocator {name!r}: {base!r} cannot capture a CUDA graph (only pools can: "
+                             f"{', '.join(n + GRAPH_SUFFIX for n in ('cupy_pool', 'xpool', 'xpool_seed'))})")
+        alloc = make(base, **kwargs)                     # an unknown base name raises here
+        alloc.graph, alloc.name = True, name
+        return alloc
     m = _XPOOL.fullmatch(name)
     if m:
         k = int(m["k"]) if m["k"] else (1 if m["scheme"] == "seed" else None)

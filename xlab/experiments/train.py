@@ -26,6 +26,7 @@ import numpy as np
 from tapegpt import AdamW, GPT, GPTConfig, get_batch
 from tapegpt import blas as tapegpt_blas
 from tapegpt import launch as tapegpt_launch
+from tapegpt.graph import CapturedStep
 from tapegpt.tape import array_module
 
 LR, WEIGHT_DECAY, SEED = 3e-4, 0.1, 0
@@ -74,7 +75,7 @@ COLUMNS = [
     "gpu_util_mean", "gc_ms_per_step", "gc_collections", "gc", "fenced", "device_mallocs_per_step",
     "peak_reserved_bytes", "peak_requested_bytes", "reserved_over_requested", "loss_first", "loss_last",
     "loss_rel_diff_max", "param_rank_diff_max", "checks_passed", "launcher", "config", "n_params", "block_size",
-    "steps", "warmup", "count_steps", "adamw", "fused", "gemm", "launch",
+    "steps", "warmup", "count_steps", "adamw", "fused", "gemm", "launch", "graph", "graph_pool_bytes",
 ]
 GC_POLICY = "on, pauses timed"   # the `gc` column: the collector runs as usual in every arm; its pauses are shown
 HOST_BOUND_UTIL = 80.0           # % GPU busy below which the GPU waited for the host: the step is host-bound
@@ -151,7 +152,7 @@ def unflatten(flat, like: dict):
     return out, loss
 
 
-def train_step(model, opt, x, y, comm=None, world: int = 1):
+def train_step(model, opt, x, y, comm=None, world: int = 1, loss_and_grads=None):
     """Forward, backward, (all-reduce mean of gradients and loss), AdamW; returns the (global mean) loss.
 
     Args:
@@ -159,11 +160,13 @@ def train_step(model, opt, x, y, comm=None, world: int = 1):
         x, y: a batch of token ids and targets.
         comm: the rank's communicator (None: one rank).
         world: ranks in all (the all-reduced sum is divided by it).
+        loss_and_grads: what computes (loss, grads) from (x, y); None: `model.loss_and_grads` (eager). A
+            tapegpt.graph.CapturedStep replays it as a CUDA graph; the rest of the step stays eager.
 
     Returns:
         The loss, a 0-d device array (the mean over all ranks when comm is given).
     """
-    loss, grads = model.loss_and_grads(x, y)
+    loss, grads = (loss_and_grads or model.loss_and_grads)(x, y)
     if comm is not None:
         flat = flatten(grads, loss)     # allocates a fresh buffer every step, as a framework would
         comm.allreduce(flat)
@@ -403,6 +406,11 @@ def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0,
     with alloc.tracking():              # everything allocated in the run, parameters too, is seen
         model = GPT(cfg, xp=xp, seed=SEED)
         opt = AdamW(model.params, lr=LR, weight_decay=WEIGHT_DECAY, foreach=adamw_form() == "foreach")
+        captured = None
+        if getattr(alloc, "graph", False):       # a `_graph` arm: forward and backward replayed as a CUDA graph
+            if xp is np:
+                raise ValueError(f"allocator {alloc.name!r} captures CUDA graphs: it needs CuPy, not NumPy")
+            captured = CapturedStep(model, alloc.graph_pool().malloc)
         losses = xp.zeros(warmup + steps + dispatch_steps, dtype=cfg.dtype)
         events = StepEvents(xp, steps)
 
@@ -412,7 +420,7 @@ def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0,
             if len(in_flight) >= AHEAD:
                 in_flight.popleft().synchronize()
             x, y = get_batch(data, batch, cfg.block_size, i, seed=SEED, xp=xp, rank=rank, world=world)
-            losses[i] = train_step(model, opt, x, y, comm, world)
+            losses[i] = train_step(model, opt, x, y, comm, world, captured)
             alloc.sample(device)
             if xp is not np:
                 in_flight.append(xp.cuda.Event(disable_timing=True))
@@ -453,8 +461,9 @@ def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0,
                    fenced=fence is not None and (alloc.device_calls_when_warm or fence_always()),
                    fused=getattr(model, "fused", None),   # the workload's fused kernels (tapegpt's GPT(fused=)), if any
                    gemm="cublas" if tapegpt_blas.enabled and xp is not np else "matmul",   # how GEMMs were made
-                   launch=("direct" if tapegpt_launch.direct else "cupy") if xp is not np else None)
-        del model, opt, losses
+                   launch=("direct" if tapegpt_launch.direct else "cupy") if xp is not np else None,
+                   graph=captured is not None, graph_pool_bytes=alloc.graph_pool_bytes(device))
+        del model, opt, losses, captured
     return out
 
 
@@ -591,6 +600,8 @@ def build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=None, launch
         param_rank_diff_max=math.nan if param_diff is None else param_diff,
         checks_passed=checks_passed(loss_diff, param_diff), launcher=launcher, config=config, adamw=adamw_form(),
         fused=timed[0].get("fused"), gemm=timed[0].get("gemm"), launch=timed[0].get("launch"),
+        graph=bool(timed[0].get("graph", False)),
+        graph_pool_bytes=_maximum(r.get("graph_pool_bytes") for r in timed),
         n_params=timed[0]["n_params"], block_size=cfg.block_size, steps=steps, warmup=warmup,
         count_steps=m["counted_steps"] if counted is not None else 0,   # steps mallocs and peaks were counted over
     )

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# CUDA-graph steps (issue 13) on a lent 2-GPU machine, in one command; logs and CSVs into $OUT/graph-<part>.tgz.
+#   bash scripts/gpu_graph.sh probe     (~6 min) the graph's GPU tests and the segments' (release_idle, #14) on
+#       GPU 0 beside the one-GPU recheck of scheme xpool on GPU 1; a first timing of the graph arms (3 trials, one
+#       GPU and threads on two); ddp threads with CuPy's launches (the launcher's share, `gpu_session.sh L`).
+#   bash scripts/gpu_graph.sh measure   (~9 min) the graph arms beside the eager ones, 5 trials interleaved:
+#       one GPU at batch 4 and 32; threads and processes on 2 GPUs at batch 32.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:?probe or measure}
+DEST=${OUT:-build/gpu}; W=/tmp/xpool-graph-$part; mkdir -p "$W" "$DEST"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 CUDA_SCALE_LAUNCH_QUEUES=4x
+deadline=$((SECONDS + ${SESSION_LIMIT:-570}))
+python3 setup.py build_ext --inplace -q >"$W/build.log" 2>&1 || { tail -30 "$W/build.log"; exit 1; }
+{ nvidia-smi -L; git log -1 --oneline 2>/dev/null; echo "XPOOL_COMMIT=${XPOOL_COMMIT:-}"; } >"$W/machine.log" 2>&1
+bounded() {   # bounded NAME LIMIT CMD...: one command, output in $W/NAME.log, cut at LIMIT or the deadline
+    local name=$1 t=$((deadline - SECONDS - 20)); [ "$2" -lt "$t" ] && t=$2; shift 2
+    if [ "$t" -le 10 ]; then echo "skipped (no time left): $name" | tee -a "$W/skipped.log"; return 1; fi
+    local t0=$SECONDS
+    timeout -s ABRT "$t" "$@" >"$W/$name.log" 2>&1; local rc=$?
+    echo "$name rc=$rc in $((SECONDS - t0))s" | tee -a "$W/$name.log" "$W/summary.log"; return $rc; }
+PY="python3 -X faulthandler"
+X="$PY -m xlab.experiments"
+case $part in
+    probe)
+        { CUDA_VISIBLE_DEVICES=0 bounded gpu_tests 200 $PY -m pytest -q -p no:warnings -m gpu \
+              tests/test_gpu_graph.py tests/test_gpu_segments.py
+          CUDA_VISIBLE_DEVICES=0 bounded column_kernels 60 $PY scripts/column_kernels.py --out data/column_kernels.csv; } &
+        CUDA_VISIBLE_DEVICES=1 bounded recheck 100 $X single --batches 4 32 --allocators cupy_pool xpool --trials 5 \
+            --warmup 5 --no-progress --out data/single_gpu_recheck.csv
+        CUDA_VISIBLE_DEVICES=1 bounded memory 60 $PY -m xlab.memory_study --out data
+        wait
+        bounded graph_single 120 $X single --batches 4 32 --allocators xpool xpool_graph cupy_pool_graph --trials 3 \
+            --warmup 3 --no-progress --out data/graph_probe_single.csv
+        bounded graph_threads 120 $X ddp --modes threads --worlds 1 2 --allocators xpool xpool_graph --trials 3 \
+            --warmup 3 --no-progress --out data/graph_probe_ddp.csv
+        mkdir -p data/launch
+        TAPEGPT_LAUNCH=cupy bounded launch_cupy 120 $X ddp --modes threads --worlds 1 2 --allocators cupy_pool xpool \
+            --trials 5 --warmup 5 --no-progress --out data/launch/ddp_launch_cupy.csv
+        CSV="data/single_gpu_recheck.csv data/column_kernels.csv data/memory_*.csv data/graph_probe_*.csv data/launch" ;;
+    measure)
+        mkdir -p data/graph
+        bounded single 200 $X single --batches 4 32 --trials 5 --warmup 5 --no-progress \
+            --allocators raw cupy_pool xpool cupy_pool_graph xpool_graph --out data/graph/single_gpu.csv
+        bounded ddp 330 $X ddp --modes threads processes --worlds 1 2 --trials 5 --warmup 5 --no-progress \
+            --allocators raw cupy_pool xpool cupy_pool_graph xpool_graph --out data/graph/ddp_scaling.csv
+        CSV="data/graph" ;;
+    *) echo "unknown part $part (probe measure)"; exit 2 ;;
+esac
+cat "$W/summary.log" "$W/skipped.log" 2>/dev/null
+for f in "$W"/*.log; do case $f in *summary.log|*build.log) ;; *) echo "== $f"; tail -8 "$f";; esac; done
+mkdir -p "$W/csv" && cp -r $CSV "$W/csv/" 2>/dev/null
+tar czf "$DEST/graph-$part.tgz" -C "$W" .
