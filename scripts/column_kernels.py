@@ -112,8 +112,10 @@ def _arms(k, rows, cols):
 
     def ln_one_pass():
         dwb = cupy.empty((2, cols), cupy.float32)
-        kernels.kernel("ln_param", cupy.float32)(*kernels.col_grid(rows, cols), (g, x, mean, rstd, dwb[0], dwb[1],
-                                                                                 *_i64(rows, cols)))
+        # dx and ds unused (has_dx 0): the layer norm's dw and db alone, as the two-pass arm computes
+        kernels.kernel("ln_param", cupy.float32)(*kernels.col_grid(rows, cols), (g, x, mean, rstd, x, dwb[0], dwb[1],
+                                                                                 dwb[0], *_i64(rows, cols),
+                                                                                 np.int32(0)))
 
     def gelu_two_kernels():
         du = cupy.empty_like(a)

@@ -3,11 +3,13 @@
 #   bash scripts/gpu_graph.sh probe     (~6 min) the graph's GPU tests and the segments' (release_idle, #14) on
 #       GPU 0 beside the one-GPU recheck of scheme xpool on GPU 1; a first timing of the graph arms (3 trials, one
 #       GPU and threads on two); ddp threads with CuPy's launches (the launcher's share, `gpu_session.sh L`).
-#   bash scripts/gpu_graph.sh measure   (~9 min) the graph arms beside the eager ones, 5 trials interleaved:
-#       one GPU at batch 4 and 32; threads and processes on 2 GPUs at batch 32.
+#   bash scripts/gpu_graph.sh measure   (~8 min) the graph arms beside the eager ones, 5 trials interleaved:
+#       one GPU at batch 32 and (250 steps) at batch 4; threads on 2 GPUs at batch 32.
+#   bash scripts/gpu_graph.sh measure2  (~6 min) processes on 2 GPUs for xpool and xpool_graph; the batch sweep
+#       for xpool_graph; then $BENCH_CMD if set (its CSVs named in $BENCH_CSV).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?probe or measure}
+part=${1:?probe, measure or measure2}
 DEST=${OUT:-build/gpu}; W=/tmp/xpool-graph-$part; mkdir -p "$W" "$DEST"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 CUDA_SCALE_LAUNCH_QUEUES=4x
 deadline=$((SECONDS + ${SESSION_LIMIT:-570}))
@@ -39,13 +41,25 @@ case $part in
             --trials 5 --warmup 5 --no-progress --out data/launch/ddp_launch_cupy.csv
         CSV="data/single_gpu_recheck.csv data/column_kernels.csv data/memory_*.csv data/graph_probe_*.csv data/launch" ;;
     measure)
+        # one GPU: batch 32 on GPU 0 beside batch 4 on GPU 1 (250 steps: a window of seconds, which NVML's
+        # utilisation needs; 10 steps of a graph at batch 4 last 80 ms, shorter than NVML's sample period)
         mkdir -p data/graph
-        bounded single 200 $X single --batches 4 32 --trials 5 --warmup 5 --no-progress \
-            --allocators raw cupy_pool xpool cupy_pool_graph xpool_graph --out data/graph/single_gpu.csv
-        bounded ddp 330 $X ddp --modes threads processes --worlds 1 2 --trials 5 --warmup 5 --no-progress \
+        CUDA_VISIBLE_DEVICES=0 bounded single_b32 200 $X single --batches 32 --trials 5 --warmup 5 --no-progress \
+            --allocators raw cupy_pool xpool cupy_pool_graph xpool_graph --out data/graph/single_gpu.csv &
+        CUDA_VISIBLE_DEVICES=1 bounded single_b4 200 $X single --batches 4 --steps 250 --trials 5 --warmup 5 \
+            --no-progress --allocators cupy_pool xpool cupy_pool_graph xpool_graph --out data/graph/single_gpu_b4.csv
+        wait
+        bounded ddp_threads 300 $X ddp --modes threads --worlds 1 2 --trials 5 --warmup 5 --steps 12 --no-progress \
             --allocators raw cupy_pool xpool cupy_pool_graph xpool_graph --out data/graph/ddp_scaling.csv
         CSV="data/graph" ;;
-    *) echo "unknown part $part (probe measure)"; exit 2 ;;
+    measure2)
+        mkdir -p data/graph
+        bounded ddp_processes 200 $X ddp --modes processes --worlds 1 2 --trials 5 --warmup 5 --steps 12 \
+            --no-progress --allocators xpool xpool_graph --out data/graph/ddp_processes.csv
+        bounded sweep 240 $X sweep --trials 5 --no-progress --allocators xpool_graph --out data/graph/batch_sweep.csv
+        ${BENCH_CMD:-true}
+        CSV="data/graph ${BENCH_CSV:-}" ;;
+    *) echo "unknown part $part (probe measure measure2)"; exit 2 ;;
 esac
 cat "$W/summary.log" "$W/skipped.log" 2>/dev/null
 for f in "$W"/*.log; do case $f in *summary.log|*build.log) ;; *) echo "== $f"; tail -8 "$f";; esac; done
