@@ -118,6 +118,7 @@ FRAMES = {
     "memory_waste": synthetic.memory_waste,
     "memory_timeline": synthetic.memory_timeline,
     "memory_schemes": synthetic.memory_schemes,
+    "graph_steps": lambda: synthetic.graph_steps(trials=1).drop(columns="trial"),
 }
 TRIAL_FRAMES = {   # the newer schema: five trials per configuration, host/GPU ms per step
     "alloc_cost": lambda: synthetic.with_trials(synthetic.alloc_microbench()),
@@ -125,6 +126,7 @@ TRIAL_FRAMES = {   # the newer schema: five trials per configuration, host/GPU m
     "single_gpu": lambda: synthetic.with_trials(synthetic.with_step_times(synthetic.single_gpu())),
     "ddp_scaling": lambda: synthetic.with_trials(synthetic.with_step_times(synthetic.ddp_scaling())),
     "ddp_before_after": lambda: synthetic.with_trials(synthetic.with_step_times(synthetic.ddp_scaling())),
+    "graph_steps": synthetic.graph_steps,
 }
 
 
@@ -167,7 +169,7 @@ def test_plots_survive_a_csv_round_trip(tmp_path, trials):
     synthetic.write_all(tmp_path / "data", trials=trials)
     (tmp_path / "data" / "correctness_cpu.csv").write_text(synthetic.correctness("cpu").to_csv(index=False))
     built = plots.build_all(tmp_path / "data", tmp_path / "figures")
-    skipped = {"batch_sweep"} if not trials else set()
+    skipped = {"batch_sweep", "graph_steps"} if not trials else set()
     assert all(isinstance(v, pathlib.Path) and v.is_file() for k, v in built.items() if k not in skipped), built
 
 

@@ -259,7 +259,7 @@ def test_main_writes_one_page_with_working_figure_links(synthetic_data, tmp_path
     page = (tmp_path / "report" / "REPORT.md").read_text()
     assert page == (tmp_path / "build" / "report.md").read_text()
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page)
-    assert len(links) == len(plots.FIGURES) - 1                    # the old schema has no batch sweep
+    assert len(links) == len(plots.FIGURES) - 2       # the old schema has no batch sweep and no graph runs
     assert all((tmp_path / "report" / link).resolve().is_file() for link in links)
     assert "SYNTHETIC GPU" in page                                   # the data table names the machines
 
@@ -342,3 +342,20 @@ def test_memory_targets_of_issue_14_use_gpu_rows_for_the_varying_trace_when_meas
     (measured,) = [r for t, r in rows.items() if "varying" in t]
     assert "measured, NVIDIA H200" in measured["target"] and "CPU replay" not in measured["target"]
     assert measured["verdict"] == "missed" and measured["measured"] == "1.400 (CuPy 1.350)"
+
+
+def test_graph_targets_judge_the_graph_runs(tmp_path):
+    synthetic.write_all(tmp_path, trials=5)
+    rows = {r["target"]: r for r in report.graph_targets(tmp_path)}
+    threads = rows["2 GPUs, one thread per GPU, batch 32: xpool_graph ≥ 1.85× (step as a CUDA graph)"]
+    assert threads["verdict"] == "met" and threads["measured"].startswith("1.96×")
+    raw = rows["2 GPUs, one thread per GPU, batch 32: raw ≤ 1.3× beside the graph arms (the cliff stays visible)"]
+    assert raw["verdict"] == "met"
+    host = rows["host ms per step ≤ 12 at batch 32 (xpool_graph, thread CPU time of a step started on an idle "
+                "device)"]
+    assert host["verdict"] == "met" and host["measured"].startswith("1.10 ms")
+    assert rows["one GPU, batch 4: GPU busy ≥ 70% (xpool_graph, NVML over 250-step windows)"]["verdict"] == "met"
+    assert not any("process" in t for t in rows)                      # no processes CSV: no such row
+    text = "\n".join(report.graph_lines(tmp_path))
+    assert "| one GPU, batch 4, 250 steps | xpool_graph |" in text and "| threads, batch 32, 10 steps | raw |" in text
+    assert report.graph_targets(tmp_path / "nothing") == [] and report.graph_lines(tmp_path / "nothing") == []

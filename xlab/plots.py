@@ -43,6 +43,10 @@ ALLOCATORS = {
     "xpool_k4": dict(label="xpool, 4 classes per doubling", color="#ff7f0e", marker="^", ls="--", lw=2.6),
     "xpool_k1_debug": dict(label="xpool, debug mode (poison + canaries)", color="#9467bd", marker="v", ls="-.",
                            lw=1.6),
+    "cupy_pool_graph": dict(label="CuPy MemoryPool, step as a CUDA graph (private pool)", color="#1f77b4",
+                            marker="s", ls="--", lw=1.6, hatch="//"),
+    "xpool_graph": dict(label="xpool, step as a CUDA graph (private pool)", color="#d62728", marker="s", ls="--",
+                        lw=2.6, hatch="//"),
     "noop": dict(label="floor: Python allocator doing no work", color="#000000", marker="", ls=":", lw=1.2),
     "c_noop": dict(label="floor: C allocator doing no work", color="#555555", marker="", ls="--", lw=1.2),
 }
@@ -212,7 +216,7 @@ def _grouped_bars(ax, table: pd.DataFrame, fmt=fmt_si, log=False, lo=None, hi=No
                                             hi[a].to_numpy(dtype=float) - vals]), nan=0.0).clip(min=0)
         bars = ax.bar(x + (i - (len(allocs) - 1) / 2) * width, vals, width, color=st["color"], label=st["label"],
                       edgecolor="black" if a.startswith("xpool") else "none", linewidth=0.8, yerr=yerr,
-                      error_kw=dict(elinewidth=1, capsize=2, ecolor="0.15"))
+                      hatch=st.get("hatch"), error_kw=dict(elinewidth=1, capsize=2, ecolor="0.15"))
         _label_bars(ax, bars, fmt)
     ax.set_xticks(x)
     ax.set_xlim(-0.5, len(x) - 0.5)
@@ -904,6 +908,53 @@ def save(fig: Figure, name: str, figures_dir: str | os.PathLike = "figures"):
 
 
 # name -> (CSV names it needs, all of them, function of the concatenated frame)
+# ---------------------------------------------------------------------------------------------------------
+# CUDA graphs: the step's host work
+
+
+def graph_steps(df: pd.DataFrame) -> Figure:
+    """Eager steps against steps captured as CUDA graphs (issue 13): threads on the largest world at batch 32,
+    the host's work per step on one GPU (thread CPU time of a step started on an idle device), and GPU
+    utilisation on one GPU at the smallest batch.
+
+    Args:
+        df: training rows (train.COLUMNS) of data/graph/: single-GPU rows at two batches and threads rows.
+
+    Returns:
+        A matplotlib Figure (Agg canvas).
+    """
+    fig, axes = _figure(1, 3, size=(16, 5.4))
+    sp, disp, util = axes[0]
+    thr = df[(df["mode"] == "threads") & (df["world"] == df["world"].max())] if "mode" in df else df.iloc[:0]
+    single = df[df["mode"] == "single"] if "mode" in df else df.iloc[:0]
+    panels = [(sp, thr, "speedup", "batch", lambda v: f"{v:.2f}×"),
+              (disp, single, "dispatch_ms_per_step", "batch", lambda v: f"{v:.1f}"),
+              (util, single[single["batch"] == single["batch"].min()] if len(single) else single, "gpu_util_mean",
+               "batch", lambda v: f"{v:.0f}%")]
+    for ax, d, col, group, fmt in panels:
+        if not len(d) or col not in d or d[col].isna().all():
+            _empty(ax, f"no {col} rows")
+            continue
+        st = _stat(d, [group, "allocator"], col)
+        t, lo, hi = [st.pivot(index=group, columns="allocator", values=c) for c in (col, f"{col}_lo", f"{col}_hi")]
+        cols = ordered(t.columns)
+        _grouped_bars(ax, t[cols], fmt=fmt, lo=lo[cols], hi=hi[cols], log=ax is disp)
+        ax.set_xticklabels([f"batch {b}" for b in t.index], fontsize=9)
+    if len(thr):
+        world = int(thr["world"].max())
+        sp.axhline(world, color="black", ls="--", lw=0.8)
+        sp.set_ylabel(f"speedup, {world} GPUs over 1 (×)")
+        sp.set_title(f"One thread per GPU, {world} GPUs", fontsize=10)
+    disp.set_ylabel("host ms per step (thread CPU time, idle device; log)")
+    disp.set_title("One GPU: the host's work per step", fontsize=10)
+    util.set_ylabel("GPU utilisation, NVML (%)")
+    util.set_ylim(0, 110)
+    util.set_title("One GPU, smallest batch: how busy the GPU is", fontsize=10)
+    keys = ["mode", "world", "batch", "allocator"] if "mode" in df else ["batch", "allocator"]
+    return _finish(fig, "The training step as a CUDA graph: eager against captured", df,
+                   trials_note(df, [k for k in keys if k in df]), legend_from=sp, ncol=3)
+
+
 FIGURES = {
     "correctness": (("correctness_cpu", "correctness_gpu"), correctness),
     "alloc_cost": (("alloc_microbench",), alloc_cost),
@@ -915,6 +966,7 @@ FIGURES = {
     "memory_waste": (("memory_waste",), memory_waste),
     "memory_timeline": (("memory_timeline",), memory_timeline),
     "memory_schemes": (("memory_schemes",), memory_schemes),
+    "graph_steps": (("graph/single_gpu", "graph/single_gpu_b4", "graph/ddp_scaling"), graph_steps),
 }
 
 

@@ -369,6 +369,7 @@ SECTIONS = [
     ("One GPU", ["single_gpu"]),
     ("Several GPUs", ["ddp_scaling", "ddp_before_after", "batch_sweep"]),
     ("Memory", ["memory_waste", "memory_timeline", "memory_schemes"]),
+    ("The step as a CUDA graph", ["graph_steps"]),
 ]
 
 
@@ -500,6 +501,7 @@ def targets(data: pathlib.Path) -> list[dict]:
         _exact(rows, f"peak reserved / peak requested ≤ 1.10 with the best class setting (k={int(best['k'])})",
                float(best["reserved_over_requested"]), best["reserved_over_requested"] <= 1.10, "{:.3f}")
     rows += memory_targets(data)
+    rows += graph_targets(data)
     gpu = _read(data, "correctness_gpu")
     if gpu is not None:
         gate = gpu[gpu["check"].str.contains("transparency")]
@@ -507,6 +509,115 @@ def targets(data: pathlib.Path) -> list[dict]:
             _exact(rows, "transparency gate: every allocator bit-identical to raw cudaMalloc (rows passing)",
                    float(gate["passed"].sum()), gate["passed"].all(), f"{{:.0f}} of {len(gate)}")
     return rows
+
+
+GRAPH_ARM = "xpool_graph"
+
+
+def graph_targets(data: pathlib.Path) -> list[dict]:
+    """Issue 13's targets for the arm whose steps are CUDA graphs (data/graph/: xpool_graph beside the eager arms
+    of the same runs). The eager rows' targets above stay as they are.
+
+    Args:
+        data: the CSV folder.
+
+    Returns:
+        Target rows, as targets() makes them (none when data/graph/ is absent).
+    """
+    rows, a = [], GRAPH_ARM
+    ddp = _read(data, "graph/ddp_scaling")
+    if ddp is not None:
+        two = ddp[(ddp["world"] == 2) & (ddp["mode"] == "threads")]
+        sub = two[two["allocator"] == a]
+        _target(rows, f"2 GPUs, one thread per GPU, batch 32: {a} ≥ 1.85× (step as a CUDA graph)",
+                *_med(sub["speedup"]), 1.85, unit="×", bound=_bound_of(sub))
+        raw = two[two["allocator"] == "raw"]
+        _target(rows, "2 GPUs, one thread per GPU, batch 32: raw ≤ 1.3× beside the graph arms (the cliff stays "
+                "visible)", *_med(raw["speedup"]), 1.3, higher=False, unit="×", bound=_bound_of(raw))
+    procs = _read(data, "graph/ddp_processes")
+    if procs is not None:
+        sub = procs[(procs["world"] == 2) & (procs["allocator"] == a)]
+        _target(rows, f"2 GPUs, one process per GPU, batch 32: {a} ≥ 1.95×", *_med(sub["speedup"]), 1.95, unit="×",
+                bound=_bound_of(sub))
+    single = _read(data, "graph/single_gpu")
+    if single is not None:
+        b32 = single[(single["allocator"] == a) & (single["batch"] == 32)]
+        _target(rows, f"host ms per step ≤ 12 at batch 32 ({a}, thread CPU time of a step started on an idle "
+                "device)", *_med(b32["dispatch_ms_per_step"]), 12.0, higher=False, fmt="{:.2f}", unit=" ms",
+                bound="host")
+        _target(rows, f"one GPU, batch 32: {a} ≥ 91.2k tokens/s", *_med(b32["tokens_per_s"] / 1e3), 91.2,
+                fmt="{:.1f}", unit="k", bound=_bound_of(b32))
+        _target(rows, f"one GPU, batch 32: {a} ≥ 1.00× CuPy MemoryPool, eager (tokens/s)",
+                *_paired_row(single, "tokens_per_s", a, "cupy_pool", batch=32), 1.0, unit="×", bound=_bound_of(b32))
+    b4 = _read(data, "graph/single_gpu_b4")
+    if b4 is not None:
+        sub = b4[b4["allocator"] == a]
+        _target(rows, f"one GPU, batch 4: GPU busy ≥ 70% ({a}, NVML over {int(sub['steps'].max())}-step windows)",
+                *_med(sub["gpu_util_mean"]), 70.0, fmt="{:.0f}", unit="%", bound=_bound_of(sub))
+    runs = [df for df in (ddp, procs, single, b4) if df is not None]
+    if runs:
+        m = pd.concat(runs)
+        m = m[m["allocator"].str.endswith("_graph")]["device_mallocs_per_step"].dropna()
+        _exact(rows, "device mallocs per step after warm-up, every graph run (max, private pools included)",
+               m.max() if len(m) else None, len(m) and m.max() == 0, "{:.0f}")
+    return rows
+
+
+def graph_lines(data: pathlib.Path) -> list[str]:
+    """The section on the step captured as a CUDA graph: per arm, what a step costs the host and the GPU, and
+    what the GIL-held launcher gives threads (data/launch/, CuPy's launches, beside data/graph's direct ones).
+
+    Args:
+        data: the CSV folder.
+
+    Returns:
+        Markdown lines (none when data/graph/ is absent).
+    """
+    parts = [df for df in (_read(data, n) for n in ("graph/single_gpu", "graph/single_gpu_b4", "graph/ddp_scaling"))
+             if df is not None]
+    if not parts:
+        return []
+    df = pd.concat(parts, ignore_index=True)
+    lines = ["Forward and backward captured once as a CUDA graph over a private pool of the arm's kind "
+             "(`tapegpt.graph.CapturedStep`; the all-reduce and AdamW stay eager), replayed each step: bit-identical "
+             "to the eager step (GPU tests). `_graph` arms: raw cudaMalloc cannot be captured, so only pools have "
+             f"one. Measured at commit {_commits(data / 'graph')}.", "",
+             "| run | arm | tokens/s | host ms per step | GPU ms per step | GPU busy (NVML) | speedup, 2 GPUs | bound |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (mode, batch), g in df.groupby(["mode", "batch"], sort=False):
+        for arm in plots.ordered(g["allocator"].unique()):
+            r = g[g["allocator"] == arm]
+            one = r[r["world"] == 1]
+            two = r[r["world"] == 2]
+            disp = one["dispatch_ms_per_step"].dropna() if "dispatch_ms_per_step" in one else []
+            lines.append(
+                f"| {'one GPU' if mode == 'single' else mode}, batch {batch}, {int(one['steps'].max())} steps "
+                f"| {arm} | {_ci(*_med(one['tokens_per_s'] / 1e3), fmt='{:.1f}', unit='k')} "
+                f"| {_ci(*_med(disp), fmt='{:.2f}') if len(disp) else '—'} "
+                f"| {_ci(*_med(one['gpu_ms_per_step']), fmt='{:.1f}')} "
+                f"| {_ci(*_med(one['gpu_util_mean']), fmt='{:.0f}', unit='%')} "
+                f"| {_ci(*_med(two['speedup']), unit='×') if len(two) else '—'} | {_bound_of(one)} |")
+    mem = df[(df["mode"] == "single") & (df["batch"] == df["batch"].max())]
+    eager = mem[mem["allocator"] == "xpool"]["peak_reserved_bytes"].dropna()
+    graph = mem[mem["allocator"] == GRAPH_ARM]
+    if len(eager) and len(graph) and "graph_pool_bytes" in graph:
+        main, private = graph["peak_reserved_bytes"].median(), graph["graph_pool_bytes"].median()
+        lines += ["", f"Memory, one GPU at batch {int(mem['batch'].max())}: eager xpool reserves at most "
+                  f"{plots.fmt_bytes(eager.median())}; {GRAPH_ARM} {plots.fmt_bytes(main)} in the arm's pool plus "
+                  f"{plots.fmt_bytes(private)} in the graph's private pool ({(main + private) / eager.median():.2f}× "
+                  "eager): the private pool holds the step's working set for as long as the graph lives."]
+    launch = _read(data, "launch/ddp_launch_cupy")
+    ddp = _read(data, "graph/ddp_scaling")
+    if launch is not None and ddp is not None:
+        def sp(d, arm):
+            s = d[(d["world"] == 2) & (d["mode"] == "threads") & (d["allocator"] == arm)]["speedup"]
+            return _ci(*_med(s), unit="×") if len(s) else "—"
+        lines += ["", "The GIL-held launcher (issue 13) in threads mode, eager steps, 2 GPUs, batch 32: xpool "
+                  f"{sp(launch, 'xpool')} and CuPy's pool {sp(launch, 'cupy_pool')} with CuPy's launches "
+                  f"(`TAPEGPT_LAUNCH=cupy`, commit {_commits(data / 'launch')}), against "
+                  f"{sp(ddp, 'xpool')} and {sp(ddp, 'cupy_pool')} with direct ones (the table's run). Two runs on "
+                  "two machines of one session: compare the intervals, not the medians."]
+    return lines
 
 
 def _ror(df, allocator, **where) -> float | None:
@@ -905,7 +1016,7 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
         lines += [f"| {r['target']} | {r['measured']} | "
                   f"{r['verdict'] if r['verdict'] != iv.MISSED else '**missed**'} | {r['bound']} |" for r in rows]
     for title, fn in (("What bounds each step", bounds), ("Threads under one GIL", gil_lines),
-                      ("Does a second run agree?", replication_lines)):
+                      ("The step as a CUDA graph", graph_lines), ("Does a second run agree?", replication_lines)):
         try:
             got = fn(data)
         except (KeyError, ValueError, IndexError, TypeError) as e:     # a malformed CSV costs its section only
