@@ -7,6 +7,7 @@
 #       one GPU at batch 32 and (250 steps) at batch 4; threads on 2 GPUs at batch 32.
 #   bash scripts/gpu_graph.sh measure2  (~6 min) processes on 2 GPUs for xpool and xpool_graph; the batch sweep
 #       for xpool_graph; then $BENCH_CMD if set (its CSVs named in $BENCH_CSV).
+#   GDATA=data/graph/rerun bash scripts/gpu_graph.sh measure: the same on a fresh machine, into data/graph/rerun.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:?probe, measure or measure2}
@@ -22,6 +23,7 @@ bounded() {   # bounded NAME LIMIT CMD...: one command, output in $W/NAME.log, c
     timeout -s ABRT "$t" "$@" >"$W/$name.log" 2>&1; local rc=$?
     echo "$name rc=$rc in $((SECONDS - t0))s" | tee -a "$W/$name.log" "$W/summary.log"; return $rc; }
 PY="python3 -X faulthandler"
+G=${GDATA:-data/graph}     # where the measure stages write (GDATA=data/graph/rerun: a second run)
 X="$PY -m xlab.experiments"
 case $part in
     probe)
@@ -43,22 +45,22 @@ case $part in
     measure)
         # one GPU: batch 32 on GPU 0 beside batch 4 on GPU 1 (250 steps: a window of seconds, which NVML's
         # utilisation needs; 10 steps of a graph at batch 4 last 80 ms, shorter than NVML's sample period)
-        mkdir -p data/graph
+        mkdir -p $G
         CUDA_VISIBLE_DEVICES=0 bounded single_b32 200 $X single --batches 32 --trials 5 --warmup 5 --no-progress \
-            --allocators raw cupy_pool xpool cupy_pool_graph xpool_graph --out data/graph/single_gpu.csv &
+            --allocators raw cupy_pool xpool cupy_pool_graph xpool_graph --out $G/single_gpu.csv &
         CUDA_VISIBLE_DEVICES=1 bounded single_b4 200 $X single --batches 4 --steps 250 --trials 5 --warmup 5 \
-            --no-progress --allocators cupy_pool xpool cupy_pool_graph xpool_graph --out data/graph/single_gpu_b4.csv
+            --no-progress --allocators cupy_pool xpool cupy_pool_graph xpool_graph --out $G/single_gpu_b4.csv
         wait
         bounded ddp_threads 300 $X ddp --modes threads --worlds 1 2 --trials 5 --warmup 5 --steps 12 --no-progress \
-            --allocators raw cupy_pool xpool cupy_pool_graph xpool_graph --out data/graph/ddp_scaling.csv
-        CSV="data/graph" ;;
+            --allocators raw cupy_pool xpool cupy_pool_graph xpool_graph --out $G/ddp_scaling.csv
+        CSV="$G" ;;
     measure2)
-        mkdir -p data/graph
+        mkdir -p $G
         bounded ddp_processes 200 $X ddp --modes processes --worlds 1 2 --trials 5 --warmup 5 --steps 12 \
-            --no-progress --allocators xpool xpool_graph --out data/graph/ddp_processes.csv
-        bounded sweep 240 $X sweep --trials 5 --no-progress --allocators xpool_graph --out data/graph/batch_sweep.csv
+            --no-progress --allocators xpool xpool_graph --out $G/ddp_processes.csv
+        bounded sweep 240 $X sweep --trials 5 --no-progress --allocators xpool_graph --out $G/batch_sweep.csv
         ${BENCH_CMD:-true}
-        CSV="data/graph ${BENCH_CSV:-}" ;;
+        CSV="$G ${BENCH_CSV:-}" ;;
     *) echo "unknown part $part (probe measure measure2)"; exit 2 ;;
 esac
 cat "$W/summary.log" "$W/skipped.log" 2>/dev/null
