@@ -617,6 +617,9 @@ def graph_lines(data: pathlib.Path) -> list[str]:
                   f"(`TAPEGPT_LAUNCH=cupy`, commit {_commits(data / 'launch')}), against "
                   f"{sp(ddp, 'xpool')} and {sp(ddp, 'cupy_pool')} with direct ones (the table's run). Two runs on "
                   "two machines of one session: compare the intervals, not the medians."]
+    again = replication_lines(data / "graph", where="data/graph")
+    if again:
+        lines += ["", "**Again on a fresh machine.** " + again[0]] + again[1:]
     return lines
 
 
@@ -858,8 +861,8 @@ def _ratios(data: pathlib.Path) -> dict:
     paired trials), speedups over one GPU (data-parallel and the batch sweep), and the microbenchmark's time
     against CuPy's pool."""
     out = {}
-    single = _read(data, "single_gpu")
-    if single is not None:
+    singles = [df for df in (_read(data, "single_gpu"), _read(data, "single_gpu_b4")) if df is not None]
+    for single in singles:      # single_gpu_b4: the graph runs' batch 4, a longer window, in its own CSV
         for b in sorted(single["batch"].unique()):
             sub = single[single["batch"] == b]
             for arm in sorted(set(sub["allocator"]) - {"cupy_pool"}):
@@ -929,14 +932,14 @@ def replication(data: pathlib.Path) -> list[dict]:
     return rows
 
 
-def replication_lines(data: pathlib.Path) -> list[str]:
-    """Markdown for `replication` (empty when there is no second run)."""
+def replication_lines(data: pathlib.Path, where: str = "data") -> list[str]:
+    """Markdown for `replication` (empty when there is no second run); `where` names the folder in the text."""
     rows = replication(data)
     if not rows:
         return []
     judged = [r for r in rows if r["inside"] is not None]
     names = {f.name for f in (data / RERUN).glob("*.csv")}
-    out = [f"A second run of the suite on a fresh machine (`data/{RERUN}/`, commits {_commits(data / RERUN)}; first "
+    out = [f"A second run of the suite on a fresh machine (`{where}/{RERUN}/`, commits {_commits(data / RERUN)}; first "
            f"run: commits {_commits(data, names)}): {sum(r['inside'] for r in judged)} "
            f"of {len(judged)} ratios fall inside the first run's 95% interval"
            + (f" ({len(rows) - len(judged)} more without an interval in the first run)" if len(judged) < len(rows)
