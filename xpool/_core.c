@@ -373,7 +373,9 @@ static void timeline_record(Timeline *tl, int event, const DevicePool *pool, con
 
 /* ------------------------------------------------------------------ the Allocator object */
 
-typedef intptr_t (*stream_fn_t)(void);
+/* CuPy's `intptr_t get_stream_ptr(int device)` (cupy_backends.cuda.stream): the current stream of a
+ * device, as this thread set it; it may raise (no CUDA driver), returning -1 (Cython 3) or 0 (Cython 0.29). */
+typedef intptr_t (*stream_fn_t)(int device);
 
 /* release_on_miss: what a miss of scheme xpool gives back first (release_for_miss) */
 enum { XP_RELEASE_OFF, XP_RELEASE_HIGH_WATER, XP_RELEASE_ALL, XP_RELEASE_MAX = XP_RELEASE_ALL };
@@ -387,7 +389,7 @@ typedef struct {
     PyObject *backend;        /* .malloc(device, nbytes) -> int, .free(device, ptr, nbytes): xpool.backends.Backend */
     PyObject *error_factory;  /* (device, requested, size, in_use, cached, limit, reason) -> exception */
     PyObject *weakreflist;
-    stream_fn_t stream_fn;    /* current stream, from CuPy; NULL: stream 0 unless given */
+    stream_fn_t stream_fn;    /* a device's current stream, from CuPy; NULL: stream 0 unless given */
     unsigned k;               /* classes per doubling above 1 MiB (scheme seed) */
     int scheme;               /* XP_SCHEME_*: how blocks are made */
     size_t segment_round;     /* scheme xpool: a new segment for a block above 1 MiB: rounded up to this */
@@ -1129,8 +1131,11 @@ static void *cupy_malloc(void *param, size_t size, int device)
     Allocator *A = (Allocator *)param;
     intptr_t stream = 0;
     if (A->stream_fn) {
-        stream = A->stream_fn();
-        if (stream == 0 && PyErr_Occurred()) return (void *)(intptr_t)-1;
+        /* the device's own current stream: CuPy's get_current_stream_ptr() would first ask CUDA which
+         * device is current (cudaGetDevice) and look up a second thread-local, and the device is given */
+        stream = A->stream_fn(device);
+        /* asked whatever the value: CuPy 14 (Cython 3) fails with -1, CuPy 13 with 0 */
+        if (PyErr_Occurred()) return (void *)(intptr_t)-1;
         stream = stream_key(stream);
     }
     Block *b = xp_alloc(A, device, stream, size, ORIGIN_CUPY);
