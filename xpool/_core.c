@@ -1150,7 +1150,9 @@ static void *cupy_malloc(void *param, size_t size, int device)
 static void cupy_free(void *param, void *ptr, int device)
 {
     Allocator *A = (Allocator *)param;
-    PyObject *in_flight = PyErr_GetRaisedException();
+    /* CuPy's CFunctionAllocatorMemory calls this from a Cython __dealloc__, which has already set any
+     * exception aside: usually there is none, and checking costs less than taking and putting back */
+    PyObject *in_flight = PyErr_Occurred() ? PyErr_GetRaisedException() : NULL;
     int holds_ref;
     int r = xp_free(A, device, (uintptr_t)ptr, &holds_ref);
     if (r == -1 || r == 1) PyErr_WriteUnraisable(NULL);
@@ -2115,9 +2117,54 @@ static PyObject *py_time_pairs(PyObject *mod, PyObject *args)
     return PyLong_FromLongLong(now_ns() - t0);
 }
 
+/* time_calls(fn, calls, device=None) -> ns: `calls` calls of a stream lookup, timed in C: `intptr_t fn(int
+ * device)` (what the CuPy hook calls, CuPy's get_stream_ptr) or, with device None, `intptr_t fn(void)`
+ * (CuPy's get_current_stream_ptr, which CuPy's own pool calls).  What one lookup costs, without the pair
+ * around it (xlab.bench.hit). */
+static PyObject *py_time_calls(PyObject *mod, PyObject *args)
+{
+    unsigned long long fn;
+    Py_ssize_t calls;
+    PyObject *device_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "Kn|O", &fn, &calls, &device_obj)) return NULL;
+    if (!fn) {
+        PyErr_SetString(PyExc_ValueError, "fn must be a function address, got 0");
+        return NULL;
+    }
+    if (calls < 0) {
+        PyErr_Format(PyExc_ValueError, "calls must be >= 0, got %zd", calls);
+        return NULL;
+    }
+    int device = -1;
+    if (device_obj != Py_None) {
+        long d = PyLong_AsLong(device_obj);
+        if (d == -1 && PyErr_Occurred()) return NULL;
+        if (d < 0 || d >= XP_MAX_DEVICES) {
+            PyErr_Format(PyExc_ValueError, "device must be in [0, %d) or None, got %ld", XP_MAX_DEVICES, d);
+            return NULL;
+        }
+        device = (int)d;
+    }
+    volatile intptr_t sink = 0;
+    int64_t t0 = now_ns();
+    if (device >= 0) {
+        intptr_t (*f)(int) = (intptr_t (*)(int))(uintptr_t)fn;
+        for (Py_ssize_t i = 0; i < calls; i++) sink = f(device);
+    } else {
+        intptr_t (*f)(void) = (intptr_t (*)(void))(uintptr_t)fn;
+        for (Py_ssize_t i = 0; i < calls; i++) sink = f();
+    }
+    int64_t ns = now_ns() - t0;
+    (void)sink;
+    if (PyErr_Occurred()) return NULL;   /* the lookup failed (no CUDA driver, say) */
+    return PyLong_FromLongLong(ns);
+}
+
 static PyMethodDef module_methods[] = {
     {"time_pairs", py_time_pairs, METH_VARARGS,
      "time_pairs(param, malloc, free, nbytes, pairs, device=0) -> ns: malloc+free pairs timed in C"},
+    {"time_calls", py_time_calls, METH_VARARGS,
+     "time_calls(fn, calls, device=None) -> ns: calls of intptr_t fn(int device) (or fn(void)) timed in C"},
     {"noop_cfunctions", py_noop_cfunctions, METH_VARARGS,
      "noop_cfunctions(ptr) -> (param, malloc, free): a do-nothing C allocator, the floor for benchmarks"},
     {"size_class", py_size_class, METH_VARARGS, "size_class(nbytes, k=1): the C twin of xpool.size_class"},
