@@ -19,8 +19,9 @@ The breakdown subtracts arms paired by trial: core in place = xpool_core - c_noo
 xpool_core, old lookup = xpool_old_lookup - xpool_core, CuPy's pool above the floor = cupy_pool - c_noop.
 On a GPU a pair is `allocator.malloc(n)` + `del` (cupy.empty adds the same ndarray to every arm); on a CPU, where
 CuPy cannot ask CUDA for the current device, it is CFunctionAllocatorMemory + MemoryPointer, which is what
-CFunctionAllocator.malloc makes, over host memory. Trials interleave the arms (rotated each trial), an arm's time
-in a trial is the median of `windows` windows, the garbage collector is off while timing.
+CFunctionAllocator.malloc makes, over host memory. Within a trial the arms take turns window by window (order
+rotated each round and each trial), an arm's time in the trial is the median of its `windows` windows, and the
+garbage collector is off while timing.
 """
 from __future__ import annotations
 
@@ -153,16 +154,21 @@ def measure(sizes=SIZES, trials=TRIALS, windows=WINDOWS, window_s=WINDOW_S, gpu=
     names = list(arms)
     calls = {(a, n): calibrated(arms[a], n, window_s) for a in names for n in sizes}
     rows = []
-    order = [(t, n, a) for t in range(trials) for n in sizes for a in rotated(names, t)]
+    order = [(t, n) for t in range(trials) for n in sizes]
     gc_was_on = gc.isenabled()
     gc.disable()
     try:
-        for trial, n, a in tqdm(order, desc="hit trials", disable=not progress):
-            run, k = arms[a], calls[a, n]
-            run(n, 100)                                  # this arm's block cached again, its code warm
-            rates = [run(n, k) / k for _ in range(windows)]
-            rows.append(dict(arm=a, size_bytes=n, trial=trial, ns=statistics.median(rates) * k, calls=k,
-                             windows=windows, trials=trials))
+        for trial, n in tqdm(order, desc="hit trials", disable=not progress):
+            rates = {a: [] for a in names}
+            for w in range(windows):                     # the arms take turns window by window (alloc.py)
+                for a in rotated(names, trial + w):
+                    run, k = arms[a], calls[a, n]
+                    run(n, 20)                           # this arm's block cached again, its code warm
+                    rates[a].append(run(n, k) / k)
+            for a in names:
+                k = calls[a, n]
+                rows.append(dict(arm=a, size_bytes=n, trial=trial, ns=statistics.median(rates[a]) * k, calls=k,
+                                 windows=windows, trials=trials))
     finally:
         if gc_was_on:
             gc.enable()
