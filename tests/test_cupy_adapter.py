@@ -116,6 +116,26 @@ def test_blocks_are_keyed_by_the_current_stream_of_their_device():
     assert {blk["stream"] for d in (0, 3) for blk in pool._core.cached_blocks(d)} == {1000, 1003}
 
 
+def test_switching_streams_between_requests_keys_each_block_to_the_stream_then_current():
+    """What `with stream:` does to the hook, on the CPU: the lookup is asked on every request, so a block freed on
+    one stream is never handed out on another, and is on its own again."""
+    import ctypes
+    current = {0: 0}                                                # device -> stream, as CuPy's thread-local
+    fn = stream_fn(lambda device: current[device])
+    pool = xpool.Pool(HostBackend(), _stream_fn=ctypes.cast(fn, ctypes.c_void_p).value)
+    current[0] = 0x5001                                             # with s1:
+    a = cupy_alloc(pool, 4096)
+    p1 = a.ptr
+    del a
+    current[0] = 0x5002                                             # with s2:
+    b = cupy_alloc(pool, 4096)
+    assert b.ptr != p1
+    current[0] = 0x5001                                             # with s1: again
+    c = cupy_alloc(pool, 4096)
+    assert c.ptr == p1
+    assert {blk["ptr"]: blk["stream"] for blk in pool._core.live_blocks(0)} == {b.ptr: 0x5002, c.ptr: 0x5001}
+
+
 def test_a_stream_lookup_that_raises_propagates_and_hands_out_nothing():
     """CuPy 14's lookup fails with -1 (Cython 3), CuPy 13's with 0: either way its exception comes out of the
     allocation, and no block is handed out under a made-up stream."""
