@@ -4,7 +4,7 @@
 #
 # stage        what                                                     expected (2x H200)   limit
 # tests        every test marked gpu or multigpu (not test_torch_gpu)   ~3 min               240 s
-# bench        allocator microbenchmark, 7 trials, arms back to back     ~2 min               150 s
+# bench        allocator microbenchmark, 7 trials, arms take turns        ~2 min               150 s
 # single       one GPU, batch 32 and 4, 4 allocators x 5 trials         ~1.5 min             150 s
 # ddp          threads and processes on 1 and 2 GPUs, batch 32, x 5     ~3.5 min             130 s per GPU count
 # correctness  the correctness gate on CuPy, bitwise transparency       ~1 min               150 s
@@ -12,6 +12,8 @@
 # memory       memory study (waste per class setting; varying lengths)  ~1 min               120 s
 # sweep        threads on 1 and 2 GPUs, batch 4..128, 3 allocators x 5  ~4 min               330 s
 # gil          GIL probe: ops/s of 1, 2, 4, 8 dispatching threads        ~0.7 min              90 s
+# hit          opt-in: the hit path's breakdown (xlab.bench.hit), then the size sweep of the cached arms only,
+#              11 trials (alloc_hit_sweep.csv)                           ~1.2 min             150 s
 # torch        opt-in, not in the default list: PyTorch and CuPy sharing xpool, its GPU tests then the interop
 #              benchmark                                                 ~5 min               440 s
 # (expected times from the H200 step times at 70fd21b, before the fused kernels: 90 ms per batch-32 step, 48 ms
@@ -89,11 +91,14 @@ for s in $stages; do
         memory)      stage memory 120 $PY -m xlab.memory_study --out "$DATA" ;;
         gil)         stage gil 90 $PY -m xlab.bench.gil --trials "$TRIALS" --seconds 0.25 \
                          --arms python launch launch_gil add gemm gemm_gil --out "$DATA"/gil_probe.csv ;;
+        hit)         stage hit 70 $PY -m xlab.bench.hit --out "$DATA"/hit_breakdown.csv
+                     stage hit-sweep 80 $PY -m xlab.bench.alloc --sweep size --trials 11 \
+                         --allocators cupy_pool xpool xpool_seed c_noop noop --out "$DATA"/alloc_hit_sweep.csv ;;
         torch-tests) stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/test_torch_gpu.py ;;
         torch-bench) stage torch-bench 200 $PY -m xlab.bench.torch_interop --out "$DATA"/torch_interop.csv ;;
         torch)       stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/test_torch_gpu.py
                      stage torch-bench 200 $PY -m xlab.bench.torch_interop --out "$DATA"/torch_interop.csv ;;
-        *) echo "unknown stage $s (stages: tests bench single correctness debugcost ddp sweep memory gil torch torch-tests torch-bench)" | tee -a "$LOG"
+        *) echo "unknown stage $s (stages: tests bench single correctness debugcost ddp sweep memory gil hit torch torch-tests torch-bench)" | tee -a "$LOG"
            status=1 ;;
     esac
 done

@@ -211,36 +211,59 @@ def test_median_window_keeps_the_median_windows_rate():
     assert ns / pairs == pytest.approx(11.0)          # the burst moves nothing
 
 
+class FakeArm:
+    """A registry allocator that records what the benchmark does with it; `raw` calls the device when warm."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+        self.device_calls_when_warm = name == "raw"
+
+    def install(self, counting=False):
+        self.log.append(("install", self.name))
+
+    def uninstall(self):
+        self.log.append(("uninstall", self.name))
+
+    def trim(self, devices=()):
+        self.log.append(("trim", self.name))
+
+    def release(self, devices=()):
+        pass
+
+    def tracking(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def device_mallocs(self, device):
+        return None
+
+
+def fake_bench(monkeypatch, log):
+    """bench.measure over FakeArms; every timed call logs ("run", installed arm, pairs) and costs 1 µs a pair."""
+    installed = []
+    monkeypatch.setattr(bench.registry, "make", lambda name, **kw: FakeArm(name, log))
+    orig = bench._installed
+
+    class Installed(orig):
+        def __enter__(self):
+            installed.append(self.alloc.name)
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            installed.pop()
+            return super().__exit__(*exc)
+
+    def run(pairs):
+        log.append(("run", installed[-1] if installed else None, pairs))
+        return 1000 * pairs, pairs
+    monkeypatch.setattr(bench, "_installed", Installed)
+    monkeypatch.setattr(bench, "timer", lambda case: run)
+    monkeypatch.setattr(bench, "time_pairs", lambda n, pairs: (1000 * pairs, pairs))
+
+
 def test_size_sweep_arms_of_one_case_run_back_to_back(monkeypatch):
     """Every (trial, case) times each arm once, in the trial's rotated order, before the next case."""
-    seen = []
-
-    class Fake:
-        def __init__(self, name):
-            self.name = name
-
-        def install(self, counting=False):
-            seen.append(("install", self.name))
-
-        def uninstall(self):
-            pass
-
-        def trim(self, devices=()):
-            pass
-
-        def release(self, devices=()):
-            pass
-
-        def tracking(self):
-            import contextlib
-            return contextlib.nullcontext()
-
-        def device_mallocs(self, device):
-            return None
-
-    monkeypatch.setattr(bench.registry, "make", lambda name, **kw: Fake(name))
-    monkeypatch.setattr(bench, "timer", lambda case: (lambda pairs: (1000 * pairs, pairs)))
-    monkeypatch.setattr(bench, "time_pairs", lambda n, pairs: (1000 * pairs, pairs))
+    fake_bench(monkeypatch, [])
     samples, _ = bench.measure(("cupy_pool", "xpool", "c_noop"), sizes=(4096, 1 << 20), threads=(1,), trials=2,
                                target_s=0.001, progress=False)
     assert len(samples) == 2 * 3 * 3 and (samples[samples.sweep == "size"].windows == bench.WINDOWS).all()
@@ -250,13 +273,34 @@ def test_size_sweep_arms_of_one_case_run_back_to_back(monkeypatch):
     second = samples[samples.trial == 1]
     assert list(second.allocator[:3]) == ["xpool", "c_noop", "cupy_pool"]      # rotated by one
     import gc
-    assert gc.isenabled()                       # off only while a window is timed
+    assert gc.isenabled()                       # off only while windows are timed
     gc.disable()
     try:
         bench.measure(("cupy_pool",), sizes=(4096,), threads=(), trials=1, target_s=0.001, progress=False)
         assert not gc.isenabled()               # and left as the caller had it
     finally:
         gc.enable()
+
+
+def test_cached_arms_take_turns_window_by_window_and_device_arms_run_alone(monkeypatch):
+    log = []
+    fake_bench(monkeypatch, log)
+    samples, _ = bench.measure(("raw", "cupy_pool", "xpool"), sizes=(4096,), threads=(), trials=1,
+                               target_s=0.001, progress=False)
+    start = max(i for i, e in enumerate(log) if e[0] == "run" and e[2] == 200) + 1     # after the calibration
+    timed = [e for e in log[start:] if e[0] == "run" and e[2] > bench.SWITCH_WARM and e[2] != 50]
+    raw = [e[1] for e in timed if e[1] == "raw"]
+    assert len(raw) == bench.WINDOWS                                    # raw: its windows in one go ...
+    assert [e[1] for e in timed[:bench.WINDOWS]] == ["raw"] * bench.WINDOWS
+    trims = [e[1] for e in log[start:log.index(("install", "raw"), start)] if e[0] == "trim"]
+    assert set(trims) == {"cupy_pool", "xpool"}                         # ... with the others' caches given back
+    turns = [e[1] for e in timed[bench.WINDOWS:]]
+    assert len(turns) == 2 * bench.WINDOWS
+    assert all({a, b} == {"cupy_pool", "xpool"} for a, b in zip(turns[::2], turns[1::2]))   # one window each
+    assert turns[:2] == ["cupy_pool", "xpool"] and turns[2:4] == ["xpool", "cupy_pool"]     # rotated each round
+    warm = [log[i - 1] for i, e in enumerate(log) if i > start and e in timed and e[1] != "raw"]
+    assert all(w[0] == "run" and w[2] == bench.SWITCH_WARM for w in warm)   # each turn warms its arm first
+    assert (samples.windows == bench.WINDOWS).all() and set(samples.allocator) == {"raw", "cupy_pool", "xpool"}
 
 
 def test_host_mode_times_the_c_core_on_a_cpu(tmp_path):

@@ -97,11 +97,76 @@ def test_use_checks_its_arguments():
             pass
 
 
+def stream_fn(fn):
+    """A stand-in for CuPy's `intptr_t get_stream_ptr(int device)`, kept alive by the caller."""
+    import ctypes
+    return ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int)(fn)
+
+
+def test_blocks_are_keyed_by_the_current_stream_of_their_device():
+    """The hook asks CuPy for the stream of the device it allocates on (not of whichever device is current)."""
+    import ctypes
+    asked = []
+    fn = stream_fn(lambda device: asked.append(device) or 1000 + device)
+    pool = xpool.Pool(HostBackend(), _stream_fn=ctypes.cast(fn, ctypes.c_void_p).value)
+    a, b = cupy_alloc(pool, 4096, device=0), cupy_alloc(pool, 4096, device=3)
+    assert asked == [0, 3]
+    assert [blk["stream"] for blk in pool._core.live_blocks(0) + pool._core.live_blocks(3)] == [1000, 1003]
+    del a, b
+    assert {blk["stream"] for d in (0, 3) for blk in pool._core.cached_blocks(d)} == {1000, 1003}
+
+
+def test_switching_streams_between_requests_keys_each_block_to_the_stream_then_current():
+    """What `with stream:` does to the hook, on the CPU: the lookup is asked on every request, so a block freed on
+    one stream is never handed out on another, and is on its own again."""
+    import ctypes
+    current = {0: 0}                                                # device -> stream, as CuPy's thread-local
+    fn = stream_fn(lambda device: current[device])
+    pool = xpool.Pool(HostBackend(), _stream_fn=ctypes.cast(fn, ctypes.c_void_p).value)
+    current[0] = 0x5001                                             # with s1:
+    a = cupy_alloc(pool, 4096)
+    p1 = a.ptr
+    del a
+    current[0] = 0x5002                                             # with s2:
+    b = cupy_alloc(pool, 4096)
+    assert b.ptr != p1
+    current[0] = 0x5001                                             # with s1: again
+    c = cupy_alloc(pool, 4096)
+    assert c.ptr == p1
+    assert {blk["ptr"]: blk["stream"] for blk in pool._core.live_blocks(0)} == {b.ptr: 0x5002, c.ptr: 0x5001}
+
+
+def test_a_stream_lookup_that_raises_propagates_and_hands_out_nothing():
+    """CuPy 14's lookup fails with -1 (Cython 3), CuPy 13's with 0: either way its exception comes out of the
+    allocation, and no block is handed out under a made-up stream."""
+    import ctypes
+    # PyLong_AsSsize_t(NULL) -- device 0 -- sets SystemError and returns -1, as CuPy 14's lookup fails
+    fails = ctypes.cast(ctypes.pythonapi.PyLong_AsSsize_t, ctypes.c_void_p).value
+    pool = xpool.Pool(HostBackend(), _stream_fn=fails)
+    with pytest.raises(SystemError):
+        cupy_alloc(pool, 4096)
+    assert pool._core.live_blocks(0) == [] and pool.snapshot().requests == 0
+
+
+def test_cupy_stream_lookup_without_a_gpu_raises_cupys_error():
+    """CuPy's own get_stream_ptr, on a machine with no CUDA driver: its error, not a block."""
+    import conftest
+    if conftest.N_GPUS:
+        pytest.skip("a GPU is visible: CuPy's lookup succeeds (test_gpu_pool covers it)")
+    from cupy_backends.cuda.api.runtime import CUDARuntimeError
+
+    from xpool.cupy_adapter import _current_stream_fn
+    pool = xpool.Pool(HostBackend(), _stream_fn=_current_stream_fn())
+    with pytest.raises(CUDARuntimeError):
+        cupy_alloc(pool, 4096)
+    assert pool._core.live_blocks(0) == [] and pool.snapshot().requests == 0
+
+
 def test_per_thread_default_stream_is_keyed_by_thread():
     """cudaStreamPerThread (handle 2) is a different stream in each thread: blocks must not cross threads."""
     import ctypes
     import threading
-    per_thread = ctypes.CFUNCTYPE(ctypes.c_ssize_t)(lambda: 2)       # CuPy's current stream: always PTDS
+    per_thread = stream_fn(lambda device: 2)                        # CuPy's current stream: always PTDS
     pool = xpool.Pool(HostBackend(), _stream_fn=ctypes.cast(per_thread, ctypes.c_void_p).value)
     first = cupy_alloc(pool, 4096)
     ptr = first.ptr

@@ -74,6 +74,38 @@ def test_streams_do_not_share_blocks(pool):
         assert c.data.ptr == p1
 
 
+def stream_key(pool, array, device=0):
+    """The stream the pool filed the array's block under."""
+    (block,) = [b for b in pool._core.live_blocks(device) if b["ptr"] == array.data.ptr]
+    return block["stream"]
+
+
+def test_blocks_are_keyed_by_cupys_current_stream(pool):
+    """The hook asks CuPy for the device's current stream on every request (get_stream_ptr(device)): it
+    follows `with stream:` (nested), `stream.use()`, and the per-thread default stream (keyed by thread)."""
+    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    a = cp.empty(4096, dtype=cp.uint8)
+    assert stream_key(pool, a) == cp.cuda.get_current_stream().ptr
+    with s1:
+        b = cp.empty(4096, dtype=cp.uint8)
+        with s2:
+            c = cp.empty(4096, dtype=cp.uint8)
+        d = cp.empty(4096, dtype=cp.uint8)
+    assert [stream_key(pool, x) for x in (b, c, d)] == [s1.ptr, s2.ptr, s1.ptr]
+    s2.use()
+    try:
+        e = cp.empty(4096, dtype=cp.uint8)
+    finally:
+        cp.cuda.Stream.null.use()
+    assert stream_key(pool, e) == s2.ptr
+    with cp.cuda.Stream.ptds:
+        f = cp.empty(4096, dtype=cp.uint8)
+    assert stream_key(pool, f) == -threading.get_ident()
+    assert stream_key(pool, cp.empty(4096, dtype=cp.uint8)) == cp.cuda.get_current_stream().ptr
+    for s in (s1, s2):
+        s.synchronize()
+
+
 def test_limit_and_out_of_memory(pool):
     pool.set_limit(size=100 << 20)
     keep = cp.ones(48 << 20, dtype=cp.uint8)            # a 48 MiB segment
@@ -139,3 +171,18 @@ def test_block_released_on_another_thread_returns_to_its_device(pool):
     assert st.loc[1, "blocks_cached"] == 1 and st.loc[1, "blocks_in_use"] == 0
     with cp.cuda.Device(1):
         assert cp.empty(1 << 20, dtype=cp.uint8).data.ptr == ptr
+
+
+@pytest.mark.multigpu
+def test_each_device_allocates_on_its_own_current_stream(pool):
+    """A stream made current on device 1 keys device 1's blocks only; device 0 keeps its own current stream."""
+    with cp.cuda.Device(1):
+        s = cp.cuda.Stream(non_blocking=True)
+        with s:
+            b = cp.empty(4096, dtype=cp.uint8)
+            with cp.cuda.Device(0):
+                a = cp.empty(4096, dtype=cp.uint8)
+                default0 = cp.cuda.get_current_stream().ptr
+    assert stream_key(pool, b, device=1) == s.ptr
+    assert stream_key(pool, a, device=0) == default0 != s.ptr
+    s.synchronize()

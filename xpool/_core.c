@@ -373,7 +373,9 @@ static void timeline_record(Timeline *tl, int event, const DevicePool *pool, con
 
 /* ------------------------------------------------------------------ the Allocator object */
 
-typedef intptr_t (*stream_fn_t)(void);
+/* CuPy's `intptr_t get_stream_ptr(int device)` (cupy_backends.cuda.stream): the current stream of a
+ * device, as this thread set it; it may raise (no CUDA driver), returning -1 (Cython 3) or 0 (Cython 0.29). */
+typedef intptr_t (*stream_fn_t)(int device);
 
 /* release_on_miss: what a miss of scheme xpool gives back first (release_for_miss) */
 enum { XP_RELEASE_OFF, XP_RELEASE_HIGH_WATER, XP_RELEASE_ALL, XP_RELEASE_MAX = XP_RELEASE_ALL };
@@ -387,7 +389,7 @@ typedef struct {
     PyObject *backend;        /* .malloc(device, nbytes) -> int, .free(device, ptr, nbytes): xpool.backends.Backend */
     PyObject *error_factory;  /* (device, requested, size, in_use, cached, limit, reason) -> exception */
     PyObject *weakreflist;
-    stream_fn_t stream_fn;    /* current stream, from CuPy; NULL: stream 0 unless given */
+    stream_fn_t stream_fn;    /* a device's current stream, from CuPy; NULL: stream 0 unless given */
     unsigned k;               /* classes per doubling above 1 MiB (scheme seed) */
     int scheme;               /* XP_SCHEME_*: how blocks are made */
     size_t segment_round;     /* scheme xpool: a new segment for a block above 1 MiB: rounded up to this */
@@ -1129,8 +1131,11 @@ static void *cupy_malloc(void *param, size_t size, int device)
     Allocator *A = (Allocator *)param;
     intptr_t stream = 0;
     if (A->stream_fn) {
-        stream = A->stream_fn();
-        if (stream == 0 && PyErr_Occurred()) return (void *)(intptr_t)-1;
+        /* the device's own current stream: CuPy's get_current_stream_ptr() would first ask CUDA which
+         * device is current (cudaGetDevice) and look up a second thread-local, and the device is given */
+        stream = A->stream_fn(device);
+        /* asked whatever the value: CuPy 14 (Cython 3) fails with -1, CuPy 13 with 0 */
+        if (PyErr_Occurred()) return (void *)(intptr_t)-1;
         stream = stream_key(stream);
     }
     Block *b = xp_alloc(A, device, stream, size, ORIGIN_CUPY);
@@ -1145,7 +1150,9 @@ static void *cupy_malloc(void *param, size_t size, int device)
 static void cupy_free(void *param, void *ptr, int device)
 {
     Allocator *A = (Allocator *)param;
-    PyObject *in_flight = PyErr_GetRaisedException();
+    /* CuPy's CFunctionAllocatorMemory calls this from a Cython __dealloc__, which has already set any
+     * exception aside: usually there is none, and checking costs less than taking and putting back */
+    PyObject *in_flight = PyErr_Occurred() ? PyErr_GetRaisedException() : NULL;
     int holds_ref;
     int r = xp_free(A, device, (uintptr_t)ptr, &holds_ref);
     if (r == -1 || r == 1) PyErr_WriteUnraisable(NULL);
@@ -2110,9 +2117,54 @@ static PyObject *py_time_pairs(PyObject *mod, PyObject *args)
     return PyLong_FromLongLong(now_ns() - t0);
 }
 
+/* time_calls(fn, calls, device=None) -> ns: `calls` calls of a stream lookup, timed in C: `intptr_t fn(int
+ * device)` (what the CuPy hook calls, CuPy's get_stream_ptr) or, with device None, `intptr_t fn(void)`
+ * (CuPy's get_current_stream_ptr, which CuPy's own pool calls).  What one lookup costs, without the pair
+ * around it (xlab.bench.hit). */
+static PyObject *py_time_calls(PyObject *mod, PyObject *args)
+{
+    unsigned long long fn;
+    Py_ssize_t calls;
+    PyObject *device_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "Kn|O", &fn, &calls, &device_obj)) return NULL;
+    if (!fn) {
+        PyErr_SetString(PyExc_ValueError, "fn must be a function address, got 0");
+        return NULL;
+    }
+    if (calls < 0) {
+        PyErr_Format(PyExc_ValueError, "calls must be >= 0, got %zd", calls);
+        return NULL;
+    }
+    int device = -1;
+    if (device_obj != Py_None) {
+        long d = PyLong_AsLong(device_obj);
+        if (d == -1 && PyErr_Occurred()) return NULL;
+        if (d < 0 || d >= XP_MAX_DEVICES) {
+            PyErr_Format(PyExc_ValueError, "device must be in [0, %d) or None, got %ld", XP_MAX_DEVICES, d);
+            return NULL;
+        }
+        device = (int)d;
+    }
+    volatile intptr_t sink = 0;
+    int64_t t0 = now_ns();
+    if (device >= 0) {
+        intptr_t (*f)(int) = (intptr_t (*)(int))(uintptr_t)fn;
+        for (Py_ssize_t i = 0; i < calls; i++) sink = f(device);
+    } else {
+        intptr_t (*f)(void) = (intptr_t (*)(void))(uintptr_t)fn;
+        for (Py_ssize_t i = 0; i < calls; i++) sink = f();
+    }
+    int64_t ns = now_ns() - t0;
+    (void)sink;
+    if (PyErr_Occurred()) return NULL;   /* the lookup failed (no CUDA driver, say) */
+    return PyLong_FromLongLong(ns);
+}
+
 static PyMethodDef module_methods[] = {
     {"time_pairs", py_time_pairs, METH_VARARGS,
      "time_pairs(param, malloc, free, nbytes, pairs, device=0) -> ns: malloc+free pairs timed in C"},
+    {"time_calls", py_time_calls, METH_VARARGS,
+     "time_calls(fn, calls, device=None) -> ns: calls of intptr_t fn(int device) (or fn(void)) timed in C"},
     {"noop_cfunctions", py_noop_cfunctions, METH_VARARGS,
      "noop_cfunctions(ptr) -> (param, malloc, free): a do-nothing C allocator, the floor for benchmarks"},
     {"size_class", py_size_class, METH_VARARGS, "size_class(nbytes, k=1): the C twin of xpool.size_class"},

@@ -19,15 +19,34 @@ _previous = None                  # CuPy's allocator before install()
 _scoped = threading.local()       # .pool: the pool of this thread's innermost `with use()` block
 
 
-def _current_stream_fn() -> int:
-    """Address of CuPy's C function `intptr_t get_current_stream_ptr(void)`."""
-    from cupy.cuda import stream as stream_module
-    capsule = stream_module.__pyx_capi__["get_current_stream_ptr"]
+def _capsule_fn(module, name: str, signature: bytes) -> int:
+    """Address of the C function `name` that a Cython module exports in `__pyx_capi__`.
+
+    Raises:
+        RuntimeError: the module does not export it with that signature (another CuPy's ABI).
+    """
+    capsule = module.__pyx_capi__.get(name)
     get_name = ctypes.pythonapi.PyCapsule_GetName
     get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    if capsule is None or get_name(capsule) != signature:
+        found = None if capsule is None else get_name(capsule)
+        raise RuntimeError(f"xpool needs {module.__name__}.{name} as {signature.decode()!r} "
+                           f"(CuPy 13 and 14 have it); found {found!r}")
     get_ptr = ctypes.pythonapi.PyCapsule_GetPointer
     get_ptr.restype, get_ptr.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    return get_ptr(capsule, get_name(capsule))
+    return get_ptr(capsule, signature)
+
+
+def _current_stream_fn() -> int:
+    """Address of CuPy's C function `intptr_t get_stream_ptr(int device)`: the device's current stream.
+
+    The one CuPy's own pool calls, `cupy.cuda.stream.get_current_stream_ptr()`, gives the same stream but
+    first looks up a thread-local of its own and asks CUDA for the current device (cudaGetDevice), only to
+    call this one; the hook is given the device, so the allocation path skips both (NOTES.md, the hit
+    path). `with stream:` and `stream.use()` set what this returns (cupy.cuda.stream's set_current_stream).
+    """
+    from cupy_backends.cuda import stream as backends_stream
+    return _capsule_fn(backends_stream, "get_stream_ptr", b"intptr_t (int)")
 
 
 class MemoryPool(Pool):

@@ -1,16 +1,20 @@
 """Allocator microbenchmark: µs per `a = cupy.empty(n, cupy.uint8); del a` pair, one thread at five sizes,
 and thousands of pairs per second from 1, 4 and 8 threads on one device at 64 KiB.
 
-    python -m xlab.bench.alloc [--quick] [--trials 5] [--out data/alloc_microbench.csv]
+    python -m xlab.bench.alloc [--quick] [--trials 7] [--sweep size] [--out data/alloc_microbench.csv]
 
 Host-side costs: each window synchronises the device, then times many pairs with perf_counter_ns. Every
-(allocator, case) is calibrated once to about `target_s` seconds per trial. A trial times every case, and
-within a case every arm back to back (the arms' order rotates by one each trial, so no arm always runs first
-or right after the same other arm): an arm's time in a trial is the median of `windows` windows of
-target_s / windows each, so a burst of other work on the machine (the first H200 run had untimed work on the
-second GPU beside it) moves one window, not the trial. Arms of one case in one trial run within about a second
-of each other, so drift between trials cancels in their ratio. The first version ran each arm through all cases
-before the next arm (ratios of samples seconds apart) and its trial-to-trial spread reached 1.8x for one arm.
+(allocator, case) is calibrated once to about `target_s` seconds per trial, timed as `windows` windows. A trial
+times every case; within a case of the size sweep the arms that keep a cached block (the pools, the floors) take
+turns window by window (arm order rotated each round and each trial), so each arm's windows spread over the same
+stretch of time, and an arm's time in the trial is the median of its windows. The H200 runs showed why: the first
+(d2ee10ffdb25) timed each arm's 5 windows in one go, arms of a case within about a second of each other, and its
+trial-to-trial spread of xpool / cupy_pool was about 4% at 64 KiB-96 MiB (0.85-1.90 at 4 KiB); the rerun (84685016f310) had slow
+spells of seconds in which every arm, the floors too, ran 2x slower, and a spell that covered one arm's windows
+and not the other's moved a ratio by up to 1.8x (0.56-1.63). Turns of ~13 ms put every arm inside every spell
+alike. Arms that call the device on every pair (raw, raw_held, cupy_async) run alone, as before. The thread
+sweep times one window per arm, each alone. The very first version ran each arm through all cases before the
+next arm (ratios of samples seconds apart) and its trial-to-trial spread reached 1.8x for one arm.
 The CSV keeps one row per (trial, allocator, case); ratio_vs_cupy_pool is CuPy's pool's time over this
 allocator's in the same trial (> 1: faster than CuPy's pool); the report takes medians with bootstrap intervals
 (xlab.intervals). device_mallocs_per_pair comes from a separate counting pass (see allocators.py).
@@ -21,9 +25,10 @@ that does nothing (c_noop), with the pool alone and with a training-like populat
 (`busy`); the same interleaving, CSV data/alloc_core_host.csv. CuPy's pool cannot run there (it needs a GPU),
 so its ratios are against xpool_seed. This is how the hit path was profiled (NOTES.md).
 
-Each arm runs alone: before an allocator is timed, every other one gives its cached blocks back (`trim`), then
-the arm warms its own cache (untimed) for each case. The raw arm times exactly `cupy.empty(n, uint8)` + `del` with
-CuPy's allocator unset (cudaMalloc + cudaFree through CuPy's `Memory`), but what a raw pair costs depends on the
+Before an arm that calls the device is timed, every other arm gives its cached blocks back (`trim`); before the
+cached arms take turns, every arm outside them does; each arm warms its own cache (untimed) for each case, and
+again for `SWITCH_WARM` pairs whenever it is installed for a window. The raw arm times exactly
+`cupy.empty(n, uint8)` + `del` with CuPy's allocator unset (cudaMalloc + cudaFree through CuPy's `Memory`), but what a raw pair costs depends on the
 state of the device: 68-73 µs at 4 KiB measured alone (shared/ANCHORS.md), 2.6 µs for bare
 `runtime.malloc`+`free` and 4.6 µs through `cupy.empty` in a process whose CuPy pool still held a training run's
 blocks (data/raw_pair_probe.csv), and 6.8 µs in the first version of this benchmark, which timed raw beside the
@@ -35,6 +40,7 @@ PyTorch's caching allocator (`torch`) takes part where PyTorch with CUDA is inst
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import threading
 import time
@@ -48,7 +54,8 @@ THREADS = (1, 4, 8)
 THREAD_SIZE = 64 * KIB
 TRIALS = 7
 TARGET_S = 0.12     # seconds per (trial, arm, case), split into WINDOWS windows
-WINDOWS = 5
+WINDOWS = 9         # per (trial, arm, case) of the size sweep: the cached arms take turns window by window
+SWITCH_WARM = 20    # untimed pairs after an arm is installed for a window: its code and block warm again
 # Debug mode syncs and copies whole blocks to the host on every pair: measure it on its own, small sizes, e.g.
 #   python -m xlab.bench.alloc --allocators cupy_pool xpool_k1 xpool_k1_debug --sizes 4096 1048576 --target-s 0.2
 COLUMNS = ["allocator", "sweep", "size_bytes", "threads", "trial", "us_per_pair", "kpairs_per_s",
@@ -232,13 +239,18 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
     from tqdm.auto import tqdm
     allocators = tuple(allocators or default_allocators())
     cases = [("size", n, 1) for n in sizes] + [("threads", THREAD_SIZE, t) for t in threads]
-    allocs = {a: registry.make(a, **({"capacity": max(sizes)} if a.endswith("noop") else {})) for a in allocators}
+    capacity = max((*sizes, THREAD_SIZE))                  # the floors hand out one block: big enough for all
+    allocs = {a: registry.make(a, **({"capacity": capacity} if a.endswith("noop") else {})) for a in allocators}
+
+    def trim_all_but(names):
+        """Every arm not in `names` gives its cache back."""
+        for other, a in allocs.items():
+            if other not in names:
+                a.trim([0])
 
     def alone(name, counting=False):
         """Every other arm gives its cache back: nothing but this arm's blocks lives on the device."""
-        for other, a in allocs.items():
-            if other != name:
-                a.trim([0])
+        trim_all_but((name,))
         return _installed(allocs[name], counting)
 
     pairs, samples = {}, []
@@ -248,21 +260,54 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
                 run = timer(case)
                 run(50)                                     # fill the cache
                 pairs[name, case] = calibrated_pairs(*run(200), target_s)
-    order = [(t, case, name) for t in range(trials) for case in cases for name in rotated(allocators, t)]
-    for trial, case, name in tqdm(order, desc="trials", disable=not progress):
-        with alone(name):
-            run = timer(case)
-            run(50)                                         # this arm's cache, warm again after the others ran
-            n_windows = windows if case[0] == "size" else 1
-            gc_was_on = gc.isenabled()
-            gc.disable()     # a collection (every 700 new arrays) would land in some windows and not others
-            try:
-                ns, n = median_window(run, pairs[name, case], n_windows)
-            finally:
-                if gc_was_on:
-                    gc.enable()
-            samples.append(dict(allocator=name, sweep=case[0], size_bytes=case[1], threads=case[2],
-                                trial=trial, ns=ns, pairs=n, windows=n_windows))
+    def one_window(name, run, per):
+        """(ns, pairs) of one window of this arm, installed for it; its code and block warm first."""
+        with _installed(allocs[name]):
+            run(SWITCH_WARM)
+            return run(per)
+
+    order = [(t, case) for t in range(trials) for case in cases]
+    for trial, case in tqdm(order, desc="trials", disable=not progress):
+        arms = rotated(allocators, trial)
+        run = timer(case)
+        n_windows = windows if case[0] == "size" else 1
+        # Arms that keep a cached block (pools, the floors) take turns window by window, so every arm's windows
+        # spread over the same stretch of time and a slow spell of the machine (the H200 rerun's: every arm
+        # 2x slower for seconds) lands on all of them; arms that call the device on every pair run alone,
+        # nothing else's blocks on the device. The thread sweep times one window per arm, each alone.
+        together = [a for a in arms if case[0] == "size" and not allocs[a].device_calls_when_warm]
+        gc_was_on = gc.isenabled()
+        try:
+            for name in arms:
+                if name in together:
+                    continue
+                with alone(name):
+                    run(50)                                 # this arm's cache, warm again after the others ran
+                    gc.disable()  # a collection (every 700 new arrays) would land in some windows and not others
+                    ns, n = median_window(run, pairs[name, case], n_windows)
+                    if gc_was_on:
+                        gc.enable()
+                samples.append(dict(allocator=name, sweep=case[0], size_bytes=case[1], threads=case[2],
+                                    trial=trial, ns=ns, pairs=n, windows=n_windows))
+            if together:
+                trim_all_but(together)
+                for name in together:
+                    with _installed(allocs[name]):
+                        run(50)                             # each arm's own block cached
+                rates = {name: [] for name in together}
+                gc.disable()
+                for w in range(n_windows):
+                    for name in rotated(together, w):       # no arm always right after the same other
+                        per = max(1, pairs[name, case] // n_windows)
+                        rates[name].append(one_window(name, run, per))
+                for name in together:
+                    done = sum(n for _, n in rates[name])
+                    rate = statistics.median(ns / n for ns, n in rates[name])
+                    samples.append(dict(allocator=name, sweep=case[0], size_bytes=case[1], threads=case[2],
+                                        trial=trial, ns=int(rate * done), pairs=done, windows=n_windows))
+        finally:
+            if gc_was_on:
+                gc.enable()
     mallocs = {}
     for name, alloc in allocs.items():
         if name in ("cupy_async", "noop", "c_noop"):
@@ -536,7 +581,7 @@ def with_provenance(rows, **params):
 
 
 def run(out="data/alloc_microbench.csv", quick=False, trials=None, target_s=None, allocators=None,
-        progress=True, sizes=SIZES):
+        progress=True, sizes=SIZES, threads=THREADS):
     """Measure, print the table of medians, write the CSV (one row per trial).
 
     Args:
@@ -547,6 +592,7 @@ def run(out="data/alloc_microbench.csv", quick=False, trials=None, target_s=None
         allocators: registry names (default: default_allocators()).
         progress: progress bars.
         sizes: request sizes of the size sweep, bytes.
+        threads: thread counts of the thread sweep (empty: no thread sweep).
 
     Returns:
         The per-trial DataFrame that was written.
@@ -555,8 +601,8 @@ def run(out="data/alloc_microbench.csv", quick=False, trials=None, target_s=None
     trials = trials or (2 if quick else TRIALS)
     target_s = target_s or (0.005 if quick else TARGET_S)
     allocators = tuple(allocators or default_allocators())
-    samples, mallocs = measure(allocators, sizes=tuple(sizes), trials=trials, target_s=target_s,
-                               progress=progress)
+    samples, mallocs = measure(allocators, sizes=tuple(sizes), threads=tuple(threads), trials=trials,
+                               target_s=target_s, progress=progress)
     df = with_provenance(trial_rows(samples, mallocs), target_s=target_s, quick=quick)
     print(table(summary(df)))
     if out:
@@ -582,6 +628,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trials", type=int, help=f"trials per arm, interleaved (default {TRIALS}; 2 with --quick)")
     ap.add_argument("--allocators", nargs="+", help="registry names (default: every arm this machine can run)")
     ap.add_argument("--sizes", nargs="+", type=int, default=list(SIZES), help="request sizes in bytes")
+    ap.add_argument("--sweep", choices=("size", "threads", "both"), default="both",
+                    help="the size sweep (1 thread), the thread sweep (64 KiB), or both (default)")
     ap.add_argument("--target-s", type=float, help=f"seconds per (trial, arm, case), in {WINDOWS} windows "
                     f"(default {TARGET_S}; 0.005 with --quick)")
     args = ap.parse_args(argv)
@@ -595,7 +643,9 @@ def main(argv=None) -> int:
         run_host(args.out or "data/alloc_core_host.csv", args.trials, args.target_s, sizes=args.sizes)
         return 0
     try:
-        run(args.out or "data/alloc_microbench.csv", args.quick, args.trials, args.target_s, allocators=args.allocators, sizes=args.sizes)
+        run(args.out or "data/alloc_microbench.csv", args.quick, args.trials, args.target_s,
+            allocators=args.allocators, sizes=args.sizes if args.sweep != "threads" else (),
+            threads=THREADS if args.sweep != "size" else ())
     except NoGPU as e:
         print(f"xlab.bench.alloc: {e}", file=sys.stderr)
         return 2

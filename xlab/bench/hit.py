@@ -1,0 +1,279 @@
+"""Where one alloc+free pair's time goes on CuPy's path: xpool against the floor of CuPy's C-callback path, piece by
+piece (#14: the hit path must cost no more than CuPy's pool).
+
+    python -m xlab.bench.hit [--trials 9] [--sizes 4096 12582912] [--out data/hit_breakdown.csv]
+
+Arms timed in place, ns per pair (a CuPy memory object made through the arm, then dropped):
+  c_noop            CuPy's CFunctionAllocator calling C functions that do nothing: the floor of any allocator that
+                    plugs in as xpool does (CuPy builds its memory object in Cython either way).
+  xpool_core        xpool's hooks with no stream lookup (every block on stream 0): free lists, counters, the
+                    pool mutex, the allocator's reference per block, the exception checks.
+  xpool             xpool as shipped: + CuPy's get_stream_ptr(device) on every malloc (GPU only).
+  xpool_old_lookup  + CuPy's get_current_stream_ptr() instead (what xpool called before, and what CuPy's own pool
+                    calls): a thread-local and cudaGetDevice more (GPU only).
+  cupy_pool         CuPy's MemoryPool (GPU only).
+Pieces timed in C alone, with nothing around them: core_c (xpool_core's pair, xpool._core.time_pairs),
+lookup_c and old_lookup_c (one call of each lookup, xpool._core.time_calls; GPU only).
+
+The breakdown subtracts arms paired by trial: core in place = xpool_core - c_noop, lookup in place = xpool -
+xpool_core, old lookup = xpool_old_lookup - xpool_core, CuPy's pool above the floor = cupy_pool - c_noop.
+On a GPU a pair is `allocator.malloc(n)` + `del` (cupy.empty adds the same ndarray to every arm); on a CPU, where
+CuPy cannot ask CUDA for the current device, it is CFunctionAllocatorMemory + MemoryPointer, which is what
+CFunctionAllocator.malloc makes, over host memory. Within a trial the arms take turns window by window (order
+rotated each round and each trial), an arm's time in the trial is the median of its `windows` windows, and the
+garbage collector is off while timing.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+
+from xlab.allocators import KIB, MIB
+from xlab.paths import write_csv
+
+SIZES = (4 * KIB, 12 * MIB)
+TRIALS = 9
+WINDOWS = 5
+WINDOW_S = 0.02
+COLUMNS = ["arm", "size_bytes", "trial", "ns", "calls", "windows", "trials"]
+DIFFERENCES = (("core in place", "xpool_core", "c_noop"), ("lookup in place", "xpool", "xpool_core"),
+               ("old lookup in place", "xpool_old_lookup", "xpool_core"), ("xpool above floor", "xpool", "c_noop"),
+               ("cupy_pool above floor", "cupy_pool", "c_noop"), ("xpool - cupy_pool", "xpool", "cupy_pool"))
+
+
+def _gpu() -> bool:
+    from xlab.provenance import has_gpu
+    return has_gpu()
+
+
+def pair_runner(arm, gpu: bool):
+    """run(nbytes, pairs) -> ns for one in-place arm.
+
+    Args:
+        arm: a CuPy allocator object with .malloc (GPU), or (param, malloc, free) C functions (CPU).
+        gpu: which path.
+
+    Returns:
+        The timing function.
+    """
+    if gpu:
+        malloc = arm.malloc
+
+        def run(nbytes, pairs):
+            t0 = time.perf_counter_ns()
+            for _ in range(pairs):
+                m = malloc(nbytes)
+                del m
+            return time.perf_counter_ns() - t0
+        return run
+    from cupy.cuda.memory import CFunctionAllocatorMemory, MemoryPointer
+    param, malloc_fn, free_fn = arm
+
+    def run(nbytes, pairs):
+        t0 = time.perf_counter_ns()
+        for _ in range(pairs):
+            m = MemoryPointer(CFunctionAllocatorMemory(nbytes, param, malloc_fn, free_fn, 0), 0)
+            del m
+        return time.perf_counter_ns() - t0
+    return run
+
+
+def make_arms(gpu: bool) -> dict:
+    """{arm: run(nbytes, calls) -> ns}: the in-place arms and the pieces alone this machine can time.
+
+    Args:
+        gpu: a CUDA device is visible.
+
+    Returns:
+        The arms, and the objects they keep alive under "_keep".
+    """
+    import xpool
+    from xpool import _core
+    from xpool.cupy_adapter import _capsule_fn, _current_stream_fn
+    backend = xpool.CupyBackend() if gpu else xpool.HostBackend()
+    core = xpool.Pool(backend, _stream_fn=0)
+    noop = _core.noop_cfunctions(1 << 20)          # hands out a made-up pointer: nothing touches it
+    arms, keep = {}, [core]
+    if gpu:
+        from cupy.cuda import MemoryPool, stream
+        from cupy.cuda.memory import CFunctionAllocator
+        # CuPy's get_current_stream_ptr takes no argument; called as fn(device), the device lands in a register
+        # the callee never reads (x86-64 and AArch64 pass it in one), so the old lookup runs unchanged
+        old_fn = _capsule_fn(stream, "get_current_stream_ptr", b"intptr_t (void)")
+        old = xpool.Pool(backend, _stream_fn=old_fn)
+        shipped = xpool.MemoryPool(backend=backend)
+        cfa = {name: CFunctionAllocator(*cf, owner) for name, cf, owner in
+               (("c_noop", noop, None), ("xpool_core", core._core.cfunctions(), core._core),
+                ("xpool_old_lookup", old._core.cfunctions(), old._core))}
+        keep += [old, shipped, cfa]
+        arms = {"c_noop": pair_runner(cfa["c_noop"], True), "xpool_core": pair_runner(cfa["xpool_core"], True),
+                "xpool": pair_runner(shipped, True), "xpool_old_lookup": pair_runner(cfa["xpool_old_lookup"], True),
+                "cupy_pool": pair_runner(MemoryPool(), True)}
+        new_fn = _current_stream_fn()
+        arms["lookup_c"] = lambda nbytes, calls: _core.time_calls(new_fn, calls, 0)
+        arms["old_lookup_c"] = lambda nbytes, calls: _core.time_calls(old_fn, calls)
+    else:
+        arms = {"c_noop": pair_runner(noop, False), "xpool_core": pair_runner(core._core.cfunctions(), False)}
+    cf = core._core.cfunctions()
+    arms["core_c"] = lambda nbytes, calls: _core.time_pairs(*cf, nbytes, calls)
+    arms["_keep"] = keep
+    return arms
+
+
+def calibrated(run, nbytes: int, window_s: float) -> int:
+    """Calls per window: about window_s seconds at the rate of a 2000-call pass (at least 100)."""
+    run(nbytes, 200)
+    ns = max(run(nbytes, 2000), 1)
+    return max(100, int(window_s * 1e9 * 2000 / ns))
+
+
+def measure(sizes=SIZES, trials=TRIALS, windows=WINDOWS, window_s=WINDOW_S, gpu=None, progress=True):
+    """One row per (trial, arm, size): ns for `calls` calls, the median window's rate.
+
+    Args:
+        sizes: request sizes.
+        trials: trials, arms rotated each trial.
+        windows: windows per (trial, arm, size), the median kept.
+        window_s: seconds per window.
+        gpu: time CuPy's GPU path (None: when a GPU is visible).
+        progress: a progress bar.
+
+    Returns:
+        A DataFrame with COLUMNS.
+    """
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    from xlab.bench.alloc import rotated
+    gpu = _gpu() if gpu is None else gpu
+    arms = make_arms(gpu)
+    keep = arms.pop("_keep")
+    names = list(arms)
+    calls = {(a, n): calibrated(arms[a], n, window_s) for a in names for n in sizes}
+    rows = []
+    order = [(t, n) for t in range(trials) for n in sizes]
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        for trial, n in tqdm(order, desc="hit trials", disable=not progress):
+            rates = {a: [] for a in names}
+            for w in range(windows):                     # the arms take turns window by window (alloc.py)
+                for a in rotated(names, trial + w):
+                    run, k = arms[a], calls[a, n]
+                    run(n, 20)                           # this arm's block cached again, its code warm
+                    rates[a].append(run(n, k) / k)
+            for a in names:
+                k = calls[a, n]
+                rows.append(dict(arm=a, size_bytes=n, trial=trial, ns=statistics.median(rates[a]) * k, calls=k,
+                                 windows=windows, trials=trials))
+    finally:
+        if gc_was_on:
+            gc.enable()
+    for obj in keep:
+        if hasattr(obj, "empty_cache"):
+            obj.empty_cache()
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def breakdown(rows):
+    """Medians with 95% intervals: ns per call of each arm, and the differences of DIFFERENCES paired by trial.
+
+    Args:
+        rows: measure()'s frame (or the CSV).
+
+    Returns:
+        (per-arm DataFrame, differences DataFrame), both with size_bytes, value, lo, hi.
+    """
+    import pandas as pd
+
+    from xlab import intervals
+    df = rows.assign(ns_per_call=rows.ns / rows.calls)
+    arms = intervals.summarize(df, ["size_bytes", "arm"], "ns_per_call")
+    diffs = []
+    for n, g in df.groupby("size_bytes", sort=False):
+        per = g.pivot_table(index="trial", columns="arm", values="ns_per_call")
+        for label, a, b in DIFFERENCES:
+            if a in per and b in per:
+                med, lo, hi, k = intervals.median_ci((per[a] - per[b]).to_numpy())
+                diffs.append(dict(size_bytes=n, difference=label, ns=med, lo=lo, hi=hi, n_trials=k))
+    return arms, pd.DataFrame(diffs, columns=["size_bytes", "difference", "ns", "lo", "hi", "n_trials"])
+
+
+def table(rows) -> str:
+    """The breakdown as text.
+
+    Args:
+        rows: measure()'s frame.
+
+    Returns:
+        The text.
+    """
+    from xlab.intervals import fmt_ci
+    from xlab.plots import fmt_bytes
+    arms, diffs = breakdown(rows)
+    lines = ["ns per pair (arms in place, *_c alone in C; lookups: ns per call), median [95% interval]"]
+    for n, g in arms.groupby("size_bytes", sort=False):
+        lines.append(f"  {fmt_bytes(n)}: " + "; ".join(
+            f"{r.arm} {fmt_ci(r.ns_per_call, r.ns_per_call_lo, r.ns_per_call_hi, '{:.0f}')}"
+            for r in g.itertuples()))
+    lines.append("differences paired by trial, ns per pair")
+    for r in diffs.itertuples():
+        lines.append(f"  {fmt_bytes(r.size_bytes)} {r.difference:<22} {fmt_ci(r.ns, r.lo, r.hi, '{:.0f}')}")
+    return "\n".join(lines)
+
+
+def run(out=None, trials=TRIALS, sizes=SIZES, window_s=WINDOW_S, progress=True):
+    """Measure, print the breakdown, write the CSV (one row per trial, with provenance).
+
+    Args:
+        out: the CSV (None: data/hit_breakdown.csv on a GPU, data/hit_breakdown_host.csv on a CPU; "": none).
+        trials, sizes, window_s: as for measure().
+        progress: a progress bar.
+
+    Returns:
+        The rows.
+    """
+    from xlab.provenance import provenance
+    gpu = _gpu()
+    df = measure(tuple(sizes), trials, WINDOWS, window_s, gpu=gpu, progress=progress)
+    df = df.assign(**provenance(bench="hit", path="gpu" if gpu else "host", window_s=window_s))
+    print(table(df))
+    out = ("data/hit_breakdown.csv" if gpu else "data/hit_breakdown_host.csv") if out is None else out
+    if out:
+        write_csv(df, out)
+        print(f"wrote {out}")
+    return df
+
+
+def main(argv=None) -> int:
+    """The command line (see --help).
+
+    Args:
+        argv: arguments (default: sys.argv[1:]).
+
+    Returns:
+        The exit status.
+    """
+    ap = argparse.ArgumentParser(prog="python -m xlab.bench.hit", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="the CSV (default data/hit_breakdown.csv, or data/hit_breakdown_host.csv "
+                    "without a GPU; '' for none)")
+    ap.add_argument("--trials", type=int, default=TRIALS, help=f"trials, arms interleaved (default {TRIALS})")
+    ap.add_argument("--sizes", nargs="+", type=int, default=list(SIZES), help="request sizes in bytes")
+    ap.add_argument("--window-s", type=float, default=WINDOW_S, help=f"seconds per window (default {WINDOW_S}), "
+                    f"{WINDOWS} windows per (trial, arm, size)")
+    args = ap.parse_args(argv)
+    if args.trials < 1:
+        ap.error("--trials must be at least 1")
+    if any(n <= 0 for n in args.sizes):
+        ap.error("--sizes must be positive byte counts")
+    if args.window_s <= 0:
+        ap.error("--window-s must be positive")
+    run(args.out, args.trials, args.sizes, args.window_s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
