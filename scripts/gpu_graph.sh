@@ -8,9 +8,10 @@
 #   bash scripts/gpu_graph.sh measure2  (~6 min) processes on 2 GPUs for xpool and xpool_graph; the batch sweep
 #       for xpool_graph; then $BENCH_CMD if set (its CSVs named in $BENCH_CSV).
 #   GDATA=data/graph/rerun bash scripts/gpu_graph.sh measure: the same on a fresh machine, into data/graph/rerun.
+#   bash scripts/gpu_graph.sh final     (~8 min) the alloc+free sweep and hit-path breakdown (#14), every GPU test.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?probe, measure or measure2}
+part=${1:?probe, measure, measure2 or final}
 DEST=${OUT:-build/gpu}; W=/tmp/xpool-graph-$part; mkdir -p "$W" "$DEST"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 CUDA_SCALE_LAUNCH_QUEUES=4x
 deadline=$((SECONDS + ${SESSION_LIMIT:-570}))
@@ -61,7 +62,17 @@ case $part in
         bounded sweep 240 $X sweep --trials 5 --no-progress --allocators xpool_graph --out $G/batch_sweep.csv
         ${BENCH_CMD:-true}
         CSV="$G ${BENCH_CSV:-}" ;;
-    *) echo "unknown part $part (probe measure measure2)"; exit 2 ;;
+    final)
+        # the final allocator core: the alloc+free size sweep (11 trials, arms taking turns window by window) and
+        # the hit path's breakdown alone on the machine, then every GPU test
+        bounded bench_hit 150 $PY -m xlab.bench.alloc --sweep size --trials 11 \
+            --allocators cupy_pool xpool xpool_seed c_noop noop --out data/alloc_hit_sweep.csv
+        bounded hit 90 $PY -m xlab.bench.hit --out data/hit_breakdown.csv
+        bounded gpu_tests 330 $PY -m pytest -q -p no:warnings -m "gpu or multigpu" tests \
+            -k "not transparency_gate_raw" --ignore=tests/test_torch_gpu.py
+        CUDA_VISIBLE_DEVICES=0 bounded torch_tests 120 $PY -m pytest -q -p no:warnings -m gpu tests/test_torch_gpu.py
+        CSV="data/alloc_hit_sweep.csv data/hit_breakdown.csv" ;;
+    *) echo "unknown part $part (probe measure measure2 final)"; exit 2 ;;
 esac
 cat "$W/summary.log" "$W/skipped.log" 2>/dev/null
 for f in "$W"/*.log; do case $f in *summary.log|*build.log) ;; *) echo "== $f"; tail -8 "$f";; esac; done

@@ -358,4 +358,5 @@ def test_graph_targets_judge_the_graph_runs(tmp_path):
     assert not any("process" in t for t in rows)                      # no processes CSV: no such row
     text = "\n".join(report.graph_lines(tmp_path))
     assert "| one GPU, batch 4, 250 steps | xpool_graph |" in text and "| threads, batch 32, 10 steps | raw |" in text
+    assert "eager xpool reserves at most 4.56 GiB; xpool_graph 410 MiB in the arm's pool plus 4.28 GiB" in text
     assert report.graph_targets(tmp_path / "nothing") == [] and report.graph_lines(tmp_path / "nothing") == []

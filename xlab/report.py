@@ -598,9 +598,10 @@ def graph_lines(data: pathlib.Path) -> list[str]:
                 f"| {_ci(*_med(one['gpu_util_mean']), fmt='{:.0f}', unit='%')} "
                 f"| {_ci(*_med(two['speedup']), unit='×') if len(two) else '—'} | {_bound_of(one)} |")
     mem = df[(df["mode"] == "single") & (df["batch"] == df["batch"].max())]
-    eager = mem[mem["allocator"] == "xpool"]["peak_reserved_bytes"].dropna()
+    have = {"peak_reserved_bytes", "graph_pool_bytes"} <= set(mem.columns)
+    eager = mem[mem["allocator"] == "xpool"]["peak_reserved_bytes"].dropna() if have else []
     graph = mem[mem["allocator"] == GRAPH_ARM]
-    if len(eager) and len(graph) and "graph_pool_bytes" in graph:
+    if len(eager) and len(graph):
         main, private = graph["peak_reserved_bytes"].median(), graph["graph_pool_bytes"].median()
         lines += ["", f"Memory, one GPU at batch {int(mem['batch'].max())}: eager xpool reserves at most "
                   f"{plots.fmt_bytes(eager.median())}; {GRAPH_ARM} {plots.fmt_bytes(main)} in the arm's pool plus "
