@@ -344,6 +344,25 @@ def test_memory_targets_of_issue_14_use_gpu_rows_for_the_varying_trace_when_meas
     assert measured["verdict"] == "missed" and measured["measured"] == "1.400 (CuPy 1.350)"
 
 
+def test_memory_targets_prefer_the_recheck_at_the_final_release_rule(tmp_path):
+    data = _memory_csvs(tmp_path, varlen_gpu=False)
+    prov = dict(gpu="NVIDIA H200", n_gpus=1, driver="580", cuda="13.2", cupy="14.2.0", commit="def", date="2026-11-30")
+    pd.DataFrame([dict(allocator=a, batch=b, trial=t, tokens_per_s=tps * (1 + 0.01 * t), device_mallocs_per_step=m,
+                       reserved_over_requested=r, **prov)
+                  for t in range(5)
+                  for a, b, r, m, tps in (("xpool", 32, 1.017, 0.0, 100.0), ("cupy_pool", 32, 1.03, 0.0, 100.0),
+                                          ("xpool", 4, 1.042, 0.0, 90.0), ("cupy_pool", 4, 1.15, 0.0, 100.0))]
+                 ).to_csv(data / "single_gpu_recheck.csv", index=False)
+    rows = {r["target"]: r for r in report.memory_targets(data)}
+    where = "one GPU, `single_gpu_recheck.csv`, commit def"
+    assert rows[f"#14: batch 4: xpool peak reserved / peak requested ≤ CuPy MemoryPool's ({where})"]["measured"] == \
+        "1.042 (CuPy 1.150)"
+    assert rows[f"#14: xpool device mallocs per step after warm-up, batch 4 and 32 (max; {where})"]["verdict"] == "met"
+    tps = "tokens/s within CuPy MemoryPool's ({}; the paired ratio's interval reaches 1)".format(where)
+    assert rows[f"#14: batch 32: xpool {tps}"]["verdict"] == "met"
+    assert rows[f"#14: batch 4: xpool {tps}"]["verdict"] == "missed"         # 0.90x in every trial
+
+
 def test_graph_targets_judge_the_graph_runs(tmp_path):
     synthetic.write_all(tmp_path, trials=5)
     rows = {r["target"]: r for r in report.graph_targets(tmp_path)}
