@@ -174,7 +174,8 @@ one process per GPU (`processes`), gradients all-reduced with NCCL every step: t
 GPU, GPU utilisation, before (raw `cudaMalloc`) and after (a pool); then the batch sweep: one thread per GPU on 2
 GPUs against 1 at per-GPU batch 4 to 128, where the host bound ends. Five trials, allocators interleaved.
 Measured by `xlab.experiments.ddp.run` and `xlab.experiments.sweep.run`, writing `data/ddp_scaling.csv` and
-`data/batch_sweep.csv` (one row per trial).
+`data/batch_sweep.csv` (one row per trial). Last, the step as a CUDA graph: forward and backward captured once
+over a private pool and replayed (`_graph` arms, `tapegpt.graph`), beside the eager arms (`data/graph/`).
 ''' + HOW_TO_RUN.format(name="04_multi_gpu")),
         ("params", '''\
 modes: list = ["threads", "processes"]  # one thread per GPU in one process, and/or one process per GPU
@@ -184,6 +185,7 @@ batch: int = 32  # sequences per GPU per step
 steps: int = 8  # timed steps per run
 trials: int = 5  # trials per (mode, world, allocator), interleaved across allocators
 sweep: bool = True  # on a GPU machine: also measure the batch sweep (data/batch_sweep.csv)
+graph: bool = True  # on a GPU machine: also measure threads with the graph arms (data/graph/ddp_scaling.csv)
 measure: bool = True  # on a GPU machine: measure now and overwrite data/ddp_scaling.csv
 cpu_check: bool = True  # without a GPU: run the measuring code on NumPy with a tiny model (measures nothing)
 ''' + COMMON_PARAMS),
@@ -212,6 +214,16 @@ sweep_runs = nbu.load_or_measure("batch_sweep", "xlab.experiments.sweep:run", gp
                                  trials=trials)'''),
         ("code", 'nbu.pivot(sweep_runs, index="allocator", columns="batch", values="speedup", world=2)'),
         ("code", 'nbu.figure(plots.batch_sweep, sweep_runs, "batch_sweep", figures_dir)'),
+        ("md", "## The step as a CUDA graph: eager arms against `_graph` arms (one thread per GPU)"),
+        ("code", '''\
+graph_runs = nbu.load_or_measure("graph/ddp_scaling", "xlab.experiments.ddp:run", gpu, data_dir, measure and graph,
+                                 modes=("threads",), worlds=tuple(worlds), batch=batch, steps=12, trials=trials,
+                                 allocators=("raw", "cupy_pool", "xpool", "cupy_pool_graph", "xpool_graph"))
+graph_single = [nbu.load_csv(n, data_dir) for n in ("graph/single_gpu", "graph/single_gpu_b4")]'''),
+        ("code", 'nbu.pivot(graph_runs, index=["mode", "allocator"], columns="world", values="speedup")'),
+        ("code", '''\
+graph_frames = [df for df in graph_single + [graph_runs] if df is not None]
+nbu.figure(plots.graph_steps, pd.concat(graph_frames) if graph_frames else None, "graph_steps", figures_dir)'''),
     ],
     "05_memory": [
         ("md", '''\
