@@ -629,6 +629,14 @@ def graph_lines(data: pathlib.Path) -> list[str]:
                   f"(`TAPEGPT_LAUNCH=cupy`, commit {_commits(data / 'launch')}), against "
                   f"{sp(ddp, 'xpool')} and {sp(ddp, 'cupy_pool')} with direct ones (the table's run). Two runs on "
                   "two machines of one session: compare the intervals, not the medians."]
+    proj = [p for p in projection(data, name="graph/single_gpu") if p["allocator"].endswith("_graph")]
+    if proj:
+        worlds = sorted(proj[0]["speedup"])
+        lines += ["", "**Projection, not a measurement**, as in \"What bounds each step\" (same model and GIL sharing; "
+                  "the all-reduce and the data-parallel step's flatten are left out): one thread per GPU at batch 32 "
+                  "with the step as a graph. " + "; ".join(
+                      f"{p['allocator']} (h {p['h']:.2f} ms, g {p['g']:.1f} ms): " + ", ".join(
+                          f"{n} GPUs {p['speedup'][n]:.2f}×" for n in worlds) for p in proj) + "."]
     again = replication_lines(data / "graph", where="data/graph")
     if again:
         lines += ["", "**Again on a fresh machine.** " + again[0]] + again[1:]
@@ -703,7 +711,7 @@ def memory_targets(data: pathlib.Path) -> list[dict]:
 # What bounds each row, and a projection to more GPUs
 
 
-def bound_rows(data: pathlib.Path) -> list[dict]:
+def bound_rows(data: pathlib.Path, name: str = "single_gpu") -> list[dict]:
     """One row per (batch, allocator) of the one-GPU CSV: ms per step, host ms, GPU stream ms, GPU busy ms and %,
     and what bounds the step (the rows' own `bound`, else from utilisation as train.step_bound decides).
 
@@ -714,7 +722,7 @@ def bound_rows(data: pathlib.Path) -> list[dict]:
         A list of dicts: batch, allocator, and (median, lo, hi) for ms, host, stream, busy and util; bound.
     """
     from .experiments.train import step_bound
-    df = _read(data, "single_gpu")
+    df = _read(data, name)      # name: the one-GPU CSV (graph/single_gpu: the graph runs')
     if df is None:
         return []
     out = []
@@ -785,7 +793,7 @@ def gil_lines(data: pathlib.Path) -> list[str]:
     return out
 
 
-def projection(data: pathlib.Path, worlds=(2, 4, 8)) -> list[dict]:
+def projection(data: pathlib.Path, worlds=(2, 4, 8), name: str = "single_gpu") -> list[dict]:
     """A projection (not a measurement) of one thread per GPU on N GPUs at batch 32 from one-GPU rows.
 
     Model: the ranks' host work h runs one rank at a time under the GIL, and N threads together get through
@@ -798,11 +806,12 @@ def projection(data: pathlib.Path, worlds=(2, 4, 8)) -> list[dict]:
     Args:
         data: the CSV folder.
         worlds: the GPU counts to project to.
+        name: the one-GPU CSV the rows come from.
 
     Returns:
         One dict per allocator: allocator, h, g, h_source, sharing ({N: s_N}) and {N: projected speedup}.
     """
-    rows = {(r["batch"], r["allocator"]): r for r in bound_rows(data)}
+    rows = {(r["batch"], r["allocator"]): r for r in bound_rows(data, name)}
     share = {n: v[0] for n, v in gil_sharing(data).items()}
     out = []
     for (batch, alloc), r in rows.items():
