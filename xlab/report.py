@@ -447,15 +447,16 @@ def targets(data: pathlib.Path) -> list[dict]:
                             r["ratio_lo"].iloc[0], r["ratio_hi"].iloc[0], 1.0, unit="×", bound="host")
     hit = _read(data, "alloc_hit_sweep")      # the size sweep at the final hit path (arms taking turns per window)
     if hit is not None:
-        worst = None
-        for size in sorted(hit["size_bytes"].unique()):
-            r = _paired_row(hit.assign(t=1 / hit["us_per_pair"]), "t", "cupy_pool", "xpool", size_bytes=size)
-            if r[0] is not None and (worst is None or r[0] > worst[0]):
-                worst = r
+        # per trial, CuPy's pool's time over xpool's from the same interleaved windows (the bench's own column):
+        # the machine's drift between trials (up to 2x) cancels within a trial, which a ratio of medians over
+        # trials would mix in
+        sized = hit[hit["allocator"] == "xpool"]
+        worst = min((_med(g["ratio_vs_cupy_pool"]) for _, g in sized.groupby("size_bytes")), default=None,
+                    key=lambda r: r[0])
         if worst:
-            _target(rows, f"#14: xpool alloc+free ≤ CuPy MemoryPool's, every size (worst size, µs per pair; "
-                    f"`alloc_hit_sweep.csv`, {int(hit['trial'].nunique())} trials, commit "
-                    f"{_commits(data, ['alloc_hit_sweep.csv'])})", *worst, 1.0, higher=False, unit="×", bound="host")
+            _target(rows, f"#14: xpool alloc+free no slower than CuPy MemoryPool's, every size (worst size; CuPy's "
+                    f"time / xpool's per trial; `alloc_hit_sweep.csv`, {int(hit['trial'].nunique())} trials, commit "
+                    f"{_commits(data, ['alloc_hit_sweep.csv'])})", *worst, 1.0, unit="×", bound="host")
     single = _read(data, "single_gpu")
     if single is not None:
         def where(a, b):
@@ -921,6 +922,11 @@ def _ratios(data: pathlib.Path) -> dict:
             if arm != "cupy_pool":
                 out[f"microbenchmark, {plots.fmt_bytes(int(size))}: CuPy pool's time / {arm}'s"] = _med(
                     g["ratio_vs_cupy_pool"])
+    hit = _read(data, "alloc_hit_sweep")      # the final hit path's size sweep: per-trial ratios, as its target
+    if hit is not None:
+        for size, g in hit[hit["allocator"] == "xpool"].groupby("size_bytes", sort=True):
+            out[f"alloc+free sweep (final hit path), {plots.fmt_bytes(int(size))}: CuPy pool's time / xpool's"] = \
+                _med(g["ratio_vs_cupy_pool"])
     torch = _read(data, "torch_interop")
     if torch is not None:
         for (case, size), g in torch.groupby(["case", torch["size_bytes"].fillna(0)], sort=True):
