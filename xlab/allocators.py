@@ -567,5 +567,6 @@ def make(name: str, **kwargs) -> Allocator:
         scheme = m["scheme"] or (None if k else "xpool")     # `xpool` names its scheme: $XPOOL_SCHEME cannot move it
         return XPool(k, debug="raise" if m["debug"] else None, scheme=scheme, name=name, **kwargs)
     if name not in FACTORIES:
-        raise ValueError(f"unknown allocator {name!r}; known: {', '.join(NAMES)} (xpool_k<N> for any N)")
+        raise ValueError(f"unknown allocator {name!r}; known: {', '.join(NAMES)} (xpool_k<N> for any N; a pool's name "
+                         f"+ _graph: its CUDA-graph arm)")
     return FACTORIES[name](**kwargs)
