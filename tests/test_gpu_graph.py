@@ -99,3 +99,30 @@ def test_a_graph_arm_runs_and_matches_its_eager_arm():
     assert out["cupy_pool_graph"]["losses"] == out["xpool"]["losses"]
     assert out["xpool_graph"]["device_mallocs"] == 0
     assert out["xpool_graph"]["graph_pool_bytes"] > 0
+
+
+def test_a_capture_with_the_installed_pool_is_not_ended_by_a_give_back(pool):
+    """A miss above the high-water mark gives whole idle segments back first (cudaFree): not while the stream
+    captures, which the cudaFree would end. CupyBackend asks cudaStreamIsCapturing."""
+    MiB = 1 << 20
+    side = cp.cuda.Stream(non_blocking=True)
+    with side:
+        a = cp.empty(3 * MiB, dtype=cp.uint8)
+        del a                                           # a whole free 3 MiB segment of `side`, at the mark
+        for _ in range(70):                             # idle for more than 64 requests: a miss may give it back
+            cp.empty(512, dtype=cp.uint8)
+        side.synchronize()
+        assert pool.backend.capturing(0, side.ptr) is False
+        before = pool.snapshot()
+        side.begin_capture()
+        try:
+            assert pool.backend.capturing(0, side.ptr) is True
+            b = cp.empty(6 * MiB, dtype=cp.uint8)       # a miss above the mark, inside the capture
+            b.fill(7)
+        finally:
+            graph = side.end_capture()
+        graph.launch(side)
+        side.synchronize()
+    d = pool.snapshot() - before
+    assert d.device_frees == 0 and d.device_mallocs == 1
+    assert int(b[-1]) == 7

@@ -398,6 +398,7 @@ typedef struct {
                                  gives back first (release_for_miss) */
     uint64_t release_idle;    /* XP_RELEASE_HIGH_WATER: a miss gives back only segments whole and free for at
                                  least this many requests (release_for_miss); default XP_RELEASE_IDLE */
+    int tells_capture;        /* the backend has .capturing(device, stream): stream_capturing asks it */
     int forked;               /* set in a fork()ed child */
     pthread_mutex_t debug_lock;     /* guards debug_hook and debug_tail: set_debug swaps them together */
     PyObject *debug_hook;     /* NULL, or .on_alloc(info) / .on_free(info) / .on_reuse(info) */
@@ -591,6 +592,22 @@ static int take_cached(DevicePool *pool, int all_streams, intptr_t stream, uint6
     return 0;
 }
 
+/* 1 when `stream` (a free-list key) is being captured into a CUDA graph, as the backend's optional
+ * .capturing(device, stream) says; 0 when not, or when the backend cannot tell; -1 with its exception.
+ * Called with the GIL held and no pool lock, on the miss and out-of-memory paths only.  While a stream
+ * captures, the pool must not give memory back: cudaFree synchronises the device, which ends the capture
+ * with an error (cudaErrorStreamCaptureUnsupported) and loses the graph. */
+static int stream_capturing(Allocator *A, int device, intptr_t stream)
+{
+    if (!A->tells_capture) return 0;
+    intptr_t handle = stream < 0 ? XP_STREAM_PER_THREAD : stream;   /* a per-thread key: that thread's stream */
+    PyObject *r = PyObject_CallMethod(A->backend, "capturing", "in", device, (Py_ssize_t)handle);
+    if (!r) return -1;
+    int yes = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return yes;
+}
+
 /* Gives a block that is in no table, its bytes on bytes_releasing, back to
  * the device.  A backend free that raises has not freed the block (the
  * Backend contract): it goes back to the cache, so the counters keep matching
@@ -681,6 +698,8 @@ static long long release_segments(Allocator *A, DevicePool *pool, intptr_t strea
  * release_on_miss=0, which never frees. */
 static int release_for_miss(Allocator *A, DevicePool *pool, intptr_t stream, size_t size)
 {
+    int capturing = stream_capturing(A, pool->device, stream);
+    if (capturing) return capturing < 0 ? -1 : 0;    /* a capture cannot take a cudaFree: the miss only adds */
     if (A->release_on_miss == XP_RELEASE_ALL) return release_segments(A, pool, stream) < 0 ? -1 : 0;
     size_t want = seg_size_for(size, size <= XP_SMALL_MAX ? A->small_segment : A->segment_round);
     pthread_mutex_lock(&pool->lock);
@@ -749,7 +768,7 @@ static int raise_oom(Allocator *A, DevicePool *pool, size_t requested, size_t si
  * gc.collect(), free the cache again and retry; then raise
  * xpool.OutOfMemoryError.  A request larger than the limit itself raises at
  * once, leaving the cache alone. */
-static int reserve(Allocator *A, DevicePool *pool, size_t requested, size_t size)
+static int reserve(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, size_t size)
 {
     for (int attempt = 0; ; attempt++) {
         pthread_mutex_lock(&pool->lock);
@@ -759,6 +778,8 @@ static int reserve(Allocator *A, DevicePool *pool, size_t requested, size_t size
         pthread_mutex_unlock(&pool->lock);
         if (fits) return 0;
         if (size > limit || attempt == 2) return raise_oom(A, pool, requested, size, "limit", NULL);
+        int capturing = stream_capturing(A, pool->device, stream);     /* freeing the cache would end it */
+        if (capturing) return capturing < 0 ? -1 : raise_oom(A, pool, requested, size, "limit_capturing", NULL);
         if (attempt == 1 && collect_garbage() < 0) return -1;
         if (release_cached(A, pool, 1, 0, 0) < 0) return -1;
     }
@@ -776,7 +797,7 @@ static void unreserve(DevicePool *pool, size_t size)
  * cache again and retry; then raise xpool.OutOfMemoryError.  Only a
  * MemoryError from backend.malloc starts the ladder; any other error is
  * passed on.  On success the bytes stay pending: the caller records the block. */
-static int device_malloc(Allocator *A, DevicePool *pool, size_t requested, size_t size,
+static int device_malloc(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, size_t size,
                          uintptr_t *ptr)
 {
     pthread_mutex_lock(&pool->lock);
@@ -790,7 +811,7 @@ static int device_malloc(Allocator *A, DevicePool *pool, size_t requested, size_
     }
     if (capacity && size > capacity)   /* no freeing or retrying can help: bad input */
         return raise_oom(A, pool, requested, size, "too_large", NULL);
-    if (reserve(A, pool, requested, size) < 0) return -1;
+    if (reserve(A, pool, stream, requested, size) < 0) return -1;
     for (int attempt = 0; attempt < 3; attempt++) {
         PyObject *r = PyObject_CallMethod(A->backend, "malloc", "in", pool->device, (Py_ssize_t)size);
         if (r) {
@@ -817,6 +838,13 @@ static int device_malloc(Allocator *A, DevicePool *pool, size_t requested, size_
         if (attempt == 2) {
             unreserve(pool, size);
             return raise_oom(A, pool, requested, size, "device", exc);
+        }
+        int capturing = stream_capturing(A, pool->device, stream);     /* freeing the cache would end it */
+        if (capturing) {
+            unreserve(pool, size);
+            if (capturing > 0) return raise_oom(A, pool, requested, size, "device_capturing", exc);
+            Py_DECREF(exc);
+            return -1;
         }
         Py_DECREF(exc);
         /* dead arrays held by reference cycles give their blocks back */
@@ -938,7 +966,7 @@ static Block *alloc_block(Allocator *A, int device, intptr_t stream, size_t requ
     }
     size_t got = segment ? segment_bytes(A, pool, size) : size;
     uintptr_t ptr = 0;
-    if (device_malloc(A, pool, requested, got, &ptr) < 0) {
+    if (device_malloc(A, pool, stream, requested, got, &ptr) < 0) {
         free(b);
         return NULL;
     }
@@ -1590,6 +1618,7 @@ static int Allocator_init(Allocator *self, PyObject *args, PyObject *kwds)
     }
     Py_INCREF(backend); Py_XSETREF(self->backend, backend);
     Py_INCREF(factory); Py_XSETREF(self->error_factory, factory);
+    self->tells_capture = PyObject_HasAttrString(backend, "capturing");
     self->k = (unsigned)k;
     self->scheme = scheme_id;
     self->segment_round = (size_t)seg_round;

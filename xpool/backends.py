@@ -51,6 +51,11 @@ class Backend(Protocol):
     of ``empty_cache``/``trim`` (or the allocation whose recovery it was) after
     the other blocks have been tried.
 
+    CUDA graphs (optional): a backend with ``capturing(device, stream) -> bool`` (``CupyBackend`` has it) lets
+    the pool see a stream being captured; then a miss gives nothing back and out of memory raises without
+    freeing the cache, since a ``free`` that synchronises would end the capture. The pool asks on those paths
+    only, never on a hit.
+
     Fork: in a ``fork()``ed child the pool starts empty and never calls
     ``free`` for the parent's blocks; a backend with locks must make them
     usable in the child (``os.register_at_fork``).
@@ -246,6 +251,17 @@ class CupyBackend:
     def free(self, device: int, ptr: int, nbytes: int) -> None:
         with _on_device(self._rt, device):
             self._rt.free(ptr)
+
+    def capturing(self, device: int, stream: int) -> bool:
+        """True while `stream` is being captured into a CUDA graph (cudaStreamIsCapturing): the pool then gives
+        nothing back, since cudaFree would end the capture. Asked on misses and out of memory only."""
+        with _on_device(self._rt, device):
+            try:
+                return self._rt.streamIsCapturing(stream) != self._rt.streamCaptureStatusNone
+            except self._rt.CUDARuntimeError as e:
+                if e.status == 906:      # cudaErrorStreamCaptureImplicit: the legacy stream beside a capture
+                    return True
+                raise
 
     def fill(self, device: int, ptr: int, nbytes: int, byte: int) -> None:
         with _on_device(self._rt, device):

@@ -38,8 +38,10 @@ class OutOfMemoryError(_cupy_oom_base()):
         size (int): the size class that was refused.
         bytes_in_use (int), bytes_cached (int): the device's counters when it was raised.
         limit (int): the device's limit (0: none).
-        reason (str): ``"device"`` (the backend refused), ``"limit"`` (xpool's limit), or
-            ``"too_large"`` (larger than the whole device: ``RequestTooLargeError``).
+        reason (str): ``"device"`` (the backend refused), ``"limit"`` (xpool's limit),
+            ``"too_large"`` (larger than the whole device: ``RequestTooLargeError``), or ``"device_capturing"``
+            / ``"limit_capturing"`` (refused while the stream was being captured into a CUDA graph: the cache
+            was not freed, since cudaFree would end the capture).
     """
 
     def __init__(self, device, requested, size, bytes_in_use, bytes_cached, limit, reason="device"):
@@ -52,10 +54,13 @@ class OutOfMemoryError(_cupy_oom_base()):
             msg = (f"xpool: nbytes={requested:,} (class {size:,} B) is larger than device {device} "
                    f"({human(bytes_in_use + bytes_cached)} in use or cached); no freeing can make it fit")
         else:
-            what = "the xpool limit" if reason == "limit" else f"device {device}"
+            capturing = reason.endswith("_capturing")
+            what = "the xpool limit" if reason.startswith("limit") else f"device {device}"
+            cached = ("kept: the stream is capturing a CUDA graph, which a cudaFree would end; capture with a "
+                      "private pool warmed by one run first" if capturing else "freed and retried")
             msg = (f"xpool: out of memory on device {device}: {what} refused {human(size)} "
                    f"(request {requested:,} B, class {size:,} B); in use {human(bytes_in_use)}, "
-                   f"cached {human(bytes_cached)} (freed and retried), "
+                   f"cached {human(bytes_cached)} ({cached}), "
                    f"limit {human(limit) if limit else 'none'}")
         MemoryError.__init__(self, msg)
 
