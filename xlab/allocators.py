@@ -247,6 +247,7 @@ class CupyPool(Allocator):
     """CuPy's default best-fit pool (`cupy.cuda.MemoryPool`), fresh for each run."""
 
     name = "cupy_pool"
+    can_capture = True
 
     def __init__(self):
         import cupy
@@ -275,8 +276,6 @@ class CupyPool(Allocator):
 
     def peak_requested(self, device):
         return self.hook.live.peak[device] if self.counting else None
-
-    can_capture = True
 
     def _make_private(self):
         import cupy
@@ -361,6 +360,7 @@ class XPool(Allocator):
     """xpool.MemoryPool: its default scheme (`xpool`), the design's (`xpool_seed`), or k classes per doubling."""
 
     free_counting = True
+    can_capture = True
 
     def __init__(self, classes_per_doubling: int | None = None, debug=None, scheme: str | None = None,
                  name: str | None = None):
@@ -371,8 +371,6 @@ class XPool(Allocator):
         self.name = name or base + ("_debug" if debug else "")
         self._settings = dict(xpool_kwargs(scheme, classes_per_doubling), debug=debug or False)
         self.pool = xpool.MemoryPool(**self._settings)
-
-    can_capture = True
 
     def _make_private(self):
         import xpool
