@@ -379,3 +379,16 @@ def test_graph_targets_judge_the_graph_runs(tmp_path):
     assert "| one GPU, batch 4, 250 steps | xpool_graph |" in text and "| threads, batch 32, 10 steps | raw |" in text
     assert "eager xpool reserves at most 4.56 GiB; xpool_graph 410 MiB in the arm's pool plus 4.28 GiB" in text
     assert report.graph_targets(tmp_path / "nothing") == [] and report.graph_lines(tmp_path / "nothing") == []
+
+
+def test_the_hit_and_graph_headlines(tmp_path):
+    synthetic.write_all(tmp_path, trials=5)
+    assert report.headline_hit(tmp_path) is None                       # no sweep: no sentence
+    rows = [dict(allocator=a, sweep="size", size_bytes=size, threads=1, trial=t, us_per_pair=us,
+                 ratio_vs_cupy_pool=2.0 / us, **synthetic.PROV)
+            for t in range(5) for size, us in ((4096, 1.9), (1 << 20, 1.8)) for a in ("xpool", "cupy_pool")]
+    pd.DataFrame(rows).to_csv(tmp_path / "alloc_hit_sweep.csv", index=False)
+    text = report.headline_hit(tmp_path)
+    assert "1.05× [1.05, 1.05] at the worst size to 1.11×" in text and "commit synthetic" in text
+    graph = report.headline_graph(tmp_path)
+    assert "host work per step 1.10 ms" in graph and "xpool_graph 1.96×" in graph and "GPU busy 95%" in graph

@@ -337,6 +337,71 @@ def headline_memory(data: pathlib.Path) -> str | None:
     return text + f" ({_where(df)})."
 
 
+def headline_hit(data: pathlib.Path) -> str | None:
+    """The final hit path's headline, from alloc_hit_sweep.csv (and its second run in rerun/, if any).
+
+    Args:
+        data: the CSV folder.
+
+    Returns:
+        One sentence, or None where the CSV is missing.
+    """
+    hit = _read(data, "alloc_hit_sweep")
+    if hit is None:
+        return None
+
+    def span(df):
+        r = [_med(g["ratio_vs_cupy_pool"]) for _, g in df[df["allocator"] == "xpool"].groupby("size_bytes")]
+        worst = min(r, key=lambda v: v[0])
+        return worst, max(v[0] for v in r)
+    (w, lo, hi), best = span(hit)
+    again = _read(data / RERUN, "alloc_hit_sweep")
+    tail = ""
+    if again is not None:
+        (w2, _, _), best2 = span(again)
+        tail = f"; a second run on a fresh machine: {w2:.2f}× to {best2:.2f}×"
+    thr = _read(data, "alloc_hit_threads")
+    if thr is not None:
+        x = thr[(thr["allocator"] == "xpool") & (thr["threads"] == thr["threads"].max())]
+        if len(x):
+            tail += (f"; {int(x['threads'].max())} threads on one GPU (64 KiB): "
+                     f"{_ci(*_med(x['ratio_vs_cupy_pool']), unit='×')}")
+    return (f"**Allocation cost, final hit path** (`alloc_hit_sweep.csv`, commit "
+            f"{_commits(data, ['alloc_hit_sweep.csv'])}, arms taking turns window by window): CuPy MemoryPool's "
+            f"time over xpool's per trial, 4 KiB to 96 MiB, {w:.2f}× [{lo:.2f}, {hi:.2f}] at the worst size to "
+            f"{best:.2f}×{tail} ({_where(hit)}).")
+
+
+def headline_graph(data: pathlib.Path) -> str | None:
+    """The CUDA-graph headline, from data/graph/ (threads on the largest world, one GPU at the smallest batch).
+
+    Args:
+        data: the CSV folder.
+
+    Returns:
+        One sentence, or None where the CSVs are missing.
+    """
+    ddp, b4 = _read(data, "graph/ddp_scaling"), _read(data, "graph/single_gpu_b4")
+    single = _read(data, "graph/single_gpu")
+    if ddp is None or single is None:
+        return None
+    a = GRAPH_ARM
+    two = ddp[(ddp["mode"] == "threads") & (ddp["world"] == ddp["world"].max())]
+
+    def sp(arm):
+        return _ci(*_med(two[two["allocator"] == arm]["speedup"]), unit="×")
+    disp = single[(single["allocator"] == a) & (single["batch"] == 32)]["dispatch_ms_per_step"]
+    eager = single[(single["allocator"] == "xpool") & (single["batch"] == 32)]["dispatch_ms_per_step"]
+    text = (f"**The step as a CUDA graph** (forward and backward captured over a private pool, bit-identical): "
+            f"host work per step {_ci(*_med(disp), unit=' ms')} against {_ci(*_med(eager), fmt='{:.1f}', unit=' ms')} "
+            f"eager; one thread per GPU on {int(two['world'].max())} GPUs at batch 32: raw {sp('raw')}, xpool "
+            f"{sp('xpool')}, {a} {sp(a)}")
+    if b4 is not None:
+        g = b4[b4["allocator"] == a]
+        text += f"; one GPU at batch 4: GPU busy {_ci(*_med(g['gpu_util_mean']), fmt='{:.0f}', unit='%')}"
+    return text + f" (commit {_commits(data / 'graph')}, {_where(ddp)})."
+
+
 def headlines(data: pathlib.Path) -> list[str]:
     """Every headline sentence the CSVs allow, in notebook order.
 
@@ -347,8 +412,8 @@ def headlines(data: pathlib.Path) -> list[str]:
         A list of markdown sentences (a CSV that cannot be read costs its own line only).
     """
     out = []
-    for fn in (headline_correctness, headline_alloc, headline_single, headline_ddp, headline_sweep,
-               headline_memory):
+    for fn in (headline_correctness, headline_alloc, headline_hit, headline_single, headline_ddp, headline_sweep,
+               headline_graph, headline_memory):
         try:
             got = fn(data)
         except Exception as e:              # a CSV with an unexpected shape costs one line, not the report
