@@ -113,3 +113,10 @@ def test_a_backend_without_capturing_is_never_asked():
     pool.allocate(3 * MiB).release()
     pool.allocate(6 * MiB)                       # gives back as before
     assert pool.stats().iloc[0].device_frees == 1
+
+
+def test_a_miss_that_gives_nothing_back_asks_nothing():
+    pool, backend = make(**EAGER)
+    pool.allocate(3 * MiB, stream=5)             # misses below the mark: nothing to give back, no question
+    pool.allocate(1000, stream=5)
+    assert backend.asked == []

@@ -580,7 +580,7 @@ static int take_cached(DevicePool *pool, int all_streams, intptr_t stream, uint6
             blocks[(*n)++] = b;
         }
     }
-    if ((pool->segs.root || pool->segs.n_recent) && pool->st.bytes_cached > keep) {   /* of segments, whole free ones only */
+    if (seg_any_free(&pool->segs) && pool->st.bytes_cached > keep) {   /* of segments, whole free ones only */
         size_t first = *n;
         uint64_t cached = pool->st.bytes_cached;
         SegDelta d = {0, 0};
@@ -669,6 +669,15 @@ static long long release_segments(Allocator *A, DevicePool *pool, intptr_t strea
     return release_from(A, pool, 0, stream, 0, 1);
 }
 
+/* Bytes a miss wanting a `want`-byte segment should give back at the high-water mark (0: none).  Pool lock held. */
+static uint64_t miss_excess(DevicePool *pool, size_t want)
+{
+    uint64_t after = committed(&pool->st) + want, mark = pool->high_water;
+    if (pool->miss_released > XP_MISS_BUDGET * mark) pool->miss_release_off = 1;
+    if (after <= mark || pool->miss_release_off || !seg_any_free(&pool->segs) || !pool->st.blocks_cached) return 0;
+    return after - mark;
+}
+
 /* scheme xpool, on a miss of `size` bytes on `stream`: whole free segments of the stream go back to the
  * device first, as A->release_on_miss says.  0, or -1 with the first failed free's exception.
  *
@@ -698,14 +707,24 @@ static long long release_segments(Allocator *A, DevicePool *pool, intptr_t strea
  * release_on_miss=0, which never frees. */
 static int release_for_miss(Allocator *A, DevicePool *pool, intptr_t stream, size_t size)
 {
-    int capturing = stream_capturing(A, pool->device, stream);
-    if (capturing) return capturing < 0 ? -1 : 0;    /* a capture cannot take a cudaFree: the miss only adds */
-    if (A->release_on_miss == XP_RELEASE_ALL) return release_segments(A, pool, stream) < 0 ? -1 : 0;
+    int capturing;
+    if (A->release_on_miss == XP_RELEASE_ALL) {
+        capturing = stream_capturing(A, pool->device, stream);
+        if (capturing) return capturing < 0 ? -1 : 0;    /* a capture cannot take a cudaFree: the miss only adds */
+        return release_segments(A, pool, stream) < 0 ? -1 : 0;
+    }
     size_t want = seg_size_for(size, size <= XP_SMALL_MAX ? A->small_segment : A->segment_round);
     pthread_mutex_lock(&pool->lock);
-    uint64_t after = committed(&pool->st) + want, mark = pool->high_water;
-    if (pool->miss_released > XP_MISS_BUDGET * mark) pool->miss_release_off = 1;
-    if (after <= mark || pool->miss_release_off || !(pool->segs.root || pool->segs.n_recent) || !pool->st.blocks_cached) {
+    uint64_t excess = miss_excess(pool, want);
+    pthread_mutex_unlock(&pool->lock);
+    if (!excess) return 0;
+    /* something would go back: not while the stream captures (asked without the lock, it calls Python; and
+     * only here, so the misses that give nothing back ask nothing) */
+    capturing = stream_capturing(A, pool->device, stream);
+    if (capturing) return capturing < 0 ? -1 : 0;
+    pthread_mutex_lock(&pool->lock);
+    excess = miss_excess(pool, want);                    /* again: another thread may have moved it */
+    if (!excess) {
         pthread_mutex_unlock(&pool->lock);
         return 0;
     }
@@ -713,7 +732,7 @@ static int release_for_miss(Allocator *A, DevicePool *pool, intptr_t stream, siz
     Block **blocks = malloc(cap * sizeof(Block *));
     if (!blocks) { pthread_mutex_unlock(&pool->lock); PyErr_NoMemory(); return -1; }
     SegDelta d = {0, 0};
-    seg_take_whole_need(&pool->segs, stream, after - mark, A->release_idle, blocks, &n, cap, &d);
+    seg_take_whole_need(&pool->segs, stream, excess, A->release_idle, blocks, &n, cap, &d);
     apply_delta(&pool->st, d);
     for (size_t i = 0; i < n; i++) pool->st.bytes_releasing += blocks[i]->size;
     pthread_mutex_unlock(&pool->lock);

@@ -76,6 +76,9 @@ typedef struct {
     uint64_t clock;         /* calls of seg_take (one per request of the pool): the clock of Block.whole_since */
 } FreeTree;
 
+/* Whether any free range waits, in the tree or in recent[]. */
+static inline int seg_any_free(const FreeTree *t) { return t->root || t->n_recent; }
+
 /* Change of the core's counters caused by one call (the core's Stats stay the one source of truth). */
 typedef struct {
     int64_t free_ranges;    /* blocks_cached */
