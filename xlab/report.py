@@ -337,6 +337,14 @@ def headline_memory(data: pathlib.Path) -> str | None:
     return text + f" ({_where(df)})."
 
 
+def _hit_ratios(hit: pd.DataFrame) -> dict:
+    """{size: (median, lo, hi)} of CuPy's pool's time over xpool's per trial in an alloc_hit_sweep CSV: the bench's
+    own column, from the same interleaved windows, so the machine's drift between trials (up to 2x) cancels
+    within a trial, which a ratio of medians over trials would mix in."""
+    xp = hit[hit["allocator"] == "xpool"]
+    return {int(size): _med(g["ratio_vs_cupy_pool"]) for size, g in xp.groupby("size_bytes", sort=True)}
+
+
 def headline_hit(data: pathlib.Path) -> str | None:
     """The final hit path's headline, from alloc_hit_sweep.csv (and its second run in rerun/, if any).
 
@@ -351,9 +359,8 @@ def headline_hit(data: pathlib.Path) -> str | None:
         return None
 
     def span(df):
-        r = [_med(g["ratio_vs_cupy_pool"]) for _, g in df[df["allocator"] == "xpool"].groupby("size_bytes")]
-        worst = min(r, key=lambda v: v[0])
-        return worst, max(v[0] for v in r)
+        r = _hit_ratios(df).values()
+        return min(r, key=lambda v: v[0]), max(v[0] for v in r)
     (w, lo, hi), best = span(hit)
     again = _read(data / RERUN, "alloc_hit_sweep")
     tail = ""
@@ -512,12 +519,7 @@ def targets(data: pathlib.Path) -> list[dict]:
                             r["ratio_lo"].iloc[0], r["ratio_hi"].iloc[0], 1.0, unit="×", bound="host")
     hit = _read(data, "alloc_hit_sweep")      # the size sweep at the final hit path (arms taking turns per window)
     if hit is not None:
-        # per trial, CuPy's pool's time over xpool's from the same interleaved windows (the bench's own column):
-        # the machine's drift between trials (up to 2x) cancels within a trial, which a ratio of medians over
-        # trials would mix in
-        sized = hit[hit["allocator"] == "xpool"]
-        worst = min((_med(g["ratio_vs_cupy_pool"]) for _, g in sized.groupby("size_bytes")), default=None,
-                    key=lambda r: r[0])
+        worst = min(_hit_ratios(hit).values(), default=None, key=lambda r: r[0])
         if worst:
             _target(rows, f"#14: xpool alloc+free no slower than CuPy MemoryPool's, every size (worst size; CuPy's "
                     f"time / xpool's per trial; `alloc_hit_sweep.csv`, {int(hit['trial'].nunique())} trials, commit "
@@ -989,9 +991,8 @@ def _ratios(data: pathlib.Path) -> dict:
                     g["ratio_vs_cupy_pool"])
     hit = _read(data, "alloc_hit_sweep")      # the final hit path's size sweep: per-trial ratios, as its target
     if hit is not None:
-        for size, g in hit[hit["allocator"] == "xpool"].groupby("size_bytes", sort=True):
-            out[f"alloc+free sweep (final hit path), {plots.fmt_bytes(int(size))}: CuPy pool's time / xpool's"] = \
-                _med(g["ratio_vs_cupy_pool"])
+        for size, r in _hit_ratios(hit).items():
+            out[f"alloc+free sweep (final hit path), {plots.fmt_bytes(size)}: CuPy pool's time / xpool's"] = r
     torch = _read(data, "torch_interop")
     if torch is not None:
         for (case, size), g in torch.groupby(["case", torch["size_bytes"].fillna(0)], sort=True):
