@@ -56,7 +56,6 @@ class CapturedStep:
             raise TypeError("CapturedStep needs a model on CuPy (GPT(xp=cupy)); NumPy has no CUDA graphs")
         self.model, self.malloc, self.warmup = model, malloc, int(warmup)
         self.graph = None
-        self.captures = 0            # how many times a graph was captured (1 after the first call)
         self._x = self._y = self._loss = self._grads = None
 
     def __call__(self, x, y):
@@ -101,4 +100,8 @@ class CapturedStep:
         graph.upload(side)
         main.wait_event(side.record())
         self.graph = graph
-        self.captures += 1
+
+    @property
+    def captures(self) -> int:
+        """Graphs captured so far: 1 after the first call (a CapturedStep captures once), else 0."""
+        return int(self.graph is not None)
