@@ -1,13 +1,19 @@
-"""Build the C core of the pool (xpool._core); everything else is plain Python."""
+"""Build the C core of the pool (xpool._core) and the lab's timing probes (xlab._probes); the rest is Python."""
 from setuptools import Extension, setup
+
+CFLAGS = ["-O2", "-std=c11", "-Wall", "-Wno-unused-function",
+          # only PyInit__core and the xpool_torch_* entry points are exported: calls between the core's
+          # files are direct calls, not through the PLT
+          "-fvisibility=hidden"]
 
 setup(
     ext_modules=[
         Extension(
             "xpool._core",
-            sources=["xpool/_core.c", "xpool/_segments.c"],
-            depends=["xpool/_segments.h"],
-            extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wno-unused-function"],
-        )
+            sources=["xpool/_alloc.c", "xpool/_module.c", "xpool/_torch.c", "xpool/_segments.c"],
+            depends=["xpool/_core.h", "xpool/_segments.h"],
+            extra_compile_args=CFLAGS,
+        ),
+        Extension("xlab._probes", sources=["xlab/_probes.c"], extra_compile_args=CFLAGS),
     ]
 )

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from xlab.bench import hit
-from xpool import _core
+from xlab import _probes
 
 
 def fake_rows():
@@ -49,16 +49,16 @@ def test_cpu_run_times_the_floor_and_the_core(tmp_path):
 def test_time_calls_checks_its_arguments_and_passes_the_lookups_error():
     fn = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int)(lambda device: device)
     addr = ctypes.cast(fn, ctypes.c_void_p).value
-    assert _core.time_calls(addr, 10, 3) >= 0
+    assert _probes.time_calls(addr, 10, 3) >= 0
     with pytest.raises(ValueError, match="fn must be"):
-        _core.time_calls(0, 10)
+        _probes.time_calls(0, 10)
     with pytest.raises(ValueError, match="calls must be"):
-        _core.time_calls(addr, -1)
+        _probes.time_calls(addr, -1)
     with pytest.raises(ValueError, match="device must be"):
-        _core.time_calls(addr, 1, 64)
+        _probes.time_calls(addr, 1, 64)
     fails = ctypes.cast(ctypes.pythonapi.PyLong_AsSsize_t, ctypes.c_void_p).value   # NULL: SystemError, -1
     with pytest.raises(SystemError):
-        _core.time_calls(fails, 2, 0)
+        _probes.time_calls(fails, 2, 0)
 
 
 @pytest.mark.gpu

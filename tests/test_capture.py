@@ -8,7 +8,7 @@ import xpool
 from xpool import HostBackend, Pool
 
 MiB = 1 << 20
-EAGER = dict(_segments=dict(release_idle=0))    # a miss may give back a segment freed just before it
+EAGER = dict(release_idle=0)    # a miss may give back a segment freed just before it
 
 
 class CapturingBackend(HostBackend):

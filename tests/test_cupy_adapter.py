@@ -7,7 +7,9 @@ import pytest
 cupy_memory = pytest.importorskip("cupy.cuda.memory")
 
 import xpool  # noqa: E402
+import xpool.testing  # noqa: E402
 from xpool import HostBackend  # noqa: E402
+from xpool.testing import pool_with_stream_lookup  # noqa: E402
 
 
 def cupy_alloc(pool, nbytes, device=0):
@@ -108,7 +110,7 @@ def test_blocks_are_keyed_by_the_current_stream_of_their_device():
     import ctypes
     asked = []
     fn = stream_fn(lambda device: asked.append(device) or 1000 + device)
-    pool = xpool.Pool(HostBackend(), _stream_fn=ctypes.cast(fn, ctypes.c_void_p).value)
+    pool = pool_with_stream_lookup(HostBackend(), ctypes.cast(fn, ctypes.c_void_p).value)
     a, b = cupy_alloc(pool, 4096, device=0), cupy_alloc(pool, 4096, device=3)
     assert asked == [0, 3]
     assert [blk["stream"] for blk in pool._core.live_blocks(0) + pool._core.live_blocks(3)] == [1000, 1003]
@@ -122,7 +124,7 @@ def test_switching_streams_between_requests_keys_each_block_to_the_stream_then_c
     import ctypes
     current = {0: 0}                                                # device -> stream, as CuPy's thread-local
     fn = stream_fn(lambda device: current[device])
-    pool = xpool.Pool(HostBackend(), _stream_fn=ctypes.cast(fn, ctypes.c_void_p).value)
+    pool = pool_with_stream_lookup(HostBackend(), ctypes.cast(fn, ctypes.c_void_p).value)
     current[0] = 0x5001                                             # with s1:
     a = cupy_alloc(pool, 4096)
     p1 = a.ptr
@@ -142,7 +144,7 @@ def test_a_stream_lookup_that_raises_propagates_and_hands_out_nothing():
     import ctypes
     # PyLong_AsSsize_t(NULL) -- device 0 -- sets SystemError and returns -1, as CuPy 14's lookup fails
     fails = ctypes.cast(ctypes.pythonapi.PyLong_AsSsize_t, ctypes.c_void_p).value
-    pool = xpool.Pool(HostBackend(), _stream_fn=fails)
+    pool = pool_with_stream_lookup(HostBackend(), fails)
     with pytest.raises(SystemError):
         cupy_alloc(pool, 4096)
     assert pool._core.live_blocks(0) == [] and pool.snapshot().requests == 0
@@ -155,8 +157,7 @@ def test_cupy_stream_lookup_without_a_gpu_raises_cupys_error():
         pytest.skip("a GPU is visible: CuPy's lookup succeeds (test_gpu_pool covers it)")
     from cupy_backends.cuda.api.runtime import CUDARuntimeError
 
-    from xpool.cupy_adapter import _current_stream_fn
-    pool = xpool.Pool(HostBackend(), _stream_fn=_current_stream_fn())
+    pool = pool_with_stream_lookup(HostBackend(), xpool.testing.cupy_stream_lookup())
     with pytest.raises(CUDARuntimeError):
         cupy_alloc(pool, 4096)
     assert pool._core.live_blocks(0) == [] and pool.snapshot().requests == 0
@@ -167,7 +168,7 @@ def test_per_thread_default_stream_is_keyed_by_thread():
     import ctypes
     import threading
     per_thread = stream_fn(lambda device: 2)                        # CuPy's current stream: always PTDS
-    pool = xpool.Pool(HostBackend(), _stream_fn=ctypes.cast(per_thread, ctypes.c_void_p).value)
+    pool = pool_with_stream_lookup(HostBackend(), ctypes.cast(per_thread, ctypes.c_void_p).value)
     first = cupy_alloc(pool, 4096)
     ptr = first.ptr
     del first                                                       # cached for this thread's stream

@@ -297,7 +297,7 @@ def test_an_allocation_uses_the_debug_hook_it_started_with():
     (lambda c: c.set_limit(0, -1), "limit"),
     (lambda c: c.release(0, keep=-1), "keep"),
     (lambda c: c.free_ptr(0, -4096), "ptr"),
-    (lambda c: c.set_default_limit(-1, 0.0), "limit"),
+    (lambda c: c.allocate(-1), "nbytes"),
 ])
 def test_core_refuses_negative_numbers_by_name(call, name):
     pool = Pool(HostBackend())

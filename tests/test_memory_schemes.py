@@ -31,8 +31,8 @@ def _record(seed=0, n=3000, **pool_kw):
 
 
 @pytest.mark.parametrize("allocator,pool_kw", [("xpool", {}), ("xpool_seed", dict(scheme="seed")),
-                                                ("xpool_norelease", dict(_segments=dict(release_on_miss=0))),
-                                                ("xpool_release_all", dict(_segments=dict(release_on_miss=2)))])
+                                                ("xpool_norelease", dict(release_on_miss="never")),
+                                                ("xpool_release_all", dict(release_on_miss="always"))])
 def test_replay_reproduces_each_scheme_exactly(allocator, pool_kw):
     trace, _ = _record()                       # recorded under scheme xpool ...
     _, truth = _record(**pool_kw)              # ... the same program run under `allocator`

@@ -20,7 +20,7 @@ class PoolModel(RuleBasedStateMachine):
         super().__init__()
         self.k = 2
         self.backend = HostBackend(capacity=CAPACITY, n_devices=3)
-        self.pool = Pool(self.backend, classes_per_doubling=self.k)
+        self.pool = Pool(self.backend, scheme="seed", classes_per_doubling=self.k)
         self.live = []                                  # Allocation objects
         self.free = defaultdict(int)                    # (device, stream, class) -> count
         self.counts = defaultdict(lambda: defaultdict(int))   # device -> counter -> value

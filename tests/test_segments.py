@@ -14,7 +14,7 @@ KiB, MiB = 1 << 10, 1 << 20
 SEGMENT = 2 * MiB              # a block up to 1 MiB starts a segment of this size; a larger one, of its own
 # the high-water mark's rule alone: a miss may give back a segment freed just before it (the default waits
 # until it has been whole and free for 64 requests: the tests of release_idle below)
-EAGER = dict(_segments=dict(release_idle=0))
+EAGER = dict(release_idle=0)
 
 
 def make(capacity=None, n_devices=8, **kw):
@@ -142,7 +142,7 @@ def test_misses_stop_giving_back_past_the_high_water_mark_in_bytes_until_empty_c
 
 
 def test_release_on_miss_all_gives_back_every_whole_free_segment():
-    pool, backend = make(_segments=dict(release_on_miss=2))
+    pool, backend = make(release_on_miss="always")
     a, b = pool.allocate(8 * MiB), pool.allocate(3 * MiB)
     del a
     pool.empty_cache()
@@ -154,11 +154,11 @@ def test_release_on_miss_all_gives_back_every_whole_free_segment():
 @pytest.mark.parametrize("bad", [-1, 3])
 def test_release_on_miss_is_checked(bad):
     with pytest.raises(ValueError, match="release_on_miss"):
-        make(_segments=dict(release_on_miss=bad))
+        make(release_on_miss=bad)
 
 
 def test_release_on_miss_can_be_turned_off():
-    pool, backend = make(_segments=dict(release_on_miss=0))
+    pool, backend = make(release_on_miss="never")
     a = pool.allocate(3 * MiB)
     del a
     pool.allocate(6 * MiB)
@@ -181,7 +181,7 @@ def test_a_miss_gives_back_only_segments_whole_and_free_for_64_requests(hits, gi
 
 def test_release_idle_is_checked():
     with pytest.raises(ValueError, match="release_idle"):
-        make(_segments=dict(release_idle=-1))
+        make(release_idle=-1)
 
 
 def test_segment_rounding_gives_way_to_a_small_device_and_to_the_limit():
@@ -242,26 +242,34 @@ def test_the_rest_of_a_new_segment_starts_poisoned():
     pool.check()
 
 
-def test_scheme_is_chosen_by_name_and_classes_per_doubling_selects_seed(monkeypatch):
+def test_scheme_is_chosen_by_name_and_classes_per_doubling_needs_seed(monkeypatch):
     backend = HostBackend()
-    assert Pool(backend).scheme == "xpool" and Pool(backend).classes_per_doubling is None
+    assert Pool(backend).scheme == "segments" and Pool(backend).classes_per_doubling is None
+    assert Pool(backend, scheme="xpool").scheme == "segments"        # the old name of the default
     assert Pool(backend, scheme="seed").classes_per_doubling == 1
-    seed = Pool(backend, classes_per_doubling=4)
+    seed = Pool(backend, scheme="seed", classes_per_doubling=4)
     assert seed.scheme == "seed" and seed.allocate(4 * MiB + 1).size == 5 * MiB
+    with pytest.raises(ValueError, match="classes_per_doubling=4 applies to scheme 'seed' only"):
+        Pool(backend, classes_per_doubling=4)                       # no longer selects seed by itself
     with pytest.raises(ValueError, match="classes_per_doubling"):
-        Pool(backend, scheme="xpool", classes_per_doubling=4)
+        Pool(backend, scheme="segments", classes_per_doubling=4)
     with pytest.raises(ValueError, match="scheme"):
         Pool(backend, scheme="arena")
     monkeypatch.setenv("XPOOL_SCHEME", "seed")
     assert Pool(backend).scheme == "seed"
+    monkeypatch.setenv("XPOOL_SCHEME", "xpool")
+    assert Pool(backend).scheme == "segments"
     monkeypatch.setenv("XPOOL_SCHEME", "buddy")
     with pytest.raises(ValueError, match="XPOOL_SCHEME"):
         Pool(backend)
     monkeypatch.delenv("XPOOL_SCHEME")
     monkeypatch.setenv("XPOOL_CLASSES_PER_DOUBLING", "4")
-    assert Pool(backend).scheme == "seed" and Pool(backend, scheme="xpool").scheme == "xpool"
+    with pytest.raises(ValueError, match="XPOOL_CLASSES_PER_DOUBLING='4' applies to scheme 'seed' only"):
+        Pool(backend)
+    monkeypatch.setenv("XPOOL_SCHEME", "seed")
+    assert Pool(backend).classes_per_doubling == 4 and Pool(backend, scheme="segments").scheme == "segments"
     with pytest.raises(ValueError, match="segment_round"):
-        Pool(backend, scheme="xpool", _segments=dict(segment_round=1000))
+        Pool(backend, scheme="segments", segment_round=1000)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
@@ -505,17 +513,18 @@ def test_a_miss_gives_back_a_waiting_whole_segment_above_the_mark():
 
 
 def test_time_pairs_runs_pairs_through_a_c_allocator_in_c():
-    from xpool import _core
+    from xlab import _probes
+    from xpool import testing
     pool, backend = make()
-    param, malloc, free = pool._core.cfunctions()
-    assert _core.time_pairs(param, malloc, free, 12 * MiB, 1000) > 0
+    param, malloc, free = testing.cfunctions(pool)
+    assert _probes.time_pairs(param, malloc, free, 12 * MiB, 1000) > 0
     s = pool.stats().iloc[0]
     assert (s.requests, s.hits, s.device_mallocs, s.blocks_in_use) == (1000, 999, 1, 0)
-    assert _core.time_pairs(*_core.noop_cfunctions(4096), 4096, 10) >= 0
+    assert _probes.time_pairs(*_probes.noop_cfunctions(4096), 4096, 10) >= 0
     with pytest.raises(ValueError, match="pairs"):
-        _core.time_pairs(param, malloc, free, 4096, -1)
+        _probes.time_pairs(param, malloc, free, 4096, -1)
     with pytest.raises(ValueError, match="malloc"):
-        _core.time_pairs(param, 0, free, 4096, 1)
+        _probes.time_pairs(param, 0, free, 4096, 1)
 
 
 class _BestFitModel:
@@ -564,7 +573,7 @@ def test_every_request_gets_the_best_fit_of_all_free_ranges_waiting_or_filed(ops
     gets: the least (size, address) of every free range of its stream that fits, as a plain model says."""
     from xlab.memory_study import AddressSpaceBackend
     backend = AddressSpaceBackend()                     # addresses in order: the same case, the same run
-    pool = Pool(backend, _segments=dict(release_on_miss=0))
+    pool = Pool(backend, release_on_miss="never")
     model, live = _BestFitModel(), []
     for alloc, n, i in ops:
         if alloc or not live:             # two allocs to one free: the pool grows, ranges of a size recur

@@ -36,7 +36,7 @@ def random_size(rng: random.Random) -> int:
 def soak(seed: int, workers: int, ops: int, debug):
     backend = FaultyBackend(n_devices=DEVICES, malloc_oom=0.02, malloc_error=0.01, free_error=0.1,
                             seed=seed)
-    pool = Pool(backend, classes_per_doubling=2, limit=LIMIT, debug=debug)
+    pool = Pool(backend, scheme="seed", classes_per_doubling=2, limit=LIMIT, debug=debug)
     menu = [random_size(random.Random(seed * 7 + j)) for j in range(24)]   # sizes recur, as in training
     errors, stop = [], threading.Event()
     outcomes = {"allocated": 0, "refused": 0}

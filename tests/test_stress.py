@@ -11,7 +11,7 @@ THREADS, DEVICES, OPS = 8, 3, 1500
 
 def test_threads_with_cross_thread_release():
     backend = HostBackend(n_devices=DEVICES)
-    pool = Pool(backend, classes_per_doubling=4)
+    pool = Pool(backend, scheme="seed", classes_per_doubling=4)
     handoff = queue.Queue()            # blocks whose last reference dies on another thread
     barrier = threading.Barrier(THREADS)
     errors = []

@@ -502,8 +502,8 @@ class CNoop(Noop):
     def malloc_fn(self):
         from cupy.cuda.memory import CFunctionAllocator
 
-        from xpool import _core
-        param, malloc, free = _core.noop_cfunctions(self.block.ptr)
+        from xlab._probes import noop_cfunctions
+        param, malloc, free = noop_cfunctions(self.block.ptr)
         self.cfa = CFunctionAllocator(param, malloc, free, self.block)
         return self.cfa.malloc
 
@@ -562,7 +562,7 @@ def make(name: str, **kwargs) -> Allocator:
     m = _XPOOL.fullmatch(name)
     if m:
         k = int(m["k"]) if m["k"] else (1 if m["scheme"] == "seed" else None)
-        scheme = m["scheme"] or (None if k else "xpool")     # `xpool` names its scheme: $XPOOL_SCHEME cannot move it
+        scheme = m["scheme"] or ("seed" if k else "xpool")   # each name names its scheme: $XPOOL_SCHEME cannot move it
         return XPool(k, debug="raise" if m["debug"] else None, scheme=scheme, name=name, **kwargs)
     if name not in FACTORIES:
         raise ValueError(f"unknown allocator {name!r}; known: {', '.join(NAMES)} (xpool_k<N> for any N; a pool's name "

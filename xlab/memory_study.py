@@ -39,6 +39,7 @@ from xlab.paths import write_csv
 from xpool.backends import HostBackend
 from xpool.pool import Pool
 from xpool.sizeclass import ALIGN, size_class
+from xpool.testing import allocate_function
 
 KS = (1, 2, 4, 8)
 SETUP_STEP = -1                  # `step` of the events recorded while the model and optimizer are built
@@ -91,7 +92,7 @@ def replay(timeline: pd.DataFrame, k: int) -> dict:
         timeline: a recorded timeline (xpool's columns, in order).
         k: size classes per doubling.
     """
-    pool = Pool(AddressSpaceBackend(), classes_per_doubling=k, limit=0, debug=False, timeline=0)
+    pool = Pool(AddressSpaceBackend(), scheme="seed", classes_per_doubling=k, limit=0, debug=False, timeline=0)
     live = {}                                # (device, recorded ptr) -> the replayed block
     unmatched = 0
     ev = timeline[timeline["event"].isin(ALLOC_EVENTS + ("free",))]
@@ -333,10 +334,10 @@ def replay_pool(allocator: str):
     if allocator == "cupy_pool_model":
         return CupyPoolModel()
     kw = {"xpool": dict(scheme="xpool"),
-          "xpool_norelease": dict(scheme="xpool", _segments=dict(release_on_miss=0)),
-          "xpool_release_all": dict(scheme="xpool", _segments=dict(release_on_miss=2)),
+          "xpool_norelease": dict(scheme="xpool", release_on_miss="never"),
+          "xpool_release_all": dict(scheme="xpool", release_on_miss="always"),
           # the high-water rule before release_idle: a miss may give back a segment freed just before it
-          "xpool_release_fresh": dict(scheme="xpool", _segments=dict(release_idle=0)),
+          "xpool_release_fresh": dict(scheme="xpool", release_idle=0),
           "xpool_seed": dict(scheme="seed", classes_per_doubling=1)}
     if allocator not in kw:
         raise ValueError(f"allocator must be one of {(*SCHEME_ALLOCATORS, 'xpool_release_fresh')}, got "
@@ -362,7 +363,7 @@ def _drive(pool, ev, on_step=None):
     """Replays the events (a frame from _replay_events, or its _rows) through pool (an xpool Pool or
     CupyPoolModel); returns (live blocks, unmatched frees)."""
     model = isinstance(pool, CupyPoolModel)
-    alloc = pool.allocate if model else pool._core.allocate          # the C entry point: no Python checks
+    alloc = pool.allocate if model else getattr(pool, "raw_allocate", None) or allocate_function(pool)  # C alone
     live, unmatched, last = {}, 0, None
     rows = _rows(ev) if isinstance(ev, pd.DataFrame) else ev
     for is_alloc, device, stream, ptr, requested, step in rows:
@@ -468,7 +469,7 @@ def replay_cost(timeline: pd.DataFrame, allocators=("xpool", "xpool_seed"), repe
         _drive(pools[a], step)[0].clear()             # the last step once more: its misses are not timed
 
     class Floor:
-        _core = type("NoCore", (), {"allocate": staticmethod(lambda n, d, s: n)})()
+        raw_allocate = staticmethod(lambda n, d, s: n)     # allocates nothing: the replay loop's own cost
 
     def timed(pool):
         t0 = time.perf_counter_ns()
@@ -738,7 +739,7 @@ def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warm
     from xpool.cupy_adapter import MemoryPool, use
     from tapegpt import GPT, AdamW, get_batch, load_corpus
     cfg = _config(config, batch)
-    pool = pool if pool is not None else MemoryPool(classes_per_doubling=k, timeline=capacity)
+    pool = pool if pool is not None else MemoryPool(scheme="seed", classes_per_doubling=k, timeline=capacity)
     data = load_corpus()
     marks = []                               # events recorded when each phase ended
 

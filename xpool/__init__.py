@@ -1,10 +1,13 @@
-"""xpool: a measured, size-classed, per-device caching allocator for CuPy.
+"""xpool: a measured, per-device caching allocator for CuPy and PyTorch (best fit in segments by default).
 
     import xpool
     pool = xpool.install()            # cupy now allocates through xpool
     ...
     xpool.stats()                     # exact counters, one row per device
     xpool.enable_torch()              # PyTorch's CUDA tensors from the same pool (before torch's first one)
+
+Settings (``xpool.Settings``: scheme, limit, debug mode, ...) come from arguments, else ``XPOOL_*`` variables.
+``xpool.testing`` is for benchmarks and tests.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from .backends import Backend, CupyBackend, DeviceOutOfMemory, HostBackend
 from .cupy_adapter import MemoryPool, current, install, installed, uninstall, use
 from .errors import CorruptionError, CorruptionWarning, OutOfMemoryError, RequestTooLargeError
 from .pool import Pool
+from .settings import Settings
 from .sizeclass import size_class
 from .stats import Snapshot
 from .torch_allocator import enable as enable_torch   # imports torch only when called
@@ -27,7 +31,7 @@ __all__ = [
     "size_class", "Pool", "MemoryPool", "Backend", "HostBackend", "CupyBackend", "install", "uninstall",
     "installed", "current", "use", "empty_cache", "stats", "snapshot", "OutOfMemoryError",
     "CorruptionError", "CorruptionWarning", "DeviceOutOfMemory", "RequestTooLargeError", "Snapshot",
-    "enable_torch",
+    "enable_torch", "Settings",
 ]
 
 

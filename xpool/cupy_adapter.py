@@ -11,7 +11,8 @@ import ctypes
 import threading
 
 from .backends import CupyBackend
-from .pool import Pool
+from .pool import Pool, settings_signature
+from .settings import Settings, resolve
 
 _state_lock = threading.Lock()    # guards _installed and _previous
 _installed = None                 # the MemoryPool install() put in place
@@ -59,23 +60,25 @@ class MemoryPool(Pool):
     and raises ``xpool.OutOfMemoryError`` (a CuPy ``OutOfMemoryError``).
 
     Args:
-        classes_per_doubling, scheme, limit, debug, timeline: as for ``xpool.Pool``.
+        settings (xpool.Settings), **fields: as for ``xpool.Pool``.
         backend: the raw memory (default ``CupyBackend()``; ``HostBackend()``
             runs CuPy's C allocator path over host memory, for tests).
 
     Raises:
         ImportError: CuPy is not installed.
+        TypeError: a keyword is no setting.
         ValueError: a bad setting, naming it.
     """
 
-    def __init__(self, classes_per_doubling: int | None = None, *, scheme: str | None = None, limit=None,
-                 debug=None, timeline: int | None = None, backend=None):
-        from cupy.cuda.memory import CFunctionAllocator
+    def __init__(self, settings: Settings | None = None, *, backend=None, **fields):
+        settings = resolve(settings, fields, type(self).__name__)
         backend = backend or CupyBackend()
         # blocks are keyed by CuPy's current stream; other backends (host memory) use stream 0
-        stream_fn = _current_stream_fn() if isinstance(backend, CupyBackend) else 0
-        super().__init__(backend, classes_per_doubling, scheme=scheme, limit=limit, debug=debug,
-                         timeline=timeline, _stream_fn=stream_fn)
+        self._start(backend, settings, _current_stream_fn() if isinstance(backend, CupyBackend) else 0)
+
+    def _start(self, backend, settings, stream_lookup):
+        from cupy.cuda.memory import CFunctionAllocator
+        super()._start(backend, settings, stream_lookup)
         param, malloc_fn, free_fn = self._core.cfunctions()
         self._cfa = CFunctionAllocator(param, malloc_fn, free_fn, self._core)
         self.malloc = self._cfa.malloc     # malloc(size) -> cupy.cuda.MemoryPointer
@@ -125,6 +128,9 @@ class MemoryPool(Pool):
         return self._core.stats(self.backend.current_device())["blocks_cached"]
 
 
+settings_signature(MemoryPool.__init__, keywords=("backend",))
+
+
 def _pool_from(pool, kwargs) -> MemoryPool:
     """The pool given, or a new one from settings; not both."""
     if pool is None:
@@ -141,8 +147,7 @@ def install(pool: MemoryPool | None = None, **kwargs) -> MemoryPool:
 
     Args:
         pool (MemoryPool): the pool to install; None: a new one from ``kwargs``.
-        **kwargs: ``MemoryPool`` settings (``scheme``, ``classes_per_doubling``, ``limit``, ``debug``,
-            ``timeline``).
+        **kwargs: ``MemoryPool`` settings (``settings=``, or the fields of ``xpool.Settings`` as keywords).
 
     Returns:
         MemoryPool: the installed pool.

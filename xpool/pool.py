@@ -1,184 +1,88 @@
 """Pool: the Python face of the C core, over any backend (host memory in tests, CuPy on a GPU)."""
 from __future__ import annotations
 
+import inspect
 import numbers
 import operator
 import os
-import re
 import weakref
 
 from . import _core
 from .debug import DEFAULT_TAIL, DebugHook
 from .errors import make_error
-from .sizeclass import MAX_REQUEST, check_classes_per_doubling, check_nbytes
+from .settings import ENV, Settings, parse_debug, resolve
+from .sizeclass import check_nbytes
 from .stats import Snapshot, frame
 from .timeline import events_frame
-
-ENV_LIMIT = "XPOOL_MEMORY_LIMIT"              # "8GiB", "123456789", "50%" (of the device)
-ENV_DEBUG = "XPOOL_DEBUG"                     # "raise", "warn", "1" (= raise), "0"
-ENV_CLASSES = "XPOOL_CLASSES_PER_DOUBLING"    # "1" (default of scheme seed), "4", ...; alone, selects seed
-ENV_SCHEME = "XPOOL_SCHEME"                   # "xpool" (default) or "seed"
-SCHEMES = ("xpool", "seed")   # segments (best fit, split, merge), or the design's size classes
-ENV_TIMELINE = "XPOOL_TIMELINE"               # events to keep, e.g. "100000"
 
 # every C allocator alive, for the fork handler; the cores, not the Pool wrappers: CuPy may hold a pool's
 # malloc (and so its core) after the wrapper is gone
 _live_cores: "weakref.WeakSet[_core.Allocator]" = weakref.WeakSet()
 BACKEND_METHODS = ("malloc", "free", "fill", "read", "current_device", "current_stream",   # of Backend
                    "device_count", "total_memory")
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
-          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
-          "tb": 1000**4, "tib": 1024**4}
 
 
-def parse_limit(text: str, name: str = ENV_LIMIT):
-    """Parse a memory limit written as bytes or as a share of the device.
-
-    Args:
-        text: ``"8GiB"``, ``"500MB"``, ``"1073741824"`` or ``"50%"``.
-        name: what to call the value in an error (the argument or variable it came from).
-
-    Returns:
-        ``("bytes", n)`` or ``("fraction", f)`` with ``0 <= f <= 1``.
-
-    Raises:
-        ValueError: the text is neither, naming ``name``.
-    """
-    s = text.strip().lower()
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*%", s)
-    if m:
-        frac = float(m.group(1)) / 100
-        if not 0 <= frac <= 1:
-            raise ValueError(f"{name}={text!r}: a fraction must be between 0% and 100%")
-        return "fraction", frac
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", s)
-    if not m or m.group(2) not in _UNITS:
-        raise ValueError(f"{name}={text!r}: expected bytes like '8GiB', '500MB', "
-                         f"'1073741824' or a fraction like '50%'")
-    n = int(float(m.group(1)) * _UNITS[m.group(2)])
-    if n > MAX_REQUEST:
-        raise ValueError(f"{name}={text!r} is larger than any device (max {MAX_REQUEST} B)")
-    return "bytes", n
-
-
-def _limit_setting(limit):
-    """Pool's `limit=` argument, else $XPOOL_MEMORY_LIMIT, as ("bytes", n) / ("fraction", f) / None."""
-    if limit is None:
-        text = os.environ.get(ENV_LIMIT)
-        return parse_limit(text) if text else None
-    if isinstance(limit, str):
-        return parse_limit(limit, "limit")
-    return "bytes", check_nbytes(limit, "limit")
-
-
-def _int_from_env(name: str, default: int) -> int:
-    text = os.environ.get(name)
-    if text is None or not text.strip():
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r}: expected a whole number") from None
-
-
-def _scheme(scheme, classes_per_doubling):
-    """(scheme, k), k None under scheme xpool.  classes_per_doubling without a scheme selects seed."""
-    from_env = scheme is None
-    if from_env:
-        scheme = os.environ.get(ENV_SCHEME, "").strip() or None
-    if classes_per_doubling is None and scheme != "xpool" and os.environ.get(ENV_CLASSES, "").strip():
-        classes_per_doubling = _int_from_env(ENV_CLASSES, 1)
-        try:
-            check_classes_per_doubling(classes_per_doubling)
-        except ValueError as e:
-            raise ValueError(f"{ENV_CLASSES}: {e}") from None
-    if scheme is None:
-        scheme = "xpool" if classes_per_doubling is None else "seed"
-    if scheme not in SCHEMES:
-        raise ValueError(f"{ENV_SCHEME if from_env else 'scheme'} must be one of {SCHEMES}, got {scheme!r}")
-    if scheme == "seed":
-        return scheme, check_classes_per_doubling(1 if classes_per_doubling is None else classes_per_doubling)
-    if classes_per_doubling is not None:
-        raise ValueError(f"classes_per_doubling={classes_per_doubling!r} applies to scheme='seed' only; "
-                         f"scheme='xpool' cuts blocks from segments to the request")
-    return scheme, None
-
-
-def _debug_mode(debug):
-    if debug is None:
-        debug = os.environ.get(ENV_DEBUG, "0")
-    if debug in (False, 0, "0", "", "off", "false"):
-        return None
-    if debug in (True, 1, "1", "on", "true"):
-        return "raise"
-    return debug   # "warn" / "raise", checked by DebugHook
+def settings_signature(init, positional=("settings",), keywords=()):
+    """Gives init the signature help() and inspect show: `positional`, then `keywords` and every setting as
+    keyword-only arguments (it takes the settings as **fields)."""
+    P = inspect.Parameter
+    params = [P("self", P.POSITIONAL_OR_KEYWORD)]
+    params += [P(name, P.POSITIONAL_OR_KEYWORD, default=None if name == "settings" else P.empty)
+               for name in positional]
+    params += [P(name, P.KEYWORD_ONLY, default=None) for name in (*keywords, *ENV)]
+    init.__signature__ = inspect.Signature(params)
 
 
 class Pool:
     """A per-device caching allocator over a raw backend.
 
-    Freed blocks stay in per-device, per-stream, size-classed free lists and are
-    handed out again; the backend is called only on a miss, when the cache is
-    given back, and on out-of-memory recovery.  Every method may be called from
-    any thread.
+    Freed blocks stay cached per device and stream and are handed out again;
+    the backend is called only on a miss, when the cache is given back, and
+    on out-of-memory recovery.  Every method may be called from any thread.
 
     Args:
         backend: the raw allocate/free functions, an ``xpool.backends.Backend``
             (``HostBackend()`` in tests, ``CupyBackend()`` on a GPU).
-        classes_per_doubling (int): scheme seed's size classes between p and
-            2p above 1 MiB (1: powers of two).  Given without a scheme (here
-            or in ``$XPOOL_CLASSES_PER_DOUBLING``), it selects scheme seed.
-        scheme (str): ``"xpool"`` (the default; ``$XPOOL_SCHEME``): every
-            block is the request rounded up to 512 B, cut by best fit from a
-            segment of its device and stream and merged with its free
-            neighbours when freed; a miss first gives that stream's wholly
-            free segments back.  ``"seed"``: the design's size classes, one
-            device allocation per block.
-        limit (int or str): bytes each device may hold for this pool (in use,
-            cached, and in flight), for every device, including those first
-            used later: an int, ``"8GiB"``, or ``"50%"`` of each device's
-            memory.  None reads ``$XPOOL_MEMORY_LIMIT``; 0 or unset: no limit.
-        debug: ``"raise"``, ``"warn"``, True (= ``"raise"``) or False.  None
-            reads ``$XPOOL_DEBUG``.  See ``xpool.debug``.
-        timeline (int): events to keep in the allocation timeline (0: off).
-            None reads ``$XPOOL_TIMELINE``.
+        settings (xpool.Settings): how the pool works; None: from the keyword
+            settings, the ``XPOOL_*`` variables and the defaults.
+        **fields: settings as keywords, over ``settings``: ``scheme``,
+            ``classes_per_doubling``, ``limit``, ``debug``, ``timeline``,
+            ``small_segment``, ``segment_round``, ``release_on_miss``,
+            ``release_idle`` (see ``xpool.Settings``).
 
     Raises:
-        TypeError: ``backend`` lacks one of the methods of ``Backend``.
+        TypeError: ``backend`` lacks one of the methods of ``Backend``, or a
+            keyword is no setting.
         ValueError: a bad setting, naming the argument or variable.
     """
 
-    def __init__(self, backend, classes_per_doubling: int | None = None, *, scheme: str | None = None,
-                 limit=None, debug=None, timeline: int | None = None, _stream_fn: int = 0,
-                 _segments: dict | None = None):
-        self.scheme, self.classes_per_doubling = _scheme(scheme, classes_per_doubling)
+    def __init__(self, backend, settings: Settings | None = None, **fields):
+        self._start(backend, resolve(settings, fields, type(self).__name__), 0)
+
+    def _start(self, backend, settings: Settings, stream_lookup: int) -> None:
+        """Sets the pool up; stream_lookup: 0, or the address of `intptr_t fn(int device)` giving a device's
+        current stream (MemoryPool's CuPy lookup; xpool.testing.pool_with_stream_lookup)."""
         missing = [m for m in BACKEND_METHODS if not callable(getattr(backend, m, None))]
         if missing:
             raise TypeError(f"backend must provide {', '.join(BACKEND_METHODS)}; "
                             f"{type(backend).__name__} lacks {', '.join(missing)}")
-        limit_setting = _limit_setting(limit)
-        if timeline is None:
-            timeline = _int_from_env(ENV_TIMELINE, 0)
-            if timeline < 0:
-                raise ValueError(f"{ENV_TIMELINE}={timeline}: expected a number of events >= 0")
         self.backend = backend
+        self.settings = settings
         self._n_devices = min(backend.device_count(), _core.MAX_DEVICES)   # asked once, not per call
-        # _segments: segment_round, small_segment, release_on_miss (0 never, 1 above the high-water mark: the
-        # default, 2 always; the memory study compares them), release_idle (with 1: requests a segment stays
-        # whole and free before a miss may give it back; default 64)
-        self._core = _core.Allocator(backend, make_error, self.classes_per_doubling or 1, 0,
-                                     _stream_fn, scheme=self.scheme, **(_segments or {}))
+        self._core = _core.Allocator(backend, make_error, settings, stream_lookup)
         self._hook = None
-        self.set_debug(_debug_mode(debug))
-        if limit_setting is not None:
-            kind, value = limit_setting
-            if kind == "fraction":
-                self._core.set_default_limit(0, value)
-            else:
-                self._core.set_default_limit(value, 0.0)
-        if timeline:
-            self.enable_timeline(timeline)
+        self._apply_debug(settings.debug)
         _live_cores.add(self._core)
+
+    @property
+    def scheme(self) -> str:
+        """How blocks are made: ``"segments"`` or ``"seed"`` (``settings.scheme``)."""
+        return self.settings.scheme
+
+    @property
+    def classes_per_doubling(self) -> int | None:
+        """Scheme seed's classes per doubling; None under another scheme."""
+        return self.settings.classes_per_doubling
 
     # --- allocation (the CuPy adapter has its own C-level path)
     def allocate(self, nbytes: int, device: int | None = None, stream: int | None = None):
@@ -202,8 +106,7 @@ class Pool:
                 (``RequestTooLargeError`` if larger than the whole device).
             xpool.CorruptionError: debug mode found damage (see ``check``).
         """
-        n = check_nbytes(nbytes)
-        return self._core.allocate(n, self._device(device), self._stream(stream))
+        return self._core.allocate(nbytes, self._device(device), self._stream(stream))   # nbytes checked there
 
     def _device(self, device):
         if device is None:
@@ -379,8 +282,10 @@ class Pool:
         Raises:
             ValueError: an unknown mode.
         """
-        mode = _debug_mode(mode) if mode is not None else None
-        if mode is None:
+        self._apply_debug(parse_debug(mode))
+
+    def _apply_debug(self, mode) -> None:
+        if not mode:
             self._hook = None
             self._core.set_debug(None, 0)
         else:
@@ -448,9 +353,10 @@ class Pool:
         return self._core.live_blocks(self._device(device))
 
     def __repr__(self):
-        k = f" classes_per_doubling={self.classes_per_doubling}" if self.scheme == "seed" else ""
-        return (f"<{type(self).__name__} scheme={self.scheme}{k} "
-                f"devices={self.devices()} debug={self.debug}>")
+        return f"<{type(self).__name__} {self.settings!r} devices={self.devices()} debug={self.debug}>"
+
+
+settings_signature(Pool.__init__, ("backend", "settings"))
 
 
 def _after_fork_in_child() -> None:

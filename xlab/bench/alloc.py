@@ -20,7 +20,7 @@ allocator's in the same trial (> 1: faster than CuPy's pool); the report takes m
 (xlab.intervals). device_mallocs_per_pair comes from a separate counting pass (see allocators.py).
 
 `--host` measures xpool's C core alone on a CPU: malloc+free pairs through its CuPy hooks, timed in C
-(`xpool._core.time_pairs`), over host memory, for the default scheme, the design's (seed) and a C allocator
+(`xlab._probes.time_pairs`), over host memory, for the default scheme, the design's (seed) and a C allocator
 that does nothing (c_noop), with the pool alone and with a training-like population of ranges around it
 (`busy`); the same interleaving, CSV data/alloc_core_host.csv. CuPy's pool cannot run there (it needs a GPU),
 so its ratios are against xpool_seed. This is how the hit path was profiled (NOTES.md).
@@ -361,7 +361,7 @@ def host_pool(scheme: str, busy: bool, seed: int = 0):
 
 
 def measure_host(sizes=SIZES, trials=TRIALS, target_s=TARGET_S / 3, windows=WINDOWS, progress=True):
-    """Samples of the C core's malloc+free pairs over host memory (xpool._core.time_pairs): one row per
+    """Samples of the C core's malloc+free pairs over host memory (xlab._probes.time_pairs): one row per
     (trial, allocator, scenario, size) with ns and pairs, arms interleaved and rotated as on the GPU.
 
     Args:
@@ -377,14 +377,15 @@ def measure_host(sizes=SIZES, trials=TRIALS, target_s=TARGET_S / 3, windows=WIND
     import pandas as pd
     from tqdm.auto import tqdm
 
-    from xpool import _core
+    from xlab import _probes
+    from xpool import testing
     pools = {(a, sc): host_pool("seed" if a == "xpool_seed" else "xpool", sc == "busy")
              for a in HOST_ARMS if a != "c_noop" for sc in HOST_SCENARIOS}
-    noop = _core.noop_cfunctions(1 << 20)
+    noop = _probes.noop_cfunctions(1 << 20)
 
     def runner(arm, scenario, nbytes):
-        cf = noop if arm == "c_noop" else pools[arm, scenario]._core.cfunctions()
-        return lambda pairs: (_core.time_pairs(*cf, nbytes, pairs), pairs)
+        cf = noop if arm == "c_noop" else testing.cfunctions(pools[arm, scenario])
+        return lambda pairs: (_probes.time_pairs(*cf, nbytes, pairs), pairs)
 
     cases = [(sc, n) for sc in HOST_SCENARIOS for n in sizes]
     pairs = {}

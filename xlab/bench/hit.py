@@ -12,8 +12,8 @@ Arms timed in place, ns per pair (a CuPy memory object made through the arm, the
   xpool_old_lookup  + CuPy's get_current_stream_ptr() instead (what xpool called before, and what CuPy's own pool
                     calls): a thread-local and cudaGetDevice more (GPU only).
   cupy_pool         CuPy's MemoryPool (GPU only).
-Pieces timed in C alone, with nothing around them: core_c (xpool_core's pair, xpool._core.time_pairs),
-lookup_c and old_lookup_c (one call of each lookup, xpool._core.time_calls; GPU only).
+Pieces timed in C alone, with nothing around them: core_c (xpool_core's pair, xlab._probes.time_pairs),
+lookup_c and old_lookup_c (one call of each lookup, xlab._probes.time_calls; GPU only).
 
 The breakdown subtracts arms paired by trial: core in place = xpool_core - c_noop, lookup in place = xpool -
 xpool_core, old lookup = xpool_old_lookup - xpool_core, CuPy's pool above the floor = cupy_pool - c_noop.
@@ -91,34 +91,34 @@ def make_arms(gpu: bool) -> dict:
         The arms, and the objects they keep alive under "_keep".
     """
     import xpool
-    from xpool import _core
-    from xpool.cupy_adapter import _capsule_fn, _current_stream_fn
+    from xlab import _probes
+    from xpool import testing
     backend = xpool.CupyBackend() if gpu else xpool.HostBackend()
-    core = xpool.Pool(backend, _stream_fn=0)
-    noop = _core.noop_cfunctions(1 << 20)          # hands out a made-up pointer: nothing touches it
+    core = testing.pool_with_stream_lookup(backend, 0)
+    noop = _probes.noop_cfunctions(1 << 20)        # hands out a made-up pointer: nothing touches it
     arms, keep = {}, [core]
     if gpu:
         from cupy.cuda import MemoryPool, stream
         from cupy.cuda.memory import CFunctionAllocator
         # CuPy's get_current_stream_ptr takes no argument; called as fn(device), the device lands in a register
         # the callee never reads (x86-64 and AArch64 pass it in one), so the old lookup runs unchanged
-        old_fn = _capsule_fn(stream, "get_current_stream_ptr", b"intptr_t (void)")
-        old = xpool.Pool(backend, _stream_fn=old_fn)
+        old_fn = testing.capsule_function(stream, "get_current_stream_ptr", b"intptr_t (void)")
+        old = testing.pool_with_stream_lookup(backend, old_fn)
         shipped = xpool.MemoryPool(backend=backend)
         cfa = {name: CFunctionAllocator(*cf, owner) for name, cf, owner in
-               (("c_noop", noop, None), ("xpool_core", core._core.cfunctions(), core._core),
-                ("xpool_old_lookup", old._core.cfunctions(), old._core))}
+               (("c_noop", noop, None), ("xpool_core", testing.cfunctions(core), core),
+                ("xpool_old_lookup", testing.cfunctions(old), old))}
         keep += [old, shipped, cfa]
         arms = {"c_noop": pair_runner(cfa["c_noop"], True), "xpool_core": pair_runner(cfa["xpool_core"], True),
                 "xpool": pair_runner(shipped, True), "xpool_old_lookup": pair_runner(cfa["xpool_old_lookup"], True),
                 "cupy_pool": pair_runner(MemoryPool(), True)}
-        new_fn = _current_stream_fn()
-        arms["lookup_c"] = lambda nbytes, calls: _core.time_calls(new_fn, calls, 0)
-        arms["old_lookup_c"] = lambda nbytes, calls: _core.time_calls(old_fn, calls)
+        new_fn = testing.cupy_stream_lookup()
+        arms["lookup_c"] = lambda nbytes, calls: _probes.time_calls(new_fn, calls, 0)
+        arms["old_lookup_c"] = lambda nbytes, calls: _probes.time_calls(old_fn, calls)
     else:
-        arms = {"c_noop": pair_runner(noop, False), "xpool_core": pair_runner(core._core.cfunctions(), False)}
-    cf = core._core.cfunctions()
-    arms["core_c"] = lambda nbytes, calls: _core.time_pairs(*cf, nbytes, calls)
+        arms = {"c_noop": pair_runner(noop, False), "xpool_core": pair_runner(testing.cfunctions(core), False)}
+    cf = testing.cfunctions(core)
+    arms["core_c"] = lambda nbytes, calls: _probes.time_pairs(*cf, nbytes, calls)
     arms["_keep"] = keep
     return arms
 

@@ -1,0 +1,125 @@
+/*
+ * xlab._probes: the lab's timing probes, in C so a loop adds nothing of Python's to what it times.
+ * Lab-only: xpool ships none of this.  Allocators come in as C function addresses (xpool.testing.cfunctions()
+ * for a pool, noop_cfunctions() here for the floor), so the probes know no allocator.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <time.h>
+
+#define MAX_DEVICES 64   /* xpool's: a device id beyond it is an error there too */
+
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* A C allocator that does nothing: hands out the one pointer it was given.
+ * Through CFunctionAllocator it measures the floor of CuPy's C-callback path. */
+static void *noop_malloc(void *param, size_t size, int device) { return param; }
+static void noop_free(void *param, void *ptr, int device) { }
+
+static PyObject *py_noop_cfunctions(PyObject *mod, PyObject *args)
+{
+    unsigned long long ptr;
+    if (!PyArg_ParseTuple(args, "K", &ptr)) return NULL;
+    return Py_BuildValue("(KKK)", ptr, (unsigned long long)(uintptr_t)&noop_malloc,
+                         (unsigned long long)(uintptr_t)&noop_free);
+}
+
+/* time_pairs(param, malloc, free, nbytes, pairs, device=0) -> ns: `pairs` malloc+free pairs through a C
+ * allocator's two functions (xpool.testing.cfunctions(pool), noop_cfunctions()), timed in C.  The C
+ * allocator's own cost, without CuPy's objects or a Python loop around it: xlab.bench.alloc --host measures
+ * the hit path with it on a CPU (over host memory), where CuPy's arrays cannot be made. */
+static PyObject *py_time_pairs(PyObject *mod, PyObject *args)
+{
+    unsigned long long param, malloc_fn, free_fn;
+    Py_ssize_t nbytes, pairs;
+    int device = 0;
+    if (!PyArg_ParseTuple(args, "KKKnn|i", &param, &malloc_fn, &free_fn, &nbytes, &pairs, &device))
+        return NULL;
+    if (nbytes < 0 || pairs < 0) {
+        PyErr_Format(PyExc_ValueError, "nbytes and pairs must be >= 0, got nbytes=%zd, pairs=%zd", nbytes,
+                     pairs);
+        return NULL;
+    }
+    if (!malloc_fn || !free_fn) {
+        PyErr_SetString(PyExc_ValueError, "malloc and free must be function addresses, got 0");
+        return NULL;
+    }
+    void *(*m)(void *, size_t, int) = (void *(*)(void *, size_t, int))(uintptr_t)malloc_fn;
+    void (*f)(void *, void *, int) = (void (*)(void *, void *, int))(uintptr_t)free_fn;
+    void *p = (void *)(uintptr_t)param;
+    int64_t t0 = now_ns();
+    for (Py_ssize_t i = 0; i < pairs; i++) {
+        void *ptr = m(p, (size_t)nbytes, device);
+        if (ptr == (void *)(intptr_t)-1) return NULL;   /* the allocator's exception is set */
+        f(p, ptr, device);
+    }
+    return PyLong_FromLongLong(now_ns() - t0);
+}
+
+/* time_calls(fn, calls, device=None) -> ns: `calls` calls of a stream lookup, timed in C: `intptr_t fn(int
+ * device)` (what xpool's CuPy hook calls, CuPy's get_stream_ptr) or, with device None, `intptr_t fn(void)`
+ * (CuPy's get_current_stream_ptr, which CuPy's own pool calls).  What one lookup costs, without the pair
+ * around it (xlab.bench.hit). */
+static PyObject *py_time_calls(PyObject *mod, PyObject *args)
+{
+    unsigned long long fn;
+    Py_ssize_t calls;
+    PyObject *device_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "Kn|O", &fn, &calls, &device_obj)) return NULL;
+    if (!fn) {
+        PyErr_SetString(PyExc_ValueError, "fn must be a function address, got 0");
+        return NULL;
+    }
+    if (calls < 0) {
+        PyErr_Format(PyExc_ValueError, "calls must be >= 0, got %zd", calls);
+        return NULL;
+    }
+    int device = -1;
+    if (device_obj != Py_None) {
+        long d = PyLong_AsLong(device_obj);
+        if (d == -1 && PyErr_Occurred()) return NULL;
+        if (d < 0 || d >= MAX_DEVICES) {
+            PyErr_Format(PyExc_ValueError, "device must be in [0, %d) or None, got %ld", MAX_DEVICES, d);
+            return NULL;
+        }
+        device = (int)d;
+    }
+    volatile intptr_t sink = 0;
+    int64_t t0 = now_ns();
+    if (device >= 0) {
+        intptr_t (*f)(int) = (intptr_t (*)(int))(uintptr_t)fn;
+        for (Py_ssize_t i = 0; i < calls; i++) sink = f(device);
+    } else {
+        intptr_t (*f)(void) = (intptr_t (*)(void))(uintptr_t)fn;
+        for (Py_ssize_t i = 0; i < calls; i++) sink = f();
+    }
+    int64_t ns = now_ns() - t0;
+    (void)sink;
+    if (PyErr_Occurred()) return NULL;   /* the lookup failed (no CUDA driver, say) */
+    return PyLong_FromLongLong(ns);
+}
+
+static PyMethodDef module_methods[] = {
+    {"time_pairs", py_time_pairs, METH_VARARGS,
+     "time_pairs(param, malloc, free, nbytes, pairs, device=0) -> ns: malloc+free pairs timed in C"},
+    {"time_calls", py_time_calls, METH_VARARGS,
+     "time_calls(fn, calls, device=None) -> ns: calls of intptr_t fn(int device) (or fn(void)) timed in C"},
+    {"noop_cfunctions", py_noop_cfunctions, METH_VARARGS,
+     "noop_cfunctions(ptr) -> (param, malloc, free): a do-nothing C allocator, the floor for benchmarks"},
+    {NULL}
+};
+
+static struct PyModuleDef probes_module = {
+    PyModuleDef_HEAD_INIT, "xlab._probes", "The lab's timing probes, in C.", -1, module_methods
+};
+
+PyMODINIT_FUNC PyInit__probes(void)
+{
+    return PyModule_Create(&probes_module);
+}

@@ -1,0 +1,1158 @@
+/* xpool._core: the allocator (see _core.h for the layers, the GIL rules and the lock order). */
+#include "_core.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+const char *const origin_names[XP_ORIGINS] = {"cupy", "torch", "python"};
+const char *const xp_scheme_names[XP_SCHEMES] = {"segments", "seed"};
+const char *const xp_release_names[XP_RELEASE_CHOICES] = {"never", "high_water", "always"};
+
+static PyObject *gc_collect;          /* gc.collect, for the ladder's last retry */
+
+int xp_alloc_module_init(void)
+{
+    PyObject *gc = PyImport_ImportModule("gc");
+    if (!gc) return -1;
+    gc_collect = PyObject_GetAttrString(gc, "collect");
+    Py_DECREF(gc);
+    return gc_collect ? 0 : -1;
+}
+
+static int collect_garbage(void)
+{
+    PyObject *r = PyObject_CallNoArgs(gc_collect);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+}
+
+/* ------------------------------------------------------------------ size classes */
+
+static size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
+
+/* The j-th of the k classes between p and 2p. */
+static inline size_t klass(size_t p, size_t j, unsigned k)
+{
+    return round_up(p + (j * p + k - 1) / k, XP_ALIGN);
+}
+
+/* Class of an n-byte request; k classes per doubling above 1 MiB. */
+size_t size_class(size_t n, unsigned k)
+{
+    if (n <= XP_SMALL_MAX)
+        return n == 0 ? XP_ALIGN : round_up(n, XP_ALIGN);
+    /* p: the largest power of two below n, so p < n <= 2p */
+    size_t p = (size_t)1 << (63 - __builtin_clzll((unsigned long long)(n - 1)));
+    size_t j = ((n - p) * k + p - 1) / p;          /* least j with p + j p / k >= n */
+    /* class j is p + ceil(j p / k) rounded up to 512 B; the rounding can make
+     * class j-1 large enough already (p / k >= 16 KiB, so one step at most) */
+    if (j > 1 && klass(p, j - 1, k) >= n) j--;
+    return klass(p, j, k);
+}
+
+void xp_refuse_request(unsigned long long n)
+{
+    PyErr_Format(PyExc_ValueError, "nbytes=%llu is larger than any device (max %zu)", n,
+                 (size_t)XP_MAX_REQUEST);
+}
+
+/* ------------------------------------------------------------------ tables */
+
+static inline size_t mix(uint64_t x)
+{
+    x ^= x >> 33; x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL;
+    return (size_t)(x ^ (x >> 33));
+}
+
+#define PTRTABLE_MIN_CAP 256
+
+/* Rehashes into a table sized for the live entries alone, dropping the
+ * tombstones: at most a quarter full afterwards, so the next rehash is at
+ * least cap/4 inserts away (amortised O(1)), and a table whose blocks came and
+ * went at ever new addresses stays as small as what is alive. */
+static int ptrtable_rehash(PtrTable *t)
+{
+    size_t cap = PTRTABLE_MIN_CAP;
+    while ((t->used + 1) * 4 > cap) cap *= 2;
+    Block **slots = calloc(cap, sizeof(Block *));
+    if (!slots) return -1;
+    for (size_t i = 0; i < t->cap; i++) {
+        Block *b = t->slots[i];
+        if (b && b != TOMBSTONE) {
+            size_t h = mix(b->ptr) & (cap - 1);
+            while (slots[h]) h = (h + 1) & (cap - 1);
+            slots[h] = b;
+        }
+    }
+    free(t->slots);
+    t->slots = slots; t->cap = cap; t->filled = t->used;
+    return 0;
+}
+
+static int ptrtable_insert(PtrTable *t, Block *b)
+{
+    if ((t->filled + 1) * 2 > t->cap && ptrtable_rehash(t) < 0) return -1;
+    size_t h = mix(b->ptr) & (t->cap - 1);
+    while (t->slots[h] && t->slots[h] != TOMBSTONE) h = (h + 1) & (t->cap - 1);
+    if (!t->slots[h]) t->filled++;
+    t->slots[h] = b; t->used++;
+    return 0;
+}
+
+static Block **ptrtable_slot(PtrTable *t, uintptr_t ptr)
+{
+    if (!t->cap) return NULL;
+    size_t h = mix(ptr) & (t->cap - 1);
+    for (Block *b; (b = t->slots[h]); h = (h + 1) & (t->cap - 1))
+        if (b != TOMBSTONE && b->ptr == ptr) return &t->slots[h];
+    return NULL;
+}
+
+static Block *ptrtable_remove(PtrTable *t, uintptr_t ptr)
+{
+    Block **slot = ptrtable_slot(t, ptr);
+    if (!slot) return NULL;
+    Block *b = *slot;
+    *slot = TOMBSTONE; t->used--;
+    return b;
+}
+
+static inline size_t bin_hash(intptr_t stream, size_t size)
+{
+    return mix((uint64_t)stream * 0x9e3779b97f4a7c15ULL ^ (uint64_t)size);
+}
+
+static Bin *bintable_find(BinTable *t, intptr_t stream, size_t size)
+{
+    if (!t->cap) return NULL;
+    size_t h = bin_hash(stream, size) & (t->cap - 1);
+    for (Bin *b; (b = t->slots[h]); h = (h + 1) & (t->cap - 1))
+        if (b->size == size && b->stream == stream) return b;
+    return NULL;
+}
+
+static Bin *bintable_get(BinTable *t, intptr_t stream, size_t size)
+{
+    Bin *bin = bintable_find(t, stream, size);
+    if (bin) return bin;
+    if ((t->used + 1) * 2 > t->cap) {
+        size_t cap = t->cap ? t->cap * 2 : 64;
+        Bin **slots = calloc(cap, sizeof(Bin *));
+        if (!slots) return NULL;
+        for (size_t i = 0; i < t->cap; i++) {
+            Bin *b = t->slots[i];
+            if (!b) continue;
+            size_t h = bin_hash(b->stream, b->size) & (cap - 1);
+            while (slots[h]) h = (h + 1) & (cap - 1);
+            slots[h] = b;
+        }
+        free(t->slots);
+        t->slots = slots; t->cap = cap;
+    }
+    bin = calloc(1, sizeof(Bin));
+    if (!bin) return NULL;
+    bin->stream = stream; bin->size = size;
+    size_t h = bin_hash(stream, size) & (t->cap - 1);
+    while (t->slots[h]) h = (h + 1) & (t->cap - 1);
+    t->slots[h] = bin; t->used++;
+    return bin;
+}
+
+/* ------------------------------------------------------------------ statistics and the timeline */
+
+static inline void origin_in(Stats *s, int origin, size_t size)
+{
+    if (origin != ORIGIN_CUPY) s->bytes_in_use_by[origin] += size;
+}
+
+static inline void origin_out(Stats *s, int origin, size_t size)
+{
+    if (origin != ORIGIN_CUPY) s->bytes_in_use_by[origin] -= size;
+}
+
+static void apply_delta(Stats *st, SegDelta d)
+{
+    st->blocks_cached += d.free_ranges;
+    st->bytes_cached += d.free_bytes;
+}
+
+static void note_peaks(Stats *s)
+{
+    if (s->bytes_in_use > s->peak_bytes_in_use) s->peak_bytes_in_use = s->bytes_in_use;
+    if (s->bytes_requested > s->peak_bytes_requested) s->peak_bytes_requested = s->bytes_requested;
+    if (reserved(s) > s->peak_bytes_reserved) s->peak_bytes_reserved = reserved(s);
+}
+
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void timeline_record(Timeline *tl, int event, const DevicePool *pool, const Block *b,
+                            size_t requested)
+{
+    if (!atomic_load_explicit(&tl->on, memory_order_relaxed)) return;
+    pthread_mutex_lock(&tl->lock);
+    if (tl->buf) {
+        Event *e = &tl->buf[tl->count % tl->cap];
+        e->t_ns = now_ns();
+        e->device = pool->device;
+        e->event = event;
+        e->stream = b ? b->stream : 0;
+        e->ptr = b ? b->ptr : 0;
+        e->requested = requested;
+        e->size = b ? b->size : 0;
+        e->bytes_in_use = pool->st.bytes_in_use;
+        e->bytes_cached = pool->st.bytes_cached;
+        e->origin = b ? b->origin : -1;
+        tl->count++;
+    }
+    pthread_mutex_unlock(&tl->lock);
+}
+
+/* Counts a block as handed out, with its requested bytes set.  Pool lock held. */
+static void count_in_use(Allocator *A, DevicePool *pool, Block *b, int event)
+{
+    pool->st.blocks_in_use++; pool->st.bytes_in_use += b->size;
+    pool->st.bytes_requested += b->requested;
+    origin_in(&pool->st, b->origin, b->size);
+    note_peaks(&pool->st);
+    timeline_record(&A->tl, event, pool, b, b->requested);
+}
+
+/* ------------------------------------------------------------------ device pools */
+
+int xp_check_device(int device)
+{
+    if (device >= 0 && device < XP_MAX_DEVICES) return 0;
+    PyErr_Format(PyExc_ValueError, "device must be in [0, %d), got %d", XP_MAX_DEVICES, device);
+    return -1;
+}
+
+/* The device's total bytes, from backend.total_memory(device); -1 with its error. */
+static int device_capacity(Allocator *A, int device, uint64_t *out)
+{
+    PyObject *r = PyObject_CallMethod(A->backend, "total_memory", "i", device);
+    if (!r) return -1;
+    *out = PyLong_AsUnsignedLongLong(r);
+    Py_DECREF(r);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* A limit of `fraction` (> 0) of a device: at least one byte, never "no limit". */
+static uint64_t limit_from_fraction(double fraction, uint64_t capacity)
+{
+    uint64_t limit = (uint64_t)(fraction * (double)capacity);
+    return limit ? limit : 1;
+}
+
+DevicePool *pool_get(Allocator *A, int device)
+{
+    DevicePool *pool = pool_lookup(A, device);
+    if (pool) return pool;
+    pthread_mutex_lock(&A->registry_lock);
+    uint64_t limit = A->default_limit, capacity = 0;
+    double fraction = A->default_fraction;
+    pthread_mutex_unlock(&A->registry_lock);
+    if (fraction > 0) {   /* the limit is a share of this device: ask its size, outside the lock */
+        if (device_capacity(A, device, &capacity) < 0) return NULL;
+        limit = limit_from_fraction(fraction, capacity);
+    }
+    pthread_mutex_lock(&A->registry_lock);
+    pool = atomic_load_explicit(&A->pools[device], memory_order_relaxed);
+    if (!pool && (pool = calloc(1, sizeof(DevicePool)))) {
+        pthread_mutex_init(&pool->lock, NULL);
+        pool->device = device;
+        pool->limit = limit;
+        pool->capacity = capacity;
+        atomic_store_explicit(&A->pools[device], pool, memory_order_release);
+    }
+    pthread_mutex_unlock(&A->registry_lock);
+    if (!pool) PyErr_NoMemory();
+    return pool;
+}
+
+/* The device's total bytes (0: unknown), asked of the backend once, on the first miss that needs it:
+ * the one capacity probe of the miss path (a fractional limit asks when the pool is made). */
+static uint64_t pool_capacity(Allocator *A, DevicePool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    uint64_t capacity = pool->capacity;
+    pthread_mutex_unlock(&pool->lock);
+    if (capacity) return capacity;
+    if (device_capacity(A, pool->device, &capacity) < 0) { PyErr_Clear(); capacity = 0; }
+    pthread_mutex_lock(&pool->lock);
+    pool->capacity = capacity;
+    pthread_mutex_unlock(&pool->lock);
+    return capacity;
+}
+
+/* ------------------------------------------------------------------ debug hooks */
+
+PyObject *block_info(const Block *b, size_t requested)
+{
+    return Py_BuildValue("{s:i,s:K,s:n,s:n,s:L,s:K,s:s,s:O,s:O}", "device", b->device,
+                         "ptr", (unsigned long long)b->ptr, "size", (Py_ssize_t)b->size,
+                         "requested", (Py_ssize_t)requested, "stream", (long long)b->stream,
+                         "serial", (unsigned long long)b->serial, "origin", origin_names[b->origin],
+                         "guarded", b->guarded ? Py_True : Py_False,
+                         "poisoned", b->poisoned ? Py_True : Py_False);
+}
+
+/* An operation uses the hook it started with, even if set_debug swaps it while a hook call has let
+ * another thread run. */
+PyObject *debug_snapshot(Allocator *A, size_t *tail)
+{
+    *tail = 0;
+    if (!atomic_load_explicit(&A->debug_on, memory_order_acquire)) return NULL;
+    pthread_mutex_lock(&A->debug_lock);
+    PyObject *hook = A->debug_hook;
+    Py_XINCREF(hook);
+    if (hook) *tail = A->debug_tail;
+    pthread_mutex_unlock(&A->debug_lock);
+    return hook;
+}
+
+/* The snapshot's reference may be the hook's last, and freeing it may run Python code. */
+void drop_hook(PyObject *hook)
+{
+    if (!hook) return;
+    PyObject *exc = PyErr_GetRaisedException();
+    Py_DECREF(hook);
+    if (exc) PyErr_SetRaisedException(exc);
+}
+
+/* The old hook is dropped after the lock, as dropping it may run Python code. */
+void set_hook(Allocator *A, PyObject *hook, size_t tail)
+{
+    if (hook == Py_None) hook = NULL;
+    Py_XINCREF(hook);
+    pthread_mutex_lock(&A->debug_lock);
+    PyObject *old = A->debug_hook;
+    A->debug_hook = hook;
+    A->debug_tail = hook ? tail : 0;
+    atomic_store_explicit(&A->debug_on, hook != NULL, memory_order_release);
+    pthread_mutex_unlock(&A->debug_lock);
+    Py_XDECREF(old);
+}
+
+/* Calls hook.<name>(info); -1 with the hook's exception set if it raised. */
+static int call_hook(PyObject *hook, const char *name, const Block *b, size_t requested)
+{
+    PyObject *info = block_info(b, requested);
+    if (!info) return -1;
+    PyObject *r = PyObject_CallMethod(hook, name, "O", info);
+    Py_DECREF(info);
+    if (!r) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ schemes (Note [Schemes])
+ *
+ * Every difference between the schemes is in the scheme_* functions here (and in which cache
+ * cache_block() files a block, by the block's kind); the rest of the core is shared.
+ *   scheme_block_size   bytes a request takes
+ *   scheme_take         a cached block: the hit path
+ *   scheme_make         a new block on a miss, through the recovery ladder (device_malloc)
+ *   scheme_take_idle    cached blocks taken out of the cache to give back
+ *   scheme_give_back    one such block back to the device
+ */
+
+/* Bytes a block takes: its class (seed), or the request rounded up to 512 B, cut from a segment
+ * (segments).  n <= XP_MAX_REQUEST + XP_MAX_DEBUG_TAIL. */
+static inline size_t scheme_block_size(const Allocator *A, size_t n)
+{
+    switch (A->scheme) {
+    case XP_SCHEME_SEED: return size_class(n, A->k);
+    default: return n == 0 ? XP_ALIGN : round_up(n, XP_ALIGN);
+    }
+}
+
+/* A block whose give-back is a device allocation of its own (a class block), not a range of a segment. */
+static inline int is_allocation(const Block *b) { return !b->in_segment; }
+
+/* Puts a block that is in no table into the cache: a range merges with its free neighbours in the
+ * FreeTree, a class block goes on the bin of its stream and class.  That bin exists: seed_make makes it
+ * before the block is first handed out, and bins are never removed, so caching never needs memory.
+ * Pool lock held; the caller takes the block's bytes off the counter they were on. */
+static void cache_block(DevicePool *pool, Block *b)
+{
+    b->requested = 0;
+    if (b->in_segment) {   /* merges with free neighbours: b may be freed, never use it after this */
+        SegDelta d = {0, 0};
+        seg_put(&pool->segs, b, &d);
+        apply_delta(&pool->st, d);
+        return;
+    }
+    Bin *bin = bintable_find(&pool->bins, b->stream, b->size);
+    b->next = bin->top; bin->top = b; bin->count++;
+    pool->st.blocks_cached++; pool->st.bytes_cached += b->size;
+}
+
+/* A cached block of `size` bytes for `stream`, taken off the cached counters; NULL when none.  Pool
+ * lock held.  A range can come out larger than asked (no memory to split it): see b->size. */
+static inline Block *scheme_take(Allocator *A, DevicePool *pool, intptr_t stream, size_t size)
+{
+    switch (A->scheme) {
+    case XP_SCHEME_SEED: {
+        Bin *bin = bintable_find(&pool->bins, stream, size);
+        Block *b = bin ? bin->top : NULL;
+        if (!b) return NULL;
+        bin->top = b->next; bin->count--;
+        b->next = NULL;
+        pool->st.blocks_cached--; pool->st.bytes_cached -= b->size;
+        return b;
+    }
+    default: {
+        SegDelta d = {0, 0};
+        Block *b = seg_take(&pool->segs, stream, size, &d);
+        apply_delta(&pool->st, d);
+        return b;
+    }
+    }
+}
+
+/* Takes cached blocks (of one stream, or all when all_streams) out of the cache, into blocks[*n..cap),
+ * until at most `keep` bytes stay cached: class blocks, or whole free segments (a segment partly in use
+ * stays).  Their bytes move to bytes_releasing, so they still count against the limit.  Pool lock held. */
+static void scheme_take_idle(Allocator *A, DevicePool *pool, int all_streams, intptr_t stream, uint64_t keep,
+                             Block **blocks, size_t *n, size_t cap)
+{
+    switch (A->scheme) {
+    case XP_SCHEME_SEED:
+        for (size_t i = 0; i < pool->bins.cap && pool->st.bytes_cached > keep; i++) {
+            Bin *bin = pool->bins.slots[i];
+            if (!bin || (!all_streams && bin->stream != stream)) continue;
+            while (bin->top && pool->st.bytes_cached > keep) {
+                Block *b = bin->top;
+                bin->top = b->next; bin->count--;
+                b->next = NULL;
+                pool->st.blocks_cached--; pool->st.bytes_cached -= b->size;
+                pool->st.bytes_releasing += b->size;
+                blocks[(*n)++] = b;
+            }
+        }
+        break;
+    default:
+        if (seg_any_free(&pool->segs)) {
+            size_t first = *n;
+            uint64_t cached = pool->st.bytes_cached;
+            SegDelta d = {0, 0};
+            seg_take_whole(&pool->segs, all_streams, stream, keep, &cached, blocks, n, cap, &d);
+            apply_delta(&pool->st, d);
+            for (size_t i = first; i < *n; i++) pool->st.bytes_releasing += blocks[i]->size;
+        }
+    }
+}
+
+/* backend.free for a block taken out of the cache: a class block and a whole free segment are each one
+ * device allocation.  The backend's answer (a new reference), NULL with its exception. */
+static PyObject *scheme_give_back(Allocator *A, DevicePool *pool, const Block *b)
+{
+    switch (A->scheme) {
+    case XP_SCHEME_SEED:
+    case XP_SCHEME_SEGMENTS:
+    default:
+        return PyObject_CallMethod(A->backend, "free", "iKn", pool->device, (unsigned long long)b->ptr,
+                                   (Py_ssize_t)b->size);
+    }
+}
+
+/* ------------------------------------------------------------------ giving back */
+
+/* 1 when `stream` (a free-list key) is being captured into a CUDA graph, as the backend's optional
+ * .capturing(device, stream) says; 0 when not, or when the backend cannot tell; -1 with its exception.
+ * Called with the GIL held and no pool lock, on the miss and out-of-memory paths only.  While a stream
+ * captures, the pool must not give memory back: cudaFree synchronises the device, which ends the capture
+ * with an error (cudaErrorStreamCaptureUnsupported) and loses the graph. */
+static int stream_capturing(Allocator *A, int device, intptr_t stream)
+{
+    if (!A->tells_capture) return 0;
+    intptr_t handle = stream < 0 ? XP_STREAM_PER_THREAD : stream;   /* a per-thread key: that thread's stream */
+    PyObject *r = PyObject_CallMethod(A->backend, "capturing", "in", device, (Py_ssize_t)handle);
+    if (!r) return -1;
+    int yes = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return yes;
+}
+
+/* Gives a block that is in no table, its bytes on bytes_releasing, back to
+ * the device.  A backend free that raises has not freed the block (the
+ * Backend contract): it goes back to the cache, so the counters keep matching
+ * what the device holds and a later release tries again; -1 with the
+ * backend's exception. */
+static int give_back(Allocator *A, DevicePool *pool, Block *b)
+{
+    PyObject *r = scheme_give_back(A, pool, b);
+    Py_XDECREF(r);
+    pthread_mutex_lock(&pool->lock);
+    pool->st.bytes_releasing -= b->size;
+    if (r) {
+        pool->st.device_frees++;
+        timeline_record(&A->tl, EV_RELEASE, pool, b, 0);
+    } else {
+        cache_block(pool, b);
+    }
+    pthread_mutex_unlock(&pool->lock);
+    if (!r) return -1;
+    free(b);
+    return 0;
+}
+
+/* Gives blocks taken out of the cache back to the device, every one tried, and frees `blocks`: 0, or -1
+ * with the first failed free's exception (those whose free failed are cached again); *released: the
+ * bytes the device got back either way. */
+static int give_back_all(Allocator *A, DevicePool *pool, Block **blocks, size_t n, uint64_t *released)
+{
+    PyObject *first = NULL;
+    *released = 0;
+    for (size_t i = 0; i < n; i++) {
+        size_t size = blocks[i]->size;
+        if (give_back(A, pool, blocks[i]) == 0) *released += size;
+        else if (!first) first = PyErr_GetRaisedException();
+        else PyErr_Clear();
+    }
+    free(blocks);
+    if (first) { PyErr_SetRaisedException(first); return -1; }
+    return 0;
+}
+
+long long release_cached(Allocator *A, DevicePool *pool, int all_streams, intptr_t stream, uint64_t keep)
+{
+    Block **blocks = NULL;
+    size_t n = 0;
+    int no_memory = 0;
+    pthread_mutex_lock(&pool->lock);
+    size_t cap = pool->st.blocks_cached;
+    if (cap && pool->st.bytes_cached > keep) {
+        blocks = malloc(cap * sizeof(Block *));
+        if (blocks) scheme_take_idle(A, pool, all_streams, stream, keep, blocks, &n, cap);
+        else no_memory = 1;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    if (no_memory) { PyErr_NoMemory(); return -1; }
+    uint64_t released;
+    return give_back_all(A, pool, blocks, n, &released) < 0 ? -1 : (long long)released;
+}
+
+void reset_miss_budget(DevicePool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    pool->miss_released = 0;
+    pool->miss_release_off = 0;
+    pthread_mutex_unlock(&pool->lock);
+}
+
+/* Bytes of a new segment for a `size`-byte range, before the limit and the device's size are asked. */
+static size_t segment_size_for(const Allocator *A, size_t size)
+{
+    return seg_size_for(size, size <= XP_SMALL_MAX ? A->small_segment : A->segment_round);
+}
+
+/* Bytes a miss wanting a `want`-byte segment should give back at the high-water mark (0: none).  Pool lock held. */
+static uint64_t miss_excess(DevicePool *pool, size_t want)
+{
+    uint64_t after = committed(&pool->st) + want, mark = pool->high_water;
+    if (pool->miss_released > XP_MISS_BUDGET * mark) pool->miss_release_off = 1;
+    if (after <= mark || pool->miss_release_off || !seg_any_free(&pool->segs) || !pool->st.blocks_cached) return 0;
+    return after - mark;
+}
+
+/* Scheme segments, on a miss of `size` bytes on `stream`: whole free segments of the stream go back to the
+ * device first, as A->release_on_miss says (Note [Release on miss]): always, or (the default) only the
+ * idle ones that keep the pool at its high-water mark.  0, or -1 with the first failed free's exception.
+ * Nothing goes back while the stream captures (asked without the lock, it calls Python; and only when
+ * something would go back, so the misses that give nothing back ask nothing). */
+static int release_for_miss(Allocator *A, DevicePool *pool, intptr_t stream, size_t size)
+{
+    int capturing;
+    if (A->release_on_miss == XP_RELEASE_ALWAYS) {
+        capturing = stream_capturing(A, pool->device, stream);
+        if (capturing) return capturing < 0 ? -1 : 0;    /* a capture cannot take a cudaFree: the miss only adds */
+        return release_cached(A, pool, 0, stream, 0) < 0 ? -1 : 0;
+    }
+    size_t want = segment_size_for(A, size);
+    pthread_mutex_lock(&pool->lock);
+    uint64_t excess = miss_excess(pool, want);
+    pthread_mutex_unlock(&pool->lock);
+    if (!excess) return 0;
+    capturing = stream_capturing(A, pool->device, stream);
+    if (capturing) return capturing < 0 ? -1 : 0;
+    pthread_mutex_lock(&pool->lock);
+    excess = miss_excess(pool, want);                    /* again: another thread may have moved it */
+    if (!excess) {
+        pthread_mutex_unlock(&pool->lock);
+        return 0;
+    }
+    size_t cap = pool->st.blocks_cached, n = 0;
+    Block **blocks = malloc(cap * sizeof(Block *));
+    if (!blocks) { pthread_mutex_unlock(&pool->lock); PyErr_NoMemory(); return -1; }
+    SegDelta d = {0, 0};
+    seg_take_whole_need(&pool->segs, stream, excess, A->release_idle, blocks, &n, cap, &d);
+    apply_delta(&pool->st, d);
+    for (size_t i = 0; i < n; i++) pool->st.bytes_releasing += blocks[i]->size;
+    pthread_mutex_unlock(&pool->lock);
+    uint64_t released;
+    int r = give_back_all(A, pool, blocks, n, &released);
+    pthread_mutex_lock(&pool->lock);
+    pool->miss_released += released;   /* what the device got back: a failed free spends no budget */
+    pthread_mutex_unlock(&pool->lock);
+    return r;
+}
+
+/* ------------------------------------------------------------------ out of memory */
+
+static PyObject *make_oom(Allocator *A, DevicePool *pool, size_t requested, size_t size,
+                          const char *reason)
+{
+    Stats s;
+    pthread_mutex_lock(&pool->lock);
+    s = pool->st;
+    pool->st.oom_errors++;
+    timeline_record(&A->tl, EV_OOM, pool, NULL, requested);
+    uint64_t limit = pool->limit;
+    pthread_mutex_unlock(&pool->lock);
+    return PyObject_CallFunction(A->error_factory, "inKKKKs", pool->device, (Py_ssize_t)requested,
+                                 (unsigned long long)size, (unsigned long long)s.bytes_in_use,
+                                 (unsigned long long)s.bytes_cached, (unsigned long long)limit,
+                                 reason);
+}
+
+/* Raises xpool.OutOfMemoryError for the request, chained to `cause` (a reference this steals). */
+static int raise_oom(Allocator *A, DevicePool *pool, size_t requested, size_t size,
+                     const char *reason, PyObject *cause)
+{
+    PyObject *err = make_oom(A, pool, requested, size, reason);
+    if (err) {
+        if (cause) PyException_SetCause(err, cause); else Py_XDECREF(cause);
+        PyErr_SetObject((PyObject *)Py_TYPE(err), err);
+        Py_DECREF(err);
+    } else {
+        Py_XDECREF(cause);
+    }
+    return -1;
+}
+
+/* ------------------------------------------------------------------ the recovery ladder (Note [Recovery ladder]) */
+
+enum { TRY_GOT = 0, TRY_FAILED = -1, TRY_NO_ROOM = 1 };   /* what one try came to */
+
+/* One request's way up the ladder. */
+typedef struct {
+    size_t requested, size;     /* the request; the bytes of the device allocation */
+    int step;                   /* 0: the first try; 1, 2: after freeing the cache (and collecting) */
+    int reserved;               /* size counts in bytes_pending: from the try that passed the limit on */
+    int over_limit;             /* the limit refused, and size is larger than the limit itself */
+    const char *refused;        /* what refused the last try: "limit" or "device" */
+    PyObject *cause;            /* the backend's MemoryError of the last try, or NULL */
+} Climb;
+
+/* One try: count the bytes against the limit, under the lock, before the backend is called (once: they
+ * stay pending for the next tries), then backend.malloc.  TRY_NO_ROOM when the limit or a MemoryError
+ * refuses; TRY_FAILED with any other error. */
+static int try_device_malloc(Allocator *A, DevicePool *pool, Climb *c, uintptr_t *ptr)
+{
+    if (!c->reserved) {
+        pthread_mutex_lock(&pool->lock);
+        uint64_t limit = pool->limit;
+        c->reserved = !limit || committed(&pool->st) + c->size <= limit;
+        if (c->reserved) pool->st.bytes_pending += c->size;
+        pthread_mutex_unlock(&pool->lock);
+        if (!c->reserved) {
+            c->refused = "limit";
+            c->over_limit = c->size > limit;
+            return TRY_NO_ROOM;
+        }
+    }
+    PyObject *r = PyObject_CallMethod(A->backend, "malloc", "in", pool->device, (Py_ssize_t)c->size);
+    if (!r) {
+        if (!PyErr_ExceptionMatches(PyExc_MemoryError)) return TRY_FAILED;
+        Py_XSETREF(c->cause, PyErr_GetRaisedException());
+        c->refused = "device";
+        return TRY_NO_ROOM;
+    }
+    unsigned long long p = PyLong_Check(r) ? PyLong_AsUnsignedLongLong(r) : 0;
+    if (PyErr_Occurred()) p = 0;   /* negative, or past 64 bits */
+    if (!p) {   /* 0 is no address: a block there could never be told apart from "released" */
+        PyErr_Clear();
+        PyErr_Format(PyLong_Check(r) ? PyExc_ValueError : PyExc_TypeError,
+                     "backend.malloc(%d, %zu) must return the block's address, an int > 0; got %R",
+                     pool->device, c->size, r);
+        Py_DECREF(r);
+        return TRY_FAILED;
+    }
+    Py_DECREF(r);
+    pthread_mutex_lock(&pool->lock);
+    pool->st.device_mallocs++;
+    if (c->step) pool->st.oom_recoveries++;
+    pthread_mutex_unlock(&pool->lock);
+    *ptr = (uintptr_t)p;
+    return TRY_GOT;
+}
+
+/* The ladder's last step: raise xpool.OutOfMemoryError (reason: what refused, and why it could not be
+ * helped), the pending bytes given up first.  Returns TRY_FAILED. */
+static int give_up(Allocator *A, DevicePool *pool, Climb *c, const char *reason)
+{
+    if (c->reserved) {
+        pthread_mutex_lock(&pool->lock);
+        pool->st.bytes_pending -= c->size;
+        pthread_mutex_unlock(&pool->lock);
+        c->reserved = 0;
+    }
+    PyObject *cause = c->cause;
+    c->cause = NULL;
+    raise_oom(A, pool, c->requested, c->size, reason, cause);
+    return TRY_FAILED;
+}
+
+/* A step of the ladder: free this device's cache (after gc.collect() when `collect`: dead arrays held by
+ * reference cycles give their blocks back), then try again.  Nothing is freed when it cannot help (a
+ * request larger than the limit) or must not happen (the stream captures: a cudaFree would end it). */
+static int free_cache_and_retry(Allocator *A, DevicePool *pool, intptr_t stream, Climb *c, uintptr_t *ptr,
+                                int collect)
+{
+    if (c->over_limit) return give_up(A, pool, c, "limit");
+    int capturing = stream_capturing(A, pool->device, stream);
+    if (capturing < 0) return TRY_FAILED;
+    if (capturing) return give_up(A, pool, c, c->cause ? "device_capturing" : "limit_capturing");
+    if (collect && collect_garbage() < 0) return TRY_FAILED;
+    if (release_cached(A, pool, 1, 0, 0) < 0) return TRY_FAILED;
+    c->step++;
+    return try_device_malloc(A, pool, c, ptr);
+}
+
+/* One device allocation of `size` bytes for a request of `requested`, as PyTorch's malloc reads: try;
+ * free this device's cache and retry; collect garbage, free the cache and retry; raise.  Both what
+ * refuses, the limit and the device's out-of-memory (a MemoryError from backend.malloc), climb the same
+ * ladder; any other error is passed on at once.  A request larger than the whole device raises at once
+ * (reason too_large).  On success the bytes stay pending: the caller records the block. */
+static int device_malloc(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, size_t size,
+                         uintptr_t *ptr)
+{
+    uint64_t capacity = pool_capacity(A, pool);
+    if (capacity && size > capacity)   /* no freeing or retrying can help: bad input */
+        return raise_oom(A, pool, requested, size, "too_large", NULL);
+    Climb c = {.requested = requested, .size = size, .refused = "limit"};
+    int r = try_device_malloc(A, pool, &c, ptr);
+    if (r == TRY_NO_ROOM) r = free_cache_and_retry(A, pool, stream, &c, ptr, 0);
+    if (r == TRY_NO_ROOM) r = free_cache_and_retry(A, pool, stream, &c, ptr, 1);
+    if (r == TRY_NO_ROOM) r = give_up(A, pool, &c, c.refused);
+    if (r != TRY_GOT && c.reserved) {
+        pthread_mutex_lock(&pool->lock);
+        pool->st.bytes_pending -= size;
+        pthread_mutex_unlock(&pool->lock);
+    }
+    Py_XDECREF(c.cause);
+    return r == TRY_GOT ? 0 : -1;
+}
+
+/* ------------------------------------------------------------------ new blocks */
+
+/* A new Block of `bytes` bytes, one device allocation of them (through the ladder); its bytes stay
+ * pending until record_new(). */
+static Block *new_allocation(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, size_t bytes,
+                             int origin, int hooked)
+{
+    Block *b = calloc(1, sizeof(Block));
+    if (!b) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    uintptr_t ptr = 0;
+    if (device_malloc(A, pool, stream, requested, bytes, &ptr) < 0) {
+        free(b);
+        return NULL;
+    }
+    b->ptr = ptr; b->size = bytes; b->requested = requested;
+    b->stream = stream; b->device = pool->device; b->origin = origin; b->handed_out = !hooked;
+    return b;
+}
+
+/* Records a new allocation as a block in use: a segment's first `size` bytes, the rest of it a free
+ * range.  The block, or NULL (no room in the live table: the allocation is given back). */
+static Block *record_new(Allocator *A, DevicePool *pool, Block *b, size_t size)
+{
+    pthread_mutex_lock(&pool->lock);
+    if (committed(&pool->st) > pool->high_water) pool->high_water = committed(&pool->st);
+    pool->st.bytes_pending -= b->size;
+    b->serial = pool->st.requests;
+    if (ptrtable_insert(&pool->live, b) < 0) {
+        pool->st.bytes_releasing += b->size;
+        pthread_mutex_unlock(&pool->lock);
+        if (give_back(A, pool, b) < 0) PyErr_Clear();   /* then it is cached */
+        PyErr_NoMemory();
+        return NULL;
+    }
+    if (b->in_segment) {
+        SegDelta d = {0, 0};
+        seg_init(&pool->segs, b, size, &d);   /* the rest: a free range, poisoned if b was */
+        apply_delta(&pool->st, d);
+        b->poisoned = 0;
+    }
+    count_in_use(A, pool, b, EV_MISS);
+    pthread_mutex_unlock(&pool->lock);
+    return b;
+}
+
+/* Scheme seed: the block is one device allocation of its class.  Its bin exists before the block is
+ * handed out, so freeing it never needs memory. */
+static Block *seed_make(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, size_t size,
+                        PyObject *hook, int origin)
+{
+    pthread_mutex_lock(&pool->lock);
+    Bin *bin = bintable_get(&pool->bins, stream, size);
+    pthread_mutex_unlock(&pool->lock);
+    if (!bin) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    Block *b = new_allocation(A, pool, stream, requested, size, origin, hook != NULL);
+    return b ? record_new(A, pool, b, size) : NULL;
+}
+
+/* Bytes of a new segment for a `size`-byte range (Note [Small segments]): up to 1 MiB, small_segment bytes
+ * (shared by later small blocks); above, the range rounded up to segment_round; exactly size when the
+ * rounding alone would break the device's size or the limit (the request may still fit). */
+static size_t segment_bytes(Allocator *A, DevicePool *pool, size_t size)
+{
+    size_t got = segment_size_for(A, size);
+    if (got == size) return got;
+    uint64_t capacity = pool_capacity(A, pool);
+    pthread_mutex_lock(&pool->lock);
+    uint64_t limit = pool->limit, res = committed(&pool->st);
+    pthread_mutex_unlock(&pool->lock);
+    if ((capacity && got > capacity) || (limit && res + got > limit)) return size;
+    return got;
+}
+
+/* Scheme segments: a new segment, the block its first range.  Whole free segments of this stream are all
+ * smaller than the request (best fit found none): on a miss they may go back first, so the new segment
+ * takes their place instead of adding to the reserve (Note [Release on miss]). */
+static Block *segments_make(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, size_t size,
+                            PyObject *hook, int origin)
+{
+    if (A->release_on_miss != XP_RELEASE_NEVER && release_for_miss(A, pool, stream, size) < 0) return NULL;
+    size_t got = segment_bytes(A, pool, size);
+    Block *b = new_allocation(A, pool, stream, requested, got, origin, hook != NULL);
+    if (!b) return NULL;
+    b->in_segment = 1;   /* from here a failed give_back caches it as a whole free segment */
+    if (got > size && hook) {
+        /* the rest of the segment is cached from the start: poisoned, as a freed block is */
+        if (call_hook(hook, "on_segment", b, 0) < 0) {
+            PyObject *exc = PyErr_GetRaisedException();
+            pthread_mutex_lock(&pool->lock);
+            pool->st.bytes_pending -= got;
+            pool->st.bytes_releasing += got;
+            pthread_mutex_unlock(&pool->lock);
+            if (give_back(A, pool, b) < 0) PyErr_Clear();   /* then it is cached */
+            PyErr_SetRaisedException(exc);
+            return NULL;
+        }
+        b->poisoned = 1;
+    }
+    return record_new(A, pool, b, size);
+}
+
+/* A miss: a new block of `size` bytes in use (counted), or NULL with an exception. */
+static Block *scheme_make(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, size_t size,
+                          PyObject *hook, int origin)
+{
+    switch (A->scheme) {
+    case XP_SCHEME_SEED: return seed_make(A, pool, stream, requested, size, hook, origin);
+    default: return segments_make(A, pool, stream, requested, size, hook, origin);
+    }
+}
+
+/* ------------------------------------------------------------------ the allocation path */
+
+/* A block handed out in debug mode becomes visible to check() only once its
+ * hook has written the canary. */
+static int prepare(DevicePool *pool, Block *b, PyObject *hook, const char *name)
+{
+    if (call_hook(hook, name, b, b->requested) < 0) return -1;
+    pthread_mutex_lock(&pool->lock);
+    b->guarded = 1; b->handed_out = 1;
+    pthread_mutex_unlock(&pool->lock);
+    return 0;
+}
+
+/* Undoes the hand-out of a block whose debug hook raised (the caller never sees
+ * it), keeping the hook's exception set: back to the cache (a reused block), or
+ * to the device (a new one).  Either way it is not known to hold poison now. */
+static void take_back(Allocator *A, DevicePool *pool, Block *b, int to_device)
+{
+    PyObject *exc = PyErr_GetRaisedException();
+    pthread_mutex_lock(&pool->lock);
+    ptrtable_remove(&pool->live, b->ptr);
+    pool->st.blocks_in_use--; pool->st.bytes_in_use -= b->size;
+    pool->st.bytes_requested -= b->requested;
+    origin_out(&pool->st, b->origin, b->size);
+    b->poisoned = 0;
+    if (to_device) pool->st.bytes_releasing += b->size;
+    else cache_block(pool, b);
+    pthread_mutex_unlock(&pool->lock);
+    if (to_device && give_back(A, pool, b) < 0) PyErr_Clear();   /* then it is cached */
+    PyErr_SetRaisedException(exc);
+}
+
+/* The hit path, pool lock held (Note [Hit path]): a cached block of `size` bytes for `stream` handed out,
+ * the request and the hit counted.  NULL when none is cached, or when the live table has no room for it
+ * (*no_room; the block stays cached); nothing is counted then.  Both ways in use it: xp_alloc with the
+ * GIL, PyTorch's xp_take_nogil without. */
+static inline Block *take_hit(Allocator *A, DevicePool *pool, intptr_t stream, size_t size, size_t requested,
+                              int origin, int hooked, int *no_room)
+{
+    *no_room = 0;
+    Block *b = scheme_take(A, pool, stream, size);
+    if (!b) return NULL;
+    if (ptrtable_insert(&pool->live, b) < 0) {   /* back where it was */
+        cache_block(pool, b);
+        *no_room = 1;
+        return NULL;
+    }
+    pool->st.requests++;
+    b->requested = requested;
+    b->serial = pool->st.requests;
+    b->origin = origin; b->handed_out = !hooked; b->guarded = 0;
+    pool->st.hits++;
+    count_in_use(A, pool, b, EV_HIT);
+    return b;
+}
+
+static Block *alloc_block(Allocator *A, int device, intptr_t stream, size_t requested,
+                          size_t size, PyObject *hook, int origin)
+{
+    DevicePool *pool = pool_get(A, device);
+    if (!pool) return NULL;
+
+    int no_room;
+    pthread_mutex_lock(&pool->lock);
+    Block *b = take_hit(A, pool, stream, size, requested, origin, hook != NULL, &no_room);
+    if (b) {
+        pthread_mutex_unlock(&pool->lock);
+        if (hook && prepare(pool, b, hook, "on_reuse") < 0) {
+            take_back(A, pool, b, 0);
+            return NULL;
+        }
+        return b;
+    }
+    pool->st.requests++;
+    if (no_room) {
+        pthread_mutex_unlock(&pool->lock);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    pool->st.misses++;
+    pthread_mutex_unlock(&pool->lock);
+    b = scheme_make(A, pool, stream, requested, size, hook, origin);
+    if (b && hook && prepare(pool, b, hook, "on_alloc") < 0) {
+        take_back(A, pool, b, is_allocation(b));   /* a range: the rest of its segment may be in use already */
+        return NULL;
+    }
+    return b;
+}
+
+Block *xp_alloc(Allocator *A, int device, intptr_t stream, size_t requested, int origin)
+{
+    size_t tail;
+    PyObject *hook = debug_snapshot(A, &tail);
+    /* requested <= XP_MAX_REQUEST and tail <= XP_MAX_DEBUG_TAIL: the sum cannot wrap */
+    Block *b = alloc_block(A, device, stream, requested, scheme_block_size(A, requested + tail), hook, origin);
+    drop_hook(hook);
+    return b;
+}
+
+/* ------------------------------------------------------------------ the free path */
+
+/* In a fork()ed child: forgets a block the parent handed out (its memory is
+ * never freed or reused here).  1 if ptr was one, with *holds_ref set. */
+static int forget_inherited(Allocator *A, int device, uintptr_t ptr, int *holds_ref)
+{
+    for (DevicePool *p = A->forked_pools[device]; p; p = p->older) {
+        pthread_mutex_lock(&p->lock);
+        Block *b = ptrtable_remove(&p->live, ptr);
+        pthread_mutex_unlock(&p->lock);
+        if (b) {
+            *holds_ref = b->origin == ORIGIN_CUPY;
+            free(b);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+int xp_free(Allocator *A, int device, uintptr_t ptr, int *holds_ref)
+{
+    *holds_ref = 0;
+    if (xp_check_device(device) < 0) return -1;
+    DevicePool *pool = pool_lookup(A, device);
+    PyObject *hook = NULL;
+    Block *b = NULL;
+    size_t requested = 0, tail;
+    if (pool) {
+        hook = debug_snapshot(A, &tail);
+        pthread_mutex_lock(&pool->lock);
+        b = ptrtable_remove(&pool->live, ptr);
+        if (b) {
+            *holds_ref = b->origin == ORIGIN_CUPY;
+            requested = b->requested;
+            b->handed_out = 0;
+            pool->st.frees++;
+            pool->st.blocks_in_use--; pool->st.bytes_in_use -= b->size;
+            pool->st.bytes_requested -= requested;
+            origin_out(&pool->st, b->origin, b->size);
+            if (!hook) {   /* the hot path: one lock section */
+                b->poisoned = 0;
+                if (atomic_load_explicit(&A->tl.on, memory_order_relaxed)) {
+                    Block freed = *b;   /* a range may merge into its neighbour and be gone */
+                    cache_block(pool, b);
+                    timeline_record(&A->tl, EV_FREE, pool, &freed, requested);
+                } else {
+                    cache_block(pool, b);
+                }
+                pthread_mutex_unlock(&pool->lock);
+                return 0;
+            }
+            /* debug mode: out of the live table, so check() never reads it half poisoned and no
+             * other free can take it.  Neither in use nor cached while the hook works on it, the
+             * block counts with the bytes on their way out (bytes_releasing): the device holds it. */
+            pool->st.bytes_releasing += b->size;
+        }
+        pthread_mutex_unlock(&pool->lock);
+    }
+    if (!b) {
+        drop_hook(hook);
+        if (A->forked && forget_inherited(A, device, ptr, holds_ref)) return 2;
+        PyErr_Format(PyExc_ValueError,
+                     "xpool: pointer 0x%zx on device %d was not handed out by this pool "
+                     "(or was freed twice)", (size_t)ptr, device);
+        return -1;
+    }
+    /* the block is this thread's alone until it is cached */
+    int hook_failed = call_hook(hook, "on_free", b, requested) < 0;
+    drop_hook(hook);
+    PyObject *exc = hook_failed ? PyErr_GetRaisedException() : NULL;
+    if (hook_failed) {
+        b->poisoned = 0;
+        if (!is_allocation(b)) {   /* a range is no device allocation: cached, known unpoisoned */
+            pthread_mutex_lock(&pool->lock);
+            pool->st.bytes_releasing -= b->size;
+            cache_block(pool, b);
+            pthread_mutex_unlock(&pool->lock);
+        } else if (give_back(A, pool, b) < 0) {
+            PyErr_Clear();   /* then it is cached, unpoisoned */
+        }
+        PyErr_SetRaisedException(exc);
+        return 1;
+    }
+    pthread_mutex_lock(&pool->lock);
+    pool->st.bytes_releasing -= b->size;
+    b->poisoned = 1;
+    Block freed = *b;
+    cache_block(pool, b);
+    timeline_record(&A->tl, EV_FREE, pool, &freed, requested);
+    pthread_mutex_unlock(&pool->lock);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ CuPy's CFunctionAllocator hooks */
+
+/* void *malloc(void *param, size_t size, int device): CuPy (Cython 3) checks for a
+ * Python error when this returns (void *)-1, so an exception set here propagates
+ * out of cupy's allocation as-is. */
+void *cupy_malloc(void *param, size_t size, int device)
+{
+    Allocator *A = (Allocator *)param;
+    if (size > XP_MAX_REQUEST) {   /* before the debug tail is added: near 2**64 the sum would wrap */
+        xp_refuse_request(size);
+        return (void *)(intptr_t)-1;
+    }
+    if (xp_check_device(device) < 0) return (void *)(intptr_t)-1;
+    intptr_t stream = 0;
+    if (A->stream_fn) {
+        /* the device's own current stream: CuPy's get_current_stream_ptr() would first ask CUDA which
+         * device is current (cudaGetDevice) and look up a second thread-local, and the device is given */
+        stream = A->stream_fn(device);
+        /* asked whatever the value: CuPy 14 (Cython 3) fails with -1, CuPy 13 with 0 */
+        if (PyErr_Occurred()) return (void *)(intptr_t)-1;
+        stream = stream_key(stream);
+    }
+    Block *b = xp_alloc(A, device, stream, size, ORIGIN_CUPY);
+    if (!b) return (void *)(intptr_t)-1;
+    Py_INCREF(A);   /* CuPy's memory object does not own the allocator: each block does */
+    return (void *)b->ptr;
+}
+
+/* void free(void *param, void *ptr, int device): called from a destructor, maybe
+ * while an exception propagates (which must survive), so an error here can only
+ * be reported, not raised. */
+void cupy_free(void *param, void *ptr, int device)
+{
+    Allocator *A = (Allocator *)param;
+    /* CuPy's CFunctionAllocatorMemory calls this from a Cython __dealloc__, which has already set any
+     * exception aside: usually there is none, and checking costs less than taking and putting back */
+    PyObject *in_flight = PyErr_Occurred() ? PyErr_GetRaisedException() : NULL;
+    int holds_ref;
+    int r = xp_free(A, device, (uintptr_t)ptr, &holds_ref);
+    if (r == -1 || r == 1) PyErr_WriteUnraisable(NULL);
+    if (in_flight) PyErr_SetRaisedException(in_flight);
+    if (holds_ref) Py_DECREF(A);   /* last: it may be the allocator's last reference */
+}
+
+/* ------------------------------------------------------------------ PyTorch's hit and free paths, without the GIL */
+
+Block *xp_take_nogil(Allocator *A, int device, intptr_t stream, size_t requested)
+{
+    /* debug mode's checks run Python: its requests always take the GIL path */
+    if (atomic_load_explicit(&A->debug_on, memory_order_acquire)) return NULL;
+    DevicePool *pool = pool_lookup(A, device);
+    if (!pool) return NULL;
+    size_t size = scheme_block_size(A, requested);   /* no debug tail: debug mode is off */
+    int no_room;   /* the GIL path reports it */
+    pthread_mutex_lock(&pool->lock);
+    Block *b = take_hit(A, pool, stream, size, requested, ORIGIN_TORCH, 0, &no_room);
+    pthread_mutex_unlock(&pool->lock);
+    return b;
+}
+
+/* xp_free's caching path (debug mode off), for blocks handed to PyTorch only: an unknown pointer, or a
+ * block handed to CuPy or Python, takes the GIL path, which reports it. */
+int xp_free_nogil(Allocator *A, int device, uintptr_t ptr)
+{
+    DevicePool *pool = pool_lookup(A, device);
+    if (!pool || atomic_load_explicit(&A->debug_on, memory_order_acquire)) return -1;
+    pthread_mutex_lock(&pool->lock);
+    Block **slot = ptrtable_slot(&pool->live, ptr);
+    Block *b = slot ? *slot : NULL;
+    if (!b || b->origin != ORIGIN_TORCH) {
+        pthread_mutex_unlock(&pool->lock);
+        return -1;
+    }
+    ptrtable_remove(&pool->live, ptr);
+    pool->st.frees++;
+    pool->st.blocks_in_use--; pool->st.bytes_in_use -= b->size;
+    pool->st.bytes_requested -= b->requested;
+    origin_out(&pool->st, ORIGIN_TORCH, b->size);
+    size_t requested = b->requested;
+    b->handed_out = 0; b->poisoned = 0;
+    Block freed = *b;   /* a range may merge into its neighbour and be gone */
+    cache_block(pool, b);
+    timeline_record(&A->tl, EV_FREE, pool, &freed, requested);
+    pthread_mutex_unlock(&pool->lock);
+    return 0;
+}
+
+int xp_block_origin(DevicePool *pool, uintptr_t ptr)
+{
+    pthread_mutex_lock(&pool->lock);
+    Block **slot = ptrtable_slot(&pool->live, ptr);
+    int origin = slot ? (*slot)->origin : -1;
+    pthread_mutex_unlock(&pool->lock);
+    return origin;
+}

@@ -1,0 +1,317 @@
+/*
+ * xpool._core: the C core of xpool's caching allocator, as one extension module built from
+ *   _alloc.c     the allocator: size classes, tables, device pools, statistics, timeline, the schemes,
+ *                the alloc and free paths (CuPy's C hooks among them), giving back, the recovery ladder
+ *   _segments.c  the segments scheme's ranges: best fit, split, merge (no locks, no Python)
+ *   _module.c    the CPython binding: the Allocation and Allocator types, argument parsing, module init
+ *   _torch.c     PyTorch's pluggable-allocator entry points (xpool_torch_malloc, xpool_torch_free, ...)
+ * This header holds what they share.  Only PyInit__core and the xpool_torch_* functions are exported
+ * (setup.py builds with -fvisibility=hidden), so calls between the files are direct calls.
+ *
+ * Layers, bottom up (as in CuPy's memory.pyx):
+ *   size_class()  a pure function: request bytes -> class bytes
+ *   Block         one device allocation of one class size (scheme seed), or a range of a
+ *                 segment (scheme segments: best fit, split, merged again; _segments.c)
+ *   PtrTable      open-addressing map ptr -> Block, for the blocks in use
+ *   BinTable      open-addressing map (stream, class) -> Bin, a LIFO stack of free Blocks
+ *   DevicePool    one per device: the tables, the free ranges, the statistics, the limit, one mutex
+ *   Allocator     the Python object: the device registry, the backend, the timeline
+ *
+ * The raw device allocate/free functions are never called from C directly:
+ * they belong to a Python "backend" object (CuPy's runtime on a GPU, real host
+ * memory in the tests), called only on a miss, on giving back and on out-of-memory
+ * recovery.  The hit path is pure C.
+ *
+ * Schemes.  How blocks are made is one choice per Allocator (Allocator.scheme), made in one place:
+ * the scheme_* functions of _alloc.c (block size, take from the cache, make on a miss, take out to give
+ * back, give back to the device).  Everything else is shared.  A new scheme is an XP_SCHEME_* id below,
+ * its name in xpool/settings.py, and a case in each scheme_* function; the others' hit paths do not change.
+ *
+ * Concurrency.  Every entry point runs with the GIL held (CuPy calls the
+ * CFunctionAllocator hooks from Cython with the GIL), and the module says so
+ * to free-threaded CPython (Py_MOD_GIL_USED): the debug hook's Python state,
+ * the hook and backend references and the fork bookkeeping rely on it.  The
+ * mutexes guard the C structures and document ownership.  PyTorch's hooks
+ * (xpool_torch_malloc/free, _torch.c) are the exception: PyTorch calls them without the
+ * GIL; their hit and free paths (xp_take_nogil, xp_free_nogil) touch only C structures under
+ * the pool mutex, and every path that runs Python takes the GIL first.
+ * Lock order: Allocator.registry_lock, Allocator.debug_lock: each alone;
+ * DevicePool.lock -> Allocator.timeline_lock.  No lock is ever held while
+ * Python code runs (backend calls, debug hooks, gc): a Python call may switch
+ * threads, and a thread blocked on a C mutex while holding the GIL would
+ * deadlock with the holder waiting for the GIL.
+ *
+ * The limit.  Every byte the backend may hold for a device is counted while
+ * the pool lock is dropped around a backend call: bytes_pending from before a
+ * device malloc until its block is recorded, bytes_releasing from when a block
+ * leaves the cache until the backend has freed it.  So threads sharing a
+ * device cannot pass the limit check together, and the device never holds
+ * more than the limit.
+ *
+ * Inputs are checked once, where they enter: a request's size and device by the entry point that
+ * receives it (Allocator.allocate, CuPy's hook, PyTorch's hook), the settings by xpool.Settings; the
+ * functions below the entry points take them as given.
+ */
+#ifndef XPOOL_CORE_H
+#define XPOOL_CORE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "_segments.h"
+
+#define XP_ALIGN 512u                     /* cudaMalloc alignment and the small-class step */
+#define XP_SMALL_MAX (1u << 20)           /* up to 1 MiB: multiples of 512 B */
+#define XP_MAX_REQUEST ((size_t)1 << 48)  /* 256 TiB: larger than any device */
+#define XP_MAX_DEVICES 64
+#define XP_MAX_CLASSES_PER_DOUBLING 64
+#define XP_STREAM_PER_THREAD 2            /* cudaStreamPerThread's handle value */
+#define XP_MAX_DEBUG_TAIL (1 << 20)       /* canary bytes; keeps request + tail far from wrapping */
+#define XP_EXPORT __attribute__((visibility("default")))   /* symbols PyTorch looks up by name */
+
+/* How blocks are made (Allocator.scheme; names in xpool/settings.py).  Note [Schemes] */
+enum { XP_SCHEME_SEGMENTS = 0, XP_SCHEME_SEED = 1, XP_SCHEMES = 2 };
+extern const char *const xp_scheme_names[XP_SCHEMES];
+
+/* release_on_miss: what a miss of scheme segments gives back first (release_for_miss) */
+enum { XP_RELEASE_NEVER = 0, XP_RELEASE_HIGH_WATER = 1, XP_RELEASE_ALWAYS = 2, XP_RELEASE_CHOICES = 3 };
+extern const char *const xp_release_names[XP_RELEASE_CHOICES];
+#define XP_MISS_BUDGET 1    /* bytes misses may give back, in high-water marks, until empty_cache
+                               (Note [Release on miss]) */
+
+/* Who a block was handed to: CuPy's C hooks, PyTorch's pluggable-allocator hooks, Allocator.allocate(). */
+enum { ORIGIN_CUPY = 0, ORIGIN_TORCH = 1, ORIGIN_PYTHON = 2, XP_ORIGINS = 3 };
+extern const char *const origin_names[XP_ORIGINS];
+
+#if PY_VERSION_HEX < 0x030C0000
+/* The 3.12 exception API, for 3.10 and 3.11. */
+static inline PyObject *PyErr_GetRaisedException(void)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (!type) return NULL;
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb) PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+}
+
+static inline void PyErr_SetRaisedException(PyObject *exc)
+{
+    if (!exc) { PyErr_Clear(); return; }
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
+}
+#endif
+
+/* ------------------------------------------------------------------ tables */
+
+/* Block (a class block, or a range of a segment) is defined in _segments.h */
+
+#define TOMBSTONE ((Block *)1)
+
+typedef struct {
+    Block **slots;
+    size_t cap;             /* power of two */
+    size_t used;            /* live entries */
+    size_t filled;          /* live + tombstones */
+} PtrTable;
+
+typedef struct Bin {
+    intptr_t stream;
+    size_t size;
+    Block *top;
+    size_t count;
+} Bin;
+
+typedef struct {
+    Bin **slots;
+    size_t cap;
+    size_t used;
+} BinTable;
+
+/* ------------------------------------------------------------------ device pools */
+
+typedef struct {
+    uint64_t requests, hits, misses, device_mallocs, device_frees, frees;
+    uint64_t oom_recoveries, oom_errors;
+    uint64_t blocks_in_use, blocks_cached;
+    uint64_t bytes_in_use;            /* class bytes of blocks in use */
+    uint64_t bytes_requested;         /* requested bytes of blocks in use */
+    uint64_t bytes_cached;            /* class bytes of free blocks */
+    uint64_t bytes_pending;           /* reserved for device mallocs in flight */
+    uint64_t bytes_releasing;         /* taken from the cache, the backend's free not yet returned */
+    uint64_t peak_bytes_in_use, peak_bytes_requested, peak_bytes_reserved;
+    /* class bytes in use by origin; [ORIGIN_CUPY] stays 0: CuPy's share is bytes_in_use less the
+     * others, so CuPy's path pays no counter for it (see origin_in/origin_out) */
+    uint64_t bytes_in_use_by[XP_ORIGINS];
+} Stats;
+
+typedef struct DevicePool {
+    pthread_mutex_t lock;
+    int device;
+    /* everything below is guarded by lock */
+    PtrTable live;          /* blocks in use, by pointer */
+    BinTable bins;          /* free blocks, by (stream, class) (scheme seed) */
+    FreeTree segs;          /* free ranges of segments (scheme segments), by (stream, size, ptr) */
+    Stats st;
+    uint64_t limit;         /* bytes the device may hold for this pool, pending mallocs included; 0 = none */
+    uint64_t capacity;      /* the device's total bytes, asked once (pool_capacity); 0 = unknown */
+    uint64_t high_water;    /* most bytes committed by a device malloc of this pool (release_for_miss);
+                               reset_peaks leaves it alone: it is the pool's own, not a statistic */
+    uint64_t miss_released; /* bytes misses gave back since the last empty_cache (release_for_miss) */
+    int miss_release_off;   /* they passed XP_MISS_BUDGET marks: misses give nothing back until empty_cache */
+    struct DevicePool *older;   /* in a fork()ed child: the parent's pool it replaced (forked_pools) */
+} DevicePool;
+
+/* Bytes the device holds for the pool: in use, cached, and being given back. */
+static inline uint64_t reserved(const Stats *s)
+{
+    return s->bytes_in_use + s->bytes_cached + s->bytes_releasing;
+}
+
+/* What the limit is checked against: reserved plus device mallocs in flight. */
+static inline uint64_t committed(const Stats *s) { return reserved(s) + s->bytes_pending; }
+
+/* ------------------------------------------------------------------ timeline */
+
+enum { EV_HIT = 1, EV_MISS = 2, EV_FREE = 3, EV_RELEASE = 4, EV_OOM = 5 };
+
+typedef struct {
+    int64_t t_ns;
+    int32_t device;
+    int32_t event;
+    int64_t stream;
+    uint64_t ptr;
+    uint64_t requested;
+    uint64_t size;
+    uint64_t bytes_in_use;
+    uint64_t bytes_cached;
+    int32_t origin;         /* the block's origin; -1 for an event without a block (oom) */
+    int32_t unused;
+} Event;
+
+typedef struct {
+    _Atomic int on;         /* read without the lock: the hot path pays one load when off */
+    pthread_mutex_t lock;   /* taken after a DevicePool.lock, never before */
+    Event *buf;             /* ring of cap events, NULL when off */
+    size_t cap;
+    uint64_t count;         /* events ever recorded since the last clear */
+} Timeline;
+
+/* ------------------------------------------------------------------ the Allocator object */
+
+/* CuPy's `intptr_t get_stream_ptr(int device)` (cupy_backends.cuda.stream): the current stream of a
+ * device, as this thread set it; it may raise (no CUDA driver), returning -1 (Cython 3) or 0 (Cython 0.29). */
+typedef intptr_t (*stream_fn_t)(int device);
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *backend;        /* .malloc(device, nbytes) -> int, .free(device, ptr, nbytes): xpool.backends.Backend */
+    PyObject *error_factory;  /* (device, requested, size, in_use, cached, limit, reason) -> exception */
+    PyObject *settings;       /* the xpool.Settings it was made with */
+    PyObject *weakreflist;
+    stream_fn_t stream_fn;    /* a device's current stream, from CuPy; NULL: stream 0 unless given */
+    int scheme;               /* XP_SCHEME_*: how blocks are made */
+    unsigned k;               /* scheme seed: classes per doubling above 1 MiB */
+    size_t segment_round;     /* scheme segments: a new segment for a block above 1 MiB: rounded up to this */
+    size_t small_segment;     /* scheme segments: a new segment for a block up to 1 MiB: rounded up to this */
+    int release_on_miss;      /* scheme segments: XP_RELEASE_*: which whole free segments of its stream a miss
+                                 gives back first (release_for_miss) */
+    uint64_t release_idle;    /* XP_RELEASE_HIGH_WATER: a miss gives back only segments whole and free for at
+                                 least this many requests (release_for_miss) */
+    int tells_capture;        /* the backend has .capturing(device, stream): stream_capturing asks it */
+    int forked;               /* set in a fork()ed child */
+    pthread_mutex_t debug_lock;     /* guards debug_hook and debug_tail: set_debug swaps them together */
+    PyObject *debug_hook;     /* NULL, or .on_alloc(info) / .on_free(info) / .on_reuse(info) */
+    size_t debug_tail;        /* bytes of canary room added in debug mode */
+    _Atomic int debug_on;     /* debug_hook != NULL; read without the lock, so the hot path pays one load */
+    pthread_mutex_t registry_lock;  /* guards creation of pools[], default_limit and default_fraction;
+                                       lookups read pools[] atomically */
+    uint64_t default_limit;   /* the limit of a device's pool when it is created; 0 = none */
+    double default_fraction;  /* > 0: instead, that share of the device's memory */
+    _Atomic(DevicePool *) pools[XP_MAX_DEVICES];
+    /* In a fork()ed child: the parent's pools (linked by .older), whose blocks may still die here;
+     * written only by forget_pools_after_fork, in the child before it has other threads. */
+    DevicePool *forked_pools[XP_MAX_DEVICES];
+    Timeline tl;
+} Allocator;
+
+/* The free-list key of a stream handle.  cudaStreamPerThread is one handle for a different stream in each
+ * thread: key it by thread (as CuPy's pool does), or a block freed on one thread's stream would be reused on
+ * another's.  CuPy's and PyTorch's entry points key alike, so the two frameworks share blocks per stream. */
+static inline intptr_t stream_key(intptr_t stream)
+{
+    return stream == XP_STREAM_PER_THREAD ? -(intptr_t)PyThread_get_thread_ident() : stream;
+}
+
+/* ------------------------------------------------------------------ _alloc.c, for the other files */
+
+int xp_alloc_module_init(void);   /* with the GIL, once: what the ladder calls (gc.collect) */
+
+size_t size_class(size_t n, unsigned k);   /* n <= XP_MAX_REQUEST + XP_MAX_DEBUG_TAIL */
+
+/* The ValueError for a request of n > XP_MAX_REQUEST bytes ("larger than any device"). */
+void xp_refuse_request(unsigned long long n);
+
+/* The allocation path: the block (in use), or NULL with an exception set.  device in [0, XP_MAX_DEVICES)
+ * and requested <= XP_MAX_REQUEST, checked by the caller.  origin: who the block is handed to (ORIGIN_CUPY:
+ * the caller gives it a reference to A). */
+Block *xp_alloc(Allocator *A, int device, intptr_t stream, size_t requested, int origin);
+
+/* The free path: the block goes back to its own device's pool, to the cache of the stream it was handed
+ * out on.  Returns
+ *   0  done;
+ *   1  with the debug hook's exception: the block was taken back, but the hook
+ *      raised (it found damage, or could not poison the block: the block then
+ *      goes back to the device rather than into the cache unpoisoned);
+ *   2  a block the parent process handed out, dying in a fork()ed child: forgotten;
+ *  -1  with an exception: a bad device, or a pointer this pool did not hand out (nothing changed).
+ * *holds_ref: the block held a reference to A (it was handed to CuPy); the caller drops it, last. */
+int xp_free(Allocator *A, int device, uintptr_t ptr, int *holds_ref);
+
+/* PyTorch's hit and free paths, callable without the GIL (C structures only, no Python object, no error
+ * set).  xp_take_nogil: a cached block handed to PyTorch, or NULL (none fits, debug mode is on, a bad
+ * device or size: nothing is counted, the caller takes the GIL path).  xp_free_nogil: 0 when the block
+ * is back in the cache; -1 when nothing changed and the caller must take the GIL path. */
+Block *xp_take_nogil(Allocator *A, int device, intptr_t stream, size_t requested);
+int xp_free_nogil(Allocator *A, int device, uintptr_t ptr);
+/* The origin of the block in use at ptr (ORIGIN_*), or -1 when none is. */
+int xp_block_origin(DevicePool *pool, uintptr_t ptr);
+
+/* CuPy's CFunctionAllocator hooks (Allocator.cfunctions() hands their addresses out). */
+void *cupy_malloc(void *param, size_t size, int device);
+void cupy_free(void *param, void *ptr, int device);
+
+/* ValueError unless 0 <= device < XP_MAX_DEVICES; 0 when it is. */
+int xp_check_device(int device);
+/* A device's pool, made on first use (NULL with an exception); device checked by the caller. */
+DevicePool *pool_get(Allocator *A, int device);
+static inline DevicePool *pool_lookup(Allocator *A, int device)
+{
+    return atomic_load_explicit(&A->pools[device], memory_order_acquire);
+}
+
+/* Cached blocks back to the device until at most `keep` bytes stay cached (of one stream, or all when
+ * all_streams).  Returns bytes released; -1 with the first failed free's exception. */
+long long release_cached(Allocator *A, DevicePool *pool, int all_streams, intptr_t stream, uint64_t keep);
+/* empty_cache(): misses may give back again (Note [Release on miss]). */
+void reset_miss_budget(DevicePool *pool);
+
+PyObject *block_info(const Block *b, size_t requested);
+
+/* The debug hook (a new reference, NULL when off) and its tail, as one pair; drop_hook() drops it keeping
+ * any exception set; set_hook() swaps hook (None: off) and tail together. */
+PyObject *debug_snapshot(Allocator *A, size_t *tail);
+void drop_hook(PyObject *hook);
+void set_hook(Allocator *A, PyObject *hook, size_t tail);
+
+/* ------------------------------------------------------------------ _torch.c, for _module.c */
+
+PyObject *Allocator_bind_torch(Allocator *self, PyObject *unused);
+PyObject *py_torch_bound(PyObject *mod, PyObject *unused);
+
+#endif

@@ -1,0 +1,95 @@
+"""xpool.testing: what benchmarks and tests need of a pool's C side, as a documented API.
+
+For measuring and testing xpool (the lab's benchmarks use it), not for training code: a program allocates
+through ``xpool.install()``, ``xpool.MemoryPool`` or ``xpool.Pool``.
+
+    param, malloc, free = xpool.testing.cfunctions(pool)     # CuPy's CFunctionAllocator, or a timing loop
+    pool = xpool.testing.pool_with_stream_lookup(xpool.HostBackend(), 0)    # every block on stream 0
+"""
+from __future__ import annotations
+
+from .cupy_adapter import _capsule_fn, _current_stream_fn
+from .pool import Pool
+from .settings import Settings, resolve
+
+__all__ = ["cfunctions", "allocate_function", "pool_with_stream_lookup", "cupy_stream_lookup",
+           "capsule_function"]
+
+
+def cfunctions(pool: Pool) -> tuple[int, int, int]:
+    """The pool's C allocation hooks: ``(param, malloc, free)`` as ints.
+
+    ``malloc`` is ``void *malloc(void *param, size_t size, int device)`` and ``free`` is
+    ``void free(void *param, void *ptr, int device)``, the functions ``xpool.MemoryPool`` hands to CuPy's
+    ``cupy.cuda.memory.CFunctionAllocator(param, malloc, free, owner)`` (pass the pool as ``owner``: it must
+    outlive every block). They call Python (so need the GIL), key blocks by the pool's stream lookup (stream
+    0 without one), and report a failure as ``(void *)-1`` with a Python exception set.
+
+    Args:
+        pool: an xpool.Pool or MemoryPool.
+
+    Returns:
+        tuple[int, int, int]: valid while the pool lives.
+    """
+    return pool._core.cfunctions()
+
+
+def allocate_function(pool: Pool):
+    """The C core's ``allocate(nbytes, device, stream) -> Allocation``, without the Python layer's defaults.
+
+    Every argument must be given (no current device or stream is asked of the backend); the C core checks
+    ``nbytes`` and ``device``. For replays that time the core alone (``xlab.memory_study``).
+
+    Args:
+        pool: an xpool.Pool.
+
+    Returns:
+        A callable.
+    """
+    return pool._core.allocate
+
+
+def pool_with_stream_lookup(backend, stream_lookup: int, settings: Settings | None = None, **fields) -> Pool:
+    """An ``xpool.Pool`` whose C hooks (``cfunctions``) key blocks by a stream lookup of your choice.
+
+    Args:
+        backend: as for ``xpool.Pool``.
+        stream_lookup: 0 (every block on stream 0), or the address of a C function
+            ``intptr_t lookup(int device)`` returning the device's current stream (``cupy_stream_lookup()``
+            is CuPy's, which ``MemoryPool`` uses); it may set a Python error. Any other address crashes.
+        settings, **fields: as for ``xpool.Pool``.
+
+    Returns:
+        Pool.
+
+    Raises:
+        ValueError: ``stream_lookup`` is not an int in [0, 2**64), or a bad setting.
+    """
+    pool = Pool.__new__(Pool)
+    pool._start(backend, resolve(settings, fields, "pool_with_stream_lookup"), stream_lookup)
+    return pool
+
+
+def cupy_stream_lookup() -> int:
+    """Address of CuPy's ``intptr_t get_stream_ptr(int device)``: a device's current stream, the lookup
+    ``xpool.MemoryPool`` gives its hooks.
+
+    Raises:
+        ImportError: CuPy is not installed.
+        RuntimeError: this CuPy does not export it with that signature.
+    """
+    return _current_stream_fn()
+
+
+def capsule_function(module, name: str, signature: bytes) -> int:
+    """Address of the C function `name` a Cython module exports in ``__pyx_capi__``, its signature checked.
+
+    Args:
+        module: the module (``cupy.cuda.stream``, ``cupy_backends.cuda.stream``).
+        name: the function's name.
+        signature: its C signature as Cython writes it, e.g. ``b"intptr_t (void)"``.
+
+    Raises:
+        RuntimeError: the module does not export it with that signature.
+    """
+    return _capsule_fn(module, name, signature)
