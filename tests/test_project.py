@@ -50,3 +50,70 @@ def test_packages_keep_their_direction():
             for name in banned:
                 assert not re.search(rf"^\s*(from|import) {name}\b", text, re.M), f"{path} imports {name}"
             assert "__file__" not in text, f"{path} derives a path from __file__"
+
+
+def private_uses(source: str) -> list[str]:
+    """What a module uses of xpool that is not its public API: an xpool._* module (or any _ part of an xpool
+    module path), a _name imported from xpool, a _name read off xpool or off a name imported from it, any
+    `._core` (but off another package: NumPy's np._core), and the private `_segments=` / `_stream_fn=`
+    keywords (or any _ keyword to a name from xpool)."""
+    import ast
+    tree = ast.parse(source)
+    found, from_xpool, others = [], {"xpool"}, set()
+
+    def private_path(module):
+        parts = module.split(".")
+        return parts[0] == "xpool" and any(p.startswith("_") for p in parts[1:])
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if private_path(a.name):
+                    found.append(f"line {node.lineno}: import {a.name}")
+                bound = (a.asname or a.name).split(".")[0]
+                (from_xpool if a.name.split(".")[0] == "xpool" else others).add(bound)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "xpool":
+            for a in node.names:
+                if private_path(node.module) or a.name.startswith("_"):
+                    found.append(f"line {node.lineno}: from {node.module} import {a.name}")
+                from_xpool.add(a.asname or a.name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            name = root.id if isinstance(root, ast.Name) else None
+            if (node.attr == "_core" and name not in others) or (
+                    node.attr.startswith("_") and not node.attr.startswith("__") and name in from_xpool):
+                found.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Call):
+            root = node.func
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            for k in node.keywords:
+                if k.arg in ("_segments", "_stream_fn") or (
+                        k.arg and k.arg.startswith("_") and isinstance(root, ast.Name) and root.id in from_xpool):
+                    found.append(f"line {node.lineno}: {k.arg}=")
+    return found
+
+
+def test_the_private_use_check_finds_each_kind():
+    bad = ("import xpool._core\nfrom xpool import _core\nfrom xpool.cupy_adapter import _capsule_fn\n"
+           "import xpool\nfrom xpool import testing, Pool\n"
+           "xpool.cupy_adapter._current_stream_fn()\npool._core.cfunctions()\ntesting._capsule_fn\n"
+           "Pool(b, _segments={})\nf(_stream_fn=0)\nxpool.MemoryPool(_private=1)\n")
+    assert len(private_uses(bad)) == 9
+    good = ("import xpool\nfrom xpool import testing\nfrom xpool.sizeclass import ALIGN\n"
+            "testing.cfunctions(pool)\nxpool.Pool(b, release_idle=0)\nobj._other = 1\nf(_own=1)\n"
+            "import numpy as np\nnp._core.multiarray\n")
+    assert private_uses(good) == []
+
+
+def test_the_lab_and_the_workload_use_only_xpools_public_api():
+    """xlab and tapegpt configure and measure pools through xpool's public API (xpool.Settings, xpool.testing),
+    never its private names (tests/ may, where they test internals)."""
+    problems = []
+    for pkg in ("xlab", "tapegpt"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            problems += [f"{path.relative_to(ROOT)} {p}" for p in private_uses(path.read_text())]
+    assert problems == []

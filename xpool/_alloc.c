@@ -38,7 +38,7 @@ static inline size_t klass(size_t p, size_t j, unsigned k)
 }
 
 /* Class of an n-byte request; k classes per doubling above 1 MiB. */
-size_t size_class(size_t n, unsigned k)
+static inline size_t size_class(size_t n, unsigned k)
 {
     if (n <= XP_SMALL_MAX)
         return n == 0 ? XP_ALIGN : round_up(n, XP_ALIGN);
@@ -50,6 +50,8 @@ size_t size_class(size_t n, unsigned k)
     if (j > 1 && klass(p, j - 1, k) >= n) j--;
     return klass(p, j, k);
 }
+
+size_t xp_size_class(size_t n, unsigned k) { return size_class(n, k); }
 
 void xp_refuse_request(unsigned long long n)
 {

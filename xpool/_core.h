@@ -252,7 +252,7 @@ static inline intptr_t stream_key(intptr_t stream)
 
 int xp_alloc_module_init(void);   /* with the GIL, once: what the ladder calls (gc.collect) */
 
-size_t size_class(size_t n, unsigned k);   /* n <= XP_MAX_REQUEST + XP_MAX_DEBUG_TAIL */
+size_t xp_size_class(size_t n, unsigned k);   /* size classes; n <= XP_MAX_REQUEST + XP_MAX_DEBUG_TAIL */
 
 /* The ValueError for a request of n > XP_MAX_REQUEST bytes ("larger than any device"). */
 void xp_refuse_request(unsigned long long n);

@@ -712,7 +712,7 @@ static PyObject *py_size_class(PyObject *mod, PyObject *args)
         xp_refuse_request(n);
         return NULL;
     }
-    return PyLong_FromSize_t(size_class((size_t)n, (unsigned)k));
+    return PyLong_FromSize_t(xp_size_class((size_t)n, (unsigned)k));
 }
 
 static PyMethodDef module_methods[] = {

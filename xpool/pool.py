@@ -10,7 +10,7 @@ import weakref
 from . import _core
 from .debug import DEFAULT_TAIL, DebugHook
 from .errors import make_error
-from .settings import ENV, Settings, parse_debug, resolve
+from .settings import ENV, Settings, check_timeline, parse_debug, resolve
 from .sizeclass import check_nbytes
 from .stats import Snapshot, frame
 from .timeline import events_frame
@@ -325,11 +325,10 @@ class Pool:
             capacity (int): events kept (0 turns recording off and drops them).
 
         Raises:
-            ValueError: ``capacity`` is not an int >= 0.
+            ValueError: ``capacity`` is not an int in [0, 2**40].
+            MemoryError: the host cannot hold that many events.
         """
-        if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or capacity < 0:
-            raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
-        self._core.timeline_enable(int(capacity))
+        self._core.timeline_enable(check_timeline(capacity))
 
     def timeline(self):
         """The recorded events.

@@ -232,22 +232,24 @@ def _scheme(value, source: str) -> str:
     return s
 
 
-def _whole(value, source: str, lo: int, hi: int, what: str) -> int:
-    """An int (not a bool; NumPy integers too; text from a variable) in [lo, hi]."""
+def _whole(value, source: str, lo: int, hi: int, what: str, given=None) -> int:
+    """An int (not a bool; NumPy integers too; text from a variable) in [lo, hi]; errors show `given` (the
+    value as given, when `value` was parsed from it)."""
+    given = value if given is None else given
     if isinstance(value, str):
         try:
             n = int(value.strip())
         except ValueError:
-            raise _bad(source, value, f"expected a whole number of {what}") from None
+            raise _bad(source, given, f"expected a whole number of {what}") from None
     elif isinstance(value, bool):
-        raise _bad(source, value, f"expected a whole number of {what}, not a bool")
+        raise _bad(source, given, f"expected a whole number of {what}, not a bool")
     else:
         try:
             n = operator.index(value)
         except TypeError:
-            raise _bad(source, value, f"expected a whole number of {what}, got {type(value).__name__}") from None
+            raise _bad(source, given, f"expected a whole number of {what}, got {type(value).__name__}") from None
     if not lo <= n <= hi:
-        raise _bad(source, value, f"expected {what} in [{lo}, {hi}]")
+        raise _bad(source, given, f"expected {what} in [{lo}, {hi}]")
     return n
 
 
@@ -285,20 +287,20 @@ def _bytes_text(text: str, source: str, percent: bool):
 
 
 def _limit(value, source: str):
+    given = value
     if isinstance(value, str):
         value = _bytes_text(value, source, percent=True)
     if isinstance(value, float):
         if not 0 <= value <= 1:
-            raise _bad(source, value, "a float is a share of each device's memory, in [0, 1]; give bytes "
+            raise _bad(source, given, "a float is a share of each device's memory, in [0, 1]; give bytes "
                                       "as an int or as text like '8GiB'")
         return value if value else 0
-    n = _whole(value, source, 0, MAX_REQUEST, "bytes")
-    return n
+    return _whole(value, source, 0, MAX_REQUEST, "bytes", given=given)
 
 
 def _segment_bytes(value, source: str) -> int:
     n = _bytes_text(value, source, percent=False) if isinstance(value, str) else value
-    n = _whole(n, source, ALIGN, MAX_REQUEST, "bytes")
+    n = _whole(n, source, ALIGN, MAX_REQUEST, "bytes", given=value)
     if n % ALIGN:
         raise _bad(source, value, f"expected a multiple of {ALIGN} bytes")
     return n
@@ -330,6 +332,11 @@ def _debug(value, source: str):
 _PARSERS = {"scheme": _scheme, "classes_per_doubling": _classes, "limit": _limit, "debug": _debug,
             "timeline": _timeline, "small_segment": _segment_bytes, "segment_round": _segment_bytes,
             "release_on_miss": _release, "release_idle": _idle}
+
+
+def check_timeline(capacity, name: str = "capacity") -> int:
+    """Events a timeline keeps, as enable_timeline takes them; a ValueError naming ``name``."""
+    return _timeline(capacity, name)
 
 
 def parse_debug(mode, name: str = "mode"):

@@ -1,0 +1,52 @@
+"""Another build of xpool beside this one, in the same process: to time two builds against each other with
+every trial interleaved (xlab.bench.alloc --xpool-path, scripts/core_split_host.py).
+
+    before = load_xpool("build/core_before")      # a checkout of an older commit, built in place
+    before.MemoryPool(...)                        # its public API, under the module name xpool_before
+
+The package is imported from PATH/xpool under another top-level name; its own imports are relative, so it
+loads its own C core (built there with `python setup.py build_ext --inplace`), never this checkout's.
+"""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+
+def load_xpool(path, name: str = "xpool_before"):
+    """The xpool package of the checkout at `path`, imported as `name`.
+
+    Args:
+        path: a checkout (the directory holding xpool/) whose C core is built in place.
+        name: the module name to give it (not "xpool").
+
+    Returns:
+        The package.
+
+    Raises:
+        FileNotFoundError: no xpool package there.
+        ImportError: its C core is not built.
+        ValueError: name is "xpool", or a module of that name is loaded from elsewhere.
+    """
+    pkg = pathlib.Path(path).resolve() / "xpool"
+    init = pkg / "__init__.py"
+    if not init.is_file():
+        raise FileNotFoundError(f"path={str(path)!r}: no xpool package at {pkg}")
+    if name == "xpool":
+        raise ValueError("name must not be 'xpool': this checkout's package has that name")
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        origin = getattr(loaded.__spec__, "origin", None)
+        if origin is None or pathlib.Path(origin).resolve() != init:
+            raise ValueError(f"name={name!r} is taken by {origin}")
+        return loaded
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(pkg)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
