@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml setup.py xpool/_core.c
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard xpool/*.c xpool/*.h xlab/*.c)
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[dev]"
@@ -24,4 +24,4 @@ gpu:
 	bash scripts/gpu_suite.sh
 
 clean:
-	rm -rf build $(VENV) xpool/*.so
+	rm -rf build $(VENV) xpool/*.so xlab/*.so

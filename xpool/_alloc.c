@@ -650,7 +650,7 @@ typedef struct {
     int step;                   /* 0: the first try; 1, 2: after freeing the cache (and collecting) */
     int reserved;               /* size counts in bytes_pending: from the try that passed the limit on */
     int over_limit;             /* the limit refused, and size is larger than the limit itself */
-    const char *refused;        /* what refused the last try: "limit" or "device" */
+    int by_device;              /* what refused the last try: the device (a MemoryError), else the limit */
     PyObject *cause;            /* the backend's MemoryError of the last try, or NULL */
 } Climb;
 
@@ -666,7 +666,7 @@ static int try_device_malloc(Allocator *A, DevicePool *pool, Climb *c, uintptr_t
         if (c->reserved) pool->st.bytes_pending += c->size;
         pthread_mutex_unlock(&pool->lock);
         if (!c->reserved) {
-            c->refused = "limit";
+            c->by_device = 0;
             c->over_limit = c->size > limit;
             return TRY_NO_ROOM;
         }
@@ -675,7 +675,7 @@ static int try_device_malloc(Allocator *A, DevicePool *pool, Climb *c, uintptr_t
     if (!r) {
         if (!PyErr_ExceptionMatches(PyExc_MemoryError)) return TRY_FAILED;
         Py_XSETREF(c->cause, PyErr_GetRaisedException());
-        c->refused = "device";
+        c->by_device = 1;
         return TRY_NO_ROOM;
     }
     unsigned long long p = PyLong_Check(r) ? PyLong_AsUnsignedLongLong(r) : 0;
@@ -722,7 +722,7 @@ static int free_cache_and_retry(Allocator *A, DevicePool *pool, intptr_t stream,
     if (c->over_limit) return give_up(A, pool, c, "limit");
     int capturing = stream_capturing(A, pool->device, stream);
     if (capturing < 0) return TRY_FAILED;
-    if (capturing) return give_up(A, pool, c, c->cause ? "device_capturing" : "limit_capturing");
+    if (capturing) return give_up(A, pool, c, c->by_device ? "device_capturing" : "limit_capturing");
     if (collect && collect_garbage() < 0) return TRY_FAILED;
     if (release_cached(A, pool, 1, 0, 0) < 0) return TRY_FAILED;
     c->step++;
@@ -740,11 +740,11 @@ static int device_malloc(Allocator *A, DevicePool *pool, intptr_t stream, size_t
     uint64_t capacity = pool_capacity(A, pool);
     if (capacity && size > capacity)   /* no freeing or retrying can help: bad input */
         return raise_oom(A, pool, requested, size, "too_large", NULL);
-    Climb c = {.requested = requested, .size = size, .refused = "limit"};
+    Climb c = {.requested = requested, .size = size};
     int r = try_device_malloc(A, pool, &c, ptr);
     if (r == TRY_NO_ROOM) r = free_cache_and_retry(A, pool, stream, &c, ptr, 0);
     if (r == TRY_NO_ROOM) r = free_cache_and_retry(A, pool, stream, &c, ptr, 1);
-    if (r == TRY_NO_ROOM) r = give_up(A, pool, &c, c.refused);
+    if (r == TRY_NO_ROOM) r = give_up(A, pool, &c, c.by_device ? "device" : "limit");
     if (r != TRY_GOT && c.reserved) {
         pthread_mutex_lock(&pool->lock);
         pool->st.bytes_pending -= size;

@@ -1,5 +1,5 @@
 /*
- * xpool._segments: the large-block allocator of the `xpool` scheme.
+ * xpool._segments: the ranges of the `segments` scheme (Note [Schemes] in NOTES.md).
  *
  * A segment is one backend allocation.  It is cut into ranges, each a Block:
  * in use (in the core's live table) or free (in the device's FreeTree).  A
@@ -7,7 +7,7 @@
  * stream, split when the range is larger; a range given back merges with free
  * neighbours of its segment, so a segment whose ranges are all free is one
  * free Block again, and only such whole segments go back to the backend
- * (empty_cache, the OOM ladder, and a miss: see xp_alloc in _core.c).
+ * (empty_cache, the OOM ladder, and a miss: Note [Release on miss], _alloc.c).
  *
  * Ranges never cross segments (the neighbours are linked per segment) and a
  * segment serves one stream, so reuse stays stream-ordered as with the size
@@ -55,8 +55,8 @@ typedef struct Block {
 
 typedef struct {
     Block *root;            /* free ranges by (stream, size, ptr) */
-    /* The exact-size fast path.  A free range is filed here first, one per slot by (stream, size): the
-     * rest of a split, a freed range once merged with its free neighbours.  The next request of its
+    /* The exact-size fast path (Note [Hit path]).  A free range is filed here first, one per slot by
+     * (stream, size): the rest of a split, a freed range once merged with its free neighbours.  The next request of its
      * exact size and stream takes it back in O(1), with no insert or remove in the tree, when it is the
      * best fit of all (no free range of that size at a lower address in the tree); a freed range
      * merges with a waiting neighbour at once.  So what is free, how it is merged and which range each

@@ -43,8 +43,8 @@ def _current_stream_fn() -> int:
 
     The one CuPy's own pool calls, `cupy.cuda.stream.get_current_stream_ptr()`, gives the same stream but
     first looks up a thread-local of its own and asks CUDA for the current device (cudaGetDevice), only to
-    call this one; the hook is given the device, so the allocation path skips both (NOTES.md, the hit
-    path). `with stream:` and `stream.use()` set what this returns (cupy.cuda.stream's set_current_stream).
+    call this one; the hook is given the device, so the allocation path skips both (NOTES.md,
+    Note [Hit path]). `with stream:` and `stream.use()` set what this returns (cupy.cuda.stream's set_current_stream).
     """
     from cupy_backends.cuda import stream as backends_stream
     return _capsule_fn(backends_stream, "get_stream_ptr", b"intptr_t (int)")

@@ -72,7 +72,7 @@ class DebugHook:
         self._arm(b)
 
     def on_segment(self, b: dict) -> None:
-        """A new segment (scheme xpool): its rest is cached from the start, so it is poisoned as a freed
+        """A new segment (scheme segments): its rest is cached from the start, so it is poisoned as a freed
         block would be; its first range is armed by on_alloc next."""
         self.backend.fill(b["device"], b["ptr"], b["size"], POISON)
 

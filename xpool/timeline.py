@@ -11,7 +11,7 @@ EVENT_DTYPE = np.dtype([
     ("requested", "<u8"), ("size", "<u8"), ("bytes_in_use", "<u8"), ("bytes_cached", "<u8"),
     ("origin", "<i4"), ("unused", "<i4"),
 ])
-assert EVENT_DTYPE.itemsize == _core.EVENT_SIZE, "timeline layout out of step with _core.c"
+assert EVENT_DTYPE.itemsize == _core.EVENT_SIZE, "timeline layout out of step with _core.h"
 
 EVENT_NAMES = {1: "alloc_hit", 2: "alloc_miss", 3: "free", 4: "release", 5: "oom"}
 ORIGIN_NAMES = {0: "cupy", 1: "torch", 2: "python", -1: ""}   # who the block was handed to ("" for oom)
