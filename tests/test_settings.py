@@ -228,7 +228,7 @@ def test_the_core_reads_scheme_k_limit_and_timeline():
 def test_the_core_takes_only_a_settings():
     from xpool import _core
     from xpool.errors import make_error
-    with pytest.raises(TypeError, match="settings must be an xpool.Settings, got dict"):
+    with pytest.raises(TypeError, match=r"settings must be an xpool.Settings .* got <class 'dict'>"):
         _core.Allocator(HostBackend(), make_error, {"scheme": "seed"})
 
 

@@ -27,14 +27,19 @@ def load_xpool(path, name: str = "xpool_before"):
     Raises:
         FileNotFoundError: no xpool package there.
         ImportError: its C core is not built.
-        ValueError: name is "xpool", or a module of that name is loaded from elsewhere.
+        ValueError: name is "xpool", the package is imported under another name already (xpool itself, say:
+            one C core loaded twice would share its state), or a module of that name is loaded from elsewhere.
     """
+    if name == "xpool":
+        raise ValueError("name must not be 'xpool': this checkout's package has that name")
     pkg = pathlib.Path(path).resolve() / "xpool"
     init = pkg / "__init__.py"
     if not init.is_file():
         raise FileNotFoundError(f"path={str(path)!r}: no xpool package at {pkg}")
-    if name == "xpool":
-        raise ValueError("name must not be 'xpool': this checkout's package has that name")
+    for other_name, module in list(sys.modules.items()):   # one C core loaded twice would share its state
+        origin = getattr(getattr(module, "__spec__", None), "origin", None)
+        if other_name != name and origin and pathlib.Path(origin).resolve() == init:
+            raise ValueError(f"path={str(path)!r} holds the xpool imported as {other_name}: give another build")
     loaded = sys.modules.get(name)
     if loaded is not None:
         origin = getattr(loaded.__spec__, "origin", None)

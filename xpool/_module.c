@@ -68,7 +68,9 @@ static int nbytes_arg(PyObject *o, void *out)
 
 /* ------------------------------------------------------------------ settings */
 
-static PyObject *settings_type;       /* xpool.settings.Settings, imported on first use */
+/* This module, whose Settings attribute xpool/settings.py sets to its Settings class: the package that loaded
+ * this build (under whatever name: xlab.builds loads two side by side) says which class it trusts. */
+static PyObject *core_module;
 
 /* The index of `name` among `names`, or -1. */
 static int choice(const char *name, const char *const *names, int n)
@@ -105,16 +107,13 @@ static int read_u64(PyObject *settings, const char *name, unsigned long long *ou
  * *timeline: the events its timeline keeps. */
 static int read_settings(Allocator *self, PyObject *settings, unsigned long long *timeline)
 {
-    if (!settings_type) {
-        PyObject *mod = PyImport_ImportModule("xpool.settings");
-        settings_type = mod ? PyObject_GetAttrString(mod, "Settings") : NULL;
-        Py_XDECREF(mod);
-        if (!settings_type) return -1;
-    }
+    PyObject *settings_type = PyObject_GetAttrString(core_module, "Settings");
+    if (!settings_type) return -1;
     int is = PyObject_IsInstance(settings, settings_type);
+    Py_DECREF(settings_type);
     if (is <= 0) {
-        if (!is) PyErr_Format(PyExc_TypeError, "settings must be an xpool.Settings, got %.100s",
-                              Py_TYPE(settings)->tp_name);
+        if (!is) PyErr_Format(PyExc_TypeError, "settings must be an xpool.Settings (of the package that loaded "
+                              "this core), got %R", (PyObject *)Py_TYPE(settings));
         return -1;
     }
     unsigned long long k = 1, small = 0, round = 0, idle = 0, limit = 0;
@@ -721,7 +720,7 @@ static PyMethodDef module_methods[] = {
     {NULL}
 };
 
-static struct PyModuleDef core_module = {
+static struct PyModuleDef core_module_def = {
     PyModuleDef_HEAD_INIT, "xpool._core", "The C core of xpool's caching allocator.", -1,
     module_methods
 };
@@ -732,7 +731,7 @@ PyMODINIT_FUNC PyInit__core(void)
     if (xp_alloc_module_init() < 0) return NULL;
     py_zero = PyLong_FromLong(0);
     if (!py_zero) return NULL;
-    PyObject *m = PyModule_Create(&core_module);
+    PyObject *m = PyModule_Create(&core_module_def);
     if (!m) return NULL;
 #ifdef Py_GIL_DISABLED
     /* The debug hook's state, the hook and backend references and the fork bookkeeping rely on
@@ -749,5 +748,6 @@ PyMODINIT_FUNC PyInit__core(void)
         Py_DECREF(m);
         return NULL;
     }
+    core_module = Py_NewRef(m);   /* for the life of the process, as a single-phase module's own state */
     return m;
 }

@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
+from . import _core
 from .sizeclass import ALIGN, MAX_CLASSES_PER_DOUBLING, MAX_REQUEST
 
 SCHEMES = ("segments", "seed")             # how blocks are made (README: the table of schemes)
@@ -352,3 +353,6 @@ def _shown(name: str, value) -> str:
     if name in ("small_segment", "segment_round"):
         return f"{value} B"
     return repr(value)
+
+
+_core.Settings = Settings   # the class the C core trusts: it reads a resolved Settings and checks nothing again

@@ -36,6 +36,11 @@ other arms' cached blocks while its own calibration pass, run first on an empty 
 So the first CSV's raw was not wrong but measured another state. `raw` is now timed alone; `raw_held` keeps one
 512-byte block alive while timed, to show whether other live blocks are what makes a pair cheap.
 PyTorch's caching allocator (`torch`) takes part where PyTorch with CUDA is installed.
+
+`--xpool-path PATH` times another build of xpool beside this one, in the same process and the same rotation:
+the checkout at PATH (built in place) is loaded as `xpool_before` (xlab.builds) and adds the arms
+`xpool_before` and `xpool_seed_before` (its MemoryPool, default scheme and seed), so a change to the core is
+measured against the build before it with every trial interleaved (#20: `--sweep size --xpool-path ...`).
 """
 from __future__ import annotations
 
@@ -240,7 +245,8 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
     allocators = tuple(allocators or default_allocators())
     cases = [("size", n, 1) for n in sizes] + [("threads", THREAD_SIZE, t) for t in threads]
     capacity = max((*sizes, THREAD_SIZE))                  # the floors hand out one block: big enough for all
-    allocs = {a: registry.make(a, **({"capacity": capacity} if a.endswith("noop") else {})) for a in allocators}
+    allocs = {a: OTHER_BUILD[a]() if a in OTHER_BUILD else
+              registry.make(a, **({"capacity": capacity} if a.endswith("noop") else {})) for a in allocators}
 
     def trim_all_but(names):
         """Every arm not in `names` gives its cache back."""
@@ -323,6 +329,43 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
     for alloc in allocs.values():
         alloc.release([0])
     return pd.DataFrame(samples), mallocs
+
+
+# --- another build of xpool beside this one (--xpool-path)
+
+OTHER_BUILD = {}    # arm name -> a factory of its registry.XPool, filled by other_build_arms()
+
+
+class OtherBuildPool(registry.XPool):
+    """An xpool arm whose pools come from another build's MemoryPool (its public API: scheme=, debug=)."""
+
+    def __init__(self, package, scheme: str, name: str):
+        registry.Allocator.__init__(self)
+        self.package, self.name = package, name
+        self._settings = dict(scheme=scheme, debug=False)
+        self.pool = self._make_private()
+
+    def _make_private(self):
+        return self.package.MemoryPool(**self._settings)
+
+
+def other_build_arms(path) -> tuple:
+    """The arms of the build at `path` (`xpool_before`: its default scheme; `xpool_seed_before`: seed), made
+    known to measure().
+
+    Args:
+        path: a checkout whose C core is built in place.
+
+    Returns:
+        The arm names.
+    """
+    from xlab.builds import load_xpool
+    package = load_xpool(path, "xpool_before")
+    # "xpool" names the default scheme in every build: the old name, and an alias of "segments" since #20
+    arms = {"xpool_before": "xpool", "xpool_seed_before": "seed"}
+    for name, scheme in arms.items():
+        OTHER_BUILD[name] = lambda scheme=scheme, name=name: OtherBuildPool(package, scheme, name)
+    return tuple(arms)
 
 
 # --- the C core alone, on a CPU (--host)
@@ -582,7 +625,7 @@ def with_provenance(rows, **params):
 
 
 def run(out="data/alloc_microbench.csv", quick=False, trials=None, target_s=None, allocators=None,
-        progress=True, sizes=SIZES, threads=THREADS):
+        progress=True, sizes=SIZES, threads=THREADS, xpool_path=None):
     """Measure, print the table of medians, write the CSV (one row per trial).
 
     Args:
@@ -594,6 +637,7 @@ def run(out="data/alloc_microbench.csv", quick=False, trials=None, target_s=None
         progress: progress bars.
         sizes: request sizes of the size sweep, bytes.
         threads: thread counts of the thread sweep (empty: no thread sweep).
+        xpool_path: another build's checkout, timed beside this one (other_build_arms).
 
     Returns:
         The per-trial DataFrame that was written.
@@ -602,9 +646,11 @@ def run(out="data/alloc_microbench.csv", quick=False, trials=None, target_s=None
     trials = trials or (2 if quick else TRIALS)
     target_s = target_s or (0.005 if quick else TARGET_S)
     allocators = tuple(allocators or default_allocators())
+    if xpool_path:
+        allocators += tuple(a for a in other_build_arms(xpool_path) if a not in allocators)
     samples, mallocs = measure(allocators, sizes=tuple(sizes), threads=tuple(threads), trials=trials,
                                target_s=target_s, progress=progress)
-    df = with_provenance(trial_rows(samples, mallocs), target_s=target_s, quick=quick)
+    df = with_provenance(trial_rows(samples, mallocs), target_s=target_s, quick=quick, xpool_path=xpool_path or "")
     print(table(summary(df)))
     if out:
         write_csv(df, out)
@@ -633,6 +679,8 @@ def main(argv=None) -> int:
                     help="the size sweep (1 thread), the thread sweep (64 KiB), or both (default)")
     ap.add_argument("--target-s", type=float, help=f"seconds per (trial, arm, case), in {WINDOWS} windows "
                     f"(default {TARGET_S}; 0.005 with --quick)")
+    ap.add_argument("--xpool-path", help="also time the xpool build of the checkout at this path (built in "
+                    "place), beside this one: arms xpool_before, xpool_seed_before")
     args = ap.parse_args(argv)
     if args.allocators and "cupy_pool" not in args.allocators:
         ap.error("the ratios need cupy_pool among --allocators")
@@ -640,13 +688,15 @@ def main(argv=None) -> int:
         ap.error("--sizes must be positive byte counts")
     if args.trials is not None and args.trials < 1:
         ap.error("--trials must be at least 1")
+    if args.host and args.xpool_path:
+        ap.error("--xpool-path times CuPy's path on a GPU; on a CPU, scripts/core_split_host.py compares two builds")
     if args.host:
         run_host(args.out or "data/alloc_core_host.csv", args.trials, args.target_s, sizes=args.sizes)
         return 0
     try:
         run(args.out or "data/alloc_microbench.csv", args.quick, args.trials, args.target_s,
             allocators=args.allocators, sizes=args.sizes if args.sweep != "threads" else (),
-            threads=THREADS if args.sweep != "size" else ())
+            threads=THREADS if args.sweep != "size" else (), xpool_path=args.xpool_path)
     except NoGPU as e:
         print(f"xlab.bench.alloc: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,141 @@
+"""The hit path before and after the core split (#20), over host memory: malloc+free pairs through each build's
+CuPy hooks, timed in C (xlab._probes.time_pairs), both builds loaded in one process and interleaved.
+
+    git -C /path/to/checkout archive 009e8f9 | tar -x -C /tmp/core_before
+    (cd /tmp/core_before && python setup.py build_ext --inplace)
+    python scripts/core_split_host.py --before /tmp/core_before --out data/core_split_host.csv
+
+Arms: (build before / after) x (scheme segments / seed), each a fresh xpool.Pool over HostBackend with one block
+cached, so every pair is a hit. Within a trial and size the arms take turns window by window (order rotated each
+round and each trial), an arm's time is the median of its windows, and the garbage collector is off while timing.
+The CPU is shared with other work: interleaving is the control, and the paired ratio per trial (before / after,
+> 1: after is faster) is what is summarised, as a median with a 95% bootstrap interval (xlab.intervals).
+
+The before build predates xpool.testing: its hooks come from its private `pool._core.cfunctions()` (this script
+sits outside xlab/ for that reason); the after build's from `xpool.testing.cfunctions`.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+
+SIZES = (4 << 10, 64 << 10, 12 << 20)
+SCHEMES = ("segments", "seed")
+TRIALS = 9
+WINDOWS = 7
+WINDOW_S = 0.02
+
+
+def make_arms(before_path: str) -> dict:
+    """{(build, scheme): (param, malloc, free), ...} and the pools they need alive, under "_keep"."""
+    import xpool
+    import xpool.testing
+    from xlab.builds import load_xpool
+    before = load_xpool(before_path)
+    arms, keep = {}, []
+    for scheme in SCHEMES:
+        old = before.Pool(before.HostBackend(), scheme="xpool" if scheme == "segments" else scheme)
+        new = xpool.Pool(xpool.HostBackend(), scheme=scheme)
+        arms["before", scheme] = old._core.cfunctions()          # the old build has no public way to them
+        arms["after", scheme] = xpool.testing.cfunctions(new)
+        keep += [old, new]
+    arms["_keep"] = keep
+    return arms
+
+
+def measure(before_path: str, sizes=SIZES, trials=TRIALS, windows=WINDOWS, window_s=WINDOW_S, progress=True):
+    """One row per (trial, build, scheme, size): ns per pair (median window), pairs per window."""
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    from xlab import _probes
+    from xlab.bench.alloc import rotated
+    arms = make_arms(before_path)
+    keep = arms.pop("_keep")
+    names = list(arms)
+
+    def run(arm, n, pairs):
+        return _probes.time_pairs(*arms[arm], n, pairs)
+
+    calls = {}
+    for arm in names:
+        for n in sizes:
+            run(arm, n, 1000)                                   # the block is cached: every pair hits
+            ns = max(run(arm, n, 20_000), 1)
+            calls[arm, n] = max(1000, int(window_s * 1e9 * 20_000 / ns))
+    rows = []
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        for trial, n in tqdm([(t, n) for t in range(trials) for n in sizes], desc="trials", disable=not progress):
+            rates = {a: [] for a in names}
+            for w in range(windows):
+                for arm in rotated(names, trial + w):
+                    run(arm, n, 100)                            # its code and block warm again
+                    rates[arm].append(run(arm, n, calls[arm, n]) / calls[arm, n])
+            for (build, scheme) in names:
+                rows.append(dict(build=build, scheme=scheme, size_bytes=n, trial=trial,
+                                 ns_per_pair=statistics.median(rates[build, scheme]), pairs=calls[(build, scheme), n],
+                                 windows=windows, trials=trials))
+    finally:
+        if gc_was_on:
+            gc.enable()
+    del keep
+    return pd.DataFrame(rows)
+
+
+def ratios(rows):
+    """Per (scheme, size): before / after per trial (> 1: after is faster), median and 95% interval; and each
+    build's median ns per pair."""
+    import pandas as pd
+
+    from xlab import intervals
+    out = []
+    for (scheme, n), g in rows.groupby(["scheme", "size_bytes"], sort=False):
+        per = g.pivot_table(index="trial", columns="build", values="ns_per_pair")
+        med, lo, hi, k = intervals.median_ci((per["before"] / per["after"]).to_numpy())
+        out.append(dict(scheme=scheme, size_bytes=n, before_ns=per["before"].median(), after_ns=per["after"].median(),
+                        ratio=med, lo=lo, hi=hi, n_trials=k))
+    return pd.DataFrame(out)
+
+
+def table(summary) -> str:
+    from xlab.intervals import fmt_ci
+    from xlab.plots import fmt_bytes
+    lines = ["ns per malloc+free pair over host memory (median of trials); before / after per trial, median "
+             "[95% interval] (> 1: after is faster)"]
+    for r in summary.itertuples():
+        lines.append(f"  {r.scheme:<9} {fmt_bytes(r.size_bytes):>8}  before {r.before_ns:6.1f}  after "
+                     f"{r.after_ns:6.1f}  ratio {fmt_ci(r.ratio, r.lo, r.hi, '{:.3f}')}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python scripts/core_split_host.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--before", required=True, help="a checkout of the commit before, built in place")
+    ap.add_argument("--before-commit", default="009e8f9", help="its commit, for the CSV (default 009e8f9)")
+    ap.add_argument("--trials", type=int, default=TRIALS)
+    ap.add_argument("--windows", type=int, default=WINDOWS)
+    ap.add_argument("--window-s", type=float, default=WINDOW_S)
+    ap.add_argument("--sizes", nargs="+", type=int, default=list(SIZES))
+    ap.add_argument("--out", default="data/core_split_host.csv", help="the CSV ('' for none)")
+    args = ap.parse_args(argv)
+    if args.trials < 2 or args.windows < 1 or args.window_s <= 0 or any(n <= 0 for n in args.sizes):
+        ap.error("--trials >= 2, --windows >= 1, --window-s > 0 and positive --sizes")
+    from xlab.paths import write_csv
+    from xlab.provenance import provenance
+    rows = measure(args.before, tuple(args.sizes), args.trials, args.windows, args.window_s)
+    rows = rows.assign(**provenance(bench="core_split_host", before_commit=args.before_commit,
+                                    window_s=args.window_s, control="arms interleaved window by window in one "
+                                    "process; the CPU shared with other work"))
+    print(table(ratios(rows)))
+    if args.out:
+        write_csv(rows, args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
