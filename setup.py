@@ -11,7 +11,7 @@ setup(
         Extension(
             "xpool._core",
             sources=["xpool/_alloc.c", "xpool/_module.c", "xpool/_torch.c", "xpool/_segments.c"],
-            depends=["xpool/_core.h", "xpool/_segments.h"],
+            depends=["xpool/_core.h", "xpool/_hot.h", "xpool/_segments.h"],
             extra_compile_args=CFLAGS,
         ),
         Extension("xlab._probes", sources=["xlab/_probes.c"], extra_compile_args=CFLAGS),

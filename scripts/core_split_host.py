@@ -5,14 +5,17 @@ CuPy hooks, timed in C (xlab._probes.time_pairs), both builds loaded in one proc
     (cd /tmp/core_before && python setup.py build_ext --inplace)
     python scripts/core_split_host.py --before /tmp/core_before --out data/core_split_host.csv
 
-Arms: (build before / after) x (scheme segments / seed), each a fresh xpool.Pool over HostBackend with one block
-cached, so every pair is a hit. Within a trial and size the arms take turns window by window (order rotated each
+Arms: (build before / after) x (scheme segments / seed) through CuPy's hooks (path `cupy`, with the GIL), and
+(build before / after) with the default scheme through PyTorch's entry points (path `torch`: xpool_torch_try_malloc
+and xpool_torch_free, without the GIL, xlab._probes.time_torch_pairs); each a fresh xpool.Pool over HostBackend
+with one block cached, so every pair is a hit. Within a trial and size the arms take turns window by window (order rotated each
 round and each trial), an arm's time is the median of its windows, and the garbage collector is off while timing.
 The CPU is shared with other work: interleaving is the control, and the paired ratio per trial (before / after,
 > 1: after is faster) is what is summarised, as a median with a 95% bootstrap interval (xlab.intervals).
 
-The before build predates xpool.testing: its hooks come from its private `pool._core.cfunctions()` (this script
-sits outside xlab/ for that reason); the after build's from `xpool.testing.cfunctions`.
+The before build predates xpool.testing: its hooks come from its private `pool._core.cfunctions()`, and binding a
+pool to PyTorch's entry points is private in both builds (`pool._core.bind_torch()`): this script sits outside
+xlab/ for that reason. The after build's CuPy hooks come from `xpool.testing.cfunctions`.
 """
 from __future__ import annotations
 
@@ -29,19 +32,37 @@ WINDOW_S = 0.02
 
 
 def make_arms(before_path: str) -> dict:
-    """{(build, scheme): (param, malloc, free), ...} and the pools they need alive, under "_keep"."""
+    """{(build, scheme, path): run(nbytes, pairs) -> ns} and the pools they need alive, under "_keep"."""
+    import ctypes
+
     import xpool
     import xpool.testing
+    from xlab import _probes
     from xlab.builds import load_xpool
     before = load_xpool(before_path)
     arms, keep = {}, []
+
+    def cupy_path(cf):
+        return lambda n, pairs: _probes.time_pairs(*cf, n, pairs)
+
+    def torch_path(package, pool):
+        pool._core.bind_torch()                                    # this build's entry points serve this pool
+        lib = ctypes.CDLL(package._core.__spec__.origin)
+        m, f = (ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                for name in ("xpool_torch_try_malloc", "xpool_torch_free"))
+        return lambda n, pairs: _probes.time_torch_pairs(m, f, n, pairs)
+
     for scheme in SCHEMES:
         old = before.Pool(before.HostBackend(), scheme="xpool" if scheme == "segments" else scheme)
         new = xpool.Pool(xpool.HostBackend(), scheme=scheme)
-        arms["before", scheme] = old._core.cfunctions()          # the old build has no public way to them
-        arms["after", scheme] = xpool.testing.cfunctions(new)
+        arms["before", scheme, "cupy"] = cupy_path(old._core.cfunctions())   # no public way to them there
+        arms["after", scheme, "cupy"] = cupy_path(xpool.testing.cfunctions(new))
         keep += [old, new]
-    arms["_keep"] = keep
+    old = before.Pool(before.HostBackend(), scheme="xpool")
+    new = xpool.Pool(xpool.HostBackend())
+    arms["before", "segments", "torch"] = torch_path(before, old)
+    arms["after", "segments", "torch"] = torch_path(xpool, new)
+    arms["_keep"] = keep + [old, new]
     return arms
 
 
@@ -50,14 +71,16 @@ def measure(before_path: str, sizes=SIZES, trials=TRIALS, windows=WINDOWS, windo
     import pandas as pd
     from tqdm.auto import tqdm
 
-    from xlab import _probes
     from xlab.bench.alloc import rotated
     arms = make_arms(before_path)
     keep = arms.pop("_keep")
     names = list(arms)
 
     def run(arm, n, pairs):
-        return _probes.time_pairs(*arms[arm], n, pairs)
+        ns = arms[arm](n, pairs)
+        if not ns:
+            raise RuntimeError(f"arm {arm}: an allocation failed")
+        return ns
 
     calls = {}
     for arm in names:
@@ -75,9 +98,10 @@ def measure(before_path: str, sizes=SIZES, trials=TRIALS, windows=WINDOWS, windo
                 for arm in rotated(names, trial + w):
                     run(arm, n, 100)                            # its code and block warm again
                     rates[arm].append(run(arm, n, calls[arm, n]) / calls[arm, n])
-            for (build, scheme) in names:
-                rows.append(dict(build=build, scheme=scheme, size_bytes=n, trial=trial,
-                                 ns_per_pair=statistics.median(rates[build, scheme]), pairs=calls[(build, scheme), n],
+            for (build, scheme, path) in names:
+                arm = build, scheme, path
+                rows.append(dict(build=build, scheme=scheme, path=path, size_bytes=n, trial=trial,
+                                 ns_per_pair=statistics.median(rates[arm]), pairs=calls[arm, n],
                                  windows=windows, trials=trials))
     finally:
         if gc_was_on:
@@ -87,17 +111,17 @@ def measure(before_path: str, sizes=SIZES, trials=TRIALS, windows=WINDOWS, windo
 
 
 def ratios(rows):
-    """Per (scheme, size): before / after per trial (> 1: after is faster), median and 95% interval; and each
-    build's median ns per pair."""
+    """Per (path, scheme, size): before / after per trial (> 1: after is faster), median and 95% interval; and
+    each build's median ns per pair."""
     import pandas as pd
 
     from xlab import intervals
     out = []
-    for (scheme, n), g in rows.groupby(["scheme", "size_bytes"], sort=False):
+    for (path, scheme, n), g in rows.groupby(["path", "scheme", "size_bytes"], sort=False):
         per = g.pivot_table(index="trial", columns="build", values="ns_per_pair")
         med, lo, hi, k = intervals.median_ci((per["before"] / per["after"]).to_numpy())
-        out.append(dict(scheme=scheme, size_bytes=n, before_ns=per["before"].median(), after_ns=per["after"].median(),
-                        ratio=med, lo=lo, hi=hi, n_trials=k))
+        out.append(dict(path=path, scheme=scheme, size_bytes=n, before_ns=per["before"].median(),
+                        after_ns=per["after"].median(), ratio=med, lo=lo, hi=hi, n_trials=k))
     return pd.DataFrame(out)
 
 
@@ -107,7 +131,7 @@ def table(summary) -> str:
     lines = ["ns per malloc+free pair over host memory (median of trials); before / after per trial, median "
              "[95% interval] (> 1: after is faster)"]
     for r in summary.itertuples():
-        lines.append(f"  {r.scheme:<9} {fmt_bytes(r.size_bytes):>8}  before {r.before_ns:6.1f}  after "
+        lines.append(f"  {r.path:<5} {r.scheme:<9} {fmt_bytes(r.size_bytes):>8}  before {r.before_ns:6.1f}  after "
                      f"{r.after_ns:6.1f}  ratio {fmt_ci(r.ratio, r.lo, r.hi, '{:.3f}')}")
     return "\n".join(lines)
 

@@ -14,6 +14,8 @@
 # gil          GIL probe: ops/s of 1, 2, 4, 8 dispatching threads        ~0.7 min              90 s
 # hit          opt-in: the hit path's breakdown (xlab.bench.hit), then the size sweep of the cached arms only,
 #              11 trials (alloc_hit_sweep.csv)                           ~1.2 min             150 s
+# split        opt-in (#20): the size sweep of the cached arms with the build before beside this one (BEFORE: a
+#              checkout of it, built here if it is not), 11 trials interleaved (core_split_gpu.csv) ~1.5 min   150 s
 # torch        opt-in, not in the default list: PyTorch and CuPy sharing xpool, its GPU tests then the interop
 #              benchmark                                                 ~5 min               440 s
 # (expected times from the H200 step times at 70fd21b, before the fused kernels: 90 ms per batch-32 step, 48 ms
@@ -94,11 +96,15 @@ for s in $stages; do
         hit)         stage hit 70 $PY -m xlab.bench.hit --out "$DATA"/hit_breakdown.csv
                      stage hit-sweep 80 $PY -m xlab.bench.alloc --sweep size --trials 11 \
                          --allocators cupy_pool xpool xpool_seed c_noop noop --out "$DATA"/alloc_hit_sweep.csv ;;
+        split)       [ -n "${BEFORE:-}" ] || { echo "split: set BEFORE to a checkout of the commit before" | tee -a "$LOG"; status=1; continue; }
+                     ls "$BEFORE"/xpool/_core*.so >/dev/null 2>&1 || (cd "$BEFORE" && python3 setup.py build_ext --inplace -q) >>"$LOG" 2>&1
+                     stage split 150 $PY -m xlab.bench.alloc --sweep size --trials 11 --xpool-path "$BEFORE" \
+                         --allocators cupy_pool xpool xpool_seed c_noop --out "$DATA"/core_split_gpu.csv ;;
         torch-tests) stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/test_torch_gpu.py ;;
         torch-bench) stage torch-bench 200 $PY -m xlab.bench.torch_interop --out "$DATA"/torch_interop.csv ;;
         torch)       stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/test_torch_gpu.py
                      stage torch-bench 200 $PY -m xlab.bench.torch_interop --out "$DATA"/torch_interop.csv ;;
-        *) echo "unknown stage $s (stages: tests bench single correctness debugcost ddp sweep memory gil hit torch torch-tests torch-bench)" | tee -a "$LOG"
+        *) echo "unknown stage $s (stages: tests bench single correctness debugcost ddp sweep memory gil hit split torch torch-tests torch-bench)" | tee -a "$LOG"
            status=1 ;;
     esac
 done

@@ -517,8 +517,8 @@ def test_registry_names_map_to_pool_arguments(monkeypatch, schemes):
     scheme = (lambda s: {"scheme": s}) if schemes else (lambda s: {})
     assert made == [dict(scheme("xpool") if schemes else {}, debug=False),
                     dict(classes_per_doubling=1, **scheme("seed"), debug=False),
-                    dict(classes_per_doubling=4, debug=False),
-                    dict(classes_per_doubling=1, debug="raise"),
+                    dict(classes_per_doubling=4, **scheme("seed"), debug=False),
+                    dict(classes_per_doubling=1, **scheme("seed"), debug="raise"),
                     dict(classes_per_doubling=1, **scheme("seed"), debug="raise")]
     assert allocators.xpool_arms() == (("xpool", "xpool_seed") if schemes else ("xpool_k1", "xpool_k4"))
     assert not any(g.device_calls_when_warm for g in got.values())

@@ -26,7 +26,7 @@ def test_results_are_bit_identical_raw_xpool_cupy_pool():
     try:
         for name, alloc in [("raw", None), ("cupy_pool", cp.cuda.MemoryPool().malloc),
                             ("xpool", xpool.MemoryPool().malloc),
-                            ("xpool_k4", xpool.MemoryPool(classes_per_doubling=4).malloc),
+                            ("xpool_k4", xpool.MemoryPool(scheme="seed", classes_per_doubling=4).malloc),
                             ("xpool_seed", xpool.MemoryPool(scheme="seed").malloc)]:
             cp.cuda.set_allocator(alloc)
             results[name] = workload()

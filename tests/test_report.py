@@ -17,7 +17,7 @@ from xlab.memory_study import AddressSpaceBackend, replay, replay_waste, waste_t
 
 def _record(k, seed=0, n=3000, devices=(0,), streams=(0,)):
     """Random allocs and frees of GPT-like sizes through a real pool; returns (timeline, stats)."""
-    pool = xpool.Pool(AddressSpaceBackend(), classes_per_doubling=k, limit=0, debug=False, timeline=100_000)
+    pool = xpool.Pool(AddressSpaceBackend(), scheme="seed", classes_per_doubling=k, limit=0, debug=False, timeline=100_000)
     rng = np.random.default_rng(seed)
     sizes = [100, 4096, 70_000, 1 << 20, (1 << 20) + 1, 3 << 20, 5_000_000, 12_582_912, 50_331_649]
     live = []

@@ -62,6 +62,42 @@ static PyObject *py_time_pairs(PyObject *mod, PyObject *args)
     return PyLong_FromLongLong(now_ns() - t0);
 }
 
+/* time_torch_pairs(malloc, free, nbytes, pairs, device=0, stream=0) -> ns: `pairs` malloc+free pairs through
+ * PyTorch's pluggable-allocator signature (`void *malloc(ssize_t size, int device, void *stream)`, `void
+ * free(void *ptr, ssize_t size, int device, void *stream)`: xpool_torch_malloc / xpool_torch_free), timed in C
+ * with the GIL released, as PyTorch calls them.  0 when a malloc returned NULL (no pair is timed past it). */
+static PyObject *py_time_torch_pairs(PyObject *mod, PyObject *args)
+{
+    unsigned long long malloc_fn, free_fn, stream = 0;
+    Py_ssize_t nbytes, pairs;
+    int device = 0;
+    if (!PyArg_ParseTuple(args, "KKnn|iK", &malloc_fn, &free_fn, &nbytes, &pairs, &device, &stream)) return NULL;
+    if (nbytes < 0 || pairs < 0) {
+        PyErr_Format(PyExc_ValueError, "nbytes and pairs must be >= 0, got nbytes=%zd, pairs=%zd", nbytes,
+                     pairs);
+        return NULL;
+    }
+    if (!malloc_fn || !free_fn) {
+        PyErr_SetString(PyExc_ValueError, "malloc and free must be function addresses, got 0");
+        return NULL;
+    }
+    void *(*m)(Py_ssize_t, int, void *) = (void *(*)(Py_ssize_t, int, void *))(uintptr_t)malloc_fn;
+    void (*f)(void *, Py_ssize_t, int, void *) = (void (*)(void *, Py_ssize_t, int, void *))(uintptr_t)free_fn;
+    void *s = (void *)(uintptr_t)stream;
+    int64_t ns = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t t0 = now_ns();
+    Py_ssize_t i = 0;
+    for (; i < pairs; i++) {
+        void *ptr = m(nbytes, device, s);
+        if (!ptr) break;
+        f(ptr, nbytes, device, s);
+    }
+    ns = i == pairs ? now_ns() - t0 : 0;
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(ns);
+}
+
 /* time_calls(fn, calls, device=None) -> ns: `calls` calls of a stream lookup, timed in C: `intptr_t fn(int
  * device)` (what xpool's CuPy hook calls, CuPy's get_stream_ptr) or, with device None, `intptr_t fn(void)`
  * (CuPy's get_current_stream_ptr, which CuPy's own pool calls).  What one lookup costs, without the pair
@@ -110,6 +146,9 @@ static PyMethodDef module_methods[] = {
      "time_pairs(param, malloc, free, nbytes, pairs, device=0) -> ns: malloc+free pairs timed in C"},
     {"time_calls", py_time_calls, METH_VARARGS,
      "time_calls(fn, calls, device=None) -> ns: calls of intptr_t fn(int device) (or fn(void)) timed in C"},
+    {"time_torch_pairs", py_time_torch_pairs, METH_VARARGS,
+     "time_torch_pairs(malloc, free, nbytes, pairs, device=0, stream=0) -> ns: PyTorch-signature pairs, "
+     "without the GIL"},
     {"noop_cfunctions", py_noop_cfunctions, METH_VARARGS,
      "noop_cfunctions(ptr) -> (param, malloc, free): a do-nothing C allocator, the floor for benchmarks"},
     {NULL}

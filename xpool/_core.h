@@ -5,7 +5,8 @@
  *   _segments.c  the segments scheme's ranges: best fit, split, merge (no locks, no Python)
  *   _module.c    the CPython binding: the Allocation and Allocator types, argument parsing, module init
  *   _torch.c     PyTorch's pluggable-allocator entry points (xpool_torch_malloc, xpool_torch_free, ...)
- * This header holds what they share.  Only PyInit__core and the xpool_torch_* functions are exported
+ * This header holds what they share; _hot.h the hit path's operations, static, so both entry paths have
+ * them inlined.  Only PyInit__core and the xpool_torch_* functions are exported
  * (setup.py builds with -fvisibility=hidden), so calls between the files are direct calls.
  *
  * Layers, bottom up (as in CuPy's memory.pyx):
@@ -33,7 +34,7 @@
  * the hook and backend references and the fork bookkeeping rely on it.  The
  * mutexes guard the C structures and document ownership.  PyTorch's hooks
  * (xpool_torch_malloc/free, _torch.c) are the exception: PyTorch calls them without the
- * GIL; their hit and free paths (xp_take_nogil, xp_free_nogil) touch only C structures under
+ * GIL; their hit and free paths (_hot.h, as the others') touch only C structures under
  * the pool mutex, and every path that runs Python takes the GIL first.
  * Lock order: Allocator.registry_lock, Allocator.debug_lock: each alone;
  * DevicePool.lock -> Allocator.timeline_lock.  No lock is ever held while
@@ -272,15 +273,6 @@ Block *xp_alloc(Allocator *A, int device, intptr_t stream, size_t requested, int
  *  -1  with an exception: a bad device, or a pointer this pool did not hand out (nothing changed).
  * *holds_ref: the block held a reference to A (it was handed to CuPy); the caller drops it, last. */
 int xp_free(Allocator *A, int device, uintptr_t ptr, int *holds_ref);
-
-/* PyTorch's hit and free paths, callable without the GIL (C structures only, no Python object, no error
- * set).  xp_take_nogil: a cached block handed to PyTorch, or NULL (none fits, debug mode is on, a bad
- * device or size: nothing is counted, the caller takes the GIL path).  xp_free_nogil: 0 when the block
- * is back in the cache; -1 when nothing changed and the caller must take the GIL path. */
-Block *xp_take_nogil(Allocator *A, int device, intptr_t stream, size_t requested);
-int xp_free_nogil(Allocator *A, int device, uintptr_t ptr);
-/* The origin of the block in use at ptr (ORIGIN_*), or -1 when none is. */
-int xp_block_origin(DevicePool *pool, uintptr_t ptr);
 
 /* CuPy's CFunctionAllocator hooks (Allocator.cfunctions() hands their addresses out). */
 void *cupy_malloc(void *param, size_t size, int device);

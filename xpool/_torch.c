@@ -7,10 +7,10 @@
  *
  * PyTorch calls these without the GIL, from any thread (its autograd engine runs backward in its own
  * threads).  The hit path and the free path touch only C structures under the pool's mutex, so they run
- * without the GIL (xp_take_nogil, xp_free_nogil in _alloc.c); everything that can call Python (a miss:
+ * without the GIL (take_nogil, free_nogil, over _hot.h); everything that can call Python (a miss:
  * backend, OOM ladder, gc; debug hooks; error reports) takes it with PyGILState_Ensure, holding no mutex,
  * as the rest of the core does. */
-#include "_core.h"
+#include "_hot.h"
 
 #include <dlfcn.h>
 #include <stdio.h>
@@ -43,6 +43,60 @@ static void torch_note_error(void)
     PyErr_SetRaisedException(exc);
 }
 
+/* xp_alloc's hit path without the GIL: a cached block handed to PyTorch, or NULL (none fits, debug mode is
+ * on: nothing is counted, the caller takes the GIL path, which counts the request). */
+static Block *take_nogil(Allocator *A, int device, intptr_t stream, size_t requested)
+{
+    /* debug mode's checks run Python: its requests always take the GIL path */
+    if (atomic_load_explicit(&A->debug_on, memory_order_acquire)) return NULL;
+    DevicePool *pool = pool_lookup(A, device);
+    if (!pool) return NULL;
+    size_t size = scheme_block_size(A, requested);   /* no debug tail: debug mode is off */
+    int no_room;   /* the GIL path reports it */
+    pthread_mutex_lock(&pool->lock);
+    Block *b = take_hit(A, pool, stream, size, requested, ORIGIN_TORCH, 0, &no_room);
+    pthread_mutex_unlock(&pool->lock);
+    return b;
+}
+
+/* xp_free's caching path (debug mode off) without the GIL, for blocks handed to PyTorch only: 0 when the
+ * block is back in the cache; -1 when nothing changed (an unknown pointer, a block handed to CuPy or Python:
+ * the GIL path reports it). */
+static int free_nogil(Allocator *A, int device, uintptr_t ptr)
+{
+    DevicePool *pool = pool_lookup(A, device);
+    if (!pool || atomic_load_explicit(&A->debug_on, memory_order_acquire)) return -1;
+    pthread_mutex_lock(&pool->lock);
+    Block **slot = ptrtable_slot(&pool->live, ptr);
+    Block *b = slot ? *slot : NULL;
+    if (!b || b->origin != ORIGIN_TORCH) {
+        pthread_mutex_unlock(&pool->lock);
+        return -1;
+    }
+    ptrtable_remove(&pool->live, ptr);
+    pool->st.frees++;
+    pool->st.blocks_in_use--; pool->st.bytes_in_use -= b->size;
+    pool->st.bytes_requested -= b->requested;
+    origin_out(&pool->st, ORIGIN_TORCH, b->size);
+    size_t requested = b->requested;
+    b->handed_out = 0; b->poisoned = 0;
+    Block freed = *b;   /* a range may merge into its neighbour and be gone */
+    cache_block(pool, b);
+    timeline_record(&A->tl, EV_FREE, pool, &freed, requested);
+    pthread_mutex_unlock(&pool->lock);
+    return 0;
+}
+
+/* The origin of the block in use at ptr (ORIGIN_*), or -1 when none is. */
+static int block_origin(DevicePool *pool, uintptr_t ptr)
+{
+    pthread_mutex_lock(&pool->lock);
+    Block **slot = ptrtable_slot(&pool->live, ptr);
+    int origin = slot ? (*slot)->origin : -1;
+    pthread_mutex_unlock(&pool->lock);
+    return origin;
+}
+
 /* The allocation behind both exported malloc functions.  0 and *out on success; -1 with torch_error. */
 static int torch_alloc(ssize_t size, int device, void *stream_handle, void **out)
 {
@@ -64,7 +118,7 @@ static int torch_alloc(ssize_t size, int device, void *stream_handle, void **out
         return -1;
     }
     intptr_t stream = stream_key((intptr_t)stream_handle);
-    Block *b = xp_take_nogil(A, device, stream, (size_t)size);   /* the hit path, without the GIL */
+    Block *b = take_nogil(A, device, stream, (size_t)size);   /* the hit path, without the GIL */
     if (b) { *out = (void *)b->ptr; return 0; }
     if (!python_usable()) {
         snprintf(torch_error, sizeof torch_error, "xpool: PyTorch asked for %zd bytes while Python "
@@ -132,11 +186,11 @@ XP_EXPORT void xpool_torch_free(void *ptr, ssize_t size, int device, void *strea
     Allocator *A = atomic_load_explicit(&torch_allocator, memory_order_acquire);
     int known_device = device >= 0 && device < XP_MAX_DEVICES;
     torch_error[0] = 0;
-    if (A && known_device && xp_free_nogil(A, device, (uintptr_t)ptr) == 0) return;
+    if (A && known_device && free_nogil(A, device, (uintptr_t)ptr) == 0) return;
     if (!python_usable()) return;   /* the process is ending: the device memory goes with it */
     PyGILState_STATE gil = PyGILState_Ensure();
     DevicePool *pool = A && known_device ? pool_lookup(A, device) : NULL;
-    int origin = pool ? xp_block_origin(pool, (uintptr_t)ptr) : -1;
+    int origin = pool ? block_origin(pool, (uintptr_t)ptr) : -1;
     int r = 0;
     if (!A) {
         PyErr_Format(PyExc_RuntimeError, "xpool: PyTorch freed pointer %p but no pool is bound to PyTorch", ptr);
