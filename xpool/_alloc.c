@@ -26,7 +26,7 @@ static int collect_garbage(void)
     return r ? 0 : -1;
 }
 
-/* ------------------------------------------------------------------ size classes and tables */
+/* ------------------------------------------------------------------ size classes and tables (the rest: _hot.h) */
 
 size_t xp_size_class(size_t n, unsigned k) { return size_class(n, k); }
 
@@ -62,8 +62,6 @@ static Bin *bintable_get(BinTable *t, intptr_t stream, size_t size)
     t->slots[h] = bin; t->used++;
     return bin;
 }
-
-/* ------------------------------------------------------------------ statistics and the timeline */
 
 /* ------------------------------------------------------------------ device pools */
 
@@ -195,13 +193,12 @@ static int call_hook(PyObject *hook, const char *name, const Block *b, size_t re
 
 /* ------------------------------------------------------------------ schemes (Note [Schemes])
  *
- * Every difference between the schemes is in the scheme_* functions here (and in which cache
- * cache_block() files a block, by the block's kind); the rest of the core is shared.
- *   scheme_block_size   bytes a request takes
- *   scheme_take         a cached block: the hit path
- *   scheme_make         a new block on a miss, through the recovery ladder (device_malloc)
- *   scheme_take_idle    cached blocks taken out of the cache to give back
- *   scheme_give_back    one such block back to the device
+ * Every difference between the schemes is in five scheme_* functions; the rest of the core is shared.
+ *   scheme_block_size   bytes a request takes                                  _hot.h
+ *   scheme_take         a cached block: the hit (cache_block files one back)   _hot.h
+ *   scheme_make         a new block on a miss, through the recovery ladder     below, "new blocks"
+ *   scheme_take_idle    cached blocks taken out of the cache to give back      here
+ *   scheme_give_back    one such block back to the device                      here
  */
 
 /* Takes cached blocks (of one stream, or all when all_streams) out of the cache, into blocks[*n..cap),
