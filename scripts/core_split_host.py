@@ -10,8 +10,12 @@ Arms: (build before / after) x (scheme segments / seed) through CuPy's hooks (pa
 and xpool_torch_free, without the GIL, xlab._probes.time_torch_pairs); each a fresh xpool.Pool over HostBackend
 with one block cached, so every pair is a hit. Within a trial and size the arms take turns window by window (order rotated each
 round and each trial), an arm's time is the median of its windows, and the garbage collector is off while timing.
-The CPU is shared with other work: interleaving is the control, and the paired ratio per trial (before / after,
-> 1: after is faster) is what is summarised, as a median with a 95% bootstrap interval (xlab.intervals).
+The CPU is shared with other work: interleaving is the control. And where a build's code and its blocks land in
+memory moves a pair's time by a few percent from one process to the next (the ratio of the two builds in one
+process ranged 0.96-1.07 over six processes here), which no number of trials in one process averages out: so the
+measurement runs in `--processes` fresh processes, one after the other, each interleaving its `--trials`. A
+process's median of its paired ratios (before / after, > 1: after is faster) is one sample; the summary is their
+median with a 95% bootstrap interval (xlab.intervals).
 
 The before build predates xpool.testing: its hooks come from its private `pool._core.cfunctions()`, and binding a
 pool to PyTorch's entry points is private in both builds (`pool._core.bind_torch()`): this script sits outside
@@ -26,7 +30,8 @@ import sys
 
 SIZES = (4 << 10, 64 << 10, 12 << 20)
 SCHEMES = ("segments", "seed")
-TRIALS = 9
+PROCESSES = 11
+TRIALS = 5
 WINDOWS = 7
 WINDOW_S = 0.02
 
@@ -111,25 +116,26 @@ def measure(before_path: str, sizes=SIZES, trials=TRIALS, windows=WINDOWS, windo
 
 
 def ratios(rows):
-    """Per (path, scheme, size): before / after per trial (> 1: after is faster), median and 95% interval; and
-    each build's median ns per pair."""
+    """Per (path, scheme, size): each process's median of before / after per trial (> 1: after is faster), then
+    their median and 95% interval over processes; and each build's median ns per pair."""
     import pandas as pd
 
     from xlab import intervals
     out = []
     for (path, scheme, n), g in rows.groupby(["path", "scheme", "size_bytes"], sort=False):
-        per = g.pivot_table(index="trial", columns="build", values="ns_per_pair")
-        med, lo, hi, k = intervals.median_ci((per["before"] / per["after"]).to_numpy())
+        per = g.pivot_table(index=["process", "trial"], columns="build", values="ns_per_pair")
+        by_process = (per["before"] / per["after"]).groupby(level="process").median()
+        med, lo, hi, k = intervals.median_ci(by_process.to_numpy())
         out.append(dict(path=path, scheme=scheme, size_bytes=n, before_ns=per["before"].median(),
-                        after_ns=per["after"].median(), ratio=med, lo=lo, hi=hi, n_trials=k))
+                        after_ns=per["after"].median(), ratio=med, lo=lo, hi=hi, n_processes=k))
     return pd.DataFrame(out)
 
 
 def table(summary) -> str:
     from xlab.intervals import fmt_ci
     from xlab.plots import fmt_bytes
-    lines = ["ns per malloc+free pair over host memory (median of trials); before / after per trial, median "
-             "[95% interval] (> 1: after is faster)"]
+    lines = ["ns per malloc+free pair over host memory (median of all trials); before / after: the median over "
+             "processes of each one's median paired ratio [95% interval] (> 1: after is faster)"]
     for r in summary.itertuples():
         lines.append(f"  {r.path:<5} {r.scheme:<9} {fmt_bytes(r.size_bytes):>8}  before {r.before_ns:6.1f}  after "
                      f"{r.after_ns:6.1f}  ratio {fmt_ci(r.ratio, r.lo, r.hi, '{:.3f}')}")
@@ -140,20 +146,40 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python scripts/core_split_host.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--before", required=True, help="a checkout of the commit before, built in place")
     ap.add_argument("--before-commit", default="009e8f9", help="its commit, for the CSV (default 009e8f9)")
-    ap.add_argument("--trials", type=int, default=TRIALS)
+    ap.add_argument("--processes", type=int, default=PROCESSES, help=f"fresh processes, one after the other "
+                    f"(default {PROCESSES})")
+    ap.add_argument("--trials", type=int, default=TRIALS, help=f"trials in each process (default {TRIALS})")
+    ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)   # this process's number
     ap.add_argument("--windows", type=int, default=WINDOWS)
     ap.add_argument("--window-s", type=float, default=WINDOW_S)
     ap.add_argument("--sizes", nargs="+", type=int, default=list(SIZES))
     ap.add_argument("--out", default="data/core_split_host.csv", help="the CSV ('' for none)")
     args = ap.parse_args(argv)
-    if args.trials < 2 or args.windows < 1 or args.window_s <= 0 or any(n <= 0 for n in args.sizes):
-        ap.error("--trials >= 2, --windows >= 1, --window-s > 0 and positive --sizes")
+    if (args.processes < 2 or args.trials < 1 or args.windows < 1 or args.window_s <= 0
+            or any(n <= 0 for n in args.sizes)):
+        ap.error("--processes >= 2, --trials >= 1, --windows >= 1, --window-s > 0 and positive --sizes")
+    import pandas as pd
+
     from xlab.paths import write_csv
     from xlab.provenance import provenance
-    rows = measure(args.before, tuple(args.sizes), args.trials, args.windows, args.window_s)
-    rows = rows.assign(**provenance(bench="core_split_host", before_commit=args.before_commit,
-                                    window_s=args.window_s, control="arms interleaved window by window in one "
-                                    "process; the CPU shared with other work"))
+    if args.child is not None:                  # one process's trials, as CSV on stdout
+        rows = measure(args.before, tuple(args.sizes), args.trials, args.windows, args.window_s, progress=False)
+        rows.assign(process=args.child).to_csv(sys.stdout, index=False)
+        return 0
+    import io
+    import subprocess
+    parts = []
+    for p in range(args.processes):
+        cmd = [sys.executable, __file__, "--child", str(p), "--before", args.before, "--trials", str(args.trials),
+               "--windows", str(args.windows), "--window-s", str(args.window_s), "--sizes", *map(str, args.sizes)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        parts.append(pd.read_csv(io.StringIO(out)))
+        print(f"process {p + 1}/{args.processes} done", flush=True)
+    rows = pd.concat(parts, ignore_index=True)
+    rows = rows.assign(processes=args.processes, **provenance(
+        bench="core_split_host", before_commit=args.before_commit, window_s=args.window_s,
+        control="arms interleaved window by window in each of `processes` fresh processes; the CPU shared "
+                "with other work"))
     print(table(ratios(rows)))
     if args.out:
         write_csv(rows, args.out)
