@@ -15,7 +15,8 @@
 # hit          opt-in: the hit path's breakdown (xlab.bench.hit), then the size sweep of the cached arms only,
 #              11 trials (alloc_hit_sweep.csv)                           ~1.2 min             150 s
 # split        opt-in (#20): the size sweep of the cached arms with the build before beside this one (BEFORE: a
-#              checkout of it, built here if it is not), 11 trials interleaved (core_split_gpu.csv) ~1.5 min   150 s
+#              checkout of it, e.g. `git archive 009e8f9 xpool setup.py pyproject.toml README.md`; built here),
+#              11 trials interleaved (core_split_gpu.csv)                ~1.5 min             150 s
 # torch        opt-in, not in the default list: PyTorch and CuPy sharing xpool, its GPU tests then the interop
 #              benchmark                                                 ~5 min               440 s
 # (expected times from the H200 step times at 70fd21b, before the fused kernels: 90 ms per batch-32 step, 48 ms
@@ -97,7 +98,7 @@ for s in $stages; do
                      stage hit-sweep 80 $PY -m xlab.bench.alloc --sweep size --trials 11 \
                          --allocators cupy_pool xpool xpool_seed c_noop noop --out "$DATA"/alloc_hit_sweep.csv ;;
         split)       [ -n "${BEFORE:-}" ] || { echo "split: set BEFORE to a checkout of the commit before" | tee -a "$LOG"; status=1; continue; }
-                     ls "$BEFORE"/xpool/_core*.so >/dev/null 2>&1 || (cd "$BEFORE" && python3 setup.py build_ext --inplace -q) >>"$LOG" 2>&1
+                     (cd "$BEFORE" && python3 setup.py build_ext --inplace -q) >>"$LOG" 2>&1 || { echo "split: BEFORE did not build" | tee -a "$LOG"; status=1; continue; }
                      stage split 150 $PY -m xlab.bench.alloc --sweep size --trials 11 --xpool-path "$BEFORE" \
                          --allocators cupy_pool xpool xpool_seed c_noop --out "$DATA"/core_split_gpu.csv ;;
         torch-tests) stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/test_torch_gpu.py ;;

@@ -60,3 +60,16 @@ def test_the_benchmarks_other_build_arms_use_its_memory_pool(other, monkeypatch)
     assert made == [dict(scheme="xpool", debug=False), dict(scheme="seed", debug=False)]
     arms["xpool_before"].graph_pool()
     assert made[-1] == dict(scheme="xpool", debug=False)
+
+
+def test_the_other_builds_table_pairs_its_arms_by_trial():
+    import pandas as pd
+
+    from xlab.bench import alloc
+    rows = pd.DataFrame([dict(allocator=a, sweep="size", size_bytes=4096, trial=t, us_per_pair=us * (1 + t / 100))
+                         for t in range(5) for a, us in (("xpool", 2.0), ("xpool_before", 2.2),
+                                                         ("xpool_seed", 1.0), ("xpool_seed_before", 1.0))])
+    text = alloc.other_build_table(rows)
+    assert "xpool_before / xpool" in text and "4 KiB 1.100 [1.100, 1.100]" in text
+    assert "xpool_seed_before / xpool_seed" in text and "4 KiB 1.000" in text
+    assert alloc.other_build_table(rows[rows.allocator == "xpool"]) == ""

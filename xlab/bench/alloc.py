@@ -368,6 +368,30 @@ def other_build_arms(path) -> tuple:
     return tuple(arms)
 
 
+def other_build_table(rows) -> str:
+    """The other build against this one, per size, paired by trial: its µs per pair over this build's (> 1:
+    this build is faster), the ratio of medians with a 95% interval (xlab.intervals.ratio_ci).
+
+    Args:
+        rows: the CSV's rows (trial_rows), with the other build's arms.
+
+    Returns:
+        The text ("" without them).
+    """
+    from xlab import intervals
+    from xlab.plots import fmt_bytes
+    lines = []
+    for theirs, mine in (("xpool_before", "xpool"), ("xpool_seed_before", "xpool_seed")):
+        part = rows[(rows.sweep == "size") & rows.allocator.isin([theirs, mine])]
+        if part.allocator.nunique() < 2:
+            continue
+        ratios = intervals.paired(part, "us_per_pair", "allocator", mine, by=["size_bytes"])
+        lines.append(f"{theirs} / {mine}, µs per pair paired by trial (> 1: this build is faster): " + "; ".join(
+            f"{fmt_bytes(r.size_bytes)} {intervals.fmt_ci(r.ratio, r.ratio_lo, r.ratio_hi, '{:.3f}')}"
+            for r in ratios.itertuples()))
+    return "\n".join(lines)
+
+
 # --- the C core alone, on a CPU (--host)
 
 HOST_ARMS = ("xpool", "xpool_seed", "c_noop")
@@ -652,6 +676,8 @@ def run(out="data/alloc_microbench.csv", quick=False, trials=None, target_s=None
                                target_s=target_s, progress=progress)
     df = with_provenance(trial_rows(samples, mallocs), target_s=target_s, quick=quick, xpool_path=xpool_path or "")
     print(table(summary(df)))
+    if xpool_path:
+        print(other_build_table(df))
     if out:
         write_csv(df, out)
         print(f"wrote {out}")
