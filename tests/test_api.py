@@ -63,3 +63,13 @@ def test_public_api_says_what_it_takes_returns_and_raises(name, fn):
     source = inspect.getsource(fn)
     if "return " in source and "-> None" not in source.split(":\n", 1)[0]:
         assert "Returns:" in doc or "Yields:" in doc, f"{name} returns something; its docstring has no Returns:"
+
+
+def test_the_core_exports_what_the_package_needs_and_no_lab_probe():
+    """xpool._core is the allocator's: the lab's timing probes live in xlab._probes (#20)."""
+    from xpool import _core
+    assert sorted(n for n in dir(_core) if not n.startswith("__")) == [
+        "Allocation", "Allocator", "EVENT_SIZE", "MAX_CLASSES_PER_DOUBLING", "MAX_DEVICES", "MAX_REQUEST",
+        "Settings", "size_class", "torch_bound"]
+    from xlab import _probes
+    assert {"time_pairs", "time_calls", "time_torch_pairs", "noop_cfunctions"} <= set(dir(_probes))

@@ -190,6 +190,15 @@ def test_pool_takes_settings_or_keywords_or_both():
     assert xpool.MemoryPool(base, backend=HostBackend()).classes_per_doubling == 2
 
 
+def test_install_and_use_take_a_settings_in_place_of_a_pool():
+    pytest.importorskip("cupy")
+    base = Settings(scheme="seed", classes_per_doubling=2)
+    with xpool.use(base, backend=HostBackend()) as pool:
+        assert pool.settings is base and xpool.current() is pool
+    with xpool.use(base, backend=HostBackend(), debug="warn") as pool:
+        assert pool.settings == dataclasses.replace(base, debug="warn")
+
+
 def test_pool_refuses_a_positional_k_and_unknown_settings_by_name():
     with pytest.raises(TypeError, match=r"settings must be an xpool.Settings, got int 4 .classes_per_doubling is a "
                                         r"keyword now: Pool\(..., scheme='seed', classes_per_doubling=4\)"):

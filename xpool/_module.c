@@ -743,7 +743,6 @@ PyMODINIT_FUNC PyInit__core(void)
         PyModule_AddIntConstant(m, "MAX_DEVICES", XP_MAX_DEVICES) < 0 ||
         PyModule_AddIntConstant(m, "EVENT_SIZE", sizeof(Event)) < 0 ||
         PyModule_AddIntConstant(m, "MAX_CLASSES_PER_DOUBLING", XP_MAX_CLASSES_PER_DOUBLING) < 0 ||
-        PyModule_AddIntConstant(m, "MAX_DEBUG_TAIL", XP_MAX_DEBUG_TAIL) < 0 ||
         PyModule_AddObject(m, "MAX_REQUEST", PyLong_FromSize_t(XP_MAX_REQUEST)) < 0) {
         Py_DECREF(m);
         return NULL;

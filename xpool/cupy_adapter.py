@@ -132,9 +132,9 @@ settings_signature(MemoryPool.__init__, keywords=("backend",))
 
 
 def _pool_from(pool, kwargs) -> MemoryPool:
-    """The pool given, or a new one from settings; not both."""
-    if pool is None:
-        return MemoryPool(**kwargs)
+    """The pool given, or a new one from settings (a Settings in its place, keywords); not both."""
+    if pool is None or isinstance(pool, Settings):
+        return MemoryPool(pool, **kwargs)
     if kwargs:
         raise ValueError("give a pool or pool settings, not both")
     if not isinstance(pool, MemoryPool):
@@ -142,11 +142,12 @@ def _pool_from(pool, kwargs) -> MemoryPool:
     return pool
 
 
-def install(pool: MemoryPool | None = None, **kwargs) -> MemoryPool:
+def install(pool: MemoryPool | Settings | None = None, **kwargs) -> MemoryPool:
     """Make xpool CuPy's allocator, process-wide.
 
     Args:
-        pool (MemoryPool): the pool to install; None: a new one from ``kwargs``.
+        pool (MemoryPool): the pool to install; None (or an ``xpool.Settings``): a new one from the settings
+            and ``kwargs``.
         **kwargs: ``MemoryPool`` settings (``settings=``, or the fields of ``xpool.Settings`` as keywords).
 
     Returns:
@@ -203,11 +204,12 @@ def current() -> MemoryPool | None:
 
 
 @contextlib.contextmanager
-def use(pool: MemoryPool | None = None, **kwargs):
+def use(pool: MemoryPool | Settings | None = None, **kwargs):
     """``with xpool.use() as pool:`` -- xpool for this thread inside the block, then the previous allocator.
 
     Args:
-        pool (MemoryPool): the pool to use; None: a new one from ``kwargs``.
+        pool (MemoryPool): the pool to use; None (or an ``xpool.Settings``): a new one from the settings and
+            ``kwargs``.
         **kwargs: ``MemoryPool`` settings.
 
     Yields:
