@@ -472,3 +472,16 @@ def test_importing_xpool_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert out.returncode == 0, out.stderr
+
+
+def test_the_labs_torch_probe_times_hits_through_the_entry_points(pool):
+    from xlab import _probes
+    torch_free(torch_malloc(4096))                      # cached: every timed pair hits
+    before = stats(pool)
+    assert _probes.time_torch_pairs(_addr(TRY_MALLOC), _addr(FREE), 4096, 1000) > 0
+    s = stats(pool)
+    assert (s["requests"] - before["requests"], s["hits"] - before["hits"], s["misses"] - before["misses"]) == \
+        (1000, 1000, 0)
+    assert _probes.time_torch_pairs(_addr(TRY_MALLOC), _addr(FREE), 1 << 62, 5) == 0   # refused: no pair
+    with pytest.raises(ValueError, match="pairs"):
+        _probes.time_torch_pairs(_addr(TRY_MALLOC), _addr(FREE), 4096, -1)
