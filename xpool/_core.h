@@ -23,10 +23,13 @@
  * memory in the tests), called only on a miss, on giving back and on out-of-memory
  * recovery.  The hit path is pure C.
  *
- * Schemes.  How blocks are made is one choice per Allocator (Allocator.scheme), made in one place:
- * the scheme_* functions of _alloc.c (block size, take from the cache, make on a miss, take out to give
- * back, give back to the device).  Everything else is shared.  A new scheme is an XP_SCHEME_* id below,
- * its name in xpool/settings.py, and a case in each scheme_* function; the others' hit paths do not change.
+ * Schemes (Note [Schemes]).  How blocks are made is one choice per Allocator (Allocator.scheme), made in
+ * five scheme_* functions: the hit side in _hot.h (scheme_block_size, scheme_take), the miss side in
+ * _alloc.c (scheme_make, scheme_take_idle, scheme_give_back).  Everything else is shared.  A new scheme is
+ * an XP_SCHEME_* id below, its name (and its fields) in xpool/settings.py, and a case in each scheme_*
+ * function; the others' hit paths do not change.  A scheme whose blocks are not whole device allocations of
+ * the backend (mapped pages, say) brings its own way of making and giving back there, e.g. an ops table the
+ * backend hands over, stored in the Allocator.
  *
  * Concurrency.  Every entry point runs with the GIL held (CuPy calls the
  * CFunctionAllocator hooks from Cython with the GIL), and the module says so
@@ -50,8 +53,10 @@
  * more than the limit.
  *
  * Inputs are checked once, where they enter: a request's size and device by the entry point that
- * receives it (Allocator.allocate, CuPy's hook, PyTorch's hook), the settings by xpool.Settings; the
- * functions below the entry points take them as given.
+ * receives it (Allocator.allocate, CuPy's hook, PyTorch's hook; xp_free checks the device of a free), the
+ * settings by xpool.Settings (the core reads only a Settings of the package that loaded it); the functions
+ * below the entry points take them as given.  The recovery ladder is one function (device_malloc, Note
+ * [Recovery ladder]), the device's capacity asked in one place (pool_capacity).
  */
 #ifndef XPOOL_CORE_H
 #define XPOOL_CORE_H
