@@ -30,6 +30,22 @@ static PyObject *py_noop_cfunctions(PyObject *mod, PyObject *args)
                          (unsigned long long)(uintptr_t)&noop_free);
 }
 
+/* The arguments both pair timers take: function addresses, and counts >= 0.  -1 with a ValueError. */
+static int check_pairs(unsigned long long malloc_fn, unsigned long long free_fn, Py_ssize_t nbytes,
+                       Py_ssize_t pairs)
+{
+    if (nbytes < 0 || pairs < 0) {
+        PyErr_Format(PyExc_ValueError, "nbytes and pairs must be >= 0, got nbytes=%zd, pairs=%zd", nbytes,
+                     pairs);
+        return -1;
+    }
+    if (!malloc_fn || !free_fn) {
+        PyErr_SetString(PyExc_ValueError, "malloc and free must be function addresses, got 0");
+        return -1;
+    }
+    return 0;
+}
+
 /* time_pairs(param, malloc, free, nbytes, pairs, device=0) -> ns: `pairs` malloc+free pairs through a C
  * allocator's two functions (xpool.testing.cfunctions(pool), noop_cfunctions()), timed in C.  The C
  * allocator's own cost, without CuPy's objects or a Python loop around it: xlab.bench.alloc --host measures
@@ -41,15 +57,7 @@ static PyObject *py_time_pairs(PyObject *mod, PyObject *args)
     int device = 0;
     if (!PyArg_ParseTuple(args, "KKKnn|i", &param, &malloc_fn, &free_fn, &nbytes, &pairs, &device))
         return NULL;
-    if (nbytes < 0 || pairs < 0) {
-        PyErr_Format(PyExc_ValueError, "nbytes and pairs must be >= 0, got nbytes=%zd, pairs=%zd", nbytes,
-                     pairs);
-        return NULL;
-    }
-    if (!malloc_fn || !free_fn) {
-        PyErr_SetString(PyExc_ValueError, "malloc and free must be function addresses, got 0");
-        return NULL;
-    }
+    if (check_pairs(malloc_fn, free_fn, nbytes, pairs) < 0) return NULL;
     void *(*m)(void *, size_t, int) = (void *(*)(void *, size_t, int))(uintptr_t)malloc_fn;
     void (*f)(void *, void *, int) = (void (*)(void *, void *, int))(uintptr_t)free_fn;
     void *p = (void *)(uintptr_t)param;
@@ -72,15 +80,7 @@ static PyObject *py_time_torch_pairs(PyObject *mod, PyObject *args)
     Py_ssize_t nbytes, pairs;
     int device = 0;
     if (!PyArg_ParseTuple(args, "KKnn|iK", &malloc_fn, &free_fn, &nbytes, &pairs, &device, &stream)) return NULL;
-    if (nbytes < 0 || pairs < 0) {
-        PyErr_Format(PyExc_ValueError, "nbytes and pairs must be >= 0, got nbytes=%zd, pairs=%zd", nbytes,
-                     pairs);
-        return NULL;
-    }
-    if (!malloc_fn || !free_fn) {
-        PyErr_SetString(PyExc_ValueError, "malloc and free must be function addresses, got 0");
-        return NULL;
-    }
+    if (check_pairs(malloc_fn, free_fn, nbytes, pairs) < 0) return NULL;
     void *(*m)(Py_ssize_t, int, void *) = (void *(*)(Py_ssize_t, int, void *))(uintptr_t)malloc_fn;
     void (*f)(void *, Py_ssize_t, int, void *) = (void (*)(void *, Py_ssize_t, int, void *))(uintptr_t)free_fn;
     void *s = (void *)(uintptr_t)stream;

@@ -26,8 +26,8 @@
  * Schemes (Note [Schemes]).  How blocks are made is one choice per Allocator (Allocator.scheme), made in
  * five scheme_* functions: the hit side in _hot.h (scheme_block_size, scheme_take), the miss side in
  * _alloc.c (scheme_make, scheme_take_idle, scheme_give_back).  Everything else is shared.  A new scheme is
- * an XP_SCHEME_* id below, its name (and its fields) in xpool/settings.py, and a case in each scheme_*
- * function; the others' hit paths do not change.  A scheme whose blocks are not whole device allocations of
+ * an XP_SCHEME_* id below, its name (and its fields) in xpool/settings.py, the fields read in
+ * read_settings (_module.c), and a case in each scheme_* function; the others' hit paths do not change.  A scheme whose blocks are not whole device allocations of
  * the backend (mapped pages, say) brings its own way of making and giving back there, e.g. an ops table the
  * backend hands over, stored in the Allocator.
  *
