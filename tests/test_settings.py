@@ -249,3 +249,13 @@ def test_a_timeline_too_large_for_the_host_says_so():
         pool.enable_timeline(2**63)
     with pytest.raises(MemoryError, match="needs"):
         pool.enable_timeline(1 << 40)
+
+
+def test_every_field_has_its_variable_default_help_and_parser():
+    """What a new field (or a new scheme's) must come with."""
+    from xpool import settings
+    fields = [f.name for f in dataclasses.fields(Settings)]
+    assert fields == list(ENV) == list(DEFAULTS) == list(settings.HELP) == list(settings._PARSERS)
+    owned = [name for names in settings.SCHEME_FIELDS.values() for name in names]
+    assert set(settings.SCHEME_FIELDS) == set(settings.SCHEMES) and set(owned) <= set(fields)
+    assert len(owned) == len(set(owned))
