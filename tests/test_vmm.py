@@ -212,29 +212,28 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
                           env={**os.environ, **env}, timeout=60)
 
 
-def test_without_a_driver_cuda_vmm_says_why():
-    r = _run("""
+def _cuda_vmm_error(libcuda: str) -> str:
+    """What cuda_vmm() raises, in a process whose driver is `libcuda` (status and message)."""
+    return _run("""
         from xpool import _vmm
         try:
             _vmm.cuda_vmm()
         except _vmm.VmmError as e:
             print(e.status, e)
-    """, XPOOL_LIBCUDA="/nonexistent/libcuda.so.1")
-    assert r.stdout.startswith(f"{_vmm.UNAVAILABLE} cannot load the CUDA driver (/nonexistent/libcuda.so.1)"), r
+    """, XPOOL_LIBCUDA=libcuda).stdout
+
+
+def test_without_a_driver_cuda_vmm_says_why():
+    out = _cuda_vmm_error("/nonexistent/libcuda.so.1")
+    assert out.startswith(f"{_vmm.UNAVAILABLE} cannot load the CUDA driver (/nonexistent/libcuda.so.1)"), out
 
 
 def test_a_library_that_is_no_driver_is_refused():
     libm = ctypes.util.find_library("m")
     if not libm:
         pytest.skip("no libm to stand for a library that is no driver")
-    r = _run("""
-        from xpool import _vmm
-        try:
-            _vmm.cuda_vmm()
-        except _vmm.VmmError as e:
-            print(e.status, e)
-    """, XPOOL_LIBCUDA=libm)
-    assert r.stdout.startswith(f"{_vmm.UNAVAILABLE} {libm} is no CUDA driver"), r
+    out = _cuda_vmm_error(libm)
+    assert out.startswith(f"{_vmm.UNAVAILABLE} {libm} is no CUDA driver"), out
 
 
 @pytest.fixture(scope="module")
