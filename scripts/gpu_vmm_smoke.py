@@ -245,17 +245,37 @@ class Smoke:
         self.check("out of memory leaves nothing mapped", out_of_memory)
 
         def oom_through_the_pool():
+            # the device filled with cudaMalloc first but 64 MiB, so the miss fails after a few dozen pages (a miss
+            # larger than the device would make and undo ~70k pages three times over: seconds)
+            want = 256 * MiB
+            hog = None
+            if self.cp is None:
+                self.twin.set_capacity(0, 64 * MiB)
+            else:
+                rt = self.cp.cuda.runtime
+                left = self.free_bytes() - 64 * MiB
+                while hog is None and left > 0:
+                    try:
+                        hog = rt.malloc(left)
+                    except rt.CUDARuntimeError:
+                        left -= 64 * MiB
             pool = self.pool()
             try:
-                pool.alloc(self.total + G)
-                raise AssertionError("a request larger than the device succeeded")
+                pool.alloc(want)
+                raise AssertionError(f"a {want >> 20} MiB miss succeeded on a full device")
             except E.HarnessError as e:
                 assert e.status == _vmm.OOM, e
+                msg = str(e)
+            finally:
+                if hog is not None:
+                    self.cp.cuda.runtime.free(hog)
+                if self.cp is None:
+                    self.twin.set_capacity(0, self.total)
             s = pool.stats()
             pool.check()
             pool.destroy()
             assert s["mapped"] == 0, s
-            return f"status OOM after {s['oom_recoveries']} recoveries, 0 B mapped"
+            return f"status OOM, 0 B mapped after it ({msg})"
         self.check("a pool miss out of memory", oom_through_the_pool)
 
         def capture():
