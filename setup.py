@@ -1,4 +1,5 @@
-"""Build the C core of the pool (xpool._core) and the lab's timing probes (xlab._probes); the rest is Python."""
+"""Build the C core of the pool (xpool._core), its virtual-memory ops (xpool._vmm) and the lab's timing probes
+(xlab._probes); the rest is Python."""
 from setuptools import Extension, setup
 
 CFLAGS = ["-O2", "-std=c11", "-Wall", "-Wno-unused-function",
@@ -12,6 +13,12 @@ setup(
             "xpool._core",
             sources=["xpool/_alloc.c", "xpool/_module.c", "xpool/_torch.c", "xpool/_segments.c"],
             depends=["xpool/_core.h", "xpool/_hot.h", "xpool/_segments.h"],
+            extra_compile_args=CFLAGS,
+        ),
+        Extension(
+            "xpool._vmm",
+            sources=["xpool/_vmm_module.c", "xpool/_vmm.c"],
+            depends=["xpool/_vmm.h", "xpool/_vmm_cuda.h"],
             extra_compile_args=CFLAGS,
         ),
         Extension("xlab._probes", sources=["xlab/_probes.c"], extra_compile_args=CFLAGS),

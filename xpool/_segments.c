@@ -146,6 +146,12 @@ void seg_flush(FreeTree *t)
     }
 }
 
+void seg_unfile(FreeTree *t, Block *b, SegDelta *d)
+{
+    if (b->waiting) unwait(t, b); else unfile(t, b);
+    d->free_ranges -= 1; d->free_bytes -= (int64_t)b->size;
+}
+
 static void split(FreeTree *t, Block *b, size_t size, SegDelta *d)
 {
     if (b->size <= size) return;

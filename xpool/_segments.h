@@ -45,6 +45,8 @@ typedef struct Block {
     uint8_t in_segment;
     uint8_t is_free;        /* free, in the tree */
     uint8_t waiting;        /* free, in FreeTree.recent */
+    uint8_t vm_state;       /* scheme expandable: XE_MAPPED (0) or what the range's pages under it are doing
+                             * (_expandable.h); 0 for every other block */
     uint64_t whole_since;   /* a whole free segment: FreeTree.clock when it last became one (its idle age) */
 } Block;
 
@@ -97,6 +99,9 @@ void seg_init(FreeTree *t, Block *b, size_t size, SegDelta *d);
  * waiting range of exactly `size` that is this best fit is taken in O(1); up to SEG_SCAN waiting ranges
  * are scanned beside the tree's descent, more are filed in the tree first. */
 Block *seg_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d);
+
+/* Takes the free range b (waiting or in the tree) out, as seg_take would, without cutting it. */
+void seg_unfile(FreeTree *t, Block *b, SegDelta *d);
 
 /* Moves every range waiting in t->recent into the tree (see FreeTree.recent). */
 void seg_flush(FreeTree *t);

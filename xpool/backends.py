@@ -59,6 +59,14 @@ class Backend(Protocol):
     Fork: in a ``fork()``ed child the pool starts empty and never calls
     ``free`` for the parent's blocks; a backend with locks must make them
     usable in the child (``os.register_at_fork``).
+
+    Virtual memory (optional): a backend with ``vmm() -> PyCapsule`` can hold the expandable scheme's memory.
+    The capsule, named ``"xpool.vmm"``, wraps the C ops table of ``xpool/_vmm.h``: reserve an address range,
+    map pages of the device's granularity into it (all or nothing; out of memory told apart from other
+    failures), unmap them, give the range back. The pool calls those from C, without the GIL, on misses and
+    releases only, and keeps the capsule for as long as it uses them. ``CupyBackend`` offers CUDA's
+    (``cuMemCreate``/``cuMemMap``, the driver loaded at run time), ``HostBackend`` a host twin with its
+    capacity. Note [Expandable segments] in NOTES.md.
     """
 
     def malloc(self, device: int, nbytes: int) -> int:
@@ -121,12 +129,17 @@ class HostBackend:
     Args:
         capacity (int): bytes per "device"; past it ``malloc`` raises
             ``DeviceOutOfMemory``, as a full device would.  None: unbounded.
+            The twin's pages (``vmm()``) have a budget of their own of this size.
         n_devices (int): how many devices it pretends to have.
+        granularity (int, or one per device): the page of the twin's devices
+            (``vmm()``): a power of two, a multiple of the host's page size.
     """
 
-    def __init__(self, capacity: int | None = None, n_devices: int = 8):
+    def __init__(self, capacity: int | None = None, n_devices: int = 8, granularity: int | list[int] = 1 << 16):
+        self._twin = None
         self.capacity = capacity
         self.n_devices = n_devices
+        self._granularity = granularity
         self._libc = ctypes.CDLL(None)
         self._libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
                                               ctypes.c_size_t]
@@ -139,6 +152,32 @@ class HostBackend:
         self.mallocs = 0                     # raw calls, to check the core's counters against
         self.frees = 0
         _host_backends.add(self)
+
+    @property
+    def capacity(self) -> int | None:
+        """Bytes per device (None: unbounded); setting it sets the twin's too."""
+        return self._capacity
+
+    @capacity.setter
+    def capacity(self, value: int | None) -> None:
+        self._capacity = value
+        if self._twin is not None:
+            for device in range(self.n_devices):
+                self._twin.set_capacity(device, value)
+
+    @property
+    def twin(self):
+        """The host twin under ``vmm()`` (``xpool._vmm.HostTwin``), made on first use: its pages, counters and
+        injectable faults are what tests check a pool of the expandable scheme against."""
+        with self._lock:
+            if self._twin is None:
+                from . import _vmm
+                self._twin = _vmm.HostTwin(self.n_devices, capacity=self._capacity, granularity=self._granularity)
+            return self._twin
+
+    def vmm(self):
+        """The expandable scheme's ops over host memory: a PyCapsule ``"xpool.vmm"`` of ``twin``."""
+        return self.twin.vmm()
 
     # the current device and stream, per thread
     def current_device(self) -> int:
@@ -262,6 +301,13 @@ class CupyBackend:
                 if e.status == 906:      # cudaErrorStreamCaptureImplicit: the legacy stream beside a capture
                     return True
                 raise
+
+    def vmm(self):
+        """CUDA's virtual memory management for the expandable scheme: a PyCapsule ``"xpool.vmm"`` of the
+        driver's cuMemAddressReserve/cuMemCreate/cuMemMap/cuMemSetAccess/cuMemUnmap, called from C in each
+        device's primary context (CuPy's).  Raises ``xpool._vmm.VmmError`` when the driver or device cannot."""
+        from . import _vmm
+        return _vmm.cuda_vmm()
 
     def fill(self, device: int, ptr: int, nbytes: int, byte: int) -> None:
         with _on_device(self._rt, device):

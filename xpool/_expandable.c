@@ -1,0 +1,580 @@
+/* xpool._expandable: address ranges whose pages are mapped and unmapped under best fit (see _expandable.h). */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "_expandable.h"
+
+static inline size_t up(size_t n, size_t m) { return (n + m - 1) / m * m; }
+static inline size_t down(size_t n, size_t m) { return n / m * m; }
+static inline uintptr_t end_of(const Block *b) { return b->ptr + b->size; }
+static inline int is_free(const Block *b)
+{
+    return b && b->vm_state == XE_MAPPED && (b->is_free || b->waiting);
+}
+
+size_t xe_range_bytes(uint64_t capacity, size_t page)
+{
+    uint64_t want = capacity + capacity / 8;
+    if (want < capacity) want = UINT64_MAX - page;   /* wrapped */
+    size_t r = up((size_t)want, page);
+    return r ? r : page;
+}
+
+int xe_init(XeDevice *x, int device, size_t page, size_t range_bytes)
+{
+    if (page < 512 || (page & (page - 1))) return -1;
+    memset(x, 0, sizeof *x);
+    x->device = device;
+    x->page = page;
+    x->range_bytes = range_bytes ? up(range_bytes, page) : page;
+    return 0;
+}
+
+static void range_free(XeRange *r)
+{
+    for (Block *b = r->unmapped, *n; b; b = n) { n = b->right; free(b); }
+    free(r);
+}
+
+void xe_destroy(XeDevice *x)
+{
+    for (size_t i = 0; i < x->n_ranges; i++) range_free(x->ranges[i]);
+    free(x->ranges);
+    x->ranges = NULL;
+    x->n_ranges = x->cap_ranges = 0;
+    x->mapped = 0;
+}
+
+/* ------------------------------------------------------------------ the hit path */
+
+/* A free block's age (Block.whole_since) is when it last changed: cut, merged, mapped.  A miss at the high-water
+ * mark unmaps only blocks older than min_idle requests (release_for_miss in _core.c says why). */
+Block *xe_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d)
+{
+    Block *b = seg_take(t, stream, size, d);
+    if (b && b->next_addr && b->next_addr->waiting) b->next_addr->whole_since = t->clock;   /* the rest of a cut */
+    return b;
+}
+
+Block *xe_put(FreeTree *t, Block *b, SegDelta *d)
+{
+    b = seg_put(t, b, d);
+    b->whole_since = t->clock;
+    return b;
+}
+
+/* A free piece back into the tree, merged with its free neighbours, aged from now. */
+static Block *put_free(FreeTree *t, Block *b, XeDelta *d)
+{
+    b->vm_state = XE_MAPPED;
+    b->is_free = b->waiting = 0;
+    b = seg_put(t, b, &d->free);
+    b->whole_since = t->clock;
+    return b;
+}
+
+/* ------------------------------------------------------------------ chains and unmapped lists */
+
+static Block *new_piece(const XeRange *r, int device)
+{
+    Block *b = calloc(1, sizeof(Block));
+    if (b) { b->in_segment = 1; b->stream = r->stream; b->device = device; }
+    return b;
+}
+
+/* Links n into the chain right after b. */
+static void link_after(Block *b, Block *n)
+{
+    n->prev_addr = b;
+    n->next_addr = b->next_addr;
+    if (b->next_addr) b->next_addr->prev_addr = n;
+    b->next_addr = n;
+}
+
+/* Cuts b at `at` bytes: n (a fresh Block) takes the rest, right after it, in b's state. */
+static void cut(Block *b, size_t at, Block *n)
+{
+    n->ptr = b->ptr + at;
+    n->size = b->size - at;
+    n->vm_state = b->vm_state;
+    b->size = at;
+    link_after(b, n);
+}
+
+/* b swallows its chain successor n (freed). */
+static void swallow(Block *b, Block *n)
+{
+    b->size += n->size;
+    b->next_addr = n->next_addr;
+    if (n->next_addr) n->next_addr->prev_addr = b;
+    free(n);
+}
+
+static void list_remove(XeRange *r, Block *b)
+{
+    if (b->left) b->left->right = b->right; else r->unmapped = b->right;
+    if (b->right) b->right->left = b->left;
+    b->left = b->right = NULL;
+}
+
+/* b (out of every list) becomes unmapped pages, merged with unmapped chain neighbours. */
+static void make_unmapped(XeRange *r, Block *b)
+{
+    b->vm_state = XE_UNMAPPED;
+    b->is_free = b->waiting = 0;
+    b->requested = 0;
+    b->poisoned = 0;
+    Block *p = b->prev_addr, *n = b->next_addr;
+    if (p && p->vm_state == XE_UNMAPPED) {   /* p is listed already: it takes b in */
+        swallow(p, b);
+        b = p;
+    } else {                                 /* listed in address order */
+        Block *before = NULL;
+        for (Block *u = r->unmapped; u && u->ptr < b->ptr; u = u->right) before = u;
+        b->left = before;
+        b->right = before ? before->right : r->unmapped;
+        if (b->right) b->right->left = b;
+        if (before) before->right = b; else r->unmapped = b;
+    }
+    if (n && n->vm_state == XE_UNMAPPED) {
+        list_remove(r, n);
+        swallow(b, n);
+    }
+}
+
+/* ------------------------------------------------------------------ ranges */
+
+static size_t range_index(const XeDevice *x, uintptr_t ptr)   /* the first range with base > ptr */
+{
+    size_t lo = 0, hi = x->n_ranges;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (x->ranges[mid]->base <= ptr) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+XeRange *xe_range_of(const XeDevice *x, uintptr_t ptr)
+{
+    size_t i = range_index(x, ptr);
+    if (!i) return NULL;
+    XeRange *r = x->ranges[i - 1];
+    return ptr - r->base < r->bytes ? r : NULL;
+}
+
+static int insert_range(XeDevice *x, XeRange *r)
+{
+    if (x->n_ranges == x->cap_ranges) {
+        size_t cap = x->cap_ranges ? 2 * x->cap_ranges : 8;
+        XeRange **a = realloc(x->ranges, cap * sizeof *a);
+        if (!a) return -1;
+        x->ranges = a;
+        x->cap_ranges = cap;
+    }
+    size_t i = range_index(x, r->base);
+    memmove(&x->ranges[i + 1], &x->ranges[i], (x->n_ranges - i) * sizeof *x->ranges);
+    x->ranges[i] = r;
+    x->n_ranges++;
+    return 0;
+}
+
+XeRange *xe_add_range(XeDevice *x, intptr_t stream, uintptr_t base, size_t bytes, XeDelta *d)
+{
+    XeRange *r = calloc(1, sizeof *r);
+    Block *b = r ? calloc(1, sizeof *b) : NULL;
+    if (!b) { free(r); return NULL; }
+    r->base = base;
+    r->bytes = bytes;
+    r->stream = stream;
+    b->ptr = base;
+    b->size = bytes;
+    b->stream = stream;
+    b->device = x->device;
+    b->in_segment = 1;
+    b->vm_state = XE_UNMAPPED;
+    r->first = r->unmapped = b;
+    if (insert_range(x, r) < 0) { free(b); free(r); return NULL; }
+    d->ranges += 1;
+    return r;
+}
+
+size_t xe_take_empty(XeDevice *x, XeRange **out, size_t cap)
+{
+    size_t n = 0, kept = 0;
+    for (size_t i = 0; i < x->n_ranges; i++) {
+        XeRange *r = x->ranges[i];
+        if (n < cap && !r->mapped && !r->in_flight) out[n++] = r;
+        else x->ranges[kept++] = r;
+    }
+    x->n_ranges = kept;
+    return n;
+}
+
+void xe_release_finish(XeDevice *x, XeRange *r, int released, XeDelta *d)
+{
+    if (released || insert_range(x, r) < 0) {   /* not back without memory: its addresses are lost, not its pages */
+        range_free(r);
+        d->ranges -= 1;
+    }
+}
+
+/* ------------------------------------------------------------------ a miss */
+
+/* The plan's block in range r starting at unmapped run u (with the free block before it): 0 if the run, free
+ * blocks between runs and runs after hold `size` bytes within XE_PLAN_MAPS runs; the pieces listed in p. */
+static int fit_at(Block *u, size_t size, XeMapPlan *p)
+{
+    p->n_pieces = 0;
+    size_t got = 0, runs = 0;
+    if (is_free(u->prev_addr)) {
+        p->piece[p->n_pieces++] = u->prev_addr;
+        got = u->prev_addr->size;
+    }
+    for (Block *x = u; x && x->vm_state == XE_UNMAPPED && runs < XE_PLAN_MAPS; runs++) {
+        p->piece[p->n_pieces++] = x;
+        if ((got += x->size) >= size) return 0;
+        Block *f = x->next_addr;   /* a whole mapped run between two unmapped ones, all free, joins them */
+        if (!is_free(f)) return -1;
+        p->piece[p->n_pieces++] = f;
+        if ((got += f->size) >= size) return 0;
+        x = f->next_addr;
+    }
+    return -1;
+}
+
+int xe_plan_map(XeDevice *x, FreeTree *t, intptr_t stream, size_t size, XeMapPlan *p, XeDelta *d)
+{
+    memset(p, 0, sizeof *p);
+    p->size = size;
+    XeRange *r = NULL;
+    for (size_t i = 0; i < x->n_ranges && !r; i++) {
+        if (x->ranges[i]->stream != stream) continue;
+        for (Block *u = x->ranges[i]->unmapped; u; u = u->right)
+            if (fit_at(u, size, p) == 0) { r = x->ranges[i]; break; }
+    }
+    if (!r) {
+        p->n_pieces = 0;
+        p->new_range = x->range_bytes > size ? x->range_bytes : up(size, x->page);
+        return 0;
+    }
+    Block *first = p->piece[0], *last = p->piece[p->n_pieces - 1];
+    p->ptr = first->ptr;
+    uintptr_t need_end = p->ptr + size;
+    /* the last piece an unmapped run the block ends in: only the pages the block reaches are mapped */
+    Block *tail = NULL, *spare = NULL;
+    size_t keep = last->vm_state == XE_UNMAPPED ? up(need_end - last->ptr, x->page) : last->size;
+    if (keep < last->size && !(tail = new_piece(r, x->device))) return -1;
+    if (p->ptr + size < last->ptr + keep && !(spare = new_piece(r, x->device))) { free(tail); return -1; }
+    if (tail) {                                  /* the run's rest stays listed, in place of what is mapped */
+        list_remove(r, last);
+        last->vm_state = XE_MAPPING;
+        cut(last, keep, tail);
+        make_unmapped(r, tail);
+    }
+    for (size_t i = 0; i < p->n_pieces; i++) {
+        Block *b = p->piece[i];
+        if (b->vm_state == XE_UNMAPPED || b->vm_state == XE_MAPPING) {
+            if (b->vm_state == XE_UNMAPPED) list_remove(r, b);
+            b->vm_state = XE_MAPPING;
+            p->map[p->n_maps].addr = b->ptr;
+            p->map[p->n_maps++].bytes = b->size;
+            p->map_bytes += b->size;
+        } else {
+            seg_unfile(t, b, &d->free);
+            b->vm_state = XE_HELD;
+            d->held += (int64_t)b->size;
+        }
+    }
+    p->range = r;
+    p->spare = spare;
+    r->in_flight++;
+    return 0;
+}
+
+Block *xe_map_finish(XeDevice *x, FreeTree *t, XeMapPlan *p, size_t maps_ok, XeDelta *d)
+{
+    XeRange *r = p->range;
+    size_t m = 0;
+    for (size_t i = 0; i < p->n_pieces; i++) {   /* the runs mapped: counted as mapped, still pieces */
+        Block *b = p->piece[i];
+        if (b->vm_state == XE_HELD) { d->held -= (int64_t)b->size; continue; }
+        if (m++ >= maps_ok) continue;
+        r->mapped += b->size;
+        x->mapped += b->size;
+        d->mapped += (int64_t)b->size;
+        d->maps += 1;
+        d->map_pages += (int64_t)(b->size / x->page);
+    }
+    r->in_flight--;
+    if (maps_ok < p->n_maps) {
+        /* Decided before anything changes: making a run unmapped may free its Block (merged into an unmapped
+         * neighbour).  The runs not mapped go back first, so what is mapped merges with mapped neighbours only. */
+        int back[2 * XE_PLAN_MAPS + 1];
+        m = 0;
+        for (size_t i = 0; i < p->n_pieces; i++) back[i] = p->piece[i]->vm_state == XE_MAPPING && m++ >= maps_ok;
+        for (size_t i = 0; i < p->n_pieces; i++) if (back[i]) make_unmapped(r, p->piece[i]);
+        for (size_t i = 0; i < p->n_pieces; i++) if (!back[i]) put_free(t, p->piece[i], d);
+        free(p->spare);
+        p->spare = NULL;
+        return NULL;
+    }
+    Block *b = p->piece[0];                      /* every piece joins the first */
+    for (size_t i = 1; i < p->n_pieces; i++) swallow(b, p->piece[i]);
+    b->vm_state = XE_MAPPED;
+    b->is_free = b->waiting = 0;
+    b->requested = 0;
+    b->poisoned = 0;
+    if (b->size > p->size) {
+        Block *rest = p->spare;
+        p->spare = NULL;
+        cut(b, p->size, rest);
+        put_free(t, rest, d);
+    }
+    free(p->spare);
+    p->spare = NULL;
+    return b;
+}
+
+/* ------------------------------------------------------------------ a release */
+
+typedef struct {
+    Block *b;
+    size_t pages;          /* bytes of its whole pages */
+} Candidate;
+
+typedef struct {
+    const XeDevice *x;
+    const XeRelease *spec;
+    uint64_t clock;
+    Candidate *c;
+    size_t n, cap;
+    int oom;
+} Candidates;
+
+static size_t whole_pages(const Block *b, size_t page)
+{
+    uintptr_t a = up(b->ptr, page), e = down(end_of(b), page);
+    return e > a ? e - a : 0;
+}
+
+static int collect(Block *b, void *arg)
+{
+    Candidates *s = arg;
+    if (b->vm_state != XE_MAPPED || (!s->spec->all_streams && b->stream != s->spec->stream)) return 0;
+    size_t w = whole_pages(b, s->x->page);
+    if (s->clock - b->whole_since < s->spec->min_idle || !w) return 0;
+    if (s->n == s->cap) {
+        size_t cap = s->cap ? 2 * s->cap : 64;
+        Candidate *c = realloc(s->c, cap * sizeof *c);
+        if (!c) { s->oom = 1; return 1; }
+        s->c = c;
+        s->cap = cap;
+    }
+    s->c[s->n++] = (Candidate){b, w};
+    return 0;
+}
+
+static int by_pages(const void *a, const void *b)
+{
+    const Candidate *x = a, *y = b;
+    if (x->pages != y->pages) return x->pages < y->pages ? -1 : 1;
+    return x->b->ptr < y->b->ptr ? -1 : x->b->ptr > y->b->ptr;
+}
+
+/* Plans the top `bytes` of f's whole pages: f splits into free head, unmapping middle, free tail. */
+static int plan_run(XeDevice *x, FreeTree *t, Block *f, size_t bytes, XeUnmapPlan *plan, XeDelta *d)
+{
+    XeRange *r = xe_range_of(x, f->ptr);
+    uintptr_t e = down(end_of(f), x->page), a = e - bytes;
+    if (plan->n == plan->cap) {
+        size_t cap = plan->cap ? 2 * plan->cap : 16;
+        XeUnmapRun *runs = realloc(plan->runs, cap * sizeof *runs);
+        if (!runs) return -1;
+        plan->runs = runs;
+        plan->cap = cap;
+    }
+    Block *mid = a > f->ptr ? new_piece(r, x->device) : f;
+    Block *tail = mid && e < end_of(f) ? new_piece(r, x->device) : NULL;
+    Block *spare = mid ? new_piece(r, x->device) : NULL;
+    if (!spare || (e < end_of(f) && !tail)) {
+        if (mid != f) free(mid);
+        free(tail);
+        free(spare);
+        return -1;
+    }
+    uint64_t age = f->whole_since;
+    seg_unfile(t, f, &d->free);
+    f->vm_state = XE_UNMAPPING;   /* pieces cut from it keep this until they are put back */
+    if (tail) cut(f, e - f->ptr, tail);
+    if (mid != f) cut(f, a - f->ptr, mid);
+    mid->vm_state = XE_UNMAPPING;
+    if (mid != f) put_free(t, f, d)->whole_since = age;   /* unchanged free memory keeps its age */
+    if (tail) put_free(t, tail, d)->whole_since = age;
+    d->held += (int64_t)bytes;
+    r->in_flight++;
+    plan->runs[plan->n++] = (XeUnmapRun){r, mid, a, bytes, spare};
+    plan->bytes += bytes;
+    return 0;
+}
+
+int xe_plan_unmap(XeDevice *x, FreeTree *t, const XeRelease *spec, XeUnmapPlan *plan, XeDelta *d)
+{
+    memset(plan, 0, sizeof *plan);
+    if (!spec->need) return 0;
+    seg_flush(t);
+    Candidates s = {x, spec, t->clock, NULL, 0, 0, 0};
+    seg_each_free(t, collect, &s);
+    int rc = s.oom ? -1 : 0;
+    if (s.n) qsort(s.c, s.n, sizeof *s.c, by_pages);   /* by whole-page bytes, then address: deterministic */
+    uint64_t left = spec->need;
+    size_t i = 0;
+    if (left != UINT64_MAX)                   /* the smallest one that covers the need alone */
+        while (i < s.n && s.c[i].pages < left) i++;
+    if (left == UINT64_MAX || i == s.n) {     /* else the largest first */
+        for (size_t k = s.n; k-- > 0 && left && rc == 0;) {
+            size_t w = s.c[k].pages;
+            size_t take = left == UINT64_MAX || w <= left ? w : up((size_t)left, x->page);
+            if (plan_run(x, t, s.c[k].b, take, plan, d) < 0) rc = -1;
+            else if (left != UINT64_MAX) left -= take < left ? take : left;
+        }
+    } else if (plan_run(x, t, s.c[i].b, up((size_t)left, x->page), plan, d) < 0) {
+        rc = -1;
+    }
+    free(s.c);
+    return rc;
+}
+
+void xe_unmap_finish(XeDevice *x, FreeTree *t, XeUnmapPlan *plan, size_t i, size_t done, XeDelta *d)
+{
+    XeUnmapRun *run = &plan->runs[i];
+    XeRange *r = run->range;
+    Block *b = run->b;
+    done = down(done < run->bytes ? done : run->bytes, x->page);
+    d->held -= (int64_t)run->bytes;
+    r->mapped -= done;
+    x->mapped -= done;
+    d->mapped -= (int64_t)done;
+    d->unmap_pages += (int64_t)(done / x->page);
+    if (done == run->bytes) d->unmaps += 1;
+    if (done && done < run->bytes) {             /* the prefix is unmapped, the rest stays mapped and free */
+        Block *rest = run->spare;
+        run->spare = NULL;
+        cut(b, done, rest);
+        put_free(t, rest, d);
+    } else if (!done) {
+        put_free(t, b, d);
+    }
+    if (done) make_unmapped(r, b);
+    r->in_flight--;
+    free(run->spare);
+    run->spare = NULL;
+    run->b = NULL;
+}
+
+void xe_unmap_plan_free(XeUnmapPlan *plan)
+{
+    for (size_t i = 0; i < plan->n; i++) free(plan->runs[i].spare);
+    free(plan->runs);
+    memset(plan, 0, sizeof *plan);
+}
+
+/* ------------------------------------------------------------------ inspection */
+
+int xe_each_block(const XeDevice *x, int (*fn)(const XeRange *, const Block *, void *), void *arg)
+{
+    for (size_t i = 0; i < x->n_ranges; i++)
+        for (const Block *b = x->ranges[i]->first; b; b = b->next_addr)
+            if (fn(x->ranges[i], b, arg)) return 1;
+    return 0;
+}
+
+static int bad(char *why, size_t n, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    if (why && n) vsnprintf(why, n, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+typedef struct {
+    const XeDevice *x;
+    size_t n;
+    int wrong;
+    char *why;
+    size_t why_n;
+} TreeScan;
+
+static int check_free(Block *b, void *arg)
+{
+    TreeScan *s = arg;
+    s->n++;
+    XeRange *r = xe_range_of(s->x, b->ptr);
+    if (!r || b->vm_state != XE_MAPPED || b->stream != r->stream || end_of(b) > r->base + r->bytes) {
+        s->wrong = bad(s->why, s->why_n, "free block 0x%zx (%zu B) is not a mapped block of a range of its stream",
+                       (size_t)b->ptr, b->size);
+        return 1;
+    }
+    return 0;
+}
+
+int xe_check(const XeDevice *x, const FreeTree *t, char *why, size_t n)
+{
+    uint64_t mapped = 0;
+    size_t free_blocks = 0;
+    for (size_t i = 0; i < x->n_ranges; i++) {
+        const XeRange *r = x->ranges[i];
+        if (i && x->ranges[i - 1]->base + x->ranges[i - 1]->bytes > r->base)
+            return bad(why, n, "ranges 0x%zx and 0x%zx overlap", (size_t)x->ranges[i - 1]->base, (size_t)r->base);
+        if (r->base % x->page || r->bytes % x->page) return bad(why, n, "range 0x%zx is not whole pages", (size_t)r->base);
+        uintptr_t at = r->base;
+        size_t in_range = 0, pieces = 0;
+        const Block *prev = NULL, *u = r->unmapped;
+        for (const Block *b = r->first; b; prev = b, b = b->next_addr) {
+            int st = b->vm_state;
+            if (b->ptr != at || b->prev_addr != prev || !b->size || b->size % 512 || !b->in_segment ||
+                b->stream != r->stream || b->device != x->device || st > XE_HELD)
+                return bad(why, n, "range 0x%zx: block 0x%zx (%zu B, state %d) breaks the chain at 0x%zx",
+                           (size_t)r->base, (size_t)b->ptr, b->size, st, (size_t)at);
+            int pages = st == XE_UNMAPPED || st == XE_MAPPING || st == XE_UNMAPPING;
+            if (pages && (b->ptr % x->page || b->size % x->page))
+                return bad(why, n, "block 0x%zx (state %d) is not whole pages", (size_t)b->ptr, st);
+            if (st == XE_UNMAPPED) {
+                if (b != u) return bad(why, n, "unmapped run 0x%zx is not next in its range's list", (size_t)b->ptr);
+                if (prev && prev->vm_state == XE_UNMAPPED)
+                    return bad(why, n, "unmapped runs 0x%zx and 0x%zx are not merged", (size_t)prev->ptr, (size_t)b->ptr);
+                u = u->right;
+            } else if (st != XE_MAPPED) {
+                pieces++;
+            }
+            if (st != XE_MAPPED && (b->is_free || b->waiting))
+                return bad(why, n, "block 0x%zx (state %d) is filed as free", (size_t)b->ptr, st);
+            if (st == XE_MAPPED && (b->is_free || b->waiting)) {
+                if (b->is_free && b->waiting) return bad(why, n, "block 0x%zx is in the tree and waiting", (size_t)b->ptr);
+                if (is_free(prev)) return bad(why, n, "free blocks 0x%zx and 0x%zx are not merged", (size_t)prev->ptr,
+                                              (size_t)b->ptr);
+                free_blocks++;
+            }
+            if (st == XE_MAPPED || st == XE_HELD || st == XE_UNMAPPING) in_range += b->size;
+            at += b->size;
+        }
+        if (at != r->base + r->bytes) return bad(why, n, "range 0x%zx: its chain ends at 0x%zx", (size_t)r->base, (size_t)at);
+        if (u) return bad(why, n, "range 0x%zx lists unmapped run 0x%zx outside its chain", (size_t)r->base, (size_t)u->ptr);
+        if (in_range != r->mapped)
+            return bad(why, n, "range 0x%zx maps %zu B, it counts %zu B", (size_t)r->base, in_range, r->mapped);
+        if (pieces && !r->in_flight) return bad(why, n, "range 0x%zx has plan pieces and no plan", (size_t)r->base);
+        mapped += in_range;
+    }
+    if (mapped != x->mapped) return bad(why, n, "the device maps %llu B, it counts %llu B", (unsigned long long)mapped,
+                                        (unsigned long long)x->mapped);
+    if (t) {
+        TreeScan s = {x, 0, 0, why, n};
+        seg_each_free(t, check_free, &s);
+        if (s.wrong) return -1;
+        if (s.n != free_blocks)
+            return bad(why, n, "the tree holds %zu free blocks, the ranges %zu", s.n, free_blocks);
+    }
+    return 0;
+}
