@@ -18,10 +18,10 @@ from . import allocators as registry
 from .paths import write_csv
 from .provenance import provenance
 
-# raw first: every other allocator is compared with it. The debug arm poisons every freed block with NaN bytes
-# and guards every block with a canary: identical bits there also show the workload never reads memory it did
-# not write (and debug="raise" makes any damage found fail the arm).
-GATE_ALLOCATORS = ("raw", "cupy_pool", "xpool", "xpool_seed", "xpool_k4", "xpool_debug")
+# allocators.SETS["gate"]: raw first, every other arm is compared with it. The debug arm poisons every freed block
+# with NaN bytes and guards every block with a canary: identical bits there also show the workload never reads
+# memory it did not write (and debug="raise" makes any damage found fail the arm).
+GATE_ALLOCATORS = registry.SETS["gate"]
 
 
 def transparency_config() -> GPTConfig:

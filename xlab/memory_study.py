@@ -35,6 +35,7 @@ from collections import defaultdict
 import numpy as np
 import pandas as pd
 
+from xlab import allocators as registry
 from xlab.paths import write_csv
 from xpool.backends import HostBackend
 from xpool.pool import Pool
@@ -320,7 +321,7 @@ NUMPY_TRACES = {   # name -> record_numpy_timeline arguments
 }
 # the replayed allocators: xpool's schemes, xpool giving segments back on a miss never or always (the default:
 # above the high-water mark only), CuPy's pool
-SCHEME_ALLOCATORS = ("xpool", "xpool_norelease", "xpool_release_all", "xpool_seed", "cupy_pool_model")
+SCHEME_ALLOCATORS = registry.SETS["schemes"]
 SCHEME_COLUMNS = ["trace", "allocator", "source", "requests", "peak_bytes_requested", "peak_bytes_reserved",
                   "reserved_over_requested", "device_mallocs", "device_mallocs_last_step", "device_mallocs_warm",
                   "device_frees_warm", "unmatched_frees",
@@ -818,7 +819,7 @@ def run(out="data/memory_waste.csv", ks=KS, config=None, batch: int | None = Non
     return waste
 
 
-VARLEN_ALLOCATORS = ("xpool", "xpool_seed", "cupy_pool")
+VARLEN_ALLOCATORS = registry.SETS["varlen"]
 VARLEN_COLUMNS = ["trace", "allocator", "source", "steps", "peak_bytes_requested", "peak_bytes_reserved",
                   "reserved_over_requested", "device_mallocs", "device_mallocs_warm", "batch", "block_sizes",
                   "adamw"]
@@ -887,7 +888,6 @@ def measure_varlen(allocators=VARLEN_ALLOCATORS, batch: int | None = None, block
     Returns:
         A DataFrame with VARLEN_COLUMNS and the provenance columns.
     """
-    from . import allocators as registry
     from .provenance import provenance
     spec = NUMPY_TRACES["gpt_varlen_numpy"]
     batch = int(batch or spec["batch"])

@@ -63,12 +63,8 @@ COLUMNS = ["allocator", "sweep", "size_bytes", "threads", "trial", "us_per_pair"
 
 
 def default_allocators() -> tuple:
-    """Every arm this machine can run: raw alone and with a small block held, CuPy's two pools, PyTorch's (if
-    PyTorch with CUDA is installed), xpool's two arms, and the two floors (allocators doing no work)."""
-    arms = ["raw", "raw_held", "cupy_pool", "cupy_async"]
-    if torch_available():
-        arms.append("torch")
-    return tuple(arms) + registry.xpool_arms() + ("noop", "c_noop")
+    """allocators.SETS["bench"], less PyTorch's (cupy_torch) where PyTorch has no CUDA device."""
+    return tuple(a for a in registry.SETS["bench"] if a != "cupy_torch" or torch_available())
 
 
 def torch_available() -> bool:
@@ -327,7 +323,7 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
 
 # --- the C core alone, on a CPU (--host)
 
-HOST_ARMS = ("xpool", "xpool_seed", "c_noop")
+HOST_ARMS = registry.SETS["host"]
 HOST_SCENARIOS = ("alone", "busy")
 HOST_COLUMNS = ["allocator", "scenario", "size_bytes", "trial", "ns_per_pair", "ratio_vs_xpool_seed", "pairs",
                 "windows", "trials"]
@@ -626,7 +622,8 @@ def main(argv=None) -> int:
     ap.add_argument("--host", action="store_true", help="the C core alone over host memory, on a CPU")
     ap.add_argument("--quick", action="store_true", help="fewer pairs and trials: a smoke run")
     ap.add_argument("--trials", type=int, help=f"trials per arm, interleaved (default {TRIALS}; 2 with --quick)")
-    ap.add_argument("--allocators", nargs="+", help="registry names (default: every arm this machine can run)")
+    ap.add_argument("--allocators", nargs="+", type=registry.arg,
+                    help="arm names (xlab.allocators.ARMS; default: every arm of SETS['bench'] this machine can run)")
     ap.add_argument("--sizes", nargs="+", type=int, default=list(SIZES), help="request sizes in bytes")
     ap.add_argument("--sweep", choices=("size", "threads", "both"), default="both",
                     help="the size sweep (1 thread), the thread sweep (64 KiB), or both (default)")

@@ -9,11 +9,12 @@ and swapping which goes first from trial to trial:
 - `train_step`: tokens/s of the parity model (tapegpt's torch twin of the GPT, reference size, AdamW) over
   timed steps after warm-up; the GPU is busy for most of a step, so this shows whether the allocator costs
   the training loop anything.
-One CSV row per (trial, arm, case, size) with provenance. The summary gives each arm's median with a 95%
-bootstrap interval, and the ratio xpool / native with its interval (above 1: xpool faster).
+One CSV row per (trial, arm, case, size) with provenance; the arms are `torch` (PyTorch's own allocator; CSVs
+before the arms table call it `native`) and `xpool` (xpool.enable_torch()). The summary gives each arm's median with
+a 95% bootstrap interval, and the ratio xpool / torch with its interval (above 1: xpool faster); the figure is
+`xlab.plots.torch_interop`.
 
-For the notebook ("CuPy and PyTorch in one pool"): `plot(df)` draws the two cases with their intervals from
-the CSV. `mixed_memory()` runs a mixed loop (a PyTorch MLP training step, then CuPy matmuls on its weights
+For the notebook ("CuPy and PyTorch in one pool"): `mixed_memory()` runs a mixed loop (a PyTorch MLP training step, then CuPy matmuls on its weights
 through DLPack, feeding the next step) under xpool and under the two frameworks' own pools, each in a fresh
 process; `plot_mixed_memory(mem, two_pools)` draws the bytes each framework holds over time in the one pool,
 the pool's reserved bytes, and the peak the two separate pools reserve together. What to read: the stack
@@ -34,7 +35,7 @@ import numpy as np
 from xlab import intervals
 from xlab.paths import write_csv
 
-ARMS = ("native", "xpool")
+ARMS = ("torch", "xpool")
 SIZES = (4096, 1 << 20, 64 << 20)
 COLUMNS = ["case", "arm", "trial", "order", "size_bytes", "value", "unit", "pairs", "steps", "batch_size",
            "device_mallocs_per_step", "peak_reserved_bytes", "torch"]
@@ -113,7 +114,7 @@ def worker(arm: str, pairs: int, steps: int, warmup: int, batch_size: int | None
     """Every case for one arm; call in a fresh process.
 
     Args:
-        arm: "native" (PyTorch's own allocator) or "xpool".
+        arm: "torch" (PyTorch's own allocator) or "xpool".
         pairs: pairs per empty/del window.
         steps, warmup, batch_size: the training case.
 
@@ -124,7 +125,7 @@ def worker(arm: str, pairs: int, steps: int, warmup: int, batch_size: int | None
     if arm == "xpool":
         import xpool
         xpool.enable_torch()
-    elif arm != "native":
+    elif arm != "torch":
         raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
     rows = [dict(case="empty_del", size_bytes=n, value=time_empty_del(torch, n, pairs), unit="us_per_pair",
                  pairs=pairs) for n in SIZES]
@@ -137,7 +138,7 @@ def worker(arm: str, pairs: int, steps: int, warmup: int, batch_size: int | None
 
 
 def _peak_reserved(torch, arm):
-    if arm == "native":
+    if arm == "torch":
         return int(torch.cuda.max_memory_reserved())
     import xpool
     return int(xpool.installed().stats(0).iloc[0].peak_bytes_reserved)
@@ -185,39 +186,10 @@ def run(trials: int = 5, pairs: int = 50_000, steps: int = 20, warmup: int = 5, 
     return df.assign(**{k: v for k, v in prov.items() if k not in df.columns})
 
 
-def bootstrap_median(values, n_boot: int = 4000, seed: int = 0, level: float = 0.95):
-    """(median, low, high): the median and its percentile-bootstrap interval (xlab.intervals.median_ci).
-
-    Args:
-        values: one number per trial.
-        n_boot, seed, level: resamples, seed and coverage.
-
-    Returns:
-        (median, low, high).
-    """
-    m, lo, hi, _ = intervals.median_ci(values, level=level, resamples=n_boot, seed=seed)
-    return m, lo, hi
-
-
-def bootstrap_ratio(num, den, n_boot: int = 4000, seed: int = 0, level: float = 0.95):
-    """(ratio of medians, low, high) over trials paired by index: trial t of both arms ran back to back
-    (xlab.intervals.ratio_ci).
-
-    Args:
-        num, den: equal-length per-trial values.
-        n_boot, seed, level: resamples, seed and coverage.
-
-    Returns:
-        (ratio, low, high).
-    """
-    r, lo, hi, _ = intervals.ratio_ci(num, den, level=level, resamples=n_boot, seed=seed)
-    return r, lo, hi
-
-
 def summarize(df):
-    """One row per (case, size): each arm's median [95% interval], and xpool's speed relative to native.
+    """One row per (case, size): each arm's median [95% interval], and xpool's speed relative to PyTorch's own.
 
-    speedup > 1 means xpool is faster: native µs / xpool µs for empty_del, xpool / native tokens/s for training.
+    speedup > 1 means xpool is faster: torch µs / xpool µs for empty_del, xpool / torch tokens/s for training.
 
     Args:
         df: run()'s rows.
@@ -227,14 +199,16 @@ def summarize(df):
     """
     import pandas as pd
     out = []
+    from xlab.allocators import canonical
+    df = canonical(df)
     for (case, size), g in df.groupby(["case", df["size_bytes"].fillna(0)], sort=False):
         vals = {arm: g.loc[g.arm == arm, "value"].to_numpy() for arm in ARMS}
         row = {"case": case, "size_bytes": int(size) or None, "unit": g.unit.iloc[0],
                "trials": min(len(v) for v in vals.values())}
         for arm in ARMS:
-            row[f"{arm}_median"], row[f"{arm}_low"], row[f"{arm}_high"] = bootstrap_median(vals[arm])
-        num, den = (vals["native"], vals["xpool"]) if case == "empty_del" else (vals["xpool"], vals["native"])
-        row["speedup"], row["speedup_low"], row["speedup_high"] = bootstrap_ratio(num, den)
+            row[f"{arm}_median"], row[f"{arm}_low"], row[f"{arm}_high"], _ = intervals.median_ci(vals[arm])
+        num, den = (vals["torch"], vals["xpool"]) if case == "empty_del" else (vals["xpool"], vals["torch"])
+        row["speedup"], row["speedup_low"], row["speedup_high"], _ = intervals.ratio_ci(num, den)
         row["verdict"] = ("inside the noise" if row["speedup_low"] <= 1 <= row["speedup_high"]
                           else "xpool faster" if row["speedup_low"] > 1 else "xpool slower")
         out.append(row)
@@ -288,7 +262,7 @@ def mixed_worker(arm: str, steps: int, out_csv: str | None) -> dict:
     """The mixed loop in this (fresh) process. xpool: its memory by framework to `out_csv`; peaks either way.
 
     Args:
-        arm: "xpool" or "native".
+        arm: "xpool" or "torch".
         steps: loop steps.
         out_csv: where xpool's memory by framework goes (None: not written).
 
@@ -337,7 +311,7 @@ def mixed_memory(steps: int = 4, timeout: float = 180.0):
                 raise RuntimeError(f"mixed loop, arm {arm} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
             peaks[arm] = json.loads(out.stdout.strip().splitlines()[-1])
         mem = pd.read_csv(path)
-    n = peaks["native"]
+    n = peaks["torch"]
     return mem, {"one_pool": peaks["xpool"]["peak_reserved"],
                  "two_pools": n["peak_reserved_torch"] + n["peak_reserved_cupy"]}
 
@@ -395,47 +369,6 @@ def plot_mixed_memory(mem, two_pools: int | None = None, title="One pool for CuP
                    label="peak reserved, PyTorch's + CuPy's own pools")
     ax.set(xlabel="time (s)", ylabel="GiB", title=title)
     ax.legend(loc="upper left", fontsize=8)
-    return fig
-
-
-def plot(df):
-    """Left: µs per torch.empty+del pair by size; right: training tokens/s; medians with 95% intervals.
-
-    Args:
-        df: run()'s rows.
-
-    Returns:
-        A matplotlib Figure.
-    """
-    from matplotlib.figure import Figure
-
-    from xlab.plots import fmt_bytes
-    s = summarize(df)
-    fig = Figure(figsize=(11, 4.5), layout="constrained")
-    left, right = fig.subplots(1, 2)
-    colors = {"native": "#7f7f7f", "xpool": "#1f77b4"}
-    e = s[s.case == "empty_del"].sort_values("size_bytes")
-    x = np.arange(len(e))
-    for i, arm in enumerate(ARMS):
-        med = e[f"{arm}_median"].to_numpy()
-        err = [med - e[f"{arm}_low"].to_numpy(), e[f"{arm}_high"].to_numpy() - med]
-        left.bar(x + (i - 0.5) * 0.38, med, 0.38, yerr=err, capsize=3, color=colors[arm],
-                 label="PyTorch's allocator" if arm == "native" else "xpool")
-    left.set_xticks(x, [fmt_bytes(int(n)) for n in e.size_bytes])
-    left.set(ylabel="µs per torch.empty + del", title="allocation cost (lower is better)")
-    left.legend(fontsize=8)
-    t = s[s.case == "train_step"]
-    for i, arm in enumerate(ARMS):
-        if len(t):
-            med = t[f"{arm}_median"].iloc[0]
-            right.bar(i, med / 1e3, 0.6, color=colors[arm],
-                      yerr=[[(med - t[f"{arm}_low"].iloc[0]) / 1e3], [(t[f"{arm}_high"].iloc[0] - med) / 1e3]],
-                      capsize=4)
-    right.set_xticks(range(len(ARMS)), ["PyTorch's allocator", "xpool"])
-    if len(t):
-        r = t.iloc[0]
-        right.set_title(f"training step: xpool/native {r.speedup:.3f} [{r.speedup_low:.3f}, {r.speedup_high:.3f}]")
-    right.set(ylabel="k tokens/s (higher is better)")
     return fig
 
 

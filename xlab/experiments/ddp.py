@@ -44,7 +44,7 @@ from xlab.provenance import git_commit, provenance
 
 from xlab import allocators as registry
 from . import runner, train
-from .single_gpu import TRIALS, default_allocators
+from .single_gpu import TRIALS
 
 BARRIER_TIMEOUT = 600      # seconds: a rank that waits longer than this has lost a peer
 
@@ -356,7 +356,7 @@ def run(modes=("threads", "processes"), worlds=(1, 2), allocators=None, batch=32
     Args:
         modes: "threads" and/or "processes".
         worlds: GPU counts (world 1 is every speedup's reference).
-        allocators: registry names (default: single_gpu.default_allocators()).
+        allocators: arm names (default: allocators.SETS["ddp"]).
         batch: sequences per GPU per step.
         steps, warmup, count_steps: timed steps, untimed steps first, steps of the counting run (trial 0).
         config: GPT config; launcher: processes' launcher (auto, mpirun, spawn); out: the CSV (None: none).
@@ -369,7 +369,7 @@ def run(modes=("threads", "processes"), worlds=(1, 2), allocators=None, batch=32
         A tidy DataFrame, one row per (mode, world, trial, allocator).
     """
     no_multicast()
-    allocators = tuple(allocators or default_allocators())
+    allocators = registry.parse(allocators or registry.SETS["ddp"])
     if cpu:
         modes, allocators = tuple(m for m in modes if m == "threads"), ("numpy",)
     else:

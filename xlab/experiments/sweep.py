@@ -24,11 +24,6 @@ BATCHES = (4, 8, 16, 32, 64, 128)
 STEPS = {4: 4, 8: 4, 16: 3, 32: 3, 64: 2, 128: 2}      # timed steps per run, by per-GPU batch
 
 
-def default_allocators() -> tuple:
-    """raw, CuPy's pool and xpool's default arm."""
-    return ("raw", "cupy_pool", registry.xpool_arms()[0])
-
-
 def steps_for(batch: int, scale: float = 1.0) -> int:
     """Timed steps at a per-GPU batch: STEPS where listed, else as for the nearest listed batch; times `scale`,
     at least 2.
@@ -49,7 +44,7 @@ def run(allocators=None, batches=BATCHES, worlds=(1, 2), warmup=2, steps_scale=1
     """Threads mode at each per-GPU batch on 1 and 2 GPUs.
 
     Args:
-        allocators: registry names (default: default_allocators()).
+        allocators: arm names (default: allocators.SETS["sweep"]).
         batches: per-GPU batches.
         worlds: GPU counts; the first is the speedup's reference (1).
         warmup: untimed steps per run; steps_scale: multiplies STEPS.
@@ -63,7 +58,7 @@ def run(allocators=None, batches=BATCHES, worlds=(1, 2), warmup=2, steps_scale=1
     """
     from tqdm.auto import tqdm
     no_multicast()
-    allocators = ("numpy",) if cpu else tuple(allocators or default_allocators())
+    allocators = ("numpy",) if cpu else registry.parse(allocators or registry.SETS["sweep"])
     if not cpu:
         registry.require_gpus(max(worlds), "sweep.run")
     cfg, data = train.make_config(config), load_corpus()
