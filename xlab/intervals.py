@@ -11,6 +11,7 @@ does). With one trial there is no interval: the bounds are NaN and `judge` says 
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
@@ -84,25 +85,32 @@ def ratio_ci(numerator, denominator, level: float = LEVEL, resamples: int = RESA
     return ratio, lo, hi, len(a)
 
 
-def judge(value: float, lo: float, hi: float, target: float, higher_is_better: bool = True) -> str:
-    """Whether a target is met, judged on the interval rather than the median.
+def judge(value: float, lo: float, hi: float, target: float, higher_is_better: bool = True,
+          exact: bool = False) -> str:
+    """Whether a target is met, judged on the interval rather than the median: the report's one rule.
 
     Args:
         value: the median (or ratio of medians).
-        lo, hi: its interval (NaN: a single run).
+        lo, hi: its interval (NaN: measured once).
         target: the bound to reach.
         higher_is_better: True for "value >= target", False for "value <= target".
+        exact: the value does not vary between runs of one program (a count, a bitwise check, a replay's
+            bytes): with no interval it is judged on itself.
 
     Returns:
-        "met" when the whole interval is on the right side of the target, "missed" when it is all on the wrong
-        side, "within noise" when the interval straddles it; "single run, no interval (the median meets it)" or
-        "... misses it)" when there is no interval; "not measured" when the value is NaN.
+        "met" when the whole interval is on the target's side (an exact value: the value is), "missed" when
+        all of it is on the other side, "within noise" when the interval straddles the target; "single run, no
+        interval (the median meets it)" or "... misses it)" for a timed value measured once; "not measured"
+        when the value is NaN.
     """
     if value is None or not math.isfinite(value):
         return "not measured"
     if not (math.isfinite(lo) and math.isfinite(hi)):
-        ok = value >= target if higher_is_better else value <= target
-        return f"{SINGLE} (the median {'meets' if ok else 'misses'} it)"
+        if exact:
+            lo = hi = value
+        else:
+            ok = value >= target if higher_is_better else value <= target
+            return f"{SINGLE} (the median {'meets' if ok else 'misses'} it)"
     good_lo, good_hi = (lo >= target, hi >= target) if higher_is_better else (hi <= target, lo <= target)
     if good_lo and good_hi:
         return MET
@@ -169,20 +177,34 @@ def paired(df, value: str, arm: str, reference, by=(), trial: str = "trial"):
     return pd.DataFrame(rows, columns=by + [arm, "ratio", "ratio_lo", "ratio_hi", "n_pairs"])
 
 
-def fmt_ci(value: float, lo: float, hi: float, fmt: str = "{:.2f}", unit: str = "") -> str:
-    """'1.93× [1.90, 1.95]' (or '1.93× (single run)' without an interval).
+def fmt_ci(value: float, lo: float, hi: float, fmt: str = "{:.2f}", unit: str = "", goal: float | None = None,
+           exact: bool = False) -> str:
+    """'1.93× [1.90, 1.95]' (or '1.93× (single run)' without an interval; the value alone when exact).
+
+    With a goal, digits are added (up to four) until every bound that differs from the goal prints
+    differently from it: '0.998× [0.996, 1.001]', never a '1.00× [1.00, 1.00]' that is within noise of 1.00.
 
     Args:
         value, lo, hi: a median (or ratio) and its interval (NaN bounds: a single run).
         fmt: the number format.
         unit: appended to the value.
+        goal: the target the value is judged against, or None.
+        exact: the value needs no interval (a count, a replay).
 
     Returns:
         A string ("n/a" for a NaN value).
     """
     if value is None or not math.isfinite(value):
         return "n/a"
+    bounds = [b for b in (lo, hi) if math.isfinite(b)]
+    m = re.fullmatch(r"\{:([,]?)\.(\d+)([fe])\}", fmt)
+    if goal is not None and m and math.isfinite(goal):
+        for extra in range(5):
+            f = "{:" + m[1] + "." + str(int(m[2]) + extra) + m[3] + "}"
+            if all(f.format(b) != f.format(goal) for b in bounds if b != goal):
+                fmt = f
+                break
     head = fmt.format(value) + unit
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        return f"{head} (single run)"
+    if exact or len(bounds) < 2:
+        return head if exact else f"{head} (single run)"
     return f"{head} [{fmt.format(lo)}, {fmt.format(hi)}]"
