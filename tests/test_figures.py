@@ -192,7 +192,7 @@ def check_ddp_scaling(fig, data):
 
 
 def check_batch_sweep(fig, data):
-    df = newest(data, "batch_sweep", keys=("world", "batch"))
+    df = newest(data, "batch_sweep", "graph/batch_sweep", keys=("world", "batch"))
     sp, ms = fig.axes[:2]
     line_panel(fig, sp, df[df["world"] == df["world"].max()], "batch", "speedup")
     one = df[(df["world"] == 1) & (df["allocator"] == "xpool")]

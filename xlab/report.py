@@ -88,10 +88,18 @@ def _md(header, rows) -> str:
                      + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
 
 
+def _bound(g) -> str:
+    """What bounds these rows' steps: their `bound` column (the most common), else from the medians."""
+    from .experiments.train import step_bound
+    if "bound" in g and g["bound"].notna().any():
+        return str(g["bound"].mode().iloc[0])
+    med = {c: float(g[c].median()) if c in g else math.nan for c in ("gpu_util_mean", "host_ms_per_step", "ms_per_step")}
+    return step_bound(*med.values()) or "?"
+
+
 def bound_rows(data: pathlib.Path, kind: str = "single_gpu") -> list[dict]:
     """One dict per (batch, allocator) of a one-GPU lineage: (median, lo, hi) of ms, host, dispatch, stream,
     busy ms, util and gc ms per step, what bounds the step, and the run the rows came from."""
-    from .experiments.train import step_bound
     df = sources.current(data, kind)
     if df is None:
         return []
@@ -99,12 +107,10 @@ def bound_rows(data: pathlib.Path, kind: str = "single_gpu") -> list[dict]:
     for (batch, alloc), g in df.groupby(["batch", "allocator"], sort=False):
         def m(col):
             return _med(g[col]) if col in g else (math.nan,) * 3
-        ms, host, util = m("ms_per_step"), m("host_ms_per_step"), m("gpu_util_mean")
-        busy = m("gpu_busy_ms_per_step")
-        bound = (g["bound"].mode().iloc[0] if "bound" in g and g["bound"].notna().any()
-                 else step_bound(util[0], host[0], ms[0]))
-        out.append(dict(batch=int(batch), allocator=alloc, ms=ms, host=host, dispatch=m("dispatch_ms_per_step"),
-                        stream=m("gpu_ms_per_step"), gc=m("gc_ms_per_step"), util=util, bound=bound or "?",
+        ms, util, busy = m("ms_per_step"), m("gpu_util_mean"), m("gpu_busy_ms_per_step")
+        out.append(dict(batch=int(batch), allocator=alloc, ms=ms, host=m("host_ms_per_step"),
+                        dispatch=m("dispatch_ms_per_step"), stream=m("gpu_ms_per_step"), gc=m("gc_ms_per_step"),
+                        util=util, bound=_bound(g),
                         busy=busy if math.isfinite(busy[0]) else (ms[0] * util[0] / 100,) * 3, run=g["run"].iloc[0]))
     order = allocators.ordered(r["allocator"] for r in out)
     return sorted(out, key=lambda r: (-r["batch"], order.index(r["allocator"])))
@@ -201,7 +207,7 @@ def graph_table(data: pathlib.Path) -> str:
                          arm, _ci(_med(one["tokens_per_s"] / 1e3), "{:.1f}", "k"),
                          _ci(_med(disp)) if len(disp) else "—", _ci(_med(one["gpu_ms_per_step"]), "{:.1f}"),
                          _ci(_med(one["gpu_util_mean"]), "{:.0f}", "%"),
-                         _ci(_med(two["speedup"]), unit="×") if len(two) else "—", one["bound"].mode().iloc[0]))
+                         _ci(_med(two["speedup"]), unit="×") if len(two) else "—", _bound(one)))
     return _md(["run", "arm", "tokens/s", "host ms per step", "GPU ms per step", "GPU busy (NVML)",
                 "speedup, 2 GPUs", "bound"], rows)
 
@@ -355,7 +361,8 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
             links[name] = f"![{name}]({pathlib.Path(os.path.relpath(got.resolve(), report_dir.resolve())).as_posix()})"
         else:
             links[name] = f"_{name}: {got or 'not built'}._"
-    values = {**targets.values(data), "counts": targets.counts(now), "fig": links,
+    from .experiments.train import HOST_BOUND_UTIL
+    values = {**targets.values(data), "counts": targets.counts(now), "fig": links, "host_bound_util": HOST_BOUND_UTIL,
               "targets_table": "\n".join(targets.table(now)) or "_No targets measured yet._",
               "history_table": "\n".join(targets.table(then)), "replay": _replay(data)}
     for name, fn in (("bounds_table", bounds_table), ("projection_table", projection_table), ("gil_table", gil_table),
