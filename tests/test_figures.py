@@ -259,3 +259,77 @@ def test_figure_shows_the_csvs_medians(name, data):
     fig = _draw(name, data)
     CHECKS[name](fig, data)
     assert not math.isnan(fig.get_figwidth())
+
+
+# --- what every figure has, beside its numbers
+
+
+def _all_text(fig) -> str:
+    parts = [t.get_text() for t in fig.texts]
+    for t in (fig._suptitle, fig._supxlabel):
+        if t is not None:
+            parts.append(t.get_text())
+    parts += [leg.get_title().get_text() for leg in fig.legends]
+    return "\n".join(parts)
+
+
+@pytest.mark.parametrize("name", sorted(plots.FIGURES))
+def test_figure_has_title_labels_and_a_caption_naming_csv_and_machine(name, data, tmp_path):
+    fig = plots.draw(name, data)
+    text = _all_text(fig)
+    assert "SYNTHETIC GPU" in text and "2000-01-01" in text and "Data: " in text
+    axes = [ax for ax in fig.axes if ax.has_data()]
+    assert axes and all(ax.get_ylabel() or any(o.get_ylabel() for o in ax.get_shared_y_axes().get_siblings(ax))
+                        or any(t.get_text() for t in ax.get_yticklabels()) for ax in axes)
+    assert all(ax.get_xlabel() or [t.get_text() for t in ax.get_xticklabels()] for ax in axes)
+    png, svg = plots.save(fig, name, tmp_path)
+    assert png.stat().st_size > 10_000 and svg.stat().st_size > 10_000
+
+
+def test_a_csv_without_trials_draws_no_interval_and_says_so(tmp_path):
+    synthetic.write_all(tmp_path, trials=0)
+    fig = plots.draw("single_gpu", tmp_path)
+    assert "no interval" in _all_text(fig)
+    assert "95% bootstrap interval" in _all_text(plots.draw("single_gpu", _trials(tmp_path / "t")))
+
+
+def _trials(path):
+    synthetic.write_all(path, trials=5)
+    return path
+
+
+def test_build_all_skips_missing_csvs_and_writes_only_where_told(tmp_path):
+    built = plots.build_all(tmp_path / "nothing", tmp_path / "figures")
+    assert all(str(v).startswith("skipped") for v in built.values())
+    assert not (tmp_path / "figures").exists()
+
+
+def test_saved_figures_are_reproducible(data, tmp_path):
+    """No timestamps in the files: unchanged CSVs give unchanged PNG and SVG (quiet diffs in figures/)."""
+    a, b = (plots.build("alloc_cost", data, tmp_path / d) for d in "12")
+    assert a.read_bytes() == b.read_bytes()
+    assert a.with_suffix(".svg").read_bytes() == b.with_suffix(".svg").read_bytes()
+    assert plots.png(plots.draw("alloc_cost", data))[:8] == b"\x89PNG\r\n\x1a\n"     # inline: bytes, no file
+
+
+def test_correctness_figure_marks_failures_and_exact_checks(tmp_path):
+    df = synthetic.correctness("cpu", fail=True)
+    ax = plots.correctness(df).axes[0]
+    assert ax.get_title(loc="left").startswith("CPU: 6 of 7 checks pass")
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert "PyTorch parity: every parameter's gradient, float64 wte (2 of 2)" not in labels
+    assert any(lab.startswith("PyTorch parity: every parameter's gradient") for lab in labels)
+    assert any("exact: measured 0" in t.get_text() for t in ax.texts)
+    assert len({tuple(np.round(p.get_facecolor()[:3], 3)) for p in ax.patches}) == 2        # pass and fail
+
+
+def test_correctness_without_a_device_column_says_where_from_the_array_module():
+    gpu = synthetic.correctness("gpu").drop(columns="device")
+    fig = plots.correctness(pd.concat([synthetic.correctness("cpu"), gpu], ignore_index=True))
+    assert [ax.get_title(loc="left").split(":")[0] for ax in fig.axes] == ["CPU", "GPU"]
+
+
+def test_caption_lists_each_machine():
+    df = pd.concat([synthetic.correctness("cpu").assign(gpu="none"), synthetic.correctness("gpu")])
+    cap = plots.caption(df)
+    assert "a CPU, no GPU" in cap and "SYNTHETIC GPU" in cap and cap.count("Measured on") == 2

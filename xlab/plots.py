@@ -203,7 +203,7 @@ _FAMILIES = ((r"^transparency: ", "bitwise transparency: an allocator = raw cuda
              (r"^grad GPT loss", "gradient of the GPT loss by finite differences"),
              (r"^grad ", "op gradients by finite differences (float64)"),
              (r"^fused .* (float\d+) vs NumPy$", r"fused kernels against NumPy, \1"),
-             (r"^torch grad (float\d+) (\w+) .*", r"PyTorch parity: every parameter's gradient, \1 \2"),
+             (r"^torch grad (float\d+(?: fused| unfused)?) \S+$", r"PyTorch parity: every parameter's gradient, \1"),
              (r"^torch AdamW", "PyTorch parity: AdamW steps"), (r"^torch ", "PyTorch parity: logits and loss"))
 
 

@@ -1,7 +1,7 @@
 """Where every figure, target and headline reads its rows: lineages of CSVs, and the runs they come from.
 
-A lineage (KINDS) lists the CSVs that measure one thing, oldest first, each with the rows it contributes: a later
-CSV of a lineage measured the same thing again after the code changed (alloc_hit_sweep.csv after the final hit
+A lineage (KINDS) lists the CSVs that measure one thing, each with the rows it contributes: the one measured last
+(by its rows' dates) measured the same thing again after the code changed (alloc_hit_sweep.csv after the final hit
 path, single_gpu_recheck.csv after the release rule). `current` keeps, for each arm and configuration (the
 lineage's keys), the rows of the newest CSV that has them; the older rows are the lineage's history. Every row
 says where it came from (`csv`: the CSV, `run`: its commit). A second run of the suite on a fresh machine
@@ -16,7 +16,7 @@ import pandas as pd
 
 from . import allocators
 
-# lineage -> ((CSV, {column: value} selection), ... oldest first), the columns naming one configuration
+# lineage -> ((CSV, {column: value} selection), ...), the columns naming one configuration
 KINDS = {
     "alloc_size": ((("alloc_microbench", {"sweep": "size"}), ("alloc_hit_sweep", {})), ("size_bytes",)),
     "alloc_threads": ((("alloc_microbench", {"sweep": "threads"}), ("alloc_hit_threads", {})),
@@ -41,9 +41,12 @@ REWRITTEN = {"06b3f1f1f9cf": "012dbeb", "55e7e8bbc053": "924512e", "470072ec67b5
 def read(data: pathlib.Path, name: str) -> pd.DataFrame | None:
     """data/NAME.csv with today's arm names (allocators.canonical) and its derived columns; None if missing."""
     path = pathlib.Path(data) / f"{name}.csv"
-    if not path.is_file():
-        return None
-    df = allocators.canonical(pd.read_csv(path))
+    return prepare(pd.read_csv(path), f"{name}.csv") if path.is_file() else None
+
+
+def prepare(df: pd.DataFrame, csv: str) -> pd.DataFrame:
+    """A CSV's rows as every reader takes them: today's arm names, the derived columns, where they came from."""
+    df = allocators.canonical(df)
     if "ratio_vs_cupy_pool" in df and "us_per_pair" in df:        # the benchmarks: this arm's time over CuPy's
         df["time_vs_cupy_pool"] = 1 / df["ratio_vs_cupy_pool"]
     if "class_over_requested" in df:
@@ -52,7 +55,7 @@ def read(data: pathlib.Path, name: str) -> pd.DataFrame | None:
         df["gate"] = df["check"].astype(str).str.startswith("transparency")
         if "device" not in df:
             df["device"] = df["xp"].map({"cupy": "gpu"}).fillna("cpu") if "xp" in df else "cpu"
-    return df.assign(csv=f"{name}.csv", run=run_label(df))
+    return df.assign(csv=csv, run=run_label(df))
 
 
 def run_label(df: pd.DataFrame) -> str:
@@ -75,17 +78,18 @@ def lineage(kind: str):
 
 
 def frames(data: pathlib.Path, kind: str) -> list[pd.DataFrame]:
-    """The lineage's CSVs present under data, each selected, oldest first (`order` 0, 1, ...)."""
-    out = []
+    """The lineage's CSVs present under data, each selected, oldest first by the day and time their rows were
+    measured (`order` 0, 1, ...; the lineage's own order where a CSV has no date)."""
+    found = []
     for i, (name, where) in enumerate(lineage(kind)[0]):
         df = read(data, name)
         if df is None:
             continue
         for col, value in where.items():
-            df = df[df[col] == value] if col in df else df.iloc[:0]     # (value: one value)
+            df = df[df[col] == value] if col in df else df.iloc[:0]
         if len(df):
-            out.append(df.assign(order=i))
-    return out
+            found.append(((str(df["date"].max()) if "date" in df else "", i), df))
+    return [df.assign(order=i) for i, (_, df) in enumerate(sorted(found, key=lambda f: f[0]))]
 
 
 def arm_column(df: pd.DataFrame) -> str | None:
