@@ -44,12 +44,7 @@ class NoGPU(RuntimeError):
 def require_gpus(n: int = 1, what: str = "this measurement") -> None:
     """Raise NoGPU with a clear message unless at least n CUDA GPUs are visible.
 
-    Args:
-        n: GPUs needed.
-        what: what needs them, for the message.
-
-    Raises:
-        NoGPU: fewer are visible.
+    Args: n: GPUs needed; what: what needs them, for the message. Raises: NoGPU: fewer are visible.
     """
     from xlab.provenance import gpu_info
     have = gpu_info()["n_gpus"]
@@ -116,8 +111,7 @@ class Allocator:
         """A new private pool of this allocator's kind for one captured graph: its `malloc` goes to
         tapegpt.graph.CapturedStep. It lives until release(), which gives its blocks back (after the graph is gone).
 
-        Raises:
-            ValueError: this allocator cannot capture (it calls the device on every request).
+        Raises: ValueError: this allocator cannot capture (it calls the device on every request).
         """
         if not self.can_capture:
             raise ValueError(f"allocator {self.name!r} cannot capture a CUDA graph: capture needs a pool that "
@@ -582,8 +576,7 @@ def _known() -> str:
 def arm(name: str) -> Arm:
     """The row of `name`: a row of ARMS, or one of its families (xpool_k<N>, _debug, _graph).
 
-    Raises:
-        ValueError: an unknown name, or a variant its base cannot have.
+    Raises: ValueError: an unknown name, or a variant its base cannot have.
     """
     if name in _TABLE:
         return _TABLE[name]
@@ -618,11 +611,8 @@ def arm(name: str) -> Arm:
 def parse(names) -> tuple:
     """Names checked against the table (the command lines' and notebooks' one check): a tuple of names.
 
-    Args:
-        names: a name, or an iterable of names.
-
-    Raises:
-        ValueError: an unknown name (naming it and the known ones).
+    Args: names: a name, or an iterable of names. Raises: ValueError: an unknown name (naming it and the known
+    ones).
     """
     names = (names,) if isinstance(names, str) else tuple(names)
     for n in names:
@@ -673,8 +663,7 @@ def canonical(df):
 def make(name: str, **kwargs) -> Allocator:
     """A fresh allocator by name (see `arm`), not installed; `kwargs` go to its class.
 
-    Raises:
-        ValueError: an unknown name, or an arm that is not installed into CuPy (no `make`).
+    Raises: ValueError: an unknown name, or an arm that is not installed into CuPy (no `make`).
     """
     row = arm(name)
     if row.make is None:

@@ -35,14 +35,9 @@ def _bounds(stats: np.ndarray, level: float) -> tuple[float, float]:
 def median_ci(values, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = SEED):
     """The median of `values` and a percentile-bootstrap interval for it.
 
-    Args:
-        values: one number per trial (NaN and inf are dropped).
-        level: coverage of the interval (0.95: 95%).
-        resamples: bootstrap resamples.
-        seed: the resampling seed (fixed, so one CSV gives one interval).
-
-    Returns:
-        (median, lo, hi, n): lo and hi are NaN with fewer than two trials; all NaN with none.
+    Args: values: one number per trial (NaN and inf are dropped); level: coverage of the interval (0.95: 95%);
+    resamples: bootstrap resamples; seed: the resampling seed (fixed, so one CSV gives one interval). Returns:
+    (median, lo, hi, n): lo and hi are NaN with fewer than two trials; all NaN with none.
     """
     a = _clean(values)
     if len(a) == 0:
@@ -59,16 +54,9 @@ def ratio_ci(numerator, denominator, level: float = LEVEL, resamples: int = RESA
     """The ratio of medians of paired trials, median(numerator) / median(denominator), with a bootstrap interval
     that resamples the pairs (trial t of both arms together).
 
-    Args:
-        numerator, denominator: equal-length sequences; element t of each is trial t (pairs with a NaN are
-            dropped).
-        level, resamples, seed: as for `median_ci`.
-
-    Returns:
-        (ratio, lo, hi, n_pairs): lo and hi are NaN with fewer than two pairs.
-
-    Raises:
-        ValueError: the two sequences differ in length (the trials are not paired).
+    Args: numerator, denominator: equal-length sequences; element t of each is trial t (pairs with a NaN are
+    dropped); level, resamples, seed: as for `median_ci`. Returns: (ratio, lo, hi, n_pairs): lo and hi are NaN with
+    fewer than two pairs. Raises: ValueError: the two sequences differ in length (the trials are not paired).
     """
     a, b = np.asarray(numerator, dtype=float).ravel(), np.asarray(denominator, dtype=float).ravel()
     if a.shape != b.shape:
@@ -89,19 +77,13 @@ def judge(value: float, lo: float, hi: float, target: float, higher_is_better: b
           exact: bool = False) -> str:
     """Whether a target is met, judged on the interval rather than the median: the report's one rule.
 
-    Args:
-        value: the median (or ratio of medians).
-        lo, hi: its interval (NaN: measured once).
-        target: the bound to reach.
-        higher_is_better: True for "value >= target", False for "value <= target".
-        exact: the value does not vary between runs of one program (a count, a bitwise check, a replay's
-            bytes): with no interval it is judged on itself.
-
-    Returns:
-        "met" when the whole interval is on the target's side (an exact value: the value is), "missed" when
-        all of it is on the other side, "within noise" when the interval straddles the target; "single run, no
-        interval (the median meets it)" or "... misses it)" for a timed value measured once; "not measured"
-        when the value is NaN.
+    Args: value: the median (or ratio of medians); lo, hi: its interval (NaN: measured once); target: the bound to
+    reach; higher_is_better: True for "value >= target", False for "value <= target"; exact: the value does not vary
+    between runs of one program (a count, a bitwise check, a replay's bytes): with no interval it is judged on
+    itself. Returns: "met" when the whole interval is on the target's side (an exact value: the value is), "missed"
+    when all of it is on the other side, "within noise" when the interval straddles the target; "single run, no
+    interval (the median meets it)" or "... misses it)" for a timed value measured once; "not measured" when the
+    value is NaN.
     """
     if value is None or not math.isfinite(value):
         return "not measured"
@@ -123,15 +105,9 @@ def summarize(df, by, value: str, trial: str = "trial"):
     """Median and interval of `value` per group of `by`: one row per group with value, value_lo, value_hi and
     n_trials (NaN bounds for a group with one trial; CSVs without a trial column count as one trial per row).
 
-    Args:
-        df: a tidy frame, one row per trial.
-        by: the grouping columns.
-        value: the measured column.
-        trial: the trial column (only used for the count).
-
-    Returns:
-        A DataFrame with the `by` columns, `value`, `value + "_lo"`, `value + "_hi"` and `n_trials`, groups in
-        order of first appearance.
+    Args: df: a tidy frame, one row per trial; by: the grouping columns; value: the measured column; trial: the
+    trial column (only used for the count). Returns: A DataFrame with the `by` columns, `value`, `value + "_lo"`,
+    `value + "_hi"` and `n_trials`, groups in order of first appearance.
     """
     import pandas as pd
     by = list(by)
@@ -146,17 +122,11 @@ def summarize(df, by, value: str, trial: str = "trial"):
 def paired(df, value: str, arm: str, reference, by=(), trial: str = "trial"):
     """Every arm's value over the reference arm's, per group of `by`, paired by trial (ratio_ci).
 
-    Args:
-        df: a tidy frame with one row per (group, arm, trial).
-        value: the measured column.
-        arm: the column naming the arm (e.g. "allocator", or "world" for a speedup).
-        reference: the arm every other is divided by.
-        by: the grouping columns (e.g. ["batch"]).
-        trial: the pairing column; a frame without it pairs its rows in order.
-
-    Returns:
-        A DataFrame with the `by` columns, `arm`, ratio, ratio_lo, ratio_hi and n_pairs; the reference arm
-        itself is left out. Empty when the reference arm is absent.
+    Args: df: a tidy frame with one row per (group, arm, trial); value: the measured column; arm: the column naming
+    the arm (e.g. "allocator", or "world" for a speedup); reference: the arm every other is divided by; by: the
+    grouping columns (e.g. ["batch"]); trial: the pairing column; a frame without it pairs its rows in order.
+    Returns: A DataFrame with the `by` columns, `arm`, ratio, ratio_lo, ratio_hi and n_pairs; the reference arm
+    itself is left out. Empty when the reference arm is absent.
     """
     import pandas as pd
     by = list(by)
@@ -184,15 +154,9 @@ def fmt_ci(value: float, lo: float, hi: float, fmt: str = "{:.2f}", unit: str = 
     With a goal, digits are added (up to four) until every bound that differs from the goal prints
     differently from it: '0.998× [0.996, 1.001]', never a '1.00× [1.00, 1.00]' that is within noise of 1.00.
 
-    Args:
-        value, lo, hi: a median (or ratio) and its interval (NaN bounds: a single run).
-        fmt: the number format.
-        unit: appended to the value.
-        goal: the target the value is judged against, or None.
-        exact: the value needs no interval (a count, a replay).
-
-    Returns:
-        A string ("n/a" for a NaN value).
+    Args: value, lo, hi: a median (or ratio) and its interval (NaN bounds: a single run); fmt: the number format;
+    unit: appended to the value; goal: the target the value is judged against, or None; exact: the value needs no
+    interval (a count, a replay). Returns: A string ("n/a" for a NaN value).
     """
     if value is None or not math.isfinite(value):
         return "n/a"

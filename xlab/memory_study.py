@@ -88,9 +88,7 @@ def replay(timeline: pd.DataFrame, k: int) -> dict:
     device_mallocs, requests, plus unmatched_frees (frees of blocks allocated before the recording began;
     they are skipped).
 
-    Args:
-        timeline: a recorded timeline (xpool's columns, in order).
-        k: size classes per doubling.
+    Args: timeline: a recorded timeline (xpool's columns, in order); k: size classes per doubling.
     """
     pool = Pool(AddressSpaceBackend(), classes_per_doubling=k, limit=0, debug=False, timeline=0)
     live = {}                                # (device, recorded ptr) -> the replayed block
@@ -196,12 +194,7 @@ class CupyPoolModel:
 def class_bytes(requested, k: int) -> int:
     """Total bytes the size classes of setting k give to these requests.
 
-    Args:
-        requested: request sizes in bytes.
-        k: size classes per doubling.
-
-    Returns:
-        An int.
+    Args: requested: request sizes in bytes; k: size classes per doubling. Returns: An int.
     """
     return int(sum(size_class(int(n), k) for n in requested))
 
@@ -220,12 +213,8 @@ def replay_waste(timeline: pd.DataFrame, ks=KS) -> pd.DataFrame:
     class_over_requested: bytes the classes hand out / bytes requested, over the last step's requests;
     reserved_over_requested: peak bytes reserved / peak bytes requested over the whole recording.
 
-    Args:
-        timeline: the recording (memory_timeline.csv).
-        ks: the settings to replay.
-
-    Returns:
-        A DataFrame with WASTE_COLUMNS (source "replay") and the recording's provenance.
+    Args: timeline: the recording (memory_timeline.csv); ks: the settings to replay. Returns: A DataFrame with
+    WASTE_COLUMNS (source "replay") and the recording's provenance.
     """
     requested = _step_requests(timeline)
     rows = []
@@ -250,12 +239,8 @@ def waste_table(measured: pd.DataFrame | None = None, replayed: pd.DataFrame | N
 
     `replay_exact` says whether the CPU replay reproduced the GPU's peak reserved bytes and device mallocs.
 
-    Args:
-        measured: measured waste rows, or None.
-        replayed: replayed waste rows, or None.
-
-    Returns:
-        A DataFrame, or None when both are None.
+    Args: measured: measured waste rows, or None; replayed: replayed waste rows, or None. Returns: A DataFrame, or
+    None when both are None.
     """
     frames = [f for f in (measured, replayed) if f is not None and len(f)]
     if not frames:
@@ -542,13 +527,7 @@ def write_numpy_trace(tl: pd.DataFrame, name: str, data_dir="data") -> pd.DataFr
     """Writes a timeline record_numpy_timeline made with NUMPY_TRACES[name]'s arguments to its file under
     data_dir, with provenance on every row; returns what was written.
 
-    Args:
-        tl: the timeline.
-        name: its key in NUMPY_TRACES.
-        data_dir: the folder.
-
-    Returns:
-        The rows written.
+    Args: tl: the timeline; name: its key in NUMPY_TRACES; data_dir: the folder. Returns: The rows written.
     """
     from .provenance import provenance
     kw = NUMPY_TRACES[name]
@@ -722,17 +701,10 @@ def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warm
     Each event carries `step` (-1: building the model and optimizer; the last step is the recorded one).
     Raises if the ring of `capacity` events overflowed (the replay needs every event).
 
-    Args:
-        k: size classes per doubling.
-        config: GPT config (name, dict or GPTConfig).
-        batch: sequences per step.
-        warmup: steps before the recorded one.
-        seed: the model's seed.
-        capacity: events the timeline keeps.
-        pool: an xpool.MemoryPool to use (default: a fresh one with k).
-
-    Returns:
-        The timeline DataFrame with a step column (-1: setup).
+    Args: k: size classes per doubling; config: GPT config (name, dict or GPTConfig); batch: sequences per step;
+    warmup: steps before the recorded one; seed: the model's seed; capacity: events the timeline keeps; pool: an
+    xpool.MemoryPool to use (default: a fresh one with k). Returns: The timeline DataFrame with a step column (-1:
+    setup).
     """
     import cupy
 
@@ -774,12 +746,8 @@ def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warm
 def measure_waste(ks=KS, config=None, batch: int | None = None, warmup: int = 1, seed: int = 0):
     """GPU: for each k, train with xpool(k) installed; returns (waste rows, the timeline recorded at ks[0]).
 
-    Args:
-        ks: the settings.
-        config, batch, warmup, seed: the run.
-
-    Returns:
-        (waste rows, source "measured"; the first setting's timeline).
+    Args: ks: the settings; config, batch, warmup, seed: the run. Returns: (waste rows, source "measured"; the first
+    setting's timeline).
     """
     from .provenance import provenance
     cfg = _config(config, batch)
@@ -808,9 +776,7 @@ def run(out="data/memory_waste.csv", ks=KS, config=None, batch: int | None = Non
 
     Returns the waste rows (what a notebook's load_or_measure expects).
 
-    Args:
-        out: the waste CSV.
-        ks, config, batch, warmup: as measure_waste.
+    Args: out: the waste CSV; ks, config, batch, warmup: as measure_waste.
     """
     waste, timeline = measure_waste(tuple(int(k) for k in ks), config, batch, warmup)
     out = pathlib.Path(out)
@@ -829,15 +795,9 @@ def train_varlen(alloc, cfg, block_sizes, seed: int = 0, foreach: bool = True) -
     """GPU: the GPT trained on CuPy with `alloc` (an xlab.allocators.Allocator) installed and counting, one step
     per entry of `block_sizes` (sequence lengths); device mallocs after setup and after each step.
 
-    Args:
-        alloc: the allocator, not installed.
-        cfg: the GPTConfig.
-        block_sizes: sequence length of each step.
-        seed: the model's and batches' seed.
-        foreach: flat-buffer AdamW (the default) or per-parameter.
-
-    Returns:
-        The device mallocs counted after setup and after each step (len(block_sizes) + 1 numbers).
+    Args: alloc: the allocator, not installed; cfg: the GPTConfig; block_sizes: sequence length of each step; seed:
+    the model's and batches' seed; foreach: flat-buffer AdamW (the default) or per-parameter. Returns: The device
+    mallocs counted after setup and after each step (len(block_sizes) + 1 numbers).
     """
     import gc
 
@@ -878,15 +838,9 @@ def measure_varlen(allocators=VARLEN_ALLOCATORS, batch: int | None = None, block
     MemoryHook's live requested bytes), deterministic for a given program, so one run per allocator.
     device_mallocs_warm counts the steps from WARMUP_STEPS on.
 
-    Args:
-        allocators: registry names.
-        batch: sequences per step (default: the trace's).
-        block_sizes: sequence lengths (default: the trace's).
-        seed: the run's seed.
-        foreach: flat-buffer AdamW.
-
-    Returns:
-        A DataFrame with VARLEN_COLUMNS and the provenance columns.
+    Args: allocators: registry names; batch: sequences per step (default: the trace's); block_sizes: sequence
+    lengths (default: the trace's); seed: the run's seed; foreach: flat-buffer AdamW. Returns: A DataFrame with
+    VARLEN_COLUMNS and the provenance columns.
     """
     from .provenance import provenance
     spec = NUMPY_TRACES["gpt_varlen_numpy"]
@@ -925,11 +879,7 @@ def schemes(data_dir="data", figures_dir="figures", repeats: int = 7) -> pd.Data
 def main(argv=None):
     """The command line (--out-dir, --ks, --batch, --warmup).
 
-    Args:
-        argv: arguments (default: sys.argv[1:]).
-
-    Returns:
-        The exit status.
+    Args: argv: arguments (default: sys.argv[1:]). Returns: The exit status.
     """
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", "--out", default="data", help="folder the two CSVs go to (default: data)")

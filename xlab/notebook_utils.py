@@ -78,9 +78,8 @@ def setup(name: str, namespace: dict) -> Run:
     names are checked against the arms table. A plain value that is neither a parameter nor a name the notebook
     assigns is a mistyped or unknown parameter.
 
-    Raises:
-        TypeError: a parameter of the wrong type, naming it and the type expected.
-        ValueError: an unknown parameter (with the closest known one), or an unknown arm.
+    Raises: TypeError: a parameter of the wrong type, naming it and the type expected; ValueError: an unknown
+    parameter (with the closest known one), or an unknown arm.
     """
     params = schema(name)
     assigned = {t.id for src, _ in _cells(name) for node in ast.walk(ast.parse(src))
@@ -178,8 +177,7 @@ def cpu_smoke(measure_fn, **kwargs) -> pd.DataFrame | None:
     """A measuring function's CPU mode (cpu=True: NumPy, tiny sizes) into a temporary CSV: it checks the code
     runs and its rows have the CSV's schema; it measures nothing and writes nothing outside a temporary folder.
 
-    Raises:
-        AssertionError: the rows' own checks failed.
+    Raises: AssertionError: the rows' own checks failed.
     """
     try:
         fn = _resolve(measure_fn)
@@ -263,8 +261,7 @@ def correctness_summary(df: pd.DataFrame) -> pd.DataFrame:
 def assert_all_passed(df: pd.DataFrame) -> None:
     """Raise (failing the notebook, so papermill and CI fail) if any check in df failed.
 
-    Raises:
-        AssertionError: naming each failed check.
+    Raises: AssertionError: naming each failed check.
     """
     failed = df[~df["passed"].astype(bool)]
     if len(failed):

@@ -81,12 +81,7 @@ def torch_available() -> bool:
 def time_pairs(nbytes: int, pairs: int) -> tuple[int, int]:
     """(ns, pairs) for `pairs` alloc/free pairs on this thread.
 
-    Args:
-        nbytes: the request size.
-        pairs: how many pairs.
-
-    Returns:
-        (nanoseconds, pairs).
+    Args: nbytes: the request size; pairs: how many pairs. Returns: (nanoseconds, pairs).
     """
     import cupy
     empty, u8 = cupy.empty, cupy.uint8
@@ -102,13 +97,7 @@ def time_pairs(nbytes: int, pairs: int) -> tuple[int, int]:
 def time_threads(nbytes: int, pairs: int, threads: int) -> tuple[int, int]:
     """(ns, pairs done) with `threads` threads released together by a barrier, pairs split among them.
 
-    Args:
-        nbytes: the request size.
-        pairs: pairs in all.
-        threads: threads.
-
-    Returns:
-        (nanoseconds, pairs done).
+    Args: nbytes: the request size; pairs: pairs in all; threads: threads. Returns: (nanoseconds, pairs done).
     """
     import cupy
     per = max(1, pairs // threads)
@@ -146,11 +135,7 @@ def time_threads(nbytes: int, pairs: int, threads: int) -> tuple[int, int]:
 def timer(case):
     """The timing function of one case.
 
-    Args:
-        case: (sweep, nbytes, threads).
-
-    Returns:
-        timer(pairs) -> (ns, pairs).
+    Args: case: (sweep, nbytes, threads). Returns: timer(pairs) -> (ns, pairs).
     """
     sweep, nbytes, threads = case
     if sweep == "size":
@@ -161,13 +146,8 @@ def timer(case):
 def calibrated_pairs(ns: int, pairs: int, target_s: float, lo: int = 200, hi: int = 400_000) -> int:
     """Pairs that take about target_s at the rate of a trial (ns for pairs), within [lo, hi].
 
-    Args:
-        ns, pairs: a trial window's time and pairs.
-        target_s: the window to aim for.
-        lo, hi: the bounds.
-
-    Returns:
-        An int.
+    Args: ns, pairs: a trial window's time and pairs; target_s: the window to aim for; lo, hi: the bounds. Returns:
+    An int.
     """
     return int(min(hi, max(lo, target_s * 1e9 * pairs / max(ns, 1))))
 
@@ -176,12 +156,7 @@ def rotated(arms, trial: int) -> list:
     """The arms in trial `trial`'s order: the fixed order rotated by `trial`, so across trials each arm runs
     in each position and after each neighbour alike.
 
-    Args:
-        arms: the arms, in a fixed order.
-        trial: the trial number (>= 0).
-
-    Returns:
-        A list.
+    Args: arms: the arms, in a fixed order; trial: the trial number (>= 0). Returns: A list.
     """
     arms = list(arms)
     k = trial % len(arms) if arms else 0
@@ -192,13 +167,7 @@ def median_window(run, pairs: int, windows: int) -> tuple[int, int]:
     """(ns, pairs) of one trial: `windows` windows of pairs // windows pairs each; ns is the median window's
     time per pair times all the pairs, so ns / pairs is the median window's time per pair.
 
-    Args:
-        run: run(pairs) -> (ns, pairs done).
-        pairs: pairs in all.
-        windows: windows (>= 1).
-
-    Returns:
-        (ns, pairs).
+    Args: run: run(pairs) -> (ns, pairs done); pairs: pairs in all; windows: windows (>= 1). Returns: (ns, pairs).
     """
     import statistics
     per = max(1, pairs // windows)
@@ -215,19 +184,11 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
     """Raw samples: one row per (trial, allocator, case) with ns and pairs; and mallocs per pair by
     (allocator, size) from the counting pass (allocators that can count).
 
-    Args:
-        allocators: registry names (default: default_allocators()).
-        sizes: the size sweep's request sizes.
-        threads: the thread sweep's thread counts.
-        trials: trials per arm.
-        target_s: seconds per (trial, arm, case).
-        count_pairs: pairs of the counting pass.
-        progress: progress bars.
-        windows: windows per (trial, arm, case) of the size sweep, their median kept (the thread sweep times
-            one window: each starts its threads anew).
-
-    Returns:
-        (samples DataFrame, {(allocator, size): device mallocs per pair}).
+    Args: allocators: registry names (default: default_allocators()); sizes: the size sweep's request sizes;
+    threads: the thread sweep's thread counts; trials: trials per arm; target_s: seconds per (trial, arm, case);
+    count_pairs: pairs of the counting pass; progress: progress bars; windows: windows per (trial, arm, case) of the
+    size sweep, their median kept (the thread sweep times one window: each starts its threads anew). Returns:
+    (samples DataFrame, {(allocator, size): device mallocs per pair}).
     """
     import gc
 
@@ -406,11 +367,7 @@ def measure_host(sizes=SIZES, trials=TRIALS, target_s=TARGET_S / 3, windows=WIND
 def host_rows(samples):
     """The --host CSV's rows: ns per pair and the ratio to xpool_seed in the same trial (> 1: faster).
 
-    Args:
-        samples: measure_host()'s samples.
-
-    Returns:
-        A DataFrame with HOST_COLUMNS.
+    Args: samples: measure_host()'s samples. Returns: A DataFrame with HOST_COLUMNS.
     """
     import numpy as np
     df = samples.assign(ns_per_pair=samples.ns / samples.pairs)
@@ -424,11 +381,7 @@ def host_rows(samples):
 def host_table(rows) -> str:
     """Medians over trials with 95% intervals, ns per pair, one line per (scenario, allocator).
 
-    Args:
-        rows: host_rows()'s frame.
-
-    Returns:
-        The text.
+    Args: rows: host_rows()'s frame. Returns: The text.
     """
     from xlab import intervals
     from xlab.plots import fmt_bytes
@@ -447,15 +400,8 @@ def host_table(rows) -> str:
 def run_host(out="data/alloc_core_host.csv", trials=None, target_s=None, sizes=SIZES, progress=True):
     """Measure the C core on this CPU, print the table, write the CSV (one row per trial, with provenance).
 
-    Args:
-        out: the CSV (None: none).
-        trials: trials (default TRIALS).
-        target_s: seconds per (trial, arm, case) (default TARGET_S / 3).
-        sizes: request sizes.
-        progress: a progress bar.
-
-    Returns:
-        The rows written.
+    Args: out: the CSV (None: none); trials: trials (default TRIALS); target_s: seconds per (trial, arm, case)
+    (default TARGET_S / 3); sizes: request sizes; progress: a progress bar. Returns: The rows written.
     """
     trials = trials or TRIALS
     target_s = target_s or TARGET_S / 3
@@ -488,12 +434,7 @@ def trial_rows(samples, mallocs=None):
     """The CSV's rows: one per (trial, allocator, case) with µs per pair, thousand pairs/s and the ratio to CuPy's
     pool in the same trial (NaN without it); device mallocs per pair from the counting pass (size sweep only).
 
-    Args:
-        samples: measure()'s samples.
-        mallocs: measure()'s counts.
-
-    Returns:
-        A DataFrame with COLUMNS.
+    Args: samples: measure()'s samples; mallocs: measure()'s counts. Returns: A DataFrame with COLUMNS.
     """
     import numpy as np
     mallocs = mallocs or {}
@@ -514,11 +455,7 @@ def summary(rows):
     kpairs_per_s and ratio_vs_cupy_pool (each with _lo/_hi), n_trials and device_mallocs_per_pair. Old CSVs (one summary row per case,
     no trial column) come out as single runs.
 
-    Args:
-        rows: the CSV's rows.
-
-    Returns:
-        A DataFrame.
+    Args: rows: the CSV's rows. Returns: A DataFrame.
     """
     from xlab import intervals
     keys = ["allocator", "sweep", "size_bytes", "threads"]
@@ -534,11 +471,7 @@ def table(summary) -> str:
     """Two plain-text tables of medians over trials: µs per pair by size, and kpairs/s by threads; (x) = speed
     relative to CuPy's pool in the same trial (median of the paired ratios).
 
-    Args:
-        summary: summary()'s frame.
-
-    Returns:
-        The text.
+    Args: summary: summary()'s frame. Returns: The text.
     """
     from xlab.plots import fmt_bytes
     lines = []
@@ -565,12 +498,7 @@ def table(summary) -> str:
 def with_provenance(rows, **params):
     """Every row gets the provenance columns (GPU, driver, CUDA, CuPy, commit, date) and the run's params.
 
-    Args:
-        rows: the CSV's rows.
-        **params: the run's parameters.
-
-    Returns:
-        A new DataFrame.
+    Args: rows: the CSV's rows; **params: the run's parameters. Returns: A new DataFrame.
     """
     from xlab.provenance import provenance
     return rows.assign(**provenance(bench="alloc", **params))
@@ -580,18 +508,11 @@ def run(out="data/alloc_microbench.csv", quick=False, trials=None, target_s=None
         progress=True, sizes=SIZES, threads=THREADS):
     """Measure, print the table of medians, write the CSV (one row per trial).
 
-    Args:
-        out: the CSV (None: none).
-        quick: a smoke run (2 trials, 5 ms windows).
-        trials: trials per arm (default TRIALS).
-        target_s: seconds per (trial, arm, case) (default TARGET_S), in WINDOWS windows.
-        allocators: registry names (default: default_allocators()).
-        progress: progress bars.
-        sizes: request sizes of the size sweep, bytes.
-        threads: thread counts of the thread sweep (empty: no thread sweep).
-
-    Returns:
-        The per-trial DataFrame that was written.
+    Args: out: the CSV (None: none); quick: a smoke run (2 trials, 5 ms windows); trials: trials per arm (default
+    TRIALS); target_s: seconds per (trial, arm, case) (default TARGET_S), in WINDOWS windows; allocators: registry
+    names (default: default_allocators()); progress: progress bars; sizes: request sizes of the size sweep, bytes;
+    threads: thread counts of the thread sweep (empty: no thread sweep). Returns: The per-trial DataFrame that was
+    written.
     """
     registry.require_gpus(1, "xlab.bench.alloc")
     trials = trials or (2 if quick else TRIALS)
@@ -610,11 +531,7 @@ def run(out="data/alloc_microbench.csv", quick=False, trials=None, target_s=None
 def main(argv=None) -> int:
     """The command line (see --help).
 
-    Args:
-        argv: arguments (default: sys.argv[1:]).
-
-    Returns:
-        The exit status: 2 without a GPU.
+    Args: argv: arguments (default: sys.argv[1:]). Returns: The exit status: 2 without a GPU.
     """
     ap = argparse.ArgumentParser(prog="python -m xlab.bench.alloc", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="the CSV (default data/alloc_microbench.csv; with --host, "

@@ -190,19 +190,11 @@ def run(arms=ARMS, trials=TRIALS, seconds=0.5, switch_intervals=(None,), threads
         out="data/gil_probe.csv") -> pd.DataFrame:
     """Ops per second of each arm on 1, 2, ... threads, `trials` interleaved trials.
 
-    Args:
-        arms: names from ARMS.
-        trials: trials per (arm, threads, switch interval).
-        seconds: length of each timed loop.
-        switch_intervals: values for sys.setswitchinterval (None: leave Python's, 5 ms).
-        threads: thread counts; 1 is always measured first (the reference); thread t drives GPU t mod #GPUs.
-        out: the CSV (None: none).
-
-    Returns:
-        One row per (trial, switch interval, arm, threads): ops_per_s, speedup over 1 thread in the same trial.
-
-    Raises:
-        ValueError: an unknown arm.
+    Args: arms: names from ARMS; trials: trials per (arm, threads, switch interval); seconds: length of each timed
+    loop; switch_intervals: values for sys.setswitchinterval (None: leave Python's, 5 ms); threads: thread counts; 1
+    is always measured first (the reference); thread t drives GPU t mod #GPUs; out: the CSV (None: none). Returns:
+    One row per (trial, switch interval, arm, threads): ops_per_s, speedup over 1 thread in the same trial. Raises:
+    ValueError: an unknown arm.
     """
     import cupy
     bad = [a for a in arms if a not in ARMS]

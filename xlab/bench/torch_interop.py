@@ -46,13 +46,8 @@ COLUMNS = ["case", "arm", "trial", "order", "size_bytes", "value", "unit", "pair
 def time_empty_del(torch, nbytes: int, pairs: int) -> float:
     """µs per torch.empty + del pair (after a warm-up that leaves the block cached).
 
-    Args:
-        torch: the torch module (allocating through the arm's allocator).
-        nbytes: the request size.
-        pairs: how many pairs.
-
-    Returns:
-        µs per pair, a float.
+    Args: torch: the torch module (allocating through the arm's allocator); nbytes: the request size; pairs: how
+    many pairs. Returns: µs per pair, a float.
     """
     empty, u8, dev = torch.empty, torch.uint8, torch.device("cuda", 0)
     for _ in range(100):
@@ -70,13 +65,9 @@ def time_empty_del(torch, nbytes: int, pairs: int) -> float:
 def time_train(torch, steps: int, warmup: int, batch_size: int | None):
     """(tokens/s, batch size, device mallocs per timed step or None) of the parity model with torch.optim.AdamW.
 
-    Args:
-        torch: the torch module.
-        steps, warmup: timed steps and untimed steps first.
-        batch_size: sequences per step (None: the parity model's default).
-
-    Returns:
-        (tokens per second, batch size, device mallocs per timed step or None).
+    Args: torch: the torch module; steps, warmup: timed steps and untimed steps first; batch_size: sequences per
+    step (None: the parity model's default). Returns: (tokens per second, batch size, device mallocs per timed step
+    or None).
     """
     from tapegpt.checks import torch_logits
     from tapegpt.model import GPTConfig, init_params
@@ -113,13 +104,8 @@ def time_train(torch, steps: int, warmup: int, batch_size: int | None):
 def worker(arm: str, pairs: int, steps: int, warmup: int, batch_size: int | None) -> list[dict]:
     """Every case for one arm; call in a fresh process.
 
-    Args:
-        arm: "torch" (PyTorch's own allocator) or "xpool".
-        pairs: pairs per empty/del window.
-        steps, warmup, batch_size: the training case.
-
-    Returns:
-        A list of row dicts (case, size_bytes, value, unit, ...).
+    Args: arm: "torch" (PyTorch's own allocator) or "xpool"; pairs: pairs per empty/del window; steps, warmup,
+    batch_size: the training case. Returns: A list of row dicts (case, size_bytes, value, unit, ...).
     """
     import torch
     if arm == "xpool":
@@ -152,17 +138,10 @@ def run(trials: int = 5, pairs: int = 50_000, steps: int = 20, warmup: int = 5, 
 
     `command(arm)` gives the worker's argv (tests replace the GPU worker with a stand-in).
 
-    Args:
-        trials: trials per arm, interleaved (who goes first alternates).
-        pairs, steps, warmup, batch_size: passed to the worker.
-        command: command(arm) -> argv of the worker process (default: this module's GPU worker).
-        timeout: seconds one worker may run.
-
-    Returns:
-        A DataFrame with COLUMNS and provenance.
-
-    Raises:
-        RuntimeError: a worker failed, naming its trial and arm.
+    Args: trials: trials per arm, interleaved (who goes first alternates); pairs, steps, warmup, batch_size: passed
+    to the worker; command: command(arm) -> argv of the worker process (default: this module's GPU worker); timeout:
+    seconds one worker may run. Returns: A DataFrame with COLUMNS and provenance. Raises: RuntimeError: a worker
+    failed, naming its trial and arm.
     """
     import pandas as pd
 
@@ -191,11 +170,8 @@ def summarize(df):
 
     speedup > 1 means xpool is faster: torch µs / xpool µs for empty_del, xpool / torch tokens/s for training.
 
-    Args:
-        df: run()'s rows.
-
-    Returns:
-        A DataFrame: case, size_bytes, unit, trials, each arm's median/low/high, speedup/low/high, verdict.
+    Args: df: run()'s rows. Returns: A DataFrame: case, size_bytes, unit, trials, each arm's median/low/high,
+    speedup/low/high, verdict.
     """
     import pandas as pd
     out = []
@@ -223,9 +199,7 @@ MIX_B, MIX_D, MIX_H = 4096, 1024, 4096   # PyTorch's B*H*4 activations = CuPy's 
 def mixed_setup(torch, seed=0):
     """(model, optimizer, first input) of the mixed loop: an MLP trained with AdamW on CUDA device 0.
 
-    Args:
-        torch: the torch module.
-        seed: the model's seed.
+    Args: torch: the torch module; seed: the model's seed.
     """
     torch.manual_seed(seed)
     dev = torch.device("cuda", 0)
@@ -240,9 +214,7 @@ def mixed_step(torch, cupy, model, opt, x):
     """A PyTorch training step, then CuPy on the first layer's weight (shared through DLPack, no copy), whose
     result feeds PyTorch's next input. Returns (loss, CuPy's sum, next input), all on the device.
 
-    Args:
-        torch, cupy: the modules.
-        model, opt, x: mixed_setup's result (x: this step's input).
+    Args: torch, cupy: the modules; model, opt, x: mixed_setup's result (x: this step's input).
     """
     loss = ((model(x) - x) ** 2).mean()
     opt.zero_grad(set_to_none=True)
@@ -261,13 +233,8 @@ def mixed_step(torch, cupy, model, opt, x):
 def mixed_worker(arm: str, steps: int, out_csv: str | None) -> dict:
     """The mixed loop in this (fresh) process. xpool: its memory by framework to `out_csv`; peaks either way.
 
-    Args:
-        arm: "xpool" or "torch".
-        steps: loop steps.
-        out_csv: where xpool's memory by framework goes (None: not written).
-
-    Returns:
-        A dict: the arm and its peak reserved bytes (xpool's one pool, or each framework's own).
+    Args: arm: "xpool" or "torch"; steps: loop steps; out_csv: where xpool's memory by framework goes (None: not
+    written). Returns: A dict: the arm and its peak reserved bytes (xpool's one pool, or each framework's own).
     """
     import cupy
     import torch
@@ -293,9 +260,7 @@ def mixed_memory(steps: int = 4, timeout: float = 180.0):
     Returns (memory by framework over time under xpool, {"one_pool": xpool's peak reserved, "two_pools":
     PyTorch's + CuPy's peak reserved}); usable from a notebook kernel that already touched CUDA.
 
-    Args:
-        steps: loop steps.
-        timeout: seconds one worker process may run.
+    Args: steps: loop steps; timeout: seconds one worker process may run.
     """
     import tempfile
 
@@ -331,11 +296,7 @@ def in_use_by_origin(tl):
 
     Starts from zero at the first event kept: record from the start (or from an empty pool) for absolute levels.
 
-    Args:
-        tl: an xpool timeline DataFrame with an origin column.
-
-    Returns:
-        A DataFrame.
+    Args: tl: an xpool timeline DataFrame with an origin column. Returns: A DataFrame.
     """
     import pandas as pd
     sign = tl.event.map({"alloc_hit": 1, "alloc_miss": 1, "free": -1}).fillna(0).to_numpy(dtype=np.int64)
@@ -349,13 +310,8 @@ def plot_mixed_memory(mem, two_pools: int | None = None, title="One pool for CuP
     """Stacked bytes in use by framework, and bytes reserved, over time (from in_use_by_origin); `two_pools`:
     the sum of the frameworks' own pools' peaks, drawn for comparison.
 
-    Args:
-        mem: in_use_by_origin's frame.
-        two_pools: bytes, or None.
-        title: the figure's title.
-
-    Returns:
-        A matplotlib Figure.
+    Args: mem: in_use_by_origin's frame; two_pools: bytes, or None; title: the figure's title. Returns: A matplotlib
+    Figure.
     """
     from matplotlib.figure import Figure
     fig = Figure(figsize=(10, 4.5), layout="constrained")
@@ -375,8 +331,7 @@ def plot_mixed_memory(mem, two_pools: int | None = None, title="One pool for CuP
 def main(argv=None):
     """The command line: measure, print the summary, write the CSV (see --help); or, hidden, one worker.
 
-    Args:
-        argv: arguments (default: sys.argv[1:]).
+    Args: argv: arguments (default: sys.argv[1:]).
     """
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=5)

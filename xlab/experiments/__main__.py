@@ -38,11 +38,8 @@ def _common(p, out, steps, warmup):
 def parse(argv=None):
     """The experiments' command line.
 
-    Args:
-        argv: arguments (default: sys.argv[1:]).
-
-    Returns:
-        The argparse namespace, with --quick/--cpu-smoke applied.
+    Args: argv: arguments (default: sys.argv[1:]). Returns: The argparse namespace, with --quick/--cpu-smoke
+    applied.
     """
     ap = argparse.ArgumentParser(prog="python -m xlab.experiments", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -86,11 +83,8 @@ def parse(argv=None):
 def main(argv=None) -> int:
     """Run one experiment from the command line and print its medians.
 
-    Args:
-        argv: arguments (default: sys.argv[1:]).
-
-    Returns:
-        The exit status: 2 without the GPUs needed, 1 if a run's checks failed.
+    Args: argv: arguments (default: sys.argv[1:]). Returns: The exit status: 2 without the GPUs needed, 1 if a run's
+    checks failed.
     """
     args = parse(argv)
     if args.cmd == "worker":
