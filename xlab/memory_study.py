@@ -20,7 +20,7 @@ are compared on every recorded trace, the GPU's and two recorded on the CPU from
 (`NumpyRecorder`: NumPy's own allocation hook), one with sequence lengths that vary per step:
 
     python -m xlab.memory_study --record-numpy     # CPU, ~5 min: data/memory_trace_numpy_*.csv.gz
-    python -m xlab.memory_study --schemes          # CPU: data/memory_schemes.csv, figures/memory_schemes.*
+    python -m xlab.memory_study --schemes          # CPU: data/memory_schemes.csv (then `make report`: its figure)
 """
 from __future__ import annotations
 
@@ -866,13 +866,11 @@ def measure_varlen(allocators=VARLEN_ALLOCATORS, batch: int | None = None, block
     return pd.DataFrame(rows, columns=VARLEN_COLUMNS).assign(**prov)
 
 
-def schemes(data_dir="data", figures_dir="figures", repeats: int = 7) -> pd.DataFrame:
-    """CPU: replays every recorded trace through each scheme; writes data/memory_schemes.csv and its figure."""
-    from . import plots
+def schemes(data_dir="data", repeats: int = 7) -> pd.DataFrame:
+    """CPU: replays every recorded trace through each scheme into data/memory_schemes.csv (its figure is redrawn
+    from the CSV by `make report`, xlab.plots.build being the one writer of figures/)."""
     df = scheme_study(load_traces(data_dir), repeats=repeats)
-    out = pathlib.Path(data_dir) / "memory_schemes.csv"
-    df.to_csv(out, index=False)
-    plots.save(plots.memory_schemes(df), "memory_schemes", figures_dir)
+    df.to_csv(pathlib.Path(data_dir) / "memory_schemes.csv", index=False)
     return df
 
 
@@ -891,7 +889,7 @@ def main(argv=None):
     p.add_argument("--record-numpy", action="store_true",
                    help="CPU: record the NumPy traces (TRACES) into --out-dir, then stop")
     p.add_argument("--schemes", action="store_true",
-                   help="CPU: replay every recorded trace through each scheme: memory_schemes.csv + figure")
+                   help="CPU: replay every recorded trace through each scheme: memory_schemes.csv")
     a = p.parse_args(argv)
     if a.record_numpy or a.schemes:
         if a.record_numpy:

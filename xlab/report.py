@@ -13,6 +13,7 @@ unchanged report.
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import math
 import os
 import pathlib
@@ -34,7 +35,7 @@ CPU_QUICK = {
     "04_multi_gpu": dict(measure=False, steps=3, trials=2),
     "05_memory": dict(measure=False),
 }
-TEMPLATE = pathlib.Path(__file__).with_name("report.md")
+TEMPLATE = importlib.resources.files("xlab") / "report.md"       # package data: the page's template
 GIL_ARM = "add"    # the GIL probe's op that stands for a training step's ops: an allocation and one launch
 RERUN = "rerun"    # data/rerun/: the same suite run again on a fresh machine (DATA=data/rerun)
 

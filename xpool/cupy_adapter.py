@@ -17,6 +17,8 @@ _state_lock = threading.Lock()    # guards _installed and _previous
 _installed = None                 # the MemoryPool install() put in place
 _previous = None                  # CuPy's allocator before install()
 _scoped = threading.local()       # .pool: the pool of this thread's innermost `with use()` block
+_NEEDS_CUPY = ('xpool allocates GPU memory for CuPy, and CuPy is not installed: pip install "xpool[cuda12]" for '
+               'CUDA 12, "xpool[cuda13]" for CUDA 13')
 
 
 def _capsule_fn(module, name: str, signature: bytes) -> int:
@@ -64,14 +66,28 @@ class MemoryPool(Pool):
             runs CuPy's C allocator path over host memory, for tests).
 
     Raises:
-        ImportError: CuPy is not installed.
+        ImportError: CuPy is not installed (the message says what to install).
+        RuntimeError: no CUDA GPU or driver CuPy can use (with the default backend).
         ValueError: a bad setting, naming it.
     """
 
     def __init__(self, classes_per_doubling: int | None = None, *, scheme: str | None = None, limit=None,
                  debug=None, timeline: int | None = None, backend=None):
-        from cupy.cuda.memory import CFunctionAllocator
-        backend = backend or CupyBackend()
+        try:
+            from cupy.cuda.memory import CFunctionAllocator
+        except ImportError as e:
+            raise ImportError(f"{_NEEDS_CUPY} ({e})") from e
+        if backend is None:
+            backend = CupyBackend()
+            try:
+                gpus = backend.device_count()
+            except Exception as e:       # CuPy's CUDARuntimeError: no driver, or one too old for this CuPy
+                raise RuntimeError(f"xpool.MemoryPool needs a CUDA GPU and its driver; CuPy cannot use one here "
+                                   f"({e}). On a CPU, xpool.Pool(xpool.HostBackend()) runs the pool over host "
+                                   "memory") from e
+            if gpus == 0:
+                raise RuntimeError("xpool.MemoryPool needs a CUDA GPU: none is visible (CUDA_VISIBLE_DEVICES?). On "
+                                   "a CPU, xpool.Pool(xpool.HostBackend()) runs the pool over host memory")
         # blocks are keyed by CuPy's current stream; other backends (host memory) use stream 0
         stream_fn = _current_stream_fn() if isinstance(backend, CupyBackend) else 0
         super().__init__(backend, classes_per_doubling, scheme=scheme, limit=limit, debug=debug,
@@ -153,7 +169,10 @@ def install(pool: MemoryPool | None = None, **kwargs) -> MemoryPool:
         TypeError: ``pool`` is not an ``xpool.MemoryPool``.
     """
     global _installed, _previous
-    import cupy
+    try:
+        import cupy
+    except ImportError as e:
+        raise ImportError(f"{_NEEDS_CUPY} ({e})") from e
     with _state_lock:
         if _installed is not None:
             raise RuntimeError("xpool is already installed; call xpool.uninstall() first "

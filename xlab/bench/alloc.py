@@ -3,39 +3,18 @@ and thousands of pairs per second from 1, 4 and 8 threads on one device at 64 Ki
 
     python -m xlab.bench.alloc [--quick] [--trials 7] [--sweep size] [--out data/alloc_microbench.csv]
 
-Host-side costs: each window synchronises the device, then times many pairs with perf_counter_ns. Every
-(allocator, case) is calibrated once to about `target_s` seconds per trial, timed as `windows` windows. A trial
-times every case; within a case of the size sweep the arms that keep a cached block (the pools, the floors) take
-turns window by window (arm order rotated each round and each trial), so each arm's windows spread over the same
-stretch of time, and an arm's time in the trial is the median of its windows. The H200 runs showed why: the first
-(d2ee10ffdb25) timed each arm's 5 windows in one go, arms of a case within about a second of each other, and its
-trial-to-trial spread of xpool / cupy_pool was about 4% at 64 KiB-96 MiB (0.85-1.90 at 4 KiB); the rerun (84685016f310) had slow
-spells of seconds in which every arm, the floors too, ran 2x slower, and a spell that covered one arm's windows
-and not the other's moved a ratio by up to 1.8x (0.56-1.63). Turns of ~13 ms put every arm inside every spell
-alike. Arms that call the device on every pair (raw, raw_held, cupy_async) run alone, as before. The thread
-sweep times one window per arm, each alone. The very first version ran each arm through all cases before the
-next arm (ratios of samples seconds apart) and its trial-to-trial spread reached 1.8x for one arm.
-The CSV keeps one row per (trial, allocator, case); ratio_vs_cupy_pool is CuPy's pool's time over this
-allocator's in the same trial (> 1: faster than CuPy's pool); the report takes medians with bootstrap intervals
-(xlab.intervals). device_mallocs_per_pair comes from a separate counting pass (see allocators.py).
+Each window synchronises the device, then times many pairs with perf_counter_ns; each (arm, case) is calibrated
+once to about `target_s` seconds per trial, timed as `windows` windows. Within a case of the size sweep the arms
+that keep a cached block (the pools, the floors) take turns window by window, order rotated each round and each
+trial, and an arm's time in the trial is the median of its windows; arms that call the device on every pair (raw,
+raw_held, cupy_async) run alone, every other arm's cache given back first (`trim`); the thread sweep times one
+window per arm, each alone. Why, and what the earlier versions measured instead: NOTES.md, Note [The
+microbenchmark's interleaving]. One CSV row per (trial, arm, case); ratio_vs_cupy_pool is CuPy's pool's time over
+the arm's in the same trial (> 1: faster); device_mallocs_per_pair comes from a separate counting pass.
 
-`--host` measures xpool's C core alone on a CPU: malloc+free pairs through its CuPy hooks, timed in C
-(`xpool._core.time_pairs`), over host memory, for the default scheme, the design's (seed) and a C allocator
-that does nothing (c_noop), with the pool alone and with a training-like population of ranges around it
-(`busy`); the same interleaving, CSV data/alloc_core_host.csv. CuPy's pool cannot run there (it needs a GPU),
-so its ratios are against xpool_seed. This is how the hit path was profiled (NOTES.md).
-
-Before an arm that calls the device is timed, every other arm gives its cached blocks back (`trim`); before the
-cached arms take turns, every arm outside them does; each arm warms its own cache (untimed) for each case, and
-again for `SWITCH_WARM` pairs whenever it is installed for a window. The raw arm times exactly
-`cupy.empty(n, uint8)` + `del` with CuPy's allocator unset (cudaMalloc + cudaFree through CuPy's `Memory`), but what a raw pair costs depends on the
-state of the device: 68-73 µs at 4 KiB measured alone (shared/ANCHORS.md), 2.6 µs for bare
-`runtime.malloc`+`free` and 4.6 µs through `cupy.empty` in a process whose CuPy pool still held a training run's
-blocks (data/raw_pair_probe.csv), and 6.8 µs in the first version of this benchmark, which timed raw beside the
-other arms' cached blocks while its own calibration pass, run first on an empty device, took ~120 µs per pair.
-So the first CSV's raw was not wrong but measured another state. `raw` is now timed alone; `raw_held` keeps one
-512-byte block alive while timed, to show whether other live blocks are what makes a pair cheap.
-PyTorch's caching allocator (`torch`) takes part where PyTorch with CUDA is installed.
+`--host` times xpool's C core alone on a CPU (`xpool._core.time_pairs` over host memory) for the default scheme,
+the seed scheme and c_noop, alone and beside a training-like population of ranges (`busy`): the same
+interleaving, data/alloc_core_host.csv, ratios against xpool_seed (CuPy's pool needs a GPU).
 """
 from __future__ import annotations
 
