@@ -50,3 +50,14 @@ def test_packages_keep_their_direction():
             for name in banned:
                 assert not re.search(rf"^\s*(from|import) {name}\b", text, re.M), f"{path} imports {name}"
             assert "__file__" not in text, f"{path} derives a path from __file__"
+
+
+def test_the_readmes_numbers_are_the_reports():
+    """README quotes the report, never numbers of its own: each number of its Results section is in REPORT.md."""
+    readme = (ROOT / "README.md").read_text()
+    results = readme.split("## Results", 1)[1].split("\n## ", 1)[0]
+    page = (ROOT / "report" / "REPORT.md").read_text()
+    numbers = re.findall(r"\d+\.\d+|\d+ of \d+|\d+ met|\d+ missed|\d+ within noise|\d+ targets", results)
+    assert len(numbers) > 15
+    for n in numbers:
+        assert n in page, f"README's {n!r} is not in report/REPORT.md"
