@@ -6,6 +6,7 @@ The readback knows nothing of how a figure is drawn: bars are the axes' BarConta
 its Line2D artists; which arm an artist is comes from the legend (its handle's colour, hatch and marker), which
 configuration from the nearest tick label."""
 import math
+import pathlib
 
 import numpy as np
 import pandas as pd
@@ -18,10 +19,13 @@ from fixtures import synthetic
 from xlab import plots
 
 try:                                   # the arms table; an older lab named its labels in plots
-    from xlab.allocators import label as arm_label
+    from xlab.allocators import canonical, label as arm_label
 except ImportError:
     def arm_label(a):
         return plots.style(a)["label"]
+
+    def canonical(df):
+        return df
 
 MODES = {v: k for k, v in plots.MODES.items()}
 SIZES = {plots.fmt_bytes(n): n for n in (4 << 10, 64 << 10, 1 << 20, 12 << 20, 96 << 20, 64 << 20)}
@@ -44,8 +48,7 @@ def newest(data, *csvs, arm="allocator", keys=()):
     """What a figure must show: for each arm (and configuration), the rows of the last CSV listed that has it."""
     frames = [pd.read_csv(data / f"{c}.csv").assign(_order=i) for i, c in enumerate(csvs)
               if (data / f"{c}.csv").is_file()]
-    df = pd.concat(frames, ignore_index=True)
-    df[arm] = df[arm].replace({"native": "torch"})
+    df = canonical(pd.concat(frames, ignore_index=True))      # the names of today (allocators.LEGACY)
     by = [arm, *keys]
     return df[df["_order"] == df.groupby(by)["_order"].transform("max")]
 
@@ -200,7 +203,7 @@ def check_batch_sweep(fig, data):
 
 
 def check_torch_interop(fig, data):
-    df = pd.read_csv(data / "torch_interop.csv")
+    df = canonical(pd.read_csv(data / "torch_interop.csv"))
     left, right = fig.axes[:2]
     bar_panel(fig, left, df[df["case"] == "empty_del"], "size_bytes", "value", SIZES.__getitem__, arm="arm")
     bar_panel(fig, right, df[df["case"] == "train_step"].assign(x="training step"), "x", "value", str, arm="arm",
@@ -237,8 +240,10 @@ def check_memory_timeline(fig, data):
 
 def check_correctness(fig, data):
     df = pd.concat([pd.read_csv(data / f"correctness_{d}.csv") for d in ("cpu", "gpu")], ignore_index=True)
-    for ax, (dev, g) in zip(fig.axes, df.groupby("device", sort=False)):
-        assert ax.get_title(loc="left") == f"{dev.upper()}: {int(g['passed'].sum())} of {len(g)} checks pass"
+    assert len(fig.axes) == df["device"].nunique()
+    for ax in fig.axes:
+        g = df[df["device"] == ax.get_title(loc="left").split(":")[0].lower()]
+        assert ax.get_title(loc="left") == f"{g['device'].iloc[0].upper()}: {int(g['passed'].sum())} of {len(g)} checks pass"
         ticks = [t.get_text() for t in ax.get_yticklabels()]
         n = sum(int(t.rsplit("(", 1)[1].split(" of ")[1].rstrip(")")) for t in ticks)
         assert n == len(g)                                   # every check is in one family's count
@@ -333,3 +338,13 @@ def test_caption_lists_each_machine():
     df = pd.concat([synthetic.correctness("cpu").assign(gpu="none"), synthetic.correctness("gpu")])
     cap = plots.caption(df)
     assert "a CPU, no GPU" in cap and "SYNTHETIC GPU" in cap and cap.count("Measured on") == 2
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_committed_figure_shows_the_committed_csvs_medians(name):
+    """The same readback on data/ itself: every figure the report shows is what the committed CSVs give."""
+    data = pathlib.Path(__file__).resolve().parents[1] / "data"
+    fig = _draw(name, data)
+    if fig is None:
+        pytest.skip(f"no committed CSV for {name}")
+    CHECKS[name](fig, data)

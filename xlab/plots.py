@@ -234,7 +234,7 @@ def correctness(df: pd.DataFrame) -> Figure:
     rows = df.groupby(["device", "group"], sort=False).agg(ratio=("ratio", "max"), passed=("passed", "sum"),
                                                            n=("passed", "size"), exact=("exact", "all"),
                                                            measured=("measured", "max"))
-    devices = list(pd.unique(df["device"]))
+    devices = sorted(pd.unique(df["device"]), key=lambda d: (d != "cpu", d))
     sizes = [len(rows.loc[d]) for d in devices]
     fig, axes = _figure(len(devices), 1, size=(10, 1.6 + 0.24 * sum(sizes) + 0.6 * len(devices)), sharex=True,
                         gridspec_kw=dict(height_ratios=sizes))
