@@ -1,24 +1,13 @@
-"""How much memory each size-class setting wastes on the training run, measured on a GPU and replayed on a CPU.
+"""How much memory each scheme and size-class setting holds on the training run: measured on a GPU, replayed on a CPU.
 
-On a GPU, `record_step_timeline` trains the small GPT with xpool installed and keeps the allocation
-timeline of the whole run (model setup, warm-up steps, one recorded step); `measure_waste` does that for
-every size-class setting and reads the pool's own counters.  The request sequence of a program does not
-depend on the allocator, so replaying the recorded requests and frees, in order, through an
-`xpool.Pool` of any setting reproduces that setting's decisions exactly: `replay_waste` does this on a
-CPU over a backend that hands out addresses and touches no memory.
+A program's requests do not depend on the allocator, so replaying a recorded timeline's allocs and frees, in
+order, through a pool over a backend that touches no memory (`AddressSpaceBackend`) reproduces that pool's
+decisions exactly. On a GPU, `measure_waste` trains the GPT under xpool's seed scheme at each k (classes per
+doubling), reading its counters and recording the timeline, and `measure_varlen` trains with the sequence length
+changing every step under xpool, xpool_seed and CuPy's pool. On a CPU, `NumpyRecorder` records the GPT's requests
+on NumPy (its allocation hook), and `scheme_study` replays every recorded trace through each scheme.
 
-    python -m xlab.memory_study --out-dir data     # on a GPU: data/memory_timeline.csv, data/memory_waste.csv,
-                                                   #   data/memory_varlen.csv
-
-The GPU run also trains with the sequence length changing every step (the varying-length trace's batch and
-lengths, `NUMPY_TRACES["gpt_varlen_numpy"]`) under xpool, xpool_seed and CuPy's pool, each reading its own
-counters: `measure_varlen` writes their peaks to data/memory_varlen.csv (issue #14's varying-size target; the
-report falls back to the CPU replay, and says so, where that CSV is missing).
-
-Schemes (scheme xpool's segments against the design's classes, `xpool_seed`, and a model of CuPy's pool)
-are compared on every recorded trace, the GPU's and two recorded on the CPU from the GPT on NumPy
-(`NumpyRecorder`: NumPy's own allocation hook), one with sequence lengths that vary per step:
-
+    python -m xlab.memory_study --out-dir data     # GPU: memory_timeline.csv, memory_waste.csv, memory_varlen.csv
     python -m xlab.memory_study --record-numpy     # CPU, ~5 min: data/memory_trace_numpy_*.csv.gz
     python -m xlab.memory_study --schemes          # CPU: data/memory_schemes.csv (then `make report`: its figure)
 """
@@ -82,30 +71,12 @@ class AddressSpaceBackend(HostBackend):
 
 
 def replay(timeline: pd.DataFrame, k: int) -> dict:
-    """Replay the allocs and frees of `timeline` through a fresh Pool with k classes per doubling.
-
-    Returns the pool's counters summed over devices: peak_bytes_requested, peak_bytes_reserved,
-    device_mallocs, requests, plus unmatched_frees (frees of blocks allocated before the recording began;
-    they are skipped).
-
-    Args: timeline: a recorded timeline (xpool's columns, in order); k: size classes per doubling.
-    """
+    """Replay the allocs and frees of `timeline` through a fresh Pool of the seed scheme with k classes per
+    doubling: its counters summed over devices (peak_bytes_requested, peak_bytes_reserved, device_mallocs,
+    requests) and unmatched_frees (frees of blocks allocated before the recording began: skipped)."""
     pool = Pool(AddressSpaceBackend(), classes_per_doubling=k, limit=0, debug=False, timeline=0)
-    live = {}                                # (device, recorded ptr) -> the replayed block
-    unmatched = 0
-    ev = timeline[timeline["event"].isin(ALLOC_EVENTS + ("free",))]
-    for event, device, stream, ptr, requested in zip(ev["event"], ev["device"], ev["stream"], ev["ptr"],
-                                                      ev["requested"]):
-        key = (int(device), int(ptr))
-        if event == "free":
-            if live.pop(key, None) is None:
-                unmatched += 1
-        else:
-            live[key] = pool.allocate(int(requested), device=int(device), stream=int(stream))
-    stats = pool.stats()
-    out = {name: int(stats[name].sum()) for name in
-           ("requests", "device_mallocs", "peak_bytes_requested", "peak_bytes_reserved")}
-    out["unmatched_frees"] = unmatched
+    live, unmatched = _drive(pool, _replay_events(timeline))
+    out = dict(_counters(pool), unmatched_frees=unmatched)
     live.clear()
     return out
 

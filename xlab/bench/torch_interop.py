@@ -10,16 +10,11 @@ and swapping which goes first from trial to trial:
   timed steps after warm-up; the GPU is busy for most of a step, so this shows whether the allocator costs
   the training loop anything.
 One CSV row per (trial, arm, case, size) with provenance; the arms are `torch` (PyTorch's own allocator; CSVs
-before the arms table call it `native`) and `xpool` (xpool.enable_torch()). The summary gives each arm's median with
-a 95% bootstrap interval, and the ratio xpool / torch with its interval (above 1: xpool faster); the figure is
-`xlab.plots.torch_interop`.
-
-For the notebook ("CuPy and PyTorch in one pool"): `mixed_memory()` runs a mixed loop (a PyTorch MLP training step, then CuPy matmuls on its weights
-through DLPack, feeding the next step) under xpool and under the two frameworks' own pools, each in a fresh
-process; `plot_mixed_memory(mem, two_pools)` draws the bytes each framework holds over time in the one pool,
-the pool's reserved bytes, and the peak the two separate pools reserve together. What to read: the stack
-alternates between PyTorch and CuPy while reserved stays flat once warm (each reuses what the other freed),
-below the dashed line of two pools.
+before the arms table call it `native`) and `xpool` (xpool.enable_torch()); `summarize` gives each arm's median
+[95% interval] and xpool's speed over PyTorch's; the figure is `xlab.plots.torch_interop`.
+For notebook 02, `mixed_memory()` runs a mixed loop (a PyTorch MLP step, then CuPy matmuls on its weights through
+DLPack, feeding the next step) under xpool and under the frameworks' own pools, each in a fresh process, and
+`plot_mixed_memory` draws each framework's bytes in the one pool over time beside the two pools' summed peak.
 """
 from __future__ import annotations
 
