@@ -1,4 +1,4 @@
-"""Medians with 95% bootstrap intervals over trials, paired ratios, and a verdict on a target: the lab's one
+"""Medians with 95% bootstrap intervals over trials, ratios of paired trials, and a verdict on a target: the lab's one
 place for statistics over repeated measurements (benchmarks, training runs, sweeps).
 
 A measurement is a distribution: every configuration runs several trials, interleaved across the arms it is
@@ -117,34 +117,6 @@ def summarize(df, by, value: str, trial: str = "trial"):
         med, lo, hi, n = median_ci(g[value])
         rows.append({**dict(zip(by, key)), value: med, f"{value}_lo": lo, f"{value}_hi": hi, "n_trials": n})
     return pd.DataFrame(rows, columns=by + [value, f"{value}_lo", f"{value}_hi", "n_trials"])
-
-
-def paired(df, value: str, arm: str, reference, by=(), trial: str = "trial"):
-    """Every arm's value over the reference arm's, per group of `by`, paired by trial (ratio_ci).
-
-    Args: df: a tidy frame with one row per (group, arm, trial); value: the measured column; arm: the column naming
-    the arm (e.g. "allocator", or "world" for a speedup); reference: the arm every other is divided by; by: the
-    grouping columns (e.g. ["batch"]); trial: the pairing column; a frame without it pairs its rows in order.
-    Returns: A DataFrame with the `by` columns, `arm`, ratio, ratio_lo, ratio_hi and n_pairs; the reference arm
-    itself is left out. Empty when the reference arm is absent.
-    """
-    import pandas as pd
-    by = list(by)
-    d = df if trial in df else df.assign(**{trial: df.groupby(by + [arm], sort=False).cumcount()})
-    rows = []
-    groups = d.groupby(by, sort=False, dropna=False) if by else [((), d)]
-    for key, g in groups:
-        key = key if isinstance(key, tuple) else (key,)
-        ref = g[g[arm] == reference].groupby(trial)[value].median()
-        if ref.empty:
-            continue
-        for name, a in g[g[arm] != reference].groupby(arm, sort=False):
-            mine = a.groupby(trial)[value].median()
-            common = mine.index.intersection(ref.index)
-            r, lo, hi, n = ratio_ci(mine.loc[common].to_numpy(), ref.loc[common].to_numpy())
-            rows.append({**dict(zip(by, key)), arm: name, "ratio": r, "ratio_lo": lo, "ratio_hi": hi,
-                         "n_pairs": n})
-    return pd.DataFrame(rows, columns=by + [arm, "ratio", "ratio_lo", "ratio_hi", "n_pairs"])
 
 
 def fmt_ci(value: float, lo: float, hi: float, fmt: str = "{:.2f}", unit: str = "", goal: float | None = None,
