@@ -117,7 +117,7 @@ def test_torch_arm_hands_cupy_torch_blocks(tmp_path):
         pytest.skip("PyTorch without CUDA")
     import cupy
     from xlab import allocators
-    alloc = allocators.make("torch")
+    alloc = allocators.make("cupy_torch")
     alloc.install()
     try:
         a = cupy.arange(1000, dtype=cupy.float32)

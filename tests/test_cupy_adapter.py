@@ -191,3 +191,24 @@ def test_module_functions_follow_the_pool_in_use():
         assert xpool.snapshot().requests == 1
         assert xpool.empty_cache() == 2 << 20
     assert xpool.current() is None
+
+
+def test_install_without_cupy_says_what_to_install():
+    """xpool.install() on a machine without CuPy: an ImportError naming the extra to install."""
+    import subprocess
+    import sys
+    code = ("import sys\nfor m in ('cupy', 'cupy.cuda', 'cupy.cuda.memory'): sys.modules[m] = None\nimport xpool\n"
+            "try:\n    xpool.install()\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert 'pip install "xpool[cuda12]"' in out and '"xpool[cuda13]"' in out
+
+
+def test_install_without_a_gpu_says_so():
+    pytest.importorskip("cupy")
+    from xlab.provenance import has_gpu
+    if has_gpu():
+        pytest.skip("a GPU is visible")
+    import xpool
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU.*HostBackend"):
+        xpool.install()
+    assert xpool.installed() is None                  # nothing half-installed

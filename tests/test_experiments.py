@@ -141,8 +141,9 @@ def test_run_arm_counts_once_and_releases():
         def release(self, devices=()):
             self.released = True
 
-    orig = allocators.FACTORIES["numpy"]
-    allocators.FACTORIES["numpy"] = Fake
+    import dataclasses
+    orig = allocators._TABLE["numpy"]
+    allocators._TABLE["numpy"] = dataclasses.replace(orig, make=Fake, exact=False)
     try:
         steps = []
         ranks = lambda alloc, n: steps.append((alloc.counting, n)) or [{"n": n}]      # noqa: E731
@@ -152,7 +153,7 @@ def test_run_arm_counts_once_and_releases():
         assert m["counted"] is None and m["counted_steps"] == 0
         assert len(made) == 3 and all(a.released for a in made)
     finally:
-        allocators.FACTORIES["numpy"] = orig
+        allocators._TABLE["numpy"] = orig
 
 
 def test_run_threads_reraises_a_rank_failure():
@@ -500,8 +501,7 @@ def test_adamw_form_is_recorded_and_foreach_trains_the_same(tmp_path, monkeypatc
 
 # --- registry names (the pool itself needs a GPU: its arguments are checked here)
 
-@pytest.mark.parametrize("schemes", [True, False])
-def test_registry_names_map_to_pool_arguments(monkeypatch, schemes):
+def test_registry_names_map_to_pool_arguments(monkeypatch):
     made = []
 
     class FakePool:
@@ -510,21 +510,40 @@ def test_registry_names_map_to_pool_arguments(monkeypatch, schemes):
             self.debug = kwargs.get("debug")
 
     monkeypatch.setattr("xpool.MemoryPool", FakePool)
-    monkeypatch.setattr(allocators, "schemes_supported", lambda: schemes)
-    names = ["xpool", "xpool_seed", "xpool_k4", "xpool_k1_debug", "xpool_seed_debug"]
+    names = ["xpool", "xpool_segments", "xpool_seed", "xpool_k4", "xpool_k1_debug", "xpool_seed_debug"]
     got = {n: allocators.make(n) for n in names}
     assert [g.name for g in got.values()] == names
-    scheme = (lambda s: {"scheme": s}) if schemes else (lambda s: {})
-    assert made == [dict(scheme("xpool") if schemes else {}, debug=False),
-                    dict(classes_per_doubling=1, **scheme("seed"), debug=False),
-                    dict(classes_per_doubling=4, **scheme("seed"), debug=False),
-                    dict(classes_per_doubling=1, **scheme("seed"), debug="raise"),
-                    dict(classes_per_doubling=1, **scheme("seed"), debug="raise")]
-    assert allocators.xpool_arms() == (("xpool", "xpool_seed") if schemes else ("xpool_k1", "xpool_k4"))
-    assert not any(g.device_calls_when_warm for g in got.values())
-    assert allocators.Raw.device_calls_when_warm and allocators.CupyAsync.device_calls_when_warm
+    assert made == [dict(debug=False, scheme=allocators.DEFAULT_SCHEME), dict(debug=False, scheme="segments"),
+                    dict(debug=False, classes_per_doubling=1, scheme="seed"),
+                    dict(debug=False, classes_per_doubling=4, scheme="seed"),
+                    dict(debug="raise", classes_per_doubling=1, scheme="seed"),
+                    dict(debug="raise", classes_per_doubling=1, scheme="seed")]
+    assert all(g.free_counting and g.can_capture and not g.device_calls_when_warm for g in got.values())
+    assert allocators.arm("raw").device_calls_when_warm and allocators.arm("cupy_async").device_calls_when_warm
     with pytest.raises(ValueError, match="known"):
         allocators.make("xpool_k")
+
+
+def test_the_arms_table_is_the_one_place_names_are_known():
+    """Every arm named by a committed CSV is in the table (after the legacy renames), with a label and a colour;
+    a bad name is refused at the command line, naming it; an arm that is not a CuPy allocator cannot be made."""
+    import argparse
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for path in (root / "data").rglob("*.csv"):
+        df = allocators.canonical(pd.read_csv(path))
+        for col in ("allocator", "arm"):
+            for name in df.get(col, pd.Series(dtype=str)).dropna().unique():
+                a = allocators.arm(name)
+                assert a.label and a.color.startswith("#"), (path, name)
+    assert allocators.parse("xpool") == ("xpool",) and allocators.parse(["raw", "xpool_k8_graph"])
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown allocator 'jemallok'"):
+        allocators.arg("jemallok")
+    with pytest.raises(ValueError, match="not an allocator the lab installs"):
+        allocators.make("cupy_pool_model")
+    legacy = pd.DataFrame(dict(allocator=["torch", "raw"], bench="alloc"))
+    assert list(allocators.canonical(legacy)["allocator"]) == ["cupy_torch", "raw"]
+    assert allocators.ordered(["xpool_graph", "zz", "xpool", "raw"]) == ["raw", "xpool", "xpool_graph", "zz"]
 
 
 def test_an_interrupted_run_is_finished_not_restarted(tmp_path, monkeypatch):

@@ -63,23 +63,15 @@ def test_judge_on_the_interval():
     assert iv.judge(math.nan, math.nan, math.nan, 1.0) == "not measured"
 
 
-def test_summarize_and_paired_frames():
-    rows = [dict(batch=b, allocator=a, trial=t, tps=base * (1 + 0.1 * t))
-            for b in (4, 32) for t in range(5) for a, base in (("raw", 1.0), ("pool", 3.0))]
-    df = pd.DataFrame(rows)
-    s = iv.summarize(df, ["batch", "allocator"], "tps")
-    assert list(s.columns) == ["batch", "allocator", "tps", "tps_lo", "tps_hi", "n_trials"]
-    assert len(s) == 4 and (s["n_trials"] == 5).all() and (s["tps_lo"] <= s["tps"]).all()
-    p = iv.paired(df, "tps", "allocator", "raw", by=["batch"])
-    assert list(p["allocator"]) == ["pool", "pool"] and p["ratio"].tolist() == pytest.approx([3.0, 3.0])
-    assert p["ratio_lo"].tolist() == pytest.approx([3.0, 3.0])
-    assert iv.paired(df, "tps", "allocator", "absent").empty
-    # a CSV without a trial column pairs rows in order
-    q = iv.paired(df.drop(columns="trial"), "tps", "allocator", "raw", by=["batch"])
-    assert q["ratio"].tolist() == pytest.approx([3.0, 3.0]) and (q["n_pairs"] == 5).all()
-
-
 def test_fmt_ci():
     assert iv.fmt_ci(1.934, 1.9, 1.95, unit="×") == "1.93× [1.90, 1.95]"
     assert iv.fmt_ci(1.5, math.nan, math.nan) == "1.50 (single run)"
     assert iv.fmt_ci(math.nan, 0, 0) == "n/a"
+
+
+def test_summarize_frames():
+    rows = [dict(batch=b, allocator=a, trial=t, tps=base * (1 + 0.1 * t))
+            for b in (4, 32) for t in range(5) for a, base in (("raw", 1.0), ("pool", 3.0))]
+    s = iv.summarize(pd.DataFrame(rows), ["batch", "allocator"], "tps")
+    assert list(s.columns) == ["batch", "allocator", "tps", "tps_lo", "tps_hi", "n_trials"]
+    assert len(s) == 4 and (s["n_trials"] == 5).all() and (s["tps_lo"] <= s["tps"]).all()

@@ -1,8 +1,12 @@
-"""Notebooks: committed without outputs, in step with their generator, parameters documented, and every one
-runs through papermill in CPU mode with small parameters (with SYNTHETIC CSVs, and with none at all).
-Plots: every plotting function on SYNTHETIC frames with the real schemas."""
+"""Notebooks as a user meets them: committed without outputs, in step with their generator, parameters documented
+and checked, every one runs through papermill in CPU mode (with SYNTHETIC CSVs, and with none at all), shows its
+figures inline and its tables as summaries, and a run leaves a fresh clone's `git status` clean."""
 import json
+import os
 import pathlib
+import re
+import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -10,7 +14,6 @@ import pandas as pd
 import pytest
 
 nbformat = pytest.importorskip("nbformat")   # absent on the GPU machines; the CPU suite has it
-from matplotlib.figure import Figure
 
 from fixtures import synthetic
 from xlab import notebook_utils as nbu
@@ -46,7 +49,8 @@ def test_every_parameter_is_annotated_and_commented(path):
     params = PythonTranslator.inspect(cell)
     assert len(params) == len(lines)
     assert all(p.inferred_type_name != "None" and p.help for p in params)
-    assert {"data_dir", "figures_dir"} <= {p.name for p in params}
+    assert {"data_dir", "publish"} <= {p.name for p in params}
+    assert next(p for p in params if p.name == "publish").default == "False"        # writes build/ unless asked
 
 
 def test_notebooks_match_their_generator():
@@ -59,7 +63,7 @@ def test_notebooks_match_their_generator():
 
 
 def _outputs(path) -> str:
-    """All text a notebook printed or displayed (errors included)."""
+    """All text a notebook printed or displayed (errors and warnings included)."""
     nb = nbformat.read(path, as_version=4)
     out = []
     for c in nb.cells:
@@ -68,142 +72,93 @@ def _outputs(path) -> str:
     return "\n".join(out)
 
 
+def _images(path) -> int:
+    nb = nbformat.read(path, as_version=4)
+    return sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
+
+
+FIGURE_CELLS = {"01_correctness": 1, "02_allocator_microbench": 3, "03_single_gpu": 1, "04_multi_gpu": 4,
+                "05_memory": 3}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=NAMES)
 def test_notebook_runs_in_cpu_mode_with_committed_data(path, tmp_path):
-    data, figures = tmp_path / "data", tmp_path / "figures"
-    synthetic.write_all(data)
-    params = dict(report.CPU_QUICK[path.stem], data_dir=str(data), figures_dir=str(figures))
-    r = report.run_notebook(path, tmp_path / "out", params)
+    data = tmp_path / "data"
+    synthetic.write_all(data, trials=5)
+    before = {p: p.stat().st_mtime_ns for p in (ROOT / "data").rglob("*")} | \
+        {p: p.stat().st_mtime_ns for p in (ROOT / "figures").rglob("*")}
+    r = report.run_notebook(path, tmp_path / "out", dict(report.CPU_QUICK[path.stem], data_dir=str(data)))
     assert r["ok"], r["error"]
     text = _outputs(r["output"])
-    assert "Traceback" not in text
+    assert "Traceback" not in text and "<Figure size" not in text and "IProgress not found" not in text
     if path.stem != "01_correctness" or "correctness_gpu.csv" in text:
         assert "SYNTHETIC GPU" in text and "2000-01-01" in text   # it says which machine and date
-    assert list(figures.glob("*.png")) and list(figures.glob("*.svg"))
+    assert _images(r["output"]) == FIGURE_CELLS[path.stem]      # every figure inline
+    after = {p: p.stat().st_mtime_ns for p in (ROOT / "data").rglob("*")} | \
+        {p: p.stat().st_mtime_ns for p in (ROOT / "figures").rglob("*")}
+    assert after == before                                     # nothing committed was written
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=NAMES)
 def test_notebook_runs_in_cpu_mode_without_data(path, tmp_path):
-    params = dict(report.CPU_QUICK[path.stem], data_dir=str(tmp_path / "data"), figures_dir=str(tmp_path / "f"))
+    params = dict(report.CPU_QUICK[path.stem], data_dir=str(tmp_path / "data"))
     r = report.run_notebook(path, tmp_path / "out", params)
     assert r["ok"], r["error"]
     assert "missing" in _outputs(r["output"])
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Plots on SYNTHETIC frames
+def test_parameters_are_checked_naming_the_parameter_and_its_type():
+    def ns(**kw):
+        return {**{k: v for k, (_, v) in nbu.schema("03_single_gpu").items()}, **kw}
+    g = ns(batches=4, allocators="xpool")                     # papermill -p batches 4 -p allocators xpool
+    nbu.setup("03_single_gpu", g)
+    assert g["batches"] == [4] and g["allocators"] == ["xpool"]
+    g = ns(batches="4,8")
+    nbu.setup("03_single_gpu", g)
+    assert g["batches"] == [4, 8]
+    with pytest.raises(TypeError, match=r"parameter 'batches' must be a list\[int\].*got 'four'"):
+        nbu.setup("03_single_gpu", ns(batches="four"))
+    with pytest.raises(TypeError, match="parameter 'steps' must be int .*got str '10'"):
+        nbu.setup("03_single_gpu", ns(steps="10"))
+    with pytest.raises(TypeError, match="parameter 'measure' must be bool"):
+        nbu.setup("03_single_gpu", ns(measure=1))
+    with pytest.raises(ValueError, match="unknown parameter 'batchs' for notebook 03_single_gpu .did you mean 'batches'"):
+        nbu.setup("03_single_gpu", ns(batchs=4))
+    with pytest.raises(ValueError, match="unknown allocator 'xpoool'"):
+        nbu.setup("03_single_gpu", ns(allocators=["xpoool"]))
 
 
-def _all_text(fig: Figure) -> str:
-    parts = [t.get_text() for t in fig.texts]
-    if fig._suptitle is not None:
-        parts.append(fig._suptitle.get_text())
-    if fig._supxlabel is not None:
-        parts.append(fig._supxlabel.get_text())
-    for leg in fig.legends:
-        parts.append(leg.get_title().get_text())
-    return "\n".join(parts)
+@pytest.mark.slow
+def test_a_mistyped_parameter_fails_the_run_and_says_which(tmp_path):
+    r = report.run_notebook(ROOT / "notebooks" / "05_memory.ipynb", tmp_path, dict(measure=False, kss=4))
+    assert not r["ok"] and "unknown parameter 'kss'" in r["error"] and "did you mean 'ks'" in r["error"]
 
 
-FRAMES = {
-    "correctness": lambda: pd.concat([synthetic.correctness("cpu"), synthetic.correctness("gpu", fail=True)]),
-    "alloc_cost": synthetic.alloc_microbench,
-    "alloc_threads": synthetic.alloc_microbench,
-    "single_gpu": synthetic.single_gpu,
-    "ddp_scaling": synthetic.ddp_scaling,
-    "ddp_before_after": synthetic.ddp_scaling,
-    "batch_sweep": lambda: synthetic.with_trials(synthetic.batch_sweep()),
-    "memory_waste": synthetic.memory_waste,
-    "memory_timeline": synthetic.memory_timeline,
-    "memory_schemes": synthetic.memory_schemes,
-    "graph_steps": lambda: synthetic.graph_steps(trials=1).drop(columns="trial"),
-}
-TRIAL_FRAMES = {   # the newer schema: five trials per configuration, host/GPU ms per step
-    "alloc_cost": lambda: synthetic.with_trials(synthetic.alloc_microbench()),
-    "alloc_threads": lambda: synthetic.with_trials(synthetic.alloc_microbench()),
-    "single_gpu": lambda: synthetic.with_trials(synthetic.with_step_times(synthetic.single_gpu())),
-    "ddp_scaling": lambda: synthetic.with_trials(synthetic.with_step_times(synthetic.ddp_scaling())),
-    "ddp_before_after": lambda: synthetic.with_trials(synthetic.with_step_times(synthetic.ddp_scaling())),
-    "graph_steps": synthetic.graph_steps,
-}
+def _header_command(name: str) -> str:
+    cell = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4).cells[0].source
+    return re.search(r"`(mkdir -p build/notebooks && papermill [^`]+)`", cell)[1]
 
 
-def test_every_registered_figure_has_a_frame():
-    assert set(FRAMES) == set(plots.FIGURES)
-
-
-@pytest.mark.parametrize("name", sorted(FRAMES))
-def test_plot_has_title_labels_and_machine_caption(name, tmp_path):
-    df = FRAMES[name]()
-    fig = plots.FIGURES[name][1](df)
-    assert isinstance(fig, Figure)
-    text = _all_text(fig)
-    assert "SYNTHETIC GPU" in text and "2000-01-01" in text and "driver" in text
-    axes = [ax for ax in fig.axes if ax.has_data()]
-    # Every panel's y axis is labelled, shares its axis with a labelled panel, or names its rows.
-    assert axes and all(ax.get_ylabel() or any(o.get_ylabel() for o in ax.get_shared_y_axes().get_siblings(ax))
-                        or any(t.get_text() for t in ax.get_yticklabels()) for ax in axes)
-    assert all(ax.get_xlabel() or [t.get_text() for t in ax.get_xticklabels()] for ax in axes)
-    png, svg = plots.save(fig, name, tmp_path)
-    assert png.stat().st_size > 10_000 and svg.stat().st_size > 10_000
-
-
-@pytest.mark.parametrize("name", sorted(TRIAL_FRAMES))
-def test_timed_figures_draw_error_bars_from_trials(name):
-    """Every timed figure shows each median's 95% interval: with trials there are error bars, and the caption
-    says what a point is; the old one-row-per-point CSVs draw none and say so."""
-    def bars(fig):
-        return sum(len(c) for ax in fig.axes for c in ax.containers
-                   if getattr(c, "has_yerr", False) or getattr(c, "errorbar", None) is not None)
-    new = plots.FIGURES[name][1](TRIAL_FRAMES[name]())
-    assert bars(new) > 0 and "95% bootstrap interval" in _all_text(new)
-    old = plots.FIGURES[name][1](FRAMES[name]())
-    assert "no interval" in _all_text(old)
-
-
-@pytest.mark.parametrize("trials", [0, 5])
-def test_plots_survive_a_csv_round_trip(tmp_path, trials):
-    """Figures are made from the CSVs alone: what was written must plot after reading it back."""
-    synthetic.write_all(tmp_path / "data", trials=trials)
-    (tmp_path / "data" / "correctness_cpu.csv").write_text(synthetic.correctness("cpu").to_csv(index=False))
-    built = plots.build_all(tmp_path / "data", tmp_path / "figures")
-    skipped = {"batch_sweep", "graph_steps"} if not trials else set()
-    assert all(isinstance(v, pathlib.Path) and v.is_file() for k, v in built.items() if k not in skipped), built
-
-
-def test_build_all_skips_missing_csvs(tmp_path):
-    built = plots.build_all(tmp_path / "nothing", tmp_path / "figures")
-    assert all(str(v).startswith("skipped") for v in built.values())
-    assert not (tmp_path / "figures").exists() or not list((tmp_path / "figures").iterdir())
-
-
-def test_saved_figures_are_reproducible(tmp_path):
-    """No timestamps in the files: unchanged CSVs give unchanged PNG and SVG (quiet diffs in figures/)."""
-    df = synthetic.alloc_microbench()
-    a = plots.save(plots.alloc_cost(df), "a", tmp_path / "1")
-    b = plots.save(plots.alloc_cost(df), "a", tmp_path / "2")
-    assert [p.read_bytes() for p in a] == [p.read_bytes() for p in b]
-
-
-def test_correctness_plot_marks_failures_and_exact_checks():
-    df = synthetic.correctness("cpu", fail=True)
-    fig = plots.correctness(df)
-    ax = fig.axes[0]
-    assert ax.get_title(loc="left").startswith("CPU: 6 of 7 checks pass")
-    labels = [t.get_text() for t in ax.get_yticklabels()]
-    assert "torch grad float64 (worst parameter)" in labels and "torch grad float64 wte" not in labels
-    notes = [t.get_text() for t in ax.texts]
-    assert any("exact: measured 0" in n for n in notes)
-    colors = {tuple(np.round(p.get_facecolor()[:3], 3)) for p in ax.patches}
-    assert len(colors) == 2                                  # pass and fail
-
-
-def test_caption_lists_each_machine():
-    df = pd.concat([synthetic.correctness("cpu").assign(gpu="none"), synthetic.correctness("gpu")])
-    cap = plots.caption(df)
-    assert "a CPU, no GPU" in cap and "SYNTHETIC GPU" in cap and cap.count("Measured on") == 2
+@pytest.mark.slow
+def test_a_fresh_clone_runs_the_header_command_and_make_report_and_stays_clean(tmp_path):
+    """What a new user does: clone, run a notebook as its header says, rebuild the report; nothing committed moves."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    for so in (ROOT / "xpool").glob("_core*.so"):              # what `make setup` builds in the clone
+        shutil.copy(so, clone / "xpool")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XPOOL_REPO")}
+    env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    env["PYTHONPATH"] = str(clone)
+    for name in ("05_memory", "03_single_gpu"):
+        subprocess.run(_header_command(name).replace("papermill", "papermill -p measure False", 1), shell=True,
+                       cwd=clone, env=env, check=True, capture_output=True)
+        assert (clone / "build" / "notebooks" / f"{name}.ipynb").is_file()
+    subprocess.run([sys.executable, "-m", "xlab.report", "--no-notebooks"], cwd=clone, env=env, check=True,
+                   capture_output=True)
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True).stdout
+    assert status == "", status
 
 
 def test_describe_provenance_names_machine_and_date():
@@ -221,7 +176,7 @@ def test_load_or_measure(tmp_path, capsys):
 
     assert nbu.load_or_measure("x", fake_measure, False, tmp_path) is None
     assert "missing" in capsys.readouterr().out
-    df = nbu.load_or_measure("x", fake_measure, True, tmp_path, n=3)
+    df = nbu.load_or_measure("x", fake_measure, True, tmp_path, n=3, out=tmp_path)   # a run writes where it is told
     assert len(df) == 3 and df.attrs["source"] == "measured" and (tmp_path / "x.csv").is_file()
     assert "Measured now" in capsys.readouterr().out
     again = nbu.load_or_measure("x", fake_measure, False, tmp_path)
@@ -258,12 +213,3 @@ def test_notebook_json_is_diff_friendly():
         text = path.read_text()
         assert text.endswith("\n") and json.loads(text)["nbformat"] == 4
         assert '"outputs": []' in text and '"execution_count": null' in text
-
-
-def test_correctness_csv_without_device_column():
-    """`python -m tapegpt.checks --gpu` writes no device column: the array module says where it ran."""
-    gpu = synthetic.correctness("gpu").drop(columns="device")
-    both = pd.concat([synthetic.correctness("cpu"), gpu], ignore_index=True)
-    assert list(nbu.correctness_summary(both)["device"]) == ["cpu", "gpu"]
-    fig = plots.correctness(both)
-    assert [ax.get_title(loc="left").split(":")[0] for ax in fig.axes] == ["CPU", "GPU"]

@@ -117,3 +117,14 @@ def test_the_lab_and_the_workload_use_only_xpools_public_api():
         for path in sorted((ROOT / pkg).rglob("*.py")):
             problems += [f"{path.relative_to(ROOT)} {p}" for p in private_uses(path.read_text())]
     assert problems == []
+
+
+def test_the_readmes_numbers_are_the_reports():
+    """README quotes the report, never numbers of its own: each number of its Results section is in REPORT.md."""
+    readme = (ROOT / "README.md").read_text()
+    results = readme.split("## Results", 1)[1].split("\n## ", 1)[0]
+    page = (ROOT / "report" / "REPORT.md").read_text()
+    numbers = re.findall(r"\d+\.\d+|\d+ of \d+|\d+ met|\d+ missed|\d+ within noise|\d+ targets", results)
+    assert len(numbers) > 15
+    for n in numbers:
+        assert n in page, f"README's {n!r} is not in report/REPORT.md"

@@ -1,6 +1,8 @@
 """The report (headlines computed from the CSVs, one page, exit status) and the memory study's replay."""
+import math
 import pathlib
 import re
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -8,7 +10,8 @@ import pytest
 
 import xpool
 from fixtures import synthetic
-from xlab import memory_study, paths, plots, report
+from xlab import intervals as iv
+from xlab import memory_study, paths, plots, report, sources, targets
 from xlab.memory_study import AddressSpaceBackend, replay, replay_waste, waste_table
 
 # ---------------------------------------------------------------------------------------------------------
@@ -97,7 +100,7 @@ def test_recorded_gpu_timeline_replays_exactly():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The report
+# The report: the template filled from the CSVs, the targets judged by one rule
 
 
 def _write(data, trials):
@@ -114,73 +117,127 @@ def synthetic_data(tmp_path):
 
 @pytest.fixture
 def trial_data(tmp_path):
-    """Five interleaved trials per configuration, with host/GPU ms, and the batch sweep."""
+    """Five interleaved trials per configuration, the newer columns, re-check CSVs, the graph runs."""
     return _write(tmp_path / "trials", 5)
 
 
-def test_headlines_are_computed_from_the_csvs(synthetic_data):
-    heads = "\n".join(report.headlines(synthetic_data))
-    assert "CPU 6 of 6 checks pass" in heads and "GPU 6 of 6" in heads
-    # synthetic xpool_k1 / cupy_pool at 64 KiB; the old CSV's rows are single runs and say so
-    assert "2.10 µs (single run)" in heads and "2.00 µs (single run) (xpool takes 1.05× (single run)" in heads
-    assert "raw 1.02× (single run) → xpool_k1 1.75× (single run)" in heads
-    assert "raw 1.50× (single run) → xpool_k1 1.93× (single run)" in heads
-    assert "3.02× (single run) raw cudaMalloc" in heads
-    assert "exactly for every k" in heads
-    # Change a CSV, and the headline follows.
-    df = pd.read_csv(synthetic_data / "ddp_scaling.csv")
-    df.loc[(df["mode"] == "threads") & (df["allocator"] == "xpool_k1") & (df["world"] == 2), "speedup"] = 1.99
-    df.to_csv(synthetic_data / "ddp_scaling.csv", index=False)
-    assert "xpool_k1 1.99×" in "\n".join(report.headlines(synthetic_data))
+def _page(data):
+    return report.render(data, [], {}, data)
 
 
-def test_headlines_with_trials_give_intervals(trial_data):
-    heads = "\n".join(report.headlines(trial_data))
-    assert "(single run)" not in heads
-    assert re.search(r"xpool_k1 2\.\d\d µs \[2\.\d\d, 2\.\d\d\]", heads)
-    # ratios are paired per trial: the shared drift cancels, so the interval is the point
-    assert "3.02× [3.02, 3.02] raw cudaMalloc" in heads
-    assert "**Batch sweep**" in heads and "128: 2.00×" in heads
+def _rows(data):
+    return {targets.text(m): m for m in targets.judged(data)[0]}
 
 
-def test_targets_are_judged_on_the_interval(trial_data):
-    rows = {r["target"]: r for r in report.targets(trial_data)}
-    key = "2 GPUs, one thread per GPU, batch 32: xpool_k1 ≥ 1.85×"
-    assert rows[key]["verdict"] == "missed"                             # 1.75x in every trial
+def _headline(page, start):
+    return next(line for line in page.splitlines() if line.startswith(f"- **{start}"))
+
+
+def test_headlines_are_computed_from_the_newest_csvs(trial_data):
+    page = _page(trial_data)
+    assert "6 of 6 checks pass on the CPU" in page and "7 of 7 on a GPU" in page and "1 of 1 arms" in page
+    one = _headline(page, "One GPU")
+    recheck = pd.read_csv(trial_data / "single_gpu_recheck.csv")
+    tps = recheck[(recheck["allocator"] == "xpool") & (recheck["batch"] == 32)]["tokens_per_s"].median()
+    assert f"xpool {tps:,.0f} [" in one and "`single_gpu_recheck.csv` at synthetic-newer" in one
+    assert "`single_gpu.csv` at synthetic" in one             # raw is only in the older CSV: named beside it
+    df = pd.read_csv(trial_data / "ddp_scaling.csv")         # change a CSV, and the headline follows
+    df.loc[(df["mode"] == "threads") & (df["allocator"] == "xpool") & (df["world"] == 2), "speedup"] = 1.99
+    df.to_csv(trial_data / "ddp_scaling.csv", index=False)
+    assert "xpool 1.99× [1.99, 1.99]" in _headline(_page(trial_data), "2 GPUs")
+
+
+def test_no_number_in_the_headlines_or_the_targets_is_not_from_a_csv(trial_data, tmp_path):
+    """The page is the template filled with measured values: every value moves when the CSVs' measurements do, and
+    the template itself holds no measured number (only the rule's and the methods' constants)."""
+    moved = tmp_path / "moved"
+    shutil.copytree(trial_data, moved)
+    keys = {"batch", "world", "trial", "threads", "size_bytes", "k", "steps", "warmup", "n_gpus", "block_size",
+            "n_layer", "n_embd", "count_steps", "requested", "ptr", "stream", "device", "step", "threshold"}
+    for path in moved.rglob("*.csv"):
+        df = pd.read_csv(path)
+        factor = 1.03 + 0.02 * (np.arange(len(df)) % 5) / 4
+        for col in df.select_dtypes("float").columns.difference(keys):
+            df[col] = df[col] * factor
+        df.to_csv(path, index=False)
+    before, after = targets.values(trial_data), targets.values(moved)
+    assert set(before) == set(after) and len(before) > 50
+    for key, m in before.items():
+        if m.row.stat == "all" or m.value == 0 or m.each:
+            continue
+        assert m.value != after[key].value, f"{key}: {format(m)} did not move with the CSVs"
+    for key in ("sweep", "waste", "torch_empty"):
+        assert [e.value for e in before[key].each] != [e.value for e in after[key].each]
+    template = re.sub(r"\{[^{}]*\}", "", report.TEMPLATE.read_text())
+    # what the prose may name: the interval's level (95), NVML's sample period (1/6 s to 1 s), the GPU counts and
+    # batch and sizes the rows are selected by (2, 4, 8; batch 32; 64 KiB; a 512-byte block), perfect
+    # serialisation (1.0), the closeness of two runs (5%), the issues (12, 13, 14)
+    allowed = {"95", "1", "6", "2", "4", "8", "32", "64", "512", "1.0", "5", "12", "13", "14"}
+    assert set(re.findall(r"\d+(?:\.\d+)?", template)) <= allowed
+
+
+def test_targets_are_judged_on_the_interval_by_one_rule(trial_data):
+    key = "2 GPUs, one thread per GPU, batch 32: xpool ≥ 1.85×"
+    assert _rows(trial_data)[key].verdict == iv.MISSED                    # 1.75x in every trial
     df = pd.read_csv(trial_data / "ddp_scaling.csv")
-    sel = (df["mode"] == "threads") & (df["allocator"] == "xpool_k1") & (df["world"] == 2)
-    df.loc[sel, "speedup"] = [1.80, 1.84, 1.86, 1.90, 1.83]             # straddles 1.85
-    df.to_csv(trial_data / "ddp_scaling.csv", index=False)
-    assert {r["target"]: r for r in report.targets(trial_data)}[key]["verdict"] == "within noise"
-    df.loc[sel, "speedup"] = [1.90, 1.92, 1.95, 1.91, 1.93]
-    df.to_csv(trial_data / "ddp_scaling.csv", index=False)
-    row = {r["target"]: r for r in report.targets(trial_data)}[key]
-    assert row["verdict"] == "met" and row["measured"].startswith("1.92× [")
-    host = "host ms per step ≤ 12 at batch 32 (xpool_k1, thread CPU time)"
-    rows = {r["target"]: r for r in report.targets(trial_data)}
-    assert rows[host]["bound"] == "gpu"                                  # what bounds each target's steps
-    assert rows["one GPU, batch 4: GPU busy ≥ 70% (xpool_k1, NVML)"]["bound"] == "host"
-    assert rows["one GPU, batch 32: xpool_k1 ≥ 2.9× raw (tokens/s)"]["bound"] == "xpool_k1 gpu, raw host"
-    assert rows["xpool_k1 µs per pair ≤ 1.05× CuPy MemoryPool's, every size (worst size)"]["bound"] == "host"
+    sel = (df["mode"] == "threads") & (df["allocator"] == "xpool") & (df["world"] == 2)
+    for speedups, verdict in (([1.80, 1.84, 1.86, 1.90, 1.83], iv.NOISE), ([1.90, 1.92, 1.95, 1.91, 1.93], iv.MET)):
+        df.loc[sel, "speedup"] = speedups
+        df.to_csv(trial_data / "ddp_scaling.csv", index=False)
+        m = _rows(trial_data)[key]
+        assert m.verdict == verdict
+    assert format(m).startswith("1.92× [")
+    rows = _rows(trial_data)
+    assert rows["one GPU, batch 32: xpool ≥ 2.9× raw (tokens/s)"].bound == "xpool gpu, raw host"
+    assert rows["one GPU, batch 4: GPU busy ≥ 70% (xpool; NVML over 250-step windows)"].src.startswith(
+        "`graph/single_gpu_b4.csv`")                              # the 250-step windows, newest of the kind
+    assert rows["xpool µs per pair ≤ 1.05× CuPy MemoryPool's, every size (worst: 64 KiB)"].bound == "host"
+
+
+def test_an_interval_that_straddles_the_goal_prints_the_digits_that_show_it():
+    assert iv.fmt_ci(1.0001, 0.9969, 1.0015, unit="×", goal=1.0) == "1.000× [0.997, 1.002]"
+    assert iv.judge(1.0001, 0.9969, 1.0015, 1.0) == iv.NOISE
+    assert iv.judge(0.0, math.nan, math.nan, 0.0, higher_is_better=False, exact=True) == iv.MET
+    assert iv.judge(0.7, math.nan, math.nan, 0.0, higher_is_better=False, exact=True) == iv.MISSED
+    assert iv.judge(1.2, math.nan, math.nan, 1.0).startswith(iv.SINGLE)
+
+
+def test_older_csvs_of_a_kind_are_history_not_verdicts(trial_data):
+    now, then = targets.judged(trial_data)
+    key = "#14: xpool device mallocs per step after warm-up, batch 4 and 32 (worst: batch 4)"
+    (current,) = [m for m in now if targets.text(m) == key]
+    assert "single_gpu_recheck.csv" in current.src
+    assert any(targets.text(m) == key and "`single_gpu.csv`" in m.src for m in then)
+    page = _page(trial_data)
+    assert "### History" in page and page.index("### History") > page.index("## Targets")
+    c = targets.counts(now)
+    assert f"{c['targets']} targets: {c['met']} met, {c['missed']} missed, {c['noise']} within noise" in page
+
+
+def test_a_target_whose_goal_is_another_arm_says_its_value(trial_data):
+    m = _rows(trial_data)["#14: batch 4: xpool peak reserved / peak requested ≤ CuPy MemoryPool's"
+                          f" ({targets.measure(targets.BY_KEY['ror_4'], trial_data)[0].goal_text})"]
+    recheck = pd.read_csv(trial_data / "single_gpu_recheck.csv")
+    b4 = recheck[recheck["batch"] == 4]
+    assert m.goal == pytest.approx(b4[b4["allocator"] == "cupy_pool"]["reserved_over_requested"].median())
+    assert m.value == pytest.approx(b4[b4["allocator"] == "xpool"]["reserved_over_requested"].median())
 
 
 def test_bounds_and_projection(trial_data, synthetic_data):
     rows = {(r["batch"], r["allocator"]): r for r in report.bound_rows(trial_data)}
-    assert rows[32, "xpool_k1"]["bound"] == "gpu" and rows[4, "xpool_k1"]["bound"] == "host"
+    assert rows[32, "xpool"]["bound"] == "gpu" and rows[4, "xpool"]["bound"] == "host"
     proj = {p["allocator"]: p for p in report.projection(trial_data)}
-    p = proj["xpool_k1"]
+    p = proj["xpool"]
     assert p["h_source"] == "batch-32 thread CPU time"
     for n, s in p["speedup"].items():
         assert s == pytest.approx(n * max(p["h"], p["g"]) / max(n * p["h"], p["g"]))
-    assert p["speedup"][8] <= p["speedup"][4] * 2 and "raw" not in proj
-    text = "\n".join(report.bounds(trial_data))
-    assert "Projection, not a measurement" in text and "| 8 GPUs (s_8) |" in text
-    # a CSV without host ms (measured before it was recorded): the projection says where h came from instead
+    assert "raw" not in proj
+    assert "| 8 GPUs (s_8) |" in report.projection_table(trial_data)
     df = pd.read_csv(trial_data / "single_gpu.csv").drop(columns=["host_ms_per_step", "bound"])
-    # (and at batch 32 the thread time is preferred; without it the batch-4 wall time stands in)
     df.to_csv(synthetic_data / "single_gpu.csv", index=False)
+    (synthetic_data / "single_gpu_recheck.csv").unlink(missing_ok=True)
     old = {p["allocator"]: p for p in report.projection(synthetic_data)}
-    assert old["xpool_k1"]["h_source"].startswith("batch-4 wall time")
+    assert old["xpool"]["h_source"].startswith("batch-4 wall time")
 
 
 def _gil_csv(data, share=(0.7, 0.6)):
@@ -195,41 +252,28 @@ def _gil_csv(data, share=(0.7, 0.6)):
 def test_the_gil_probe_feeds_the_projection_and_its_own_table(trial_data):
     _gil_csv(trial_data)
     assert report.gil_sharing(trial_data) == {2: (0.7, 0.7, 0.7), 4: (0.6, 0.6, 0.6)}
-    p = {p["allocator"]: p for p in report.projection(trial_data)}["xpool_k1"]
+    p = {p["allocator"]: p for p in report.projection(trial_data)}["xpool"]
     assert p["sharing"] == {2: 0.7, 4: 0.6, 8: 1.0}                   # 8 threads not probed: plain serialisation
-    for n, s in p["speedup"].items():
-        assert s == pytest.approx(n * max(p["h"], p["g"]) / max(n * p["h"] / p["sharing"][n], p["g"]))
-    text = "\n".join(report.gil_lines(trial_data))
-    assert "| `x + x`, 1 element, CuPy (allocation + launch, GIL released) | 10.0 [10.0, 10.0] | 0.70× [0.70, 0.70] | 0.60×" in text
-    assert "### Threads under one GIL" in report.render(trial_data, [], {}, trial_data)
-
-
-def test_the_host_target_uses_the_dispatch_time_when_measured(trial_data):
-    df = pd.read_csv(trial_data / "single_gpu.csv")
-    df["dispatch_ms_per_step"] = 11.0
-    df.to_csv(trial_data / "single_gpu.csv", index=False)
-    rows = {r["target"]: r for r in report.targets(trial_data)}
-    row = rows["host ms per step ≤ 12 at batch 32 (xpool_k1, thread CPU time of a step started on an idle device)"]
-    assert row["verdict"] == "met" and row["bound"] == "host"
-    assert report.projection(trial_data)[0]["h"] == 11.0
+    assert ("| `x + x`, 1 element, CuPy (allocation + launch, GIL released) | 10.0 [10.0, 10.0] | 0.70× [0.70, 0.70] "
+            "| 0.60×") in report.gil_table(trial_data)
+    assert "### Threads under one GIL" in _page(trial_data)
 
 
 def test_a_second_run_is_checked_against_the_first_runs_intervals(trial_data):
-    assert report.replication(trial_data) == [] and "second run" not in report.render(trial_data, [], {}, trial_data)
+    assert report.replication(trial_data) == "" and "### Does a second run agree" not in _page(trial_data)
     synthetic.write_all(trial_data / "rerun", trials=5)
-    rows = {r["name"]: r for r in report.replication(trial_data)}
-    assert len(rows) > 20 and all(r["inside"] for r in rows.values())      # the same numbers: every one inside
+    text = report.replication(trial_data)
+    assert "| **no** |" not in text and text.count("| yes |") > 20       # the same numbers: every one inside
     df = pd.read_csv(trial_data / "rerun" / "ddp_scaling.csv")
-    df.loc[(df["mode"] == "threads") & (df["allocator"] == "xpool_k1") & (df["world"] == 2), "speedup"] = 1.95
+    df.loc[(df["mode"] == "threads") & (df["allocator"] == "xpool") & (df["world"] == 2), "speedup"] = 1.95
     df.to_csv(trial_data / "rerun" / "ddp_scaling.csv", index=False)
-    rows = {r["name"]: r for r in report.replication(trial_data)}
-    assert rows["2 GPUs, threads, batch 32: xpool_k1 speedup"]["inside"] is False
     _gil_csv(trial_data)
     _gil_csv(trial_data / "rerun", share=(0.9, 0.6))
-    rows = {r["name"]: r for r in report.replication(trial_data)}
-    assert rows["GIL probe (add): 2 threads / 1 thread, ops per second"]["inside"] is False
-    text = report.render(trial_data, [], {}, trial_data)
-    assert "### Does a second run agree?" in text and "| **no** |" in text and "`data/rerun/ddp_scaling.csv`" in text
+    text = report.replication(trial_data)
+    assert re.search(r"\| 2 GPUs, threads, batch 32, xpool: speedup \| [^|]+ \| 1\.95× [^|]+ \| [^|]+ \| \*\*no\*\* \|",
+                     text)
+    assert re.search(r"\| GIL probe \(add\), threads 2: .* \| \*\*no\*\* \|", text)
+    assert "### Does a second run agree?" in _page(trial_data)
 
 
 def test_report_builds_from_trials_with_every_figure(trial_data, tmp_path):
@@ -237,31 +281,27 @@ def test_report_builds_from_trials_with_every_figure(trial_data, tmp_path):
                       "--build", str(tmp_path / "build"), "--report-dir", str(tmp_path / "report")])
     assert rc == 0
     page = (tmp_path / "report" / "REPORT.md").read_text()
-    assert "not built" not in page and "batch_sweep" in page
-
-
-def test_headlines_without_data(tmp_path):
-    assert report.headlines(tmp_path) == []
-    text = report.render(tmp_path, [], {}, tmp_path)
-    assert "No measurements" in text and "Not measured yet" in text
-
-
-def test_a_malformed_csv_costs_one_line_not_the_report(synthetic_data):
-    (synthetic_data / "single_gpu.csv").write_text("mode,allocator\nsingle,raw\n")
-    heads = report.headlines(synthetic_data)
-    assert any("could not compute" in h for h in heads) and any("Allocation cost" in h for h in heads)
-
-
-def test_main_writes_one_page_with_working_figure_links(synthetic_data, tmp_path):
-    rc = report.main(["--no-notebooks", "--data", str(synthetic_data), "--figures", str(tmp_path / "figures"),
-                      "--build", str(tmp_path / "build"), "--report-dir", str(tmp_path / "report")])
-    assert rc == 0
-    page = (tmp_path / "report" / "REPORT.md").read_text()
     assert page == (tmp_path / "build" / "report.md").read_text()
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page)
-    assert len(links) == len(plots.FIGURES) - 2       # the old schema has no batch sweep and no graph runs
+    assert len(links) == len(plots.FIGURES) and "not built" not in page and "skipped" not in page
     assert all((tmp_path / "report" / link).resolve().is_file() for link in links)
     assert "SYNTHETIC GPU" in page                                   # the data table names the machines
+
+
+def test_the_old_schema_gives_single_runs_said_so(synthetic_data):
+    page = _page(synthetic_data)
+    assert "(single run)" in page and "single run, no interval" in page
+
+
+def test_a_page_without_data_says_so_and_drops_every_number(tmp_path):
+    page = _page(tmp_path)
+    assert "_No targets measured yet._" in page and "- **" not in page and "{" not in page
+
+
+def test_a_malformed_csv_costs_its_lines_not_the_report(trial_data):
+    (trial_data / "gil_probe.csv").write_text("arm,threads\nadd,1\n")
+    page = _page(trial_data)
+    assert "could not compute" in page and "- **One GPU**" in page
 
 
 def test_main_fails_when_a_notebook_fails(synthetic_data, tmp_path, monkeypatch):
@@ -274,8 +314,7 @@ def test_main_fails_when_a_notebook_fails(synthetic_data, tmp_path, monkeypatch)
                       "--build", str(tmp_path / "build"), "--report-dir", str(tmp_path / "report")])
     assert rc == 1
     assert "FAILED: boom" in (tmp_path / "build" / "report.md").read_text()
-    # the committed page does not depend on how a run went: only on data/
-    assert "## Notebooks" not in (tmp_path / "report" / "REPORT.md").read_text()
+    assert "## Notebooks" not in (tmp_path / "report" / "REPORT.md").read_text()   # the page depends on data/ only
 
 
 def test_cpu_quick_parameters_exist_in_the_notebooks():
@@ -288,107 +327,36 @@ def test_cpu_quick_parameters_exist_in_the_notebooks():
         assert params["measure"] is False                     # CPU mode never measures, even on a GPU
 
 
-def test_targets_follow_the_csvs(synthetic_data):
-    rows = {r["target"]: r for r in report.targets(synthetic_data)}
-    key = "2 GPUs, one thread per GPU, batch 32: xpool_k1 ≥ 1.85×"
-    assert rows[key]["measured"] == "1.75× (single run)" and "misses" in rows[key]["verdict"]
-    df = pd.read_csv(synthetic_data / "ddp_scaling.csv")
-    df.loc[(df["mode"] == "threads") & (df["allocator"] == "xpool_k1") & (df["world"] == 2), "speedup"] = 1.9
-    df.to_csv(synthetic_data / "ddp_scaling.csv", index=False)
-    rows = {r["target"]: r for r in report.targets(synthetic_data)}
-    assert rows[key]["verdict"] == "single run, no interval (the median meets it)"
-    text = report.render(synthetic_data, [], {}, synthetic_data)
-    assert "## Targets" in text and "| " + key in text
-
-
 def test_the_committed_report_is_what_the_committed_csvs_give():
     """report/REPORT.md is rebuilt from data/ by `make report`; committed stale, a fresh clone's `make report`
     would change it. Regenerate with `python -m xlab.report --no-notebooks`."""
     root = paths.repo_root()
-    figs = {}
-    for name, (csvs, _) in plots.FIGURES.items():
-        have = plots.load_for(name, root / "data") is not None
-        figs[name] = (root / "figures" / f"{name}.png" if have
-                      else f"skipped: {' / '.join(c + '.csv' for c in csvs)} missing")
+    figs = {name: root / "figures" / f"{name}.png" for name in plots.FIGURES}
     assert report.render(root / "data", [], figs, root / "report") == (root / "report" / "REPORT.md").read_text()
 
 
-def _memory_csvs(data, varlen_gpu: bool):
-    """single_gpu rows (xpool and CuPy's pool at batch 32 and 4), the CPU replay's varying-length rows, and, if
-    varlen_gpu, the GPU's varying-length rows."""
-    data.mkdir(parents=True, exist_ok=True)
-    prov = dict(gpu="NVIDIA H200", n_gpus=1, driver="580", cuda="13.2", cupy="14.2.0", commit="abc", date="2026-11-30")
-    pd.DataFrame([dict(allocator=a, batch=b, trial=0, tokens_per_s=1.0, reserved_over_requested=r, **prov)
-                  for a, b, r in (("xpool", 32, 1.008), ("cupy_pool", 32, 1.075), ("xpool", 4, 1.459),
-                                  ("cupy_pool", 4, 1.460))]).to_csv(data / "single_gpu.csv", index=False)
-    pd.DataFrame([dict(trace="gpt_varlen_numpy", allocator=a, reserved_over_requested=r, gpu="none")
-                  for a, r in (("xpool", 1.024), ("cupy_pool_model", 1.321))]).to_csv(data / "memory_schemes.csv",
-                                                                                       index=False)
-    if varlen_gpu:
-        pd.DataFrame([dict(trace="gpt_varlen_gpu", allocator=a, reserved_over_requested=r, **prov)
-                      for a, r in (("xpool", 1.40), ("xpool_seed", 2.5), ("cupy_pool", 1.35))]).to_csv(
-            data / "memory_varlen.csv", index=False)
-    return data
+def test_every_commit_a_csv_names_is_in_the_repository_or_said_to_be_rewritten():
+    import subprocess
+    root = paths.repo_root()
+    if subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=root, capture_output=True,
+                      text=True).stdout.strip() != "false":
+        pytest.skip("needs the whole history")
+    for path in (root / "data").rglob("*.csv"):
+        for c in pd.read_csv(path).get("commit", pd.Series(dtype=str)).dropna().astype(str).unique():
+            base = c.removesuffix("+dirty")
+            known = subprocess.run(["git", "cat-file", "-e", f"{base}^{{commit}}"], cwd=root).returncode == 0
+            assert known or base in sources.REWRITTEN, f"{path.name}: commit {c} is not in the repository"
 
 
-def test_memory_targets_of_issue_14_use_gpu_rows_for_the_varying_trace_when_measured(tmp_path):
-    rows = {r["target"]: r for r in report.memory_targets(_memory_csvs(tmp_path / "cpu", varlen_gpu=False))}
-    assert rows["#14: batch 32: xpool peak reserved / peak requested ≤ 1.05 (one GPU)"]["verdict"] == "met"
-    b4 = rows["#14: batch 4: xpool peak reserved / peak requested ≤ CuPy MemoryPool's (one GPU)"]
-    assert b4["verdict"] == "met" and b4["measured"] == "1.459 (CuPy 1.460)"
-    (replayed,) = [r for t, r in rows.items() if "varying" in t]
-    assert "CPU replay" in replayed["target"] and replayed["verdict"] == "met"
-    rows = {r["target"]: r for r in report.memory_targets(_memory_csvs(tmp_path / "gpu", varlen_gpu=True))}
-    (measured,) = [r for t, r in rows.items() if "varying" in t]
-    assert "measured, NVIDIA H200" in measured["target"] and "CPU replay" not in measured["target"]
-    assert measured["verdict"] == "missed" and measured["measured"] == "1.400 (CuPy 1.350)"
-
-
-def test_memory_targets_prefer_the_recheck_at_the_final_release_rule(tmp_path):
-    data = _memory_csvs(tmp_path, varlen_gpu=False)
-    prov = dict(gpu="NVIDIA H200", n_gpus=1, driver="580", cuda="13.2", cupy="14.2.0", commit="def", date="2026-11-30")
-    pd.DataFrame([dict(allocator=a, batch=b, trial=t, tokens_per_s=tps * (1 + 0.01 * t), device_mallocs_per_step=m,
-                       reserved_over_requested=r, **prov)
-                  for t in range(5)
-                  for a, b, r, m, tps in (("xpool", 32, 1.017, 0.0, 100.0), ("cupy_pool", 32, 1.03, 0.0, 100.0),
-                                          ("xpool", 4, 1.042, 0.0, 90.0), ("cupy_pool", 4, 1.15, 0.0, 100.0))]
-                 ).to_csv(data / "single_gpu_recheck.csv", index=False)
-    rows = {r["target"]: r for r in report.memory_targets(data)}
-    where = "one GPU, `single_gpu_recheck.csv`, commit def"
-    assert rows[f"#14: batch 4: xpool peak reserved / peak requested ≤ CuPy MemoryPool's ({where})"]["measured"] == \
-        "1.042 (CuPy 1.150)"
-    assert rows[f"#14: xpool device mallocs per step after warm-up, batch 4 and 32 (max; {where})"]["verdict"] == "met"
-    tps = "tokens/s within CuPy MemoryPool's ({}; the paired ratio's interval reaches 1)".format(where)
-    assert rows[f"#14: batch 32: xpool {tps}"]["verdict"] == "met"
-    assert rows[f"#14: batch 4: xpool {tps}"]["verdict"] == "missed"         # 0.90x in every trial
-
-
-def test_graph_targets_judge_the_graph_runs(tmp_path):
-    synthetic.write_all(tmp_path, trials=5)
-    rows = {r["target"]: r for r in report.graph_targets(tmp_path)}
+def test_graph_targets_judge_the_graph_runs(trial_data):
+    rows = _rows(trial_data)
     threads = rows["2 GPUs, one thread per GPU, batch 32: xpool_graph ≥ 1.85× (step as a CUDA graph)"]
-    assert threads["verdict"] == "met" and threads["measured"].startswith("1.96×")
-    raw = rows["2 GPUs, one thread per GPU, batch 32: raw ≤ 1.3× beside the graph arms (the cliff stays visible)"]
-    assert raw["verdict"] == "met"
-    host = rows["host ms per step ≤ 12 at batch 32 (xpool_graph, thread CPU time of a step started on an idle "
-                "device)"]
-    assert host["verdict"] == "met" and host["measured"].startswith("1.10 ms")
-    assert rows["one GPU, batch 4: GPU busy ≥ 70% (xpool_graph, NVML over 250-step windows)"]["verdict"] == "met"
-    assert not any("process" in t for t in rows)                      # no processes CSV: no such row
-    text = "\n".join(report.graph_lines(tmp_path))
-    assert "| one GPU, batch 4, 250 steps | xpool_graph |" in text and "| threads, batch 32, 10 steps | raw |" in text
-    assert "eager xpool reserves at most 4.56 GiB; xpool_graph 410 MiB in the arm's pool plus 4.28 GiB" in text
-    assert report.graph_targets(tmp_path / "nothing") == [] and report.graph_lines(tmp_path / "nothing") == []
-
-
-def test_the_hit_and_graph_headlines(tmp_path):
-    synthetic.write_all(tmp_path, trials=5)
-    assert report.headline_hit(tmp_path) is None                       # no sweep: no sentence
-    rows = [dict(allocator=a, sweep="size", size_bytes=size, threads=1, trial=t, us_per_pair=us,
-                 ratio_vs_cupy_pool=2.0 / us, **synthetic.PROV)
-            for t in range(5) for size, us in ((4096, 1.9), (1 << 20, 1.8)) for a in ("xpool", "cupy_pool")]
-    pd.DataFrame(rows).to_csv(tmp_path / "alloc_hit_sweep.csv", index=False)
-    text = report.headline_hit(tmp_path)
-    assert "1.05× [1.05, 1.05] at the worst size to 1.11×" in text and "commit synthetic" in text
-    graph = report.headline_graph(tmp_path)
-    assert "host work per step 1.10 ms" in graph and "xpool_graph 1.96×" in graph and "GPU busy 95%" in graph
+    assert threads.verdict == iv.MET and format(threads).startswith("1.96×")
+    host = rows["host ms per step ≤ 12 at batch 32 (xpool_graph; thread CPU time of a step started on an idle device)"]
+    assert host.verdict == iv.MET and format(host).startswith("1.10 ms")
+    assert rows["one GPU, batch 4: GPU busy ≥ 70% (xpool_graph; NVML over 250-step windows)"].verdict == iv.MET
+    assert not any("process per GPU, batch 32: xpool_graph" in t for t in rows)     # no processes CSV: no row
+    table = report.graph_table(trial_data)
+    assert "| one GPU, batch 4, 250 steps | xpool_graph |" in table and "| threads, batch 32, 10 steps | raw |" in table
+    notes = report.graph_notes(trial_data)
+    assert "eager xpool reserves at most 4.56 GiB; xpool_graph 410 MiB in the arm's pool plus 4.28 GiB" in notes

@@ -1,35 +1,43 @@
-"""The allocators under test, by name: each installs itself as CuPy's allocator and counts what it can exactly.
+"""The arms the lab compares, in one table (ARMS), and the allocators behind them.
 
     alloc = make("cupy_pool"); alloc.install(); ...; alloc.uninstall(); alloc.release([0])
+    arm("xpool_k4_debug").label, arm("raw").color, parse(["raw", "xpool"])   # names are checked once, here
 
-Counters are per device and None where the allocator cannot count exactly:
-- raw: every cudaMalloc is one array; the counting variant (`install(counting=True)`) wraps CuPy's
-  `_malloc` so each block's malloc and free is seen (requested = reserved: there is no cache).
-- cupy_pool: device mallocs and live requested bytes from a CuPy MemoryHook, entered per thread only
-  while counting (hooks cost time); reserved bytes from `total_bytes()` after every step (it only grows
-  between `free_all_blocks` calls, so the last sample is the peak).
-- xpool, xpool_seed, xpool_kN: the pool's own exact counters; counting is free, so the timed run counts too.
-  `xpool` is xpool.MemoryPool's default scheme, `xpool_seed` the design's scheme (size classes, k = 1),
-  `xpool_kN` the design's scheme with N classes per doubling; `_debug` after any of them turns debug mode on.
-- torch: PyTorch's caching allocator handing CuPy its blocks (torch.empty wrapped in UnownedMemory); its own
-  counters (torch.cuda.memory_stats) are exact and free.
-- cupy_async, noop, c_noop: timing only.
-- `<pool>_graph` (xpool, xpool_seed, xpool_kN, cupy_pool): that pool, with each training step's forward and
-  backward pass captured once as a CUDA graph (tapegpt.graph.CapturedStep) over a private pool of the same kind
-  (`graph_pool`), replayed every step. Only pools can capture: capture must not call cudaMalloc/cudaFree. The
-  private pools' device mallocs count with the arm's; their bytes are `graph_pool_bytes`, apart from the peaks.
+Each row of ARMS is one arm: its name, how to make it (`make`: an Allocator class, or None for an arm that is
+not installed into CuPy: a framework's own allocator measured in its own process, a CPU replay's model, a piece
+of a benchmark), its label and style in every figure and table, and what it can do: `exact` (counts device
+mallocs and peaks exactly and for free, so the timed run itself gives the counts), `device_calls_when_warm` (calls
+cudaMalloc/cudaFree, or their stream-ordered forms, on requests a warm cache would serve: the threads-mode
+training fences collectives for those only), `can_capture` (a `_graph` variant exists: its private pools make no
+device call once warm) and `framework` (whose requests it serves: cupy, torch, replay, bench, numpy). Families
+resolve from the rows: `xpool_k<N>` (the seed scheme with N classes per doubling), `<xpool arm>_debug` (debug
+mode: poison + canaries), `<pool>_graph` (each training step's forward and backward captured once as a CUDA graph
+over a private pool of the same kind, replayed every step; tapegpt.graph.CapturedStep). To add an arm: a row
+(and, for a CuPy allocator, an Allocator subclass); every experiment, benchmark, replay, plot and report reads it.
+CSVs written before an arm was renamed are read through `canonical` (LEGACY).
 
-`device_calls_when_warm` says whether an allocator still calls the device (cudaMalloc/cudaFree, or their
-stream-ordered forms) once its cache is warm: the threads-mode training fences collectives for those only.
+Counters are per device and None where an allocator cannot count exactly:
+- raw: the counting variant (`install(counting=True)`) wraps CuPy's `_malloc` so each block's malloc and free
+  is seen (requested = reserved: there is no cache).
+- cupy_pool: device mallocs and live requested bytes from a CuPy MemoryHook, entered per thread only while
+  counting (hooks cost time); reserved bytes from `total_bytes()` after every step (it only grows between
+  `free_all_blocks` calls, so the last sample is the peak).
+- xpool arms: the pool's own exact counters. cupy_torch: PyTorch's (torch.cuda.memory_stats).
+- `_graph` arms: the private pools' device mallocs count with the arm's; their bytes are `graph_pool_bytes`.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import threading
 from collections import defaultdict
 
 KIB, MIB = 1 << 10, 1 << 20
+from xpool.settings import DEFAULTS as XPOOL_DEFAULTS
+
+# xpool.MemoryPool's default scheme: the `xpool` arm names it, so $XPOOL_SCHEME cannot move the arm
+DEFAULT_SCHEME = XPOOL_DEFAULTS["scheme"]
 
 
 class NoGPU(RuntimeError):
@@ -39,12 +47,7 @@ class NoGPU(RuntimeError):
 def require_gpus(n: int = 1, what: str = "this measurement") -> None:
     """Raise NoGPU with a clear message unless at least n CUDA GPUs are visible.
 
-    Args:
-        n: GPUs needed.
-        what: what needs them, for the message.
-
-    Raises:
-        NoGPU: fewer are visible.
+    Args: n: GPUs needed; what: what needs them, for the message. Raises: NoGPU: fewer are visible.
     """
     from xlab.provenance import gpu_info
     have = gpu_info()["n_gpus"]
@@ -56,11 +59,12 @@ def require_gpus(n: int = 1, what: str = "this measurement") -> None:
 class Allocator:
     """While installed, CuPy allocates through `malloc_fn()`; counters read per device (None: not counted)."""
 
+    # What an arm can do: make() sets these from its row of ARMS (the defaults: an arm that can do none of it)
     name = "?"
-    free_counting = False   # True: counting costs nothing, so the timed run itself gives the counts
-    device_calls_when_warm = False   # True: allocates from the device on every request, warm or not
-    can_capture = False     # True: graph_pool() gives private pools, so a `_graph` arm of it can exist
-    graph = False           # True: a `_graph` arm: the training step is captured (xlab.experiments.train)
+    free_counting = False   # counts exactly and for free, so the timed run itself gives the counts
+    device_calls_when_warm = False   # allocates from the device on every request, warm or not
+    can_capture = False     # graph_pool() gives private pools, so a `_graph` arm of it can exist
+    graph = False           # a `_graph` arm: the training step is captured (xlab.experiments.train)
 
     def __init__(self):
         self.counting = False
@@ -110,8 +114,7 @@ class Allocator:
         """A new private pool of this allocator's kind for one captured graph: its `malloc` goes to
         tapegpt.graph.CapturedStep. It lives until release(), which gives its blocks back (after the graph is gone).
 
-        Raises:
-            ValueError: this allocator cannot capture (it calls the device on every request).
+        Raises: ValueError: this allocator cannot capture (it calls the device on every request).
         """
         if not self.can_capture:
             raise ValueError(f"allocator {self.name!r} cannot capture a CUDA graph: capture needs a pool that "
@@ -163,8 +166,6 @@ class _Live:
 class Raw(Allocator):
     """cudaMalloc/cudaFree for every array (`cupy.cuda.set_allocator(None)`)."""
 
-    name = "raw"
-    device_calls_when_warm = True
 
     def __init__(self):
         super().__init__()
@@ -231,7 +232,6 @@ class RawHeld(Raw):
     maps once, which a live block keeps mapped. This arm, timed beside `raw` alone, tests that.
     """
 
-    name = "raw_held"
 
     def install(self, counting: bool = False) -> None:
         from cupy.cuda import memory
@@ -246,8 +246,6 @@ class RawHeld(Raw):
 class CupyPool(Allocator):
     """CuPy's default best-fit pool (`cupy.cuda.MemoryPool`), fresh for each run."""
 
-    name = "cupy_pool"
-    can_capture = True
 
     def __init__(self):
         import cupy
@@ -304,8 +302,6 @@ class CupyPool(Allocator):
 class CupyAsync(Allocator):
     """CuPy's `MemoryAsyncPool` (cudaMallocAsync on the current stream)."""
 
-    name = "cupy_async"
-    device_calls_when_warm = True             # cudaMallocAsync/cudaFreeAsync on every request
 
     def __init__(self):
         import cupy
@@ -327,49 +323,18 @@ class CupyAsync(Allocator):
         self.pool = None
 
 
-def schemes_supported() -> bool:
-    """True when xpool.MemoryPool takes `scheme=` (the segment scheme of issue #14 is in this checkout)."""
-    import inspect
-
-    import xpool
-    return "scheme" in inspect.signature(xpool.MemoryPool).parameters
-
-
-def xpool_kwargs(scheme: str | None, classes_per_doubling: int | None) -> dict:
-    """xpool.MemoryPool's arguments for a registry name's scheme and k: the one place that maps names to them.
-
-    scheme None: the pool's default scheme. Where MemoryPool has no `scheme=` yet, 'seed' is its only scheme
-    (size classes): `xpool` and `xpool_seed` are then both its default, k = 1.
-
-    Args:
-        scheme: "xpool", "seed" or None (the pool's default).
-        classes_per_doubling: k, or None.
-
-    Returns:
-        A dict of keyword arguments.
-    """
-    kwargs = {}
-    if classes_per_doubling is not None:
-        kwargs["classes_per_doubling"] = classes_per_doubling
-    if scheme is not None and schemes_supported():
-        kwargs["scheme"] = scheme
-    return kwargs
-
-
 class XPool(Allocator):
     """xpool.MemoryPool: its default scheme (`xpool`), the design's (`xpool_seed`), or k classes per doubling."""
 
-    free_counting = True
-    can_capture = True
 
-    def __init__(self, classes_per_doubling: int | None = None, debug=None, scheme: str | None = None,
-                 name: str | None = None):
+    def __init__(self, classes_per_doubling: int | None = None, debug=None, scheme: str | None = None):
         import xpool
         super().__init__()
-        base = (f"xpool_k{classes_per_doubling}" if classes_per_doubling is not None
-                else "xpool" if scheme is None else f"xpool_{scheme}")
-        self.name = name or base + ("_debug" if debug else "")
-        self._settings = dict(xpool_kwargs(scheme, classes_per_doubling), debug=debug or False)
+        self._settings = dict(debug=debug or False)
+        if classes_per_doubling is not None:
+            self._settings["classes_per_doubling"] = classes_per_doubling
+        if scheme is not None:
+            self._settings["scheme"] = scheme
         self.pool = xpool.MemoryPool(**self._settings)
 
     def _make_private(self):
@@ -411,23 +376,21 @@ class XPool(Allocator):
         self.pool, self._private = None, []
 
 
-class Torch(Allocator):
+class CupyTorch(Allocator):
     """PyTorch's caching allocator as CuPy's: each request is a `torch.empty(n, uint8)` on CuPy's current device,
     handed to CuPy as `MemoryPointer(UnownedMemory(ptr, n, tensor, device), 0)`; the block goes back to PyTorch's
     cache when CuPy drops the tensor. Both use the legacy default stream unless told otherwise.
     """
 
-    name = "torch"
-    free_counting = True
 
     def __init__(self):
         super().__init__()
         try:
             import torch
         except ImportError as e:
-            raise ImportError(f"allocator 'torch' needs PyTorch ({e})") from e
+            raise ImportError(f"allocator 'cupy_torch' needs PyTorch ({e})") from e
         if not torch.cuda.is_available():
-            raise NoGPU("allocator 'torch' needs PyTorch built with CUDA and a visible GPU")
+            raise NoGPU("allocator 'cupy_torch' needs PyTorch built with CUDA and a visible GPU")
         self.torch = torch
 
     def malloc_fn(self):
@@ -471,7 +434,6 @@ class Noop(Allocator):
     while installed, so no other arm is ever timed beside it.
     """
 
-    name = "noop"
 
     def __init__(self, capacity: int = 96 * MIB):
         super().__init__()
@@ -496,7 +458,6 @@ class CNoop(Noop):
     """The floor of CuPy's C-callback path (CFunctionAllocator), which xpool.MemoryPool uses:
     a C allocator that hands out one pre-made block and does nothing on free."""
 
-    name = "c_noop"
     cfa = None
 
     def malloc_fn(self):
@@ -511,8 +472,6 @@ class CNoop(Noop):
 class Host(Allocator):
     """NumPy stand-in for --cpu-smoke and tests: installs nothing, counts nothing."""
 
-    name = "numpy"
-    free_counting = True
 
     def install(self, counting=False):
         self.counting = counting
@@ -521,50 +480,199 @@ class Host(Allocator):
         pass
 
 
-FACTORIES = {"raw": Raw, "raw_held": RawHeld, "cupy_pool": CupyPool, "cupy_async": CupyAsync, "torch": Torch,
-             "noop": Noop, "c_noop": CNoop, "numpy": Host}
-NAMES = ("raw", "raw_held", "cupy_pool", "cupy_async", "torch", "xpool", "xpool_seed", "xpool_k1", "xpool_k4",
-         "xpool_k1_debug", "noop", "c_noop", "numpy")   # xpool_kN: any N; _debug after any xpool name
-GRAPH_SUFFIX = "_graph"   # after a pool's name: its training steps are captured as CUDA graphs
-_XPOOL = re.compile(r"xpool(?:_k(?P<k>\d+)|_(?P<scheme>seed))?(?P<debug>_debug)?")
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One arm: name, how to make it, label and style, what it can do (see the module docstring)."""
+
+    name: str
+    label: str
+    color: str
+    marker: str = "o"
+    make: type | None = None
+    kwargs: tuple = ()                  # (key, value) pairs passed to `make`
+    framework: str = "cupy"
+    exact: bool = False
+    device_calls_when_warm: bool = False
+    can_capture: bool = False
+    graph: bool = False
+    ls: str = "-"
+    lw: float = 1.6
+    hatch: str | None = None
+
+    @property
+    def style(self) -> dict:
+        """matplotlib keywords: color, marker, ls, lw (and label)."""
+        return dict(label=self.label, color=self.color, marker=self.marker, ls=self.ls, lw=self.lw)
 
 
-def xpool_arms() -> tuple[str, str]:
-    """The two xpool arms the experiments compare: the default scheme and the design's (`xpool`, `xpool_seed`)
-    where MemoryPool has schemes, else its two class settings (`xpool_k1`, `xpool_k4`)."""
-    return ("xpool", "xpool_seed") if schemes_supported() else ("xpool_k1", "xpool_k4")
+def _xp(name, label, color, marker, lw=2.6, ls="-", **kw):
+    return Arm(name, label, color, marker, XPool, tuple(kw.items()), exact=True, can_capture=True, lw=lw, ls=ls)
+
+
+# The house order (before -> peers -> xpool -> the rest): figures and tables list arms in this order.
+ARMS = (
+    Arm("raw", "raw cudaMalloc/cudaFree (no pool)", "#7f7f7f", "X", Raw, device_calls_when_warm=True),
+    Arm("raw_held", "raw, one small block held alive", "#bdbdbd", "P", RawHeld, device_calls_when_warm=True,
+        ls=":"),
+    Arm("cupy_pool", "CuPy MemoryPool (CuPy's default)", "#1f77b4", "o", CupyPool, can_capture=True),
+    Arm("cupy_async", "CuPy MemoryAsyncPool (cudaMallocAsync)", "#6baed6", "s", CupyAsync,
+        device_calls_when_warm=True),
+    Arm("cupy_torch", "PyTorch's caching allocator handing CuPy its blocks", "#17becf", "p", CupyTorch, exact=True),
+    Arm("torch", "PyTorch's caching allocator (PyTorch's own tensors)", "#7f7f7f", "p", framework="torch",
+        exact=True),
+    _xp("xpool", f"xpool, default scheme ({DEFAULT_SCHEME})", "#d62728", "D",
+        scheme=DEFAULT_SCHEME),
+    _xp("xpool_segments", "xpool, segments scheme", "#d62728", "D", scheme="segments"),
+    _xp("xpool_seed", "xpool, seed scheme (size classes, k = 1: powers of two)", "#8c564b", "h", lw=2.0, ls="-.",
+        scheme="seed", classes_per_doubling=1),
+    Arm("xpool_norelease", "xpool, segments never given back on a miss (replayed)", "#e377c2", "P",
+        framework="replay", ls=":"),
+    Arm("xpool_release_all", "xpool, every whole free segment given back on a miss (replayed)", "#ff9896", "d",
+        framework="replay", ls="--"),
+    Arm("xpool_release_fresh", "xpool, segments given back on a miss however recently freed (replayed)",
+        "#f7b6d2", "v", framework="replay", ls="--"),
+    Arm("cupy_pool_model", "CuPy MemoryPool (model, replayed)", "#1f77b4", "o", framework="replay", ls="--"),
+    Arm("noop", "floor: Python allocator doing no work", "#000000", ".", Noop, ls=":", lw=1.2),
+    Arm("c_noop", "floor: C allocator doing no work", "#555555", ".", CNoop, ls="--", lw=1.2),
+    Arm("numpy", "NumPy (CPU smoke runs: measures nothing)", "#2ca02c", "o", Host, framework="numpy", exact=True),
+    # the pieces of one pair that xlab.bench.hit times in place
+    Arm("xpool_core", "xpool's hooks without the stream lookup", "#ff7f0e", "^", framework="bench"),
+    Arm("xpool_old_lookup", "xpool with CuPy's current-stream lookup", "#ffbb78", "v", framework="bench"),
+    Arm("core_c", "xpool's pair in C alone", "#9467bd", "*", framework="bench"),
+    Arm("lookup_c", "the stream lookup in C alone", "#c5b0d5", "*", framework="bench"),
+    Arm("old_lookup_c", "CuPy's current-stream lookup in C alone", "#c49c94", "*", framework="bench"),
+    # the ops xlab.bench.gil runs on 1..N threads
+    *(Arm(n, t, c, "o", framework="gil") for n, t, c in (
+        ("python", "pure Python (holds the GIL)", "#000000"),
+        ("launch", "empty kernel launch through CuPy (GIL released)", "#1f77b4"),
+        ("launch_gil", "empty kernel launch by ctypes.PyDLL (GIL held)", "#d62728"),
+        ("launch8", "8-argument kernel launch through CuPy (GIL released)", "#6baed6"),
+        ("launch8_gil", "8-argument kernel launch by ctypes.PyDLL (GIL held)", "#ff9896"),
+        ("add", "`x + x`, 1 element, CuPy (allocation + launch, GIL released)", "#2ca02c"),
+        ("gemm", "16×16 GEMM by tapegpt.blas (allocation + cuBLAS call; GIL as tapegpt.launch decides)", "#9467bd"),
+        ("gemm_gil", "cublasGemmEx alone by ctypes.PyDLL (GIL held)", "#8c564b"),
+        ("matmul", "16×16 GEMM, cupy.matmul", "#e377c2"))),
+)
+_TABLE = {a.name: a for a in ARMS}
+_K_COLORS = {1: "#8c564b", 2: "#ff7f0e", 4: "#e6550d", 8: "#fd8d3c"}
+_FAMILY = re.compile(r"(?P<base>.+?)(?P<debug>_debug)?(?P<graph>_graph)?")
+# Arm sets: each experiment's default arms
+SETS = {
+    "single": ("raw", "cupy_pool", "xpool", "xpool_seed"),
+    "ddp": ("raw", "cupy_pool", "xpool", "xpool_seed"),
+    "sweep": ("raw", "cupy_pool", "xpool"),
+    "bench": ("raw", "raw_held", "cupy_pool", "cupy_async", "cupy_torch", "xpool", "xpool_seed", "noop", "c_noop"),
+    "gate": ("raw", "cupy_pool", "xpool", "xpool_seed", "xpool_k4", "xpool_debug"),   # raw first: the reference
+    "varlen": ("xpool", "xpool_seed", "cupy_pool"),
+    "schemes": ("xpool", "xpool_norelease", "xpool_release_all", "xpool_seed", "cupy_pool_model"),
+    "host": ("xpool", "xpool_seed", "c_noop"),
+}
+# Names older CSVs used, by the CSV's `bench` column: (bench, old name) -> arm
+LEGACY = {("alloc", "torch"): "cupy_torch", ("torch_interop", "native"): "torch"}
+
+
+def _known() -> str:
+    return (", ".join(_TABLE) + "; xpool_k<N> (the seed scheme, N classes per doubling); an xpool arm + _debug; "
+            "a pool + _graph")
+
+
+def arm(name: str) -> Arm:
+    """The row of `name`: a row of ARMS, or one of its families (xpool_k<N>, _debug, _graph).
+
+    Raises: ValueError: an unknown name, or a variant its base cannot have.
+    """
+    if name in _TABLE:
+        return _TABLE[name]
+    m = _FAMILY.fullmatch(str(name))
+    base, debug, graph = m["base"], bool(m["debug"]), bool(m["graph"])
+    k = re.fullmatch(r"xpool_k(\d+)", base)
+    if k:
+        n = int(k[1])
+        row = _xp(base, f"xpool, seed scheme, {n} class{'es' * (n > 1)} per doubling", _K_COLORS.get(n, "#fdae6b"), "^",
+                  ls="--" if n > 1 else "-", scheme="seed", classes_per_doubling=n)
+    elif base in _TABLE and (debug or graph):
+        row = _TABLE[base]
+    else:
+        raise ValueError(f"unknown allocator {base if base not in _TABLE and (debug or graph) else name!r}; "
+                         f"known: {_known()}")
+    if debug:
+        if row.make is not XPool:
+            raise ValueError(f"allocator {name!r}: only xpool arms have a debug mode")
+        row = dataclasses.replace(row, name=row.name + "_debug", label=row.label + ", debug mode (poison + canaries)",
+                                  color="#9467bd", marker="v", ls="-.", lw=1.6,
+                                  kwargs=row.kwargs + (("debug", "raise"),))
+    if graph:
+        if not row.can_capture:
+            capturing = ", ".join(a.name + "_graph" for a in ARMS if a.can_capture)
+            raise ValueError(f"allocator {name!r}: {row.name!r} cannot capture a CUDA graph (only pools can: "
+                             f"{capturing}, ...)")
+        row = dataclasses.replace(row, name=row.name + "_graph", label=row.label + ", step as a CUDA graph",
+                                  graph=True, marker="s", ls="--", hatch="//")
+    return row
+
+
+def parse(names) -> tuple:
+    """Names checked against the table (the command lines' and notebooks' one check): a tuple of names.
+
+    Args: names: a name, or an iterable of names. Raises: ValueError: an unknown name (naming it and the known
+    ones).
+    """
+    names = (names,) if isinstance(names, str) else tuple(names)
+    for n in names:
+        arm(n)
+    return names
+
+
+def arg(name: str) -> str:
+    """argparse's `type=` for an arm name: the error names the arm and the known ones."""
+    import argparse
+    try:
+        return arm(name).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def ordered(names) -> list:
+    """Arms in the table's order (families after their base), unknown names last, sorted."""
+    names = list(dict.fromkeys(str(n) for n in names))
+    order = {a.name: i for i, a in enumerate(ARMS)}
+
+    def key(n):
+        try:
+            base = _FAMILY.fullmatch(n)["base"]
+            return (order.get(base, order["xpool_seed"] + 0.5), n)
+        except (TypeError, KeyError):
+            return (len(ARMS), n)
+    return sorted(names, key=key)
+
+
+def label(name: str) -> str:
+    """The arm's label (the name itself for a name not in the table)."""
+    try:
+        return arm(name).label
+    except ValueError:
+        return str(name)
+
+
+def canonical(df):
+    """A CSV's frame with the arm names of today (LEGACY), by its `bench` column; the same frame if none apply."""
+    col = "allocator" if "allocator" in df else "arm" if "arm" in df else None
+    if col is None or "bench" not in df:
+        return df
+    renames = {old: new for (bench, old), new in LEGACY.items() if (df["bench"] == bench).any()}
+    return df.assign(**{col: df[col].replace(renames)}) if renames else df
 
 
 def make(name: str, **kwargs) -> Allocator:
-    """A fresh allocator by name.
+    """A fresh allocator by name (see `arm`), not installed; `kwargs` go to its class.
 
-    Args:
-        name: raw, raw_held, cupy_pool, cupy_async, torch, xpool, xpool_seed, xpool_k<N> (any of the xpool
-            names with `_debug` appended: debug mode), noop, c_noop, numpy; a pool's name with `_graph` appended
-            (cupy_pool_graph, xpool_graph, ...): that pool, training steps captured as CUDA graphs.
-        **kwargs: passed to the allocator's class.
-
-    Returns:
-        An Allocator, not installed.
-
-    Raises:
-        ValueError: an unknown name.
+    Raises: ValueError: an unknown name, or an arm that is not installed into CuPy (no `make`).
     """
-    if name.endswith(GRAPH_SUFFIX):
-        base = name[:-len(GRAPH_SUFFIX)]
-        cls = XPool if _XPOOL.fullmatch(base) else FACTORIES.get(base)
-        if cls is not None and not cls.can_capture:     # refused before anything is made
-            raise ValueError(f"allocator {name!r}: {base!r} cannot capture a CUDA graph (only pools can: "
-                             f"{', '.join(n + GRAPH_SUFFIX for n in ('cupy_pool', 'xpool', 'xpool_seed'))})")
-        alloc = make(base, **kwargs)                     # an unknown base name raises here
-        alloc.graph, alloc.name = True, name
-        return alloc
-    m = _XPOOL.fullmatch(name)
-    if m:
-        k = int(m["k"]) if m["k"] else (1 if m["scheme"] == "seed" else None)
-        scheme = m["scheme"] or ("seed" if k else "xpool")   # each name names its scheme: $XPOOL_SCHEME cannot move it
-        return XPool(k, debug="raise" if m["debug"] else None, scheme=scheme, name=name, **kwargs)
-    if name not in FACTORIES:
-        raise ValueError(f"unknown allocator {name!r}; known: {', '.join(NAMES)} (xpool_k<N> for any N; a pool's name "
-                         f"+ _graph: its CUDA-graph arm)")
-    return FACTORIES[name](**kwargs)
+    row = arm(name)
+    if row.make is None:
+        raise ValueError(f"arm {name!r} ({row.framework}) is not an allocator the lab installs into CuPy")
+    alloc = row.make(**dict(row.kwargs), **kwargs)
+    alloc.name, alloc.graph = row.name, row.graph
+    alloc.free_counting, alloc.can_capture = row.exact, row.can_capture
+    alloc.device_calls_when_warm = row.device_calls_when_warm
+    return alloc

@@ -18,10 +18,10 @@ from . import allocators as registry
 from .paths import write_csv
 from .provenance import provenance
 
-# raw first: every other allocator is compared with it. The debug arm poisons every freed block with NaN bytes
-# and guards every block with a canary: identical bits there also show the workload never reads memory it did
-# not write (and debug="raise" makes any damage found fail the arm).
-GATE_ALLOCATORS = ("raw", "cupy_pool", "xpool", "xpool_seed", "xpool_k4", "xpool_debug")
+# allocators.SETS["gate"]: raw first, every other arm is compared with it. The debug arm poisons every freed block
+# with NaN bytes and guards every block with a canary: identical bits there also show the workload never reads
+# memory it did not write (and debug="raise" makes any damage found fail the arm).
+GATE_ALLOCATORS = registry.SETS["gate"]
 
 
 def transparency_config() -> GPTConfig:
@@ -35,11 +35,8 @@ def transparency_gate(steps: int = 50, cfg: GPTConfig | None = None, allocators=
     bit-identical to the first allocator's. Returns one row per allocator with `identical_to_<first>` and
     `debug_error` (what a debug-mode pool raised, '' if nothing).
 
-    Args:
-        steps: training steps per allocator.
-        cfg: the GPT config (default: transparency_config()).
-        allocators: registry names, the reference first.
-        seed: the model's and data's seed.
+    Args: steps: training steps per allocator; cfg: the GPT config (default: transparency_config()); allocators:
+    registry names, the reference first; seed: the model's and data's seed.
     """
     import cupy
     cfg = cfg or transparency_config()
@@ -76,11 +73,7 @@ def transparency_gate(steps: int = 50, cfg: GPTConfig | None = None, allocators=
 def transparency_rows(gate: pd.DataFrame) -> pd.DataFrame:
     """The transparency gate's per-allocator frame as check rows (measured 0 = bitwise identical).
 
-    Args:
-        gate: transparency_gate's frame.
-
-    Returns:
-        A DataFrame of check rows (check, measured, threshold, passed).
+    Args: gate: transparency_gate's frame. Returns: A DataFrame of check rows (check, measured, threshold, passed).
     """
     col = next(c for c in gate.columns if c.startswith("identical_to_"))
     ref = col.removeprefix("identical_to_")
@@ -102,17 +95,9 @@ def run_correctness(device: str = "cpu", with_torch: bool = True, transparency_s
     bitwise transparency gate. Returns (check, measured, threshold, passed, xp, device + provenance);
     writes it to `out` if given.
 
-    Args:
-        device: "cpu" or "gpu".
-        with_torch: the PyTorch parity checks (CPU).
-        transparency_steps: the gate's steps (GPU).
-        out: a CSV to write, or None.
-
-    Returns:
-        The check rows with provenance (attrs['source'] = 'measured').
-
-    Raises:
-        ValueError: another device.
+    Args: device: "cpu" or "gpu"; with_torch: the PyTorch parity checks (CPU); transparency_steps: the gate's steps
+    (GPU); out: a CSV to write, or None. Returns: The check rows with provenance (attrs['source'] = 'measured').
+    Raises: ValueError: another device.
     """
     if device == "cpu":
         frames = [checks.run_all(np, with_torch=with_torch)]
@@ -132,11 +117,7 @@ def run_correctness(device: str = "cpu", with_torch: bool = True, transparency_s
 def main(argv=None) -> int:
     """python -m xlab.correctness [--gpu] --out CSV: the whole gate as one tidy table with provenance.
 
-    Args:
-        argv: arguments (default: sys.argv[1:]).
-
-    Returns:
-        The exit status: 1 if a check failed.
+    Args: argv: arguments (default: sys.argv[1:]). Returns: The exit status: 1 if a check failed.
     """
     import argparse
     ap = argparse.ArgumentParser(description=main.__doc__)

@@ -1,4 +1,4 @@
-"""Medians with 95% bootstrap intervals over trials, paired ratios, and a verdict on a target: the lab's one
+"""Medians with 95% bootstrap intervals over trials, ratios of paired trials, and a verdict on a target: the lab's one
 place for statistics over repeated measurements (benchmarks, training runs, sweeps).
 
 A measurement is a distribution: every configuration runs several trials, interleaved across the arms it is
@@ -11,6 +11,7 @@ does). With one trial there is no interval: the bounds are NaN and `judge` says 
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
@@ -34,14 +35,9 @@ def _bounds(stats: np.ndarray, level: float) -> tuple[float, float]:
 def median_ci(values, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = SEED):
     """The median of `values` and a percentile-bootstrap interval for it.
 
-    Args:
-        values: one number per trial (NaN and inf are dropped).
-        level: coverage of the interval (0.95: 95%).
-        resamples: bootstrap resamples.
-        seed: the resampling seed (fixed, so one CSV gives one interval).
-
-    Returns:
-        (median, lo, hi, n): lo and hi are NaN with fewer than two trials; all NaN with none.
+    Args: values: one number per trial (NaN and inf are dropped); level: coverage of the interval (0.95: 95%);
+    resamples: bootstrap resamples; seed: the resampling seed (fixed, so one CSV gives one interval). Returns:
+    (median, lo, hi, n): lo and hi are NaN with fewer than two trials; all NaN with none.
     """
     a = _clean(values)
     if len(a) == 0:
@@ -58,16 +54,9 @@ def ratio_ci(numerator, denominator, level: float = LEVEL, resamples: int = RESA
     """The ratio of medians of paired trials, median(numerator) / median(denominator), with a bootstrap interval
     that resamples the pairs (trial t of both arms together).
 
-    Args:
-        numerator, denominator: equal-length sequences; element t of each is trial t (pairs with a NaN are
-            dropped).
-        level, resamples, seed: as for `median_ci`.
-
-    Returns:
-        (ratio, lo, hi, n_pairs): lo and hi are NaN with fewer than two pairs.
-
-    Raises:
-        ValueError: the two sequences differ in length (the trials are not paired).
+    Args: numerator, denominator: equal-length sequences; element t of each is trial t (pairs with a NaN are
+    dropped); level, resamples, seed: as for `median_ci`. Returns: (ratio, lo, hi, n_pairs): lo and hi are NaN with
+    fewer than two pairs. Raises: ValueError: the two sequences differ in length (the trials are not paired).
     """
     a, b = np.asarray(numerator, dtype=float).ravel(), np.asarray(denominator, dtype=float).ravel()
     if a.shape != b.shape:
@@ -84,25 +73,26 @@ def ratio_ci(numerator, denominator, level: float = LEVEL, resamples: int = RESA
     return ratio, lo, hi, len(a)
 
 
-def judge(value: float, lo: float, hi: float, target: float, higher_is_better: bool = True) -> str:
-    """Whether a target is met, judged on the interval rather than the median.
+def judge(value: float, lo: float, hi: float, target: float, higher_is_better: bool = True,
+          exact: bool = False) -> str:
+    """Whether a target is met, judged on the interval rather than the median: the report's one rule.
 
-    Args:
-        value: the median (or ratio of medians).
-        lo, hi: its interval (NaN: a single run).
-        target: the bound to reach.
-        higher_is_better: True for "value >= target", False for "value <= target".
-
-    Returns:
-        "met" when the whole interval is on the right side of the target, "missed" when it is all on the wrong
-        side, "within noise" when the interval straddles it; "single run, no interval (the median meets it)" or
-        "... misses it)" when there is no interval; "not measured" when the value is NaN.
+    Args: value: the median (or ratio of medians); lo, hi: its interval (NaN: measured once); target: the bound to
+    reach; higher_is_better: True for "value >= target", False for "value <= target"; exact: the value does not vary
+    between runs of one program (a count, a bitwise check, a replay's bytes): with no interval it is judged on
+    itself. Returns: "met" when the whole interval is on the target's side (an exact value: the value is), "missed"
+    when all of it is on the other side, "within noise" when the interval straddles the target; "single run, no
+    interval (the median meets it)" or "... misses it)" for a timed value measured once; "not measured" when the
+    value is NaN.
     """
     if value is None or not math.isfinite(value):
         return "not measured"
     if not (math.isfinite(lo) and math.isfinite(hi)):
-        ok = value >= target if higher_is_better else value <= target
-        return f"{SINGLE} (the median {'meets' if ok else 'misses'} it)"
+        if exact:
+            lo = hi = value
+        else:
+            ok = value >= target if higher_is_better else value <= target
+            return f"{SINGLE} (the median {'meets' if ok else 'misses'} it)"
     good_lo, good_hi = (lo >= target, hi >= target) if higher_is_better else (hi <= target, lo <= target)
     if good_lo and good_hi:
         return MET
@@ -115,15 +105,9 @@ def summarize(df, by, value: str, trial: str = "trial"):
     """Median and interval of `value` per group of `by`: one row per group with value, value_lo, value_hi and
     n_trials (NaN bounds for a group with one trial; CSVs without a trial column count as one trial per row).
 
-    Args:
-        df: a tidy frame, one row per trial.
-        by: the grouping columns.
-        value: the measured column.
-        trial: the trial column (only used for the count).
-
-    Returns:
-        A DataFrame with the `by` columns, `value`, `value + "_lo"`, `value + "_hi"` and `n_trials`, groups in
-        order of first appearance.
+    Args: df: a tidy frame, one row per trial; by: the grouping columns; value: the measured column; trial: the
+    trial column (only used for the count). Returns: A DataFrame with the `by` columns, `value`, `value + "_lo"`,
+    `value + "_hi"` and `n_trials`, groups in order of first appearance.
     """
     import pandas as pd
     by = list(by)
@@ -135,54 +119,28 @@ def summarize(df, by, value: str, trial: str = "trial"):
     return pd.DataFrame(rows, columns=by + [value, f"{value}_lo", f"{value}_hi", "n_trials"])
 
 
-def paired(df, value: str, arm: str, reference, by=(), trial: str = "trial"):
-    """Every arm's value over the reference arm's, per group of `by`, paired by trial (ratio_ci).
+def fmt_ci(value: float, lo: float, hi: float, fmt: str = "{:.2f}", unit: str = "", goal: float | None = None,
+           exact: bool = False) -> str:
+    """'1.93× [1.90, 1.95]' (or '1.93× (single run)' without an interval; the value alone when exact).
 
-    Args:
-        df: a tidy frame with one row per (group, arm, trial).
-        value: the measured column.
-        arm: the column naming the arm (e.g. "allocator", or "world" for a speedup).
-        reference: the arm every other is divided by.
-        by: the grouping columns (e.g. ["batch"]).
-        trial: the pairing column; a frame without it pairs its rows in order.
+    With a goal, digits are added (up to four) until every bound that differs from the goal prints
+    differently from it: '0.998× [0.996, 1.001]', never a '1.00× [1.00, 1.00]' that is within noise of 1.00.
 
-    Returns:
-        A DataFrame with the `by` columns, `arm`, ratio, ratio_lo, ratio_hi and n_pairs; the reference arm
-        itself is left out. Empty when the reference arm is absent.
-    """
-    import pandas as pd
-    by = list(by)
-    d = df if trial in df else df.assign(**{trial: df.groupby(by + [arm], sort=False).cumcount()})
-    rows = []
-    groups = d.groupby(by, sort=False, dropna=False) if by else [((), d)]
-    for key, g in groups:
-        key = key if isinstance(key, tuple) else (key,)
-        ref = g[g[arm] == reference].groupby(trial)[value].median()
-        if ref.empty:
-            continue
-        for name, a in g[g[arm] != reference].groupby(arm, sort=False):
-            mine = a.groupby(trial)[value].median()
-            common = mine.index.intersection(ref.index)
-            r, lo, hi, n = ratio_ci(mine.loc[common].to_numpy(), ref.loc[common].to_numpy())
-            rows.append({**dict(zip(by, key)), arm: name, "ratio": r, "ratio_lo": lo, "ratio_hi": hi,
-                         "n_pairs": n})
-    return pd.DataFrame(rows, columns=by + [arm, "ratio", "ratio_lo", "ratio_hi", "n_pairs"])
-
-
-def fmt_ci(value: float, lo: float, hi: float, fmt: str = "{:.2f}", unit: str = "") -> str:
-    """'1.93× [1.90, 1.95]' (or '1.93× (single run)' without an interval).
-
-    Args:
-        value, lo, hi: a median (or ratio) and its interval (NaN bounds: a single run).
-        fmt: the number format.
-        unit: appended to the value.
-
-    Returns:
-        A string ("n/a" for a NaN value).
+    Args: value, lo, hi: a median (or ratio) and its interval (NaN bounds: a single run); fmt: the number format;
+    unit: appended to the value; goal: the target the value is judged against, or None; exact: the value needs no
+    interval (a count, a replay). Returns: A string ("n/a" for a NaN value).
     """
     if value is None or not math.isfinite(value):
         return "n/a"
+    bounds = [b for b in (lo, hi) if math.isfinite(b)]
+    m = re.fullmatch(r"\{:([,]?)\.(\d+)([fe])\}", fmt)
+    if goal is not None and m and math.isfinite(goal):
+        for extra in range(5):
+            f = "{:" + m[1] + "." + str(int(m[2]) + extra) + m[3] + "}"
+            if all(f.format(b) != f.format(goal) for b in bounds if b != goal):
+                fmt = f
+                break
     head = fmt.format(value) + unit
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        return f"{head} (single run)"
+    if exact or len(bounds) < 2:
+        return head if exact else f"{head} (single run)"
     return f"{head} [{fmt.format(lo)}, {fmt.format(hi)}]"

@@ -1,26 +1,15 @@
-"""How much memory each size-class setting wastes on the training run, measured on a GPU and replayed on a CPU.
+"""How much memory each scheme and size-class setting holds on the training run: measured on a GPU, replayed on a CPU.
 
-On a GPU, `record_step_timeline` trains the small GPT with xpool installed and keeps the allocation
-timeline of the whole run (model setup, warm-up steps, one recorded step); `measure_waste` does that for
-every size-class setting and reads the pool's own counters.  The request sequence of a program does not
-depend on the allocator, so replaying the recorded requests and frees, in order, through an
-`xpool.Pool` of any setting reproduces that setting's decisions exactly: `replay_waste` does this on a
-CPU over a backend that hands out addresses and touches no memory.
+A program's requests do not depend on the allocator, so replaying a recorded timeline's allocs and frees, in
+order, through a pool over a backend that touches no memory (`AddressSpaceBackend`) reproduces that pool's
+decisions exactly. On a GPU, `measure_waste` trains the GPT under xpool's seed scheme at each k (classes per
+doubling), reading its counters and recording the timeline, and `measure_varlen` trains with the sequence length
+changing every step under xpool, xpool_seed and CuPy's pool. On a CPU, `NumpyRecorder` records the GPT's requests
+on NumPy (its allocation hook), and `scheme_study` replays every recorded trace through each scheme.
 
-    python -m xlab.memory_study --out-dir data     # on a GPU: data/memory_timeline.csv, data/memory_waste.csv,
-                                                   #   data/memory_varlen.csv
-
-The GPU run also trains with the sequence length changing every step (the varying-length trace's batch and
-lengths, `NUMPY_TRACES["gpt_varlen_numpy"]`) under xpool, xpool_seed and CuPy's pool, each reading its own
-counters: `measure_varlen` writes their peaks to data/memory_varlen.csv (issue #14's varying-size target; the
-report falls back to the CPU replay, and says so, where that CSV is missing).
-
-Schemes (scheme xpool's segments against the design's classes, `xpool_seed`, and a model of CuPy's pool)
-are compared on every recorded trace, the GPU's and two recorded on the CPU from the GPT on NumPy
-(`NumpyRecorder`: NumPy's own allocation hook), one with sequence lengths that vary per step:
-
+    python -m xlab.memory_study --out-dir data     # GPU: memory_timeline.csv, memory_waste.csv, memory_varlen.csv
     python -m xlab.memory_study --record-numpy     # CPU, ~5 min: data/memory_trace_numpy_*.csv.gz
-    python -m xlab.memory_study --schemes          # CPU: data/memory_schemes.csv, figures/memory_schemes.*
+    python -m xlab.memory_study --schemes          # CPU: data/memory_schemes.csv (then `make report`: its figure)
 """
 from __future__ import annotations
 
@@ -35,6 +24,7 @@ from collections import defaultdict
 import numpy as np
 import pandas as pd
 
+from xlab import allocators as registry
 from xlab.paths import write_csv
 from xpool.backends import HostBackend
 from xpool.pool import Pool
@@ -82,32 +72,12 @@ class AddressSpaceBackend(HostBackend):
 
 
 def replay(timeline: pd.DataFrame, k: int) -> dict:
-    """Replay the allocs and frees of `timeline` through a fresh Pool with k classes per doubling.
-
-    Returns the pool's counters summed over devices: peak_bytes_requested, peak_bytes_reserved,
-    device_mallocs, requests, plus unmatched_frees (frees of blocks allocated before the recording began;
-    they are skipped).
-
-    Args:
-        timeline: a recorded timeline (xpool's columns, in order).
-        k: size classes per doubling.
-    """
+    """Replay the allocs and frees of `timeline` through a fresh Pool of the seed scheme with k classes per
+    doubling: its counters summed over devices (peak_bytes_requested, peak_bytes_reserved, device_mallocs,
+    requests) and unmatched_frees (frees of blocks allocated before the recording began: skipped)."""
     pool = Pool(AddressSpaceBackend(), scheme="seed", classes_per_doubling=k, limit=0, debug=False, timeline=0)
-    live = {}                                # (device, recorded ptr) -> the replayed block
-    unmatched = 0
-    ev = timeline[timeline["event"].isin(ALLOC_EVENTS + ("free",))]
-    for event, device, stream, ptr, requested in zip(ev["event"], ev["device"], ev["stream"], ev["ptr"],
-                                                      ev["requested"]):
-        key = (int(device), int(ptr))
-        if event == "free":
-            if live.pop(key, None) is None:
-                unmatched += 1
-        else:
-            live[key] = pool.allocate(int(requested), device=int(device), stream=int(stream))
-    stats = pool.stats()
-    out = {name: int(stats[name].sum()) for name in
-           ("requests", "device_mallocs", "peak_bytes_requested", "peak_bytes_reserved")}
-    out["unmatched_frees"] = unmatched
+    live, unmatched = _drive(pool, _replay_events(timeline))
+    out = dict(_counters(pool), unmatched_frees=unmatched)
     live.clear()
     return out
 
@@ -196,12 +166,7 @@ class CupyPoolModel:
 def class_bytes(requested, k: int) -> int:
     """Total bytes the size classes of setting k give to these requests.
 
-    Args:
-        requested: request sizes in bytes.
-        k: size classes per doubling.
-
-    Returns:
-        An int.
+    Args: requested: request sizes in bytes; k: size classes per doubling. Returns: An int.
     """
     return int(sum(size_class(int(n), k) for n in requested))
 
@@ -220,12 +185,8 @@ def replay_waste(timeline: pd.DataFrame, ks=KS) -> pd.DataFrame:
     class_over_requested: bytes the classes hand out / bytes requested, over the last step's requests;
     reserved_over_requested: peak bytes reserved / peak bytes requested over the whole recording.
 
-    Args:
-        timeline: the recording (memory_timeline.csv).
-        ks: the settings to replay.
-
-    Returns:
-        A DataFrame with WASTE_COLUMNS (source "replay") and the recording's provenance.
+    Args: timeline: the recording (memory_timeline.csv); ks: the settings to replay. Returns: A DataFrame with
+    WASTE_COLUMNS (source "replay") and the recording's provenance.
     """
     requested = _step_requests(timeline)
     rows = []
@@ -250,12 +211,8 @@ def waste_table(measured: pd.DataFrame | None = None, replayed: pd.DataFrame | N
 
     `replay_exact` says whether the CPU replay reproduced the GPU's peak reserved bytes and device mallocs.
 
-    Args:
-        measured: measured waste rows, or None.
-        replayed: replayed waste rows, or None.
-
-    Returns:
-        A DataFrame, or None when both are None.
+    Args: measured: measured waste rows, or None; replayed: replayed waste rows, or None. Returns: A DataFrame, or
+    None when both are None.
     """
     frames = [f for f in (measured, replayed) if f is not None and len(f)]
     if not frames:
@@ -321,7 +278,7 @@ NUMPY_TRACES = {   # name -> record_numpy_timeline arguments
 }
 # the replayed allocators: xpool's schemes, xpool giving segments back on a miss never or always (the default:
 # above the high-water mark only), CuPy's pool
-SCHEME_ALLOCATORS = ("xpool", "xpool_norelease", "xpool_release_all", "xpool_seed", "cupy_pool_model")
+SCHEME_ALLOCATORS = registry.SETS["schemes"]
 SCHEME_COLUMNS = ["trace", "allocator", "source", "requests", "peak_bytes_requested", "peak_bytes_reserved",
                   "reserved_over_requested", "device_mallocs", "device_mallocs_last_step", "device_mallocs_warm",
                   "device_frees_warm", "unmatched_frees",
@@ -542,13 +499,7 @@ def write_numpy_trace(tl: pd.DataFrame, name: str, data_dir="data") -> pd.DataFr
     """Writes a timeline record_numpy_timeline made with NUMPY_TRACES[name]'s arguments to its file under
     data_dir, with provenance on every row; returns what was written.
 
-    Args:
-        tl: the timeline.
-        name: its key in NUMPY_TRACES.
-        data_dir: the folder.
-
-    Returns:
-        The rows written.
+    Args: tl: the timeline; name: its key in NUMPY_TRACES; data_dir: the folder. Returns: The rows written.
     """
     from .provenance import provenance
     kw = NUMPY_TRACES[name]
@@ -722,17 +673,10 @@ def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warm
     Each event carries `step` (-1: building the model and optimizer; the last step is the recorded one).
     Raises if the ring of `capacity` events overflowed (the replay needs every event).
 
-    Args:
-        k: size classes per doubling.
-        config: GPT config (name, dict or GPTConfig).
-        batch: sequences per step.
-        warmup: steps before the recorded one.
-        seed: the model's seed.
-        capacity: events the timeline keeps.
-        pool: an xpool.MemoryPool to use (default: a fresh one with k).
-
-    Returns:
-        The timeline DataFrame with a step column (-1: setup).
+    Args: k: size classes per doubling; config: GPT config (name, dict or GPTConfig); batch: sequences per step;
+    warmup: steps before the recorded one; seed: the model's seed; capacity: events the timeline keeps; pool: an
+    xpool.MemoryPool to use (default: a fresh one with k). Returns: The timeline DataFrame with a step column (-1:
+    setup).
     """
     import cupy
 
@@ -774,12 +718,8 @@ def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warm
 def measure_waste(ks=KS, config=None, batch: int | None = None, warmup: int = 1, seed: int = 0):
     """GPU: for each k, train with xpool(k) installed; returns (waste rows, the timeline recorded at ks[0]).
 
-    Args:
-        ks: the settings.
-        config, batch, warmup, seed: the run.
-
-    Returns:
-        (waste rows, source "measured"; the first setting's timeline).
+    Args: ks: the settings; config, batch, warmup, seed: the run. Returns: (waste rows, source "measured"; the first
+    setting's timeline).
     """
     from .provenance import provenance
     cfg = _config(config, batch)
@@ -808,9 +748,7 @@ def run(out="data/memory_waste.csv", ks=KS, config=None, batch: int | None = Non
 
     Returns the waste rows (what a notebook's load_or_measure expects).
 
-    Args:
-        out: the waste CSV.
-        ks, config, batch, warmup: as measure_waste.
+    Args: out: the waste CSV; ks, config, batch, warmup: as measure_waste.
     """
     waste, timeline = measure_waste(tuple(int(k) for k in ks), config, batch, warmup)
     out = pathlib.Path(out)
@@ -819,7 +757,7 @@ def run(out="data/memory_waste.csv", ks=KS, config=None, batch: int | None = Non
     return waste
 
 
-VARLEN_ALLOCATORS = ("xpool", "xpool_seed", "cupy_pool")
+VARLEN_ALLOCATORS = registry.SETS["varlen"]
 VARLEN_COLUMNS = ["trace", "allocator", "source", "steps", "peak_bytes_requested", "peak_bytes_reserved",
                   "reserved_over_requested", "device_mallocs", "device_mallocs_warm", "batch", "block_sizes",
                   "adamw"]
@@ -829,15 +767,9 @@ def train_varlen(alloc, cfg, block_sizes, seed: int = 0, foreach: bool = True) -
     """GPU: the GPT trained on CuPy with `alloc` (an xlab.allocators.Allocator) installed and counting, one step
     per entry of `block_sizes` (sequence lengths); device mallocs after setup and after each step.
 
-    Args:
-        alloc: the allocator, not installed.
-        cfg: the GPTConfig.
-        block_sizes: sequence length of each step.
-        seed: the model's and batches' seed.
-        foreach: flat-buffer AdamW (the default) or per-parameter.
-
-    Returns:
-        The device mallocs counted after setup and after each step (len(block_sizes) + 1 numbers).
+    Args: alloc: the allocator, not installed; cfg: the GPTConfig; block_sizes: sequence length of each step; seed:
+    the model's and batches' seed; foreach: flat-buffer AdamW (the default) or per-parameter. Returns: The device
+    mallocs counted after setup and after each step (len(block_sizes) + 1 numbers).
     """
     import gc
 
@@ -878,17 +810,10 @@ def measure_varlen(allocators=VARLEN_ALLOCATORS, batch: int | None = None, block
     MemoryHook's live requested bytes), deterministic for a given program, so one run per allocator.
     device_mallocs_warm counts the steps from WARMUP_STEPS on.
 
-    Args:
-        allocators: registry names.
-        batch: sequences per step (default: the trace's).
-        block_sizes: sequence lengths (default: the trace's).
-        seed: the run's seed.
-        foreach: flat-buffer AdamW.
-
-    Returns:
-        A DataFrame with VARLEN_COLUMNS and the provenance columns.
+    Args: allocators: registry names; batch: sequences per step (default: the trace's); block_sizes: sequence
+    lengths (default: the trace's); seed: the run's seed; foreach: flat-buffer AdamW. Returns: A DataFrame with
+    VARLEN_COLUMNS and the provenance columns.
     """
-    from . import allocators as registry
     from .provenance import provenance
     spec = NUMPY_TRACES["gpt_varlen_numpy"]
     batch = int(batch or spec["batch"])
@@ -913,24 +838,18 @@ def measure_varlen(allocators=VARLEN_ALLOCATORS, batch: int | None = None, block
     return pd.DataFrame(rows, columns=VARLEN_COLUMNS).assign(**prov)
 
 
-def schemes(data_dir="data", figures_dir="figures", repeats: int = 7) -> pd.DataFrame:
-    """CPU: replays every recorded trace through each scheme; writes data/memory_schemes.csv and its figure."""
-    from . import plots
+def schemes(data_dir="data", repeats: int = 7) -> pd.DataFrame:
+    """CPU: replays every recorded trace through each scheme into data/memory_schemes.csv (its figure is redrawn
+    from the CSV by `make report`, xlab.plots.build being the one writer of figures/)."""
     df = scheme_study(load_traces(data_dir), repeats=repeats)
-    out = pathlib.Path(data_dir) / "memory_schemes.csv"
-    df.to_csv(out, index=False)
-    plots.save(plots.memory_schemes(df), "memory_schemes", figures_dir)
+    df.to_csv(pathlib.Path(data_dir) / "memory_schemes.csv", index=False)
     return df
 
 
 def main(argv=None):
     """The command line (--out-dir, --ks, --batch, --warmup).
 
-    Args:
-        argv: arguments (default: sys.argv[1:]).
-
-    Returns:
-        The exit status.
+    Args: argv: arguments (default: sys.argv[1:]). Returns: The exit status.
     """
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", "--out", default="data", help="folder the two CSVs go to (default: data)")
@@ -942,7 +861,7 @@ def main(argv=None):
     p.add_argument("--record-numpy", action="store_true",
                    help="CPU: record the NumPy traces (TRACES) into --out-dir, then stop")
     p.add_argument("--schemes", action="store_true",
-                   help="CPU: replay every recorded trace through each scheme: memory_schemes.csv + figure")
+                   help="CPU: replay every recorded trace through each scheme: memory_schemes.csv")
     a = p.parse_args(argv)
     if a.record_numpy or a.schemes:
         if a.record_numpy:

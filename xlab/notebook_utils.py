@@ -1,92 +1,133 @@
-"""Helpers the notebooks share: where data and figures live, measure-or-load, provenance sentences, correctness.
+"""What the notebooks share: their parameters checked, measure-or-load, figures shown inline, tables as summaries.
 
-A notebook on a GPU measures and writes data/NAME.csv; on a CPU it loads the committed CSV and says which
-machine and date it comes from; when the CSV is missing too it says so and the figure is skipped.
+A notebook on a GPU measures into build/data/NAME.csv (with `publish=True`: data/NAME.csv, then redraws the
+committed figure through xlab.plots.build, the one writer of figures/); on a CPU it shows the committed CSV and
+says which machine and date it comes from; when the CSV is missing too it says so and skips the figure. Running a
+notebook writes nothing outside build/ unless asked.
 """
 from __future__ import annotations
 
+import ast
+import builtins
+import dataclasses
+import difflib
 import importlib
-import os
+import json
 import pathlib
 import tempfile
 
 import pandas as pd
 
-from . import paths, plots
+from . import allocators, intervals, paths, plots, sources
 from .correctness import run_correctness, transparency_rows  # noqa: F401 - the notebooks' names
 from .provenance import has_gpu, provenance
 
-PROVENANCE = plots.PROVENANCE
+_IPYTHON = {"In", "Out", "get_ipython", "exit", "quit", "open", "display"}
 
 
-def data_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
-    """The folder of the CSVs (a notebook's `data_dir` parameter).
+@dataclasses.dataclass
+class Run:
+    """One notebook run: where it reads committed CSVs, where it writes, whether a GPU measures."""
 
-    Args:
-        path: a folder; None or '' for the repository's data/.
+    name: str
+    gpu: bool
+    data: pathlib.Path          # the committed CSVs read
+    out: pathlib.Path           # what this run measures is written here: build/data, or data/ when publishing
+    publish: bool
 
-    Returns:
-        A Path.
+
+def _cells(name: str) -> list[str]:
+    nb = json.loads((paths.repo_root() / "notebooks" / f"{name}.ipynb").read_text())
+    return [("".join(c["source"]), "parameters" in c.get("metadata", {}).get("tags", []))
+            for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+def schema(name: str) -> dict:
+    """{parameter: (annotation, default)} from the notebook's cell tagged `parameters`."""
+    source = next(src for src, tagged in _cells(name) if tagged)
+    return {n.target.id: (ast.unparse(n.annotation), ast.literal_eval(n.value))
+            for n in ast.parse(source).body if isinstance(n, ast.AnnAssign)}
+
+
+def _coerce(name: str, ann: str, value):
+    """The value as its annotation wants it; papermill's `-p x 4` (a scalar, or 'a,b') stands for a list too."""
+    kinds = {"int": int, "float": (int, float), "str": str, "bool": bool}
+    base = ann.removeprefix("list[").removesuffix("]")
+    example = {"list[int]": "-p batches 4, or -y 'batches: [32, 4]'", "list[str]": "-p allocators xpool",
+               "int": "-p steps 10", "float": "-p seconds 0.5", "bool": "-p measure False", "str": "-p data_dir data"}
+    if ann.startswith("list"):
+        items = value.replace(",", " ").split() if isinstance(value, str) else value
+        items = items if isinstance(items, (list, tuple)) else [items]
+        try:
+            items = [int(v) if base == "int" and isinstance(v, str) else v for v in items]
+        except ValueError:
+            items = None
+        if items is None or not all(isinstance(v, kinds[base]) and not (isinstance(v, bool) and base != "bool")
+                                    for v in items):
+            raise TypeError(f"parameter {name!r} must be a {ann} ({example[ann]}), got {value!r}")
+        return list(items)
+    if not isinstance(value, kinds[ann]) or (isinstance(value, bool) and ann != "bool"):
+        raise TypeError(f"parameter {name!r} must be {ann} ({example[ann]}), got {type(value).__name__} {value!r}")
+    return float(value) if ann == "float" else value
+
+
+def setup(name: str, namespace: dict) -> Run:
+    """Check this notebook's parameters in `namespace` (its globals) and say what the run is on.
+
+    Each parameter is brought to its annotated type (a scalar where a list is wanted becomes a list of one); arm
+    names are checked against the arms table. A plain value that is neither a parameter nor a name the notebook
+    assigns is a mistyped or unknown parameter.
+
+    Raises: TypeError: a parameter of the wrong type, naming it and the type expected; ValueError: an unknown
+    parameter (with the closest known one), or an unknown arm.
     """
+    params = schema(name)
+    assigned = {t.id for src, _ in _cells(name) for node in ast.walk(ast.parse(src))
+                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) for t in [node]}
+    for key, value in list(namespace.items()):
+        if (key.startswith("_") or key in params or key in assigned or key in _IPYTHON or hasattr(builtins, key)
+                or not isinstance(value, (int, float, str, bool, list, tuple, dict))):
+            continue
+        close = difflib.get_close_matches(key, params, n=1)
+        raise ValueError(f"unknown parameter {key!r} for notebook {name}" + (f" (did you mean {close[0]!r}?)"
+                         if close else "") + f"; its parameters: {', '.join(params)}")
+    for key, (ann, _) in params.items():
+        namespace[key] = _coerce(key, ann, namespace[key])
+    if "allocators" in params:
+        allocators.parse(namespace["allocators"])
+    publish = bool(namespace.get("publish", False))
+    run = Run(name, has_gpu(), data_dir(namespace.get("data_dir")),
+              paths.data_dir() if publish else paths.build_dir() / "data", publish)
+    info = provenance()
+    where = f"GPU: {info['gpu']} x{info['n_gpus']}" if info["n_gpus"] else "no GPU (CPU mode)"
+    print(f"This run: {info['host']}, {where}, CuPy {info['cupy']}, Python {info['python']}, commit {info['commit']}, "
+          f"{info['date']}; reads {run.data}, writes {run.out if run.gpu else 'nothing outside build/'}")
+    return run
+
+
+def data_dir(path=None) -> pathlib.Path:
+    """The folder of the committed CSVs (a notebook's `data_dir`; empty: the repository's data/)."""
     return pathlib.Path(path) if path else paths.data_dir()
 
 
-def figures_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
-    """Where figures are saved (a notebook's `figures_dir` parameter): `path`, else the repository's figures/."""
-    return pathlib.Path(path) if path else paths.figures_dir()
-
-
 def build_dir() -> pathlib.Path:
-    """The repository's build/: what a run makes and nobody commits (CPU check results, executed notebooks)."""
+    """The repository's build/: what a run makes and nobody commits."""
     return paths.build_dir()
 
 
-def gpu_available() -> bool:
-    """True when CuPy sees a CUDA device (the notebook measures instead of loading)."""
-    return has_gpu()
-
-
-def machine_line() -> str:
-    """What this kernel runs on, for the first output of every notebook."""
-    info = provenance()
-    where = f"GPU: {info['gpu']} x{info['n_gpus']}" if info["n_gpus"] else "no GPU (CPU mode)"
-    return (f"This run: {info['host']}, {where}, CuPy {info['cupy']}, Python {info['python']}, "
-            f"commit {info['commit']}, {info['date']}")
-
-
-def describe_provenance(df: pd.DataFrame) -> str:
-    """'measured on <gpu> (driver ..., CUDA ..., CuPy ...), commit ..., <date>' from the provenance columns.
-
-    Args:
-        df: a measurement frame, or None.
-
-    Returns:
-        A sentence ("no measurements" for None or no rows).
-    """
+def describe_provenance(df: pd.DataFrame | None) -> str:
+    """'measured on <gpu> (driver ..., CUDA ..., CuPy ...), commit ..., <date>' from the provenance columns."""
     if df is None or not len(df):
         return "no measurements"
     p = plots.provenance_summary(df)
-    if p["gpu"] in ("none", "unknown"):
-        machine, gpus = "a machine without a GPU", ""
-    else:
-        machine = p["gpu"]
-        gpus = f"{p['n_gpus']} GPUs on the machine; " if p.get("n_gpus") not in (None, "", "unknown", "1") else ""
-    return (f"measured on {machine} ({gpus}driver {p['driver']}, CUDA {p['cuda']}, CuPy {p['cupy']}), "
-            f"commit {p['commit']}, {p['date']}")
+    machine = "a machine without a GPU" if str(p["gpu"]).startswith(("none", "unknown")) else p["gpu"]
+    return f"measured on {machine} (driver {p['driver']}, CUDA {p['cuda']}, CuPy {p['cupy']}), commit {p['commit']}, " \
+           f"{p['date']}"
 
 
-def load_csv(name: str, data: str | os.PathLike | None = None) -> pd.DataFrame | None:
-    """data/NAME.csv as a DataFrame, or None if it is not there.
-
-    Args:
-        name: the CSV's name without .csv.
-        data: the CSV folder (default: data/).
-
-    Returns:
-        A DataFrame, or None.
-    """
-    path = data_dir(data) / f"{name}.csv"
-    return pd.read_csv(path) if path.is_file() else None
+def load_csv(name: str, data=None) -> pd.DataFrame | None:
+    """data/NAME.csv as its readers take it (xlab.sources.read), or None if it is not there."""
+    return sources.read(data_dir(data), name)
 
 
 def _resolve(fn):
@@ -97,62 +138,46 @@ def _resolve(fn):
     return getattr(importlib.import_module(module), name)
 
 
-def load_or_measure(name: str, measure_fn, gpu_available: bool, data: str | os.PathLike | None = None,
-                    measure: bool = True, how_to_measure: str = "", **kwargs) -> pd.DataFrame | None:
-    """Measure on a GPU, else load the committed data/NAME.csv; print where the numbers come from.
+def load_or_measure(name: str, measure_fn, gpu_available: bool, data=None, measure: bool = True,
+                    how_to_measure: str = "", out=None, **kwargs) -> pd.DataFrame | None:
+    """Measure on a GPU into `out`/NAME.csv (default build/data/), else load the committed data/NAME.csv; print
+    where the numbers come from. None when there is nothing to show (no GPU and no CSV).
 
-    measure_fn: a callable or 'module:function', called as measure_fn(out=<data/NAME.csv>, **kwargs) and
-    returning a DataFrame (written to the CSV if the function did not write it). Returns None when there
-    is nothing to show (no GPU and no CSV): the caller skips its figure. df.attrs['source'] says
-    'measured' or 'committed'.
-
-    Args:
-        name: the CSV's name without .csv.
-        measure_fn: the measuring function.
-        gpu_available: whether this kernel sees a GPU.
-        data: the CSV folder (default: data/).
-        measure: False loads even on a GPU.
-        how_to_measure: the hint printed when there is nothing to load.
-        **kwargs: passed to measure_fn.
+    measure_fn (a callable or 'module:function') is called as measure_fn(out=<csv>, **kwargs) and returns the
+    rows. df.attrs['source'] is 'measured' or 'committed'.
     """
-    path = data_dir(data) / f"{name}.csv"
     if gpu_available and measure:
+        path = pathlib.Path(out or build_dir() / "data") / f"{name}.csv"
         path.parent.mkdir(parents=True, exist_ok=True)
         df = _resolve(measure_fn)(out=str(path), **kwargs)
         if df is None:
             df = pd.read_csv(path)
         elif not path.is_file():
             paths.write_csv(df, path)
+        df = sources.prepare(df, f"{name}.csv (measured now)")
         print(f"Measured now and written to {path}: {describe_provenance(df)}.")
         df.attrs["source"] = "measured"
         return df
     reason = "No GPU here" if not gpu_available else "measure=False"
+    path = data_dir(data) / f"{name}.csv"
     if not path.is_file():
         if not how_to_measure and isinstance(measure_fn, str):
             module, _, fn = measure_fn.partition(":")
             how_to_measure = f"run this notebook there, or: from {module} import {fn}; {fn}(out='data/{name}.csv')"
-        how = how_to_measure
-        hint = f" To measure it, on a GPU machine: {how}" if how else ""
+        hint = f" To measure it, on a GPU machine: {how_to_measure}" if how_to_measure else ""
         print(f"{reason}, and {path} is missing: nothing to show, its figure is skipped.{hint}")
         return None
-    df = pd.read_csv(path)
+    df = sources.read(data_dir(data), name)
     print(f"{reason}: showing the committed measurements in {path}, {describe_provenance(df)}.")
     df.attrs["source"] = "committed"
     return df
 
 
 def cpu_smoke(measure_fn, **kwargs) -> pd.DataFrame | None:
-    """Run a measuring function's CPU mode (cpu=True: NumPy, tiny sizes) into a temporary CSV.
+    """A measuring function's CPU mode (cpu=True: NumPy, tiny sizes) into a temporary CSV: it checks the code
+    runs and its rows have the CSV's schema; it measures nothing and writes nothing outside a temporary folder.
 
-    It checks that the code runs and its rows have the CSV's schema; it measures nothing and writes
-    nothing into data/. Returns its rows, or None if the measuring module does not exist yet.
-
-    Args:
-        measure_fn: a callable or 'module:function' taking cpu= and out=.
-        **kwargs: passed to it.
-
-    Raises:
-        AssertionError: the rows' own checks failed.
+    Raises: AssertionError: the rows' own checks failed.
     """
     try:
         fn = _resolve(measure_fn)
@@ -169,125 +194,55 @@ def cpu_smoke(measure_fn, **kwargs) -> pd.DataFrame | None:
     return df
 
 
-def figure(plot_fn, df: pd.DataFrame | None, name: str, figures: str | os.PathLike | None = None, **kwargs):
-    """plot_fn(df, **kwargs) saved as figures/NAME.png and .svg and returned for display; None if no data.
-
-    Args:
-        plot_fn: a plots function.
-        df: its frame, or None.
-        name: the file name.
-        figures: the folder (default: figures/).
-        **kwargs: passed to plot_fn.
-
-    Returns:
-        What `show` returns, or None.
-    """
-    if df is None or not len(df):
-        print(f"No data: figure {name} skipped.")
-        return None
-    return show(plot_fn(df, **kwargs), name, figures)
+def rows(kind: str, run: Run, measured: pd.DataFrame | None = None) -> pd.DataFrame | None:
+    """What a figure of `kind` shows: what this run measured (from where it wrote it), else the committed CSVs'
+    newest rows of the kind (xlab.sources.current)."""
+    now = measured is not None and measured.attrs.get("source") == "measured"
+    return sources.current(run.out if now else run.data, kind)
 
 
-def show(fig, name: str, figures: str | os.PathLike | None = None):
-    """Save fig as figures/NAME.png and .svg and return the PNG for Jupyter to display (its path without IPython).
-
-    Args:
-        fig: a Figure.
-        name: the file name.
-        figures: the folder (default: figures/).
-
-    Returns:
-        An IPython Image, or the PNG's path.
-    """
-    png, _ = plots.save(fig, name, figures_dir(figures))
+def show(fig):
+    """A Figure as an inline image (PNG bytes; nothing is written), or the figure itself outside IPython."""
     try:
         from IPython.display import Image
-    except ImportError:                   # a plain Python run of the notebook's code, e.g. on a GPU machine
-        return png
-    return Image(filename=str(png))
+    except ImportError:
+        return fig
+    return Image(data=plots.png(fig), format="png")
 
 
-def _selected(df: pd.DataFrame | None, query: dict) -> pd.DataFrame | None:
-    """The rows of df matching every column=value of query; None for no data."""
+def figure(name: str, *frames, run: Run | None = None, **kwargs):
+    """Figure `name` (xlab.plots.FIGURES) drawn from these rows and shown inline; None without rows. With a
+    publishing run, the committed figure is rebuilt from data/ by xlab.plots.build (the one writer of figures/)."""
+    frames = [f if "csv" in f else sources.prepare(f, "this run") for f in frames if f is not None and len(f)]
+    if not frames:
+        print(f"No data: figure {name} skipped.")
+        return None
+    if run is not None and run.publish:
+        print(f"figures/{name}.png rebuilt from {run.out}: {plots.build(name, run.out, paths.figures_dir())}")
+    return show(plots.FIGURES[name][1](pd.concat(frames, ignore_index=True), **kwargs))
+
+
+def summary(df: pd.DataFrame | None, by, columns, fmt: str = "{:.3g}"):
+    """Medians over trials [95% interval] of `columns` per group of `by`, with the trial count; the full rows a
+    click away below it (an HTML <details>). None without rows."""
     if df is None or not len(df):
         return None
-    for col, value in query.items():
-        df = df[df[col] == value]
-    return df
+    by, rows = list(by), []
+    for key, g in df.groupby(by, sort=False):
+        cells = {c: intervals.fmt_ci(*intervals.median_ci(g[c])[:3], fmt) for c in columns if c in g}
+        rows.append({**dict(zip(by, key if isinstance(key, tuple) else (key,))), **cells, "trials": len(g)})
+    return details(pd.DataFrame(rows), df)
 
 
-def pivot(df: pd.DataFrame | None, index, columns: str, values: str, **query):
-    """Median of `values` by index x columns, for display, after filtering rows by equality (e.g. threads=1);
-    None if no data.
-
-    Byte sizes as columns are shown as '64 KiB'.
-
-    Args:
-        df: a tidy frame, or None.
-        index, columns, values: as DataFrame.pivot_table.
-        **query: column=value filters.
-
-    Returns:
-        A styled table, or None.
-    """
-    df = _selected(df, query)
-    if df is None:
-        return None
-    t = df.pivot_table(index=index, columns=columns, values=values, aggfunc="median", sort=False)
-    if columns == "size_bytes":
-        t = t[sorted(t.columns)]
-        t.columns = [plots.fmt_bytes(c) for c in t.columns]
-    return t.style.format(_number)
-
-
-def medians(df: pd.DataFrame | None, by, columns):
-    """Median of each column over trials per group of `by`, with a trials count, for display; None if no data.
-
-    Args:
-        df: a tidy frame, one row per trial.
-        by: grouping columns (e.g. ["batch", "allocator"]).
-        columns: the columns to summarise (absent ones are skipped).
-
-    Returns:
-        A styled table (numbers shortened).
-    """
-    if df is None or not len(df):
-        return None
-    cols = [c for c in columns if c in df]
-    t = df.groupby(list(by), sort=False)[cols].median(numeric_only=True)
-    t["trials"] = df.groupby(list(by), sort=False).size()
-    return t.style.format(_number)
-
-
-def _number(v) -> str:
-    """Readable numbers: 421,923 and 1.75 and 3.1e-07."""
-    if not isinstance(v, (int, float)) or v != v:
-        return str(v)
-    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
-
-
-def table(df: pd.DataFrame | None, columns=None, **query):
-    """A compact view of a tidy frame for a notebook (chosen columns, numbers shortened); None if no data.
-
-    Keyword arguments filter rows by equality, e.g. table(df, threads=1).
-
-    Args:
-        df: a tidy frame, or None.
-        columns: the columns to show (default: all).
-        **query: column=value filters.
-
-    Returns:
-        A styled table, or None.
-    """
-    df = _selected(df, query)
-    if df is None:
-        return None
-    view = df[[c for c in columns if c in df]] if columns is not None else df
-    return view.style.format(_number, subset=list(view.select_dtypes("number").columns)).hide(axis="index")
+def details(head: pd.DataFrame, full: pd.DataFrame):
+    """A summary table with the full rows folded under it (click to open)."""
+    from IPython.display import HTML
+    return HTML(head.to_html(index=False) + f"<details><summary>All {len(full)} rows</summary>"
+                f"{full.to_html(index=False, max_rows=2000)}</details>")
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Correctness (notebook 01, and the GPU script)
+# Correctness (notebook 01)
 
 
 def measured_here(*frames) -> pd.DataFrame:
@@ -297,26 +252,16 @@ def measured_here(*frames) -> pd.DataFrame:
 
 
 def correctness_summary(df: pd.DataFrame) -> pd.DataFrame:
-    """Pass counts per device: the one-glance verdict above the full table.
-
-    Args:
-        df: correctness rows.
-
-    Returns:
-        A DataFrame: device, checks, passed, failed.
-    """
-    g = plots.with_device(df).groupby("device", sort=False)["passed"]
+    """Pass counts per device and family of checks (the figure's rows): the one-glance verdict."""
+    d = plots.with_device(df).assign(family=lambda f: f["check"].map(plots.family))
+    g = d.groupby(["device", "family"], sort=False)["passed"]
     return pd.DataFrame({"checks": g.size(), "passed": g.sum(), "failed": g.size() - g.sum()}).reset_index()
 
 
 def assert_all_passed(df: pd.DataFrame) -> None:
     """Raise (failing the notebook, so papermill and CI fail) if any check in df failed.
 
-    Args:
-        df: correctness rows.
-
-    Raises:
-        AssertionError: naming each failed check.
+    Raises: AssertionError: naming each failed check.
     """
     failed = df[~df["passed"].astype(bool)]
     if len(failed):

@@ -15,11 +15,7 @@ def nvml_reader(devices):
 
     CUDA and NVML may number GPUs differently, so handles are found by PCI bus id.
 
-    Args:
-        devices: CUDA device numbers.
-
-    Returns:
-        A function of no arguments, or None.
+    Args: devices: CUDA device numbers. Returns: A function of no arguments, or None.
     """
     try:
         import pynvml
@@ -73,10 +69,6 @@ class UtilSampler:
 def mean(values) -> float:
     """The arithmetic mean; NaN for no values.
 
-    Args:
-        values: a sequence of numbers.
-
-    Returns:
-        A float.
+    Args: values: a sequence of numbers. Returns: A float.
     """
     return sum(values) / len(values) if values else math.nan

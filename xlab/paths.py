@@ -55,9 +55,7 @@ def build_dir() -> pathlib.Path:
 def write_csv(df, out) -> None:
     """Write a DataFrame to the CSV `out`, making its folder; nothing when out is None.
 
-    Args:
-        df: the frame (written without its index).
-        out: a path, or None.
+    Args: df: the frame (written without its index); out: a path, or None.
     """
     if out is None:
         return

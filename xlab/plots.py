@@ -1,58 +1,35 @@
-"""Figures from the measurement CSVs alone: each function takes a DataFrame as read from data/*.csv and
-returns a matplotlib Figure; `save` writes figures/NAME.png and .svg.
+"""Figures from the measurement CSVs alone: each function takes the rows xlab.sources gives for its figure and
+returns a matplotlib Figure; `build(name)` is the one writer of figures/NAME.png and .svg.
 
-Figures are drawn on the Agg canvas without pyplot: no global state, no display needed, the same
-pixels in a notebook, a script or CI.  Every figure has a title, axis labels with units, and a caption
-naming the machine, software and date the numbers come from (the CSV's provenance columns).  Every timed
-number is the median over trials with its 95% bootstrap interval as an error bar (xlab.intervals); a CSV with
-one run per configuration is drawn without bars and the caption says so.
+Figures are drawn on the Agg canvas without pyplot: no global state, no display needed, the same pixels in a
+notebook, a script or CI. Arms are labelled and styled from the arms table (xlab.allocators.ARMS); a legend entry
+names the CSV's commit when a figure's arms come from more than one run. Every timed number is the median over
+trials with its 95% bootstrap interval as an error bar (seaborn draws them, with xlab.intervals' median and
+interval, so a bar is the number the report prints); a CSV with one run per configuration is drawn without bars
+and the caption says so. Every figure has a title, axis labels with units, and a caption naming the CSVs, the
+machine, software and date the numbers come from. tests/test_figures.py reads every bar and point back from the
+axes and checks it against the CSV's medians.
 """
 from __future__ import annotations
 
+import io
 import os
 import pathlib
 import re
+import textwrap
 
 import matplotlib
 import numpy as np
 import pandas as pd
+import seaborn as sns
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from . import intervals
+from . import allocators, intervals, sources
 
 PROVENANCE = ("gpu", "driver", "cuda", "cupy", "commit", "date")
-
-# Before (no pool) in grey, the peers in blues, xpool in warm colours and thicker lines.
-ALLOCATORS = {
-    "raw": dict(label="raw cudaMalloc/cudaFree (no pool)", color="#7f7f7f", marker="x", ls="-", lw=1.6),
-    "cupy_pool": dict(label="CuPy MemoryPool (default)", color="#1f77b4", marker="o", ls="-", lw=1.6),
-    "cupy_async": dict(label="CuPy MemoryAsyncPool", color="#6baed6", marker="s", ls="-", lw=1.4),
-    "raw_held": dict(label="raw, one small block held alive", color="#bdbdbd", marker="+", ls=":", lw=1.4),
-    "torch": dict(label="PyTorch caching allocator", color="#17becf", marker="P", ls="-", lw=1.4),
-    "xpool": dict(label="xpool (segments: best fit, split, merge)", color="#d62728", marker="D", ls="-", lw=2.6),
-    "xpool_norelease": dict(label="xpool, segments never given back on a miss", color="#e377c2", marker="P",
-                            ls=":", lw=1.8),
-    "xpool_release_all": dict(label="xpool, every whole free segment given back on a miss", color="#ff9896",
-                              marker="X", ls="--", lw=1.8),
-    "xpool_seed": dict(label="xpool_seed (the design's classes: powers of two)", color="#8c564b", marker="h",
-                       ls="-.", lw=2.0),
-    "cupy_pool_model": dict(label="CuPy MemoryPool (model, replayed)", color="#1f77b4", marker="o", ls="--", lw=1.6),
-    "xpool_k1": dict(label="xpool, 1 class per doubling", color="#d62728", marker="D", ls="-", lw=2.6),
-    "xpool_k4": dict(label="xpool, 4 classes per doubling", color="#ff7f0e", marker="^", ls="--", lw=2.6),
-    "xpool_k1_debug": dict(label="xpool, debug mode (poison + canaries)", color="#9467bd", marker="v", ls="-.",
-                           lw=1.6),
-    "cupy_pool_graph": dict(label="CuPy MemoryPool, step as a CUDA graph (private pool)", color="#1f77b4",
-                            marker="s", ls="--", lw=1.6, hatch="//"),
-    "xpool_graph": dict(label="xpool, step as a CUDA graph (private pool)", color="#d62728", marker="s", ls="--",
-                        lw=2.6, hatch="//"),
-    "noop": dict(label="floor: Python allocator doing no work", color="#000000", marker="", ls=":", lw=1.2),
-    "c_noop": dict(label="floor: C allocator doing no work", color="#555555", marker="", ls="--", lw=1.2),
-}
-_OTHER_COLORS = ["#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22"]
-MODES = {"single": "one GPU", "threads": "one thread per GPU (one process)",
-         "processes": "one process per GPU"}
+MODES = {"single": "one GPU", "threads": "one thread per GPU (one process)", "processes": "one process per GPU"}
 PASS_COLOR, FAIL_COLOR = "#2ca02c", "#d62728"
 
 
@@ -60,117 +37,8 @@ PASS_COLOR, FAIL_COLOR = "#2ca02c", "#d62728"
 # Shared pieces
 
 
-def style(allocator: str) -> dict:
-    """Label, colour, marker and line for an allocator (stable across every figure).
-
-    Args:
-        allocator: a registry name.
-
-    Returns:
-        A dict with label, color, marker, ls and lw.
-    """
-    if allocator in ALLOCATORS:
-        return ALLOCATORS[allocator]
-    i = sum(map(ord, allocator)) % len(_OTHER_COLORS)
-    return dict(label=allocator, color=_OTHER_COLORS[i], marker="o", ls="-", lw=1.4)
-
-
-def ordered(allocators) -> list[str]:
-    """Allocators in the house order (before → peers → xpool), unknown ones last.
-
-    Args:
-        allocators: registry names.
-
-    Returns:
-        A list.
-    """
-    known = [a for a in ALLOCATORS if a in set(allocators)]
-    return known + sorted(set(allocators) - set(known))
-
-
-def _short_date(values) -> str:
-    days = sorted({str(v)[:10] for v in values if isinstance(v, str) and v})
-    if not days:
-        return "unknown date"
-    return days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}"
-
-
-def provenance_summary(df: pd.DataFrame) -> dict:
-    """Each provenance column's distinct values joined by ' / ' ('unknown' where the column is absent).
-
-    Args:
-        df: a measurement frame.
-
-    Returns:
-        A dict: gpu, driver, cuda, cupy, commit, date (a day or a range of days) and n_gpus.
-    """
-    out = {}
-    for col in PROVENANCE + ("n_gpus",):
-        if col not in df:
-            out[col] = "unknown"
-        elif col == "date":
-            out[col] = _short_date(df[col].dropna())
-        else:
-            vals = [str(v) for v in pd.unique(df[col].dropna())]
-            vals = [v[:-2] if v.endswith(".0") and col == "n_gpus" else v for v in vals]
-            out[col] = " / ".join(vals) if vals else "unknown"
-    return out
-
-
-def _machine(p: dict) -> str:
-    if p["gpu"] == "none":
-        return f"a CPU, no GPU (NumPy) · CuPy {p['cupy']} · commit {p['commit']} · {p['date']}"
-    return (f"{p['gpu']} · driver {p['driver']} · CUDA {p['cuda']} · CuPy {p['cupy']} · commit {p['commit']} · "
-            f"{p['date']}")
-
-
-def caption(df: pd.DataFrame, note: str = "") -> str:
-    """Lines naming the machine and software the figure's numbers were measured with (one per machine).
-
-    Args:
-        df: the frame the figure is drawn from.
-        note: a last line (what a point is, what was measured).
-
-    Returns:
-        The caption's text.
-    """
-    if "gpu" in df and df["gpu"].nunique() > 1:
-        lines = [f"Measured on {_machine(provenance_summary(g))}" for _, g in df.groupby("gpu", sort=False)]
-    else:
-        lines = [f"Measured on {_machine(provenance_summary(df))}"]
-    return "\n".join(lines + ([note] if note else []))
-
-
-def _figure(nrows: int = 1, ncols: int = 1, size=(10, 5), **kw):
-    fig = Figure(figsize=size, layout="constrained", dpi=110)
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(nrows, ncols, squeeze=False, **kw)
-    return fig, axes
-
-
-def _finish(fig, title: str, df: pd.DataFrame, note: str = "", legend_from=None, ncol: int = 4):
-    """Title, caption (machine and date) and, from the axes `legend_from`, one legend for every panel."""
-    if legend_from is not None:
-        # The figure legend carries the title: constrained layout stacks one 'outside' artist cleanly.
-        handles, labels = legend_from.get_legend_handles_labels()
-        fig.legend(handles, labels, loc="outside upper center", ncol=min(len(labels), ncol), fontsize=9,
-                   frameon=False, title=title, title_fontproperties=dict(size=13, weight="bold"))
-    else:
-        fig.suptitle(title, fontsize=13, fontweight="bold")
-    # supxlabel: the layout engine keeps room for it, so the caption never overlaps axis labels.
-    fig.supxlabel(caption(df, note), x=0.005, ha="left", fontsize=8, color="0.3", multialignment="left")
-    return fig
-
-
 def fmt_bytes(n: float) -> str:
-    """A byte count for people: '64 KiB', '1.5 MiB', '100 B' (binary units): the lab's one byte formatter.
-
-    Args:
-        n: bytes.
-
-    Returns:
-        A string.
-    """
+    """A byte count for people: '64 KiB', '1.5 MiB', '100 B' (binary units): the lab's one byte formatter."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             v = n / scale
@@ -179,65 +47,147 @@ def fmt_bytes(n: float) -> str:
 
 
 def fmt_si(v: float) -> str:
-    """A count with k or M: '91.2k', '1.5M'.
-
-    Args:
-        v: the number.
-
-    Returns:
-        A string.
-    """
+    """A count with k or M: '91.2k', '1.5M'."""
     for suffix, scale in (("M", 1e6), ("k", 1e3)):
         if abs(v) >= scale:
             return f"{v / scale:.3g}{suffix}"
     return f"{v:.3g}"
 
 
-def _label_bars(ax, bars, fmt, fontsize=7.5):
-    for b in bars:
-        h = b.get_height()
-        if np.isfinite(h):
-            ax.annotate(fmt(h), (b.get_x() + b.get_width() / 2, h), xytext=(0, 2), textcoords="offset points",
-                        ha="center", va="bottom", fontsize=fontsize)
+def provenance_summary(df: pd.DataFrame) -> dict:
+    """Each provenance column's distinct values joined by ' / ' ('unknown' where absent); the date as a day or
+    a range of days."""
+    out = {}
+    for col in PROVENANCE + ("n_gpus",):
+        vals = [str(v) for v in pd.unique(df[col].dropna())] if col in df else []
+        if col == "date":
+            days = sorted({v[:10] for v in vals})
+            out[col] = (days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}") if days else "unknown date"
+        else:
+            out[col] = " / ".join(v.removesuffix(".0") if col == "n_gpus" else v for v in vals) or "unknown"
+    return out
 
 
-def _grouped_bars(ax, table: pd.DataFrame, fmt=fmt_si, log=False, lo=None, hi=None):
-    """Bars of table (rows: groups on the x axis, columns: allocators), labelled with their values; lo/hi
-    (tables of the same shape) draw each bar's interval."""
-    allocs = list(table.columns)
-    width = min(0.8 / max(len(allocs), 1), 0.22)      # few allocators: keep bars bar-shaped
-    x = np.arange(len(table.index))
-    for i, a in enumerate(allocs):
-        st = style(a)
-        vals = table[a].to_numpy(dtype=float)
-        yerr = None
-        if lo is not None and hi is not None and a in lo:
-            yerr = np.nan_to_num(np.vstack([vals - lo[a].to_numpy(dtype=float),
-                                            hi[a].to_numpy(dtype=float) - vals]), nan=0.0).clip(min=0)
-        bars = ax.bar(x + (i - (len(allocs) - 1) / 2) * width, vals, width, color=st["color"], label=st["label"],
-                      edgecolor="black" if a.startswith("xpool") else "none", linewidth=0.8, yerr=yerr,
-                      hatch=st.get("hatch"), error_kw=dict(elinewidth=1, capsize=2, ecolor="0.15"))
-        _label_bars(ax, bars, fmt)
-    ax.set_xticks(x)
-    ax.set_xlim(-0.5, len(x) - 0.5)
+def caption(df: pd.DataFrame, note: str = "") -> str:
+    """The CSVs a figure's rows come from (with their commits), each machine and its software, and a note."""
+    lines = textwrap.wrap(f"Data: {sources.sources(df)}".replace("`", ""), 190) if "csv" in df else []
+    for _, g in (df.groupby("gpu", sort=False) if "gpu" in df else [(None, df)]):
+        p = provenance_summary(g)
+        where = ("a CPU, no GPU (NumPy)" if str(p["gpu"]).startswith("none") else
+                 f"{p['gpu']} · driver {p['driver']} · CUDA {p['cuda']}")
+        lines.append(f"Measured on {where} · CuPy {p['cupy']} · commit {p['commit']} · {p['date']}")
+    return "\n".join(lines + ([note] if note else []))
+
+
+def trials_note(df: pd.DataFrame, keys) -> str:
+    """What a point is: a median of n trials with an interval, or a single run."""
+    n = df.groupby(list(keys), sort=False).size() if len(df) else pd.Series([], dtype=int)
+    if "trial" not in df or not len(n) or n.max() < 2:
+        return "One row per point in this CSV (measured before every trial was kept): no interval."
+    lo, hi = int(n.min()), int(n.max())
+    return f"Median of {lo if lo == hi else f'{lo}-{hi}'} interleaved trials per point; bars: 95% bootstrap interval."
+
+
+def _figure(nrows=1, ncols=1, size=(10, 5), **kw):
+    fig = Figure(figsize=size, layout="constrained", dpi=110)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(nrows, ncols, squeeze=False, **kw)
+
+
+def _finish(fig, title, df, note="", legend_from=None, ncol=2):
+    """Title, one legend for every panel (from the axes `legend_from`) and the caption."""
+    if legend_from is not None and legend_from.get_legend_handles_labels()[0]:
+        handles, labels = legend_from.get_legend_handles_labels()
+        if legend_from.get_legend():
+            legend_from.get_legend().remove()
+        fig.legend(handles, labels, loc="outside upper center", ncol=min(len(labels), ncol), fontsize=8.5,
+                   frameon=False, title=title, title_fontproperties=dict(size=13, weight="bold"))
+    else:
+        fig.suptitle(title, fontsize=13, fontweight="bold")
+    fig.supxlabel(caption(df, note), x=0.005, ha="left", fontsize=7.5, color="0.3", multialignment="left")
+    return fig
+
+
+def _ci(values):
+    """seaborn's errorbar: xlab.intervals' 95% bootstrap interval of the median (NaN for one trial)."""
+    return intervals.median_ci(values)[1:3]
+
+
+def labelled(df: pd.DataFrame, col: str = "allocator") -> pd.DataFrame:
+    """The rows with `arm` (their arm's name) and `label` (its legend entry: the arms table's label, and the
+    run's commit when the rows come from more than one CSV), in the table's order."""
+    df = df.copy()
+    df["arm"] = df[col].astype(str)
+    many = "run" in df and df["run"].nunique() > 1
+    df["label"] = [allocators.label(a) + (f" · {r}" if many else "") for a, r in
+                   zip(df["arm"], df["run"] if "run" in df else [""] * len(df))]
+    return df
+
+
+def _hue(df):
+    """hue_order, palette and (label -> arm) of a labelled frame."""
+    arms = {lab: a for a, lab in zip(df["arm"], df["label"])}
+    order = sorted(arms, key=lambda lab: (allocators.ordered(arms.values()).index(arms[lab]), lab))
+    return order, {lab: allocators.arm(arms[lab]).color for lab in order}, arms
+
+
+def bars(ax, df, x, y, order, fmt=fmt_si, labels=None, log=False, rotate=0, span=None):
+    """Grouped bars of y by x (in `order`) and arm, medians with their intervals (or, with `span`, the CSV's
+    (low, high) columns), each labelled with its value."""
+    hue_order, palette, arms = _hue(df)
+    sns.barplot(df, x=x, y=y, hue="label", order=order, hue_order=hue_order, palette=palette, ax=ax,
+                estimator=np.median, errorbar=None if span else _ci, err_kws=dict(linewidth=1, color="0.15"),
+                capsize=0.15, saturation=1)
+    for box, lab in zip(ax.containers, hue_order) if span else ():
+        r = df[df["label"] == lab].groupby(x)[[y, *span]].median().reindex(order)
+        for p, (v, lo, hi) in zip(box.patches, r.to_numpy()):
+            ax.plot([p.get_x() + p.get_width() / 2] * 2, [lo, hi], color="0.15", lw=1)
     if log:
         ax.set_yscale("log")
+    tops = {round(float(np.mean(ln.get_xdata())), 6): np.nanmax(ln.get_ydata()) for ln in ax.lines
+            if len(ln.get_xdata()) == 2 and ln.get_xdata()[0] == ln.get_xdata()[1]}   # the error bars
+    for c, lab in zip(ax.containers, hue_order):
+        a = allocators.arm(arms[lab])
+        for p in c.patches:
+            h, xc = p.get_height(), p.get_x() + p.get_width() / 2
+            p.set_hatch(a.hatch)
+            p.set_edgecolor("black" if a.name.startswith("xpool") else "none")
+            if np.isfinite(h):        # the value, above its interval
+                ax.annotate(fmt(h), (xc, max(h, tops.get(round(xc, 6), h))), xytext=(0, 3), fontsize=7,
+                            textcoords="offset points", ha="center", va="bottom", rotation=rotate)
+    for handle, text in zip(*ax.get_legend_handles_labels()):     # what every legend of the figure is made from
+        if text in arms:
+            handle.set_hatch(allocators.arm(arms[text]).hatch)
+    if labels:
+        ax.set_xticks(range(len(order)), [labels(v) for v in order], fontsize=8.5)
+    ax.set_xlabel("")
     ax.margins(y=0.15)
     ax.grid(axis="y", alpha=0.3)
 
 
-def _end_labels(ax, points, fmt, min_gap=0.045, log_x=False):
-    """Label line ends (x, y, colour) to their right, nudged apart so close values stay readable."""
-    lo, hi = ax.get_ylim()
-    xlo, xhi = ax.get_xlim()
-    gap = min_gap * (hi - lo)
-    placed = []
-    for x, y, color in sorted(points, key=lambda p: p[1]):
-        ty = max(y, placed[-1] + gap) if placed else y
-        placed.append(ty)
-        tx = x * (xhi / xlo) ** 0.02 if log_x else x + 0.02 * (xhi - xlo)
-        ax.text(tx, ty, fmt(y), va="center", fontsize=8, color=color)
-    return placed
+def lines(ax, df, x, y):
+    """Lines of y against x per arm: medians with their intervals, styled from the arms table."""
+    hue_order, palette, arms = _hue(df)
+    markers = {lab: allocators.arm(arms[lab]).marker or "." for lab in hue_order}
+    dashes = {lab: {"-": "", "--": (4, 2), ":": (1, 2), "-.": (4, 1, 1, 1)}[allocators.arm(arms[lab]).ls]
+              for lab in hue_order}
+    sns.lineplot(df, x=x, y=y, hue="label", style="label", hue_order=hue_order, style_order=hue_order,
+                 palette=palette, markers=markers, dashes=dashes, estimator=np.median, errorbar=_ci,
+                 err_style="bars", err_kws=dict(capsize=2), ax=ax)
+    ax.grid(alpha=0.3)
+
+
+def _log2(ax, ticks, fmt=str):
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [fmt(t) for t in ticks])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _logy(ax):
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def _empty(ax, text):
@@ -246,63 +196,27 @@ def _empty(ax, text):
     ax.set_yticks([])
 
 
-def _median(df, keys, cols):
-    """Median over trials: one row per key combination."""
-    cols = [c for c in cols if c in df]
-    return df.groupby(keys, sort=False)[cols].median().reset_index()
-
-
-def _stat(df, keys, col):
-    """Median of `col` over trials with its 95% interval (col_lo, col_hi; NaN for a single run) per key."""
-    return intervals.summarize(df, keys, col)
-
-
-def _yerr(s: pd.DataFrame, col: str) -> np.ndarray:
-    """matplotlib's yerr (2 x n, distances below and above) from col_lo/col_hi; 0 where there is no interval."""
-    lo = (s[col] - s[f"{col}_lo"]).to_numpy(dtype=float)
-    hi = (s[f"{col}_hi"] - s[col]).to_numpy(dtype=float)
-    return np.nan_to_num(np.vstack([lo, hi]), nan=0.0).clip(min=0)
-
-
-def trials_note(df: pd.DataFrame, keys) -> str:
-    """The caption's sentence on what a point is: a median of n trials with an interval, or a single run.
-
-    Args:
-        df: the frame a panel is drawn from.
-        keys: the columns naming one point.
-
-    Returns:
-        A sentence.
-    """
-    n = df.groupby(list(keys), sort=False).size() if len(df) else pd.Series([], dtype=int)
-    if "trial" not in df or not len(n) or n.max() < 2:
-        return "One row per point in this CSV (measured before every trial was kept): no interval."
-    lo, hi = int(n.min()), int(n.max())
-    count = f"{lo}" if lo == hi else f"{lo}-{hi}"
-    return f"Median of {count} interleaved trials per point; bars: 95% bootstrap interval."
-
-
 # ---------------------------------------------------------------------------------------------------------
-# 01: correctness
+# Correctness
 
-_PARAM = re.compile(r"^(wte|wpe|lm_head\.\w+|ln_f\.\w+|h\.\d+\.\S+)$")
+_FAMILIES = ((r"^transparency: ", "bitwise transparency: an allocator = raw cudaMalloc"),
+             (r"^grad GPT loss", "gradient of the GPT loss by finite differences"),
+             (r"^grad ", "op gradients by finite differences (float64)"),
+             (r"^fused .* (float\d+) vs NumPy$", r"fused kernels against NumPy, \1"),
+             (r"^torch grad (float\d+(?: fused| unfused)?) \S+$", r"PyTorch parity: every parameter's gradient, \1"),
+             (r"^torch AdamW", "PyTorch parity: AdamW steps"), (r"^torch ", "PyTorch parity: logits and loss"))
 
 
-def _check_group(name: str) -> str:
-    """Per-parameter checks ('torch grad float64 h.0.ln_1.w') collapse to one row showing the worst."""
-    head, _, last = name.rpartition(" ")
-    return f"{head} (worst parameter)" if head and _PARAM.match(last) else name
+def family(check: str) -> str:
+    """The group a check belongs to in the figure (every row stays in the CSV and the notebook's table)."""
+    for pattern, name in _FAMILIES:
+        if re.match(pattern, check):
+            return re.sub(pattern, name, check) if "\\" in name else name
+    return check
 
 
 def with_device(df: pd.DataFrame) -> pd.DataFrame:
-    """A copy with a `device` column ('cpu'/'gpu') filled in where a CSV lacks it, from the array module.
-
-    Args:
-        df: correctness rows.
-
-    Returns:
-        A new DataFrame.
-    """
+    """A copy with a `device` column ('cpu'/'gpu') where a CSV lacks one, from the array module."""
     df = df.copy()
     guess = (df["xp"].astype(str) == "cupy").map({True: "gpu", False: "cpu"}) if "xp" in df else "cpu"
     df["device"] = df["device"].fillna(guess) if "device" in df else guess
@@ -310,29 +224,20 @@ def with_device(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def correctness(df: pd.DataFrame) -> Figure:
-    """Each check's measured error as a multiple of its threshold (log scale; left of 1 passes).
-
-    Exact checks (threshold 0: bitwise identity, mismatch counts) get a row with their verdict instead of
-    a bar. Per-parameter checks collapse to their worst parameter. One panel per device ('cpu', 'gpu').
-
-    Args:
-        df: correctness rows of one or both devices, as read from the CSV (one row per trial, or the old one row per configuration).
-
-    Returns:
-        A matplotlib Figure (Agg canvas).
-    """
+    """Per device, each family of checks: its worst error as a multiple of its threshold (log scale; left of 1
+    passes), and how many of its checks pass. Exact checks (threshold 0) are marked instead of drawn."""
     df = with_device(df)
-    devices = list(pd.unique(df["device"]))
-    df["group"] = df["check"].map(_check_group)
+    df["group"] = df["check"].map(family)
     df["ratio"] = np.where(df["threshold"] > 0, df["measured"] / df["threshold"].where(df["threshold"] > 0), 0.0)
     df.loc[df["ratio"].isna(), "ratio"] = np.inf        # NaN never passes: draw it past the line
     df["exact"] = df["threshold"] <= 0
-    rows = df.groupby(["device", "group"], sort=False).agg(ratio=("ratio", "max"), passed=("passed", "all"),
-                                                           exact=("exact", "all"), measured=("measured", "max"))
+    rows = df.groupby(["device", "group"], sort=False).agg(ratio=("ratio", "max"), passed=("passed", "sum"),
+                                                           n=("passed", "size"), exact=("exact", "all"),
+                                                           measured=("measured", "max"))
+    devices = sorted(pd.unique(df["device"]), key=lambda d: (d != "cpu", d))
     sizes = [len(rows.loc[d]) for d in devices]
-    fig = Figure(figsize=(10, 1.3 + 0.2 * sum(sizes) + 0.6 * len(devices)), layout="constrained", dpi=110)
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(len(devices), 1, squeeze=False, sharex=True, gridspec_kw=dict(height_ratios=sizes))
+    fig, axes = _figure(len(devices), 1, size=(10, 1.6 + 0.24 * sum(sizes) + 0.6 * len(devices)), sharex=True,
+                        gridspec_kw=dict(height_ratios=sizes))
     finite = df["ratio"][np.isfinite(df["ratio"]) & (df["ratio"] > 0)]
     lo = min(1e-6, finite.min() / 3) if len(finite) else 1e-6
     hi = max(10.0, finite.max() * 3) if len(finite) else 10.0
@@ -341,20 +246,17 @@ def correctness(df: pd.DataFrame) -> Figure:
         ax.set_title(f"{dev.upper()}: {int(sub['passed'].sum())} of {len(sub)} checks pass", fontsize=10, loc="left")
         w = rows.loc[dev].iloc[::-1]
         y = np.arange(len(w))
+        ok = (w["passed"] == w["n"]).to_numpy()
         tol = ~w["exact"].to_numpy()
-        ratios = w["ratio"].clip(lower=lo, upper=hi).to_numpy()
-        colors = np.array([PASS_COLOR if p else FAIL_COLOR for p in w["passed"]])
-        ax.barh(y[tol], ratios[tol] - lo, left=lo, color=colors[tol], height=0.7)
-        for yi, r, exact, passed, measured in zip(y, w["ratio"], w["exact"], w["passed"], w["measured"]):
-            if exact:
-                txt = "exact: measured 0 ✓" if passed else f"exact: measured {measured:g}, must be 0 ✗"
-                ax.annotate(txt, (lo, yi), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7,
-                            color=PASS_COLOR if passed else FAIL_COLOR, fontweight="bold")
-                continue
-            txt = "0" if r == 0 else ("NaN" if not np.isfinite(r) else f"{r:.1g}")
-            ax.annotate(txt, (max(min(r, hi), lo), yi), xytext=(3, 0), textcoords="offset points",
-                        va="center", fontsize=7)
-        ax.set_yticks(y, [g if len(g) <= 70 else g[:67] + "..." for g in w.index], fontsize=7.5)
+        ax.barh(y[tol], w["ratio"].clip(lower=lo, upper=hi).to_numpy()[tol] - lo, left=lo, height=0.7,
+                color=np.where(ok, PASS_COLOR, FAIL_COLOR)[tol])
+        for yi, r, exact, good, measured in zip(y, w["ratio"], w["exact"], ok, w["measured"]):
+            txt = (("exact: measured 0 ✓" if good else f"exact: measured {measured:g}, must be 0 ✗") if exact else
+                   "0" if r == 0 else "NaN" if not np.isfinite(r) else f"{r:.1g}")
+            ax.annotate(txt, (lo if exact else max(min(r, hi), lo), yi), xytext=(3, 0), textcoords="offset points",
+                        va="center", fontsize=7, color=(PASS_COLOR if good else FAIL_COLOR) if exact else "black")
+        ax.set_yticks(y, [f"{g} ({int(p)} of {int(n)})" for g, p, n in zip(w.index, w["passed"], w["n"])],
+                      fontsize=7.5)
         ax.set_xscale("log")
         ax.set_xlim(lo, hi)
         ax.set_ylim(-0.7, len(w) - 0.3)
@@ -362,406 +264,273 @@ def correctness(df: pd.DataFrame) -> Figure:
         ax.text(1.15, 0.99, "threshold", transform=ax.get_xaxis_transform(), va="top", fontsize=8)
         ax.grid(axis="x", alpha=0.3)
         ax.tick_params(labelbottom=True)
-    axes[-1, 0].set_xlabel("measured error / threshold (dimensionless, log scale; below 1 passes)")
+    axes[-1, 0].set_xlabel("worst measured error / threshold in the family (log scale; below 1 passes)")
     return _finish(fig, "Correctness gate: every check's error against its threshold", df,
-                   "Bars: each check's error in multiples of its threshold (per-parameter checks: the worst "
-                   "parameter); green passes, red fails.")
+                   "A bar: the worst check of a family, in multiples of its threshold (checks passing of the family "
+                   "in brackets); green: every check passes, red: one fails. Every check is a row of the CSV.")
 
 
 # ---------------------------------------------------------------------------------------------------------
-# 02: allocator microbenchmark
-
-
-def _size_axis(ax, sizes):
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [fmt_bytes(s) for s in sizes])
-    ax.xaxis.set_minor_formatter(NullFormatter())
-
-
-def _sweep(df: pd.DataFrame, name: str) -> pd.DataFrame:
-    """The rows of one sweep of xlab.bench.alloc ('size' or 'threads'). The two sweeps both have a
-    one-thread 64 KiB case, timed differently (main thread vs a worker), so they must not be pooled."""
-    if "sweep" in df:
-        return df[df["sweep"] == name]
-    return df[df["threads"] == df["threads"].min()] if name == "size" else df
+# The allocator microbenchmark
 
 
 def alloc_cost(df: pd.DataFrame) -> Figure:
-    """µs per alloc/free pair against request size (one thread), and each allocator's time over CuPy's pool's
-    in the same trial; medians over trials with 95% intervals.
-
-    Args:
-        df: xlab.bench.alloc rows, as read from the CSV (one row per trial, or the old one row per configuration).
-
-    Returns:
-        A matplotlib Figure (Agg canvas).
-    """
-    one = _sweep(df, "size")
-    m = _stat(one, ["allocator", "size_bytes"], "us_per_pair")
-    if "ratio_vs_cupy_pool" in one:
-        rel_df = _stat(one.assign(time_vs_cupy_pool=1 / one["ratio_vs_cupy_pool"]), ["allocator", "size_bytes"],
-                       "time_vs_cupy_pool")
-    else:
-        rel_df = pd.DataFrame(columns=["allocator", "size_bytes", "time_vs_cupy_pool", "time_vs_cupy_pool_lo",
-                                       "time_vs_cupy_pool_hi"])
-    has_ref = (m["allocator"] == "cupy_pool").any()
-    sizes = sorted(m["size_bytes"].unique())
-    fig, axes = _figure(1, 2, size=(13, 5.2))
+    """µs per alloc/free pair against request size (one thread), and each arm's time over CuPy's pool's in the
+    same trial; medians over trials with 95% intervals."""
+    d = labelled(df)
+    sizes = sorted(d["size_bytes"].unique())
+    fig, axes = _figure(1, 2, size=(13.5, 6.2))
     ax, rel = axes[0]
-    for a in ordered(m["allocator"].unique()):
-        s = m[m["allocator"] == a].sort_values("size_bytes")
-        st = style(a)
-        kw = dict(color=st["color"], marker=st["marker"], ls=st["ls"], lw=st["lw"], label=st["label"], capsize=2)
-        ax.errorbar(s["size_bytes"], s["us_per_pair"], yerr=_yerr(s, "us_per_pair"), **kw)
-        r = rel_df[rel_df["allocator"] == a].sort_values("size_bytes")
-        if a not in ("raw", "raw_held", "cupy_pool") and r["time_vs_cupy_pool"].notna().any():
-            rel.errorbar(r["size_bytes"], r["time_vs_cupy_pool"], yerr=_yerr(r, "time_vs_cupy_pool"), **kw)
-    _size_axis(ax, sizes)
-    ax.set_yscale("log")
-    ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.yaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("request size (bytes, log scale)")
-    ax.set_ylabel("µs per alloc/free pair (log scale; lower is faster)")
-    ax.set_title("Cost of a = cupy.empty(n, uint8); del a, one thread")
-    ax.grid(alpha=0.3, which="both")
-    _size_axis(rel, sizes)
-    if has_ref:
-        rel.axhline(1.0, color=style("cupy_pool")["color"], lw=1.6)
-        rel.text(0.01, 1.0, "CuPy MemoryPool = 1", transform=rel.get_yaxis_transform(), ha="left", va="bottom",
-                 fontsize=8, color=style("cupy_pool")["color"])
+    lines(ax, d, "size_bytes", "us_per_pair")
+    _log2(ax, sizes, fmt_bytes)
+    _logy(ax)
+    ax.set(xlabel="request size (bytes, log scale)", ylabel="µs per alloc/free pair (log scale; lower is faster)",
+           title="Cost of a = cupy.empty(n, uint8); del a, one thread")
+    r = d[~d["arm"].isin(["raw", "raw_held", "cupy_pool"])].dropna(subset=["time_vs_cupy_pool"])
+    if len(r):
+        lines(rel, r, "size_bytes", "time_vs_cupy_pool")
+        rel.get_legend().remove()
+        rel.axhline(1.0, color=allocators.arm("cupy_pool").color, lw=1.6)
+        rel.text(0.01, 1.0, "CuPy MemoryPool = 1", transform=rel.get_yaxis_transform(), va="bottom", fontsize=8)
         rel.set_ylim(bottom=0)
     else:
         _empty(rel, "CuPy MemoryPool not measured: no reference")
-    rel.set_xlabel("request size (bytes, log scale)")
-    rel.set_ylabel("time per pair / CuPy MemoryPool's, same trial (below 1: faster)")
-    rel.set_title("Relative to the default CuPy pool (raw cudaMalloc left out: off the scale)")
-    rel.grid(alpha=0.3)
-    return _finish(fig, "Allocator cost per allocation: xpool against its peers and raw cudaMalloc", df,
-                   trials_note(one, ["allocator", "size_bytes"]) + " Each point times many alloc/free pairs "
+    _log2(rel, sizes, fmt_bytes)
+    rel.set(xlabel="request size (bytes, log scale)", ylabel="time per pair / CuPy MemoryPool's, same trial (below 1: "
+            "faster)", title="Relative to the default CuPy pool (raw cudaMalloc left out: off the scale)")
+    return _finish(fig, "Allocator cost per allocation: xpool against its peers and raw cudaMalloc", d,
+                   trials_note(d, ["arm", "size_bytes", "csv"]) + " Each point times many alloc/free pairs "
                    "through CuPy's array path.", legend_from=ax)
 
 
-def _thread_size(df, size_bytes):
-    if size_bytes is not None and (df["size_bytes"] == size_bytes).any():
-        return size_bytes
-    multi = df.groupby("size_bytes")["threads"].nunique()
-    multi = multi[multi == multi.max()]
-    return 65536 if 65536 in multi.index else int(multi.index[len(multi) // 2])
-
-
-def alloc_threads(df: pd.DataFrame, size_bytes: int | None = None) -> Figure:
-    """Thousands of alloc/free pairs per second (all threads together) against threads on one GPU.
-
-    Args:
-        df: xlab.bench.alloc rows.
-        size_bytes: the request size to draw (default: 64 KiB, or the size measured at most thread counts).
-
-    Returns:
-        A matplotlib Figure (Agg canvas).
-    """
-    df = _sweep(df, "threads")
-    size = _thread_size(df, size_bytes)
-    sized = df[df["size_bytes"] == size]
-    s = _stat(sized, ["allocator", "threads"], "kpairs_per_s")
-    threads = sorted(s["threads"].unique())
-    fig, axes = _figure(1, 1, size=(9, 5.2))
+def alloc_threads(df: pd.DataFrame, size_bytes: int = 65536) -> Figure:
+    """Thousands of alloc/free pairs per second (all threads together) against threads on one GPU."""
+    d = labelled(df[df["size_bytes"] == size_bytes])
+    threads = sorted(d["threads"].unique())
+    fig, axes = _figure(1, 1, size=(10, 6.4))
     ax = axes[0][0]
-    ends = []
-    for a in ordered(s["allocator"].unique()):
-        t = s[s["allocator"] == a].sort_values("threads")
-        st = style(a)
-        ax.errorbar(t["threads"], t["kpairs_per_s"], yerr=_yerr(t, "kpairs_per_s"), color=st["color"],
-                    marker=st["marker"] or "o", ls=st["ls"], lw=st["lw"], label=st["label"], capsize=2)
-        last = t.iloc[-1]
-        ends.append((last["threads"], last["kpairs_per_s"], st["color"]))
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(threads, [str(t) for t in threads])
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_ylim(0, 1.08 * np.nanmax(np.r_[s["kpairs_per_s"], s["kpairs_per_s_hi"]]))
-    ax.set_xlim(min(threads) / 1.15, max(threads) * 1.3)
-    _end_labels(ax, ends, lambda v: f"{v:.0f}k", log_x=True)
-    ax.set_xlabel("threads allocating on the same GPU")
-    ax.set_ylabel("thousand alloc/free pairs per second (all threads)")
-    ax.set_title(f"{fmt_bytes(size)} requests; higher is better, flat or rising means no lock contention")
-    ax.grid(alpha=0.3)
-    return _finish(fig, "Several threads on one GPU: allocation throughput", df,
-                   trials_note(sized, ["allocator", "threads"]), legend_from=ax, ncol=3)
+    lines(ax, d, "threads", "kpairs_per_s")
+    _log2(ax, threads)
+    ax.set_ylim(0, None)
+    ax.set(xlabel="threads allocating on the same GPU", ylabel="thousand alloc/free pairs per second (all threads)",
+           title=f"{fmt_bytes(size_bytes)} requests; higher is better, flat or rising means no lock contention")
+    return _finish(fig, "Several threads on one GPU: allocation throughput", d,
+                   trials_note(d, ["arm", "threads", "csv"]), legend_from=ax)
+
+
+def torch_interop(df: pd.DataFrame) -> Figure:
+    """PyTorch through xpool against PyTorch's own caching allocator: µs per torch.empty+del pair by size, and a
+    training step's tokens/s; medians of interleaved trials (each arm a fresh process) with 95% intervals."""
+    d = labelled(df, "arm")
+    fig, axes = _figure(1, 2, size=(12, 5.2))
+    left, right = axes[0]
+    e = d[d["case"] == "empty_del"]
+    sizes = sorted(e["size_bytes"].unique())
+    bars(left, e, "size_bytes", "value", sizes, fmt=lambda v: f"{v:.2f}", labels=lambda n: fmt_bytes(n))
+    left.set(ylabel="µs per torch.empty + del pair (lower is better)", title="Allocation cost through PyTorch")
+    t = d[d["case"] == "train_step"].assign(k=lambda f: f["value"] / 1e3, case="training step")
+    bars(right, t, "case", "k", ["training step"], fmt=lambda v: f"{v:.1f}k")
+    right.get_legend().remove()
+    right.set(ylabel="thousand tokens per second (higher is better)", title="PyTorch's training step (parity model)")
+    return _finish(fig, "CuPy and PyTorch in one pool: PyTorch through xpool", d,
+                   trials_note(d, ["arm", "case", "size_bytes"]), legend_from=left)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# 03: single GPU
+# One GPU
 
-
-def _by_batch(df, col):
-    """(median, lo, hi) tables: rows batch (largest first), columns allocators in house order."""
-    s = _stat(df, ["batch", "allocator"], col)
-    out = []
-    for c in (col, f"{col}_lo", f"{col}_hi"):
-        t = s.pivot(index="batch", columns="allocator", values=c).sort_index(ascending=False)
-        out.append(t[ordered(t.columns)])
-    return out
+SINGLE_PANELS = (
+    ("tokens_per_s", "tokens per second (higher is better)", "Training throughput", fmt_si),
+    ("host_ms_per_step", "ms of the dispatching thread's CPU time per step", "Host work per step (thread CPU time)",
+     lambda v: f"{v:.0f}"),
+    ("gpu_ms_per_step", "ms per step on the GPU's stream (CUDA events)",
+     "Step span on the GPU stream (= wall time when host-bound)", lambda v: f"{v:.0f}"),
+    ("gpu_util_mean", "mean GPU utilisation (%)", "GPU busy (NVML; a 10-step window at batch 4 reads low)",
+     lambda v: f"{v:.0f}%"),
+    ("device_mallocs_per_step", "cudaMalloc calls per step (symlog scale)",
+     "Device mallocs per training step (after warm-up)", lambda v: f"{v:.4g}"),
+    ("reserved_over_requested", "peak reserved / peak requested bytes", "Memory held at the peak over what was asked",
+     lambda v: f"{v:.3f}"),
+)
 
 
 def single_gpu(df: pd.DataFrame) -> Figure:
-    """Tokens/s, GPU utilisation, device mallocs per step and peak reserved/requested, per allocator and batch.
-
-    Args:
-        df: single_gpu rows, as read from the CSV (one row per trial, or the old one row per configuration).
-
-    Returns:
-        A matplotlib Figure (Agg canvas).
-    """
-    d = df[df["mode"] == "single"] if "mode" in df and (df["mode"] == "single").any() else df
-    fig, axes = _figure(3, 2, size=(13, 12.5))
-    panels = [
-        ("tokens_per_s", "tokens per second (higher is better)", "Training throughput", fmt_si, False),
-        ("host_ms_per_step", "ms of the dispatching thread's CPU time per step",
-         "Host work per step (thread CPU time)", lambda v: f"{v:.0f}", False),
-        ("gpu_ms_per_step", "ms per step on the GPU's stream (CUDA events)",
-         "Step span on the GPU stream (= wall time when host-bound)", lambda v: f"{v:.0f}", False),
-        ("gpu_util_mean", "mean GPU utilisation (%)", "GPU busy (NVML utilisation, mean over timed steps)",
-         lambda v: f"{v:.0f}%", False),
-        ("device_mallocs_per_step", "cudaMalloc calls per step (log scale)",
-         "Device mallocs per training step (after warm-up)", lambda v: f"{v:.4g}", True),
-        ("reserved_over_requested", "peak reserved / peak requested bytes",
-         "Memory overhead: reserved vs requested at the peak", lambda v: f"{v:.2f}", False),
-    ]
-    for ax, (col, ylabel, title, fmt, log) in zip(axes.flat, panels):
+    """Per arm and batch: tokens/s, host and GPU ms per step, GPU utilisation, device mallocs per step and peak
+    reserved over peak requested."""
+    d = labelled(df[df["mode"] == "single"] if "mode" in df else df)
+    batches = sorted(d["batch"].unique(), reverse=True)
+    fig, axes = _figure(3, 2, size=(13.5, 13.5))
+    for ax, (col, ylabel, title, fmt) in zip(axes.flat, SINGLE_PANELS):
+        ax.set_title(title, fontsize=10)
         if col not in d or d[col].isna().all():
             _empty(ax, f"no {col} in the CSV")
-            ax.set_title(title)
             continue
-        t, lo, hi = _by_batch(d, col)
-        if log:
-            t, lo, hi = t.clip(lower=0.5), None, None  # exact counts: no interval; 0 drawn as a stub, relabelled
-        _grouped_bars(ax, t, fmt=(lambda v: "0" if v <= 0.5 else fmt(v)) if log else fmt, log=log, lo=lo, hi=hi)
-        ax.set_xticklabels([f"batch {b}" for b in t.index])
+        bars(ax, d.dropna(subset=[col]), "batch", col, batches, fmt=fmt, labels=lambda b: f"batch {b}")
         ax.set_ylabel(ylabel)
-        ax.set_title(title, fontsize=10)
         if col == "tokens_per_s":
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt_si(v)))
-        if log:
-            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        if col == "device_mallocs_per_step":
+            ax.set_yscale("symlog", linthresh=1)      # 0 is a bar of height 0, labelled 0
         if col == "reserved_over_requested":
             ax.axhline(1.0, color="black", lw=0.8)
-            ax.set_ylim(bottom=min(0.9, float(np.nanmin(t.to_numpy())) - 0.05))
-    return _finish(fig, "One GPU: the small GPT's training step under each allocator", df,
-                   trials_note(d, ["batch", "allocator"]) + " Each trial times the steps after warm-up; a pool's "
-                   "0 mallocs per step are drawn as a stub.", legend_from=axes[0][0])
+            ax.set_ylim(bottom=0)
+        if ax is not axes[0][0]:
+            ax.get_legend().remove()
+    return _finish(fig, "One GPU: the small GPT's training step under each allocator", d,
+                   trials_note(d, ["batch", "arm", "csv"]) + " Each trial times the steps after warm-up.",
+                   legend_from=axes[0][0])
 
 
 # ---------------------------------------------------------------------------------------------------------
-# 04: several GPUs
+# Several GPUs
 
 
 def _modes(df):
-    return [m for m in ("threads", "processes") if m in set(df["mode"])] or list(pd.unique(df["mode"]))
-
-
-def _scaling_frame(df):
-    """Multi-GPU rows plus, for every mode, the single-GPU rows as its world=1 point."""
-    d = df.copy()
-    single = d[d["mode"] == "single"]
-    parts = [d[d["mode"] != "single"]]
-    for m in _modes(d[d["mode"] != "single"]) if (d["mode"] != "single").any() else []:
-        have1 = ((d["mode"] == m) & (d["world"] == 1)).any()
-        if not have1 and len(single):
-            parts.append(single.assign(mode=m))
-    return pd.concat(parts, ignore_index=True)
+    return [m for m in ("threads", "processes") if m in set(df["mode"])]
 
 
 def ddp_scaling(df: pd.DataFrame) -> Figure:
-    """Tokens/s and speedup against the number of GPUs: one column per mode (threads, processes); medians over
-    trials with 95% intervals (a speedup is trial t on N GPUs over trial t on one).
-
-    Args:
-        df: ddp_scaling rows (single_gpu rows may stand in for world 1), as read from the CSV (one row per trial, or the old one row per configuration).
-
-    Returns:
-        A matplotlib Figure (Agg canvas).
-    """
-    d = _scaling_frame(df)
-    modes = _modes(d)
-    fig, axes = _figure(2, len(modes), size=(6.5 * len(modes), 8.5), sharey="row")
-    worlds = sorted(d["world"].unique())
-    ends = []                                 # (column, world, speedup, colour) of each line's last point
+    """Tokens/s and speedup against the number of GPUs, one column per mode; a speedup is trial t on N GPUs over
+    trial t on one."""
+    d = labelled(df[df["mode"] != "single"])
+    modes, worlds = _modes(d), sorted(d["world"].unique())
+    fig, axes = _figure(2, len(modes), size=(6.8 * len(modes), 9), sharey="row")
     for j, mode in enumerate(modes):
-        sub = d[d["mode"] == mode]
-        tps = _stat(sub, ["allocator", "world"], "tokens_per_s")
-        spd = _stat(sub, ["allocator", "world"], "speedup")
         top, bottom = axes[0][j], axes[1][j]
-        for a in ordered(tps["allocator"].unique()):
-            st = style(a)
-            kw = dict(color=st["color"], marker=st["marker"] or "o", ls=st["ls"], lw=st["lw"], label=st["label"],
-                      capsize=2)
-            s = tps[tps["allocator"] == a].sort_values("world")
-            top.errorbar(s["world"], s["tokens_per_s"], yerr=_yerr(s, "tokens_per_s"), **kw)
-            s = spd[spd["allocator"] == a].sort_values("world")
-            bottom.errorbar(s["world"], s["speedup"], yerr=_yerr(s, "speedup"), **kw)
-            last = s.iloc[-1]
-            ends.append((j, last["world"], last["speedup"], st["color"]))
+        sub = d[d["mode"] == mode]
+        lines(top, sub, "world", "tokens_per_s")
+        lines(bottom, sub, "world", "speedup")
         bottom.plot(worlds, worlds, color="black", ls="--", lw=0.8, label="ideal (linear)")
-        top.set_title(MODES.get(mode, mode), fontsize=11)
+        top.set_title(MODES[mode], fontsize=11)
+        top.yaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt_si(v)))
         for ax in (top, bottom):
             ax.set_xticks(worlds, [str(w) for w in worlds])
             ax.set_xlabel("GPUs")
-            ax.grid(alpha=0.3)
-            ax.set_xlim(min(worlds) - 0.2, max(worlds) + 0.5)
-        top.yaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt_si(v)))
+            if j or ax is top:
+                ax.get_legend().remove()
     axes[0][0].set_ylim(0, 1.08 * d["tokens_per_s"].max())
-    axes[1][0].set_ylim(0, 1.08 * max(d["speedup"].max(), max(worlds)))
-    for j in range(len(modes)):
-        _end_labels(axes[1][j], [(w, v, c) for jj, w, v, c in ends if jj == j], lambda v: f"{v:.2f}×")
+    axes[1][0].set_ylim(0, 1.1 * max(d["speedup"].max(), max(worlds)))
     axes[0][0].set_ylabel("tokens per second, all GPUs (higher is better)")
     axes[1][0].set_ylabel("speedup over the same allocator on 1 GPU (×)")
-    batch = ", ".join(str(b) for b in sorted(d["batch"].unique())) if "batch" in d else "?"
-    return _finish(fig, "Several GPUs: data-parallel training throughput and speedup", df,
+    batch = ", ".join(str(b) for b in sorted(d["batch"].unique()))
+    return _finish(fig, "Several GPUs: data-parallel training throughput and speedup", d,
                    f"Batch {batch} per GPU; gradients all-reduced with NCCL each step. "
-                   + trials_note(d, ["mode", "allocator", "world"]), legend_from=axes[1][0], ncol=3)
+                   + trials_note(d, ["mode", "arm", "world"]), legend_from=axes[1][0])
 
 
 def ddp_before_after(df: pd.DataFrame) -> Figure:
-    """Before/after at the largest world: speedup and GPU utilisation per mode and allocator.
-
-    Args:
-        df: ddp_scaling rows, as read from the CSV (one row per trial, or the old one row per configuration).
-
-    Returns:
-        A matplotlib Figure (Agg canvas).
-    """
-    d = _scaling_frame(df)
-    d = d[d["mode"] != "single"]
+    """At the largest world: speedup and GPU utilisation per mode and arm, before (raw) and after (a pool)."""
+    d = df[df["mode"] != "single"]
     world = int(d["world"].max())
-    top = d[d["world"] == world]
+    top = labelled(d[d["world"] == world])
     modes = _modes(top)
-    fig, axes = _figure(1, 2, size=(13, 5.2))
+    fig, axes = _figure(1, 2, size=(13.5, 5.8))
     sp, ut = axes[0]
     for ax, col, ylabel, fmt in ((sp, "speedup", f"speedup on {world} GPUs over 1 GPU (×)", lambda v: f"{v:.2f}×"),
                                  (ut, "gpu_util_mean", "mean GPU utilisation (%)", lambda v: f"{v:.0f}%")):
-        if col not in top or top[col].isna().all():
-            _empty(ax, f"no {col} in the CSV")
-            continue
-        st = _stat(top, ["mode", "allocator"], col)
-        t, lo, hi = [st.pivot(index="mode", columns="allocator", values=c) for c in (col, f"{col}_lo", f"{col}_hi")]
-        keep = [m for m in modes if m in t.index]
-        cols = ordered(t.columns)
-        _grouped_bars(ax, t.loc[keep, cols], fmt=fmt, lo=lo.loc[keep, cols], hi=hi.loc[keep, cols])
-        ax.set_xticklabels([MODES.get(m, m) for m in t.index], fontsize=9)
+        bars(ax, top.dropna(subset=[col]), "mode", col, modes, fmt=fmt, labels=lambda m: MODES[m])
         ax.set_ylabel(ylabel)
+    ut.get_legend().remove()
     sp.axhline(world, color="black", ls="--", lw=0.8)
     sp.text(-0.45, world, f"ideal {world}×", va="bottom", fontsize=8)
     sp.set_title(f"Speedup on {world} GPUs: before (raw cudaMalloc) → after (a pool)", fontsize=10)
     ut.set_title(f"GPU utilisation on {world} GPUs", fontsize=10)
     ut.set_ylim(0, 110)
-    return _finish(fig, f"{world} GPUs: what the allocator changes", df, trials_note(top, ["mode", "allocator"]),
+    return _finish(fig, f"{world} GPUs: what the allocator changes", top, trials_note(top, ["mode", "arm"]),
                    legend_from=sp)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# 04: batch sweep
-
-
 def batch_sweep(df: pd.DataFrame) -> Figure:
-    """Threads on N GPUs against 1, by per-GPU batch: the speedup (median, 95% interval), and the one-GPU step's
-    host work against its GPU work, whose crossing is where the host bound ends.
-
-    Args:
-        df: batch_sweep rows, as read from the CSV (one row per trial, or the old one row per configuration).
-
-    Returns:
-        A matplotlib Figure (Agg canvas).
-    """
-    d = df[df["mode"] == "threads"] if "mode" in df else df
-    world = int(d["world"].max())
-    fig, axes = _figure(1, 2, size=(13, 5.4))
+    """One thread per GPU on N GPUs against 1, by per-GPU batch: the speedup, and on one GPU the step's host time
+    (thread CPU time) against its wall time: where they part, the GPU and not the host bounds the step."""
+    d = labelled(df[df["mode"] == "threads"] if "mode" in df else df)
+    world, batches = int(d["world"].max()), sorted(d["batch"].unique())
+    fig, axes = _figure(1, 2, size=(13.5, 6))
     sp, ms = axes[0]
-    top = d[d["world"] == world]
-    spd = _stat(top, ["allocator", "batch"], "speedup")
-    batches = sorted(d["batch"].unique())
-    for a in ordered(spd["allocator"].unique()):
-        s = spd[spd["allocator"] == a].sort_values("batch")
-        st = style(a)
-        sp.errorbar(s["batch"], s["speedup"], yerr=_yerr(s, "speedup"), color=st["color"], marker=st["marker"] or "o",
-                    ls=st["ls"], lw=st["lw"], label=st["label"], capsize=2)
+    lines(sp, d[d["world"] == world], "batch", "speedup")
     sp.axhline(world, color="black", ls="--", lw=0.8)
     sp.text(batches[0], world, f" ideal {world}×", va="bottom", fontsize=8)
-    sp.set_ylim(0, 1.15 * np.nanmax(np.r_[world, spd["speedup"], spd["speedup_hi"]]))
-    sp.set_ylabel(f"speedup, {world} GPUs over 1 (same trial)")
-    sp.set_title(f"One thread per GPU, {world} GPUs: speedup by per-GPU batch", fontsize=10)
-    one = d[d["world"] == 1]
-    pools = [a for a in ordered(one["allocator"].unique()) if a != "raw"]
-    if pools and {"host_ms_per_step", "gpu_busy_ms_per_step"} <= set(one.columns):
-        a = pools[-1] if any(p.startswith("xpool") for p in pools) else pools[0]
-        a = next((p for p in pools if p.startswith("xpool")), a)
-        mine = one[one["allocator"] == a]
-        for col, label, color in (("host_ms_per_step", "host: dispatching thread's CPU time", "#6a3d9a"),
-                                  ("gpu_busy_ms_per_step", "GPU: busy time (wall x NVML utilisation)", "#33a02c")):
-            s = _stat(mine, ["batch"], col).sort_values("batch")
-            ms.errorbar(s["batch"], s[col], yerr=_yerr(s, col), color=color, marker="o", label=label, capsize=2)
-        ms.set_title(f"Where the host bound ends: one GPU, {style(a)['label']}", fontsize=10)
-        ms.legend(fontsize=8, loc="upper left")
-        ms.set_yscale("log")
-        ms.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
-        ms.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ms.yaxis.set_minor_formatter(NullFormatter())
+    sp.set_ylim(0, 1.15 * world)
+    sp.set(ylabel=f"speedup, {world} GPUs over 1 (same trial)",
+           title=f"One thread per GPU, {world} GPUs: speedup by per-GPU batch")
+    one = d[(d["world"] == 1) & (d["arm"] == "xpool")]
+    if len(one) and "host_ms_per_step" in one:
+        both = pd.concat([one.assign(what="host: the dispatching thread's CPU time", ms=one["host_ms_per_step"]),
+                          one.assign(what="wall time per step", ms=one["ms_per_step"])])
+        sns.lineplot(both, x="batch", y="ms", hue="what", palette=["#6a3d9a", "#33a02c"], marker="o",
+                     estimator=np.median, errorbar=_ci, err_style="bars", ax=ms)
+        ms.legend(fontsize=8, loc="upper left", title=None)
+        _logy(ms)
+        ms.set_title("Where the host bound ends: one GPU, xpool (default scheme)", fontsize=10)
     else:
-        _empty(ms, "no host/GPU ms per step in the CSV")
+        _empty(ms, "no host ms per step in the CSV")
     ms.set_ylabel("ms per step (log scale)")
     for ax in (sp, ms):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(batches, [str(b) for b in batches])
-        ax.xaxis.set_minor_formatter(NullFormatter())
+        _log2(ax, batches)
         ax.set_xlabel("sequences per GPU per step (log scale)")
-        ax.grid(alpha=0.3)
-    return _finish(fig, "Batch sweep: where one thread per GPU starts to scale", df,
-                   "Two threads share one GIL: while a step's host work exceeds half its GPU work the speedup stays "
-                   "near 1. " + trials_note(d, ["allocator", "world", "batch"]), legend_from=sp, ncol=3)
+    return _finish(fig, "Batch sweep: where one thread per GPU starts to scale", d,
+                   "Two threads share one GIL: while a step's host time is its wall time, the second thread's host "
+                   "work cannot overlap the first's. " + trials_note(d, ["arm", "world", "batch"]), legend_from=sp)
+
+
+def graph_steps(df: pd.DataFrame) -> Figure:
+    """Eager steps against steps captured as CUDA graphs: threads on the largest world at batch 32, the host's
+    work per step on one GPU, and GPU utilisation on one GPU at the smallest batch (250-step windows)."""
+    d = labelled(df)
+    fig, axes = _figure(1, 3, size=(17, 6))
+    sp, disp, util = axes[0]
+    thr = d[(d["mode"] == "threads") & (d["world"] == d["world"].max())]
+    single = d[d["mode"] == "single"]
+    small = single[single["batch"] == single["batch"].min()] if len(single) else single
+    for ax, rows, col, fmt, log in ((sp, thr, "speedup", lambda v: f"{v:.2f}×", False),
+                                    (disp, single, "dispatch_ms_per_step", lambda v: f"{v:.1f}", True),
+                                    (util, small, "gpu_util_mean", lambda v: f"{v:.0f}%", False)):
+        rows = rows.dropna(subset=[col]) if col in rows else rows.iloc[:0]
+        if not len(rows):
+            _empty(ax, f"no {col} rows")
+            continue
+        bars(ax, rows, "batch", col, sorted(rows["batch"].unique()), fmt=fmt, labels=lambda b: f"batch {b}", log=log)
+        if ax is not sp:
+            ax.get_legend().remove()
+    if len(thr):
+        world = int(thr["world"].max())
+        sp.axhline(world, color="black", ls="--", lw=0.8)
+        sp.set(ylabel=f"speedup, {world} GPUs over 1 (×)", title=f"One thread per GPU, {world} GPUs")
+    disp.set(ylabel="host ms per step (thread CPU time, idle device; log)", title="One GPU: the host's work per step")
+    util.set(ylabel="GPU utilisation, NVML (%)", title="One GPU, smallest batch: how busy the GPU is", ylim=(0, 110))
+    return _finish(fig, "The training step as a CUDA graph: eager against captured", d,
+                   trials_note(d, ["mode", "world", "batch", "arm"]), legend_from=sp)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# 05: memory
+# Memory
 
 
 def memory_waste(df: pd.DataFrame) -> Figure:
-    """Waste per size-class setting: class bytes over requested bytes, and peak reserved over peak requested.
-
-    Args:
-        df: memory_waste rows (measured, or replayed).
-
-    Returns:
-        A matplotlib Figure (Agg canvas).
-    """
-    src = "measured" if "source" in df and (df["source"] == "measured").any() else None
-    d = df[df["source"] == src] if src else df
-    d = d.groupby("k", sort=True)[["class_over_requested", "reserved_over_requested"]].median()
-    fig, axes = _figure(1, 1, size=(9, 5.2))
+    """The seed scheme's size classes by classes per doubling k: bytes handed out over bytes requested (one
+    step), and peak reserved over peak requested (the whole run)."""
+    d = df.groupby("k", sort=True)[["class_over_requested", "reserved_over_requested"]].median()
+    long = pd.concat([pd.DataFrame({"k": d.index, "what": w, "waste": 100 * (d[c].to_numpy() - 1)}) for c, w in (
+        ("class_over_requested", "size classes: bytes handed out / bytes requested, one step's requests"),
+        ("reserved_over_requested", "peak bytes reserved / peak bytes requested, whole run"))])
+    fig, axes = _figure(1, 1, size=(10, 5.6))
     ax = axes[0][0]
-    x = np.arange(len(d.index))
-    w = 0.38
-    for off, col, color, label in (
-            (-w / 2, "class_over_requested", "#ff7f0e", "size classes: bytes handed out / bytes requested, "
-                                                        "one step's requests"),
-            (w / 2, "reserved_over_requested", "#d62728", "peak bytes reserved / peak bytes requested, "
-                                                          "whole run")):
-        waste = 100 * (d[col].to_numpy(dtype=float) - 1)
-        bars = ax.bar(x + off, waste, w, color=color, label=label)
-        _label_bars(ax, bars, lambda v: f"{v:.1f}%" if v >= 1 else f"{v:.2g}%", fontsize=8.5)
-    ax.set_xticks(x, [f"k = {k}" for k in d.index])
-    ax.set_xlabel("size classes per doubling above 1 MiB (xpool's classes_per_doubling)")
-    ax.set_ylabel("waste: bytes beyond the request (% of requested)")
-    ax.set_title("Bytes the pool holds beyond what the arrays asked for (lower is better)", fontsize=10)
-    ax.set_ylim(bottom=0)
+    sns.barplot(long, x="k", y="waste", hue="what", palette=["#ff7f0e", "#d62728"], ax=ax, saturation=1)
+    for c in ax.containers:
+        ax.bar_label(c, fmt=lambda v: f"{v:.1f}%" if v >= 1 else f"{v:.2g}%", fontsize=8.5, padding=2)
+    ax.set_xticks(range(len(d.index)), [f"k = {k}" for k in d.index])
+    ax.set(xlabel="size classes per doubling above 1 MiB (xpool's seed scheme, classes_per_doubling)",
+           ylabel="waste: bytes beyond the request (% of requested)",
+           title="Bytes the pool holds beyond what the arrays asked for (lower is better)", ylim=(0, None))
     ax.margins(y=0.15)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8.5, loc="upper right")
-    how = "measured with xpool installed" if src else "replayed on the CPU from the recorded request trace"
-    return _finish(fig, "Memory waste by size-class setting on the GPT training run", df,
-                   f"Numbers {how}.")
+    ax.legend(fontsize=8.5, loc="upper right", title=None)
+    src = "measured with xpool installed" if (df.get("source") == "measured").any() else "replayed on the CPU"
+    return _finish(fig, "Memory waste of xpool's seed scheme (size classes) by setting, GPT training run", df,
+                   f"Numbers {src}: one run per setting (exact counters).")
 
 
 def trace_label(name: str) -> str:
-    """A recorded trace's name as a short two-line tick label: 'gpt_b32_perparam_numpy' -> 'b32 perparam\n(NumPy)'."""
+    """A recorded trace's name as a two-line tick label: 'gpt_b32_perparam_numpy' -> 'b32 perparam\\n(NumPy)'."""
     base = name[4:] if name.startswith("gpt_") else name
     for suffix, where in (("_cupy_path_numpy", "CuPy path"), ("_numpy", "NumPy"), ("_gpu", "GPU")):
         if base.endswith(suffix):
@@ -770,73 +539,40 @@ def trace_label(name: str) -> str:
 
 
 def memory_schemes(df: pd.DataFrame) -> Figure:
-    """Per recorded trace and allocator: peak reserved over peak requested (replayed), and ns per
-    alloc+free pair over the host backend (xpool's schemes only)."""
-    traces = list(dict.fromkeys(df["trace"]))
-    labels = [trace_label(t) for t in traces]
-    allocs = [a for a in ordered(df["allocator"].unique())]
-    fig, axes = _figure(1, 2, size=(14, 5.6))
-    ax, cost = axes[0]
-    waste = df.pivot_table(index="trace", columns="allocator", values="reserved_over_requested",
-                           aggfunc="median").reindex(index=traces, columns=allocs)
+    """Per recorded trace and scheme: peak reserved over peak requested (replayed), and ns per alloc+free pair
+    over the host backend (xpool's schemes; min-max over repeats)."""
+    d = labelled(df.assign(waste_pct=100 * (df["reserved_over_requested"] - 1)))
+    traces = list(dict.fromkeys(d["trace"]))
+    fig, axes = _figure(2, 1, size=(15, 11))
+    ax, cost = axes[0][0], axes[1][0]
     # log scale: the seed scheme's 50-170% beside the segments' 0.2-3% would flatten the bars that matter
-    _grouped_bars(ax, (100 * (waste - 1)).clip(lower=0.01), fmt=lambda v: f"{v:.0f}%" if v >= 10 else f"{v:.1f}%",
-                  log=True)
-    ax.set_xticklabels(labels, fontsize=8.5)
-    ax.set_ylabel("peak reserved / peak requested − 1 (%, log)")
-    ax.set_title("Memory held beyond the arrays' peak, replayed on the CPU", fontsize=10)
-    c = df.dropna(subset=["ns_per_pair"])
+    bars(ax, d.assign(waste_pct=d["waste_pct"].clip(lower=0.01)), "trace", "waste_pct", traces,
+         fmt=lambda v: f"{v:.0f}%" if v >= 10 else f"{v:.1f}%", labels=trace_label, log=True, rotate=90)
+    ax.set(ylabel="peak reserved / peak requested − 1 (%, log)", title="Memory held beyond the arrays' peak, "
+           "replayed on the CPU")
+    c = d.dropna(subset=["ns_per_pair"])
     if len(c):
-        med = c.pivot_table(index="trace", columns="allocator", values="ns_per_pair").reindex(index=traces)
-        lo = c.pivot_table(index="trace", columns="allocator", values="ns_per_pair_min").reindex(index=traces)
-        hi = c.pivot_table(index="trace", columns="allocator", values="ns_per_pair_max").reindex(index=traces)
-        cols = [a for a in allocs if a in med.columns]
-        width = min(0.8 / max(len(cols), 1), 0.22)
-        x = np.arange(len(traces))
-        for i, a in enumerate(cols):
-            st = style(a)
-            m = med[a].to_numpy(dtype=float)
-            err = np.vstack([m - lo[a].to_numpy(dtype=float), hi[a].to_numpy(dtype=float) - m])
-            bars = cost.bar(x + (i - (len(cols) - 1) / 2) * width, m, width, yerr=err, capsize=3,
-                            color=st["color"], edgecolor="black", linewidth=0.8)
-            _label_bars(cost, bars, lambda v: f"{v:.0f}")
-        cost.set_xticks(x, labels, fontsize=8.5)
-        cost.margins(y=0.15)
-        cost.grid(axis="y", alpha=0.3)
-        cost.set_ylabel("ns per alloc+free pair, C core (Python floor subtracted)")
-        cost.set_title("Cost of the last step's requests once warm, host backend\n"
-                       "(CuPy's pool needs a GPU: see the allocator microbenchmark)", fontsize=10)
+        bars(cost, c, "trace", "ns_per_pair", traces, fmt=lambda v: f"{v:.0f}", labels=trace_label, rotate=90,
+             span=("ns_per_pair_min", "ns_per_pair_max"))
+        cost.get_legend().remove()
+        cost.set(ylabel="ns per alloc+free pair, C core (Python floor subtracted)", title="Cost of the last step's "
+                 "requests once warm, host backend (CuPy's pool needs a GPU: see the allocator microbenchmark)")
     else:
         _empty(cost, "no cost measured")
-    return _finish(fig, "Memory waste and allocation cost of each scheme on the recorded request traces", df,
-                   "Waste: every trace replayed, in order, through each pool (CuPy's as a model of its arena); "
-                   "cost: median with min–max over interleaved repeats.", legend_from=ax)
-
-
-def _requested_in_use(tl: pd.DataFrame) -> np.ndarray:
-    """Requested bytes held by live blocks after each event (allocs add, frees subtract)."""
-    sign = np.select([tl["event"].isin(["alloc_hit", "alloc_miss"]), tl["event"] == "free"], [1, -1], 0)
-    return np.cumsum(sign * tl["requested"].to_numpy(dtype=float))
+    return _finish(fig, "Memory waste and allocation cost of each scheme on the recorded request traces", d,
+                   "Waste: every trace replayed, in order, through each pool (CuPy's as a model of its arena), one "
+                   "replay each (exact). Cost: median with min-max over interleaved repeats.", legend_from=ax, ncol=3)
 
 
 def memory_timeline(df: pd.DataFrame, step: int | None = None) -> Figure:
-    """Bytes reserved, in use and requested over the recorded run (by event), and over one step (in time).
-
-    Args:
-        df: a memory_timeline frame (xpool's timeline with a step column; the first k if several).
-        step: the step to zoom into (default: the last).
-
-    Returns:
-        A matplotlib Figure (Agg canvas).
-    """
-    tl = df
-    if "k" in tl and tl["k"].nunique() > 1:
-        tl = tl[tl["k"] == tl["k"].iloc[0]]
+    """Bytes reserved, in use and requested over the recorded run (by event), and over one step (in time)."""
+    tl = df[df["k"] == df["k"].iloc[0]] if "k" in df else df
     tl = tl.reset_index(drop=True)               # the CSV keeps the timeline's own (recorded) order
-    req = _requested_in_use(tl) / 2**30
+    sign = np.select([tl["event"].isin(["alloc_hit", "alloc_miss"]), tl["event"] == "free"], [1, -1], 0)
+    req = np.cumsum(sign * tl["requested"].to_numpy(dtype=float)) / 2**30
     steps = sorted(tl["step"].unique()) if "step" in tl else [0]
     step = steps[-1] if step is None else step
-    fig, axes = _figure(2, 1, size=(12, 8.5))
+    fig, axes = _figure(2, 1, size=(12, 9))
     whole, zoom = axes[0][0], axes[1][0]
 
     def draw(ax, sel, x):
@@ -849,159 +585,94 @@ def memory_timeline(df: pd.DataFrame, step: int | None = None) -> Figure:
         if miss.any():          # a rug along the top: where the pool had to call cudaMalloc
             ax.plot(np.asarray(x)[miss], np.full(int(miss.sum()), 0.985), "|", color="black", ms=6, alpha=0.5,
                     transform=ax.get_xaxis_transform(), label="cudaMalloc (a pool miss), rug along the top")
-        ax.set_ylabel("GiB")
-        ax.set_ylim(bottom=0)
+        ax.set(ylabel="GiB", ylim=(0, None))
         ax.grid(alpha=0.3)
 
     everything = pd.Series(True, index=tl.index)
     draw(whole, everything, tl.index.to_numpy())
     whole.set_xlabel("allocator events (allocs and frees), in order")
-    if "step" in tl:
-        for s in steps:
-            first = tl.index[tl["step"] == s]
-            if len(first):
-                whole.axvline(first[0], color="0.4", lw=0.8, ls=":")
-                whole.text(first[0], 0.03, "setup " if s < 0 else f" step {s}", transform=whole.get_xaxis_transform(),
-                           fontsize=8, va="bottom", ha="right" if s < 0 else "left", color="0.25")
-    whole.set_title("Whole recording: building the model and optimizer, then training steps "
-                    "(dotted lines: where each begins)", fontsize=10)
+    for s in steps if "step" in tl else []:
+        first = tl.index[tl["step"] == s]
+        whole.axvline(first[0], color="0.4", lw=0.8, ls=":")
+        whole.text(first[0], 0.03, "setup " if s < 0 else f" step {s}", transform=whole.get_xaxis_transform(),
+                   fontsize=8, va="bottom", ha="right" if s < 0 else "left", color="0.25")
+    whole.set_title("Whole recording: building the model and optimizer, then training steps (dotted lines: where "
+                    "each begins)", fontsize=10)
     whole.legend(fontsize=8, loc="best")
     sel = tl["step"] == step if "step" in tl else everything
-    if sel.any():
-        t = tl["t_s"][sel]
-        draw(zoom, sel, ((t - t.iloc[0]) * 1e3).to_numpy())
-        zoom.set_xlabel("time from the step's first allocation (ms, host clock)")
-        n_alloc = int((sel & tl["event"].isin(["alloc_hit", "alloc_miss"])).sum())
-        n_miss = int((sel & (tl["event"] == "alloc_miss")).sum())
-        zoom.set_title(f"The recorded training step (step {step}): {n_alloc} allocations, {n_miss} cudaMalloc",
-                       fontsize=10)
-    else:
-        _empty(zoom, f"no events in step {step}")
-    k = int(tl["k"].iloc[0]) if "k" in tl else None
-    return _finish(fig, "Device memory during training, from xpool's allocation timeline", df,
-                   f"xpool with {k} size class{'es' if k != 1 else ''} per doubling." if k else "")
+    t = tl["t_s"][sel]
+    draw(zoom, sel, ((t - t.iloc[0]) * 1e3).to_numpy())
+    zoom.set_xlabel("time from the step's first allocation (ms, host clock)")
+    n_alloc = int((sel & tl["event"].isin(["alloc_hit", "alloc_miss"])).sum())
+    n_miss = int((sel & (tl["event"] == "alloc_miss")).sum())
+    zoom.set_title(f"The recorded training step (step {step}): {n_alloc} allocations, {n_miss} cudaMalloc",
+                   fontsize=10)
+    k = int(tl["k"].iloc[0]) if "k" in tl else 1
+    return _finish(fig, f"Device memory during training under xpool's seed scheme (size classes, k = {k})", df,
+                   f"xpool_{'seed' if k == 1 else f'k{k}'}: the seed scheme with {k} size class"
+                   f"{'es' if k != 1 else ''} per doubling, from its allocation timeline.")
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Saving, and every figure from data/
+# Every figure from data/: the one writer of figures/
 
-
-def save(fig: Figure, name: str, figures_dir: str | os.PathLike = "figures"):
-    """Write figures/NAME.png and figures/NAME.svg (no timestamps inside, so unchanged data gives unchanged
-    files); returns both paths.
-
-    Args:
-        fig: the figure.
-        name: the file name without extension.
-        figures_dir: the folder (made if missing).
-
-    Returns:
-        (png path, svg path).
-    """
-    out = pathlib.Path(figures_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    png, svg = out / f"{name}.png", out / f"{name}.svg"
-    with matplotlib.rc_context({"svg.hashsalt": "xpool", "svg.fonttype": "none"}):
-        fig.savefig(png, dpi=110, metadata={"Software": None})
-        fig.savefig(svg, metadata={"Date": None, "Creator": None})
-    return png, svg
-
-
-# name -> (CSV names it needs, all of them, function of the concatenated frame)
-# ---------------------------------------------------------------------------------------------------------
-# CUDA graphs: the step's host work
-
-
-def graph_steps(df: pd.DataFrame) -> Figure:
-    """Eager steps against steps captured as CUDA graphs (issue 13): threads on the largest world at batch 32,
-    the host's work per step on one GPU (thread CPU time of a step started on an idle device), and GPU
-    utilisation on one GPU at the smallest batch.
-
-    Args:
-        df: training rows (train.COLUMNS) of data/graph/: single-GPU rows at two batches and threads rows.
-
-    Returns:
-        A matplotlib Figure (Agg canvas).
-    """
-    fig, axes = _figure(1, 3, size=(16, 5.4))
-    sp, disp, util = axes[0]
-    thr = df[(df["mode"] == "threads") & (df["world"] == df["world"].max())] if "mode" in df else df.iloc[:0]
-    single = df[df["mode"] == "single"] if "mode" in df else df.iloc[:0]
-    panels = [(sp, thr, "speedup", "batch", lambda v: f"{v:.2f}×"),
-              (disp, single, "dispatch_ms_per_step", "batch", lambda v: f"{v:.1f}"),
-              (util, single[single["batch"] == single["batch"].min()] if len(single) else single, "gpu_util_mean",
-               "batch", lambda v: f"{v:.0f}%")]
-    for ax, d, col, group, fmt in panels:
-        if not len(d) or col not in d or d[col].isna().all():
-            _empty(ax, f"no {col} rows")
-            continue
-        st = _stat(d, [group, "allocator"], col)
-        t, lo, hi = [st.pivot(index=group, columns="allocator", values=c) for c in (col, f"{col}_lo", f"{col}_hi")]
-        cols = ordered(t.columns)
-        _grouped_bars(ax, t[cols], fmt=fmt, lo=lo[cols], hi=hi[cols], log=ax is disp)
-        ax.set_xticklabels([f"batch {b}" for b in t.index], fontsize=9)
-    if len(thr):
-        world = int(thr["world"].max())
-        sp.axhline(world, color="black", ls="--", lw=0.8)
-        sp.set_ylabel(f"speedup, {world} GPUs over 1 (×)")
-        sp.set_title(f"One thread per GPU, {world} GPUs", fontsize=10)
-    disp.set_ylabel("host ms per step (thread CPU time, idle device; log)")
-    disp.set_title("One GPU: the host's work per step", fontsize=10)
-    util.set_ylabel("GPU utilisation, NVML (%)")
-    util.set_ylim(0, 110)
-    util.set_title("One GPU, smallest batch: how busy the GPU is", fontsize=10)
-    keys = ["mode", "world", "batch", "allocator"] if "mode" in df else ["batch", "allocator"]
-    return _finish(fig, "The training step as a CUDA graph: eager against captured", df,
-                   trials_note(df, [k for k in keys if k in df]), legend_from=sp, ncol=3)
-
-
+# name -> (lineage or CSV it is drawn from, the function)
 FIGURES = {
-    "correctness": (("correctness_cpu", "correctness_gpu"), correctness),
-    "alloc_cost": (("alloc_microbench",), alloc_cost),
-    "alloc_threads": (("alloc_microbench",), alloc_threads),
-    "single_gpu": (("single_gpu",), single_gpu),
-    "ddp_scaling": (("ddp_scaling",), ddp_scaling),
-    "ddp_before_after": (("ddp_scaling",), ddp_before_after),
-    "batch_sweep": (("batch_sweep",), batch_sweep),
-    "memory_waste": (("memory_waste",), memory_waste),
-    "memory_timeline": (("memory_timeline",), memory_timeline),
-    "memory_schemes": (("memory_schemes",), memory_schemes),
-    "graph_steps": (("graph/single_gpu", "graph/single_gpu_b4", "graph/ddp_scaling"), graph_steps),
+    "correctness": ("correctness", correctness),
+    "alloc_cost": ("alloc_size", alloc_cost),
+    "alloc_threads": ("alloc_threads", alloc_threads),
+    "torch_interop": ("torch_interop.csv", torch_interop),
+    "single_gpu": ("single_gpu", single_gpu),
+    "ddp_scaling": ("ddp", ddp_scaling),
+    "ddp_before_after": ("ddp", ddp_before_after),
+    "batch_sweep": ("batch_sweep", batch_sweep),
+    "memory_waste": ("memory_waste.csv", memory_waste),
+    "memory_timeline": ("memory_timeline.csv", memory_timeline),
+    "memory_schemes": ("memory_schemes.csv", memory_schemes),
+    "graph_steps": ("graph", graph_steps),
 }
 
 
 def load_for(name: str, data_dir: str | os.PathLike = "data") -> pd.DataFrame | None:
-    """The frame figure `name` is drawn from: its CSVs concatenated (those present), or None.
+    """The rows figure `name` is drawn from (xlab.sources.current of its lineage), or None."""
+    return sources.current(pathlib.Path(data_dir), FIGURES[name][0])
 
-    Args:
-        name: a key of FIGURES.
-        data_dir: the CSV folder.
 
-    Returns:
-        A DataFrame, or None.
-    """
-    frames = [pd.read_csv(p) for csv in FIGURES[name][0] if (p := pathlib.Path(data_dir) / f"{csv}.csv").is_file()]
-    return pd.concat(frames, ignore_index=True) if frames else None
+def draw(name: str, data_dir: str | os.PathLike = "data") -> Figure | None:
+    """Figure `name` drawn from data_dir's CSVs, or None when they are missing."""
+    df = load_for(name, data_dir)
+    return None if df is None else FIGURES[name][1](df)
+
+
+def png(fig: Figure) -> bytes:
+    """The figure as PNG bytes (what a notebook displays inline; nothing is written)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
+    return buf.getvalue()
+
+
+def save(fig: Figure, name: str, figures_dir: str | os.PathLike = "figures"):
+    """Write NAME.png and NAME.svg (no timestamps inside: unchanged data gives unchanged files); both paths."""
+    out = pathlib.Path(figures_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    png_path, svg = out / f"{name}.png", out / f"{name}.svg"
+    with matplotlib.rc_context({"svg.hashsalt": "xpool", "svg.fonttype": "none"}):
+        fig.savefig(png_path, dpi=110, metadata={"Software": None})
+        fig.savefig(svg, metadata={"Date": None, "Creator": None})
+    return png_path, svg
+
+
+def build(name: str, data_dir: str | os.PathLike = "data", figures_dir: str | os.PathLike = "figures"):
+    """Draw figure `name` from data_dir and write it to figures_dir: the PNG's path, or why it was not built."""
+    try:
+        fig = draw(name, data_dir)
+    except Exception as e:                # one bad CSV must not cost the other figures
+        return f"failed: {type(e).__name__}: {e}"
+    if fig is None:
+        return f"skipped: no CSV of {FIGURES[name][0]} in {data_dir}"
+    return save(fig, name, figures_dir)[0]
 
 
 def build_all(data_dir: str | os.PathLike = "data", figures_dir: str | os.PathLike = "figures") -> dict:
-    """Every figure whose CSV exists; returns name -> PNG path, or the reason it was skipped.
-
-    Args:
-        data_dir: the CSV folder.
-        figures_dir: where the PNG and SVG files go.
-
-    Returns:
-        A dict: figure name -> PNG path, or a string saying why it was skipped or failed.
-    """
-    out = {}
-    for name, (csvs, fn) in FIGURES.items():
-        df = load_for(name, data_dir)
-        if df is None:
-            out[name] = f"skipped: {' / '.join(c + '.csv' for c in csvs)} missing"
-            continue
-        try:
-            out[name] = save(fn(df), name, figures_dir)[0]
-        except Exception as e:                # one bad CSV must not cost the other figures
-            out[name] = f"failed: {type(e).__name__}: {e}"
-    return out
+    """Every figure whose CSVs exist: name -> PNG path, or the reason it was skipped or failed."""
+    return {name: build(name, data_dir, figures_dir) for name in FIGURES}

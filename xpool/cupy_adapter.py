@@ -18,6 +18,8 @@ _state_lock = threading.Lock()    # guards _installed and _previous
 _installed = None                 # the MemoryPool install() put in place
 _previous = None                  # CuPy's allocator before install()
 _scoped = threading.local()       # .pool: the pool of this thread's innermost `with use()` block
+_NEEDS_CUPY = ('xpool allocates GPU memory for CuPy, and CuPy is not installed: pip install "xpool[cuda12]" for '
+               'CUDA 12, "xpool[cuda13]" for CUDA 13')
 
 
 def _capsule_fn(module, name: str, signature: bytes) -> int:
@@ -65,14 +67,29 @@ class MemoryPool(Pool):
             runs CuPy's C allocator path over host memory, for tests).
 
     Raises:
-        ImportError: CuPy is not installed.
+        ImportError: CuPy is not installed (the message says what to install).
+        RuntimeError: no CUDA GPU or driver CuPy can use (with the default backend).
         TypeError: a keyword is no setting.
         ValueError: a bad setting, naming it.
     """
 
     def __init__(self, settings: Settings | None = None, *, backend=None, **fields):
         settings = resolve(settings, fields, type(self).__name__)
-        backend = backend or CupyBackend()
+        try:
+            from cupy.cuda.memory import CFunctionAllocator  # noqa: F401 - CuPy present?
+        except ImportError as e:
+            raise ImportError(f"{_NEEDS_CUPY} ({e})") from e
+        if backend is None:
+            backend = CupyBackend()
+            try:
+                gpus = backend.device_count()
+            except Exception as e:       # CuPy's CUDARuntimeError: no driver, or one too old for this CuPy
+                raise RuntimeError(f"xpool.MemoryPool needs a CUDA GPU and its driver; CuPy cannot use one here "
+                                   f"({e}). On a CPU, xpool.Pool(xpool.HostBackend()) runs the pool over host "
+                                   "memory") from e
+            if gpus == 0:
+                raise RuntimeError("xpool.MemoryPool needs a CUDA GPU: none is visible (CUDA_VISIBLE_DEVICES?). On "
+                                   "a CPU, xpool.Pool(xpool.HostBackend()) runs the pool over host memory")
         # blocks are keyed by CuPy's current stream; other backends (host memory) use stream 0
         self._start(backend, settings, _current_stream_fn() if isinstance(backend, CupyBackend) else 0)
 
@@ -159,7 +176,10 @@ def install(pool: MemoryPool | Settings | None = None, **kwargs) -> MemoryPool:
         TypeError: ``pool`` is not an ``xpool.MemoryPool``.
     """
     global _installed, _previous
-    import cupy
+    try:
+        import cupy
+    except ImportError as e:
+        raise ImportError(f"{_NEEDS_CUPY} ({e})") from e
     with _state_lock:
         if _installed is not None:
             raise RuntimeError("xpool is already installed; call xpool.uninstall() first "

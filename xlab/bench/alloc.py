@@ -3,44 +3,23 @@ and thousands of pairs per second from 1, 4 and 8 threads on one device at 64 Ki
 
     python -m xlab.bench.alloc [--quick] [--trials 7] [--sweep size] [--out data/alloc_microbench.csv]
 
-Host-side costs: each window synchronises the device, then times many pairs with perf_counter_ns. Every
-(allocator, case) is calibrated once to about `target_s` seconds per trial, timed as `windows` windows. A trial
-times every case; within a case of the size sweep the arms that keep a cached block (the pools, the floors) take
-turns window by window (arm order rotated each round and each trial), so each arm's windows spread over the same
-stretch of time, and an arm's time in the trial is the median of its windows. The H200 runs showed why: the first
-(d2ee10ffdb25) timed each arm's 5 windows in one go, arms of a case within about a second of each other, and its
-trial-to-trial spread of xpool / cupy_pool was about 4% at 64 KiB-96 MiB (0.85-1.90 at 4 KiB); the rerun (84685016f310) had slow
-spells of seconds in which every arm, the floors too, ran 2x slower, and a spell that covered one arm's windows
-and not the other's moved a ratio by up to 1.8x (0.56-1.63). Turns of ~13 ms put every arm inside every spell
-alike. Arms that call the device on every pair (raw, raw_held, cupy_async) run alone, as before. The thread
-sweep times one window per arm, each alone. The very first version ran each arm through all cases before the
-next arm (ratios of samples seconds apart) and its trial-to-trial spread reached 1.8x for one arm.
-The CSV keeps one row per (trial, allocator, case); ratio_vs_cupy_pool is CuPy's pool's time over this
-allocator's in the same trial (> 1: faster than CuPy's pool); the report takes medians with bootstrap intervals
-(xlab.intervals). device_mallocs_per_pair comes from a separate counting pass (see allocators.py).
+Each window synchronises the device, then times many pairs with perf_counter_ns; each (arm, case) is calibrated
+once to about `target_s` seconds per trial, timed as `windows` windows. Within a case of the size sweep the arms
+that keep a cached block (the pools, the floors) take turns window by window, order rotated each round and each
+trial, and an arm's time in the trial is the median of its windows; arms that call the device on every pair (raw,
+raw_held, cupy_async) run alone, every other arm's cache given back first (`trim`); the thread sweep times one
+window per arm, each alone. Why, and what the earlier versions measured instead: NOTES.md, Note [The
+microbenchmark's interleaving]. One CSV row per (trial, arm, case); ratio_vs_cupy_pool is CuPy's pool's time over
+the arm's in the same trial (> 1: faster); device_mallocs_per_pair comes from a separate counting pass.
 
-`--host` measures xpool's C core alone on a CPU: malloc+free pairs through its CuPy hooks, timed in C
-(`xlab._probes.time_pairs`), over host memory, for the default scheme, the design's (seed) and a C allocator
-that does nothing (c_noop), with the pool alone and with a training-like population of ranges around it
-(`busy`); the same interleaving, CSV data/alloc_core_host.csv. CuPy's pool cannot run there (it needs a GPU),
-so its ratios are against xpool_seed. This is how the hit path was profiled (NOTES.md).
-
-Before an arm that calls the device is timed, every other arm gives its cached blocks back (`trim`); before the
-cached arms take turns, every arm outside them does; each arm warms its own cache (untimed) for each case, and
-again for `SWITCH_WARM` pairs whenever it is installed for a window. The raw arm times exactly
-`cupy.empty(n, uint8)` + `del` with CuPy's allocator unset (cudaMalloc + cudaFree through CuPy's `Memory`), but what a raw pair costs depends on the
-state of the device: 68-73 µs at 4 KiB measured alone (shared/ANCHORS.md), 2.6 µs for bare
-`runtime.malloc`+`free` and 4.6 µs through `cupy.empty` in a process whose CuPy pool still held a training run's
-blocks (data/raw_pair_probe.csv), and 6.8 µs in the first version of this benchmark, which timed raw beside the
-other arms' cached blocks while its own calibration pass, run first on an empty device, took ~120 µs per pair.
-So the first CSV's raw was not wrong but measured another state. `raw` is now timed alone; `raw_held` keeps one
-512-byte block alive while timed, to show whether other live blocks are what makes a pair cheap.
-PyTorch's caching allocator (`torch`) takes part where PyTorch with CUDA is installed.
+`--host` times xpool's C core alone on a CPU (`xlab._probes.time_pairs` over host memory) for the default scheme,
+the seed scheme and c_noop, alone and beside a training-like population of ranges (`busy`): the same
+interleaving, data/alloc_core_host.csv, ratios against xpool_seed (CuPy's pool needs a GPU).
 
 `--xpool-path PATH` times another build of xpool beside this one, in the same process and the same rotation:
 the checkout at PATH (built in place) is loaded as `xpool_before` (xlab.builds) and adds the arms
-`xpool_before` and `xpool_seed_before` (its MemoryPool, default scheme and seed), so a change to the core is
-measured against the build before it with every trial interleaved (#20: `--sweep size --xpool-path ...`).
+`xpool_before` and `xpool_seed_before`, so a change to the core is measured against the build before it with
+every trial interleaved (#20: `--sweep size --xpool-path ...`).
 """
 from __future__ import annotations
 
@@ -68,12 +47,8 @@ COLUMNS = ["allocator", "sweep", "size_bytes", "threads", "trial", "us_per_pair"
 
 
 def default_allocators() -> tuple:
-    """Every arm this machine can run: raw alone and with a small block held, CuPy's two pools, PyTorch's (if
-    PyTorch with CUDA is installed), xpool's two arms, and the two floors (allocators doing no work)."""
-    arms = ["raw", "raw_held", "cupy_pool", "cupy_async"]
-    if torch_available():
-        arms.append("torch")
-    return tuple(arms) + registry.xpool_arms() + ("noop", "c_noop")
+    """allocators.SETS["bench"], less PyTorch's (cupy_torch) where PyTorch has no CUDA device."""
+    return tuple(a for a in registry.SETS["bench"] if a != "cupy_torch" or torch_available())
 
 
 def torch_available() -> bool:
@@ -90,12 +65,7 @@ def torch_available() -> bool:
 def time_pairs(nbytes: int, pairs: int) -> tuple[int, int]:
     """(ns, pairs) for `pairs` alloc/free pairs on this thread.
 
-    Args:
-        nbytes: the request size.
-        pairs: how many pairs.
-
-    Returns:
-        (nanoseconds, pairs).
+    Args: nbytes: the request size; pairs: how many pairs. Returns: (nanoseconds, pairs).
     """
     import cupy
     empty, u8 = cupy.empty, cupy.uint8
@@ -111,13 +81,7 @@ def time_pairs(nbytes: int, pairs: int) -> tuple[int, int]:
 def time_threads(nbytes: int, pairs: int, threads: int) -> tuple[int, int]:
     """(ns, pairs done) with `threads` threads released together by a barrier, pairs split among them.
 
-    Args:
-        nbytes: the request size.
-        pairs: pairs in all.
-        threads: threads.
-
-    Returns:
-        (nanoseconds, pairs done).
+    Args: nbytes: the request size; pairs: pairs in all; threads: threads. Returns: (nanoseconds, pairs done).
     """
     import cupy
     per = max(1, pairs // threads)
@@ -155,11 +119,7 @@ def time_threads(nbytes: int, pairs: int, threads: int) -> tuple[int, int]:
 def timer(case):
     """The timing function of one case.
 
-    Args:
-        case: (sweep, nbytes, threads).
-
-    Returns:
-        timer(pairs) -> (ns, pairs).
+    Args: case: (sweep, nbytes, threads). Returns: timer(pairs) -> (ns, pairs).
     """
     sweep, nbytes, threads = case
     if sweep == "size":
@@ -170,13 +130,8 @@ def timer(case):
 def calibrated_pairs(ns: int, pairs: int, target_s: float, lo: int = 200, hi: int = 400_000) -> int:
     """Pairs that take about target_s at the rate of a trial (ns for pairs), within [lo, hi].
 
-    Args:
-        ns, pairs: a trial window's time and pairs.
-        target_s: the window to aim for.
-        lo, hi: the bounds.
-
-    Returns:
-        An int.
+    Args: ns, pairs: a trial window's time and pairs; target_s: the window to aim for; lo, hi: the bounds. Returns:
+    An int.
     """
     return int(min(hi, max(lo, target_s * 1e9 * pairs / max(ns, 1))))
 
@@ -185,12 +140,7 @@ def rotated(arms, trial: int) -> list:
     """The arms in trial `trial`'s order: the fixed order rotated by `trial`, so across trials each arm runs
     in each position and after each neighbour alike.
 
-    Args:
-        arms: the arms, in a fixed order.
-        trial: the trial number (>= 0).
-
-    Returns:
-        A list.
+    Args: arms: the arms, in a fixed order; trial: the trial number (>= 0). Returns: A list.
     """
     arms = list(arms)
     k = trial % len(arms) if arms else 0
@@ -201,13 +151,7 @@ def median_window(run, pairs: int, windows: int) -> tuple[int, int]:
     """(ns, pairs) of one trial: `windows` windows of pairs // windows pairs each; ns is the median window's
     time per pair times all the pairs, so ns / pairs is the median window's time per pair.
 
-    Args:
-        run: run(pairs) -> (ns, pairs done).
-        pairs: pairs in all.
-        windows: windows (>= 1).
-
-    Returns:
-        (ns, pairs).
+    Args: run: run(pairs) -> (ns, pairs done); pairs: pairs in all; windows: windows (>= 1). Returns: (ns, pairs).
     """
     import statistics
     per = max(1, pairs // windows)
@@ -224,19 +168,11 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
     """Raw samples: one row per (trial, allocator, case) with ns and pairs; and mallocs per pair by
     (allocator, size) from the counting pass (allocators that can count).
 
-    Args:
-        allocators: registry names (default: default_allocators()).
-        sizes: the size sweep's request sizes.
-        threads: the thread sweep's thread counts.
-        trials: trials per arm.
-        target_s: seconds per (trial, arm, case).
-        count_pairs: pairs of the counting pass.
-        progress: progress bars.
-        windows: windows per (trial, arm, case) of the size sweep, their median kept (the thread sweep times
-            one window: each starts its threads anew).
-
-    Returns:
-        (samples DataFrame, {(allocator, size): device mallocs per pair}).
+    Args: allocators: registry names (default: default_allocators()); sizes: the size sweep's request sizes;
+    threads: the thread sweep's thread counts; trials: trials per arm; target_s: seconds per (trial, arm, case);
+    count_pairs: pairs of the counting pass; progress: progress bars; windows: windows per (trial, arm, case) of the
+    size sweep, their median kept (the thread sweep times one window: each starts its threads anew). Returns:
+    (samples DataFrame, {(allocator, size): device mallocs per pair}).
     """
     import gc
 
@@ -369,15 +305,8 @@ def other_build_arms(path) -> tuple:
 
 
 def other_build_table(rows) -> str:
-    """The other build against this one, per size, paired by trial: its µs per pair over this build's (> 1:
-    this build is faster), the ratio of medians with a 95% interval (xlab.intervals.ratio_ci).
-
-    Args:
-        rows: the CSV's rows (trial_rows), with the other build's arms.
-
-    Returns:
-        The text ("" without them).
-    """
+    """The other build against this one, per size, paired by trial: its µs per pair over this build's (> 1: this
+    build is faster), the ratio of medians with a 95% interval (xlab.intervals.ratio_ci); "" without its arms."""
     from xlab import intervals
     from xlab.plots import fmt_bytes
     lines = []
@@ -385,16 +314,18 @@ def other_build_table(rows) -> str:
         part = rows[(rows.sweep == "size") & rows.allocator.isin([theirs, mine])]
         if part.allocator.nunique() < 2:
             continue
-        ratios = intervals.paired(part, "us_per_pair", "allocator", mine, by=["size_bytes"])
-        lines.append(f"{theirs} / {mine}, µs per pair paired by trial (> 1: this build is faster): " + "; ".join(
-            f"{fmt_bytes(r.size_bytes)} {intervals.fmt_ci(r.ratio, r.ratio_lo, r.ratio_hi, '{:.3f}')}"
-            for r in ratios.itertuples()))
+        cells = []
+        for size, g in part.groupby("size_bytes"):
+            t = g.pivot_table(index="trial", columns="allocator", values="us_per_pair", aggfunc="median").dropna()
+            r, lo, hi, _ = intervals.ratio_ci(t[theirs].to_numpy(), t[mine].to_numpy())
+            cells.append(f"{fmt_bytes(size)} {intervals.fmt_ci(r, lo, hi, '{:.3f}')}")
+        lines.append(f"{theirs} / {mine}, µs per pair paired by trial (> 1: this build is faster): " + "; ".join(cells))
     return "\n".join(lines)
 
 
 # --- the C core alone, on a CPU (--host)
 
-HOST_ARMS = ("xpool", "xpool_seed", "c_noop")
+HOST_ARMS = registry.SETS["host"]
 HOST_SCENARIOS = ("alone", "busy")
 HOST_COLUMNS = ["allocator", "scenario", "size_bytes", "trial", "ns_per_pair", "ratio_vs_xpool_seed", "pairs",
                 "windows", "trials"]
@@ -478,11 +409,7 @@ def measure_host(sizes=SIZES, trials=TRIALS, target_s=TARGET_S / 3, windows=WIND
 def host_rows(samples):
     """The --host CSV's rows: ns per pair and the ratio to xpool_seed in the same trial (> 1: faster).
 
-    Args:
-        samples: measure_host()'s samples.
-
-    Returns:
-        A DataFrame with HOST_COLUMNS.
+    Args: samples: measure_host()'s samples. Returns: A DataFrame with HOST_COLUMNS.
     """
     import numpy as np
     df = samples.assign(ns_per_pair=samples.ns / samples.pairs)
@@ -496,11 +423,7 @@ def host_rows(samples):
 def host_table(rows) -> str:
     """Medians over trials with 95% intervals, ns per pair, one line per (scenario, allocator).
 
-    Args:
-        rows: host_rows()'s frame.
-
-    Returns:
-        The text.
+    Args: rows: host_rows()'s frame. Returns: The text.
     """
     from xlab import intervals
     from xlab.plots import fmt_bytes
@@ -519,15 +442,8 @@ def host_table(rows) -> str:
 def run_host(out="data/alloc_core_host.csv", trials=None, target_s=None, sizes=SIZES, progress=True):
     """Measure the C core on this CPU, print the table, write the CSV (one row per trial, with provenance).
 
-    Args:
-        out: the CSV (None: none).
-        trials: trials (default TRIALS).
-        target_s: seconds per (trial, arm, case) (default TARGET_S / 3).
-        sizes: request sizes.
-        progress: a progress bar.
-
-    Returns:
-        The rows written.
+    Args: out: the CSV (None: none); trials: trials (default TRIALS); target_s: seconds per (trial, arm, case)
+    (default TARGET_S / 3); sizes: request sizes; progress: a progress bar. Returns: The rows written.
     """
     trials = trials or TRIALS
     target_s = target_s or TARGET_S / 3
@@ -560,12 +476,7 @@ def trial_rows(samples, mallocs=None):
     """The CSV's rows: one per (trial, allocator, case) with µs per pair, thousand pairs/s and the ratio to CuPy's
     pool in the same trial (NaN without it); device mallocs per pair from the counting pass (size sweep only).
 
-    Args:
-        samples: measure()'s samples.
-        mallocs: measure()'s counts.
-
-    Returns:
-        A DataFrame with COLUMNS.
+    Args: samples: measure()'s samples; mallocs: measure()'s counts. Returns: A DataFrame with COLUMNS.
     """
     import numpy as np
     mallocs = mallocs or {}
@@ -586,11 +497,7 @@ def summary(rows):
     kpairs_per_s and ratio_vs_cupy_pool (each with _lo/_hi), n_trials and device_mallocs_per_pair. Old CSVs (one summary row per case,
     no trial column) come out as single runs.
 
-    Args:
-        rows: the CSV's rows.
-
-    Returns:
-        A DataFrame.
+    Args: rows: the CSV's rows. Returns: A DataFrame.
     """
     from xlab import intervals
     keys = ["allocator", "sweep", "size_bytes", "threads"]
@@ -606,11 +513,7 @@ def table(summary) -> str:
     """Two plain-text tables of medians over trials: µs per pair by size, and kpairs/s by threads; (x) = speed
     relative to CuPy's pool in the same trial (median of the paired ratios).
 
-    Args:
-        summary: summary()'s frame.
-
-    Returns:
-        The text.
+    Args: summary: summary()'s frame. Returns: The text.
     """
     from xlab.plots import fmt_bytes
     lines = []
@@ -637,12 +540,7 @@ def table(summary) -> str:
 def with_provenance(rows, **params):
     """Every row gets the provenance columns (GPU, driver, CUDA, CuPy, commit, date) and the run's params.
 
-    Args:
-        rows: the CSV's rows.
-        **params: the run's parameters.
-
-    Returns:
-        A new DataFrame.
+    Args: rows: the CSV's rows; **params: the run's parameters. Returns: A new DataFrame.
     """
     from xlab.provenance import provenance
     return rows.assign(**provenance(bench="alloc", **params))
@@ -652,19 +550,12 @@ def run(out="data/alloc_microbench.csv", quick=False, trials=None, target_s=None
         progress=True, sizes=SIZES, threads=THREADS, xpool_path=None):
     """Measure, print the table of medians, write the CSV (one row per trial).
 
-    Args:
-        out: the CSV (None: none).
-        quick: a smoke run (2 trials, 5 ms windows).
-        trials: trials per arm (default TRIALS).
-        target_s: seconds per (trial, arm, case) (default TARGET_S), in WINDOWS windows.
-        allocators: registry names (default: default_allocators()).
-        progress: progress bars.
-        sizes: request sizes of the size sweep, bytes.
-        threads: thread counts of the thread sweep (empty: no thread sweep).
-        xpool_path: another build's checkout, timed beside this one (other_build_arms).
-
-    Returns:
-        The per-trial DataFrame that was written.
+    Args: out: the CSV (None: none); quick: a smoke run (2 trials, 5 ms windows); trials: trials per arm (default
+    TRIALS); target_s: seconds per (trial, arm, case) (default TARGET_S), in WINDOWS windows; allocators: registry
+    names (default: default_allocators()); progress: progress bars; sizes: request sizes of the size sweep, bytes;
+    threads: thread counts of the thread sweep (empty: no thread sweep); xpool_path: another build's checkout, timed
+    beside this one (other_build_arms). Returns: The per-trial DataFrame that was
+    written.
     """
     registry.require_gpus(1, "xlab.bench.alloc")
     trials = trials or (2 if quick else TRIALS)
@@ -687,11 +578,7 @@ def run(out="data/alloc_microbench.csv", quick=False, trials=None, target_s=None
 def main(argv=None) -> int:
     """The command line (see --help).
 
-    Args:
-        argv: arguments (default: sys.argv[1:]).
-
-    Returns:
-        The exit status: 2 without a GPU.
+    Args: argv: arguments (default: sys.argv[1:]). Returns: The exit status: 2 without a GPU.
     """
     ap = argparse.ArgumentParser(prog="python -m xlab.bench.alloc", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="the CSV (default data/alloc_microbench.csv; with --host, "
@@ -699,7 +586,8 @@ def main(argv=None) -> int:
     ap.add_argument("--host", action="store_true", help="the C core alone over host memory, on a CPU")
     ap.add_argument("--quick", action="store_true", help="fewer pairs and trials: a smoke run")
     ap.add_argument("--trials", type=int, help=f"trials per arm, interleaved (default {TRIALS}; 2 with --quick)")
-    ap.add_argument("--allocators", nargs="+", help="registry names (default: every arm this machine can run)")
+    ap.add_argument("--allocators", nargs="+", type=registry.arg,
+                    help="arm names (xlab.allocators.ARMS; default: every arm of SETS['bench'] this machine can run)")
     ap.add_argument("--sizes", nargs="+", type=int, default=list(SIZES), help="request sizes in bytes")
     ap.add_argument("--sweep", choices=("size", "threads", "both"), default="both",
                     help="the size sweep (1 thread), the thread sweep (64 KiB), or both (default)")

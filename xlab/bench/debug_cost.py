@@ -17,13 +17,7 @@ SIZES = (4 << 10, 64 << 10, 1 << 20)
 def pair_us(pool, nbytes: int, pairs: int) -> float:
     """µs per allocate/release pair (warm: the block is cached after the first pair).
 
-    Args:
-        pool: an xpool.Pool.
-        nbytes: the request size.
-        pairs: how many pairs.
-
-    Returns:
-        µs per pair.
+    Args: pool: an xpool.Pool; nbytes: the request size; pairs: how many pairs. Returns: µs per pair.
     """
     pool.allocate(nbytes).release()
     t0 = time.perf_counter_ns()
@@ -35,14 +29,8 @@ def pair_us(pool, nbytes: int, pairs: int) -> float:
 def run(sizes=SIZES, pairs: int = 2000, repeats: int = 5, out: str | None = "data/debug_cost_host.csv"):
     """One row per (size, debug): median µs per pair over repeats, and the ratio to debug off.
 
-    Args:
-        sizes: request sizes.
-        pairs: pairs per window.
-        repeats: windows per (size, debug).
-        out: the CSV, or None.
-
-    Returns:
-        The DataFrame.
+    Args: sizes: request sizes; pairs: pairs per window; repeats: windows per (size, debug); out: the CSV, or None.
+    Returns: The DataFrame.
     """
     import pandas as pd
 
@@ -68,8 +56,7 @@ def run(sizes=SIZES, pairs: int = 2000, repeats: int = 5, out: str | None = "dat
 def main(argv=None) -> int:
     """`python -m xlab.bench.debug_cost [--out CSV] [--pairs N] [--repeats N]`; returns 0.
 
-    Args:
-        argv: the arguments after the program name (None: the process's).
+    Args: argv: the arguments after the program name (None: the process's).
     """
     ap = argparse.ArgumentParser(prog="python -m xlab.bench.debug_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="data/debug_cost_host.csv")

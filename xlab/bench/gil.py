@@ -10,17 +10,11 @@ threads (thread t on GPU t mod #GPUs, each on its own stream), and reports ops p
 contention N threads would do N times the ops of one; pure Python work (`python`) can do at most 1x; below 1x,
 handing the GIL over costs more than it lets run in parallel.
 
-Arms (each op is what a training step dispatches hundreds of times):
-- python: ~1 us of pure Python (holds the GIL throughout): the serial bound, 1x.
-- launch: an empty RawKernel launch through CuPy (GIL released around cuLaunchKernel).
-- launch_gil: the same kernel launched through ctypes.PyDLL (the GIL is held during cuLaunchKernel).
-- launch8, launch8_gil: a kernel of eight arguments (three pointers, three sizes, an int, a float: a fused op's
-  shape) through CuPy, and through ctypes.PyDLL with the arguments packed by `struct` into one buffer
-  (cuLaunchKernel's CU_LAUNCH_PARAM_BUFFER_POINTER).
-- add: `x + y` on 1-element CuPy arrays (an allocation from CuPy's current allocator, one launch).
-- gemm: a 16x16 float32 product by tapegpt.blas (one cuBLAS call, GIL released).
-- gemm_gil: the same cublasGemmEx call through ctypes.PyDLL on CuPy's handle (GIL held; the stream set once).
-- matmul: the same product by cupy.matmul.
+The ops (each one a training step dispatches hundreds of times) and what each holds of the GIL are rows of the
+arms table (xlab.allocators.ARMS, framework "gil"): pure Python, empty and 8-argument kernel launches through
+CuPy and through ctypes.PyDLL (GIL held; the 8 arguments packed by `struct` into cuLaunchKernel's
+CU_LAUNCH_PARAM_BUFFER_POINTER buffer), `x + x` on 1-element arrays, a 16x16 GEMM by tapegpt.blas, by
+ctypes.PyDLL on CuPy's cuBLAS handle, and by cupy.matmul.
 Trials interleave the arms (A B C, A B C, ...); `sys.getswitchinterval()` is recorded and varied with
 --switch-intervals.
 """
@@ -190,19 +184,11 @@ def run(arms=ARMS, trials=TRIALS, seconds=0.5, switch_intervals=(None,), threads
         out="data/gil_probe.csv") -> pd.DataFrame:
     """Ops per second of each arm on 1, 2, ... threads, `trials` interleaved trials.
 
-    Args:
-        arms: names from ARMS.
-        trials: trials per (arm, threads, switch interval).
-        seconds: length of each timed loop.
-        switch_intervals: values for sys.setswitchinterval (None: leave Python's, 5 ms).
-        threads: thread counts; 1 is always measured first (the reference); thread t drives GPU t mod #GPUs.
-        out: the CSV (None: none).
-
-    Returns:
-        One row per (trial, switch interval, arm, threads): ops_per_s, speedup over 1 thread in the same trial.
-
-    Raises:
-        ValueError: an unknown arm.
+    Args: arms: names from ARMS; trials: trials per (arm, threads, switch interval); seconds: length of each timed
+    loop; switch_intervals: values for sys.setswitchinterval (None: leave Python's, 5 ms); threads: thread counts; 1
+    is always measured first (the reference); thread t drives GPU t mod #GPUs; out: the CSV (None: none). Returns:
+    One row per (trial, switch interval, arm, threads): ops_per_s, speedup over 1 thread in the same trial. Raises:
+    ValueError: an unknown arm.
     """
     import cupy
     bad = [a for a in arms if a not in ARMS]

@@ -52,12 +52,8 @@ def _gpu() -> bool:
 def pair_runner(arm, gpu: bool):
     """run(nbytes, pairs) -> ns for one in-place arm.
 
-    Args:
-        arm: a CuPy allocator object with .malloc (GPU), or (param, malloc, free) C functions (CPU).
-        gpu: which path.
-
-    Returns:
-        The timing function.
+    Args: arm: a CuPy allocator object with .malloc (GPU), or (param, malloc, free) C functions (CPU); gpu: which
+    path. Returns: The timing function.
     """
     if gpu:
         malloc = arm.malloc
@@ -133,16 +129,9 @@ def calibrated(run, nbytes: int, window_s: float) -> int:
 def measure(sizes=SIZES, trials=TRIALS, windows=WINDOWS, window_s=WINDOW_S, gpu=None, progress=True):
     """One row per (trial, arm, size): ns for `calls` calls, the median window's rate.
 
-    Args:
-        sizes: request sizes.
-        trials: trials, arms rotated each trial.
-        windows: windows per (trial, arm, size), the median kept.
-        window_s: seconds per window.
-        gpu: time CuPy's GPU path (None: when a GPU is visible).
-        progress: a progress bar.
-
-    Returns:
-        A DataFrame with COLUMNS.
+    Args: sizes: request sizes; trials: trials, arms rotated each trial; windows: windows per (trial, arm, size),
+    the median kept; window_s: seconds per window; gpu: time CuPy's GPU path (None: when a GPU is visible);
+    progress: a progress bar. Returns: A DataFrame with COLUMNS.
     """
     import pandas as pd
     from tqdm.auto import tqdm
@@ -181,11 +170,8 @@ def measure(sizes=SIZES, trials=TRIALS, windows=WINDOWS, window_s=WINDOW_S, gpu=
 def breakdown(rows):
     """Medians with 95% intervals: ns per call of each arm, and the differences of DIFFERENCES paired by trial.
 
-    Args:
-        rows: measure()'s frame (or the CSV).
-
-    Returns:
-        (per-arm DataFrame, differences DataFrame), both with size_bytes, value, lo, hi.
+    Args: rows: measure()'s frame (or the CSV). Returns: (per-arm DataFrame, differences DataFrame), both with
+    size_bytes, value, lo, hi.
     """
     import pandas as pd
 
@@ -205,11 +191,7 @@ def breakdown(rows):
 def table(rows) -> str:
     """The breakdown as text.
 
-    Args:
-        rows: measure()'s frame.
-
-    Returns:
-        The text.
+    Args: rows: measure()'s frame. Returns: The text.
     """
     from xlab.intervals import fmt_ci
     from xlab.plots import fmt_bytes
@@ -228,13 +210,8 @@ def table(rows) -> str:
 def run(out=None, trials=TRIALS, sizes=SIZES, window_s=WINDOW_S, progress=True):
     """Measure, print the breakdown, write the CSV (one row per trial, with provenance).
 
-    Args:
-        out: the CSV (None: data/hit_breakdown.csv on a GPU, data/hit_breakdown_host.csv on a CPU; "": none).
-        trials, sizes, window_s: as for measure().
-        progress: a progress bar.
-
-    Returns:
-        The rows.
+    Args: out: the CSV (None: data/hit_breakdown.csv on a GPU, data/hit_breakdown_host.csv on a CPU; "": none);
+    trials, sizes, window_s: as for measure(); progress: a progress bar. Returns: The rows.
     """
     from xlab.provenance import provenance
     gpu = _gpu()
@@ -251,11 +228,7 @@ def run(out=None, trials=TRIALS, sizes=SIZES, window_s=WINDOW_S, progress=True):
 def main(argv=None) -> int:
     """The command line (see --help).
 
-    Args:
-        argv: arguments (default: sys.argv[1:]).
-
-    Returns:
-        The exit status.
+    Args: argv: arguments (default: sys.argv[1:]). Returns: The exit status.
     """
     ap = argparse.ArgumentParser(prog="python -m xlab.bench.hit", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="the CSV (default data/hit_breakdown.csv, or data/hit_breakdown_host.csv "

@@ -9,16 +9,12 @@ and swapping which goes first from trial to trial:
 - `train_step`: tokens/s of the parity model (tapegpt's torch twin of the GPT, reference size, AdamW) over
   timed steps after warm-up; the GPU is busy for most of a step, so this shows whether the allocator costs
   the training loop anything.
-One CSV row per (trial, arm, case, size) with provenance. The summary gives each arm's median with a 95%
-bootstrap interval, and the ratio xpool / native with its interval (above 1: xpool faster).
-
-For the notebook ("CuPy and PyTorch in one pool"): `plot(df)` draws the two cases with their intervals from
-the CSV. `mixed_memory()` runs a mixed loop (a PyTorch MLP training step, then CuPy matmuls on its weights
-through DLPack, feeding the next step) under xpool and under the two frameworks' own pools, each in a fresh
-process; `plot_mixed_memory(mem, two_pools)` draws the bytes each framework holds over time in the one pool,
-the pool's reserved bytes, and the peak the two separate pools reserve together. What to read: the stack
-alternates between PyTorch and CuPy while reserved stays flat once warm (each reuses what the other freed),
-below the dashed line of two pools.
+One CSV row per (trial, arm, case, size) with provenance; the arms are `torch` (PyTorch's own allocator; CSVs
+before the arms table call it `native`) and `xpool` (xpool.enable_torch()); `summarize` gives each arm's median
+[95% interval] and xpool's speed over PyTorch's; the figure is `xlab.plots.torch_interop`.
+For notebook 02, `mixed_memory()` runs a mixed loop (a PyTorch MLP step, then CuPy matmuls on its weights through
+DLPack, feeding the next step) under xpool and under the frameworks' own pools, each in a fresh process, and
+`plot_mixed_memory` draws each framework's bytes in the one pool over time beside the two pools' summed peak.
 """
 from __future__ import annotations
 
@@ -34,7 +30,7 @@ import numpy as np
 from xlab import intervals
 from xlab.paths import write_csv
 
-ARMS = ("native", "xpool")
+ARMS = ("torch", "xpool")
 SIZES = (4096, 1 << 20, 64 << 20)
 COLUMNS = ["case", "arm", "trial", "order", "size_bytes", "value", "unit", "pairs", "steps", "batch_size",
            "device_mallocs_per_step", "peak_reserved_bytes", "torch"]
@@ -45,13 +41,8 @@ COLUMNS = ["case", "arm", "trial", "order", "size_bytes", "value", "unit", "pair
 def time_empty_del(torch, nbytes: int, pairs: int) -> float:
     """µs per torch.empty + del pair (after a warm-up that leaves the block cached).
 
-    Args:
-        torch: the torch module (allocating through the arm's allocator).
-        nbytes: the request size.
-        pairs: how many pairs.
-
-    Returns:
-        µs per pair, a float.
+    Args: torch: the torch module (allocating through the arm's allocator); nbytes: the request size; pairs: how
+    many pairs. Returns: µs per pair, a float.
     """
     empty, u8, dev = torch.empty, torch.uint8, torch.device("cuda", 0)
     for _ in range(100):
@@ -69,13 +60,9 @@ def time_empty_del(torch, nbytes: int, pairs: int) -> float:
 def time_train(torch, steps: int, warmup: int, batch_size: int | None):
     """(tokens/s, batch size, device mallocs per timed step or None) of the parity model with torch.optim.AdamW.
 
-    Args:
-        torch: the torch module.
-        steps, warmup: timed steps and untimed steps first.
-        batch_size: sequences per step (None: the parity model's default).
-
-    Returns:
-        (tokens per second, batch size, device mallocs per timed step or None).
+    Args: torch: the torch module; steps, warmup: timed steps and untimed steps first; batch_size: sequences per
+    step (None: the parity model's default). Returns: (tokens per second, batch size, device mallocs per timed step
+    or None).
     """
     from tapegpt.checks import torch_logits
     from tapegpt.model import GPTConfig, init_params
@@ -112,19 +99,14 @@ def time_train(torch, steps: int, warmup: int, batch_size: int | None):
 def worker(arm: str, pairs: int, steps: int, warmup: int, batch_size: int | None) -> list[dict]:
     """Every case for one arm; call in a fresh process.
 
-    Args:
-        arm: "native" (PyTorch's own allocator) or "xpool".
-        pairs: pairs per empty/del window.
-        steps, warmup, batch_size: the training case.
-
-    Returns:
-        A list of row dicts (case, size_bytes, value, unit, ...).
+    Args: arm: "torch" (PyTorch's own allocator) or "xpool"; pairs: pairs per empty/del window; steps, warmup,
+    batch_size: the training case. Returns: A list of row dicts (case, size_bytes, value, unit, ...).
     """
     import torch
     if arm == "xpool":
         import xpool
         xpool.enable_torch()
-    elif arm != "native":
+    elif arm != "torch":
         raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
     rows = [dict(case="empty_del", size_bytes=n, value=time_empty_del(torch, n, pairs), unit="us_per_pair",
                  pairs=pairs) for n in SIZES]
@@ -137,7 +119,7 @@ def worker(arm: str, pairs: int, steps: int, warmup: int, batch_size: int | None
 
 
 def _peak_reserved(torch, arm):
-    if arm == "native":
+    if arm == "torch":
         return int(torch.cuda.max_memory_reserved())
     import xpool
     return int(xpool.installed().stats(0).iloc[0].peak_bytes_reserved)
@@ -151,17 +133,10 @@ def run(trials: int = 5, pairs: int = 50_000, steps: int = 20, warmup: int = 5, 
 
     `command(arm)` gives the worker's argv (tests replace the GPU worker with a stand-in).
 
-    Args:
-        trials: trials per arm, interleaved (who goes first alternates).
-        pairs, steps, warmup, batch_size: passed to the worker.
-        command: command(arm) -> argv of the worker process (default: this module's GPU worker).
-        timeout: seconds one worker may run.
-
-    Returns:
-        A DataFrame with COLUMNS and provenance.
-
-    Raises:
-        RuntimeError: a worker failed, naming its trial and arm.
+    Args: trials: trials per arm, interleaved (who goes first alternates); pairs, steps, warmup, batch_size: passed
+    to the worker; command: command(arm) -> argv of the worker process (default: this module's GPU worker); timeout:
+    seconds one worker may run. Returns: A DataFrame with COLUMNS and provenance. Raises: RuntimeError: a worker
+    failed, naming its trial and arm.
     """
     import pandas as pd
 
@@ -185,56 +160,26 @@ def run(trials: int = 5, pairs: int = 50_000, steps: int = 20, warmup: int = 5, 
     return df.assign(**{k: v for k, v in prov.items() if k not in df.columns})
 
 
-def bootstrap_median(values, n_boot: int = 4000, seed: int = 0, level: float = 0.95):
-    """(median, low, high): the median and its percentile-bootstrap interval (xlab.intervals.median_ci).
-
-    Args:
-        values: one number per trial.
-        n_boot, seed, level: resamples, seed and coverage.
-
-    Returns:
-        (median, low, high).
-    """
-    m, lo, hi, _ = intervals.median_ci(values, level=level, resamples=n_boot, seed=seed)
-    return m, lo, hi
-
-
-def bootstrap_ratio(num, den, n_boot: int = 4000, seed: int = 0, level: float = 0.95):
-    """(ratio of medians, low, high) over trials paired by index: trial t of both arms ran back to back
-    (xlab.intervals.ratio_ci).
-
-    Args:
-        num, den: equal-length per-trial values.
-        n_boot, seed, level: resamples, seed and coverage.
-
-    Returns:
-        (ratio, low, high).
-    """
-    r, lo, hi, _ = intervals.ratio_ci(num, den, level=level, resamples=n_boot, seed=seed)
-    return r, lo, hi
-
-
 def summarize(df):
-    """One row per (case, size): each arm's median [95% interval], and xpool's speed relative to native.
+    """One row per (case, size): each arm's median [95% interval], and xpool's speed relative to PyTorch's own.
 
-    speedup > 1 means xpool is faster: native µs / xpool µs for empty_del, xpool / native tokens/s for training.
+    speedup > 1 means xpool is faster: torch µs / xpool µs for empty_del, xpool / torch tokens/s for training.
 
-    Args:
-        df: run()'s rows.
-
-    Returns:
-        A DataFrame: case, size_bytes, unit, trials, each arm's median/low/high, speedup/low/high, verdict.
+    Args: df: run()'s rows. Returns: A DataFrame: case, size_bytes, unit, trials, each arm's median/low/high,
+    speedup/low/high, verdict.
     """
     import pandas as pd
     out = []
+    from xlab.allocators import canonical
+    df = canonical(df)
     for (case, size), g in df.groupby(["case", df["size_bytes"].fillna(0)], sort=False):
         vals = {arm: g.loc[g.arm == arm, "value"].to_numpy() for arm in ARMS}
         row = {"case": case, "size_bytes": int(size) or None, "unit": g.unit.iloc[0],
                "trials": min(len(v) for v in vals.values())}
         for arm in ARMS:
-            row[f"{arm}_median"], row[f"{arm}_low"], row[f"{arm}_high"] = bootstrap_median(vals[arm])
-        num, den = (vals["native"], vals["xpool"]) if case == "empty_del" else (vals["xpool"], vals["native"])
-        row["speedup"], row["speedup_low"], row["speedup_high"] = bootstrap_ratio(num, den)
+            row[f"{arm}_median"], row[f"{arm}_low"], row[f"{arm}_high"], _ = intervals.median_ci(vals[arm])
+        num, den = (vals["torch"], vals["xpool"]) if case == "empty_del" else (vals["xpool"], vals["torch"])
+        row["speedup"], row["speedup_low"], row["speedup_high"], _ = intervals.ratio_ci(num, den)
         row["verdict"] = ("inside the noise" if row["speedup_low"] <= 1 <= row["speedup_high"]
                           else "xpool faster" if row["speedup_low"] > 1 else "xpool slower")
         out.append(row)
@@ -249,9 +194,7 @@ MIX_B, MIX_D, MIX_H = 4096, 1024, 4096   # PyTorch's B*H*4 activations = CuPy's 
 def mixed_setup(torch, seed=0):
     """(model, optimizer, first input) of the mixed loop: an MLP trained with AdamW on CUDA device 0.
 
-    Args:
-        torch: the torch module.
-        seed: the model's seed.
+    Args: torch: the torch module; seed: the model's seed.
     """
     torch.manual_seed(seed)
     dev = torch.device("cuda", 0)
@@ -266,9 +209,7 @@ def mixed_step(torch, cupy, model, opt, x):
     """A PyTorch training step, then CuPy on the first layer's weight (shared through DLPack, no copy), whose
     result feeds PyTorch's next input. Returns (loss, CuPy's sum, next input), all on the device.
 
-    Args:
-        torch, cupy: the modules.
-        model, opt, x: mixed_setup's result (x: this step's input).
+    Args: torch, cupy: the modules; model, opt, x: mixed_setup's result (x: this step's input).
     """
     loss = ((model(x) - x) ** 2).mean()
     opt.zero_grad(set_to_none=True)
@@ -287,13 +228,8 @@ def mixed_step(torch, cupy, model, opt, x):
 def mixed_worker(arm: str, steps: int, out_csv: str | None) -> dict:
     """The mixed loop in this (fresh) process. xpool: its memory by framework to `out_csv`; peaks either way.
 
-    Args:
-        arm: "xpool" or "native".
-        steps: loop steps.
-        out_csv: where xpool's memory by framework goes (None: not written).
-
-    Returns:
-        A dict: the arm and its peak reserved bytes (xpool's one pool, or each framework's own).
+    Args: arm: "xpool" or "torch"; steps: loop steps; out_csv: where xpool's memory by framework goes (None: not
+    written). Returns: A dict: the arm and its peak reserved bytes (xpool's one pool, or each framework's own).
     """
     import cupy
     import torch
@@ -319,9 +255,7 @@ def mixed_memory(steps: int = 4, timeout: float = 180.0):
     Returns (memory by framework over time under xpool, {"one_pool": xpool's peak reserved, "two_pools":
     PyTorch's + CuPy's peak reserved}); usable from a notebook kernel that already touched CUDA.
 
-    Args:
-        steps: loop steps.
-        timeout: seconds one worker process may run.
+    Args: steps: loop steps; timeout: seconds one worker process may run.
     """
     import tempfile
 
@@ -337,7 +271,7 @@ def mixed_memory(steps: int = 4, timeout: float = 180.0):
                 raise RuntimeError(f"mixed loop, arm {arm} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
             peaks[arm] = json.loads(out.stdout.strip().splitlines()[-1])
         mem = pd.read_csv(path)
-    n = peaks["native"]
+    n = peaks["torch"]
     return mem, {"one_pool": peaks["xpool"]["peak_reserved"],
                  "two_pools": n["peak_reserved_torch"] + n["peak_reserved_cupy"]}
 
@@ -357,11 +291,7 @@ def in_use_by_origin(tl):
 
     Starts from zero at the first event kept: record from the start (or from an empty pool) for absolute levels.
 
-    Args:
-        tl: an xpool timeline DataFrame with an origin column.
-
-    Returns:
-        A DataFrame.
+    Args: tl: an xpool timeline DataFrame with an origin column. Returns: A DataFrame.
     """
     import pandas as pd
     sign = tl.event.map({"alloc_hit": 1, "alloc_miss": 1, "free": -1}).fillna(0).to_numpy(dtype=np.int64)
@@ -375,13 +305,8 @@ def plot_mixed_memory(mem, two_pools: int | None = None, title="One pool for CuP
     """Stacked bytes in use by framework, and bytes reserved, over time (from in_use_by_origin); `two_pools`:
     the sum of the frameworks' own pools' peaks, drawn for comparison.
 
-    Args:
-        mem: in_use_by_origin's frame.
-        two_pools: bytes, or None.
-        title: the figure's title.
-
-    Returns:
-        A matplotlib Figure.
+    Args: mem: in_use_by_origin's frame; two_pools: bytes, or None; title: the figure's title. Returns: A matplotlib
+    Figure.
     """
     from matplotlib.figure import Figure
     fig = Figure(figsize=(10, 4.5), layout="constrained")
@@ -398,52 +323,10 @@ def plot_mixed_memory(mem, two_pools: int | None = None, title="One pool for CuP
     return fig
 
 
-def plot(df):
-    """Left: µs per torch.empty+del pair by size; right: training tokens/s; medians with 95% intervals.
-
-    Args:
-        df: run()'s rows.
-
-    Returns:
-        A matplotlib Figure.
-    """
-    from matplotlib.figure import Figure
-
-    from xlab.plots import fmt_bytes
-    s = summarize(df)
-    fig = Figure(figsize=(11, 4.5), layout="constrained")
-    left, right = fig.subplots(1, 2)
-    colors = {"native": "#7f7f7f", "xpool": "#1f77b4"}
-    e = s[s.case == "empty_del"].sort_values("size_bytes")
-    x = np.arange(len(e))
-    for i, arm in enumerate(ARMS):
-        med = e[f"{arm}_median"].to_numpy()
-        err = [med - e[f"{arm}_low"].to_numpy(), e[f"{arm}_high"].to_numpy() - med]
-        left.bar(x + (i - 0.5) * 0.38, med, 0.38, yerr=err, capsize=3, color=colors[arm],
-                 label="PyTorch's allocator" if arm == "native" else "xpool")
-    left.set_xticks(x, [fmt_bytes(int(n)) for n in e.size_bytes])
-    left.set(ylabel="µs per torch.empty + del", title="allocation cost (lower is better)")
-    left.legend(fontsize=8)
-    t = s[s.case == "train_step"]
-    for i, arm in enumerate(ARMS):
-        if len(t):
-            med = t[f"{arm}_median"].iloc[0]
-            right.bar(i, med / 1e3, 0.6, color=colors[arm],
-                      yerr=[[(med - t[f"{arm}_low"].iloc[0]) / 1e3], [(t[f"{arm}_high"].iloc[0] - med) / 1e3]],
-                      capsize=4)
-    right.set_xticks(range(len(ARMS)), ["PyTorch's allocator", "xpool"])
-    if len(t):
-        r = t.iloc[0]
-        right.set_title(f"training step: xpool/native {r.speedup:.3f} [{r.speedup_low:.3f}, {r.speedup_high:.3f}]")
-    right.set(ylabel="k tokens/s (higher is better)")
-    return fig
-
-
 def main(argv=None):
     """The command line: measure, print the summary, write the CSV (see --help); or, hidden, one worker.
 
-    Args:
-        argv: arguments (default: sys.argv[1:]).
+    Args: argv: arguments (default: sys.argv[1:]).
     """
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=5)

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from xlab import allocators
 from xlab.allocators import NoGPU
 
 SHOW = ["mode", "allocator", "world", "batch", "tokens_per_s", "speedup", "ratio_vs_cupy_pool", "host_ms_per_step",
@@ -13,7 +14,8 @@ SHOW = ["mode", "allocator", "world", "batch", "tokens_per_s", "speedup", "ratio
 
 
 def _common(p, out, steps, warmup):
-    p.add_argument("--allocators", nargs="+", help="allocator names (default: raw cupy_pool and two xpool arms)")
+    p.add_argument("--allocators", nargs="+", type=allocators.arg,
+                   help="arm names (xlab.allocators.ARMS; default: allocators.SETS of the experiment)")
     p.add_argument("--trials", type=int, default=5, help="trials per configuration, interleaved (default 5)")
     p.add_argument("--warmup", type=int, default=warmup, help=f"untimed steps first (default {warmup})")
     p.add_argument("--config", default="reference", help="GPT config: reference, small or tiny")
@@ -36,11 +38,8 @@ def _common(p, out, steps, warmup):
 def parse(argv=None):
     """The experiments' command line.
 
-    Args:
-        argv: arguments (default: sys.argv[1:]).
-
-    Returns:
-        The argparse namespace, with --quick/--cpu-smoke applied.
+    Args: argv: arguments (default: sys.argv[1:]). Returns: The argparse namespace, with --quick/--cpu-smoke
+    applied.
     """
     ap = argparse.ArgumentParser(prog="python -m xlab.experiments", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -84,11 +83,8 @@ def parse(argv=None):
 def main(argv=None) -> int:
     """Run one experiment from the command line and print its medians.
 
-    Args:
-        argv: arguments (default: sys.argv[1:]).
-
-    Returns:
-        The exit status: 2 without the GPUs needed, 1 if a run's checks failed.
+    Args: argv: arguments (default: sys.argv[1:]). Returns: The exit status: 2 without the GPUs needed, 1 if a run's
+    checks failed.
     """
     args = parse(argv)
     if args.cmd == "worker":

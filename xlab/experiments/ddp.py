@@ -44,7 +44,7 @@ from xlab.provenance import git_commit, provenance
 
 from xlab import allocators as registry
 from . import runner, train
-from .single_gpu import TRIALS, default_allocators
+from .single_gpu import TRIALS
 
 BARRIER_TIMEOUT = 600      # seconds: a rank that waits longer than this has lost a peer
 
@@ -81,14 +81,8 @@ class NcclComm:
 def reference_losses(cfg, data, batch, steps, warmup, cpu=False) -> list:
     """The single-GPU loss curve on the same global batch (GPU 0, CuPy's pool): what DDP must match.
 
-    Args:
-        cfg, data: the GPT config and the token array.
-        batch: the global batch (per-GPU batch x world).
-        steps, warmup: as the DDP run's.
-        cpu: on NumPy.
-
-    Returns:
-        The loss curve, a list of floats (warm-up steps first).
+    Args: cfg, data: the GPT config and the token array; batch: the global batch (per-GPU batch x world); steps,
+    warmup: as the DDP run's; cpu: on NumPy. Returns: The loss curve, a list of floats (warm-up steps first).
     """
     xp = _xp(cpu)
     with (contextlib.nullcontext() if cpu else xp.cuda.Device(0)):
@@ -151,16 +145,9 @@ def threads_arms(world, names, cfg, data, batch, steps, warmup, count_steps, cpu
                  trials=TRIALS) -> list:
     """(trial, runner.run_arm result) for each trial and allocator, interleaved, with `world` threads.
 
-    Args:
-        world: GPUs, one thread each.
-        names: allocator names.
-        cfg, data, batch, steps, warmup, count_steps: the run's shape (train.run_rank, runner.run_arm).
-        cpu: NumPy ranks with HostComm.
-        progress: a progress bar.
-        trials: trials per allocator.
-
-    Returns:
-        A list of (trial, result) in the order they ran.
+    Args: world: GPUs, one thread each; names: allocator names; cfg, data, batch, steps, warmup, count_steps: the
+    run's shape (train.run_rank, runner.run_arm); cpu: NumPy ranks with HostComm; progress: a progress bar; trials:
+    trials per allocator. Returns: A list of (trial, result) in the order they ran.
     """
     from tqdm.auto import tqdm
     group = ThreadGroup(world, cfg, data, warmup, cpu)
@@ -177,14 +164,9 @@ def threads_arms(world, names, cfg, data, batch, steps, warmup, count_steps, cpu
 def rank_main(rank, world, uid, spec, barrier) -> list:
     """One rank of the processes mode: every (trial, allocator) in turn on GPU `rank`; [(trial, run_arm result)].
 
-    Args:
-        rank, world: this process's rank and the number of ranks.
-        uid: the NCCL unique id (from rank 0).
-        spec: the run's settings (allocators, batch, steps, warmup, count_steps, config, trials, progress).
-        barrier: a function meeting every rank.
-
-    Returns:
-        A list of (trial, result) in the order they ran.
+    Args: rank, world: this process's rank and the number of ranks; uid: the NCCL unique id (from rank 0); spec: the
+    run's settings (allocators, batch, steps, warmup, count_steps, config, trials, progress); barrier: a function
+    meeting every rank. Returns: A list of (trial, result) in the order they ran.
     """
     no_multicast()
     import cupy
@@ -214,8 +196,7 @@ def rank_main(rank, world, uid, spec, barrier) -> list:
 def worker_main(spec_path) -> None:
     """Entry point of an `mpirun`-launched rank: NCCL id from rank 0, results gathered to rank 0's file.
 
-    Args:
-        spec_path: a pickled spec (see rank_main) with result_path, where rank 0 writes every rank's results.
+    Args: spec_path: a pickled spec (see rank_main) with result_path, where rank 0 writes every rank's results.
     """
     from mpi4py import MPI
     from cupy.cuda import nccl
@@ -241,11 +222,8 @@ def _spawned_rank(rank, world, uid, spec, barrier, queue):
 def pick_launcher(launcher="auto") -> str:
     """'mpirun' when it and mpi4py are there (the standard launcher), else 'spawn'.
 
-    Args:
-        launcher: "auto", "mpirun" or "spawn".
-
-    Returns:
-        "mpirun" or "spawn" (anything else is returned as given, and launch() rejects it).
+    Args: launcher: "auto", "mpirun" or "spawn". Returns: "mpirun" or "spawn" (anything else is returned as given,
+    and launch() rejects it).
     """
     if launcher != "auto":
         return launcher
@@ -255,17 +233,8 @@ def pick_launcher(launcher="auto") -> str:
 def launch(world, spec, launcher="auto") -> list:
     """Start `world` rank processes; their results, indexed [rank][allocator].
 
-    Args:
-        world: ranks.
-        spec: see rank_main.
-        launcher: "auto", "mpirun" or "spawn".
-
-    Returns:
-        [rank] -> rank_main's list.
-
-    Raises:
-        RuntimeError: a rank failed (its traceback included).
-        ValueError: an unknown launcher.
+    Args: world: ranks; spec: see rank_main; launcher: "auto", "mpirun" or "spawn". Returns: [rank] -> rank_main's
+    list. Raises: RuntimeError: a rank failed (its traceback included); ValueError: an unknown launcher.
     """
     launcher = pick_launcher(launcher)
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", **{train.ADAMW_ENV: train.adamw_form()},
@@ -333,11 +302,7 @@ def _spawn(world, spec, env):
 def merge_ranks(per_rank: list) -> list:
     """[rank][i] = (trial, run_arm result) -> [(trial, one result per arm with every rank's run in timed/counted)].
 
-    Args:
-        per_rank: launch()'s result.
-
-    Returns:
-        A list of (trial, result) as threads_arms gives.
+    Args: per_rank: launch()'s result. Returns: A list of (trial, result) as threads_arms gives.
     """
     out = []
     for i, (trial, first) in enumerate(per_rank[0]):
@@ -353,23 +318,17 @@ def run(modes=("threads", "processes"), worlds=(1, 2), allocators=None, batch=32
     """Data-parallel tokens/s, speedup over world 1, host and GPU ms per step, utilisation, mallocs, peaks and
     checks.
 
-    Args:
-        modes: "threads" and/or "processes".
-        worlds: GPU counts (world 1 is every speedup's reference).
-        allocators: registry names (default: single_gpu.default_allocators()).
-        batch: sequences per GPU per step.
-        steps, warmup, count_steps: timed steps, untimed steps first, steps of the counting run (trial 0).
-        config: GPT config; launcher: processes' launcher (auto, mpirun, spawn); out: the CSV (None: none).
-        cpu: threads mode on NumPy with HostComm (tests the code, measures nothing).
-        progress: progress bars; trials: trials per (mode, world, allocator), interleaved across allocators.
-        resume: keep the (world, mode) blocks an interrupted run of this commit and these settings completed in
-            `out`, and measure the others.
-
-    Returns:
-        A tidy DataFrame, one row per (mode, world, trial, allocator).
+    Args: modes: "threads" and/or "processes"; worlds: GPU counts (world 1 is every speedup's reference);
+    allocators: arm names (default: allocators.SETS["ddp"]); batch: sequences per GPU per step; steps, warmup,
+    count_steps: timed steps, untimed steps first, steps of the counting run (trial 0); config: GPT config;
+    launcher: processes' launcher (auto, mpirun, spawn); out: the CSV (None: none); cpu: threads mode on NumPy with
+    HostComm (tests the code, measures nothing); progress: progress bars; trials: trials per (mode, world,
+    allocator), interleaved across allocators; resume: keep the (world, mode) blocks an interrupted run of this
+    commit and these settings completed in `out`, and measure the others. Returns: A tidy DataFrame, one row per
+    (mode, world, trial, allocator).
     """
     no_multicast()
-    allocators = tuple(allocators or default_allocators())
+    allocators = registry.parse(allocators or registry.SETS["ddp"])
     if cpu:
         modes, allocators = tuple(m for m in modes if m == "threads"), ("numpy",)
     else:

@@ -23,15 +23,8 @@ RANK_TIMEOUT = 900.0      # seconds a rank thread may run before run_threads giv
 def interleaved(trials: int, arms):
     """(trial, arm) pairs in the order A B C, A B C, ...: drift between trials hits every arm alike.
 
-    Args:
-        trials: how many trials (at least 1).
-        arms: the arms, in a fixed order.
-
-    Returns:
-        A list of (trial, arm).
-
-    Raises:
-        ValueError: trials < 1 or no arms.
+    Args: trials: how many trials (at least 1); arms: the arms, in a fixed order. Returns: A list of (trial, arm).
+    Raises: ValueError: trials < 1 or no arms.
     """
     arms = list(arms)
     if trials < 1 or not arms:
@@ -44,13 +37,8 @@ def installed(name: str, counting: bool, devices):
     """A fresh allocator `name`, installed for the block; afterwards uninstalled, garbage collected (arrays in
     reference cycles die before their pool) and released on `devices`.
 
-    Args:
-        name: a registry name.
-        counting: install the counting variant.
-        devices: the devices to release on afterwards.
-
-    Returns:
-        A context manager giving the installed Allocator.
+    Args: name: a registry name; counting: install the counting variant; devices: the devices to release on
+    afterwards. Returns: A context manager giving the installed Allocator.
     """
     alloc = registry.make(name)
     alloc.install(counting)
@@ -66,15 +54,10 @@ def run_arm(name: str, ranks, steps: int, count_steps: int, devices, count: bool
     """One arm of one trial: a timed run and, unless counting is free (or count is False or count_steps is 0),
     a counting run, each with a fresh allocator.
 
-    Args:
-        name: the allocator's registry name.
-        ranks: ranks(alloc, steps) -> every rank's run_rank dict.
-        steps, count_steps: timed steps, and steps of the counting run.
-        devices: the devices the ranks use (released afterwards).
-        count: make the counting run (the experiments do so in trial 0 only).
-
-    Returns:
-        dict(allocator, timed, counted, counted_steps) for train.build_row; counted is None when not counted.
+    Args: name: the allocator's registry name; ranks: ranks(alloc, steps) -> every rank's run_rank dict; steps,
+    count_steps: timed steps, and steps of the counting run; devices: the devices the ranks use (released
+    afterwards); count: make the counting run (the experiments do so in trial 0 only). Returns: dict(allocator,
+    timed, counted, counted_steps) for train.build_row; counted is None when not counted.
     """
     with installed(name, False, devices) as alloc:
         timed = ranks(alloc, steps)
@@ -91,18 +74,10 @@ def run_arm(name: str, ranks, steps: int, count_steps: int, devices, count: bool
 def run_threads(world: int, fn, device_ctx=None, timeout: float | None = None) -> list:
     """fn(rank) on one thread per rank (inside device_ctx(rank) when given); results in rank order.
 
-    Raises:
-        TimeoutError: a rank still runs after `timeout` seconds (a peer failed inside NCCL?).
-        RuntimeError: a rank raised (the first failure, chained).
-
-    Args:
-        world: threads.
-        fn: fn(rank) -> result.
-        device_ctx: device_ctx(rank) -> a context entered in the thread (e.g. cupy.cuda.Device), or None.
-        timeout: seconds to wait for each thread (default RANK_TIMEOUT).
-
-    Returns:
-        [fn(0), ..., fn(world - 1)].
+    Raises: TimeoutError: a rank still runs after `timeout` seconds (a peer failed inside NCCL?); RuntimeError: a
+    rank raised (the first failure, chained). Args: world: threads; fn: fn(rank) -> result; device_ctx:
+    device_ctx(rank) -> a context entered in the thread (e.g. cupy.cuda.Device), or None; timeout: seconds to wait
+    for each thread (default RANK_TIMEOUT). Returns: [fn(0), ..., fn(world - 1)].
     """
     results, errors = [None] * world, []
     timeout = RANK_TIMEOUT if timeout is None else timeout
@@ -131,14 +106,10 @@ def resumed(out, keys, **same) -> tuple[list, set]:
     """The rows an earlier, interrupted run of the same experiment left in `out`, to finish it instead of
     starting over (a stage stopped by a time limit: never fewer trials, the rest in a later run).
 
-    Args:
-        out: the CSV (None or missing: nothing to resume).
-        keys: the columns that name one run, e.g. ("trial", "batch", "allocator").
-        **same: columns whose values must match this run (commit, config, steps, ...); rows that differ are
-            dropped, so a CSV of another commit or another setting is never mixed in.
-
-    Returns:
-        (rows as dicts, the set of key tuples already measured).
+    Args: out: the CSV (None or missing: nothing to resume); keys: the columns that name one run, e.g. ("trial",
+    "batch", "allocator"); **same: columns whose values must match this run (commit, config, steps, ...); rows that
+    differ are dropped, so a CSV of another commit or another setting is never mixed in. Returns: (rows as dicts,
+    the set of key tuples already measured).
     """
     import pathlib
 

@@ -28,33 +28,20 @@ TRIALS = 5
 DISPATCH_STEPS = 3     # steps after the window, each from an idle device: the host's work per step (train.run_rank)
 
 
-def default_allocators() -> tuple:
-    """raw, CuPy's pool and the two xpool arms (allocators.xpool_arms)."""
-    return ("raw", "cupy_pool") + registry.xpool_arms()
-
-
 def run(allocators=None, batches=(32, 4), steps=10, warmup=3, config=None, out="data/single_gpu.csv",
         count_steps=3, device=0, cpu=False, progress=True, trials=TRIALS, resume=False):
     """Measure every allocator at every batch size, `trials` times, interleaved.
 
-    Args:
-        allocators: registry names (default: default_allocators()).
-        batches: sequences per step.
-        steps, warmup, count_steps: timed steps, untimed steps first, steps of the counting run.
-        config: GPT config name or fields (train.make_config).
-        out: the CSV, rewritten after every run (None: none).
-        device: the GPU.
-        cpu: run the same loop on NumPy (allocator 'numpy'): it tests the code and measures nothing.
-        progress: show a progress bar.
-        trials: trials per (batch, allocator).
-        resume: keep the runs an interrupted run of this commit and these settings left in `out` and measure
-            only the missing ones (runner.resumed).
-
-    Returns:
-        A tidy DataFrame, one row per (trial, batch, allocator).
+    Args: allocators: arm names (default: allocators.SETS["single"]); batches: sequences per step; steps, warmup,
+    count_steps: timed steps, untimed steps first, steps of the counting run; config: GPT config name or fields
+    (train.make_config); out: the CSV, rewritten after every run (None: none); device: the GPU; cpu: run the same
+    loop on NumPy (allocator 'numpy'): it tests the code and measures nothing; progress: show a progress bar;
+    trials: trials per (batch, allocator); resume: keep the runs an interrupted run of this commit and these
+    settings left in `out` and measure only the missing ones (runner.resumed). Returns: A tidy DataFrame, one row
+    per (trial, batch, allocator).
     """
     from tqdm.auto import tqdm
-    allocators = tuple(allocators or default_allocators())
+    allocators = registry.parse(allocators or registry.SETS["single"])
     if cpu:
         import numpy as xp
         allocators, sampler, on_device = ("numpy",), None, contextlib.nullcontext

@@ -24,21 +24,11 @@ BATCHES = (4, 8, 16, 32, 64, 128)
 STEPS = {4: 4, 8: 4, 16: 3, 32: 3, 64: 2, 128: 2}      # timed steps per run, by per-GPU batch
 
 
-def default_allocators() -> tuple:
-    """raw, CuPy's pool and xpool's default arm."""
-    return ("raw", "cupy_pool", registry.xpool_arms()[0])
-
-
 def steps_for(batch: int, scale: float = 1.0) -> int:
     """Timed steps at a per-GPU batch: STEPS where listed, else as for the nearest listed batch; times `scale`,
     at least 2.
 
-    Args:
-        batch: sequences per GPU.
-        scale: a factor on STEPS.
-
-    Returns:
-        An int, at least 2.
+    Args: batch: sequences per GPU; scale: a factor on STEPS. Returns: An int, at least 2.
     """
     near = min(STEPS, key=lambda b: abs(b - batch))
     return max(2, round(STEPS[near] * scale))
@@ -48,22 +38,16 @@ def run(allocators=None, batches=BATCHES, worlds=(1, 2), warmup=2, steps_scale=1
         out="data/batch_sweep.csv", cpu=False, progress=True, trials=TRIALS, resume=False):
     """Threads mode at each per-GPU batch on 1 and 2 GPUs.
 
-    Args:
-        allocators: registry names (default: default_allocators()).
-        batches: per-GPU batches.
-        worlds: GPU counts; the first is the speedup's reference (1).
-        warmup: untimed steps per run; steps_scale: multiplies STEPS.
-        config: GPT config; out: the CSV (None: none).
-        cpu: the same loop on NumPy with HostComm (tests the code, measures nothing).
-        progress: a progress bar; trials: trials per (batch, world, allocator), interleaved.
-        resume: keep what an interrupted run of this commit and these settings left in `out`; measure the rest.
-
-    Returns:
-        A tidy DataFrame (train.COLUMNS), one row per (trial, batch, world, allocator), speedup filled per trial.
+    Args: allocators: arm names (default: allocators.SETS["sweep"]); batches: per-GPU batches; worlds: GPU counts;
+    the first is the speedup's reference (1); warmup: untimed steps per run; steps_scale: multiplies STEPS; config:
+    GPT config; out: the CSV (None: none); cpu: the same loop on NumPy with HostComm (tests the code, measures
+    nothing); progress: a progress bar; trials: trials per (batch, world, allocator), interleaved; resume: keep what
+    an interrupted run of this commit and these settings left in `out`; measure the rest. Returns: A tidy DataFrame
+    (train.COLUMNS), one row per (trial, batch, world, allocator), speedup filled per trial.
     """
     from tqdm.auto import tqdm
     no_multicast()
-    allocators = ("numpy",) if cpu else tuple(allocators or default_allocators())
+    allocators = ("numpy",) if cpu else registry.parse(allocators or registry.SETS["sweep"])
     if not cpu:
         registry.require_gpus(max(worlds), "sweep.run")
     cfg, data = train.make_config(config), load_corpus()

@@ -3,7 +3,7 @@
 # fresh machine for issue #12 (B, into data/rerun). Each command keeps inside SESSION_LIMIT seconds (default 560;
 # the device tool stops a command at 600): a stage that would not fit is skipped and the log says so, and the
 # tarball of logs and CSVs is always written.
-#   bash scripts/gpu_session.sh A1|A2|B          (OUT: where the tarball goes)
+#   bash docs/past-runs/gpu_session.sh A1|A2|B          (OUT: where the tarball goes)
 # A1: the gate (the launcher's, cuBLAS path's and fused kernels' GPU tests) on GPU 1 beside the bench on GPU 0;
 #     then GPU 1 runs the other GPU tests beside GPU 0's single stage and host profiles (separate processes on a
 #     32-core host; arms stay interleaved, so ratios see the same machine); the multi-GPU tests; ddp.  ~6 min
@@ -14,7 +14,7 @@
 # L:  (DATA=data/launch) ddp in threads mode with CuPy's launches, to compare with A1's direct ones.   ~1 min
 # (warm() is there for a session that wants the kernel cache filled and the clocks up before timing.)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 part=${1:?A1, A2, B or L}
 DEST=${OUT:-build/gpu}
 case $part in B) export DATA=${DATA:-data/rerun} ;; L) export DATA=${DATA:-data/launch} ;; *) export DATA=${DATA:-data} ;; esac

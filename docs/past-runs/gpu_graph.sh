@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # CUDA-graph steps (issue 13) on a lent 2-GPU machine, in one command; logs and CSVs into $OUT/graph-<part>.tgz.
-#   bash scripts/gpu_graph.sh probe     (~6 min) the graph's GPU tests and the segments' (release_idle, #14) on
+#   bash docs/past-runs/gpu_graph.sh probe     (~6 min) the graph's GPU tests and the segments' (release_idle, #14) on
 #       GPU 0 beside the one-GPU recheck of scheme xpool on GPU 1; a first timing of the graph arms (3 trials, one
 #       GPU and threads on two); ddp threads with CuPy's launches (the launcher's share, `gpu_session.sh L`).
-#   bash scripts/gpu_graph.sh measure   (~8 min) the graph arms beside the eager ones, 5 trials interleaved:
+#   bash docs/past-runs/gpu_graph.sh measure   (~8 min) the graph arms beside the eager ones, 5 trials interleaved:
 #       one GPU at batch 32 and (250 steps) at batch 4; threads on 2 GPUs at batch 32.
-#   bash scripts/gpu_graph.sh measure2  (~6 min) processes on 2 GPUs for xpool and xpool_graph; the batch sweep
+#   bash docs/past-runs/gpu_graph.sh measure2  (~6 min) processes on 2 GPUs for xpool and xpool_graph; the batch sweep
 #       for xpool_graph; then $BENCH_CMD if set (its CSVs named in $BENCH_CSV).
-#   GDATA=data/graph/rerun bash scripts/gpu_graph.sh measure: the same on a fresh machine, into data/graph/rerun.
-#   bash scripts/gpu_graph.sh final     (~8 min) the alloc+free sweep and hit-path breakdown (#14), every GPU test.
+#   GDATA=data/graph/rerun bash docs/past-runs/gpu_graph.sh measure: the same on a fresh machine, into data/graph/rerun.
+#   bash docs/past-runs/gpu_graph.sh final     (~8 min) the alloc+free sweep and hit-path breakdown (#14), every GPU test.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 part=${1:?probe, measure, measure2 or final}
 DEST=${OUT:-build/gpu}; W=/tmp/xpool-graph-$part; mkdir -p "$W" "$DEST"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 CUDA_SCALE_LAUNCH_QUEUES=4x

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # A short re-check after a change to scheme xpool's release rule (#14): the segments' GPU tests and the column
 # kernels on GPU 0; the one-GPU experiment at batch 4 and 32 for CuPy's pool and xpool (data/single_gpu_recheck.csv)
-# and the memory stage on GPU 1. Logs and CSVs go to $OUT/recheck.tgz.   bash scripts/gpu_recheck.sh  (~1.5 min)
+# and the memory stage on GPU 1. Logs and CSVs go to $OUT/recheck.tgz.   bash docs/past-runs/gpu_recheck.sh  (~1.5 min)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 DEST=${OUT:-build/gpu}; W=/tmp/xpool-recheck; mkdir -p "$W" "$DEST"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 CUDA_SCALE_LAUNCH_QUEUES=4x
 python3 setup.py build_ext --inplace -q >"$W/build.log" 2>&1 || { tail -30 "$W/build.log"; exit 1; }

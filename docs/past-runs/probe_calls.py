@@ -1,5 +1,5 @@
 """Host cost of the calls a training step is made of, one at a time (a diagnostic for issue 13), and a cProfile of
-the fused batch-4 step.  python scripts/probe_calls.py"""
+the fused batch-4 step.  python docs/past-runs/probe_calls.py"""
 import ctypes
 import cProfile
 import io

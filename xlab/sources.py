@@ -1,0 +1,137 @@
+"""Where every figure, target and headline reads its rows: lineages of CSVs, and the runs they come from.
+
+A lineage (KINDS) lists the CSVs that measure one thing, each with the rows it contributes: the one measured last
+(by its rows' dates) measured the same thing again after the code changed (alloc_hit_sweep.csv after the final hit
+path, single_gpu_recheck.csv after the release rule). `current` keeps, for each arm and configuration (the
+lineage's keys), the rows of the newest CSV that has them; the older rows are the lineage's history. Every row
+says where it came from (`csv`: the CSV, `run`: its commit). A second run of the suite on a fresh machine
+(data/rerun/, data/graph/rerun/) is a replication, read the same way from its own folder.
+"""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pandas as pd
+
+from . import allocators
+
+# lineage -> ((CSV, {column: value} selection), ...), the columns naming one configuration
+KINDS = {
+    "alloc_size": ((("alloc_microbench", {"sweep": "size"}), ("alloc_hit_sweep", {})), ("size_bytes",)),
+    "alloc_threads": ((("alloc_microbench", {"sweep": "threads"}), ("alloc_hit_threads", {})),
+                      ("size_bytes", "threads")),
+    "single_gpu": ((("single_gpu", {}), ("single_gpu_recheck", {})), ("batch",)),
+    # NVML's utilisation needs windows longer than its sample period (1/6 s to 1 s): 250 steps at batch 4
+    "busy_b4": ((("single_gpu", {"batch": 4}), ("single_gpu_recheck", {"batch": 4}),
+                 ("graph/single_gpu_b4", {"batch": 4})), ("batch",)),
+    "ddp": ((("ddp_scaling", {}),), ("mode", "world", "batch")),
+    "batch_sweep": ((("batch_sweep", {}), ("graph/batch_sweep", {})), ("mode", "world", "batch")),
+    "graph": ((("graph/single_gpu", {}), ("graph/single_gpu_b4", {}), ("graph/ddp_scaling", {}),
+               ("graph/ddp_processes", {})), ("mode", "world", "batch")),
+    "correctness": ((("correctness_cpu", {}), ("correctness_gpu", {})), ("device", "check")),
+}
+ARM_COLUMNS = ("allocator", "arm")
+# Commits some CSVs name that are not in this repository: a helper's commit before its branch was rebased onto
+# main (NOTES.md, Note [Commits not in the repository]); the commit the file landed in stands in for it.
+REWRITTEN = {"06b3f1f1f9cf": "012dbeb", "55e7e8bbc053": "924512e", "470072ec67b5": "4e9da9f",
+             "8747672b68f9": "30f9bd2"}
+
+
+def read(data: pathlib.Path, name: str) -> pd.DataFrame | None:
+    """data/NAME.csv with today's arm names (allocators.canonical) and its derived columns; None if missing."""
+    path = pathlib.Path(data) / f"{name}.csv"
+    return prepare(pd.read_csv(path), f"{name}.csv") if path.is_file() else None
+
+
+def prepare(df: pd.DataFrame, csv: str) -> pd.DataFrame:
+    """A CSV's rows as every reader takes them: today's arm names, the derived columns, where they came from."""
+    df = allocators.canonical(df)
+    if "ratio_vs_cupy_pool" in df and "us_per_pair" in df:        # the benchmarks: this arm's time over CuPy's
+        df["time_vs_cupy_pool"] = 1 / df["ratio_vs_cupy_pool"]
+    if "class_over_requested" in df:
+        df["class_waste_pct"] = 100 * (df["class_over_requested"] - 1)
+    if "check" in df and "passed" in df:
+        df["gate"] = df["check"].astype(str).str.startswith("transparency")
+        if "device" not in df:
+            df["device"] = df["xp"].map({"cupy": "gpu"}).fillna("cpu") if "xp" in df else "cpu"
+    return df.assign(csv=csv, run=run_label(df))
+
+
+def run_label(df: pd.DataFrame) -> str:
+    """The commit(s) of a frame's rows, short ('262ba40'); a rewritten one says where it landed."""
+    if "commit" not in df:
+        return "unknown commit"
+    out = []
+    for c in pd.unique(df["commit"].dropna().astype(str)):
+        base, dirty = c.removesuffix("+dirty"), c.endswith("+dirty")
+        text = (base[:7] if re.fullmatch(r"[0-9a-f]{7,40}", base) else base) + ("+dirty" if dirty else "")
+        out.append(f"{text} (rebased away; landed as {REWRITTEN[base]})" if base in REWRITTEN else text)
+    return " / ".join(out) or "unknown commit"
+
+
+def lineage(kind: str):
+    """((CSV, selection), ...) and the configuration keys of a lineage; a CSV name stands for itself alone."""
+    if kind in KINDS:
+        return KINDS[kind]
+    return (((kind.removesuffix(".csv"), {}),), ())
+
+
+def frames(data: pathlib.Path, kind: str) -> list[pd.DataFrame]:
+    """The lineage's CSVs present under data, each selected, oldest first by the day and time their rows were
+    measured (`order` 0, 1, ...; the lineage's own order where a CSV has no date)."""
+    found = []
+    for i, (name, where) in enumerate(lineage(kind)[0]):
+        df = read(data, name)
+        if df is None:
+            continue
+        for col, value in where.items():
+            df = df[df[col] == value] if col in df else df.iloc[:0]
+        if len(df):
+            found.append(((str(df["date"].max()) if "date" in df else "", i), df))
+    return [df.assign(order=i) for i, (_, df) in enumerate(sorted(found, key=lambda f: f[0]))]
+
+
+def arm_column(df: pd.DataFrame) -> str | None:
+    return next((c for c in ARM_COLUMNS if c in df), None)
+
+
+def split(data: pathlib.Path, kind: str) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:
+    """(current, history): the rows of the newest CSV per (arm, configuration), and the rows it supersedes."""
+    parts = frames(data, kind)
+    if not parts:
+        return None, None
+    df = pd.concat(parts, ignore_index=True)
+    keys = [k for k in lineage(kind)[1] if k in df] + [c for c in [arm_column(df)] if c]
+    if not keys:
+        return df[df["order"] == df["order"].max()], df[df["order"] < df["order"].max()]
+    newest = df.groupby(keys, dropna=False)["order"].transform("max")
+    return df[df["order"] == newest].reset_index(drop=True), df[df["order"] < newest].reset_index(drop=True)
+
+
+def current(data: pathlib.Path, kind: str) -> pd.DataFrame | None:
+    """The rows a figure or headline shows: the newest of the lineage for each arm and configuration."""
+    return split(data, kind)[0]
+
+
+def where(df: pd.DataFrame) -> str:
+    """'NVIDIA H200, 2026-11-30' (or 'a CPU, no GPU, ...') from the provenance columns."""
+    gpus = [g for g in pd.unique(df.get("gpu", pd.Series(dtype=str)).dropna().astype(str))]
+    gpu = " / ".join("CPU, no GPU" if g.startswith("none") else g for g in gpus) or "unknown machine"
+    days = sorted({str(d)[:10] for d in df.get("date", pd.Series(dtype=str)).dropna()})
+    day = days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}" if days else "unknown date"
+    return f"{gpu}, {day}"
+
+
+def sources(df: pd.DataFrame) -> str:
+    """'alloc_hit_sweep.csv at 262ba40 (cupy_pool, xpool); alloc_microbench.csv at d2ee10f (raw)': each CSV a
+    frame's rows come from, its commit, and the arms it gives (when several CSVs do)."""
+    if "csv" not in df:
+        return "unknown source"
+    col, parts = arm_column(df), []
+    groups = list(df.groupby(["order", "csv"], sort=True)) if "order" in df else list(df.groupby("csv"))
+    for key, g in reversed(groups):
+        name = key[-1] if isinstance(key, tuple) else key
+        arms = f" ({', '.join(allocators.ordered(g[col].unique()))})" if col and len(groups) > 1 else ""
+        parts.append(f"`{name}` at {g['run'].iloc[0]}{arms}")
+    return "; ".join(parts)

@@ -1,0 +1,371 @@
+"""The issues' targets, and the numbers the headlines quote, as one table (TARGETS), judged by one rule.
+
+A row names a lineage of CSVs (xlab.sources.KINDS, or one CSV), a selection (`where`), a metric column, the arm(s),
+an optional reference (`ref`: the arm's rows with these columns replaced; the value is then the ratio of the two,
+paired by trial), the worst (or best, or each) group `over` some columns, and a goal with its direction. `measure`
+computes the median over trials with its 95% bootstrap interval (xlab.intervals) from the newest CSV of the
+lineage that has the rows, and `judge` applies the report's rule (intervals.judge): met when the whole interval
+is on the goal's side, missed when all of it is on the other side, within noise when it straddles the goal; an
+exact quantity measured once (a count, a bitwise check, a replay) is judged on its value. A row without a goal is
+a number for the headlines. Every row carries where its rows came from (CSV and commit); the same row measured on
+the lineage's older CSVs is its history.
+
+    T(key, text, kind, metric, arm, goal=..., higher=..., where={...}, ref={...}, over=(...), ...)
+
+To add a target: one `T(...)` line (goal and direction set); to quote a number in a headline: a row without a
+goal, its key in report.md's template ({key}: the value [interval]; {key.src}: its CSV and commit).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+
+import pandas as pd
+
+from . import intervals as iv, sources
+
+
+@dataclasses.dataclass(frozen=True)
+class T:
+    """One measured quantity; a target when it has a goal (see the module docstring)."""
+
+    key: str
+    text: str
+    kind: str
+    metric: str
+    arm: str | tuple | None = None        # None: every arm
+    goal: float | dict | None = None      # a dict: the median of the rows with these columns replaced
+    higher: bool = True
+    where: dict = dataclasses.field(default_factory=dict)
+    ref: dict | None = None
+    over: tuple = ()
+    pick: str = "worst"                   # worst, best or each group of `over`
+    stat: str = "median"                  # median (with interval), max or min (exact), all (k of n pass)
+    fmt: str = "{:.2f}"
+    unit: str = ""
+    scale: float = 1.0
+    exact: bool = False
+    bound: str | None = None              # what bounds the steps, when the rows do not say
+
+
+X, XS, XG, CP = "xpool", "xpool_seed", "xpool_graph", "cupy_pool"
+MS, PCT, K = dict(fmt="{:.1f}", unit=" ms"), dict(fmt="{:.0f}", unit="%"), dict(fmt="{:.1f}", unit="k", scale=1e-3)
+W2T, W2P = dict(mode="threads", world=2), dict(mode="processes", world=2)
+# the goal 91.2k tokens/s: CuPy's pool at batch 32, flat-buffer AdamW, on an H200 at 8ea8461 (shared/ANCHORS.md)
+TARGETS = (
+    # the allocator microbenchmark, through CuPy (cached arms: the final hit path's sweep)
+    T("us_vs_cupy", "xpool µs per pair ≤ 1.05× CuPy MemoryPool's, every size (worst: {at})", "alloc_size",
+      "time_vs_cupy_pool", X, 1.05, False, over=("size_bytes",), unit="×", bound="host"),
+    T("us_vs_cupy_seed", "xpool_seed µs per pair ≤ 1.05× CuPy MemoryPool's, every size (worst: {at})", "alloc_size",
+      "time_vs_cupy_pool", XS, 1.05, False, over=("size_bytes",), unit="×", bound="host"),
+    T("hit_worst", "#14: xpool alloc+free no slower than CuPy MemoryPool's, every size (CuPy's time / xpool's per "
+      "trial; worst: {at})", "alloc_size", "ratio_vs_cupy_pool", X, 1.0, over=("size_bytes",), unit="×",
+      bound="host"),
+    T("threads_8", "xpool: 8 threads ≥ 1 thread in pairs/s (64 KiB)", "alloc_threads", "kpairs_per_s", X, 1.0,
+      where=dict(threads=8), ref=dict(threads=1), unit="×", bound="host"),
+    T("threads_8_seed", "xpool_seed: 8 threads ≥ 1 thread in pairs/s (64 KiB)", "alloc_threads", "kpairs_per_s", XS,
+      1.0, where=dict(threads=8), ref=dict(threads=1), unit="×", bound="host"),
+    # one GPU
+    T("vs_raw", "one GPU, batch 32: xpool ≥ 2.9× raw (tokens/s)", "single_gpu", "tokens_per_s", X, 2.9,
+      where=dict(batch=32), ref=dict(allocator="raw"), unit="×"),
+    T("vs_raw_seed", "one GPU, batch 32: xpool_seed ≥ 2.9× raw (tokens/s)", "single_gpu", "tokens_per_s", XS, 2.9,
+      where=dict(batch=32), ref=dict(allocator="raw"), unit="×"),
+    T("vs_cupy_32", "#14: one GPU, batch 32: xpool ≥ 1.00× CuPy MemoryPool (tokens/s)", "single_gpu",
+      "tokens_per_s", X, 1.0, where=dict(batch=32), ref=dict(allocator=CP), unit="×"),
+    T("vs_cupy_4", "#14: one GPU, batch 4: xpool ≥ 1.00× CuPy MemoryPool (tokens/s)", "single_gpu", "tokens_per_s",
+      X, 1.0, where=dict(batch=4), ref=dict(allocator=CP), unit="×"),
+    T("vs_cupy_32_seed", "one GPU, batch 32: xpool_seed ≥ 1.00× CuPy MemoryPool (tokens/s)", "single_gpu",
+      "tokens_per_s", XS, 1.0, where=dict(batch=32), ref=dict(allocator=CP), unit="×"),
+    T("vs_cupy_4_seed", "one GPU, batch 4: xpool_seed ≥ 1.00× CuPy MemoryPool (tokens/s)", "single_gpu",
+      "tokens_per_s", XS, 1.0, where=dict(batch=4), ref=dict(allocator=CP), unit="×"),
+    T("tps_32", "one GPU, batch 32: xpool ≥ 91.2k tokens/s (CuPy's pool on an H200 at 8ea8461)", "single_gpu",
+      "tokens_per_s", X, 91.2, where=dict(batch=32), **K),
+    T("dispatch_32", "host ms per step ≤ 12 at batch 32 (xpool; thread CPU time of a step started on an idle "
+      "device)", "single_gpu", "dispatch_ms_per_step", X, 12.0, False, where=dict(batch=32), bound="host", **MS),
+    T("busy_4", "one GPU, batch 4: GPU busy ≥ 70% (xpool; NVML over {steps}-step windows)", "busy_b4",
+      "gpu_util_mean", X, 70.0, **PCT),
+    T("mallocs_all", "device mallocs per step after warm-up, every xpool arm (worst: {at})", "single_gpu",
+      "device_mallocs_per_step", (X, XS), 0.0, False, over=("allocator", "batch"), fmt="{:.2g}", exact=True),
+    T("mallocs", "#14: xpool device mallocs per step after warm-up, batch 4 and 32 (worst: {at})", "single_gpu",
+      "device_mallocs_per_step", X, 0.0, False, over=("batch",), fmt="{:.2g}", exact=True),
+    T("ror_32", "#14: batch 32: xpool peak reserved / peak requested ≤ 1.05", "single_gpu", "reserved_over_requested",
+      X, 1.05, False, where=dict(batch=32), fmt="{:.3f}", exact=True),
+    T("ror_4", "#14: batch 4: xpool peak reserved / peak requested ≤ CuPy MemoryPool's", "single_gpu",
+      "reserved_over_requested", X, dict(allocator=CP), False, where=dict(batch=4), fmt="{:.3f}", exact=True),
+    # several GPUs
+    T("ddp_threads", "2 GPUs, one thread per GPU, batch 32: xpool ≥ 1.85×", "ddp", "speedup", X, 1.85, where=W2T,
+      unit="×"),
+    T("ddp_raw", "2 GPUs, one thread per GPU, batch 32: raw ≤ 1.3× (the cliff stays visible)", "ddp", "speedup",
+      "raw", 1.3, False, where=W2T, unit="×"),
+    T("ddp_procs", "2 GPUs, one process per GPU, batch 32: xpool ≥ 1.95×", "ddp", "speedup", X, 1.95, where=W2P,
+      unit="×"),
+    T("ddp_raw_procs", "2 GPUs, one process per GPU, batch 32: raw (no goal)", "ddp", "speedup", "raw", where=W2P,
+      unit="×"),
+    T("ddp_loss", "DDP loss vs one GPU on the same global batch ≤ 1e-6 (max relative difference)", "ddp",
+      "loss_rel_diff_max", None, 1e-6, False, stat="max", fmt="{:.1e}", exact=True, bound="—"),
+    T("ddp_params", "parameters agree across ranks ≤ 1e-6 (max abs difference)", "ddp", "param_rank_diff_max", None,
+      1e-6, False, stat="max", fmt="{:.1e}", exact=True, bound="—"),
+    # memory
+    T("waste_best", "peak reserved / peak requested ≤ 1.10 with the best class setting (seed scheme, {at})",
+      "memory_waste.csv", "reserved_over_requested", None, 1.10, False, over=("k",), pick="best", fmt="{:.3f}",
+      exact=True, bound="—"),
+    T("varlen", "#14: varying sequence lengths: xpool peak reserved / peak requested ≤ CuPy MemoryPool's (one run "
+      "per arm: exact counters)", "memory_varlen.csv", "reserved_over_requested", X, dict(allocator=CP), False,
+      fmt="{:.3f}", exact=True, bound="—"),
+    # the step as a CUDA graph
+    T("graph_threads", "2 GPUs, one thread per GPU, batch 32: xpool_graph ≥ 1.85× (step as a CUDA graph)", "graph",
+      "speedup", XG, 1.85, where=W2T, unit="×"),
+    T("graph_raw", "2 GPUs, one thread per GPU, batch 32: raw ≤ 1.3× beside the graph arms (the cliff stays "
+      "visible)", "graph", "speedup", "raw", 1.3, False, where=W2T, unit="×"),
+    T("graph_procs", "2 GPUs, one process per GPU, batch 32: xpool_graph ≥ 1.95×", "graph", "speedup", XG, 1.95,
+      where=W2P, unit="×"),
+    T("graph_dispatch", "host ms per step ≤ 12 at batch 32 (xpool_graph; thread CPU time of a step started on an "
+      "idle device)", "graph", "dispatch_ms_per_step", XG, 12.0, False, where=dict(mode="single", batch=32),
+      fmt="{:.2f}", unit=" ms", bound="host"),
+    T("graph_tps", "one GPU, batch 32: xpool_graph ≥ 91.2k tokens/s", "graph", "tokens_per_s", XG, 91.2,
+      where=dict(mode="single", batch=32), **K),
+    T("graph_vs_cupy", "one GPU, batch 32: xpool_graph ≥ 1.00× CuPy MemoryPool, eager (tokens/s)", "graph",
+      "tokens_per_s", XG, 1.0, where=dict(mode="single", batch=32), ref=dict(allocator=CP), unit="×"),
+    T("graph_busy", "one GPU, batch 4: GPU busy ≥ 70% (xpool_graph; NVML over {steps}-step windows)", "graph",
+      "gpu_util_mean", XG, 70.0, where=dict(mode="single", batch=4), **PCT),
+    T("graph_mallocs", "device mallocs per step after warm-up, every graph run, private pools included (worst: {at})",
+      "graph", "device_mallocs_per_step", ("cupy_pool_graph", XG), 0.0, False,
+      over=("allocator", "mode", "world", "batch"), fmt="{:.2g}", exact=True),
+    # correctness
+    T("gate", "transparency gate: every allocator bit-identical to raw cudaMalloc (checks passing)", "correctness",
+      "passed", None, 1.0, where=dict(gate=True), stat="all", exact=True, bound="—"),
+    # numbers the headlines quote (no goal)
+    T("cpu_checks", "CPU checks passing", "correctness", "passed", None, where=dict(device="cpu"), stat="all"),
+    T("gpu_checks", "GPU checks passing", "correctness", "passed", None, where=dict(device="gpu"), stat="all"),
+    *(T(f"us64_{a}", f"{a} µs per pair at 64 KiB", "alloc_size", "us_per_pair", a, where=dict(size_bytes=65536),
+        unit=" µs") for a in (X, CP, "cupy_torch", "cupy_async", "raw", "c_noop")),
+    T("hit_best", "CuPy's time / xpool's, best size", "alloc_size", "ratio_vs_cupy_pool", X, over=("size_bytes",),
+      pick="best", unit="×"),
+    *(T(f"us4_{a}", f"{a} µs per pair at 4 KiB", "alloc_size", "us_per_pair", a, where=dict(size_bytes=4096),
+        unit=" µs") for a in ("raw", "raw_held")),
+    *(T(f"k8_{a}", f"{a} thousand pairs/s, 8 threads", "alloc_threads", "kpairs_per_s", a,
+        where=dict(threads=8, size_bytes=65536), fmt="{:.0f}", unit="k") for a in (X, CP, "raw")),
+    T("k8_ratio", "CuPy's time / xpool's, 8 threads", "alloc_threads", "ratio_vs_cupy_pool", X,
+      where=dict(threads=8, size_bytes=65536), unit="×"),
+    T("tps_32_all", "xpool tokens/s, batch 32", "single_gpu", "tokens_per_s", X, where=dict(batch=32), fmt="{:,.0f}"),
+    T("mallocs_raw", "raw device mallocs per step, batch 32", "single_gpu", "device_mallocs_per_step", "raw",
+      where=dict(batch=32), fmt="{:.0f}", exact=True),
+    T("ror_32_cupy", "CuPy's pool's peak reserved / requested, batch 32", "single_gpu", "reserved_over_requested", CP,
+      where=dict(batch=32), fmt="{:.3f}", exact=True),
+    T("ddp_raw_threads_all", "raw speedup, threads", "ddp", "speedup", "raw", where=W2T, unit="×"),
+    T("sweep", "xpool speedup by batch, threads, 2 GPUs", "batch_sweep", "speedup", X, where=W2T, over=("batch",),
+      pick="each", unit="×"),
+    T("sweep_graph", "xpool_graph speedup by batch, threads, 2 GPUs", "batch_sweep", "speedup", XG, where=W2T,
+      over=("batch",), pick="each", unit="×"),
+    T("graph_dispatch_eager", "xpool eager dispatch ms, batch 32, graph runs", "graph", "dispatch_ms_per_step", X,
+      where=dict(mode="single", batch=32), **MS),
+    T("graph_threads_x", "xpool speedup beside the graph arms", "graph", "speedup", X, where=W2T, unit="×"),
+    T("graph_busy_x", "xpool (eager) GPU busy at batch 4, graph runs", "graph", "gpu_util_mean", X,
+      where=dict(mode="single", batch=4), **PCT),
+    T("waste", "size-class waste by k (seed scheme)", "memory_waste.csv", "class_waste_pct", None, over=("k",),
+      pick="each", fmt="{:.2g}", unit="%", exact=True),
+    T("waste_peak", "peak reserved / requested by k (seed scheme)", "memory_waste.csv", "reserved_over_requested", None,
+      over=("k",), pick="each", fmt="{:.2f}", unit="×", exact=True),
+    T("varlen_cupy", "CuPy's pool, varying lengths", "memory_varlen.csv", "reserved_over_requested", CP, fmt="{:.3f}",
+      exact=True),
+    T("torch_step", "PyTorch's training step, xpool / PyTorch's allocator (tokens/s)", "torch_interop.csv", "value", X,
+      where=dict(case="train_step"), ref=dict(arm="torch"), unit="×"),
+    T("torch_empty", "torch.empty+del, PyTorch's allocator's time / xpool's, by size", "torch_interop.csv", "value",
+      "torch", where=dict(case="empty_del"), ref=dict(arm=X), over=("size_bytes",), pick="each", unit="×"),
+)
+BY_KEY = {t.key: t for t in TARGETS}
+
+
+@dataclasses.dataclass
+class Measured:
+    """A row measured: value and interval (NaN: none), the group it came from, its source, and its verdict."""
+
+    row: T
+    value: float = math.nan
+    lo: float = math.nan
+    hi: float = math.nan
+    n: int = 0
+    at: str = ""
+    steps: str = ""
+    src: str = ""
+    where: str = ""
+    bound: str = "—"
+    goal: float | None = None
+    goal_text: str = ""
+    each: list = dataclasses.field(default_factory=list)
+
+    def __format__(self, spec: str) -> str:
+        r = self.row
+        if self.each:
+            return ", ".join(f"{m.at}: {m:{spec}}" for m in self.each)
+        if r.stat == "all":
+            return "n/a" if not self.n else f"{round(self.value * self.n)} of {self.n}"
+        return iv.fmt_ci(self.value, self.lo, self.hi, spec or r.fmt, r.unit, self.goal, exact=self._exact)
+
+    @property
+    def _exact(self) -> bool:
+        return self.row.exact or self.row.stat != "median"
+
+    @property
+    def verdict(self) -> str:
+        if self.goal is None:
+            return ""
+        return iv.judge(self.value, self.lo, self.hi, self.goal, self.row.higher, exact=self._exact)
+
+
+def _group_label(keys, values) -> str:
+    from .plots import fmt_bytes
+    out = []
+    for k, v in zip(keys, values):
+        out.append(fmt_bytes(v) if k == "size_bytes" else f"k = {v}" if k == "k" else
+                   str(v) if k in ("allocator", "arm", "mode") else f"{k} {v}")
+    return ", ".join(out)
+
+
+def _select(df, where):
+    for col, value in where.items():
+        df = (df[df[col].isin(value) if isinstance(value, tuple) else df[col] == value] if col in df
+              else df.iloc[:0])
+    return df
+
+
+def _value(r: T, mine: pd.DataFrame, ref: pd.DataFrame | None):
+    """(value, lo, hi, n) of a row's statistic over the selected rows (and their reference)."""
+    v = mine[r.metric].astype(float) * r.scale
+    if r.stat == "all":
+        return float(v.mean()) if len(v) else math.nan, math.nan, math.nan, len(v)
+    if r.stat in ("max", "min"):
+        return (float(getattr(v, r.stat)()) if len(v) else math.nan), math.nan, math.nan, len(v)
+    if ref is None:
+        return iv.median_ci(v)
+    a = mine.groupby("trial")[r.metric].median() if "trial" in mine else v.reset_index(drop=True)
+    b = ref.groupby("trial")[r.metric].median() if "trial" in ref else ref[r.metric].reset_index(drop=True)
+    common = a.index.intersection(b.index)
+    return iv.ratio_ci(a.loc[common].to_numpy(float), b.loc[common].to_numpy(float))
+
+
+def _bound(r: T, *frames) -> str:
+    if r.bound or r.exact or r.stat != "median":
+        return r.bound or "—"
+    bounds = []
+    for f in frames:
+        if f is not None and "bound" in f and f["bound"].notna().any():
+            bounds.append((sources.arm_column(f) and f[sources.arm_column(f)].iloc[0], f["bound"].mode().iloc[0]))
+    if len({b for _, b in bounds}) > 1:
+        return ", ".join(f"{a} {b}" for a, b in bounds)
+    return bounds[0][1] if bounds else "—"
+
+
+def _one(r: T, df: pd.DataFrame, col: str | None, group: dict) -> Measured | None:
+    """The row measured on one CSV's rows, one group of `over`; None when the rows are not there."""
+    arms = (r.arm,) if isinstance(r.arm, str) else r.arm
+    mine = _select(df, {**r.where, **group})
+    if arms and col:
+        mine = mine[mine[col].isin(arms)]
+    ref = None
+    if r.ref is not None:
+        ref = _select(df, {**r.where, **group, **r.ref})
+        if col and col not in r.ref and arms:
+            ref = ref[ref[col].isin(arms)]
+        if not len(ref):
+            return None
+    if not len(mine) or r.metric not in mine or mine[r.metric].isna().all():
+        return None
+    if r.ref and col in r.ref and set(mine[col]) <= {r.ref[col]}:
+        return None                                   # the reference over itself
+    m = Measured(r, *_value(r, mine, ref), src=sources.sources(mine), where=sources.where(mine),
+                 bound=_bound(r, mine, ref),
+                 steps="/".join(str(int(s)) for s in pd.unique(mine["steps"].dropna())) if "steps" in mine else "")
+    if isinstance(r.goal, dict):
+        g = _select(df, {**r.where, **group, **r.goal})[r.metric].dropna()
+        if not len(g):
+            return None
+        m.goal = float(g.median() * r.scale)
+        m.goal_text = iv.fmt_ci(m.goal, math.nan, math.nan, r.fmt, r.unit, exact=True)
+    else:
+        m.goal = r.goal
+    return m
+
+
+def measure(r: T, data: pathlib.Path, history: bool = False) -> list[Measured]:
+    """A row measured from the newest CSV of its lineage that has its rows (per group of `over`): [Measured], or
+    [] when nothing is measured. With history: the same from each older CSV that has the rows, newest first."""
+    parts = sources.frames(data, r.kind)[::-1]
+    if not parts:
+        return []
+    col = sources.arm_column(parts[0])
+    groups = [()]
+    if r.over and all(c in p for p in parts for c in r.over):
+        groups = sorted({tuple(x) for p in parts for x in p[list(r.over)].drop_duplicates().itertuples(index=False)})
+    per_group = []
+    for g in groups:
+        found = [m for p in parts for m in [_one(r, p, col, dict(zip(r.over, g)))] if m is not None]
+        for m in found:
+            m.at = _group_label(r.over, g)
+        if found:
+            per_group.append(found)
+    if not per_group:
+        return []
+    if not history:
+        return [_combine(r, [f[0] for f in per_group])]
+    depth = max(len(f) for f in per_group)
+    return [_combine(r, [f[i] for f in per_group if len(f) > i]) for i in range(1, depth)]
+
+
+def _combine(r: T, level: list[Measured]) -> Measured:
+    """One Measured of a row from its groups: the worst (or best) group, or all of them (`each`)."""
+    if len(level) == 1 and not r.over:
+        return level[0]
+    if r.pick == "each":
+        m = dataclasses.replace(level[0], each=level)
+        m.src = "; ".join(dict.fromkeys(x.src for x in level))
+        return m
+    worst = (min if (r.pick == "worst") == r.higher else max)(level, key=lambda m: m.value)
+    return worst
+
+
+def judged(data: pathlib.Path) -> tuple[list[Measured], list[Measured]]:
+    """(every target measured on its newest data, every target measured on older data: the history)."""
+    now, then = [], []
+    for r in TARGETS:
+        if r.goal is None:
+            continue
+        got = measure(r, data)
+        now += got
+        then += measure(r, data, history=True) if got else []
+    return now, then
+
+
+def values(data: pathlib.Path) -> dict:
+    """{key: Measured} of every row measured on its newest data (what the headlines' template reads)."""
+    out = {}
+    for r in TARGETS:
+        got = measure(r, data)
+        if got:
+            out[r.key] = got[0]
+    return out
+
+
+def text(m: Measured) -> str:
+    """A target's words, its group filled in and its goal's value when the goal is another arm's."""
+    t = m.row.text.replace("{at}", m.at or "—").replace("{steps}", m.steps or "?")
+    return t + (f" ({m.goal_text})" if m.goal_text else "")
+
+
+def table(rows: list[Measured], history: bool = False) -> list[str]:
+    """Markdown: one line per judged target (with history: which CSV each older value came from)."""
+    head = ["| target | measured | verdict | bound | data |", "|---|---|---|---|---|"]
+    out = []
+    for m in rows:
+        v = m.verdict
+        out.append(f"| {text(m)} | {m} | {'**missed**' if v == iv.MISSED else v} | {m.bound} | {m.src} |")
+    return head + out if out else []
+
+
+def counts(rows: list[Measured]) -> dict:
+    """How many targets are met, missed, within noise, or single runs."""
+    v = [m.verdict for m in rows]
+    return {"targets": len(v), "met": v.count(iv.MET), "missed": v.count(iv.MISSED), "noise": v.count(iv.NOISE),
+            "single": sum(x.startswith(iv.SINGLE) for x in v)}
+
