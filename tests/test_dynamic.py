@@ -215,6 +215,12 @@ def test_run_writes_rows_with_provenance_and_resumes(tmp_path):
     assert len(other) == 4 and len(pd.read_csv(out)) == 8
 
 
+def test_spawned_processes_work_too():
+    """A spawned process imports everything itself (what a parent that started CUDA needs)."""
+    df = dynamic.run(["gpt_b4"], trials=1, steps=1, warmup=1, out=None, cpu=True, start="spawn", progress=False)
+    assert len(df) == 1 and df.start[0] == "spawn" and df.ms_per_step[0] > 0
+
+
 def test_run_rejects_bad_counts():
     for bad in (dict(trials=0), dict(steps=0), dict(warmup=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
