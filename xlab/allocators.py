@@ -480,6 +480,131 @@ class Host(Allocator):
         pass
 
 
+# --- the dynamic-shape benchmark's arms (xlab.bench.dynamic; Note [Dynamic-shape benchmark])
+
+class _LiveFrees(_Live):
+    """_Live, counting the frees too."""
+
+    def __init__(self):
+        super().__init__()
+        self.frees = defaultdict(int)
+
+    def _freed(self, device, size):
+        super()._freed(device, size)
+        with self._lock:
+            self.frees[device] += 1
+
+
+class CupyAsyncCounted(CupyAsync):
+    """cupy_async, counted: peak reserved from the device's memory pool (cudaMemPoolAttrReservedMemHigh, reset at
+    install); in the counting run each block wrapped, as raw's counting variant does, so that its cudaMallocAsync,
+    its cudaFreeAsync and the live requested bytes are seen."""
+
+    def install(self, counting: bool = False) -> None:
+        from cupy.cuda import runtime
+        runtime.memPoolSetAttribute(self._handle(runtime.getDevice()), runtime.cudaMemPoolAttrReservedMemHigh, 0)
+        self.live = _LiveFrees()
+        super().install(counting)
+
+    @staticmethod
+    def _handle(device):
+        from cupy.cuda import runtime
+        return runtime.deviceGetMemPool(device)       # MemoryAsyncPool('current') allocates from it
+
+    def malloc_fn(self):
+        from cupy.cuda import memory
+        pool_malloc, live = self.pool.malloc, self.live
+
+        def malloc(size):
+            mp = pool_malloc(size)
+            if size:
+                live._allocated(mp.device_id, size)
+                owner = _Freed(live, mp.device_id, size, mp)     # its death frees mp: one cudaFreeAsync
+                mp = memory.MemoryPointer(memory.UnownedMemory(mp.ptr, size, owner, mp.device_id), 0)
+            return mp
+        return malloc if self.counting else pool_malloc
+
+    def device_calls(self, device):
+        return self.live.mallocs[device] + self.live.frees[device] if self.counting else None
+
+    def device_mallocs(self, device):
+        return self.live.mallocs[device] if self.counting else None
+
+    def peak_reserved(self, device):
+        from cupy.cuda import runtime
+        return int(runtime.memPoolGetAttribute(self._handle(device), runtime.cudaMemPoolAttrReservedMemHigh))
+
+    def peak_requested(self, device):
+        return self.live.peak[device] if self.counting else None
+
+
+class RmmPool(Allocator):
+    """RMM's pool (`rmm.mr.PoolMemoryResource` over `CudaMemoryResource`), CuPy's allocator through
+    `rmm.allocators.cupy.rmm_cupy_allocator`, counted by two `StatisticsResourceAdaptor`s: one under the pool (its
+    cudaMallocs, cudaFrees, reserved bytes), one above it (requested bytes). It starts empty (initial_pool_size=0),
+    as CuPy's and xpool's pools do, and grows by max(request, pool size)."""
+
+    name = "rmm_pool"
+    free_counting = True      # an adaptor's count is a lock per call, beside rmm_cupy_allocator's Python
+
+    def __init__(self):
+        super().__init__()
+        try:
+            import rmm.mr
+        except ImportError as e:
+            raise ImportError(f"allocator 'rmm_pool' needs RMM (pip install rmm-cu13 or rmm-cu12): {e}") from e
+        self.upstream = rmm.mr.StatisticsResourceAdaptor(rmm.mr.CudaMemoryResource())
+        self.pool = rmm.mr.PoolMemoryResource(self.upstream, initial_pool_size=0)
+        self.top = rmm.mr.StatisticsResourceAdaptor(self.pool)
+
+    def malloc_fn(self):
+        from rmm.allocators.cupy import rmm_cupy_allocator
+        return rmm_cupy_allocator                      # allocates from the current device resource: self.top
+
+    def install(self, counting: bool = False) -> None:
+        import rmm.mr
+        self._mr_before = rmm.mr.get_current_device_resource()
+        rmm.mr.set_current_device_resource(self.top)
+        super().install(counting)
+
+    def uninstall(self) -> None:
+        import rmm.mr
+        super().uninstall()
+        rmm.mr.set_current_device_resource(self._mr_before)
+
+    def device_calls(self, device):
+        c = self.upstream.allocation_counts
+        return 2 * c.total_count - c.current_count     # cudaMallocs + cudaFrees
+
+    def device_mallocs(self, device):
+        return self.upstream.allocation_counts.total_count
+
+    def peak_reserved(self, device):
+        return self.upstream.allocation_counts.peak_bytes
+
+    def peak_requested(self, device):
+        return self.top.allocation_counts.peak_bytes
+
+    def release(self, devices=()) -> None:
+        self.top = self.pool = self.upstream = self._mr_before = None    # the pool's death frees its blocks
+
+
+class TorchExpandable(CupyTorch):
+    """`torch` with expandable segments, set before PyTorch's allocator makes its first block (make it in a process
+    of its own: the setting is process-wide)."""
+
+    name = "torch_expandable"
+    SETTING = "expandable_segments:True"
+
+    def __init__(self):
+        import os
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = self.SETTING    # where PyTorch is imported after this
+        super().__init__()
+        set_settings = (getattr(self.torch._C, "_accelerator_setAllocatorSettings", None)   # and where it was
+                        or self.torch.cuda.memory._set_allocator_settings)               # imported before
+        set_settings(self.SETTING)
+
+
 @dataclasses.dataclass(frozen=True)
 class Arm:
     """One arm: name, how to make it, label and style, what it can do (see the module docstring)."""
@@ -515,11 +640,14 @@ ARMS = (
     Arm("raw_held", "raw, one small block held alive", "#bdbdbd", "P", RawHeld, device_calls_when_warm=True,
         ls=":"),
     Arm("cupy_pool", "CuPy MemoryPool (CuPy's default)", "#1f77b4", "o", CupyPool, can_capture=True),
-    Arm("cupy_async", "CuPy MemoryAsyncPool (cudaMallocAsync)", "#6baed6", "s", CupyAsync,
+    Arm("cupy_async", "CuPy MemoryAsyncPool (cudaMallocAsync)", "#6baed6", "s", CupyAsyncCounted,
         device_calls_when_warm=True),
+    Arm("rmm_pool", "RMM pool (PoolMemoryResource, rmm_cupy_allocator)", "#9edae5", "o", RmmPool, exact=True),
     Arm("cupy_torch", "PyTorch's caching allocator handing CuPy its blocks", "#17becf", "p", CupyTorch, exact=True),
-    Arm("torch", "PyTorch's caching allocator (PyTorch's own tensors)", "#7f7f7f", "p", framework="torch",
-        exact=True),
+    Arm("torch", "PyTorch's caching allocator (PyTorch's own tensors)", "#7f7f7f", "p", CupyTorch,
+        framework="torch", exact=True),
+    Arm("torch_expandable", "PyTorch's caching allocator, expandable_segments:True", "#393b79", "P", TorchExpandable,
+        framework="torch", exact=True),
     _xp("xpool", f"xpool, default scheme ({DEFAULT_SCHEME})", "#d62728", "D",
         scheme=DEFAULT_SCHEME),
     _xp("xpool_segments", "xpool, segments scheme", "#d62728", "D", scheme="segments"),

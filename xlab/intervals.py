@@ -73,6 +73,22 @@ def ratio_ci(numerator, denominator, level: float = LEVEL, resamples: int = RESA
     return ratio, lo, hi, len(a)
 
 
+def paired(df, value: str, arm: str, reference, by=(), trial: str = "trial"):
+    """Every arm's `value` over the `reference` arm's, per group of `by`, paired by `trial` (ratio_ci): a frame of
+    the `by` columns, `arm`, ratio, ratio_lo, ratio_hi, n_pairs (the reference left out; empty without it)."""
+    import pandas as pd
+    by, rows = list(by), []
+    for key, g in (df.groupby(by, sort=False, dropna=False) if by else [((), df)]):
+        key = key if isinstance(key, tuple) else (key,)
+        ref = g[g[arm] == reference].groupby(trial)[value].median()
+        for name, a in ([] if ref.empty else g[g[arm] != reference].groupby(arm, sort=False)):
+            mine = a.groupby(trial)[value].median()
+            common = mine.index.intersection(ref.index)
+            r, lo, hi, n = ratio_ci(mine.loc[common].to_numpy(), ref.loc[common].to_numpy())
+            rows.append({**dict(zip(by, key)), arm: name, "ratio": r, "ratio_lo": lo, "ratio_hi": hi, "n_pairs": n})
+    return pd.DataFrame(rows, columns=by + [arm, "ratio", "ratio_lo", "ratio_hi", "n_pairs"])
+
+
 def judge(value: float, lo: float, hi: float, target: float, higher_is_better: bool = True,
           exact: bool = False) -> str:
     """Whether a target is met, judged on the interval rather than the median: the report's one rule.

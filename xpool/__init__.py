@@ -21,7 +21,7 @@ from .backends import Backend, CupyBackend, DeviceOutOfMemory, HostBackend
 from .cupy_adapter import MemoryPool, current, install, installed, uninstall, use
 from .errors import CorruptionError, CorruptionWarning, OutOfMemoryError, RequestTooLargeError
 from .pool import Pool
-from .settings import Settings
+from .settings import SCHEMES, Settings
 from .sizeclass import size_class
 from .stats import Snapshot
 from .torch_allocator import enable as enable_torch   # imports torch only when called
@@ -31,7 +31,7 @@ __all__ = [
     "size_class", "Pool", "MemoryPool", "Backend", "HostBackend", "CupyBackend", "install", "uninstall",
     "installed", "current", "use", "empty_cache", "stats", "snapshot", "OutOfMemoryError",
     "CorruptionError", "CorruptionWarning", "DeviceOutOfMemory", "RequestTooLargeError", "Snapshot",
-    "enable_torch", "Settings",
+    "enable_torch", "Settings", "SCHEMES",
 ]
 
 

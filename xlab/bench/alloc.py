@@ -275,6 +275,8 @@ OTHER_BUILD = {}    # arm name -> a factory of its registry.XPool, filled by oth
 class OtherBuildPool(registry.XPool):
     """An xpool arm whose pools come from another build's MemoryPool (its public API: scheme=, debug=)."""
 
+    free_counting = can_capture = True     # as the table's xpool rows say of this build's
+
     def __init__(self, package, scheme: str, name: str):
         registry.Allocator.__init__(self)
         self.package, self.name = package, name
@@ -314,11 +316,9 @@ def other_build_table(rows) -> str:
         part = rows[(rows.sweep == "size") & rows.allocator.isin([theirs, mine])]
         if part.allocator.nunique() < 2:
             continue
-        cells = []
-        for size, g in part.groupby("size_bytes"):
-            t = g.pivot_table(index="trial", columns="allocator", values="us_per_pair", aggfunc="median").dropna()
-            r, lo, hi, _ = intervals.ratio_ci(t[theirs].to_numpy(), t[mine].to_numpy())
-            cells.append(f"{fmt_bytes(size)} {intervals.fmt_ci(r, lo, hi, '{:.3f}')}")
+        ratios = intervals.paired(part, "us_per_pair", "allocator", mine, by=["size_bytes"])
+        cells = [f"{fmt_bytes(r.size_bytes)} {intervals.fmt_ci(r.ratio, r.ratio_lo, r.ratio_hi, '{:.3f}')}"
+                 for r in ratios.itertuples() if r.allocator == theirs]
         lines.append(f"{theirs} / {mine}, µs per pair paired by trial (> 1: this build is faster): " + "; ".join(cells))
     return "\n".join(lines)
 

@@ -1,0 +1,263 @@
+"""The dynamic-shape benchmark (xlab.bench.dynamic) without a GPU: names, the order of the arms, rows and their
+arithmetic, resuming, each arm's device-call count over stand-ins, the workloads on NumPy and PyTorch's CPU. The
+real paths run on a GPU (marked)."""
+import math
+import sys
+import types
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import xpool
+from xlab import allocators as registry
+from xlab.bench import dynamic, dynamic_workloads as wl
+from xlab.experiments.train import Window
+
+
+def _window():
+    return Window(lambda: None, lambda: None)
+
+
+# --- names and order
+
+def test_unknown_workloads_and_arms_are_named():
+    with pytest.raises(ValueError, match="gpt_b9.*known: cupy_mix"):
+        dynamic.resolve(["cupy_mix", "gpt_b9"])
+    with pytest.raises(ValueError, match=r"unknown arm\(s\) cupy_poool, rmm"):
+        dynamic.resolve(["cupy_mix"], ["cupy_poool", "xpool", "rmm"])
+    with pytest.raises(ValueError, match="no arm of torch runs the workloads cupy_mix"):
+        dynamic.resolve(["cupy_mix"], ["torch"])
+
+
+def test_xpool_arms_are_xpools_schemes_and_missing_ones_are_skipped(capsys):
+    import xpool
+    assert dynamic.xpool_arms() == tuple(f"xpool_{s}" for s in xpool.SCHEMES)
+    _, per = dynamic.resolve(["cupy_mix", "torch_fixed"], ["xpool_nosuch", "xpool", "cupy_pool", "torch"])
+    assert "skipping xpool_nosuch: this xpool has no such scheme" in capsys.readouterr().out
+    assert per == {"cupy": ("xpool", "cupy_pool"), "torch": ("xpool", "torch")}
+
+
+def test_default_arms_are_the_peers_and_every_scheme():
+    _, per = dynamic.resolve()
+    assert per["cupy"] == dynamic.PEERS["cupy"] + dynamic.xpool_arms()
+    assert per["torch"] == dynamic.PEERS["torch"] + dynamic.xpool_arms()
+
+
+def test_each_trial_runs_every_arm_once_in_a_rotated_order():
+    per = {"cupy": ("a", "b", "c"), "torch": ("d",)}
+    opts = dict(steps=None, warmup=None, seed=0)
+    jobs, wanted = dynamic.plan(5, ["cupy_mix", "gpt_b4", "torch_fixed"], per, opts)
+    assert len(jobs) == 5 * 4 and len(wanted) == 5 * (3 * 2 + 1)
+    orders = {t: [(f, a) for f, a, _, trial, _ in jobs if trial == t] for t in range(5)}
+    assert orders[0] == [("cupy", "a"), ("cupy", "b"), ("cupy", "c"), ("torch", "d")]
+    for t in range(5):
+        assert orders[t] == orders[0][t % 4:] + orders[0][:t % 4]
+        assert [p for *_, trial, p in jobs if trial == t] == [0, 1, 2, 3]
+    assert [orders[t][0][1] for t in range(5)] == ["a", "b", "c", "d", "a"]      # each arm goes first in turn
+    assert {tuple(w) for f, _, w, *_ in jobs if f == "cupy"} == {("cupy_mix", "gpt_b4")}
+
+
+def test_plan_leaves_out_what_is_done():
+    per, opts = {"cupy": ("a", "b")}, dict(steps=7, warmup=None, seed=3)
+    jobs, wanted = dynamic.plan(2, ["cupy_mix", "gpt_b4"], per, opts, commit="c1")
+    done = {k for k in wanted if k[0] == "0" or k[1:3] == ("gpt_b4", "b")}
+    jobs2, wanted2 = dynamic.plan(2, ["cupy_mix", "gpt_b4"], per, opts, done, commit="c1")
+    assert wanted2 == wanted
+    assert [(a, w, t) for _, a, w, t, _ in jobs2] == [("b", ["cupy_mix"], 1), ("a", ["cupy_mix", "gpt_b4"], 1)]
+    assert ("0", "cupy_mix", "a", "7", "30", "3", "c1") in wanted     # steps overridden, the workload's warm-up
+
+
+# --- rows and device calls
+
+def _run_dict(**kw):
+    d = dict(batch=4, shape="T 256", seconds=0.5, calls=None, gc_seconds=0.01, reserved=None, requested=None)
+    d.update(kw)
+    return d
+
+
+def test_row_takes_bytes_and_calls_from_the_run_that_counted_them():
+    opts = dict(steps=10, warmup=2, seed=0)
+    timed = _run_dict(reserved=1000)
+    counted = _run_dict(seconds=9.0, calls=30, reserved=999, requested=800)
+    row = dynamic.build_row(2, 1, "gpt_b4", "cupy_pool", timed, counted, 0, opts)
+    assert row["peak_reserved_bytes"] == 1000 and row["peak_requested_bytes"] == 800
+    assert row["reserved_over_requested"] == 1.25
+    assert row["device_calls"] == 30 and row["device_calls_per_step"] == 3.0
+    assert row["ms_per_step"] == 50.0 and row["gc_ms_per_step"] == 1.0          # time from the timed run
+    assert row["counted_in"] == "counting run" and row["dynamic"] is False and row["framework"] == "cupy"
+    alone = dynamic.build_row(0, 0, "cupy_mix", "xpool", counted, counted, 0, opts)
+    assert alone["counted_in"] == "timed run" and alone["ms_per_step"] == 900.0 and alone["dynamic"] is True
+    blank = dynamic.build_row(0, 0, "cupy_mix", "numpy", timed, timed, 0, opts)
+    assert math.isnan(blank["device_calls_per_step"]) and math.isnan(blank["reserved_over_requested"])
+    assert set(dynamic.COLUMNS) == set(row)
+
+
+def test_xpool_device_calls_are_its_mallocs_and_frees():
+    alloc = object.__new__(registry.XPool)
+    alloc.pool = xpool.Pool(xpool.HostBackend())
+    blocks = [alloc.pool.allocate(n) for n in (1000, 5 << 20, 300_000, 40 << 20)]
+    del blocks
+    alloc.pool.empty_cache()
+    backend = alloc.pool.backend
+    assert backend.frees > 0
+    assert dynamic.device_calls(alloc) == backend.mallocs + backend.frees
+
+
+def test_torch_device_calls_are_num_device_alloc_and_free():
+    alloc = object.__new__(registry.CupyTorch)
+    stats = {"num_device_alloc": 7, "num_device_free": 3, "segment.all.allocated": 99}
+    alloc.torch = types.SimpleNamespace(cuda=types.SimpleNamespace(memory_stats=lambda d: stats))
+    assert dynamic.device_calls(alloc) == 10
+
+
+def test_rmm_pool_counts_its_upstream(monkeypatch):
+    class Stats:
+        def __init__(self, upstream):
+            self.upstream, self.allocation_counts = upstream, None
+
+    current = ["default"]
+    mr = types.SimpleNamespace(StatisticsResourceAdaptor=Stats, CudaMemoryResource=lambda: "cuda",
+                               PoolMemoryResource=lambda up, initial_pool_size: ("pool", up, initial_pool_size),
+                               get_current_device_resource=lambda: current[0],
+                               set_current_device_resource=lambda r: current.__setitem__(0, r))
+    fake = types.ModuleType("rmm")
+    fake.mr = mr
+    allocs = types.ModuleType("rmm.allocators.cupy")
+    allocs.rmm_cupy_allocator = lambda n: None
+    monkeypatch.setitem(sys.modules, "rmm", fake)
+    monkeypatch.setitem(sys.modules, "rmm.mr", mr)
+    monkeypatch.setitem(sys.modules, "rmm.allocators", types.ModuleType("rmm.allocators"))
+    monkeypatch.setitem(sys.modules, "rmm.allocators.cupy", allocs)
+    monkeypatch.setattr(registry.Allocator, "install", lambda self, counting=False: None)
+    monkeypatch.setattr(registry.Allocator, "uninstall", lambda self: None)
+    alloc = registry.make("rmm_pool")
+    assert alloc.upstream.upstream == "cuda" and alloc.pool == ("pool", alloc.upstream, 0)
+    assert alloc.top.upstream is alloc.pool                       # requests are counted above the pool
+    c = types.SimpleNamespace
+    alloc.upstream.allocation_counts = c(total_count=5, current_count=3, peak_bytes=4096)
+    alloc.top.allocation_counts = c(total_count=50, current_count=9, peak_bytes=3000)
+    assert dynamic.device_calls(alloc) == 5 + 2 and alloc.device_mallocs(0) == 5
+    assert (alloc.peak_reserved(0), alloc.peak_requested(0)) == (4096, 3000)
+    alloc.install()
+    assert current[0] is alloc.top
+    alloc.uninstall()
+    assert current[0] == "default"
+
+
+# --- workloads on the CPU
+
+def _record_lengths(monkeypatch):
+    import tapegpt
+    seen, get_batch = [], tapegpt.get_batch
+
+    def spy(data, batch, T, step, **kw):
+        seen.append((batch, T))
+        return get_batch(data, batch, T, step, **kw)
+    monkeypatch.setattr(tapegpt, "get_batch", spy)
+    return seen
+
+
+def test_lengths_start_longest_vary_and_repeat_from_the_seed():
+    a = wl.lengths(40, 64, 512, seed=3)
+    assert a == wl.lengths(40, 64, 512, seed=3) and a != wl.lengths(40, 64, 512, seed=4)
+    assert a[0] == 512 and min(a) >= 64 and max(a[1:]) <= 512 and len(set(a)) > 20
+    assert wl.lengths(5, 256, None, seed=3) == [256] * 5
+
+
+@pytest.mark.parametrize("workload, batch", [("torch_varlen", 2), ("gpt_varlen", 16)])
+def test_varlen_workloads_train_at_the_seeded_lengths_on_the_cpu(monkeypatch, workload, batch):
+    seen = _record_lengths(monkeypatch)
+    spec, window = dynamic.WORKLOADS[workload], _window()
+    info = spec.fn(4, 2, 5, window, gpu=False, small=True)
+    assert window.seconds > 0 and info["batch"] == batch
+    lo, hi = (int(x) for x in info["shape"][2:].split("-"))
+    assert [T for _, T in seen] == wl.lengths(6, lo, hi, seed=5) and len({T for _, T in seen}) > 1
+    assert {b for b, _ in seen} == {batch}
+
+
+def test_torch_fixed_trains_at_one_length(monkeypatch):
+    seen = _record_lengths(monkeypatch)
+    info = dynamic.WORKLOADS["torch_fixed"].fn(3, 1, 0, _window(), gpu=False, small=True)
+    assert {T for _, T in seen} == {16} and len(seen) == 4 and info["shape"] == "T 16"
+
+
+def test_cupy_mix_on_numpy_keeps_results_and_repeats_from_the_seed(monkeypatch):
+    made = []
+    real_sort = np.sort
+    monkeypatch.setattr(np, "sort", lambda a: made.append(a.size) or real_sort(a))
+    for _ in range(2):
+        wl.cupy_mix(20, 2, 1, _window(), gpu=False, small=True)
+    half = len(made) // 2
+    assert half > 3 and made[:half] == made[half:] and len(set(made)) > 3
+
+
+# --- the runner end to end (NumPy, CPU)
+
+def test_run_writes_rows_with_provenance_and_resumes(tmp_path):
+    out = tmp_path / "dyn.csv"
+    kw = dict(workloads=["cupy_mix", "gpt_b4"], trials=2, steps=2, warmup=1, out=out, cpu=True, progress=False)
+    df = dynamic.run(**kw)
+    assert len(df) == 4 and not df.attrs["failed"]
+    for col in dynamic.COLUMNS + ["gpu", "driver", "cuda", "cupy", "torch", "rmm", "commit", "date", "experiment"]:
+        assert col in df, col
+    assert sorted(zip(df.trial, df.workload)) == [(0, "cupy_mix"), (0, "gpt_b4"), (1, "cupy_mix"), (1, "gpt_b4")]
+    assert (df.ms_per_step > 0).all() and (df.steps == 2).all()
+    pd.read_csv(out).query("trial == 1").to_csv(out, index=False)          # as if trial 0 were never measured
+    again = dynamic.run(**kw)
+    assert len(again) == 4 and len(pd.read_csv(out)) == 4
+    assert set(again[again.trial == 1].date) == set(df[df.trial == 1].date)     # trial 1 kept, not measured again
+    other = dynamic.run(**{**kw, "steps": 3})                                # other settings: measured anew
+    assert len(other) == 4 and len(pd.read_csv(out)) == 8
+
+
+def test_spawned_processes_work_too():
+    """A spawned process imports everything itself (what a parent that started CUDA needs)."""
+    df = dynamic.run(["gpt_b4"], trials=1, steps=1, warmup=1, out=None, cpu=True, start="spawn", progress=False)
+    assert len(df) == 1 and df.start[0] == "spawn" and df.ms_per_step[0] > 0
+
+
+def test_run_rejects_bad_counts():
+    for bad in (dict(trials=0), dict(steps=0), dict(warmup=-1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            dynamic.run(cpu=True, out=None, **bad)
+
+
+def test_summary_and_plot_from_rows():
+    rng = np.random.default_rng(0)
+    rows = [dict(trial=t, workload=w, allocator=a, reserved_over_requested=r, device_calls_per_step=c,
+                 ms_per_step=ms * rng.uniform(0.99, 1.01))
+            for t in range(5) for w in ("cupy_mix", "gpt_b4")
+            for a, r, c, ms in (("cupy_pool", 1.8, 0.0, 10.0), ("rmm_pool", 1.4, 0.0, 12.0), ("xpool", 1.02, 0.0, 9.0))]
+    df = pd.DataFrame(rows)
+    assert dynamic.fastest_peer(df) == {"cupy_mix": "cupy_pool", "gpt_b4": "cupy_pool"}
+    s = dynamic.summary(df).set_index(["workload", "allocator"])
+    assert s.loc[("gpt_b4", "cupy_pool"), "ms vs fastest peer"] == "reference (cupy_pool)"
+    assert s.loc[("gpt_b4", "rmm_pool"), "ms vs fastest peer"].startswith("1.2")
+    assert s.loc[("cupy_mix", "xpool"), "reserved/requested"].startswith("1.020 [")
+    fig = dynamic.plot(df)
+    axes = fig.get_axes()
+    assert len(axes) == 3
+    heights = [p.get_height() for p in axes[0].patches]
+    assert sorted(heights) == pytest.approx(sorted([1.8, 1.4, 1.02] * 2))
+
+
+# --- GPU: the real arms, one trial of a few steps
+
+@pytest.mark.gpu
+def test_quick_run_on_the_gpu(tmp_path):
+    """Every peer (RMM's where it is installed) and xpool, a few steps each; spawned, since this process (the
+    conftest) has started CUDA and a fork could not use it."""
+    import importlib.util
+    pytest.importorskip("torch")
+    arms = ["cupy_pool", "cupy_async", "xpool", "torch", "torch_expandable"] + ["rmm_pool"] * bool(
+        importlib.util.find_spec("rmm"))
+    df = dynamic.run(["cupy_mix", "gpt_b4", "torch_varlen"], arms, trials=1, steps=3, warmup=2,
+                     out=tmp_path / "d.csv", start="spawn", progress=False)
+    assert not df.attrs["failed"]
+    assert len(df) == 2 * (len(arms) - 2) + 3         # xpool runs torch_varlen too
+    assert (df.peak_reserved_bytes >= df.peak_requested_bytes).all() and (df.peak_requested_bytes > 0).all()
+    assert (df.device_calls_per_step >= 0).all() and (df.ms_per_step > 0).all()
+    assert set(df[df.allocator.isin(["cupy_pool", "cupy_async"])].counted_in) == {"counting run"}
+    assert (df[df.allocator == "cupy_async"].device_calls_per_step > 0).all()    # a call per request, warm or not
+    assert (df[df.framework == "torch"].reserved_at_start_bytes == 0).all()

@@ -1,0 +1,399 @@
+"""Dynamic shapes (issue #22): peak reserved / peak requested, device calls per step and ms per step of every
+allocator on workloads whose shapes change every step, beside fixed-shape controls.
+
+    python -m xlab.bench.dynamic                     # every workload and arm, 5 trials: data/dynamic_shapes.csv
+    python -m xlab.bench.dynamic --quick             # 1 trial, 3 steps: a smoke test
+    python -m xlab.bench.dynamic --workloads torch_varlen,torch_fixed        # a piece (a rerun resumes)
+
+CuPy workloads run under CuPy's two pools, RMM's pool and xpool; PyTorch ones under PyTorch's allocator with and
+without expandable segments and xpool through `xpool.enable_torch()`; xpool in every scheme it has. Trial t runs
+one process per (framework, arm), in an order rotated by t, forked from this one (which never starts CUDA); one
+CSV row per (trial, workload, arm), appended as each process ends. Note [Dynamic-shape benchmark] in NOTES.md says
+what each arm counts as a device call and why the processes are cut this way.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import pathlib
+import re
+import sys
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from multiprocessing import get_context
+
+import numpy as np
+import pandas as pd
+
+from xlab import allocators as registry
+from xlab import intervals
+from xlab.paths import write_csv
+from xlab.provenance import git_commit, provenance
+
+from . import dynamic_workloads as wl
+
+
+@dataclass(frozen=True)
+class Workload:
+    framework: str     # "cupy" or "torch": which arms run it
+    dynamic: bool      # its shapes change every step
+    fn: object         # fn(steps, warmup, seed, window, gpu, small, after_step) -> dict(batch, shape)
+    steps: int         # timed steps
+    warmup: int        # untimed steps first (the first has the largest shape)
+
+
+WORKLOADS = {
+    "cupy_mix": Workload("cupy", True, wl.cupy_mix, 200, 30),
+    "gpt_varlen": Workload("cupy", True, partial(wl.gpt, batch=16, lo=32, hi=256), 20, 5),
+    "gpt_b32": Workload("cupy", False, partial(wl.gpt, batch=32, lo=256), 10, 3),
+    "gpt_b4": Workload("cupy", False, partial(wl.gpt, batch=4, lo=256), 20, 3),
+    "torch_varlen": Workload("torch", True, partial(wl.torch_lm, lo=64, hi=512), 30, 5),
+    "torch_fixed": Workload("torch", False, partial(wl.torch_lm, lo=256), 30, 5),
+}
+PEERS = {"cupy": ("cupy_pool", "cupy_async", "rmm_pool"), "torch": ("torch", "torch_expandable")}
+DEVICE_CALLS = ("device_mallocs", "device_frees", "device_maps", "device_unmaps")   # xpool's counters, summed
+QUICK = dict(trials=1, steps=3, warmup=2)
+TRIALS, SEED, OUT = 5, 0, "data/dynamic_shapes.csv"
+KEYS = ("trial", "workload", "allocator", "steps", "warmup", "seed", "commit")   # what names one measurement
+COLUMNS = ["trial", "workload", "dynamic", "framework", "allocator", "peak_reserved_bytes", "peak_requested_bytes",
+           "reserved_over_requested", "device_calls_per_step", "device_calls", "ms_per_step", "steps", "warmup",
+           "seed", "batch", "shape", "counted_in", "reserved_at_start_bytes", "position", "gc_ms_per_step"]
+
+
+# --- arms
+
+def xpool_arms() -> tuple:
+    """`xpool_<scheme>` for every scheme this xpool has (xpool.SCHEMES)."""
+    import xpool
+    return tuple(f"xpool_{s}" for s in xpool.SCHEMES)
+
+
+def resolve(workloads=None, arms=None, cpu: bool = False) -> tuple[list, dict]:
+    """(workloads, {framework: arms}); None: all. An `xpool_<scheme>` arm whose scheme this xpool lacks is skipped
+    with a message, so one command line serves before and after a scheme lands.
+
+    Raises:
+        ValueError: an unknown workload or arm (named), or no arm that runs the workloads.
+    """
+    workloads = list(workloads or WORKLOADS)
+    bad = [w for w in workloads if w not in WORKLOADS]
+    if bad:
+        raise ValueError(f"unknown workload(s) {', '.join(bad)}; known: {', '.join(WORKLOADS)}")
+    frameworks = list(dict.fromkeys(WORKLOADS[w].framework for w in workloads))
+    if cpu:
+        return workloads, {f: ("numpy",) for f in frameworks}
+    have = xpool_arms()
+    if arms:
+        known = PEERS["cupy"] + PEERS["torch"] + ("xpool",) + have   # `xpool`: the default scheme, by name
+        bad = [a for a in arms if a not in known and not re.fullmatch(r"xpool_[a-z]\w*", a)]
+        if bad:
+            raise ValueError(f"unknown arm(s) {', '.join(bad)}; known: {', '.join(known)}")
+        if set(arms) - set(known):
+            print(f"skipping {', '.join(a for a in arms if a not in known)}: this xpool has no such scheme (its arms: "
+                  f"{', '.join(have)})")
+    per = {f: tuple(a for a in (arms or PEERS[f] + have) if a in PEERS[f] + ("xpool",) + have) for f in frameworks}
+    if not any(per.values()):
+        raise ValueError(f"no arm of {', '.join(arms)} runs the workloads {', '.join(workloads)}")
+    return workloads, {f: a for f, a in per.items() if a}
+
+
+def device_calls(alloc, device: int = 0):
+    """Device calls the arm made so far (None: not counted in this run); Note [Dynamic-shape benchmark]."""
+    if hasattr(alloc, "device_calls"):
+        return alloc.device_calls(device)
+    if isinstance(alloc, registry.XPool):
+        counters = alloc.pool.snapshot().per_device.get(device, {})
+        return sum(int(counters.get(k, 0)) for k in DEVICE_CALLS)
+    if isinstance(alloc, registry.CupyTorch):
+        stats = alloc.torch.cuda.memory_stats(device)
+        return int(stats.get("num_device_alloc", 0)) + int(stats.get("num_device_free", 0))
+    return alloc.device_mallocs(device)       # cupy_pool: it calls cudaFree only in free_all_blocks
+
+
+# --- one process: one arm over its workloads
+
+def _settings(workload, opts) -> tuple:
+    spec = WORKLOADS[workload]
+    return opts["steps"] or spec.steps, opts["warmup"] or spec.warmup, opts["seed"]
+
+
+def _measure(alloc, workload, opts, sync) -> dict:
+    from xlab.experiments.train import Window
+    steps, warmup, seed = _settings(workload, opts)
+    window = Window(lambda: device_calls(alloc), sync)
+    with alloc.tracking():
+        info = WORKLOADS[workload].fn(steps, warmup, seed, window, opts["gpu"], opts["small"],
+                                      after_step=lambda: alloc.sample(0))
+    return dict(info, seconds=window.seconds, calls=window.device_mallocs, gc_seconds=window.gc.seconds,
+                reserved=alloc.peak_reserved(0), requested=alloc.peak_requested(0))
+
+
+def _cupy_arm(arm, workloads, opts) -> list:
+    """A fresh allocator per workload; a second, counting run where counting costs time (free_counting False)."""
+    from xlab.experiments.runner import installed
+    sync = lambda: None     # noqa: E731
+    if opts["gpu"]:
+        import cupy
+        sync = cupy.cuda.Device().synchronize
+    out = []
+    for w in workloads:
+        runs = []
+        for counting in (False, True):
+            with installed(arm, counting, [0]) as alloc:
+                runs.append(_measure(alloc, w, opts, sync))
+            if alloc.free_counting:
+                break
+        out.append((w, runs[0], runs[-1], 0))
+    return out
+
+
+def _torch_arm(arm, workloads, opts) -> list:
+    """One allocator for the process (PyTorch keeps its first), emptied with its peaks reset between workloads."""
+    import torch
+    alloc, gpu = registry.make(arm), opts["gpu"]
+    is_xpool = isinstance(alloc, registry.XPool)
+    if is_xpool:
+        import xpool
+        xpool.enable_torch(pool=alloc.pool)
+    else:
+        alloc.install()
+    out = []
+    for w in workloads:
+        if is_xpool:
+            alloc.pool.reset_peak_stats()
+            at_start = alloc.pool.snapshot().per_device.get(0, {}).get("bytes_reserved", 0)
+        else:
+            if gpu:
+                torch.cuda.reset_peak_memory_stats(0)
+            at_start = torch.cuda.memory_stats(0)["reserved_bytes.all.current"] if gpu else math.nan
+        run = _measure(alloc, w, opts, torch.cuda.synchronize if gpu else (lambda: None))
+        if gpu and isinstance(alloc, registry.CupyTorch):      # the setting took, or the arm measured the other one
+            kinds = {bool(s["is_expandable"]) for s in torch.cuda.memory_snapshot() if "is_expandable" in s}
+            if kinds - {isinstance(alloc, registry.TorchExpandable)}:
+                raise RuntimeError(f"arm {arm!r} ran with expandable segments {sorted(kinds)}: its PyTorch "
+                                   "allocator setting did not take")
+        out.append((w, run, run, at_start))
+        gc.collect()
+        if gpu:
+            torch.cuda.synchronize()
+            torch._C._cuda_clearCublasWorkspaces()     # allocator memory: the next workload starts empty
+            alloc.pool.empty_cache() if is_xpool else torch.cuda.empty_cache()
+    return out
+
+
+def arm_process(framework, arm, workloads, trial, position, opts) -> list:
+    """Run `arm` over `workloads` (all of `framework`) in this process: their rows, with provenance."""
+    t0 = time.perf_counter()
+    runs = (_cupy_arm if framework == "cupy" else _torch_arm)(arm, workloads, opts)
+    prov = provenance(experiment="dynamic_shapes", torch=_version("torch"), rmm=_version("rmm-cu13") or
+                      _version("rmm-cu12"), process_s=round(time.perf_counter() - t0, 2), start=opts["start"])
+    return [{**build_row(trial, position, w, arm, timed, counted, at_start, opts), **prov}
+            for w, timed, counted, at_start in runs]
+
+
+def _version(name) -> str | None:
+    from importlib import metadata
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def build_row(trial, position, workload, arm, timed, counted, at_start, opts) -> dict:
+    """One row from an arm's timed run and its counting run (the same dict where counting is free): bytes from
+    whichever run counted them, device calls from the counting run, time from the timed one."""
+    spec, (steps, warmup, seed) = WORKLOADS[workload], _settings(workload, opts)
+    reserved, requested, calls = (math.nan if v is None else v for v in (
+        counted["reserved"] if timed["reserved"] is None else timed["reserved"],
+        counted["requested"] if timed["requested"] is None else timed["requested"], counted["calls"]))
+    return dict(trial=trial, workload=workload, dynamic=spec.dynamic, framework=spec.framework, allocator=arm,
+                peak_reserved_bytes=reserved, peak_requested_bytes=requested,
+                reserved_over_requested=reserved / requested if requested > 0 else math.nan,
+                device_calls_per_step=calls / steps, device_calls=calls, ms_per_step=1000 * timed["seconds"] / steps,
+                steps=steps, warmup=warmup, seed=seed, batch=timed["batch"], shape=timed["shape"],
+                counted_in="timed run" if counted is timed else "counting run", reserved_at_start_bytes=at_start,
+                position=position, gc_ms_per_step=1000 * timed["gc_seconds"] / steps)
+
+
+# --- the run
+
+def rotated(items, trial: int) -> list:
+    """items rotated left by `trial` places: each arm goes first in turn."""
+    items = list(items)
+    k = trial % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
+def plan(trials, workloads, per_framework, opts, done=frozenset(), commit="") -> tuple[list, set]:
+    """The run's processes in order, (framework, arm, its workloads not in `done`, trial, position), trial t running
+    every arm once in the order rotated by t; and the keys (KEYS, as strings) of all its measurements."""
+    units = [(f, a) for f, arms in per_framework.items() for a in arms]
+    jobs, wanted = [], set()
+    for t in range(trials):
+        for pos, (f, a) in enumerate(rotated(units, t)):
+            keys = {w: tuple(map(str, (t, w, a, *_settings(w, opts), commit)))
+                    for w in workloads if WORKLOADS[w].framework == f}
+            wanted |= set(keys.values())
+            todo = [w for w, k in keys.items() if k not in done]
+            if todo:
+                jobs.append((f, a, todo, t, pos))
+    return jobs, wanted
+
+
+def _keys(df) -> list:
+    return [tuple(str(v) for v in r) for r in df[list(KEYS)].itertuples(index=False)] if "commit" in df else []
+
+
+def _n_gpus() -> int:
+    from xlab.provenance import gpu_info
+    return gpu_info()["n_gpus"]
+
+
+def in_process(fn, *args, start="fork"):
+    """fn(*args) in a new process (a fork inherits this one's imports); its exceptions are raised here."""
+    with ProcessPoolExecutor(1, mp_context=get_context(start)) as ex:
+        return ex.submit(fn, *args).result()
+
+
+def run(workloads=None, arms=None, trials: int = TRIALS, steps: int | None = None, warmup: int | None = None,
+        seed: int = SEED, out=OUT, fresh: bool = False, cpu: bool = False, small: bool | None = None,
+        start: str = "fork", progress: bool = True) -> pd.DataFrame:
+    """Measure every (trial, workload, arm) that `out` lacks for this commit and these settings (fresh: discard
+    its rows first); rows are appended after each process. steps, warmup: of every workload (None: each its own);
+    cpu: NumPy and PyTorch on the CPU under arm 'numpy' (tests the code, measures nothing); small: small models
+    (default: with cpu); start: how the processes start ("fork", "spawn").
+
+    Returns:
+        This run's rows, resumed ones included; attrs["failed"]: the arms that raised.
+
+    Raises:
+        ValueError: unknown names (see resolve), or trials, steps or warmup < 1 (named).
+    """
+    from tqdm.auto import tqdm
+    for name, v in (("trials", trials), ("steps", steps), ("warmup", warmup)):
+        if v is not None and not (isinstance(v, int) and v >= 1):
+            raise ValueError(f"{name} must be a whole number >= 1, got {v!r}")
+    workloads, per_framework = resolve(workloads, arms, cpu)
+    opts = dict(steps=steps, warmup=warmup, seed=seed, gpu=not cpu, small=cpu if small is None else small,
+                start=start)
+    if not cpu and in_process(_n_gpus, start=start) < 1:    # asked in a child: this process must not start CUDA
+        raise registry.NoGPU("xlab.bench.dynamic needs a CUDA GPU (none visible; --cpu runs the code on the CPU)")
+    old = pd.read_csv(out) if out and pathlib.Path(out).is_file() and not fresh else pd.DataFrame()
+    commit = git_commit()
+    jobs, wanted = plan(trials, workloads, per_framework, opts, set(_keys(old)), commit)
+    import tapegpt, xlab.experiments.train  # noqa: E401,F401 - imported once, before the forks (no CUDA)
+    for name in ("cupy",) * (not cpu) + ("torch",) * ("torch" in per_framework):
+        __import__(name)
+    tqdm.monitor_interval = 0                  # no monitor thread in a process that forks
+    failed = []
+    for f, a, todo, t, pos in (bar := tqdm(jobs, desc="dynamic", disable=not progress)):
+        bar.set_postfix_str(f"trial {t} {a}")
+        try:
+            rows = in_process(arm_process, f, a, todo, t, pos, opts, start=start)
+        except Exception as e:                 # noqa: BLE001 - reported; the other arms go on
+            failed.append(a)
+            print(f"\narm {a} ({', '.join(todo)}, trial {t}) failed:", *traceback.format_exception(e), file=sys.stderr)
+            continue
+        new = pd.DataFrame(rows)
+        new = new[COLUMNS + [c for c in new if c not in COLUMNS]]
+        old = new if old.empty else pd.concat([old, new], ignore_index=True)
+        write_csv(old, out)
+    mine = old[[k in wanted for k in _keys(old)]].reset_index(drop=True)
+    mine.attrs["failed"] = failed
+    return mine
+
+
+# --- results
+
+def fastest_peer(df: pd.DataFrame) -> dict:
+    """workload -> the peer (an arm not xpool's) of the lowest median ms per step."""
+    med = df[~df["allocator"].str.startswith("xpool")].groupby(["workload", "allocator"])["ms_per_step"].median()
+    return {w: g.idxmin()[1] for w, g in med.dropna().groupby(level=0)}
+
+
+def summary(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per (workload, allocator): medians over trials with 95% intervals; ms per step over the fastest
+    peer's, paired by trial."""
+    keys = ["workload", "allocator"]
+    out = df[keys].drop_duplicates().reset_index(drop=True)
+    for col, label, fmt in (("reserved_over_requested", "reserved/requested", "{:.3f}"),
+                            ("device_calls_per_step", "calls/step", "{:.1f}"), ("ms_per_step", "ms/step", "{:.2f}")):
+        s = intervals.summarize(df, keys, col)
+        out[label] = [intervals.fmt_ci(v, lo, hi, fmt) for v, lo, hi in zip(s[col], s[col + "_lo"], s[col + "_hi"])]
+    ratio = {}
+    for w, r in fastest_peer(df).items():
+        ratio[(w, r)] = f"reference ({r})"
+        for x in intervals.paired(df[df["workload"] == w], "ms_per_step", "allocator", r).itertuples():
+            ratio[(w, x.allocator)] = intervals.fmt_ci(x.ratio, x.ratio_lo, x.ratio_hi, "{:.3f}", "x")
+    out["ms vs fastest peer"] = [ratio.get(k, "n/a") for k in zip(out["workload"], out["allocator"])]
+    return out.assign(trials=s["n_trials"])
+
+
+def plot(df: pd.DataFrame):
+    """Per workload, each arm's peak reserved / requested, device calls per step and ms per step over the fastest
+    peer's: medians over trials, 95% intervals as error bars. A matplotlib Figure on the Agg canvas."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    ref = fastest_peer(df)
+    peer = df[df["allocator"] == df["workload"].map(ref)].groupby(["workload", "trial"])["ms_per_step"].median()
+    df = df.assign(ms_vs_peer=df["ms_per_step"].to_numpy()
+                   / peer.reindex(pd.MultiIndex.from_frame(df[["workload", "trial"]])).to_numpy())
+    panels = [("reserved_over_requested", "peak reserved / peak requested"),
+              ("device_calls_per_step", "device calls per step"), ("ms_vs_peer", "ms per step / fastest peer's")]
+    workloads, arms = list(dict.fromkeys(df["workload"])), list(dict.fromkeys(df["allocator"]))
+    fig = Figure(figsize=(12, 9), layout="constrained")
+    FigureCanvasAgg(fig)
+    width, x0 = 0.8 / len(arms), np.arange(len(workloads))
+    for ax, (col, label) in zip(fig.subplots(len(panels), 1), panels):
+        s = intervals.summarize(df, ["workload", "allocator"], col)
+        for i, arm in enumerate(arms):
+            g = s[s["allocator"] == arm].set_index("workload").reindex(workloads)
+            err = np.nan_to_num(np.vstack([g[col] - g[col + "_lo"], g[col + "_hi"] - g[col]]).clip(min=0))
+            ax.bar(x0 + (i - (len(arms) - 1) / 2) * width, g[col], width, yerr=err, capsize=2, label=arm,
+                   color=f"C{i}")
+        ax.set_xticks(x0, workloads)
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+        ax.spines[["top", "right"]].set_visible(False)
+        if col == "reserved_over_requested":
+            ax.axhline(1.05, color="k", ls=":", lw=1)   # the issue's target
+        elif col == "device_calls_per_step":
+            ax.set_yscale("symlog", linthresh=1)        # 0 for a warm pool, hundreds for cudaMallocAsync
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside upper center", ncol=min(len(arms), 7), frameon=False)
+    fig.suptitle("Dynamic shapes: each allocator's waste, device calls and speed (median, 95% interval)")
+    return fig
+
+
+def main(argv=None) -> int:
+    """The command line; exit status 1 when an arm failed."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", help=f"comma-separated (default: all): {', '.join(WORKLOADS)}")
+    p.add_argument("--arms", help="comma-separated (default: every peer and xpool scheme)")
+    p.add_argument("--trials", type=int, help=f"trials (default {TRIALS}; --quick: 1)")
+    p.add_argument("--steps", type=int, help="timed steps of every workload (default: each workload's own)")
+    p.add_argument("--warmup", type=int, help="warm-up steps of every workload (default: each workload's own)")
+    p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--quick", action="store_true", help="1 trial, 3 steps after 2 warm-up steps: a smoke test")
+    p.add_argument("--out", default=OUT, help=f"the CSV (default {OUT})")
+    p.add_argument("--fresh", action="store_true", help="discard the CSV's rows instead of resuming")
+    p.add_argument("--figure", help="also draw the figure to this path (.png, .svg)")
+    p.add_argument("--cpu", action="store_true", help="NumPy and PyTorch on the CPU, small models: tests the code")
+    p.add_argument("--start", default="fork", choices=("fork", "spawn"), help="how the arms' processes start")
+    a = p.parse_args(argv)
+    kw = {k: v for k, v in (("trials", a.trials), ("steps", a.steps), ("warmup", a.warmup)) if v is not None}
+    split = (lambda s: [x for x in s.split(",") if x] if s else None)   # noqa: E731
+    df = run(split(a.workloads), split(a.arms), seed=a.seed, out=a.out, fresh=a.fresh, cpu=a.cpu, start=a.start,
+             **{**(QUICK if a.quick else {}), **kw})
+    if len(df):
+        print(summary(df).to_string(index=False))
+        if a.figure:
+            plot(df).savefig(a.figure, dpi=120)
+    return 1 if df.attrs.get("failed") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The dynamic-shape benchmark's workloads (xlab.bench.dynamic): `warmup` steps, then `steps` steps inside `window`
+(an xlab.experiments.train.Window: synchronise, read the device calls, clock; again at the end), all drawn from
+`seed`: every arm of every trial sees the same requests. The first warm-up step has the largest shape, so the
+timed steps ask for nothing larger than the warm-up did. `small`: sizes and models that run in seconds on a CPU.
+
+- cupy_mix: rfft, sort, cumsum and matmul of random sizes, OPS a step, each result kept 2**U(0, 5) steps.
+- gpt: tapegpt's GPT (reference config) trained on CuPy at lengths(lo, hi) tokens a step.
+- torch_lm: a causal pre-norm torch.nn.TransformerEncoder (6 layers, d_model 512, 8 heads) trained with AdamW
+  under bf16 autocast: how such a model trains on an H200, and its per-step bf16 weight copies are part of the
+  allocation pattern a real run shows.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+OPS = 6                          # cupy_mix: operations per step
+FFT_LENGTHS = tuple(sorted(m << k for m in (1, 3, 5) for k in range(12, 17)))   # 15: CuPy's plan cache keeps 16
+LIFETIMES = (0.0, 5.0)           # cupy_mix: a result lives 2**U(0, 5) steps
+
+
+def lengths(n: int, lo: int, hi: int | None, seed: int) -> list[int]:
+    """n sequence lengths: `hi` first, then drawn uniformly in [lo, hi] from seed; all `lo` when hi is None."""
+    if hi is None:
+        return [lo] * n
+    return [hi] + [int(t) for t in np.random.default_rng([seed, 1]).integers(lo, hi + 1, size=n - 1)]
+
+
+def _loop(step, shapes, warmup, window, after_step):
+    def steps(first, shapes):
+        for i, shape in enumerate(shapes, first):
+            step(i, shape)
+            after_step()
+    steps(0, shapes[:warmup])
+    with window:
+        steps(warmup, shapes[warmup:])
+        window.dispatched()
+
+
+def _xp(gpu):
+    if gpu:
+        import cupy
+        return cupy
+    return np
+
+
+def cupy_mix(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda: None) -> dict:
+    """CuPy arrays of random sizes and mixed lifetimes (see the module doc); the inputs are views of one array,
+    so only results allocate."""
+    xp, rng = _xp(gpu), np.random.default_rng([seed, 2])
+    n_max, m_max, ffts = (1 << 12, 64, (256, 384, 640)) if small else (1 << 22, 2048, FFT_LENGTHS)
+    base = xp.linspace(-1, 1, n_max, dtype=np.float32)
+    ring = []                                             # (last step it lives, array)
+
+    def op(kind, f, j):                                   # f: fractions of the largest sizes; j: FFT length
+        if kind == 0:
+            return xp.fft.rfft(base[:ffts[j]])
+        if kind == 3:
+            m, k, n = (max(16, int(m_max * x)) for x in f)
+            return base[:m * k].reshape(m, k) @ base[:k * n].reshape(k, n)
+        n = max(512, int(n_max * f[0]))
+        return xp.sort(base[:n]) if kind == 1 else xp.cumsum(base[:n])
+
+    def step(i, largest):                                 # the largest step: every op at its largest, every FFT
+        ops = ([(k, (1, 1, 1), len(ffts) - 1) for k in range(4)] + [(0, None, j) for j in range(len(ffts))]
+               if largest else [(int(rng.integers(4)), 2.0 ** rng.uniform(-8, 0, 3), int(rng.integers(len(ffts))))
+                                for _ in range(OPS)])
+        for kind, f, j in ops:
+            ring.append((i + int(2 ** rng.uniform(*LIFETIMES)), op(kind, f, j)))
+        ring[:] = [(t, a) for t, a in ring if t > i]
+
+    _loop(step, [True] + [False] * (warmup + steps - 1), warmup, window, after_step)
+    ring.clear()
+    if gpu:
+        xp.fft.config.get_plan_cache().clear()           # its plans hold work areas from the allocator
+    return dict(batch=0, shape=f"{OPS} ops/step, up to {n_max} floats, matmul up to {m_max}")
+
+
+def gpt(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda: None, *, batch: int, lo: int,
+        hi: int | None = None) -> dict:
+    """tapegpt's GPT ('tiny' when small) at `batch` sequences of lengths(lo, hi) tokens, with the experiments'
+    optimizer and training step (xlab.experiments.train)."""
+    from tapegpt import GPT, AdamW, get_batch, load_corpus
+    from xlab.experiments import train
+    xp, cfg, data = _xp(gpu), train.make_config("tiny" if small else None), load_corpus()
+    if small:
+        lo, hi = max(2, lo * cfg.block_size // 256), hi and cfg.block_size
+    model = GPT(cfg, xp=xp, seed=train.SEED)
+    opt = AdamW(model.params, lr=train.LR, weight_decay=train.WEIGHT_DECAY, foreach=train.adamw_form() == "foreach")
+
+    def step(i, T):
+        train.train_step(model, opt, *get_batch(data, batch, T, i, seed=seed, xp=xp))
+
+    _loop(step, lengths(warmup + steps, lo, hi, seed), warmup, window, after_step)
+    del model, opt
+    return dict(batch=batch, shape=f"T {lo}-{hi}" if hi else f"T {lo}")
+
+
+def torch_lm(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda: None, *, lo: int,
+             hi: int | None = None, batch: int = 16) -> dict:
+    """The PyTorch language model (see the module doc) on the shipped corpus, lengths(lo, hi) tokens a step."""
+    import torch
+    from torch import nn
+
+    from tapegpt import get_batch, load_corpus
+    device, data = "cuda" if gpu else "cpu", load_corpus()
+    (d, n_layer, n_head), max_len = ((32, 2, 2), 32) if small else ((512, 6, 8), 512)
+    if small:
+        lo, hi, batch = lo // 16, hi and hi // 16, 2
+    torch.manual_seed(seed)
+    layer = nn.TransformerEncoderLayer(d, n_head, 4 * d, batch_first=True, norm_first=True)
+    m = nn.ModuleDict(dict(tok=nn.Embedding(256, d), pos=nn.Embedding(max_len, d), head=nn.Linear(d, 256),
+                           enc=nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False))).to(device)
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-4)
+
+    def step(i, T):
+        x, y = (torch.from_numpy(a).to(device) for a in get_batch(data, batch, T, i, seed=seed))
+        mask = nn.Transformer.generate_square_subsequent_mask(T, device=device)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            h = m["enc"](m["tok"](x) + m["pos"](torch.arange(T, device=device)), mask=mask, is_causal=True)
+            loss = nn.functional.cross_entropy(m["head"](h).flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    _loop(step, lengths(warmup + steps, lo, hi, seed), warmup, window, after_step)
+    del m, opt
+    return dict(batch=batch, shape=f"T {lo}-{hi}" if hi else f"T {lo}")
