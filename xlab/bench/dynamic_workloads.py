@@ -100,9 +100,9 @@ def gpt(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda: N
 def torch_lm(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda: None, *, lo: int,
              hi: int | None = None, batch: int = 16, multiple: int = 64) -> dict:
     """The PyTorch language model (see the module doc) on the shipped corpus, lengths(lo, hi) tokens a step, in
-    multiples of 64 (length buckets, as PyTorch training loops batch them: on the H200 every new length cost
-    PyTorch ~170 ms of kernel selection, whatever the allocator, which would drown the allocators' differences;
-    NOTES, the fifth session's runs)."""
+    multiples of 64 (length buckets, as training loops batch them): with any length, the H200's quick run took
+    ~190 ms a step under every allocator alike against ~20 ms at a fixed length (per-shape work in PyTorch, not
+    allocation), which would drown the allocators' differences (NOTES, the fifth session's runs)."""
     import torch
     from torch import nn
 
