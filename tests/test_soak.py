@@ -15,6 +15,7 @@ import time
 import pytest
 
 import xpool
+import xpool.testing
 from faults import FaultyBackend, InjectedFault
 from xpool import Pool
 
@@ -249,10 +250,9 @@ def soak_paths(seed: int, workers: int, ops: int, scheme: str, debug):
                                      seed=seed)
     current = threading.local()                     # the stream CuPy's hook sees, per thread
     lookup = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int)(lambda device: getattr(current, "stream", 0))
-    pool = Pool(backend, scheme=scheme, limit=LIMIT, debug=debug,
-                _stream_fn=ctypes.cast(lookup, ctypes.c_void_p).value)
+    pool = xpool.testing.pool_with_stream_lookup(backend, lookup, scheme=scheme, limit=LIMIT, debug=debug)
     pool._core.bind_torch()
-    param, malloc_fn, free_fn = pool._core.cfunctions()
+    param, malloc_fn, free_fn = xpool.testing.cfunctions(pool)
     t_malloc, t_free, t_last = _torch_entry_points()
     menu = [random_size(random.Random(seed * 7 + j)) for j in range(24)]
     gate, stop = Gate(), threading.Event()

@@ -9,9 +9,11 @@ const char *const xp_scheme_names[XP_SCHEMES] = {"segments", "seed"};
 const char *const xp_release_names[XP_RELEASE_CHOICES] = {"never", "high_water", "always"};
 
 static PyObject *gc_collect;          /* gc.collect, for the ladder's last retry */
+static void thread_keys_after_fork(void);
 
 int xp_alloc_module_init(void)
 {
+    pthread_atfork(NULL, NULL, thread_keys_after_fork);
     PyObject *gc = PyImport_ImportModule("gc");
     if (!gc) return -1;
     gc_collect = PyObject_GetAttrString(gc, "collect");
@@ -24,6 +26,62 @@ static int collect_garbage(void)
     PyObject *r = PyObject_CallNoArgs(gc_collect);
     Py_XDECREF(r);
     return r ? 0 : -1;
+}
+
+/* ------------------------------------------------------------------ per-thread stream keys (_core.h) */
+
+_Thread_local intptr_t xp_own_thread_key;
+static _Atomic uint64_t thread_keys_made;     /* key n is -n: the count never goes back, so no key is reused */
+static pthread_once_t thread_exit_once = PTHREAD_ONCE_INIT;
+static pthread_key_t thread_exit;             /* its destructor marks the thread's key ended */
+static pthread_mutex_t ended_lock = PTHREAD_MUTEX_INITIALIZER;   /* guards ended, ended_bits */
+static uint8_t *ended;                        /* bit n-1: the thread of key -n has ended */
+static size_t ended_bits;                     /* bits `ended` has room for */
+
+/* At a thread's exit (POSIX runs it for every thread that set a value), without the GIL: no Python here. */
+static void thread_key_ended(void *value)
+{
+    uint64_t n = (uint64_t)(uintptr_t)value;
+    pthread_mutex_lock(&ended_lock);
+    if (n <= ended_bits) ended[(n - 1) / 8] |= (uint8_t)(1u << ((n - 1) % 8));
+    pthread_mutex_unlock(&ended_lock);
+}
+
+static void make_thread_exit(void) { pthread_key_create(&thread_exit, thread_key_ended); }
+
+/* In a fork()ed child, before anything runs: a parent thread may have held ended_lock. */
+static void thread_keys_after_fork(void) { pthread_mutex_init(&ended_lock, NULL); }
+
+intptr_t xp_new_thread_key(void)
+{
+    pthread_once(&thread_exit_once, make_thread_exit);
+    uint64_t n = atomic_fetch_add(&thread_keys_made, 1) + 1;
+    /* room for its bit now, so the exit destructor never allocates; without room the thread counts as
+     * alive for good: conservative (Note [Capture: every stream of a device]) */
+    pthread_mutex_lock(&ended_lock);
+    if (n > ended_bits) {
+        size_t bits = ended_bits ? ended_bits * 2 : 1024;
+        while (bits < n) bits *= 2;
+        uint8_t *grown = realloc(ended, bits / 8);
+        if (grown) {
+            memset(grown + ended_bits / 8, 0, (bits - ended_bits) / 8);
+            ended = grown;
+            ended_bits = bits;
+        }
+    }
+    pthread_mutex_unlock(&ended_lock);
+    pthread_setspecific(thread_exit, (void *)(uintptr_t)n);
+    xp_own_thread_key = -(intptr_t)n;
+    return xp_own_thread_key;
+}
+
+int xp_thread_key_ended(intptr_t key)
+{
+    uint64_t n = (uint64_t)(-key);
+    pthread_mutex_lock(&ended_lock);
+    int gone = n >= 1 && n <= ended_bits && (ended[(n - 1) / 8] >> ((n - 1) % 8) & 1);
+    pthread_mutex_unlock(&ended_lock);
+    return gone;
 }
 
 /* ------------------------------------------------------------------ size classes and tables (the rest: _hot.h) */
@@ -65,10 +123,11 @@ static Bin *bintable_get(BinTable *t, intptr_t stream, size_t size)
 
 /* ------------------------------------------------------------------ device pools */
 
-int xp_check_device(int device)
+int xp_check_device(const Allocator *A, int device)
 {
-    if (device >= 0 && device < XP_MAX_DEVICES) return 0;
-    PyErr_Format(PyExc_ValueError, "device must be in [0, %d), got %d", XP_MAX_DEVICES, device);
+    if (device >= 0 && device < A->n_devices) return 0;
+    PyErr_Format(PyExc_ValueError, "device must be in [0, %d) (the backend's devices), got %d", A->n_devices,
+                 device);
     return -1;
 }
 
@@ -750,7 +809,7 @@ static int forget_inherited(Allocator *A, int device, uintptr_t ptr, int *holds_
 int xp_free(Allocator *A, int device, uintptr_t ptr, int *holds_ref)
 {
     *holds_ref = 0;
-    if (xp_check_device(device) < 0) return -1;
+    if (xp_check_device(A, device) < 0) return -1;
     DevicePool *pool = pool_lookup(A, device);
     PyObject *hook = NULL;
     Block *b = NULL;
@@ -790,8 +849,8 @@ int xp_free(Allocator *A, int device, uintptr_t ptr, int *holds_ref)
         drop_hook(hook);
         if (A->forked && forget_inherited(A, device, ptr, holds_ref)) return 2;
         PyErr_Format(PyExc_ValueError,
-                     "xpool: pointer 0x%zx on device %d was not handed out by this pool "
-                     "(or was freed twice)", (size_t)ptr, device);
+                     "xpool: pointer %p on device %d was not handed out by this pool "
+                     "(or was freed twice)", (void *)ptr, device);   /* %p: PyErr_Format has no %zx */
         return -1;
     }
     /* the block is this thread's alone until it is cached */
@@ -833,7 +892,7 @@ void *cupy_malloc(void *param, size_t size, int device)
         xp_refuse_request(size);
         return (void *)(intptr_t)-1;
     }
-    if (xp_check_device(device) < 0) return (void *)(intptr_t)-1;
+    if (xp_check_device(A, device) < 0) return (void *)(intptr_t)-1;
     intptr_t stream = 0;
     if (A->stream_fn) {
         /* the device's own current stream: CuPy's get_current_stream_ptr() would first ask CUDA which

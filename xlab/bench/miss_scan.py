@@ -5,7 +5,7 @@ give back (scheme xpool's release on miss).  Free ranges inside partly used segm
 that search must not cost more as they pile up (issue 21, defect 6: it walked every free range, 28 µs at 1e3
 ranges and 20 ms at 3e5).  Over host memory, each configuration is a pool whose stream has `n` free 512 B
 ranges between blocks in use; a timed miss asks for a block larger than any before (above the mark), then
-`empty_cache()` gives it back untimed.  The control arm never releases on a miss (`release_on_miss=0`): what a
+`empty_cache()` gives it back untimed.  The control arm never releases on a miss (`release_on_miss="never"`): what a
 miss costs without the search (the backend's malloc and the core's bookkeeping).  Trials are interleaved
 across every (n, arm); one row per trial: the median µs over its misses.
 """
@@ -16,7 +16,7 @@ import statistics
 import time
 
 N_RANGES = (100, 1_000, 10_000, 100_000, 300_000)
-ARMS = {"release": {}, "control": {"release_on_miss": 0}}
+ARMS = {"release": {}, "control": {"release_on_miss": "never"}}
 BIG = 8 << 20          # the first timed miss; each one 512 B larger than the last
 
 
@@ -31,7 +31,7 @@ def pool_with_free_ranges(n_ranges: int, segments: dict):
         (pool, the blocks kept in use): the caller keeps the second alive.
     """
     from xpool import HostBackend, Pool
-    pool = Pool(HostBackend(), _segments=segments)
+    pool = Pool(HostBackend(), **segments)
     blocks = [pool.allocate(512) for _ in range(2 * n_ranges)]
     keep = blocks[1::2]
     del blocks                 # every other block goes back: a free range between two in use
