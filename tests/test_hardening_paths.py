@@ -89,7 +89,6 @@ def assert_exact(pool, backend, device=0):
 # ------------------------------------------------------------------ 1. capture, other streams
 
 
-@defect(1, "the OOM ladder of stream 1 gives back a segment of stream 7 while 7 captures")
 def test_1_the_oom_ladder_gives_nothing_back_while_another_stream_of_the_device_captures():
     backend = CaptureBackend(capacity=8 * MiB)
     pool = Pool(backend)
@@ -107,7 +106,6 @@ def test_1_the_oom_ladder_gives_nothing_back_while_another_stream_of_the_device_
     del held
 
 
-@defect(1, "the limit ladder of stream 1 gives back a segment of stream 7 while 7 captures")
 def test_1_the_limit_ladder_gives_nothing_back_while_another_stream_of_the_device_captures():
     backend = CaptureBackend()
     pool = Pool(backend, limit=8 * MiB)
@@ -121,7 +119,6 @@ def test_1_the_limit_ladder_gives_nothing_back_while_another_stream_of_the_devic
     del held
 
 
-@defect(1, "a miss of stream 1 gives its own segments back while stream 7 of the device captures")
 def test_1_a_miss_gives_nothing_back_while_another_stream_of_the_device_captures():
     backend = CaptureBackend()
     pool = Pool(backend, **EAGER)
@@ -133,12 +130,11 @@ def test_1_a_miss_gives_nothing_back_while_another_stream_of_the_device_captures
     del held7, big
 
 
-@defect(1, "a global-mode capture on a stream the pool never served is not asked about (the legacy stream)")
 def test_1_a_global_mode_capture_elsewhere_shows_through_the_legacy_stream():
     backend = CaptureBackend(capacity=8 * MiB)
     pool = Pool(backend)
-    pool.allocate(3 * MiB, stream=1).release()
     held = pool.allocate(3 * MiB, stream=1)
+    pool.allocate(2 * MiB, stream=1).release()      # a whole free 2 MiB segment the ladder could give back
     backend.global_mode = {0}                       # some stream of device 0 captures in global mode
     with pytest.raises(xpool.OutOfMemoryError) as e:
         pool.allocate(4 * MiB, stream=1)
@@ -146,7 +142,6 @@ def test_1_a_global_mode_capture_elsewhere_shows_through_the_legacy_stream():
     del held
 
 
-@defect(1, "empty_cache() gives back the cache of a device while one of its streams captures")
 def test_1_empty_cache_skips_a_device_while_one_of_its_streams_captures():
     backend = CaptureBackend()
     pool = Pool(backend)
@@ -160,7 +155,6 @@ def test_1_empty_cache_skips_a_device_while_one_of_its_streams_captures():
     assert pool.empty_cache() == 3 * MiB and backend.live() == {}
 
 
-@defect(1, "another live thread's per-thread stream cannot be asked; its segments are given back regardless")
 def test_1_another_live_threads_per_thread_stream_counts_as_possibly_capturing():
     backend = CaptureBackend(capacity=8 * MiB)
     pool = Pool(backend)
@@ -192,7 +186,6 @@ def test_1_another_live_threads_per_thread_stream_counts_as_possibly_capturing()
 # ------------------------------------------------------------------ 2. capture, debug mode
 
 
-@defect(2, "a new segment whose poisoning failed is given back without asking capturing()")
 def test_2_a_segment_whose_poisoning_failed_stays_cached_while_its_stream_captures():
     backend = CaptureBackend()
     pool = Pool(backend, debug="raise")
@@ -204,12 +197,11 @@ def test_2_a_segment_whose_poisoning_failed_stays_cached_while_its_stream_captur
     assert_exact(pool, backend)
     backend.fail_fill, backend.streams = None, set()
     a = pool.allocate(1000, stream=5)               # the cached segment serves, unpoisoned (nothing to check)
-    assert counters(pool)[0] == 1 and a.size == 1024
+    assert counters(pool)[0] == 1 and a.size == 1536   # 1000 B and the 64 B canary, to 512 B
     del a
     pool.check()
 
 
-@defect(2, "scheme seed: a new block whose canary could not be written is given back during a capture")
 def test_2_seed_a_new_block_whose_canary_failed_stays_cached_while_its_stream_captures():
     backend = CaptureBackend()
     pool = Pool(backend, scheme="seed", debug="raise")
@@ -221,7 +213,6 @@ def test_2_seed_a_new_block_whose_canary_failed_stays_cached_while_its_stream_ca
     assert_exact(pool, backend)
 
 
-@defect(2, "scheme seed: a block whose poisoning failed on free is given back during a capture")
 def test_2_seed_a_freed_block_whose_poisoning_failed_stays_cached_while_its_stream_captures(monkeypatch):
     reports = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: reports.append(u.exc_value))

@@ -246,7 +246,7 @@ def soak_paths(seed: int, workers: int, ops: int, scheme: str, debug):
     begin and end (explicit streams, global mode, the workers' own per-thread streams) and short-lived threads
     use their per-thread streams; with the soak's injected faults, limit changes and concurrent releases."""
     cupy_memory = pytest.importorskip("cupy.cuda.memory")
-    backend = CapturingFaultyBackend(n_devices=DEVICES, malloc_oom=0.02, malloc_error=0.01, free_error=0.1,
+    backend = CapturingFaultyBackend(n_devices=DEVICES, malloc_oom=0.03, malloc_error=0.02, free_error=0.1,
                                      seed=seed)
     current = threading.local()                     # the stream CuPy's hook sees, per thread
     lookup = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int)(lambda device: getattr(current, "stream", 0))
@@ -275,8 +275,13 @@ def soak_paths(seed: int, workers: int, ops: int, scheme: str, debug):
 
     def take(rng, name):
         """One block on a random path, device and stream; (free function, ptr, nbytes, device) or None."""
-        n = rng.choice(menu) if rng.random() < 0.8 else random_size(rng)
+        n = rng.choice(menu) if rng.random() < 0.6 else random_size(rng)
         device, stream, path = rng.randrange(DEVICES), rng.choice(STREAMS), rng.random()
+        if stream == PER_THREAD and name.startswith("worker"):
+            # the long-lived threads' per-thread streams stay on devices 0 and 1: while such a thread lives, its
+            # stream counts as capturing there (no other thread can ask it), so nothing goes back on them but
+            # by that thread; on devices 2 and 3 only the short-lived threads use theirs
+            device = device % 2
         if path < 0.3:                               # PyTorch's entry points, without the GIL
             ptr = t_malloc(n, device, stream)
             if ptr is None:
@@ -437,11 +442,10 @@ def soak_paths(seed: int, workers: int, ops: int, scheme: str, debug):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 21, defects 1, 3, 4: frees during captures, per-thread keys reused")
 @pytest.mark.parametrize("seed, workers, ops, scheme, debug", [
-    (4, 10, 3000, "xpool", False),
+    (4, 10, 3000, "segments", False),
     (5, 10, 3000, "seed", False),
-    (6, 6, 800, "xpool", "raise"),
+    (6, 6, 1500, "segments", "raise"),
 ])
 def test_soak_capture_per_thread_streams_and_torch(seed, workers, ops, scheme, debug):
     interval = sys.getswitchinterval()

@@ -308,20 +308,78 @@ static PyObject *scheme_give_back(Allocator *A, DevicePool *pool, const Block *b
 
 /* ------------------------------------------------------------------ giving back */
 
-/* 1 when `stream` (a free-list key) is being captured into a CUDA graph, as the backend's optional
- * .capturing(device, stream) says; 0 when not, or when the backend cannot tell; -1 with its exception.
- * Called with the GIL held and no pool lock, on the miss and out-of-memory paths only.  While a stream
- * captures, the pool must not give memory back: cudaFree synchronises the device, which ends the capture
- * with an error (cudaErrorStreamCaptureUnsupported) and loses the graph. */
-static int stream_capturing(Allocator *A, int device, intptr_t stream)
+/* The stream keys holding device allocations of the pool (Note [Capture: every stream of a device]): the
+ * entry of `key`, made (with no allocation yet) when `make`; NULL when there is none (or no memory to make
+ * it).  Pool lock held.  A pool serves a few streams: a scan, on misses and give-backs only. */
+static StreamUse *stream_use(DevicePool *pool, intptr_t key, int make)
 {
-    if (!A->tells_capture) return 0;
-    intptr_t handle = stream < 0 ? XP_STREAM_PER_THREAD : stream;   /* a per-thread key: that thread's stream */
+    for (size_t i = 0; i < pool->n_streams; i++)
+        if (pool->streams[i].key == key) return &pool->streams[i];
+    if (!make) return NULL;
+    if (pool->n_streams == pool->streams_cap) {
+        size_t cap = pool->streams_cap ? 2 * pool->streams_cap : 8;
+        StreamUse *grown = realloc(pool->streams, cap * sizeof(StreamUse));
+        if (!grown) return NULL;
+        pool->streams = grown;
+        pool->streams_cap = cap;
+    }
+    StreamUse *u = &pool->streams[pool->n_streams++];
+    u->key = key;
+    u->allocations = 0;
+    return u;
+}
+
+/* A device allocation of `key` went back to the device.  Pool lock held. */
+static void stream_use_gone(DevicePool *pool, intptr_t key)
+{
+    StreamUse *u = stream_use(pool, key, 0);
+    if (u && u->allocations && !--u->allocations) *u = pool->streams[--pool->n_streams];
+}
+
+static int ask_capturing(Allocator *A, int device, intptr_t handle)
+{
     PyObject *r = PyObject_CallMethod(A->backend, "capturing", "in", device, (Py_ssize_t)handle);
     if (!r) return -1;
     int yes = PyObject_IsTrue(r);
     Py_DECREF(r);
     return yes;
+}
+
+/* Whether anything may go back to the device now, for a request on `key` (Note [Capture: every stream of a
+ * device]): 1 when a stream of the device captures into a CUDA graph, or may, so nothing must (cudaFree
+ * synchronises the device, which ends every capture on it, cudaErrorStreamCaptureUnsupported, and loses the
+ * graph; unmapping pages is no different); 0 when none does, or the backend cannot tell (it has no
+ * .capturing(device, stream)); -1 with the backend's exception.  Asked of the backend for the legacy stream
+ * (which reports a global-mode capture of any stream of the device), `key`'s stream and every stream holding
+ * a device allocation of the pool here; another thread's per-thread stream cannot be asked from this thread,
+ * so while that thread lives it counts as capturing.  With the GIL and no pool lock, before each give-back
+ * only: never on a hit, never on a miss that gives nothing back. */
+int device_captures(Allocator *A, DevicePool *pool, intptr_t key)
+{
+    if (!A->tells_capture) return 0;
+    pthread_mutex_lock(&pool->lock);
+    size_t n = pool->n_streams;
+    intptr_t *keys = malloc((n + 2) * sizeof(intptr_t));
+    if (keys) {
+        keys[0] = 0;        /* the legacy stream */
+        keys[1] = key;
+        for (size_t i = 0; i < n; i++) keys[i + 2] = pool->streams[i].key;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    if (!keys) { PyErr_NoMemory(); return -1; }
+    int capturing = 0;
+    for (size_t i = 0; i < n + 2 && !capturing; i++) {
+        int seen = 0;
+        for (size_t j = 0; j < i && !seen; j++) seen = keys[j] == keys[i];
+        if (seen) continue;
+        intptr_t handle = stream_handle(keys[i]);
+        if (handle < 0)     /* another thread's per-thread stream: unknown while it lives */
+            capturing = !xp_thread_key_ended(keys[i]);
+        else
+            capturing = ask_capturing(A, pool->device, handle);
+    }
+    free(keys);
+    return capturing;
 }
 
 /* Gives a block that is in no table, its bytes on bytes_releasing, back to
@@ -337,6 +395,7 @@ static int give_back(Allocator *A, DevicePool *pool, Block *b)
     pool->st.bytes_releasing -= b->size;
     if (r) {
         pool->st.device_frees++;
+        stream_use_gone(pool, b->stream);
         timeline_record(&A->tl, EV_RELEASE, pool, b, 0);
     } else {
         cache_block(pool, b);
@@ -345,6 +404,26 @@ static int give_back(Allocator *A, DevicePool *pool, Block *b)
     if (!r) return -1;
     free(b);
     return 0;
+}
+
+/* A block in no table, its bytes on bytes_releasing, that should go back to the device on an error path
+ * (a debug hook failed, no room in the live table): back unless a stream of the device captures (then, or
+ * if that cannot be asked, it is cached), keeping any exception set.  Not known to hold poison either way. */
+static void give_back_or_keep(Allocator *A, DevicePool *pool, Block *b, intptr_t key)
+{
+    PyObject *exc = PyErr_GetRaisedException();
+    int capturing = device_captures(A, pool, key);
+    if (capturing < 0) PyErr_Clear();
+    b->poisoned = 0;
+    if (capturing) {
+        pthread_mutex_lock(&pool->lock);
+        pool->st.bytes_releasing -= b->size;
+        cache_block(pool, b);
+        pthread_mutex_unlock(&pool->lock);
+    } else if (give_back(A, pool, b) < 0) {
+        PyErr_Clear();   /* then it is cached */
+    }
+    PyErr_SetRaisedException(exc);
 }
 
 /* Gives blocks taken out of the cache back to the device, every one tried, and frees `blocks`: 0, or -1
@@ -397,12 +476,14 @@ static size_t segment_size_for(const Allocator *A, size_t size)
     return seg_size_for(size, size <= XP_SMALL_MAX ? A->small_segment : A->segment_round);
 }
 
-/* Bytes a miss wanting a `want`-byte segment should give back at the high-water mark (0: none).  Pool lock held. */
-static uint64_t miss_excess(DevicePool *pool, size_t want)
+/* Bytes a miss on `stream` wanting a `want`-byte segment should give back at the high-water mark (0: none,
+ * also when the stream has no whole free segment to give: O(log n), Note [Whole free segments]).  Pool lock
+ * held. */
+static uint64_t miss_excess(DevicePool *pool, intptr_t stream, size_t want)
 {
     uint64_t after = committed(&pool->st) + want, mark = pool->high_water;
     if (pool->miss_released > XP_MISS_BUDGET * mark) pool->miss_release_off = 1;
-    if (after <= mark || pool->miss_release_off || !seg_any_free(&pool->segs) || !pool->st.blocks_cached) return 0;
+    if (after <= mark || pool->miss_release_off || !seg_any_whole(&pool->segs, 0, stream)) return 0;
     return after - mark;
 }
 
@@ -415,24 +496,28 @@ static int release_for_miss(Allocator *A, DevicePool *pool, intptr_t stream, siz
 {
     int capturing;
     if (A->release_on_miss == XP_RELEASE_ALWAYS) {
-        capturing = stream_capturing(A, pool->device, stream);
+        pthread_mutex_lock(&pool->lock);
+        int any = seg_any_whole(&pool->segs, 0, stream);
+        pthread_mutex_unlock(&pool->lock);
+        if (!any) return 0;
+        capturing = device_captures(A, pool, stream);
         if (capturing) return capturing < 0 ? -1 : 0;    /* a capture cannot take a cudaFree: the miss only adds */
         return release_cached(A, pool, 0, stream, 0) < 0 ? -1 : 0;
     }
     size_t want = segment_size_for(A, size);
     pthread_mutex_lock(&pool->lock);
-    uint64_t excess = miss_excess(pool, want);
+    uint64_t excess = miss_excess(pool, stream, want);
     pthread_mutex_unlock(&pool->lock);
     if (!excess) return 0;
-    capturing = stream_capturing(A, pool->device, stream);
+    capturing = device_captures(A, pool, stream);
     if (capturing) return capturing < 0 ? -1 : 0;
     pthread_mutex_lock(&pool->lock);
-    excess = miss_excess(pool, want);                    /* again: another thread may have moved it */
+    excess = miss_excess(pool, stream, want);            /* again: another thread may have moved it */
     if (!excess) {
         pthread_mutex_unlock(&pool->lock);
         return 0;
     }
-    size_t cap = pool->st.blocks_cached, n = 0;
+    size_t cap = pool->segs.n_whole, n = 0;             /* only whole free segments can go back */
     Block **blocks = malloc(cap * sizeof(Block *));
     if (!blocks) { pthread_mutex_unlock(&pool->lock); PyErr_NoMemory(); return -1; }
     SegDelta d = {0, 0};
@@ -488,6 +573,7 @@ enum { TRY_GOT = 0, TRY_FAILED = -1, TRY_NO_ROOM = 1 };   /* what one try came t
 /* One request's way up the ladder. */
 typedef struct {
     size_t requested, size;     /* the request; the bytes of the device allocation */
+    intptr_t stream;            /* the request's stream key: the allocation is counted as its (stream_use) */
     int step;                   /* 0: the first try; 1, 2: after freeing the cache (and collecting) */
     int reserved;               /* size counts in bytes_pending: from the try that passed the limit on */
     int over_limit;             /* the limit refused, and size is larger than the limit itself */
@@ -533,6 +619,8 @@ static int try_device_malloc(Allocator *A, DevicePool *pool, Climb *c, uintptr_t
     pthread_mutex_lock(&pool->lock);
     pool->st.device_mallocs++;
     if (c->step) pool->st.oom_recoveries++;
+    StreamUse *u = stream_use(pool, c->stream, 1);   /* made before the try (new_allocation): no memory needed */
+    if (u) u->allocations++;
     pthread_mutex_unlock(&pool->lock);
     *ptr = (uintptr_t)p;
     return TRY_GOT;
@@ -561,7 +649,7 @@ static int free_cache_and_retry(Allocator *A, DevicePool *pool, intptr_t stream,
                                 int collect)
 {
     if (c->over_limit) return give_up(A, pool, c, "limit");
-    int capturing = stream_capturing(A, pool->device, stream);
+    int capturing = device_captures(A, pool, stream);
     if (capturing < 0) return TRY_FAILED;
     if (capturing) return give_up(A, pool, c, c->by_device ? "device_capturing" : "limit_capturing");
     if (collect && collect_garbage() < 0) return TRY_FAILED;
@@ -581,7 +669,7 @@ static int device_malloc(Allocator *A, DevicePool *pool, intptr_t stream, size_t
     uint64_t capacity = pool_capacity(A, pool);
     if (capacity && size > capacity)   /* no freeing or retrying can help: bad input */
         return raise_oom(A, pool, requested, size, "too_large", NULL);
-    Climb c = {.requested = requested, .size = size};
+    Climb c = {.requested = requested, .size = size, .stream = stream};
     int r = try_device_malloc(A, pool, &c, ptr);
     if (r == TRY_NO_ROOM) r = free_cache_and_retry(A, pool, stream, &c, ptr, 0);
     if (r == TRY_NO_ROOM) r = free_cache_and_retry(A, pool, stream, &c, ptr, 1);
@@ -603,7 +691,11 @@ static Block *new_allocation(Allocator *A, DevicePool *pool, intptr_t stream, si
                              int origin, int hooked)
 {
     Block *b = calloc(1, sizeof(Block));
-    if (!b) {
+    pthread_mutex_lock(&pool->lock);
+    int known = stream_use(pool, stream, 1) != NULL;   /* its stream is asked before anything goes back */
+    pthread_mutex_unlock(&pool->lock);
+    if (!b || !known) {
+        free(b);
         PyErr_NoMemory();
         return NULL;
     }
@@ -628,8 +720,8 @@ static Block *record_new(Allocator *A, DevicePool *pool, Block *b, size_t size)
     if (ptrtable_insert(&pool->live, b) < 0) {
         pool->st.bytes_releasing += b->size;
         pthread_mutex_unlock(&pool->lock);
-        if (give_back(A, pool, b) < 0) PyErr_Clear();   /* then it is cached */
         PyErr_NoMemory();
+        give_back_or_keep(A, pool, b, b->stream);
         return NULL;
     }
     if (b->in_segment) {
@@ -688,13 +780,11 @@ static Block *segments_make(Allocator *A, DevicePool *pool, intptr_t stream, siz
     if (got > size && hook) {
         /* the rest of the segment is cached from the start: poisoned, as a freed block is */
         if (call_hook(hook, "on_segment", b, 0) < 0) {
-            PyObject *exc = PyErr_GetRaisedException();
             pthread_mutex_lock(&pool->lock);
             pool->st.bytes_pending -= got;
             pool->st.bytes_releasing += got;
             pthread_mutex_unlock(&pool->lock);
-            if (give_back(A, pool, b) < 0) PyErr_Clear();   /* then it is cached */
-            PyErr_SetRaisedException(exc);
+            give_back_or_keep(A, pool, b, stream);   /* a whole free segment, unpoisoned, if it stays */
             return NULL;
         }
         b->poisoned = 1;
@@ -740,8 +830,8 @@ static void take_back(Allocator *A, DevicePool *pool, Block *b, int to_device)
     if (to_device) pool->st.bytes_releasing += b->size;
     else cache_block(pool, b);
     pthread_mutex_unlock(&pool->lock);
-    if (to_device && give_back(A, pool, b) < 0) PyErr_Clear();   /* then it is cached */
     PyErr_SetRaisedException(exc);
+    if (to_device) give_back_or_keep(A, pool, b, b->stream);
 }
 
 static Block *alloc_block(Allocator *A, int device, intptr_t stream, size_t requested,
@@ -864,8 +954,10 @@ int xp_free(Allocator *A, int device, uintptr_t ptr, int *holds_ref)
             pool->st.bytes_releasing -= b->size;
             cache_block(pool, b);
             pthread_mutex_unlock(&pool->lock);
-        } else if (give_back(A, pool, b) < 0) {
-            PyErr_Clear();   /* then it is cached, unpoisoned */
+        } else {
+            PyErr_SetRaisedException(exc);
+            give_back_or_keep(A, pool, b, b->stream);   /* or cached, unpoisoned */
+            return 1;
         }
         PyErr_SetRaisedException(exc);
         return 1;

@@ -156,10 +156,19 @@ typedef struct {
     uint64_t bytes_in_use_by[XP_ORIGINS];
 } Stats;
 
+/* Device allocations a pool holds for one stream key: the streams it knows on a device, which it asks before
+ * giving anything back there (Note [Capture: every stream of a device]). */
+typedef struct {
+    intptr_t key;
+    uint64_t allocations;
+} StreamUse;
+
 typedef struct DevicePool {
     pthread_mutex_t lock;
     int device;
     /* everything below is guarded by lock */
+    StreamUse *streams;     /* the stream keys holding device allocations here, with their counts */
+    size_t n_streams, streams_cap;
     PtrTable live;          /* blocks in use, by pointer */
     BinTable bins;          /* free blocks, by (stream, class) (scheme seed) */
     FreeTree segs;          /* free ranges of segments (scheme segments), by (stream, size, ptr) */
@@ -315,6 +324,9 @@ static inline DevicePool *pool_lookup(Allocator *A, int device)
 /* Cached blocks back to the device until at most `keep` bytes stay cached (of one stream, or all when
  * all_streams).  Returns bytes released; -1 with the first failed free's exception. */
 long long release_cached(Allocator *A, DevicePool *pool, int all_streams, intptr_t stream, uint64_t keep);
+/* 1 when nothing may go back to the device now: a stream of it captures, or may (Note [Capture: every
+ * stream of a device]); 0 when it may; -1 with the backend's exception.  With the GIL, no pool lock. */
+int device_captures(Allocator *A, DevicePool *pool, intptr_t key);
 /* empty_cache(): misses may give back again (Note [Release on miss]). */
 void reset_miss_budget(DevicePool *pool);
 

@@ -304,6 +304,7 @@ static void pool_destroy(DevicePool *pool)
         free(bin);
     }
     seg_destroy(&pool->segs);
+    free(pool->streams);
     free(pool->live.slots);
     free(pool->bins.slots);
     pthread_mutex_destroy(&pool->lock);
@@ -488,8 +489,11 @@ static PyObject *Allocator_release(Allocator *self, PyObject *args, PyObject *kw
     if (!pool) return PyLong_FromLong(0);
     long long s = 0;
     if (stream != Py_None && !stream_arg(stream, &s)) return NULL;
+    intptr_t key = stream_key((intptr_t)s);
+    int capturing = device_captures(self, pool, key);   /* then nothing goes back here: the capture would end */
+    if (capturing) return capturing < 0 ? NULL : PyLong_FromLong(0);
     if (stream == Py_None && !keep) reset_miss_budget(pool);   /* empty_cache() */
-    long long n = release_cached(self, pool, stream == Py_None, stream_key((intptr_t)s), keep);
+    long long n = release_cached(self, pool, stream == Py_None, key, keep);
     return n < 0 ? NULL : PyLong_FromLongLong(n);
 }
 
