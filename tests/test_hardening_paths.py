@@ -355,7 +355,6 @@ def test_4_python_path_a_new_thread_never_gets_a_dead_threads_per_thread_block()
 # ------------------------------------------------------------------ 5. out of memory for a small block that fits
 
 
-@defect(5, "a 4 KiB request on a 4 MiB device with 3 MiB in use asks for a 2 MiB segment and fails")
 def test_5_a_small_block_that_fits_the_free_memory_is_served():
     backend = HostBackend(capacity=4 * MiB)
     pool = Pool(backend)
@@ -366,7 +365,6 @@ def test_5_a_small_block_that_fits_the_free_memory_is_served():
     del held, a
 
 
-@defect(5, "out of memory for a small block reports the 2 MiB segment as the request's class")
 def test_5_out_of_memory_for_a_small_block_reports_the_requests_class():
     backend = HostBackend(capacity=4 * MiB)
     pool = Pool(backend)
@@ -401,7 +399,6 @@ def _scan_visits_per_growing_miss(n_ranges, misses=8):
     return (xpool.testing.release_scan_visits(pool, 0) - visits0) / misses
 
 
-@defect(6, "a growing miss walks every free range (and no count of ranges visited is exposed)")
 def test_6_a_growing_miss_does_not_walk_the_free_ranges_of_partly_used_segments():
     few, many = _scan_visits_per_growing_miss(100), _scan_visits_per_growing_miss(10_000)
     assert many < 10 * max(few, 1), (few, many)     # O(free ranges) would be 100 times as many

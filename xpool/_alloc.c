@@ -573,6 +573,8 @@ enum { TRY_GOT = 0, TRY_FAILED = -1, TRY_NO_ROOM = 1 };   /* what one try came t
 /* One request's way up the ladder. */
 typedef struct {
     size_t requested, size;     /* the request; the bytes of the device allocation */
+    size_t exact;               /* the block's own bytes: what size falls back to when a shared segment does not
+                                   fit (Note [Small segments]); size itself otherwise */
     intptr_t stream;            /* the request's stream key: the allocation is counted as its (stream_use) */
     int step;                   /* 0: the first try; 1, 2: after freeing the cache (and collecting) */
     int reserved;               /* size counts in bytes_pending: from the try that passed the limit on */
@@ -584,7 +586,7 @@ typedef struct {
 /* One try: count the bytes against the limit, under the lock, before the backend is called (once: they
  * stay pending for the next tries), then backend.malloc.  TRY_NO_ROOM when the limit or a MemoryError
  * refuses; TRY_FAILED with any other error. */
-static int try_device_malloc(Allocator *A, DevicePool *pool, Climb *c, uintptr_t *ptr)
+static int try_once(Allocator *A, DevicePool *pool, Climb *c, uintptr_t *ptr)
 {
     if (!c->reserved) {
         pthread_mutex_lock(&pool->lock);
@@ -626,6 +628,22 @@ static int try_device_malloc(Allocator *A, DevicePool *pool, Climb *c, uintptr_t
     return TRY_GOT;
 }
 
+/* A try as try_once, but a segment larger than its block (a small block's shared segment) that finds no room,
+ * by the limit or the device's free memory, falls back to the block's own bytes at once, before anything is
+ * freed: the request may fit where the segment does not (a 4 KiB block on a 4 MiB device with 3 MiB in use). */
+static int try_device_malloc(Allocator *A, DevicePool *pool, Climb *c, uintptr_t *ptr)
+{
+    int r = try_once(A, pool, c, ptr);
+    if (r != TRY_NO_ROOM || c->size <= c->exact) return r;
+    if (c->reserved) {
+        pthread_mutex_lock(&pool->lock);
+        pool->st.bytes_pending -= c->size - c->exact;
+        pthread_mutex_unlock(&pool->lock);
+    }
+    c->size = c->exact;
+    return try_once(A, pool, c, ptr);
+}
+
 /* The ladder's last step: raise xpool.OutOfMemoryError (reason: what refused, and why it could not be
  * helped), the pending bytes given up first.  Returns TRY_FAILED. */
 static int give_up(Allocator *A, DevicePool *pool, Climb *c, const char *reason)
@@ -658,28 +676,34 @@ static int free_cache_and_retry(Allocator *A, DevicePool *pool, intptr_t stream,
     return try_device_malloc(A, pool, c, ptr);
 }
 
-/* One device allocation of `size` bytes for a request of `requested`, as PyTorch's malloc reads: try;
+/* One device allocation of *bytes (a segment, or `exact`, the block's own bytes, when the segment finds no
+ * room: try_device_malloc; *bytes says which was made) for a request of `requested`, as PyTorch's malloc reads: try;
  * free this device's cache and retry; collect garbage, free the cache and retry; raise.  Both what
  * refuses, the limit and the device's out-of-memory (a MemoryError from backend.malloc), climb the same
  * ladder; any other error is passed on at once.  A request larger than the whole device raises at once
  * (reason too_large).  On success the bytes stay pending: the caller records the block. */
-static int device_malloc(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, size_t size,
-                         uintptr_t *ptr)
+static int device_malloc(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, size_t *bytes,
+                         size_t exact, uintptr_t *ptr)
 {
+    size_t size = *bytes;
     uint64_t capacity = pool_capacity(A, pool);
-    if (capacity && size > capacity)   /* no freeing or retrying can help: bad input */
-        return raise_oom(A, pool, requested, size, "too_large", NULL);
-    Climb c = {.requested = requested, .size = size, .stream = stream};
+    if (capacity && size > capacity) {
+        if (exact > capacity)   /* no freeing or retrying can help: bad input */
+            return raise_oom(A, pool, requested, exact, "too_large", NULL);
+        size = exact;
+    }
+    Climb c = {.requested = requested, .size = size, .exact = exact, .stream = stream};
     int r = try_device_malloc(A, pool, &c, ptr);
     if (r == TRY_NO_ROOM) r = free_cache_and_retry(A, pool, stream, &c, ptr, 0);
     if (r == TRY_NO_ROOM) r = free_cache_and_retry(A, pool, stream, &c, ptr, 1);
     if (r == TRY_NO_ROOM) r = give_up(A, pool, &c, c.by_device ? "device" : "limit");
     if (r != TRY_GOT && c.reserved) {
         pthread_mutex_lock(&pool->lock);
-        pool->st.bytes_pending -= size;
+        pool->st.bytes_pending -= c.size;
         pthread_mutex_unlock(&pool->lock);
     }
     Py_XDECREF(c.cause);
+    *bytes = c.size;
     return r == TRY_GOT ? 0 : -1;
 }
 
@@ -688,7 +712,7 @@ static int device_malloc(Allocator *A, DevicePool *pool, intptr_t stream, size_t
 /* A new Block of `bytes` bytes, one device allocation of them (through the ladder); its bytes stay
  * pending until record_new(). */
 static Block *new_allocation(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, size_t bytes,
-                             int origin, int hooked)
+                             size_t exact, int origin, int hooked)
 {
     Block *b = calloc(1, sizeof(Block));
     pthread_mutex_lock(&pool->lock);
@@ -700,7 +724,7 @@ static Block *new_allocation(Allocator *A, DevicePool *pool, intptr_t stream, si
         return NULL;
     }
     uintptr_t ptr = 0;
-    if (device_malloc(A, pool, stream, requested, bytes, &ptr) < 0) {
+    if (device_malloc(A, pool, stream, requested, &bytes, exact, &ptr) < 0) {
         free(b);
         return NULL;
     }
@@ -747,7 +771,7 @@ static Block *seed_make(Allocator *A, DevicePool *pool, intptr_t stream, size_t 
         PyErr_NoMemory();
         return NULL;
     }
-    Block *b = new_allocation(A, pool, stream, requested, size, origin, hook != NULL);
+    Block *b = new_allocation(A, pool, stream, requested, size, size, origin, hook != NULL);
     return b ? record_new(A, pool, b, size) : NULL;
 }
 
@@ -774,8 +798,9 @@ static Block *segments_make(Allocator *A, DevicePool *pool, intptr_t stream, siz
 {
     if (A->release_on_miss != XP_RELEASE_NEVER && release_for_miss(A, pool, stream, size) < 0) return NULL;
     size_t got = segment_bytes(A, pool, size);
-    Block *b = new_allocation(A, pool, stream, requested, got, origin, hook != NULL);
+    Block *b = new_allocation(A, pool, stream, requested, got, size, origin, hook != NULL);
     if (!b) return NULL;
+    got = b->size;       /* the segment, or the block alone when the segment found no room */
     b->in_segment = 1;   /* from here a failed give_back caches it as a whole free segment */
     if (got > size && hook) {
         /* the rest of the segment is cached from the start: poisoned, as a freed block is */

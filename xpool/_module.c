@@ -577,6 +577,20 @@ static PyObject *Allocator_table_sizes(Allocator *self, PyObject *args)
     return Py_BuildValue("(nnn)", (Py_ssize_t)live_cap, (Py_ssize_t)live_used, (Py_ssize_t)bins_cap);
 }
 
+/* Nodes of the whole-free-segment index that the searches for segments to give back have visited on one
+ * device (Note [Whole free segments]): the cost of those searches as a count, for tests and benchmarks. */
+static PyObject *Allocator_release_scan_visits(Allocator *self, PyObject *args)
+{
+    int device;
+    if (!PyArg_ParseTuple(args, "i", &device)) return NULL;
+    DevicePool *pool = pool_arg(self, device, 0);
+    if (!pool) return PyErr_Occurred() ? NULL : PyLong_FromLong(0);
+    pthread_mutex_lock(&pool->lock);
+    uint64_t visits = pool->segs.whole_visits;
+    pthread_mutex_unlock(&pool->lock);
+    return PyLong_FromUnsignedLongLong(visits);
+}
+
 /* ------------------------------------------------------------------ timeline and debug mode */
 
 /* A new ring of `cap` events (0: off), the old events dropped. */
@@ -690,6 +704,8 @@ static PyMethodDef Allocator_methods[] = {
     {"cached_blocks", (PyCFunction)Allocator_cached_blocks, METH_VARARGS, "cached_blocks(device) -> [info]"},
     {"table_sizes", (PyCFunction)Allocator_table_sizes, METH_VARARGS,
      "table_sizes(device) -> (live table slots, live blocks, bin table slots)"},
+    {"release_scan_visits", (PyCFunction)Allocator_release_scan_visits, METH_VARARGS,
+     "release_scan_visits(device) -> nodes the searches for whole free segments to give back have visited"},
     {"timeline_enable", (PyCFunction)Allocator_timeline_enable, METH_VARARGS,
      "timeline_enable(capacity): record events into a ring of that size (0: off)"},
     {"timeline_events", (PyCFunction)Allocator_timeline_events, METH_NOARGS,

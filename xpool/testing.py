@@ -15,7 +15,7 @@ from .pool import Pool
 from .settings import Settings, resolve
 
 __all__ = ["cfunctions", "allocate_function", "pool_with_stream_lookup", "cupy_stream_lookup",
-           "capsule_function"]
+           "capsule_function", "release_scan_visits"]
 
 
 def cfunctions(pool: Pool) -> tuple[int, int, int]:
@@ -106,6 +106,24 @@ def _executable(address: int) -> bool:
     except OSError:
         return True
     return False
+
+
+def release_scan_visits(pool: Pool, device: int = 0) -> int:
+    """How much searching for segments to give back has cost on one device, as a count.
+
+    Scheme segments: a miss above the high-water mark, the recovery ladder and ``empty_cache``/``trim`` look
+    for whole free segments to give back in an index of those alone; this counts the index nodes they have
+    visited, so a test or benchmark can show the cost does not grow with the free ranges of partly used
+    segments (0 under scheme seed, or before any search).
+
+    Args:
+        pool: an xpool.Pool.
+        device: the device.
+
+    Returns:
+        int: nodes visited since the pool was made.
+    """
+    return pool._core.release_scan_visits(pool._device(device))
 
 
 def cupy_stream_lookup() -> int:
