@@ -517,7 +517,7 @@ static int release_for_miss(Allocator *A, DevicePool *pool, intptr_t stream, siz
         pthread_mutex_unlock(&pool->lock);
         return 0;
     }
-    size_t cap = pool->segs.n_whole, n = 0;             /* only whole free segments can go back */
+    size_t cap = seg_whole_max(&pool->segs), n = 0;     /* only whole free segments can go back */
     Block **blocks = malloc(cap * sizeof(Block *));
     if (!blocks) { pthread_mutex_unlock(&pool->lock); PyErr_NoMemory(); return -1; }
     SegDelta d = {0, 0};
@@ -971,20 +971,16 @@ int xp_free(Allocator *A, int device, uintptr_t ptr, int *holds_ref)
     /* the block is this thread's alone until it is cached */
     int hook_failed = call_hook(hook, "on_free", b, requested) < 0;
     drop_hook(hook);
-    PyObject *exc = hook_failed ? PyErr_GetRaisedException() : NULL;
-    if (hook_failed) {
+    if (hook_failed) {   /* the hook's exception stays set */
         b->poisoned = 0;
-        if (!is_allocation(b)) {   /* a range is no device allocation: cached, known unpoisoned */
-            pthread_mutex_lock(&pool->lock);
-            pool->st.bytes_releasing -= b->size;
-            cache_block(pool, b);
-            pthread_mutex_unlock(&pool->lock);
-        } else {
-            PyErr_SetRaisedException(exc);
-            give_back_or_keep(A, pool, b, b->stream);   /* or cached, unpoisoned */
+        if (is_allocation(b)) {   /* not cached unpoisoned: back to the device, unless a capture forbids it */
+            give_back_or_keep(A, pool, b, b->stream);
             return 1;
         }
-        PyErr_SetRaisedException(exc);
+        pthread_mutex_lock(&pool->lock);   /* a range is no device allocation: cached, known unpoisoned */
+        pool->st.bytes_releasing -= b->size;
+        cache_block(pool, b);
+        pthread_mutex_unlock(&pool->lock);
         return 1;
     }
     pthread_mutex_lock(&pool->lock);

@@ -72,17 +72,18 @@ static Block *NAME##_remove(Block *root, Block *n)                              
 TREAP(tree, left, right)
 TREAP(whole, wleft, wright)
 
-/* A free range that became a whole segment: into the index (Note [Whole free segments]). */
+/* A whole free segment filed in the tree: into the index too (Note [Whole free segments]).  One waiting in
+ * recent[] is not indexed: the searches scan those (at most SEG_RECENT), so a pair that frees a segment's one
+ * block and takes it again (the segment whole in between) pays nothing for the index.  b->prio is set. */
 static void whole_add(FreeTree *t, Block *b)
 {
     b->wleft = b->wright = NULL;
-    b->prio = prio_of(b->ptr);
     t->whole = whole_insert(t->whole, b);
     b->in_whole = 1;
     t->n_whole++;
 }
 
-/* A whole free segment taken out of the cache (handed out, or given back): out of the index. */
+/* A range leaving the tree: out of the index, if it was there. */
 static void whole_drop(FreeTree *t, Block *b)
 {
     if (!b->in_whole) return;
@@ -97,13 +98,17 @@ static void file_free(FreeTree *t, Block *b)
     b->left = b->right = NULL;
     b->prio = prio_of(b->ptr);
     t->root = tree_insert(t->root, b);
+    if (!b->prev_addr && !b->next_addr) whole_add(t, b);
 }
 
 static void unfile(FreeTree *t, Block *b)
 {
     t->root = tree_remove(t->root, b);
+    whole_drop(t, b);
     b->is_free = 0;
 }
+
+static inline int is_whole(const Block *b) { return !b->prev_addr && !b->next_addr; }
 
 /* ------------------------------------------------------------------ ranges */
 
@@ -173,7 +178,6 @@ void seg_flush(FreeTree *t)
 
 void seg_unfile(FreeTree *t, Block *b, SegDelta *d)
 {
-    whole_drop(t, b);
     if (b->waiting) unwait(t, b); else unfile(t, b);
     d->free_ranges -= 1; d->free_bytes -= (int64_t)b->size;
 }
@@ -226,7 +230,6 @@ Block *seg_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d)
     if (w && w->size == size && w->stream == stream &&
         (!best || best->size != size || best->ptr > w->ptr)) {
         unwait(t, w);
-        whole_drop(t, w);
         d->free_ranges -= 1; d->free_bytes -= (int64_t)size;
         return w;
     }
@@ -244,7 +247,6 @@ Block *seg_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d)
     }
     if (!best) return NULL;
     if (best->waiting) unwait(t, best); else unfile(t, best);
-    whole_drop(t, best);
     d->free_ranges -= 1; d->free_bytes -= (int64_t)best->size;
     split(t, best, size, d);
     return best;
@@ -274,17 +276,15 @@ Block *seg_put(FreeTree *t, Block *b, SegDelta *d)
         d->free_ranges -= 1;
         b = p;
     }
+    if (is_whole(b)) b->whole_since = t->clock;   /* its segment is all free from now */
     wait_free(t, b);   /* merged with every free neighbour: none is left */
-    if (!b->prev_addr && !b->next_addr) {   /* its segment is all free from now */
-        b->whole_since = t->clock;
-        whole_add(t, b);
-    }
     return b;
 }
 
-/* Whole free segments (of one stream, or all), listed in (stream, size, ptr) order from the index: those whole and
-   free for at least min_idle requests, until `cached` (counted down by each one listed) is down to `keep` or `out`
-   is full.  Listed first and taken out after: the walk must not see the index change. */
+/* Whole free segments (of one stream, or all), listed in (stream, size, ptr) order: those whole and free for at
+   least min_idle requests, until `cached` (counted down by each one listed) is down to `keep` or `out` is full.
+   From the index (the tree's whole segments) merged with the whole ones waiting in recent[], sorted: the order a
+   walk of every free range gave.  Listed first and taken out after: the walk must not see the index change. */
 typedef struct {
     int all_streams;
     intptr_t stream;
@@ -293,21 +293,40 @@ typedef struct {
     Block **out;
     size_t n, cap;
     uint64_t visits;
+    Block *waiting[SEG_RECENT];   /* the whole ranges of recent[] of the scan's stream(s), in key order */
+    size_t n_waiting, next_waiting;
 } WholeScan;
+
+/* Considers one whole segment; 1 once the scan is done. */
+static int consider(WholeScan *s, Block *x)
+{
+    s->visits++;
+    if (s->cached <= s->keep || s->n >= s->cap) return 1;
+    if (s->clock - x->whole_since >= s->min_idle) {
+        s->out[s->n++] = x;
+        s->cached -= x->size;
+    }
+    return 0;
+}
+
+/* Considers the waiting whole segments ordered before x (all that are left when x is NULL). */
+static int consider_waiting(WholeScan *s, const Block *x)
+{
+    while (s->next_waiting < s->n_waiting && (!x || before(s->waiting[s->next_waiting], x)))
+        if (consider(s, s->waiting[s->next_waiting++])) return 1;
+    return 0;
+}
 
 /* In-order walk of the index, only into the subtrees that may hold the scan's stream; 1 once the scan is done. */
 static int walk_whole(Block *x, WholeScan *s)
 {
     while (x) {
-        s->visits++;
-        if (!s->all_streams && x->stream < s->stream) { x = x->wright; continue; }
-        if (!s->all_streams && x->stream > s->stream) { x = x->wleft; continue; }
-        if (walk_whole(x->wleft, s)) return 1;
-        if (s->cached <= s->keep || s->n >= s->cap) return 1;
-        if (s->clock - x->whole_since >= s->min_idle) {
-            s->out[s->n++] = x;
-            s->cached -= x->size;
+        if (!s->all_streams && x->stream != s->stream) {
+            s->visits++;
+            x = x->stream < s->stream ? x->wright : x->wleft;
+            continue;
         }
+        if (walk_whole(x->wleft, s) || consider_waiting(s, x) || consider(s, x)) return 1;
         x = x->wright;
     }
     return 0;
@@ -315,11 +334,19 @@ static int walk_whole(Block *x, WholeScan *s)
 
 static void collect_whole(FreeTree *t, WholeScan *s)
 {
-    walk_whole(t->whole, s);
+    s->n_waiting = s->next_waiting = 0;
+    for (uint64_t bits = t->occupied; bits; bits &= bits - 1) {
+        Block *b = t->recent[__builtin_ctzll(bits)];
+        if (!is_whole(b) || (!s->all_streams && b->stream != s->stream)) continue;
+        size_t i = s->n_waiting++;   /* insertion sort: at most SEG_RECENT */
+        for (; i > 0 && before(b, s->waiting[i - 1]); i--) s->waiting[i] = s->waiting[i - 1];
+        s->waiting[i] = b;
+    }
+    if (!walk_whole(t->whole, s)) consider_waiting(s, NULL);
     t->whole_visits += s->visits;
 }
 
-/* Takes listed whole segments out of the cache: out of the index, and out of the tree or recent[]. */
+/* Takes listed whole segments out of the cache: out of the tree (and the index) or recent[]. */
 static void take_all(FreeTree *t, Block **blocks, size_t k, SegDelta *d)
 {
     for (size_t i = 0; i < k; i++) seg_unfile(t, blocks[i], d);
@@ -327,6 +354,10 @@ static void take_all(FreeTree *t, Block **blocks, size_t k, SegDelta *d)
 
 int seg_any_whole(const FreeTree *t, int all_streams, intptr_t stream)
 {
+    for (uint64_t bits = t->occupied; bits; bits &= bits - 1) {
+        const Block *b = t->recent[__builtin_ctzll(bits)];
+        if (is_whole(b) && (all_streams || b->stream == stream)) return 1;
+    }
     if (all_streams) return t->whole != NULL;
     for (const Block *x = t->whole; x; x = x->stream < stream ? x->wright : x->wleft)
         if (x->stream == stream) return 1;
