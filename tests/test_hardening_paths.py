@@ -276,21 +276,7 @@ def test_3_release_of_the_per_thread_stream_gives_back_this_threads_blocks_only(
 
 # ------------------------------------------------------------------ 4. per-thread keys outlive their threads
 
-LIB = ctypes.CDLL(_core.__file__)
-TRY_MALLOC = LIB.xpool_torch_try_malloc
-TRY_MALLOC.restype, TRY_MALLOC.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-FREE = LIB.xpool_torch_free
-FREE.restype, FREE.argtypes = None, [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-LAST_ERROR = LIB.xpool_torch_last_error
-LAST_ERROR.restype, LAST_ERROR.argtypes = ctypes.c_char_p, []
-
-
-def torch_malloc(nbytes, device=0, stream=0):
-    ptr = TRY_MALLOC(nbytes, device, stream)
-    if ptr is None:
-        raise MemoryError(LAST_ERROR().decode())
-    return ptr
-
+from fixtures.torch_c import FREE, LAST_ERROR, LIB, MALLOC, TRY_MALLOC, torch_free, torch_malloc  # noqa: E402,F401
 
 @pytest.fixture
 def torch_pool():

@@ -25,6 +25,17 @@ LIMIT = 24 * MiB                    # per device; set_limit moves it within [LIM
 EXPECTED = (xpool.OutOfMemoryError, InjectedFault)
 
 
+
+def run_threads(workers, background, stop):
+    """Start every thread; once the workers are done, set `stop` and wait for the background threads."""
+    for t in workers + background:
+        t.start()
+    for t in workers:
+        t.join()
+    stop.set()
+    for t in background:
+        t.join()
+
 def random_size(rng: random.Random) -> int:
     """Mostly small, some up to 1 MiB, a few large (several size classes per doubling)."""
     r = rng.random()
@@ -99,16 +110,9 @@ def soak(seed: int, workers: int, ops: int, debug):
     def limit(rng):
         pool.set_limit(size=rng.randrange(LIMIT // 2, LIMIT + 1), device=rng.randrange(DEVICES))
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(workers)]
-    threads += [threading.Thread(target=background, args=(name, fn))
-                for name, fn in (("release", release), ("inspect", inspect), ("limit", limit))]
-    for t in threads:
-        t.start()
-    for t in threads[:workers]:
-        t.join()
-    stop.set()
-    for t in threads[workers:]:
-        t.join()
+    run_threads([threading.Thread(target=worker, args=(i,)) for i in range(workers)],
+                [threading.Thread(target=background, args=(name, fn))
+                 for name, fn in (("release", release), ("inspect", inspect), ("limit", limit))], stop)
     return pool, backend, errors, outcomes
 
 
@@ -429,15 +433,8 @@ def soak_paths(seed: int, workers: int, ops: int, scheme: str, debug):
                 return
             time.sleep(0.002)
 
-    threads = [threading.Thread(target=worker, args=(i,), name=f"worker-{i}") for i in range(workers)]
-    threads += [threading.Thread(target=fn) for fn in (spawner, captures, background)]
-    for t in threads:
-        t.start()
-    for t in threads[:workers]:
-        t.join()
-    stop.set()
-    for t in threads[workers:]:
-        t.join()
+    run_threads([threading.Thread(target=worker, args=(i,), name=f"worker-{i}") for i in range(workers)],
+                [threading.Thread(target=fn) for fn in (spawner, captures, background)], stop)
     return pool, backend, errors, counts, keys
 
 
@@ -470,6 +467,14 @@ def test_soak_capture_per_thread_streams_and_torch(seed, workers, ops, scheme, d
     if debug:
         assert pool._hook.found == []
     backend.free_error = 0.0
-    pool.empty_cache()                               # every thread has ended, no capture is on: all goes back
+    # every thread has ended and no capture is on: all goes back. A thread's per-thread key counts as ended once its
+    # OS thread has run its exit destructors, a moment after Thread.join() returns (it waits for Python's thread
+    # state only), so the last threads' memory may be held back for that moment: wait for it, boundedly.
+    deadline = time.monotonic() + 5
+    while True:
+        pool.empty_cache()
+        if backend.live() == {} or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     assert backend.live() == {} and all(backend.used(d) == 0 for d in range(DEVICES))
     assert_exact(pool, backend)

@@ -27,29 +27,7 @@ def _design_scheme(monkeypatch):
     monkeypatch.setenv("XPOOL_SCHEME", "seed")
 
 
-LIB = ctypes.CDLL(_core.__file__)
-MALLOC = LIB.xpool_torch_malloc
-MALLOC.restype, MALLOC.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-TRY_MALLOC = LIB.xpool_torch_try_malloc
-TRY_MALLOC.restype, TRY_MALLOC.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-FREE = LIB.xpool_torch_free
-FREE.restype = None
-FREE.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-LAST_ERROR = LIB.xpool_torch_last_error
-LAST_ERROR.restype, LAST_ERROR.argtypes = ctypes.c_char_p, []
-
-
-def torch_malloc(nbytes, device=0, stream=0):
-    """xpool_torch_malloc as PyTorch calls it (no GIL); the pointer, or raises with the core's message."""
-    ptr = TRY_MALLOC(nbytes, device, stream)
-    if ptr is None:
-        raise MemoryError(LAST_ERROR().decode())
-    return ptr
-
-
-def torch_free(ptr, nbytes=0, device=0, stream=0):
-    FREE(ptr, nbytes, device, stream)
-
+from fixtures.torch_c import FREE, LAST_ERROR, LIB, MALLOC, TRY_MALLOC, torch_free, torch_malloc  # noqa: E402,F401
 
 @pytest.fixture
 def pool():
