@@ -365,7 +365,7 @@ class Smoke:
                 if r is None:
                     continue
                 for op, seconds in zip(("map", "unmap"), r):
-                    self.rows.append(dict(trial=trial, arm=name, op=op, bytes=nbytes, pages=pages,
+                    self.rows.append(dict(trial=trial, case=name, op=op, bytes=nbytes, pages=pages,
                                           us_per_call=1e6 * seconds))
         prov = provenance(experiment="vmm_smoke", backend=self.backend, granularity=G, trials=self.trials,
                           device_total_bytes=self.total)
@@ -374,9 +374,9 @@ class Smoke:
     def table(self) -> pd.DataFrame:
         df = pd.DataFrame(self.rows)
         out = []
-        for (arm, op), g in df.groupby(["arm", "op"], sort=False):
+        for (arm, op), g in df.groupby(["case", "op"], sort=False):
             med, lo, hi, n = median_ci(g.us_per_call)
-            out.append(dict(arm=arm, op=op, bytes=int(g.bytes.iloc[0]), pages=int(g.pages.iloc[0]),
+            out.append(dict(case=arm, op=op, bytes=int(g.bytes.iloc[0]), pages=int(g.pages.iloc[0]),
                             median_us=round(med, 1), ci95=f"[{lo:.1f}, {hi:.1f}]", trials=n,
                             us_per_MiB=round(med / (g.bytes.iloc[0] / MiB), 2)))
         return pd.DataFrame(out)

@@ -336,7 +336,7 @@ def test_miss_scan_rows_carry_every_configuration_and_provenance(tmp_path):
     out = tmp_path / "miss_scan.csv"
     df = miss_scan.run(n_ranges=(10, 200), trials=5, misses=2, out=str(out))
     assert out.is_file() and len(df) == 2 * 2 * 5
-    assert set(df.arm) == {"release", "control"} and set(df.n_free_ranges) == {10, 200}
+    assert set(df.release_on_miss) == {"high_water", "never"} and set(df.n_free_ranges) == {10, 200}
     assert (df.us_per_miss > 0).all() and {"commit", "date", "gpu", "trials"} <= set(df.columns)
     pool, keep = miss_scan.pool_with_free_ranges(50, {})
     assert pool.stats().iloc[0].blocks_cached >= 50 and len(keep) == 50

@@ -669,6 +669,9 @@ ARMS = (
     Arm("core_c", "xpool's pair in C alone", "#9467bd", "*", framework="bench"),
     Arm("lookup_c", "the stream lookup in C alone", "#c5b0d5", "*", framework="bench"),
     Arm("old_lookup_c", "CuPy's current-stream lookup in C alone", "#c49c94", "*", framework="bench"),
+    # another build of xpool timed beside this one (xlab.bench.alloc --xpool-path; data/core_split_gpu.csv)
+    Arm("xpool_before", "xpool, the build before (--xpool-path), default scheme", "#ff9896", "d", framework="bench"),
+    Arm("xpool_seed_before", "xpool, the build before (--xpool-path), seed scheme", "#c49c94", "d", framework="bench"),
     # the ops xlab.bench.gil runs on 1..N threads
     *(Arm(n, t, c, "o", framework="gil") for n, t, c in (
         ("python", "pure Python (holds the GIL)", "#000000"),

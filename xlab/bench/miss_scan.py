@@ -5,7 +5,7 @@ give back (scheme xpool's release on miss).  Free ranges inside partly used segm
 that search must not cost more as they pile up (issue 21, defect 6: it walked every free range, 28 µs at 1e3
 ranges and 20 ms at 3e5).  Over host memory, each configuration is a pool whose stream has `n` free 512 B
 ranges between blocks in use; a timed miss asks for a block larger than any before (above the mark), then
-`empty_cache()` gives it back untimed.  The control arm never releases on a miss (`release_on_miss="never"`): what a
+`empty_cache()` gives it back untimed.  The control (`never`) never releases on a miss (`release_on_miss="never"`): what a
 miss costs without the search (the backend's malloc and the core's bookkeeping).  Trials are interleaved
 across every (n, arm); one row per trial: the median µs over its misses.
 """
@@ -16,7 +16,7 @@ import statistics
 import time
 
 N_RANGES = (100, 1_000, 10_000, 100_000, 300_000)
-ARMS = {"release": {}, "control": {"release_on_miss": "never"}}
+ARMS = {"high_water": {}, "never": {"release_on_miss": "never"}}   # by release_on_miss
 BIG = 8 << 20          # the first timed miss; each one 512 B larger than the last
 
 
@@ -87,16 +87,16 @@ def run(n_ranges=N_RANGES, trials: int = 7, misses: int = 15, out: str | None = 
         order = configs[t % len(configs):] + configs[:t % len(configs)]   # a different arm first each trial
         for c in order:
             us = growing_misses_us(pools[c][0], states[c], misses)
-            rows.append(dict(backend="host", n_free_ranges=c[0], arm=c[1], trial=t, us_per_miss=us,
+            rows.append(dict(backend="host", n_free_ranges=c[0], release_on_miss=c[1], trial=t, us_per_miss=us,
                              misses=misses))
     df = pd.DataFrame(rows)
     prov = provenance(bench="miss_scan", trials=trials)
     for k, v in prov.items():
         df[k] = v
     summary = []
-    for (n, arm), g in df.groupby(["n_free_ranges", "arm"], sort=True):
+    for (n, arm), g in df.groupby(["n_free_ranges", "release_on_miss"], sort=True):
         med, lo, hi, k = median_ci(g.us_per_miss)
-        summary.append(dict(n_free_ranges=n, arm=arm, us_per_miss=med, lo=lo, hi=hi, trials=k))
+        summary.append(dict(n_free_ranges=n, release_on_miss=arm, us_per_miss=med, lo=lo, hi=hi, trials=k))
     print(pd.DataFrame(summary).to_string(index=False, float_format=lambda x: f"{x:.1f}"))
     write_csv(df, out)
     return df
