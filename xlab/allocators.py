@@ -694,6 +694,7 @@ SETS = {
     "varlen": ("xpool", "xpool_seed", "cupy_pool"),
     "schemes": ("xpool", "xpool_norelease", "xpool_release_all", "xpool_seed", "cupy_pool_model"),
     "host": ("xpool", "xpool_seed", "c_noop"),
+    "dynamic": ("cupy_pool", "cupy_async", "rmm_pool", "torch", "torch_expandable"),   # the peers; + xpool's schemes
 }
 # Names older CSVs used, by the CSV's `bench` column: (bench, old name) -> arm
 LEGACY = {("alloc", "torch"): "cupy_torch", ("torch_interop", "native"): "torch"}

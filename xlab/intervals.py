@@ -89,6 +89,28 @@ def paired(df, value: str, arm: str, reference, by=(), trial: str = "trial"):
     return pd.DataFrame(rows, columns=by + [arm, "ratio", "ratio_lo", "ratio_hi", "n_pairs"])
 
 
+def best(df, value: str, arm: str, higher: bool = True):
+    """The `arm` of the highest median `value` over its rows (the lowest with higher=False); None without rows."""
+    med = df.groupby(arm)[value].median().dropna()
+    return None if med.empty else med.idxmax() if higher else med.idxmin()
+
+
+def paired_best(df, value: str, arm: str, candidates, by=(), higher: bool = True, trial: str = "trial"):
+    """`paired` against the best of `candidates` per group of `by` (`best`; named in a `reference` column), the
+    reference itself included with ratio 1: how each arm compares with the fastest of several peers."""
+    import pandas as pd
+    by, out = list(by), []
+    for key, g in (df.groupby(by, sort=False, dropna=False) if by else [((), df)]):
+        ref = best(g[g[arm].isin(candidates)], value, arm, higher)
+        if ref is not None:
+            itself = dict(zip(by, key if isinstance(key, tuple) else (key,)), ratio=1.0, ratio_lo=1.0, ratio_hi=1.0,
+                          n_pairs=g.loc[g[arm] == ref, trial].nunique(), **{arm: ref})
+            out.append(pd.concat([paired(g, value, arm, ref, by, trial), pd.DataFrame([itself])],
+                                 ignore_index=True).assign(reference=ref))
+    cols = by + [arm, "ratio", "ratio_lo", "ratio_hi", "n_pairs", "reference"]
+    return pd.concat(out, ignore_index=True)[cols] if out else pd.DataFrame(columns=cols)
+
+
 def judge(value: float, lo: float, hi: float, target: float, higher_is_better: bool = True,
           exact: bool = False) -> str:
     """Whether a target is met, judged on the interval rather than the median: the report's one rule.

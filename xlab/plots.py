@@ -95,13 +95,17 @@ def _figure(nrows=1, ncols=1, size=(10, 5), **kw):
 
 
 def _finish(fig, title, df, note="", legend_from=None, ncol=2):
-    """Title, one legend for every panel (from the axes `legend_from`) and the caption."""
-    if legend_from is not None and legend_from.get_legend_handles_labels()[0]:
-        handles, labels = legend_from.get_legend_handles_labels()
-        if legend_from.get_legend():
-            legend_from.get_legend().remove()
-        fig.legend(handles, labels, loc="outside upper center", ncol=min(len(labels), ncol), fontsize=8.5,
-                   frameon=False, title=title, title_fontproperties=dict(size=13, weight="bold"))
+    """Title, one legend for every panel (the entries of the axes `legend_from`, or of a list of axes) and the
+    caption."""
+    entries = {}
+    for ax in legend_from if isinstance(legend_from, list) else [legend_from] * (legend_from is not None):
+        for handle, text in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(text, handle)
+        if ax.get_legend():
+            ax.get_legend().remove()
+    if entries:
+        fig.legend(entries.values(), entries.keys(), loc="outside upper center", ncol=min(len(entries), ncol),
+                   fontsize=8.5, frameon=False, title=title, title_fontproperties=dict(size=13, weight="bold"))
     else:
         fig.suptitle(title, fontsize=13, fontweight="bold")
     fig.supxlabel(caption(df, note), x=0.005, ha="left", fontsize=7.5, color="0.3", multialignment="left")
@@ -614,6 +618,46 @@ def memory_timeline(df: pd.DataFrame, step: int | None = None) -> Figure:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Dynamic shapes
+
+DYNAMIC_PANELS = (("reserved_over_requested", "peak reserved / peak requested (dotted: 1.05)", "{:.3f}", 1.05),
+                  ("device_calls_per_step", "device calls per step once warm (symlog scale)", "{:.3g}", None),
+                  ("ratio", "ms per step / the fastest peer's, paired by trial (dotted: 1)", "{:.2f}", 1.0))
+
+
+def dynamic_shapes(df: pd.DataFrame) -> Figure:
+    """Per workload and arm, CuPy's workloads left and PyTorch's right: peak reserved over peak requested, device
+    calls per step once warm, and ms per step over the fastest peer's (the ratio of medians over paired trials
+    with its interval, as the targets judge it)."""
+    d = labelled(df)
+    ratio = labelled(intervals.paired_best(d, "ms_per_step", "allocator", allocators.SETS["dynamic"], ["workload"],
+                                           higher=False))
+    shapes = {w: "varying" if str(v) == "True" else "fixed" for w, v in zip(d["workload"], d["dynamic"])}
+    frameworks = [f for f in ("cupy", "torch") if f in set(d["framework"])]
+    n = [d.loc[d["framework"] == f, "workload"].nunique() for f in frameworks]
+    fig, axes = _figure(3, len(frameworks), size=(4 + 2.3 * sum(n), 13), gridspec_kw=dict(width_ratios=n))
+    for j, f in enumerate(frameworks):
+        order = list(dict.fromkeys(d.loc[d["framework"] == f, "workload"]))
+        axes[0][j].set_title(f"{'CuPy' if f == 'cupy' else 'PyTorch'} workloads", fontsize=11)
+        for ax, (col, ylabel, fmt, line) in zip(axes[:, j], DYNAMIC_PANELS):
+            rows = (ratio if col == "ratio" else d)
+            rows = rows[rows["workload"].isin(order)].dropna(subset=[col])
+            if not len(rows):
+                _empty(ax, f"no {col} measured")
+                continue
+            bars(ax, rows, "workload", col, order, fmt=fmt.format, labels=lambda w: f"{w}\n({shapes[w]} shapes)",
+                 span=("ratio_lo", "ratio_hi") if col == "ratio" else None)
+            ax.set_ylabel(ylabel)
+            if line:
+                ax.axhline(line, color="black", ls=":", lw=1)
+            if col == "device_calls_per_step":
+                ax.set_yscale("symlog", linthresh=1)      # 0 for a warm pool, hundreds for cudaMallocAsync
+    return _finish(fig, "Dynamic shapes: memory held, device calls and speed of each allocator", d,
+                   "A device call: a cudaMalloc, cudaFree, map or unmap (NOTES.md, Note [Dynamic-shape benchmark]). "
+                   + trials_note(d, ["workload", "allocator"]), legend_from=list(axes.flat), ncol=4)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Every figure from data/: the one writer of figures/
 
 # name -> (lineage or CSV it is drawn from, the function)
@@ -630,6 +674,7 @@ FIGURES = {
     "memory_timeline": ("memory_timeline.csv", memory_timeline),
     "memory_schemes": ("memory_schemes.csv", memory_schemes),
     "graph_steps": ("graph", graph_steps),
+    "dynamic_shapes": ("dynamic_shapes", dynamic_shapes),
 }
 
 

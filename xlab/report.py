@@ -34,6 +34,7 @@ CPU_QUICK = {
     "03_single_gpu": dict(measure=False, steps=3, warmup=1, trials=2),
     "04_multi_gpu": dict(measure=False, steps=3, trials=2),
     "05_memory": dict(measure=False),
+    "06_dynamic_shapes": dict(measure=False),
 }
 TEMPLATE = importlib.resources.files("xlab") / "report.md"       # package data: the page's template
 GIL_ARM = "add"    # the GIL probe's op that stands for a training step's ops: an allocation and one launch
@@ -308,6 +309,13 @@ def replication(data: pathlib.Path, where: str = "data") -> str:
             + _md(["ratio", "first run", "second run", "change", "inside"], rows))
 
 
+def dynamic_table(data: pathlib.Path) -> str:
+    """Every workload and arm of the dynamic-shape benchmark: xlab.bench.dynamic.summary, the CLI's table."""
+    from .bench.dynamic import summary
+    df = sources.current(data, "dynamic_shapes")
+    return "" if df is None else _md(list(s := summary(df)), s.itertuples(index=False))
+
+
 def data_table(data: pathlib.Path) -> str:
     """Every CSV under data/ with its provenance (machine, driver, CUDA, CuPy, commit, date)."""
     rows = []
@@ -368,15 +376,16 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
               "history_table": "\n".join(targets.table(then)), "replay": _replay(data)}
     for name, fn in (("bounds_table", bounds_table), ("projection_table", projection_table), ("gil_table", gil_table),
                      ("graph_table", graph_table), ("graph_notes", graph_notes), ("replication", replication),
-                     ("data_table", data_table)):
+                     ("dynamic_table", dynamic_table), ("data_table", data_table)):
         try:
             values[name] = "" if name == "graph_notes" and not values["graph_table"] else fn(data)
         except (KeyError, ValueError, IndexError, TypeError) as e:     # a malformed CSV costs its section only
             values[name] = f"(could not compute: {type(e).__name__}: {e})"
     gil = sources.read(data, "gil_probe")
     values["gil_src"] = sources.sources(gil) if gil is not None else ""
-    g = sources.current(data, "graph")
-    values["graph_src"] = sources.sources(g) if g is not None else ""
+    for key, kind in (("graph_src", "graph"), ("dynamic_src", "dynamic_shapes")):
+        rows = sources.current(data, kind)
+        values[key] = sources.sources(rows) if rows is not None else ""
     if runs:
         values["notebooks"] = _md(["notebook", "result"], [(f"`notebooks/{r['notebook']}.ipynb`", "ran" if r["ok"] else
                                                              "FAILED: " + r["error"][:200]) for r in runs])

@@ -30,6 +30,7 @@ KINDS = {
     "graph": ((("graph/single_gpu", {}), ("graph/single_gpu_b4", {}), ("graph/ddp_scaling", {}),
                ("graph/ddp_processes", {})), ("mode", "world", "batch")),
     "correctness": ((("correctness_cpu", {}), ("correctness_gpu", {})), ("device", "check")),
+    "dynamic_shapes": ((("dynamic_shapes", {}),), ("workload",)),
 }
 ARM_COLUMNS = ("allocator", "arm")
 # Commits some CSVs name that are not in this repository: a helper's commit before its branch was rebased onto

@@ -2,13 +2,13 @@
 
 A row names a lineage of CSVs (xlab.sources.KINDS, or one CSV), a selection (`where`), a metric column, the arm(s),
 an optional reference (`ref`: the arm's rows with these columns replaced; the value is then the ratio of the two,
-paired by trial), the worst (or best, or each) group `over` some columns, and a goal with its direction. `measure`
-computes the median over trials with its 95% bootstrap interval (xlab.intervals) from the newest CSV of the
-lineage that has the rows, and `judge` applies the report's rule (intervals.judge): met when the whole interval
-is on the goal's side, missed when all of it is on the other side, within noise when it straddles the goal; an
-exact quantity measured once (a count, a bitwise check, a replay) is judged on its value. A row without a goal is
-a number for the headlines. Every row carries where its rows came from (CSV and commit); the same row measured on
-the lineage's older CSVs is its history.
+paired by trial; several arms there: the best of them by median, the fastest peer, say), the worst (or best, or
+each) group `over` some columns, and a goal with its direction. `measure` computes the median over trials with its
+95% bootstrap interval (xlab.intervals) from the newest CSV of the lineage that has the rows, and `judge` applies
+the report's rule (intervals.judge): met when the whole interval is on the goal's side, missed when all of it is on
+the other side, within noise when it straddles the goal; an exact quantity measured once (a count, a bitwise check,
+a replay) is judged on its value. A row without a goal is a number for the headlines. Every row carries where its
+rows came from (CSV and commit); the same row measured on the lineage's older CSVs is its history.
 
     T(key, text, kind, metric, arm, goal=..., higher=..., where={...}, ref={...}, over=(...), ...)
 
@@ -23,7 +23,11 @@ import pathlib
 
 import pandas as pd
 
+import xpool
+
 from . import intervals as iv, sources
+from .allocators import DEFAULT_SCHEME, SETS
+from .bench.dynamic import WORKLOADS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +54,34 @@ class T:
 
 
 X, XS, XG, CP = "xpool", "xpool_seed", "xpool_graph", "cupy_pool"
+DYN, XD, PEERS = "dynamic_shapes", ("xpool", f"xpool_{DEFAULT_SCHEME}"), SETS["dynamic"]   # XD: the default arm
 MS, PCT, K = dict(fmt="{:.1f}", unit=" ms"), dict(fmt="{:.0f}", unit="%"), dict(fmt="{:.1f}", unit="k", scale=1e-3)
 W2T, W2P = dict(mode="threads", world=2), dict(mode="processes", world=2)
+
+
+def _dynamic() -> list:
+    """Issue #22's targets on each workload of xlab.bench.dynamic (xlab.bench.dynamic.WORKLOADS), for xpool's
+    default scheme (the arm `xpool`, or the scheme by name) and, for memory, the best of xpool's schemes too."""
+    schemes = tuple(f"xpool_{s}" for s in xpool.SCHEMES)
+    default, best = dict(arm=XD), dict(arm=schemes, over=("allocator",), pick="best")
+    ror = dict(kind=DYN, metric="reserved_over_requested", higher=False, fmt="{:.3f}", exact=True, bound="—")
+    who = (("", "xpool", default), ("_best", "the best xpool scheme: {at}", best))
+    rows = []
+    for w, spec in WORKLOADS.items():
+        on = dict(where=dict(workload=w))
+        if spec.dynamic:
+            rows += [T(f"dyn_ror{k}_{w}", f"#22, {w}: peak reserved / peak requested ≤ 1.05 ({name})", goal=1.05,
+                       **arms, **on, **ror) for k, name, arms in who]
+            rows.append(T(f"dyn_calls_{w}", f"#22, {w}: device calls per step once warm = 0 (xpool)", DYN,
+                          "device_calls_per_step", XD, 0.0, False, fmt="{:.3g}", exact=True, bound="—", **on))
+        rows.append(T(f"dyn_ms_{w}", f"#22, {w}: ms per step ≤ the fastest peer's ({{ref}}; xpool, paired by trial)",
+                      DYN, "ms_per_step", XD, 1.0, False, ref=dict(allocator=PEERS), unit="×", fmt="{:.3f}", **on))
+    on = dict(where=dict(workload="torch_varlen"), ref=dict(allocator="torch_expandable"), goal=1.0, unit="×")
+    return rows + [T(f"dyn_vs_expandable{k}", f"#22, torch_varlen: peak reserved / peak requested ≤ PyTorch's "
+                     f"with expandable segments ({name}; paired by trial)", **arms, **on, **ror)
+                   for k, name, arms in who]
+
+
 # the goal 91.2k tokens/s: CuPy's pool at batch 32, flat-buffer AdamW, on an H200 at 8ea8461 (shared/ANCHORS.md)
 TARGETS = (
     # the allocator microbenchmark, through CuPy (cached arms: the final hit path's sweep)
@@ -132,6 +162,8 @@ TARGETS = (
     T("graph_mallocs", "device mallocs per step after warm-up, every graph run, private pools included (worst: {at})",
       "graph", "device_mallocs_per_step", ("cupy_pool_graph", XG), 0.0, False,
       over=("allocator", "mode", "world", "batch"), fmt="{:.2g}", exact=True),
+    # dynamic shapes (issue #22)
+    *_dynamic(),
     # correctness
     T("gate", "transparency gate: every allocator bit-identical to raw cudaMalloc (checks passing)", "correctness",
       "passed", None, 1.0, where=dict(gate=True), stat="all", exact=True, bound="—"),
@@ -169,6 +201,14 @@ TARGETS = (
       over=("k",), pick="each", fmt="{:.2f}", unit="×", exact=True),
     T("varlen_cupy", "CuPy's pool, varying lengths", "memory_varlen.csv", "reserved_over_requested", CP, fmt="{:.3f}",
       exact=True),
+    T("dyn_h_ror", "xpool peak reserved / requested by dynamic workload", DYN, "reserved_over_requested", XD,
+      where=dict(dynamic=True), over=("workload",), pick="each", fmt="{:.3f}", exact=True),
+    T("dyn_h_expandable", "the same, PyTorch's expandable segments", DYN, "reserved_over_requested",
+      "torch_expandable", where=dict(dynamic=True), over=("workload",), pick="each", fmt="{:.3f}", exact=True),
+    T("dyn_h_calls", "xpool device calls per step once warm, by dynamic workload", DYN, "device_calls_per_step", XD,
+      where=dict(dynamic=True), over=("workload",), pick="each", fmt="{:.3g}", exact=True),
+    T("dyn_h_ms", "xpool ms per step / the fastest peer's, by workload", DYN, "ms_per_step", XD, higher=False,
+      ref=dict(allocator=PEERS), over=("workload",), pick="each", unit="×"),
     T("torch_step", "PyTorch's training step, xpool / PyTorch's allocator (tokens/s)", "torch_interop.csv", "value", X,
       where=dict(case="train_step"), ref=dict(arm="torch"), unit="×"),
     T("torch_empty", "torch.empty+del, PyTorch's allocator's time / xpool's, by size", "torch_interop.csv", "value",
@@ -190,6 +230,7 @@ class Measured:
     steps: str = ""
     src: str = ""
     where: str = ""
+    ref: str = ""                         # the reference arm, when it was the best of several
     bound: str = "—"
     goal: float | None = None
     goal_text: str = ""
@@ -219,7 +260,7 @@ def _group_label(keys, values) -> str:
     out = []
     for k, v in zip(keys, values):
         out.append(fmt_bytes(v) if k == "size_bytes" else f"k = {v}" if k == "k" else
-                   str(v) if k in ("allocator", "arm", "mode") else f"{k} {v}")
+                   str(v) if k in ("allocator", "arm", "mode", "workload") else f"{k} {v}")
     return ", ".join(out)
 
 
@@ -270,12 +311,14 @@ def _one(r: T, df: pd.DataFrame, col: str | None, group: dict) -> Measured | Non
             ref = ref[ref[col].isin(arms)]
         if not len(ref):
             return None
+        if col in r.ref and ref[col].nunique() > 1:       # the best of several arms (the fastest peer, say)
+            ref = ref[ref[col] == iv.best(ref, r.metric, col, r.higher)]
     if not len(mine) or r.metric not in mine or mine[r.metric].isna().all():
         return None
     if r.ref and col in r.ref and set(mine[col]) <= {r.ref[col]}:
         return None                                   # the reference over itself
     m = Measured(r, *_value(r, mine, ref), src=sources.sources(mine), where=sources.where(mine),
-                 bound=_bound(r, mine, ref),
+                 bound=_bound(r, mine, ref), ref=ref[col].iloc[0] if ref is not None and col in ref else "",
                  steps="/".join(str(int(s)) for s in pd.unique(mine["steps"].dropna())) if "steps" in mine else "")
     if isinstance(r.goal, dict):
         g = _select(df, {**r.where, **group, **r.goal})[r.metric].dropna()
@@ -349,7 +392,7 @@ def values(data: pathlib.Path) -> dict:
 
 def text(m: Measured) -> str:
     """A target's words, its group filled in and its goal's value when the goal is another arm's."""
-    t = m.row.text.replace("{at}", m.at or "—").replace("{steps}", m.steps or "?")
+    t = m.row.text.replace("{at}", m.at or "—").replace("{steps}", m.steps or "?").replace("{ref}", m.ref or "—")
     return t + (f" ({m.goal_text})" if m.goal_text else "")
 
 
