@@ -45,10 +45,7 @@ class NoGPU(RuntimeError):
 
 
 def require_gpus(n: int = 1, what: str = "this measurement") -> None:
-    """Raise NoGPU with a clear message unless at least n CUDA GPUs are visible.
-
-    Args: n: GPUs needed; what: what needs them, for the message. Raises: NoGPU: fewer are visible.
-    """
+    """Raise NoGPU, naming `what` needs them, unless at least n CUDA GPUs are visible."""
     from xlab.provenance import gpu_info
     have = gpu_info()["n_gpus"]
     if have < n:
@@ -92,13 +89,11 @@ class Allocator:
         """Called after every training step on `device`."""
 
     def device_mallocs(self, device: int):
+        """Counters on `device`: None where this allocator does not count (the module docstring says how each
+        counts)."""
         return None
 
-    def peak_reserved(self, device: int):
-        return None
-
-    def peak_requested(self, device: int):
-        return None
+    peak_reserved = peak_requested = graph_pool_bytes = device_mallocs
 
     def release(self, devices=()) -> None:
         """Give cached memory back (call after every array made under it is gone)."""
@@ -113,9 +108,7 @@ class Allocator:
     def graph_pool(self):
         """A new private pool of this allocator's kind for one captured graph: its `malloc` goes to
         tapegpt.graph.CapturedStep. It lives until release(), which gives its blocks back (after the graph is gone).
-
-        Raises: ValueError: this allocator cannot capture (it calls the device on every request).
-        """
+        ValueError: this allocator cannot capture (it calls the device on every request)."""
         if not self.can_capture:
             raise ValueError(f"allocator {self.name!r} cannot capture a CUDA graph: capture needs a pool that "
                              "makes no cudaMalloc/cudaFree once warm")
@@ -125,10 +118,6 @@ class Allocator:
 
     def _make_private(self):
         raise NotImplementedError
-
-    def graph_pool_bytes(self, device: int):
-        """Bytes the private pools hold on `device` (None: no private pool, or not counted)."""
-        return None
 
 
 class _Freed:
@@ -144,13 +133,11 @@ class _Freed:
 
 
 class _Live:
-    """Device mallocs and live/peak requested bytes per device (shared by all threads)."""
+    """Device mallocs and frees, and live/peak requested bytes, per device (shared by all threads)."""
 
     def __init__(self):
-        self._lock = threading.Lock()        # guards the three dicts
-        self.mallocs = defaultdict(int)
-        self.live = defaultdict(int)
-        self.peak = defaultdict(int)
+        self._lock = threading.Lock()        # guards the dicts
+        self.mallocs, self.frees, self.live, self.peak = (defaultdict(int) for _ in range(4))
 
     def _allocated(self, device, size, device_malloc=True):
         with self._lock:
@@ -161,11 +148,11 @@ class _Live:
     def _freed(self, device, size):
         with self._lock:
             self.live[device] -= size
+            self.frees[device] += 1
 
 
 class Raw(Allocator):
     """cudaMalloc/cudaFree for every array (`cupy.cuda.set_allocator(None)`)."""
-
 
     def __init__(self):
         super().__init__()
@@ -232,7 +219,6 @@ class RawHeld(Raw):
     maps once, which a live block keeps mapped. This arm, timed beside `raw` alone, tests that.
     """
 
-
     def install(self, counting: bool = False) -> None:
         from cupy.cuda import memory
         super().install(counting)
@@ -245,7 +231,6 @@ class RawHeld(Raw):
 
 class CupyPool(Allocator):
     """CuPy's default best-fit pool (`cupy.cuda.MemoryPool`), fresh for each run."""
-
 
     def __init__(self):
         import cupy
@@ -302,7 +287,6 @@ class CupyPool(Allocator):
 class CupyAsync(Allocator):
     """CuPy's `MemoryAsyncPool` (cudaMallocAsync on the current stream)."""
 
-
     def __init__(self):
         import cupy
         super().__init__()
@@ -325,7 +309,6 @@ class CupyAsync(Allocator):
 
 class XPool(Allocator):
     """xpool.MemoryPool: its default scheme (`xpool`), the design's (`xpool_seed`), or k classes per doubling."""
-
 
     def __init__(self, classes_per_doubling: int | None = None, debug=None, scheme: str | None = None):
         import xpool
@@ -382,7 +365,6 @@ class CupyTorch(Allocator):
     cache when CuPy drops the tensor. Both use the legacy default stream unless told otherwise.
     """
 
-
     def __init__(self):
         super().__init__()
         try:
@@ -434,7 +416,6 @@ class Noop(Allocator):
     while installed, so no other arm is ever timed beside it.
     """
 
-
     def __init__(self, capacity: int = 96 * MIB):
         super().__init__()
         self.capacity = capacity
@@ -472,7 +453,6 @@ class CNoop(Noop):
 class Host(Allocator):
     """NumPy stand-in for --cpu-smoke and tests: installs nothing, counts nothing."""
 
-
     def install(self, counting=False):
         self.counting = counting
 
@@ -482,19 +462,6 @@ class Host(Allocator):
 
 # --- the dynamic-shape benchmark's arms (xlab.bench.dynamic; Note [Dynamic-shape benchmark])
 
-class _LiveFrees(_Live):
-    """_Live, counting the frees too."""
-
-    def __init__(self):
-        super().__init__()
-        self.frees = defaultdict(int)
-
-    def _freed(self, device, size):
-        super()._freed(device, size)
-        with self._lock:
-            self.frees[device] += 1
-
-
 class CupyAsyncCounted(CupyAsync):
     """cupy_async, counted: peak reserved from the device's memory pool (cudaMemPoolAttrReservedMemHigh, reset at
     install); in the counting run each block wrapped, as raw's counting variant does, so that its cudaMallocAsync,
@@ -503,7 +470,7 @@ class CupyAsyncCounted(CupyAsync):
     def install(self, counting: bool = False) -> None:
         from cupy.cuda import runtime
         runtime.memPoolSetAttribute(self._handle(runtime.getDevice()), runtime.cudaMemPoolAttrReservedMemHigh, 0)
-        self.live = _LiveFrees()
+        self.live = _Live()
         super().install(counting)
 
     @staticmethod
@@ -706,10 +673,8 @@ def _known() -> str:
 
 
 def arm(name: str) -> Arm:
-    """The row of `name`: a row of ARMS, or one of its families (xpool_k<N>, _debug, _graph).
-
-    Raises: ValueError: an unknown name, or a variant its base cannot have.
-    """
+    """The row of `name`: a row of ARMS, or one of its families (xpool_k<N>, _debug, _graph). ValueError: an
+    unknown name, or a variant its base cannot have."""
     if name in _TABLE:
         return _TABLE[name]
     m = _FAMILY.fullmatch(str(name))
@@ -741,11 +706,8 @@ def arm(name: str) -> Arm:
 
 
 def parse(names) -> tuple:
-    """Names checked against the table (the command lines' and notebooks' one check): a tuple of names.
-
-    Args: names: a name, or an iterable of names. Raises: ValueError: an unknown name (naming it and the known
-    ones).
-    """
+    """A name or names checked against the table (the command lines' and notebooks' one check), as a tuple.
+    ValueError: an unknown name (naming it and the known ones)."""
     names = (names,) if isinstance(names, str) else tuple(names)
     for n in names:
         arm(n)
@@ -793,10 +755,8 @@ def canonical(df):
 
 
 def make(name: str, **kwargs) -> Allocator:
-    """A fresh allocator by name (see `arm`), not installed; `kwargs` go to its class.
-
-    Raises: ValueError: an unknown name, or an arm that is not installed into CuPy (no `make`).
-    """
+    """A fresh allocator by name (see `arm`), not installed; `kwargs` go to its class. ValueError: an unknown name,
+    or an arm that is not installed into CuPy (no `make`)."""
     row = arm(name)
     if row.make is None:
         raise ValueError(f"arm {name!r} ({row.framework}) is not an allocator the lab installs into CuPy")

@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from xlab import allocators as registry
-from xlab.paths import write_csv
+from xlab.paths import publish, write_csv
 from xpool.backends import HostBackend
 from xpool.pool import Pool
 from xpool.sizeclass import ALIGN, size_class
@@ -487,20 +487,13 @@ def scheme_study(traces: dict, allocators=SCHEME_ALLOCATORS, repeats: int = 7) -
 
 def record_numpy_traces(data_dir="data", names=None) -> dict:
     """CPU: records the NumPy traces of NUMPY_TRACES into data_dir (gzipped CSV, provenance per row)."""
-    out = {}
-    for name in names or NUMPY_TRACES:
-        kw = NUMPY_TRACES[name]
-        tl = record_numpy_timeline(**kw)
-        out[name] = write_numpy_trace(tl, name, data_dir)
-    return out
+    return {name: write_numpy_trace(record_numpy_timeline(**NUMPY_TRACES[name]), name, data_dir)
+            for name in names or NUMPY_TRACES}
 
 
 def write_numpy_trace(tl: pd.DataFrame, name: str, data_dir="data") -> pd.DataFrame:
     """Writes a timeline record_numpy_timeline made with NUMPY_TRACES[name]'s arguments to its file under
-    data_dir, with provenance on every row; returns what was written.
-
-    Args: tl: the timeline; name: its key in NUMPY_TRACES; data_dir: the folder. Returns: The rows written.
-    """
+    data_dir, with provenance on every row; returns what was written."""
     from .provenance import provenance
     kw = NUMPY_TRACES[name]
     cfg = _config(None, kw["batch"])
@@ -511,9 +504,7 @@ def write_numpy_trace(tl: pd.DataFrame, name: str, data_dir="data") -> pd.DataFr
     tl = tl[["step", "event", "device", "stream", "ptr", "requested"]].assign(**prov)
     if prov["gpu"] == "none":
         tl["gpu"] = "none (NumPy on the CPU)"
-    path = pathlib.Path(data_dir) / TRACES[name][0]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tl.to_csv(path, index=False)
+    write_csv(tl, pathlib.Path(data_dir) / TRACES[name][0])
     return tl
 
 
@@ -654,16 +645,10 @@ def record_numpy_timeline(batch: int = 4, block_sizes=(256, 256), seed: int = 0,
 
 
 def _config(config=None, batch=None):
+    """A GPTConfig (None: the reference; a dict of fields; itself), at `batch` sequences when given."""
     from tapegpt import GPTConfig
-    if config is None:
-        cfg = GPTConfig()
-    elif isinstance(config, dict):
-        cfg = GPTConfig(**config)
-    else:
-        cfg = config
-    if batch is not None:
-        cfg = GPTConfig(**dict(cfg.to_dict(), batch_size=int(batch)))
-    return cfg
+    cfg = GPTConfig(**config) if isinstance(config, dict) else config or GPTConfig()
+    return cfg if batch is None else GPTConfig(**dict(cfg.to_dict(), batch_size=int(batch)))
 
 
 def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warmup: int = 1, seed: int = 0,
@@ -671,12 +656,8 @@ def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warm
     """GPU: the allocation timeline of setup + `warmup` steps + one recorded step of the GPT on CuPy.
 
     Each event carries `step` (-1: building the model and optimizer; the last step is the recorded one).
-    Raises if the ring of `capacity` events overflowed (the replay needs every event).
-
-    Args: k: size classes per doubling; config: GPT config (name, dict or GPTConfig); batch: sequences per step;
-    warmup: steps before the recorded one; seed: the model's seed; capacity: events the timeline keeps; pool: an
-    xpool.MemoryPool to use (default: a fresh one with k). Returns: The timeline DataFrame with a step column (-1:
-    setup).
+    Raises if the ring of `capacity` events overflowed (the replay needs every event). pool: an xpool.MemoryPool to
+    use (default: a fresh one of the seed scheme with k classes per doubling).
     """
     import cupy
 
@@ -716,11 +697,8 @@ def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warm
 
 
 def measure_waste(ks=KS, config=None, batch: int | None = None, warmup: int = 1, seed: int = 0):
-    """GPU: for each k, train with xpool(k) installed; returns (waste rows, the timeline recorded at ks[0]).
-
-    Args: ks: the settings; config, batch, warmup, seed: the run. Returns: (waste rows, source "measured"; the first
-    setting's timeline).
-    """
+    """GPU: for each k, train with xpool(k) installed: (waste rows, source "measured"; the timeline recorded at
+    ks[0])."""
     from .provenance import provenance
     cfg = _config(config, batch)
     rows, first = [], None
@@ -744,17 +722,11 @@ def measure_waste(ks=KS, config=None, batch: int | None = None, warmup: int = 1,
 
 
 def run(out="data/memory_waste.csv", ks=KS, config=None, batch: int | None = None, warmup: int = 1):
-    """GPU: measure; write the waste rows to `out` and the timeline to memory_timeline.csv beside it.
-
-    Returns the waste rows (what a notebook's load_or_measure expects).
-
-    Args: out: the waste CSV; ks, config, batch, warmup: as measure_waste.
-    """
+    """GPU: measure_waste; the waste rows to `out` and the timeline to memory_timeline.csv beside it. Returns the
+    waste rows (what a notebook's load_or_measure expects)."""
     waste, timeline = measure_waste(tuple(int(k) for k in ks), config, batch, warmup)
-    out = pathlib.Path(out)
-    write_csv(waste, out)
-    write_csv(timeline, out.parent / "memory_timeline.csv")
-    return waste
+    write_csv(timeline, pathlib.Path(out).parent / "memory_timeline.csv")
+    return publish(waste, out)
 
 
 VARLEN_ALLOCATORS = registry.SETS["varlen"]
@@ -764,13 +736,9 @@ VARLEN_COLUMNS = ["trace", "allocator", "source", "steps", "peak_bytes_requested
 
 
 def train_varlen(alloc, cfg, block_sizes, seed: int = 0, foreach: bool = True) -> list:
-    """GPU: the GPT trained on CuPy with `alloc` (an xlab.allocators.Allocator) installed and counting, one step
-    per entry of `block_sizes` (sequence lengths); device mallocs after setup and after each step.
-
-    Args: alloc: the allocator, not installed; cfg: the GPTConfig; block_sizes: sequence length of each step; seed:
-    the model's and batches' seed; foreach: flat-buffer AdamW (the default) or per-parameter. Returns: The device
-    mallocs counted after setup and after each step (len(block_sizes) + 1 numbers).
-    """
+    """GPU: the GPT trained on CuPy with `alloc` (an xlab.allocators.Allocator, not installed) installed and
+    counting, one step per entry of `block_sizes` (sequence lengths); the device mallocs counted after setup and
+    after each step (len(block_sizes) + 1 numbers). foreach: flat-buffer AdamW (the default) or per-parameter."""
     import gc
 
     import cupy
@@ -808,11 +776,7 @@ def measure_varlen(allocators=VARLEN_ALLOCATORS, batch: int | None = None, block
 
     The peaks are the allocators' own exact counters (CuPy's pool: total_bytes() after every step and a
     MemoryHook's live requested bytes), deterministic for a given program, so one run per allocator.
-    device_mallocs_warm counts the steps from WARMUP_STEPS on.
-
-    Args: allocators: registry names; batch: sequences per step (default: the trace's); block_sizes: sequence
-    lengths (default: the trace's); seed: the run's seed; foreach: flat-buffer AdamW. Returns: A DataFrame with
-    VARLEN_COLUMNS and the provenance columns.
+    device_mallocs_warm counts the steps from WARMUP_STEPS on. VARLEN_COLUMNS and provenance.
     """
     from .provenance import provenance
     spec = NUMPY_TRACES["gpt_varlen_numpy"]
@@ -841,16 +805,10 @@ def measure_varlen(allocators=VARLEN_ALLOCATORS, batch: int | None = None, block
 def schemes(data_dir="data", repeats: int = 7) -> pd.DataFrame:
     """CPU: replays every recorded trace through each scheme into data/memory_schemes.csv (its figure is redrawn
     from the CSV by `make report`, xlab.plots.build being the one writer of figures/)."""
-    df = scheme_study(load_traces(data_dir), repeats=repeats)
-    df.to_csv(pathlib.Path(data_dir) / "memory_schemes.csv", index=False)
-    return df
+    return publish(scheme_study(load_traces(data_dir), repeats=repeats), pathlib.Path(data_dir) / "memory_schemes.csv")
 
 
 def main(argv=None):
-    """The command line (--out-dir, --ks, --batch, --warmup).
-
-    Args: argv: arguments (default: sys.argv[1:]). Returns: The exit status.
-    """
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", "--out", default="data", help="folder the two CSVs go to (default: data)")
     p.add_argument("--ks", default="1,2,4,8", help="size classes per doubling to compare (default: 1,2,4,8)")
@@ -878,9 +836,9 @@ def main(argv=None):
     print(waste_table(waste, replayed).to_string(index=False))
     if not a.no_varlen:
         varlen = measure_varlen()
-        write_csv(varlen, pathlib.Path(a.out_dir) / "memory_varlen.csv")
-        print(varlen[["allocator", "reserved_over_requested", "device_mallocs", "device_mallocs_warm"]]
-              .to_string(index=False))
+        publish(varlen, pathlib.Path(a.out_dir) / "memory_varlen.csv",
+                varlen[["allocator", "reserved_over_requested", "device_mallocs", "device_mallocs_warm"]].to_string(
+                    index=False))
 
 
 if __name__ == "__main__":

@@ -76,10 +76,8 @@ def setup(name: str, namespace: dict) -> Run:
 
     Each parameter is brought to its annotated type (a scalar where a list is wanted becomes a list of one); arm
     names are checked against the arms table. A plain value that is neither a parameter nor a name the notebook
-    assigns is a mistyped or unknown parameter.
-
-    Raises: TypeError: a parameter of the wrong type, naming it and the type expected; ValueError: an unknown
-    parameter (with the closest known one), or an unknown arm.
+    assigns is a mistyped or unknown parameter. TypeError: a parameter of the wrong type, naming it and the type
+    expected; ValueError: an unknown parameter (with the closest known one), or an unknown arm.
     """
     params = schema(name)
     assigned = {t.id for src, _ in _cells(name) for node in ast.walk(ast.parse(src))
@@ -108,11 +106,6 @@ def setup(name: str, namespace: dict) -> Run:
 def data_dir(path=None) -> pathlib.Path:
     """The folder of the committed CSVs (a notebook's `data_dir`; empty: the repository's data/)."""
     return pathlib.Path(path) if path else paths.data_dir()
-
-
-def build_dir() -> pathlib.Path:
-    """The repository's build/: what a run makes and nobody commits."""
-    return paths.build_dir()
 
 
 def describe_provenance(df: pd.DataFrame | None) -> str:
@@ -147,7 +140,7 @@ def load_or_measure(name: str, measure_fn, gpu_available: bool, data=None, measu
     rows. df.attrs['source'] is 'measured' or 'committed'.
     """
     if gpu_available and measure:
-        path = pathlib.Path(out or build_dir() / "data") / f"{name}.csv"
+        path = pathlib.Path(out or paths.build_dir() / "data") / f"{name}.csv"
         path.parent.mkdir(parents=True, exist_ok=True)
         df = _resolve(measure_fn)(out=str(path), **kwargs)
         if df is None:
@@ -176,9 +169,7 @@ def load_or_measure(name: str, measure_fn, gpu_available: bool, data=None, measu
 def cpu_smoke(measure_fn, **kwargs) -> pd.DataFrame | None:
     """A measuring function's CPU mode (cpu=True: NumPy, tiny sizes) into a temporary CSV: it checks the code
     runs and its rows have the CSV's schema; it measures nothing and writes nothing outside a temporary folder.
-
-    Raises: AssertionError: the rows' own checks failed.
-    """
+    AssertionError: the rows' own checks failed."""
     try:
         fn = _resolve(measure_fn)
     except ModuleNotFoundError as e:
@@ -253,16 +244,13 @@ def measured_here(*frames) -> pd.DataFrame:
 
 def correctness_summary(df: pd.DataFrame) -> pd.DataFrame:
     """Pass counts per device and family of checks (the figure's rows): the one-glance verdict."""
-    d = plots.with_device(df).assign(family=lambda f: f["check"].map(plots.family))
+    d = sources.with_device(df).assign(family=lambda f: f["check"].map(plots.family))
     g = d.groupby(["device", "family"], sort=False)["passed"]
     return pd.DataFrame({"checks": g.size(), "passed": g.sum(), "failed": g.size() - g.sum()}).reset_index()
 
 
 def assert_all_passed(df: pd.DataFrame) -> None:
-    """Raise (failing the notebook, so papermill and CI fail) if any check in df failed.
-
-    Raises: AssertionError: naming each failed check.
-    """
+    """Raise AssertionError naming each failed check of df (failing the notebook, so papermill and CI fail)."""
     failed = df[~df["passed"].astype(bool)]
     if len(failed):
         lines = "\n".join(f"  {r.check}: measured {r.measured:.3g} > threshold {r.threshold:.3g}"

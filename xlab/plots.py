@@ -1,14 +1,13 @@
 """Figures from the measurement CSVs alone: each function takes the rows xlab.sources gives for its figure and
-returns a matplotlib Figure; `build(name)` is the one writer of figures/NAME.png and .svg.
+returns a matplotlib Figure (on the Agg canvas, without pyplot: the same pixels in a notebook, a script or CI);
+`build(name)` is the one writer of figures/NAME.png and .svg.
 
-Figures are drawn on the Agg canvas without pyplot: no global state, no display needed, the same pixels in a
-notebook, a script or CI. Arms are labelled and styled from the arms table (xlab.allocators.ARMS); a legend entry
-names the CSV's commit when a figure's arms come from more than one run. Every timed number is the median over
-trials with its 95% bootstrap interval as an error bar (seaborn draws them, with xlab.intervals' median and
-interval, so a bar is the number the report prints); a CSV with one run per configuration is drawn without bars
-and the caption says so. Every figure has a title, axis labels with units, and a caption naming the CSVs, the
-machine, software and date the numbers come from. tests/test_figures.py reads every bar and point back from the
-axes and checks it against the CSV's medians.
+Arms are labelled and styled from the arms table (a legend entry names the CSV's commit when the arms come from
+more than one run). A timed number is the median over trials with its 95% bootstrap interval as an error bar
+(seaborn draws them with xlab.intervals' median and interval: a bar is the number the report prints; a CSV of
+one run per configuration is drawn without, and the caption says so). Every figure has a title, axis labels with
+units, and a caption naming its CSVs, machine, software and date. tests/test_figures.py reads every bar and point
+back from the axes and checks it against the CSV's medians.
 """
 from __future__ import annotations
 
@@ -94,11 +93,11 @@ def _figure(nrows=1, ncols=1, size=(10, 5), **kw):
     return fig, fig.subplots(nrows, ncols, squeeze=False, **kw)
 
 
-def _finish(fig, title, df, note="", legend_from=None, ncol=2):
-    """Title, one legend for every panel (the entries of the axes `legend_from`, or of a list of axes) and the
+def _finish(fig, title, df, note="", legend_from=(), ncol=2):
+    """Title, one legend for every panel (the entries of the axes `legend_from`, their own legends removed) and the
     caption."""
     entries = {}
-    for ax in legend_from if isinstance(legend_from, list) else [legend_from] * (legend_from is not None):
+    for ax in legend_from:
         for handle, text in zip(*ax.get_legend_handles_labels()):
             entries.setdefault(text, handle)
         if ax.get_legend():
@@ -219,18 +218,10 @@ def family(check: str) -> str:
     return check
 
 
-def with_device(df: pd.DataFrame) -> pd.DataFrame:
-    """A copy with a `device` column ('cpu'/'gpu') where a CSV lacks one, from the array module."""
-    df = df.copy()
-    guess = (df["xp"].astype(str) == "cupy").map({True: "gpu", False: "cpu"}) if "xp" in df else "cpu"
-    df["device"] = df["device"].fillna(guess) if "device" in df else guess
-    return df
-
-
 def correctness(df: pd.DataFrame) -> Figure:
     """Per device, each family of checks: its worst error as a multiple of its threshold (log scale; left of 1
     passes), and how many of its checks pass. Exact checks (threshold 0) are marked instead of drawn."""
-    df = with_device(df)
+    df = sources.with_device(df)
     df["group"] = df["check"].map(family)
     df["ratio"] = np.where(df["threshold"] > 0, df["measured"] / df["threshold"].where(df["threshold"] > 0), 0.0)
     df.loc[df["ratio"].isna(), "ratio"] = np.inf        # NaN never passes: draw it past the line
@@ -261,9 +252,7 @@ def correctness(df: pd.DataFrame) -> Figure:
                         va="center", fontsize=7, color=(PASS_COLOR if good else FAIL_COLOR) if exact else "black")
         ax.set_yticks(y, [f"{g} ({int(p)} of {int(n)})" for g, p, n in zip(w.index, w["passed"], w["n"])],
                       fontsize=7.5)
-        ax.set_xscale("log")
-        ax.set_xlim(lo, hi)
-        ax.set_ylim(-0.7, len(w) - 0.3)
+        ax.set(xscale="log", xlim=(lo, hi), ylim=(-0.7, len(w) - 0.3))
         ax.axvline(1.0, color="black", lw=1.2)
         ax.text(1.15, 0.99, "threshold", transform=ax.get_xaxis_transform(), va="top", fontsize=8)
         ax.grid(axis="x", alpha=0.3)
@@ -293,7 +282,6 @@ def alloc_cost(df: pd.DataFrame) -> Figure:
     r = d[~d["arm"].isin(["raw", "raw_held", "cupy_pool"])].dropna(subset=["time_vs_cupy_pool"])
     if len(r):
         lines(rel, r, "size_bytes", "time_vs_cupy_pool")
-        rel.get_legend().remove()
         rel.axhline(1.0, color=allocators.arm("cupy_pool").color, lw=1.6)
         rel.text(0.01, 1.0, "CuPy MemoryPool = 1", transform=rel.get_yaxis_transform(), va="bottom", fontsize=8)
         rel.set_ylim(bottom=0)
@@ -304,22 +292,21 @@ def alloc_cost(df: pd.DataFrame) -> Figure:
             "faster)", title="Relative to the default CuPy pool (raw cudaMalloc left out: off the scale)")
     return _finish(fig, "Allocator cost per allocation: xpool against its peers and raw cudaMalloc", d,
                    trials_note(d, ["arm", "size_bytes", "csv"]) + " Each point times many alloc/free pairs "
-                   "through CuPy's array path.", legend_from=ax)
+                   "through CuPy's array path.", legend_from=[ax, rel])
 
 
 def alloc_threads(df: pd.DataFrame, size_bytes: int = 65536) -> Figure:
     """Thousands of alloc/free pairs per second (all threads together) against threads on one GPU."""
     d = labelled(df[df["size_bytes"] == size_bytes])
-    threads = sorted(d["threads"].unique())
     fig, axes = _figure(1, 1, size=(10, 6.4))
     ax = axes[0][0]
     lines(ax, d, "threads", "kpairs_per_s")
-    _log2(ax, threads)
-    ax.set_ylim(0, None)
-    ax.set(xlabel="threads allocating on the same GPU", ylabel="thousand alloc/free pairs per second (all threads)",
+    _log2(ax, sorted(d["threads"].unique()))
+    ax.set(ylim=(0, None), xlabel="threads allocating on the same GPU",
+           ylabel="thousand alloc/free pairs per second (all threads)",
            title=f"{fmt_bytes(size_bytes)} requests; higher is better, flat or rising means no lock contention")
     return _finish(fig, "Several threads on one GPU: allocation throughput", d,
-                   trials_note(d, ["arm", "threads", "csv"]), legend_from=ax)
+                   trials_note(d, ["arm", "threads", "csv"]), legend_from=[ax])
 
 
 def torch_interop(df: pd.DataFrame) -> Figure:
@@ -334,10 +321,9 @@ def torch_interop(df: pd.DataFrame) -> Figure:
     left.set(ylabel="µs per torch.empty + del pair (lower is better)", title="Allocation cost through PyTorch")
     t = d[d["case"] == "train_step"].assign(k=lambda f: f["value"] / 1e3, case="training step")
     bars(right, t, "case", "k", ["training step"], fmt=lambda v: f"{v:.1f}k")
-    right.get_legend().remove()
     right.set(ylabel="thousand tokens per second (higher is better)", title="PyTorch's training step (parity model)")
     return _finish(fig, "CuPy and PyTorch in one pool: PyTorch through xpool", d,
-                   trials_note(d, ["arm", "case", "size_bytes"]), legend_from=left)
+                   trials_note(d, ["arm", "case", "size_bytes"]), legend_from=[left, right])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -378,11 +364,9 @@ def single_gpu(df: pd.DataFrame) -> Figure:
         if col == "reserved_over_requested":
             ax.axhline(1.0, color="black", lw=0.8)
             ax.set_ylim(bottom=0)
-        if ax is not axes[0][0]:
-            ax.get_legend().remove()
     return _finish(fig, "One GPU: the small GPT's training step under each allocator", d,
                    trials_note(d, ["batch", "arm", "csv"]) + " Each trial times the steps after warm-up.",
-                   legend_from=axes[0][0])
+                   legend_from=list(axes.flat))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -412,14 +396,13 @@ def ddp_scaling(df: pd.DataFrame) -> Figure:
             ax.set_xlabel("GPUs")
             if j or ax is top:
                 ax.get_legend().remove()
-    axes[0][0].set_ylim(0, 1.08 * d["tokens_per_s"].max())
-    axes[1][0].set_ylim(0, 1.1 * max(d["speedup"].max(), max(worlds)))
-    axes[0][0].set_ylabel("tokens per second, all GPUs (higher is better)")
-    axes[1][0].set_ylabel("speedup over the same allocator on 1 GPU (×)")
+    axes[0][0].set(ylim=(0, 1.08 * d["tokens_per_s"].max()), ylabel="tokens per second, all GPUs (higher is better)")
+    axes[1][0].set(ylim=(0, 1.1 * max(d["speedup"].max(), max(worlds))),
+                   ylabel="speedup over the same allocator on 1 GPU (×)")
     batch = ", ".join(str(b) for b in sorted(d["batch"].unique()))
     return _finish(fig, "Several GPUs: data-parallel training throughput and speedup", d,
                    f"Batch {batch} per GPU; gradients all-reduced with NCCL each step. "
-                   + trials_note(d, ["mode", "arm", "world"]), legend_from=axes[1][0])
+                   + trials_note(d, ["mode", "arm", "world"]), legend_from=[axes[1][0]])
 
 
 def ddp_before_after(df: pd.DataFrame) -> Figure:
@@ -434,14 +417,12 @@ def ddp_before_after(df: pd.DataFrame) -> Figure:
                                  (ut, "gpu_util_mean", "mean GPU utilisation (%)", lambda v: f"{v:.0f}%")):
         bars(ax, top.dropna(subset=[col]), "mode", col, modes, fmt=fmt, labels=lambda m: MODES[m])
         ax.set_ylabel(ylabel)
-    ut.get_legend().remove()
     sp.axhline(world, color="black", ls="--", lw=0.8)
     sp.text(-0.45, world, f"ideal {world}×", va="bottom", fontsize=8)
     sp.set_title(f"Speedup on {world} GPUs: before (raw cudaMalloc) → after (a pool)", fontsize=10)
-    ut.set_title(f"GPU utilisation on {world} GPUs", fontsize=10)
-    ut.set_ylim(0, 110)
+    ut.set(ylim=(0, 110), title=f"GPU utilisation on {world} GPUs")
     return _finish(fig, f"{world} GPUs: what the allocator changes", top, trials_note(top, ["mode", "arm"]),
-                   legend_from=sp)
+                   legend_from=[sp, ut])
 
 
 def batch_sweep(df: pd.DataFrame) -> Figure:
@@ -454,8 +435,7 @@ def batch_sweep(df: pd.DataFrame) -> Figure:
     lines(sp, d[d["world"] == world], "batch", "speedup")
     sp.axhline(world, color="black", ls="--", lw=0.8)
     sp.text(batches[0], world, f" ideal {world}×", va="bottom", fontsize=8)
-    sp.set_ylim(0, 1.15 * world)
-    sp.set(ylabel=f"speedup, {world} GPUs over 1 (same trial)",
+    sp.set(ylim=(0, 1.15 * world), ylabel=f"speedup, {world} GPUs over 1 (same trial)",
            title=f"One thread per GPU, {world} GPUs: speedup by per-GPU batch")
     one = d[(d["world"] == 1) & (d["arm"] == "xpool")]
     if len(one) and "host_ms_per_step" in one:
@@ -474,7 +454,7 @@ def batch_sweep(df: pd.DataFrame) -> Figure:
         ax.set_xlabel("sequences per GPU per step (log scale)")
     return _finish(fig, "Batch sweep: where one thread per GPU starts to scale", d,
                    "Two threads share one GIL: while a step's host time is its wall time, the second thread's host "
-                   "work cannot overlap the first's. " + trials_note(d, ["arm", "world", "batch"]), legend_from=sp)
+                   "work cannot overlap the first's. " + trials_note(d, ["arm", "world", "batch"]), legend_from=[sp])
 
 
 def graph_steps(df: pd.DataFrame) -> Figure:
@@ -494,8 +474,6 @@ def graph_steps(df: pd.DataFrame) -> Figure:
             _empty(ax, f"no {col} rows")
             continue
         bars(ax, rows, "batch", col, sorted(rows["batch"].unique()), fmt=fmt, labels=lambda b: f"batch {b}", log=log)
-        if ax is not sp:
-            ax.get_legend().remove()
     if len(thr):
         world = int(thr["world"].max())
         sp.axhline(world, color="black", ls="--", lw=0.8)
@@ -503,7 +481,7 @@ def graph_steps(df: pd.DataFrame) -> Figure:
     disp.set(ylabel="host ms per step (thread CPU time, idle device; log)", title="One GPU: the host's work per step")
     util.set(ylabel="GPU utilisation, NVML (%)", title="One GPU, smallest batch: how busy the GPU is", ylim=(0, 110))
     return _finish(fig, "The training step as a CUDA graph: eager against captured", d,
-                   trials_note(d, ["mode", "world", "batch", "arm"]), legend_from=sp)
+                   trials_note(d, ["mode", "world", "batch", "arm"]), legend_from=list(axes.flat))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -558,14 +536,13 @@ def memory_schemes(df: pd.DataFrame) -> Figure:
     if len(c):
         bars(cost, c, "trace", "ns_per_pair", traces, fmt=lambda v: f"{v:.0f}", labels=trace_label, rotate=90,
              span=("ns_per_pair_min", "ns_per_pair_max"))
-        cost.get_legend().remove()
         cost.set(ylabel="ns per alloc+free pair, C core (Python floor subtracted)", title="Cost of the last step's "
                  "requests once warm, host backend (CuPy's pool needs a GPU: see the allocator microbenchmark)")
     else:
         _empty(cost, "no cost measured")
     return _finish(fig, "Memory waste and allocation cost of each scheme on the recorded request traces", d,
                    "Waste: every trace replayed, in order, through each pool (CuPy's as a model of its arena), one "
-                   "replay each (exact). Cost: median with min-max over interleaved repeats.", legend_from=ax, ncol=3)
+                   "replay each (exact). Cost: median with min-max over interleaved repeats.", [ax, cost], ncol=3)
 
 
 def memory_timeline(df: pd.DataFrame, step: int | None = None) -> Figure:
@@ -678,14 +655,9 @@ FIGURES = {
 }
 
 
-def load_for(name: str, data_dir: str | os.PathLike = "data") -> pd.DataFrame | None:
-    """The rows figure `name` is drawn from (xlab.sources.current of its lineage), or None."""
-    return sources.current(pathlib.Path(data_dir), FIGURES[name][0])
-
-
 def draw(name: str, data_dir: str | os.PathLike = "data") -> Figure | None:
-    """Figure `name` drawn from data_dir's CSVs, or None when they are missing."""
-    df = load_for(name, data_dir)
+    """Figure `name` drawn from the rows xlab.sources.current gives of its lineage, or None when they are missing."""
+    df = sources.current(pathlib.Path(data_dir), FIGURES[name][0])
     return None if df is None else FIGURES[name][1](df)
 
 

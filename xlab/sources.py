@@ -53,10 +53,14 @@ def prepare(df: pd.DataFrame, csv: str) -> pd.DataFrame:
     if "class_over_requested" in df:
         df["class_waste_pct"] = 100 * (df["class_over_requested"] - 1)
     if "check" in df and "passed" in df:
-        df["gate"] = df["check"].astype(str).str.startswith("transparency")
-        if "device" not in df:
-            df["device"] = df["xp"].map({"cupy": "gpu"}).fillna("cpu") if "xp" in df else "cpu"
+        df = with_device(df).assign(gate=df["check"].astype(str).str.startswith("transparency"))
     return df.assign(csv=csv, run=run_label(df))
+
+
+def with_device(df: pd.DataFrame) -> pd.DataFrame:
+    """Check rows with a `device` column ('cpu'/'gpu') where a CSV lacks one, from the array module."""
+    guess = (df["xp"].astype(str) == "cupy").map({True: "gpu", False: "cpu"}) if "xp" in df else "cpu"
+    return df.assign(device=df["device"].fillna(guess) if "device" in df else guess)
 
 
 def run_label(df: pd.DataFrame) -> str:

@@ -15,10 +15,7 @@ SIZES = (4 << 10, 64 << 10, 1 << 20)
 
 
 def pair_us(pool, nbytes: int, pairs: int) -> float:
-    """µs per allocate/release pair (warm: the block is cached after the first pair).
-
-    Args: pool: an xpool.Pool; nbytes: the request size; pairs: how many pairs. Returns: µs per pair.
-    """
+    """µs per allocate/release pair of an xpool.Pool (warm: the block is cached after the first pair)."""
     pool.allocate(nbytes).release()
     t0 = time.perf_counter_ns()
     for _ in range(pairs):
@@ -27,15 +24,12 @@ def pair_us(pool, nbytes: int, pairs: int) -> float:
 
 
 def run(sizes=SIZES, pairs: int = 2000, repeats: int = 5, out: str | None = "data/debug_cost_host.csv"):
-    """One row per (size, debug): median µs per pair over repeats, and the ratio to debug off.
-
-    Args: sizes: request sizes; pairs: pairs per window; repeats: windows per (size, debug); out: the CSV, or None.
-    Returns: The DataFrame.
-    """
+    """One row per (size, debug): median µs per pair over `repeats` windows of `pairs`, and the ratio to debug
+    off; written to `out` (None: not written)."""
     import pandas as pd
 
     from xpool import HostBackend, Pool
-    from xlab.paths import write_csv
+    from xlab.paths import publish
     from xlab.provenance import provenance
     pools = {mode: Pool(HostBackend(), debug=mode) for mode in (False, "raise")}
     rows = []
@@ -44,20 +38,11 @@ def run(sizes=SIZES, pairs: int = 2000, repeats: int = 5, out: str | None = "dat
         for mode, us in times.items():
             rows.append(dict(backend="host", size_bytes=n, debug=mode or "off", us_per_pair=us,
                              ratio_vs_off=us / times[False], pairs=pairs, repeats=repeats))
-    df = pd.DataFrame(rows)
-    prov = provenance(bench="debug_cost")
-    for k, v in prov.items():
-        df[k] = v
-    print(df[["size_bytes", "debug", "us_per_pair", "ratio_vs_off"]].to_string(index=False))
-    write_csv(df, out)
-    return df
+    df = pd.DataFrame(rows).assign(**provenance(bench="debug_cost"))
+    return publish(df, out, df[["size_bytes", "debug", "us_per_pair", "ratio_vs_off"]].to_string(index=False))
 
 
 def main(argv=None) -> int:
-    """`python -m xlab.bench.debug_cost [--out CSV] [--pairs N] [--repeats N]`; returns 0.
-
-    Args: argv: the arguments after the program name (None: the process's).
-    """
     ap = argparse.ArgumentParser(prog="python -m xlab.bench.debug_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="data/debug_cost_host.csv")
     ap.add_argument("--pairs", type=int, default=2000)

@@ -35,6 +35,7 @@ from xlab.paths import write_csv
 from xlab.provenance import git_commit, provenance
 
 from . import dynamic_workloads as wl
+from .alloc import rotated
 
 
 @dataclass(frozen=True)
@@ -75,11 +76,8 @@ def xpool_arms() -> tuple:
 
 def resolve(workloads=None, arms=None, cpu: bool = False) -> tuple[list, dict]:
     """(workloads, {framework: arms}); None: all. An `xpool_<scheme>` arm whose scheme this xpool lacks is skipped
-    with a message, so one command line serves before and after a scheme lands.
-
-    Raises:
-        ValueError: an unknown workload or arm (named), or no arm that runs the workloads.
-    """
+    with a message, so one command line serves before and after a scheme lands. ValueError: an unknown workload or
+    arm (named), or no arm that runs the workloads."""
     workloads = list(workloads or WORKLOADS)
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad:
@@ -190,18 +188,21 @@ def arm_process(framework, arm, workloads, trial, position, opts) -> list:
     """Run `arm` over `workloads` (all of `framework`) in this process: their rows, with provenance."""
     t0 = time.perf_counter()
     runs = (_cupy_arm if framework == "cupy" else _torch_arm)(arm, workloads, opts)
-    prov = provenance(experiment="dynamic_shapes", torch=_version("torch"), rmm=_version("rmm-cu13") or
-                      _version("rmm-cu12"), process_s=round(time.perf_counter() - t0, 2), start=opts["start"])
+    prov = provenance(experiment="dynamic_shapes", torch=_version("torch"), rmm=_version("rmm-cu13", "rmm-cu12"),
+                      process_s=round(time.perf_counter() - t0, 2), start=opts["start"])
     return [{**build_row(trial, position, w, arm, timed, counted, at_start, opts), **prov}
             for w, timed, counted, at_start in runs]
 
 
-def _version(name) -> str | None:
+def _version(*names) -> str | None:
+    """The first of these distributions installed: its version."""
     from importlib import metadata
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return None
 
 
 def build_row(trial, position, workload, arm, timed, counted, at_start, opts) -> dict:
@@ -221,13 +222,6 @@ def build_row(trial, position, workload, arm, timed, counted, at_start, opts) ->
 
 
 # --- the run
-
-def rotated(items, trial: int) -> list:
-    """items rotated left by `trial` places: each arm goes first in turn."""
-    items = list(items)
-    k = trial % len(items) if items else 0
-    return items[k:] + items[:k]
-
 
 def plan(trials, workloads, per_framework, opts, done=frozenset(), commit="") -> tuple[list, set]:
     """The run's processes in order, (framework, arm, its workloads not in `done`, trial, position), trial t running
@@ -264,16 +258,10 @@ def run(workloads=None, arms=None, trials: int = TRIALS, steps: int | None = Non
         seed: int = SEED, out=OUT, fresh: bool = False, cpu: bool = False, small: bool | None = None,
         start: str = "fork", progress: bool = True) -> pd.DataFrame:
     """Measure every (trial, workload, arm) that `out` lacks for this commit and these settings (fresh: discard
-    its rows first); rows are appended after each process. steps, warmup: of every workload (None: each its own);
-    cpu: NumPy and PyTorch on the CPU under arm 'numpy' (tests the code, measures nothing); small: small models
-    (default: with cpu); start: how the processes start ("fork", "spawn").
-
-    Returns:
-        This run's rows, resumed ones included; attrs["failed"]: the arms that raised.
-
-    Raises:
-        ValueError: unknown names (see resolve), or trials, steps or warmup < 1 (named).
-    """
+    its rows first), appending rows after each process: this run's rows, resumed ones included, attrs["failed"] the
+    arms that raised. steps, warmup: of every workload (None: each its own); cpu: NumPy and PyTorch on the CPU under
+    arm 'numpy' (tests the code, measures nothing); small: small models (default: with cpu); start: how the
+    processes start ("fork", "spawn"). ValueError: unknown names (see resolve), or trials, steps or warmup < 1."""
     from tqdm.auto import tqdm
     for name, v in (("trials", trials), ("steps", steps), ("warmup", warmup)):
         if v is not None and not (isinstance(v, int) and v >= 1):

@@ -29,7 +29,7 @@ import time
 
 import pandas as pd
 
-from xlab.paths import write_csv
+from xlab.paths import publish
 from xlab.provenance import provenance
 
 ARMS = ("python", "launch", "launch_gil", "launch8", "launch8_gil", "add", "gemm", "gemm_gil", "matmul")
@@ -182,13 +182,9 @@ def _run(ranks, arm, seconds):
 
 def run(arms=ARMS, trials=TRIALS, seconds=0.5, switch_intervals=(None,), threads=THREADS,
         out="data/gil_probe.csv") -> pd.DataFrame:
-    """Ops per second of each arm on 1, 2, ... threads, `trials` interleaved trials.
-
-    Args: arms: names from ARMS; trials: trials per (arm, threads, switch interval); seconds: length of each timed
-    loop; switch_intervals: values for sys.setswitchinterval (None: leave Python's, 5 ms); threads: thread counts; 1
-    is always measured first (the reference); thread t drives GPU t mod #GPUs; out: the CSV (None: none). Returns:
-    One row per (trial, switch interval, arm, threads): ops_per_s, speedup over 1 thread in the same trial. Raises:
-    ValueError: an unknown arm.
+    """One row per (trial, switch interval, arm, threads): ops per second over loops of `seconds`, and the speedup
+    over 1 thread (always measured first) in the same trial; thread t drives GPU t mod #GPUs; switch_intervals:
+    values for sys.setswitchinterval (None: Python's, 5 ms); out: the CSV (None: none). ValueError: an unknown arm.
     """
     import cupy
     bad = [a for a in arms if a not in ARMS]
@@ -216,11 +212,7 @@ def run(arms=ARMS, trials=TRIALS, seconds=0.5, switch_intervals=(None,), threads
                                          cpu_s_per_thread=sum(cpu) / n, devices=min(n, n_dev), seconds=seconds))
     finally:
         sys.setswitchinterval(default)
-    df = pd.DataFrame(rows)
-    for k, v in provenance(bench="gil", trials=trials).items():
-        df[k] = v
-    write_csv(df, out)
-    return df
+    return publish(pd.DataFrame(rows).assign(**provenance(bench="gil", trials=trials)), out)
 
 
 def main(argv=None):

@@ -32,7 +32,7 @@ import sys
 import time
 
 from xlab.allocators import KIB, MIB
-from xlab.paths import write_csv
+from xlab.paths import publish
 
 SIZES = (4 * KIB, 12 * MIB)
 TRIALS = 9
@@ -50,11 +50,8 @@ def _gpu() -> bool:
 
 
 def pair_runner(arm, gpu: bool):
-    """run(nbytes, pairs) -> ns for one in-place arm.
-
-    Args: arm: a CuPy allocator object with .malloc (GPU), or (param, malloc, free) C functions (CPU); gpu: which
-    path. Returns: The timing function.
-    """
+    """run(nbytes, pairs) -> ns for one in-place arm: a CuPy allocator with .malloc (GPU), or (param, malloc,
+    free) C functions (CPU)."""
     if gpu:
         malloc = arm.malloc
 
@@ -78,14 +75,8 @@ def pair_runner(arm, gpu: bool):
 
 
 def make_arms(gpu: bool) -> dict:
-    """{arm: run(nbytes, calls) -> ns}: the in-place arms and the pieces alone this machine can time.
-
-    Args:
-        gpu: a CUDA device is visible.
-
-    Returns:
-        The arms, and the objects they keep alive under "_keep".
-    """
+    """{arm: run(nbytes, calls) -> ns}: the in-place arms and the pieces alone this machine can time (`gpu`: a CUDA
+    device is visible), and under "_keep" the objects they keep alive."""
     import xpool
     from xlab import _probes
     from xpool import testing
@@ -127,12 +118,8 @@ def calibrated(run, nbytes: int, window_s: float) -> int:
 
 
 def measure(sizes=SIZES, trials=TRIALS, windows=WINDOWS, window_s=WINDOW_S, gpu=None, progress=True):
-    """One row per (trial, arm, size): ns for `calls` calls, the median window's rate.
-
-    Args: sizes: request sizes; trials: trials, arms rotated each trial; windows: windows per (trial, arm, size),
-    the median kept; window_s: seconds per window; gpu: time CuPy's GPU path (None: when a GPU is visible);
-    progress: a progress bar. Returns: A DataFrame with COLUMNS.
-    """
+    """One row per (trial, arm, size) (COLUMNS): ns for `calls` calls at the median of `windows` windows of about
+    window_s seconds, arms rotated each trial; gpu: time CuPy's GPU path (None: when a GPU is visible)."""
     import pandas as pd
     from tqdm.auto import tqdm
 
@@ -168,11 +155,8 @@ def measure(sizes=SIZES, trials=TRIALS, windows=WINDOWS, window_s=WINDOW_S, gpu=
 
 
 def breakdown(rows):
-    """Medians with 95% intervals: ns per call of each arm, and the differences of DIFFERENCES paired by trial.
-
-    Args: rows: measure()'s frame (or the CSV). Returns: (per-arm DataFrame, differences DataFrame), both with
-    size_bytes, value, lo, hi.
-    """
+    """(per arm, differences): medians with 95% intervals of each arm's ns per call, and of the differences of
+    DIFFERENCES paired by trial, from measure()'s rows (or the CSV)."""
     import pandas as pd
 
     from xlab import intervals
@@ -189,10 +173,7 @@ def breakdown(rows):
 
 
 def table(rows) -> str:
-    """The breakdown as text.
-
-    Args: rows: measure()'s frame. Returns: The text.
-    """
+    """The breakdown of measure()'s rows as text."""
     from xlab.intervals import fmt_ci
     from xlab.plots import fmt_bytes
     arms, diffs = breakdown(rows)
@@ -208,28 +189,16 @@ def table(rows) -> str:
 
 
 def run(out=None, trials=TRIALS, sizes=SIZES, window_s=WINDOW_S, progress=True):
-    """Measure, print the breakdown, write the CSV (one row per trial, with provenance).
-
-    Args: out: the CSV (None: data/hit_breakdown.csv on a GPU, data/hit_breakdown_host.csv on a CPU; "": none);
-    trials, sizes, window_s: as for measure(); progress: a progress bar. Returns: The rows.
-    """
+    """Measure, print the breakdown, write the CSV (None: data/hit_breakdown.csv on a GPU,
+    data/hit_breakdown_host.csv on a CPU; "": none): the rows, one per trial, with provenance."""
     from xlab.provenance import provenance
     gpu = _gpu()
     df = measure(tuple(sizes), trials, WINDOWS, window_s, gpu=gpu, progress=progress)
     df = df.assign(**provenance(bench="hit", path="gpu" if gpu else "host", window_s=window_s))
-    print(table(df))
-    out = ("data/hit_breakdown.csv" if gpu else "data/hit_breakdown_host.csv") if out is None else out
-    if out:
-        write_csv(df, out)
-        print(f"wrote {out}")
-    return df
+    return publish(df, f"data/hit_breakdown{'' if gpu else '_host'}.csv" if out is None else out, table(df))
 
 
 def main(argv=None) -> int:
-    """The command line (see --help).
-
-    Args: argv: arguments (default: sys.argv[1:]). Returns: The exit status.
-    """
     ap = argparse.ArgumentParser(prog="python -m xlab.bench.hit", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="the CSV (default data/hit_breakdown.csv, or data/hit_breakdown_host.csv "
                     "without a GPU; '' for none)")

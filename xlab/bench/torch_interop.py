@@ -39,11 +39,7 @@ COLUMNS = ["case", "arm", "trial", "order", "size_bytes", "value", "unit", "pair
 # --- one arm, in its own process
 
 def time_empty_del(torch, nbytes: int, pairs: int) -> float:
-    """µs per torch.empty + del pair (after a warm-up that leaves the block cached).
-
-    Args: torch: the torch module (allocating through the arm's allocator); nbytes: the request size; pairs: how
-    many pairs. Returns: µs per pair, a float.
-    """
+    """µs per torch.empty + del pair (after a warm-up that leaves the block cached)."""
     empty, u8, dev = torch.empty, torch.uint8, torch.device("cuda", 0)
     for _ in range(100):
         a = empty(nbytes, dtype=u8, device=dev)
@@ -58,12 +54,8 @@ def time_empty_del(torch, nbytes: int, pairs: int) -> float:
 
 
 def time_train(torch, steps: int, warmup: int, batch_size: int | None):
-    """(tokens/s, batch size, device mallocs per timed step or None) of the parity model with torch.optim.AdamW.
-
-    Args: torch: the torch module; steps, warmup: timed steps and untimed steps first; batch_size: sequences per
-    step (None: the parity model's default). Returns: (tokens per second, batch size, device mallocs per timed step
-    or None).
-    """
+    """(tokens/s, batch size, device mallocs per timed step or None) of the parity model with torch.optim.AdamW,
+    `steps` timed steps after `warmup` (batch_size None: the parity model's)."""
     from tapegpt.checks import torch_logits
     from tapegpt.model import GPTConfig, init_params
     import xpool
@@ -97,11 +89,7 @@ def time_train(torch, steps: int, warmup: int, batch_size: int | None):
 
 
 def worker(arm: str, pairs: int, steps: int, warmup: int, batch_size: int | None) -> list[dict]:
-    """Every case for one arm; call in a fresh process.
-
-    Args: arm: "torch" (PyTorch's own allocator) or "xpool"; pairs: pairs per empty/del window; steps, warmup,
-    batch_size: the training case. Returns: A list of row dicts (case, size_bytes, value, unit, ...).
-    """
+    """Every case's rows for one arm, "torch" (PyTorch's own allocator) or "xpool"; call in a fresh process."""
     import torch
     if arm == "xpool":
         import xpool
@@ -125,19 +113,21 @@ def _peak_reserved(torch, arm):
     return int(xpool.installed().stats(0).iloc[0].peak_bytes_reserved)
 
 
+def _worker(argv, what: str, timeout: float):
+    """The JSON a worker process prints last; RuntimeError naming `what` when it fails."""
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if out.returncode:
+        raise RuntimeError(f"{what} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 # --- the trials, interleaved
 
 def run(trials: int = 5, pairs: int = 50_000, steps: int = 20, warmup: int = 5, batch_size: int | None = None,
         command=None, timeout: float = 120.0):
-    """Rows of `trials` interleaved trials, one fresh process per (trial, arm); a DataFrame with provenance.
-
-    `command(arm)` gives the worker's argv (tests replace the GPU worker with a stand-in).
-
-    Args: trials: trials per arm, interleaved (who goes first alternates); pairs, steps, warmup, batch_size: passed
-    to the worker; command: command(arm) -> argv of the worker process (default: this module's GPU worker); timeout:
-    seconds one worker may run. Returns: A DataFrame with COLUMNS and provenance. Raises: RuntimeError: a worker
-    failed, naming its trial and arm.
-    """
+    """Rows (COLUMNS, provenance) of `trials` interleaved trials (who goes first alternates), one fresh process
+    per (trial, arm) running command(arm) (default: this module's GPU worker; tests give a stand-in) for at most
+    `timeout` seconds. Raises RuntimeError naming the trial and arm of a worker that failed."""
     import pandas as pd
 
     from xlab.provenance import provenance
@@ -150,28 +140,20 @@ def run(trials: int = 5, pairs: int = 50_000, steps: int = 20, warmup: int = 5, 
     for trial in range(trials):
         order = ARMS if trial % 2 == 0 else ARMS[::-1]        # who goes first alternates
         for position, arm in enumerate(order):
-            out = subprocess.run(command(arm), capture_output=True, text=True, timeout=timeout)
-            if out.returncode:
-                raise RuntimeError(f"trial {trial}, arm {arm} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-            for r in json.loads(out.stdout.strip().splitlines()[-1]):
-                rows.append({**r, "trial": trial, "order": position})
+            rows += [{**r, "trial": trial, "order": position}
+                     for r in _worker(command(arm), f"trial {trial}, arm {arm}", timeout)]
     prov = provenance(bench="torch_interop", trials=trials)
     df = pd.DataFrame(rows).reindex(columns=COLUMNS)
     return df.assign(**{k: v for k, v in prov.items() if k not in df.columns})
 
 
 def summarize(df):
-    """One row per (case, size): each arm's median [95% interval], and xpool's speed relative to PyTorch's own.
-
-    speedup > 1 means xpool is faster: torch µs / xpool µs for empty_del, xpool / torch tokens/s for training.
-
-    Args: df: run()'s rows. Returns: A DataFrame: case, size_bytes, unit, trials, each arm's median/low/high,
-    speedup/low/high, verdict.
-    """
+    """One row per (case, size): each arm's median [95% interval], and xpool's speed over PyTorch's own paired by
+    trial (speedup > 1: xpool is faster; torch µs / xpool µs for empty_del, xpool / torch tokens/s for training)."""
     import pandas as pd
-    out = []
+
     from xlab.allocators import canonical
-    df = canonical(df)
+    out, df = [], canonical(df)
     for (case, size), g in df.groupby(["case", df["size_bytes"].fillna(0)], sort=False):
         vals = {arm: g.loc[g.arm == arm, "value"].to_numpy() for arm in ARMS}
         row = {"case": case, "size_bytes": int(size) or None, "unit": g.unit.iloc[0],
@@ -180,7 +162,7 @@ def summarize(df):
             row[f"{arm}_median"], row[f"{arm}_low"], row[f"{arm}_high"], _ = intervals.median_ci(vals[arm])
         num, den = (vals["torch"], vals["xpool"]) if case == "empty_del" else (vals["xpool"], vals["torch"])
         row["speedup"], row["speedup_low"], row["speedup_high"], _ = intervals.ratio_ci(num, den)
-        row["verdict"] = ("inside the noise" if row["speedup_low"] <= 1 <= row["speedup_high"]
+        row["verdict"] = ("within noise" if row["speedup_low"] <= 1 <= row["speedup_high"]
                           else "xpool faster" if row["speedup_low"] > 1 else "xpool slower")
         out.append(row)
     return pd.DataFrame(out)
@@ -192,10 +174,7 @@ MIX_B, MIX_D, MIX_H = 4096, 1024, 4096   # PyTorch's B*H*4 activations = CuPy's 
 
 
 def mixed_setup(torch, seed=0):
-    """(model, optimizer, first input) of the mixed loop: an MLP trained with AdamW on CUDA device 0.
-
-    Args: torch: the torch module; seed: the model's seed.
-    """
+    """(model, optimizer, first input) of the mixed loop: an MLP trained with AdamW on CUDA device 0."""
     torch.manual_seed(seed)
     dev = torch.device("cuda", 0)
     model = torch.nn.Sequential(torch.nn.Linear(MIX_D, MIX_H), torch.nn.GELU(),
@@ -207,9 +186,7 @@ def mixed_setup(torch, seed=0):
 
 def mixed_step(torch, cupy, model, opt, x):
     """A PyTorch training step, then CuPy on the first layer's weight (shared through DLPack, no copy), whose
-    result feeds PyTorch's next input. Returns (loss, CuPy's sum, next input), all on the device.
-
-    Args: torch, cupy: the modules; model, opt, x: mixed_setup's result (x: this step's input).
+    result feeds PyTorch's next input (x: this step's). Returns (loss, CuPy's sum, next input), all on the device.
     """
     loss = ((model(x) - x) ** 2).mean()
     opt.zero_grad(set_to_none=True)
@@ -226,11 +203,8 @@ def mixed_step(torch, cupy, model, opt, x):
 
 
 def mixed_worker(arm: str, steps: int, out_csv: str | None) -> dict:
-    """The mixed loop in this (fresh) process. xpool: its memory by framework to `out_csv`; peaks either way.
-
-    Args: arm: "xpool" or "torch"; steps: loop steps; out_csv: where xpool's memory by framework goes (None: not
-    written). Returns: A dict: the arm and its peak reserved bytes (xpool's one pool, or each framework's own).
-    """
+    """The mixed loop in this (fresh) process under `arm`, "xpool" or "torch": the arm and its peak reserved bytes
+    (xpool's one pool, or each framework's own); xpool's memory by framework to `out_csv` (None: not written)."""
     import cupy
     import torch
     pool = None
@@ -250,13 +224,9 @@ def mixed_worker(arm: str, steps: int, out_csv: str | None) -> dict:
 
 
 def mixed_memory(steps: int = 4, timeout: float = 180.0):
-    """Run the mixed loop under xpool and under the two frameworks' own pools, each in a fresh process.
-
-    Returns (memory by framework over time under xpool, {"one_pool": xpool's peak reserved, "two_pools":
-    PyTorch's + CuPy's peak reserved}); usable from a notebook kernel that already touched CUDA.
-
-    Args: steps: loop steps; timeout: seconds one worker process may run.
-    """
+    """The mixed loop under xpool and under the two frameworks' own pools, each in a fresh process (usable from a
+    notebook kernel that already touched CUDA): (memory by framework over time under xpool, {"one_pool": xpool's
+    peak reserved, "two_pools": PyTorch's + CuPy's peak reserved})."""
     import tempfile
 
     import pandas as pd
@@ -264,12 +234,8 @@ def mixed_memory(steps: int = 4, timeout: float = 180.0):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "mixed.csv")
         for arm in ARMS:
-            argv = [sys.executable, "-m", "xlab.bench.torch_interop", "--mixed", arm, "--steps", str(steps),
-                    "--mixed-out", path]
-            out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-            if out.returncode:
-                raise RuntimeError(f"mixed loop, arm {arm} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-            peaks[arm] = json.loads(out.stdout.strip().splitlines()[-1])
+            peaks[arm] = _worker([sys.executable, "-m", "xlab.bench.torch_interop", "--mixed", arm, "--steps",
+                                  str(steps), "--mixed-out", path], f"mixed loop, arm {arm}", timeout)
         mem = pd.read_csv(path)
     n = peaks["torch"]
     return mem, {"one_pool": peaks["xpool"]["peak_reserved"],
@@ -287,12 +253,8 @@ def torch_cuda_available() -> bool:
 
 
 def in_use_by_origin(tl):
-    """An xpool timeline -> bytes in use per framework after each event (columns cupy, torch, python, reserved).
-
-    Starts from zero at the first event kept: record from the start (or from an empty pool) for absolute levels.
-
-    Args: tl: an xpool timeline DataFrame with an origin column. Returns: A DataFrame.
-    """
+    """An xpool timeline (with its origin column) -> bytes in use per framework after each event (columns cupy,
+    torch, python, reserved), from zero at the first event kept: record from an empty pool for absolute levels."""
     import pandas as pd
     sign = tl.event.map({"alloc_hit": 1, "alloc_miss": 1, "free": -1}).fillna(0).to_numpy(dtype=np.int64)
     out = pd.DataFrame({"t_s": tl.t_s.to_numpy(), "reserved": tl.bytes_reserved.to_numpy()})
@@ -302,12 +264,8 @@ def in_use_by_origin(tl):
 
 
 def plot_mixed_memory(mem, two_pools: int | None = None, title="One pool for CuPy and PyTorch"):
-    """Stacked bytes in use by framework, and bytes reserved, over time (from in_use_by_origin); `two_pools`:
-    the sum of the frameworks' own pools' peaks, drawn for comparison.
-
-    Args: mem: in_use_by_origin's frame; two_pools: bytes, or None; title: the figure's title. Returns: A matplotlib
-    Figure.
-    """
+    """A Figure: stacked bytes in use by framework, and bytes reserved, over time (in_use_by_origin's frame);
+    `two_pools`: the sum of the frameworks' own pools' peaks in bytes, drawn for comparison."""
     from matplotlib.figure import Figure
     fig = Figure(figsize=(10, 4.5), layout="constrained")
     ax = fig.add_subplot()
@@ -324,10 +282,7 @@ def plot_mixed_memory(mem, two_pools: int | None = None, title="One pool for CuP
 
 
 def main(argv=None):
-    """The command line: measure, print the summary, write the CSV (see --help); or, hidden, one worker.
-
-    Args: argv: arguments (default: sys.argv[1:]).
-    """
+    """The command line: measure, print the summary, write the CSV (see --help); or, hidden, one worker."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--pairs", type=int, default=50_000, help="torch.empty+del pairs timed per size")
@@ -345,15 +300,10 @@ def main(argv=None):
     if a.worker:
         print(json.dumps(worker(a.worker, a.pairs, a.steps, a.warmup, a.batch_size)))
         return
+    from xlab.paths import data_dir
     df = run(a.trials, a.pairs, a.steps, a.warmup, a.batch_size)
-    out = a.out
-    if out is None:
-        from xlab.paths import data_dir
-        out = str(data_dir() / "torch_interop.csv")
-    write_csv(df, out)
-    import pandas as pd
-    with pd.option_context("display.width", 160, "display.max_columns", 20):
-        print(summarize(df).round(3).to_string(index=False))
+    write_csv(df, out := a.out or str(data_dir() / "torch_interop.csv"))
+    print(summarize(df).round(3).to_string(index=False, line_width=160))
     print(f"wrote {len(df)} rows to {out}")
 
 

@@ -36,11 +36,7 @@ def _common(p, out, steps, warmup):
 
 
 def parse(argv=None):
-    """The experiments' command line.
-
-    Args: argv: arguments (default: sys.argv[1:]). Returns: The argparse namespace, with --quick/--cpu-smoke
-    applied.
-    """
+    """The experiments' command line: its namespace, with --quick/--cpu-smoke applied."""
     ap = argparse.ArgumentParser(prog="python -m xlab.experiments", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("single", help="one GPU, every allocator, batch 32 and 4")
@@ -81,11 +77,8 @@ def parse(argv=None):
 
 
 def main(argv=None) -> int:
-    """Run one experiment from the command line and print its medians.
-
-    Args: argv: arguments (default: sys.argv[1:]). Returns: The exit status: 2 without the GPUs needed, 1 if a run's
-    checks failed.
-    """
+    """Run one experiment from the command line and print its medians; 2 without the GPUs needed, 1 if a run's
+    checks failed."""
     args = parse(argv)
     if args.cmd == "worker":
         from .ddp import worker_main

@@ -79,11 +79,8 @@ class NcclComm:
 
 
 def reference_losses(cfg, data, batch, steps, warmup, cpu=False) -> list:
-    """The single-GPU loss curve on the same global batch (GPU 0, CuPy's pool): what DDP must match.
-
-    Args: cfg, data: the GPT config and the token array; batch: the global batch (per-GPU batch x world); steps,
-    warmup: as the DDP run's; cpu: on NumPy. Returns: The loss curve, a list of floats (warm-up steps first).
-    """
+    """The single-GPU loss curve (warm-up steps first) on the same global batch (per-GPU batch x world; GPU 0,
+    CuPy's pool, or NumPy with cpu): what DDP must match."""
     xp = _xp(cpu)
     with (contextlib.nullcontext() if cpu else xp.cuda.Device(0)):
         with runner.installed("numpy" if cpu else "cupy_pool", False, [0]) as alloc:
@@ -143,12 +140,8 @@ class ThreadGroup:
 
 def threads_arms(world, names, cfg, data, batch, steps, warmup, count_steps, cpu=False, progress=True,
                  trials=TRIALS) -> list:
-    """(trial, runner.run_arm result) for each trial and allocator, interleaved, with `world` threads.
-
-    Args: world: GPUs, one thread each; names: allocator names; cfg, data, batch, steps, warmup, count_steps: the
-    run's shape (train.run_rank, runner.run_arm); cpu: NumPy ranks with HostComm; progress: a progress bar; trials:
-    trials per allocator. Returns: A list of (trial, result) in the order they ran.
-    """
+    """[(trial, runner.run_arm result)] for each trial and allocator, interleaved, with `world` threads (cpu:
+    NumPy ranks with HostComm), in the order they ran."""
     from tqdm.auto import tqdm
     group = ThreadGroup(world, cfg, data, warmup, cpu)
     try:
@@ -162,12 +155,9 @@ def threads_arms(world, names, cfg, data, batch, steps, warmup, count_steps, cpu
 # --- processes: one process per GPU
 
 def rank_main(rank, world, uid, spec, barrier) -> list:
-    """One rank of the processes mode: every (trial, allocator) in turn on GPU `rank`; [(trial, run_arm result)].
-
-    Args: rank, world: this process's rank and the number of ranks; uid: the NCCL unique id (from rank 0); spec: the
-    run's settings (allocators, batch, steps, warmup, count_steps, config, trials, progress); barrier: a function
-    meeting every rank. Returns: A list of (trial, result) in the order they ran.
-    """
+    """One rank of the processes mode: every (trial, allocator) in turn on GPU `rank`, [(trial, run_arm result)]
+    in the order they ran. uid: the NCCL unique id (from rank 0); spec: the run's settings (allocators, batch, steps,
+    warmup, count_steps, config, trials, progress); barrier: a function meeting every rank."""
     no_multicast()
     import cupy
     from cupy.cuda import nccl
@@ -194,10 +184,8 @@ def rank_main(rank, world, uid, spec, barrier) -> list:
 
 
 def worker_main(spec_path) -> None:
-    """Entry point of an `mpirun`-launched rank: NCCL id from rank 0, results gathered to rank 0's file.
-
-    Args: spec_path: a pickled spec (see rank_main) with result_path, where rank 0 writes every rank's results.
-    """
+    """Entry point of an `mpirun`-launched rank: NCCL id from rank 0, results gathered to rank 0's file (the
+    pickled spec's result_path; see rank_main)."""
     from mpi4py import MPI
     from cupy.cuda import nccl
     with open(spec_path, "rb") as f:
@@ -220,22 +208,16 @@ def _spawned_rank(rank, world, uid, spec, barrier, queue):
 
 
 def pick_launcher(launcher="auto") -> str:
-    """'mpirun' when it and mpi4py are there (the standard launcher), else 'spawn'.
-
-    Args: launcher: "auto", "mpirun" or "spawn". Returns: "mpirun" or "spawn" (anything else is returned as given,
-    and launch() rejects it).
-    """
+    """'mpirun' for "auto" when it and mpi4py are there (the standard launcher), else 'spawn'; any other value as
+    given (launch() rejects what it does not know)."""
     if launcher != "auto":
         return launcher
     return "mpirun" if shutil.which("mpirun") and importlib.util.find_spec("mpi4py") else "spawn"
 
 
 def launch(world, spec, launcher="auto") -> list:
-    """Start `world` rank processes; their results, indexed [rank][allocator].
-
-    Args: world: ranks; spec: see rank_main; launcher: "auto", "mpirun" or "spawn". Returns: [rank] -> rank_main's
-    list. Raises: RuntimeError: a rank failed (its traceback included); ValueError: an unknown launcher.
-    """
+    """Start `world` rank processes (spec: see rank_main) by `launcher` ("auto", "mpirun" or "spawn"): [rank] ->
+    rank_main's list. RuntimeError: a rank failed (its traceback included); ValueError: an unknown launcher."""
     launcher = pick_launcher(launcher)
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", **{train.ADAMW_ENV: train.adamw_form()},
                PYTHONPATH=os.pathsep.join(p for p in (str(repo_root()), os.environ.get("PYTHONPATH")) if p))
@@ -300,10 +282,8 @@ def _spawn(world, spec, env):
 
 
 def merge_ranks(per_rank: list) -> list:
-    """[rank][i] = (trial, run_arm result) -> [(trial, one result per arm with every rank's run in timed/counted)].
-
-    Args: per_rank: launch()'s result. Returns: A list of (trial, result) as threads_arms gives.
-    """
+    """launch()'s [rank][i] = (trial, run_arm result) -> [(trial, one result per arm with every rank's run in
+    timed/counted)], as threads_arms gives."""
     out = []
     for i, (trial, first) in enumerate(per_rank[0]):
         counted = None if first["counted"] is None else [r[i][1]["counted"][0] for r in per_rank]
@@ -315,17 +295,14 @@ def merge_ranks(per_rank: list) -> list:
 def run(modes=("threads", "processes"), worlds=(1, 2), allocators=None, batch=32, steps=6, warmup=3,
         count_steps=3, config=None, launcher="auto", out="data/ddp_scaling.csv", cpu=False, progress=True,
         trials=TRIALS, resume=False):
-    """Data-parallel tokens/s, speedup over world 1, host and GPU ms per step, utilisation, mallocs, peaks and
-    checks.
+    """Data-parallel tokens/s, speedup over world 1 (every speedup's reference), host and GPU ms per step,
+    utilisation, mallocs, peaks and checks: a tidy frame, one row per (mode, world, trial, allocator), written to
+    `out` (None: none) after each block.
 
-    Args: modes: "threads" and/or "processes"; worlds: GPU counts (world 1 is every speedup's reference);
-    allocators: arm names (default: allocators.SETS["ddp"]); batch: sequences per GPU per step; steps, warmup,
-    count_steps: timed steps, untimed steps first, steps of the counting run (trial 0); config: GPT config;
-    launcher: processes' launcher (auto, mpirun, spawn); out: the CSV (None: none); cpu: threads mode on NumPy with
-    HostComm (tests the code, measures nothing); progress: progress bars; trials: trials per (mode, world,
-    allocator), interleaved across allocators; resume: keep the (world, mode) blocks an interrupted run of this
-    commit and these settings completed in `out`, and measure the others. Returns: A tidy DataFrame, one row per
-    (mode, world, trial, allocator).
+    allocators: arm names (default: allocators.SETS["ddp"]); batch: sequences per GPU per step; count_steps: steps
+    of the counting run (trial 0); launcher: processes' launcher (auto, mpirun, spawn); cpu: threads mode on NumPy
+    with HostComm (tests the code, measures nothing); resume: keep the (world, mode) blocks an interrupted run of
+    this commit and these settings completed in `out`, and measure the others.
     """
     no_multicast()
     allocators = registry.parse(allocators or registry.SETS["ddp"])

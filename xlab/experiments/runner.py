@@ -21,11 +21,8 @@ RANK_TIMEOUT = 900.0      # seconds a rank thread may run before run_threads giv
 
 
 def interleaved(trials: int, arms):
-    """(trial, arm) pairs in the order A B C, A B C, ...: drift between trials hits every arm alike.
-
-    Args: trials: how many trials (at least 1); arms: the arms, in a fixed order. Returns: A list of (trial, arm).
-    Raises: ValueError: trials < 1 or no arms.
-    """
+    """(trial, arm) pairs in the order A B C, A B C, ...: drift between trials hits every arm alike. ValueError:
+    trials < 1 or no arms."""
     arms = list(arms)
     if trials < 1 or not arms:
         raise ValueError(f"trials must be >= 1 and arms non-empty; got trials={trials!r}, arms={arms!r}")
@@ -34,12 +31,8 @@ def interleaved(trials: int, arms):
 
 @contextlib.contextmanager
 def installed(name: str, counting: bool, devices):
-    """A fresh allocator `name`, installed for the block; afterwards uninstalled, garbage collected (arrays in
-    reference cycles die before their pool) and released on `devices`.
-
-    Args: name: a registry name; counting: install the counting variant; devices: the devices to release on
-    afterwards. Returns: A context manager giving the installed Allocator.
-    """
+    """A fresh allocator `name` (its counting variant with counting), installed for the block; afterwards
+    uninstalled, garbage collected (arrays in reference cycles die before their pool) and released on `devices`."""
     alloc = registry.make(name)
     alloc.install(counting)
     try:
@@ -51,14 +44,10 @@ def installed(name: str, counting: bool, devices):
 
 
 def run_arm(name: str, ranks, steps: int, count_steps: int, devices, count: bool = True) -> dict:
-    """One arm of one trial: a timed run and, unless counting is free (or count is False or count_steps is 0),
-    a counting run, each with a fresh allocator.
-
-    Args: name: the allocator's registry name; ranks: ranks(alloc, steps) -> every rank's run_rank dict; steps,
-    count_steps: timed steps, and steps of the counting run; devices: the devices the ranks use (released
-    afterwards); count: make the counting run (the experiments do so in trial 0 only). Returns: dict(allocator,
-    timed, counted, counted_steps) for train.build_row; counted is None when not counted.
-    """
+    """One arm of one trial, each run with a fresh allocator released on `devices`: `steps` timed steps and,
+    unless counting is free (or count is False or count_steps is 0), a counting run of `count_steps`.
+    ranks(alloc, steps) -> every rank's run_rank dict. dict(allocator, timed, counted, counted_steps) for
+    train.build_row; counted is None when not counted."""
     with installed(name, False, devices) as alloc:
         timed = ranks(alloc, steps)
         free = alloc.free_counting
@@ -72,13 +61,9 @@ def run_arm(name: str, ranks, steps: int, count_steps: int, devices, count: bool
 
 
 def run_threads(world: int, fn, device_ctx=None, timeout: float | None = None) -> list:
-    """fn(rank) on one thread per rank (inside device_ctx(rank) when given); results in rank order.
-
-    Raises: TimeoutError: a rank still runs after `timeout` seconds (a peer failed inside NCCL?); RuntimeError: a
-    rank raised (the first failure, chained). Args: world: threads; fn: fn(rank) -> result; device_ctx:
-    device_ctx(rank) -> a context entered in the thread (e.g. cupy.cuda.Device), or None; timeout: seconds to wait
-    for each thread (default RANK_TIMEOUT). Returns: [fn(0), ..., fn(world - 1)].
-    """
+    """[fn(0), ..., fn(world - 1)], each on a thread of its own inside device_ctx(rank) when given (e.g.
+    cupy.cuda.Device). TimeoutError: a rank still runs after `timeout` seconds (default RANK_TIMEOUT; a peer failed
+    inside NCCL?); RuntimeError: a rank raised (the first failure, chained)."""
     results, errors = [None] * world, []
     timeout = RANK_TIMEOUT if timeout is None else timeout
 
@@ -103,14 +88,10 @@ def run_threads(world: int, fn, device_ctx=None, timeout: float | None = None) -
 
 
 def resumed(out, keys, **same) -> tuple[list, set]:
-    """The rows an earlier, interrupted run of the same experiment left in `out`, to finish it instead of
-    starting over (a stage stopped by a time limit: never fewer trials, the rest in a later run).
-
-    Args: out: the CSV (None or missing: nothing to resume); keys: the columns that name one run, e.g. ("trial",
-    "batch", "allocator"); **same: columns whose values must match this run (commit, config, steps, ...); rows that
-    differ are dropped, so a CSV of another commit or another setting is never mixed in. Returns: (rows as dicts,
-    the set of key tuples already measured).
-    """
+    """(rows as dicts, the set of their `keys` tuples): what an earlier, interrupted run of the same experiment
+    left in `out` (None or missing: nothing), to finish it instead of starting over (a stage stopped by a time
+    limit: never fewer trials, the rest in a later run). Rows whose columns differ from `same` (commit, config,
+    steps, ...) are dropped, so a CSV of another commit or another setting is never mixed in."""
     import pathlib
 
     import pandas as pd
@@ -125,3 +106,21 @@ def resumed(out, keys, **same) -> tuple[list, set]:
         return [], set()
     rows = df.to_dict("records")
     return rows, {tuple(r[k] for k in keys) for r in rows}
+
+
+def run_trials(name: str, one, configs, trials: int, out, keys, resume: bool, progress: bool, **same):
+    """The rows of one(trial, *config) (a train.build_row) for every (trial, config) of interleaved(trials, configs)
+    that an interrupted run (resume: `resumed` with `keys` and `same`) did not leave in `out`, with provenance; the
+    CSV rewritten after each, so what is done survives a later failure. A train.frame."""
+    from tqdm.auto import tqdm
+
+    from xlab.paths import write_csv
+    from xlab.provenance import git_commit, provenance
+
+    from . import train
+    rows, done = resumed(out, keys, commit=git_commit(), **same) if resume else ([], set())
+    for trial, config in tqdm(interleaved(trials, configs), desc=name, disable=not progress):
+        if (trial, *config) not in done:
+            rows.append({**one(trial, *config), **provenance(experiment=name, trials=trials)})
+            write_csv(train.frame(rows), out)
+    return train.frame(rows)

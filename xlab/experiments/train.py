@@ -39,10 +39,8 @@ ADAMW_DEFAULT = "foreach"
 
 
 def adamw_form() -> str:
-    """The optimizer form of this process's runs: $XPOOL_ADAMW, else foreach.
-
-    Returns: "foreach" or "per_param". Raises: ValueError: $XPOOL_ADAMW names neither.
-    """
+    """The optimizer form of this process's runs, "foreach" or "per_param": $XPOOL_ADAMW, else foreach (ValueError:
+    it names neither)."""
     form = os.environ.get(ADAMW_ENV, ADAMW_DEFAULT)
     if form not in ADAMW_FORMS:
         raise ValueError(f"{ADAMW_ENV}={form!r}: expected one of {', '.join(ADAMW_FORMS)}")
@@ -78,11 +76,8 @@ HOST_BOUND_UTIL = 80.0           # % GPU busy below which the GPU waited for the
 
 
 def make_config(config=None) -> GPTConfig:
-    """A GPTConfig from a name in CONFIGS ('reference' when None), a dict of fields, or itself.
-
-    Args: config: None, a name in CONFIGS, a dict of GPTConfig fields, or a GPTConfig. Returns: A GPTConfig. Raises:
-    ValueError: an unknown name.
-    """
+    """A GPTConfig from a name in CONFIGS ('reference' when None; ValueError: an unknown name), a dict of fields,
+    or itself."""
     if isinstance(config, GPTConfig):
         return config
     if isinstance(config, dict):
@@ -94,21 +89,15 @@ def make_config(config=None) -> GPTConfig:
 
 
 def config_name(config) -> str:
-    """The config's name for the CSV: its name, "reference" for None, "custom" otherwise.
-
-    Args: config: what make_config takes. Returns: A string.
-    """
+    """The name for the CSV of what make_config takes: its name, "reference" for None, "custom" otherwise."""
     return config if isinstance(config, str) else ("reference" if config is None else "custom")
 
 
 # --- one step
 
 def flatten(grads: dict, loss=None):
-    """One contiguous buffer: every gradient raveled in the dict's order, then the loss (one all-reduce).
-
-    Args: grads: name -> array (all of one dtype); loss: a 0-d array appended at the end, or None. Returns: A new
-    1-d array.
-    """
+    """A new contiguous 1-d buffer: every gradient (name -> array, one dtype) raveled in the dict's order, then the
+    0-d loss if given (one all-reduce)."""
     xp = array_module(next(iter(grads.values())))
     parts = [g.ravel() for g in grads.values()]
     if loss is not None:
@@ -117,11 +106,8 @@ def flatten(grads: dict, loss=None):
 
 
 def unflatten(flat, like: dict):
-    """(grads, loss): views into `flat` shaped like `like`; loss is the 0-d tail (None if there is none).
-
-    Args: flat: what flatten returned (possibly all-reduced); like: the dict flatten was given (shapes and order).
-    Returns: (grads, loss).
-    """
+    """(grads, loss): views into `flat` (what flatten returned) shaped like `like` (the dict flatten was given);
+    loss is the 0-d tail (None if there is none)."""
     out, offset = {}, 0
     for k, g in like.items():
         out[k] = flat[offset:offset + g.size].reshape(g.shape)
@@ -131,14 +117,10 @@ def unflatten(flat, like: dict):
 
 
 def train_step(model, opt, x, y, comm=None, world: int = 1, loss_and_grads=None):
-    """Forward, backward, (all-reduce mean of gradients and loss), AdamW; returns the (global mean) loss.
-
-    Args: model, opt: the GPT and its AdamW; x, y: a batch of token ids and targets; comm: the rank's communicator
-    (None: one rank); world: ranks in all (the all-reduced sum is divided by it); loss_and_grads: what computes
-    (loss, grads) from (x, y); None: `model.loss_and_grads` (eager). A tapegpt.graph.CapturedStep replays it as a
-    CUDA graph; the rest of the step stays eager. Returns: The loss, a 0-d device array (the mean over all ranks
-    when comm is given).
-    """
+    """Forward, backward, (all-reduce mean of gradients and loss over the `world` ranks of `comm`), AdamW; the
+    loss, a 0-d device array (the mean over all ranks when comm is given). loss_and_grads: what computes (loss,
+    grads) from (x, y); None: `model.loss_and_grads` (eager); a tapegpt.graph.CapturedStep replays it as a CUDA
+    graph, the rest of the step staying eager."""
     loss, grads = (loss_and_grads or model.loss_and_grads)(x, y)
     if comm is not None:
         flat = flatten(grads, loss)     # allocates a fresh buffer every step, as a framework would
@@ -186,10 +168,8 @@ FENCE_ENV = "XLAB_FENCE"   # "always": keep every threads-mode all-reduce fenced
 
 
 def fence_always() -> bool:
-    """True when $XLAB_FENCE=always: threads mode fences the timed steps of every allocator too (rows say so).
-
-    Raises: ValueError: $XLAB_FENCE is set to anything but "always" or "auto".
-    """
+    """True when $XLAB_FENCE=always: threads mode fences the timed steps of every allocator too (rows say so);
+    ValueError when it is set to anything but "always" or "auto"."""
     value = os.environ.get(FENCE_ENV, "auto")
     if value not in ("always", "auto"):
         raise ValueError(f"${FENCE_ENV} must be 'always' or 'auto', got {value!r}")
@@ -230,11 +210,7 @@ class Fenced:
 
 
 def param_rank_diff(params: dict, comm) -> float:
-    """Max |p - p_rank0| over all parameters, rank 0's broadcast to every rank.
-
-    Args: params: name -> array, this rank's parameters; comm: the rank's communicator (bcast). Returns: The largest
-    absolute difference, a float (0.0 on rank 0).
-    """
+    """Max |p - p_rank0| over this rank's parameters, rank 0's broadcast to every rank (0.0 on rank 0)."""
     mine = flatten(params)
     root = mine.copy()
     comm.bcast(root, 0)
@@ -333,10 +309,7 @@ class StepEvents:
 
 
 def synchronizer(xp, device):
-    """A function that waits for `device` (nothing on NumPy).
-
-    Args: xp: numpy or cupy; device: the CUDA device. Returns: A function of no arguments.
-    """
+    """A function that waits for `device` (nothing on NumPy)."""
     if xp is np:
         return lambda: None
     return xp.cuda.Device(device).synchronize
@@ -344,20 +317,14 @@ def synchronizer(xp, device):
 
 def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0, world=1, comm=None,
              barrier=None, sampler=None, dispatch_steps: int = 0) -> dict:
-    """One rank: fresh model, `warmup` steps, `steps` timed steps (then `dispatch_steps` dispatch probes).
-
-    Args: alloc: the registry Allocator, already installed by the caller (CuPy's allocator is process-wide); cfg,
-    data, batch: the GPT config, the token array, sequences per step on this rank; steps, warmup: timed steps and
-    untimed steps before them; xp: numpy or cupy; device, rank, world: where this rank runs and how many there are;
-    comm: the communicator (None: one rank, no all-reduce); a `Fenced` one is disarmed after warm-up when the
-    allocator makes no device call once warm; barrier, sampler: meet the other ranks at the window's edges; NVML
-    sampler (rank 0 only); dispatch_steps: steps after the window, each started on an idle device, whose dispatching
-    thread's CPU time is the host's work per step without waiting: in the window a host that runs ahead of a busy
-    GPU fills CUDA's launch queue and then spins in a launch until a slot frees, which thread time counts. Returns:
-    A dict of host values: seconds, host_seconds, dispatch_ms (median over the probes; NaN without),
-    gpu_ms_per_step, gc_seconds, gc_collections, device_mallocs, util, losses, param_rank_diff, peak_reserved,
-    peak_requested, n_params, fenced. Losses stay on the device until the end: reading one per step would
-    synchronise every step.
+    """One rank: fresh model, `warmup` steps, `steps` timed steps, then `dispatch_steps` dispatch probes; a dict of
+    host values (seconds, host_seconds, dispatch_ms, losses, peaks, ...). alloc is installed by the caller (CuPy's
+    allocator is process-wide); comm: the communicator (None: one rank), a `Fenced` one disarmed after warm-up when
+    the allocator makes no device call once warm; barrier, sampler: meet the other ranks at the window's edges, and
+    NVML (rank 0 only). A dispatch probe is a step started on an idle device, whose thread CPU time is the host's
+    work without waiting: in the window a host ahead of a busy GPU fills CUDA's launch queue and spins in a launch
+    until a slot frees, which thread time counts. Losses stay on the device until the end: reading one per step
+    would synchronise every step.
     """
     window = Window(lambda: alloc.device_mallocs(device), synchronizer(xp, device), barrier, sampler)
     fence = comm if isinstance(comm, Fenced) else None
@@ -428,27 +395,18 @@ def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0,
 # --- checks
 
 def loss_rel_diff(losses, reference) -> float:
-    """Max |loss - ref| / |ref| over the steps both curves have (NaN if a loss is not finite).
-
-    Args: losses, reference: two loss curves, one float per step. Returns: A float.
-    """
+    """Max |loss - ref| / |ref| over the steps both loss curves have (NaN if a loss is not finite)."""
     n = min(len(losses), len(reference))
     a, b = np.asarray(losses[:n], dtype=float), np.asarray(reference[:n], dtype=float)
-    if n == 0:
-        return math.nan
-    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+    if n == 0 or not (np.isfinite(a).all() and np.isfinite(b).all()):
         return math.nan
     return float(np.max(np.abs(a - b) / np.abs(b)))
 
 
 def checks_passed(loss_rel_diff_max=None, param_rank_diff_max=None, loss_tol=LOSS_TOL,
                   param_tol=PARAM_TOL) -> bool:
-    """Every check that was made passed (None: not made; NaN fails).
-
-    Args: loss_rel_diff_max: the loss curve's largest relative difference from its reference, or None;
-    param_rank_diff_max: the parameters' largest difference across ranks, or None; loss_tol, param_tol: the
-    thresholds. Returns: A bool.
-    """
+    """Every check that was made passed (None: not made; NaN fails): the loss curve's largest relative difference
+    from its reference, the parameters' largest difference across ranks."""
     ok = True
     if loss_rel_diff_max is not None:
         ok &= bool(loss_rel_diff_max <= loss_tol)          # NaN compares False
@@ -464,9 +422,6 @@ def step_bound(gpu_util: float, host_ms: float, ms_per_step: float) -> str:
 
     NVML first: thread CPU time counts a synchronising call's spin (raw's cudaFree), so alone it would call a
     raw step host-bound however busy the GPU was.
-
-    Args: gpu_util: NVML's mean utilisation over the window, % (NaN: no NVML); host_ms: the dispatching thread's CPU
-    ms per step; ms_per_step: the wall ms per step. Returns: "gpu", "host" or "".
     """
     if gpu_util is not None and math.isfinite(gpu_util):
         return "gpu" if gpu_util >= HOST_BOUND_UTIL else "host"
@@ -489,14 +444,10 @@ def _mean(values):
 
 def build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=None, launcher="none",
               config="reference", trial=0) -> dict:
-    """One tidy row (without provenance) from one arm's run over all its ranks.
-
-    Args: mode: "single", "threads" or "processes"; m: the runner's result for one arm: allocator, timed (every
-    rank's run_rank dict), counted (the counting run's, or the timed one's when counting is free; None: not
-    counted), counted_steps; world, batch, cfg, steps, warmup: the run's shape; ref_losses: the loss curve this run
-    must match (None: not checked); launcher, config: recorded as given; trial: which trial of the interleaved
-    sequence this run was. Returns: A dict with the keys of COLUMNS; ratios are NaN until `frame` fills them.
-    """
+    """One tidy row (COLUMNS, without provenance; ratios NaN until `frame` fills them) from one arm's run over all
+    its ranks: m is runner.run_arm's result (timed: every rank's run_rank dict; counted: the counting run's, or the
+    timed one's when counting is free; None: not counted); ref_losses: the loss curve this run must match (None:
+    not checked)."""
     timed, counted = m["timed"], m["counted"]
     seconds = max(r["seconds"] for r in timed)
     ms_per_step = 1000 * seconds / steps
@@ -549,9 +500,7 @@ def build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=None, launch
 def add_ratios(df):
     """Fill speedup (over world 1: same mode, allocator, batch), speedup_vs_raw and ratio_vs_cupy_pool (both:
     same mode, world, batch), each against the reference run of the same trial (the one it ran beside); NaN
-    where that run is absent. A CSV without a trial column is one trial.
-
-    Args: df: training rows (train.COLUMNS). Returns: df, with the three ratio columns filled in place.
+    where that run is absent. A CSV without a trial column is one trial. Fills df in place and returns it.
     """
     if "trial" not in df:
         df["trial"] = 0
@@ -567,11 +516,7 @@ def add_ratios(df):
 
 
 def frame(rows):
-    """Rows (dicts with provenance) as a DataFrame: COLUMNS first, then provenance, with ratios filled.
-
-    Args: rows: dicts from build_row, with provenance. Returns: A DataFrame (an empty one with COLUMNS when there
-    are no rows).
-    """
+    """build_row's rows (with provenance) as a DataFrame, COLUMNS first, ratios filled (no rows: empty, COLUMNS)."""
     import pandas as pd
     df = pd.DataFrame(rows)
     if df.empty:
