@@ -1,29 +1,11 @@
-"""The arms the lab compares, in one table (ARMS), and the allocators behind them.
+"""The arms the lab compares, in one table (ARMS), and the allocators behind them: what each column means, its
+families (xpool_k<N>, _debug, _graph) and how each allocator counts are in NOTES.md, Note [The arms table].
 
     alloc = make("cupy_pool"); alloc.install(); ...; alloc.uninstall(); alloc.release([0])
     arm("xpool_k4_debug").label, arm("raw").color, parse(["raw", "xpool"])   # names are checked once, here
 
-Each row of ARMS is one arm: its name, how to make it (`make`: an Allocator class, or None for an arm that is
-not installed into CuPy: a framework's own allocator measured in its own process, a CPU replay's model, a piece
-of a benchmark), its label and style in every figure and table, and what it can do: `exact` (counts device
-mallocs and peaks exactly and for free, so the timed run itself gives the counts), `device_calls_when_warm` (calls
-cudaMalloc/cudaFree, or their stream-ordered forms, on requests a warm cache would serve: the threads-mode
-training fences collectives for those only), `can_capture` (a `_graph` variant exists: its private pools make no
-device call once warm) and `framework` (whose requests it serves: cupy, torch, replay, bench, numpy). Families
-resolve from the rows: `xpool_k<N>` (the seed scheme with N classes per doubling), `<xpool arm>_debug` (debug
-mode: poison + canaries), `<pool>_graph` (each training step's forward and backward captured once as a CUDA graph
-over a private pool of the same kind, replayed every step; tapegpt.graph.CapturedStep). To add an arm: a row
-(and, for a CuPy allocator, an Allocator subclass); every experiment, benchmark, replay, plot and report reads it.
-CSVs written before an arm was renamed are read through `canonical` (LEGACY).
-
-Counters are per device and None where an allocator cannot count exactly:
-- raw: the counting variant (`install(counting=True)`) wraps CuPy's `_malloc` so each block's malloc and free
-  is seen (requested = reserved: there is no cache).
-- cupy_pool: device mallocs and live requested bytes from a CuPy MemoryHook, entered per thread only while
-  counting (hooks cost time); reserved bytes from `total_bytes()` after every step (it only grows between
-  `free_all_blocks` calls, so the last sample is the peak).
-- xpool arms: the pool's own exact counters. cupy_torch: PyTorch's (torch.cuda.memory_stats).
-- `_graph` arms: the private pools' device mallocs count with the arm's; their bytes are `graph_pool_bytes`.
+To add an arm: a row (and, for a CuPy allocator, an Allocator subclass); every experiment, benchmark, replay, plot
+and report reads it. Counters are per device and None where an allocator cannot count exactly.
 """
 from __future__ import annotations
 
@@ -69,7 +51,7 @@ class Allocator:
         self._private = []      # the private pools graph_pool() made, alive until release()
 
     def malloc_fn(self):
-        raise NotImplementedError
+        return self.pool.malloc
 
     def install(self, counting: bool = False) -> None:
         import cupy
@@ -89,14 +71,15 @@ class Allocator:
         """Called after every training step on `device`."""
 
     def device_mallocs(self, device: int):
-        """Counters on `device`: None where this allocator does not count (the module docstring says how each
-        counts)."""
+        """Counters on `device`: None where this allocator does not count (NOTES.md, Note [The arms table])."""
         return None
 
     peak_reserved = peak_requested = graph_pool_bytes = device_mallocs
 
     def release(self, devices=()) -> None:
-        """Give cached memory back (call after every array made under it is gone)."""
+        """Give cached memory back and drop the pools (call after every array made under it is gone)."""
+        self.trim(devices)
+        self.pool, self._private = None, []    # a dead pool frees the split blocks too
 
     def trim(self, devices=()) -> None:
         """Give cached blocks back to the device but stay usable (the benchmark calls it on every other arm
@@ -239,9 +222,6 @@ class CupyPool(Allocator):
         self.hook = _hook_class()()
         self._reserved = defaultdict(int)     # device -> highest total_bytes() seen
 
-    def malloc_fn(self):
-        return self.pool.malloc
-
     def tracking(self):
         return self.hook if self.counting else contextlib.nullcontext()
 
@@ -279,10 +259,6 @@ class CupyPool(Allocator):
                 for p in self._private:
                     p.free_all_blocks()
 
-    def release(self, devices=()):
-        self.trim(devices)
-        self.pool, self._private = None, []    # a dead pool frees the split blocks too
-
 
 class CupyAsync(Allocator):
     """CuPy's `MemoryAsyncPool` (cudaMallocAsync on the current stream)."""
@@ -292,19 +268,12 @@ class CupyAsync(Allocator):
         super().__init__()
         self.pool = cupy.cuda.MemoryAsyncPool()
 
-    def malloc_fn(self):
-        return self.pool.malloc
-
     def trim(self, devices=()):
         import cupy
         for d in devices:
             with cupy.cuda.Device(d):
                 cupy.cuda.Device(d).synchronize()
                 self.pool.free_all_blocks()
-
-    def release(self, devices=()):
-        self.trim(devices)
-        self.pool = None
 
 
 class XPool(Allocator):
@@ -313,19 +282,13 @@ class XPool(Allocator):
     def __init__(self, classes_per_doubling: int | None = None, debug=None, scheme: str | None = None):
         import xpool
         super().__init__()
-        self._settings = dict(debug=debug or False)
-        if classes_per_doubling is not None:
-            self._settings["classes_per_doubling"] = classes_per_doubling
-        if scheme is not None:
-            self._settings["scheme"] = scheme
+        self._settings = dict(debug=debug or False, **{k: v for k, v in (
+            ("classes_per_doubling", classes_per_doubling), ("scheme", scheme)) if v is not None})
         self.pool = xpool.MemoryPool(**self._settings)
 
     def _make_private(self):
         import xpool
         return xpool.MemoryPool(**self._settings)     # the arm's own settings: same scheme, same debug mode
-
-    def malloc_fn(self):
-        return self.pool.malloc
 
     def _stat(self, device, key, pool=None):
         counters = (pool or self.pool).snapshot().per_device.get(device)
@@ -353,10 +316,6 @@ class XPool(Allocator):
     def trim(self, devices=()):
         for p in [self.pool, *self._private]:
             p.empty_cache()
-
-    def release(self, devices=()):
-        self.trim(devices)
-        self.pool, self._private = None, []
 
 
 class CupyTorch(Allocator):
@@ -405,8 +364,6 @@ class CupyTorch(Allocator):
 
     def trim(self, devices=()):
         self.torch.cuda.empty_cache()
-
-    release = trim
 
 
 class Noop(Allocator):

@@ -420,7 +420,8 @@ def ddp_before_after(df: pd.DataFrame) -> Figure:
     sp.axhline(world, color="black", ls="--", lw=0.8)
     sp.text(-0.45, world, f"ideal {world}×", va="bottom", fontsize=8)
     sp.set_title(f"Speedup on {world} GPUs: before (raw cudaMalloc) → after (a pool)", fontsize=10)
-    ut.set(ylim=(0, 110), title=f"GPU utilisation on {world} GPUs")
+    ut.set_title(f"GPU utilisation on {world} GPUs", fontsize=10)
+    ut.set_ylim(0, 110)
     return _finish(fig, f"{world} GPUs: what the allocator changes", top, trials_note(top, ["mode", "arm"]),
                    legend_from=[sp, ut])
 

@@ -3,23 +3,16 @@ and thousands of pairs per second from 1, 4 and 8 threads on one device at 64 Ki
 
     python -m xlab.bench.alloc [--quick] [--trials 7] [--sweep size] [--out data/alloc_microbench.csv]
 
-Each window synchronises the device, then times many pairs with perf_counter_ns; each (arm, case) is calibrated
-once to about `target_s` seconds per trial, timed as `windows` windows. Within a case of the size sweep the arms
-that keep a cached block (the pools, the floors) take turns window by window, order rotated each round and each
-trial, and an arm's time in the trial is the median of its windows; arms that call the device on every pair (raw,
-raw_held, cupy_async) run alone, every other arm's cache given back first (`trim`); the thread sweep times one
-window per arm, each alone. Why, and what the earlier versions measured instead: NOTES.md, Note [The
-microbenchmark's interleaving]. One CSV row per (trial, arm, case); ratio_vs_cupy_pool is CuPy's pool's time over
-the arm's in the same trial (> 1: faster); device_mallocs_per_pair comes from a separate counting pass.
+Each (arm, case) is calibrated once to about `target_s` seconds per trial, timed as `windows` windows (the device
+synchronised around each); in the size sweep the arms that keep a cached block take turns window by window, those
+that call the device on every pair run alone (NOTES.md, Note [The microbenchmark's interleaving]). One CSV row per
+(trial, arm, case); ratio_vs_cupy_pool is CuPy's pool's time over the arm's in the same trial (> 1: faster);
+device_mallocs_per_pair comes from a separate counting pass.
 
 `--host` times xpool's C core alone on a CPU (`xlab._probes.time_pairs` over host memory) for the default scheme,
-the seed scheme and c_noop, alone and beside a training-like population of ranges (`busy`): the same
-interleaving, data/alloc_core_host.csv, ratios against xpool_seed (CuPy's pool needs a GPU).
-
-`--xpool-path PATH` times another build of xpool beside this one, in the same process and the same rotation:
-the checkout at PATH (built in place) is loaded as `xpool_before` (xlab.builds) and adds the arms
-`xpool_before` and `xpool_seed_before`, so a change to the core is measured against the build before it with
-every trial interleaved (#20: `--sweep size --xpool-path ...`).
+the seed scheme and c_noop, alone and beside a training-like population of ranges (`busy`): data/alloc_core_host.csv,
+ratios against xpool_seed. `--xpool-path PATH` times another build of xpool (the checkout at PATH, built in place,
+loaded by xlab.builds) beside this one in the same rotation, as the arms `xpool_before` and `xpool_seed_before` (#20).
 """
 from __future__ import annotations
 

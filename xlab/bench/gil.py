@@ -1,22 +1,7 @@
-"""What two dispatching threads cost each other under one GIL: ops per second from 1 and 2 threads, per op kind.
+"""What dispatching threads cost each other under one GIL: ops per second from 1, 2, 4 and 8 threads, per op kind
+(the arms table's rows of framework "gil"); why and how: NOTES.md, Note [GIL probe].
 
     python -m xlab.bench.gil [--trials 5] [--seconds 0.5] [--out data/gil_probe.csv]
-
-Thread-per-GPU training dispatches every op from Python, under one GIL. CuPy releases the GIL around each
-driver call (`with nogil: cuLaunchKernel(...)`), so a rank thread gives the GIL up at every launch; a peer
-thread waiting for it wakes, and the two trade the lock hundreds of times per step (the convoy effect). This
-probe measures the cost directly: each arm runs its op in a loop for `seconds` on 1 thread, then on 2, 4 and 8
-threads (thread t on GPU t mod #GPUs, each on its own stream), and reports ops per second in all. With no GIL
-contention N threads would do N times the ops of one; pure Python work (`python`) can do at most 1x; below 1x,
-handing the GIL over costs more than it lets run in parallel.
-
-The ops (each one a training step dispatches hundreds of times) and what each holds of the GIL are rows of the
-arms table (xlab.allocators.ARMS, framework "gil"): pure Python, empty and 8-argument kernel launches through
-CuPy and through ctypes.PyDLL (GIL held; the 8 arguments packed by `struct` into cuLaunchKernel's
-CU_LAUNCH_PARAM_BUFFER_POINTER buffer), `x + x` on 1-element arrays, a 16x16 GEMM by tapegpt.blas, by
-ctypes.PyDLL on CuPy's cuBLAS handle, and by cupy.matmul.
-Trials interleave the arms (A B C, A B C, ...); `sys.getswitchinterval()` is recorded and varied with
---switch-intervals.
 """
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
-"""PyTorch through xpool against PyTorch's own caching allocator, and the memory of a mixed CuPy/PyTorch loop.
+"""PyTorch through xpool against PyTorch's own caching allocator (`empty_del`: µs per torch.empty+del pair by
+size; `train_step`: the parity model's tokens/s), and the memory of a mixed CuPy/PyTorch loop for notebook 02; the
+cases and why each arm runs in a process of its own: NOTES.md, Note [PyTorch interop benchmark].
 
     python -m xlab.bench.torch_interop [--trials 5] [--out data/torch_interop.csv]     # ~2-3 min on one H200
-
-Two cases, each arm in a fresh process (PyTorch picks its allocator once per process), the arms alternating
-and swapping which goes first from trial to trial:
-- `empty_del`: µs per `a = torch.empty(n, dtype=uint8, device="cuda"); del a` pair at three sizes (host-bound:
-  the allocator's path plus PyTorch's tensor construction);
-- `train_step`: tokens/s of the parity model (tapegpt's torch twin of the GPT, reference size, AdamW) over
-  timed steps after warm-up; the GPU is busy for most of a step, so this shows whether the allocator costs
-  the training loop anything.
-One CSV row per (trial, arm, case, size) with provenance; the arms are `torch` (PyTorch's own allocator; CSVs
-before the arms table call it `native`) and `xpool` (xpool.enable_torch()); `summarize` gives each arm's median
-[95% interval] and xpool's speed over PyTorch's; the figure is `xlab.plots.torch_interop`.
-For notebook 02, `mixed_memory()` runs a mixed loop (a PyTorch MLP step, then CuPy matmuls on its weights through
-DLPack, feeding the next step) under xpool and under the frameworks' own pools, each in a fresh process, and
-`plot_mixed_memory` draws each framework's bytes in the one pool over time beside the two pools' summed peak.
 """
 from __future__ import annotations
 

@@ -1,24 +1,9 @@
-"""Data-parallel training over 1..N GPUs (global batch = per-GPU batch x N), NCCL all-reduce of gradients.
-
-Two modes, the same allocators, `trials` trials interleaved across them (A B C D, A B C D, ...):
-- threads: one process, one Python thread per GPU, one NCCL communicator per thread (`ThreadGroup`:
-  ncclCommInitRank from each thread, NCCL's one-device-per-thread pattern; the calls release the GIL).
-  The all-reduce is fenced (train.Fenced) during warm-up, and in the timed steps only for allocators that call
-  the device once warm (raw): a cudaMalloc/cudaFree during a peer's NCCL kernel deadlocks.
-  The gradient all-reduce is not overlapped with the backward pass: the tape runs backward as one call with no
-  per-gradient hook, so buckets on a side stream would need the workload changed (not done).
-- processes: one process per GPU, started by `mpirun` (mpi4py) where it exists, else by multiprocessing
-  spawn; each rank runs the interleaved trials itself, so launch, CUDA and NCCL start-up are paid once.
-World 1 is the plain one-GPU loop in both modes (no communicator, no all-reduce), so a speedup is over
-training on one GPU, not over a one-rank all-reduce (the first H200 CSV's world-1 rows still all-reduced).
+"""Data-parallel training over 1..N GPUs (global batch = per-GPU batch x N), NCCL all-reduce of gradients, in two
+modes: one thread per GPU in one process, or one process per GPU (NOTES.md, Note [Data-parallel modes]).
 
 How it reads: `run` -> for each world, a mode's arms (`threads_arms`: a ThreadGroup; `launch`: rank processes
 running `rank_main`) -> runner.run_arm for each (trial, allocator) around rank functions built from
 train.run_rank -> train.build_row. Nothing calls back up.
-
-Every run carries its checks: the loss curve against a single-GPU run on the same global batch
-(loss_rel_diff_max <= 1e-6) and the parameters across ranks after the run (param_rank_diff_max < 1e-6).
-NVLink multicast stays off: NCCL_NVLS_ENABLE=0 in every process.
 
     df = ddp.run(worlds=(1, 2))                   # writes data/ddp_scaling.csv
     python -m xlab.experiments ddp --worlds 1 2 --modes threads processes --trials 5

@@ -177,19 +177,9 @@ def fence_always() -> bool:
 
 
 class Fenced:
-    """A communicator for ranks that are threads of one process: meet, run the collective, wait for it.
-
-    NCCL turns peer access on between the GPUs of one process; then a cudaMalloc or cudaFree waits for
-    the peers too, so a rank allocating while a peer's NCCL kernel waits for that rank's launch
-    deadlocks (seen on two H200s with raw cudaMalloc and with CuPy's pool during warm-up). With the
-    fence no rank is inside its step while a collective is in flight.
-
-    The fence costs the overlap of one rank's host work with the other's GPU work, so it is only armed where
-    it is needed: during warm-up for every allocator (pools call cudaMalloc while they fill), and in the timed
-    steps only for allocators that still call the device once warm (`device_calls_when_warm`: raw, cudaMallocAsync).
-    A pool that makes no device call once warm cannot meet that deadlock. `bcast` (the checks after the run) is
-    always fenced: the check allocates fresh buffers.
-    """
+    """A communicator for ranks that are threads of one process: meet, run the collective, wait for it; armed
+    during warm-up, and in the timed steps only for allocators that call the device once warm (NOTES.md, Note [The
+    fence]: else a cudaMalloc during a peer's NCCL kernel deadlocks)."""
 
     def __init__(self, comm, barrier, sync):
         self.comm, self.barrier, self.sync = comm, barrier, sync
