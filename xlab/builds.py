@@ -15,14 +15,7 @@ import sys
 
 
 def load_xpool(path, name: str = "xpool_before"):
-    """The xpool package of the checkout at `path`, imported as `name`.
-
-    Args:
-        path: a checkout (the directory holding xpool/) whose C core is built in place.
-        name: the module name to give it (not "xpool").
-
-    Returns:
-        The package.
+    """The xpool package of the checkout at `path` (its C core built in place), imported as `name`.
 
     Raises:
         FileNotFoundError: no xpool package there.
@@ -36,7 +29,7 @@ def load_xpool(path, name: str = "xpool_before"):
     init = pkg / "__init__.py"
     if not init.is_file():
         raise FileNotFoundError(f"path={str(path)!r}: no xpool package at {pkg}")
-    for other_name, module in list(sys.modules.items()):   # one C core loaded twice would share its state
+    for other_name, module in list(sys.modules.items()):
         origin = getattr(getattr(module, "__spec__", None), "origin", None)
         if other_name != name and origin and pathlib.Path(origin).resolve() == init:
             raise ValueError(f"path={str(path)!r} holds the xpool imported as {other_name}: give another build")

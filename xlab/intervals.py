@@ -14,6 +14,7 @@ import math
 import re
 
 import numpy as np
+import pandas as pd
 
 LEVEL = 0.95
 RESAMPLES = 2000
@@ -76,7 +77,6 @@ def ratio_ci(numerator, denominator, level: float = LEVEL, resamples: int = RESA
 def paired(df, value: str, arm: str, reference, by=(), trial: str = "trial"):
     """Every arm's `value` over the `reference` arm's, per group of `by`, paired by `trial` (ratio_ci): a frame of
     the `by` columns, `arm`, ratio, ratio_lo, ratio_hi, n_pairs (the reference left out; empty without it)."""
-    import pandas as pd
     by, rows = list(by), []
     for key, g in (df.groupby(by, sort=False, dropna=False) if by else [((), df)]):
         key = key if isinstance(key, tuple) else (key,)
@@ -98,7 +98,6 @@ def best(df, value: str, arm: str, higher: bool = True):
 def paired_best(df, value: str, arm: str, candidates, by=(), higher: bool = True, trial: str = "trial"):
     """`paired` against the best of `candidates` per group of `by` (`best`; named in a `reference` column), the
     reference itself included with ratio 1: how each arm compares with the fastest of several peers."""
-    import pandas as pd
     by, out = list(by), []
     for key, g in (df.groupby(by, sort=False, dropna=False) if by else [((), df)]):
         ref = best(g[g[arm].isin(candidates)], value, arm, higher)
@@ -147,7 +146,6 @@ def summarize(df, by, value: str, trial: str = "trial"):
     trial column (only used for the count). Returns: A DataFrame with the `by` columns, `value`, `value + "_lo"`,
     `value + "_hi"` and `n_trials`, groups in order of first appearance.
     """
-    import pandas as pd
     by = list(by)
     rows = []
     for key, g in df.groupby(by, sort=False, dropna=False):
@@ -182,3 +180,12 @@ def fmt_ci(value: float, lo: float, hi: float, fmt: str = "{:.2f}", unit: str = 
     if exact or len(bounds) < 2:
         return head if exact else f"{head} (single run)"
     return f"{head} [{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
+def fmt_bytes(n: float) -> str:
+    """A byte count for people: '64 KiB', '1.5 MiB', '100 B' (binary units): the lab's one byte formatter."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.3g} {unit}"
+    return f"{n:.0f} B"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import ctypes
+import gc
 import itertools
 import math
 import pathlib
@@ -24,8 +25,10 @@ from collections import defaultdict
 import numpy as np
 import pandas as pd
 
+from tapegpt import GPT, AdamW, GPTConfig, fused, get_batch, kernels, load_corpus
 from xlab import allocators as registry
 from xlab.paths import publish, write_csv
+from xlab.provenance import provenance
 from xpool.backends import HostBackend
 from xpool.pool import Pool
 from xpool.sizeclass import ALIGN, size_class
@@ -494,7 +497,6 @@ def record_numpy_traces(data_dir="data", names=None) -> dict:
 def write_numpy_trace(tl: pd.DataFrame, name: str, data_dir="data") -> pd.DataFrame:
     """Writes a timeline record_numpy_timeline made with NUMPY_TRACES[name]'s arguments to its file under
     data_dir, with provenance on every row; returns what was written."""
-    from .provenance import provenance
     kw = NUMPY_TRACES[name]
     cfg = _config(None, kw["batch"])
     prov = provenance(batch=cfg.batch_size, n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,
@@ -605,7 +607,6 @@ def record_numpy_timeline(batch: int = 4, block_sizes=(256, 256), seed: int = 0,
     which the GPU never makes, are gone.  The values are garbage (nothing depends on them but the loss);
     the requests are the GPU step's, up to CuPy's own temporaries (cuBLAS, reductions).  The plain NumPy
     path missed the churn the H200 showed at batch 4 (NOTES.md, #14); this one replays it."""
-    from tapegpt import GPT, AdamW, fused, get_batch, kernels, load_corpus
     cfg = _config(config, batch)
     if max(block_sizes) > cfg.block_size or min(block_sizes) < 1:
         raise ValueError(f"block_sizes must be in [1, {cfg.block_size}], got {block_sizes}")
@@ -646,7 +647,6 @@ def record_numpy_timeline(batch: int = 4, block_sizes=(256, 256), seed: int = 0,
 
 def _config(config=None, batch=None):
     """A GPTConfig (None: the reference; a dict of fields; itself), at `batch` sequences when given."""
-    from tapegpt import GPTConfig
     cfg = GPTConfig(**config) if isinstance(config, dict) else config or GPTConfig()
     return cfg if batch is None else GPTConfig(**dict(cfg.to_dict(), batch_size=int(batch)))
 
@@ -662,7 +662,6 @@ def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warm
     import cupy
 
     from xpool.cupy_adapter import MemoryPool, use
-    from tapegpt import GPT, AdamW, get_batch, load_corpus
     cfg = _config(config, batch)
     pool = pool if pool is not None else MemoryPool(scheme="seed", classes_per_doubling=k, timeline=capacity)
     data = load_corpus()
@@ -699,7 +698,6 @@ def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warm
 def measure_waste(ks=KS, config=None, batch: int | None = None, warmup: int = 1, seed: int = 0):
     """GPU: for each k, train with xpool(k) installed: (waste rows, source "measured"; the timeline recorded at
     ks[0])."""
-    from .provenance import provenance
     cfg = _config(config, batch)
     rows, first = [], None
     for k in ks:
@@ -739,11 +737,7 @@ def train_varlen(alloc, cfg, block_sizes, seed: int = 0, foreach: bool = True) -
     """GPU: the GPT trained on CuPy with `alloc` (an xlab.allocators.Allocator, not installed) installed and
     counting, one step per entry of `block_sizes` (sequence lengths); the device mallocs counted after setup and
     after each step (len(block_sizes) + 1 numbers). foreach: flat-buffer AdamW (the default) or per-parameter."""
-    import gc
-
     import cupy
-
-    from tapegpt import GPT, AdamW, get_batch, load_corpus
     data = load_corpus()
     alloc.install(counting=True)
     mallocs = []
@@ -778,7 +772,6 @@ def measure_varlen(allocators=VARLEN_ALLOCATORS, batch: int | None = None, block
     MemoryHook's live requested bytes), deterministic for a given program, so one run per allocator.
     device_mallocs_warm counts the steps from WARMUP_STEPS on. VARLEN_COLUMNS and provenance.
     """
-    from .provenance import provenance
     spec = NUMPY_TRACES["gpt_varlen_numpy"]
     batch = int(batch or spec["batch"])
     block_sizes = tuple(int(t) for t in (block_sizes or spec["block_sizes"]))

@@ -11,12 +11,8 @@ import threading
 
 
 def nvml_reader(devices):
-    """A function returning {device: utilisation %} now, or None when NVML cannot be used.
-
-    CUDA and NVML may number GPUs differently, so handles are found by PCI bus id.
-
-    Args: devices: CUDA device numbers. Returns: A function of no arguments, or None.
-    """
+    """A function returning {device: utilisation %} now of these CUDA devices, or None when NVML cannot be used
+    (handles found by PCI bus id: CUDA and NVML may number GPUs differently)."""
     try:
         import pynvml
         from cupy.cuda import runtime
@@ -67,8 +63,5 @@ class UtilSampler:
 
 
 def mean(values) -> float:
-    """The arithmetic mean; NaN for no values.
-
-    Args: values: a sequence of numbers. Returns: A float.
-    """
+    """The arithmetic mean; NaN for no values."""
     return sum(values) / len(values) if values else math.nan

@@ -26,6 +26,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from . import allocators, intervals, sources
+from .intervals import fmt_bytes
 
 PROVENANCE = ("gpu", "driver", "cuda", "cupy", "commit", "date")
 MODES = {"single": "one GPU", "threads": "one thread per GPU (one process)", "processes": "one process per GPU"}
@@ -34,15 +35,6 @@ PASS_COLOR, FAIL_COLOR = "#2ca02c", "#d62728"
 
 # ---------------------------------------------------------------------------------------------------------
 # Shared pieces
-
-
-def fmt_bytes(n: float) -> str:
-    """A byte count for people: '64 KiB', '1.5 MiB', '100 B' (binary units): the lab's one byte formatter."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            v = n / scale
-            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 def fmt_si(v: float) -> str:

@@ -26,6 +26,9 @@ import numpy as np
 import pandas as pd
 
 from . import allocators, intervals as iv, paths, plots, sources, targets
+from .bench.dynamic import summary as dynamic_summary
+from .experiments.train import HOST_BOUND_UTIL, step_bound
+from .memory_study import replay_waste
 
 # Small parameters for CI: CPU mode (never measure, even on a GPU) and the fewest steps that run the code.
 CPU_QUICK = {
@@ -92,7 +95,6 @@ def _md(header, rows) -> str:
 
 def _bound(g) -> str:
     """What bounds these rows' steps: their `bound` column (the most common), else from the medians."""
-    from .experiments.train import step_bound
     if "bound" in g and g["bound"].notna().any():
         return str(g["bound"].mode().iloc[0])
     med = {c: float(g[c].median()) if c in g else math.nan for c in ("gpu_util_mean", "host_ms_per_step", "ms_per_step")}
@@ -263,7 +265,8 @@ REPLICATED = (     # every ratio the targets rest on, per group; measured in a f
     T("r4", "batch sweep, 2 GPUs, {at}: speedup", "batch_sweep.csv", "speedup", where=dict(world=2),
       over=("mode", "batch", "allocator"), pick="each", unit="×"),
     T("r5", "microbenchmark, {at}: CuPy pool's time / the arm's", "alloc_microbench.csv", "ratio_vs_cupy_pool",
-      tuple(a for a in allocators.SETS["bench"] if a != "cupy_pool"), where=dict(sweep="size"), over=("size_bytes", "allocator"), pick="each", unit="×"),
+      tuple(a for a in allocators.SETS["bench"] if a != "cupy_pool"), where=dict(sweep="size"),
+      over=("size_bytes", "allocator"), pick="each", unit="×"),
     T("r6", "alloc+free sweep (final hit path), {at}: CuPy pool's time / xpool's", "alloc_hit_sweep.csv",
       "ratio_vs_cupy_pool", "xpool", over=("size_bytes",), pick="each", unit="×"),
     T("r7", "PyTorch empty_del, {at}: PyTorch's allocator's time / xpool's", "torch_interop.csv", "value", "torch",
@@ -311,9 +314,8 @@ def replication(data: pathlib.Path, where: str = "data") -> str:
 
 def dynamic_table(data: pathlib.Path) -> str:
     """Every workload and arm of the dynamic-shape benchmark: xlab.bench.dynamic.summary, the CLI's table."""
-    from .bench.dynamic import summary
     df = sources.current(data, "dynamic_shapes")
-    return "" if df is None else _md(list(s := summary(df)), s.itertuples(index=False))
+    return "" if df is None else _md(list(s := dynamic_summary(df)), s.itertuples(index=False))
 
 
 def data_table(data: pathlib.Path) -> str:
@@ -333,7 +335,6 @@ def _replay(data: pathlib.Path) -> str:
     waste, tl = sources.read(data, "memory_waste"), sources.read(data, "memory_timeline")
     if waste is None or tl is None:
         return ""
-    from .memory_study import replay_waste
     rep = replay_waste(tl, tuple(int(k) for k in waste["k"])).set_index("k")
     exact = all(rep.loc[int(r.k), "peak_bytes_reserved"] == r.peak_bytes_reserved for r in waste.itertuples())
     return ("Replaying the recorded requests through xpool's core on the CPU reproduces the measured peak reserved "
@@ -370,7 +371,6 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
             links[name] = f"![{name}]({pathlib.Path(os.path.relpath(got.resolve(), report_dir.resolve())).as_posix()})"
         else:
             links[name] = f"_{name}: {got or 'not built'}._"
-    from .experiments.train import HOST_BOUND_UTIL
     values = {**targets.values(data), "counts": targets.counts(now), "fig": links, "host_bound_util": HOST_BOUND_UTIL,
               "targets_table": "\n".join(targets.table(now)) or "_No targets measured yet._",
               "history_table": "\n".join(targets.table(then)), "replay": _replay(data)}

@@ -54,6 +54,7 @@ class T:
 
 
 X, XS, XG, CP = "xpool", "xpool_seed", "xpool_graph", "cupy_pool"
+BOTH = ((X, ""), (XS, "_seed"))            # rows measured for the default scheme and for the seed scheme
 DYN, XD, PEERS = "dynamic_shapes", ("xpool", f"xpool_{DEFAULT_SCHEME}"), SETS["dynamic"]   # XD: the default arm
 MS, PCT, K = dict(fmt="{:.1f}", unit=" ms"), dict(fmt="{:.0f}", unit="%"), dict(fmt="{:.1f}", unit="k", scale=1e-3)
 W2T, W2P = dict(mode="threads", world=2), dict(mode="processes", world=2)
@@ -85,30 +86,19 @@ def _dynamic() -> list:
 # the goal 91.2k tokens/s: CuPy's pool at batch 32, flat-buffer AdamW, on an H200 at 8ea8461 (shared/ANCHORS.md)
 TARGETS = (
     # the allocator microbenchmark, through CuPy (cached arms: the final hit path's sweep)
-    T("us_vs_cupy", "xpool µs per pair ≤ 1.05× CuPy MemoryPool's, every size (worst: {at})", "alloc_size",
-      "time_vs_cupy_pool", X, 1.05, False, over=("size_bytes",), unit="×", bound="host"),
-    T("us_vs_cupy_seed", "xpool_seed µs per pair ≤ 1.05× CuPy MemoryPool's, every size (worst: {at})", "alloc_size",
-      "time_vs_cupy_pool", XS, 1.05, False, over=("size_bytes",), unit="×", bound="host"),
+    *(T(f"us_vs_cupy{s}", f"{a} µs per pair ≤ 1.05× CuPy MemoryPool's, every size (worst: {{at}})", "alloc_size",
+        "time_vs_cupy_pool", a, 1.05, False, over=("size_bytes",), unit="×", bound="host") for a, s in BOTH),
     T("hit_worst", "#14: xpool alloc+free no slower than CuPy MemoryPool's, every size (CuPy's time / xpool's per "
       "trial; worst: {at})", "alloc_size", "ratio_vs_cupy_pool", X, 1.0, over=("size_bytes",), unit="×",
       bound="host"),
-    T("threads_8", "xpool: 8 threads ≥ 1 thread in pairs/s (64 KiB)", "alloc_threads", "kpairs_per_s", X, 1.0,
-      where=dict(threads=8), ref=dict(threads=1), unit="×", bound="host"),
-    T("threads_8_seed", "xpool_seed: 8 threads ≥ 1 thread in pairs/s (64 KiB)", "alloc_threads", "kpairs_per_s", XS,
-      1.0, where=dict(threads=8), ref=dict(threads=1), unit="×", bound="host"),
+    *(T(f"threads_8{s}", f"{a}: 8 threads ≥ 1 thread in pairs/s (64 KiB)", "alloc_threads", "kpairs_per_s", a, 1.0,
+        where=dict(threads=8), ref=dict(threads=1), unit="×", bound="host") for a, s in BOTH),
     # one GPU
-    T("vs_raw", "one GPU, batch 32: xpool ≥ 2.9× raw (tokens/s)", "single_gpu", "tokens_per_s", X, 2.9,
-      where=dict(batch=32), ref=dict(allocator="raw"), unit="×"),
-    T("vs_raw_seed", "one GPU, batch 32: xpool_seed ≥ 2.9× raw (tokens/s)", "single_gpu", "tokens_per_s", XS, 2.9,
-      where=dict(batch=32), ref=dict(allocator="raw"), unit="×"),
-    T("vs_cupy_32", "#14: one GPU, batch 32: xpool ≥ 1.00× CuPy MemoryPool (tokens/s)", "single_gpu",
-      "tokens_per_s", X, 1.0, where=dict(batch=32), ref=dict(allocator=CP), unit="×"),
-    T("vs_cupy_4", "#14: one GPU, batch 4: xpool ≥ 1.00× CuPy MemoryPool (tokens/s)", "single_gpu", "tokens_per_s",
-      X, 1.0, where=dict(batch=4), ref=dict(allocator=CP), unit="×"),
-    T("vs_cupy_32_seed", "one GPU, batch 32: xpool_seed ≥ 1.00× CuPy MemoryPool (tokens/s)", "single_gpu",
-      "tokens_per_s", XS, 1.0, where=dict(batch=32), ref=dict(allocator=CP), unit="×"),
-    T("vs_cupy_4_seed", "one GPU, batch 4: xpool_seed ≥ 1.00× CuPy MemoryPool (tokens/s)", "single_gpu",
-      "tokens_per_s", XS, 1.0, where=dict(batch=4), ref=dict(allocator=CP), unit="×"),
+    *(T(f"vs_raw{s}", f"one GPU, batch 32: {a} ≥ 2.9× raw (tokens/s)", "single_gpu", "tokens_per_s", a, 2.9,
+        where=dict(batch=32), ref=dict(allocator="raw"), unit="×") for a, s in BOTH),
+    *(T(f"vs_cupy_{b}{s}", f"{'#14: ' * (a == X)}one GPU, batch {b}: {a} ≥ 1.00× CuPy MemoryPool (tokens/s)",
+        "single_gpu", "tokens_per_s", a, 1.0, where=dict(batch=b), ref=dict(allocator=CP), unit="×")
+      for a, s in BOTH for b in (32, 4)),
     T("tps_32", "one GPU, batch 32: xpool ≥ 91.2k tokens/s (CuPy's pool on an H200 at 8ea8461)", "single_gpu",
       "tokens_per_s", X, 91.2, where=dict(batch=32), **K),
     T("dispatch_32", "host ms per step ≤ 12 at batch 32 (xpool; thread CPU time of a step started on an idle "
@@ -256,10 +246,9 @@ class Measured:
 
 
 def _group_label(keys, values) -> str:
-    from .plots import fmt_bytes
     out = []
     for k, v in zip(keys, values):
-        out.append(fmt_bytes(v) if k == "size_bytes" else f"k = {v}" if k == "k" else
+        out.append(iv.fmt_bytes(v) if k == "size_bytes" else f"k = {v}" if k == "k" else
                    str(v) if k in ("allocator", "arm", "mode", "workload") else f"{k} {v}")
     return ", ".join(out)
 

@@ -19,14 +19,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import random
 import statistics
 import sys
 import threading
 import time
 
-from xlab import allocators as registry
+import pandas as pd
+from tqdm.auto import tqdm
+
+import xpool
+from xlab import allocators as registry, intervals
 from xlab.allocators import KIB, MIB, NoGPU
+from xlab.intervals import fmt_bytes
 from xlab.paths import publish
+from xlab.provenance import provenance
 
 SIZES = (4 * KIB, 64 * KIB, MIB, 12 * MIB, 96 * MIB)
 THREADS = (1, 4, 8)
@@ -151,8 +158,6 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
     """(samples, mallocs): one row per (trial, allocator, case) with ns and pairs (the size sweep's `windows`
     windows, median kept; the thread sweep's one, since each starts its threads anew); and device mallocs per
     pair by (allocator, size) from a counting pass of `count_pairs` pairs (the arms that can count)."""
-    import pandas as pd
-    from tqdm.auto import tqdm
     allocators = tuple(allocators or default_allocators())
     cases = [("size", n, 1) for n in sizes] + [("threads", THREAD_SIZE, t) for t in threads]
     capacity = max((*sizes, THREAD_SIZE))                  # the floors hand out one block: big enough for all
@@ -269,8 +274,6 @@ def other_build_arms(path) -> tuple:
 def other_build_table(rows) -> str:
     """The other build against this one, per size, paired by trial: its µs per pair over this build's (> 1: this
     build is faster), the ratio of medians with a 95% interval (xlab.intervals.ratio_ci); "" without its arms."""
-    from xlab import intervals
-    from xlab.plots import fmt_bytes
     lines = []
     for theirs, mine in (("xpool_before", "xpool"), ("xpool_seed_before", "xpool_seed")):
         part = rows[(rows.sweep == "size") & rows.allocator.isin([theirs, mine])]
@@ -296,9 +299,6 @@ def host_pool(scheme: str, busy: bool, seed: int = 0):
     """An xpool.Pool of `scheme` over host memory: alone, or busy (300 blocks of 512 B - 16 MiB made from `seed`
     and every other one freed, as a training step leaves ranges of many sizes free and in use around the ones it
     asks for; the population kept alive in `_population`)."""
-    import random
-
-    import xpool
     pool = xpool.Pool(xpool.HostBackend(), scheme=scheme)
     pool._population = []
     if busy:
@@ -314,9 +314,6 @@ def host_pool(scheme: str, busy: bool, seed: int = 0):
 def measure_host(sizes=SIZES, trials=TRIALS, target_s=TARGET_S / 3, windows=WINDOWS, progress=True):
     """Samples of the C core's malloc+free pairs over host memory (xlab._probes.time_pairs): one row per
     (trial, allocator, scenario, size) with ns and pairs, arms interleaved and rotated as on the GPU."""
-    import pandas as pd
-    from tqdm.auto import tqdm
-
     from xlab import _probes
     from xpool import testing
     pools = {(a, sc): host_pool("seed" if a == "xpool_seed" else "xpool", sc == "busy")
@@ -363,8 +360,6 @@ def host_rows(samples):
 
 def host_table(rows) -> str:
     """Medians over trials with 95% intervals, ns per pair, one line per (scenario, allocator)."""
-    from xlab import intervals
-    from xlab.plots import fmt_bytes
     s = intervals.summarize(rows, ["scenario", "allocator", "size_bytes"], "ns_per_pair")
     lines = ["ns per malloc+free pair through the C core over host memory (median [95% interval])",
              f"{'':<20}" + "".join(f"{fmt_bytes(n):>22}" for n in dict.fromkeys(s.size_bytes))]
@@ -404,7 +399,6 @@ def summary(rows):
     """Medians over trials with 95% intervals: one row per (allocator, sweep, size, threads) with us_per_pair,
     kpairs_per_s and ratio_vs_cupy_pool (each with _lo/_hi), n_trials and device_mallocs_per_pair. Old CSVs (one
     summary row per case, no trial column) come out as single runs."""
-    from xlab import intervals
     keys = ["allocator", "sweep", "size_bytes", "threads"]
     out = None
     for col in ("us_per_pair", "kpairs_per_s", "ratio_vs_cupy_pool"):
@@ -417,7 +411,6 @@ def summary(rows):
 def table(summary) -> str:
     """Two plain-text tables of medians over trials: µs per pair by size, and kpairs/s by threads; (x) = speed
     relative to CuPy's pool in the same trial (median of the paired ratios)."""
-    from xlab.plots import fmt_bytes
     lines = []
     for sweep, col, value, unit in (("size", "size_bytes", "us_per_pair", "µs per pair (median)"),
                                     ("threads", "threads", "kpairs_per_s", "thousand pairs/s, 64 KiB")):
@@ -439,7 +432,6 @@ def table(summary) -> str:
 
 def with_provenance(rows, bench="alloc", **params):
     """Every row with the provenance columns (GPU, driver, CUDA, CuPy, commit, date) and the run's params."""
-    from xlab.provenance import provenance
     return rows.assign(**provenance(bench=bench, **params))
 
 

@@ -11,6 +11,12 @@ import argparse
 import statistics
 import time
 
+import pandas as pd
+
+from xpool import HostBackend, Pool
+from xlab.paths import publish
+from xlab.provenance import provenance
+
 SIZES = (4 << 10, 64 << 10, 1 << 20)
 
 
@@ -26,11 +32,6 @@ def pair_us(pool, nbytes: int, pairs: int) -> float:
 def run(sizes=SIZES, pairs: int = 2000, repeats: int = 5, out: str | None = "data/debug_cost_host.csv"):
     """One row per (size, debug): median µs per pair over `repeats` windows of `pairs`, and the ratio to debug
     off; written to `out` (None: not written)."""
-    import pandas as pd
-
-    from xpool import HostBackend, Pool
-    from xlab.paths import publish
-    from xlab.provenance import provenance
     pools = {mode: Pool(HostBackend(), debug=mode) for mode in (False, "raise")}
     rows = []
     for n in sizes:

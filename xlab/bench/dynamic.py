@@ -24,15 +24,19 @@ import traceback
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from importlib import metadata
 from multiprocessing import get_context
 
 import numpy as np
 import pandas as pd
+from tqdm.auto import tqdm
 
 from xlab import allocators as registry
 from xlab import intervals
+from xlab.experiments.runner import installed
+from xlab.experiments.train import Window      # with tapegpt: imported once, before the forks (no CUDA)
 from xlab.paths import write_csv
-from xlab.provenance import git_commit, provenance
+from xlab.provenance import git_commit, gpu_info, provenance
 
 from . import dynamic_workloads as wl
 from .alloc import rotated
@@ -121,7 +125,6 @@ def _settings(workload, opts) -> tuple:
 
 
 def _measure(alloc, workload, opts, sync) -> dict:
-    from xlab.experiments.train import Window
     steps, warmup, seed = _settings(workload, opts)
     window = Window(lambda: device_calls(alloc), sync)
     with alloc.tracking():
@@ -133,7 +136,6 @@ def _measure(alloc, workload, opts, sync) -> dict:
 
 def _cupy_arm(arm, workloads, opts) -> list:
     """A fresh allocator per workload; a second, counting run where counting costs time (free_counting False)."""
-    from xlab.experiments.runner import installed
     sync = lambda: None     # noqa: E731
     if opts["gpu"]:
         import cupy
@@ -196,7 +198,6 @@ def arm_process(framework, arm, workloads, trial, position, opts) -> list:
 
 def _version(*names) -> str | None:
     """The first of these distributions installed: its version."""
-    from importlib import metadata
     for name in names:
         try:
             return metadata.version(name)
@@ -244,7 +245,6 @@ def _keys(df) -> list:
 
 
 def _n_gpus() -> int:
-    from xlab.provenance import gpu_info
     return gpu_info()["n_gpus"]
 
 
@@ -262,7 +262,6 @@ def run(workloads=None, arms=None, trials: int = TRIALS, steps: int | None = Non
     arms that raised. steps, warmup: of every workload (None: each its own); cpu: NumPy and PyTorch on the CPU under
     arm 'numpy' (tests the code, measures nothing); small: small models (default: with cpu); start: how the
     processes start ("fork", "spawn"). ValueError: unknown names (see resolve), or trials, steps or warmup < 1."""
-    from tqdm.auto import tqdm
     for name, v in (("trials", trials), ("steps", steps), ("warmup", warmup)):
         if v is not None and not (isinstance(v, int) and v >= 1):
             raise ValueError(f"{name} must be a whole number >= 1, got {v!r}")
@@ -274,7 +273,6 @@ def run(workloads=None, arms=None, trials: int = TRIALS, steps: int | None = Non
     old = pd.read_csv(out) if out and pathlib.Path(out).is_file() and not fresh else pd.DataFrame()
     commit = git_commit()
     jobs, wanted = plan(trials, workloads, per_framework, opts, set(_keys(old)), commit)
-    import tapegpt, xlab.experiments.train  # noqa: E401,F401 - imported once, before the forks (no CUDA)
     for name in ("cupy",) * (not cpu) + ("torch",) * ("torch" in per_framework):
         __import__(name)
     tqdm.monitor_interval = 0                  # no monitor thread in a process that forks

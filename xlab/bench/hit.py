@@ -12,8 +12,16 @@ import statistics
 import sys
 import time
 
+import pandas as pd
+from tqdm.auto import tqdm
+
+import xpool
+from xlab import intervals
 from xlab.allocators import KIB, MIB
+from xlab.bench.alloc import rotated
+from xlab.intervals import fmt_bytes, fmt_ci
 from xlab.paths import publish
+from xlab.provenance import has_gpu, provenance
 
 SIZES = (4 * KIB, 12 * MIB)
 TRIALS = 9
@@ -23,11 +31,6 @@ COLUMNS = ["arm", "size_bytes", "trial", "ns", "calls", "windows", "trials"]
 DIFFERENCES = (("core in place", "xpool_core", "c_noop"), ("lookup in place", "xpool", "xpool_core"),
                ("old lookup in place", "xpool_old_lookup", "xpool_core"), ("xpool above floor", "xpool", "c_noop"),
                ("cupy_pool above floor", "cupy_pool", "c_noop"), ("xpool - cupy_pool", "xpool", "cupy_pool"))
-
-
-def _gpu() -> bool:
-    from xlab.provenance import has_gpu
-    return has_gpu()
 
 
 def pair_runner(arm, gpu: bool):
@@ -58,7 +61,6 @@ def pair_runner(arm, gpu: bool):
 def make_arms(gpu: bool) -> dict:
     """{arm: run(nbytes, calls) -> ns}: the in-place arms and the pieces alone this machine can time (`gpu`: a CUDA
     device is visible), and under "_keep" the objects they keep alive."""
-    import xpool
     from xlab import _probes
     from xpool import testing
     backend = xpool.CupyBackend() if gpu else xpool.HostBackend()
@@ -101,11 +103,7 @@ def calibrated(run, nbytes: int, window_s: float) -> int:
 def measure(sizes=SIZES, trials=TRIALS, windows=WINDOWS, window_s=WINDOW_S, gpu=None, progress=True):
     """One row per (trial, arm, size) (COLUMNS): ns for `calls` calls at the median of `windows` windows of about
     window_s seconds, arms rotated each trial; gpu: time CuPy's GPU path (None: when a GPU is visible)."""
-    import pandas as pd
-    from tqdm.auto import tqdm
-
-    from xlab.bench.alloc import rotated
-    gpu = _gpu() if gpu is None else gpu
+    gpu = has_gpu() if gpu is None else gpu
     arms = make_arms(gpu)
     keep = arms.pop("_keep")
     names = list(arms)
@@ -138,9 +136,6 @@ def measure(sizes=SIZES, trials=TRIALS, windows=WINDOWS, window_s=WINDOW_S, gpu=
 def breakdown(rows):
     """(per arm, differences): medians with 95% intervals of each arm's ns per call, and of the differences of
     DIFFERENCES paired by trial, from measure()'s rows (or the CSV)."""
-    import pandas as pd
-
-    from xlab import intervals
     df = rows.assign(ns_per_call=rows.ns / rows.calls)
     arms = intervals.summarize(df, ["size_bytes", "arm"], "ns_per_call")
     diffs = []
@@ -155,8 +150,6 @@ def breakdown(rows):
 
 def table(rows) -> str:
     """The breakdown of measure()'s rows as text."""
-    from xlab.intervals import fmt_ci
-    from xlab.plots import fmt_bytes
     arms, diffs = breakdown(rows)
     lines = ["ns per pair (arms in place, *_c alone in C; lookups: ns per call), median [95% interval]"]
     for n, g in arms.groupby("size_bytes", sort=False):
@@ -172,8 +165,7 @@ def table(rows) -> str:
 def run(out=None, trials=TRIALS, sizes=SIZES, window_s=WINDOW_S, progress=True):
     """Measure, print the breakdown, write the CSV (None: data/hit_breakdown.csv on a GPU,
     data/hit_breakdown_host.csv on a CPU; "": none): the rows, one per trial, with provenance."""
-    from xlab.provenance import provenance
-    gpu = _gpu()
+    gpu = has_gpu()
     df = measure(tuple(sizes), trials, WINDOWS, window_s, gpu=gpu, progress=progress)
     df = df.assign(**provenance(bench="hit", path="gpu" if gpu else "host", window_s=window_s))
     return publish(df, f"data/hit_breakdown{'' if gpu else '_host'}.csv" if out is None else out, table(df))

@@ -13,21 +13,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import multiprocessing as mp
 import os
 import pickle
+import queue as queue_module
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import traceback
 import warnings
 
+from tqdm.auto import tqdm
+
 from tapegpt import GPTConfig, load_corpus
+from xlab import allocators as registry
+from xlab.nvml import UtilSampler
 from xlab.paths import repo_root, write_csv
 from xlab.provenance import git_commit, provenance
 
-from xlab import allocators as registry
 from . import runner, train
 from .single_gpu import TRIALS
 
@@ -102,7 +108,6 @@ class ThreadGroup:
             self.comms = runner.run_threads(world, lambda r: NcclComm(nccl.NcclCommunicator(world, uid, r)),
                                             self.device_ctx)
         if not cpu:
-            from xlab.nvml import UtilSampler
             self.sampler = UtilSampler(range(world))          # rank 0 starts and stops it for all GPUs
         self.barrier = threading.Barrier(world, timeout=BARRIER_TIMEOUT)
         # one rank needs no collective (and no fence): world 1 is the same loop without an all-reduce
@@ -127,7 +132,6 @@ def threads_arms(world, names, cfg, data, batch, steps, warmup, count_steps, cpu
                  trials=TRIALS) -> list:
     """[(trial, runner.run_arm result)] for each trial and allocator, interleaved, with `world` threads (cpu:
     NumPy ranks with HostComm), in the order they ran."""
-    from tqdm.auto import tqdm
     group = ThreadGroup(world, cfg, data, warmup, cpu)
     try:
         return [(t, runner.run_arm(name, group.ranks(batch), steps, count_steps, range(world), count=t == 0))
@@ -146,9 +150,6 @@ def rank_main(rank, world, uid, spec, barrier) -> list:
     no_multicast()
     import cupy
     from cupy.cuda import nccl
-    from tqdm.auto import tqdm
-
-    from xlab.nvml import UtilSampler
     cfg, data = GPTConfig(**spec["config"]), load_corpus()
     with cupy.cuda.Device(rank):
         comm = NcclComm(nccl.NcclCommunicator(world, uid, rank)) if world > 1 else None
@@ -184,7 +185,6 @@ def worker_main(spec_path) -> None:
 
 
 def _spawned_rank(rank, world, uid, spec, barrier, queue):
-    import traceback
     try:
         timeout = spec.get("barrier_timeout", BARRIER_TIMEOUT)
         queue.put((rank, rank_main(rank, world, uid, spec, lambda: barrier.wait(timeout)), None))
@@ -227,9 +227,6 @@ def launch(world, spec, launcher="auto") -> list:
 
 
 def _spawn(world, spec, env):
-    import multiprocessing as mp
-    import queue as queue_module
-
     from cupy.cuda import nccl
     ctx = mp.get_context("spawn")
     queue, barrier = ctx.Queue(), ctx.Barrier(world)

@@ -13,9 +13,17 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import pathlib
 import threading
 
+import pandas as pd
+from tqdm.auto import tqdm
+
 from xlab import allocators as registry
+from xlab.paths import write_csv
+from xlab.provenance import git_commit, provenance
+
+from . import train
 
 RANK_TIMEOUT = 900.0      # seconds a rank thread may run before run_threads gives up on it (a hang inside NCCL)
 
@@ -92,9 +100,6 @@ def resumed(out, keys, **same) -> tuple[list, set]:
     left in `out` (None or missing: nothing), to finish it instead of starting over (a stage stopped by a time
     limit: never fewer trials, the rest in a later run). Rows whose columns differ from `same` (commit, config,
     steps, ...) are dropped, so a CSV of another commit or another setting is never mixed in."""
-    import pathlib
-
-    import pandas as pd
     if out is None or not pathlib.Path(out).is_file():
         return [], set()
     df = pd.read_csv(out)
@@ -112,12 +117,6 @@ def run_trials(name: str, one, configs, trials: int, out, keys, resume: bool, pr
     """The rows of one(trial, *config) (a train.build_row) for every (trial, config) of interleaved(trials, configs)
     that an interrupted run (resume: `resumed` with `keys` and `same`) did not leave in `out`, with provenance; the
     CSV rewritten after each, so what is done survives a later failure. A train.frame."""
-    from tqdm.auto import tqdm
-
-    from xlab.paths import write_csv
-    from xlab.provenance import git_commit, provenance
-
-    from . import train
     rows, done = resumed(out, keys, commit=git_commit(), **same) if resume else ([], set())
     for trial, config in tqdm(interleaved(trials, configs), desc=name, disable=not progress):
         if (trial, *config) not in done:

@@ -21,6 +21,8 @@ import contextlib
 from tapegpt import load_corpus
 
 from xlab import allocators as registry
+from xlab.nvml import UtilSampler
+
 from . import runner, train
 
 TRIALS = 5
@@ -43,7 +45,6 @@ def run(allocators=None, batches=(32, 4), steps=10, warmup=3, config=None, out="
     else:
         registry.require_gpus(1, "single_gpu.run")
         import cupy as xp
-        from xlab.nvml import UtilSampler
         sampler, on_device = UtilSampler([device]), lambda: xp.cuda.Device(device)
     cfg, data = train.make_config(config), load_corpus()
     first = {}                                 # first: batch -> the first allocator's loss curve
