@@ -28,9 +28,18 @@ def _clean(values) -> np.ndarray:
     return a[np.isfinite(a)]
 
 
-def _bounds(stats: np.ndarray, level: float) -> tuple[float, float]:
-    lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
-    return float(lo), float(hi)
+def _bootstrap(stat, arrays, level, resamples, seed):
+    """(stat(*arrays), lo, hi, n) with a percentile-bootstrap interval that resamples the arrays' elements together
+    (element t of each: trial t); lo and hi NaN with fewer than two elements, everything with none."""
+    n = len(arrays[0])
+    if n == 0:
+        return math.nan, math.nan, math.nan, 0
+    value = float(stat(*arrays, axis=None))
+    if n < 2:
+        return value, math.nan, math.nan, 1
+    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    lo, hi = np.quantile(stat(*(a[idx] for a in arrays), axis=1), [(1 - level) / 2, (1 + level) / 2])
+    return value, float(lo), float(hi), n
 
 
 def median_ci(values, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = SEED):
@@ -40,15 +49,7 @@ def median_ci(values, level: float = LEVEL, resamples: int = RESAMPLES, seed: in
     resamples: bootstrap resamples; seed: the resampling seed (fixed, so one CSV gives one interval). Returns:
     (median, lo, hi, n): lo and hi are NaN with fewer than two trials; all NaN with none.
     """
-    a = _clean(values)
-    if len(a) == 0:
-        return math.nan, math.nan, math.nan, 0
-    med = float(np.median(a))
-    if len(a) < 2:
-        return med, math.nan, math.nan, 1
-    idx = np.random.default_rng(seed).integers(0, len(a), size=(resamples, len(a)))
-    lo, hi = _bounds(np.median(a[idx], axis=1), level)
-    return med, lo, hi, len(a)
+    return _bootstrap(np.median, (_clean(values),), level, resamples, seed)
 
 
 def ratio_ci(numerator, denominator, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = SEED):
@@ -63,15 +64,8 @@ def ratio_ci(numerator, denominator, level: float = LEVEL, resamples: int = RESA
     if a.shape != b.shape:
         raise ValueError(f"numerator and denominator must pair trial by trial; got {len(a)} and {len(b)} trials")
     keep = np.isfinite(a) & np.isfinite(b)
-    a, b = a[keep], b[keep]
-    if len(a) == 0:
-        return math.nan, math.nan, math.nan, 0
-    ratio = float(np.median(a) / np.median(b))
-    if len(a) < 2:
-        return ratio, math.nan, math.nan, 1
-    idx = np.random.default_rng(seed).integers(0, len(a), size=(resamples, len(a)))
-    lo, hi = _bounds(np.median(a[idx], axis=1) / np.median(b[idx], axis=1), level)
-    return ratio, lo, hi, len(a)
+    return _bootstrap(lambda x, y, axis: np.median(x, axis=axis) / np.median(y, axis=axis), (a[keep], b[keep]),
+                      level, resamples, seed)
 
 
 def paired(df, value: str, arm: str, reference, by=(), trial: str = "trial"):

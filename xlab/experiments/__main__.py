@@ -3,12 +3,14 @@ of medians over the trials."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
 from xlab import allocators
 from xlab.allocators import NoGPU
 
+EXPERIMENTS = {"single": "single_gpu", "ddp": "ddp", "sweep": "sweep"}     # command -> module
 SHOW = ["mode", "allocator", "world", "batch", "tokens_per_s", "speedup", "ratio_vs_cupy_pool", "host_ms_per_step",
         "gpu_ms_per_step", "gpu_util_mean", "device_mallocs_per_step", "reserved_over_requested"]
 
@@ -86,32 +88,21 @@ def main(argv=None) -> int:
         return 0
     if args.adamw:
         os.environ["XPOOL_ADAMW"] = args.adamw      # read by every rank, launched ones too
-    common = dict(warmup=args.warmup, config=args.config, out=args.out, cpu=args.cpu_smoke,
-                  progress=not args.no_progress, trials=args.trials, resume=args.resume)
-    if args.cmd != "sweep":
-        common.update(steps=args.steps, count_steps=args.count_steps)
-    if args.allocators:
-        common["allocators"] = tuple(args.allocators)
+    kw = dict(warmup=args.warmup, config=args.config, out=args.out, cpu=args.cpu_smoke, progress=not args.no_progress,
+              trials=args.trials, resume=args.resume, allocators=tuple(args.allocators or ()) or None)
+    for name in ("steps", "count_steps", "batches", "modes", "worlds", "batch", "launcher", "steps_scale"):
+        if hasattr(args, name):                     # the experiment's own options
+            value = getattr(args, name)
+            kw[name] = tuple(value) if isinstance(value, list) else value
     try:
-        if args.cmd == "single":
-            from .single_gpu import run
-            df = run(batches=tuple(args.batches), **common)
-        elif args.cmd == "ddp":
-            from .ddp import run
-            df = run(modes=tuple(args.modes), worlds=tuple(args.worlds), batch=args.batch, launcher=args.launcher,
-                     **common)
-        else:
-            from .sweep import run
-            df = run(batches=tuple(args.batches), worlds=tuple(args.worlds), steps_scale=args.steps_scale,
-                     **common)
+        df = importlib.import_module(f".{EXPERIMENTS[args.cmd]}", __package__).run(**kw)
     except NoGPU as e:
         print(f"xlab.experiments {args.cmd}: {e}", file=sys.stderr)
         return 2
     keys = ["mode", "allocator", "world", "batch"]
     med = df.groupby(keys, sort=False)[[c for c in SHOW if c not in keys]].median(numeric_only=True).reset_index()
-    with __import__("pandas").option_context("display.width", 200, "display.max_columns", 20):
-        print(f"medians over {args.trials} trial(s):")
-        print(med.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    print(f"medians over {args.trials} trial(s):")
+    print(med.to_string(index=False, float_format=lambda v: f"{v:.3g}", line_width=200))
     if args.out:
         print(f"wrote {args.out}")
     return 0 if df["checks_passed"].all() else 1

@@ -1,18 +1,10 @@
 """One GPU, reference config: steady-state tokens/s, host and GPU ms per step, what bounds the step, GPU
 utilisation, device mallocs per step and peak memory for each allocator, each run from a fresh pool and a fresh
-model (same seed); `trials` trials interleaved across the allocators and batches.
+model (same seed); `trials` trials interleaved across the allocators and batches. The columns: NOTES.md, Note [The
+timed window].
 
     df = single_gpu.run()                        # writes data/single_gpu.csv, one row per (trial, batch, allocator)
     python -m xlab.experiments single --steps 10 --trials 5
-
-Columns (shared with ddp; see train.COLUMNS): tokens_per_s over the timed steps after warm-up;
-host_ms_per_step, the dispatching thread's CPU time in the window; dispatch_ms_per_step, the same for a step
-started on an idle device (after the window: no launch queue to wait in, so the host's own work);
-gpu_ms_per_step, the step's span on the stream (CUDA events); gpu_util_mean, NVML's mean over the timed window;
-bound, host or gpu; device_mallocs_per_step, cudaMallocs per step after warm-up (raw and cupy_pool: counted in a
-separate counting run in trial 0, see allocators.py); peak_reserved_bytes / peak_requested_bytes over the whole run
-(model, warm-up and steps); loss_rel_diff_max, this allocator's loss curve against the first allocator's at the
-same batch.
 """
 from __future__ import annotations
 

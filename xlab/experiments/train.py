@@ -1,15 +1,9 @@
-"""One rank's training run and the row it becomes: the pieces the experiments' runner (runner.py) composes.
+"""One rank's training run and the row it becomes: the pieces the experiments' runner (runner.py) composes. What a
+run times and records: NOTES.md, Note [The timed window].
 
-One rank's run (`run_rank`) is: a fresh model and optimiser (seed 0), `warmup` steps, then a timed
-window of `steps` steps. Data-parallel ranks flatten their gradients and the loss into one buffer,
-sum it over the ranks (one all-reduce per step) and scale by 1/world. Everything here runs on NumPy
-too, with `HostComm` standing in for NCCL, so the loop, the checks and the rows are tested on a CPU.
-
-What a timed window records, per step: wall time; the dispatching thread's CPU time (`time.thread_time`, the
-host's work: it excludes time spent waiting for the GIL, and includes time spinning in a synchronising CUDA
-call); the span of the step on the GPU's stream (CUDA events recorded before and after each step); and NVML's
-utilisation over the window. Python's garbage collector stays on in every arm alike; the pauses it takes
-inside the window are timed (gc.callbacks) and recorded with the row.
+Data-parallel ranks flatten their gradients and the loss into one buffer, sum it over the ranks (one all-reduce
+per step) and scale by 1/world. Everything here runs on NumPy too, with `HostComm` standing in for NCCL, so the
+loop, the checks and the rows are tested on a CPU.
 """
 from __future__ import annotations
 
@@ -307,14 +301,11 @@ def synchronizer(xp, device):
 
 def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0, world=1, comm=None,
              barrier=None, sampler=None, dispatch_steps: int = 0) -> dict:
-    """One rank: fresh model, `warmup` steps, `steps` timed steps, then `dispatch_steps` dispatch probes; a dict of
-    host values (seconds, host_seconds, dispatch_ms, losses, peaks, ...). alloc is installed by the caller (CuPy's
-    allocator is process-wide); comm: the communicator (None: one rank), a `Fenced` one disarmed after warm-up when
-    the allocator makes no device call once warm; barrier, sampler: meet the other ranks at the window's edges, and
-    NVML (rank 0 only). A dispatch probe is a step started on an idle device, whose thread CPU time is the host's
-    work without waiting: in the window a host ahead of a busy GPU fills CUDA's launch queue and spins in a launch
-    until a slot frees, which thread time counts. Losses stay on the device until the end: reading one per step
-    would synchronise every step.
+    """One rank (NOTES.md, Note [The timed window]): a dict of host values (seconds, host_seconds, dispatch_ms,
+    losses, peaks, ...). alloc is installed by the caller (CuPy's allocator is process-wide); comm: the communicator
+    (None: one rank), a `Fenced` one disarmed after warm-up when the allocator makes no device call once warm;
+    barrier, sampler: meet the other ranks at the window's edges, and NVML (rank 0 only). Losses stay on the device
+    until the end: reading one per step would synchronise every step.
     """
     window = Window(lambda: alloc.device_mallocs(device), synchronizer(xp, device), barrier, sampler)
     fence = comm if isinstance(comm, Fenced) else None
