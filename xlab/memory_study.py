@@ -622,15 +622,7 @@ def record_numpy_timeline(batch: int = 4, block_sizes=(256, 256), seed: int = 0,
     rec = NumpyRecorder()
     marks = []
     with rec:
-        model = GPT(cfg, seed=seed)
-        opt = AdamW(model.params, lr=1e-3, foreach=foreach)
-        marks.append(len(rec.events))
-        for step, T in enumerate(block_sizes):
-            x, y = get_batch(data, cfg.batch_size, int(T), step, seed=seed)
-            loss, grads = model.loss_and_grads(x, y)
-            opt.step(grads)
-            del x, y, loss, grads
-            marks.append(len(rec.events))
+        model, opt = _train(cfg, data, block_sizes, np, seed, foreach, lambda: marks.append(len(rec.events)))
         del model, opt            # nothing made under the recorder outlives it
     ev = np.array(rec.events[:marks[-1]], dtype=np.int64).reshape(-1, 3)
     step = np.searchsorted(np.asarray(marks), np.arange(len(ev)), side="right") - 1
@@ -643,6 +635,21 @@ def record_numpy_timeline(batch: int = 4, block_sizes=(256, 256), seed: int = 0,
 
 # ---------------------------------------------------------------------------------------------------------
 # GPU: measure
+
+
+def _train(cfg, data, lengths, xp, seed: int = 0, foreach: bool = True, after=lambda: None):
+    """The GPT (cfg, seed) and AdamW (lr 1e-3) trained on xp, one step per sequence length of `lengths`; after()
+    after building them and after each step. (model, opt), for the caller to drop once it has read what it needs."""
+    model = GPT(cfg, xp=xp, seed=seed)
+    opt = AdamW(model.params, lr=1e-3, foreach=foreach)
+    after()
+    for step, T in enumerate(lengths):
+        x, y = get_batch(data, cfg.batch_size, int(T), step, seed=seed, xp=xp)
+        loss, grads = model.loss_and_grads(x, y)
+        opt.step(grads)
+        del x, y, loss, grads
+        after()
+    return model, opt
 
 
 def _config(config=None, batch=None):
@@ -672,15 +679,7 @@ def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warm
         marks.append(len(pool.timeline()))
 
     with use(pool):
-        model = GPT(cfg, xp=cupy, seed=seed)
-        opt = AdamW(model.params, lr=1e-3)
-        mark()
-        for step in range(warmup + 1):
-            x, y = get_batch(data, cfg.batch_size, cfg.block_size, step, seed=seed, xp=cupy)
-            loss, grads = model.loss_and_grads(x, y)
-            opt.step(grads)
-            del x, y, loss, grads
-            mark()
+        model, opt = _train(cfg, data, [cfg.block_size] * (warmup + 1), cupy, seed, after=mark)
         tl = pool.timeline()
         del model, opt
     if tl.attrs.get("dropped"):
@@ -741,21 +740,14 @@ def train_varlen(alloc, cfg, block_sizes, seed: int = 0, foreach: bool = True) -
     data = load_corpus()
     alloc.install(counting=True)
     mallocs = []
+    def counted():
+        cupy.cuda.Device().synchronize()
+        alloc.sample(0)
+        mallocs.append(alloc.device_mallocs(0))
+
     try:
         with alloc.tracking():
-            model = GPT(cfg, xp=cupy, seed=seed)
-            opt = AdamW(model.params, lr=1e-3, foreach=foreach)
-            cupy.cuda.Device().synchronize()
-            alloc.sample(0)
-            mallocs.append(alloc.device_mallocs(0))
-            for step, T in enumerate(block_sizes):
-                x, y = get_batch(data, cfg.batch_size, int(T), step, seed=seed, xp=cupy)
-                loss, grads = model.loss_and_grads(x, y)
-                opt.step(grads)
-                del x, y, loss, grads
-                cupy.cuda.Device().synchronize()
-                alloc.sample(0)
-                mallocs.append(alloc.device_mallocs(0))
+            model, opt = _train(cfg, data, block_sizes, cupy, seed, foreach, counted)
             del model, opt
     finally:
         alloc.uninstall()
