@@ -89,9 +89,8 @@ class Allocator:
         """Raise what a debug mode found (xpool.CorruptionError); nothing for allocators without one."""
 
     def graph_pool(self):
-        """A new private pool of this allocator's kind for one captured graph: its `malloc` goes to
-        tapegpt.graph.CapturedStep. It lives until release(), which gives its blocks back (after the graph is gone).
-        ValueError: this allocator cannot capture (it calls the device on every request)."""
+        """A new private pool of this allocator's kind for one captured graph (tapegpt.graph.CapturedStep takes its
+        `malloc`), alive until release(); ValueError where the allocator cannot capture."""
         if not self.can_capture:
             raise ValueError(f"allocator {self.name!r} cannot capture a CUDA graph: capture needs a pool that "
                              "makes no cudaMalloc/cudaFree once warm")
@@ -195,12 +194,8 @@ def _hook_class():
 
 
 class RawHeld(Raw):
-    """raw, with one 512-byte cudaMalloc block held alive while installed.
-
-    A raw pair's cost depends on what else the device holds (68 µs at 4 KiB measured alone, 2.6-10 µs beside other
-    live blocks: see xlab.bench.alloc); a plausible cause is the driver packing small allocations into chunks it
-    maps once, which a live block keeps mapped. This arm, timed beside `raw` alone, tests that.
-    """
+    """raw, with one 512-byte cudaMalloc block held alive while installed: whether other live blocks are what makes a
+    raw pair cheap (NOTES.md, Note [The microbenchmark's interleaving])."""
 
     def install(self, counting: bool = False) -> None:
         from cupy.cuda import memory
@@ -367,11 +362,8 @@ class CupyTorch(Allocator):
 
 
 class Noop(Allocator):
-    """The floor: a Python callable handing out one pre-made block (the cost of CuPy's array path alone).
-
-    Every array aliases the same memory: for timing allocation only, never for computing. The block lives only
-    while installed, so no other arm is ever timed beside it.
-    """
+    """The floor: a Python callable handing out one pre-made block (the cost of CuPy's array path alone). Every array
+    aliases it: for timing allocation only; it lives only while installed, so no other arm is timed beside it."""
 
     def __init__(self, capacity: int = 96 * MIB):
         super().__init__()

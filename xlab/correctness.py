@@ -85,10 +85,8 @@ def _as_rows(df: pd.DataFrame) -> pd.DataFrame:
 
 def run_correctness(device: str = "cpu", with_torch: bool = True, transparency_steps: int = 50,
                     out: str | os.PathLike | None = None) -> pd.DataFrame:
-    """Run the correctness checks: device='cpu' on NumPy (with the PyTorch parity checks unless with_torch is
-    False), 'gpu' on CuPy plus the bitwise transparency gate of `transparency_steps`: the check rows (check,
-    measured, threshold, passed, xp, device + provenance; attrs['source'] = 'measured'), written to `out` if given.
-    """
+    """The correctness checks, device 'cpu' on NumPy (with PyTorch parity unless with_torch is False) or 'gpu' on CuPy
+    with the bitwise transparency gate: the check rows with provenance (attrs['source'] = 'measured'), to `out`."""
     if device == "cpu":
         frames = [checks.run_all(np, with_torch=with_torch)]
     elif device == "gpu":

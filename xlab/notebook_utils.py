@@ -72,13 +72,9 @@ def _coerce(name: str, ann: str, value):
 
 
 def setup(name: str, namespace: dict) -> Run:
-    """Check this notebook's parameters in `namespace` (its globals) and say what the run is on.
-
-    Each parameter is brought to its annotated type (a scalar where a list is wanted becomes a list of one); arm
-    names are checked against the arms table. A plain value that is neither a parameter nor a name the notebook
-    assigns is a mistyped or unknown parameter. TypeError: a parameter of the wrong type, naming it and the type
-    expected; ValueError: an unknown parameter (with the closest known one), or an unknown arm.
-    """
+    """Check this notebook's parameters in `namespace` (its globals), each brought to its annotated type (a scalar
+    for a list: a list of one), arm names checked; say what the run is on. TypeError: a wrong type (named, with the
+    type expected); ValueError: an unknown parameter (a plain value the notebook does not assign) or arm."""
     params = schema(name)
     assigned = {t.id for src, _ in _cells(name) for node in ast.walk(ast.parse(src))
                 if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) for t in [node]}
@@ -133,12 +129,9 @@ def _resolve(fn):
 
 def load_or_measure(name: str, measure_fn, gpu_available: bool, data=None, measure: bool = True,
                     how_to_measure: str = "", out=None, **kwargs) -> pd.DataFrame | None:
-    """Measure on a GPU into `out`/NAME.csv (default build/data/), else load the committed data/NAME.csv; print
-    where the numbers come from. None when there is nothing to show (no GPU and no CSV).
-
-    measure_fn (a callable or 'module:function') is called as measure_fn(out=<csv>, **kwargs) and returns the
-    rows. df.attrs['source'] is 'measured' or 'committed'.
-    """
+    """Measure on a GPU into `out`/NAME.csv (default build/data/) by measure_fn(out=<csv>, **kwargs) (a callable
+    or 'module:function'), else load the committed data/NAME.csv, and say which (attrs['source']); None without
+    either."""
     if gpu_available and measure:
         path = pathlib.Path(out or paths.build_dir() / "data") / f"{name}.csv"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -381,9 +381,8 @@ def run_host(out="data/alloc_core_host.csv", trials=None, target_s=None, sizes=S
 # --- the CSV's rows and their summary (pure logic, tested on a CPU with fake timings)
 
 def trial_rows(samples, mallocs=None):
-    """The CSV's rows (COLUMNS): one per (trial, allocator, case) with µs per pair, thousand pairs/s and the ratio
-    to CuPy's pool in the same trial (NaN without it); device mallocs per pair from the counting pass (the size
-    sweep's)."""
+    """The CSV's rows (COLUMNS): µs per pair, thousand pairs/s and the ratio to CuPy's pool in the same trial (NaN
+    without it), and the size sweep's device mallocs per pair from the counting pass."""
     mallocs = mallocs or {}
     df = samples.assign(us_per_pair=samples.ns / samples.pairs / 1e3, kpairs_per_s=samples.pairs * 1e6 / samples.ns)
     df["ratio_vs_cupy_pool"] = _vs(df, "us_per_pair", "cupy_pool", ["sweep", "size_bytes", "threads", "trial"])
@@ -396,9 +395,8 @@ def trial_rows(samples, mallocs=None):
 
 
 def summary(rows):
-    """Medians over trials with 95% intervals: one row per (allocator, sweep, size, threads) with us_per_pair,
-    kpairs_per_s and ratio_vs_cupy_pool (each with _lo/_hi), n_trials and device_mallocs_per_pair. Old CSVs (one
-    summary row per case, no trial column) come out as single runs."""
+    """Medians over trials with 95% intervals per (allocator, sweep, size, threads) of us_per_pair, kpairs_per_s
+    and ratio_vs_cupy_pool, with n_trials and device_mallocs_per_pair (an old CSV of one row per case: single runs)."""
     keys = ["allocator", "sweep", "size_bytes", "threads"]
     out = None
     for col in ("us_per_pair", "kpairs_per_s", "ratio_vs_cupy_pool"):
@@ -437,13 +435,9 @@ def with_provenance(rows, bench="alloc", **params):
 
 def run(out="data/alloc_microbench.csv", quick=False, trials=None, target_s=None, allocators=None,
         progress=True, sizes=SIZES, threads=THREADS, xpool_path=None):
-    """Measure, print the table of medians, write the CSV (None: none): the per-trial rows.
-
-    quick: a smoke run (2 trials, 5 ms windows); trials: default TRIALS; target_s: seconds per (trial, arm, case),
-    default TARGET_S; allocators: arm names (default: default_allocators()); sizes: of the size sweep, bytes;
-    threads: thread counts of the thread sweep (empty: none); xpool_path: another build's checkout, timed beside
-    this one (other_build_arms).
-    """
+    """Measure, print the table of medians, write the CSV (None: none): the per-trial rows. quick: a smoke run (2
+    trials, 5 ms windows); threads: of the thread sweep (empty: none); xpool_path: another build's checkout, timed
+    beside this one (other_build_arms)."""
     registry.require_gpus(1, "xlab.bench.alloc")
     trials = trials or (2 if quick else TRIALS)
     target_s = target_s or (0.005 if quick else TARGET_S)

@@ -257,11 +257,10 @@ def in_process(fn, *args, start="fork"):
 def run(workloads=None, arms=None, trials: int = TRIALS, steps: int | None = None, warmup: int | None = None,
         seed: int = SEED, out=OUT, fresh: bool = False, cpu: bool = False, small: bool | None = None,
         start: str = "fork", progress: bool = True) -> pd.DataFrame:
-    """Measure every (trial, workload, arm) that `out` lacks for this commit and these settings (fresh: discard
-    its rows first), appending rows after each process: this run's rows, resumed ones included, attrs["failed"] the
-    arms that raised. steps, warmup: of every workload (None: each its own); cpu: NumPy and PyTorch on the CPU under
-    arm 'numpy' (tests the code, measures nothing); small: small models (default: with cpu); start: how the
-    processes start ("fork", "spawn"). ValueError: unknown names (see resolve), or trials, steps or warmup < 1."""
+    """Measure every (trial, workload, arm) that `out` lacks for this commit and these settings (fresh: discard its
+    rows), appending after each process; this run's rows, resumed ones included (attrs["failed"]: the arms that
+    raised). steps, warmup: of every workload (None: each its own); cpu: NumPy and PyTorch's CPU under arm 'numpy'
+    (tests the code, measures nothing); small: small models (default: with cpu); start: "fork" or "spawn"."""
     for name, v in (("trials", trials), ("steps", steps), ("warmup", warmup)):
         if v is not None and not (isinstance(v, int) and v >= 1):
             raise ValueError(f"{name} must be a whole number >= 1, got {v!r}")

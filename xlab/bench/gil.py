@@ -167,10 +167,8 @@ def _run(ranks, arm, seconds):
 
 def run(arms=ARMS, trials=TRIALS, seconds=0.5, switch_intervals=(None,), threads=THREADS,
         out="data/gil_probe.csv") -> pd.DataFrame:
-    """One row per (trial, switch interval, arm, threads): ops per second over loops of `seconds`, and the speedup
-    over 1 thread (always measured first) in the same trial; thread t drives GPU t mod #GPUs; switch_intervals:
-    values for sys.setswitchinterval (None: Python's, 5 ms); out: the CSV (None: none). ValueError: an unknown arm.
-    """
+    """One row per (trial, switch interval, arm, threads): ops per second over loops of `seconds` and the speedup over
+    1 thread (measured first) in the same trial; switch_intervals: for sys.setswitchinterval (None: Python's)."""
     import cupy
     bad = [a for a in arms if a not in ARMS]
     if bad:

@@ -144,9 +144,8 @@ def threads_arms(world, names, cfg, data, batch, steps, warmup, count_steps, cpu
 # --- processes: one process per GPU
 
 def rank_main(rank, world, uid, spec, barrier) -> list:
-    """One rank of the processes mode: every (trial, allocator) in turn on GPU `rank`, [(trial, run_arm result)]
-    in the order they ran. uid: the NCCL unique id (from rank 0); spec: the run's settings (allocators, batch, steps,
-    warmup, count_steps, config, trials, progress); barrier: a function meeting every rank."""
+    """One rank of the processes mode: every (trial, allocator) in turn on GPU `rank`, [(trial, run_arm result)]. uid:
+    NCCL's unique id (from rank 0); spec: the run's settings; barrier: a function meeting every rank."""
     no_multicast()
     import cupy
     from cupy.cuda import nccl
@@ -277,15 +276,12 @@ def merge_ranks(per_rank: list) -> list:
 def run(modes=("threads", "processes"), worlds=(1, 2), allocators=None, batch=32, steps=6, warmup=3,
         count_steps=3, config=None, launcher="auto", out="data/ddp_scaling.csv", cpu=False, progress=True,
         trials=TRIALS, resume=False):
-    """Data-parallel tokens/s, speedup over world 1 (every speedup's reference), host and GPU ms per step,
-    utilisation, mallocs, peaks and checks: a tidy frame, one row per (mode, world, trial, allocator), written to
-    `out` (None: none) after each block.
+    """Data-parallel training (NOTES.md, Note [Data-parallel modes]): one tidy row per (mode, world, trial,
+    allocator), written to `out` (None: none) after each block; speedups over world 1.
 
-    allocators: arm names (default: allocators.SETS["ddp"]); batch: sequences per GPU per step; count_steps: steps
-    of the counting run (trial 0); launcher: processes' launcher (auto, mpirun, spawn); cpu: threads mode on NumPy
-    with HostComm (tests the code, measures nothing); resume: keep the (world, mode) blocks an interrupted run of
-    this commit and these settings completed in `out`, and measure the others.
-    """
+    batch: sequences per GPU per step; count_steps: of the counting run (trial 0); launcher: auto, mpirun or spawn;
+    cpu: threads mode on NumPy with HostComm (tests the code, measures nothing); resume: keep the (world, mode) blocks
+    an interrupted run of this commit and these settings completed in `out`."""
     no_multicast()
     allocators = registry.parse(allocators or registry.SETS["ddp"])
     if cpu:

@@ -52,10 +52,9 @@ def installed(name: str, counting: bool, devices):
 
 
 def run_arm(name: str, ranks, steps: int, count_steps: int, devices, count: bool = True) -> dict:
-    """One arm of one trial, each run with a fresh allocator released on `devices`: `steps` timed steps and,
-    unless counting is free (or count is False or count_steps is 0), a counting run of `count_steps`.
-    ranks(alloc, steps) -> every rank's run_rank dict. dict(allocator, timed, counted, counted_steps) for
-    train.build_row; counted is None when not counted."""
+    """One arm of one trial, each run with a fresh allocator released on `devices`: `steps` timed steps and, unless
+    counting is free (or not asked for), a counting run of `count_steps`; dict(allocator, timed, counted,
+    counted_steps) for train.build_row (counted None when not counted)."""
     with installed(name, False, devices) as alloc:
         timed = ranks(alloc, steps)
         free = alloc.free_counting
@@ -96,10 +95,8 @@ def run_threads(world: int, fn, device_ctx=None, timeout: float | None = None) -
 
 
 def resumed(out, keys, **same) -> tuple[list, set]:
-    """(rows as dicts, the set of their `keys` tuples): what an earlier, interrupted run of the same experiment
-    left in `out` (None or missing: nothing), to finish it instead of starting over (a stage stopped by a time
-    limit: never fewer trials, the rest in a later run). Rows whose columns differ from `same` (commit, config,
-    steps, ...) are dropped, so a CSV of another commit or another setting is never mixed in."""
+    """(rows, their `keys`): what an interrupted run of the same experiment left in `out` (a stage stopped by a time
+    limit), to finish it; rows whose columns differ from `same` (commit, config, steps, ...) are never mixed in."""
     if out is None or not pathlib.Path(out).is_file():
         return [], set()
     df = pd.read_csv(out)
@@ -114,9 +111,8 @@ def resumed(out, keys, **same) -> tuple[list, set]:
 
 
 def run_trials(name: str, one, configs, trials: int, out, keys, resume: bool, progress: bool, **same):
-    """The rows of one(trial, *config) (a train.build_row) for every (trial, config) of interleaved(trials, configs)
-    that an interrupted run (resume: `resumed` with `keys` and `same`) did not leave in `out`, with provenance; the
-    CSV rewritten after each, so what is done survives a later failure. A train.frame."""
+    """The rows of one(trial, *config) for every (trial, config) of interleaved(trials, configs) that an interrupted
+    run (resume) did not leave in `out`, with provenance, the CSV rewritten after each: a train.frame."""
     rows, done = resumed(out, keys, commit=git_commit(), **same) if resume else ([], set())
     for trial, config in tqdm(interleaved(trials, configs), desc=name, disable=not progress):
         if (trial, *config) not in done:

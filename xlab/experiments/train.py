@@ -111,10 +111,8 @@ def unflatten(flat, like: dict):
 
 
 def train_step(model, opt, x, y, comm=None, world: int = 1, loss_and_grads=None):
-    """Forward, backward, (all-reduce mean of gradients and loss over the `world` ranks of `comm`), AdamW; the
-    loss, a 0-d device array (the mean over all ranks when comm is given). loss_and_grads: what computes (loss,
-    grads) from (x, y); None: `model.loss_and_grads` (eager); a tapegpt.graph.CapturedStep replays it as a CUDA
-    graph, the rest of the step staying eager."""
+    """Forward, backward, all-reduce mean of gradients and loss over the `world` ranks of `comm` (if given), AdamW:
+    the loss on the device. loss_and_grads: default model.loss_and_grads (eager), or a CapturedStep (a CUDA graph)."""
     loss, grads = (loss_and_grads or model.loss_and_grads)(x, y)
     if comm is not None:
         flat = flatten(grads, loss)     # allocates a fresh buffer every step, as a framework would
@@ -228,10 +226,7 @@ class GcPauses:
 
 class Window:
     """The timed part of a run: synchronise, meet the other ranks, read counters and clocks; again at the end.
-
-    `dispatched()` marks the end of the host's work (before the closing synchronisation, whose wait is not
-    dispatch): host_seconds is this thread's CPU time from the start to that mark.
-    """
+    host_seconds: this thread's CPU time up to `dispatched()` (the closing synchronisation's wait is not dispatch)."""
 
     def __init__(self, mallocs, sync, barrier=None, sampler=None):
         self.mallocs, self.sync, self.barrier, self.sampler = mallocs, sync, barrier, sampler
@@ -397,13 +392,9 @@ def checks_passed(loss_rel_diff_max=None, param_rank_diff_max=None, loss_tol=LOS
 
 
 def step_bound(gpu_util: float, host_ms: float, ms_per_step: float) -> str:
-    """What bounds a step: "gpu" when the GPU was busy at least HOST_BOUND_UTIL % of the window (it never waited
-    for the host), else "host". Without NVML: "host" when the dispatching thread was busy at least 80% of the
-    step's wall time. "" when neither can be told.
-
-    NVML first: thread CPU time counts a synchronising call's spin (raw's cudaFree), so alone it would call a
-    raw step host-bound however busy the GPU was.
-    """
+    """What bounds a step: "gpu" when NVML saw the GPU busy at least HOST_BOUND_UTIL % of the window, else "host";
+    without NVML, "host" when the dispatching thread was busy at least 80% of the wall time; "" when neither is
+    known. NVML first: thread CPU time counts a synchronising call's spin (raw's cudaFree)."""
     if gpu_util is not None and math.isfinite(gpu_util):
         return "gpu" if gpu_util >= HOST_BOUND_UTIL else "host"
     if math.isfinite(host_ms) and math.isfinite(ms_per_step) and ms_per_step > 0:
@@ -425,10 +416,8 @@ def _mean(values):
 
 def build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=None, launcher="none",
               config="reference", trial=0) -> dict:
-    """One tidy row (COLUMNS, without provenance; ratios NaN until `frame` fills them) from one arm's run over all
-    its ranks: m is runner.run_arm's result (timed: every rank's run_rank dict; counted: the counting run's, or the
-    timed one's when counting is free; None: not counted); ref_losses: the loss curve this run must match (None:
-    not checked)."""
+    """One tidy row (COLUMNS, without provenance; ratios NaN until `frame` fills them) from runner.run_arm's result
+    over all ranks; ref_losses: the loss curve this run must match (None: not checked)."""
     timed, counted = m["timed"], m["counted"]
     seconds = max(r["seconds"] for r in timed)
     ms_per_step = 1000 * seconds / steps
@@ -479,10 +468,8 @@ def build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=None, launch
 
 
 def add_ratios(df):
-    """Fill speedup (over world 1: same mode, allocator, batch), speedup_vs_raw and ratio_vs_cupy_pool (both:
-    same mode, world, batch), each against the reference run of the same trial (the one it ran beside); NaN
-    where that run is absent. A CSV without a trial column is one trial. Fills df in place and returns it.
-    """
+    """Fill speedup (over world 1), speedup_vs_raw and ratio_vs_cupy_pool (same mode, world, batch) against the run
+    of the same trial (NaN where it is absent; no trial column: one trial), in place; df."""
     if "trial" not in df:
         df["trial"] = 0
     tps = {(r.mode, r.allocator, r.world, r.batch, r.trial): r.tokens_per_s for r in df.itertuples()}
