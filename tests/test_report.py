@@ -358,7 +358,7 @@ def test_graph_targets_judge_the_graph_runs(trial_data):
     assert not any("process per GPU, batch 32: xpool_graph" in t for t in rows)     # no processes CSV: no row
     table = report.graph_table(trial_data)
     assert "| one GPU, batch 4, 250 steps | xpool_graph |" in table and "| threads, batch 32, 10 steps | raw |" in table
-    notes = report.graph_notes(trial_data)
+    notes = _page(trial_data)
     assert "eager xpool reserves at most 4.56 GiB; xpool_graph 410 MiB in the arm's pool plus 4.28 GiB" in notes
 
 

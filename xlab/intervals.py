@@ -108,14 +108,12 @@ def judge(value: float, lo: float, hi: float, target: float, higher_is_better: b
           exact: bool = False) -> str:
     """Whether a target is met, judged on the interval rather than the median: the report's one rule.
 
-    Args: value: the median (or ratio of medians); lo, hi: its interval (NaN: measured once); target: the bound to
-    reach; higher_is_better: True for "value >= target", False for "value <= target"; exact: the value does not vary
-    between runs of one program (a count, a bitwise check, a replay's bytes): with no interval it is judged on
-    itself. Returns: "met" when the whole interval is on the target's side (an exact value: the value is), "missed"
-    when all of it is on the other side, "within noise" when the interval straddles the target; "single run, no
-    interval (the median meets it)" or "... misses it)" for a timed value measured once; "not measured" when the
-    value is NaN.
-    """
+    Args: value, lo, hi: the median (or ratio of medians) and its interval (NaN: measured once); target: the bound;
+    higher_is_better: "value >= target" (else "<="); exact: the value does not vary between runs of one program (a
+    count, a bitwise check, a replay's bytes), so without an interval it is judged on itself. Returns: "met" when the
+    whole interval is on the target's side, "missed" when all of it is on the other, "within noise" when it
+    straddles the target; "single run, no interval (the median meets it)" (or "misses it") for a timed value measured
+    once; "not measured" for NaN."""
     if value is None or not math.isfinite(value):
         return "not measured"
     if not (math.isfinite(lo) and math.isfinite(hi)):
@@ -133,13 +131,9 @@ def judge(value: float, lo: float, hi: float, target: float, higher_is_better: b
 
 
 def summarize(df, by, value: str, trial: str = "trial"):
-    """Median and interval of `value` per group of `by`: one row per group with value, value_lo, value_hi and
-    n_trials (NaN bounds for a group with one trial; CSVs without a trial column count as one trial per row).
-
-    Args: df: a tidy frame, one row per trial; by: the grouping columns; value: the measured column; trial: the
-    trial column (only used for the count). Returns: A DataFrame with the `by` columns, `value`, `value + "_lo"`,
-    `value + "_hi"` and `n_trials`, groups in order of first appearance.
-    """
+    """Median and interval of `value` per group of `by`, groups in order of first appearance: the `by` columns,
+    `value`, `value`_lo, `value`_hi and n_trials (NaN bounds for one trial; a CSV without a trial column counts one
+    trial per row)."""
     by = list(by)
     rows = []
     for key, g in df.groupby(by, sort=False, dropna=False):
@@ -151,15 +145,9 @@ def summarize(df, by, value: str, trial: str = "trial"):
 
 def fmt_ci(value: float, lo: float, hi: float, fmt: str = "{:.2f}", unit: str = "", goal: float | None = None,
            exact: bool = False) -> str:
-    """'1.93× [1.90, 1.95]' (or '1.93× (single run)' without an interval; the value alone when exact).
-
-    With a goal, digits are added (up to four) until every bound that differs from the goal prints
-    differently from it: '0.998× [0.996, 1.001]', never a '1.00× [1.00, 1.00]' that is within noise of 1.00.
-
-    Args: value, lo, hi: a median (or ratio) and its interval (NaN bounds: a single run); fmt: the number format;
-    unit: appended to the value; goal: the target the value is judged against, or None; exact: the value needs no
-    interval (a count, a replay). Returns: A string ("n/a" for a NaN value).
-    """
+    """'1.93× [1.90, 1.95]' (or '1.93× (single run)' without an interval; the value alone when exact). With a goal,
+    digits are added (up to four) until every bound that differs from the goal prints differently from it:
+    '0.998× [0.996, 1.001]', never a '1.00× [1.00, 1.00]' that is within noise of 1.00. "n/a" for NaN."""
     if value is None or not math.isfinite(value):
         return "n/a"
     bounds = [b for b in (lo, hi) if math.isfinite(b)]

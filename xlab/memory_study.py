@@ -660,12 +660,9 @@ def _config(config=None, batch=None):
 
 def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warmup: int = 1, seed: int = 0,
                          capacity: int = 2_000_000, pool=None) -> pd.DataFrame:
-    """GPU: the allocation timeline of setup + `warmup` steps + one recorded step of the GPT on CuPy.
-
-    Each event carries `step` (-1: building the model and optimizer; the last step is the recorded one).
-    Raises if the ring of `capacity` events overflowed (the replay needs every event). pool: an xpool.MemoryPool to
-    use (default: a fresh one of the seed scheme with k classes per doubling).
-    """
+    """GPU: the allocation timeline of setup (step -1) + `warmup` steps + one recorded step of the GPT on CuPy, under
+    `pool` (default: a fresh seed-scheme xpool.MemoryPool, k classes per doubling); RuntimeError if the ring of
+    `capacity` events overflowed (the replay needs every event)."""
     import cupy
 
     from xpool.cupy_adapter import MemoryPool, use
@@ -733,9 +730,8 @@ VARLEN_COLUMNS = ["trace", "allocator", "source", "steps", "peak_bytes_requested
 
 
 def train_varlen(alloc, cfg, block_sizes, seed: int = 0, foreach: bool = True) -> list:
-    """GPU: the GPT trained on CuPy with `alloc` (an xlab.allocators.Allocator, not installed) installed and
-    counting, one step per entry of `block_sizes` (sequence lengths); the device mallocs counted after setup and
-    after each step (len(block_sizes) + 1 numbers). foreach: flat-buffer AdamW (the default) or per-parameter."""
+    """GPU: the GPT trained on CuPy under `alloc` (not installed yet), counting, a step per sequence length of
+    `block_sizes`: the device mallocs counted after setup and after each step."""
     import cupy
     data = load_corpus()
     alloc.install(counting=True)
@@ -757,13 +753,10 @@ def train_varlen(alloc, cfg, block_sizes, seed: int = 0, foreach: bool = True) -
 
 def measure_varlen(allocators=VARLEN_ALLOCATORS, batch: int | None = None, block_sizes=None, seed: int = 0,
                    foreach: bool = True) -> pd.DataFrame:
-    """GPU: peak reserved / peak requested of each allocator over a training run whose sequence length changes
-    every step (default: the varying-length trace's batch and lengths), one row each, with provenance.
-
-    The peaks are the allocators' own exact counters (CuPy's pool: total_bytes() after every step and a
-    MemoryHook's live requested bytes), deterministic for a given program, so one run per allocator.
-    device_mallocs_warm counts the steps from WARMUP_STEPS on. VARLEN_COLUMNS and provenance.
-    """
+    """GPU: peak reserved / peak requested of each allocator over a run whose sequence length changes every step
+    (default: the varying-length trace's batch and lengths), one row each (VARLEN_COLUMNS, provenance): the
+    allocators' own exact counters, deterministic for a program, so one run each; device_mallocs_warm counts the
+    steps from WARMUP_STEPS on."""
     spec = NUMPY_TRACES["gpt_varlen_numpy"]
     batch = int(batch or spec["batch"])
     block_sizes = tuple(int(t) for t in (block_sizes or spec["block_sizes"]))

@@ -3,12 +3,10 @@
     python -m xlab.report              # notebooks with their defaults (on a GPU they measure, into build/)
     python -m xlab.report --cpu-quick  # CPU mode with small parameters: what CI runs, a few minutes
 
-Executed notebooks go to build/notebooks/ (ignored by git); the report to build/report.md and, committed,
-report/REPORT.md (without the notebooks' run status, which stays in build/). The page is the template
-xlab/report.md filled from the CSVs: the headlines and the targets from xlab.targets (medians over trials with
-95% bootstrap intervals, ratios over paired trials, judged on the interval), the tables below from the rows of
-xlab.sources. It holds nothing but what the CSVs say (no run date or timing), so an unchanged data/ gives an
-unchanged report.
+Executed notebooks go to build/notebooks/; the report to build/report.md and, committed, report/REPORT.md (without
+the notebooks' run status). The page is the template xlab/report.md filled from the CSVs: headlines and targets
+from xlab.targets, the tables from xlab.sources' rows; nothing but what the CSVs say (no run date or timing), so an
+unchanged data/ gives an unchanged report.
 """
 from __future__ import annotations
 
@@ -215,39 +213,31 @@ def graph_table(data: pathlib.Path) -> str:
                 "speedup, 2 GPUs", "bound"], rows)
 
 
-def graph_notes(data: pathlib.Path) -> str:
-    """The graph section's memory line, the GIL-held launcher's line, its projection and its second run."""
-    out = []
-    df = sources.current(data, "graph")
+def graph_notes(data: pathlib.Path) -> dict:
+    """The numbers of the graph section's notes (report.md), those measured: memory at batch 32 (graph_mem), the
+    GIL-held launcher's run (graph_launch), the projection with the step as a graph, and its second run."""
+    out, df = {}, sources.current(data, "graph")
     mem = df[(df["mode"] == "single") & (df["batch"] == 32)]
     eager, graph = (mem[mem["allocator"] == a] for a in ("xpool", "xpool_graph"))
     if len(eager) and len(graph) and "graph_pool_bytes" in graph:
         e, main, private = (x.median() for x in (eager["peak_reserved_bytes"], graph["peak_reserved_bytes"],
                                                  graph["graph_pool_bytes"]))
-        out.append(f"Memory, one GPU at batch 32: eager xpool reserves at most {plots.fmt_bytes(e)}; xpool_graph "
-                   f"{plots.fmt_bytes(main)} in the arm's pool plus {plots.fmt_bytes(private)} in the graph's private "
-                   f"pool ({(main + private) / e:.2f}× eager): the private pool holds the step's working set for as "
-                   "long as the graph lives.")
+        out["graph_mem"] = dict(eager=iv.fmt_bytes(e), main=iv.fmt_bytes(main), private=iv.fmt_bytes(private),
+                                ratio=f"{(main + private) / e:.2f}×")
     launch, ddp = sources.read(data, "launch/ddp_launch_cupy"), sources.read(data, "graph/ddp_scaling")
     if launch is not None and ddp is not None:
         def sp(d, arm):
             s = d[(d["world"] == 2) & (d["mode"] == "threads") & (d["allocator"] == arm)]["speedup"]
             return _ci(_med(s), unit="×") if len(s) else "—"
-        out.append(f"The GIL-held launcher (issue 13) in threads mode, eager steps, 2 GPUs, batch 32: xpool "
-                   f"{sp(launch, 'xpool')} and CuPy's pool {sp(launch, 'cupy_pool')} with CuPy's launches "
-                   f"(`TAPEGPT_LAUNCH=cupy`, `launch/ddp_launch_cupy.csv` at {launch['run'].iloc[0]}), against "
-                   f"{sp(ddp, 'xpool')} and {sp(ddp, 'cupy_pool')} with direct ones (the table's run). Two runs on two "
-                   "machines of one session: compare the intervals, not the medians.")
+        out["graph_launch"] = dict(run=launch["run"].iloc[0], **{f"{a}{k}": sp(d, a) for a in ("xpool", "cupy_pool")
+                                                                 for k, d in (("", launch), ("_direct", ddp))})
     proj = [p for p in projection(data, kind="graph/single_gpu.csv") if p["allocator"].endswith("_graph")]
     if proj:
-        out.append("**Projection, not a measurement**, as in \"What bounds each step\" (the all-reduce and the "
-                   "data-parallel step's flatten are left out): one thread per GPU at batch 32 with the step as a "
-                   "graph. " + "; ".join(f"{p['allocator']} (h {p['h']:.2f} ms, g {p['g']:.1f} ms): " + ", ".join(
-                       f"{n} GPUs {s:.2f}×" for n, s in p["speedup"].items()) for p in proj) + ".")
-    again = replication(data / "graph", "data/graph")
-    if again:
-        out.append("**Again on a fresh machine.** " + again)
-    return "\n\n".join(out)
+        out["graph_projection"] = "; ".join(f"{p['allocator']} (h {p['h']:.2f} ms, g {p['g']:.1f} ms): " + ", ".join(
+            f"{n} GPUs {s:.2f}×" for n, s in p["speedup"].items()) for p in proj)
+    if again := replication(data / "graph", "data/graph"):
+        out["graph_again"] = again
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -377,7 +367,10 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
                      ("graph_table", graph_table), ("graph_notes", graph_notes), ("replication", replication),
                      ("dynamic_table", dynamic_table), ("data_table", data_table)):
         try:
-            values[name] = "" if name == "graph_notes" and not values["graph_table"] else fn(data)
+            if name != "graph_notes":
+                values[name] = fn(data)
+            elif values["graph_table"]:
+                values.update(fn(data))
         except (KeyError, ValueError, IndexError, TypeError) as e:     # a malformed CSV costs its section only
             values[name] = f"(could not compute: {type(e).__name__}: {e})"
     gil = sources.read(data, "gil_probe")
@@ -406,24 +399,21 @@ def main(argv=None) -> int:
     p.add_argument("--report-dir", default=None, help="where REPORT.md is copied (default: report/)")
     args = p.parse_args(argv)
     root = paths.repo_root()
-    data = pathlib.Path(args.data) if args.data else root / "data"
-    figures = pathlib.Path(args.figures) if args.figures else root / "figures"
-    build = pathlib.Path(args.build) if args.build else root / "build"
-    report_dir = pathlib.Path(args.report_dir) if args.report_dir else root / "report"
+    data, figures, build, report_dir = (pathlib.Path(v) if v else root / name for v, name in (
+        (args.data, "data"), (args.figures, "figures"), (args.build, "build"), (args.report_dir, "report")))
     runs, t0 = [], time.perf_counter()
     if not args.no_notebooks:
         folders = {"data_dir": str(args.data)} if args.data else {}
         for nb in notebooks(root, args.only):
             params = dict(CPU_QUICK.get(nb.stem, {})) if args.cpu_quick else {}
-            r = run_notebook(nb, build / "notebooks", {**params, **folders}, args.timeout)
-            runs.append(r)
+            runs.append(r := run_notebook(nb, build / "notebooks", {**params, **folders}, args.timeout))
             print(f"{'ok    ' if r['ok'] else 'FAILED'} {r['notebook']:<26} {r['seconds']:6.1f} s  {r['output']}"
                   + (f"\n       {r['error']}" if r["error"] else ""), flush=True)
     figs = plots.build_all(data, figures)
     for name, got in figs.items():
         print(f"figure {name:<18} {got}")
-    build.mkdir(parents=True, exist_ok=True)
-    report_dir.mkdir(parents=True, exist_ok=True)
+    for folder in (build, report_dir):
+        folder.mkdir(parents=True, exist_ok=True)
     # build/report.md says how this run's notebooks went; the committed page holds only what data/ says
     (build / "report.md").write_text(render(data, runs, figs, report_dir))
     (report_dir / "REPORT.md").write_text(render(data, [], figs, report_dir))

@@ -1,11 +1,7 @@
-"""Where every figure, target and headline reads its rows: lineages of CSVs, and the runs they come from.
-
-A lineage (KINDS) lists the CSVs that measure one thing, each with the rows it contributes: the one measured last
-(by its rows' dates) measured the same thing again after the code changed (alloc_hit_sweep.csv after the final hit
-path, single_gpu_recheck.csv after the release rule). `current` keeps, for each arm and configuration (the
-lineage's keys), the rows of the newest CSV that has them; the older rows are the lineage's history. Every row
-says where it came from (`csv`: the CSV, `run`: its commit). A second run of the suite on a fresh machine
-(data/rerun/, data/graph/rerun/) is a replication, read the same way from its own folder.
+"""Where every figure, target and headline reads its rows: lineages of CSVs (KINDS), and the runs they come from.
+`current` keeps, for each arm and configuration of a lineage, the rows of the newest CSV that has them; the older
+rows are its history (NOTES.md, Note [Newest data of its kind]). Every row says where it came from (`csv`: the CSV,
+`run`: its commit). A second run on a fresh machine (data/rerun/, data/graph/rerun/) is read the same way.
 """
 from __future__ import annotations
 

@@ -3,12 +3,9 @@
 A row names a lineage of CSVs (xlab.sources.KINDS, or one CSV), a selection (`where`), a metric column, the arm(s),
 an optional reference (`ref`: the arm's rows with these columns replaced; the value is then the ratio of the two,
 paired by trial; several arms there: the best of them by median, the fastest peer, say), the worst (or best, or
-each) group `over` some columns, and a goal with its direction. `measure` computes the median over trials with its
-95% bootstrap interval (xlab.intervals) from the newest CSV of the lineage that has the rows, and `judge` applies
-the report's rule (intervals.judge): met when the whole interval is on the goal's side, missed when all of it is on
-the other side, within noise when it straddles the goal; an exact quantity measured once (a count, a bitwise check,
-a replay) is judged on its value. A row without a goal is a number for the headlines. Every row carries where its
-rows came from (CSV and commit); the same row measured on the lineage's older CSVs is its history.
+each) group `over` some columns, and a goal with its direction. `measure` takes the median over trials with its 95%
+bootstrap interval from the newest CSV of the lineage that has the rows; the verdict is intervals.judge's, the
+report's rule. A row without a goal is a number for the headlines; the same row on older CSVs is its history.
 
     T(key, text, kind, metric, arm, goal=..., higher=..., where={...}, ref={...}, over=(...), ...)
 

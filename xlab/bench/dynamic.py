@@ -1,15 +1,12 @@
 """Dynamic shapes (issue #22): peak reserved / peak requested, device calls per step and ms per step of every
-allocator on workloads whose shapes change every step, beside fixed-shape controls.
+allocator on workloads whose shapes change every step, beside fixed-shape controls. Trial t runs one process per
+(framework, arm), in an order rotated by t, forked from this one (which never starts CUDA); one CSV row per (trial,
+workload, arm), appended as each process ends. What each arm counts as a device call, and why the processes are cut
+this way: NOTES.md, Note [Dynamic-shape benchmark].
 
     python -m xlab.bench.dynamic                     # every workload and arm, 5 trials: data/dynamic_shapes.csv
     python -m xlab.bench.dynamic --quick             # 1 trial, 3 steps: a smoke test
     python -m xlab.bench.dynamic --workloads torch_varlen,torch_fixed        # a piece (a rerun resumes)
-
-CuPy workloads run under CuPy's two pools, RMM's pool and xpool; PyTorch ones under PyTorch's allocator with and
-without expandable segments and xpool through `xpool.enable_torch()`; xpool in every scheme it has. Trial t runs
-one process per (framework, arm), in an order rotated by t, forked from this one (which never starts CUDA); one
-CSV row per (trial, workload, arm), appended as each process ends. Note [Dynamic-shape benchmark] in NOTES.md says
-what each arm counts as a device call and why the processes are cut this way.
 """
 from __future__ import annotations
 

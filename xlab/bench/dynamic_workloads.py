@@ -1,13 +1,11 @@
-"""The dynamic-shape benchmark's workloads (xlab.bench.dynamic): `warmup` steps, then `steps` steps inside `window`
-(an xlab.experiments.train.Window: synchronise, read the device calls, clock; again at the end), all drawn from
-`seed`: every arm of every trial sees the same requests. The first warm-up step has the largest shape, so the
-timed steps ask for nothing larger than the warm-up did. `small`: sizes and models that run in seconds on a CPU.
+"""The dynamic-shape benchmark's workloads (xlab.bench.dynamic; NOTES.md, Note [Dynamic-shape benchmark]):
+`warmup` steps, then `steps` steps inside `window` (an xlab.experiments.train.Window), all drawn from `seed`, so
+every arm of every trial sees the same requests; the first warm-up step has the largest shape. `small`: sizes and
+models that run in seconds on a CPU.
 
 - cupy_mix: rfft, sort, cumsum and matmul of random sizes, OPS a step, each result kept 2**U(0, 5) steps.
 - gpt: tapegpt's GPT (reference config) trained on CuPy at lengths(lo, hi) tokens a step.
-- torch_lm: a causal pre-norm torch.nn.TransformerEncoder (6 layers, d_model 512, 8 heads) trained with AdamW
-  under bf16 autocast: how such a model trains on an H200, and its per-step bf16 weight copies are part of the
-  allocation pattern a real run shows.
+- torch_lm: a causal pre-norm torch.nn.TransformerEncoder (6 layers, d_model 512, 8 heads), AdamW, bf16 autocast.
 """
 from __future__ import annotations
 

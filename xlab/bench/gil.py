@@ -50,13 +50,10 @@ class _Rank:
                 self.kernel((1,), (1,), ())                 # compile and load on this device now
                 self.eight((1,), (32,), self._eight_args())
             self.stream.synchronize()
-            self.fn = self.kernel.kernel.ptr
-            self.fn8 = self.eight.kernel.ptr
-        self.libcuda = ctypes.PyDLL("libcuda.so.1")       # PyDLL: the GIL stays held during the call
-        launch = self.libcuda.cuLaunchKernel
+            self.fn, self.fn8 = self.kernel.kernel.ptr, self.eight.kernel.ptr
+        self.cu_launch = launch = ctypes.PyDLL("libcuda.so.1").cuLaunchKernel   # PyDLL: the GIL stays held
         launch.restype = ctypes.c_int
         launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-        self.cu_launch = launch
         # CU_LAUNCH_PARAM_BUFFER_POINTER, the buffer, CU_LAUNCH_PARAM_BUFFER_SIZE, its size, CU_LAUNCH_PARAM_END
         self.buf = ctypes.create_string_buffer(EIGHT_ARGS.size)
         self.size = ctypes.c_size_t(EIGHT_ARGS.size)
@@ -69,8 +66,7 @@ class _Rank:
     def _gemm_gil(self):
         from cupy_backends.cuda.api import runtime
         from cupy_backends.cuda.libs import cublas
-        lib = ctypes.PyDLL("libcublas.so." + str(runtime.runtimeGetVersion() // 1000))
-        gemm = lib.cublasGemmEx
+        gemm = ctypes.PyDLL("libcublas.so." + str(runtime.runtimeGetVersion() // 1000)).cublasGemmEx
         gemm.restype = ctypes.c_int
         mat = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         gemm.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] + mat * 2 + [ctypes.c_void_p] \

@@ -1,13 +1,8 @@
-"""The experiments' runner: trials interleaved across arms; each arm is a fresh allocator installed around the
-rank functions an experiment composes from train.py.
-
-    for trial, name in interleaved(5, ("raw", "cupy_pool", "xpool")):     # A B C, A B C, ...
-        m = run_arm(name, ranks, steps, count_steps, devices, count=trial == 0)
-
-`ranks(alloc, steps)` runs every rank of one arm (in this thread, one thread per GPU, or this process's one rank)
-and returns their `train.run_rank` dicts. The runner owns the allocator's life: make, install, run, uninstall,
-collect garbage, release; and, for allocators whose counting costs time (raw, CuPy's pool), a separate short
-counting run, made in the first trial only (counts do not vary between trials; timing does).
+"""The experiments' runner: trials interleaved across arms (A B C, A B C, ...); each arm a fresh allocator
+installed around the rank functions an experiment composes from train.py. `ranks(alloc, steps)` runs every rank of
+one arm and returns their `train.run_rank` dicts; the runner owns the allocator's life (make, install, run,
+uninstall, collect garbage, release) and, where counting costs time (raw, CuPy's pool), a separate short counting
+run in the first trial only (counts do not vary between trials; timing does).
 """
 from __future__ import annotations
 

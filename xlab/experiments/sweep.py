@@ -1,13 +1,9 @@
 """Batch sweep (issue #13.4): one thread per GPU on 2 GPUs against 1, per-GPU batch 4 to 128, for raw, CuPy's pool
-and xpool; where the host stops bounding the step, the speedup rises towards 2.
+and xpool; where the host stops bounding the step, the speedup rises towards 2. A speedup is trial t on 2 GPUs over
+trial t on one; big batches take few timed steps (STEPS: a 128-sequence step is ~30 times the GPU work of a
+4-sequence one); no counting runs and no loss check against one GPU (ddp has both), the parameters still checked.
 
-    df = sweep.run()                      # writes data/batch_sweep.csv, one row per (trial, batch, world, allocator)
-    python -m xlab.experiments sweep --trials 5
-
-Every (batch, world, allocator) runs `trials` times, interleaved; a speedup is trial t on 2 GPUs over trial t on
-one. Big batches take few timed steps (STEPS) so the sweep stays affordable: a 128-sequence step is ~30 times the
-GPU work of a 4-sequence one. No counting runs and no loss check against one GPU (the ddp experiment has both);
-the parameters are still checked across ranks.
+    python -m xlab.experiments sweep --trials 5     # data/batch_sweep.csv, one row per (trial, batch, world, arm)
 """
 from __future__ import annotations
 
