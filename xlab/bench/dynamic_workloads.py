@@ -9,6 +9,8 @@ models that run in seconds on a CPU.
 """
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 
 OPS = 6                          # cupy_mix: operations per step
@@ -35,10 +37,7 @@ def _loop(step, shapes, warmup, window, after_step):
 
 
 def _xp(gpu):
-    if gpu:
-        import cupy
-        return cupy
-    return np
+    return importlib.import_module("cupy") if gpu else np
 
 
 def cupy_mix(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda: None) -> dict:

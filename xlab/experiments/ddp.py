@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import importlib.util
 import multiprocessing as mp
 import os
@@ -79,11 +80,7 @@ def reference_losses(cfg, data, batch, steps, warmup, cpu=False) -> list:
 
 
 def _xp(cpu):
-    if cpu:
-        import numpy
-        return numpy
-    import cupy
-    return cupy
+    return importlib.import_module("numpy" if cpu else "cupy")
 
 
 # --- threads: one process, a thread per GPU
@@ -96,7 +93,7 @@ class ThreadGroup:
         self.world, self.cfg, self.data, self.warmup, self.cpu = world, cfg, data, warmup, cpu
         self.xp = xp = _xp(cpu)
         self.device_ctx = None if cpu else xp.cuda.Device
-        self.sampler = None
+        self.sampler = None if cpu else UtilSampler(range(world))     # rank 0 starts and stops it for all GPUs
         if world == 1:
             self.comms = [None]
         elif cpu:
@@ -107,8 +104,6 @@ class ThreadGroup:
             uid = nccl.get_unique_id()
             self.comms = runner.run_threads(world, lambda r: NcclComm(nccl.NcclCommunicator(world, uid, r)),
                                             self.device_ctx)
-        if not cpu:
-            self.sampler = UtilSampler(range(world))          # rank 0 starts and stops it for all GPUs
         self.barrier = threading.Barrier(world, timeout=BARRIER_TIMEOUT)
         # one rank needs no collective (and no fence): world 1 is the same loop without an all-reduce
         self.fenced = ([train.Fenced(self.comms[r], self.barrier.wait, train.synchronizer(xp, r))

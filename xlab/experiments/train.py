@@ -59,12 +59,10 @@ CONFIGS = {
 COLUMNS = [
     "mode", "allocator", "world", "batch", "trial", "tokens_per_s", "ms_per_step", "speedup", "speedup_vs_raw",
     "ratio_vs_cupy_pool", "host_ms_per_step", "dispatch_ms_per_step", "gpu_ms_per_step", "gpu_busy_ms_per_step",
-    "bound",
-    "gpu_util_mean", "gc_ms_per_step", "gc_collections", "gc", "fenced", "device_mallocs_per_step",
+    "bound", "gpu_util_mean", "gc_ms_per_step", "gc_collections", "gc", "fenced", "device_mallocs_per_step",
     "peak_reserved_bytes", "peak_requested_bytes", "reserved_over_requested", "loss_first", "loss_last",
     "loss_rel_diff_max", "param_rank_diff_max", "checks_passed", "launcher", "config", "n_params", "block_size",
-    "steps", "warmup", "count_steps", "adamw", "fused", "gemm", "launch", "graph", "graph_pool_bytes",
-]
+    "steps", "warmup", "count_steps", "adamw", "fused", "gemm", "launch", "graph", "graph_pool_bytes"]
 GC_POLICY = "on, pauses timed"   # the `gc` column: the collector runs as usual in every arm; its pauses are shown
 HOST_BOUND_UTIL = 80.0           # % GPU busy below which the GPU waited for the host: the step is host-bound
 
@@ -449,19 +447,16 @@ def build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=None, launch
         host_ms_per_step=host_ms, dispatch_ms_per_step=_mean(r.get("dispatch_ms", math.nan) for r in timed),
         gpu_ms_per_step=_mean(r.get("gpu_ms_per_step", math.nan) for r in timed),
         gpu_busy_ms_per_step=ms_per_step * gpu_util / 100, bound=step_bound(gpu_util, host_ms, ms_per_step),
-        gpu_util_mean=gpu_util,
-        gc_ms_per_step=_mean(1000 * r.get("gc_seconds", math.nan) / steps for r in timed),
+        gpu_util_mean=gpu_util, gc_ms_per_step=_mean(1000 * r.get("gc_seconds", math.nan) / steps for r in timed),
         gc_collections=max(r.get("gc_collections", 0) for r in timed), gc=GC_POLICY,
         fenced=any(r.get("fenced", False) for r in timed),
         device_mallocs_per_step=mallocs_per_step, peak_reserved_bytes=reserved, peak_requested_bytes=requested,
         reserved_over_requested=reserved / requested if requested and not math.isnan(requested) else math.nan,
-        loss_first=losses[0], loss_last=losses[-1],
-        loss_rel_diff_max=math.nan if loss_diff is None else loss_diff,
+        loss_first=losses[0], loss_last=losses[-1], loss_rel_diff_max=math.nan if loss_diff is None else loss_diff,
         param_rank_diff_max=math.nan if param_diff is None else param_diff,
         checks_passed=checks_passed(loss_diff, param_diff), launcher=launcher, config=config, adamw=adamw_form(),
         fused=timed[0].get("fused"), gemm=timed[0].get("gemm"), launch=timed[0].get("launch"),
-        graph=bool(timed[0].get("graph", False)),
-        graph_pool_bytes=_maximum(r.get("graph_pool_bytes") for r in timed),
+        graph=bool(timed[0].get("graph", False)), graph_pool_bytes=_maximum(r.get("graph_pool_bytes") for r in timed),
         n_params=timed[0]["n_params"], block_size=cfg.block_size, steps=steps, warmup=warmup,
         count_steps=m["counted_steps"] if counted is not None else 0,   # steps mallocs and peaks were counted over
     )
