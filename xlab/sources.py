@@ -73,9 +73,7 @@ def run_label(df: pd.DataFrame) -> str:
 
 def lineage(kind: str):
     """((CSV, selection), ...) and the configuration keys of a lineage; a CSV name stands for itself alone."""
-    if kind in KINDS:
-        return KINDS[kind]
-    return (((kind.removesuffix(".csv"), {}),), ())
+    return KINDS.get(kind) or (((kind.removesuffix(".csv"), {}),), ())
 
 
 def frames(data: pathlib.Path, kind: str) -> list[pd.DataFrame]:

@@ -243,11 +243,9 @@ class Measured:
 
 
 def _group_label(keys, values) -> str:
-    out = []
-    for k, v in zip(keys, values):
-        out.append(iv.fmt_bytes(v) if k == "size_bytes" else f"k = {v}" if k == "k" else
-                   str(v) if k in ("allocator", "arm", "mode", "workload") else f"{k} {v}")
-    return ", ".join(out)
+    return ", ".join(iv.fmt_bytes(v) if k == "size_bytes" else f"k = {v}" if k == "k" else
+                     str(v) if k in ("allocator", "arm", "mode", "workload") else f"{k} {v}"
+                     for k, v in zip(keys, values))
 
 
 def _select(df, where):
@@ -350,8 +348,7 @@ def _combine(r: T, level: list[Measured]) -> Measured:
         m = dataclasses.replace(level[0], each=level)
         m.src = "; ".join(dict.fromkeys(x.src for x in level))
         return m
-    worst = (min if (r.pick == "worst") == r.higher else max)(level, key=lambda m: m.value)
-    return worst
+    return (min if (r.pick == "worst") == r.higher else max)(level, key=lambda m: m.value)
 
 
 def judged(data: pathlib.Path) -> tuple[list[Measured], list[Measured]]:
@@ -368,12 +365,7 @@ def judged(data: pathlib.Path) -> tuple[list[Measured], list[Measured]]:
 
 def values(data: pathlib.Path) -> dict:
     """{key: Measured} of every row measured on its newest data (what the headlines' template reads)."""
-    out = {}
-    for r in TARGETS:
-        got = measure(r, data)
-        if got:
-            out[r.key] = got[0]
-    return out
+    return {r.key: got[0] for r in TARGETS if (got := measure(r, data))}
 
 
 def text(m: Measured) -> str:
@@ -382,14 +374,11 @@ def text(m: Measured) -> str:
     return t + (f" ({m.goal_text})" if m.goal_text else "")
 
 
-def table(rows: list[Measured], history: bool = False) -> list[str]:
-    """Markdown: one line per judged target (with history: which CSV each older value came from)."""
-    head = ["| target | measured | verdict | bound | data |", "|---|---|---|---|---|"]
-    out = []
-    for m in rows:
-        v = m.verdict
-        out.append(f"| {text(m)} | {m} | {'**missed**' if v == iv.MISSED else v} | {m.bound} | {m.src} |")
-    return head + out if out else []
+def table(rows: list[Measured]) -> list[str]:
+    """Markdown: one line per judged target, with the CSV and commit its value came from."""
+    out = [f"| {text(m)} | {m} | {'**missed**' if m.verdict == iv.MISSED else m.verdict} | {m.bound} | {m.src} |"
+           for m in rows]
+    return ["| target | measured | verdict | bound | data |", "|---|---|---|---|---|"] + out if out else []
 
 
 def counts(rows: list[Measured]) -> dict:
