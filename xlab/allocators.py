@@ -540,11 +540,6 @@ class Arm:
     lw: float = 1.6
     hatch: str | None = None
 
-    @property
-    def style(self) -> dict:
-        """matplotlib keywords: color, marker, ls, lw (and label)."""
-        return dict(label=self.label, color=self.color, marker=self.marker, ls=self.ls, lw=self.lw)
-
 
 def _xp(name, label, color, marker, lw=2.6, ls="-", **kw):
     return Arm(name, label, color, marker, XPool, tuple(kw.items()), exact=True, can_capture=True, lw=lw, ls=ls)

@@ -2,10 +2,9 @@
 
 A program's requests do not depend on the allocator, so replaying a recorded timeline's allocs and frees, in
 order, through a pool over a backend that touches no memory (`AddressSpaceBackend`) reproduces that pool's
-decisions exactly. On a GPU, `measure_waste` trains the GPT under xpool's seed scheme at each k (classes per
-doubling), reading its counters and recording the timeline, and `measure_varlen` trains with the sequence length
-changing every step under xpool, xpool_seed and CuPy's pool. On a CPU, `NumpyRecorder` records the GPT's requests
-on NumPy (its allocation hook), and `scheme_study` replays every recorded trace through each scheme.
+decisions exactly. GPU: `measure_waste` (the seed scheme at each k, its counters and timeline), `measure_varlen`
+(sequence lengths changing every step). CPU: `NumpyRecorder` records the GPT's requests on NumPy, and
+`scheme_study` replays every recorded trace through each scheme.
 
     python -m xlab.memory_study --out-dir data     # GPU: memory_timeline.csv, memory_waste.csv, memory_varlen.csv
     python -m xlab.memory_study --record-numpy     # CPU, ~5 min: data/memory_trace_numpy_*.csv.gz

@@ -1,9 +1,6 @@
 """What the notebooks share: their parameters checked, measure-or-load, figures shown inline, tables as summaries.
-
-A notebook on a GPU measures into build/data/NAME.csv (with `publish=True`: data/NAME.csv, then redraws the
-committed figure through xlab.plots.build, the one writer of figures/); on a CPU it shows the committed CSV and
-says which machine and date it comes from; when the CSV is missing too it says so and skips the figure. Running a
-notebook writes nothing outside build/ unless asked.
+On a GPU a notebook measures into build/data/NAME.csv (with `publish=True`: data/NAME.csv, and redraws the committed
+figure through xlab.plots.build); on a CPU it shows the committed CSV and says which machine and date it comes from.
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""What debug mode costs per alloc/free pair over host memory: `python -m xlab.bench.debug_cost`.
-
-Debug mode fills every freed block with poison, checks the poison when the block is reused, and fills and
-checks a canary in every block's tail; each of those is a pass over memory (on a GPU: a memset, and a
-synchronising copy to the host).  This measures the pool core's own cost over host memory, where a pass is a
-memset/memcmp; the GPU figure comes from `xlab.bench.alloc --allocators cupy_pool xpool_k1 xpool_k1_debug`.
+"""What debug mode (poison in every freed block, a canary in every block's tail: each a pass over memory) costs per
+alloc/free pair of the pool core over host memory: `python -m xlab.bench.debug_cost`. The GPU figure comes from
+`xlab.bench.alloc --allocators cupy_pool xpool_k1 xpool_k1_debug`.
 """
 from __future__ import annotations
 
