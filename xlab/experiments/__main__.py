@@ -11,6 +11,11 @@ from xlab import allocators
 from xlab.allocators import NoGPU
 
 EXPERIMENTS = {"single": "single_gpu", "ddp": "ddp", "sweep": "sweep"}     # command -> module
+PRESETS = {   # (--quick or --cpu-smoke, the sweep) -> the settings it gives
+    ("quick", False): dict(trials=2, warmup=2, steps=3, count_steps=2),
+    ("quick", True): dict(trials=2, warmup=2, steps_scale=0.5),
+    ("cpu_smoke", False): dict(trials=2, warmup=1, config="tiny", steps=2, count_steps=1),
+    ("cpu_smoke", True): dict(trials=2, warmup=1, config="tiny", batches=[2, 4], steps_scale=0.3)}
 SHOW = ["mode", "allocator", "world", "batch", "tokens_per_s", "speedup", "ratio_vs_cupy_pool", "host_ms_per_step",
         "gpu_ms_per_step", "gpu_util_mean", "device_mallocs_per_step", "reserved_over_requested"]
 
@@ -61,19 +66,10 @@ def parse(argv=None):
     if args.cmd != "worker":
         if args.trials < 1:
             ap.error("--trials must be at least 1")
-        if args.quick:
-            args.trials, args.warmup = 2, 2
-            if args.cmd == "sweep":
-                args.steps_scale = 0.5
-            else:
-                args.steps, args.count_steps = 3, 2
-        if args.cpu_smoke:
-            args.trials, args.warmup, args.config = 2, 1, "tiny"
-            if args.cmd == "sweep":
-                args.batches, args.steps_scale = [2, 4], 0.3
-            else:
-                args.steps, args.count_steps = 2, 1
-        elif args.out is None:
+        for preset in ("quick", "cpu_smoke"):
+            if getattr(args, preset):
+                vars(args).update(PRESETS[preset, args.cmd == "sweep"])
+        if args.out is None and not args.cpu_smoke:
             args.out = args.default_out
     return args
 
