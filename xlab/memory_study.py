@@ -735,6 +735,7 @@ def train_varlen(alloc, cfg, block_sizes, seed: int = 0, foreach: bool = True) -
     data = load_corpus()
     alloc.install(counting=True)
     mallocs = []
+
     def counted():
         cupy.cuda.Device().synchronize()
         alloc.sample(0)
@@ -782,7 +783,9 @@ def measure_varlen(allocators=VARLEN_ALLOCATORS, batch: int | None = None, block
 def schemes(data_dir="data", repeats: int = 7) -> pd.DataFrame:
     """CPU: replays every recorded trace through each scheme into data/memory_schemes.csv (its figure is redrawn
     from the CSV by `make report`, xlab.plots.build being the one writer of figures/)."""
-    return publish(scheme_study(load_traces(data_dir), repeats=repeats), pathlib.Path(data_dir) / "memory_schemes.csv")
+    df = scheme_study(load_traces(data_dir), repeats=repeats)
+    df.to_csv(pathlib.Path(data_dir) / "memory_schemes.csv", index=False)
+    return df
 
 
 def main(argv=None):

@@ -386,4 +386,3 @@ def counts(rows: list[Measured]) -> dict:
     v = [m.verdict for m in rows]
     return {"targets": len(v), "met": v.count(iv.MET), "missed": v.count(iv.MISSED), "noise": v.count(iv.NOISE),
             "single": sum(x.startswith(iv.SINGLE) for x in v)}
-

@@ -24,7 +24,6 @@ from functools import partial
 from importlib import metadata
 from multiprocessing import get_context
 
-import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 

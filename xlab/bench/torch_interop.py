@@ -114,7 +114,8 @@ def _worker(argv, what: str, timeout: float):
 def run(trials: int = 5, pairs: int = 50_000, steps: int = 20, warmup: int = 5, batch_size: int | None = None,
         command=None, timeout: float = 120.0):
     """Rows (COLUMNS, provenance) of `trials` interleaved trials, who goes first alternating, one fresh process per
-    (trial, arm) running command(arm) (default: this module's GPU worker); a failing worker's trial and arm are named."""
+    (trial, arm) running command(arm) (default: this module's GPU worker); a failing worker's trial and arm are
+    named."""
     import pandas as pd
 
     from xlab.provenance import provenance
