@@ -82,8 +82,7 @@ class Allocator:
         self.pool, self._private = None, []    # a dead pool frees the split blocks too
 
     def trim(self, devices=()) -> None:
-        """Give cached blocks back to the device but stay usable (the benchmark calls it on every other arm
-        before timing one, so no arm runs beside another arm's cached blocks)."""
+        """Give cached blocks back but stay usable (so no arm is timed beside another's cache)."""
 
     def check(self) -> None:
         """Raise what a debug mode found (xpool.CorruptionError); nothing for allocators without one."""
@@ -194,8 +193,7 @@ def _hook_class():
 
 
 class RawHeld(Raw):
-    """raw, with one 512-byte cudaMalloc block held alive while installed: whether other live blocks are what makes a
-    raw pair cheap (NOTES.md, Note [The microbenchmark's interleaving])."""
+    """raw with one 512-byte block held alive: do other live blocks make a raw pair cheap?"""
 
     def install(self, counting: bool = False) -> None:
         from cupy.cuda import memory
@@ -362,8 +360,7 @@ class CupyTorch(Allocator):
 
 
 class Noop(Allocator):
-    """The floor: a Python callable handing out one pre-made block (the cost of CuPy's array path alone). Every array
-    aliases it: for timing allocation only; it lives only while installed, so no other arm is timed beside it."""
+    """The floor: a Python callable handing out one pre-made block (CuPy's array path alone; timing only)."""
 
     def __init__(self, capacity: int = 96 * MIB):
         super().__init__()
@@ -385,8 +382,7 @@ class Noop(Allocator):
 
 
 class CNoop(Noop):
-    """The floor of CuPy's C-callback path (CFunctionAllocator), which xpool.MemoryPool uses:
-    a C allocator that hands out one pre-made block and does nothing on free."""
+    """The floor of CuPy's C-callback path (CFunctionAllocator, xpool.MemoryPool's): one pre-made block."""
 
     cfa = None
 
@@ -506,8 +502,7 @@ class RmmPool(Allocator):
 
 
 class TorchExpandable(CupyTorch):
-    """`torch` with expandable segments, set before PyTorch's allocator makes its first block (make it in a process
-    of its own: the setting is process-wide)."""
+    """`torch` with expandable segments (process-wide: make it in a process of its own)."""
 
     name = "torch_expandable"
     SETTING = "expandable_segments:True"
@@ -617,8 +612,7 @@ def _known() -> str:
 
 
 def arm(name: str) -> Arm:
-    """The row of `name`: a row of ARMS, or one of its families (xpool_k<N>, _debug, _graph). ValueError: an
-    unknown name, or a variant its base cannot have."""
+    """The row of `name`, of ARMS or of a family (xpool_k<N>, _debug, _graph); ValueError if unknown."""
     if name in _TABLE:
         return _TABLE[name]
     m = _FAMILY.fullmatch(str(name))
@@ -650,8 +644,7 @@ def arm(name: str) -> Arm:
 
 
 def parse(names) -> tuple:
-    """A name or names checked against the table (the command lines' and notebooks' one check), as a tuple.
-    ValueError: an unknown name (naming it and the known ones)."""
+    """Names checked against the table (the command lines' and notebooks' one check), as a tuple."""
     names = (names,) if isinstance(names, str) else tuple(names)
     for n in names:
         arm(n)
@@ -699,8 +692,7 @@ def canonical(df):
 
 
 def make(name: str, **kwargs) -> Allocator:
-    """A fresh allocator by name (see `arm`), not installed; `kwargs` go to its class. ValueError: an unknown name,
-    or an arm that is not installed into CuPy (no `make`)."""
+    """A fresh allocator by name (see `arm`), not installed; `kwargs` go to its class."""
     row = arm(name)
     if row.make is None:
         raise ValueError(f"arm {name!r} ({row.framework}) is not an allocator the lab installs into CuPy")

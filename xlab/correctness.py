@@ -67,8 +67,7 @@ def transparency_gate(steps: int = 50, cfg: GPTConfig | None = None, allocators=
 
 
 def transparency_rows(gate: pd.DataFrame) -> pd.DataFrame:
-    """The transparency gate's per-allocator frame as check rows (check, measured, threshold, passed; measured 0 =
-    bitwise identical)."""
+    """The transparency gate's frame as check rows (measured 0: bitwise identical)."""
     col = next(c for c in gate.columns if c.startswith("identical_to_"))
     ref = col.removeprefix("identical_to_")
     rows = [dict(check=f"transparency: {r.allocator} bitwise = {ref}, {r.steps} steps (losses, params)",
@@ -103,8 +102,7 @@ def run_correctness(device: str = "cpu", with_torch: bool = True, transparency_s
 
 
 def main(argv=None) -> int:
-    """python -m xlab.correctness [--gpu] --out CSV: the whole gate as one tidy table with provenance; exit
-    status 1 if a check failed."""
+    """python -m xlab.correctness [--gpu] --out CSV; exit status 1 if a check failed."""
     import argparse
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--gpu", action="store_true", help="run the checks on CuPy, plus the transparency gate")

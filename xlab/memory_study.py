@@ -494,8 +494,7 @@ def record_numpy_traces(data_dir="data", names=None) -> dict:
 
 
 def write_numpy_trace(tl: pd.DataFrame, name: str, data_dir="data") -> pd.DataFrame:
-    """Writes a timeline record_numpy_timeline made with NUMPY_TRACES[name]'s arguments to its file under
-    data_dir, with provenance on every row; returns what was written."""
+    """Write a NUMPY_TRACES timeline to its file under data_dir, with provenance on every row."""
     kw = NUMPY_TRACES[name]
     cfg = _config(None, kw["batch"])
     prov = provenance(batch=cfg.batch_size, n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,
@@ -691,8 +690,7 @@ def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warm
 
 
 def measure_waste(ks=KS, config=None, batch: int | None = None, warmup: int = 1, seed: int = 0):
-    """GPU: for each k, train with xpool(k) installed: (waste rows, source "measured"; the timeline recorded at
-    ks[0])."""
+    """GPU: each k trained under xpool: (waste rows, the timeline recorded at ks[0])."""
     cfg = _config(config, batch)
     rows, first = [], None
     for k in ks:
@@ -715,8 +713,7 @@ def measure_waste(ks=KS, config=None, batch: int | None = None, warmup: int = 1,
 
 
 def run(out="data/memory_waste.csv", ks=KS, config=None, batch: int | None = None, warmup: int = 1):
-    """GPU: measure_waste; the waste rows to `out` and the timeline to memory_timeline.csv beside it. Returns the
-    waste rows (what a notebook's load_or_measure expects)."""
+    """GPU: measure_waste, the waste rows to `out`, the timeline beside it; the waste rows."""
     waste, timeline = measure_waste(tuple(int(k) for k in ks), config, batch, warmup)
     write_csv(timeline, pathlib.Path(out).parent / "memory_timeline.csv")
     return publish(waste, out)
@@ -729,8 +726,7 @@ VARLEN_COLUMNS = ["trace", "allocator", "source", "steps", "peak_bytes_requested
 
 
 def train_varlen(alloc, cfg, block_sizes, seed: int = 0, foreach: bool = True) -> list:
-    """GPU: the GPT trained on CuPy under `alloc` (not installed yet), counting, a step per sequence length of
-    `block_sizes`: the device mallocs counted after setup and after each step."""
+    """GPU: the device mallocs counted after setup and each step of the GPT trained under `alloc`."""
     import cupy
     data = load_corpus()
     alloc.install(counting=True)

@@ -176,8 +176,7 @@ def cpu_smoke(measure_fn, **kwargs) -> pd.DataFrame | None:
 
 
 def rows(kind: str, run: Run, measured: pd.DataFrame | None = None) -> pd.DataFrame | None:
-    """What a figure of `kind` shows: what this run measured (from where it wrote it), else the committed CSVs'
-    newest rows of the kind (xlab.sources.current)."""
+    """What a figure of `kind` shows: what this run measured, else the committed CSVs' newest rows."""
     now = measured is not None and measured.attrs.get("source") == "measured"
     return sources.current(run.out if now else run.data, kind)
 
@@ -192,8 +191,7 @@ def show(fig):
 
 
 def figure(name: str, *frames, run: Run | None = None, **kwargs):
-    """Figure `name` (xlab.plots.FIGURES) drawn from these rows and shown inline; None without rows. With a
-    publishing run, the committed figure is rebuilt from data/ by xlab.plots.build (the one writer of figures/)."""
+    """Figure `name` of these rows, inline (publishing: figures/ rebuilt by plots.build); None without."""
     frames = [f if "csv" in f else sources.prepare(f, "this run") for f in frames if f is not None and len(f)]
     if not frames:
         print(f"No data: figure {name} skipped.")
@@ -204,8 +202,7 @@ def figure(name: str, *frames, run: Run | None = None, **kwargs):
 
 
 def summary(df: pd.DataFrame | None, by, columns, fmt: str = "{:.3g}"):
-    """Medians over trials [95% interval] of `columns` per group of `by`, with the trial count; the full rows a
-    click away below it (an HTML <details>). None without rows."""
+    """Medians [95% interval] of `columns` per group of `by`, every row a click away; None without rows."""
     if df is None or not len(df):
         return None
     by, rows = list(by), []

@@ -11,8 +11,7 @@ import threading
 
 
 def nvml_reader(devices):
-    """A function returning {device: utilisation %} now of these CUDA devices, or None when NVML cannot be used
-    (handles found by PCI bus id: CUDA and NVML may number GPUs differently)."""
+    """A function giving {device: utilisation %} of these CUDA devices (by PCI bus id), or None without NVML."""
     try:
         import pynvml
         from cupy.cuda import runtime

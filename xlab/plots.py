@@ -46,8 +46,7 @@ def fmt_si(v: float) -> str:
 
 
 def provenance_summary(df: pd.DataFrame) -> dict:
-    """Each provenance column's distinct values joined by ' / ' ('unknown' where absent); the date as a day or
-    a range of days."""
+    """Each provenance column's values joined by ' / ' ('unknown' where absent); dates as a day or range."""
     out = {}
     for col in PROVENANCE + ("n_gpus",):
         vals = [str(v) for v in pd.unique(df[col].dropna())] if col in df else []
@@ -86,8 +85,7 @@ def _figure(nrows=1, ncols=1, size=(10, 5), **kw):
 
 
 def _finish(fig, title, df, note="", legend_from=(), ncol=2):
-    """Title, one legend for every panel (the entries of the axes `legend_from`, their own legends removed) and the
-    caption."""
+    """Title, one legend of the entries of the axes `legend_from` (theirs removed), and the caption."""
     entries = {}
     for ax in legend_from:
         for handle, text in zip(*ax.get_legend_handles_labels()):
@@ -109,8 +107,7 @@ def _ci(values):
 
 
 def labelled(df: pd.DataFrame, col: str = "allocator") -> pd.DataFrame:
-    """The rows with `arm` (their arm's name) and `label` (its legend entry: the arms table's label, and the
-    run's commit when the rows come from more than one CSV), in the table's order."""
+    """The rows with `arm` and `label` (the table's label, with the commit when from several CSVs)."""
     df = df.copy()
     df["arm"] = df[col].astype(str)
     many = "run" in df and df["run"].nunique() > 1
@@ -127,8 +124,7 @@ def _hue(df):
 
 
 def bars(ax, df, x, y, order, fmt=fmt_si, labels=None, log=False, rotate=0, span=None):
-    """Grouped bars of y by x (in `order`) and arm, medians with their intervals (or, with `span`, the CSV's
-    (low, high) columns), each labelled with its value."""
+    """Grouped bars of y by x and arm, medians with intervals (or `span`'s columns), values labelled."""
     hue_order, palette, arms = _hue(df)
     sns.barplot(df, x=x, y=y, hue="label", order=order, hue_order=hue_order, palette=palette, ax=ax,
                 estimator=np.median, errorbar=None if span else _ci, err_kws=dict(linewidth=1, color="0.15"),
@@ -260,8 +256,7 @@ def correctness(df: pd.DataFrame) -> Figure:
 
 
 def alloc_cost(df: pd.DataFrame) -> Figure:
-    """µs per alloc/free pair against request size (one thread), and each arm's time over CuPy's pool's in the
-    same trial; medians over trials with 95% intervals."""
+    """µs per alloc/free pair by request size, and each arm's time over CuPy's pool's in the same trial."""
     d = labelled(df)
     sizes = sorted(d["size_bytes"].unique())
     fig, axes = _figure(1, 2, size=(13.5, 6.2))
@@ -302,8 +297,7 @@ def alloc_threads(df: pd.DataFrame, size_bytes: int = 65536) -> Figure:
 
 
 def torch_interop(df: pd.DataFrame) -> Figure:
-    """PyTorch through xpool against PyTorch's own caching allocator: µs per torch.empty+del pair by size, and a
-    training step's tokens/s; medians of interleaved trials (each arm a fresh process) with 95% intervals."""
+    """PyTorch through xpool against its own allocator: µs per torch.empty+del by size, and tokens/s."""
     d = labelled(df, "arm")
     fig, axes = _figure(1, 2, size=(12, 5.2))
     left, right = axes[0]
@@ -337,8 +331,7 @@ SINGLE_PANELS = (
 
 
 def single_gpu(df: pd.DataFrame) -> Figure:
-    """Per arm and batch: tokens/s, host and GPU ms per step, GPU utilisation, device mallocs per step and peak
-    reserved over peak requested."""
+    """Per arm and batch: tokens/s, host and GPU ms, utilisation, device mallocs, reserved/requested."""
     d = labelled(df[df["mode"] == "single"] if "mode" in df else df)
     batches = sorted(d["batch"].unique(), reverse=True)
     fig, axes = _figure(3, 2, size=(13.5, 13.5))
@@ -370,8 +363,7 @@ def _modes(df):
 
 
 def ddp_scaling(df: pd.DataFrame) -> Figure:
-    """Tokens/s and speedup against the number of GPUs, one column per mode; a speedup is trial t on N GPUs over
-    trial t on one."""
+    """Tokens/s and speedup (trial t on N GPUs over trial t on one) against GPUs, a column per mode."""
     d = labelled(df[df["mode"] != "single"])
     modes, worlds = _modes(d), sorted(d["world"].unique())
     fig, axes = _figure(2, len(modes), size=(6.8 * len(modes), 9), sharey="row")
@@ -482,8 +474,7 @@ def graph_steps(df: pd.DataFrame) -> Figure:
 
 
 def memory_waste(df: pd.DataFrame) -> Figure:
-    """The seed scheme's size classes by classes per doubling k: bytes handed out over bytes requested (one
-    step), and peak reserved over peak requested (the whole run)."""
+    """The seed scheme by k: bytes handed out over requested (one step), peak reserved over requested."""
     d = df.groupby("k", sort=True)[["class_over_requested", "reserved_over_requested"]].median()
     long = pd.concat([pd.DataFrame({"k": d.index, "what": w, "waste": 100 * (d[c].to_numpy() - 1)}) for c, w in (
         ("class_over_requested", "size classes: bytes handed out / bytes requested, one step's requests"),
@@ -514,8 +505,7 @@ def trace_label(name: str) -> str:
 
 
 def memory_schemes(df: pd.DataFrame) -> Figure:
-    """Per recorded trace and scheme: peak reserved over peak requested (replayed), and ns per alloc+free pair
-    over the host backend (xpool's schemes; min-max over repeats)."""
+    """Per trace and scheme: peak reserved over requested (replayed), and ns per pair (host backend)."""
     d = labelled(df.assign(waste_pct=100 * (df["reserved_over_requested"] - 1)))
     traces = list(dict.fromkeys(d["trace"]))
     fig, axes = _figure(2, 1, size=(15, 11))

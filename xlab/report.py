@@ -127,8 +127,7 @@ def bounds_table(data: pathlib.Path) -> str:
 
 
 def gil_sharing(data: pathlib.Path, arm: str = GIL_ARM) -> dict:
-    """{N: (median, lo, hi)}: N dispatching threads' ops per second over one thread's (gil_probe.csv), at
-    Python's default switch interval (5 ms)."""
+    """{N: (median, lo, hi)}: N threads' ops per second over one's (gil_probe.csv, 5 ms switch interval)."""
     df = sources.read(data, "gil_probe")
     if df is None:
         return {}

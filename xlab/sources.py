@@ -77,8 +77,7 @@ def lineage(kind: str):
 
 
 def frames(data: pathlib.Path, kind: str) -> list[pd.DataFrame]:
-    """The lineage's CSVs present under data, each selected, oldest first by the day and time their rows were
-    measured (`order` 0, 1, ...; the lineage's own order where a CSV has no date)."""
+    """The lineage's CSVs under data, each selected, oldest first by their rows' dates (`order` 0, 1, ...)."""
     found = []
     for i, (name, where) in enumerate(lineage(kind)[0]):
         df = read(data, name)

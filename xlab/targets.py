@@ -58,8 +58,7 @@ W2T, W2P = dict(mode="threads", world=2), dict(mode="processes", world=2)
 
 
 def _dynamic() -> list:
-    """Issue #22's targets on each workload of xlab.bench.dynamic (xlab.bench.dynamic.WORKLOADS), for xpool's
-    default scheme (the arm `xpool`, or the scheme by name) and, for memory, the best of xpool's schemes too."""
+    """#22's targets per workload of xlab.bench.dynamic: xpool's default scheme, and its best for memory."""
     schemes = tuple(f"xpool_{s}" for s in xpool.SCHEMES)
     default, best = dict(arm=XD), dict(arm=schemes, over=("allocator",), pick="best")
     ror = dict(kind=DYN, metric="reserved_over_requested", higher=False, fmt="{:.3f}", exact=True, bound="—")

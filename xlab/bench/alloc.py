@@ -125,8 +125,7 @@ def calibrated_pairs(ns: int, pairs: int, target_s: float, lo: int = 200, hi: in
 
 
 def rotated(arms, trial: int) -> list:
-    """The arms in trial `trial`'s order: the fixed order rotated by `trial`, so across trials each arm runs
-    in each position and after each neighbour alike."""
+    """The arms rotated by `trial`: across trials each arm runs in each position, after each other."""
     arms = list(arms)
     k = trial % len(arms) if arms else 0
     return arms[k:] + arms[:k]
@@ -139,8 +138,7 @@ def _median_rate(windows) -> tuple[int, int]:
 
 
 def median_window(run, pairs: int, windows: int) -> tuple[int, int]:
-    """(ns, pairs) of one trial: `windows` windows of pairs // windows pairs each (run(pairs) -> (ns, pairs)),
-    at the median window's time per pair."""
+    """(ns, pairs) of `windows` windows of run(pairs // windows), at the median window's rate."""
     return _median_rate([run(max(1, pairs // windows)) for _ in range(windows)])
 
 
@@ -260,8 +258,7 @@ class OtherBuildPool(registry.XPool):
 
 
 def other_build_arms(path) -> tuple:
-    """The arms of the build whose checkout at `path` has its C core built in place (`xpool_before`: its default
-    scheme; `xpool_seed_before`: seed), made known to measure(); their names."""
+    """Make the build at `path` (built in place) known to measure() as xpool_before, xpool_seed_before."""
     from xlab.builds import load_xpool
     package = load_xpool(path, "xpool_before")
     # "xpool" names the default scheme in every build: the old name, and an alias of "segments" since #20
@@ -272,8 +269,7 @@ def other_build_arms(path) -> tuple:
 
 
 def other_build_table(rows) -> str:
-    """The other build against this one, per size, paired by trial: its µs per pair over this build's (> 1: this
-    build is faster), the ratio of medians with a 95% interval (xlab.intervals.ratio_ci); "" without its arms."""
+    """The other build's µs per pair over this build's, per size, paired by trial ("" without it)."""
     lines = []
     for theirs, mine in (("xpool_before", "xpool"), ("xpool_seed_before", "xpool_seed")):
         part = rows[(rows.sweep == "size") & rows.allocator.isin([theirs, mine])]
@@ -312,8 +308,7 @@ def host_pool(scheme: str, busy: bool, seed: int = 0):
 
 
 def measure_host(sizes=SIZES, trials=TRIALS, target_s=TARGET_S / 3, windows=WINDOWS, progress=True):
-    """Samples of the C core's malloc+free pairs over host memory (xlab._probes.time_pairs): one row per
-    (trial, allocator, scenario, size) with ns and pairs, arms interleaved and rotated as on the GPU."""
+    """Samples of the C core's pairs over host memory, arms interleaved and rotated as on the GPU."""
     from xlab import _probes
     from xpool import testing
     pools = {(a, sc): host_pool("seed" if a == "xpool_seed" else "xpool", sc == "busy")
@@ -371,8 +366,7 @@ def host_table(rows) -> str:
 
 
 def run_host(out="data/alloc_core_host.csv", trials=None, target_s=None, sizes=SIZES, progress=True):
-    """Measure the C core on this CPU (trials: default TRIALS; target_s: seconds per (trial, arm, case), default
-    TARGET_S / 3), print the table, write the CSV (None: none); the rows, with provenance."""
+    """Measure the C core on this CPU, print the table, write the CSV (None: none): the rows."""
     target_s = target_s or TARGET_S / 3
     df = host_rows(measure_host(tuple(sizes), trials or TRIALS, target_s, progress=progress))
     return publish(with_provenance(df, bench="alloc_host", target_s=target_s), out, host_table(df))
@@ -381,8 +375,7 @@ def run_host(out="data/alloc_core_host.csv", trials=None, target_s=None, sizes=S
 # --- the CSV's rows and their summary (pure logic, tested on a CPU with fake timings)
 
 def trial_rows(samples, mallocs=None):
-    """The CSV's rows (COLUMNS): µs per pair, thousand pairs/s and the ratio to CuPy's pool in the same trial (NaN
-    without it), and the size sweep's device mallocs per pair from the counting pass."""
+    """The CSV's rows (COLUMNS), ratios to CuPy's pool in the same trial (NaN without it)."""
     mallocs = mallocs or {}
     df = samples.assign(us_per_pair=samples.ns / samples.pairs / 1e3, kpairs_per_s=samples.pairs * 1e6 / samples.ns)
     df["ratio_vs_cupy_pool"] = _vs(df, "us_per_pair", "cupy_pool", ["sweep", "size_bytes", "threads", "trial"])
@@ -407,8 +400,7 @@ def summary(rows):
 
 
 def table(summary) -> str:
-    """Two plain-text tables of medians over trials: µs per pair by size, and kpairs/s by threads; (x) = speed
-    relative to CuPy's pool in the same trial (median of the paired ratios)."""
+    """Medians as text: µs per pair by size, kpairs/s by threads; (x): speed vs CuPy's pool, same trial."""
     lines = []
     for sweep, col, value, unit in (("size", "size_bytes", "us_per_pair", "µs per pair (median)"),
                                     ("threads", "threads", "kpairs_per_s", "thousand pairs/s, 64 KiB")):

@@ -27,8 +27,7 @@ def pair_us(pool, nbytes: int, pairs: int) -> float:
 
 
 def run(sizes=SIZES, pairs: int = 2000, repeats: int = 5, out: str | None = "data/debug_cost_host.csv"):
-    """One row per (size, debug): median µs per pair over `repeats` windows of `pairs`, and the ratio to debug
-    off; written to `out` (None: not written)."""
+    """Median µs per pair over `repeats` windows per (size, debug), and the ratio to debug off."""
     pools = {mode: Pool(HostBackend(), debug=mode) for mode in (False, "raise")}
     rows = []
     for n in sizes:

@@ -203,8 +203,7 @@ def _version(*names) -> str | None:
 
 
 def build_row(trial, position, workload, arm, timed, counted, at_start, opts) -> dict:
-    """One row from an arm's timed run and its counting run (the same dict where counting is free): bytes from
-    whichever run counted them, device calls from the counting run, time from the timed one."""
+    """One row: bytes from the run that counted them, device calls from the counting run, time from the timed."""
     spec, (steps, warmup, seed) = WORKLOADS[workload], _settings(workload, opts)
     reserved, requested, calls = (math.nan if v is None else v for v in (
         counted["reserved"] if timed["reserved"] is None else timed["reserved"],
@@ -221,8 +220,7 @@ def build_row(trial, position, workload, arm, timed, counted, at_start, opts) ->
 # --- the run
 
 def plan(trials, workloads, per_framework, opts, done=frozenset(), commit="") -> tuple[list, set]:
-    """The run's processes in order, (framework, arm, its workloads not in `done`, trial, position), trial t running
-    every arm once in the order rotated by t; and the keys (KEYS, as strings) of all its measurements."""
+    """The run's processes in order (framework, arm, workloads to do, trial, position), and every key (KEYS)."""
     units = [(f, a) for f, arms in per_framework.items() for a in arms]
     jobs, wanted = [], set()
     for t in range(trials):

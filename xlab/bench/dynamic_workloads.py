@@ -41,8 +41,7 @@ def _xp(gpu):
 
 
 def cupy_mix(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda: None) -> dict:
-    """CuPy arrays of random sizes and mixed lifetimes (see the module doc); the inputs are views of one array,
-    so only results allocate."""
+    """CuPy arrays of random sizes and mixed lifetimes; the inputs views of one array, so only results allocate."""
     xp, rng = _xp(gpu), np.random.default_rng([seed, 2])
     n_max, m_max, ffts = (1 << 12, 64, (256, 384, 640)) if small else (1 << 22, 2048, FFT_LENGTHS)
     base = xp.linspace(-1, 1, n_max, dtype=np.float32)
@@ -74,8 +73,7 @@ def cupy_mix(steps, warmup, seed, window, gpu=True, small=False, after_step=lamb
 
 def gpt(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda: None, *, batch: int, lo: int,
         hi: int | None = None) -> dict:
-    """tapegpt's GPT ('tiny' when small) at `batch` sequences of lengths(lo, hi) tokens, with the experiments'
-    optimizer and training step (xlab.experiments.train)."""
+    """tapegpt's GPT ('tiny' when small) at `batch` sequences of lengths(lo, hi), the experiments' step."""
     from tapegpt import GPT, AdamW, get_batch, load_corpus
     from xlab.experiments import train
     xp, cfg, data = _xp(gpu), train.make_config("tiny" if small else None), load_corpus()

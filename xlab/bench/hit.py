@@ -34,8 +34,7 @@ DIFFERENCES = (("core in place", "xpool_core", "c_noop"), ("lookup in place", "x
 
 
 def pair_runner(arm, gpu: bool):
-    """run(nbytes, pairs) -> ns for one in-place arm: a CuPy allocator with .malloc (GPU), or (param, malloc,
-    free) C functions (CPU)."""
+    """run(nbytes, pairs) -> ns of an in-place arm: a CuPy allocator (GPU), or C functions (CPU)."""
     if gpu:
         malloc = arm.malloc
 
@@ -59,8 +58,7 @@ def pair_runner(arm, gpu: bool):
 
 
 def make_arms(gpu: bool) -> dict:
-    """{arm: run(nbytes, calls) -> ns}: the in-place arms and the pieces alone this machine can time (`gpu`: a CUDA
-    device is visible), and under "_keep" the objects they keep alive."""
+    """{arm: run(nbytes, calls) -> ns} of what this machine can time; under "_keep" what they keep alive."""
     from xlab import _probes
     from xpool import testing
     backend = xpool.CupyBackend() if gpu else xpool.HostBackend()
@@ -134,8 +132,7 @@ def measure(sizes=SIZES, trials=TRIALS, windows=WINDOWS, window_s=WINDOW_S, gpu=
 
 
 def breakdown(rows):
-    """(per arm, differences): medians with 95% intervals of each arm's ns per call, and of the differences of
-    DIFFERENCES paired by trial, from measure()'s rows (or the CSV)."""
+    """(per arm, differences): medians with 95% intervals of ns per call, DIFFERENCES paired by trial."""
     df = rows.assign(ns_per_call=rows.ns / rows.calls)
     arms = intervals.summarize(df, ["size_bytes", "arm"], "ns_per_call")
     diffs = []
@@ -163,8 +160,7 @@ def table(rows) -> str:
 
 
 def run(out=None, trials=TRIALS, sizes=SIZES, window_s=WINDOW_S, progress=True):
-    """Measure, print the breakdown, write the CSV (None: data/hit_breakdown.csv on a GPU,
-    data/hit_breakdown_host.csv on a CPU; "": none): the rows, one per trial, with provenance."""
+    """Measure, print the breakdown, write the CSV (None: data/hit_breakdown[_host].csv; "": none)."""
     gpu = has_gpu()
     df = measure(tuple(sizes), trials, WINDOWS, window_s, gpu=gpu, progress=progress)
     df = df.assign(**provenance(bench="hit", path="gpu" if gpu else "host", window_s=window_s))

@@ -42,8 +42,7 @@ def time_empty_del(torch, nbytes: int, pairs: int) -> float:
 
 
 def time_train(torch, steps: int, warmup: int, batch_size: int | None):
-    """(tokens/s, batch size, device mallocs per timed step or None) of the parity model with torch.optim.AdamW,
-    `steps` timed steps after `warmup` (batch_size None: the parity model's)."""
+    """(tokens/s, batch size, device mallocs per step or None) of the parity model with AdamW."""
     from tapegpt.checks import torch_logits
     from tapegpt.model import GPTConfig, init_params
     import xpool
@@ -191,8 +190,7 @@ def mixed_step(torch, cupy, model, opt, x):
 
 
 def mixed_worker(arm: str, steps: int, out_csv: str | None) -> dict:
-    """The mixed loop in this (fresh) process under `arm`, "xpool" or "torch": the arm and its peak reserved bytes
-    (xpool's one pool, or each framework's own); xpool's memory by framework to `out_csv` (None: not written)."""
+    """The mixed loop in this fresh process under `arm`: its peak reserved; xpool's memory to `out_csv`."""
     import cupy
     import torch
     pool = None
@@ -231,8 +229,7 @@ def mixed_memory(steps: int = 4, timeout: float = 180.0):
 
 
 def torch_cuda_available() -> bool:
-    """True when PyTorch is installed with CUDA and sees a device (checked in a subprocess: this process's
-    PyTorch must stay uninitialised for xpool.enable_torch())."""
+    """PyTorch has CUDA and a device (asked in a subprocess: this process's must stay unstarted)."""
     code = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     try:
         return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120).returncode == 0
@@ -241,8 +238,7 @@ def torch_cuda_available() -> bool:
 
 
 def in_use_by_origin(tl):
-    """An xpool timeline (with its origin column) -> bytes in use per framework after each event (columns cupy,
-    torch, python, reserved), from zero at the first event kept: record from an empty pool for absolute levels."""
+    """An xpool timeline -> bytes in use per framework after each event (cupy, torch, python, reserved)."""
     import pandas as pd
     sign = tl.event.map({"alloc_hit": 1, "alloc_miss": 1, "free": -1}).fillna(0).to_numpy(dtype=np.int64)
     out = pd.DataFrame({"t_s": tl.t_s.to_numpy(), "reserved": tl.bytes_reserved.to_numpy()})
@@ -252,8 +248,7 @@ def in_use_by_origin(tl):
 
 
 def plot_mixed_memory(mem, two_pools: int | None = None, title="One pool for CuPy and PyTorch"):
-    """A Figure: stacked bytes in use by framework, and bytes reserved, over time (in_use_by_origin's frame);
-    `two_pools`: the sum of the frameworks' own pools' peaks in bytes, drawn for comparison."""
+    """Bytes in use by framework, stacked, and reserved, over time; `two_pools`: their own pools' peak."""
     from matplotlib.figure import Figure
     fig = Figure(figsize=(10, 4.5), layout="constrained")
     ax = fig.add_subplot()

@@ -75,8 +75,7 @@ def parse(argv=None):
 
 
 def main(argv=None) -> int:
-    """Run one experiment from the command line and print its medians; 2 without the GPUs needed, 1 if a run's
-    checks failed."""
+    """Run one experiment and print its medians; 2 without the GPUs, 1 if a run's checks failed."""
     args = parse(argv)
     if args.cmd == "worker":
         from .ddp import worker_main

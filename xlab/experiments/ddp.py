@@ -71,8 +71,7 @@ class NcclComm:
 
 
 def reference_losses(cfg, data, batch, steps, warmup, cpu=False) -> list:
-    """The single-GPU loss curve (warm-up steps first) on the same global batch (per-GPU batch x world; GPU 0,
-    CuPy's pool, or NumPy with cpu): what DDP must match."""
+    """The one-GPU loss curve (CuPy's pool, or NumPy) on the same global batch: what DDP must match."""
     xp = _xp(cpu)
     with (contextlib.nullcontext() if cpu else xp.cuda.Device(0)):
         with runner.installed("numpy" if cpu else "cupy_pool", False, [0]) as alloc:
@@ -86,8 +85,7 @@ def _xp(cpu):
 # --- threads: one process, a thread per GPU
 
 class ThreadGroup:
-    """`world` ranks as threads of this process, each with its communicator (NCCL on GPUs, HostComm on NumPy)
-    wrapped in train.Fenced; `ranks(batch)` gives the runner's rank function for one arm."""
+    """`world` ranks as threads, each with a Fenced communicator; ranks(batch): the runner's rank function."""
 
     def __init__(self, world, cfg, data, warmup, cpu=False):
         self.world, self.cfg, self.data, self.warmup, self.cpu = world, cfg, data, warmup, cpu
@@ -125,8 +123,7 @@ class ThreadGroup:
 
 def threads_arms(world, names, cfg, data, batch, steps, warmup, count_steps, cpu=False, progress=True,
                  trials=TRIALS) -> list:
-    """[(trial, runner.run_arm result)] for each trial and allocator, interleaved, with `world` threads (cpu:
-    NumPy ranks with HostComm), in the order they ran."""
+    """[(trial, runner.run_arm result)] of every trial and allocator, interleaved, on `world` threads."""
     group = ThreadGroup(world, cfg, data, warmup, cpu)
     try:
         return [(t, runner.run_arm(name, group.ranks(batch), steps, count_steps, range(world), count=t == 0))
@@ -164,8 +161,7 @@ def rank_main(rank, world, uid, spec, barrier) -> list:
 
 
 def worker_main(spec_path) -> None:
-    """Entry point of an `mpirun`-launched rank: NCCL id from rank 0, results gathered to rank 0's file (the
-    pickled spec's result_path; see rank_main)."""
+    """An `mpirun`-launched rank: NCCL id from rank 0, every rank's results to rank 0's result_path."""
     from mpi4py import MPI
     from cupy.cuda import nccl
     with open(spec_path, "rb") as f:
@@ -187,16 +183,14 @@ def _spawned_rank(rank, world, uid, spec, barrier, queue):
 
 
 def pick_launcher(launcher="auto") -> str:
-    """'mpirun' for "auto" when it and mpi4py are there (the standard launcher), else 'spawn'; any other value as
-    given (launch() rejects what it does not know)."""
+    """'mpirun' for "auto" when it and mpi4py are there, else 'spawn'; anything else as given."""
     if launcher != "auto":
         return launcher
     return "mpirun" if shutil.which("mpirun") and importlib.util.find_spec("mpi4py") else "spawn"
 
 
 def launch(world, spec, launcher="auto") -> list:
-    """Start `world` rank processes (spec: see rank_main) by `launcher` ("auto", "mpirun" or "spawn"): [rank] ->
-    rank_main's list. RuntimeError: a rank failed (its traceback included); ValueError: an unknown launcher."""
+    """Start `world` rank processes (mpirun or spawn): [rank] -> rank_main's list."""
     launcher = pick_launcher(launcher)
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", **{train.ADAMW_ENV: train.adamw_form()},
                PYTHONPATH=os.pathsep.join(p for p in (str(repo_root()), os.environ.get("PYTHONPATH")) if p))
@@ -258,8 +252,7 @@ def _spawn(world, spec, env):
 
 
 def merge_ranks(per_rank: list) -> list:
-    """launch()'s [rank][i] = (trial, run_arm result) -> [(trial, one result per arm with every rank's run in
-    timed/counted)], as threads_arms gives."""
+    """launch()'s [rank][i] -> [(trial, one run_arm result with every rank's runs)], as threads_arms's."""
     out = []
     for i, (trial, first) in enumerate(per_rank[0]):
         counted = None if first["counted"] is None else [r[i][1]["counted"][0] for r in per_rank]

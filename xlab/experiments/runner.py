@@ -24,8 +24,7 @@ RANK_TIMEOUT = 900.0      # seconds a rank thread may run before run_threads giv
 
 
 def interleaved(trials: int, arms):
-    """(trial, arm) pairs in the order A B C, A B C, ...: drift between trials hits every arm alike. ValueError:
-    trials < 1 or no arms."""
+    """(trial, arm) pairs in the order A B C, A B C, ...: drift between trials hits every arm alike."""
     arms = list(arms)
     if trials < 1 or not arms:
         raise ValueError(f"trials must be >= 1 and arms non-empty; got trials={trials!r}, arms={arms!r}")
@@ -34,8 +33,7 @@ def interleaved(trials: int, arms):
 
 @contextlib.contextmanager
 def installed(name: str, counting: bool, devices):
-    """A fresh allocator `name` (its counting variant with counting), installed for the block; afterwards
-    uninstalled, garbage collected (arrays in reference cycles die before their pool) and released on `devices`."""
+    """A fresh allocator, installed for the block; then uninstalled, collected, released on `devices`."""
     alloc = registry.make(name)
     alloc.install(counting)
     try:

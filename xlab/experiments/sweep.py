@@ -19,8 +19,7 @@ STEPS = {4: 4, 8: 4, 16: 3, 32: 3, 64: 2, 128: 2}      # timed steps per run, by
 
 
 def steps_for(batch: int, scale: float = 1.0) -> int:
-    """Timed steps at a per-GPU batch: STEPS where listed, else as for the nearest listed batch; times `scale`,
-    at least 2."""
+    """Timed steps at a per-GPU batch: STEPS of the nearest listed batch, times `scale`, at least 2."""
     near = min(STEPS, key=lambda b: abs(b - batch))
     return max(2, round(STEPS[near] * scale))
 

@@ -33,8 +33,7 @@ ADAMW_DEFAULT = "foreach"
 
 
 def adamw_form() -> str:
-    """The optimizer form of this process's runs, "foreach" or "per_param": $XPOOL_ADAMW, else foreach (ValueError:
-    it names neither)."""
+    """The optimizer form, "foreach" or "per_param": $XPOOL_ADAMW, else foreach."""
     form = os.environ.get(ADAMW_ENV, ADAMW_DEFAULT)
     if form not in ADAMW_FORMS:
         raise ValueError(f"{ADAMW_ENV}={form!r}: expected one of {', '.join(ADAMW_FORMS)}")
@@ -68,8 +67,7 @@ HOST_BOUND_UTIL = 80.0           # % GPU busy below which the GPU waited for the
 
 
 def make_config(config=None) -> GPTConfig:
-    """A GPTConfig from a name in CONFIGS ('reference' when None; ValueError: an unknown name), a dict of fields,
-    or itself."""
+    """A GPTConfig from a name in CONFIGS ('reference' when None), a dict of fields, or itself."""
     if isinstance(config, GPTConfig):
         return config
     if isinstance(config, dict):
@@ -88,8 +86,7 @@ def config_name(config) -> str:
 # --- one step
 
 def flatten(grads: dict, loss=None):
-    """A new contiguous 1-d buffer: every gradient (name -> array, one dtype) raveled in the dict's order, then the
-    0-d loss if given (one all-reduce)."""
+    """One new 1-d buffer: every gradient raveled in the dict's order, then the loss if given."""
     xp = array_module(next(iter(grads.values())))
     parts = [g.ravel() for g in grads.values()]
     if loss is not None:
@@ -98,8 +95,7 @@ def flatten(grads: dict, loss=None):
 
 
 def unflatten(flat, like: dict):
-    """(grads, loss): views into `flat` (what flatten returned) shaped like `like` (the dict flatten was given);
-    loss is the 0-d tail (None if there is none)."""
+    """(grads, loss): views into `flat` shaped like `like`; loss the 0-d tail, or None."""
     out, offset = {}, 0
     for k, g in like.items():
         out[k] = flat[offset:offset + g.size].reshape(g.shape)
@@ -158,8 +154,7 @@ FENCE_ENV = "XLAB_FENCE"   # "always": keep every threads-mode all-reduce fenced
 
 
 def fence_always() -> bool:
-    """True when $XLAB_FENCE=always: threads mode fences the timed steps of every allocator too (rows say so);
-    ValueError when it is set to anything but "always" or "auto"."""
+    """$XLAB_FENCE=always: threads mode fences the timed steps of every allocator too (rows say so)."""
     value = os.environ.get(FENCE_ENV, "auto")
     if value not in ("always", "auto"):
         raise ValueError(f"${FENCE_ENV} must be 'always' or 'auto', got {value!r}")
@@ -264,8 +259,7 @@ class Window:
 
 
 class StepEvents:
-    """CUDA events recorded on the current stream before and after each timed step (made before the window, so
-    the window creates none); `ms()` is the mean span of a step on the stream, read after the closing sync."""
+    """CUDA events around each timed step (made before the window); ms(): a step's mean span on the stream."""
 
     def __init__(self, xp, steps):
         self.pairs = [] if xp is np else [(xp.cuda.Event(), xp.cuda.Event()) for _ in range(steps)]
@@ -379,8 +373,7 @@ def loss_rel_diff(losses, reference) -> float:
 
 def checks_passed(loss_rel_diff_max=None, param_rank_diff_max=None, loss_tol=LOSS_TOL,
                   param_tol=PARAM_TOL) -> bool:
-    """Every check that was made passed (None: not made; NaN fails): the loss curve's largest relative difference
-    from its reference, the parameters' largest difference across ranks."""
+    """Every check that was made passed (None: not made; NaN fails)."""
     ok = True
     if loss_rel_diff_max is not None:
         ok &= bool(loss_rel_diff_max <= loss_tol)          # NaN compares False
@@ -463,8 +456,7 @@ def build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=None, launch
 
 
 def add_ratios(df):
-    """Fill speedup (over world 1), speedup_vs_raw and ratio_vs_cupy_pool (same mode, world, batch) against the run
-    of the same trial (NaN where it is absent; no trial column: one trial), in place; df."""
+    """Fill speedup, speedup_vs_raw and ratio_vs_cupy_pool against the run of the same trial, in place."""
     if "trial" not in df:
         df["trial"] = 0
     tps = {(r.mode, r.allocator, r.world, r.batch, r.trial): r.tokens_per_s for r in df.itertuples()}
