@@ -312,10 +312,8 @@ class XPool(Allocator):
 
 
 class CupyTorch(Allocator):
-    """PyTorch's caching allocator as CuPy's: each request is a `torch.empty(n, uint8)` on CuPy's current device,
-    handed to CuPy as `MemoryPointer(UnownedMemory(ptr, n, tensor, device), 0)`; the block goes back to PyTorch's
-    cache when CuPy drops the tensor. Both use the legacy default stream unless told otherwise.
-    """
+    """PyTorch's caching allocator as CuPy's: each request a `torch.empty(n, uint8)` on CuPy's current device,
+    handed over as an UnownedMemory that goes back to PyTorch's cache when CuPy drops it."""
 
     def __init__(self):
         super().__init__()
@@ -408,9 +406,8 @@ class Host(Allocator):
 # --- the dynamic-shape benchmark's arms (xlab.bench.dynamic; Note [Dynamic-shape benchmark])
 
 class CupyAsyncCounted(CupyAsync):
-    """cupy_async, counted: peak reserved from the device's memory pool (cudaMemPoolAttrReservedMemHigh, reset at
-    install); in the counting run each block wrapped, as raw's counting variant does, so that its cudaMallocAsync,
-    its cudaFreeAsync and the live requested bytes are seen."""
+    """cupy_async, counted: peak reserved from the device's pool (cudaMemPoolAttrReservedMemHigh); while counting,
+    each block wrapped as raw's are, so its cudaMallocAsync, cudaFreeAsync and requested bytes are seen."""
 
     def install(self, counting: bool = False) -> None:
         from cupy.cuda import runtime
@@ -451,10 +448,8 @@ class CupyAsyncCounted(CupyAsync):
 
 
 class RmmPool(Allocator):
-    """RMM's pool (`rmm.mr.PoolMemoryResource` over `CudaMemoryResource`), CuPy's allocator through
-    `rmm.allocators.cupy.rmm_cupy_allocator`, counted by two `StatisticsResourceAdaptor`s: one under the pool (its
-    cudaMallocs, cudaFrees, reserved bytes), one above it (requested bytes). It starts empty (initial_pool_size=0),
-    as CuPy's and xpool's pools do, and grows by max(request, pool size)."""
+    """RMM's pool (PoolMemoryResource over CudaMemoryResource, empty at first) through rmm_cupy_allocator, counted by a
+    StatisticsResourceAdaptor under it (cudaMallocs, cudaFrees, reserved bytes) and one above it (requested bytes)."""
 
     name = "rmm_pool"
     free_counting = True      # an adaptor's count is a lock per call, beside rmm_cupy_allocator's Python

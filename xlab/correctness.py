@@ -31,9 +31,8 @@ def transparency_config() -> GPTConfig:
 
 def transparency_gate(steps: int = 50, cfg: GPTConfig | None = None, allocators=GATE_ALLOCATORS,
                       seed: int = 0) -> pd.DataFrame:
-    """Train `steps` steps on CuPy under each allocator (the reference first; cfg: transparency_config()): losses
-    and final parameters must be bit-identical to the first allocator's. One row per allocator with
-    `identical_to_<first>` and `debug_error` (what a debug-mode pool raised, '' if nothing)."""
+    """Train on CuPy under each allocator (the reference first): one row per allocator with `identical_to_<first>`
+    (losses and parameters bit-identical) and `debug_error` (what a debug-mode pool raised, or '')."""
     import cupy
     cfg = cfg or transparency_config()
     data = load_corpus()

@@ -594,17 +594,10 @@ class NumpyRecorder:
 
 def record_numpy_timeline(batch: int = 4, block_sizes=(256, 256), seed: int = 0, foreach: bool = True,
                           config=None, cupy_path: bool = False) -> pd.DataFrame:
-    """CPU: the request timeline of the GPT trained on NumPy: setup (step -1), then one step per entry of
-    `block_sizes` (sequence lengths, each at most the config's block_size), in TIMELINE_COLUMNS.
-
-    The requests are NumPy's data allocations, all on device 0, stream 0; `size` is the request (no
-    allocator took part).  Replays treat it as they treat a GPU timeline.
-
-    cupy_path: the fused ops (tapegpt.fused) take their CuPy branch over NumPy arrays, with every kernel
-    launch a no-op: the outputs they allocate (`empty`) are the GPU's, and the NumPy formulas' temporaries,
-    which the GPU never makes, are gone.  The values are garbage (nothing depends on them but the loss);
-    the requests are the GPU step's, up to CuPy's own temporaries (cuBLAS, reductions).  The plain NumPy
-    path missed the churn the H200 showed at batch 4 (NOTES.md, #14); this one replays it."""
+    """CPU: the request timeline of the GPT trained on NumPy (setup: step -1, then a step per entry of `block_sizes`),
+    NumPy's data allocations on device 0, stream 0. cupy_path: the fused ops take their CuPy branch over NumPy arrays,
+    every kernel launch a no-op, so the outputs they allocate are the GPU's and the NumPy formulas' temporaries are
+    gone: the GPU step's requests (up to CuPy's own temporaries), which the plain NumPy path missed at batch 4 (#14)."""
     cfg = _config(config, batch)
     if max(block_sizes) > cfg.block_size or min(block_sizes) < 1:
         raise ValueError(f"block_sizes must be in [1, {cfg.block_size}], got {block_sizes}")
@@ -658,9 +651,8 @@ def _config(config=None, batch=None):
 
 def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warmup: int = 1, seed: int = 0,
                          capacity: int = 2_000_000, pool=None) -> pd.DataFrame:
-    """GPU: the allocation timeline of setup (step -1) + `warmup` steps + one recorded step of the GPT on CuPy, under
-    `pool` (default: a fresh seed-scheme xpool.MemoryPool, k classes per doubling); RuntimeError if the ring of
-    `capacity` events overflowed (the replay needs every event)."""
+    """GPU: the allocation timeline of setup (step -1), `warmup` steps and one recorded step under `pool` (default:
+    a seed-scheme MemoryPool with k classes per doubling); RuntimeError if its ring of `capacity` events overflowed."""
     import cupy
 
     from xpool.cupy_adapter import MemoryPool, use
@@ -749,10 +741,8 @@ def train_varlen(alloc, cfg, block_sizes, seed: int = 0, foreach: bool = True) -
 
 def measure_varlen(allocators=VARLEN_ALLOCATORS, batch: int | None = None, block_sizes=None, seed: int = 0,
                    foreach: bool = True) -> pd.DataFrame:
-    """GPU: peak reserved / peak requested of each allocator over a run whose sequence length changes every step
-    (default: the varying-length trace's batch and lengths), one row each (VARLEN_COLUMNS, provenance): the
-    allocators' own exact counters, deterministic for a program, so one run each; device_mallocs_warm counts the
-    steps from WARMUP_STEPS on."""
+    """GPU: each allocator's peak reserved / peak requested (its own exact counters: one run each) over a run whose
+    sequence length changes every step (default: the varying-length trace's); device_mallocs_warm from WARMUP_STEPS."""
     spec = NUMPY_TRACES["gpt_varlen_numpy"]
     batch = int(batch or spec["batch"])
     block_sizes = tuple(int(t) for t in (block_sizes or spec["block_sizes"]))

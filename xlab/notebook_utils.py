@@ -69,9 +69,8 @@ def _coerce(name: str, ann: str, value):
 
 
 def setup(name: str, namespace: dict) -> Run:
-    """Check this notebook's parameters in `namespace` (its globals), each brought to its annotated type (a scalar
-    for a list: a list of one), arm names checked; say what the run is on. TypeError: a wrong type (named, with the
-    type expected); ValueError: an unknown parameter (a plain value the notebook does not assign) or arm."""
+    """Check this notebook's parameters in `namespace`, each brought to its annotated type, arms checked, and say what
+    the run is on. TypeError: a wrong type (named); ValueError: an unknown parameter (the closest named) or arm."""
     params = schema(name)
     assigned = {t.id for src, _ in _cells(name) for node in ast.walk(ast.parse(src))
                 if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) for t in [node]}
@@ -126,9 +125,8 @@ def _resolve(fn):
 
 def load_or_measure(name: str, measure_fn, gpu_available: bool, data=None, measure: bool = True,
                     how_to_measure: str = "", out=None, **kwargs) -> pd.DataFrame | None:
-    """Measure on a GPU into `out`/NAME.csv (default build/data/) by measure_fn(out=<csv>, **kwargs) (a callable
-    or 'module:function'), else load the committed data/NAME.csv, and say which (attrs['source']); None without
-    either."""
+    """Measure on a GPU into `out`/NAME.csv (default build/data/) by measure_fn(out=<csv>, **kwargs), else load the
+    committed data/NAME.csv, and say which (attrs['source']); None with neither."""
     if gpu_available and measure:
         path = pathlib.Path(out or paths.build_dir() / "data") / f"{name}.csv"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -157,9 +155,8 @@ def load_or_measure(name: str, measure_fn, gpu_available: bool, data=None, measu
 
 
 def cpu_smoke(measure_fn, **kwargs) -> pd.DataFrame | None:
-    """A measuring function's CPU mode (cpu=True: NumPy, tiny sizes) into a temporary CSV: it checks the code
-    runs and its rows have the CSV's schema; it measures nothing and writes nothing outside a temporary folder.
-    AssertionError: the rows' own checks failed."""
+    """A measuring function's CPU mode into a temporary CSV: the code runs and its rows have the CSV's schema;
+    AssertionError if the rows' own checks failed."""
     try:
         fn = _resolve(measure_fn)
     except ModuleNotFoundError as e:

@@ -586,9 +586,8 @@ DYNAMIC_PANELS = (("reserved_over_requested", "peak reserved / peak requested (d
 
 
 def dynamic_shapes(df: pd.DataFrame) -> Figure:
-    """Per workload and arm, CuPy's workloads left and PyTorch's right: peak reserved over peak requested, device
-    calls per step once warm, and ms per step over the fastest peer's (the ratio of medians over paired trials
-    with its interval, as the targets judge it)."""
+    """Per workload and arm, CuPy's left and PyTorch's right: peak reserved / peak requested, device calls per step
+    once warm, and ms per step over the fastest peer's (ratio of medians over paired trials, as the targets judge)."""
     d = labelled(df)
     ratio = labelled(intervals.paired_best(d, "ms_per_step", "allocator", allocators.SETS["dynamic"], ["workload"],
                                            higher=False))

@@ -136,9 +136,8 @@ def gil_sharing(data: pathlib.Path, arm: str = GIL_ARM) -> dict:
 
 
 def projection(data: pathlib.Path, worlds=(2, 4, 8), kind: str = "single_gpu") -> list[dict]:
-    """A projection, not a measurement, of one thread per GPU on N GPUs at batch 32 from one-GPU rows: a step takes
-    max(N·h/s_N, g) against max(h, g) on one GPU (h: dispatch ms, else host ms, else the batch-4 wall time; g: GPU
-    busy ms; s_N: gil_sharing, 1 where not probed). One dict per pool, with h_source and speedup {N: projected}."""
+    """A projection, not a measurement, of one thread per GPU on N GPUs at batch 32 from one-GPU rows: max(N·h/s_N, g)
+    against max(h, g) (h: the host's ms, g: GPU busy ms, s_N: gil_sharing); one dict per pool."""
     rows = {(r["batch"], r["allocator"]): r for r in bound_rows(data, kind)}
     share = {n: v[0] for n, v in gil_sharing(data).items()}
     out = []

@@ -153,9 +153,8 @@ def _installed(alloc, counting=False):
 
 def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target_s=TARGET_S, count_pairs=200,
             progress=True, windows=WINDOWS):
-    """(samples, mallocs): one row per (trial, allocator, case) with ns and pairs (the size sweep's `windows`
-    windows, median kept; the thread sweep's one, since each starts its threads anew); and device mallocs per
-    pair by (allocator, size) from a counting pass of `count_pairs` pairs (the arms that can count)."""
+    """(samples, mallocs): ns and pairs per (trial, allocator, case), the size sweep's the median of `windows`
+    windows; and device mallocs per pair by (allocator, size) from a counting pass of the arms that can count."""
     allocators = tuple(allocators or default_allocators())
     cases = [("size", n, 1) for n in sizes] + [("threads", THREAD_SIZE, t) for t in threads]
     capacity = max((*sizes, THREAD_SIZE))                  # the floors hand out one block: big enough for all
@@ -292,9 +291,8 @@ HOST_COLUMNS = ["allocator", "scenario", "size_bytes", "trial", "ns_per_pair", "
 
 
 def host_pool(scheme: str, busy: bool, seed: int = 0):
-    """An xpool.Pool of `scheme` over host memory: alone, or busy (300 blocks of 512 B - 16 MiB made from `seed`
-    and every other one freed, as a training step leaves ranges of many sizes free and in use around the ones it
-    asks for; the population kept alive in `_population`)."""
+    """An xpool.Pool of `scheme` over host memory: alone, or busy (300 blocks of 512 B - 16 MiB made, every other one
+    freed, as a training step leaves ranges free and in use; the population kept in `_population`)."""
     pool = xpool.Pool(xpool.HostBackend(), scheme=scheme)
     pool._population = []
     if busy:
@@ -427,9 +425,8 @@ def with_provenance(rows, bench="alloc", **params):
 
 def run(out="data/alloc_microbench.csv", quick=False, trials=None, target_s=None, allocators=None,
         progress=True, sizes=SIZES, threads=THREADS, xpool_path=None):
-    """Measure, print the table of medians, write the CSV (None: none): the per-trial rows. quick: a smoke run (2
-    trials, 5 ms windows); threads: of the thread sweep (empty: none); xpool_path: another build's checkout, timed
-    beside this one (other_build_arms)."""
+    """Measure, print the medians, write the CSV (None: none): the rows. quick: 2 trials of 5 ms windows; threads:
+    empty for no thread sweep; xpool_path: another build's checkout, timed beside this one."""
     registry.require_gpus(1, "xlab.bench.alloc")
     trials = trials or (2 if quick else TRIALS)
     target_s = target_s or (0.005 if quick else TARGET_S)

@@ -75,9 +75,8 @@ def xpool_arms() -> tuple:
 
 
 def resolve(workloads=None, arms=None, cpu: bool = False) -> tuple[list, dict]:
-    """(workloads, {framework: arms}); None: all. An `xpool_<scheme>` arm whose scheme this xpool lacks is skipped
-    with a message, so one command line serves before and after a scheme lands. ValueError: an unknown workload or
-    arm (named), or no arm that runs the workloads."""
+    """(workloads, {framework: arms}), None for all; an `xpool_<scheme>` this xpool lacks is skipped with a message, so
+    one command line serves before and after a scheme lands. ValueError: an unknown name, or no arm for them."""
     workloads = list(workloads or WORKLOADS)
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad:
@@ -251,10 +250,9 @@ def in_process(fn, *args, start="fork"):
 def run(workloads=None, arms=None, trials: int = TRIALS, steps: int | None = None, warmup: int | None = None,
         seed: int = SEED, out=OUT, fresh: bool = False, cpu: bool = False, small: bool | None = None,
         start: str = "fork", progress: bool = True) -> pd.DataFrame:
-    """Measure every (trial, workload, arm) that `out` lacks for this commit and these settings (fresh: discard its
-    rows), appending after each process; this run's rows, resumed ones included (attrs["failed"]: the arms that
-    raised). steps, warmup: of every workload (None: each its own); cpu: NumPy and PyTorch's CPU under arm 'numpy'
-    (tests the code, measures nothing); small: small models (default: with cpu); start: "fork" or "spawn"."""
+    """Measure every (trial, workload, arm) `out` lacks for this commit and these settings (fresh: discard them), rows
+    appended after each process; the run's rows (attrs["failed"]: arms that raised). steps, warmup: None for each
+    workload's own; cpu: NumPy and PyTorch's CPU under arm 'numpy' (tests the code); start: "fork" or "spawn"."""
     for name, v in (("trials", trials), ("steps", steps), ("warmup", warmup)):
         if v is not None and not (isinstance(v, int) and v >= 1):
             raise ValueError(f"{name} must be a whole number >= 1, got {v!r}")

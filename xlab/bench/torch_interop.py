@@ -112,9 +112,8 @@ def _worker(argv, what: str, timeout: float):
 
 def run(trials: int = 5, pairs: int = 50_000, steps: int = 20, warmup: int = 5, batch_size: int | None = None,
         command=None, timeout: float = 120.0):
-    """Rows (COLUMNS, provenance) of `trials` interleaved trials, who goes first alternating, one fresh process per
-    (trial, arm) running command(arm) (default: this module's GPU worker); a failing worker's trial and arm are
-    named."""
+    """Rows (COLUMNS, provenance) of `trials` trials, who goes first alternating, a fresh process per (trial, arm)
+    running command(arm) (default: this module's GPU worker); a failing worker's trial and arm are named."""
     import pandas as pd
 
     from xlab.provenance import provenance
@@ -172,9 +171,8 @@ def mixed_setup(torch, seed=0):
 
 
 def mixed_step(torch, cupy, model, opt, x):
-    """A PyTorch training step, then CuPy on the first layer's weight (shared through DLPack, no copy), whose
-    result feeds PyTorch's next input (x: this step's). Returns (loss, CuPy's sum, next input), all on the device.
-    """
+    """A PyTorch training step, then CuPy on the first layer's weight (through DLPack) feeding the next input:
+    (loss, CuPy's sum, next input), all on the device."""
     loss = ((model(x) - x) ** 2).mean()
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -210,9 +208,8 @@ def mixed_worker(arm: str, steps: int, out_csv: str | None) -> dict:
 
 
 def mixed_memory(steps: int = 4, timeout: float = 180.0):
-    """The mixed loop under xpool and under the two frameworks' own pools, each in a fresh process (usable from a
-    notebook kernel that already touched CUDA): (memory by framework over time under xpool, {"one_pool": xpool's
-    peak reserved, "two_pools": PyTorch's + CuPy's peak reserved})."""
+    """The mixed loop under xpool and under the frameworks' own pools, each in a fresh process: (memory by
+    framework under xpool, {"one_pool": xpool's peak reserved, "two_pools": PyTorch's + CuPy's})."""
     import tempfile
 
     import pandas as pd

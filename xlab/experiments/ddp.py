@@ -264,12 +264,9 @@ def merge_ranks(per_rank: list) -> list:
 def run(modes=("threads", "processes"), worlds=(1, 2), allocators=None, batch=32, steps=6, warmup=3,
         count_steps=3, config=None, launcher="auto", out="data/ddp_scaling.csv", cpu=False, progress=True,
         trials=TRIALS, resume=False):
-    """Data-parallel training (NOTES.md, Note [Data-parallel modes]): one tidy row per (mode, world, trial,
-    allocator), written to `out` (None: none) after each block; speedups over world 1.
-
-    batch: sequences per GPU per step; count_steps: of the counting run (trial 0); launcher: auto, mpirun or spawn;
-    cpu: threads mode on NumPy with HostComm (tests the code, measures nothing); resume: keep the (world, mode) blocks
-    an interrupted run of this commit and these settings completed in `out`."""
+    """Data-parallel training (NOTES.md, Note [Data-parallel modes]): one row per (mode, world, trial, allocator),
+    written to `out` (None: none) after each block. cpu: threads mode on NumPy (tests the code, measures nothing);
+    resume: keep the (world, mode) blocks an interrupted run of this commit and these settings completed."""
     no_multicast()
     allocators = registry.parse(allocators or registry.SETS["ddp"])
     if cpu:

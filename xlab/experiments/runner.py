@@ -45,9 +45,8 @@ def installed(name: str, counting: bool, devices):
 
 
 def run_arm(name: str, ranks, steps: int, count_steps: int, devices, count: bool = True) -> dict:
-    """One arm of one trial, each run with a fresh allocator released on `devices`: `steps` timed steps and, unless
-    counting is free (or not asked for), a counting run of `count_steps`; dict(allocator, timed, counted,
-    counted_steps) for train.build_row (counted None when not counted)."""
+    """One arm of one trial, fresh allocators released on `devices`: `steps` timed steps and, unless counting is
+    free or not asked for, a counting run of `count_steps`; dict(allocator, timed, counted, counted_steps)."""
     with installed(name, False, devices) as alloc:
         timed = ranks(alloc, steps)
         free = alloc.free_counting
@@ -61,9 +60,8 @@ def run_arm(name: str, ranks, steps: int, count_steps: int, devices, count: bool
 
 
 def run_threads(world: int, fn, device_ctx=None, timeout: float | None = None) -> list:
-    """[fn(0), ..., fn(world - 1)], each on a thread of its own inside device_ctx(rank) when given (e.g.
-    cupy.cuda.Device). TimeoutError: a rank still runs after `timeout` seconds (default RANK_TIMEOUT; a peer failed
-    inside NCCL?); RuntimeError: a rank raised (the first failure, chained)."""
+    """[fn(0), ..., fn(world - 1)], each on a thread of its own inside device_ctx(rank) if given; TimeoutError after
+    `timeout` seconds (a peer failed inside NCCL?), RuntimeError chaining the first rank's failure."""
     results, errors = [None] * world, []
     timeout = RANK_TIMEOUT if timeout is None else timeout
 

@@ -23,9 +23,8 @@ DISPATCH_STEPS = 3     # steps after the window, each from an idle device: the h
 
 def run(allocators=None, batches=(32, 4), steps=10, warmup=3, config=None, out="data/single_gpu.csv",
         count_steps=3, device=0, cpu=False, progress=True, trials=TRIALS, resume=False):
-    """A tidy frame, one row per (trial, batch, allocator), written to `out` (None: none) after every run. cpu: the
-    same loop on NumPy (allocator 'numpy': tests the code, measures nothing); resume: measure only what an
-    interrupted run of this commit and these settings did not leave in `out` (runner.resumed)."""
+    """One row per (trial, batch, allocator), written to `out` (None: none) after every run. cpu: the same loop on
+    NumPy (tests the code, measures nothing); resume: measure only what an interrupted run left out."""
     allocators = registry.parse(allocators or registry.SETS["single"])
     if cpu:
         import numpy as xp

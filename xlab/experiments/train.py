@@ -162,9 +162,8 @@ def fence_always() -> bool:
 
 
 class Fenced:
-    """A communicator for ranks that are threads of one process: meet, run the collective, wait for it; armed
-    during warm-up, and in the timed steps only for allocators that call the device once warm (NOTES.md, Note [The
-    fence]: else a cudaMalloc during a peer's NCCL kernel deadlocks)."""
+    """A communicator for ranks that are threads of one process: meet, run the collective, wait for it, while
+    armed (NOTES.md, Note [The fence])."""
 
     def __init__(self, comm, barrier, sync):
         self.comm, self.barrier, self.sync = comm, barrier, sync
@@ -288,12 +287,9 @@ def synchronizer(xp, device):
 
 def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0, world=1, comm=None,
              barrier=None, sampler=None, dispatch_steps: int = 0) -> dict:
-    """One rank (NOTES.md, Note [The timed window]): a dict of host values (seconds, host_seconds, dispatch_ms,
-    losses, peaks, ...). alloc is installed by the caller (CuPy's allocator is process-wide); comm: the communicator
-    (None: one rank), a `Fenced` one disarmed after warm-up when the allocator makes no device call once warm;
-    barrier, sampler: meet the other ranks at the window's edges, and NVML (rank 0 only). Losses stay on the device
-    until the end: reading one per step would synchronise every step.
-    """
+    """One rank (NOTES.md, Note [The timed window]): a dict of host values (seconds, losses, peaks, ...). alloc is
+    installed by the caller; comm: None for one rank, a Fenced one disarmed after warm-up unless the allocator calls
+    the device once warm; barrier, sampler: the window's edges, NVML (rank 0). Losses stay on the device until read."""
     window = Window(lambda: alloc.device_mallocs(device), synchronizer(xp, device), barrier, sampler)
     fence = comm if isinstance(comm, Fenced) else None
     with alloc.tracking():              # everything allocated in the run, parameters too, is seen
@@ -383,9 +379,8 @@ def checks_passed(loss_rel_diff_max=None, param_rank_diff_max=None, loss_tol=LOS
 
 
 def step_bound(gpu_util: float, host_ms: float, ms_per_step: float) -> str:
-    """What bounds a step: "gpu" when NVML saw the GPU busy at least HOST_BOUND_UTIL % of the window, else "host";
-    without NVML, "host" when the dispatching thread was busy at least 80% of the wall time; "" when neither is
-    known. NVML first: thread CPU time counts a synchronising call's spin (raw's cudaFree)."""
+    """What bounds a step: "gpu" when NVML saw the GPU busy at least HOST_BOUND_UTIL %, else "host"; without NVML
+    (thread CPU time counts a synchronising call's spin), "host" when the thread was busy 80% of the time; "" else."""
     if gpu_util is not None and math.isfinite(gpu_util):
         return "gpu" if gpu_util >= HOST_BOUND_UTIL else "host"
     if math.isfinite(host_ms) and math.isfinite(ms_per_step) and ms_per_step > 0:
