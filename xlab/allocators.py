@@ -404,7 +404,6 @@ class Host(Allocator):
 
 
 # --- the dynamic-shape benchmark's arms (xlab.bench.dynamic; Note [Dynamic-shape benchmark])
-
 class CupyAsyncCounted(CupyAsync):
     """cupy_async, counted: peak reserved from the device's pool (cudaMemPoolAttrReservedMemHigh); while counting,
     each block wrapped as raw's are, so its cudaMallocAsync, cudaFreeAsync and requested bytes are seen."""

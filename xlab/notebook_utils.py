@@ -216,10 +216,7 @@ def details(head: pd.DataFrame, full: pd.DataFrame):
                 f"{full.to_html(index=False, max_rows=2000)}</details>")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Correctness (notebook 01)
-
-
+# --- correctness (notebook 01)
 def measured_here(*frames) -> pd.DataFrame:
     """The frames measured in this run (attrs['source'] == 'measured'), concatenated: what a gate judges."""
     mine = [f for f in frames if f is not None and f.attrs.get("source") == "measured"]

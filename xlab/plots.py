@@ -33,10 +33,7 @@ MODES = {"single": "one GPU", "threads": "one thread per GPU (one process)", "pr
 PASS_COLOR, FAIL_COLOR = "#2ca02c", "#d62728"
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Shared pieces
-
-
+# --- shared pieces
 def fmt_si(v: float) -> str:
     """A count with k or M: '91.2k', '1.5M'."""
     for suffix, scale in (("M", 1e6), ("k", 1e3)):
@@ -187,9 +184,7 @@ def _empty(ax, text):
     ax.set_yticks([])
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Correctness
-
+# --- correctness
 _FAMILIES = ((r"^transparency: ", "bitwise transparency: an allocator = raw cudaMalloc"),
              (r"^grad GPT loss", "gradient of the GPT loss by finite differences"),
              (r"^grad ", "op gradients by finite differences (float64)"),
@@ -251,10 +246,7 @@ def correctness(df: pd.DataFrame) -> Figure:
                    "in brackets); green: every check passes, red: one fails. Every check is a row of the CSV.")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The allocator microbenchmark
-
-
+# --- the allocator microbenchmark
 def alloc_cost(df: pd.DataFrame) -> Figure:
     """µs per alloc/free pair by request size, and each arm's time over CuPy's pool's in the same trial."""
     d = labelled(df)
@@ -312,9 +304,7 @@ def torch_interop(df: pd.DataFrame) -> Figure:
                    trials_note(d, ["arm", "case", "size_bytes"]), legend_from=[left, right])
 
 
-# ---------------------------------------------------------------------------------------------------------
-# One GPU
-
+# --- one GPU
 SINGLE_PANELS = (
     ("tokens_per_s", "tokens per second (higher is better)", "Training throughput", fmt_si),
     ("host_ms_per_step", "ms of the dispatching thread's CPU time per step", "Host work per step (thread CPU time)",
@@ -354,10 +344,7 @@ def single_gpu(df: pd.DataFrame) -> Figure:
                    legend_from=list(axes.flat))
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Several GPUs
-
-
+# --- several GPUs
 def _modes(df):
     return [m for m in ("threads", "processes") if m in set(df["mode"])]
 
@@ -469,10 +456,7 @@ def graph_steps(df: pd.DataFrame) -> Figure:
                    trials_note(d, ["mode", "world", "batch", "arm"]), legend_from=list(axes.flat))
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Memory
-
-
+# --- memory
 def memory_waste(df: pd.DataFrame) -> Figure:
     """The seed scheme by k: bytes handed out over requested (one step), peak reserved over requested."""
     d = df.groupby("k", sort=True)[["class_over_requested", "reserved_over_requested"]].median()
@@ -577,9 +561,7 @@ def memory_timeline(df: pd.DataFrame, step: int | None = None) -> Figure:
                    f"{'es' if k != 1 else ''} per doubling, from its allocation timeline.")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Dynamic shapes
-
+# --- dynamic shapes
 DYNAMIC_PANELS = (("reserved_over_requested", "peak reserved / peak requested (dotted: 1.05)", "{:.3f}", 1.05),
                   ("device_calls_per_step", "device calls per step once warm (symlog scale)", "{:.3g}", None),
                   ("ratio", "ms per step / the fastest peer's, paired by trial (dotted: 1)", "{:.2f}", 1.0))
@@ -616,8 +598,7 @@ def dynamic_shapes(df: pd.DataFrame) -> Figure:
                    + trials_note(d, ["workload", "allocator"]), legend_from=list(axes.flat), ncol=4)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Every figure from data/: the one writer of figures/
+# --- every figure from data/: the one writer of figures/
 
 # name -> (lineage or CSV it is drawn from, the function)
 FIGURES = {

@@ -73,10 +73,7 @@ def run_notebook(path: pathlib.Path, out_dir: pathlib.Path, parameters: dict | N
     return dict(notebook=path.stem, ok=not error, seconds=time.perf_counter() - t0, output=str(out), error=error)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Tables of rows (summaries over trials), each from the rows sources.current gives
-
-
+# --- tables of rows (summaries over trials), each from the rows sources.current gives
 def _med(values):
     m, lo, hi, _ = iv.median_ci(values)
     return m, lo, hi
@@ -238,9 +235,7 @@ def graph_notes(data: pathlib.Path) -> dict:
     return out
 
 
-# ---------------------------------------------------------------------------------------------------------
-# A second run on a fresh machine (issue #12): do its ratios fall inside the first run's intervals?
-
+# --- a second run on a fresh machine (issue #12): do its ratios fall inside the first run's intervals?
 T = targets.T
 REPLICATED = (     # every ratio the targets rest on, per group; measured in a folder and in its rerun/
     T("r1", "one GPU, {at} / CuPy pool, tokens/s", "single_gpu.csv", "tokens_per_s", ref=dict(allocator="cupy_pool"),

@@ -62,7 +62,6 @@ def torch_available() -> bool:
 
 
 # --- timing (GPU)
-
 def time_pairs(nbytes: int, pairs: int) -> tuple[int, int]:
     """(ns, pairs) for `pairs` alloc/free pairs of `nbytes` on this thread."""
     import cupy
@@ -237,7 +236,6 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
 
 
 # --- another build of xpool beside this one (--xpool-path)
-
 OTHER_BUILD = {}    # arm name -> a factory of its registry.XPool, filled by other_build_arms()
 
 
@@ -283,7 +281,6 @@ def other_build_table(rows) -> str:
 
 
 # --- the C core alone, on a CPU (--host)
-
 HOST_ARMS = registry.SETS["host"]
 HOST_SCENARIOS = ("alone", "busy")
 HOST_COLUMNS = ["allocator", "scenario", "size_bytes", "trial", "ns_per_pair", "ratio_vs_xpool_seed", "pairs",
@@ -371,7 +368,6 @@ def run_host(out="data/alloc_core_host.csv", trials=None, target_s=None, sizes=S
 
 
 # --- the CSV's rows and their summary (pure logic, tested on a CPU with fake timings)
-
 def trial_rows(samples, mallocs=None):
     """The CSV's rows (COLUMNS), ratios to CuPy's pool in the same trial (NaN without it)."""
     mallocs = mallocs or {}

@@ -67,7 +67,6 @@ COLUMNS = ["trial", "workload", "dynamic", "framework", "allocator", "peak_reser
 
 
 # --- arms
-
 def xpool_arms() -> tuple:
     """`xpool_<scheme>` for every scheme this xpool has (xpool.SCHEMES)."""
     import xpool
@@ -113,7 +112,6 @@ def device_calls(alloc, device: int = 0):
 
 
 # --- one process: one arm over its workloads
-
 def _settings(workload, opts) -> tuple:
     spec = WORKLOADS[workload]
     return opts["steps"] or spec.steps, opts["warmup"] or spec.warmup, opts["seed"]
@@ -217,7 +215,6 @@ def build_row(trial, position, workload, arm, timed, counted, at_start, opts) ->
 
 
 # --- the run
-
 def plan(trials, workloads, per_framework, opts, done=frozenset(), commit="") -> tuple[list, set]:
     """The run's processes in order (framework, arm, workloads to do, trial, position), and every key (KEYS)."""
     units = [(f, a) for f, arms in per_framework.items() for a in arms]
@@ -286,7 +283,6 @@ def run(workloads=None, arms=None, trials: int = TRIALS, steps: int | None = Non
 
 
 # --- results
-
 def summary(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (workload, allocator), in the arms table's order: medians over trials with 95% intervals, and
     ms per step over the fastest peer's (the peer of the lowest median, paired by trial: what the targets judge)."""

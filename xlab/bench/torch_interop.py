@@ -25,7 +25,6 @@ COLUMNS = ["case", "arm", "trial", "order", "size_bytes", "value", "unit", "pair
 
 
 # --- one arm, in its own process
-
 def time_empty_del(torch, nbytes: int, pairs: int) -> float:
     """µs per torch.empty + del pair (after a warm-up that leaves the block cached)."""
     empty, u8, dev = torch.empty, torch.uint8, torch.device("cuda", 0)
@@ -109,7 +108,6 @@ def _worker(argv, what: str, timeout: float):
 
 
 # --- the trials, interleaved
-
 def run(trials: int = 5, pairs: int = 50_000, steps: int = 20, warmup: int = 5, batch_size: int | None = None,
         command=None, timeout: float = 120.0):
     """Rows (COLUMNS, provenance) of `trials` trials, who goes first alternating, a fresh process per (trial, arm)

@@ -83,7 +83,6 @@ def _xp(cpu):
 
 
 # --- threads: one process, a thread per GPU
-
 class ThreadGroup:
     """`world` ranks as threads, each with a Fenced communicator; ranks(batch): the runner's rank function."""
 
@@ -134,7 +133,6 @@ def threads_arms(world, names, cfg, data, batch, steps, warmup, count_steps, cpu
 
 
 # --- processes: one process per GPU
-
 def rank_main(rank, world, uid, spec, barrier) -> list:
     """One rank of the processes mode: every (trial, allocator) in turn on GPU `rank`, [(trial, run_arm result)]. uid:
     NCCL's unique id (from rank 0); spec: the run's settings; barrier: a function meeting every rank."""

@@ -84,7 +84,6 @@ def config_name(config) -> str:
 
 
 # --- one step
-
 def flatten(grads: dict, loss=None):
     """One new 1-d buffer: every gradient raveled in the dict's order, then the loss if given."""
     xp = array_module(next(iter(grads.values())))
@@ -118,7 +117,6 @@ def train_step(model, opt, x, y, comm=None, world: int = 1, loss_and_grads=None)
 
 
 # --- communicators
-
 class HostComm:
     """NCCL's sum all-reduce and broadcast for ranks that are threads of one process (NumPy, CPU tests)."""
 
@@ -192,7 +190,6 @@ def param_rank_diff(params: dict, comm) -> float:
 
 
 # --- one rank's run
-
 class GcPauses:
     """Time spent in Python's garbage collector while active (every thread's collections: gc.callbacks)."""
 
@@ -357,7 +354,6 @@ def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0,
 
 
 # --- checks
-
 def loss_rel_diff(losses, reference) -> float:
     """Max |loss - ref| / |ref| over the steps both loss curves have (NaN if a loss is not finite)."""
     n = min(len(losses), len(reference))
@@ -389,7 +385,6 @@ def step_bound(gpu_util: float, host_ms: float, ms_per_step: float) -> str:
 
 
 # --- rows
-
 def _maximum(values):
     values = [v for v in values if v is not None]
     return max(values) if values else math.nan
