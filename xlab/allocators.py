@@ -88,8 +88,7 @@ class Allocator:
         """Raise what a debug mode found (xpool.CorruptionError); nothing for allocators without one."""
 
     def graph_pool(self):
-        """A new private pool of this allocator's kind for one captured graph (tapegpt.graph.CapturedStep takes its
-        `malloc`), alive until release(); ValueError where the allocator cannot capture."""
+        """A private pool of this kind for one captured graph, alive until release() (ValueError: cannot capture)."""
         if not self.can_capture:
             raise ValueError(f"allocator {self.name!r} cannot capture a CUDA graph: capture needs a pool that "
                              "makes no cudaMalloc/cudaFree once warm")

@@ -1,11 +1,6 @@
-"""Another build of xpool beside this one, in the same process: to time two builds against each other with
-every trial interleaved (xlab.bench.alloc --xpool-path, scripts/core_split_host.py).
-
-    before = load_xpool("build/core_before")      # a checkout of an older commit, built in place
-    before.MemoryPool(...)                        # its public API, under the module name xpool_before
-
-The package is imported from PATH/xpool under another top-level name; its own imports are relative, so it
-loads its own C core (built there with `python setup.py build_ext --inplace`), never this checkout's.
+"""Another build of xpool beside this one, in the same process, to time two builds with every trial interleaved
+(xlab.bench.alloc --xpool-path, scripts/core_split_host.py): `load_xpool("build/core_before").MemoryPool(...)`.
+The package is imported from PATH/xpool under another name; its imports are relative, so it loads its own C core.
 """
 from __future__ import annotations
 

@@ -83,8 +83,7 @@ def _as_rows(df: pd.DataFrame) -> pd.DataFrame:
 
 def run_correctness(device: str = "cpu", with_torch: bool = True, transparency_steps: int = 50,
                     out: str | os.PathLike | None = None) -> pd.DataFrame:
-    """The correctness checks, device 'cpu' on NumPy (with PyTorch parity unless with_torch is False) or 'gpu' on CuPy
-    with the bitwise transparency gate: the check rows with provenance (attrs['source'] = 'measured'), to `out`."""
+    """The checks on the CPU (NumPy) or the GPU (CuPy, and the bitwise transparency gate), with provenance."""
     if device == "cpu":
         frames = [checks.run_all(np, with_torch=with_torch)]
     elif device == "gpu":

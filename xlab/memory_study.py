@@ -629,8 +629,7 @@ def record_numpy_timeline(batch: int = 4, block_sizes=(256, 256), seed: int = 0,
 
 
 def _train(cfg, data, lengths, xp, seed: int = 0, foreach: bool = True, after=lambda: None):
-    """The GPT (cfg, seed) and AdamW (lr 1e-3) trained on xp, one step per sequence length of `lengths`; after()
-    after building them and after each step. (model, opt), for the caller to drop once it has read what it needs."""
+    """The GPT (seed) and AdamW trained on xp a step per length, after() after setup and each step: (model, opt)."""
     model = GPT(cfg, xp=xp, seed=seed)
     opt = AdamW(model.params, lr=1e-3, foreach=foreach)
     after()

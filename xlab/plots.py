@@ -1,13 +1,10 @@
 """Figures from the measurement CSVs alone: each function takes the rows xlab.sources gives for its figure and
-returns a matplotlib Figure (on the Agg canvas, without pyplot: the same pixels in a notebook, a script or CI);
-`build(name)` is the one writer of figures/NAME.png and .svg.
+returns a matplotlib Figure (the Agg canvas, no pyplot); `build(name)` is the one writer of figures/NAME.png, .svg.
 
-Arms are labelled and styled from the arms table (a legend entry names the CSV's commit when the arms come from
-more than one run). A timed number is the median over trials with its 95% bootstrap interval as an error bar
-(seaborn draws them with xlab.intervals' median and interval: a bar is the number the report prints; a CSV of
-one run per configuration is drawn without, and the caption says so). Every figure has a title, axis labels with
-units, and a caption naming its CSVs, machine, software and date. tests/test_figures.py reads every bar and point
-back from the axes and checks it against the CSV's medians.
+Arms are labelled and styled from the arms table. A timed number is the median over trials with its 95% bootstrap
+interval as an error bar (seaborn draws them with xlab.intervals' median and interval: a bar is the number the
+report prints). Every figure has a title, axis labels with units and a caption naming its CSVs, machine, software
+and date; tests/test_figures.py reads every bar and point back from the axes and checks it against the CSV.
 """
 from __future__ import annotations
 
@@ -202,8 +199,7 @@ def family(check: str) -> str:
 
 
 def correctness(df: pd.DataFrame) -> Figure:
-    """Per device, each family of checks: its worst error as a multiple of its threshold (log scale; left of 1
-    passes), and how many of its checks pass. Exact checks (threshold 0) are marked instead of drawn."""
+    """Per device and family of checks: the worst error over its threshold (log), and how many pass."""
     df = sources.with_device(df)
     df["group"] = df["check"].map(family)
     df["ratio"] = np.where(df["threshold"] > 0, df["measured"] / df["threshold"].where(df["threshold"] > 0), 0.0)
@@ -398,8 +394,7 @@ def ddp_before_after(df: pd.DataFrame) -> Figure:
 
 
 def batch_sweep(df: pd.DataFrame) -> Figure:
-    """One thread per GPU on N GPUs against 1, by per-GPU batch: the speedup, and on one GPU the step's host time
-    (thread CPU time) against its wall time: where they part, the GPU and not the host bounds the step."""
+    """Threads on N GPUs over 1 by per-GPU batch, and on one GPU the host's time against the wall time."""
     d = labelled(df[df["mode"] == "threads"] if "mode" in df else df)
     world, batches = int(d["world"].max()), sorted(d["batch"].unique())
     fig, axes = _figure(1, 2, size=(13.5, 6))
@@ -430,8 +425,7 @@ def batch_sweep(df: pd.DataFrame) -> Figure:
 
 
 def graph_steps(df: pd.DataFrame) -> Figure:
-    """Eager steps against steps captured as CUDA graphs: threads on the largest world at batch 32, the host's
-    work per step on one GPU, and GPU utilisation on one GPU at the smallest batch (250-step windows)."""
+    """Eager against captured steps: speedup on the largest world, host ms per step, GPU busy at batch 4."""
     d = labelled(df)
     fig, axes = _figure(1, 3, size=(17, 6))
     sp, disp, util = axes[0]

@@ -97,8 +97,7 @@ def _bound(g) -> str:
 
 
 def bound_rows(data: pathlib.Path, kind: str = "single_gpu") -> list[dict]:
-    """One dict per (batch, allocator) of a one-GPU lineage: (median, lo, hi) of ms, host, dispatch, stream,
-    busy ms, util and gc ms per step, what bounds the step, and the run the rows came from."""
+    """One dict per (batch, allocator) of a one-GPU lineage: (median, lo, hi) of each ms, the bound, the run."""
     df = sources.current(data, kind)
     if df is None:
         return []
@@ -209,8 +208,7 @@ def graph_table(data: pathlib.Path) -> str:
 
 
 def graph_notes(data: pathlib.Path) -> dict:
-    """The numbers of the graph section's notes (report.md), those measured: memory at batch 32 (graph_mem), the
-    GIL-held launcher's run (graph_launch), the projection with the step as a graph, and its second run."""
+    """The numbers of the graph section's notes (report.md), those measured."""
     out, df = {}, sources.current(data, "graph")
     mem = df[(df["mode"] == "single") & (df["batch"] == 32)]
     eager, graph = (mem[mem["allocator"] == a] for a in ("xpool", "xpool_graph"))
@@ -343,8 +341,7 @@ def fill(template: str, values: dict) -> str:
 
 
 def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib.Path) -> str:
-    """The report's markdown; figure links relative to `report_dir` (build/ and report/ are both one level below
-    the repository, so one text serves both). `runs`: run_notebook results (empty: no notebooks section)."""
+    """The report's markdown (figure links relative to `report_dir`; `runs`: the notebooks' results)."""
     now, then = targets.judged(data)
     links = {}
     for name in plots.FIGURES:

@@ -122,8 +122,7 @@ def where(df: pd.DataFrame) -> str:
 
 
 def sources(df: pd.DataFrame) -> str:
-    """'alloc_hit_sweep.csv at 262ba40 (cupy_pool, xpool); alloc_microbench.csv at d2ee10f (raw)': each CSV a
-    frame's rows come from, its commit, and the arms it gives (when several CSVs do)."""
+    """'alloc_hit_sweep.csv at 262ba40 (cupy_pool, xpool); ...': each CSV of the rows, its commit, its arms."""
     if "csv" not in df:
         return "unknown source"
     col, parts = arm_column(df), []

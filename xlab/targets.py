@@ -315,8 +315,7 @@ def _one(r: T, df: pd.DataFrame, col: str | None, group: dict) -> Measured | Non
 
 
 def measure(r: T, data: pathlib.Path, history: bool = False) -> list[Measured]:
-    """A row measured from the newest CSV of its lineage that has its rows (per group of `over`): [Measured], or
-    [] when nothing is measured. With history: the same from each older CSV that has the rows, newest first."""
+    """A row measured on the newest CSV of its lineage with its rows ([] if none); history: on each older one."""
     parts = sources.frames(data, r.kind)[::-1]
     if not parts:
         return []

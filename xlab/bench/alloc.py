@@ -1,18 +1,12 @@
-"""Allocator microbenchmark: µs per `a = cupy.empty(n, cupy.uint8); del a` pair, one thread at five sizes,
-and thousands of pairs per second from 1, 4 and 8 threads on one device at 64 KiB.
+"""Allocator microbenchmark: µs per `a = cupy.empty(n, cupy.uint8); del a` pair, one thread at five sizes, and
+thousands of pairs per second from 1, 4 and 8 threads on one device at 64 KiB; `--host`: xpool's C core alone over
+host memory on a CPU; `--xpool-path`: another build of xpool timed beside this one (#20).
 
     python -m xlab.bench.alloc [--quick] [--trials 7] [--sweep size] [--out data/alloc_microbench.csv]
 
-Each (arm, case) is calibrated once to about `target_s` seconds per trial, timed as `windows` windows (the device
-synchronised around each); in the size sweep the arms that keep a cached block take turns window by window, those
-that call the device on every pair run alone (NOTES.md, Note [The microbenchmark's interleaving]). One CSV row per
-(trial, arm, case); ratio_vs_cupy_pool is CuPy's pool's time over the arm's in the same trial (> 1: faster);
-device_mallocs_per_pair comes from a separate counting pass.
-
-`--host` times xpool's C core alone on a CPU (`xlab._probes.time_pairs` over host memory) for the default scheme,
-the seed scheme and c_noop, alone and beside a training-like population of ranges (`busy`): data/alloc_core_host.csv,
-ratios against xpool_seed. `--xpool-path PATH` times another build of xpool (the checkout at PATH, built in place,
-loaded by xlab.builds) beside this one in the same rotation, as the arms `xpool_before` and `xpool_seed_before` (#20).
+Each (arm, case) is calibrated to about `target_s` seconds per trial, timed as `windows` windows; the arms that
+keep a cached block take turns window by window, those that call the device on every pair run alone (NOTES.md,
+Note [The microbenchmark's interleaving]). ratio_vs_cupy_pool: CuPy's pool's time over the arm's in the same trial.
 """
 from __future__ import annotations
 
@@ -382,8 +376,7 @@ def trial_rows(samples, mallocs=None):
 
 
 def summary(rows):
-    """Medians over trials with 95% intervals per (allocator, sweep, size, threads) of us_per_pair, kpairs_per_s
-    and ratio_vs_cupy_pool, with n_trials and device_mallocs_per_pair (an old CSV of one row per case: single runs)."""
+    """Medians over trials with 95% intervals per (allocator, sweep, size, threads); old CSVs: single runs."""
     keys = ["allocator", "sweep", "size_bytes", "threads"]
     out = None
     for col in ("us_per_pair", "kpairs_per_s", "ratio_vs_cupy_pool"):

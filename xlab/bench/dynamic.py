@@ -284,8 +284,7 @@ def run(workloads=None, arms=None, trials: int = TRIALS, steps: int | None = Non
 
 # --- results
 def summary(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per (workload, allocator), in the arms table's order: medians over trials with 95% intervals, and
-    ms per step over the fastest peer's (the peer of the lowest median, paired by trial: what the targets judge)."""
+    """Per (workload, allocator): medians [95% intervals], and ms per step over the fastest peer's (paired)."""
     keys = ["workload", "allocator"]
     order = registry.ordered(df["allocator"])
     df = df.sort_values(keys, key=lambda c: c.map(list(WORKLOADS).index if c.name == "workload" else order.index),

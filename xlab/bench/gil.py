@@ -163,8 +163,7 @@ def _run(ranks, arm, seconds):
 
 def run(arms=ARMS, trials=TRIALS, seconds=0.5, switch_intervals=(None,), threads=THREADS,
         out="data/gil_probe.csv") -> pd.DataFrame:
-    """One row per (trial, switch interval, arm, threads): ops per second over loops of `seconds` and the speedup over
-    1 thread (measured first) in the same trial; switch_intervals: for sys.setswitchinterval (None: Python's)."""
+    """Per (trial, switch interval, arm, threads): ops per second, and the speedup over 1 thread (same trial)."""
     import cupy
     bad = [a for a in arms if a not in ARMS]
     if bad:

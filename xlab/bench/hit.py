@@ -99,8 +99,7 @@ def calibrated(run, nbytes: int, window_s: float) -> int:
 
 
 def measure(sizes=SIZES, trials=TRIALS, windows=WINDOWS, window_s=WINDOW_S, gpu=None, progress=True):
-    """One row per (trial, arm, size) (COLUMNS): ns for `calls` calls at the median of `windows` windows of about
-    window_s seconds, arms rotated each trial; gpu: time CuPy's GPU path (None: when a GPU is visible)."""
+    """Per (trial, arm, size): ns for `calls` calls at the median window's rate, arms taking turns (COLUMNS)."""
     gpu = has_gpu() if gpu is None else gpu
     arms = make_arms(gpu)
     keep = arms.pop("_keep")

@@ -169,8 +169,7 @@ def mixed_setup(torch, seed=0):
 
 
 def mixed_step(torch, cupy, model, opt, x):
-    """A PyTorch training step, then CuPy on the first layer's weight (through DLPack) feeding the next input:
-    (loss, CuPy's sum, next input), all on the device."""
+    """A PyTorch step, then CuPy on its first weight (DLPack) feeding the next input: (loss, sum, next x)."""
     loss = ((model(x) - x) ** 2).mean()
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -206,8 +205,7 @@ def mixed_worker(arm: str, steps: int, out_csv: str | None) -> dict:
 
 
 def mixed_memory(steps: int = 4, timeout: float = 180.0):
-    """The mixed loop under xpool and under the frameworks' own pools, each in a fresh process: (memory by
-    framework under xpool, {"one_pool": xpool's peak reserved, "two_pools": PyTorch's + CuPy's})."""
+    """The mixed loop under xpool and under both frameworks' pools (fresh processes): (memory, peaks)."""
     import tempfile
 
     import pandas as pd

@@ -86,8 +86,7 @@ def run_threads(world: int, fn, device_ctx=None, timeout: float | None = None) -
 
 
 def resumed(out, keys, **same) -> tuple[list, set]:
-    """(rows, their `keys`): what an interrupted run of the same experiment left in `out` (a stage stopped by a time
-    limit), to finish it; rows whose columns differ from `same` (commit, config, steps, ...) are never mixed in."""
+    """(rows, their `keys`) an interrupted run of this experiment and these settings (`same`) left in `out`."""
     if out is None or not pathlib.Path(out).is_file():
         return [], set()
     df = pd.read_csv(out)
@@ -102,8 +101,7 @@ def resumed(out, keys, **same) -> tuple[list, set]:
 
 
 def run_trials(name: str, one, configs, trials: int, out, keys, resume: bool, progress: bool, **same):
-    """The rows of one(trial, *config) for every (trial, config) of interleaved(trials, configs) that an interrupted
-    run (resume) did not leave in `out`, with provenance, the CSV rewritten after each: a train.frame."""
+    """one(trial, *config)'s rows of every interleaved (trial, config) not yet in `out`, rewritten each time."""
     rows, done = resumed(out, keys, commit=git_commit(), **same) if resume else ([], set())
     for trial, config in tqdm(interleaved(trials, configs), desc=name, disable=not progress):
         if (trial, *config) not in done:

@@ -23,8 +23,7 @@ DISPATCH_STEPS = 3     # steps after the window, each from an idle device: the h
 
 def run(allocators=None, batches=(32, 4), steps=10, warmup=3, config=None, out="data/single_gpu.csv",
         count_steps=3, device=0, cpu=False, progress=True, trials=TRIALS, resume=False):
-    """One row per (trial, batch, allocator), written to `out` (None: none) after every run. cpu: the same loop on
-    NumPy (tests the code, measures nothing); resume: measure only what an interrupted run left out."""
+    """One row per (trial, batch, allocator), to `out` after each; cpu: NumPy (tests the code, measures nothing)."""
     allocators = registry.parse(allocators or registry.SETS["single"])
     if cpu:
         import numpy as xp

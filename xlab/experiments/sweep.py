@@ -26,8 +26,7 @@ def steps_for(batch: int, scale: float = 1.0) -> int:
 
 def run(allocators=None, batches=BATCHES, worlds=(1, 2), warmup=2, steps_scale=1.0, config=None,
         out="data/batch_sweep.csv", cpu=False, progress=True, trials=TRIALS, resume=False):
-    """Threads mode at each per-GPU batch on each of `worlds` GPUs (the first, 1: the speedup's reference), one row
-    per (trial, batch, world, allocator). steps_scale: multiplies STEPS; cpu, resume: as single_gpu.run's."""
+    """Threads mode per per-GPU batch on each of `worlds` GPUs (the first: the reference); cpu, resume as single's."""
     no_multicast()
     allocators = ("numpy",) if cpu else registry.parse(allocators or registry.SETS["sweep"])
     if not cpu:

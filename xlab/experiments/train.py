@@ -160,8 +160,7 @@ def fence_always() -> bool:
 
 
 class Fenced:
-    """A communicator for ranks that are threads of one process: meet, run the collective, wait for it, while
-    armed (NOTES.md, Note [The fence])."""
+    """A communicator for rank threads: meet, run the collective, wait for it, while armed (Note [The fence])."""
 
     def __init__(self, comm, barrier, sync):
         self.comm, self.barrier, self.sync = comm, barrier, sync
@@ -397,8 +396,7 @@ def _mean(values):
 
 def build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=None, launcher="none",
               config="reference", trial=0) -> dict:
-    """One tidy row (COLUMNS, without provenance; ratios NaN until `frame` fills them) from runner.run_arm's result
-    over all ranks; ref_losses: the loss curve this run must match (None: not checked)."""
+    """One tidy row (COLUMNS; ratios NaN until `frame`) of runner.run_arm's result over all ranks."""
     timed, counted = m["timed"], m["counted"]
     seconds = max(r["seconds"] for r in timed)
     ms_per_step = 1000 * seconds / steps
