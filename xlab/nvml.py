@@ -52,15 +52,11 @@ class UtilSampler:
             self._thread = None
             if not self._samples:            # a window shorter than one interval: read once
                 self._samples.append(self._read())
-        self.means = {d: mean([s[d] for s in self._samples]) for d in self.devices}
+        self.means = {d: sum(s[d] for s in self._samples) / len(self._samples) if self._samples else math.nan
+                      for d in self.devices}
         return self.means
 
     __enter__ = start
 
     def __exit__(self, *exc):
         self.stop()
-
-
-def mean(values) -> float:
-    """The arithmetic mean; NaN for no values."""
-    return sum(values) / len(values) if values else math.nan

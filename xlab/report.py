@@ -321,10 +321,6 @@ def _replay(data: pathlib.Path) -> str:
             f"bytes {'exactly for every k' if exact else 'NOT exactly'}.")
 
 
-class _Values(dict):
-    """format_map's mapping: a missing key raises KeyError, which drops the line (or block) that names it."""
-
-
 def fill(template: str, values: dict) -> str:
     """The template with its fields filled: a `<!-- if NAME -->` block is dropped when NAME is empty or missing,
     a line whose field is missing (a CSV not there) is dropped; the page never shows a stale or made-up number."""
@@ -334,7 +330,7 @@ def fill(template: str, values: dict) -> str:
     out = []
     for line in text.split("\n"):
         try:
-            out.append(string.Formatter().vformat(line, (), _Values(values)))
+            out.append(string.Formatter().vformat(line, (), values))      # a missing field: KeyError
         except (KeyError, AttributeError, IndexError):
             continue
     return re.sub(r"\n{3,}", "\n\n", "\n".join(out))
