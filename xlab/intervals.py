@@ -39,23 +39,15 @@ def _bootstrap(stat, arrays, level, resamples, seed):
 
 
 def median_ci(values, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = SEED):
-    """The median of `values` and a percentile-bootstrap interval for it.
-
-    Args: values: one number per trial (NaN and inf are dropped); level: coverage of the interval (0.95: 95%);
-    resamples: bootstrap resamples; seed: the resampling seed (fixed, so one CSV gives one interval). Returns:
-    (median, lo, hi, n): lo and hi are NaN with fewer than two trials; all NaN with none.
-    """
+    """The median of `values` (one number per trial; NaN and inf dropped) and a percentile-bootstrap interval for it
+    at `level` from `resamples` resamples, seeded: (median, lo, hi, n), lo and hi NaN with fewer than two trials."""
     return _bootstrap(np.median, (_clean(values),), level, resamples, seed)
 
 
 def ratio_ci(numerator, denominator, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = SEED):
-    """The ratio of medians of paired trials, median(numerator) / median(denominator), with a bootstrap interval
-    that resamples the pairs (trial t of both arms together).
-
-    Args: numerator, denominator: equal-length sequences; element t of each is trial t (pairs with a NaN are
-    dropped); level, resamples, seed: as for `median_ci`. Returns: (ratio, lo, hi, n_pairs): lo and hi are NaN with
-    fewer than two pairs. Raises: ValueError: the two sequences differ in length (the trials are not paired).
-    """
+    """median(numerator) / median(denominator) of paired trials (element t of each: trial t; a pair with a NaN
+    dropped) with a bootstrap interval that resamples the pairs: (ratio, lo, hi, n_pairs), as `median_ci`.
+    ValueError: the two differ in length (the trials are not paired)."""
     a, b = np.asarray(numerator, dtype=float).ravel(), np.asarray(denominator, dtype=float).ravel()
     if a.shape != b.shape:
         raise ValueError(f"numerator and denominator must pair trial by trial; got {len(a)} and {len(b)} trials")
@@ -102,14 +94,11 @@ def paired_best(df, value: str, arm: str, candidates, by=(), higher: bool = True
 
 def judge(value: float, lo: float, hi: float, target: float, higher_is_better: bool = True,
           exact: bool = False) -> str:
-    """Whether a target is met, judged on the interval rather than the median: the report's one rule.
-
-    Args: value, lo, hi: the median (or ratio of medians) and its interval (NaN: measured once); target: the bound;
-    higher_is_better: "value >= target" (else "<="); exact: the value does not vary between runs of one program (a
-    count, a bitwise check, a replay's bytes), so without an interval it is judged on itself. Returns: "met" when the
-    whole interval is on the target's side, "missed" when all of it is on the other, "within noise" when it
-    straddles the target; "single run, no interval (the median meets it)" (or "misses it") for a timed value measured
-    once; "not measured" for NaN."""
+    """Whether a target is met, judged on the interval rather than the median: the report's one rule. "met" when the
+    whole interval [lo, hi] of `value` is on the target's side (higher_is_better: >=, else <=), "missed" when all of
+    it is on the other, "within noise" when it straddles the target. Measured once (NaN bounds): an `exact` value (a
+    count, a bitwise check, a replay's bytes) is judged on itself, a timed one is "single run, no interval (the median
+    meets it)" (or "misses it)"; "not measured" for NaN."""
     if value is None or not math.isfinite(value):
         return "not measured"
     if not (math.isfinite(lo) and math.isfinite(hi)):

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+import xpool
 from xlab import intervals
 from xlab.paths import write_csv
 
@@ -44,7 +45,6 @@ def time_train(torch, steps: int, warmup: int, batch_size: int | None):
     """(tokens/s, batch size, device mallocs per step or None) of the parity model with AdamW."""
     from tapegpt.checks import torch_logits
     from tapegpt.model import GPTConfig, init_params
-    import xpool
     cfg = GPTConfig() if batch_size is None else GPTConfig(batch_size=batch_size)
     dev = torch.device("cuda", 0)
     P = {k: torch.tensor(v, device=dev, requires_grad=True) for k, v in init_params(cfg).items()}
@@ -78,25 +78,19 @@ def worker(arm: str, pairs: int, steps: int, warmup: int, batch_size: int | None
     """Every case's rows for one arm, "torch" (PyTorch's own allocator) or "xpool"; call in a fresh process."""
     import torch
     if arm == "xpool":
-        import xpool
         xpool.enable_torch()
     elif arm != "torch":
         raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
     rows = [dict(case="empty_del", size_bytes=n, value=time_empty_del(torch, n, pairs), unit="us_per_pair",
                  pairs=pairs) for n in SIZES]
     tps, B, mallocs = time_train(torch, steps, warmup, batch_size)
+    peak = (torch.cuda.max_memory_reserved() if arm == "torch" else
+            xpool.installed().stats(0).iloc[0].peak_bytes_reserved)
     rows.append(dict(case="train_step", value=tps, unit="tokens_per_s", steps=steps, batch_size=B,
-                     device_mallocs_per_step=mallocs, peak_reserved_bytes=_peak_reserved(torch, arm)))
+                     device_mallocs_per_step=mallocs, peak_reserved_bytes=int(peak)))
     for r in rows:
         r.update(arm=arm, torch=torch.__version__)
     return rows
-
-
-def _peak_reserved(torch, arm):
-    if arm == "torch":
-        return int(torch.cuda.max_memory_reserved())
-    import xpool
-    return int(xpool.installed().stats(0).iloc[0].peak_bytes_reserved)
 
 
 def _worker(argv, what: str, timeout: float):
@@ -190,7 +184,6 @@ def mixed_worker(arm: str, steps: int, out_csv: str | None) -> dict:
     import torch
     pool = None
     if arm == "xpool":
-        import xpool
         pool = xpool.enable_torch(timeline=1_000_000)
     model, opt, x = mixed_setup(torch)
     for _ in range(steps):
