@@ -15,8 +15,10 @@ import re
 import threading
 from collections import defaultdict
 
-KIB, MIB = 1 << 10, 1 << 20
+import xpool
 from xpool.settings import DEFAULTS as XPOOL_DEFAULTS
+
+KIB, MIB = 1 << 10, 1 << 20
 
 # xpool.MemoryPool's default scheme: the `xpool` arm names it, so $XPOOL_SCHEME cannot move the arm
 DEFAULT_SCHEME = XPOOL_DEFAULTS["scheme"]
@@ -272,14 +274,12 @@ class XPool(Allocator):
     """xpool.MemoryPool: its default scheme (`xpool`), the design's (`xpool_seed`), or k classes per doubling."""
 
     def __init__(self, classes_per_doubling: int | None = None, debug=None, scheme: str | None = None):
-        import xpool
         super().__init__()
         self._settings = dict(debug=debug or False, **{k: v for k, v in (
             ("classes_per_doubling", classes_per_doubling), ("scheme", scheme)) if v is not None})
         self.pool = xpool.MemoryPool(**self._settings)
 
     def _make_private(self):
-        import xpool
         return xpool.MemoryPool(**self._settings)     # the arm's own settings: same scheme, same debug mode
 
     def _stat(self, device, key, pool=None):

@@ -27,6 +27,7 @@ from multiprocessing import get_context
 import pandas as pd
 from tqdm.auto import tqdm
 
+import xpool
 from xlab import allocators as registry
 from xlab import intervals
 from xlab.experiments.runner import installed
@@ -69,7 +70,6 @@ COLUMNS = ["trial", "workload", "dynamic", "framework", "allocator", "peak_reser
 # --- arms
 def xpool_arms() -> tuple:
     """`xpool_<scheme>` for every scheme this xpool has (xpool.SCHEMES)."""
-    import xpool
     return tuple(f"xpool_{s}" for s in xpool.SCHEMES)
 
 
@@ -151,7 +151,6 @@ def _torch_arm(arm, workloads, opts) -> list:
     alloc, gpu = registry.make(arm), opts["gpu"]
     is_xpool = isinstance(alloc, registry.XPool)
     if is_xpool:
-        import xpool
         xpool.enable_torch(pool=alloc.pool)
     else:
         alloc.install()
