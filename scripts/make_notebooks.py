@@ -271,6 +271,42 @@ schemes = nbu.rows("memory_schemes.csv", run)
 nbu.summary(schemes, ["trace", "allocator"], ["reserved_over_requested", "device_mallocs_warm", "ns_per_pair"])'''),
         ("code", 'nbu.figure("memory_schemes", schemes, run=run)'),
     ],
+    "06_dynamic_shapes": [
+        ("md", '''\
+# 06 · Dynamic shapes: memory held, device calls and speed when the shapes change every step
+
+Workloads whose shapes change every step (a CuPy loop of FFTs, sorts, cumsums and matmuls of random sizes whose
+results live a random number of steps; tapegpt's GPT and a PyTorch `TransformerEncoder` language model trained at a
+sequence length drawn every step), beside fixed-shape controls (the GPT at batch 32 and 4, the PyTorch model at one
+length), under every peer (CuPy's `MemoryPool` and `MemoryAsyncPool`, RMM's pool; PyTorch's caching allocator with
+and without `expandable_segments:True`) and every xpool scheme: peak reserved over peak requested, device calls per
+step once warm, and ms per step over the fastest peer's in the same trial. Trials interleaved, each arm a process of
+its own. Measured by `python -m xlab.bench.dynamic` (`data/dynamic_shapes.csv`); on a GPU this notebook runs a quick
+pass by default (one trial of a few steps: checks the code, not numbers to quote).
+''' + header("06_dynamic_shapes", "-p quick False")),
+        ("params", '''\
+quick: bool = True  # GPU only: one trial of a few steps; False: the full run (every trial and step)
+workloads: list[str] = []  # workloads (xlab.bench.dynamic.WORKLOADS; empty: all of them)
+allocators: list[str] = []  # arms (xlab.allocators.ARMS; empty: every peer and every xpool scheme)
+measure: bool = True  # on a GPU: measure now
+cpu_check: bool = True  # without a GPU: run the benchmark's code on NumPy and PyTorch's CPU (measures nothing)
+''' + COMMON_PARAMS),
+        ("code", setup("06_dynamic_shapes", "\nfrom xlab.bench import dynamic") + '''
+dynamic.resolve(workloads, cpu=True);  # an unknown workload is named here'''),
+        ("md", "## Without a GPU: the benchmark's code on the CPU, small models (checks the code, measures nothing)"),
+        ("code", '''\
+if cpu_check and not run.gpu:
+    nbu.cpu_smoke("xlab.bench.dynamic:run", workloads=["cupy_mix", "torch_fixed"], trials=1, steps=2, warmup=1,
+                  start="spawn", progress=False)'''),
+        ("md", "## Measurements (medians over trials [95% interval]; every trial a click away)"),
+        ("code", '''\
+measured = nbu.load_or_measure("dynamic_shapes", "xlab.bench.dynamic:run", run.gpu, run.data, measure, out=run.out,
+                               how_to_measure="python -m xlab.bench.dynamic", workloads=workloads or None,
+                               arms=allocators or None, start="spawn", **(dynamic.QUICK if quick else {}))
+rows = nbu.rows("dynamic_shapes", run, measured)
+nbu.details(dynamic.summary(rows), rows) if rows is not None else None'''),
+        ("code", 'nbu.figure("dynamic_shapes", rows, run=run)'),
+    ],
 }
 
 

@@ -1,4 +1,5 @@
 """The allocator microbenchmark's pure logic on fake timings; a quick real run where a GPU is."""
+import contextlib
 import math
 
 import pandas as pd
@@ -74,7 +75,7 @@ def test_calibrated_pairs_targets_the_time_and_clamps():
 def test_csv_carries_provenance_and_params(tmp_path):
     df = bench.with_provenance(bench.trial_rows(fake_samples()), target_s=0.01, quick=True)
     out = tmp_path / "sub" / "alloc.csv"
-    bench.write_csv(df, out)
+    bench.publish(df, out)
     back = pd.read_csv(out)
     for col in bench.COLUMNS + ["gpu", "driver", "cuda", "cupy", "commit", "date", "trials", "target_s", "quick"]:
         assert col in back.columns
@@ -244,14 +245,14 @@ def fake_bench(monkeypatch, log):
     monkeypatch.setattr(bench.registry, "make", lambda name, **kw: FakeArm(name, log))
     orig = bench._installed
 
-    class Installed(orig):
-        def __enter__(self):
-            installed.append(self.alloc.name)
-            return super().__enter__()
-
-        def __exit__(self, *exc):
+    @contextlib.contextmanager
+    def Installed(alloc, counting=False):
+        installed.append(alloc.name)
+        try:
+            with orig(alloc, counting) as a:
+                yield a
+        finally:
             installed.pop()
-            return super().__exit__(*exc)
 
     def run(pairs):
         log.append(("run", installed[-1] if installed else None, pairs))

@@ -238,6 +238,27 @@ def check_memory_timeline(fig, data):
     assert "seed scheme" in (fig.legends[0].get_title().get_text() if fig.legends else fig._suptitle.get_text())
 
 
+def check_dynamic_shapes(fig, data):
+    df = pd.read_csv(data / "dynamic_shapes.csv")
+    per = df.groupby(["workload", "allocator", "trial"])["ms_per_step"].median()
+    peers = ("cupy_pool", "cupy_async", "rmm_pool", "torch", "torch_expandable")
+    ratio = []                       # each arm's ms over the fastest peer's: ratio of medians of paired trials
+    for w, g in df.groupby("workload"):
+        ref = per[w][g[g["allocator"].isin(peers)].groupby("allocator")["ms_per_step"].median().idxmin()]
+        for a in g["allocator"].unique():
+            common = per[w][a].index.intersection(ref.index)
+            ratio.append(dict(workload=w, allocator=a, r=per[w][a][common].median() / ref[common].median()))
+    ratio = pd.DataFrame(ratio)
+    frameworks = list(dict.fromkeys(df["framework"]))
+    for j, f in enumerate(frameworks):
+        sub = df[df["framework"] == f]
+        ror, calls, speed = fig.axes[j::len(frameworks)]
+        tick = str.partition                                     # 'cupy_mix\n(varying shapes)' -> 'cupy_mix'
+        for ax, rows, col in ((ror, sub, "reserved_over_requested"), (calls, sub, "device_calls_per_step"),
+                              (speed, ratio[ratio["workload"].isin(set(sub["workload"]))], "r")):
+            bar_panel(fig, ax, rows, "workload", col, lambda t: tick(t, "\n")[0])
+
+
 def check_correctness(fig, data):
     df = pd.concat([pd.read_csv(data / f"correctness_{d}.csv") for d in ("cpu", "gpu")], ignore_index=True)
     assert len(fig.axes) == df["device"].nunique()

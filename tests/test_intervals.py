@@ -75,3 +75,17 @@ def test_summarize_frames():
     s = iv.summarize(pd.DataFrame(rows), ["batch", "allocator"], "tps")
     assert list(s.columns) == ["batch", "allocator", "tps", "tps_lo", "tps_hi", "n_trials"]
     assert len(s) == 4 and (s["n_trials"] == 5).all() and (s["tps_lo"] <= s["tps"]).all()
+
+
+def test_paired_best_pairs_every_arm_with_the_best_peer_of_each_group():
+    rows = [dict(w=w, arm=a, trial=t, ms=ms * (1 + 0.01 * t))
+            for w, speeds in (("x", dict(p=10.0, q=8.0, mine=9.0)), ("y", dict(p=5.0, q=6.0, mine=5.5)))
+            for a, ms in speeds.items() for t in range(5)]
+    df = pd.DataFrame(rows)
+    assert iv.best(df[df.w == "x"], "ms", "arm", higher=False) == "q" and iv.best(df[df.w == "x"], "ms", "arm") == "p"
+    assert iv.best(df.iloc[:0], "ms", "arm") is None
+    r = iv.paired_best(df, "ms", "arm", ("p", "q"), by=["w"], higher=False).set_index(["w", "arm"])
+    assert set(r.loc["x", "reference"]) == {"q"} and set(r.loc["y", "reference"]) == {"p"}
+    assert r.loc[("x", "mine"), "ratio"] == pytest.approx(9 / 8) and r.loc[("y", "mine"), "ratio"] == pytest.approx(1.1)
+    assert r.loc[("x", "q"), "ratio"] == 1.0 and r.loc[("x", "q"), "n_pairs"] == 5
+    assert iv.paired_best(df, "ms", "arm", ("none",), by=["w"]).empty

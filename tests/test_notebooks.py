@@ -24,8 +24,9 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 NAMES = [p.stem for p in NOTEBOOKS]
 
 
-def test_the_five_notebooks_exist():
-    assert NAMES == ["01_correctness", "02_allocator_microbench", "03_single_gpu", "04_multi_gpu", "05_memory"]
+def test_the_six_notebooks_exist():
+    assert NAMES == ["01_correctness", "02_allocator_microbench", "03_single_gpu", "04_multi_gpu", "05_memory",
+                     "06_dynamic_shapes"]
     assert set(report.CPU_QUICK) == set(NAMES)
 
 
@@ -78,7 +79,7 @@ def _images(path) -> int:
 
 
 FIGURE_CELLS = {"01_correctness": 1, "02_allocator_microbench": 3, "03_single_gpu": 1, "04_multi_gpu": 4,
-                "05_memory": 3}
+                "05_memory": 3, "06_dynamic_shapes": 1}
 
 
 @pytest.mark.slow

@@ -358,5 +358,35 @@ def test_graph_targets_judge_the_graph_runs(trial_data):
     assert not any("process per GPU, batch 32: xpool_graph" in t for t in rows)     # no processes CSV: no row
     table = report.graph_table(trial_data)
     assert "| one GPU, batch 4, 250 steps | xpool_graph |" in table and "| threads, batch 32, 10 steps | raw |" in table
-    notes = report.graph_notes(trial_data)
+    notes = _page(trial_data)
     assert "eager xpool reserves at most 4.56 GiB; xpool_graph 410 MiB in the arm's pool plus 4.28 GiB" in notes
+
+
+def test_dynamic_targets_judge_xpool_against_the_fastest_peer_paired_by_trial(trial_data):
+    rows = {m.row.key: m for m in targets.judged(trial_data)[0]}
+    df = pd.read_csv(trial_data / "dynamic_shapes.csv")
+    w = df[df["workload"] == "torch_fixed"]
+    per = {a: w[w["allocator"] == a].groupby("trial")["ms_per_step"].median() for a in set(w["allocator"])}
+    fastest = min(("torch", "torch_expandable"), key=lambda a: per[a].median())
+    m = rows["dyn_ms_torch_fixed"]
+    assert m.ref == fastest and f"the fastest peer's ({fastest};" in targets.text(m)
+    assert m.value == pytest.approx(per["xpool_segments"].median() / per[fastest].median())
+    slower = df["allocator"] == fastest                     # the other peer becomes the fastest: the reference follows
+    df.loc[slower & (df["workload"] == "torch_fixed"), "ms_per_step"] *= 1.5
+    df.to_csv(trial_data / "dynamic_shapes.csv", index=False)
+    assert {m.row.key: m for m in targets.judged(trial_data)[0]}["dyn_ms_torch_fixed"].ref != fastest
+    best = rows["dyn_ror_best_torch_varlen"]
+    assert best.at == "xpool_segments" and best.value == pytest.approx(1.31, rel=1e-3) and best.verdict == iv.MISSED
+    assert rows["dyn_calls_cupy_mix"].verdict == iv.MISSED
+
+
+def test_the_dynamic_section_and_headline_are_there_only_with_the_csv(trial_data):
+    page = _page(trial_data)
+    assert "## Dynamic shapes" in page and "| cupy_mix | xpool_segments |" in page
+    df = pd.read_csv(trial_data / "dynamic_shapes.csv")
+    expandable = df[(df["allocator"] == "torch_expandable") & (df["workload"] == "torch_varlen")]
+    assert (f"(PyTorch with expandable segments torch_varlen: {expandable['reserved_over_requested'].median():.3f})"
+            in _headline(page, "Dynamic shapes"))
+    (trial_data / "dynamic_shapes.csv").unlink()
+    page = _page(trial_data)
+    assert "Dynamic shapes" not in page and "#22" not in page

@@ -50,7 +50,7 @@ def test_summary_judges_by_interval():
     assert len(e) == len(bench.SIZES)
     assert np.allclose(e.speedup, 2.0 / 1.8) and (e.verdict == "xpool faster").all()
     t = s.loc[["train_step"]].iloc[0]
-    assert t.speedup == 1.0 and t.verdict == "inside the noise" and t.trials == 5
+    assert t.speedup == 1.0 and t.verdict == "within noise" and t.trials == 5
 
 
 def test_in_use_by_origin_follows_both_frameworks():

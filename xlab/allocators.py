@@ -1,29 +1,11 @@
-"""The arms the lab compares, in one table (ARMS), and the allocators behind them.
+"""The arms the lab compares, in one table (ARMS), and the allocators behind them: what each column means, its
+families (xpool_k<N>, _debug, _graph) and how each allocator counts are in NOTES.md, Note [The arms table].
 
     alloc = make("cupy_pool"); alloc.install(); ...; alloc.uninstall(); alloc.release([0])
     arm("xpool_k4_debug").label, arm("raw").color, parse(["raw", "xpool"])   # names are checked once, here
 
-Each row of ARMS is one arm: its name, how to make it (`make`: an Allocator class, or None for an arm that is
-not installed into CuPy: a framework's own allocator measured in its own process, a CPU replay's model, a piece
-of a benchmark), its label and style in every figure and table, and what it can do: `exact` (counts device
-mallocs and peaks exactly and for free, so the timed run itself gives the counts), `device_calls_when_warm` (calls
-cudaMalloc/cudaFree, or their stream-ordered forms, on requests a warm cache would serve: the threads-mode
-training fences collectives for those only), `can_capture` (a `_graph` variant exists: its private pools make no
-device call once warm) and `framework` (whose requests it serves: cupy, torch, replay, bench, numpy). Families
-resolve from the rows: `xpool_k<N>` (the seed scheme with N classes per doubling), `<xpool arm>_debug` (debug
-mode: poison + canaries), `<pool>_graph` (each training step's forward and backward captured once as a CUDA graph
-over a private pool of the same kind, replayed every step; tapegpt.graph.CapturedStep). To add an arm: a row
-(and, for a CuPy allocator, an Allocator subclass); every experiment, benchmark, replay, plot and report reads it.
-CSVs written before an arm was renamed are read through `canonical` (LEGACY).
-
-Counters are per device and None where an allocator cannot count exactly:
-- raw: the counting variant (`install(counting=True)`) wraps CuPy's `_malloc` so each block's malloc and free
-  is seen (requested = reserved: there is no cache).
-- cupy_pool: device mallocs and live requested bytes from a CuPy MemoryHook, entered per thread only while
-  counting (hooks cost time); reserved bytes from `total_bytes()` after every step (it only grows between
-  `free_all_blocks` calls, so the last sample is the peak).
-- xpool arms: the pool's own exact counters. cupy_torch: PyTorch's (torch.cuda.memory_stats).
-- `_graph` arms: the private pools' device mallocs count with the arm's; their bytes are `graph_pool_bytes`.
+To add an arm: a row (and, for a CuPy allocator, an Allocator subclass); every experiment, benchmark, replay, plot
+and report reads it. Counters are per device and None where an allocator cannot count exactly.
 """
 from __future__ import annotations
 
@@ -33,8 +15,10 @@ import re
 import threading
 from collections import defaultdict
 
-KIB, MIB = 1 << 10, 1 << 20
+import xpool
 from xpool.settings import DEFAULTS as XPOOL_DEFAULTS
+
+KIB, MIB = 1 << 10, 1 << 20
 
 # xpool.MemoryPool's default scheme: the `xpool` arm names it, so $XPOOL_SCHEME cannot move the arm
 DEFAULT_SCHEME = XPOOL_DEFAULTS["scheme"]
@@ -45,10 +29,7 @@ class NoGPU(RuntimeError):
 
 
 def require_gpus(n: int = 1, what: str = "this measurement") -> None:
-    """Raise NoGPU with a clear message unless at least n CUDA GPUs are visible.
-
-    Args: n: GPUs needed; what: what needs them, for the message. Raises: NoGPU: fewer are visible.
-    """
+    """Raise NoGPU, naming `what` needs them, unless at least n CUDA GPUs are visible."""
     from xlab.provenance import gpu_info
     have = gpu_info()["n_gpus"]
     if have < n:
@@ -72,7 +53,7 @@ class Allocator:
         self._private = []      # the private pools graph_pool() made, alive until release()
 
     def malloc_fn(self):
-        raise NotImplementedError
+        return self.pool.malloc
 
     def install(self, counting: bool = False) -> None:
         import cupy
@@ -92,30 +73,24 @@ class Allocator:
         """Called after every training step on `device`."""
 
     def device_mallocs(self, device: int):
+        """Counters on `device`: None where this allocator does not count (NOTES.md, Note [The arms table])."""
         return None
 
-    def peak_reserved(self, device: int):
-        return None
-
-    def peak_requested(self, device: int):
-        return None
+    peak_reserved = peak_requested = graph_pool_bytes = device_mallocs
 
     def release(self, devices=()) -> None:
-        """Give cached memory back (call after every array made under it is gone)."""
+        """Give cached memory back and drop the pools (call after every array made under it is gone)."""
+        self.trim(devices)
+        self.pool, self._private = None, []    # a dead pool frees the split blocks too
 
     def trim(self, devices=()) -> None:
-        """Give cached blocks back to the device but stay usable (the benchmark calls it on every other arm
-        before timing one, so no arm runs beside another arm's cached blocks)."""
+        """Give cached blocks back but stay usable (so no arm is timed beside another's cache)."""
 
     def check(self) -> None:
         """Raise what a debug mode found (xpool.CorruptionError); nothing for allocators without one."""
 
     def graph_pool(self):
-        """A new private pool of this allocator's kind for one captured graph: its `malloc` goes to
-        tapegpt.graph.CapturedStep. It lives until release(), which gives its blocks back (after the graph is gone).
-
-        Raises: ValueError: this allocator cannot capture (it calls the device on every request).
-        """
+        """A private pool of this kind for one captured graph, alive until release() (ValueError: cannot capture)."""
         if not self.can_capture:
             raise ValueError(f"allocator {self.name!r} cannot capture a CUDA graph: capture needs a pool that "
                              "makes no cudaMalloc/cudaFree once warm")
@@ -125,10 +100,6 @@ class Allocator:
 
     def _make_private(self):
         raise NotImplementedError
-
-    def graph_pool_bytes(self, device: int):
-        """Bytes the private pools hold on `device` (None: no private pool, or not counted)."""
-        return None
 
 
 class _Freed:
@@ -144,13 +115,11 @@ class _Freed:
 
 
 class _Live:
-    """Device mallocs and live/peak requested bytes per device (shared by all threads)."""
+    """Device mallocs and frees, and live/peak requested bytes, per device (shared by all threads)."""
 
     def __init__(self):
-        self._lock = threading.Lock()        # guards the three dicts
-        self.mallocs = defaultdict(int)
-        self.live = defaultdict(int)
-        self.peak = defaultdict(int)
+        self._lock = threading.Lock()        # guards the dicts
+        self.mallocs, self.frees, self.live, self.peak = (defaultdict(int) for _ in range(4))
 
     def _allocated(self, device, size, device_malloc=True):
         with self._lock:
@@ -161,11 +130,11 @@ class _Live:
     def _freed(self, device, size):
         with self._lock:
             self.live[device] -= size
+            self.frees[device] += 1
 
 
 class Raw(Allocator):
     """cudaMalloc/cudaFree for every array (`cupy.cuda.set_allocator(None)`)."""
-
 
     def __init__(self):
         super().__init__()
@@ -225,13 +194,7 @@ def _hook_class():
 
 
 class RawHeld(Raw):
-    """raw, with one 512-byte cudaMalloc block held alive while installed.
-
-    A raw pair's cost depends on what else the device holds (68 µs at 4 KiB measured alone, 2.6-10 µs beside other
-    live blocks: see xlab.bench.alloc); a plausible cause is the driver packing small allocations into chunks it
-    maps once, which a live block keeps mapped. This arm, timed beside `raw` alone, tests that.
-    """
-
+    """raw with one 512-byte block held alive: do other live blocks make a raw pair cheap?"""
 
     def install(self, counting: bool = False) -> None:
         from cupy.cuda import memory
@@ -246,16 +209,12 @@ class RawHeld(Raw):
 class CupyPool(Allocator):
     """CuPy's default best-fit pool (`cupy.cuda.MemoryPool`), fresh for each run."""
 
-
     def __init__(self):
         import cupy
         super().__init__()
         self.pool = cupy.cuda.MemoryPool()
         self.hook = _hook_class()()
         self._reserved = defaultdict(int)     # device -> highest total_bytes() seen
-
-    def malloc_fn(self):
-        return self.pool.malloc
 
     def tracking(self):
         return self.hook if self.counting else contextlib.nullcontext()
@@ -294,22 +253,14 @@ class CupyPool(Allocator):
                 for p in self._private:
                     p.free_all_blocks()
 
-    def release(self, devices=()):
-        self.trim(devices)
-        self.pool, self._private = None, []    # a dead pool frees the split blocks too
-
 
 class CupyAsync(Allocator):
     """CuPy's `MemoryAsyncPool` (cudaMallocAsync on the current stream)."""
-
 
     def __init__(self):
         import cupy
         super().__init__()
         self.pool = cupy.cuda.MemoryAsyncPool()
-
-    def malloc_fn(self):
-        return self.pool.malloc
 
     def trim(self, devices=()):
         import cupy
@@ -318,31 +269,18 @@ class CupyAsync(Allocator):
                 cupy.cuda.Device(d).synchronize()
                 self.pool.free_all_blocks()
 
-    def release(self, devices=()):
-        self.trim(devices)
-        self.pool = None
-
 
 class XPool(Allocator):
     """xpool.MemoryPool: its default scheme (`xpool`), the design's (`xpool_seed`), or k classes per doubling."""
 
-
     def __init__(self, classes_per_doubling: int | None = None, debug=None, scheme: str | None = None):
-        import xpool
         super().__init__()
-        self._settings = dict(debug=debug or False)
-        if classes_per_doubling is not None:
-            self._settings["classes_per_doubling"] = classes_per_doubling
-        if scheme is not None:
-            self._settings["scheme"] = scheme
+        self._settings = dict(debug=debug or False, **{k: v for k, v in (
+            ("classes_per_doubling", classes_per_doubling), ("scheme", scheme)) if v is not None})
         self.pool = xpool.MemoryPool(**self._settings)
 
     def _make_private(self):
-        import xpool
         return xpool.MemoryPool(**self._settings)     # the arm's own settings: same scheme, same debug mode
-
-    def malloc_fn(self):
-        return self.pool.malloc
 
     def _stat(self, device, key, pool=None):
         counters = (pool or self.pool).snapshot().per_device.get(device)
@@ -371,17 +309,10 @@ class XPool(Allocator):
         for p in [self.pool, *self._private]:
             p.empty_cache()
 
-    def release(self, devices=()):
-        self.trim(devices)
-        self.pool, self._private = None, []
-
 
 class CupyTorch(Allocator):
-    """PyTorch's caching allocator as CuPy's: each request is a `torch.empty(n, uint8)` on CuPy's current device,
-    handed to CuPy as `MemoryPointer(UnownedMemory(ptr, n, tensor, device), 0)`; the block goes back to PyTorch's
-    cache when CuPy drops the tensor. Both use the legacy default stream unless told otherwise.
-    """
-
+    """PyTorch's caching allocator as CuPy's: each request a `torch.empty(n, uint8)` on CuPy's current device,
+    handed over as an UnownedMemory that goes back to PyTorch's cache when CuPy drops it."""
 
     def __init__(self):
         super().__init__()
@@ -424,16 +355,9 @@ class CupyTorch(Allocator):
     def trim(self, devices=()):
         self.torch.cuda.empty_cache()
 
-    release = trim
-
 
 class Noop(Allocator):
-    """The floor: a Python callable handing out one pre-made block (the cost of CuPy's array path alone).
-
-    Every array aliases the same memory: for timing allocation only, never for computing. The block lives only
-    while installed, so no other arm is ever timed beside it.
-    """
-
+    """The floor: a Python callable handing out one pre-made block (CuPy's array path alone; timing only)."""
 
     def __init__(self, capacity: int = 96 * MIB):
         super().__init__()
@@ -455,8 +379,7 @@ class Noop(Allocator):
 
 
 class CNoop(Noop):
-    """The floor of CuPy's C-callback path (CFunctionAllocator), which xpool.MemoryPool uses:
-    a C allocator that hands out one pre-made block and does nothing on free."""
+    """The floor of CuPy's C-callback path (CFunctionAllocator, xpool.MemoryPool's): one pre-made block."""
 
     cfa = None
 
@@ -472,7 +395,6 @@ class CNoop(Noop):
 class Host(Allocator):
     """NumPy stand-in for --cpu-smoke and tests: installs nothing, counts nothing."""
 
-
     def install(self, counting=False):
         self.counting = counting
 
@@ -481,29 +403,14 @@ class Host(Allocator):
 
 
 # --- the dynamic-shape benchmark's arms (xlab.bench.dynamic; Note [Dynamic-shape benchmark])
-
-class _LiveFrees(_Live):
-    """_Live, counting the frees too."""
-
-    def __init__(self):
-        super().__init__()
-        self.frees = defaultdict(int)
-
-    def _freed(self, device, size):
-        super()._freed(device, size)
-        with self._lock:
-            self.frees[device] += 1
-
-
 class CupyAsyncCounted(CupyAsync):
-    """cupy_async, counted: peak reserved from the device's memory pool (cudaMemPoolAttrReservedMemHigh, reset at
-    install); in the counting run each block wrapped, as raw's counting variant does, so that its cudaMallocAsync,
-    its cudaFreeAsync and the live requested bytes are seen."""
+    """cupy_async, counted: peak reserved from the device's pool (cudaMemPoolAttrReservedMemHigh); while counting,
+    each block wrapped as raw's are, so its cudaMallocAsync, cudaFreeAsync and requested bytes are seen."""
 
     def install(self, counting: bool = False) -> None:
         from cupy.cuda import runtime
         runtime.memPoolSetAttribute(self._handle(runtime.getDevice()), runtime.cudaMemPoolAttrReservedMemHigh, 0)
-        self.live = _LiveFrees()
+        self.live = _Live()
         super().install(counting)
 
     @staticmethod
@@ -539,10 +446,8 @@ class CupyAsyncCounted(CupyAsync):
 
 
 class RmmPool(Allocator):
-    """RMM's pool (`rmm.mr.PoolMemoryResource` over `CudaMemoryResource`), CuPy's allocator through
-    `rmm.allocators.cupy.rmm_cupy_allocator`, counted by two `StatisticsResourceAdaptor`s: one under the pool (its
-    cudaMallocs, cudaFrees, reserved bytes), one above it (requested bytes). It starts empty (initial_pool_size=0),
-    as CuPy's and xpool's pools do, and grows by max(request, pool size)."""
+    """RMM's pool (PoolMemoryResource over CudaMemoryResource, empty at first) through rmm_cupy_allocator, counted by a
+    StatisticsResourceAdaptor under it (cudaMallocs, cudaFrees, reserved bytes) and one above it (requested bytes)."""
 
     name = "rmm_pool"
     free_counting = True      # an adaptor's count is a lock per call, beside rmm_cupy_allocator's Python
@@ -590,8 +495,7 @@ class RmmPool(Allocator):
 
 
 class TorchExpandable(CupyTorch):
-    """`torch` with expandable segments, set before PyTorch's allocator makes its first block (make it in a process
-    of its own: the setting is process-wide)."""
+    """`torch` with expandable segments (process-wide: make it in a process of its own)."""
 
     name = "torch_expandable"
     SETTING = "expandable_segments:True"
@@ -623,11 +527,6 @@ class Arm:
     ls: str = "-"
     lw: float = 1.6
     hatch: str | None = None
-
-    @property
-    def style(self) -> dict:
-        """matplotlib keywords: color, marker, ls, lw (and label)."""
-        return dict(label=self.label, color=self.color, marker=self.marker, ls=self.ls, lw=self.lw)
 
 
 def _xp(name, label, color, marker, lw=2.6, ls="-", **kw):
@@ -697,6 +596,7 @@ SETS = {
     "varlen": ("xpool", "xpool_seed", "cupy_pool"),
     "schemes": ("xpool", "xpool_norelease", "xpool_release_all", "xpool_seed", "cupy_pool_model"),
     "host": ("xpool", "xpool_seed", "c_noop"),
+    "dynamic": ("cupy_pool", "cupy_async", "rmm_pool", "torch", "torch_expandable"),   # the peers; + xpool's schemes
 }
 # Names older CSVs used, by the CSV's `bench` column: (bench, old name) -> arm
 LEGACY = {("alloc", "torch"): "cupy_torch", ("torch_interop", "native"): "torch"}
@@ -708,10 +608,7 @@ def _known() -> str:
 
 
 def arm(name: str) -> Arm:
-    """The row of `name`: a row of ARMS, or one of its families (xpool_k<N>, _debug, _graph).
-
-    Raises: ValueError: an unknown name, or a variant its base cannot have.
-    """
+    """The row of `name`, of ARMS or of a family (xpool_k<N>, _debug, _graph); ValueError if unknown."""
     if name in _TABLE:
         return _TABLE[name]
     m = _FAMILY.fullmatch(str(name))
@@ -743,11 +640,7 @@ def arm(name: str) -> Arm:
 
 
 def parse(names) -> tuple:
-    """Names checked against the table (the command lines' and notebooks' one check): a tuple of names.
-
-    Args: names: a name, or an iterable of names. Raises: ValueError: an unknown name (naming it and the known
-    ones).
-    """
+    """Names checked against the table (the command lines' and notebooks' one check), as a tuple."""
     names = (names,) if isinstance(names, str) else tuple(names)
     for n in names:
         arm(n)
@@ -795,10 +688,7 @@ def canonical(df):
 
 
 def make(name: str, **kwargs) -> Allocator:
-    """A fresh allocator by name (see `arm`), not installed; `kwargs` go to its class.
-
-    Raises: ValueError: an unknown name, or an arm that is not installed into CuPy (no `make`).
-    """
+    """A fresh allocator by name (see `arm`), not installed; `kwargs` go to its class."""
     row = arm(name)
     if row.make is None:
         raise ValueError(f"arm {name!r} ({row.framework}) is not an allocator the lab installs into CuPy")

@@ -1,11 +1,6 @@
-"""Another build of xpool beside this one, in the same process: to time two builds against each other with
-every trial interleaved (xlab.bench.alloc --xpool-path, scripts/core_split_host.py).
-
-    before = load_xpool("build/core_before")      # a checkout of an older commit, built in place
-    before.MemoryPool(...)                        # its public API, under the module name xpool_before
-
-The package is imported from PATH/xpool under another top-level name; its own imports are relative, so it
-loads its own C core (built there with `python setup.py build_ext --inplace`), never this checkout's.
+"""Another build of xpool beside this one, in the same process, to time two builds with every trial interleaved
+(xlab.bench.alloc --xpool-path, scripts/core_split_host.py): `load_xpool("build/core_before").MemoryPool(...)`.
+The package is imported from PATH/xpool under another name; its imports are relative, so it loads its own C core.
 """
 from __future__ import annotations
 
@@ -15,14 +10,7 @@ import sys
 
 
 def load_xpool(path, name: str = "xpool_before"):
-    """The xpool package of the checkout at `path`, imported as `name`.
-
-    Args:
-        path: a checkout (the directory holding xpool/) whose C core is built in place.
-        name: the module name to give it (not "xpool").
-
-    Returns:
-        The package.
+    """The xpool package of the checkout at `path` (its C core built in place), imported as `name`.
 
     Raises:
         FileNotFoundError: no xpool package there.
@@ -36,7 +24,7 @@ def load_xpool(path, name: str = "xpool_before"):
     init = pkg / "__init__.py"
     if not init.is_file():
         raise FileNotFoundError(f"path={str(path)!r}: no xpool package at {pkg}")
-    for other_name, module in list(sys.modules.items()):   # one C core loaded twice would share its state
+    for other_name, module in list(sys.modules.items()):
         origin = getattr(getattr(module, "__spec__", None), "origin", None)
         if other_name != name and origin and pathlib.Path(origin).resolve() == init:
             raise ValueError(f"path={str(path)!r} holds the xpool imported as {other_name}: give another build")

@@ -31,13 +31,8 @@ def transparency_config() -> GPTConfig:
 
 def transparency_gate(steps: int = 50, cfg: GPTConfig | None = None, allocators=GATE_ALLOCATORS,
                       seed: int = 0) -> pd.DataFrame:
-    """Train `steps` steps on CuPy under each allocator (by registry name); losses and final parameters must be
-    bit-identical to the first allocator's. Returns one row per allocator with `identical_to_<first>` and
-    `debug_error` (what a debug-mode pool raised, '' if nothing).
-
-    Args: steps: training steps per allocator; cfg: the GPT config (default: transparency_config()); allocators:
-    registry names, the reference first; seed: the model's and data's seed.
-    """
+    """Train on CuPy under each allocator (the reference first): one row per allocator with `identical_to_<first>`
+    (losses and parameters bit-identical) and `debug_error` (what a debug-mode pool raised, or '')."""
     import cupy
     cfg = cfg or transparency_config()
     data = load_corpus()
@@ -71,10 +66,7 @@ def transparency_gate(steps: int = 50, cfg: GPTConfig | None = None, allocators=
 
 
 def transparency_rows(gate: pd.DataFrame) -> pd.DataFrame:
-    """The transparency gate's per-allocator frame as check rows (measured 0 = bitwise identical).
-
-    Args: gate: transparency_gate's frame. Returns: A DataFrame of check rows (check, measured, threshold, passed).
-    """
+    """The transparency gate's frame as check rows (measured 0: bitwise identical)."""
     col = next(c for c in gate.columns if c.startswith("identical_to_"))
     ref = col.removeprefix("identical_to_")
     rows = [dict(check=f"transparency: {r.allocator} bitwise = {ref}, {r.steps} steps (losses, params)",
@@ -91,14 +83,7 @@ def _as_rows(df: pd.DataFrame) -> pd.DataFrame:
 
 def run_correctness(device: str = "cpu", with_torch: bool = True, transparency_steps: int = 50,
                     out: str | os.PathLike | None = None) -> pd.DataFrame:
-    """Run the correctness checks: device='cpu' on NumPy (with PyTorch parity), 'gpu' on CuPy plus the
-    bitwise transparency gate. Returns (check, measured, threshold, passed, xp, device + provenance);
-    writes it to `out` if given.
-
-    Args: device: "cpu" or "gpu"; with_torch: the PyTorch parity checks (CPU); transparency_steps: the gate's steps
-    (GPU); out: a CSV to write, or None. Returns: The check rows with provenance (attrs['source'] = 'measured').
-    Raises: ValueError: another device.
-    """
+    """The checks on the CPU (NumPy) or the GPU (CuPy, and the bitwise transparency gate), with provenance."""
     if device == "cpu":
         frames = [checks.run_all(np, with_torch=with_torch)]
     elif device == "gpu":
@@ -115,10 +100,7 @@ def run_correctness(device: str = "cpu", with_torch: bool = True, transparency_s
 
 
 def main(argv=None) -> int:
-    """python -m xlab.correctness [--gpu] --out CSV: the whole gate as one tidy table with provenance.
-
-    Args: argv: arguments (default: sys.argv[1:]). Returns: The exit status: 1 if a check failed.
-    """
+    """python -m xlab.correctness [--gpu] --out CSV; exit status 1 if a check failed."""
     import argparse
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--gpu", action="store_true", help="run the checks on CuPy, plus the transparency gate")

@@ -1,12 +1,8 @@
 """Medians with 95% bootstrap intervals over trials, ratios of paired trials, and a verdict on a target: the lab's one
-place for statistics over repeated measurements (benchmarks, training runs, sweeps).
-
-A measurement is a distribution: every configuration runs several trials, interleaved across the arms it is
-compared with (A B C D, A B C D, ...), so drift hits every arm alike. Trial t of arm A and trial t of arm B ran
-back to back: a ratio between arms is computed over those pairs, which cancels the drift they share.
-
-The bootstrap is seeded, so the same CSV always gives the same interval (the report changes only when the data
-does). With one trial there is no interval: the bounds are NaN and `judge` says "single run".
+place for statistics over repeated measurements (NOTES.md, "How the lab measures"). Trial t of arm A and trial t of
+arm B ran back to back (interleaved: A B C D, A B C D, ...), so a ratio between arms is computed over those pairs,
+which cancels the drift they share. The bootstrap is seeded: the same CSV always gives the same interval. With one
+trial there is no interval: the bounds are NaN and `judge` says "single run".
 """
 from __future__ import annotations
 
@@ -14,6 +10,7 @@ import math
 import re
 
 import numpy as np
+import pandas as pd
 
 LEVEL = 0.95
 RESAMPLES = 2000
@@ -27,56 +24,41 @@ def _clean(values) -> np.ndarray:
     return a[np.isfinite(a)]
 
 
-def _bounds(stats: np.ndarray, level: float) -> tuple[float, float]:
-    lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
-    return float(lo), float(hi)
+def _bootstrap(stat, arrays, level, resamples, seed):
+    """(stat(*arrays), lo, hi, n) with a percentile-bootstrap interval that resamples the arrays' elements together
+    (element t of each: trial t); lo and hi NaN with fewer than two elements, everything with none."""
+    n = len(arrays[0])
+    if n == 0:
+        return math.nan, math.nan, math.nan, 0
+    value = float(stat(*arrays, axis=None))
+    if n < 2:
+        return value, math.nan, math.nan, 1
+    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    lo, hi = np.quantile(stat(*(a[idx] for a in arrays), axis=1), [(1 - level) / 2, (1 + level) / 2])
+    return value, float(lo), float(hi), n
 
 
 def median_ci(values, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = SEED):
-    """The median of `values` and a percentile-bootstrap interval for it.
-
-    Args: values: one number per trial (NaN and inf are dropped); level: coverage of the interval (0.95: 95%);
-    resamples: bootstrap resamples; seed: the resampling seed (fixed, so one CSV gives one interval). Returns:
-    (median, lo, hi, n): lo and hi are NaN with fewer than two trials; all NaN with none.
-    """
-    a = _clean(values)
-    if len(a) == 0:
-        return math.nan, math.nan, math.nan, 0
-    med = float(np.median(a))
-    if len(a) < 2:
-        return med, math.nan, math.nan, 1
-    idx = np.random.default_rng(seed).integers(0, len(a), size=(resamples, len(a)))
-    lo, hi = _bounds(np.median(a[idx], axis=1), level)
-    return med, lo, hi, len(a)
+    """The median of `values` (one number per trial; NaN and inf dropped) and a percentile-bootstrap interval for it
+    at `level` from `resamples` resamples, seeded: (median, lo, hi, n), lo and hi NaN with fewer than two trials."""
+    return _bootstrap(np.median, (_clean(values),), level, resamples, seed)
 
 
 def ratio_ci(numerator, denominator, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = SEED):
-    """The ratio of medians of paired trials, median(numerator) / median(denominator), with a bootstrap interval
-    that resamples the pairs (trial t of both arms together).
-
-    Args: numerator, denominator: equal-length sequences; element t of each is trial t (pairs with a NaN are
-    dropped); level, resamples, seed: as for `median_ci`. Returns: (ratio, lo, hi, n_pairs): lo and hi are NaN with
-    fewer than two pairs. Raises: ValueError: the two sequences differ in length (the trials are not paired).
-    """
+    """median(numerator) / median(denominator) of paired trials (element t of each: trial t; a pair with a NaN
+    dropped) with a bootstrap interval that resamples the pairs: (ratio, lo, hi, n_pairs), as `median_ci`.
+    ValueError: the two differ in length (the trials are not paired)."""
     a, b = np.asarray(numerator, dtype=float).ravel(), np.asarray(denominator, dtype=float).ravel()
     if a.shape != b.shape:
         raise ValueError(f"numerator and denominator must pair trial by trial; got {len(a)} and {len(b)} trials")
     keep = np.isfinite(a) & np.isfinite(b)
-    a, b = a[keep], b[keep]
-    if len(a) == 0:
-        return math.nan, math.nan, math.nan, 0
-    ratio = float(np.median(a) / np.median(b))
-    if len(a) < 2:
-        return ratio, math.nan, math.nan, 1
-    idx = np.random.default_rng(seed).integers(0, len(a), size=(resamples, len(a)))
-    lo, hi = _bounds(np.median(a[idx], axis=1) / np.median(b[idx], axis=1), level)
-    return ratio, lo, hi, len(a)
+    return _bootstrap(lambda x, y, axis: np.median(x, axis=axis) / np.median(y, axis=axis), (a[keep], b[keep]),
+                      level, resamples, seed)
 
 
 def paired(df, value: str, arm: str, reference, by=(), trial: str = "trial"):
     """Every arm's `value` over the `reference` arm's, per group of `by`, paired by `trial` (ratio_ci): a frame of
     the `by` columns, `arm`, ratio, ratio_lo, ratio_hi, n_pairs (the reference left out; empty without it)."""
-    import pandas as pd
     by, rows = list(by), []
     for key, g in (df.groupby(by, sort=False, dropna=False) if by else [((), df)]):
         key = key if isinstance(key, tuple) else (key,)
@@ -89,18 +71,34 @@ def paired(df, value: str, arm: str, reference, by=(), trial: str = "trial"):
     return pd.DataFrame(rows, columns=by + [arm, "ratio", "ratio_lo", "ratio_hi", "n_pairs"])
 
 
+def best(df, value: str, arm: str, higher: bool = True):
+    """The `arm` of the highest median `value` over its rows (the lowest with higher=False); None without rows."""
+    med = df.groupby(arm)[value].median().dropna()
+    return None if med.empty else med.idxmax() if higher else med.idxmin()
+
+
+def paired_best(df, value: str, arm: str, candidates, by=(), higher: bool = True, trial: str = "trial"):
+    """`paired` against the best of `candidates` per group of `by` (`best`; named in a `reference` column), the
+    reference itself included with ratio 1: how each arm compares with the fastest of several peers."""
+    by, out = list(by), []
+    for key, g in (df.groupby(by, sort=False, dropna=False) if by else [((), df)]):
+        ref = best(g[g[arm].isin(candidates)], value, arm, higher)
+        if ref is not None:
+            itself = dict(zip(by, key if isinstance(key, tuple) else (key,)), ratio=1.0, ratio_lo=1.0, ratio_hi=1.0,
+                          n_pairs=g.loc[g[arm] == ref, trial].nunique(), **{arm: ref})
+            out.append(pd.concat([paired(g, value, arm, ref, by, trial), pd.DataFrame([itself])],
+                                 ignore_index=True).assign(reference=ref))
+    cols = by + [arm, "ratio", "ratio_lo", "ratio_hi", "n_pairs", "reference"]
+    return pd.concat(out, ignore_index=True)[cols] if out else pd.DataFrame(columns=cols)
+
+
 def judge(value: float, lo: float, hi: float, target: float, higher_is_better: bool = True,
           exact: bool = False) -> str:
-    """Whether a target is met, judged on the interval rather than the median: the report's one rule.
-
-    Args: value: the median (or ratio of medians); lo, hi: its interval (NaN: measured once); target: the bound to
-    reach; higher_is_better: True for "value >= target", False for "value <= target"; exact: the value does not vary
-    between runs of one program (a count, a bitwise check, a replay's bytes): with no interval it is judged on
-    itself. Returns: "met" when the whole interval is on the target's side (an exact value: the value is), "missed"
-    when all of it is on the other side, "within noise" when the interval straddles the target; "single run, no
-    interval (the median meets it)" or "... misses it)" for a timed value measured once; "not measured" when the
-    value is NaN.
-    """
+    """Whether a target is met, judged on the interval rather than the median: the report's one rule. "met" when the
+    whole interval [lo, hi] of `value` is on the target's side (higher_is_better: >=, else <=), "missed" when all of
+    it is on the other, "within noise" when it straddles the target. Measured once (NaN bounds): an `exact` value (a
+    count, a bitwise check, a replay's bytes) is judged on itself, a timed one is "single run, no interval (the median
+    meets it)" (or "misses it)"; "not measured" for NaN."""
     if value is None or not math.isfinite(value):
         return "not measured"
     if not (math.isfinite(lo) and math.isfinite(hi)):
@@ -118,14 +116,9 @@ def judge(value: float, lo: float, hi: float, target: float, higher_is_better: b
 
 
 def summarize(df, by, value: str, trial: str = "trial"):
-    """Median and interval of `value` per group of `by`: one row per group with value, value_lo, value_hi and
-    n_trials (NaN bounds for a group with one trial; CSVs without a trial column count as one trial per row).
-
-    Args: df: a tidy frame, one row per trial; by: the grouping columns; value: the measured column; trial: the
-    trial column (only used for the count). Returns: A DataFrame with the `by` columns, `value`, `value + "_lo"`,
-    `value + "_hi"` and `n_trials`, groups in order of first appearance.
-    """
-    import pandas as pd
+    """Median and interval of `value` per group of `by`, groups in order of first appearance: the `by` columns,
+    `value`, `value`_lo, `value`_hi and n_trials (NaN bounds for one trial; a CSV without a trial column counts one
+    trial per row)."""
     by = list(by)
     rows = []
     for key, g in df.groupby(by, sort=False, dropna=False):
@@ -137,15 +130,9 @@ def summarize(df, by, value: str, trial: str = "trial"):
 
 def fmt_ci(value: float, lo: float, hi: float, fmt: str = "{:.2f}", unit: str = "", goal: float | None = None,
            exact: bool = False) -> str:
-    """'1.93× [1.90, 1.95]' (or '1.93× (single run)' without an interval; the value alone when exact).
-
-    With a goal, digits are added (up to four) until every bound that differs from the goal prints
-    differently from it: '0.998× [0.996, 1.001]', never a '1.00× [1.00, 1.00]' that is within noise of 1.00.
-
-    Args: value, lo, hi: a median (or ratio) and its interval (NaN bounds: a single run); fmt: the number format;
-    unit: appended to the value; goal: the target the value is judged against, or None; exact: the value needs no
-    interval (a count, a replay). Returns: A string ("n/a" for a NaN value).
-    """
+    """'1.93× [1.90, 1.95]' (or '1.93× (single run)' without an interval; the value alone when exact). With a goal,
+    digits are added (up to four) until every bound that differs from the goal prints differently from it:
+    '0.998× [0.996, 1.001]', never a '1.00× [1.00, 1.00]' that is within noise of 1.00. "n/a" for NaN."""
     if value is None or not math.isfinite(value):
         return "n/a"
     bounds = [b for b in (lo, hi) if math.isfinite(b)]
@@ -160,3 +147,12 @@ def fmt_ci(value: float, lo: float, hi: float, fmt: str = "{:.2f}", unit: str = 
     if exact or len(bounds) < 2:
         return head if exact else f"{head} (single run)"
     return f"{head} [{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
+def fmt_bytes(n: float) -> str:
+    """A byte count for people: '64 KiB', '1.5 MiB', '100 B' (binary units): the lab's one byte formatter."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.3g} {unit}"
+    return f"{n:.0f} B"

@@ -2,10 +2,9 @@
 
 A program's requests do not depend on the allocator, so replaying a recorded timeline's allocs and frees, in
 order, through a pool over a backend that touches no memory (`AddressSpaceBackend`) reproduces that pool's
-decisions exactly. On a GPU, `measure_waste` trains the GPT under xpool's seed scheme at each k (classes per
-doubling), reading its counters and recording the timeline, and `measure_varlen` trains with the sequence length
-changing every step under xpool, xpool_seed and CuPy's pool. On a CPU, `NumpyRecorder` records the GPT's requests
-on NumPy (its allocation hook), and `scheme_study` replays every recorded trace through each scheme.
+decisions exactly. GPU: `measure_waste` (the seed scheme at each k, its counters and timeline), `measure_varlen`
+(sequence lengths changing every step). CPU: `NumpyRecorder` records the GPT's requests on NumPy, and
+`scheme_study` replays every recorded trace through each scheme.
 
     python -m xlab.memory_study --out-dir data     # GPU: memory_timeline.csv, memory_waste.csv, memory_varlen.csv
     python -m xlab.memory_study --record-numpy     # CPU, ~5 min: data/memory_trace_numpy_*.csv.gz
@@ -16,6 +15,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import ctypes
+import gc
 import itertools
 import math
 import pathlib
@@ -24,8 +24,10 @@ from collections import defaultdict
 import numpy as np
 import pandas as pd
 
+from tapegpt import GPT, AdamW, GPTConfig, fused, get_batch, kernels, load_corpus
 from xlab import allocators as registry
-from xlab.paths import write_csv
+from xlab.paths import publish, write_csv
+from xlab.provenance import provenance
 from xpool.backends import HostBackend
 from xpool.pool import Pool
 from xpool.sizeclass import ALIGN, size_class
@@ -487,21 +489,12 @@ def scheme_study(traces: dict, allocators=SCHEME_ALLOCATORS, repeats: int = 7) -
 
 def record_numpy_traces(data_dir="data", names=None) -> dict:
     """CPU: records the NumPy traces of NUMPY_TRACES into data_dir (gzipped CSV, provenance per row)."""
-    out = {}
-    for name in names or NUMPY_TRACES:
-        kw = NUMPY_TRACES[name]
-        tl = record_numpy_timeline(**kw)
-        out[name] = write_numpy_trace(tl, name, data_dir)
-    return out
+    return {name: write_numpy_trace(record_numpy_timeline(**NUMPY_TRACES[name]), name, data_dir)
+            for name in names or NUMPY_TRACES}
 
 
 def write_numpy_trace(tl: pd.DataFrame, name: str, data_dir="data") -> pd.DataFrame:
-    """Writes a timeline record_numpy_timeline made with NUMPY_TRACES[name]'s arguments to its file under
-    data_dir, with provenance on every row; returns what was written.
-
-    Args: tl: the timeline; name: its key in NUMPY_TRACES; data_dir: the folder. Returns: The rows written.
-    """
-    from .provenance import provenance
+    """Write a NUMPY_TRACES timeline to its file under data_dir, with provenance on every row."""
     kw = NUMPY_TRACES[name]
     cfg = _config(None, kw["batch"])
     prov = provenance(batch=cfg.batch_size, n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,
@@ -511,9 +504,7 @@ def write_numpy_trace(tl: pd.DataFrame, name: str, data_dir="data") -> pd.DataFr
     tl = tl[["step", "event", "device", "stream", "ptr", "requested"]].assign(**prov)
     if prov["gpu"] == "none":
         tl["gpu"] = "none (NumPy on the CPU)"
-    path = pathlib.Path(data_dir) / TRACES[name][0]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tl.to_csv(path, index=False)
+    write_csv(tl, pathlib.Path(data_dir) / TRACES[name][0])
     return tl
 
 
@@ -603,18 +594,10 @@ class NumpyRecorder:
 
 def record_numpy_timeline(batch: int = 4, block_sizes=(256, 256), seed: int = 0, foreach: bool = True,
                           config=None, cupy_path: bool = False) -> pd.DataFrame:
-    """CPU: the request timeline of the GPT trained on NumPy: setup (step -1), then one step per entry of
-    `block_sizes` (sequence lengths, each at most the config's block_size), in TIMELINE_COLUMNS.
-
-    The requests are NumPy's data allocations, all on device 0, stream 0; `size` is the request (no
-    allocator took part).  Replays treat it as they treat a GPU timeline.
-
-    cupy_path: the fused ops (tapegpt.fused) take their CuPy branch over NumPy arrays, with every kernel
-    launch a no-op: the outputs they allocate (`empty`) are the GPU's, and the NumPy formulas' temporaries,
-    which the GPU never makes, are gone.  The values are garbage (nothing depends on them but the loss);
-    the requests are the GPU step's, up to CuPy's own temporaries (cuBLAS, reductions).  The plain NumPy
-    path missed the churn the H200 showed at batch 4 (NOTES.md, #14); this one replays it."""
-    from tapegpt import GPT, AdamW, fused, get_batch, kernels, load_corpus
+    """CPU: the request timeline of the GPT trained on NumPy (setup: step -1, then a step per entry of `block_sizes`),
+    NumPy's data allocations on device 0, stream 0. cupy_path: the fused ops take their CuPy branch over NumPy arrays,
+    every kernel launch a no-op, so the outputs they allocate are the GPU's and the NumPy formulas' temporaries are
+    gone: the GPU step's requests (up to CuPy's own temporaries), which the plain NumPy path missed at batch 4 (#14)."""
     cfg = _config(config, batch)
     if max(block_sizes) > cfg.block_size or min(block_sizes) < 1:
         raise ValueError(f"block_sizes must be in [1, {cfg.block_size}], got {block_sizes}")
@@ -630,15 +613,7 @@ def record_numpy_timeline(batch: int = 4, block_sizes=(256, 256), seed: int = 0,
     rec = NumpyRecorder()
     marks = []
     with rec:
-        model = GPT(cfg, seed=seed)
-        opt = AdamW(model.params, lr=1e-3, foreach=foreach)
-        marks.append(len(rec.events))
-        for step, T in enumerate(block_sizes):
-            x, y = get_batch(data, cfg.batch_size, int(T), step, seed=seed)
-            loss, grads = model.loss_and_grads(x, y)
-            opt.step(grads)
-            del x, y, loss, grads
-            marks.append(len(rec.events))
+        model, opt = _train(cfg, data, block_sizes, np, seed, foreach, lambda: marks.append(len(rec.events)))
         del model, opt            # nothing made under the recorder outlives it
     ev = np.array(rec.events[:marks[-1]], dtype=np.int64).reshape(-1, 3)
     step = np.searchsorted(np.asarray(marks), np.arange(len(ev)), side="right") - 1
@@ -653,35 +628,33 @@ def record_numpy_timeline(batch: int = 4, block_sizes=(256, 256), seed: int = 0,
 # GPU: measure
 
 
+def _train(cfg, data, lengths, xp, seed: int = 0, foreach: bool = True, after=lambda: None):
+    """The GPT (seed) and AdamW trained on xp a step per length, after() after setup and each step: (model, opt)."""
+    model = GPT(cfg, xp=xp, seed=seed)
+    opt = AdamW(model.params, lr=1e-3, foreach=foreach)
+    after()
+    for step, T in enumerate(lengths):
+        x, y = get_batch(data, cfg.batch_size, int(T), step, seed=seed, xp=xp)
+        loss, grads = model.loss_and_grads(x, y)
+        opt.step(grads)
+        del x, y, loss, grads
+        after()
+    return model, opt
+
+
 def _config(config=None, batch=None):
-    from tapegpt import GPTConfig
-    if config is None:
-        cfg = GPTConfig()
-    elif isinstance(config, dict):
-        cfg = GPTConfig(**config)
-    else:
-        cfg = config
-    if batch is not None:
-        cfg = GPTConfig(**dict(cfg.to_dict(), batch_size=int(batch)))
-    return cfg
+    """A GPTConfig (None: the reference; a dict of fields; itself), at `batch` sequences when given."""
+    cfg = GPTConfig(**config) if isinstance(config, dict) else config or GPTConfig()
+    return cfg if batch is None else GPTConfig(**dict(cfg.to_dict(), batch_size=int(batch)))
 
 
 def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warmup: int = 1, seed: int = 0,
                          capacity: int = 2_000_000, pool=None) -> pd.DataFrame:
-    """GPU: the allocation timeline of setup + `warmup` steps + one recorded step of the GPT on CuPy.
-
-    Each event carries `step` (-1: building the model and optimizer; the last step is the recorded one).
-    Raises if the ring of `capacity` events overflowed (the replay needs every event).
-
-    Args: k: size classes per doubling; config: GPT config (name, dict or GPTConfig); batch: sequences per step;
-    warmup: steps before the recorded one; seed: the model's seed; capacity: events the timeline keeps; pool: an
-    xpool.MemoryPool to use (default: a fresh one with k). Returns: The timeline DataFrame with a step column (-1:
-    setup).
-    """
+    """GPU: the allocation timeline of setup (step -1), `warmup` steps and one recorded step under `pool` (default:
+    a seed-scheme MemoryPool with k classes per doubling); RuntimeError if its ring of `capacity` events overflowed."""
     import cupy
 
     from xpool.cupy_adapter import MemoryPool, use
-    from tapegpt import GPT, AdamW, get_batch, load_corpus
     cfg = _config(config, batch)
     pool = pool if pool is not None else MemoryPool(scheme="seed", classes_per_doubling=k, timeline=capacity)
     data = load_corpus()
@@ -692,15 +665,7 @@ def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warm
         marks.append(len(pool.timeline()))
 
     with use(pool):
-        model = GPT(cfg, xp=cupy, seed=seed)
-        opt = AdamW(model.params, lr=1e-3)
-        mark()
-        for step in range(warmup + 1):
-            x, y = get_batch(data, cfg.batch_size, cfg.block_size, step, seed=seed, xp=cupy)
-            loss, grads = model.loss_and_grads(x, y)
-            opt.step(grads)
-            del x, y, loss, grads
-            mark()
+        model, opt = _train(cfg, data, [cfg.block_size] * (warmup + 1), cupy, seed, after=mark)
         tl = pool.timeline()
         del model, opt
     if tl.attrs.get("dropped"):
@@ -716,12 +681,7 @@ def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warm
 
 
 def measure_waste(ks=KS, config=None, batch: int | None = None, warmup: int = 1, seed: int = 0):
-    """GPU: for each k, train with xpool(k) installed; returns (waste rows, the timeline recorded at ks[0]).
-
-    Args: ks: the settings; config, batch, warmup, seed: the run. Returns: (waste rows, source "measured"; the first
-    setting's timeline).
-    """
-    from .provenance import provenance
+    """GPU: each k trained under xpool: (waste rows, the timeline recorded at ks[0])."""
     cfg = _config(config, batch)
     rows, first = [], None
     for k in ks:
@@ -744,17 +704,10 @@ def measure_waste(ks=KS, config=None, batch: int | None = None, warmup: int = 1,
 
 
 def run(out="data/memory_waste.csv", ks=KS, config=None, batch: int | None = None, warmup: int = 1):
-    """GPU: measure; write the waste rows to `out` and the timeline to memory_timeline.csv beside it.
-
-    Returns the waste rows (what a notebook's load_or_measure expects).
-
-    Args: out: the waste CSV; ks, config, batch, warmup: as measure_waste.
-    """
+    """GPU: measure_waste, the waste rows to `out`, the timeline beside it; the waste rows."""
     waste, timeline = measure_waste(tuple(int(k) for k in ks), config, batch, warmup)
-    out = pathlib.Path(out)
-    write_csv(waste, out)
-    write_csv(timeline, out.parent / "memory_timeline.csv")
-    return waste
+    write_csv(timeline, pathlib.Path(out).parent / "memory_timeline.csv")
+    return publish(waste, out)
 
 
 VARLEN_ALLOCATORS = registry.SETS["varlen"]
@@ -764,36 +717,20 @@ VARLEN_COLUMNS = ["trace", "allocator", "source", "steps", "peak_bytes_requested
 
 
 def train_varlen(alloc, cfg, block_sizes, seed: int = 0, foreach: bool = True) -> list:
-    """GPU: the GPT trained on CuPy with `alloc` (an xlab.allocators.Allocator) installed and counting, one step
-    per entry of `block_sizes` (sequence lengths); device mallocs after setup and after each step.
-
-    Args: alloc: the allocator, not installed; cfg: the GPTConfig; block_sizes: sequence length of each step; seed:
-    the model's and batches' seed; foreach: flat-buffer AdamW (the default) or per-parameter. Returns: The device
-    mallocs counted after setup and after each step (len(block_sizes) + 1 numbers).
-    """
-    import gc
-
+    """GPU: the device mallocs counted after setup and each step of the GPT trained under `alloc`."""
     import cupy
-
-    from tapegpt import GPT, AdamW, get_batch, load_corpus
     data = load_corpus()
     alloc.install(counting=True)
     mallocs = []
+
+    def counted():
+        cupy.cuda.Device().synchronize()
+        alloc.sample(0)
+        mallocs.append(alloc.device_mallocs(0))
+
     try:
         with alloc.tracking():
-            model = GPT(cfg, xp=cupy, seed=seed)
-            opt = AdamW(model.params, lr=1e-3, foreach=foreach)
-            cupy.cuda.Device().synchronize()
-            alloc.sample(0)
-            mallocs.append(alloc.device_mallocs(0))
-            for step, T in enumerate(block_sizes):
-                x, y = get_batch(data, cfg.batch_size, int(T), step, seed=seed, xp=cupy)
-                loss, grads = model.loss_and_grads(x, y)
-                opt.step(grads)
-                del x, y, loss, grads
-                cupy.cuda.Device().synchronize()
-                alloc.sample(0)
-                mallocs.append(alloc.device_mallocs(0))
+            model, opt = _train(cfg, data, block_sizes, cupy, seed, foreach, counted)
             del model, opt
     finally:
         alloc.uninstall()
@@ -803,18 +740,8 @@ def train_varlen(alloc, cfg, block_sizes, seed: int = 0, foreach: bool = True) -
 
 def measure_varlen(allocators=VARLEN_ALLOCATORS, batch: int | None = None, block_sizes=None, seed: int = 0,
                    foreach: bool = True) -> pd.DataFrame:
-    """GPU: peak reserved / peak requested of each allocator over a training run whose sequence length changes
-    every step (default: the varying-length trace's batch and lengths), one row each, with provenance.
-
-    The peaks are the allocators' own exact counters (CuPy's pool: total_bytes() after every step and a
-    MemoryHook's live requested bytes), deterministic for a given program, so one run per allocator.
-    device_mallocs_warm counts the steps from WARMUP_STEPS on.
-
-    Args: allocators: registry names; batch: sequences per step (default: the trace's); block_sizes: sequence
-    lengths (default: the trace's); seed: the run's seed; foreach: flat-buffer AdamW. Returns: A DataFrame with
-    VARLEN_COLUMNS and the provenance columns.
-    """
-    from .provenance import provenance
+    """GPU: each allocator's peak reserved / peak requested (its own exact counters: one run each) over a run whose
+    sequence length changes every step (default: the varying-length trace's); device_mallocs_warm from WARMUP_STEPS."""
     spec = NUMPY_TRACES["gpt_varlen_numpy"]
     batch = int(batch or spec["batch"])
     block_sizes = tuple(int(t) for t in (block_sizes or spec["block_sizes"]))
@@ -847,10 +774,6 @@ def schemes(data_dir="data", repeats: int = 7) -> pd.DataFrame:
 
 
 def main(argv=None):
-    """The command line (--out-dir, --ks, --batch, --warmup).
-
-    Args: argv: arguments (default: sys.argv[1:]). Returns: The exit status.
-    """
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", "--out", default="data", help="folder the two CSVs go to (default: data)")
     p.add_argument("--ks", default="1,2,4,8", help="size classes per doubling to compare (default: 1,2,4,8)")
@@ -878,9 +801,9 @@ def main(argv=None):
     print(waste_table(waste, replayed).to_string(index=False))
     if not a.no_varlen:
         varlen = measure_varlen()
-        write_csv(varlen, pathlib.Path(a.out_dir) / "memory_varlen.csv")
-        print(varlen[["allocator", "reserved_over_requested", "device_mallocs", "device_mallocs_warm"]]
-              .to_string(index=False))
+        publish(varlen, pathlib.Path(a.out_dir) / "memory_varlen.csv",
+                varlen[["allocator", "reserved_over_requested", "device_mallocs", "device_mallocs_warm"]].to_string(
+                    index=False))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,6 @@
 """What the notebooks share: their parameters checked, measure-or-load, figures shown inline, tables as summaries.
-
-A notebook on a GPU measures into build/data/NAME.csv (with `publish=True`: data/NAME.csv, then redraws the
-committed figure through xlab.plots.build, the one writer of figures/); on a CPU it shows the committed CSV and
-says which machine and date it comes from; when the CSV is missing too it says so and skips the figure. Running a
-notebook writes nothing outside build/ unless asked.
+On a GPU a notebook measures into build/data/NAME.csv (with `publish=True`: data/NAME.csv, and redraws the committed
+figure through xlab.plots.build); on a CPU it shows the committed CSV and says which machine and date it comes from.
 """
 from __future__ import annotations
 
@@ -72,15 +69,8 @@ def _coerce(name: str, ann: str, value):
 
 
 def setup(name: str, namespace: dict) -> Run:
-    """Check this notebook's parameters in `namespace` (its globals) and say what the run is on.
-
-    Each parameter is brought to its annotated type (a scalar where a list is wanted becomes a list of one); arm
-    names are checked against the arms table. A plain value that is neither a parameter nor a name the notebook
-    assigns is a mistyped or unknown parameter.
-
-    Raises: TypeError: a parameter of the wrong type, naming it and the type expected; ValueError: an unknown
-    parameter (with the closest known one), or an unknown arm.
-    """
+    """Check this notebook's parameters in `namespace`, each brought to its annotated type, arms checked, and say what
+    the run is on. TypeError: a wrong type (named); ValueError: an unknown parameter (the closest named) or arm."""
     params = schema(name)
     assigned = {t.id for src, _ in _cells(name) for node in ast.walk(ast.parse(src))
                 if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) for t in [node]}
@@ -110,11 +100,6 @@ def data_dir(path=None) -> pathlib.Path:
     return pathlib.Path(path) if path else paths.data_dir()
 
 
-def build_dir() -> pathlib.Path:
-    """The repository's build/: what a run makes and nobody commits."""
-    return paths.build_dir()
-
-
 def describe_provenance(df: pd.DataFrame | None) -> str:
     """'measured on <gpu> (driver ..., CUDA ..., CuPy ...), commit ..., <date>' from the provenance columns."""
     if df is None or not len(df):
@@ -140,14 +125,10 @@ def _resolve(fn):
 
 def load_or_measure(name: str, measure_fn, gpu_available: bool, data=None, measure: bool = True,
                     how_to_measure: str = "", out=None, **kwargs) -> pd.DataFrame | None:
-    """Measure on a GPU into `out`/NAME.csv (default build/data/), else load the committed data/NAME.csv; print
-    where the numbers come from. None when there is nothing to show (no GPU and no CSV).
-
-    measure_fn (a callable or 'module:function') is called as measure_fn(out=<csv>, **kwargs) and returns the
-    rows. df.attrs['source'] is 'measured' or 'committed'.
-    """
+    """Measure on a GPU into `out`/NAME.csv (default build/data/) by measure_fn(out=<csv>, **kwargs), else load the
+    committed data/NAME.csv, and say which (attrs['source']); None with neither."""
     if gpu_available and measure:
-        path = pathlib.Path(out or build_dir() / "data") / f"{name}.csv"
+        path = pathlib.Path(out or paths.build_dir() / "data") / f"{name}.csv"
         path.parent.mkdir(parents=True, exist_ok=True)
         df = _resolve(measure_fn)(out=str(path), **kwargs)
         if df is None:
@@ -174,11 +155,7 @@ def load_or_measure(name: str, measure_fn, gpu_available: bool, data=None, measu
 
 
 def cpu_smoke(measure_fn, **kwargs) -> pd.DataFrame | None:
-    """A measuring function's CPU mode (cpu=True: NumPy, tiny sizes) into a temporary CSV: it checks the code
-    runs and its rows have the CSV's schema; it measures nothing and writes nothing outside a temporary folder.
-
-    Raises: AssertionError: the rows' own checks failed.
-    """
+    """A measuring function's CPU mode into a temporary CSV: the code runs, its rows' own checks pass."""
     try:
         fn = _resolve(measure_fn)
     except ModuleNotFoundError as e:
@@ -195,8 +172,7 @@ def cpu_smoke(measure_fn, **kwargs) -> pd.DataFrame | None:
 
 
 def rows(kind: str, run: Run, measured: pd.DataFrame | None = None) -> pd.DataFrame | None:
-    """What a figure of `kind` shows: what this run measured (from where it wrote it), else the committed CSVs'
-    newest rows of the kind (xlab.sources.current)."""
+    """What a figure of `kind` shows: what this run measured, else the committed CSVs' newest rows."""
     now = measured is not None and measured.attrs.get("source") == "measured"
     return sources.current(run.out if now else run.data, kind)
 
@@ -211,8 +187,7 @@ def show(fig):
 
 
 def figure(name: str, *frames, run: Run | None = None, **kwargs):
-    """Figure `name` (xlab.plots.FIGURES) drawn from these rows and shown inline; None without rows. With a
-    publishing run, the committed figure is rebuilt from data/ by xlab.plots.build (the one writer of figures/)."""
+    """Figure `name` of these rows, inline (publishing: figures/ rebuilt by plots.build); None without."""
     frames = [f if "csv" in f else sources.prepare(f, "this run") for f in frames if f is not None and len(f)]
     if not frames:
         print(f"No data: figure {name} skipped.")
@@ -223,8 +198,7 @@ def figure(name: str, *frames, run: Run | None = None, **kwargs):
 
 
 def summary(df: pd.DataFrame | None, by, columns, fmt: str = "{:.3g}"):
-    """Medians over trials [95% interval] of `columns` per group of `by`, with the trial count; the full rows a
-    click away below it (an HTML <details>). None without rows."""
+    """Medians [95% interval] of `columns` per group of `by`, every row a click away; None without rows."""
     if df is None or not len(df):
         return None
     by, rows = list(by), []
@@ -241,10 +215,7 @@ def details(head: pd.DataFrame, full: pd.DataFrame):
                 f"{full.to_html(index=False, max_rows=2000)}</details>")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Correctness (notebook 01)
-
-
+# --- correctness (notebook 01)
 def measured_here(*frames) -> pd.DataFrame:
     """The frames measured in this run (attrs['source'] == 'measured'), concatenated: what a gate judges."""
     mine = [f for f in frames if f is not None and f.attrs.get("source") == "measured"]
@@ -253,16 +224,13 @@ def measured_here(*frames) -> pd.DataFrame:
 
 def correctness_summary(df: pd.DataFrame) -> pd.DataFrame:
     """Pass counts per device and family of checks (the figure's rows): the one-glance verdict."""
-    d = plots.with_device(df).assign(family=lambda f: f["check"].map(plots.family))
+    d = sources.with_device(df).assign(family=lambda f: f["check"].map(plots.family))
     g = d.groupby(["device", "family"], sort=False)["passed"]
     return pd.DataFrame({"checks": g.size(), "passed": g.sum(), "failed": g.size() - g.sum()}).reset_index()
 
 
 def assert_all_passed(df: pd.DataFrame) -> None:
-    """Raise (failing the notebook, so papermill and CI fail) if any check in df failed.
-
-    Raises: AssertionError: naming each failed check.
-    """
+    """Raise AssertionError naming each failed check of df (failing the notebook, so papermill and CI fail)."""
     failed = df[~df["passed"].astype(bool)]
     if len(failed):
         lines = "\n".join(f"  {r.check}: measured {r.measured:.3g} > threshold {r.threshold:.3g}"

@@ -11,12 +11,7 @@ import threading
 
 
 def nvml_reader(devices):
-    """A function returning {device: utilisation %} now, or None when NVML cannot be used.
-
-    CUDA and NVML may number GPUs differently, so handles are found by PCI bus id.
-
-    Args: devices: CUDA device numbers. Returns: A function of no arguments, or None.
-    """
+    """A function giving {device: utilisation %} of these CUDA devices (by PCI bus id), or None without NVML."""
     try:
         import pynvml
         from cupy.cuda import runtime
@@ -57,18 +52,11 @@ class UtilSampler:
             self._thread = None
             if not self._samples:            # a window shorter than one interval: read once
                 self._samples.append(self._read())
-        self.means = {d: mean([s[d] for s in self._samples]) for d in self.devices}
+        self.means = {d: sum(s[d] for s in self._samples) / len(self._samples) if self._samples else math.nan
+                      for d in self.devices}
         return self.means
 
     __enter__ = start
 
     def __exit__(self, *exc):
         self.stop()
-
-
-def mean(values) -> float:
-    """The arithmetic mean; NaN for no values.
-
-    Args: values: a sequence of numbers. Returns: A float.
-    """
-    return sum(values) / len(values) if values else math.nan

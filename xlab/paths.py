@@ -53,12 +53,19 @@ def build_dir() -> pathlib.Path:
 
 
 def write_csv(df, out) -> None:
-    """Write a DataFrame to the CSV `out`, making its folder; nothing when out is None.
-
-    Args: df: the frame (written without its index); out: a path, or None.
-    """
+    """Write a DataFrame (without its index) to the CSV `out`, making its folder; nothing when out is None."""
     if out is None:
         return
     path = pathlib.Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(path, index=False)
+
+
+def publish(df, out, text: str = ""):
+    """A measurement's tail: print its table, write its CSV to `out` (None or "": none) and say so; the frame."""
+    if text:
+        print(text)
+    if out:
+        write_csv(df, out)
+        print(f"wrote {out}")
+    return df

@@ -1,14 +1,10 @@
 """Figures from the measurement CSVs alone: each function takes the rows xlab.sources gives for its figure and
-returns a matplotlib Figure; `build(name)` is the one writer of figures/NAME.png and .svg.
+returns a matplotlib Figure (the Agg canvas, no pyplot); `build(name)` is the one writer of figures/NAME.png, .svg.
 
-Figures are drawn on the Agg canvas without pyplot: no global state, no display needed, the same pixels in a
-notebook, a script or CI. Arms are labelled and styled from the arms table (xlab.allocators.ARMS); a legend entry
-names the CSV's commit when a figure's arms come from more than one run. Every timed number is the median over
-trials with its 95% bootstrap interval as an error bar (seaborn draws them, with xlab.intervals' median and
-interval, so a bar is the number the report prints); a CSV with one run per configuration is drawn without bars
-and the caption says so. Every figure has a title, axis labels with units, and a caption naming the CSVs, the
-machine, software and date the numbers come from. tests/test_figures.py reads every bar and point back from the
-axes and checks it against the CSV's medians.
+Arms are labelled and styled from the arms table. A timed number is the median over trials with its 95% bootstrap
+interval as an error bar (seaborn draws them with xlab.intervals' median and interval: a bar is the number the
+report prints). Every figure has a title, axis labels with units and a caption naming its CSVs, machine, software
+and date; tests/test_figures.py reads every bar and point back from the axes and checks it against the CSV.
 """
 from __future__ import annotations
 
@@ -27,25 +23,14 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from . import allocators, intervals, sources
+from .intervals import fmt_bytes
 
 PROVENANCE = ("gpu", "driver", "cuda", "cupy", "commit", "date")
 MODES = {"single": "one GPU", "threads": "one thread per GPU (one process)", "processes": "one process per GPU"}
 PASS_COLOR, FAIL_COLOR = "#2ca02c", "#d62728"
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Shared pieces
-
-
-def fmt_bytes(n: float) -> str:
-    """A byte count for people: '64 KiB', '1.5 MiB', '100 B' (binary units): the lab's one byte formatter."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            v = n / scale
-            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
+# --- shared pieces
 def fmt_si(v: float) -> str:
     """A count with k or M: '91.2k', '1.5M'."""
     for suffix, scale in (("M", 1e6), ("k", 1e3)):
@@ -55,8 +40,7 @@ def fmt_si(v: float) -> str:
 
 
 def provenance_summary(df: pd.DataFrame) -> dict:
-    """Each provenance column's distinct values joined by ' / ' ('unknown' where absent); the date as a day or
-    a range of days."""
+    """Each provenance column's values joined by ' / ' ('unknown' where absent); dates as a day or range."""
     out = {}
     for col in PROVENANCE + ("n_gpus",):
         vals = [str(v) for v in pd.unique(df[col].dropna())] if col in df else []
@@ -94,14 +78,17 @@ def _figure(nrows=1, ncols=1, size=(10, 5), **kw):
     return fig, fig.subplots(nrows, ncols, squeeze=False, **kw)
 
 
-def _finish(fig, title, df, note="", legend_from=None, ncol=2):
-    """Title, one legend for every panel (from the axes `legend_from`) and the caption."""
-    if legend_from is not None and legend_from.get_legend_handles_labels()[0]:
-        handles, labels = legend_from.get_legend_handles_labels()
-        if legend_from.get_legend():
-            legend_from.get_legend().remove()
-        fig.legend(handles, labels, loc="outside upper center", ncol=min(len(labels), ncol), fontsize=8.5,
-                   frameon=False, title=title, title_fontproperties=dict(size=13, weight="bold"))
+def _finish(fig, title, df, note="", legend_from=(), ncol=2):
+    """Title, one legend of the entries of the axes `legend_from` (theirs removed), and the caption."""
+    entries = {}
+    for ax in legend_from:
+        for handle, text in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(text, handle)
+        if ax.get_legend():
+            ax.get_legend().remove()
+    if entries:
+        fig.legend(entries.values(), entries.keys(), loc="outside upper center", ncol=min(len(entries), ncol),
+                   fontsize=8.5, frameon=False, title=title, title_fontproperties=dict(size=13, weight="bold"))
     else:
         fig.suptitle(title, fontsize=13, fontweight="bold")
     fig.supxlabel(caption(df, note), x=0.005, ha="left", fontsize=7.5, color="0.3", multialignment="left")
@@ -114,8 +101,7 @@ def _ci(values):
 
 
 def labelled(df: pd.DataFrame, col: str = "allocator") -> pd.DataFrame:
-    """The rows with `arm` (their arm's name) and `label` (its legend entry: the arms table's label, and the
-    run's commit when the rows come from more than one CSV), in the table's order."""
+    """The rows with `arm` and `label` (the table's label, with the commit when from several CSVs)."""
     df = df.copy()
     df["arm"] = df[col].astype(str)
     many = "run" in df and df["run"].nunique() > 1
@@ -132,8 +118,7 @@ def _hue(df):
 
 
 def bars(ax, df, x, y, order, fmt=fmt_si, labels=None, log=False, rotate=0, span=None):
-    """Grouped bars of y by x (in `order`) and arm, medians with their intervals (or, with `span`, the CSV's
-    (low, high) columns), each labelled with its value."""
+    """Grouped bars of y by x and arm, medians with intervals (or `span`'s columns), values labelled."""
     hue_order, palette, arms = _hue(df)
     sns.barplot(df, x=x, y=y, hue="label", order=order, hue_order=hue_order, palette=palette, ax=ax,
                 estimator=np.median, errorbar=None if span else _ci, err_kws=dict(linewidth=1, color="0.15"),
@@ -196,9 +181,7 @@ def _empty(ax, text):
     ax.set_yticks([])
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Correctness
-
+# --- correctness
 _FAMILIES = ((r"^transparency: ", "bitwise transparency: an allocator = raw cudaMalloc"),
              (r"^grad GPT loss", "gradient of the GPT loss by finite differences"),
              (r"^grad ", "op gradients by finite differences (float64)"),
@@ -215,18 +198,9 @@ def family(check: str) -> str:
     return check
 
 
-def with_device(df: pd.DataFrame) -> pd.DataFrame:
-    """A copy with a `device` column ('cpu'/'gpu') where a CSV lacks one, from the array module."""
-    df = df.copy()
-    guess = (df["xp"].astype(str) == "cupy").map({True: "gpu", False: "cpu"}) if "xp" in df else "cpu"
-    df["device"] = df["device"].fillna(guess) if "device" in df else guess
-    return df
-
-
 def correctness(df: pd.DataFrame) -> Figure:
-    """Per device, each family of checks: its worst error as a multiple of its threshold (log scale; left of 1
-    passes), and how many of its checks pass. Exact checks (threshold 0) are marked instead of drawn."""
-    df = with_device(df)
+    """Per device and family of checks: the worst error over its threshold (log), and how many pass."""
+    df = sources.with_device(df)
     df["group"] = df["check"].map(family)
     df["ratio"] = np.where(df["threshold"] > 0, df["measured"] / df["threshold"].where(df["threshold"] > 0), 0.0)
     df.loc[df["ratio"].isna(), "ratio"] = np.inf        # NaN never passes: draw it past the line
@@ -257,9 +231,7 @@ def correctness(df: pd.DataFrame) -> Figure:
                         va="center", fontsize=7, color=(PASS_COLOR if good else FAIL_COLOR) if exact else "black")
         ax.set_yticks(y, [f"{g} ({int(p)} of {int(n)})" for g, p, n in zip(w.index, w["passed"], w["n"])],
                       fontsize=7.5)
-        ax.set_xscale("log")
-        ax.set_xlim(lo, hi)
-        ax.set_ylim(-0.7, len(w) - 0.3)
+        ax.set(xscale="log", xlim=(lo, hi), ylim=(-0.7, len(w) - 0.3))
         ax.axvline(1.0, color="black", lw=1.2)
         ax.text(1.15, 0.99, "threshold", transform=ax.get_xaxis_transform(), va="top", fontsize=8)
         ax.grid(axis="x", alpha=0.3)
@@ -270,13 +242,9 @@ def correctness(df: pd.DataFrame) -> Figure:
                    "in brackets); green: every check passes, red: one fails. Every check is a row of the CSV.")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The allocator microbenchmark
-
-
+# --- the allocator microbenchmark
 def alloc_cost(df: pd.DataFrame) -> Figure:
-    """µs per alloc/free pair against request size (one thread), and each arm's time over CuPy's pool's in the
-    same trial; medians over trials with 95% intervals."""
+    """µs per alloc/free pair by request size, and each arm's time over CuPy's pool's in the same trial."""
     d = labelled(df)
     sizes = sorted(d["size_bytes"].unique())
     fig, axes = _figure(1, 2, size=(13.5, 6.2))
@@ -289,7 +257,6 @@ def alloc_cost(df: pd.DataFrame) -> Figure:
     r = d[~d["arm"].isin(["raw", "raw_held", "cupy_pool"])].dropna(subset=["time_vs_cupy_pool"])
     if len(r):
         lines(rel, r, "size_bytes", "time_vs_cupy_pool")
-        rel.get_legend().remove()
         rel.axhline(1.0, color=allocators.arm("cupy_pool").color, lw=1.6)
         rel.text(0.01, 1.0, "CuPy MemoryPool = 1", transform=rel.get_yaxis_transform(), va="bottom", fontsize=8)
         rel.set_ylim(bottom=0)
@@ -300,27 +267,25 @@ def alloc_cost(df: pd.DataFrame) -> Figure:
             "faster)", title="Relative to the default CuPy pool (raw cudaMalloc left out: off the scale)")
     return _finish(fig, "Allocator cost per allocation: xpool against its peers and raw cudaMalloc", d,
                    trials_note(d, ["arm", "size_bytes", "csv"]) + " Each point times many alloc/free pairs "
-                   "through CuPy's array path.", legend_from=ax)
+                   "through CuPy's array path.", legend_from=[ax, rel])
 
 
 def alloc_threads(df: pd.DataFrame, size_bytes: int = 65536) -> Figure:
     """Thousands of alloc/free pairs per second (all threads together) against threads on one GPU."""
     d = labelled(df[df["size_bytes"] == size_bytes])
-    threads = sorted(d["threads"].unique())
     fig, axes = _figure(1, 1, size=(10, 6.4))
     ax = axes[0][0]
     lines(ax, d, "threads", "kpairs_per_s")
-    _log2(ax, threads)
-    ax.set_ylim(0, None)
-    ax.set(xlabel="threads allocating on the same GPU", ylabel="thousand alloc/free pairs per second (all threads)",
+    _log2(ax, sorted(d["threads"].unique()))
+    ax.set(ylim=(0, None), xlabel="threads allocating on the same GPU",
+           ylabel="thousand alloc/free pairs per second (all threads)",
            title=f"{fmt_bytes(size_bytes)} requests; higher is better, flat or rising means no lock contention")
     return _finish(fig, "Several threads on one GPU: allocation throughput", d,
-                   trials_note(d, ["arm", "threads", "csv"]), legend_from=ax)
+                   trials_note(d, ["arm", "threads", "csv"]), legend_from=[ax])
 
 
 def torch_interop(df: pd.DataFrame) -> Figure:
-    """PyTorch through xpool against PyTorch's own caching allocator: µs per torch.empty+del pair by size, and a
-    training step's tokens/s; medians of interleaved trials (each arm a fresh process) with 95% intervals."""
+    """PyTorch through xpool against its own allocator: µs per torch.empty+del by size, and tokens/s."""
     d = labelled(df, "arm")
     fig, axes = _figure(1, 2, size=(12, 5.2))
     left, right = axes[0]
@@ -330,15 +295,12 @@ def torch_interop(df: pd.DataFrame) -> Figure:
     left.set(ylabel="µs per torch.empty + del pair (lower is better)", title="Allocation cost through PyTorch")
     t = d[d["case"] == "train_step"].assign(k=lambda f: f["value"] / 1e3, case="training step")
     bars(right, t, "case", "k", ["training step"], fmt=lambda v: f"{v:.1f}k")
-    right.get_legend().remove()
     right.set(ylabel="thousand tokens per second (higher is better)", title="PyTorch's training step (parity model)")
     return _finish(fig, "CuPy and PyTorch in one pool: PyTorch through xpool", d,
-                   trials_note(d, ["arm", "case", "size_bytes"]), legend_from=left)
+                   trials_note(d, ["arm", "case", "size_bytes"]), legend_from=[left, right])
 
 
-# ---------------------------------------------------------------------------------------------------------
-# One GPU
-
+# --- one GPU
 SINGLE_PANELS = (
     ("tokens_per_s", "tokens per second (higher is better)", "Training throughput", fmt_si),
     ("host_ms_per_step", "ms of the dispatching thread's CPU time per step", "Host work per step (thread CPU time)",
@@ -355,8 +317,7 @@ SINGLE_PANELS = (
 
 
 def single_gpu(df: pd.DataFrame) -> Figure:
-    """Per arm and batch: tokens/s, host and GPU ms per step, GPU utilisation, device mallocs per step and peak
-    reserved over peak requested."""
+    """Per arm and batch: tokens/s, host and GPU ms, utilisation, device mallocs, reserved/requested."""
     d = labelled(df[df["mode"] == "single"] if "mode" in df else df)
     batches = sorted(d["batch"].unique(), reverse=True)
     fig, axes = _figure(3, 2, size=(13.5, 13.5))
@@ -374,24 +335,18 @@ def single_gpu(df: pd.DataFrame) -> Figure:
         if col == "reserved_over_requested":
             ax.axhline(1.0, color="black", lw=0.8)
             ax.set_ylim(bottom=0)
-        if ax is not axes[0][0]:
-            ax.get_legend().remove()
     return _finish(fig, "One GPU: the small GPT's training step under each allocator", d,
                    trials_note(d, ["batch", "arm", "csv"]) + " Each trial times the steps after warm-up.",
-                   legend_from=axes[0][0])
+                   legend_from=list(axes.flat))
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Several GPUs
-
-
+# --- several GPUs
 def _modes(df):
     return [m for m in ("threads", "processes") if m in set(df["mode"])]
 
 
 def ddp_scaling(df: pd.DataFrame) -> Figure:
-    """Tokens/s and speedup against the number of GPUs, one column per mode; a speedup is trial t on N GPUs over
-    trial t on one."""
+    """Tokens/s and speedup (trial t on N GPUs over trial t on one) against GPUs, a column per mode."""
     d = labelled(df[df["mode"] != "single"])
     modes, worlds = _modes(d), sorted(d["world"].unique())
     fig, axes = _figure(2, len(modes), size=(6.8 * len(modes), 9), sharey="row")
@@ -408,14 +363,13 @@ def ddp_scaling(df: pd.DataFrame) -> Figure:
             ax.set_xlabel("GPUs")
             if j or ax is top:
                 ax.get_legend().remove()
-    axes[0][0].set_ylim(0, 1.08 * d["tokens_per_s"].max())
-    axes[1][0].set_ylim(0, 1.1 * max(d["speedup"].max(), max(worlds)))
-    axes[0][0].set_ylabel("tokens per second, all GPUs (higher is better)")
-    axes[1][0].set_ylabel("speedup over the same allocator on 1 GPU (×)")
+    axes[0][0].set(ylim=(0, 1.08 * d["tokens_per_s"].max()), ylabel="tokens per second, all GPUs (higher is better)")
+    axes[1][0].set(ylim=(0, 1.1 * max(d["speedup"].max(), max(worlds))),
+                   ylabel="speedup over the same allocator on 1 GPU (×)")
     batch = ", ".join(str(b) for b in sorted(d["batch"].unique()))
     return _finish(fig, "Several GPUs: data-parallel training throughput and speedup", d,
                    f"Batch {batch} per GPU; gradients all-reduced with NCCL each step. "
-                   + trials_note(d, ["mode", "arm", "world"]), legend_from=axes[1][0])
+                   + trials_note(d, ["mode", "arm", "world"]), legend_from=[axes[1][0]])
 
 
 def ddp_before_after(df: pd.DataFrame) -> Figure:
@@ -430,19 +384,17 @@ def ddp_before_after(df: pd.DataFrame) -> Figure:
                                  (ut, "gpu_util_mean", "mean GPU utilisation (%)", lambda v: f"{v:.0f}%")):
         bars(ax, top.dropna(subset=[col]), "mode", col, modes, fmt=fmt, labels=lambda m: MODES[m])
         ax.set_ylabel(ylabel)
-    ut.get_legend().remove()
     sp.axhline(world, color="black", ls="--", lw=0.8)
     sp.text(-0.45, world, f"ideal {world}×", va="bottom", fontsize=8)
     sp.set_title(f"Speedup on {world} GPUs: before (raw cudaMalloc) → after (a pool)", fontsize=10)
     ut.set_title(f"GPU utilisation on {world} GPUs", fontsize=10)
     ut.set_ylim(0, 110)
     return _finish(fig, f"{world} GPUs: what the allocator changes", top, trials_note(top, ["mode", "arm"]),
-                   legend_from=sp)
+                   legend_from=[sp, ut])
 
 
 def batch_sweep(df: pd.DataFrame) -> Figure:
-    """One thread per GPU on N GPUs against 1, by per-GPU batch: the speedup, and on one GPU the step's host time
-    (thread CPU time) against its wall time: where they part, the GPU and not the host bounds the step."""
+    """Threads on N GPUs over 1 by per-GPU batch, and on one GPU the host's time against the wall time."""
     d = labelled(df[df["mode"] == "threads"] if "mode" in df else df)
     world, batches = int(d["world"].max()), sorted(d["batch"].unique())
     fig, axes = _figure(1, 2, size=(13.5, 6))
@@ -450,8 +402,7 @@ def batch_sweep(df: pd.DataFrame) -> Figure:
     lines(sp, d[d["world"] == world], "batch", "speedup")
     sp.axhline(world, color="black", ls="--", lw=0.8)
     sp.text(batches[0], world, f" ideal {world}×", va="bottom", fontsize=8)
-    sp.set_ylim(0, 1.15 * world)
-    sp.set(ylabel=f"speedup, {world} GPUs over 1 (same trial)",
+    sp.set(ylim=(0, 1.15 * world), ylabel=f"speedup, {world} GPUs over 1 (same trial)",
            title=f"One thread per GPU, {world} GPUs: speedup by per-GPU batch")
     one = d[(d["world"] == 1) & (d["arm"] == "xpool")]
     if len(one) and "host_ms_per_step" in one:
@@ -470,12 +421,11 @@ def batch_sweep(df: pd.DataFrame) -> Figure:
         ax.set_xlabel("sequences per GPU per step (log scale)")
     return _finish(fig, "Batch sweep: where one thread per GPU starts to scale", d,
                    "Two threads share one GIL: while a step's host time is its wall time, the second thread's host "
-                   "work cannot overlap the first's. " + trials_note(d, ["arm", "world", "batch"]), legend_from=sp)
+                   "work cannot overlap the first's. " + trials_note(d, ["arm", "world", "batch"]), legend_from=[sp])
 
 
 def graph_steps(df: pd.DataFrame) -> Figure:
-    """Eager steps against steps captured as CUDA graphs: threads on the largest world at batch 32, the host's
-    work per step on one GPU, and GPU utilisation on one GPU at the smallest batch (250-step windows)."""
+    """Eager against captured steps: speedup on the largest world, host ms per step, GPU busy at batch 4."""
     d = labelled(df)
     fig, axes = _figure(1, 3, size=(17, 6))
     sp, disp, util = axes[0]
@@ -490,8 +440,6 @@ def graph_steps(df: pd.DataFrame) -> Figure:
             _empty(ax, f"no {col} rows")
             continue
         bars(ax, rows, "batch", col, sorted(rows["batch"].unique()), fmt=fmt, labels=lambda b: f"batch {b}", log=log)
-        if ax is not sp:
-            ax.get_legend().remove()
     if len(thr):
         world = int(thr["world"].max())
         sp.axhline(world, color="black", ls="--", lw=0.8)
@@ -499,16 +447,12 @@ def graph_steps(df: pd.DataFrame) -> Figure:
     disp.set(ylabel="host ms per step (thread CPU time, idle device; log)", title="One GPU: the host's work per step")
     util.set(ylabel="GPU utilisation, NVML (%)", title="One GPU, smallest batch: how busy the GPU is", ylim=(0, 110))
     return _finish(fig, "The training step as a CUDA graph: eager against captured", d,
-                   trials_note(d, ["mode", "world", "batch", "arm"]), legend_from=sp)
+                   trials_note(d, ["mode", "world", "batch", "arm"]), legend_from=list(axes.flat))
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Memory
-
-
+# --- memory
 def memory_waste(df: pd.DataFrame) -> Figure:
-    """The seed scheme's size classes by classes per doubling k: bytes handed out over bytes requested (one
-    step), and peak reserved over peak requested (the whole run)."""
+    """The seed scheme by k: bytes handed out over requested (one step), peak reserved over requested."""
     d = df.groupby("k", sort=True)[["class_over_requested", "reserved_over_requested"]].median()
     long = pd.concat([pd.DataFrame({"k": d.index, "what": w, "waste": 100 * (d[c].to_numpy() - 1)}) for c, w in (
         ("class_over_requested", "size classes: bytes handed out / bytes requested, one step's requests"),
@@ -539,8 +483,7 @@ def trace_label(name: str) -> str:
 
 
 def memory_schemes(df: pd.DataFrame) -> Figure:
-    """Per recorded trace and scheme: peak reserved over peak requested (replayed), and ns per alloc+free pair
-    over the host backend (xpool's schemes; min-max over repeats)."""
+    """Per trace and scheme: peak reserved over requested (replayed), and ns per pair (host backend)."""
     d = labelled(df.assign(waste_pct=100 * (df["reserved_over_requested"] - 1)))
     traces = list(dict.fromkeys(d["trace"]))
     fig, axes = _figure(2, 1, size=(15, 11))
@@ -554,14 +497,13 @@ def memory_schemes(df: pd.DataFrame) -> Figure:
     if len(c):
         bars(cost, c, "trace", "ns_per_pair", traces, fmt=lambda v: f"{v:.0f}", labels=trace_label, rotate=90,
              span=("ns_per_pair_min", "ns_per_pair_max"))
-        cost.get_legend().remove()
         cost.set(ylabel="ns per alloc+free pair, C core (Python floor subtracted)", title="Cost of the last step's "
                  "requests once warm, host backend (CuPy's pool needs a GPU: see the allocator microbenchmark)")
     else:
         _empty(cost, "no cost measured")
     return _finish(fig, "Memory waste and allocation cost of each scheme on the recorded request traces", d,
                    "Waste: every trace replayed, in order, through each pool (CuPy's as a model of its arena), one "
-                   "replay each (exact). Cost: median with min-max over interleaved repeats.", legend_from=ax, ncol=3)
+                   "replay each (exact). Cost: median with min-max over interleaved repeats.", [ax, cost], ncol=3)
 
 
 def memory_timeline(df: pd.DataFrame, step: int | None = None) -> Figure:
@@ -613,8 +555,44 @@ def memory_timeline(df: pd.DataFrame, step: int | None = None) -> Figure:
                    f"{'es' if k != 1 else ''} per doubling, from its allocation timeline.")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Every figure from data/: the one writer of figures/
+# --- dynamic shapes
+DYNAMIC_PANELS = (("reserved_over_requested", "peak reserved / peak requested (dotted: 1.05)", "{:.3f}", 1.05),
+                  ("device_calls_per_step", "device calls per step once warm (symlog scale)", "{:.3g}", None),
+                  ("ratio", "ms per step / the fastest peer's, paired by trial (dotted: 1)", "{:.2f}", 1.0))
+
+
+def dynamic_shapes(df: pd.DataFrame) -> Figure:
+    """Per workload and arm, CuPy's left and PyTorch's right: peak reserved / peak requested, device calls per step
+    once warm, and ms per step over the fastest peer's (ratio of medians over paired trials, as the targets judge)."""
+    d = labelled(df)
+    ratio = labelled(intervals.paired_best(d, "ms_per_step", "allocator", allocators.SETS["dynamic"], ["workload"],
+                                           higher=False))
+    shapes = {w: "varying" if str(v) == "True" else "fixed" for w, v in zip(d["workload"], d["dynamic"])}
+    frameworks = [f for f in ("cupy", "torch") if f in set(d["framework"])]
+    n = [d.loc[d["framework"] == f, "workload"].nunique() for f in frameworks]
+    fig, axes = _figure(3, len(frameworks), size=(4 + 2.3 * sum(n), 13), gridspec_kw=dict(width_ratios=n))
+    for j, f in enumerate(frameworks):
+        order = list(dict.fromkeys(d.loc[d["framework"] == f, "workload"]))
+        axes[0][j].set_title(f"{'CuPy' if f == 'cupy' else 'PyTorch'} workloads", fontsize=11)
+        for ax, (col, ylabel, fmt, line) in zip(axes[:, j], DYNAMIC_PANELS):
+            rows = (ratio if col == "ratio" else d)
+            rows = rows[rows["workload"].isin(order)].dropna(subset=[col])
+            if not len(rows):
+                _empty(ax, f"no {col} measured")
+                continue
+            bars(ax, rows, "workload", col, order, fmt=fmt.format, labels=lambda w: f"{w}\n({shapes[w]} shapes)",
+                 span=("ratio_lo", "ratio_hi") if col == "ratio" else None)
+            ax.set_ylabel(ylabel)
+            if line:
+                ax.axhline(line, color="black", ls=":", lw=1)
+            if col == "device_calls_per_step":
+                ax.set_yscale("symlog", linthresh=1)      # 0 for a warm pool, hundreds for cudaMallocAsync
+    return _finish(fig, "Dynamic shapes: memory held, device calls and speed of each allocator", d,
+                   "A device call: a cudaMalloc, cudaFree, map or unmap (NOTES.md, Note [Dynamic-shape benchmark]). "
+                   + trials_note(d, ["workload", "allocator"]), legend_from=list(axes.flat), ncol=4)
+
+
+# --- every figure from data/: the one writer of figures/
 
 # name -> (lineage or CSV it is drawn from, the function)
 FIGURES = {
@@ -630,17 +608,13 @@ FIGURES = {
     "memory_timeline": ("memory_timeline.csv", memory_timeline),
     "memory_schemes": ("memory_schemes.csv", memory_schemes),
     "graph_steps": ("graph", graph_steps),
+    "dynamic_shapes": ("dynamic_shapes", dynamic_shapes),
 }
 
 
-def load_for(name: str, data_dir: str | os.PathLike = "data") -> pd.DataFrame | None:
-    """The rows figure `name` is drawn from (xlab.sources.current of its lineage), or None."""
-    return sources.current(pathlib.Path(data_dir), FIGURES[name][0])
-
-
 def draw(name: str, data_dir: str | os.PathLike = "data") -> Figure | None:
-    """Figure `name` drawn from data_dir's CSVs, or None when they are missing."""
-    df = load_for(name, data_dir)
+    """Figure `name` drawn from the rows xlab.sources.current gives of its lineage, or None when they are missing."""
+    df = sources.current(pathlib.Path(data_dir), FIGURES[name][0])
     return None if df is None else FIGURES[name][1](df)
 
 

@@ -25,6 +25,10 @@ def git_commit() -> str:
     return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
 
 
+def _text(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
 @functools.lru_cache(maxsize=1)
 def gpu_info() -> dict:
     """GPU name and count, driver, CUDA runtime and CuPy versions; 'none' where there is no GPU."""
@@ -35,19 +39,15 @@ def gpu_info() -> dict:
         rt = cupy.cuda.runtime
         v = rt.runtimeGetVersion()
         info["cuda"] = f"{v // 1000}.{v % 1000 // 10}"
-        n = rt.getDeviceCount()
-        info["n_gpus"] = n
+        info["n_gpus"] = n = rt.getDeviceCount()
         if n:
-            props = rt.getDeviceProperties(0)
-            name = props["name"]
-            info["gpu"] = name.decode() if isinstance(name, bytes) else str(name)
+            info["gpu"] = _text(rt.getDeviceProperties(0)["name"])
     except Exception:
         pass
     try:
         import pynvml
         pynvml.nvmlInit()
-        d = pynvml.nvmlSystemGetDriverVersion()
-        info["driver"] = d.decode() if isinstance(d, bytes) else str(d)
+        info["driver"] = _text(pynvml.nvmlSystemGetDriverVersion())
     except Exception:
         pass
     return info

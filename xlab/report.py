@@ -3,12 +3,10 @@
     python -m xlab.report              # notebooks with their defaults (on a GPU they measure, into build/)
     python -m xlab.report --cpu-quick  # CPU mode with small parameters: what CI runs, a few minutes
 
-Executed notebooks go to build/notebooks/ (ignored by git); the report to build/report.md and, committed,
-report/REPORT.md (without the notebooks' run status, which stays in build/). The page is the template
-xlab/report.md filled from the CSVs: the headlines and the targets from xlab.targets (medians over trials with
-95% bootstrap intervals, ratios over paired trials, judged on the interval), the tables below from the rows of
-xlab.sources. It holds nothing but what the CSVs say (no run date or timing), so an unchanged data/ gives an
-unchanged report.
+Executed notebooks go to build/notebooks/; the report to build/report.md and, committed, report/REPORT.md (without
+the notebooks' run status). The page is the template xlab/report.md filled from the CSVs: headlines and targets
+from xlab.targets, the tables from xlab.sources' rows; nothing but what the CSVs say (no run date or timing), so an
+unchanged data/ gives an unchanged report.
 """
 from __future__ import annotations
 
@@ -26,6 +24,9 @@ import numpy as np
 import pandas as pd
 
 from . import allocators, intervals as iv, paths, plots, sources, targets
+from .bench.dynamic import summary as dynamic_summary
+from .experiments.train import HOST_BOUND_UTIL, step_bound
+from .memory_study import replay_waste
 
 # Small parameters for CI: CPU mode (never measure, even on a GPU) and the fewest steps that run the code.
 CPU_QUICK = {
@@ -34,6 +35,7 @@ CPU_QUICK = {
     "03_single_gpu": dict(measure=False, steps=3, warmup=1, trials=2),
     "04_multi_gpu": dict(measure=False, steps=3, trials=2),
     "05_memory": dict(measure=False),
+    "06_dynamic_shapes": dict(measure=False),
 }
 TEMPLATE = importlib.resources.files("xlab") / "report.md"       # package data: the page's template
 GIL_ARM = "add"    # the GIL probe's op that stands for a training step's ops: an allocation and one launch
@@ -71,10 +73,7 @@ def run_notebook(path: pathlib.Path, out_dir: pathlib.Path, parameters: dict | N
     return dict(notebook=path.stem, ok=not error, seconds=time.perf_counter() - t0, output=str(out), error=error)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Tables of rows (summaries over trials), each from the rows sources.current gives
-
-
+# --- tables of rows (summaries over trials), each from the rows sources.current gives
 def _med(values):
     m, lo, hi, _ = iv.median_ci(values)
     return m, lo, hi
@@ -91,7 +90,6 @@ def _md(header, rows) -> str:
 
 def _bound(g) -> str:
     """What bounds these rows' steps: their `bound` column (the most common), else from the medians."""
-    from .experiments.train import step_bound
     if "bound" in g and g["bound"].notna().any():
         return str(g["bound"].mode().iloc[0])
     med = {c: float(g[c].median()) if c in g else math.nan for c in ("gpu_util_mean", "host_ms_per_step", "ms_per_step")}
@@ -99,8 +97,7 @@ def _bound(g) -> str:
 
 
 def bound_rows(data: pathlib.Path, kind: str = "single_gpu") -> list[dict]:
-    """One dict per (batch, allocator) of a one-GPU lineage: (median, lo, hi) of ms, host, dispatch, stream,
-    busy ms, util and gc ms per step, what bounds the step, and the run the rows came from."""
+    """One dict per (batch, allocator) of a one-GPU lineage: (median, lo, hi) of each ms, the bound, the run."""
     df = sources.current(data, kind)
     if df is None:
         return []
@@ -126,8 +123,7 @@ def bounds_table(data: pathlib.Path) -> str:
 
 
 def gil_sharing(data: pathlib.Path, arm: str = GIL_ARM) -> dict:
-    """{N: (median, lo, hi)}: N dispatching threads' ops per second over one thread's (gil_probe.csv), at
-    Python's default switch interval (5 ms)."""
+    """{N: (median, lo, hi)}: N threads' ops per second over one's (gil_probe.csv, 5 ms switch interval)."""
     df = sources.read(data, "gil_probe")
     if df is None:
         return {}
@@ -136,10 +132,8 @@ def gil_sharing(data: pathlib.Path, arm: str = GIL_ARM) -> dict:
 
 
 def projection(data: pathlib.Path, worlds=(2, 4, 8), kind: str = "single_gpu") -> list[dict]:
-    """A projection (not a measurement) of one thread per GPU on N GPUs at batch 32 from one-GPU rows: a step
-    takes max(N·h/s_N, g) against max(h, g) on one GPU (h: dispatch ms, else host ms, else the batch-4 wall
-    time; g: GPU busy ms; s_N: gil_sharing, 1 where not probed). One dict per pool: allocator, h, g, h_source,
-    sharing {N: s_N} and speedup {N: projected}."""
+    """A projection, not a measurement, of one thread per GPU on N GPUs at batch 32 from one-GPU rows: max(N·h/s_N, g)
+    against max(h, g) (h: the host's ms, g: GPU busy ms, s_N: gil_sharing); one dict per pool."""
     rows = {(r["batch"], r["allocator"]): r for r in bound_rows(data, kind)}
     share = {n: v[0] for n, v in gil_sharing(data).items()}
     out = []
@@ -213,44 +207,33 @@ def graph_table(data: pathlib.Path) -> str:
                 "speedup, 2 GPUs", "bound"], rows)
 
 
-def graph_notes(data: pathlib.Path) -> str:
-    """The graph section's memory line, the GIL-held launcher's line, its projection and its second run."""
-    out = []
-    df = sources.current(data, "graph")
+def graph_notes(data: pathlib.Path) -> dict:
+    """The numbers of the graph section's notes (report.md), those measured."""
+    out, df = {}, sources.current(data, "graph")
     mem = df[(df["mode"] == "single") & (df["batch"] == 32)]
     eager, graph = (mem[mem["allocator"] == a] for a in ("xpool", "xpool_graph"))
     if len(eager) and len(graph) and "graph_pool_bytes" in graph:
         e, main, private = (x.median() for x in (eager["peak_reserved_bytes"], graph["peak_reserved_bytes"],
                                                  graph["graph_pool_bytes"]))
-        out.append(f"Memory, one GPU at batch 32: eager xpool reserves at most {plots.fmt_bytes(e)}; xpool_graph "
-                   f"{plots.fmt_bytes(main)} in the arm's pool plus {plots.fmt_bytes(private)} in the graph's private "
-                   f"pool ({(main + private) / e:.2f}× eager): the private pool holds the step's working set for as "
-                   "long as the graph lives.")
+        out["graph_mem"] = dict(eager=iv.fmt_bytes(e), main=iv.fmt_bytes(main), private=iv.fmt_bytes(private),
+                                ratio=f"{(main + private) / e:.2f}×")
     launch, ddp = sources.read(data, "launch/ddp_launch_cupy"), sources.read(data, "graph/ddp_scaling")
     if launch is not None and ddp is not None:
         def sp(d, arm):
             s = d[(d["world"] == 2) & (d["mode"] == "threads") & (d["allocator"] == arm)]["speedup"]
             return _ci(_med(s), unit="×") if len(s) else "—"
-        out.append(f"The GIL-held launcher (issue 13) in threads mode, eager steps, 2 GPUs, batch 32: xpool "
-                   f"{sp(launch, 'xpool')} and CuPy's pool {sp(launch, 'cupy_pool')} with CuPy's launches "
-                   f"(`TAPEGPT_LAUNCH=cupy`, `launch/ddp_launch_cupy.csv` at {launch['run'].iloc[0]}), against "
-                   f"{sp(ddp, 'xpool')} and {sp(ddp, 'cupy_pool')} with direct ones (the table's run). Two runs on two "
-                   "machines of one session: compare the intervals, not the medians.")
+        out["graph_launch"] = dict(run=launch["run"].iloc[0], **{f"{a}{k}": sp(d, a) for a in ("xpool", "cupy_pool")
+                                                                 for k, d in (("", launch), ("_direct", ddp))})
     proj = [p for p in projection(data, kind="graph/single_gpu.csv") if p["allocator"].endswith("_graph")]
     if proj:
-        out.append("**Projection, not a measurement**, as in \"What bounds each step\" (the all-reduce and the "
-                   "data-parallel step's flatten are left out): one thread per GPU at batch 32 with the step as a "
-                   "graph. " + "; ".join(f"{p['allocator']} (h {p['h']:.2f} ms, g {p['g']:.1f} ms): " + ", ".join(
-                       f"{n} GPUs {s:.2f}×" for n, s in p["speedup"].items()) for p in proj) + ".")
-    again = replication(data / "graph", "data/graph")
-    if again:
-        out.append("**Again on a fresh machine.** " + again)
-    return "\n\n".join(out)
+        out["graph_projection"] = "; ".join(f"{p['allocator']} (h {p['h']:.2f} ms, g {p['g']:.1f} ms): " + ", ".join(
+            f"{n} GPUs {s:.2f}×" for n, s in p["speedup"].items()) for p in proj)
+    if again := replication(data / "graph", "data/graph"):
+        out["graph_again"] = again
+    return out
 
 
-# ---------------------------------------------------------------------------------------------------------
-# A second run on a fresh machine (issue #12): do its ratios fall inside the first run's intervals?
-
+# --- a second run on a fresh machine (issue #12): do its ratios fall inside the first run's intervals?
 T = targets.T
 REPLICATED = (     # every ratio the targets rest on, per group; measured in a folder and in its rerun/
     T("r1", "one GPU, {at} / CuPy pool, tokens/s", "single_gpu.csv", "tokens_per_s", ref=dict(allocator="cupy_pool"),
@@ -262,7 +245,8 @@ REPLICATED = (     # every ratio the targets rest on, per group; measured in a f
     T("r4", "batch sweep, 2 GPUs, {at}: speedup", "batch_sweep.csv", "speedup", where=dict(world=2),
       over=("mode", "batch", "allocator"), pick="each", unit="×"),
     T("r5", "microbenchmark, {at}: CuPy pool's time / the arm's", "alloc_microbench.csv", "ratio_vs_cupy_pool",
-      tuple(a for a in allocators.SETS["bench"] if a != "cupy_pool"), where=dict(sweep="size"), over=("size_bytes", "allocator"), pick="each", unit="×"),
+      tuple(a for a in allocators.SETS["bench"] if a != "cupy_pool"), where=dict(sweep="size"),
+      over=("size_bytes", "allocator"), pick="each", unit="×"),
     T("r6", "alloc+free sweep (final hit path), {at}: CuPy pool's time / xpool's", "alloc_hit_sweep.csv",
       "ratio_vs_cupy_pool", "xpool", over=("size_bytes",), pick="each", unit="×"),
     T("r7", "PyTorch empty_del, {at}: PyTorch's allocator's time / xpool's", "torch_interop.csv", "value", "torch",
@@ -308,6 +292,12 @@ def replication(data: pathlib.Path, where: str = "data") -> str:
             + _md(["ratio", "first run", "second run", "change", "inside"], rows))
 
 
+def dynamic_table(data: pathlib.Path) -> str:
+    """Every workload and arm of the dynamic-shape benchmark: xlab.bench.dynamic.summary, the CLI's table."""
+    df = sources.current(data, "dynamic_shapes")
+    return "" if df is None else _md(list(s := dynamic_summary(df)), s.itertuples(index=False))
+
+
 def data_table(data: pathlib.Path) -> str:
     """Every CSV under data/ with its provenance (machine, driver, CUDA, CuPy, commit, date)."""
     rows = []
@@ -325,15 +315,10 @@ def _replay(data: pathlib.Path) -> str:
     waste, tl = sources.read(data, "memory_waste"), sources.read(data, "memory_timeline")
     if waste is None or tl is None:
         return ""
-    from .memory_study import replay_waste
     rep = replay_waste(tl, tuple(int(k) for k in waste["k"])).set_index("k")
     exact = all(rep.loc[int(r.k), "peak_bytes_reserved"] == r.peak_bytes_reserved for r in waste.itertuples())
     return ("Replaying the recorded requests through xpool's core on the CPU reproduces the measured peak reserved "
             f"bytes {'exactly for every k' if exact else 'NOT exactly'}.")
-
-
-class _Values(dict):
-    """format_map's mapping: a missing key raises KeyError, which drops the line (or block) that names it."""
 
 
 def fill(template: str, values: dict) -> str:
@@ -345,15 +330,14 @@ def fill(template: str, values: dict) -> str:
     out = []
     for line in text.split("\n"):
         try:
-            out.append(string.Formatter().vformat(line, (), _Values(values)))
+            out.append(string.Formatter().vformat(line, (), values))      # a missing field: KeyError
         except (KeyError, AttributeError, IndexError):
             continue
     return re.sub(r"\n{3,}", "\n\n", "\n".join(out))
 
 
 def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib.Path) -> str:
-    """The report's markdown; figure links relative to `report_dir` (build/ and report/ are both one level below
-    the repository, so one text serves both). `runs`: run_notebook results (empty: no notebooks section)."""
+    """The report's markdown (figure links relative to `report_dir`; `runs`: the notebooks' results)."""
     now, then = targets.judged(data)
     links = {}
     for name in plots.FIGURES:
@@ -362,21 +346,24 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
             links[name] = f"![{name}]({pathlib.Path(os.path.relpath(got.resolve(), report_dir.resolve())).as_posix()})"
         else:
             links[name] = f"_{name}: {got or 'not built'}._"
-    from .experiments.train import HOST_BOUND_UTIL
     values = {**targets.values(data), "counts": targets.counts(now), "fig": links, "host_bound_util": HOST_BOUND_UTIL,
               "targets_table": "\n".join(targets.table(now)) or "_No targets measured yet._",
               "history_table": "\n".join(targets.table(then)), "replay": _replay(data)}
     for name, fn in (("bounds_table", bounds_table), ("projection_table", projection_table), ("gil_table", gil_table),
                      ("graph_table", graph_table), ("graph_notes", graph_notes), ("replication", replication),
-                     ("data_table", data_table)):
+                     ("dynamic_table", dynamic_table), ("data_table", data_table)):
         try:
-            values[name] = "" if name == "graph_notes" and not values["graph_table"] else fn(data)
+            if name != "graph_notes":
+                values[name] = fn(data)
+            elif values["graph_table"]:
+                values.update(fn(data))
         except (KeyError, ValueError, IndexError, TypeError) as e:     # a malformed CSV costs its section only
             values[name] = f"(could not compute: {type(e).__name__}: {e})"
     gil = sources.read(data, "gil_probe")
     values["gil_src"] = sources.sources(gil) if gil is not None else ""
-    g = sources.current(data, "graph")
-    values["graph_src"] = sources.sources(g) if g is not None else ""
+    for key, kind in (("graph_src", "graph"), ("dynamic_src", "dynamic_shapes")):
+        rows = sources.current(data, kind)
+        values[key] = sources.sources(rows) if rows is not None else ""
     if runs:
         values["notebooks"] = _md(["notebook", "result"], [(f"`notebooks/{r['notebook']}.ipynb`", "ran" if r["ok"] else
                                                              "FAILED: " + r["error"][:200]) for r in runs])
@@ -398,24 +385,21 @@ def main(argv=None) -> int:
     p.add_argument("--report-dir", default=None, help="where REPORT.md is copied (default: report/)")
     args = p.parse_args(argv)
     root = paths.repo_root()
-    data = pathlib.Path(args.data) if args.data else root / "data"
-    figures = pathlib.Path(args.figures) if args.figures else root / "figures"
-    build = pathlib.Path(args.build) if args.build else root / "build"
-    report_dir = pathlib.Path(args.report_dir) if args.report_dir else root / "report"
+    data, figures, build, report_dir = (pathlib.Path(v) if v else root / name for v, name in (
+        (args.data, "data"), (args.figures, "figures"), (args.build, "build"), (args.report_dir, "report")))
     runs, t0 = [], time.perf_counter()
     if not args.no_notebooks:
         folders = {"data_dir": str(args.data)} if args.data else {}
         for nb in notebooks(root, args.only):
             params = dict(CPU_QUICK.get(nb.stem, {})) if args.cpu_quick else {}
-            r = run_notebook(nb, build / "notebooks", {**params, **folders}, args.timeout)
-            runs.append(r)
+            runs.append(r := run_notebook(nb, build / "notebooks", {**params, **folders}, args.timeout))
             print(f"{'ok    ' if r['ok'] else 'FAILED'} {r['notebook']:<26} {r['seconds']:6.1f} s  {r['output']}"
                   + (f"\n       {r['error']}" if r["error"] else ""), flush=True)
     figs = plots.build_all(data, figures)
     for name, got in figs.items():
         print(f"figure {name:<18} {got}")
-    build.mkdir(parents=True, exist_ok=True)
-    report_dir.mkdir(parents=True, exist_ok=True)
+    for folder in (build, report_dir):
+        folder.mkdir(parents=True, exist_ok=True)
     # build/report.md says how this run's notebooks went; the committed page holds only what data/ says
     (build / "report.md").write_text(render(data, runs, figs, report_dir))
     (report_dir / "REPORT.md").write_text(render(data, [], figs, report_dir))

@@ -1,11 +1,7 @@
-"""Where every figure, target and headline reads its rows: lineages of CSVs, and the runs they come from.
-
-A lineage (KINDS) lists the CSVs that measure one thing, each with the rows it contributes: the one measured last
-(by its rows' dates) measured the same thing again after the code changed (alloc_hit_sweep.csv after the final hit
-path, single_gpu_recheck.csv after the release rule). `current` keeps, for each arm and configuration (the
-lineage's keys), the rows of the newest CSV that has them; the older rows are the lineage's history. Every row
-says where it came from (`csv`: the CSV, `run`: its commit). A second run of the suite on a fresh machine
-(data/rerun/, data/graph/rerun/) is a replication, read the same way from its own folder.
+"""Where every figure, target and headline reads its rows: lineages of CSVs (KINDS), and the runs they come from.
+`current` keeps, for each arm and configuration of a lineage, the rows of the newest CSV that has them; the older
+rows are its history (NOTES.md, Note [Newest data of its kind]). Every row says where it came from (`csv`: the CSV,
+`run`: its commit). A second run on a fresh machine (data/rerun/, data/graph/rerun/) is read the same way.
 """
 from __future__ import annotations
 
@@ -30,6 +26,7 @@ KINDS = {
     "graph": ((("graph/single_gpu", {}), ("graph/single_gpu_b4", {}), ("graph/ddp_scaling", {}),
                ("graph/ddp_processes", {})), ("mode", "world", "batch")),
     "correctness": ((("correctness_cpu", {}), ("correctness_gpu", {})), ("device", "check")),
+    "dynamic_shapes": ((("dynamic_shapes", {}),), ("workload",)),
 }
 ARM_COLUMNS = ("allocator", "arm")
 # Commits some CSVs name that are not in this repository: a helper's commit before its branch was rebased onto
@@ -52,10 +49,14 @@ def prepare(df: pd.DataFrame, csv: str) -> pd.DataFrame:
     if "class_over_requested" in df:
         df["class_waste_pct"] = 100 * (df["class_over_requested"] - 1)
     if "check" in df and "passed" in df:
-        df["gate"] = df["check"].astype(str).str.startswith("transparency")
-        if "device" not in df:
-            df["device"] = df["xp"].map({"cupy": "gpu"}).fillna("cpu") if "xp" in df else "cpu"
+        df = with_device(df).assign(gate=df["check"].astype(str).str.startswith("transparency"))
     return df.assign(csv=csv, run=run_label(df))
+
+
+def with_device(df: pd.DataFrame) -> pd.DataFrame:
+    """Check rows with a `device` column ('cpu'/'gpu') where a CSV lacks one, from the array module."""
+    guess = (df["xp"].astype(str) == "cupy").map({True: "gpu", False: "cpu"}) if "xp" in df else "cpu"
+    return df.assign(device=df["device"].fillna(guess) if "device" in df else guess)
 
 
 def run_label(df: pd.DataFrame) -> str:
@@ -72,14 +73,11 @@ def run_label(df: pd.DataFrame) -> str:
 
 def lineage(kind: str):
     """((CSV, selection), ...) and the configuration keys of a lineage; a CSV name stands for itself alone."""
-    if kind in KINDS:
-        return KINDS[kind]
-    return (((kind.removesuffix(".csv"), {}),), ())
+    return KINDS.get(kind) or (((kind.removesuffix(".csv"), {}),), ())
 
 
 def frames(data: pathlib.Path, kind: str) -> list[pd.DataFrame]:
-    """The lineage's CSVs present under data, each selected, oldest first by the day and time their rows were
-    measured (`order` 0, 1, ...; the lineage's own order where a CSV has no date)."""
+    """The lineage's CSVs under data, each selected, oldest first by their rows' dates (`order` 0, 1, ...)."""
     found = []
     for i, (name, where) in enumerate(lineage(kind)[0]):
         df = read(data, name)
@@ -124,8 +122,7 @@ def where(df: pd.DataFrame) -> str:
 
 
 def sources(df: pd.DataFrame) -> str:
-    """'alloc_hit_sweep.csv at 262ba40 (cupy_pool, xpool); alloc_microbench.csv at d2ee10f (raw)': each CSV a
-    frame's rows come from, its commit, and the arms it gives (when several CSVs do)."""
+    """'alloc_hit_sweep.csv at 262ba40 (cupy_pool, xpool); ...': each CSV of the rows, its commit, its arms."""
     if "csv" not in df:
         return "unknown source"
     col, parts = arm_column(df), []

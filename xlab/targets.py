@@ -2,13 +2,10 @@
 
 A row names a lineage of CSVs (xlab.sources.KINDS, or one CSV), a selection (`where`), a metric column, the arm(s),
 an optional reference (`ref`: the arm's rows with these columns replaced; the value is then the ratio of the two,
-paired by trial), the worst (or best, or each) group `over` some columns, and a goal with its direction. `measure`
-computes the median over trials with its 95% bootstrap interval (xlab.intervals) from the newest CSV of the
-lineage that has the rows, and `judge` applies the report's rule (intervals.judge): met when the whole interval
-is on the goal's side, missed when all of it is on the other side, within noise when it straddles the goal; an
-exact quantity measured once (a count, a bitwise check, a replay) is judged on its value. A row without a goal is
-a number for the headlines. Every row carries where its rows came from (CSV and commit); the same row measured on
-the lineage's older CSVs is its history.
+paired by trial; several arms there: the best of them by median, the fastest peer, say), the worst (or best, or
+each) group `over` some columns, and a goal with its direction. `measure` takes the median over trials with its 95%
+bootstrap interval from the newest CSV of the lineage that has the rows; the verdict is intervals.judge's, the
+report's rule. A row without a goal is a number for the headlines; the same row on older CSVs is its history.
 
     T(key, text, kind, metric, arm, goal=..., higher=..., where={...}, ref={...}, over=(...), ...)
 
@@ -23,7 +20,11 @@ import pathlib
 
 import pandas as pd
 
+import xpool
+
 from . import intervals as iv, sources
+from .allocators import DEFAULT_SCHEME, SETS
+from .bench.dynamic import WORKLOADS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,35 +51,50 @@ class T:
 
 
 X, XS, XG, CP = "xpool", "xpool_seed", "xpool_graph", "cupy_pool"
+BOTH = ((X, ""), (XS, "_seed"))            # rows measured for the default scheme and for the seed scheme
+DYN, XD, PEERS = "dynamic_shapes", ("xpool", f"xpool_{DEFAULT_SCHEME}"), SETS["dynamic"]   # XD: the default arm
 MS, PCT, K = dict(fmt="{:.1f}", unit=" ms"), dict(fmt="{:.0f}", unit="%"), dict(fmt="{:.1f}", unit="k", scale=1e-3)
 W2T, W2P = dict(mode="threads", world=2), dict(mode="processes", world=2)
+
+
+def _dynamic() -> list:
+    """#22's targets per workload of xlab.bench.dynamic: xpool's default scheme, and its best for memory."""
+    schemes = tuple(f"xpool_{s}" for s in xpool.SCHEMES)
+    default, best = dict(arm=XD), dict(arm=schemes, over=("allocator",), pick="best")
+    ror = dict(kind=DYN, metric="reserved_over_requested", higher=False, fmt="{:.3f}", exact=True, bound="—")
+    who = (("", "xpool", default), ("_best", "the best xpool scheme: {at}", best))
+    rows = []
+    for w, spec in WORKLOADS.items():
+        on = dict(where=dict(workload=w))
+        if spec.dynamic:
+            rows += [T(f"dyn_ror{k}_{w}", f"#22, {w}: peak reserved / peak requested ≤ 1.05 ({name})", goal=1.05,
+                       **arms, **on, **ror) for k, name, arms in who]
+            rows.append(T(f"dyn_calls_{w}", f"#22, {w}: device calls per step once warm = 0 (xpool)", DYN,
+                          "device_calls_per_step", XD, 0.0, False, fmt="{:.3g}", exact=True, bound="—", **on))
+        rows.append(T(f"dyn_ms_{w}", f"#22, {w}: ms per step ≤ the fastest peer's ({{ref}}; xpool, paired by trial)",
+                      DYN, "ms_per_step", XD, 1.0, False, ref=dict(allocator=PEERS), unit="×", fmt="{:.3f}", **on))
+    on = dict(where=dict(workload="torch_varlen"), ref=dict(allocator="torch_expandable"), goal=1.0, unit="×")
+    return rows + [T(f"dyn_vs_expandable{k}", f"#22, torch_varlen: peak reserved / peak requested ≤ PyTorch's "
+                     f"with expandable segments ({name}; paired by trial)", **arms, **on, **ror)
+                   for k, name, arms in who]
+
+
 # the goal 91.2k tokens/s: CuPy's pool at batch 32, flat-buffer AdamW, on an H200 at 8ea8461 (shared/ANCHORS.md)
 TARGETS = (
     # the allocator microbenchmark, through CuPy (cached arms: the final hit path's sweep)
-    T("us_vs_cupy", "xpool µs per pair ≤ 1.05× CuPy MemoryPool's, every size (worst: {at})", "alloc_size",
-      "time_vs_cupy_pool", X, 1.05, False, over=("size_bytes",), unit="×", bound="host"),
-    T("us_vs_cupy_seed", "xpool_seed µs per pair ≤ 1.05× CuPy MemoryPool's, every size (worst: {at})", "alloc_size",
-      "time_vs_cupy_pool", XS, 1.05, False, over=("size_bytes",), unit="×", bound="host"),
+    *(T(f"us_vs_cupy{s}", f"{a} µs per pair ≤ 1.05× CuPy MemoryPool's, every size (worst: {{at}})", "alloc_size",
+        "time_vs_cupy_pool", a, 1.05, False, over=("size_bytes",), unit="×", bound="host") for a, s in BOTH),
     T("hit_worst", "#14: xpool alloc+free no slower than CuPy MemoryPool's, every size (CuPy's time / xpool's per "
       "trial; worst: {at})", "alloc_size", "ratio_vs_cupy_pool", X, 1.0, over=("size_bytes",), unit="×",
       bound="host"),
-    T("threads_8", "xpool: 8 threads ≥ 1 thread in pairs/s (64 KiB)", "alloc_threads", "kpairs_per_s", X, 1.0,
-      where=dict(threads=8), ref=dict(threads=1), unit="×", bound="host"),
-    T("threads_8_seed", "xpool_seed: 8 threads ≥ 1 thread in pairs/s (64 KiB)", "alloc_threads", "kpairs_per_s", XS,
-      1.0, where=dict(threads=8), ref=dict(threads=1), unit="×", bound="host"),
+    *(T(f"threads_8{s}", f"{a}: 8 threads ≥ 1 thread in pairs/s (64 KiB)", "alloc_threads", "kpairs_per_s", a, 1.0,
+        where=dict(threads=8), ref=dict(threads=1), unit="×", bound="host") for a, s in BOTH),
     # one GPU
-    T("vs_raw", "one GPU, batch 32: xpool ≥ 2.9× raw (tokens/s)", "single_gpu", "tokens_per_s", X, 2.9,
-      where=dict(batch=32), ref=dict(allocator="raw"), unit="×"),
-    T("vs_raw_seed", "one GPU, batch 32: xpool_seed ≥ 2.9× raw (tokens/s)", "single_gpu", "tokens_per_s", XS, 2.9,
-      where=dict(batch=32), ref=dict(allocator="raw"), unit="×"),
-    T("vs_cupy_32", "#14: one GPU, batch 32: xpool ≥ 1.00× CuPy MemoryPool (tokens/s)", "single_gpu",
-      "tokens_per_s", X, 1.0, where=dict(batch=32), ref=dict(allocator=CP), unit="×"),
-    T("vs_cupy_4", "#14: one GPU, batch 4: xpool ≥ 1.00× CuPy MemoryPool (tokens/s)", "single_gpu", "tokens_per_s",
-      X, 1.0, where=dict(batch=4), ref=dict(allocator=CP), unit="×"),
-    T("vs_cupy_32_seed", "one GPU, batch 32: xpool_seed ≥ 1.00× CuPy MemoryPool (tokens/s)", "single_gpu",
-      "tokens_per_s", XS, 1.0, where=dict(batch=32), ref=dict(allocator=CP), unit="×"),
-    T("vs_cupy_4_seed", "one GPU, batch 4: xpool_seed ≥ 1.00× CuPy MemoryPool (tokens/s)", "single_gpu",
-      "tokens_per_s", XS, 1.0, where=dict(batch=4), ref=dict(allocator=CP), unit="×"),
+    *(T(f"vs_raw{s}", f"one GPU, batch 32: {a} ≥ 2.9× raw (tokens/s)", "single_gpu", "tokens_per_s", a, 2.9,
+        where=dict(batch=32), ref=dict(allocator="raw"), unit="×") for a, s in BOTH),
+    *(T(f"vs_cupy_{b}{s}", f"{'#14: ' * (a == X)}one GPU, batch {b}: {a} ≥ 1.00× CuPy MemoryPool (tokens/s)",
+        "single_gpu", "tokens_per_s", a, 1.0, where=dict(batch=b), ref=dict(allocator=CP), unit="×")
+      for a, s in BOTH for b in (32, 4)),
     T("tps_32", "one GPU, batch 32: xpool ≥ 91.2k tokens/s (CuPy's pool on an H200 at 8ea8461)", "single_gpu",
       "tokens_per_s", X, 91.2, where=dict(batch=32), **K),
     T("dispatch_32", "host ms per step ≤ 12 at batch 32 (xpool; thread CPU time of a step started on an idle "
@@ -132,6 +148,8 @@ TARGETS = (
     T("graph_mallocs", "device mallocs per step after warm-up, every graph run, private pools included (worst: {at})",
       "graph", "device_mallocs_per_step", ("cupy_pool_graph", XG), 0.0, False,
       over=("allocator", "mode", "world", "batch"), fmt="{:.2g}", exact=True),
+    # dynamic shapes (issue #22)
+    *_dynamic(),
     # correctness
     T("gate", "transparency gate: every allocator bit-identical to raw cudaMalloc (checks passing)", "correctness",
       "passed", None, 1.0, where=dict(gate=True), stat="all", exact=True, bound="—"),
@@ -169,6 +187,14 @@ TARGETS = (
       over=("k",), pick="each", fmt="{:.2f}", unit="×", exact=True),
     T("varlen_cupy", "CuPy's pool, varying lengths", "memory_varlen.csv", "reserved_over_requested", CP, fmt="{:.3f}",
       exact=True),
+    T("dyn_h_ror", "xpool peak reserved / requested by dynamic workload", DYN, "reserved_over_requested", XD,
+      where=dict(dynamic=True), over=("workload",), pick="each", fmt="{:.3f}", exact=True),
+    T("dyn_h_expandable", "the same, PyTorch's expandable segments", DYN, "reserved_over_requested",
+      "torch_expandable", where=dict(dynamic=True), over=("workload",), pick="each", fmt="{:.3f}", exact=True),
+    T("dyn_h_calls", "xpool device calls per step once warm, by dynamic workload", DYN, "device_calls_per_step", XD,
+      where=dict(dynamic=True), over=("workload",), pick="each", fmt="{:.3g}", exact=True),
+    T("dyn_h_ms", "xpool ms per step / the fastest peer's, by workload", DYN, "ms_per_step", XD, higher=False,
+      ref=dict(allocator=PEERS), over=("workload",), pick="each", unit="×"),
     T("torch_step", "PyTorch's training step, xpool / PyTorch's allocator (tokens/s)", "torch_interop.csv", "value", X,
       where=dict(case="train_step"), ref=dict(arm="torch"), unit="×"),
     T("torch_empty", "torch.empty+del, PyTorch's allocator's time / xpool's, by size", "torch_interop.csv", "value",
@@ -190,6 +216,7 @@ class Measured:
     steps: str = ""
     src: str = ""
     where: str = ""
+    ref: str = ""                         # the reference arm, when it was the best of several
     bound: str = "—"
     goal: float | None = None
     goal_text: str = ""
@@ -215,12 +242,9 @@ class Measured:
 
 
 def _group_label(keys, values) -> str:
-    from .plots import fmt_bytes
-    out = []
-    for k, v in zip(keys, values):
-        out.append(fmt_bytes(v) if k == "size_bytes" else f"k = {v}" if k == "k" else
-                   str(v) if k in ("allocator", "arm", "mode") else f"{k} {v}")
-    return ", ".join(out)
+    return ", ".join(iv.fmt_bytes(v) if k == "size_bytes" else f"k = {v}" if k == "k" else
+                     str(v) if k in ("allocator", "arm", "mode", "workload") else f"{k} {v}"
+                     for k, v in zip(keys, values))
 
 
 def _select(df, where):
@@ -270,12 +294,14 @@ def _one(r: T, df: pd.DataFrame, col: str | None, group: dict) -> Measured | Non
             ref = ref[ref[col].isin(arms)]
         if not len(ref):
             return None
+        if col in r.ref and ref[col].nunique() > 1:       # the best of several arms (the fastest peer, say)
+            ref = ref[ref[col] == iv.best(ref, r.metric, col, r.higher)]
     if not len(mine) or r.metric not in mine or mine[r.metric].isna().all():
         return None
     if r.ref and col in r.ref and set(mine[col]) <= {r.ref[col]}:
         return None                                   # the reference over itself
     m = Measured(r, *_value(r, mine, ref), src=sources.sources(mine), where=sources.where(mine),
-                 bound=_bound(r, mine, ref),
+                 bound=_bound(r, mine, ref), ref=ref[col].iloc[0] if ref is not None and col in ref else "",
                  steps="/".join(str(int(s)) for s in pd.unique(mine["steps"].dropna())) if "steps" in mine else "")
     if isinstance(r.goal, dict):
         g = _select(df, {**r.where, **group, **r.goal})[r.metric].dropna()
@@ -289,8 +315,7 @@ def _one(r: T, df: pd.DataFrame, col: str | None, group: dict) -> Measured | Non
 
 
 def measure(r: T, data: pathlib.Path, history: bool = False) -> list[Measured]:
-    """A row measured from the newest CSV of its lineage that has its rows (per group of `over`): [Measured], or
-    [] when nothing is measured. With history: the same from each older CSV that has the rows, newest first."""
+    """A row measured on the newest CSV of its lineage with its rows ([] if none); history: on each older one."""
     parts = sources.frames(data, r.kind)[::-1]
     if not parts:
         return []
@@ -321,8 +346,7 @@ def _combine(r: T, level: list[Measured]) -> Measured:
         m = dataclasses.replace(level[0], each=level)
         m.src = "; ".join(dict.fromkeys(x.src for x in level))
         return m
-    worst = (min if (r.pick == "worst") == r.higher else max)(level, key=lambda m: m.value)
-    return worst
+    return (min if (r.pick == "worst") == r.higher else max)(level, key=lambda m: m.value)
 
 
 def judged(data: pathlib.Path) -> tuple[list[Measured], list[Measured]]:
@@ -339,28 +363,20 @@ def judged(data: pathlib.Path) -> tuple[list[Measured], list[Measured]]:
 
 def values(data: pathlib.Path) -> dict:
     """{key: Measured} of every row measured on its newest data (what the headlines' template reads)."""
-    out = {}
-    for r in TARGETS:
-        got = measure(r, data)
-        if got:
-            out[r.key] = got[0]
-    return out
+    return {r.key: got[0] for r in TARGETS if (got := measure(r, data))}
 
 
 def text(m: Measured) -> str:
     """A target's words, its group filled in and its goal's value when the goal is another arm's."""
-    t = m.row.text.replace("{at}", m.at or "—").replace("{steps}", m.steps or "?")
+    t = m.row.text.replace("{at}", m.at or "—").replace("{steps}", m.steps or "?").replace("{ref}", m.ref or "—")
     return t + (f" ({m.goal_text})" if m.goal_text else "")
 
 
-def table(rows: list[Measured], history: bool = False) -> list[str]:
-    """Markdown: one line per judged target (with history: which CSV each older value came from)."""
-    head = ["| target | measured | verdict | bound | data |", "|---|---|---|---|---|"]
-    out = []
-    for m in rows:
-        v = m.verdict
-        out.append(f"| {text(m)} | {m} | {'**missed**' if v == iv.MISSED else v} | {m.bound} | {m.src} |")
-    return head + out if out else []
+def table(rows: list[Measured]) -> list[str]:
+    """Markdown: one line per judged target, with the CSV and commit its value came from."""
+    out = [f"| {text(m)} | {m} | {'**missed**' if m.verdict == iv.MISSED else m.verdict} | {m.bound} | {m.src} |"
+           for m in rows]
+    return ["| target | measured | verdict | bound | data |", "|---|---|---|---|---|"] + out if out else []
 
 
 def counts(rows: list[Measured]) -> dict:
@@ -368,4 +384,3 @@ def counts(rows: list[Measured]) -> dict:
     v = [m.verdict for m in rows]
     return {"targets": len(v), "met": v.count(iv.MET), "missed": v.count(iv.MISSED), "noise": v.count(iv.NOISE),
             "single": sum(x.startswith(iv.SINGLE) for x in v)}
-

@@ -1,37 +1,33 @@
-"""Allocator microbenchmark: µs per `a = cupy.empty(n, cupy.uint8); del a` pair, one thread at five sizes,
-and thousands of pairs per second from 1, 4 and 8 threads on one device at 64 KiB.
+"""Allocator microbenchmark: µs per `a = cupy.empty(n, cupy.uint8); del a` pair, one thread at five sizes, and
+thousands of pairs per second from 1, 4 and 8 threads on one device at 64 KiB; `--host`: xpool's C core alone over
+host memory on a CPU; `--xpool-path`: another build of xpool timed beside this one (#20).
 
     python -m xlab.bench.alloc [--quick] [--trials 7] [--sweep size] [--out data/alloc_microbench.csv]
 
-Each window synchronises the device, then times many pairs with perf_counter_ns; each (arm, case) is calibrated
-once to about `target_s` seconds per trial, timed as `windows` windows. Within a case of the size sweep the arms
-that keep a cached block (the pools, the floors) take turns window by window, order rotated each round and each
-trial, and an arm's time in the trial is the median of its windows; arms that call the device on every pair (raw,
-raw_held, cupy_async) run alone, every other arm's cache given back first (`trim`); the thread sweep times one
-window per arm, each alone. Why, and what the earlier versions measured instead: NOTES.md, Note [The
-microbenchmark's interleaving]. One CSV row per (trial, arm, case); ratio_vs_cupy_pool is CuPy's pool's time over
-the arm's in the same trial (> 1: faster); device_mallocs_per_pair comes from a separate counting pass.
-
-`--host` times xpool's C core alone on a CPU (`xlab._probes.time_pairs` over host memory) for the default scheme,
-the seed scheme and c_noop, alone and beside a training-like population of ranges (`busy`): the same
-interleaving, data/alloc_core_host.csv, ratios against xpool_seed (CuPy's pool needs a GPU).
-
-`--xpool-path PATH` times another build of xpool beside this one, in the same process and the same rotation:
-the checkout at PATH (built in place) is loaded as `xpool_before` (xlab.builds) and adds the arms
-`xpool_before` and `xpool_seed_before`, so a change to the core is measured against the build before it with
-every trial interleaved (#20: `--sweep size --xpool-path ...`).
+Each (arm, case) is calibrated to about `target_s` seconds per trial, timed as `windows` windows; the arms that
+keep a cached block take turns window by window, those that call the device on every pair run alone (NOTES.md,
+Note [The microbenchmark's interleaving]). ratio_vs_cupy_pool: CuPy's pool's time over the arm's in the same trial.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import random
 import statistics
 import sys
 import threading
 import time
 
-from xlab import allocators as registry
+import pandas as pd
+from tqdm.auto import tqdm
+
+import xpool
+from xlab import allocators as registry, intervals
 from xlab.allocators import KIB, MIB, NoGPU
-from xlab.paths import write_csv
+from xlab.intervals import fmt_bytes
+from xlab.paths import publish
+from xlab.provenance import provenance
 
 SIZES = (4 * KIB, 64 * KIB, MIB, 12 * MIB, 96 * MIB)
 THREADS = (1, 4, 8)
@@ -52,7 +48,6 @@ def default_allocators() -> tuple:
 
 
 def torch_available() -> bool:
-    """True when PyTorch imports and sees a CUDA device."""
     try:
         import torch
     except ImportError:
@@ -61,12 +56,8 @@ def torch_available() -> bool:
 
 
 # --- timing (GPU)
-
 def time_pairs(nbytes: int, pairs: int) -> tuple[int, int]:
-    """(ns, pairs) for `pairs` alloc/free pairs on this thread.
-
-    Args: nbytes: the request size; pairs: how many pairs. Returns: (nanoseconds, pairs).
-    """
+    """(ns, pairs) for `pairs` alloc/free pairs of `nbytes` on this thread."""
     import cupy
     empty, u8 = cupy.empty, cupy.uint8
     cupy.cuda.Device().synchronize()
@@ -79,10 +70,7 @@ def time_pairs(nbytes: int, pairs: int) -> tuple[int, int]:
 
 
 def time_threads(nbytes: int, pairs: int, threads: int) -> tuple[int, int]:
-    """(ns, pairs done) with `threads` threads released together by a barrier, pairs split among them.
-
-    Args: nbytes: the request size; pairs: pairs in all; threads: threads. Returns: (nanoseconds, pairs done).
-    """
+    """(ns, pairs done) with `threads` threads released together by a barrier, pairs split among them."""
     import cupy
     per = max(1, pairs // threads)
     barrier, errors = threading.Barrier(threads + 1), []
@@ -117,10 +105,7 @@ def time_threads(nbytes: int, pairs: int, threads: int) -> tuple[int, int]:
 
 
 def timer(case):
-    """The timing function of one case.
-
-    Args: case: (sweep, nbytes, threads). Returns: timer(pairs) -> (ns, pairs).
-    """
+    """timer(pairs) -> (ns, pairs) of one case, (sweep, nbytes, threads)."""
     sweep, nbytes, threads = case
     if sweep == "size":
         return lambda pairs: time_pairs(nbytes, pairs)
@@ -128,56 +113,41 @@ def timer(case):
 
 
 def calibrated_pairs(ns: int, pairs: int, target_s: float, lo: int = 200, hi: int = 400_000) -> int:
-    """Pairs that take about target_s at the rate of a trial (ns for pairs), within [lo, hi].
-
-    Args: ns, pairs: a trial window's time and pairs; target_s: the window to aim for; lo, hi: the bounds. Returns:
-    An int.
-    """
+    """Pairs that take about target_s at the rate of a trial (ns for pairs), within [lo, hi]."""
     return int(min(hi, max(lo, target_s * 1e9 * pairs / max(ns, 1))))
 
 
 def rotated(arms, trial: int) -> list:
-    """The arms in trial `trial`'s order: the fixed order rotated by `trial`, so across trials each arm runs
-    in each position and after each neighbour alike.
-
-    Args: arms: the arms, in a fixed order; trial: the trial number (>= 0). Returns: A list.
-    """
+    """The arms rotated by `trial`: across trials each arm runs in each position, after each other."""
     arms = list(arms)
     k = trial % len(arms) if arms else 0
     return arms[k:] + arms[:k]
 
 
-def median_window(run, pairs: int, windows: int) -> tuple[int, int]:
-    """(ns, pairs) of one trial: `windows` windows of pairs // windows pairs each; ns is the median window's
-    time per pair times all the pairs, so ns / pairs is the median window's time per pair.
+def _median_rate(windows) -> tuple[int, int]:
+    """(ns, pairs) of windows [(ns, pairs), ...]: all their pairs at the median window's ns per pair."""
+    done = sum(n for _, n in windows)
+    return int(statistics.median(ns / n for ns, n in windows) * done), done
 
-    Args: run: run(pairs) -> (ns, pairs done); pairs: pairs in all; windows: windows (>= 1). Returns: (ns, pairs).
-    """
-    import statistics
-    per = max(1, pairs // windows)
-    done, rates = 0, []
-    for _ in range(windows):
-        ns, n = run(per)
-        done += n
-        rates.append(ns / n)
-    return int(statistics.median(rates) * done), done
+
+def median_window(run, pairs: int, windows: int) -> tuple[int, int]:
+    """(ns, pairs) of `windows` windows of run(pairs // windows), at the median window's rate."""
+    return _median_rate([run(max(1, pairs // windows)) for _ in range(windows)])
+
+
+@contextlib.contextmanager
+def _installed(alloc, counting=False):
+    alloc.install(counting)
+    try:
+        yield alloc
+    finally:
+        alloc.uninstall()
 
 
 def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target_s=TARGET_S, count_pairs=200,
             progress=True, windows=WINDOWS):
-    """Raw samples: one row per (trial, allocator, case) with ns and pairs; and mallocs per pair by
-    (allocator, size) from the counting pass (allocators that can count).
-
-    Args: allocators: registry names (default: default_allocators()); sizes: the size sweep's request sizes;
-    threads: the thread sweep's thread counts; trials: trials per arm; target_s: seconds per (trial, arm, case);
-    count_pairs: pairs of the counting pass; progress: progress bars; windows: windows per (trial, arm, case) of the
-    size sweep, their median kept (the thread sweep times one window: each starts its threads anew). Returns:
-    (samples DataFrame, {(allocator, size): device mallocs per pair}).
-    """
-    import gc
-
-    import pandas as pd
-    from tqdm.auto import tqdm
+    """(samples, mallocs): ns and pairs per (trial, allocator, case), the size sweep's the median of `windows`
+    windows; and device mallocs per pair by (allocator, size) from a counting pass of the arms that can count."""
     allocators = tuple(allocators or default_allocators())
     cases = [("size", n, 1) for n in sizes] + [("threads", THREAD_SIZE, t) for t in threads]
     capacity = max((*sizes, THREAD_SIZE))                  # the floors hand out one block: big enough for all
@@ -185,7 +155,6 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
               registry.make(a, **({"capacity": capacity} if a.endswith("noop") else {})) for a in allocators}
 
     def trim_all_but(names):
-        """Every arm not in `names` gives its cache back."""
         for other, a in allocs.items():
             if other not in names:
                 a.trim([0])
@@ -195,6 +164,12 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
         trim_all_but((name,))
         return _installed(allocs[name], counting)
 
+    def one_window(name, run, per):
+        """(ns, pairs) of one window of this arm, installed for it; its code and block warm first."""
+        with _installed(allocs[name]):
+            run(SWITCH_WARM)
+            return run(per)
+
     pairs, samples = {}, []
     for name in tqdm(allocators, desc="calibrate", disable=not progress):
         with alone(name):
@@ -202,35 +177,25 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
                 run = timer(case)
                 run(50)                                     # fill the cache
                 pairs[name, case] = calibrated_pairs(*run(200), target_s)
-    def one_window(name, run, per):
-        """(ns, pairs) of one window of this arm, installed for it; its code and block warm first."""
-        with _installed(allocs[name]):
-            run(SWITCH_WARM)
-            return run(per)
-
-    order = [(t, case) for t in range(trials) for case in cases]
-    for trial, case in tqdm(order, desc="trials", disable=not progress):
-        arms = rotated(allocators, trial)
-        run = timer(case)
+    for trial, case in tqdm([(t, c) for t in range(trials) for c in cases], desc="trials", disable=not progress):
+        arms, run = rotated(allocators, trial), timer(case)
         n_windows = windows if case[0] == "size" else 1
         # Arms that keep a cached block (pools, the floors) take turns window by window, so every arm's windows
         # spread over the same stretch of time and a slow spell of the machine (the H200 rerun's: every arm
         # 2x slower for seconds) lands on all of them; arms that call the device on every pair run alone,
         # nothing else's blocks on the device. The thread sweep times one window per arm, each alone.
         together = [a for a in arms if case[0] == "size" and not allocs[a].device_calls_when_warm]
+        timed = {}
         gc_was_on = gc.isenabled()
         try:
             for name in arms:
-                if name in together:
-                    continue
-                with alone(name):
-                    run(50)                                 # this arm's cache, warm again after the others ran
-                    gc.disable()  # a collection (every 700 new arrays) would land in some windows and not others
-                    ns, n = median_window(run, pairs[name, case], n_windows)
-                    if gc_was_on:
-                        gc.enable()
-                samples.append(dict(allocator=name, sweep=case[0], size_bytes=case[1], threads=case[2],
-                                    trial=trial, ns=ns, pairs=n, windows=n_windows))
+                if name not in together:
+                    with alone(name):
+                        run(50)                             # this arm's cache, warm again after the others ran
+                        gc.disable()  # a collection (every 700 new arrays) would land in some windows, not others
+                        timed[name] = median_window(run, pairs[name, case], n_windows)
+                        if gc_was_on:
+                            gc.enable()
             if together:
                 trim_all_but(together)
                 for name in together:
@@ -240,16 +205,13 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
                 gc.disable()
                 for w in range(n_windows):
                     for name in rotated(together, w):       # no arm always right after the same other
-                        per = max(1, pairs[name, case] // n_windows)
-                        rates[name].append(one_window(name, run, per))
-                for name in together:
-                    done = sum(n for _, n in rates[name])
-                    rate = statistics.median(ns / n for ns, n in rates[name])
-                    samples.append(dict(allocator=name, sweep=case[0], size_bytes=case[1], threads=case[2],
-                                        trial=trial, ns=int(rate * done), pairs=done, windows=n_windows))
+                        rates[name].append(one_window(name, run, max(1, pairs[name, case] // n_windows)))
+                timed.update({name: _median_rate(rates[name]) for name in together})
         finally:
             if gc_was_on:
                 gc.enable()
+        samples += [dict(allocator=name, sweep=case[0], size_bytes=case[1], threads=case[2], trial=trial, ns=ns,
+                         pairs=n, windows=n_windows) for name, (ns, n) in timed.items()]
     mallocs = {}
     for name, alloc in allocs.items():
         if name in ("cupy_async", "noop", "c_noop"):
@@ -268,7 +230,6 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
 
 
 # --- another build of xpool beside this one (--xpool-path)
-
 OTHER_BUILD = {}    # arm name -> a factory of its registry.XPool, filled by other_build_arms()
 
 
@@ -288,15 +249,7 @@ class OtherBuildPool(registry.XPool):
 
 
 def other_build_arms(path) -> tuple:
-    """The arms of the build at `path` (`xpool_before`: its default scheme; `xpool_seed_before`: seed), made
-    known to measure().
-
-    Args:
-        path: a checkout whose C core is built in place.
-
-    Returns:
-        The arm names.
-    """
+    """Make the build at `path` (built in place) known to measure() as xpool_before, xpool_seed_before."""
     from xlab.builds import load_xpool
     package = load_xpool(path, "xpool_before")
     # "xpool" names the default scheme in every build: the old name, and an alias of "segments" since #20
@@ -307,10 +260,7 @@ def other_build_arms(path) -> tuple:
 
 
 def other_build_table(rows) -> str:
-    """The other build against this one, per size, paired by trial: its µs per pair over this build's (> 1: this
-    build is faster), the ratio of medians with a 95% interval (xlab.intervals.ratio_ci); "" without its arms."""
-    from xlab import intervals
-    from xlab.plots import fmt_bytes
+    """The other build's µs per pair over this build's, per size, paired by trial ("" without it)."""
     lines = []
     for theirs, mine in (("xpool_before", "xpool"), ("xpool_seed_before", "xpool_seed")):
         part = rows[(rows.sweep == "size") & rows.allocator.isin([theirs, mine])]
@@ -319,12 +269,12 @@ def other_build_table(rows) -> str:
         ratios = intervals.paired(part, "us_per_pair", "allocator", mine, by=["size_bytes"])
         cells = [f"{fmt_bytes(r.size_bytes)} {intervals.fmt_ci(r.ratio, r.ratio_lo, r.ratio_hi, '{:.3f}')}"
                  for r in ratios.itertuples() if r.allocator == theirs]
-        lines.append(f"{theirs} / {mine}, µs per pair paired by trial (> 1: this build is faster): " + "; ".join(cells))
+        lines.append(f"{theirs} / {mine}, µs per pair paired by trial (> 1: this build is faster): "
+                     + "; ".join(cells))
     return "\n".join(lines)
 
 
 # --- the C core alone, on a CPU (--host)
-
 HOST_ARMS = registry.SETS["host"]
 HOST_SCENARIOS = ("alone", "busy")
 HOST_COLUMNS = ["allocator", "scenario", "size_bytes", "trial", "ns_per_pair", "ratio_vs_xpool_seed", "pairs",
@@ -332,20 +282,8 @@ HOST_COLUMNS = ["allocator", "scenario", "size_bytes", "trial", "ns_per_pair", "
 
 
 def host_pool(scheme: str, busy: bool, seed: int = 0):
-    """An xpool.Pool over host memory: alone, or busy (300 blocks of 512 B - 16 MiB made and every other one
-    freed, as a training step leaves ranges of many sizes free and in use around the ones it asks for).
-
-    Args:
-        scheme: "xpool" or "seed".
-        busy: with the population.
-        seed: the population's seed.
-
-    Returns:
-        The Pool (its population kept alive in `_population`).
-    """
-    import random
-
-    import xpool
+    """An xpool.Pool of `scheme` over host memory: alone, or busy (300 blocks of 512 B - 16 MiB made, every other one
+    freed, as a training step leaves ranges free and in use; the population kept in `_population`)."""
     pool = xpool.Pool(xpool.HostBackend(), scheme=scheme)
     pool._population = []
     if busy:
@@ -359,22 +297,7 @@ def host_pool(scheme: str, busy: bool, seed: int = 0):
 
 
 def measure_host(sizes=SIZES, trials=TRIALS, target_s=TARGET_S / 3, windows=WINDOWS, progress=True):
-    """Samples of the C core's malloc+free pairs over host memory (xlab._probes.time_pairs): one row per
-    (trial, allocator, scenario, size) with ns and pairs, arms interleaved and rotated as on the GPU.
-
-    Args:
-        sizes: request sizes.
-        trials: trials.
-        target_s: seconds per (trial, arm, case), in `windows` windows (median kept).
-        windows: windows.
-        progress: a progress bar.
-
-    Returns:
-        A DataFrame.
-    """
-    import pandas as pd
-    from tqdm.auto import tqdm
-
+    """Samples of the C core's pairs over host memory, arms interleaved and rotated as on the GPU."""
     from xlab import _probes
     from xpool import testing
     pools = {(a, sc): host_pool("seed" if a == "xpool_seed" else "xpool", sc == "busy")
@@ -398,40 +321,32 @@ def measure_host(sizes=SIZES, trials=TRIALS, target_s=TARGET_S / 3, windows=WIND
         run = runner(arm, sc, n)
         run(100)
         ns, done = median_window(run, pairs[arm, sc, n], windows)
-        rows.append(dict(allocator=arm, scenario=sc, size_bytes=n, trial=trial, ns=ns, pairs=done,
-                         windows=windows))
+        rows.append(dict(allocator=arm, scenario=sc, size_bytes=n, trial=trial, ns=ns, pairs=done, windows=windows))
     for pool in pools.values():
         pool._population = []
         pool.empty_cache()
     return pd.DataFrame(rows)
 
 
-def host_rows(samples):
-    """The --host CSV's rows: ns per pair and the ratio to xpool_seed in the same trial (> 1: faster).
+def _vs(df, value, reference, keys):
+    """`reference`'s value over each row's in the same trial and case (> 1: faster than it); NaN without it."""
+    base = df[df.allocator == reference].set_index(keys)[value]
+    return [base.get(k, float("nan")) / v for k, v in zip(df[keys].itertuples(index=False, name=None), df[value])]
 
-    Args: samples: measure_host()'s samples. Returns: A DataFrame with HOST_COLUMNS.
-    """
-    import numpy as np
+
+def host_rows(samples):
+    """The --host CSV's rows (HOST_COLUMNS): ns per pair and the ratio to xpool_seed in the same trial."""
     df = samples.assign(ns_per_pair=samples.ns / samples.pairs)
-    base = df[df.allocator == "xpool_seed"].set_index(["scenario", "size_bytes", "trial"]).ns_per_pair
-    df["ratio_vs_xpool_seed"] = [base.get((r.scenario, r.size_bytes, r.trial), np.nan) / r.ns_per_pair
-                                 for r in df.itertuples()]
+    df["ratio_vs_xpool_seed"] = _vs(df, "ns_per_pair", "xpool_seed", ["scenario", "size_bytes", "trial"])
     df["trials"] = df["trial"].nunique() if len(df) else 0
     return df[HOST_COLUMNS].reset_index(drop=True)
 
 
 def host_table(rows) -> str:
-    """Medians over trials with 95% intervals, ns per pair, one line per (scenario, allocator).
-
-    Args: rows: host_rows()'s frame. Returns: The text.
-    """
-    from xlab import intervals
-    from xlab.plots import fmt_bytes
-    keys = ["scenario", "allocator", "size_bytes"]
-    s = intervals.summarize(rows, keys, "ns_per_pair")
-    lines = ["ns per malloc+free pair through the C core over host memory (median [95% interval])"]
-    sizes = list(dict.fromkeys(s.size_bytes))
-    lines.append(f"{'':<20}" + "".join(f"{fmt_bytes(n):>22}" for n in sizes))
+    """Medians over trials with 95% intervals, ns per pair, one line per (scenario, allocator)."""
+    s = intervals.summarize(rows, ["scenario", "allocator", "size_bytes"], "ns_per_pair")
+    lines = ["ns per malloc+free pair through the C core over host memory (median [95% interval])",
+             f"{'':<20}" + "".join(f"{fmt_bytes(n):>22}" for n in dict.fromkeys(s.size_bytes))]
     for (sc, arm), part in s.groupby(["scenario", "allocator"], sort=False):
         cells = [intervals.fmt_ci(r.ns_per_pair, r.ns_per_pair_lo, r.ns_per_pair_hi, "{:.1f}")
                  for r in part.itertuples()]
@@ -440,52 +355,20 @@ def host_table(rows) -> str:
 
 
 def run_host(out="data/alloc_core_host.csv", trials=None, target_s=None, sizes=SIZES, progress=True):
-    """Measure the C core on this CPU, print the table, write the CSV (one row per trial, with provenance).
-
-    Args: out: the CSV (None: none); trials: trials (default TRIALS); target_s: seconds per (trial, arm, case)
-    (default TARGET_S / 3); sizes: request sizes; progress: a progress bar. Returns: The rows written.
-    """
-    trials = trials or TRIALS
+    """Measure the C core on this CPU, print the table, write the CSV (None: none): the rows."""
     target_s = target_s or TARGET_S / 3
-    from xlab.provenance import provenance
-    df = host_rows(measure_host(tuple(sizes), trials, target_s, progress=progress))
-    df = df.assign(**provenance(bench="alloc_host", target_s=target_s))
-    print(host_table(df))
-    if out:
-        write_csv(df, out)
-        print(f"wrote {out}")
-    return df
+    df = host_rows(measure_host(tuple(sizes), trials or TRIALS, target_s, progress=progress))
+    return publish(with_provenance(df, bench="alloc_host", target_s=target_s), out, host_table(df))
 
 
-class _installed:
-    def __init__(self, alloc, counting=False):
-        self.alloc, self.counting = alloc, counting
-
-    def __enter__(self):
-        self.alloc.install(self.counting)
-        return self.alloc
-
-    def __exit__(self, *exc):
-        self.alloc.uninstall()
-        return False
-
-
-# --- pure logic (tested on a CPU with fake timings)
-
+# --- the CSV's rows and their summary (pure logic, tested on a CPU with fake timings)
 def trial_rows(samples, mallocs=None):
-    """The CSV's rows: one per (trial, allocator, case) with µs per pair, thousand pairs/s and the ratio to CuPy's
-    pool in the same trial (NaN without it); device mallocs per pair from the counting pass (size sweep only).
-
-    Args: samples: measure()'s samples; mallocs: measure()'s counts. Returns: A DataFrame with COLUMNS.
-    """
-    import numpy as np
+    """The CSV's rows (COLUMNS), ratios to CuPy's pool in the same trial (NaN without it)."""
     mallocs = mallocs or {}
     df = samples.assign(us_per_pair=samples.ns / samples.pairs / 1e3, kpairs_per_s=samples.pairs * 1e6 / samples.ns)
-    base = df[df.allocator == "cupy_pool"].set_index(["sweep", "size_bytes", "threads", "trial"]).us_per_pair
-    df["ratio_vs_cupy_pool"] = [base.get((r.sweep, r.size_bytes, r.threads, r.trial), np.nan) / r.us_per_pair
-                                for r in df.itertuples()]
-    df["device_mallocs_per_pair"] = [mallocs.get((r.allocator, r.size_bytes), np.nan) if r.sweep == "size"
-                                     else np.nan for r in df.itertuples()]
+    df["ratio_vs_cupy_pool"] = _vs(df, "us_per_pair", "cupy_pool", ["sweep", "size_bytes", "threads", "trial"])
+    df["device_mallocs_per_pair"] = [mallocs.get((r.allocator, r.size_bytes), float("nan")) if r.sweep == "size"
+                                     else float("nan") for r in df.itertuples()]
     df["trials"] = df["trial"].nunique() if len(df) else 0
     if "windows" not in df:
         df["windows"] = 1
@@ -493,13 +376,7 @@ def trial_rows(samples, mallocs=None):
 
 
 def summary(rows):
-    """Medians over trials with 95% intervals: one row per (allocator, sweep, size, threads) with us_per_pair,
-    kpairs_per_s and ratio_vs_cupy_pool (each with _lo/_hi), n_trials and device_mallocs_per_pair. Old CSVs (one summary row per case,
-    no trial column) come out as single runs.
-
-    Args: rows: the CSV's rows. Returns: A DataFrame.
-    """
-    from xlab import intervals
+    """Medians over trials with 95% intervals per (allocator, sweep, size, threads); old CSVs: single runs."""
     keys = ["allocator", "sweep", "size_bytes", "threads"]
     out = None
     for col in ("us_per_pair", "kpairs_per_s", "ratio_vs_cupy_pool"):
@@ -510,12 +387,7 @@ def summary(rows):
 
 
 def table(summary) -> str:
-    """Two plain-text tables of medians over trials: µs per pair by size, and kpairs/s by threads; (x) = speed
-    relative to CuPy's pool in the same trial (median of the paired ratios).
-
-    Args: summary: summary()'s frame. Returns: The text.
-    """
-    from xlab.plots import fmt_bytes
+    """Medians as text: µs per pair by size, kpairs/s by threads; (x): speed vs CuPy's pool, same trial."""
     lines = []
     for sweep, col, value, unit in (("size", "size_bytes", "us_per_pair", "µs per pair (median)"),
                                     ("threads", "threads", "kpairs_per_s", "thousand pairs/s, 64 KiB")):
@@ -523,11 +395,9 @@ def table(summary) -> str:
         if part.empty:
             continue
         heads = list(dict.fromkeys(part[col]))
-        names = list(dict.fromkeys(part.allocator))
         label = fmt_bytes if sweep == "size" else (lambda h: f"{h} thr")
-        lines.append(f"{unit}; (x) = speed vs cupy_pool")
-        lines.append(f"{'allocator':<12}" + "".join(f"{label(h):>18}" for h in heads))
-        for name in names:
+        lines += [f"{unit}; (x) = speed vs cupy_pool", f"{'allocator':<12}" + "".join(f"{label(h):>18}" for h in heads)]
+        for name in dict.fromkeys(part.allocator):
             cells = []
             for h in heads:
                 r = part[(part.allocator == name) & (part[col] == h)]
@@ -537,26 +407,15 @@ def table(summary) -> str:
     return "\n".join(lines)
 
 
-def with_provenance(rows, **params):
-    """Every row gets the provenance columns (GPU, driver, CUDA, CuPy, commit, date) and the run's params.
-
-    Args: rows: the CSV's rows; **params: the run's parameters. Returns: A new DataFrame.
-    """
-    from xlab.provenance import provenance
-    return rows.assign(**provenance(bench="alloc", **params))
+def with_provenance(rows, bench="alloc", **params):
+    """Every row with the provenance columns (GPU, driver, CUDA, CuPy, commit, date) and the run's params."""
+    return rows.assign(**provenance(bench=bench, **params))
 
 
 def run(out="data/alloc_microbench.csv", quick=False, trials=None, target_s=None, allocators=None,
         progress=True, sizes=SIZES, threads=THREADS, xpool_path=None):
-    """Measure, print the table of medians, write the CSV (one row per trial).
-
-    Args: out: the CSV (None: none); quick: a smoke run (2 trials, 5 ms windows); trials: trials per arm (default
-    TRIALS); target_s: seconds per (trial, arm, case) (default TARGET_S), in WINDOWS windows; allocators: registry
-    names (default: default_allocators()); progress: progress bars; sizes: request sizes of the size sweep, bytes;
-    threads: thread counts of the thread sweep (empty: no thread sweep); xpool_path: another build's checkout, timed
-    beside this one (other_build_arms). Returns: The per-trial DataFrame that was
-    written.
-    """
+    """Measure, print the medians, write the CSV (None: none): the rows. quick: 2 trials of 5 ms windows; threads:
+    empty for no thread sweep; xpool_path: another build's checkout, timed beside this one."""
     registry.require_gpus(1, "xlab.bench.alloc")
     trials = trials or (2 if quick else TRIALS)
     target_s = target_s or (0.005 if quick else TARGET_S)
@@ -566,20 +425,11 @@ def run(out="data/alloc_microbench.csv", quick=False, trials=None, target_s=None
     samples, mallocs = measure(allocators, sizes=tuple(sizes), threads=tuple(threads), trials=trials,
                                target_s=target_s, progress=progress)
     df = with_provenance(trial_rows(samples, mallocs), target_s=target_s, quick=quick, xpool_path=xpool_path or "")
-    print(table(summary(df)))
-    if xpool_path:
-        print(other_build_table(df))
-    if out:
-        write_csv(df, out)
-        print(f"wrote {out}")
-    return df
+    return publish(df, out, table(summary(df)) + ("\n" + other_build_table(df) if xpool_path else ""))
 
 
 def main(argv=None) -> int:
-    """The command line (see --help).
-
-    Args: argv: arguments (default: sys.argv[1:]). Returns: The exit status: 2 without a GPU.
-    """
+    """The command line (see --help); the exit status, 2 without a GPU."""
     ap = argparse.ArgumentParser(prog="python -m xlab.bench.alloc", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="the CSV (default data/alloc_microbench.csv; with --host, "
                     "data/alloc_core_host.csv)")

@@ -1,9 +1,6 @@
-"""What debug mode costs per alloc/free pair over host memory: `python -m xlab.bench.debug_cost`.
-
-Debug mode fills every freed block with poison, checks the poison when the block is reused, and fills and
-checks a canary in every block's tail; each of those is a pass over memory (on a GPU: a memset, and a
-synchronising copy to the host).  This measures the pool core's own cost over host memory, where a pass is a
-memset/memcmp; the GPU figure comes from `xlab.bench.alloc --allocators cupy_pool xpool_k1 xpool_k1_debug`.
+"""What debug mode (poison in every freed block, a canary in every block's tail: each a pass over memory) costs per
+alloc/free pair of the pool core over host memory: `python -m xlab.bench.debug_cost`. The GPU figure comes from
+`xlab.bench.alloc --allocators cupy_pool xpool_k1 xpool_k1_debug`.
 """
 from __future__ import annotations
 
@@ -11,14 +8,17 @@ import argparse
 import statistics
 import time
 
+import pandas as pd
+
+from xpool import HostBackend, Pool
+from xlab.paths import publish
+from xlab.provenance import provenance
+
 SIZES = (4 << 10, 64 << 10, 1 << 20)
 
 
 def pair_us(pool, nbytes: int, pairs: int) -> float:
-    """µs per allocate/release pair (warm: the block is cached after the first pair).
-
-    Args: pool: an xpool.Pool; nbytes: the request size; pairs: how many pairs. Returns: µs per pair.
-    """
+    """µs per allocate/release pair of an xpool.Pool (warm: the block is cached after the first pair)."""
     pool.allocate(nbytes).release()
     t0 = time.perf_counter_ns()
     for _ in range(pairs):
@@ -27,16 +27,7 @@ def pair_us(pool, nbytes: int, pairs: int) -> float:
 
 
 def run(sizes=SIZES, pairs: int = 2000, repeats: int = 5, out: str | None = "data/debug_cost_host.csv"):
-    """One row per (size, debug): median µs per pair over repeats, and the ratio to debug off.
-
-    Args: sizes: request sizes; pairs: pairs per window; repeats: windows per (size, debug); out: the CSV, or None.
-    Returns: The DataFrame.
-    """
-    import pandas as pd
-
-    from xpool import HostBackend, Pool
-    from xlab.paths import write_csv
-    from xlab.provenance import provenance
+    """Median µs per pair over `repeats` windows per (size, debug), and the ratio to debug off."""
     pools = {mode: Pool(HostBackend(), debug=mode) for mode in (False, "raise")}
     rows = []
     for n in sizes:
@@ -44,20 +35,11 @@ def run(sizes=SIZES, pairs: int = 2000, repeats: int = 5, out: str | None = "dat
         for mode, us in times.items():
             rows.append(dict(backend="host", size_bytes=n, debug=mode or "off", us_per_pair=us,
                              ratio_vs_off=us / times[False], pairs=pairs, repeats=repeats))
-    df = pd.DataFrame(rows)
-    prov = provenance(bench="debug_cost")
-    for k, v in prov.items():
-        df[k] = v
-    print(df[["size_bytes", "debug", "us_per_pair", "ratio_vs_off"]].to_string(index=False))
-    write_csv(df, out)
-    return df
+    df = pd.DataFrame(rows).assign(**provenance(bench="debug_cost"))
+    return publish(df, out, df[["size_bytes", "debug", "us_per_pair", "ratio_vs_off"]].to_string(index=False))
 
 
 def main(argv=None) -> int:
-    """`python -m xlab.bench.debug_cost [--out CSV] [--pairs N] [--repeats N]`; returns 0.
-
-    Args: argv: the arguments after the program name (None: the process's).
-    """
     ap = argparse.ArgumentParser(prog="python -m xlab.bench.debug_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="data/debug_cost_host.csv")
     ap.add_argument("--pairs", type=int, default=2000)

@@ -1,15 +1,12 @@
 """Dynamic shapes (issue #22): peak reserved / peak requested, device calls per step and ms per step of every
-allocator on workloads whose shapes change every step, beside fixed-shape controls.
+allocator on workloads whose shapes change every step, beside fixed-shape controls. Trial t runs one process per
+(framework, arm), in an order rotated by t, forked from this one (which never starts CUDA); one CSV row per (trial,
+workload, arm), appended as each process ends. What each arm counts as a device call, and why the processes are cut
+this way: NOTES.md, Note [Dynamic-shape benchmark].
 
     python -m xlab.bench.dynamic                     # every workload and arm, 5 trials: data/dynamic_shapes.csv
     python -m xlab.bench.dynamic --quick             # 1 trial, 3 steps: a smoke test
     python -m xlab.bench.dynamic --workloads torch_varlen,torch_fixed        # a piece (a rerun resumes)
-
-CuPy workloads run under CuPy's two pools, RMM's pool and xpool; PyTorch ones under PyTorch's allocator with and
-without expandable segments and xpool through `xpool.enable_torch()`; xpool in every scheme it has. Trial t runs
-one process per (framework, arm), in an order rotated by t, forked from this one (which never starts CUDA); one
-CSV row per (trial, workload, arm), appended as each process ends. Note [Dynamic-shape benchmark] in NOTES.md says
-what each arm counts as a device call and why the processes are cut this way.
 """
 from __future__ import annotations
 
@@ -24,17 +21,22 @@ import traceback
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from importlib import metadata
 from multiprocessing import get_context
 
-import numpy as np
 import pandas as pd
+from tqdm.auto import tqdm
 
+import xpool
 from xlab import allocators as registry
 from xlab import intervals
+from xlab.experiments.runner import installed
+from xlab.experiments.train import Window      # with tapegpt: imported once, before the forks (no CUDA)
 from xlab.paths import write_csv
-from xlab.provenance import git_commit, provenance
+from xlab.provenance import git_commit, gpu_info, provenance
 
 from . import dynamic_workloads as wl
+from .alloc import rotated
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ WORKLOADS = {
     "torch_varlen": Workload("torch", True, partial(wl.torch_lm, lo=64, hi=512), 30, 5),
     "torch_fixed": Workload("torch", False, partial(wl.torch_lm, lo=256), 30, 5),
 }
-PEERS = {"cupy": ("cupy_pool", "cupy_async", "rmm_pool"), "torch": ("torch", "torch_expandable")}
+PEERS_ALL = registry.SETS["dynamic"]
+PEERS = {f: tuple(a for a in PEERS_ALL if registry.arm(a).framework == f) for f in ("cupy", "torch")}
 DEVICE_CALLS = ("device_mallocs", "device_frees", "device_maps", "device_unmaps")   # xpool's counters, summed
 QUICK = dict(trials=1, steps=3, warmup=2)
 TRIALS, SEED, OUT = 5, 0, "data/dynamic_shapes.csv"
@@ -65,20 +68,14 @@ COLUMNS = ["trial", "workload", "dynamic", "framework", "allocator", "peak_reser
 
 
 # --- arms
-
 def xpool_arms() -> tuple:
     """`xpool_<scheme>` for every scheme this xpool has (xpool.SCHEMES)."""
-    import xpool
     return tuple(f"xpool_{s}" for s in xpool.SCHEMES)
 
 
 def resolve(workloads=None, arms=None, cpu: bool = False) -> tuple[list, dict]:
-    """(workloads, {framework: arms}); None: all. An `xpool_<scheme>` arm whose scheme this xpool lacks is skipped
-    with a message, so one command line serves before and after a scheme lands.
-
-    Raises:
-        ValueError: an unknown workload or arm (named), or no arm that runs the workloads.
-    """
+    """(workloads, {framework: arms}), None for all; an `xpool_<scheme>` this xpool lacks is skipped with a message, so
+    one command line serves before and after a scheme lands. ValueError: an unknown name, or no arm for them."""
     workloads = list(workloads or WORKLOADS)
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad:
@@ -115,14 +112,12 @@ def device_calls(alloc, device: int = 0):
 
 
 # --- one process: one arm over its workloads
-
 def _settings(workload, opts) -> tuple:
     spec = WORKLOADS[workload]
     return opts["steps"] or spec.steps, opts["warmup"] or spec.warmup, opts["seed"]
 
 
 def _measure(alloc, workload, opts, sync) -> dict:
-    from xlab.experiments.train import Window
     steps, warmup, seed = _settings(workload, opts)
     window = Window(lambda: device_calls(alloc), sync)
     with alloc.tracking():
@@ -134,7 +129,6 @@ def _measure(alloc, workload, opts, sync) -> dict:
 
 def _cupy_arm(arm, workloads, opts) -> list:
     """A fresh allocator per workload; a second, counting run where counting costs time (free_counting False)."""
-    from xlab.experiments.runner import installed
     sync = lambda: None     # noqa: E731
     if opts["gpu"]:
         import cupy
@@ -157,7 +151,6 @@ def _torch_arm(arm, workloads, opts) -> list:
     alloc, gpu = registry.make(arm), opts["gpu"]
     is_xpool = isinstance(alloc, registry.XPool)
     if is_xpool:
-        import xpool
         xpool.enable_torch(pool=alloc.pool)
     else:
         alloc.install()
@@ -189,23 +182,24 @@ def arm_process(framework, arm, workloads, trial, position, opts) -> list:
     """Run `arm` over `workloads` (all of `framework`) in this process: their rows, with provenance."""
     t0 = time.perf_counter()
     runs = (_cupy_arm if framework == "cupy" else _torch_arm)(arm, workloads, opts)
-    prov = provenance(experiment="dynamic_shapes", torch=_version("torch"), rmm=_version("rmm-cu13") or
-                      _version("rmm-cu12"), process_s=round(time.perf_counter() - t0, 2), start=opts["start"])
+    prov = provenance(experiment="dynamic_shapes", torch=_version("torch"), rmm=_version("rmm-cu13", "rmm-cu12"),
+                      process_s=round(time.perf_counter() - t0, 2), start=opts["start"])
     return [{**build_row(trial, position, w, arm, timed, counted, at_start, opts), **prov}
             for w, timed, counted, at_start in runs]
 
 
-def _version(name) -> str | None:
-    from importlib import metadata
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
+def _version(*names) -> str | None:
+    """The first of these distributions installed: its version."""
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return None
 
 
 def build_row(trial, position, workload, arm, timed, counted, at_start, opts) -> dict:
-    """One row from an arm's timed run and its counting run (the same dict where counting is free): bytes from
-    whichever run counted them, device calls from the counting run, time from the timed one."""
+    """One row: bytes from the run that counted them, device calls from the counting run, time from the timed."""
     spec, (steps, warmup, seed) = WORKLOADS[workload], _settings(workload, opts)
     reserved, requested, calls = (math.nan if v is None else v for v in (
         counted["reserved"] if timed["reserved"] is None else timed["reserved"],
@@ -220,17 +214,8 @@ def build_row(trial, position, workload, arm, timed, counted, at_start, opts) ->
 
 
 # --- the run
-
-def rotated(items, trial: int) -> list:
-    """items rotated left by `trial` places: each arm goes first in turn."""
-    items = list(items)
-    k = trial % len(items) if items else 0
-    return items[k:] + items[:k]
-
-
 def plan(trials, workloads, per_framework, opts, done=frozenset(), commit="") -> tuple[list, set]:
-    """The run's processes in order, (framework, arm, its workloads not in `done`, trial, position), trial t running
-    every arm once in the order rotated by t; and the keys (KEYS, as strings) of all its measurements."""
+    """The run's processes in order (framework, arm, workloads to do, trial, position), and every key (KEYS)."""
     units = [(f, a) for f, arms in per_framework.items() for a in arms]
     jobs, wanted = [], set()
     for t in range(trials):
@@ -249,7 +234,6 @@ def _keys(df) -> list:
 
 
 def _n_gpus() -> int:
-    from xlab.provenance import gpu_info
     return gpu_info()["n_gpus"]
 
 
@@ -262,18 +246,9 @@ def in_process(fn, *args, start="fork"):
 def run(workloads=None, arms=None, trials: int = TRIALS, steps: int | None = None, warmup: int | None = None,
         seed: int = SEED, out=OUT, fresh: bool = False, cpu: bool = False, small: bool | None = None,
         start: str = "fork", progress: bool = True) -> pd.DataFrame:
-    """Measure every (trial, workload, arm) that `out` lacks for this commit and these settings (fresh: discard
-    its rows first); rows are appended after each process. steps, warmup: of every workload (None: each its own);
-    cpu: NumPy and PyTorch on the CPU under arm 'numpy' (tests the code, measures nothing); small: small models
-    (default: with cpu); start: how the processes start ("fork", "spawn").
-
-    Returns:
-        This run's rows, resumed ones included; attrs["failed"]: the arms that raised.
-
-    Raises:
-        ValueError: unknown names (see resolve), or trials, steps or warmup < 1 (named).
-    """
-    from tqdm.auto import tqdm
+    """Measure every (trial, workload, arm) `out` lacks for this commit and these settings (fresh: discard them), rows
+    appended after each process; the run's rows (attrs["failed"]: arms that raised). steps, warmup: None for each
+    workload's own; cpu: NumPy and PyTorch's CPU under arm 'numpy' (tests the code); start: "fork" or "spawn"."""
     for name, v in (("trials", trials), ("steps", steps), ("warmup", warmup)):
         if v is not None and not (isinstance(v, int) and v >= 1):
             raise ValueError(f"{name} must be a whole number >= 1, got {v!r}")
@@ -285,7 +260,6 @@ def run(workloads=None, arms=None, trials: int = TRIALS, steps: int | None = Non
     old = pd.read_csv(out) if out and pathlib.Path(out).is_file() and not fresh else pd.DataFrame()
     commit = git_commit()
     jobs, wanted = plan(trials, workloads, per_framework, opts, set(_keys(old)), commit)
-    import tapegpt, xlab.experiments.train  # noqa: E401,F401 - imported once, before the forks (no CUDA)
     for name in ("cupy",) * (not cpu) + ("torch",) * ("torch" in per_framework):
         __import__(name)
     tqdm.monitor_interval = 0                  # no monitor thread in a process that forks
@@ -308,64 +282,22 @@ def run(workloads=None, arms=None, trials: int = TRIALS, steps: int | None = Non
 
 
 # --- results
-
-def fastest_peer(df: pd.DataFrame) -> dict:
-    """workload -> the peer (an arm not xpool's) of the lowest median ms per step."""
-    med = df[~df["allocator"].str.startswith("xpool")].groupby(["workload", "allocator"])["ms_per_step"].median()
-    return {w: g.idxmin()[1] for w, g in med.dropna().groupby(level=0)}
-
-
 def summary(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per (workload, allocator): medians over trials with 95% intervals; ms per step over the fastest
-    peer's, paired by trial."""
+    """Per (workload, allocator): medians [95% intervals], and ms per step over the fastest peer's (paired)."""
     keys = ["workload", "allocator"]
+    order = registry.ordered(df["allocator"])
+    df = df.sort_values(keys, key=lambda c: c.map(list(WORKLOADS).index if c.name == "workload" else order.index),
+                        kind="stable")
     out = df[keys].drop_duplicates().reset_index(drop=True)
     for col, label, fmt in (("reserved_over_requested", "reserved/requested", "{:.3f}"),
                             ("device_calls_per_step", "calls/step", "{:.1f}"), ("ms_per_step", "ms/step", "{:.2f}")):
         s = intervals.summarize(df, keys, col)
         out[label] = [intervals.fmt_ci(v, lo, hi, fmt) for v, lo, hi in zip(s[col], s[col + "_lo"], s[col + "_hi"])]
-    ratio = {}
-    for w, r in fastest_peer(df).items():
-        ratio[(w, r)] = f"reference ({r})"
-        for x in intervals.paired(df[df["workload"] == w], "ms_per_step", "allocator", r).itertuples():
-            ratio[(w, x.allocator)] = intervals.fmt_ci(x.ratio, x.ratio_lo, x.ratio_hi, "{:.3f}", "x")
-    out["ms vs fastest peer"] = [ratio.get(k, "n/a") for k in zip(out["workload"], out["allocator"])]
+    ratio = {(r.workload, r.allocator): "the fastest peer" if r.allocator == r.reference else
+             f"{intervals.fmt_ci(r.ratio, r.ratio_lo, r.ratio_hi, '{:.3f}', '×')} ({r.reference})" for r in
+             intervals.paired_best(df, "ms_per_step", "allocator", PEERS_ALL, ["workload"], False).itertuples()}
+    out["ms vs the fastest peer"] = [ratio.get(k, "n/a") for k in zip(out["workload"], out["allocator"])]
     return out.assign(trials=s["n_trials"])
-
-
-def plot(df: pd.DataFrame):
-    """Per workload, each arm's peak reserved / requested, device calls per step and ms per step over the fastest
-    peer's: medians over trials, 95% intervals as error bars. A matplotlib Figure on the Agg canvas."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    ref = fastest_peer(df)
-    peer = df[df["allocator"] == df["workload"].map(ref)].groupby(["workload", "trial"])["ms_per_step"].median()
-    df = df.assign(ms_vs_peer=df["ms_per_step"].to_numpy()
-                   / peer.reindex(pd.MultiIndex.from_frame(df[["workload", "trial"]])).to_numpy())
-    panels = [("reserved_over_requested", "peak reserved / peak requested"),
-              ("device_calls_per_step", "device calls per step"), ("ms_vs_peer", "ms per step / fastest peer's")]
-    workloads, arms = list(dict.fromkeys(df["workload"])), list(dict.fromkeys(df["allocator"]))
-    fig = Figure(figsize=(12, 9), layout="constrained")
-    FigureCanvasAgg(fig)
-    width, x0 = 0.8 / len(arms), np.arange(len(workloads))
-    for ax, (col, label) in zip(fig.subplots(len(panels), 1), panels):
-        s = intervals.summarize(df, ["workload", "allocator"], col)
-        for i, arm in enumerate(arms):
-            g = s[s["allocator"] == arm].set_index("workload").reindex(workloads)
-            err = np.nan_to_num(np.vstack([g[col] - g[col + "_lo"], g[col + "_hi"] - g[col]]).clip(min=0))
-            ax.bar(x0 + (i - (len(arms) - 1) / 2) * width, g[col], width, yerr=err, capsize=2, label=arm,
-                   color=f"C{i}")
-        ax.set_xticks(x0, workloads)
-        ax.set_ylabel(label)
-        ax.grid(axis="y", alpha=0.3)
-        ax.spines[["top", "right"]].set_visible(False)
-        if col == "reserved_over_requested":
-            ax.axhline(1.05, color="k", ls=":", lw=1)   # the issue's target
-        elif col == "device_calls_per_step":
-            ax.set_yscale("symlog", linthresh=1)        # 0 for a warm pool, hundreds for cudaMallocAsync
-    fig.legend(*ax.get_legend_handles_labels(), loc="outside upper center", ncol=min(len(arms), 7), frameon=False)
-    fig.suptitle("Dynamic shapes: each allocator's waste, device calls and speed (median, 95% interval)")
-    return fig
 
 
 def main(argv=None) -> int:
@@ -391,7 +323,8 @@ def main(argv=None) -> int:
     if len(df):
         print(summary(df).to_string(index=False))
         if a.figure:
-            plot(df).savefig(a.figure, dpi=120)
+            from xlab import plots, sources
+            plots.dynamic_shapes(sources.prepare(df, pathlib.Path(a.out or "this run").name)).savefig(a.figure)
     return 1 if df.attrs.get("failed") else 0
 
 

@@ -1,15 +1,15 @@
-"""The dynamic-shape benchmark's workloads (xlab.bench.dynamic): `warmup` steps, then `steps` steps inside `window`
-(an xlab.experiments.train.Window: synchronise, read the device calls, clock; again at the end), all drawn from
-`seed`: every arm of every trial sees the same requests. The first warm-up step has the largest shape, so the
-timed steps ask for nothing larger than the warm-up did. `small`: sizes and models that run in seconds on a CPU.
+"""The dynamic-shape benchmark's workloads (xlab.bench.dynamic; NOTES.md, Note [Dynamic-shape benchmark]):
+`warmup` steps, then `steps` steps inside `window` (an xlab.experiments.train.Window), all drawn from `seed`, so
+every arm of every trial sees the same requests; the first warm-up step has the largest shape. `small`: sizes and
+models that run in seconds on a CPU.
 
 - cupy_mix: rfft, sort, cumsum and matmul of random sizes, OPS a step, each result kept 2**U(0, 5) steps.
 - gpt: tapegpt's GPT (reference config) trained on CuPy at lengths(lo, hi) tokens a step.
-- torch_lm: a causal pre-norm torch.nn.TransformerEncoder (6 layers, d_model 512, 8 heads) trained with AdamW
-  under bf16 autocast: how such a model trains on an H200, and its per-step bf16 weight copies are part of the
-  allocation pattern a real run shows.
+- torch_lm: a causal pre-norm torch.nn.TransformerEncoder (6 layers, d_model 512, 8 heads), AdamW, bf16 autocast.
 """
 from __future__ import annotations
+
+import importlib
 
 import numpy as np
 
@@ -39,15 +39,11 @@ def _loop(step, shapes, warmup, window, after_step):
 
 
 def _xp(gpu):
-    if gpu:
-        import cupy
-        return cupy
-    return np
+    return importlib.import_module("cupy") if gpu else np
 
 
 def cupy_mix(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda: None) -> dict:
-    """CuPy arrays of random sizes and mixed lifetimes (see the module doc); the inputs are views of one array,
-    so only results allocate."""
+    """CuPy arrays of random sizes and mixed lifetimes; the inputs views of one array, so only results allocate."""
     xp, rng = _xp(gpu), np.random.default_rng([seed, 2])
     n_max, m_max, ffts = (1 << 12, 64, (256, 384, 640)) if small else (1 << 22, 2048, FFT_LENGTHS)
     base = xp.linspace(-1, 1, n_max, dtype=np.float32)
@@ -79,8 +75,7 @@ def cupy_mix(steps, warmup, seed, window, gpu=True, small=False, after_step=lamb
 
 def gpt(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda: None, *, batch: int, lo: int,
         hi: int | None = None) -> dict:
-    """tapegpt's GPT ('tiny' when small) at `batch` sequences of lengths(lo, hi) tokens, with the experiments'
-    optimizer and training step (xlab.experiments.train)."""
+    """tapegpt's GPT ('tiny' when small) at `batch` sequences of lengths(lo, hi), the experiments' step."""
     from tapegpt import GPT, AdamW, get_batch, load_corpus
     from xlab.experiments import train
     xp, cfg, data = _xp(gpu), train.make_config("tiny" if small else None), load_corpus()

@@ -1,22 +1,7 @@
-"""What two dispatching threads cost each other under one GIL: ops per second from 1 and 2 threads, per op kind.
+"""What dispatching threads cost each other under one GIL: ops per second from 1, 2, 4 and 8 threads, per op kind
+(the arms table's rows of framework "gil"); why and how: NOTES.md, Note [GIL probe].
 
     python -m xlab.bench.gil [--trials 5] [--seconds 0.5] [--out data/gil_probe.csv]
-
-Thread-per-GPU training dispatches every op from Python, under one GIL. CuPy releases the GIL around each
-driver call (`with nogil: cuLaunchKernel(...)`), so a rank thread gives the GIL up at every launch; a peer
-thread waiting for it wakes, and the two trade the lock hundreds of times per step (the convoy effect). This
-probe measures the cost directly: each arm runs its op in a loop for `seconds` on 1 thread, then on 2, 4 and 8
-threads (thread t on GPU t mod #GPUs, each on its own stream), and reports ops per second in all. With no GIL
-contention N threads would do N times the ops of one; pure Python work (`python`) can do at most 1x; below 1x,
-handing the GIL over costs more than it lets run in parallel.
-
-The ops (each one a training step dispatches hundreds of times) and what each holds of the GIL are rows of the
-arms table (xlab.allocators.ARMS, framework "gil"): pure Python, empty and 8-argument kernel launches through
-CuPy and through ctypes.PyDLL (GIL held; the 8 arguments packed by `struct` into cuLaunchKernel's
-CU_LAUNCH_PARAM_BUFFER_POINTER buffer), `x + x` on 1-element arrays, a 16x16 GEMM by tapegpt.blas, by
-ctypes.PyDLL on CuPy's cuBLAS handle, and by cupy.matmul.
-Trials interleave the arms (A B C, A B C, ...); `sys.getswitchinterval()` is recorded and varied with
---switch-intervals.
 """
 from __future__ import annotations
 
@@ -29,7 +14,7 @@ import time
 
 import pandas as pd
 
-from xlab.paths import write_csv
+from xlab.paths import publish
 from xlab.provenance import provenance
 
 ARMS = ("python", "launch", "launch_gil", "launch8", "launch8_gil", "add", "gemm", "gemm_gil", "matmul")
@@ -65,13 +50,10 @@ class _Rank:
                 self.kernel((1,), (1,), ())                 # compile and load on this device now
                 self.eight((1,), (32,), self._eight_args())
             self.stream.synchronize()
-            self.fn = self.kernel.kernel.ptr
-            self.fn8 = self.eight.kernel.ptr
-        self.libcuda = ctypes.PyDLL("libcuda.so.1")       # PyDLL: the GIL stays held during the call
-        launch = self.libcuda.cuLaunchKernel
+            self.fn, self.fn8 = self.kernel.kernel.ptr, self.eight.kernel.ptr
+        self.cu_launch = launch = ctypes.PyDLL("libcuda.so.1").cuLaunchKernel   # PyDLL: the GIL stays held
         launch.restype = ctypes.c_int
         launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-        self.cu_launch = launch
         # CU_LAUNCH_PARAM_BUFFER_POINTER, the buffer, CU_LAUNCH_PARAM_BUFFER_SIZE, its size, CU_LAUNCH_PARAM_END
         self.buf = ctypes.create_string_buffer(EIGHT_ARGS.size)
         self.size = ctypes.c_size_t(EIGHT_ARGS.size)
@@ -84,8 +66,7 @@ class _Rank:
     def _gemm_gil(self):
         from cupy_backends.cuda.api import runtime
         from cupy_backends.cuda.libs import cublas
-        lib = ctypes.PyDLL("libcublas.so." + str(runtime.runtimeGetVersion() // 1000))
-        gemm = lib.cublasGemmEx
+        gemm = ctypes.PyDLL("libcublas.so." + str(runtime.runtimeGetVersion() // 1000)).cublasGemmEx
         gemm.restype = ctypes.c_int
         mat = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         gemm.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] + mat * 2 + [ctypes.c_void_p] \
@@ -182,14 +163,7 @@ def _run(ranks, arm, seconds):
 
 def run(arms=ARMS, trials=TRIALS, seconds=0.5, switch_intervals=(None,), threads=THREADS,
         out="data/gil_probe.csv") -> pd.DataFrame:
-    """Ops per second of each arm on 1, 2, ... threads, `trials` interleaved trials.
-
-    Args: arms: names from ARMS; trials: trials per (arm, threads, switch interval); seconds: length of each timed
-    loop; switch_intervals: values for sys.setswitchinterval (None: leave Python's, 5 ms); threads: thread counts; 1
-    is always measured first (the reference); thread t drives GPU t mod #GPUs; out: the CSV (None: none). Returns:
-    One row per (trial, switch interval, arm, threads): ops_per_s, speedup over 1 thread in the same trial. Raises:
-    ValueError: an unknown arm.
-    """
+    """Per (trial, switch interval, arm, threads): ops per second, and the speedup over 1 thread (same trial)."""
     import cupy
     bad = [a for a in arms if a not in ARMS]
     if bad:
@@ -216,11 +190,7 @@ def run(arms=ARMS, trials=TRIALS, seconds=0.5, switch_intervals=(None,), threads
                                          cpu_s_per_thread=sum(cpu) / n, devices=min(n, n_dev), seconds=seconds))
     finally:
         sys.setswitchinterval(default)
-    df = pd.DataFrame(rows)
-    for k, v in provenance(bench="gil", trials=trials).items():
-        df[k] = v
-    write_csv(df, out)
-    return df
+    return publish(pd.DataFrame(rows).assign(**provenance(bench="gil", trials=trials)), out)
 
 
 def main(argv=None):

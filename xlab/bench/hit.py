@@ -1,27 +1,8 @@
 """Where one alloc+free pair's time goes on CuPy's path: xpool against the floor of CuPy's C-callback path, piece by
-piece (#14: the hit path must cost no more than CuPy's pool).
+piece (#14: the hit path must cost no more than CuPy's pool). The arms, the pieces and the differences taken:
+NOTES.md, Note [Hit path breakdown].
 
     python -m xlab.bench.hit [--trials 9] [--sizes 4096 12582912] [--out data/hit_breakdown.csv]
-
-Arms timed in place, ns per pair (a CuPy memory object made through the arm, then dropped):
-  c_noop            CuPy's CFunctionAllocator calling C functions that do nothing: the floor of any allocator that
-                    plugs in as xpool does (CuPy builds its memory object in Cython either way).
-  xpool_core        xpool's hooks with no stream lookup (every block on stream 0): free lists, counters, the
-                    pool mutex, the allocator's reference per block, the exception checks.
-  xpool             xpool as shipped: + CuPy's get_stream_ptr(device) on every malloc (GPU only).
-  xpool_old_lookup  + CuPy's get_current_stream_ptr() instead (what xpool called before, and what CuPy's own pool
-                    calls): a thread-local and cudaGetDevice more (GPU only).
-  cupy_pool         CuPy's MemoryPool (GPU only).
-Pieces timed in C alone, with nothing around them: core_c (xpool_core's pair, xlab._probes.time_pairs),
-lookup_c and old_lookup_c (one call of each lookup, xlab._probes.time_calls; GPU only).
-
-The breakdown subtracts arms paired by trial: core in place = xpool_core - c_noop, lookup in place = xpool -
-xpool_core, old lookup = xpool_old_lookup - xpool_core, CuPy's pool above the floor = cupy_pool - c_noop.
-On a GPU a pair is `allocator.malloc(n)` + `del` (cupy.empty adds the same ndarray to every arm); on a CPU, where
-CuPy cannot ask CUDA for the current device, it is CFunctionAllocatorMemory + MemoryPointer, which is what
-CFunctionAllocator.malloc makes, over host memory. Within a trial the arms take turns window by window (order
-rotated each round and each trial), an arm's time in the trial is the median of its `windows` windows, and the
-garbage collector is off while timing.
 """
 from __future__ import annotations
 
@@ -31,8 +12,16 @@ import statistics
 import sys
 import time
 
+import pandas as pd
+from tqdm.auto import tqdm
+
+import xpool
+from xlab import intervals
 from xlab.allocators import KIB, MIB
-from xlab.paths import write_csv
+from xlab.bench.alloc import rotated
+from xlab.intervals import fmt_bytes, fmt_ci
+from xlab.paths import publish
+from xlab.provenance import has_gpu, provenance
 
 SIZES = (4 * KIB, 12 * MIB)
 TRIALS = 9
@@ -44,17 +33,8 @@ DIFFERENCES = (("core in place", "xpool_core", "c_noop"), ("lookup in place", "x
                ("cupy_pool above floor", "cupy_pool", "c_noop"), ("xpool - cupy_pool", "xpool", "cupy_pool"))
 
 
-def _gpu() -> bool:
-    from xlab.provenance import has_gpu
-    return has_gpu()
-
-
 def pair_runner(arm, gpu: bool):
-    """run(nbytes, pairs) -> ns for one in-place arm.
-
-    Args: arm: a CuPy allocator object with .malloc (GPU), or (param, malloc, free) C functions (CPU); gpu: which
-    path. Returns: The timing function.
-    """
+    """run(nbytes, pairs) -> ns of an in-place arm: a CuPy allocator (GPU), or C functions (CPU)."""
     if gpu:
         malloc = arm.malloc
 
@@ -78,15 +58,7 @@ def pair_runner(arm, gpu: bool):
 
 
 def make_arms(gpu: bool) -> dict:
-    """{arm: run(nbytes, calls) -> ns}: the in-place arms and the pieces alone this machine can time.
-
-    Args:
-        gpu: a CUDA device is visible.
-
-    Returns:
-        The arms, and the objects they keep alive under "_keep".
-    """
-    import xpool
+    """{arm: run(nbytes, calls) -> ns} of what this machine can time; under "_keep" what they keep alive."""
     from xlab import _probes
     from xpool import testing
     backend = xpool.CupyBackend() if gpu else xpool.HostBackend()
@@ -127,17 +99,8 @@ def calibrated(run, nbytes: int, window_s: float) -> int:
 
 
 def measure(sizes=SIZES, trials=TRIALS, windows=WINDOWS, window_s=WINDOW_S, gpu=None, progress=True):
-    """One row per (trial, arm, size): ns for `calls` calls, the median window's rate.
-
-    Args: sizes: request sizes; trials: trials, arms rotated each trial; windows: windows per (trial, arm, size),
-    the median kept; window_s: seconds per window; gpu: time CuPy's GPU path (None: when a GPU is visible);
-    progress: a progress bar. Returns: A DataFrame with COLUMNS.
-    """
-    import pandas as pd
-    from tqdm.auto import tqdm
-
-    from xlab.bench.alloc import rotated
-    gpu = _gpu() if gpu is None else gpu
+    """Per (trial, arm, size): ns for `calls` calls at the median window's rate, arms taking turns (COLUMNS)."""
+    gpu = has_gpu() if gpu is None else gpu
     arms = make_arms(gpu)
     keep = arms.pop("_keep")
     names = list(arms)
@@ -168,14 +131,7 @@ def measure(sizes=SIZES, trials=TRIALS, windows=WINDOWS, window_s=WINDOW_S, gpu=
 
 
 def breakdown(rows):
-    """Medians with 95% intervals: ns per call of each arm, and the differences of DIFFERENCES paired by trial.
-
-    Args: rows: measure()'s frame (or the CSV). Returns: (per-arm DataFrame, differences DataFrame), both with
-    size_bytes, value, lo, hi.
-    """
-    import pandas as pd
-
-    from xlab import intervals
+    """(per arm, differences): medians with 95% intervals of ns per call, DIFFERENCES paired by trial."""
     df = rows.assign(ns_per_call=rows.ns / rows.calls)
     arms = intervals.summarize(df, ["size_bytes", "arm"], "ns_per_call")
     diffs = []
@@ -189,12 +145,7 @@ def breakdown(rows):
 
 
 def table(rows) -> str:
-    """The breakdown as text.
-
-    Args: rows: measure()'s frame. Returns: The text.
-    """
-    from xlab.intervals import fmt_ci
-    from xlab.plots import fmt_bytes
+    """The breakdown of measure()'s rows as text."""
     arms, diffs = breakdown(rows)
     lines = ["ns per pair (arms in place, *_c alone in C; lookups: ns per call), median [95% interval]"]
     for n, g in arms.groupby("size_bytes", sort=False):
@@ -208,28 +159,14 @@ def table(rows) -> str:
 
 
 def run(out=None, trials=TRIALS, sizes=SIZES, window_s=WINDOW_S, progress=True):
-    """Measure, print the breakdown, write the CSV (one row per trial, with provenance).
-
-    Args: out: the CSV (None: data/hit_breakdown.csv on a GPU, data/hit_breakdown_host.csv on a CPU; "": none);
-    trials, sizes, window_s: as for measure(); progress: a progress bar. Returns: The rows.
-    """
-    from xlab.provenance import provenance
-    gpu = _gpu()
+    """Measure, print the breakdown, write the CSV (None: data/hit_breakdown[_host].csv; "": none)."""
+    gpu = has_gpu()
     df = measure(tuple(sizes), trials, WINDOWS, window_s, gpu=gpu, progress=progress)
     df = df.assign(**provenance(bench="hit", path="gpu" if gpu else "host", window_s=window_s))
-    print(table(df))
-    out = ("data/hit_breakdown.csv" if gpu else "data/hit_breakdown_host.csv") if out is None else out
-    if out:
-        write_csv(df, out)
-        print(f"wrote {out}")
-    return df
+    return publish(df, f"data/hit_breakdown{'' if gpu else '_host'}.csv" if out is None else out, table(df))
 
 
 def main(argv=None) -> int:
-    """The command line (see --help).
-
-    Args: argv: arguments (default: sys.argv[1:]). Returns: The exit status.
-    """
     ap = argparse.ArgumentParser(prog="python -m xlab.bench.hit", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="the CSV (default data/hit_breakdown.csv, or data/hit_breakdown_host.csv "
                     "without a GPU; '' for none)")

@@ -1,20 +1,8 @@
-"""PyTorch through xpool against PyTorch's own caching allocator, and the memory of a mixed CuPy/PyTorch loop.
+"""PyTorch through xpool against PyTorch's own caching allocator (`empty_del`: µs per torch.empty+del pair by
+size; `train_step`: the parity model's tokens/s), and the memory of a mixed CuPy/PyTorch loop for notebook 02; the
+cases and why each arm runs in a process of its own: NOTES.md, Note [PyTorch interop benchmark].
 
     python -m xlab.bench.torch_interop [--trials 5] [--out data/torch_interop.csv]     # ~2-3 min on one H200
-
-Two cases, each arm in a fresh process (PyTorch picks its allocator once per process), the arms alternating
-and swapping which goes first from trial to trial:
-- `empty_del`: µs per `a = torch.empty(n, dtype=uint8, device="cuda"); del a` pair at three sizes (host-bound:
-  the allocator's path plus PyTorch's tensor construction);
-- `train_step`: tokens/s of the parity model (tapegpt's torch twin of the GPT, reference size, AdamW) over
-  timed steps after warm-up; the GPU is busy for most of a step, so this shows whether the allocator costs
-  the training loop anything.
-One CSV row per (trial, arm, case, size) with provenance; the arms are `torch` (PyTorch's own allocator; CSVs
-before the arms table call it `native`) and `xpool` (xpool.enable_torch()); `summarize` gives each arm's median
-[95% interval] and xpool's speed over PyTorch's; the figure is `xlab.plots.torch_interop`.
-For notebook 02, `mixed_memory()` runs a mixed loop (a PyTorch MLP step, then CuPy matmuls on its weights through
-DLPack, feeding the next step) under xpool and under the frameworks' own pools, each in a fresh process, and
-`plot_mixed_memory` draws each framework's bytes in the one pool over time beside the two pools' summed peak.
 """
 from __future__ import annotations
 
@@ -27,6 +15,7 @@ import time
 
 import numpy as np
 
+import xpool
 from xlab import intervals
 from xlab.paths import write_csv
 
@@ -37,13 +26,8 @@ COLUMNS = ["case", "arm", "trial", "order", "size_bytes", "value", "unit", "pair
 
 
 # --- one arm, in its own process
-
 def time_empty_del(torch, nbytes: int, pairs: int) -> float:
-    """µs per torch.empty + del pair (after a warm-up that leaves the block cached).
-
-    Args: torch: the torch module (allocating through the arm's allocator); nbytes: the request size; pairs: how
-    many pairs. Returns: µs per pair, a float.
-    """
+    """µs per torch.empty + del pair (after a warm-up that leaves the block cached)."""
     empty, u8, dev = torch.empty, torch.uint8, torch.device("cuda", 0)
     for _ in range(100):
         a = empty(nbytes, dtype=u8, device=dev)
@@ -58,15 +42,9 @@ def time_empty_del(torch, nbytes: int, pairs: int) -> float:
 
 
 def time_train(torch, steps: int, warmup: int, batch_size: int | None):
-    """(tokens/s, batch size, device mallocs per timed step or None) of the parity model with torch.optim.AdamW.
-
-    Args: torch: the torch module; steps, warmup: timed steps and untimed steps first; batch_size: sequences per
-    step (None: the parity model's default). Returns: (tokens per second, batch size, device mallocs per timed step
-    or None).
-    """
+    """(tokens/s, batch size, device mallocs per step or None) of the parity model with AdamW."""
     from tapegpt.checks import torch_logits
     from tapegpt.model import GPTConfig, init_params
-    import xpool
     cfg = GPTConfig() if batch_size is None else GPTConfig(batch_size=batch_size)
     dev = torch.device("cuda", 0)
     P = {k: torch.tensor(v, device=dev, requires_grad=True) for k, v in init_params(cfg).items()}
@@ -97,47 +75,37 @@ def time_train(torch, steps: int, warmup: int, batch_size: int | None):
 
 
 def worker(arm: str, pairs: int, steps: int, warmup: int, batch_size: int | None) -> list[dict]:
-    """Every case for one arm; call in a fresh process.
-
-    Args: arm: "torch" (PyTorch's own allocator) or "xpool"; pairs: pairs per empty/del window; steps, warmup,
-    batch_size: the training case. Returns: A list of row dicts (case, size_bytes, value, unit, ...).
-    """
+    """Every case's rows for one arm, "torch" (PyTorch's own allocator) or "xpool"; call in a fresh process."""
     import torch
     if arm == "xpool":
-        import xpool
         xpool.enable_torch()
     elif arm != "torch":
         raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
     rows = [dict(case="empty_del", size_bytes=n, value=time_empty_del(torch, n, pairs), unit="us_per_pair",
                  pairs=pairs) for n in SIZES]
     tps, B, mallocs = time_train(torch, steps, warmup, batch_size)
+    peak = (torch.cuda.max_memory_reserved() if arm == "torch" else
+            xpool.installed().stats(0).iloc[0].peak_bytes_reserved)
     rows.append(dict(case="train_step", value=tps, unit="tokens_per_s", steps=steps, batch_size=B,
-                     device_mallocs_per_step=mallocs, peak_reserved_bytes=_peak_reserved(torch, arm)))
+                     device_mallocs_per_step=mallocs, peak_reserved_bytes=int(peak)))
     for r in rows:
         r.update(arm=arm, torch=torch.__version__)
     return rows
 
 
-def _peak_reserved(torch, arm):
-    if arm == "torch":
-        return int(torch.cuda.max_memory_reserved())
-    import xpool
-    return int(xpool.installed().stats(0).iloc[0].peak_bytes_reserved)
+def _worker(argv, what: str, timeout: float):
+    """The JSON a worker process prints last; RuntimeError naming `what` when it fails."""
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if out.returncode:
+        raise RuntimeError(f"{what} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # --- the trials, interleaved
-
 def run(trials: int = 5, pairs: int = 50_000, steps: int = 20, warmup: int = 5, batch_size: int | None = None,
         command=None, timeout: float = 120.0):
-    """Rows of `trials` interleaved trials, one fresh process per (trial, arm); a DataFrame with provenance.
-
-    `command(arm)` gives the worker's argv (tests replace the GPU worker with a stand-in).
-
-    Args: trials: trials per arm, interleaved (who goes first alternates); pairs, steps, warmup, batch_size: passed
-    to the worker; command: command(arm) -> argv of the worker process (default: this module's GPU worker); timeout:
-    seconds one worker may run. Returns: A DataFrame with COLUMNS and provenance. Raises: RuntimeError: a worker
-    failed, naming its trial and arm.
-    """
+    """Rows (COLUMNS, provenance) of `trials` trials, who goes first alternating, a fresh process per (trial, arm)
+    running command(arm) (default: this module's GPU worker); a failing worker's trial and arm are named."""
     import pandas as pd
 
     from xlab.provenance import provenance
@@ -150,28 +118,20 @@ def run(trials: int = 5, pairs: int = 50_000, steps: int = 20, warmup: int = 5, 
     for trial in range(trials):
         order = ARMS if trial % 2 == 0 else ARMS[::-1]        # who goes first alternates
         for position, arm in enumerate(order):
-            out = subprocess.run(command(arm), capture_output=True, text=True, timeout=timeout)
-            if out.returncode:
-                raise RuntimeError(f"trial {trial}, arm {arm} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-            for r in json.loads(out.stdout.strip().splitlines()[-1]):
-                rows.append({**r, "trial": trial, "order": position})
+            rows += [{**r, "trial": trial, "order": position}
+                     for r in _worker(command(arm), f"trial {trial}, arm {arm}", timeout)]
     prov = provenance(bench="torch_interop", trials=trials)
     df = pd.DataFrame(rows).reindex(columns=COLUMNS)
     return df.assign(**{k: v for k, v in prov.items() if k not in df.columns})
 
 
 def summarize(df):
-    """One row per (case, size): each arm's median [95% interval], and xpool's speed relative to PyTorch's own.
-
-    speedup > 1 means xpool is faster: torch µs / xpool µs for empty_del, xpool / torch tokens/s for training.
-
-    Args: df: run()'s rows. Returns: A DataFrame: case, size_bytes, unit, trials, each arm's median/low/high,
-    speedup/low/high, verdict.
-    """
+    """One row per (case, size): each arm's median [95% interval], and xpool's speed over PyTorch's own paired by
+    trial (speedup > 1: xpool is faster; torch µs / xpool µs for empty_del, xpool / torch tokens/s for training)."""
     import pandas as pd
-    out = []
+
     from xlab.allocators import canonical
-    df = canonical(df)
+    out, df = [], canonical(df)
     for (case, size), g in df.groupby(["case", df["size_bytes"].fillna(0)], sort=False):
         vals = {arm: g.loc[g.arm == arm, "value"].to_numpy() for arm in ARMS}
         row = {"case": case, "size_bytes": int(size) or None, "unit": g.unit.iloc[0],
@@ -180,7 +140,7 @@ def summarize(df):
             row[f"{arm}_median"], row[f"{arm}_low"], row[f"{arm}_high"], _ = intervals.median_ci(vals[arm])
         num, den = (vals["torch"], vals["xpool"]) if case == "empty_del" else (vals["xpool"], vals["torch"])
         row["speedup"], row["speedup_low"], row["speedup_high"], _ = intervals.ratio_ci(num, den)
-        row["verdict"] = ("inside the noise" if row["speedup_low"] <= 1 <= row["speedup_high"]
+        row["verdict"] = ("within noise" if row["speedup_low"] <= 1 <= row["speedup_high"]
                           else "xpool faster" if row["speedup_low"] > 1 else "xpool slower")
         out.append(row)
     return pd.DataFrame(out)
@@ -192,10 +152,7 @@ MIX_B, MIX_D, MIX_H = 4096, 1024, 4096   # PyTorch's B*H*4 activations = CuPy's 
 
 
 def mixed_setup(torch, seed=0):
-    """(model, optimizer, first input) of the mixed loop: an MLP trained with AdamW on CUDA device 0.
-
-    Args: torch: the torch module; seed: the model's seed.
-    """
+    """(model, optimizer, first input) of the mixed loop: an MLP trained with AdamW on CUDA device 0."""
     torch.manual_seed(seed)
     dev = torch.device("cuda", 0)
     model = torch.nn.Sequential(torch.nn.Linear(MIX_D, MIX_H), torch.nn.GELU(),
@@ -206,11 +163,7 @@ def mixed_setup(torch, seed=0):
 
 
 def mixed_step(torch, cupy, model, opt, x):
-    """A PyTorch training step, then CuPy on the first layer's weight (shared through DLPack, no copy), whose
-    result feeds PyTorch's next input. Returns (loss, CuPy's sum, next input), all on the device.
-
-    Args: torch, cupy: the modules; model, opt, x: mixed_setup's result (x: this step's input).
-    """
+    """A PyTorch step, then CuPy on its first weight (DLPack) feeding the next input: (loss, sum, next x)."""
     loss = ((model(x) - x) ** 2).mean()
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -226,16 +179,11 @@ def mixed_step(torch, cupy, model, opt, x):
 
 
 def mixed_worker(arm: str, steps: int, out_csv: str | None) -> dict:
-    """The mixed loop in this (fresh) process. xpool: its memory by framework to `out_csv`; peaks either way.
-
-    Args: arm: "xpool" or "torch"; steps: loop steps; out_csv: where xpool's memory by framework goes (None: not
-    written). Returns: A dict: the arm and its peak reserved bytes (xpool's one pool, or each framework's own).
-    """
+    """The mixed loop in this fresh process under `arm`: its peak reserved; xpool's memory to `out_csv`."""
     import cupy
     import torch
     pool = None
     if arm == "xpool":
-        import xpool
         pool = xpool.enable_torch(timeline=1_000_000)
     model, opt, x = mixed_setup(torch)
     for _ in range(steps):
@@ -250,13 +198,7 @@ def mixed_worker(arm: str, steps: int, out_csv: str | None) -> dict:
 
 
 def mixed_memory(steps: int = 4, timeout: float = 180.0):
-    """Run the mixed loop under xpool and under the two frameworks' own pools, each in a fresh process.
-
-    Returns (memory by framework over time under xpool, {"one_pool": xpool's peak reserved, "two_pools":
-    PyTorch's + CuPy's peak reserved}); usable from a notebook kernel that already touched CUDA.
-
-    Args: steps: loop steps; timeout: seconds one worker process may run.
-    """
+    """The mixed loop under xpool and under both frameworks' pools (fresh processes): (memory, peaks)."""
     import tempfile
 
     import pandas as pd
@@ -264,12 +206,8 @@ def mixed_memory(steps: int = 4, timeout: float = 180.0):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "mixed.csv")
         for arm in ARMS:
-            argv = [sys.executable, "-m", "xlab.bench.torch_interop", "--mixed", arm, "--steps", str(steps),
-                    "--mixed-out", path]
-            out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-            if out.returncode:
-                raise RuntimeError(f"mixed loop, arm {arm} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-            peaks[arm] = json.loads(out.stdout.strip().splitlines()[-1])
+            peaks[arm] = _worker([sys.executable, "-m", "xlab.bench.torch_interop", "--mixed", arm, "--steps",
+                                  str(steps), "--mixed-out", path], f"mixed loop, arm {arm}", timeout)
         mem = pd.read_csv(path)
     n = peaks["torch"]
     return mem, {"one_pool": peaks["xpool"]["peak_reserved"],
@@ -277,8 +215,7 @@ def mixed_memory(steps: int = 4, timeout: float = 180.0):
 
 
 def torch_cuda_available() -> bool:
-    """True when PyTorch is installed with CUDA and sees a device (checked in a subprocess: this process's
-    PyTorch must stay uninitialised for xpool.enable_torch())."""
+    """PyTorch has CUDA and a device (asked in a subprocess: this process's must stay unstarted)."""
     code = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     try:
         return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120).returncode == 0
@@ -287,12 +224,7 @@ def torch_cuda_available() -> bool:
 
 
 def in_use_by_origin(tl):
-    """An xpool timeline -> bytes in use per framework after each event (columns cupy, torch, python, reserved).
-
-    Starts from zero at the first event kept: record from the start (or from an empty pool) for absolute levels.
-
-    Args: tl: an xpool timeline DataFrame with an origin column. Returns: A DataFrame.
-    """
+    """An xpool timeline -> bytes in use per framework after each event (cupy, torch, python, reserved)."""
     import pandas as pd
     sign = tl.event.map({"alloc_hit": 1, "alloc_miss": 1, "free": -1}).fillna(0).to_numpy(dtype=np.int64)
     out = pd.DataFrame({"t_s": tl.t_s.to_numpy(), "reserved": tl.bytes_reserved.to_numpy()})
@@ -302,12 +234,7 @@ def in_use_by_origin(tl):
 
 
 def plot_mixed_memory(mem, two_pools: int | None = None, title="One pool for CuPy and PyTorch"):
-    """Stacked bytes in use by framework, and bytes reserved, over time (from in_use_by_origin); `two_pools`:
-    the sum of the frameworks' own pools' peaks, drawn for comparison.
-
-    Args: mem: in_use_by_origin's frame; two_pools: bytes, or None; title: the figure's title. Returns: A matplotlib
-    Figure.
-    """
+    """Bytes in use by framework, stacked, and reserved, over time; `two_pools`: their own pools' peak."""
     from matplotlib.figure import Figure
     fig = Figure(figsize=(10, 4.5), layout="constrained")
     ax = fig.add_subplot()
@@ -324,10 +251,7 @@ def plot_mixed_memory(mem, two_pools: int | None = None, title="One pool for CuP
 
 
 def main(argv=None):
-    """The command line: measure, print the summary, write the CSV (see --help); or, hidden, one worker.
-
-    Args: argv: arguments (default: sys.argv[1:]).
-    """
+    """The command line: measure, print the summary, write the CSV (see --help); or, hidden, one worker."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--pairs", type=int, default=50_000, help="torch.empty+del pairs timed per size")
@@ -345,15 +269,10 @@ def main(argv=None):
     if a.worker:
         print(json.dumps(worker(a.worker, a.pairs, a.steps, a.warmup, a.batch_size)))
         return
+    from xlab.paths import data_dir
     df = run(a.trials, a.pairs, a.steps, a.warmup, a.batch_size)
-    out = a.out
-    if out is None:
-        from xlab.paths import data_dir
-        out = str(data_dir() / "torch_interop.csv")
-    write_csv(df, out)
-    import pandas as pd
-    with pd.option_context("display.width", 160, "display.max_columns", 20):
-        print(summarize(df).round(3).to_string(index=False))
+    write_csv(df, out := a.out or str(data_dir() / "torch_interop.csv"))
+    print(summarize(df).round(3).to_string(index=False, line_width=160))
     print(f"wrote {len(df)} rows to {out}")
 
 

@@ -3,12 +3,19 @@ of medians over the trials."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
 from xlab import allocators
 from xlab.allocators import NoGPU
 
+EXPERIMENTS = {"single": "single_gpu", "ddp": "ddp", "sweep": "sweep"}     # command -> module
+PRESETS = {   # (--quick or --cpu-smoke, the sweep) -> the settings it gives
+    ("quick", False): dict(trials=2, warmup=2, steps=3, count_steps=2),
+    ("quick", True): dict(trials=2, warmup=2, steps_scale=0.5),
+    ("cpu_smoke", False): dict(trials=2, warmup=1, config="tiny", steps=2, count_steps=1),
+    ("cpu_smoke", True): dict(trials=2, warmup=1, config="tiny", batches=[2, 4], steps_scale=0.3)}
 SHOW = ["mode", "allocator", "world", "batch", "tokens_per_s", "speedup", "ratio_vs_cupy_pool", "host_ms_per_step",
         "gpu_ms_per_step", "gpu_util_mean", "device_mallocs_per_step", "reserved_over_requested"]
 
@@ -36,11 +43,7 @@ def _common(p, out, steps, warmup):
 
 
 def parse(argv=None):
-    """The experiments' command line.
-
-    Args: argv: arguments (default: sys.argv[1:]). Returns: The argparse namespace, with --quick/--cpu-smoke
-    applied.
-    """
+    """The experiments' command line: its namespace, with --quick/--cpu-smoke applied."""
     ap = argparse.ArgumentParser(prog="python -m xlab.experiments", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("single", help="one GPU, every allocator, batch 32 and 4")
@@ -63,29 +66,16 @@ def parse(argv=None):
     if args.cmd != "worker":
         if args.trials < 1:
             ap.error("--trials must be at least 1")
-        if args.quick:
-            args.trials, args.warmup = 2, 2
-            if args.cmd == "sweep":
-                args.steps_scale = 0.5
-            else:
-                args.steps, args.count_steps = 3, 2
-        if args.cpu_smoke:
-            args.trials, args.warmup, args.config = 2, 1, "tiny"
-            if args.cmd == "sweep":
-                args.batches, args.steps_scale = [2, 4], 0.3
-            else:
-                args.steps, args.count_steps = 2, 1
-        elif args.out is None:
+        for preset in ("quick", "cpu_smoke"):
+            if getattr(args, preset):
+                vars(args).update(PRESETS[preset, args.cmd == "sweep"])
+        if args.out is None and not args.cpu_smoke:
             args.out = args.default_out
     return args
 
 
 def main(argv=None) -> int:
-    """Run one experiment from the command line and print its medians.
-
-    Args: argv: arguments (default: sys.argv[1:]). Returns: The exit status: 2 without the GPUs needed, 1 if a run's
-    checks failed.
-    """
+    """Run one experiment and print its medians; 2 without the GPUs, 1 if a run's checks failed."""
     args = parse(argv)
     if args.cmd == "worker":
         from .ddp import worker_main
@@ -93,32 +83,21 @@ def main(argv=None) -> int:
         return 0
     if args.adamw:
         os.environ["XPOOL_ADAMW"] = args.adamw      # read by every rank, launched ones too
-    common = dict(warmup=args.warmup, config=args.config, out=args.out, cpu=args.cpu_smoke,
-                  progress=not args.no_progress, trials=args.trials, resume=args.resume)
-    if args.cmd != "sweep":
-        common.update(steps=args.steps, count_steps=args.count_steps)
-    if args.allocators:
-        common["allocators"] = tuple(args.allocators)
+    kw = dict(warmup=args.warmup, config=args.config, out=args.out, cpu=args.cpu_smoke, progress=not args.no_progress,
+              trials=args.trials, resume=args.resume, allocators=tuple(args.allocators or ()) or None)
+    for name in ("steps", "count_steps", "batches", "modes", "worlds", "batch", "launcher", "steps_scale"):
+        if hasattr(args, name):                     # the experiment's own options
+            value = getattr(args, name)
+            kw[name] = tuple(value) if isinstance(value, list) else value
     try:
-        if args.cmd == "single":
-            from .single_gpu import run
-            df = run(batches=tuple(args.batches), **common)
-        elif args.cmd == "ddp":
-            from .ddp import run
-            df = run(modes=tuple(args.modes), worlds=tuple(args.worlds), batch=args.batch, launcher=args.launcher,
-                     **common)
-        else:
-            from .sweep import run
-            df = run(batches=tuple(args.batches), worlds=tuple(args.worlds), steps_scale=args.steps_scale,
-                     **common)
+        df = importlib.import_module(f".{EXPERIMENTS[args.cmd]}", __package__).run(**kw)
     except NoGPU as e:
         print(f"xlab.experiments {args.cmd}: {e}", file=sys.stderr)
         return 2
     keys = ["mode", "allocator", "world", "batch"]
     med = df.groupby(keys, sort=False)[[c for c in SHOW if c not in keys]].median(numeric_only=True).reset_index()
-    with __import__("pandas").option_context("display.width", 200, "display.max_columns", 20):
-        print(f"medians over {args.trials} trial(s):")
-        print(med.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    print(f"medians over {args.trials} trial(s):")
+    print(med.to_string(index=False, float_format=lambda v: f"{v:.3g}", line_width=200))
     if args.out:
         print(f"wrote {args.out}")
     return 0 if df["checks_passed"].all() else 1

@@ -1,24 +1,9 @@
-"""Data-parallel training over 1..N GPUs (global batch = per-GPU batch x N), NCCL all-reduce of gradients.
-
-Two modes, the same allocators, `trials` trials interleaved across them (A B C D, A B C D, ...):
-- threads: one process, one Python thread per GPU, one NCCL communicator per thread (`ThreadGroup`:
-  ncclCommInitRank from each thread, NCCL's one-device-per-thread pattern; the calls release the GIL).
-  The all-reduce is fenced (train.Fenced) during warm-up, and in the timed steps only for allocators that call
-  the device once warm (raw): a cudaMalloc/cudaFree during a peer's NCCL kernel deadlocks.
-  The gradient all-reduce is not overlapped with the backward pass: the tape runs backward as one call with no
-  per-gradient hook, so buckets on a side stream would need the workload changed (not done).
-- processes: one process per GPU, started by `mpirun` (mpi4py) where it exists, else by multiprocessing
-  spawn; each rank runs the interleaved trials itself, so launch, CUDA and NCCL start-up are paid once.
-World 1 is the plain one-GPU loop in both modes (no communicator, no all-reduce), so a speedup is over
-training on one GPU, not over a one-rank all-reduce (the first H200 CSV's world-1 rows still all-reduced).
+"""Data-parallel training over 1..N GPUs (global batch = per-GPU batch x N), NCCL all-reduce of gradients, in two
+modes: one thread per GPU in one process, or one process per GPU (NOTES.md, Note [Data-parallel modes]).
 
 How it reads: `run` -> for each world, a mode's arms (`threads_arms`: a ThreadGroup; `launch`: rank processes
 running `rank_main`) -> runner.run_arm for each (trial, allocator) around rank functions built from
 train.run_rank -> train.build_row. Nothing calls back up.
-
-Every run carries its checks: the loss curve against a single-GPU run on the same global batch
-(loss_rel_diff_max <= 1e-6) and the parameters across ranks after the run (param_rank_diff_max < 1e-6).
-NVLink multicast stays off: NCCL_NVLS_ENABLE=0 in every process.
 
     df = ddp.run(worlds=(1, 2))                   # writes data/ddp_scaling.csv
     python -m xlab.experiments ddp --worlds 1 2 --modes threads processes --trials 5
@@ -27,22 +12,29 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import importlib.util
+import multiprocessing as mp
 import os
 import pickle
+import queue as queue_module
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import traceback
 import warnings
 
+from tqdm.auto import tqdm
+
 from tapegpt import GPTConfig, load_corpus
+from xlab import allocators as registry
+from xlab.nvml import UtilSampler
 from xlab.paths import repo_root, write_csv
 from xlab.provenance import git_commit, provenance
 
-from xlab import allocators as registry
 from . import runner, train
 from .single_gpu import TRIALS
 
@@ -79,11 +71,7 @@ class NcclComm:
 
 
 def reference_losses(cfg, data, batch, steps, warmup, cpu=False) -> list:
-    """The single-GPU loss curve on the same global batch (GPU 0, CuPy's pool): what DDP must match.
-
-    Args: cfg, data: the GPT config and the token array; batch: the global batch (per-GPU batch x world); steps,
-    warmup: as the DDP run's; cpu: on NumPy. Returns: The loss curve, a list of floats (warm-up steps first).
-    """
+    """The one-GPU loss curve (CuPy's pool, or NumPy) on the same global batch: what DDP must match."""
     xp = _xp(cpu)
     with (contextlib.nullcontext() if cpu else xp.cuda.Device(0)):
         with runner.installed("numpy" if cpu else "cupy_pool", False, [0]) as alloc:
@@ -91,24 +79,18 @@ def reference_losses(cfg, data, batch, steps, warmup, cpu=False) -> list:
 
 
 def _xp(cpu):
-    if cpu:
-        import numpy
-        return numpy
-    import cupy
-    return cupy
+    return importlib.import_module("numpy" if cpu else "cupy")
 
 
 # --- threads: one process, a thread per GPU
-
 class ThreadGroup:
-    """`world` ranks as threads of this process, each with its communicator (NCCL on GPUs, HostComm on NumPy)
-    wrapped in train.Fenced; `ranks(batch)` gives the runner's rank function for one arm."""
+    """`world` ranks as threads, each with a Fenced communicator; ranks(batch): the runner's rank function."""
 
     def __init__(self, world, cfg, data, warmup, cpu=False):
         self.world, self.cfg, self.data, self.warmup, self.cpu = world, cfg, data, warmup, cpu
         self.xp = xp = _xp(cpu)
         self.device_ctx = None if cpu else xp.cuda.Device
-        self.sampler = None
+        self.sampler = None if cpu else UtilSampler(range(world))     # rank 0 starts and stops it for all GPUs
         if world == 1:
             self.comms = [None]
         elif cpu:
@@ -119,9 +101,6 @@ class ThreadGroup:
             uid = nccl.get_unique_id()
             self.comms = runner.run_threads(world, lambda r: NcclComm(nccl.NcclCommunicator(world, uid, r)),
                                             self.device_ctx)
-        if not cpu:
-            from xlab.nvml import UtilSampler
-            self.sampler = UtilSampler(range(world))          # rank 0 starts and stops it for all GPUs
         self.barrier = threading.Barrier(world, timeout=BARRIER_TIMEOUT)
         # one rank needs no collective (and no fence): world 1 is the same loop without an all-reduce
         self.fenced = ([train.Fenced(self.comms[r], self.barrier.wait, train.synchronizer(xp, r))
@@ -143,13 +122,7 @@ class ThreadGroup:
 
 def threads_arms(world, names, cfg, data, batch, steps, warmup, count_steps, cpu=False, progress=True,
                  trials=TRIALS) -> list:
-    """(trial, runner.run_arm result) for each trial and allocator, interleaved, with `world` threads.
-
-    Args: world: GPUs, one thread each; names: allocator names; cfg, data, batch, steps, warmup, count_steps: the
-    run's shape (train.run_rank, runner.run_arm); cpu: NumPy ranks with HostComm; progress: a progress bar; trials:
-    trials per allocator. Returns: A list of (trial, result) in the order they ran.
-    """
-    from tqdm.auto import tqdm
+    """[(trial, runner.run_arm result)] of every trial and allocator, interleaved, on `world` threads."""
     group = ThreadGroup(world, cfg, data, warmup, cpu)
     try:
         return [(t, runner.run_arm(name, group.ranks(batch), steps, count_steps, range(world), count=t == 0))
@@ -160,20 +133,12 @@ def threads_arms(world, names, cfg, data, batch, steps, warmup, count_steps, cpu
 
 
 # --- processes: one process per GPU
-
 def rank_main(rank, world, uid, spec, barrier) -> list:
-    """One rank of the processes mode: every (trial, allocator) in turn on GPU `rank`; [(trial, run_arm result)].
-
-    Args: rank, world: this process's rank and the number of ranks; uid: the NCCL unique id (from rank 0); spec: the
-    run's settings (allocators, batch, steps, warmup, count_steps, config, trials, progress); barrier: a function
-    meeting every rank. Returns: A list of (trial, result) in the order they ran.
-    """
+    """One rank of the processes mode: every (trial, allocator) in turn on GPU `rank`, [(trial, run_arm result)]. uid:
+    NCCL's unique id (from rank 0); spec: the run's settings; barrier: a function meeting every rank."""
     no_multicast()
     import cupy
     from cupy.cuda import nccl
-    from tqdm.auto import tqdm
-
-    from xlab.nvml import UtilSampler
     cfg, data = GPTConfig(**spec["config"]), load_corpus()
     with cupy.cuda.Device(rank):
         comm = NcclComm(nccl.NcclCommunicator(world, uid, rank)) if world > 1 else None
@@ -194,10 +159,7 @@ def rank_main(rank, world, uid, spec, barrier) -> list:
 
 
 def worker_main(spec_path) -> None:
-    """Entry point of an `mpirun`-launched rank: NCCL id from rank 0, results gathered to rank 0's file.
-
-    Args: spec_path: a pickled spec (see rank_main) with result_path, where rank 0 writes every rank's results.
-    """
+    """An `mpirun`-launched rank: NCCL id from rank 0, every rank's results to rank 0's result_path."""
     from mpi4py import MPI
     from cupy.cuda import nccl
     with open(spec_path, "rb") as f:
@@ -211,7 +173,6 @@ def worker_main(spec_path) -> None:
 
 
 def _spawned_rank(rank, world, uid, spec, barrier, queue):
-    import traceback
     try:
         timeout = spec.get("barrier_timeout", BARRIER_TIMEOUT)
         queue.put((rank, rank_main(rank, world, uid, spec, lambda: barrier.wait(timeout)), None))
@@ -220,22 +181,14 @@ def _spawned_rank(rank, world, uid, spec, barrier, queue):
 
 
 def pick_launcher(launcher="auto") -> str:
-    """'mpirun' when it and mpi4py are there (the standard launcher), else 'spawn'.
-
-    Args: launcher: "auto", "mpirun" or "spawn". Returns: "mpirun" or "spawn" (anything else is returned as given,
-    and launch() rejects it).
-    """
+    """'mpirun' for "auto" when it and mpi4py are there, else 'spawn'; anything else as given."""
     if launcher != "auto":
         return launcher
     return "mpirun" if shutil.which("mpirun") and importlib.util.find_spec("mpi4py") else "spawn"
 
 
 def launch(world, spec, launcher="auto") -> list:
-    """Start `world` rank processes; their results, indexed [rank][allocator].
-
-    Args: world: ranks; spec: see rank_main; launcher: "auto", "mpirun" or "spawn". Returns: [rank] -> rank_main's
-    list. Raises: RuntimeError: a rank failed (its traceback included); ValueError: an unknown launcher.
-    """
+    """Start `world` rank processes (mpirun or spawn): [rank] -> rank_main's list."""
     launcher = pick_launcher(launcher)
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", **{train.ADAMW_ENV: train.adamw_form()},
                PYTHONPATH=os.pathsep.join(p for p in (str(repo_root()), os.environ.get("PYTHONPATH")) if p))
@@ -260,9 +213,6 @@ def launch(world, spec, launcher="auto") -> list:
 
 
 def _spawn(world, spec, env):
-    import multiprocessing as mp
-    import queue as queue_module
-
     from cupy.cuda import nccl
     ctx = mp.get_context("spawn")
     queue, barrier = ctx.Queue(), ctx.Barrier(world)
@@ -300,10 +250,7 @@ def _spawn(world, spec, env):
 
 
 def merge_ranks(per_rank: list) -> list:
-    """[rank][i] = (trial, run_arm result) -> [(trial, one result per arm with every rank's run in timed/counted)].
-
-    Args: per_rank: launch()'s result. Returns: A list of (trial, result) as threads_arms gives.
-    """
+    """launch()'s [rank][i] -> [(trial, one run_arm result with every rank's runs)], as threads_arms's."""
     out = []
     for i, (trial, first) in enumerate(per_rank[0]):
         counted = None if first["counted"] is None else [r[i][1]["counted"][0] for r in per_rank]
@@ -315,18 +262,9 @@ def merge_ranks(per_rank: list) -> list:
 def run(modes=("threads", "processes"), worlds=(1, 2), allocators=None, batch=32, steps=6, warmup=3,
         count_steps=3, config=None, launcher="auto", out="data/ddp_scaling.csv", cpu=False, progress=True,
         trials=TRIALS, resume=False):
-    """Data-parallel tokens/s, speedup over world 1, host and GPU ms per step, utilisation, mallocs, peaks and
-    checks.
-
-    Args: modes: "threads" and/or "processes"; worlds: GPU counts (world 1 is every speedup's reference);
-    allocators: arm names (default: allocators.SETS["ddp"]); batch: sequences per GPU per step; steps, warmup,
-    count_steps: timed steps, untimed steps first, steps of the counting run (trial 0); config: GPT config;
-    launcher: processes' launcher (auto, mpirun, spawn); out: the CSV (None: none); cpu: threads mode on NumPy with
-    HostComm (tests the code, measures nothing); progress: progress bars; trials: trials per (mode, world,
-    allocator), interleaved across allocators; resume: keep the (world, mode) blocks an interrupted run of this
-    commit and these settings completed in `out`, and measure the others. Returns: A tidy DataFrame, one row per
-    (mode, world, trial, allocator).
-    """
+    """Data-parallel training (NOTES.md, Note [Data-parallel modes]): one row per (mode, world, trial, allocator),
+    written to `out` (None: none) after each block. cpu: threads mode on NumPy (tests the code, measures nothing);
+    resume: keep the (world, mode) blocks an interrupted run of this commit and these settings completed."""
     no_multicast()
     allocators = registry.parse(allocators or registry.SETS["ddp"])
     if cpu:

@@ -1,31 +1,30 @@
-"""The experiments' runner: trials interleaved across arms; each arm is a fresh allocator installed around the
-rank functions an experiment composes from train.py.
-
-    for trial, name in interleaved(5, ("raw", "cupy_pool", "xpool")):     # A B C, A B C, ...
-        m = run_arm(name, ranks, steps, count_steps, devices, count=trial == 0)
-
-`ranks(alloc, steps)` runs every rank of one arm (in this thread, one thread per GPU, or this process's one rank)
-and returns their `train.run_rank` dicts. The runner owns the allocator's life: make, install, run, uninstall,
-collect garbage, release; and, for allocators whose counting costs time (raw, CuPy's pool), a separate short
-counting run, made in the first trial only (counts do not vary between trials; timing does).
+"""The experiments' runner: trials interleaved across arms (A B C, A B C, ...); each arm a fresh allocator
+installed around the rank functions an experiment composes from train.py. `ranks(alloc, steps)` runs every rank of
+one arm and returns their `train.run_rank` dicts; the runner owns the allocator's life (make, install, run,
+uninstall, collect garbage, release) and, where counting costs time (raw, CuPy's pool), a separate short counting
+run in the first trial only (counts do not vary between trials; timing does).
 """
 from __future__ import annotations
 
 import contextlib
 import gc
+import pathlib
 import threading
 
+import pandas as pd
+from tqdm.auto import tqdm
+
 from xlab import allocators as registry
+from xlab.paths import write_csv
+from xlab.provenance import git_commit, provenance
+
+from . import train
 
 RANK_TIMEOUT = 900.0      # seconds a rank thread may run before run_threads gives up on it (a hang inside NCCL)
 
 
 def interleaved(trials: int, arms):
-    """(trial, arm) pairs in the order A B C, A B C, ...: drift between trials hits every arm alike.
-
-    Args: trials: how many trials (at least 1); arms: the arms, in a fixed order. Returns: A list of (trial, arm).
-    Raises: ValueError: trials < 1 or no arms.
-    """
+    """(trial, arm) pairs in the order A B C, A B C, ...: drift between trials hits every arm alike."""
     arms = list(arms)
     if trials < 1 or not arms:
         raise ValueError(f"trials must be >= 1 and arms non-empty; got trials={trials!r}, arms={arms!r}")
@@ -34,12 +33,7 @@ def interleaved(trials: int, arms):
 
 @contextlib.contextmanager
 def installed(name: str, counting: bool, devices):
-    """A fresh allocator `name`, installed for the block; afterwards uninstalled, garbage collected (arrays in
-    reference cycles die before their pool) and released on `devices`.
-
-    Args: name: a registry name; counting: install the counting variant; devices: the devices to release on
-    afterwards. Returns: A context manager giving the installed Allocator.
-    """
+    """A fresh allocator, installed for the block; then uninstalled, collected, released on `devices`."""
     alloc = registry.make(name)
     alloc.install(counting)
     try:
@@ -51,14 +45,8 @@ def installed(name: str, counting: bool, devices):
 
 
 def run_arm(name: str, ranks, steps: int, count_steps: int, devices, count: bool = True) -> dict:
-    """One arm of one trial: a timed run and, unless counting is free (or count is False or count_steps is 0),
-    a counting run, each with a fresh allocator.
-
-    Args: name: the allocator's registry name; ranks: ranks(alloc, steps) -> every rank's run_rank dict; steps,
-    count_steps: timed steps, and steps of the counting run; devices: the devices the ranks use (released
-    afterwards); count: make the counting run (the experiments do so in trial 0 only). Returns: dict(allocator,
-    timed, counted, counted_steps) for train.build_row; counted is None when not counted.
-    """
+    """One arm of one trial, fresh allocators released on `devices`: `steps` timed steps and, unless counting is
+    free or not asked for, a counting run of `count_steps`; dict(allocator, timed, counted, counted_steps)."""
     with installed(name, False, devices) as alloc:
         timed = ranks(alloc, steps)
         free = alloc.free_counting
@@ -72,13 +60,8 @@ def run_arm(name: str, ranks, steps: int, count_steps: int, devices, count: bool
 
 
 def run_threads(world: int, fn, device_ctx=None, timeout: float | None = None) -> list:
-    """fn(rank) on one thread per rank (inside device_ctx(rank) when given); results in rank order.
-
-    Raises: TimeoutError: a rank still runs after `timeout` seconds (a peer failed inside NCCL?); RuntimeError: a
-    rank raised (the first failure, chained). Args: world: threads; fn: fn(rank) -> result; device_ctx:
-    device_ctx(rank) -> a context entered in the thread (e.g. cupy.cuda.Device), or None; timeout: seconds to wait
-    for each thread (default RANK_TIMEOUT). Returns: [fn(0), ..., fn(world - 1)].
-    """
+    """[fn(0), ..., fn(world - 1)], each on a thread of its own inside device_ctx(rank) if given; TimeoutError after
+    `timeout` seconds (a peer failed inside NCCL?), RuntimeError chaining the first rank's failure."""
     results, errors = [None] * world, []
     timeout = RANK_TIMEOUT if timeout is None else timeout
 
@@ -103,17 +86,7 @@ def run_threads(world: int, fn, device_ctx=None, timeout: float | None = None) -
 
 
 def resumed(out, keys, **same) -> tuple[list, set]:
-    """The rows an earlier, interrupted run of the same experiment left in `out`, to finish it instead of
-    starting over (a stage stopped by a time limit: never fewer trials, the rest in a later run).
-
-    Args: out: the CSV (None or missing: nothing to resume); keys: the columns that name one run, e.g. ("trial",
-    "batch", "allocator"); **same: columns whose values must match this run (commit, config, steps, ...); rows that
-    differ are dropped, so a CSV of another commit or another setting is never mixed in. Returns: (rows as dicts,
-    the set of key tuples already measured).
-    """
-    import pathlib
-
-    import pandas as pd
+    """(rows, their `keys`) an interrupted run of this experiment and these settings (`same`) left in `out`."""
     if out is None or not pathlib.Path(out).is_file():
         return [], set()
     df = pd.read_csv(out)
@@ -125,3 +98,13 @@ def resumed(out, keys, **same) -> tuple[list, set]:
         return [], set()
     rows = df.to_dict("records")
     return rows, {tuple(r[k] for k in keys) for r in rows}
+
+
+def run_trials(name: str, one, configs, trials: int, out, keys, resume: bool, progress: bool, **same):
+    """one(trial, *config)'s rows of every interleaved (trial, config) not yet in `out`, rewritten each time."""
+    rows, done = resumed(out, keys, commit=git_commit(), **same) if resume else ([], set())
+    for trial, config in tqdm(interleaved(trials, configs), desc=name, disable=not progress):
+        if (trial, *config) not in done:
+            rows.append({**one(trial, *config), **provenance(experiment=name, trials=trials)})
+            write_csv(train.frame(rows), out)
+    return train.frame(rows)

@@ -1,27 +1,20 @@
 """One GPU, reference config: steady-state tokens/s, host and GPU ms per step, what bounds the step, GPU
 utilisation, device mallocs per step and peak memory for each allocator, each run from a fresh pool and a fresh
-model (same seed); `trials` trials interleaved across the allocators and batches.
+model (same seed); `trials` trials interleaved across the allocators and batches. The columns: NOTES.md, Note [The
+timed window].
 
     df = single_gpu.run()                        # writes data/single_gpu.csv, one row per (trial, batch, allocator)
     python -m xlab.experiments single --steps 10 --trials 5
-
-Columns (shared with ddp; see train.COLUMNS): tokens_per_s over the timed steps after warm-up;
-host_ms_per_step, the dispatching thread's CPU time in the window; dispatch_ms_per_step, the same for a step
-started on an idle device (after the window: no launch queue to wait in, so the host's own work); gpu_ms_per_step, the step's span on the stream (CUDA
-events); gpu_util_mean, NVML's mean over the timed window; bound, host or gpu; device_mallocs_per_step,
-cudaMallocs per step after warm-up (raw and cupy_pool: counted in a separate counting run in trial 0, see
-allocators.py); peak_reserved_bytes / peak_requested_bytes over the whole run (model, warm-up and steps);
-loss_rel_diff_max, this allocator's loss curve against the first allocator's at the same batch.
 """
 from __future__ import annotations
 
 import contextlib
 
 from tapegpt import load_corpus
-from xlab.paths import write_csv
-from xlab.provenance import git_commit, provenance
 
 from xlab import allocators as registry
+from xlab.nvml import UtilSampler
+
 from . import runner, train
 
 TRIALS = 5
@@ -30,17 +23,7 @@ DISPATCH_STEPS = 3     # steps after the window, each from an idle device: the h
 
 def run(allocators=None, batches=(32, 4), steps=10, warmup=3, config=None, out="data/single_gpu.csv",
         count_steps=3, device=0, cpu=False, progress=True, trials=TRIALS, resume=False):
-    """Measure every allocator at every batch size, `trials` times, interleaved.
-
-    Args: allocators: arm names (default: allocators.SETS["single"]); batches: sequences per step; steps, warmup,
-    count_steps: timed steps, untimed steps first, steps of the counting run; config: GPT config name or fields
-    (train.make_config); out: the CSV, rewritten after every run (None: none); device: the GPU; cpu: run the same
-    loop on NumPy (allocator 'numpy'): it tests the code and measures nothing; progress: show a progress bar;
-    trials: trials per (batch, allocator); resume: keep the runs an interrupted run of this commit and these
-    settings left in `out` and measure only the missing ones (runner.resumed). Returns: A tidy DataFrame, one row
-    per (trial, batch, allocator).
-    """
-    from tqdm.auto import tqdm
+    """One row per (trial, batch, allocator), to `out` after each; cpu: NumPy (tests the code, measures nothing)."""
     allocators = registry.parse(allocators or registry.SETS["single"])
     if cpu:
         import numpy as xp
@@ -48,25 +31,20 @@ def run(allocators=None, batches=(32, 4), steps=10, warmup=3, config=None, out="
     else:
         registry.require_gpus(1, "single_gpu.run")
         import cupy as xp
-        from xlab.nvml import UtilSampler
         sampler, on_device = UtilSampler([device]), lambda: xp.cuda.Device(device)
     cfg, data = train.make_config(config), load_corpus()
-    arms = [(b, a) for b in batches for a in allocators]
-    rows, done = (runner.resumed(out, ("trial", "batch", "allocator"), commit=git_commit(), steps=steps,
-                                 warmup=warmup, config=train.config_name(config)) if resume else ([], set()))
     first = {}                                 # first: batch -> the first allocator's loss curve
-    for trial, (batch, name) in tqdm(runner.interleaved(trials, arms), desc="single_gpu", disable=not progress):
-        if (trial, batch, name) in done:
-            continue
 
+    def one(trial, batch, name):
         def ranks(alloc, n):
             with on_device():
                 return [train.run_rank(alloc, cfg, data, batch, n, warmup, xp=xp, device=device,
                                        sampler=sampler, dispatch_steps=DISPATCH_STEPS)]
         m = runner.run_arm(name, ranks, steps, count_steps, [device], count=trial == 0)
         ref = first.setdefault(batch, m["timed"][0]["losses"])
-        row = train.build_row("single", m, 1, batch, cfg, steps, warmup, ref_losses=ref,
-                              config=train.config_name(config), trial=trial)
-        rows.append({**row, **provenance(experiment="single_gpu", trials=trials)})
-        write_csv(train.frame(rows), out)          # what is done survives a later failure
-    return train.frame(rows)
+        return train.build_row("single", m, 1, batch, cfg, steps, warmup, ref_losses=ref,
+                               config=train.config_name(config), trial=trial)
+
+    return runner.run_trials("single_gpu", one, [(b, a) for b in batches for a in allocators], trials, out,
+                             ("trial", "batch", "allocator"), resume, progress, steps=steps, warmup=warmup,
+                             config=train.config_name(config))

@@ -1,15 +1,9 @@
-"""One rank's training run and the row it becomes: the pieces the experiments' runner (runner.py) composes.
+"""One rank's training run and the row it becomes: the pieces the experiments' runner (runner.py) composes. What a
+run times and records: NOTES.md, Note [The timed window].
 
-One rank's run (`run_rank`) is: a fresh model and optimiser (seed 0), `warmup` steps, then a timed
-window of `steps` steps. Data-parallel ranks flatten their gradients and the loss into one buffer,
-sum it over the ranks (one all-reduce per step) and scale by 1/world. Everything here runs on NumPy
-too, with `HostComm` standing in for NCCL, so the loop, the checks and the rows are tested on a CPU.
-
-What a timed window records, per step: wall time; the dispatching thread's CPU time (`time.thread_time`, the
-host's work: it excludes time spent waiting for the GIL, and includes time spinning in a synchronising CUDA
-call); the span of the step on the GPU's stream (CUDA events recorded before and after each step); and NVML's
-utilisation over the window. Python's garbage collector stays on in every arm alike; the pauses it takes
-inside the window are timed (gc.callbacks) and recorded with the row.
+Data-parallel ranks flatten their gradients and the loss into one buffer, sum it over the ranks (one all-reduce
+per step) and scale by 1/world. Everything here runs on NumPy too, with `HostComm` standing in for NCCL, so the
+loop, the checks and the rows are tested on a CPU.
 """
 from __future__ import annotations
 
@@ -39,10 +33,7 @@ ADAMW_DEFAULT = "foreach"
 
 
 def adamw_form() -> str:
-    """The optimizer form of this process's runs: $XPOOL_ADAMW, else foreach.
-
-    Returns: "foreach" or "per_param". Raises: ValueError: $XPOOL_ADAMW names neither.
-    """
+    """The optimizer form, "foreach" or "per_param": $XPOOL_ADAMW, else foreach."""
     form = os.environ.get(ADAMW_ENV, ADAMW_DEFAULT)
     if form not in ADAMW_FORMS:
         raise ValueError(f"{ADAMW_ENV}={form!r}: expected one of {', '.join(ADAMW_FORMS)}")
@@ -67,22 +58,16 @@ CONFIGS = {
 COLUMNS = [
     "mode", "allocator", "world", "batch", "trial", "tokens_per_s", "ms_per_step", "speedup", "speedup_vs_raw",
     "ratio_vs_cupy_pool", "host_ms_per_step", "dispatch_ms_per_step", "gpu_ms_per_step", "gpu_busy_ms_per_step",
-    "bound",
-    "gpu_util_mean", "gc_ms_per_step", "gc_collections", "gc", "fenced", "device_mallocs_per_step",
+    "bound", "gpu_util_mean", "gc_ms_per_step", "gc_collections", "gc", "fenced", "device_mallocs_per_step",
     "peak_reserved_bytes", "peak_requested_bytes", "reserved_over_requested", "loss_first", "loss_last",
     "loss_rel_diff_max", "param_rank_diff_max", "checks_passed", "launcher", "config", "n_params", "block_size",
-    "steps", "warmup", "count_steps", "adamw", "fused", "gemm", "launch", "graph", "graph_pool_bytes",
-]
+    "steps", "warmup", "count_steps", "adamw", "fused", "gemm", "launch", "graph", "graph_pool_bytes"]
 GC_POLICY = "on, pauses timed"   # the `gc` column: the collector runs as usual in every arm; its pauses are shown
 HOST_BOUND_UTIL = 80.0           # % GPU busy below which the GPU waited for the host: the step is host-bound
 
 
 def make_config(config=None) -> GPTConfig:
-    """A GPTConfig from a name in CONFIGS ('reference' when None), a dict of fields, or itself.
-
-    Args: config: None, a name in CONFIGS, a dict of GPTConfig fields, or a GPTConfig. Returns: A GPTConfig. Raises:
-    ValueError: an unknown name.
-    """
+    """A GPTConfig from a name in CONFIGS ('reference' when None), a dict of fields, or itself."""
     if isinstance(config, GPTConfig):
         return config
     if isinstance(config, dict):
@@ -94,21 +79,13 @@ def make_config(config=None) -> GPTConfig:
 
 
 def config_name(config) -> str:
-    """The config's name for the CSV: its name, "reference" for None, "custom" otherwise.
-
-    Args: config: what make_config takes. Returns: A string.
-    """
+    """The name for the CSV of what make_config takes: its name, "reference" for None, "custom" otherwise."""
     return config if isinstance(config, str) else ("reference" if config is None else "custom")
 
 
 # --- one step
-
 def flatten(grads: dict, loss=None):
-    """One contiguous buffer: every gradient raveled in the dict's order, then the loss (one all-reduce).
-
-    Args: grads: name -> array (all of one dtype); loss: a 0-d array appended at the end, or None. Returns: A new
-    1-d array.
-    """
+    """One new 1-d buffer: every gradient raveled in the dict's order, then the loss if given."""
     xp = array_module(next(iter(grads.values())))
     parts = [g.ravel() for g in grads.values()]
     if loss is not None:
@@ -117,11 +94,7 @@ def flatten(grads: dict, loss=None):
 
 
 def unflatten(flat, like: dict):
-    """(grads, loss): views into `flat` shaped like `like`; loss is the 0-d tail (None if there is none).
-
-    Args: flat: what flatten returned (possibly all-reduced); like: the dict flatten was given (shapes and order).
-    Returns: (grads, loss).
-    """
+    """(grads, loss): views into `flat` shaped like `like`; loss the 0-d tail, or None."""
     out, offset = {}, 0
     for k, g in like.items():
         out[k] = flat[offset:offset + g.size].reshape(g.shape)
@@ -131,14 +104,8 @@ def unflatten(flat, like: dict):
 
 
 def train_step(model, opt, x, y, comm=None, world: int = 1, loss_and_grads=None):
-    """Forward, backward, (all-reduce mean of gradients and loss), AdamW; returns the (global mean) loss.
-
-    Args: model, opt: the GPT and its AdamW; x, y: a batch of token ids and targets; comm: the rank's communicator
-    (None: one rank); world: ranks in all (the all-reduced sum is divided by it); loss_and_grads: what computes
-    (loss, grads) from (x, y); None: `model.loss_and_grads` (eager). A tapegpt.graph.CapturedStep replays it as a
-    CUDA graph; the rest of the step stays eager. Returns: The loss, a 0-d device array (the mean over all ranks
-    when comm is given).
-    """
+    """Forward, backward, all-reduce mean of gradients and loss over the `world` ranks of `comm` (if given), AdamW:
+    the loss on the device. loss_and_grads: default model.loss_and_grads (eager), or a CapturedStep (a CUDA graph)."""
     loss, grads = (loss_and_grads or model.loss_and_grads)(x, y)
     if comm is not None:
         flat = flatten(grads, loss)     # allocates a fresh buffer every step, as a framework would
@@ -150,7 +117,6 @@ def train_step(model, opt, x, y, comm=None, world: int = 1, loss_and_grads=None)
 
 
 # --- communicators
-
 class HostComm:
     """NCCL's sum all-reduce and broadcast for ranks that are threads of one process (NumPy, CPU tests)."""
 
@@ -186,10 +152,7 @@ FENCE_ENV = "XLAB_FENCE"   # "always": keep every threads-mode all-reduce fenced
 
 
 def fence_always() -> bool:
-    """True when $XLAB_FENCE=always: threads mode fences the timed steps of every allocator too (rows say so).
-
-    Raises: ValueError: $XLAB_FENCE is set to anything but "always" or "auto".
-    """
+    """$XLAB_FENCE=always: threads mode fences the timed steps of every allocator too (rows say so)."""
     value = os.environ.get(FENCE_ENV, "auto")
     if value not in ("always", "auto"):
         raise ValueError(f"${FENCE_ENV} must be 'always' or 'auto', got {value!r}")
@@ -197,19 +160,7 @@ def fence_always() -> bool:
 
 
 class Fenced:
-    """A communicator for ranks that are threads of one process: meet, run the collective, wait for it.
-
-    NCCL turns peer access on between the GPUs of one process; then a cudaMalloc or cudaFree waits for
-    the peers too, so a rank allocating while a peer's NCCL kernel waits for that rank's launch
-    deadlocks (seen on two H200s with raw cudaMalloc and with CuPy's pool during warm-up). With the
-    fence no rank is inside its step while a collective is in flight.
-
-    The fence costs the overlap of one rank's host work with the other's GPU work, so it is only armed where
-    it is needed: during warm-up for every allocator (pools call cudaMalloc while they fill), and in the timed
-    steps only for allocators that still call the device once warm (`device_calls_when_warm`: raw, cudaMallocAsync).
-    A pool that makes no device call once warm cannot meet that deadlock. `bcast` (the checks after the run) is
-    always fenced: the check allocates fresh buffers.
-    """
+    """A communicator for rank threads: meet, run the collective, wait for it, while armed (Note [The fence])."""
 
     def __init__(self, comm, barrier, sync):
         self.comm, self.barrier, self.sync = comm, barrier, sync
@@ -230,11 +181,7 @@ class Fenced:
 
 
 def param_rank_diff(params: dict, comm) -> float:
-    """Max |p - p_rank0| over all parameters, rank 0's broadcast to every rank.
-
-    Args: params: name -> array, this rank's parameters; comm: the rank's communicator (bcast). Returns: The largest
-    absolute difference, a float (0.0 on rank 0).
-    """
+    """Max |p - p_rank0| over this rank's parameters, rank 0's broadcast to every rank (0.0 on rank 0)."""
     mine = flatten(params)
     root = mine.copy()
     comm.bcast(root, 0)
@@ -242,7 +189,6 @@ def param_rank_diff(params: dict, comm) -> float:
 
 
 # --- one rank's run
-
 class GcPauses:
     """Time spent in Python's garbage collector while active (every thread's collections: gc.callbacks)."""
 
@@ -268,10 +214,7 @@ class GcPauses:
 
 class Window:
     """The timed part of a run: synchronise, meet the other ranks, read counters and clocks; again at the end.
-
-    `dispatched()` marks the end of the host's work (before the closing synchronisation, whose wait is not
-    dispatch): host_seconds is this thread's CPU time from the start to that mark.
-    """
+    host_seconds: this thread's CPU time up to `dispatched()` (the closing synchronisation's wait is not dispatch)."""
 
     def __init__(self, mallocs, sync, barrier=None, sampler=None):
         self.mallocs, self.sync, self.barrier, self.sampler = mallocs, sync, barrier, sampler
@@ -311,8 +254,7 @@ class Window:
 
 
 class StepEvents:
-    """CUDA events recorded on the current stream before and after each timed step (made before the window, so
-    the window creates none); `ms()` is the mean span of a step on the stream, read after the closing sync."""
+    """CUDA events around each timed step (made before the window); ms(): a step's mean span on the stream."""
 
     def __init__(self, xp, steps):
         self.pairs = [] if xp is np else [(xp.cuda.Event(), xp.cuda.Event()) for _ in range(steps)]
@@ -333,10 +275,7 @@ class StepEvents:
 
 
 def synchronizer(xp, device):
-    """A function that waits for `device` (nothing on NumPy).
-
-    Args: xp: numpy or cupy; device: the CUDA device. Returns: A function of no arguments.
-    """
+    """A function that waits for `device` (nothing on NumPy)."""
     if xp is np:
         return lambda: None
     return xp.cuda.Device(device).synchronize
@@ -344,21 +283,9 @@ def synchronizer(xp, device):
 
 def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0, world=1, comm=None,
              barrier=None, sampler=None, dispatch_steps: int = 0) -> dict:
-    """One rank: fresh model, `warmup` steps, `steps` timed steps (then `dispatch_steps` dispatch probes).
-
-    Args: alloc: the registry Allocator, already installed by the caller (CuPy's allocator is process-wide); cfg,
-    data, batch: the GPT config, the token array, sequences per step on this rank; steps, warmup: timed steps and
-    untimed steps before them; xp: numpy or cupy; device, rank, world: where this rank runs and how many there are;
-    comm: the communicator (None: one rank, no all-reduce); a `Fenced` one is disarmed after warm-up when the
-    allocator makes no device call once warm; barrier, sampler: meet the other ranks at the window's edges; NVML
-    sampler (rank 0 only); dispatch_steps: steps after the window, each started on an idle device, whose dispatching
-    thread's CPU time is the host's work per step without waiting: in the window a host that runs ahead of a busy
-    GPU fills CUDA's launch queue and then spins in a launch until a slot frees, which thread time counts. Returns:
-    A dict of host values: seconds, host_seconds, dispatch_ms (median over the probes; NaN without),
-    gpu_ms_per_step, gc_seconds, gc_collections, device_mallocs, util, losses, param_rank_diff, peak_reserved,
-    peak_requested, n_params, fenced. Losses stay on the device until the end: reading one per step would
-    synchronise every step.
-    """
+    """One rank (NOTES.md, Note [The timed window]): a dict of host values (seconds, losses, peaks, ...). alloc is
+    installed by the caller; comm: None for one rank, a Fenced one disarmed after warm-up unless the allocator calls
+    the device once warm; barrier, sampler: the window's edges, NVML (rank 0). Losses stay on the device until read."""
     window = Window(lambda: alloc.device_mallocs(device), synchronizer(xp, device), barrier, sampler)
     fence = comm if isinstance(comm, Fenced) else None
     with alloc.tracking():              # everything allocated in the run, parameters too, is seen
@@ -426,29 +353,18 @@ def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0,
 
 
 # --- checks
-
 def loss_rel_diff(losses, reference) -> float:
-    """Max |loss - ref| / |ref| over the steps both curves have (NaN if a loss is not finite).
-
-    Args: losses, reference: two loss curves, one float per step. Returns: A float.
-    """
+    """Max |loss - ref| / |ref| over the steps both loss curves have (NaN if a loss is not finite)."""
     n = min(len(losses), len(reference))
     a, b = np.asarray(losses[:n], dtype=float), np.asarray(reference[:n], dtype=float)
-    if n == 0:
-        return math.nan
-    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+    if n == 0 or not (np.isfinite(a).all() and np.isfinite(b).all()):
         return math.nan
     return float(np.max(np.abs(a - b) / np.abs(b)))
 
 
 def checks_passed(loss_rel_diff_max=None, param_rank_diff_max=None, loss_tol=LOSS_TOL,
                   param_tol=PARAM_TOL) -> bool:
-    """Every check that was made passed (None: not made; NaN fails).
-
-    Args: loss_rel_diff_max: the loss curve's largest relative difference from its reference, or None;
-    param_rank_diff_max: the parameters' largest difference across ranks, or None; loss_tol, param_tol: the
-    thresholds. Returns: A bool.
-    """
+    """Every check that was made passed (None: not made; NaN fails)."""
     ok = True
     if loss_rel_diff_max is not None:
         ok &= bool(loss_rel_diff_max <= loss_tol)          # NaN compares False
@@ -458,16 +374,8 @@ def checks_passed(loss_rel_diff_max=None, param_rank_diff_max=None, loss_tol=LOS
 
 
 def step_bound(gpu_util: float, host_ms: float, ms_per_step: float) -> str:
-    """What bounds a step: "gpu" when the GPU was busy at least HOST_BOUND_UTIL % of the window (it never waited
-    for the host), else "host". Without NVML: "host" when the dispatching thread was busy at least 80% of the
-    step's wall time. "" when neither can be told.
-
-    NVML first: thread CPU time counts a synchronising call's spin (raw's cudaFree), so alone it would call a
-    raw step host-bound however busy the GPU was.
-
-    Args: gpu_util: NVML's mean utilisation over the window, % (NaN: no NVML); host_ms: the dispatching thread's CPU
-    ms per step; ms_per_step: the wall ms per step. Returns: "gpu", "host" or "".
-    """
+    """What bounds a step: "gpu" when NVML saw the GPU busy at least HOST_BOUND_UTIL %, else "host"; without NVML
+    (thread CPU time counts a synchronising call's spin), "host" when the thread was busy 80% of the time; "" else."""
     if gpu_util is not None and math.isfinite(gpu_util):
         return "gpu" if gpu_util >= HOST_BOUND_UTIL else "host"
     if math.isfinite(host_ms) and math.isfinite(ms_per_step) and ms_per_step > 0:
@@ -476,7 +384,6 @@ def step_bound(gpu_util: float, host_ms: float, ms_per_step: float) -> str:
 
 
 # --- rows
-
 def _maximum(values):
     values = [v for v in values if v is not None]
     return max(values) if values else math.nan
@@ -489,14 +396,7 @@ def _mean(values):
 
 def build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=None, launcher="none",
               config="reference", trial=0) -> dict:
-    """One tidy row (without provenance) from one arm's run over all its ranks.
-
-    Args: mode: "single", "threads" or "processes"; m: the runner's result for one arm: allocator, timed (every
-    rank's run_rank dict), counted (the counting run's, or the timed one's when counting is free; None: not
-    counted), counted_steps; world, batch, cfg, steps, warmup: the run's shape; ref_losses: the loss curve this run
-    must match (None: not checked); launcher, config: recorded as given; trial: which trial of the interleaved
-    sequence this run was. Returns: A dict with the keys of COLUMNS; ratios are NaN until `frame` fills them.
-    """
+    """One tidy row (COLUMNS; ratios NaN until `frame`) of runner.run_arm's result over all ranks."""
     timed, counted = m["timed"], m["counted"]
     seconds = max(r["seconds"] for r in timed)
     ms_per_step = 1000 * seconds / steps
@@ -528,31 +428,23 @@ def build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=None, launch
         host_ms_per_step=host_ms, dispatch_ms_per_step=_mean(r.get("dispatch_ms", math.nan) for r in timed),
         gpu_ms_per_step=_mean(r.get("gpu_ms_per_step", math.nan) for r in timed),
         gpu_busy_ms_per_step=ms_per_step * gpu_util / 100, bound=step_bound(gpu_util, host_ms, ms_per_step),
-        gpu_util_mean=gpu_util,
-        gc_ms_per_step=_mean(1000 * r.get("gc_seconds", math.nan) / steps for r in timed),
+        gpu_util_mean=gpu_util, gc_ms_per_step=_mean(1000 * r.get("gc_seconds", math.nan) / steps for r in timed),
         gc_collections=max(r.get("gc_collections", 0) for r in timed), gc=GC_POLICY,
         fenced=any(r.get("fenced", False) for r in timed),
         device_mallocs_per_step=mallocs_per_step, peak_reserved_bytes=reserved, peak_requested_bytes=requested,
         reserved_over_requested=reserved / requested if requested and not math.isnan(requested) else math.nan,
-        loss_first=losses[0], loss_last=losses[-1],
-        loss_rel_diff_max=math.nan if loss_diff is None else loss_diff,
+        loss_first=losses[0], loss_last=losses[-1], loss_rel_diff_max=math.nan if loss_diff is None else loss_diff,
         param_rank_diff_max=math.nan if param_diff is None else param_diff,
         checks_passed=checks_passed(loss_diff, param_diff), launcher=launcher, config=config, adamw=adamw_form(),
         fused=timed[0].get("fused"), gemm=timed[0].get("gemm"), launch=timed[0].get("launch"),
-        graph=bool(timed[0].get("graph", False)),
-        graph_pool_bytes=_maximum(r.get("graph_pool_bytes") for r in timed),
+        graph=bool(timed[0].get("graph", False)), graph_pool_bytes=_maximum(r.get("graph_pool_bytes") for r in timed),
         n_params=timed[0]["n_params"], block_size=cfg.block_size, steps=steps, warmup=warmup,
         count_steps=m["counted_steps"] if counted is not None else 0,   # steps mallocs and peaks were counted over
     )
 
 
 def add_ratios(df):
-    """Fill speedup (over world 1: same mode, allocator, batch), speedup_vs_raw and ratio_vs_cupy_pool (both:
-    same mode, world, batch), each against the reference run of the same trial (the one it ran beside); NaN
-    where that run is absent. A CSV without a trial column is one trial.
-
-    Args: df: training rows (train.COLUMNS). Returns: df, with the three ratio columns filled in place.
-    """
+    """Fill speedup, speedup_vs_raw and ratio_vs_cupy_pool against the run of the same trial, in place."""
     if "trial" not in df:
         df["trial"] = 0
     tps = {(r.mode, r.allocator, r.world, r.batch, r.trial): r.tokens_per_s for r in df.itertuples()}
@@ -567,11 +459,7 @@ def add_ratios(df):
 
 
 def frame(rows):
-    """Rows (dicts with provenance) as a DataFrame: COLUMNS first, then provenance, with ratios filled.
-
-    Args: rows: dicts from build_row, with provenance. Returns: A DataFrame (an empty one with COLUMNS when there
-    are no rows).
-    """
+    """build_row's rows (with provenance) as a DataFrame, COLUMNS first, ratios filled (no rows: empty, COLUMNS)."""
     import pandas as pd
     df = pd.DataFrame(rows)
     if df.empty:
