@@ -328,3 +328,17 @@ def test_gil_probe_threads_share_one_window():
     one, _ = gil._run([Rank()], "python", 0.3)
     four, _ = gil._run([Rank() for _ in range(4)], "python", 0.3)
     assert four < 1.3 * one, (one, four)
+
+
+def test_miss_scan_rows_carry_every_configuration_and_provenance(tmp_path):
+    """xlab.bench.miss_scan: one row per (free ranges, arm, trial), trials interleaved, with provenance."""
+    from xlab.bench import miss_scan
+    out = tmp_path / "miss_scan.csv"
+    df = miss_scan.run(n_ranges=(10, 200), trials=5, misses=2, out=str(out))
+    assert out.is_file() and len(df) == 2 * 2 * 5
+    assert set(df.arm) == {"release", "control"} and set(df.n_free_ranges) == {10, 200}
+    assert (df.us_per_miss > 0).all() and {"commit", "date", "gpu", "trials"} <= set(df.columns)
+    pool, keep = miss_scan.pool_with_free_ranges(50, {})
+    assert pool.stats().iloc[0].blocks_cached >= 50 and len(keep) == 50
+    with pytest.raises(SystemExit):
+        miss_scan.main(["--trials", "3"])   # a median with an interval needs >= 5

@@ -78,13 +78,19 @@ def test_the_limit_while_capturing_keeps_the_cache_and_says_why():
     assert counters(pool) == (1, 0, 6 * MiB) and pool.stats().iloc[0].bytes_cached == 6 * MiB
 
 
-def test_other_streams_are_not_held_back_by_a_capture():
+def test_a_capture_holds_back_every_stream_of_its_device_and_no_other_device():
+    """Nothing goes back on a device while a stream of it captures (cudaFree synchronises the whole device):
+    stream 1's miss keeps its segment while stream 5, which holds a block there, captures; device 1 is free."""
     pool, backend = make(**EAGER)
-    small = pool.allocate(3 * MiB, stream=1)
-    del small
-    backend.capturing_streams = {5}             # another stream captures
-    pool.allocate(6 * MiB, stream=1)            # stream 1's miss gives its whole segment back as usual
-    assert counters(pool) == (2, 1, 6 * MiB)
+    five = pool.allocate(2 * MiB, stream=5)     # stream 5 holds a segment on device 0: the pool asks about it
+    pool.allocate(3 * MiB, stream=1).release()
+    pool.allocate(3 * MiB, device=1, stream=1).release()
+    backend.capturing_streams = {5}
+    pool.allocate(6 * MiB, stream=1)            # above the mark: would give stream 1's 3 MiB back first
+    assert counters(pool) == (3, 0, 11 * MiB) and (0, 5) in backend.asked
+    pool.allocate(6 * MiB, device=1, stream=1)  # device 1 has no capturing stream: gives back as usual
+    assert pool.stats(1).iloc[0].device_frees == 1
+    del five
 
 
 def test_the_per_thread_stream_is_asked_by_its_handle():

@@ -163,6 +163,8 @@ def test_lengths_start_longest_vary_and_repeat_from_the_seed():
     assert a == wl.lengths(40, 64, 512, seed=3) and a != wl.lengths(40, 64, 512, seed=4)
     assert a[0] == 512 and min(a) >= 64 and max(a[1:]) <= 512 and len(set(a)) > 20
     assert wl.lengths(5, 256, None, seed=3) == [256] * 5
+    b = wl.lengths(40, 64, 512, seed=3, multiple=64)
+    assert b[0] == 512 and set(b) <= set(range(64, 513, 64)) and len(set(b)) > 4
 
 
 @pytest.mark.parametrize("workload, batch", [("torch_varlen", 2), ("gpt_varlen", 16)])
@@ -171,8 +173,9 @@ def test_varlen_workloads_train_at_the_seeded_lengths_on_the_cpu(monkeypatch, wo
     spec, window = dynamic.WORKLOADS[workload], _window()
     info = spec.fn(4, 2, 5, window, gpu=False, small=True)
     assert window.seconds > 0 and info["batch"] == batch
-    lo, hi = (int(x) for x in info["shape"][2:].split("-"))
-    assert [T for _, T in seen] == wl.lengths(6, lo, hi, seed=5) and len({T for _, T in seen}) > 1
+    lo, hi, *by = (int(x) for x in info["shape"][2:].replace(" by ", "-").split("-"))
+    assert [T for _, T in seen] == wl.lengths(6, lo, hi, seed=5, multiple=by[0] if by else 1)
+    assert len({T for _, T in seen}) > 1
     assert {b for b, _ in seen} == {batch}
 
 

@@ -8,6 +8,7 @@ import pickle
 import shutil
 import subprocess
 import threading
+import time
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -458,6 +459,16 @@ def test_another_threads_per_thread_stream_holds_back_what_this_thread_gives():
     go.set()
     t.join()
     assert done["own"] == 5 * P and backend.twin.mapped_bytes(0) == 0
+    t = threading.Thread(target=lambda: FREE(TRY_MALLOC(2 * P, 0, 2), 0, 0, 2))
+    t.start()
+    t.join()
+    freed = 0
+    for _ in range(200):                                  # once that thread has ended (its key is marked so when
+        freed = pool.empty_cache()                        # the system thread exits, after join), its pages go back
+        if freed:
+            break
+        time.sleep(0.01)
+    assert freed == 2 * P and backend.twin.ranges() == []
     audit(pool, backend)
 
 

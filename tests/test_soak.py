@@ -4,6 +4,7 @@ with injected malloc and free failures and concurrent empty_cache / trim / check
 After every run: the pool's counters equal the backend's own accounting, no device ever held more than its
 limit (the backend's high-water mark), nothing leaked, and debug mode reported nothing.
 """
+import contextlib
 import ctypes
 import gc
 import random
@@ -14,6 +15,7 @@ import time
 import pytest
 
 import xpool
+import xpool.testing
 from faults import FaultyBackend, InjectedFault
 from xpool import Pool
 
@@ -156,11 +158,81 @@ def test_soak(seed, workers, ops, debug):
     assert_exact(pool, backend)
 
 
-# ------------------------------------------------------------------ scheme expandable (issue 22): the host twin's
-# pages under the same storm, on the Python and PyTorch (no GIL) paths, with map, unmap and reserve faults and a
-# device that captures throughout
+# ------------------------------------------------------------------ issue 21: capture states, per-thread streams,
+# the PyTorch and CuPy C paths
 
-def _torch_calls():
+PER_THREAD = 2                       # cudaStreamPerThread: another stream in each thread
+STREAMS = (0, 1, PER_THREAD)
+TORCH_ERRORS = ("OutOfMemoryError: ", "InjectedFault: ")   # what xpool_torch_last_error() may say in the soak
+
+
+class Gate:
+    """Pool operations run together; a capture begins or ends alone, between them (a readers-writer lock that
+    prefers the writer).  So the capture state a pool call sees when it asks is the one in force at its frees,
+    and a free during a capture is the pool's fault, never a race of the test's making."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._ops = self._writers = 0
+        self._changing = False
+
+    @contextlib.contextmanager
+    def op(self):
+        with self._cv:
+            while self._changing or self._writers:
+                self._cv.wait()
+            self._ops += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._ops -= 1
+                self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def change(self):
+        with self._cv:
+            self._writers += 1
+            while self._changing or self._ops:
+                self._cv.wait()
+            self._writers -= 1
+            self._changing = True
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._changing = False
+                self._cv.notify_all()
+
+
+class CapturingFaultyBackend(FaultyBackend):
+    """FaultyBackend that says which streams capture, as CupyBackend.capturing does on a GPU: explicit streams,
+    a global-mode capture seen through the legacy stream, and each thread's own per-thread stream, which only
+    that thread can ask about.  A free on a device while any capture of it is on is a violation."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.streams, self.global_mode = set(), set()   # {(device, handle)}, {device}
+        self.own = {}                                   # thread ident -> devices its per-thread stream captures
+        self._local = threading.local()
+        self.violations = []
+
+    def capturing(self, device, stream):
+        if stream == PER_THREAD:
+            return device in self.own.get(threading.get_ident(), ())
+        return (device, stream) in self.streams or (stream == 0 and device in self.global_mode)
+
+    def capture_on(self, device):
+        return (any(d == device for d, _ in self.streams) or device in self.global_mode
+                or any(device in ds for ds in self.own.values()))
+
+    def free(self, device, ptr, nbytes):
+        if self.capture_on(device):
+            self.violations.append(f"free of {nbytes} B on device {device} during a capture")
+        super().free(device, ptr, nbytes)
+
+
+def _torch_entry_points():
     lib = ctypes.CDLL(xpool._core.__file__)
     malloc, free, last = lib.xpool_torch_try_malloc, lib.xpool_torch_free, lib.xpool_torch_last_error
     malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
@@ -169,12 +241,251 @@ def _torch_calls():
     return malloc, free, last
 
 
+def soak_paths(seed: int, workers: int, ops: int, scheme: str, debug):
+    """Workers on the Python, PyTorch (no GIL) and CuPy C paths, on three streams of four devices, while captures
+    begin and end (explicit streams, global mode, the workers' own per-thread streams) and short-lived threads
+    use their per-thread streams; with the soak's injected faults, limit changes and concurrent releases."""
+    cupy_memory = pytest.importorskip("cupy.cuda.memory")
+    backend = CapturingFaultyBackend(n_devices=DEVICES, malloc_oom=0.03, malloc_error=0.02, free_error=0.1,
+                                     seed=seed)
+    current = threading.local()                     # the stream CuPy's hook sees, per thread
+    lookup = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int)(lambda device: getattr(current, "stream", 0))
+    pool = xpool.testing.pool_with_stream_lookup(backend, lookup, scheme=scheme, limit=LIMIT, debug=debug)
+    pool._core.bind_torch()
+    param, malloc_fn, free_fn = xpool.testing.cfunctions(pool)
+    t_malloc, t_free, t_last = _torch_entry_points()
+    menu = [random_size(random.Random(seed * 7 + j)) for j in range(24)]
+    gate, stop = Gate(), threading.Event()
+    errors, keys, lock = [], {}, threading.Lock()   # keys: thread name -> its per-thread key, as the pool keyed it
+    counts = dict(allocated=0, refused=0, held_back=0, torch=0, cupy=0, per_thread=0, captures=0, own_captures=0,
+                  short_lived=0)
+    start = threading.Barrier(workers + 3)
+
+    def count(name, n=1):
+        with lock:
+            counts[name] += n
+
+    def note_key(name, device, ptr):
+        """The per-thread key the pool gave this thread, from its first per-thread block; one per thread."""
+        if name in keys:
+            return
+        key = next((b["stream"] for b in pool.live_blocks(device) if b["ptr"] == ptr), None)
+        with lock:
+            keys[name] = key
+
+    def take(rng, name):
+        """One block on a random path, device and stream; (free function, ptr, nbytes, device) or None."""
+        n = rng.choice(menu) if rng.random() < 0.6 else random_size(rng)
+        device, stream, path = rng.randrange(DEVICES), rng.choice(STREAMS), rng.random()
+        if stream == PER_THREAD and name.startswith("worker"):
+            # the long-lived threads' per-thread streams stay on devices 0 and 1: while such a thread lives, its
+            # stream counts as capturing there (no other thread can ask it), so nothing goes back on them but
+            # by that thread; on devices 2 and 3 only the short-lived threads use theirs
+            device = device % 2
+        if path < 0.3:                               # PyTorch's entry points, without the GIL
+            ptr = t_malloc(n, device, stream)
+            if ptr is None:
+                text = t_last().decode()
+                if not text.startswith(TORCH_ERRORS):
+                    errors.append(f"{name}: torch path: {text}")
+                count("refused")
+                return None
+            count("torch")
+            release = lambda: t_free(ptr, n, device, stream)                             # noqa: E731
+        elif path < 0.5:                             # CuPy's C hook (CFunctionAllocator)
+            current.stream = stream
+            try:
+                mem = cupy_memory.CFunctionAllocatorMemory(n, param, malloc_fn, free_fn, device)
+            except EXPECTED:
+                count("refused")
+                return None
+            ptr, holder = mem.ptr, [mem]
+            del mem
+            count("cupy")
+            release = holder.clear                  # CuPy frees the block when its memory object dies
+        else:
+            try:
+                a = pool.allocate(n, device=device, stream=stream)
+            except xpool.OutOfMemoryError as e:
+                count("refused")
+                count("held_back", e.reason.endswith("_capturing"))
+                return None
+            except InjectedFault:
+                count("refused")
+                return None
+            ptr = a.ptr
+            release = a.release
+        if stream == PER_THREAD:
+            count("per_thread")
+            note_key(name, device, ptr)
+        count("allocated")
+        return release, ptr, n, device, stream
+
+    def own_capture(rng, held, name):
+        """This thread's per-thread stream begins (or ends) a capture, on a device where it holds a block on it."""
+        me = threading.get_ident()
+        with gate.change():
+            if me in backend.own:
+                del backend.own[me]
+                return
+            devices = sorted({h[3] for h in held if h[4] == PER_THREAD})
+            if devices:
+                backend.own[me] = {rng.choice(devices)}
+                count("own_captures")
+
+    def worker(i):
+        rng = random.Random(seed * 1000 + i)
+        name = f"worker-{i}"
+        held = []                                   # (release, ptr, nbytes, device, stream, tag)
+        start.wait()
+        try:
+            for _ in range(ops):
+                if rng.random() < 0.01:
+                    own_capture(rng, held, name)
+                    continue
+                with gate.op():
+                    if held and (rng.random() < 0.45 or len(held) > 12):
+                        release, ptr, n, device, stream, tag = held.pop(rng.randrange(len(held)))
+                        if ctypes.string_at(ptr, n) != bytes([tag]) * n:
+                            errors.append(f"block 0x{ptr:x} on device {device} was overwritten")
+                        release()
+                        continue
+                    got = take(rng, name)
+                    if got:
+                        tag = rng.randrange(1, 255)
+                        ctypes.memset(got[1], tag, got[2])
+                        held.append(got + (tag,))
+        except Exception as e:  # noqa: BLE001 - surfaced below
+            errors.append(f"{name}: {e!r}")
+        finally:
+            with gate.change():
+                backend.own.pop(threading.get_ident(), None)
+            with gate.op():
+                for release, *_ in held:
+                    release()
+            held.clear()
+
+    def short_lived(k):
+        """A thread that lives for a few blocks on its per-thread stream, then ends (its key must never come back)."""
+        rng = random.Random(f"{seed}-short-{k}")
+        name = f"short-{k}"
+        with gate.op():
+            got = [take(rng, name) for _ in range(3)]
+            for g in got:
+                if g:
+                    g[0]()
+
+    def spawner():
+        start.wait()
+        k = 0
+        while not stop.is_set():
+            t = threading.Thread(target=short_lived, args=(k,), name=f"short-{k}")
+            t.start()
+            t.join()
+            k += 1
+        count("short_lived", k)
+
+    def captures():
+        """Explicit-stream and global-mode captures begin and end between operations."""
+        rng = random.Random(f"{seed}-captures")
+        start.wait()
+        while not stop.is_set():
+            with gate.change():
+                backend.streams, backend.global_mode = set(), set()
+                r = rng.random()
+                if r < 0.4:                          # a stream that holds a block of the pool captures
+                    d = rng.randrange(DEVICES)
+                    streams = sorted({b["stream"] for b in pool.live_blocks(d) if b["stream"] >= 0})
+                    if streams:
+                        backend.streams = {(d, rng.choice(streams))}
+                        count("captures")
+                elif r < 0.55:                       # some stream of a device captures in global mode
+                    backend.global_mode = {rng.randrange(DEVICES)}
+                    count("captures")
+            time.sleep(0.003)
+        with gate.change():
+            backend.streams, backend.global_mode = set(), set()
+
+    def background():
+        rng = random.Random(f"{seed}-background")
+        start.wait()
+        while not stop.is_set():
+            try:
+                with gate.op():
+                    r = rng.random()
+                    if r < 0.3:
+                        pool.empty_cache()
+                    elif r < 0.5:
+                        pool.trim(rng.randrange(LIMIT), device=rng.randrange(DEVICES))
+                    elif r < 0.7:
+                        pool.set_limit(size=rng.randrange(LIMIT // 2, LIMIT + 1), device=rng.randrange(DEVICES))
+                    else:
+                        pool.check()
+                        pool.snapshot()
+            except InjectedFault:
+                pass
+            except Exception as e:  # noqa: BLE001 - surfaced below
+                errors.append(f"background: {e!r}")
+                return
+            time.sleep(0.002)
+
+    threads = [threading.Thread(target=worker, args=(i,), name=f"worker-{i}") for i in range(workers)]
+    threads += [threading.Thread(target=fn) for fn in (spawner, captures, background)]
+    for t in threads:
+        t.start()
+    for t in threads[:workers]:
+        t.join()
+    stop.set()
+    for t in threads[workers:]:
+        t.join()
+    return pool, backend, errors, counts, keys
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed, workers, ops, scheme, debug", [
+    (4, 10, 3000, "segments", False),
+    (5, 10, 3000, "seed", False),
+    (6, 6, 1500, "segments", "raise"),
+])
+def test_soak_capture_per_thread_streams_and_torch(seed, workers, ops, scheme, debug):
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(5e-5)
+    gc.freeze()
+    try:
+        pool, backend, errors, counts, keys = soak_paths(seed, workers, ops, scheme, debug)
+    finally:
+        gc.unfreeze()
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert backend.violations == []                  # nothing went back to a device while one of its streams captured
+    assert_exact(pool, backend)
+    # every thread got its own per-thread key, never one of a thread that had ended
+    assert None not in keys.values() and all(k < 0 for k in keys.values()), keys
+    assert len(set(keys.values())) == len(keys), "a per-thread key was handed to two threads"
+    # the run met what it is meant to survive
+    for name in ("allocated", "refused", "held_back", "torch", "cupy", "per_thread", "captures", "own_captures"):
+        assert counts[name] > 0, counts
+    assert counts["short_lived"] >= 10, counts
+    assert min(backend.injected.values()) > 0, backend.injected
+    if debug:
+        assert pool._hook.found == []
+    backend.free_error = 0.0
+    pool.empty_cache()                               # every thread has ended, no capture is on: all goes back
+    assert backend.live() == {} and all(backend.used(d) == 0 for d in range(DEVICES))
+    assert_exact(pool, backend)
+
+
+# ------------------------------------------------------------------ scheme expandable (issue 22): the host twin's
+# pages under the same storm, on the Python and PyTorch (no GIL) paths and three streams (the workers' per-thread
+# streams among them, which hold back other threads' unmaps on their devices while the workers live), with map,
+# unmap and reserve faults and a device that captures throughout
+
 def soak_expandable(seed: int, workers: int, ops: int, debug, capturing_device):
     backend = xpool.HostBackend(capacity=2 * LIMIT, n_devices=DEVICES, granularity=64 * KiB)
     twin = backend.twin
     pool = Pool(backend, scheme="expandable", limit=LIMIT, debug=debug, release_idle=8)
     pool._core.bind_torch()
-    t_malloc, t_free, t_last = _torch_calls()
+    t_malloc, t_free, t_last = _torch_entry_points()
     if capturing_device is not None:
         twin.set_capturing(capturing_device, True)     # nothing may be unmapped there, for the whole run
     menu = [random_size(random.Random(seed * 7 + j)) for j in range(24)]
@@ -202,7 +513,10 @@ def soak_expandable(seed: int, workers: int, ops: int, debug, capturing_device):
                         a.release()
                     continue
                 n = rng.choice(menu) if rng.random() < 0.8 else random_size(rng)
-                d, s = rng.randrange(DEVICES), rng.randrange(2)
+                d, s = rng.randrange(DEVICES), rng.choice(STREAMS)   # PER_THREAD: keyed per thread on both paths
+                if s == PER_THREAD:
+                    d %= 2   # while a worker lives, its per-thread stream holds back unmaps of other threads on
+                    #          its devices (no other thread can ask it): devices 2 and 3 stay free of them
                 if rng.random() < 0.4:                   # PyTorch's path: no GIL on hits, frees and misses
                     ptr = t_malloc(n, d, s)
                     if ptr is None:
@@ -266,11 +580,11 @@ def soak_expandable(seed: int, workers: int, ops: int, debug, capturing_device):
 
     def faults(rng):
         r = rng.random()
-        if r < 0.4:
+        if r < 0.35:
             twin.fail_maps(count=1, kind=rng.choice(["oom", "error"]), after_pages=rng.randrange(3))
-        elif r < 0.7:
+        elif r < 0.6:
             twin.fail_unmaps(count=1, after_pages=rng.randrange(2))
-        elif r < 0.8:
+        elif r < 0.85:
             twin.fail_reserves(1)
         time.sleep(0.01)
 
@@ -308,7 +622,7 @@ def assert_twin(pool, twin):
 @pytest.mark.parametrize("seed, workers, ops, debug, capturing_device", [
     (11, 10, 3000, False, None),
     (12, 10, 3000, False, 2),
-    (13, 6, 800, "raise", 1),
+    (13, 6, 800, "raise", 3),
 ])
 def test_soak_expandable(seed, workers, ops, debug, capturing_device):
     interval = sys.getswitchinterval()
@@ -332,6 +646,6 @@ def test_soak_expandable(seed, workers, ops, debug, capturing_device):
     twin.fail_maps(count=0)
     twin.fail_unmaps(count=0)
     twin.fail_reserves(0)
-    pool.empty_cache()
+    pool.empty_cache()                               # every worker has ended, no capture is on: all goes back
     assert twin.pages() == [] and twin.ranges() == []
     assert_twin(pool, twin)

@@ -10,9 +10,11 @@ const char *const xp_scheme_names[XP_SCHEMES] = {"segments", "seed", "expandable
 const char *const xp_release_names[XP_RELEASE_CHOICES] = {"never", "high_water", "always"};
 
 static PyObject *gc_collect;          /* gc.collect, for the ladder's last retry */
+static void thread_keys_after_fork(void);
 
 int xp_alloc_module_init(void)
 {
+    pthread_atfork(NULL, NULL, thread_keys_after_fork);
     PyObject *gc = PyImport_ImportModule("gc");
     if (!gc) return -1;
     gc_collect = PyObject_GetAttrString(gc, "collect");
@@ -25,6 +27,62 @@ static int collect_garbage(void)
     PyObject *r = PyObject_CallNoArgs(gc_collect);
     Py_XDECREF(r);
     return r ? 0 : -1;
+}
+
+/* ------------------------------------------------------------------ per-thread stream keys (_core.h) */
+
+_Thread_local intptr_t xp_own_thread_key;
+static _Atomic uint64_t thread_keys_made;     /* key n is -n: the count never goes back, so no key is reused */
+static pthread_once_t thread_exit_once = PTHREAD_ONCE_INIT;
+static pthread_key_t thread_exit;             /* its destructor marks the thread's key ended */
+static pthread_mutex_t ended_lock = PTHREAD_MUTEX_INITIALIZER;   /* guards ended, ended_bits */
+static uint8_t *ended;                        /* bit n-1: the thread of key -n has ended */
+static size_t ended_bits;                     /* bits `ended` has room for */
+
+/* At a thread's exit (POSIX runs it for every thread that set a value), without the GIL: no Python here. */
+static void thread_key_ended(void *value)
+{
+    uint64_t n = (uint64_t)(uintptr_t)value;
+    pthread_mutex_lock(&ended_lock);
+    if (n <= ended_bits) ended[(n - 1) / 8] |= (uint8_t)(1u << ((n - 1) % 8));
+    pthread_mutex_unlock(&ended_lock);
+}
+
+static void make_thread_exit(void) { pthread_key_create(&thread_exit, thread_key_ended); }
+
+/* In a fork()ed child, before anything runs: a parent thread may have held ended_lock. */
+static void thread_keys_after_fork(void) { pthread_mutex_init(&ended_lock, NULL); }
+
+intptr_t xp_new_thread_key(void)
+{
+    pthread_once(&thread_exit_once, make_thread_exit);
+    uint64_t n = atomic_fetch_add(&thread_keys_made, 1) + 1;
+    /* room for its bit now, so the exit destructor never allocates; without room the thread counts as
+     * alive for good: conservative (Note [Capture: every stream of a device]) */
+    pthread_mutex_lock(&ended_lock);
+    if (n > ended_bits) {
+        size_t bits = ended_bits ? ended_bits * 2 : 1024;
+        while (bits < n) bits *= 2;
+        uint8_t *grown = realloc(ended, bits / 8);
+        if (grown) {
+            memset(grown + ended_bits / 8, 0, (bits - ended_bits) / 8);
+            ended = grown;
+            ended_bits = bits;
+        }
+    }
+    pthread_mutex_unlock(&ended_lock);
+    pthread_setspecific(thread_exit, (void *)(uintptr_t)n);
+    xp_own_thread_key = -(intptr_t)n;
+    return xp_own_thread_key;
+}
+
+int xp_thread_key_ended(intptr_t key)
+{
+    uint64_t n = (uint64_t)(-key);
+    pthread_mutex_lock(&ended_lock);
+    int gone = n >= 1 && n <= ended_bits && (ended[(n - 1) / 8] >> ((n - 1) % 8) & 1);
+    pthread_mutex_unlock(&ended_lock);
+    return gone;
 }
 
 /* ------------------------------------------------------------------ size classes and tables (the rest: _hot.h) */
@@ -66,10 +124,11 @@ static Bin *bintable_get(BinTable *t, intptr_t stream, size_t size)
 
 /* ------------------------------------------------------------------ device pools */
 
-int xp_check_device(int device)
+int xp_check_device(const Allocator *A, int device)
 {
-    if (device >= 0 && device < XP_MAX_DEVICES) return 0;
-    PyErr_Format(PyExc_ValueError, "device must be in [0, %d), got %d", XP_MAX_DEVICES, device);
+    if (device >= 0 && device < A->n_devices) return 0;
+    PyErr_Format(PyExc_ValueError, "device must be in [0, %d) (the backend's devices), got %d", A->n_devices,
+                 device);
     return -1;
 }
 
@@ -252,24 +311,81 @@ static PyObject *scheme_give_back(Allocator *A, DevicePool *pool, const Block *b
 
 /* ------------------------------------------------------------------ giving back */
 
-/* 1 when `stream` (a free-list key) is being captured into a CUDA graph, as the backend's optional
- * .capturing(device, stream) says; 0 when not, or when the backend cannot tell; -1 with its exception.
- * Called with the GIL held and no pool lock, on the miss and out-of-memory paths only.  While a stream
- * captures, the pool must not give memory back: cudaFree synchronises the device, which ends the capture
- * with an error (cudaErrorStreamCaptureUnsupported) and loses the graph. */
 static int vm_captures(Allocator *A, DevicePool *pool, intptr_t key);
 
-static int stream_capturing(Allocator *A, DevicePool *pool, intptr_t stream)
+/* The stream keys holding device allocations of the pool (Note [Capture: every stream of a device]): the
+ * entry of `key`, made (with no allocation yet) when `make`; NULL when there is none (or no memory to make
+ * it).  Pool lock held.  A pool serves a few streams: a scan, on misses and give-backs only. */
+static StreamUse *stream_use(DevicePool *pool, intptr_t key, int make)
 {
-    if (A->scheme == XP_SCHEME_EXPANDABLE) return vm_captures(A, pool, stream);   /* C only, every stream */
-    if (!A->tells_capture) return 0;
-    int device = pool->device;
-    intptr_t handle = stream < 0 ? XP_STREAM_PER_THREAD : stream;   /* a per-thread key: that thread's stream */
+    for (size_t i = 0; i < pool->n_streams; i++)
+        if (pool->streams[i].key == key) return &pool->streams[i];
+    if (!make) return NULL;
+    if (pool->n_streams == pool->streams_cap) {
+        size_t cap = pool->streams_cap ? 2 * pool->streams_cap : 8;
+        StreamUse *grown = realloc(pool->streams, cap * sizeof(StreamUse));
+        if (!grown) return NULL;
+        pool->streams = grown;
+        pool->streams_cap = cap;
+    }
+    StreamUse *u = &pool->streams[pool->n_streams++];
+    u->key = key;
+    u->allocations = 0;
+    return u;
+}
+
+/* A device allocation of `key` went back to the device.  Pool lock held. */
+static void stream_use_gone(DevicePool *pool, intptr_t key)
+{
+    StreamUse *u = stream_use(pool, key, 0);
+    if (u && u->allocations && !--u->allocations) *u = pool->streams[--pool->n_streams];
+}
+
+static int ask_capturing(Allocator *A, int device, intptr_t handle)
+{
     PyObject *r = PyObject_CallMethod(A->backend, "capturing", "in", device, (Py_ssize_t)handle);
     if (!r) return -1;
     int yes = PyObject_IsTrue(r);
     Py_DECREF(r);
     return yes;
+}
+
+/* Whether anything may go back to the device now, for a request on `key` (Note [Capture: every stream of a
+ * device]): 1 when a stream of the device captures into a CUDA graph, or may, so nothing must (cudaFree
+ * synchronises the device, which ends every capture on it, cudaErrorStreamCaptureUnsupported, and loses the
+ * graph; unmapping pages is no different); 0 when none does, or the backend cannot tell (it has no
+ * .capturing(device, stream)); -1 with the backend's exception.  Asked of the backend for the legacy stream
+ * (which reports a global-mode capture of any stream of the device), `key`'s stream and every stream holding
+ * a device allocation of the pool here; another thread's per-thread stream cannot be asked from this thread,
+ * so while that thread lives it counts as capturing.  With the GIL and no pool lock, before each give-back
+ * only: never on a hit, never on a miss that gives nothing back. */
+int device_captures(Allocator *A, DevicePool *pool, intptr_t key)
+{
+    if (A->scheme == XP_SCHEME_EXPANDABLE) return vm_captures(A, pool, key);   /* the ops answer, in C */
+    if (!A->tells_capture) return 0;
+    pthread_mutex_lock(&pool->lock);
+    size_t n = pool->n_streams;
+    intptr_t *keys = malloc((n + 2) * sizeof(intptr_t));
+    if (keys) {
+        keys[0] = 0;        /* the legacy stream */
+        keys[1] = key;
+        for (size_t i = 0; i < n; i++) keys[i + 2] = pool->streams[i].key;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    if (!keys) { PyErr_NoMemory(); return -1; }
+    int capturing = 0;
+    for (size_t i = 0; i < n + 2 && !capturing; i++) {
+        int seen = 0;
+        for (size_t j = 0; j < i && !seen; j++) seen = keys[j] == keys[i];
+        if (seen) continue;
+        intptr_t handle = stream_handle(keys[i]);
+        if (handle < 0)     /* another thread's per-thread stream: unknown while it lives */
+            capturing = !xp_thread_key_ended(keys[i]);
+        else
+            capturing = ask_capturing(A, pool->device, handle);
+    }
+    free(keys);
+    return capturing;
 }
 
 /* Gives a block that is in no table, its bytes on bytes_releasing, back to
@@ -285,6 +401,7 @@ static int give_back(Allocator *A, DevicePool *pool, Block *b)
     pool->st.bytes_releasing -= b->size;
     if (r) {
         pool->st.device_frees++;
+        stream_use_gone(pool, b->stream);
         timeline_record(&A->tl, EV_RELEASE, pool, b, 0);
     } else {
         cache_block(pool, b);
@@ -293,6 +410,26 @@ static int give_back(Allocator *A, DevicePool *pool, Block *b)
     if (!r) return -1;
     free(b);
     return 0;
+}
+
+/* A block in no table, its bytes on bytes_releasing, that should go back to the device on an error path
+ * (a debug hook failed, no room in the live table): back unless a stream of the device captures (then, or
+ * if that cannot be asked, it is cached), keeping any exception set.  Not known to hold poison either way. */
+static void give_back_or_keep(Allocator *A, DevicePool *pool, Block *b, intptr_t key)
+{
+    PyObject *exc = PyErr_GetRaisedException();
+    int capturing = device_captures(A, pool, key);
+    if (capturing < 0) PyErr_Clear();
+    b->poisoned = 0;
+    if (capturing) {
+        pthread_mutex_lock(&pool->lock);
+        pool->st.bytes_releasing -= b->size;
+        cache_block(pool, b);
+        pthread_mutex_unlock(&pool->lock);
+    } else if (give_back(A, pool, b) < 0) {
+        PyErr_Clear();   /* then it is cached */
+    }
+    PyErr_SetRaisedException(exc);
 }
 
 /* Gives blocks taken out of the cache back to the device, every one tried, and frees `blocks`: 0, or -1
@@ -360,12 +497,14 @@ static size_t segment_size_for(const Allocator *A, size_t size)
     return seg_size_for(size, size <= XP_SMALL_MAX ? A->small_segment : A->segment_round);
 }
 
-/* Bytes a miss wanting a `want`-byte segment should give back at the high-water mark (0: none).  Pool lock held. */
-static uint64_t miss_excess(DevicePool *pool, size_t want)
+/* Bytes a miss on `stream` wanting a `want`-byte segment should give back at the high-water mark (0: none,
+ * also when the stream has no whole free segment to give: O(log n), Note [Whole free segments]).  Pool lock
+ * held. */
+static uint64_t miss_excess(DevicePool *pool, intptr_t stream, size_t want)
 {
     uint64_t after = committed(&pool->st) + want, mark = pool->high_water;
     if (pool->miss_released > XP_MISS_BUDGET * mark) pool->miss_release_off = 1;
-    if (after <= mark || pool->miss_release_off || !seg_any_free(&pool->segs) || !pool->st.blocks_cached) return 0;
+    if (after <= mark || pool->miss_release_off || !seg_any_whole(&pool->segs, 0, stream)) return 0;
     return after - mark;
 }
 
@@ -378,24 +517,28 @@ static int release_for_miss(Allocator *A, DevicePool *pool, intptr_t stream, siz
 {
     int capturing;
     if (A->release_on_miss == XP_RELEASE_ALWAYS) {
-        capturing = stream_capturing(A, pool, stream);
+        pthread_mutex_lock(&pool->lock);
+        int any = seg_any_whole(&pool->segs, 0, stream);
+        pthread_mutex_unlock(&pool->lock);
+        if (!any) return 0;
+        capturing = device_captures(A, pool, stream);
         if (capturing) return capturing < 0 ? -1 : 0;    /* a capture cannot take a cudaFree: the miss only adds */
         return release_cached(A, pool, 0, stream, 0) < 0 ? -1 : 0;
     }
     size_t want = segment_size_for(A, size);
     pthread_mutex_lock(&pool->lock);
-    uint64_t excess = miss_excess(pool, want);
+    uint64_t excess = miss_excess(pool, stream, want);
     pthread_mutex_unlock(&pool->lock);
     if (!excess) return 0;
-    capturing = stream_capturing(A, pool, stream);
+    capturing = device_captures(A, pool, stream);
     if (capturing) return capturing < 0 ? -1 : 0;
     pthread_mutex_lock(&pool->lock);
-    excess = miss_excess(pool, want);                    /* again: another thread may have moved it */
+    excess = miss_excess(pool, stream, want);            /* again: another thread may have moved it */
     if (!excess) {
         pthread_mutex_unlock(&pool->lock);
         return 0;
     }
-    size_t cap = pool->st.blocks_cached, n = 0;
+    size_t cap = seg_whole_max(&pool->segs), n = 0;     /* only whole free segments can go back */
     Block **blocks = malloc(cap * sizeof(Block *));
     if (!blocks) { pthread_mutex_unlock(&pool->lock); PyErr_NoMemory(); return -1; }
     SegDelta d = {0, 0};
@@ -496,24 +639,16 @@ static void vm_apply(DevicePool *pool, XeDelta d)
 /* A map or unmap of [addr, addr + bytes) in the timeline.  Pool lock held. */
 static void vm_event(Allocator *A, DevicePool *pool, int event, intptr_t stream, uintptr_t addr, size_t bytes)
 {
-    Block run = {.ptr = addr, .size = bytes, .stream = stream, .device = pool->device, .origin = -1};
+    Block run = {.ptr = addr, .size = bytes, .stream = stream, .device = pool->device};
     timeline_record(&A->tl, event, pool, &run, 0);
 }
 
-/* The handle of a free-list key, as this thread can name it: a handle is its own, this thread's key is
- * cudaStreamPerThread, and another thread's per-thread stream has no handle here (-1). */
-static intptr_t vm_handle(intptr_t key)
-{
-    if (key >= 0) return key;
-    return key == stream_key(XP_STREAM_PER_THREAD) ? XP_STREAM_PER_THREAD : -1;
-}
-
-/* 1 when nothing may be unmapped on the device now: ops.capturing says a stream captures, asked of the legacy
- * stream (a global-mode capture of any stream shows there), `key`'s stream and every stream with a range here
- * (the unmap synchronises the device, which would end any capture on it, as for cudaFree: Note [Capture: every
- * stream of a device]).  Another thread's per-thread stream cannot be asked from this thread and counts as
- * capturing, as does a query that fails: giving nothing back is always safe.  C only (no GIL needed), no pool
- * lock held. */
+/* device_captures of scheme expandable: 1 when nothing may be unmapped on the device now, ops.capturing asked
+ * of the streams device_captures asks (the legacy stream, where a global-mode capture of a blocking stream
+ * shows, `key`'s stream) and every stream with a range here: the unmap synchronises the device, which would end
+ * any capture on it, as cudaFree would (Note [Capture: every stream of a device]).  Another thread's per-thread
+ * stream cannot be asked from this thread: it counts as capturing while that thread lives; so does a query that
+ * fails (giving nothing back is always safe).  C only (no GIL needed, never -1), no pool lock held. */
 static int vm_captures(Allocator *A, DevicePool *pool, intptr_t key)
 {
     pthread_mutex_lock(&pool->lock);
@@ -531,8 +666,11 @@ static int vm_captures(Allocator *A, DevicePool *pool, intptr_t key)
         int seen = 0;
         for (size_t j = 0; j < i && !seen; j++) seen = keys[j] == keys[i];
         if (seen) continue;
-        intptr_t handle = vm_handle(keys[i]);
-        capturing = handle < 0 || A->vmm.ops->capturing(A->vmm.ctx, pool->device, handle) != 0;
+        intptr_t handle = stream_handle(keys[i]);
+        if (handle < 0)     /* another thread's per-thread stream: unknown while it lives */
+            capturing = !xp_thread_key_ended(keys[i]);
+        else
+            capturing = A->vmm.ops->capturing(A->vmm.ctx, pool->device, handle) != 0;
     }
     free(keys);
     return capturing;
@@ -711,13 +849,15 @@ enum { TRY_GOT = 0, TRY_FAILED = -1, TRY_NO_ROOM = 1 };   /* what one try came t
 /* One request's way up the ladder. */
 typedef struct {
     size_t requested, size;     /* the request; the bytes of the device allocation (expandable: of the block) */
+    size_t exact;               /* the block's own bytes: what size falls back to when a shared segment does not
+                                   fit (Note [Small segments]); size itself otherwise */
+    intptr_t stream;            /* the request's stream key: the allocation is counted as its (stream_use) */
     int step;                   /* 0: the first try; 1, 2: after freeing the cache (and collecting) */
     int reserved;               /* size counts in bytes_pending: from the try that passed the limit on */
     int over_limit;             /* the limit refused, and size is larger than the limit itself */
     int by_device;              /* what refused the last try: the device (a MemoryError), else the limit */
     PyObject *cause;            /* the backend's MemoryError of the last try, or NULL */
     /* scheme expandable (vm_try) */
-    intptr_t stream;            /* the request's stream key */
     int origin;                 /* who the block is handed to */
     PyObject *hook;             /* the debug hook (a borrowed reference), or NULL */
     Block *block;               /* the block the try that got it made */
@@ -729,7 +869,7 @@ typedef struct {
 /* One try: count the bytes against the limit, under the lock, before the backend is called (once: they
  * stay pending for the next tries), then backend.malloc.  TRY_NO_ROOM when the limit or a MemoryError
  * refuses; TRY_FAILED with any other error. */
-static int try_device_malloc(Allocator *A, DevicePool *pool, Climb *c, uintptr_t *ptr)
+static int try_once(Allocator *A, DevicePool *pool, Climb *c, uintptr_t *ptr)
 {
     if (!c->reserved) {
         pthread_mutex_lock(&pool->lock);
@@ -764,9 +904,27 @@ static int try_device_malloc(Allocator *A, DevicePool *pool, Climb *c, uintptr_t
     pthread_mutex_lock(&pool->lock);
     pool->st.device_mallocs++;
     if (c->step) pool->st.oom_recoveries++;
+    StreamUse *u = stream_use(pool, c->stream, 1);   /* made before the try (new_allocation): no memory needed */
+    if (u) u->allocations++;
     pthread_mutex_unlock(&pool->lock);
     *ptr = (uintptr_t)p;
     return TRY_GOT;
+}
+
+/* A try as try_once, but a segment larger than its block (a small block's shared segment) that finds no room,
+ * by the limit or the device's free memory, falls back to the block's own bytes at once, before anything is
+ * freed: the request may fit where the segment does not (a 4 KiB block on a 4 MiB device with 3 MiB in use). */
+static int try_device_malloc(Allocator *A, DevicePool *pool, Climb *c, uintptr_t *ptr)
+{
+    int r = try_once(A, pool, c, ptr);
+    if (r != TRY_NO_ROOM || c->size <= c->exact) return r;
+    if (c->reserved) {
+        pthread_mutex_lock(&pool->lock);
+        pool->st.bytes_pending -= c->size - c->exact;
+        pthread_mutex_unlock(&pool->lock);
+    }
+    c->size = c->exact;
+    return try_once(A, pool, c, ptr);
 }
 
 /* Bytes a miss of scheme expandable should unmap first, its maps counted already in `after` (0: none;
@@ -942,7 +1100,7 @@ static int free_cache_and_retry(Allocator *A, DevicePool *pool, intptr_t stream,
                                 int collect, XpGil *g)
 {
     if (c->over_limit) return give_up(A, pool, c, "limit", g);
-    int capturing = stream_capturing(A, pool, stream);
+    int capturing = device_captures(A, pool, stream);
     if (capturing < 0) return TRY_FAILED;
     if (capturing) return give_up(A, pool, c, c->by_device ? "device_capturing" : "limit_capturing", g);
     if (collect) {
@@ -962,15 +1120,15 @@ static int free_cache_and_retry(Allocator *A, DevicePool *pool, intptr_t stream,
     return ladder_try(A, pool, c, ptr, g);
 }
 
-/* One device allocation (scheme expandable: one block of mapped pages) for a request, as PyTorch's malloc
- * reads: try; free this device's cache and retry; collect garbage, free the cache and retry; raise.  Both what
- * refuses, the limit and the device's out-of-memory (a MemoryError from backend.malloc, XV_OOM from the ops),
- * climb the same ladder; any other error is passed on at once.  A request larger than the whole device raises
- * at once (reason too_large).  On success the bytes stay pending: the caller records the block (scheme
- * expandable: the try did).  g: the GIL, taken only for what needs it (collecting, raising). */
+/* One block's way up the ladder, as PyTorch's malloc reads: try; free this device's cache and retry; collect
+ * garbage, free the cache and retry; raise.  Both what refuses, the limit and the device's out-of-memory (a
+ * MemoryError from backend.malloc, XV_OOM from the ops), climb the same ladder; any other error is passed on at
+ * once.  Scheme expandable: a block larger than the whole device raises at once (reason too_large; the other
+ * schemes ask in device_malloc).  On success a device allocation's bytes stay pending: the caller records the
+ * block (scheme expandable: the try did).  g: the GIL, taken only for what needs it (collecting, raising). */
 static int climb(Allocator *A, DevicePool *pool, intptr_t stream, Climb *c, uintptr_t *ptr, XpGil *g)
 {
-    uint64_t capacity = A->scheme == XP_SCHEME_EXPANDABLE ? vm_capacity(pool) : pool_capacity(A, pool);
+    uint64_t capacity = A->scheme == XP_SCHEME_EXPANDABLE ? vm_capacity(pool) : 0;
     int r;
     if (capacity && c->size > capacity) {   /* no freeing or retrying can help: bad input */
         xp_gil_take(g);
@@ -997,14 +1155,25 @@ static int climb(Allocator *A, DevicePool *pool, intptr_t stream, Climb *c, uint
     return r;
 }
 
-/* One device allocation of `size` bytes for a request of `requested` (schemes seed and segments), up the
- * ladder (climb), with the GIL.  On success the bytes stay pending: the caller records the block. */
-static int device_malloc(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, size_t size,
-                         uintptr_t *ptr)
+/* One device allocation of *bytes (a segment, or `exact`, the block's own bytes, when the segment finds no
+ * room: try_device_malloc; *bytes says which was made) for a request of `requested` (schemes seed and
+ * segments), up the ladder (climb), with the GIL.  A request larger than the whole device raises at once
+ * (reason too_large).  On success the bytes stay pending: the caller records the block. */
+static int device_malloc(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, size_t *bytes,
+                         size_t exact, uintptr_t *ptr)
 {
-    Climb c = {.requested = requested, .size = size, .stream = stream};
+    size_t size = *bytes;
+    uint64_t capacity = pool_capacity(A, pool);
+    if (capacity && size > capacity) {
+        if (exact > capacity)   /* no freeing or retrying can help: bad input */
+            return raise_oom(A, pool, requested, exact, "too_large", NULL);
+        size = exact;
+    }
+    Climb c = {.requested = requested, .size = size, .exact = exact, .stream = stream};
     XpGil g = XP_GIL_HELD;
-    return climb(A, pool, stream, &c, ptr, &g) == TRY_GOT ? 0 : -1;
+    int r = climb(A, pool, stream, &c, ptr, &g);
+    *bytes = c.size;
+    return r == TRY_GOT ? 0 : -1;
 }
 
 /* ------------------------------------------------------------------ new blocks */
@@ -1012,15 +1181,19 @@ static int device_malloc(Allocator *A, DevicePool *pool, intptr_t stream, size_t
 /* A new Block of `bytes` bytes, one device allocation of them (through the ladder); its bytes stay
  * pending until record_new(). */
 static Block *new_allocation(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, size_t bytes,
-                             int origin, int hooked)
+                             size_t exact, int origin, int hooked)
 {
     Block *b = calloc(1, sizeof(Block));
-    if (!b) {
+    pthread_mutex_lock(&pool->lock);
+    int known = stream_use(pool, stream, 1) != NULL;   /* its stream is asked before anything goes back */
+    pthread_mutex_unlock(&pool->lock);
+    if (!b || !known) {
+        free(b);
         PyErr_NoMemory();
         return NULL;
     }
     uintptr_t ptr = 0;
-    if (device_malloc(A, pool, stream, requested, bytes, &ptr) < 0) {
+    if (device_malloc(A, pool, stream, requested, &bytes, exact, &ptr) < 0) {
         free(b);
         return NULL;
     }
@@ -1040,8 +1213,8 @@ static Block *record_new(Allocator *A, DevicePool *pool, Block *b, size_t size)
     if (ptrtable_insert(&pool->live, b) < 0) {
         pool->st.bytes_releasing += b->size;
         pthread_mutex_unlock(&pool->lock);
-        if (give_back(A, pool, b) < 0) PyErr_Clear();   /* then it is cached */
         PyErr_NoMemory();
+        give_back_or_keep(A, pool, b, b->stream);
         return NULL;
     }
     if (b->in_segment) {
@@ -1067,7 +1240,7 @@ static Block *seed_make(Allocator *A, DevicePool *pool, intptr_t stream, size_t 
         PyErr_NoMemory();
         return NULL;
     }
-    Block *b = new_allocation(A, pool, stream, requested, size, origin, hook != NULL);
+    Block *b = new_allocation(A, pool, stream, requested, size, size, origin, hook != NULL);
     return b ? record_new(A, pool, b, size) : NULL;
 }
 
@@ -1094,19 +1267,18 @@ static Block *segments_make(Allocator *A, DevicePool *pool, intptr_t stream, siz
 {
     if (A->release_on_miss != XP_RELEASE_NEVER && release_for_miss(A, pool, stream, size) < 0) return NULL;
     size_t got = segment_bytes(A, pool, size);
-    Block *b = new_allocation(A, pool, stream, requested, got, origin, hook != NULL);
+    Block *b = new_allocation(A, pool, stream, requested, got, size, origin, hook != NULL);
     if (!b) return NULL;
+    got = b->size;       /* the segment, or the block alone when the segment found no room */
     b->in_segment = 1;   /* from here a failed give_back caches it as a whole free segment */
     if (got > size && hook) {
         /* the rest of the segment is cached from the start: poisoned, as a freed block is */
         if (call_hook(hook, "on_segment", b, 0) < 0) {
-            PyObject *exc = PyErr_GetRaisedException();
             pthread_mutex_lock(&pool->lock);
             pool->st.bytes_pending -= got;
             pool->st.bytes_releasing += got;
             pthread_mutex_unlock(&pool->lock);
-            if (give_back(A, pool, b) < 0) PyErr_Clear();   /* then it is cached */
-            PyErr_SetRaisedException(exc);
+            give_back_or_keep(A, pool, b, stream);   /* a whole free segment, unpoisoned, if it stays */
             return NULL;
         }
         b->poisoned = 1;
@@ -1119,7 +1291,8 @@ static Block *segments_make(Allocator *A, DevicePool *pool, intptr_t stream, siz
 static Block *vm_climb(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, size_t size,
                        PyObject *hook, int origin, XpGil *g)
 {
-    Climb c = {.requested = requested, .size = size, .stream = stream, .origin = origin, .hook = hook};
+    Climb c = {.requested = requested, .size = size, .exact = size, .stream = stream, .origin = origin,
+               .hook = hook};
     return climb(A, pool, stream, &c, NULL, g) == TRY_GOT ? c.block : NULL;
 }
 
@@ -1181,8 +1354,8 @@ static void take_back(Allocator *A, DevicePool *pool, Block *b, int to_device)
     if (to_device) pool->st.bytes_releasing += b->size;
     else cache_block(pool, b);
     pthread_mutex_unlock(&pool->lock);
-    if (to_device && give_back(A, pool, b) < 0) PyErr_Clear();   /* then it is cached */
     PyErr_SetRaisedException(exc);
+    if (to_device) give_back_or_keep(A, pool, b, b->stream);
 }
 
 static Block *alloc_block(Allocator *A, int device, intptr_t stream, size_t requested,
@@ -1250,7 +1423,7 @@ static int forget_inherited(Allocator *A, int device, uintptr_t ptr, int *holds_
 int xp_free(Allocator *A, int device, uintptr_t ptr, int *holds_ref)
 {
     *holds_ref = 0;
-    if (xp_check_device(device) < 0) return -1;
+    if (xp_check_device(A, device) < 0) return -1;
     DevicePool *pool = pool_lookup(A, device);
     PyObject *hook = NULL;
     Block *b = NULL;
@@ -1290,25 +1463,23 @@ int xp_free(Allocator *A, int device, uintptr_t ptr, int *holds_ref)
         drop_hook(hook);
         if (A->forked && forget_inherited(A, device, ptr, holds_ref)) return 2;
         PyErr_Format(PyExc_ValueError,
-                     "xpool: pointer 0x%zx on device %d was not handed out by this pool "
-                     "(or was freed twice)", (size_t)ptr, device);
+                     "xpool: pointer %p on device %d was not handed out by this pool "
+                     "(or was freed twice)", (void *)ptr, device);   /* %p: PyErr_Format has no %zx */
         return -1;
     }
     /* the block is this thread's alone until it is cached */
     int hook_failed = call_hook(hook, "on_free", b, requested) < 0;
     drop_hook(hook);
-    PyObject *exc = hook_failed ? PyErr_GetRaisedException() : NULL;
-    if (hook_failed) {
+    if (hook_failed) {   /* the hook's exception stays set */
         b->poisoned = 0;
-        if (!is_allocation(b)) {   /* a range is no device allocation: cached, known unpoisoned */
-            pthread_mutex_lock(&pool->lock);
-            pool->st.bytes_releasing -= b->size;
-            cache_block(pool, b);
-            pthread_mutex_unlock(&pool->lock);
-        } else if (give_back(A, pool, b) < 0) {
-            PyErr_Clear();   /* then it is cached, unpoisoned */
+        if (is_allocation(b)) {   /* not cached unpoisoned: back to the device, unless a capture forbids it */
+            give_back_or_keep(A, pool, b, b->stream);
+            return 1;
         }
-        PyErr_SetRaisedException(exc);
+        pthread_mutex_lock(&pool->lock);   /* a range is no device allocation: cached, known unpoisoned */
+        pool->st.bytes_releasing -= b->size;
+        cache_block(pool, b);
+        pthread_mutex_unlock(&pool->lock);
         return 1;
     }
     pthread_mutex_lock(&pool->lock);
@@ -1333,7 +1504,7 @@ void *cupy_malloc(void *param, size_t size, int device)
         xp_refuse_request(size);
         return (void *)(intptr_t)-1;
     }
-    if (xp_check_device(device) < 0) return (void *)(intptr_t)-1;
+    if (xp_check_device(A, device) < 0) return (void *)(intptr_t)-1;
     intptr_t stream = 0;
     if (A->stream_fn) {
         /* the device's own current stream: CuPy's get_current_stream_ptr() would first ask CUDA which

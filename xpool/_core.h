@@ -163,10 +163,19 @@ typedef struct {
     uint64_t bytes_in_use_by[XP_ORIGINS];
 } Stats;
 
+/* Device allocations a pool holds for one stream key: the streams it knows on a device, which it asks before
+ * giving anything back there (Note [Capture: every stream of a device]). */
+typedef struct {
+    intptr_t key;
+    uint64_t allocations;
+} StreamUse;
+
 typedef struct DevicePool {
     pthread_mutex_t lock;
     int device;
     /* everything below is guarded by lock */
+    StreamUse *streams;     /* the stream keys holding device allocations here, with their counts */
+    size_t n_streams, streams_cap;
     PtrTable live;          /* blocks in use, by pointer */
     BinTable bins;          /* free blocks, by (stream, class) (scheme seed) */
     FreeTree segs;          /* free ranges of segments (scheme segments), by (stream, size, ptr); scheme
@@ -232,6 +241,7 @@ typedef struct {
     PyObject *settings;       /* the xpool.Settings it was made with */
     PyObject *weakreflist;
     stream_fn_t stream_fn;    /* a device's current stream, from CuPy; NULL: stream 0 unless given */
+    int n_devices;            /* the backend's devices (at most XP_MAX_DEVICES): set once, read without a lock */
     int scheme;               /* XP_SCHEME_*: how blocks are made */
     unsigned k;               /* scheme seed: classes per doubling above 1 MiB */
     size_t segment_round;     /* scheme segments: a new segment for a block above 1 MiB: rounded up to this */
@@ -264,12 +274,30 @@ typedef struct {
     Timeline tl;
 } Allocator;
 
-/* The free-list key of a stream handle.  cudaStreamPerThread is one handle for a different stream in each
- * thread: key it by thread (as CuPy's pool does), or a block freed on one thread's stream would be reused on
- * another's.  CuPy's and PyTorch's entry points key alike, so the two frameworks share blocks per stream. */
+/* Per-thread stream keys (Note [Per-thread stream keys]).  cudaStreamPerThread is one handle for a different
+ * stream in each thread: its blocks are keyed by thread, or a block freed on one thread's stream would be
+ * reused on another's.  A thread's key is handed to it on first use, from a process-wide count, and never
+ * to another thread (a key from the thread's id would be: the system reuses ids as threads end); keys are
+ * negative, so no stream handle is one.  xp_thread_key_ended says whether the key's thread has ended. */
+extern _Thread_local intptr_t xp_own_thread_key;   /* this thread's key; 0 until its first use */
+intptr_t xp_new_thread_key(void);
+int xp_thread_key_ended(intptr_t key);
+
+/* The free-list key of a stream handle: the handle itself, or this thread's key for cudaStreamPerThread.
+ * Every entry point keys alike (CuPy's, PyTorch's, Allocator.allocate), so blocks are shared per stream. */
 static inline intptr_t stream_key(intptr_t stream)
 {
-    return stream == XP_STREAM_PER_THREAD ? -(intptr_t)PyThread_get_thread_ident() : stream;
+    if (stream != XP_STREAM_PER_THREAD) return stream;
+    intptr_t key = xp_own_thread_key;
+    return key ? key : xp_new_thread_key();
+}
+
+/* The stream handle of a free-list key, when this thread can name it: a handle is its own; this thread's key
+ * is cudaStreamPerThread; -1 for another thread's key (its per-thread stream has no handle here). */
+static inline intptr_t stream_handle(intptr_t key)
+{
+    if (key >= 0) return key;
+    return key == xp_own_thread_key ? XP_STREAM_PER_THREAD : -1;
 }
 
 /* ------------------------------------------------------------------ the GIL, taken only when needed
@@ -338,8 +366,9 @@ int xp_free(Allocator *A, int device, uintptr_t ptr, int *holds_ref);
 void *cupy_malloc(void *param, size_t size, int device);
 void cupy_free(void *param, void *ptr, int device);
 
-/* ValueError unless 0 <= device < XP_MAX_DEVICES; 0 when it is. */
-int xp_check_device(int device);
+/* ValueError unless 0 <= device < A->n_devices (the backend's devices); 0 when it is.  Every entry point asks
+ * it before anything is made or counted for the device. */
+int xp_check_device(const Allocator *A, int device);
 /* A device's pool, made on first use (NULL with an exception); device checked by the caller. */
 DevicePool *pool_get(Allocator *A, int device);
 static inline DevicePool *pool_lookup(Allocator *A, int device)
@@ -351,6 +380,10 @@ static inline DevicePool *pool_lookup(Allocator *A, int device)
  * all_streams).  Returns bytes released; -1 with the first failed free's exception.  Scheme expandable: whole
  * free pages unmapped (nothing while a stream of the device captures), the address ranges kept. */
 long long release_cached(Allocator *A, DevicePool *pool, int all_streams, intptr_t stream, uint64_t keep);
+/* 1 when nothing may go back to the device now: a stream of it captures, or may (Note [Capture: every
+ * stream of a device]); 0 when it may; -1 with the backend's exception.  With the GIL, no pool lock (scheme
+ * expandable: the ops answer, from C; no GIL needed, never -1). */
+int device_captures(Allocator *A, DevicePool *pool, intptr_t key);
 /* empty_cache() of one device: release_cached of everything; scheme expandable gives the address ranges left
  * with nothing mapped back too.  g: whether the GIL may be let go around device ops. */
 long long empty_cache(Allocator *A, DevicePool *pool, XpGil *g);

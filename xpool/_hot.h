@@ -161,7 +161,7 @@ static void timeline_record(Timeline *tl, int event, const DevicePool *pool, con
         e->size = b ? b->size : 0;
         e->bytes_in_use = pool->st.bytes_in_use;
         e->bytes_cached = pool->st.bytes_cached;
-        e->origin = b ? b->origin : -1;
+        e->origin = b && event != EV_MAP && event != EV_UNMAP ? (int32_t)b->origin : -1;   /* pages: no origin */
         tl->count++;
     }
     pthread_mutex_unlock(&tl->lock);

@@ -36,6 +36,22 @@ static int u64_keep(PyObject *o, void *out) { return u64_arg(o, out, "keep"); }
 static int u64_ptr(PyObject *o, void *out) { return u64_arg(o, out, "ptr"); }
 static int u64_stream_lookup(PyObject *o, void *out) { return u64_arg(o, out, "stream_lookup"); }
 
+/* A stream handle: an int in [0, 2**63).  Negative values are the pool's per-thread keys, never a handle. */
+static int stream_arg(PyObject *o, void *out)
+{
+    PyObject *n = PyBool_Check(o) ? NULL : PyNumber_Index(o);
+    long long v = n ? PyLong_AsLongLong(n) : -1;
+    Py_XDECREF(n);
+    if (v < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "stream must be a stream handle, an int in [0, 2**63), got %.100s %R",
+                     Py_TYPE(o)->tp_name, o);
+        return 0;
+    }
+    *(long long *)out = v;
+    return 1;
+}
+
 /* The request's size, the one check on Allocator.allocate's path (Pool.allocate passes it on as given):
  * an int (not a bool) in [0, XP_MAX_REQUEST], else a ValueError naming nbytes. */
 static int nbytes_arg(PyObject *o, void *out)
@@ -269,16 +285,22 @@ static PyTypeObject AllocationType = {
 
 static int timeline_resize(Allocator *self, Py_ssize_t cap);
 
-/* Allocator(backend, error_factory, settings, stream_lookup=0): settings is a resolved xpool.Settings;
- * stream_lookup the address of `intptr_t fn(int device)` giving a device's current stream (0: stream 0). */
+/* Allocator(backend, error_factory, settings, stream_lookup=0, device_count=64): settings is a resolved
+ * xpool.Settings; stream_lookup the address of `intptr_t fn(int device)` giving a device's current stream (0:
+ * stream 0); device_count the backend's devices (Pool asks backend.device_count() once). */
 static int Allocator_init(Allocator *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"backend", "error_factory", "settings", "stream_lookup", NULL};
+    static char *kwlist[] = {"backend", "error_factory", "settings", "stream_lookup", "device_count", NULL};
     PyObject *backend, *factory, *settings;
     unsigned long long stream_fn = 0, timeline = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|O&", kwlist, &backend, &factory, &settings,
-                                     u64_stream_lookup, &stream_fn))
+    int n_devices = XP_MAX_DEVICES;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|O&i", kwlist, &backend, &factory, &settings,
+                                     u64_stream_lookup, &stream_fn, &n_devices))
         return -1;
+    if (n_devices < 0 || n_devices > XP_MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "device_count must be in [0, %d], got %d", XP_MAX_DEVICES, n_devices);
+        return -1;
+    }
     if (self->backend) {   /* its pools were made for the first settings */
         PyErr_SetString(PyExc_RuntimeError, "an Allocator is set up once");
         return -1;
@@ -289,6 +311,7 @@ static int Allocator_init(Allocator *self, PyObject *args, PyObject *kwds)
     Py_INCREF(factory); Py_XSETREF(self->error_factory, factory);
     self->tells_capture = PyObject_HasAttrString(backend, "capturing");
     self->stream_fn = (stream_fn_t)(uintptr_t)stream_fn;
+    self->n_devices = n_devices;
     return timeline ? timeline_resize(self, (Py_ssize_t)timeline) : 0;
 }
 
@@ -323,6 +346,7 @@ static void pool_destroy(DevicePool *pool)
         xe_destroy(pool->vm);
         free(pool->vm);
     }
+    free(pool->streams);
     free(pool->live.slots);
     free(pool->bins.slots);
     pthread_mutex_destroy(&pool->lock);
@@ -394,10 +418,10 @@ static PyObject *Allocator_allocate(Allocator *self, PyObject *args, PyObject *k
     size_t n;
     int device = 0;
     long long stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|iL", kwlist, nbytes_arg, &n, &device, &stream) ||
-        xp_check_device(device) < 0)
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|iO&", kwlist, nbytes_arg, &n, &device, stream_arg, &stream) ||
+        xp_check_device(self, device) < 0)
         return NULL;
-    Block *b = xp_alloc(self, device, (intptr_t)stream, n, ORIGIN_PYTHON);
+    Block *b = xp_alloc(self, device, stream_key((intptr_t)stream), n, ORIGIN_PYTHON);
     if (!b) return NULL;
     Allocation *a = PyObject_New(Allocation, &AllocationType);
     if (!a) {
@@ -409,7 +433,7 @@ static PyObject *Allocator_allocate(Allocator *self, PyObject *args, PyObject *k
     }
     Py_INCREF(self);
     a->owner = self; a->ptr = b->ptr; a->size = b->size; a->requested = n;
-    a->stream = b->stream; a->device = device;
+    a->stream = (intptr_t)stream; a->device = device;   /* the handle asked for (the key is the pool's own) */
     return (PyObject *)a;
 }
 
@@ -437,7 +461,7 @@ static PyObject *Allocator_cfunctions(Allocator *self, PyObject *unused)
 /* The pool of a device argument: made on first use when `create`, else NULL (no exception) if none. */
 static DevicePool *pool_arg(Allocator *self, int device, int create)
 {
-    if (xp_check_device(device) < 0) return NULL;
+    if (xp_check_device(self, device) < 0) return NULL;
     return create ? pool_get(self, device) : pool_lookup(self, device);
 }
 
@@ -512,11 +536,11 @@ static PyObject *Allocator_release(Allocator *self, PyObject *args, PyObject *kw
     DevicePool *pool = pool_arg(self, device, 0);
     if (PyErr_Occurred()) return NULL;
     if (!pool) return PyLong_FromLong(0);
-    intptr_t s = 0;
-    if (stream != Py_None) {
-        s = (intptr_t)PyLong_AsLongLong(stream);
-        if (PyErr_Occurred()) return NULL;
-    }
+    long long s = 0;
+    if (stream != Py_None && !stream_arg(stream, &s)) return NULL;
+    intptr_t key = stream_key((intptr_t)s);
+    int capturing = device_captures(self, pool, key);   /* then nothing goes back here: the capture would end */
+    if (capturing) return capturing < 0 ? NULL : PyLong_FromLong(0);
     long long n;
     if (stream == Py_None && !keep) {   /* empty_cache() */
         reset_miss_budget(pool);
@@ -524,7 +548,7 @@ static PyObject *Allocator_release(Allocator *self, PyObject *args, PyObject *kw
         n = empty_cache(self, pool, &g);
         xp_gil_end(&g);
     } else {
-        n = release_cached(self, pool, stream == Py_None, s, keep);
+        n = release_cached(self, pool, stream == Py_None, key, keep);
     }
     return n < 0 ? NULL : PyLong_FromLongLong(n);
 }
@@ -547,7 +571,7 @@ static PyObject *Allocator_vm_range(Allocator *self, PyObject *args)
 {
     int device;
     unsigned long long ptr;
-    if (!PyArg_ParseTuple(args, "iO&", &device, u64_ptr, &ptr) || xp_check_device(device) < 0) return NULL;
+    if (!PyArg_ParseTuple(args, "iO&", &device, u64_ptr, &ptr) || xp_check_device(self, device) < 0) return NULL;
     uintptr_t base;
     size_t bytes;
     if (!xp_vm_range_of(self, device, (uintptr_t)ptr, &base, &bytes)) Py_RETURN_NONE;
@@ -628,6 +652,20 @@ static PyObject *Allocator_table_sizes(Allocator *self, PyObject *args)
     size_t live_cap = pool->live.cap, live_used = pool->live.used, bins_cap = pool->bins.cap;
     pthread_mutex_unlock(&pool->lock);
     return Py_BuildValue("(nnn)", (Py_ssize_t)live_cap, (Py_ssize_t)live_used, (Py_ssize_t)bins_cap);
+}
+
+/* Nodes of the whole-free-segment index that the searches for segments to give back have visited on one
+ * device (Note [Whole free segments]): the cost of those searches as a count, for tests and benchmarks. */
+static PyObject *Allocator_release_scan_visits(Allocator *self, PyObject *args)
+{
+    int device;
+    if (!PyArg_ParseTuple(args, "i", &device)) return NULL;
+    DevicePool *pool = pool_arg(self, device, 0);
+    if (!pool) return PyErr_Occurred() ? NULL : PyLong_FromLong(0);
+    pthread_mutex_lock(&pool->lock);
+    uint64_t visits = pool->segs.whole_visits;
+    pthread_mutex_unlock(&pool->lock);
+    return PyLong_FromUnsignedLongLong(visits);
 }
 
 /* ------------------------------------------------------------------ timeline and debug mode */
@@ -747,6 +785,8 @@ static PyMethodDef Allocator_methods[] = {
     {"cached_blocks", (PyCFunction)Allocator_cached_blocks, METH_VARARGS, "cached_blocks(device) -> [info]"},
     {"table_sizes", (PyCFunction)Allocator_table_sizes, METH_VARARGS,
      "table_sizes(device) -> (live table slots, live blocks, bin table slots)"},
+    {"release_scan_visits", (PyCFunction)Allocator_release_scan_visits, METH_VARARGS,
+     "release_scan_visits(device) -> nodes the searches for whole free segments to give back have visited"},
     {"timeline_enable", (PyCFunction)Allocator_timeline_enable, METH_VARARGS,
      "timeline_enable(capacity): record events into a ring of that size (0: off)"},
     {"timeline_events", (PyCFunction)Allocator_timeline_events, METH_NOARGS,

@@ -20,50 +20,76 @@ static inline int before(const Block *a, const Block *b)
     return a->ptr < b->ptr;
 }
 
-/* ------------------------------------------------------------------ treap */
+/* ------------------------------------------------------------------ treaps */
 
-static Block *tree_insert(Block *root, Block *n)
-{
-    if (!root) return n;
-    if (before(n, root)) {
-        root->left = tree_insert(root->left, n);
-        if (root->left->prio > root->prio) {          /* rotate right */
-            Block *l = root->left;
-            root->left = l->right; l->right = root;
-            return l;
-        }
-    } else {
-        root->right = tree_insert(root->right, n);
-        if (root->right->prio > root->prio) {         /* rotate left */
-            Block *r = root->right;
-            root->right = r->left; r->left = root;
-            return r;
-        }
-    }
-    return root;
+/* Insert, join and remove of a treap ordered by before() over one pair of child links: the tree of free
+ * ranges (left, right) and the index of whole free segments (wleft, wright) share them. */
+#define TREAP(NAME, L, R)                                                                 \
+static Block *NAME##_insert(Block *root, Block *n)                                        \
+{                                                                                         \
+    if (!root) return n;                                                                  \
+    if (before(n, root)) {                                                                \
+        root->L = NAME##_insert(root->L, n);                                              \
+        if (root->L->prio > root->prio) {             /* rotate right */                  \
+            Block *l = root->L;                                                           \
+            root->L = l->R; l->R = root;                                                  \
+            return l;                                                                     \
+        }                                                                                 \
+    } else {                                                                              \
+        root->R = NAME##_insert(root->R, n);                                              \
+        if (root->R->prio > root->prio) {             /* rotate left */                   \
+            Block *r = root->R;                                                           \
+            root->R = r->L; r->L = root;                                                  \
+            return r;                                                                     \
+        }                                                                                 \
+    }                                                                                     \
+    return root;                                                                          \
+}                                                                                         \
+                                                                                          \
+/* joins two treaps, every key of a before every key of b */                              \
+static Block *NAME##_join(Block *a, Block *b)                                             \
+{                                                                                         \
+    if (!a) return b;                                                                     \
+    if (!b) return a;                                                                     \
+    if (a->prio > b->prio) { a->R = NAME##_join(a->R, b); return a; }                     \
+    b->L = NAME##_join(a, b->L);                                                          \
+    return b;                                                                             \
+}                                                                                         \
+                                                                                          \
+static Block *NAME##_remove(Block *root, Block *n)                                        \
+{                                                                                         \
+    if (!root) return NULL;   /* not reached: n is in the tree */                         \
+    if (root == n) {                                                                      \
+        Block *j = NAME##_join(n->L, n->R);                                               \
+        n->L = n->R = NULL;                                                               \
+        return j;                                                                         \
+    }                                                                                     \
+    if (before(n, root)) root->L = NAME##_remove(root->L, n);                             \
+    else root->R = NAME##_remove(root->R, n);                                             \
+    return root;                                                                          \
 }
 
-/* joins two treaps, every key of a before every key of b */
-static Block *tree_join(Block *a, Block *b)
+TREAP(tree, left, right)
+TREAP(whole, wleft, wright)
+
+/* A whole free segment filed in the tree: into the index too (Note [Whole free segments]).  One waiting in
+ * recent[] is not indexed: the searches scan those (at most SEG_RECENT), so a pair that frees a segment's one
+ * block and takes it again (the segment whole in between) pays nothing for the index.  b->prio is set. */
+static void whole_add(FreeTree *t, Block *b)
 {
-    if (!a) return b;
-    if (!b) return a;
-    if (a->prio > b->prio) { a->right = tree_join(a->right, b); return a; }
-    b->left = tree_join(a, b->left);
-    return b;
+    b->wleft = b->wright = NULL;
+    t->whole = whole_insert(t->whole, b);
+    b->in_whole = 1;
+    t->n_whole++;
 }
 
-static Block *tree_remove(Block *root, Block *n)
+/* A range leaving the tree: out of the index, if it was there. */
+static void whole_drop(FreeTree *t, Block *b)
 {
-    if (!root) return NULL;   /* not reached: n is in the tree */
-    if (root == n) {
-        Block *j = tree_join(n->left, n->right);
-        n->left = n->right = NULL;
-        return j;
-    }
-    if (before(n, root)) root->left = tree_remove(root->left, n);
-    else root->right = tree_remove(root->right, n);
-    return root;
+    if (!b->in_whole) return;
+    t->whole = whole_remove(t->whole, b);
+    b->in_whole = 0;
+    t->n_whole--;
 }
 
 static void file_free(FreeTree *t, Block *b)
@@ -72,13 +98,17 @@ static void file_free(FreeTree *t, Block *b)
     b->left = b->right = NULL;
     b->prio = prio_of(b->ptr);
     t->root = tree_insert(t->root, b);
+    if (!b->prev_addr && !b->next_addr) whole_add(t, b);
 }
 
 static void unfile(FreeTree *t, Block *b)
 {
     t->root = tree_remove(t->root, b);
+    whole_drop(t, b);
     b->is_free = 0;
 }
+
+static inline int is_whole(const Block *b) { return !b->prev_addr && !b->next_addr; }
 
 /* ------------------------------------------------------------------ ranges */
 
@@ -246,14 +276,15 @@ Block *seg_put(FreeTree *t, Block *b, SegDelta *d)
         d->free_ranges -= 1;
         b = p;
     }
-    if (!b->prev_addr && !b->next_addr) b->whole_since = t->clock;   /* its segment is all free from now */
+    if (is_whole(b)) b->whole_since = t->clock;   /* its segment is all free from now */
     wait_free(t, b);   /* merged with every free neighbour: none is left */
     return b;
 }
 
-/* Whole free segments (of one stream, or all), listed in the walk's (stream, size) order: those whole and free
-   for at least min_idle requests, until `cached` (counted down by each one listed) is down to `keep` or `out`
-   is full. Listed first and unfiled after: the walk must not see the tree change. */
+/* Whole free segments (of one stream, or all), listed in (stream, size, ptr) order: those whole and free for at
+   least min_idle requests, until `cached` (counted down by each one listed) is down to `keep` or `out` is full.
+   From the index (the tree's whole segments) merged with the whole ones waiting in recent[], sorted: the order a
+   walk of every free range gave.  Listed first and taken out after: the walk must not see the index change. */
 typedef struct {
     int all_streams;
     intptr_t stream;
@@ -261,35 +292,84 @@ typedef struct {
     uint64_t keep, cached;
     Block **out;
     size_t n, cap;
+    uint64_t visits;
+    Block *waiting[SEG_RECENT];   /* the whole ranges of recent[] of the scan's stream(s), in key order */
+    size_t n_waiting, next_waiting;
 } WholeScan;
 
-static int collect_whole(Block *b, void *arg)
+/* Considers one whole segment; 1 once the scan is done. */
+static int consider(WholeScan *s, Block *x)
 {
-    WholeScan *s = arg;
+    s->visits++;
     if (s->cached <= s->keep || s->n >= s->cap) return 1;
-    if (b->prev_addr || b->next_addr) return 0;          /* part of a segment still partly in use */
-    if (!s->all_streams && b->stream != s->stream) return 0;
-    if (s->clock - b->whole_since < s->min_idle) return 0;
-    s->out[s->n++] = b;
-    s->cached -= b->size;
+    if (s->clock - x->whole_since >= s->min_idle) {
+        s->out[s->n++] = x;
+        s->cached -= x->size;
+    }
     return 0;
 }
 
-static void unfile_all(FreeTree *t, Block **blocks, size_t k, SegDelta *d)
+/* Considers the waiting whole segments ordered before x (all that are left when x is NULL). */
+static int consider_waiting(WholeScan *s, const Block *x)
 {
-    for (size_t i = 0; i < k; i++) {
-        unfile(t, blocks[i]);
-        d->free_ranges -= 1; d->free_bytes -= (int64_t)blocks[i]->size;
+    while (s->next_waiting < s->n_waiting && (!x || before(s->waiting[s->next_waiting], x)))
+        if (consider(s, s->waiting[s->next_waiting++])) return 1;
+    return 0;
+}
+
+/* In-order walk of the index, only into the subtrees that may hold the scan's stream; 1 once the scan is done. */
+static int walk_whole(Block *x, WholeScan *s)
+{
+    while (x) {
+        if (!s->all_streams && x->stream != s->stream) {
+            s->visits++;
+            x = x->stream < s->stream ? x->wright : x->wleft;
+            continue;
+        }
+        if (walk_whole(x->wleft, s) || consider_waiting(s, x) || consider(s, x)) return 1;
+        x = x->wright;
     }
+    return 0;
+}
+
+static void collect_whole(FreeTree *t, WholeScan *s)
+{
+    s->n_waiting = s->next_waiting = 0;
+    for (uint64_t bits = t->occupied; bits; bits &= bits - 1) {
+        Block *b = t->recent[__builtin_ctzll(bits)];
+        if (!is_whole(b) || (!s->all_streams && b->stream != s->stream)) continue;
+        size_t i = s->n_waiting++;   /* insertion sort: at most SEG_RECENT */
+        for (; i > 0 && before(b, s->waiting[i - 1]); i--) s->waiting[i] = s->waiting[i - 1];
+        s->waiting[i] = b;
+    }
+    if (!walk_whole(t->whole, s)) consider_waiting(s, NULL);
+    t->whole_visits += s->visits;
+}
+
+/* Takes listed whole segments out of the cache: out of the tree (and the index) or recent[]. */
+static void take_all(FreeTree *t, Block **blocks, size_t k, SegDelta *d)
+{
+    for (size_t i = 0; i < k; i++) seg_unfile(t, blocks[i], d);
+}
+
+int seg_any_whole(const FreeTree *t, int all_streams, intptr_t stream)
+{
+    for (uint64_t bits = t->occupied; bits; bits &= bits - 1) {
+        const Block *b = t->recent[__builtin_ctzll(bits)];
+        if (is_whole(b) && (all_streams || b->stream == stream)) return 1;
+    }
+    if (all_streams) return t->whole != NULL;
+    for (const Block *x = t->whole; x; x = x->stream < stream ? x->wright : x->wleft)
+        if (x->stream == stream) return 1;
+    return 0;
 }
 
 void seg_take_whole(FreeTree *t, int all_streams, intptr_t stream, uint64_t keep, uint64_t *cached,
                     Block **out, size_t *n, size_t cap, SegDelta *d)
 {
-    seg_flush(t);   /* a waiting range may be a whole segment */
-    WholeScan s = {all_streams, stream, t->clock, 0, keep, *cached, out, *n, cap};
-    seg_each_free(t, collect_whole, &s);
-    unfile_all(t, out + *n, s.n - *n, d);
+    WholeScan s = {all_streams, stream, t->clock, 0, keep, *cached, out, *n, cap, 0};
+    collect_whole(t, &s);
+    take_all(t, out + *n, s.n - *n, d);
     *n = s.n;
     *cached = s.cached;
 }
@@ -324,8 +404,10 @@ static void destroy(Block *x)
 
 void seg_destroy(FreeTree *t)
 {
-    destroy(t->root);
+    destroy(t->root);          /* the whole free segments are among these: the index goes with them */
     t->root = NULL;
+    t->whole = NULL;
+    t->n_whole = 0;
     for (size_t i = 0; i < SEG_RECENT; i++) {
         free(t->recent[i]);
         t->recent[i] = NULL;
@@ -343,9 +425,8 @@ void seg_destroy(FreeTree *t)
 void seg_take_whole_need(FreeTree *t, intptr_t stream, uint64_t need, uint64_t min_idle, Block **out, size_t *n,
                          size_t cap, SegDelta *d)
 {
-    seg_flush(t);   /* a waiting range may be a whole segment */
-    WholeScan s = {0, stream, t->clock, min_idle, 0, UINT64_MAX, out, *n, cap};   /* no byte budget */
-    seg_each_free(t, collect_whole, &s);   /* in (stream, size) order: ascending sizes */
+    WholeScan s = {0, stream, t->clock, min_idle, 0, UINT64_MAX, out, *n, cap, 0};   /* no byte budget */
+    collect_whole(t, &s);                /* in (size, ptr) order: ascending sizes */
     size_t first = *n, m = s.n - first, k = 0;
     Block **c = out + first;
     /* the smallest one that covers `need` alone; else the largest first until they do */
@@ -360,6 +441,6 @@ void seg_take_whole_need(FreeTree *t, intptr_t stream, uint64_t need, uint64_t m
         k = m - j;
         memmove(c, c + j, k * sizeof(Block *));
     }
-    unfile_all(t, c, k, d);
+    take_all(t, c, k, d);
     *n = first + k;
 }

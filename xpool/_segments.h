@@ -30,24 +30,29 @@ typedef struct Block {
     size_t requested;       /* bytes asked for while in use, 0 while cached */
     intptr_t stream;        /* stream it was handed out on; reused only there */
     int device;
-    int origin;             /* who it was last handed to: ORIGIN_CUPY, ORIGIN_TORCH or ORIGIN_PYTHON;
-                             * a block handed to CuPy holds a reference to the Allocator (cupy_malloc) */
-    uint64_t serial;        /* allocation number on its device, for diagnostics */
-    struct Block *next;     /* link in its bin while cached (size classes only) */
-    /* Debug state, so a hook turned on while blocks exist checks only what it prepared */
-    unsigned guarded : 1;    /* a debug hook wrote the canary past `requested` when handed out */
-    unsigned poisoned : 1;   /* a debug hook filled it with poison when it was cached (ranges: all of it) */
-    unsigned handed_out : 1; /* in use and its hook has run: listed by live_blocks(), check() */
-    /* ranges of a segment only (in_segment set); the rest is unused for class blocks */
-    struct Block *prev_addr, *next_addr;   /* neighbours in the same segment, by address */
-    struct Block *left, *right;            /* children in the FreeTree while free */
-    uint32_t prio;                          /* treap priority */
-    uint8_t in_segment;
+    uint8_t in_segment;     /* (ranges of a segment: the fields from prev_addr on; unused for class blocks) */
     uint8_t is_free;        /* free, in the tree */
     uint8_t waiting;        /* free, in FreeTree.recent */
     uint8_t vm_state;       /* scheme expandable: XE_MAPPED (0) or what the range's pages under it are doing
                              * (_expandable.h); 0 for every other block */
-    uint64_t whole_since;   /* a whole free segment: FreeTree.clock when it last became one (its idle age) */
+    uint64_t serial;        /* allocation number on its device, for diagnostics */
+    union {
+        struct Block *next;     /* link in its bin while cached (size classes), or in FreeTree.spare */
+        struct Block *wleft;    /* a whole free segment in the tree: child in FreeTree.whole (never in a bin) */
+    };
+    unsigned origin : 2;     /* who it was last handed to: ORIGIN_CUPY, ORIGIN_TORCH or ORIGIN_PYTHON;
+                              * a block handed to CuPy holds a reference to the Allocator (cupy_malloc) */
+    /* Debug state, so a hook turned on while blocks exist checks only what it prepared */
+    unsigned guarded : 1;    /* a debug hook wrote the canary past `requested` when handed out */
+    unsigned poisoned : 1;   /* a debug hook filled it with poison when it was cached (ranges: all of it) */
+    unsigned handed_out : 1; /* in use and its hook has run: listed by live_blocks(), check() */
+    unsigned in_whole : 1;   /* a whole free segment in the tree, and so in FreeTree.whole */
+    uint32_t prio;                          /* treap priority */
+    struct Block *prev_addr, *next_addr;   /* neighbours in the same segment, by address */
+    struct Block *left, *right;            /* children in the FreeTree while free */
+    struct Block *wright;                  /* the other child in FreeTree.whole (wleft: above) */
+    uint64_t whole_since;   /* a whole free segment: FreeTree.clock when it last became one (its idle age);
+                             * 112 bytes in all, as before the index (Note [Whole free segments]) */
 } Block;
 
 /* Slots of the exact-size cache (at most 64: FreeTree.occupied is their bitmap), and how many waiting ranges
@@ -76,10 +81,24 @@ typedef struct {
                              * and a free each */
     size_t n_spare;
     uint64_t clock;         /* calls of seg_take (one per request of the pool): the clock of Block.whole_since */
+    /* The whole free segments filed in the tree, by (stream, size, ptr) as the tree: with the whole ones
+     * waiting in recent[], what a miss or a ladder may give back.  A search for them walks these alone, never
+     * the free ranges of partly used segments, which may be many (a miss above the high-water mark walked
+     * every free range: 8.8 ms at 1e5; Note [Whole free segments]). */
+    Block *whole;
+    size_t n_whole;
+    uint64_t whole_visits;  /* nodes of `whole` the searches for segments to give back have visited (a cost
+                               counter for tests and benchmarks) */
 } FreeTree;
 
 /* Whether any free range waits, in the tree or in recent[]. */
 static inline int seg_any_free(const FreeTree *t) { return t->root || t->n_recent; }
+
+/* At most how many whole free segments there are (room for a list of them). */
+static inline size_t seg_whole_max(const FreeTree *t) { return t->n_whole + t->n_recent; }
+
+/* Whether `stream` (or any stream, when all_streams) has a whole free segment: O(log n). */
+int seg_any_whole(const FreeTree *t, int all_streams, intptr_t stream);
 
 /* Change of the core's counters caused by one call (the core's Stats stay the one source of truth). */
 typedef struct {
@@ -110,13 +129,14 @@ void seg_flush(FreeTree *t);
  * in t->recent.  Returns the free range that now holds it. */
 Block *seg_put(FreeTree *t, Block *b, SegDelta *d);
 
-/* Takes whole free segments (of `stream` only, unless all_streams) out of the tree, appending them to
- * out[*n] (room for `cap`), until the free bytes `*cached` drop to `keep` or none is left. */
 /* Whole free segments of `stream` that have been whole and free for at least `min_idle` requests (ticks of
- * t->clock), unfiled into out[*n..]: the smallest one of at least `need` bytes, or else the largest first
- * until `need` bytes are covered (or none are left). */
+ * t->clock), taken out into out[*n..] (room for `cap`): the smallest one of at least `need` bytes, or else the
+ * largest first until `need` bytes are covered (or none are left).  O(log n + whole free segments of `stream`). */
 void seg_take_whole_need(FreeTree *t, intptr_t stream, uint64_t need, uint64_t min_idle, Block **out, size_t *n,
                          size_t cap, SegDelta *d);
+/* Takes whole free segments (of `stream` only, unless all_streams) out, in (stream, size, ptr) order, appending
+ * them to out[*n] (room for `cap`), until the free bytes `*cached` drop to `keep` or none is left.
+ * O(log n + whole free segments walked). */
 void seg_take_whole(FreeTree *t, int all_streams, intptr_t stream, uint64_t keep, uint64_t *cached,
                     Block **out, size_t *n, size_t cap, SegDelta *d);
 

@@ -131,9 +131,9 @@ static int torch_alloc(ssize_t size, int device, void *stream_handle, void **out
                  : "ValueError: size=%zd is larger than any device (max %zu)", size, (size_t)XP_MAX_REQUEST);
         return -1;
     }
-    if (device < 0 || device >= XP_MAX_DEVICES) {
-        snprintf(torch_error, sizeof torch_error, "ValueError: device must be in [0, %d), got %d",
-                 XP_MAX_DEVICES, device);
+    if (device < 0 || device >= A->n_devices) {   /* before any pool is made or request counted */
+        snprintf(torch_error, sizeof torch_error, "ValueError: device must be in [0, %d) (the backend's "
+                 "devices), got %d", A->n_devices, device);
         return -1;
     }
     intptr_t stream = stream_key((intptr_t)stream_handle);
@@ -205,7 +205,7 @@ XP_EXPORT const char *xpool_torch_last_error(void) { return torch_error; }
 XP_EXPORT void xpool_torch_free(void *ptr, ssize_t size, int device, void *stream)
 {
     Allocator *A = atomic_load_explicit(&torch_allocator, memory_order_acquire);
-    int known_device = device >= 0 && device < XP_MAX_DEVICES;
+    int known_device = A && device >= 0 && device < A->n_devices;
     torch_error[0] = 0;
     if (A && known_device && free_nogil(A, device, (uintptr_t)ptr) == 0) return;
     if (!python_usable()) return;   /* the process is ending: the device memory goes with it */

@@ -52,9 +52,12 @@ class Backend(Protocol):
     the other blocks have been tried.
 
     CUDA graphs (optional): a backend with ``capturing(device, stream) -> bool`` (``CupyBackend`` has it) lets
-    the pool see a stream being captured; then a miss gives nothing back and out of memory raises without
-    freeing the cache, since a ``free`` that synchronises would end the capture. The pool asks on those paths
-    only, never on a hit.
+    the pool see captures. Before giving anything back on a device the pool asks it about the legacy stream (0:
+    True there means some stream of the device captures in global mode), the request's stream, and every
+    stream the pool holds memory for on the device (``2`` is the calling thread's per-thread stream); while any
+    says True nothing goes back on that device (a miss only adds, out of memory raises without freeing the
+    cache, ``empty_cache`` gives nothing back there), since a ``free`` that synchronises would end the capture.
+    The pool asks before give-backs only, never on a hit.
 
     Fork: in a ``fork()``ed child the pool starts empty and never calls
     ``free`` for the parent's blocks; a backend with locks must make them
@@ -292,8 +295,9 @@ class CupyBackend:
             self._rt.free(ptr)
 
     def capturing(self, device: int, stream: int) -> bool:
-        """True while `stream` is being captured into a CUDA graph (cudaStreamIsCapturing): the pool then gives
-        nothing back, since cudaFree would end the capture. Asked on misses and out of memory only."""
+        """True while `stream` is being captured into a CUDA graph (cudaStreamIsCapturing), or, for the legacy
+        stream (0), while some stream of the device captures in global mode: the pool then gives nothing back on
+        the device, since cudaFree would end the capture. Asked before give-backs only."""
         with _on_device(self._rt, device):
             try:
                 return self._rt.streamIsCapturing(stream) != self._rt.streamCaptureStatusNone

@@ -11,7 +11,7 @@ import ctypes
 import threading
 
 from .backends import CupyBackend
-from .pool import Pool, settings_signature
+from .pool import Pool, _stream_handle, settings_signature
 from .settings import Settings, resolve
 
 _state_lock = threading.Lock()    # guards _installed and _previous
@@ -104,13 +104,17 @@ class MemoryPool(Pool):
         """Give the current device's cached blocks back (CuPy's name for ``empty_cache``).
 
         Args:
-            stream (cupy.cuda.Stream): only the blocks cached for this stream; None: all.
+            stream (cupy.cuda.Stream or int): only the blocks cached for this stream (a CuPy stream, or a
+                stream handle as ``allocate`` takes); None: all.
 
         Raises:
+            ValueError: ``stream`` is neither.
             Exception: as ``Pool.empty_cache``.
         """
-        d = self.backend.current_device()
-        self._core.release(d, None if stream is None else stream.ptr)
+        d = self._current_device()
+        if stream is not None:
+            stream = _stream_handle(getattr(stream, "ptr", stream), "stream must be a cupy.cuda.Stream or")
+        self._core.release(d, stream)
 
     def used_bytes(self) -> int:
         """Bytes in use on the current device.
@@ -118,7 +122,7 @@ class MemoryPool(Pool):
         Returns:
             int: class bytes of the blocks in use.
         """
-        return self._core.stats(self.backend.current_device())["bytes_in_use"]
+        return self._core.stats(self._current_device())["bytes_in_use"]
 
     def free_bytes(self) -> int:
         """Bytes cached on the current device.
@@ -126,7 +130,7 @@ class MemoryPool(Pool):
         Returns:
             int: class bytes of the cached blocks.
         """
-        return self._core.stats(self.backend.current_device())["bytes_cached"]
+        return self._core.stats(self._current_device())["bytes_cached"]
 
     def total_bytes(self) -> int:
         """Bytes the current device holds for this pool.
@@ -134,7 +138,7 @@ class MemoryPool(Pool):
         Returns:
             int: in use + cached (+ being given back).
         """
-        return self._core.stats(self.backend.current_device())["bytes_reserved"]
+        return self._core.stats(self._current_device())["bytes_reserved"]
 
     def n_free_blocks(self) -> int:
         """Blocks cached on the current device.
@@ -142,7 +146,7 @@ class MemoryPool(Pool):
         Returns:
             int: how many.
         """
-        return self._core.stats(self.backend.current_device())["blocks_cached"]
+        return self._core.stats(self._current_device())["blocks_cached"]
 
 
 settings_signature(MemoryPool.__init__, keywords=("backend",))

@@ -40,8 +40,8 @@ class OutOfMemoryError(_cupy_oom_base()):
         limit (int): the device's limit (0: none).
         reason (str): ``"device"`` (the backend refused), ``"limit"`` (xpool's limit),
             ``"too_large"`` (larger than the whole device: ``RequestTooLargeError``), or ``"device_capturing"``
-            / ``"limit_capturing"`` (refused while the stream was being captured into a CUDA graph: the cache
-            was not freed, since cudaFree would end the capture).
+            / ``"limit_capturing"`` (refused while a stream of the device was, or may have been, captured into
+            a CUDA graph: the cache was not freed, since cudaFree would end the capture).
     """
 
     def __init__(self, device, requested, size, bytes_in_use, bytes_cached, limit, reason="device"):
@@ -56,8 +56,9 @@ class OutOfMemoryError(_cupy_oom_base()):
         else:
             capturing = reason.endswith("_capturing")
             what = "the xpool limit" if reason.startswith("limit") else f"device {device}"
-            cached = ("kept: the stream is capturing a CUDA graph, which a cudaFree would end; capture with a "
-                      "private pool warmed by one run first" if capturing else "freed and retried")
+            cached = ("kept: a stream of the device is capturing a CUDA graph (or may be: another thread's "
+                      "per-thread stream), which a cudaFree would end; capture with a private pool warmed by one "
+                      "run first" if capturing else "freed and retried")
             msg = (f"xpool: out of memory on device {device}: {what} refused {human(size)} "
                    f"(request {requested:,} B, class {size:,} B); in use {human(bytes_in_use)}, "
                    f"cached {human(bytes_cached)} ({cached}), "

@@ -22,6 +22,19 @@ BACKEND_METHODS = ("malloc", "free", "fill", "read", "current_device", "current_
                    "device_count", "total_memory")
 
 
+def _stream_handle(stream, what: str) -> int:
+    """A stream handle as the core keys it: an int in [0, 2**63) (negative keys are the core's per-thread ones);
+    a ValueError starting with `what` otherwise."""
+    if not isinstance(stream, bool):
+        try:
+            s = operator.index(stream)
+        except TypeError:
+            s = None
+        if s is not None and 0 <= s < (1 << 63):
+            return s
+    raise ValueError(f"{what} a stream handle, an int in [0, 2**63), got {type(stream).__name__} {stream!r}")
+
+
 def settings_signature(init, positional=("settings",), keywords=()):
     """Gives init the signature help() and inspect show: `positional`, then `keywords` and every setting as
     keyword-only arguments (it takes the settings as **fields)."""
@@ -68,8 +81,11 @@ class Pool:
                             f"{type(backend).__name__} lacks {', '.join(missing)}")
         self.backend = backend
         self.settings = settings
-        self._n_devices = min(backend.device_count(), _core.MAX_DEVICES)   # asked once, not per call
-        self._core = _core.Allocator(backend, make_error, settings, stream_lookup)
+        count = backend.device_count()   # asked once, not per call
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+            raise ValueError(f"backend.device_count() must return an int >= 0, got {count!r}")
+        self._n_devices = min(int(count), _core.MAX_DEVICES)
+        self._core = _core.Allocator(backend, make_error, settings, stream_lookup, self._n_devices)
         self._hook = None
         self._apply_debug(settings.debug)
         _live_cores.add(self._core)
@@ -110,25 +126,24 @@ class Pool:
 
     def _device(self, device):
         if device is None:
-            return self.backend.current_device()
+            return self._current_device()
         n = self._n_devices
         if isinstance(device, bool) or not isinstance(device, numbers.Integral) or not 0 <= device < n:
             raise ValueError(f"device must be an int in [0, {n}) on this machine, got {device!r}")
         return int(device)
 
+    def _current_device(self) -> int:
+        """The backend's current device, checked: a bad answer is named, not passed on."""
+        d = self.backend.current_device()
+        if isinstance(d, bool) or not isinstance(d, numbers.Integral) or not 0 <= d < self._n_devices:
+            raise ValueError(f"backend.current_device() must return an int in [0, {self._n_devices}) "
+                             f"(backend.device_count()), got {d!r}")
+        return int(d)
+
     def _stream(self, stream):
         if stream is None:
-            return self.backend.current_stream()
-        if isinstance(stream, bool):
-            raise ValueError(f"stream must be an int stream handle, got {stream!r}")
-        try:
-            s = operator.index(stream)
-        except TypeError:
-            raise ValueError(f"stream must be an int stream handle, got {type(stream).__name__} "
-                             f"{stream!r}") from None
-        if not -(1 << 63) <= s < (1 << 63):
-            raise ValueError(f"stream must fit in 64 bits, got {s}")
-        return s
+            return _stream_handle(self.backend.current_stream(), "backend.current_stream() must return")
+        return _stream_handle(stream, "stream must be")
 
     def _devices(self, device):
         return self.devices() if device is None else [self._device(device)]

@@ -8,12 +8,14 @@ through ``xpool.install()``, ``xpool.MemoryPool`` or ``xpool.Pool``.
 """
 from __future__ import annotations
 
+import numbers
+
 from .cupy_adapter import _capsule_fn, _current_stream_fn
 from .pool import Pool
 from .settings import Settings, resolve
 
 __all__ = ["cfunctions", "allocate_function", "pool_with_stream_lookup", "cupy_stream_lookup",
-           "capsule_function"]
+           "capsule_function", "release_scan_visits"]
 
 
 def cfunctions(pool: Pool) -> tuple[int, int, int]:
@@ -49,25 +51,79 @@ def allocate_function(pool: Pool):
     return pool._core.allocate
 
 
-def pool_with_stream_lookup(backend, stream_lookup: int, settings: Settings | None = None, **fields) -> Pool:
+def pool_with_stream_lookup(backend, stream_lookup, settings: Settings | None = None, **fields) -> Pool:
     """An ``xpool.Pool`` whose C hooks (``cfunctions``) key blocks by a stream lookup of your choice.
 
     Args:
         backend: as for ``xpool.Pool``.
-        stream_lookup: 0 (every block on stream 0), or the address of a C function
+        stream_lookup: 0 (every block on stream 0), a ctypes function of type
+            ``CFUNCTYPE(c_ssize_t, c_int)`` (kept alive by the pool), or the address of a C function
             ``intptr_t lookup(int device)`` returning the device's current stream (``cupy_stream_lookup()``
-            is CuPy's, which ``MemoryPool`` uses); it may set a Python error. Any other address crashes.
+            is CuPy's, which ``MemoryPool`` uses); it may set a Python error. An address is checked to lie in
+            executable memory of this process (``/proc/self/maps``), so a stray int is refused rather than
+            called; that it is such a function is the caller's word.
         settings, **fields: as for ``xpool.Pool``.
 
     Returns:
         Pool.
 
     Raises:
-        ValueError: ``stream_lookup`` is not an int in [0, 2**64), or a bad setting.
+        TypeError: ``stream_lookup`` is neither an int nor a ctypes function.
+        ValueError: ``stream_lookup`` is an address outside executable memory, or a bad setting.
     """
+    address = _lookup_address(stream_lookup)
     pool = Pool.__new__(Pool)
-    pool._start(backend, resolve(settings, fields, "pool_with_stream_lookup"), stream_lookup)
+    pool._start(backend, resolve(settings, fields, "pool_with_stream_lookup"), address)
+    pool._stream_lookup = stream_lookup   # a ctypes function must outlive every call through it
     return pool
+
+
+def _lookup_address(stream_lookup) -> int:
+    """The address of a stream lookup given as 0, a ctypes function or an int address in executable memory."""
+    import ctypes
+    if isinstance(stream_lookup, ctypes._CFuncPtr):
+        return ctypes.cast(stream_lookup, ctypes.c_void_p).value or 0
+    if isinstance(stream_lookup, bool) or not isinstance(stream_lookup, numbers.Integral):
+        raise TypeError(f"stream_lookup must be 0, a ctypes function or a function's address (an int), got "
+                        f"{type(stream_lookup).__name__} {stream_lookup!r}")
+    address = int(stream_lookup)
+    if address and not _executable(address):
+        raise ValueError(f"stream_lookup={address:#x} is not the address of a function in this process: no "
+                         f"executable mapping holds it (pass 0, a ctypes function, or a C function's address)")
+    return address
+
+
+def _executable(address: int) -> bool:
+    """Whether an executable mapping of this process holds `address` (True where /proc/self/maps is unreadable:
+    then the caller's word is all there is)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                span, perms = line.split(None, 2)[:2]
+                lo, hi = span.split("-")
+                if int(lo, 16) <= address < int(hi, 16):
+                    return "x" in perms
+    except OSError:
+        return True
+    return False
+
+
+def release_scan_visits(pool: Pool, device: int = 0) -> int:
+    """How much searching for segments to give back has cost on one device, as a count.
+
+    Scheme segments: a miss above the high-water mark, the recovery ladder and ``empty_cache``/``trim`` look
+    for whole free segments to give back in an index of those alone; this counts the index nodes they have
+    visited, so a test or benchmark can show the cost does not grow with the free ranges of partly used
+    segments (0 under scheme seed, or before any search).
+
+    Args:
+        pool: an xpool.Pool.
+        device: the device.
+
+    Returns:
+        int: nodes visited since the pool was made.
+    """
+    return pool._core.release_scan_visits(pool._device(device))
 
 
 def cupy_stream_lookup() -> int:

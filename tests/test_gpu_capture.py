@@ -1,0 +1,76 @@
+"""A capture on one stream while the pool works on another, on a real GPU (issue 21, defect 1).
+
+A cudaFree while any stream of the device captures ends that capture; the pool must give nothing back on the
+device then, whichever stream asked. Each test captures a kernel on stream s1 (CuPy's default relaxed mode, so
+allocating on s2 meanwhile is legal) while the pool hits its limit or a growing miss on s2; end_capture fails
+(cudaErrorStreamCaptureInvalidated) if anything was freed.
+"""
+import pytest
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+MiB = 1 << 20
+
+
+def _captured_increment(s1, z):
+    """Begins a capture on s1 (the current stream) of one kernel on z, an array made before."""
+    z += 0                                          # eager first: the kernel is compiled and loaded
+    s1.synchronize()
+    s1.begin_capture()
+    z += 1
+
+
+def test_the_limit_ladder_on_another_stream_leaves_a_capture_intact():
+    import xpool
+    pool = xpool.MemoryPool()
+    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    with xpool.use(pool):
+        with s1:
+            z = cp.zeros(1024, cp.int32)
+            cp.empty(8 * MiB, cp.uint8).fill(1)     # freed: a whole free 8 MiB segment of s1
+            s1.synchronize()
+        with s2:
+            held = cp.empty(8 * MiB, cp.uint8)
+        pool.set_limit(size=pool.total_bytes() + 2 * MiB)
+        before = pool.snapshot()
+        with s1:
+            _captured_increment(s1, z)
+            with s2:
+                with pytest.raises(xpool.OutOfMemoryError) as e:
+                    cp.empty(4 * MiB, cp.uint8)     # only freeing s1's segment would make room
+            graph = s1.end_capture()                # raises if a cudaFree ended the capture
+        assert e.value.reason == "limit_capturing"
+        assert (pool.snapshot() - before).device_frees == 0
+        graph.launch(s1)
+        s1.synchronize()
+        assert int(z.sum()) == 1024
+        del held
+    pool.free_all_blocks()
+
+
+def test_a_growing_miss_on_another_stream_gives_nothing_back_during_a_capture():
+    import xpool
+    pool = xpool.MemoryPool(release_idle=0)         # a miss may give back a segment freed just before it
+    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    with xpool.use(pool):
+        with s1:
+            z = cp.zeros(1024, cp.int32)
+        with s2:
+            cp.empty(3 * MiB, cp.uint8).fill(1)     # s2's whole free 3 MiB segment, at the high-water mark
+            s2.synchronize()
+        before = pool.snapshot()
+        with s1:
+            _captured_increment(s1, z)
+            with s2:
+                big = cp.empty(6 * MiB, cp.uint8)   # above the mark: would give s2's segment back first
+            graph = s1.end_capture()
+        assert (pool.snapshot() - before).device_frees == 0
+        graph.launch(s1)
+        s1.synchronize()
+        assert int(z.sum()) == 1024
+        del big
+        with s2:                                    # no capture now: the next growing miss gives back as before
+            cp.empty(12 * MiB, cp.uint8)
+        assert (pool.snapshot() - before).device_frees >= 1
+    pool.free_all_blocks()
