@@ -11,8 +11,9 @@ setup(
     ext_modules=[
         Extension(
             "xpool._core",
-            sources=["xpool/_alloc.c", "xpool/_module.c", "xpool/_torch.c", "xpool/_segments.c"],
-            depends=["xpool/_core.h", "xpool/_hot.h", "xpool/_segments.h"],
+            sources=["xpool/_alloc.c", "xpool/_module.c", "xpool/_torch.c", "xpool/_segments.c",
+                     "xpool/_expandable.c"],
+            depends=["xpool/_core.h", "xpool/_hot.h", "xpool/_segments.h", "xpool/_expandable.h", "xpool/_vmm.h"],
             extra_compile_args=CFLAGS,
         ),
         Extension(

@@ -170,7 +170,8 @@ def test_a_schemes_variable_needs_xpool_scheme_to_name_that_scheme(monkeypatch):
     assert Settings().classes_per_doubling == 4
     assert Settings(scheme="segments").source("classes_per_doubling") == "n/a"   # an argument overrides
     monkeypatch.setenv("XPOOL_RELEASE_IDLE", "10")
-    with pytest.raises(ValueError, match="^XPOOL_RELEASE_IDLE='10' applies to scheme 'segments' only"):
+    with pytest.raises(ValueError, match="^XPOOL_RELEASE_IDLE='10' applies to schemes 'segments' and 'expandable' "
+                                         "only.*set XPOOL_SCHEME=segments"):
         Settings()
 
 
@@ -258,4 +259,4 @@ def test_every_field_has_its_variable_default_help_and_parser():
     assert fields == list(ENV) == list(DEFAULTS) == list(settings.HELP) == list(settings._PARSERS)
     owned = [name for names in settings.SCHEME_FIELDS.values() for name in names]
     assert set(settings.SCHEME_FIELDS) == set(settings.SCHEMES) and set(owned) <= set(fields)
-    assert len(owned) == len(set(owned))
+    assert all(len(names) == len(set(names)) for names in settings.SCHEME_FIELDS.values())

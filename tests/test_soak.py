@@ -478,3 +478,179 @@ def test_soak_capture_per_thread_streams_and_torch(seed, workers, ops, scheme, d
         time.sleep(0.01)
     assert backend.live() == {} and all(backend.used(d) == 0 for d in range(DEVICES))
     assert_exact(pool, backend)
+
+
+# ------------------------------------------------------------------ scheme expandable (issue 22): the host twin's
+# pages under the same storm, on the Python and PyTorch (no GIL) paths and three streams (the workers' per-thread
+# streams among them, which hold back other threads' unmaps on their devices while the workers live), with map,
+# unmap and reserve faults and a device that captures throughout
+
+def soak_expandable(seed: int, workers: int, ops: int, debug, capturing_device):
+    backend = xpool.HostBackend(capacity=2 * LIMIT, n_devices=DEVICES, granularity=64 * KiB)
+    twin = backend.twin
+    pool = Pool(backend, scheme="expandable", limit=LIMIT, debug=debug, release_idle=8)
+    pool._core.bind_torch()
+    t_malloc, t_free, t_last = _torch_entry_points()
+    if capturing_device is not None:
+        twin.set_capturing(capturing_device, True)     # nothing may be unmapped there, for the whole run
+    menu = [random_size(random.Random(seed * 7 + j)) for j in range(24)]
+    errors, stop, most = [], threading.Event(), [0] * DEVICES
+    outcomes = {"allocated": 0, "refused": 0, "torch": 0}
+    start = threading.Barrier(workers + 4)
+
+    def refused(message: str) -> bool:
+        return message.startswith(("OutOfMemoryError", "RuntimeError: xpool (scheme expandable")) or \
+            "injected" in message
+
+    def worker(i):
+        rng = random.Random(seed * 1000 + i)
+        held = []                                        # (ptr, nbytes, device, stream, tag, allocation or None)
+        start.wait()
+        try:
+            for _ in range(ops):
+                if held and (rng.random() < 0.45 or len(held) > 12):
+                    ptr, n, d, s, tag, a = held.pop(rng.randrange(len(held)))
+                    if ctypes.string_at(ptr, n) != bytes([tag]) * n:
+                        errors.append(f"block 0x{ptr:x} on device {d} was overwritten")
+                    if a is None:
+                        t_free(ptr, n, d, s)
+                    else:
+                        a.release()
+                    continue
+                n = rng.choice(menu) if rng.random() < 0.8 else random_size(rng)
+                d, s = rng.randrange(DEVICES), rng.choice(STREAMS)   # PER_THREAD: keyed per thread on both paths
+                if s == PER_THREAD:
+                    d %= 2   # while a worker lives, its per-thread stream holds back unmaps of other threads on
+                    #          its devices (no other thread can ask it): devices 2 and 3 stay free of them
+                if rng.random() < 0.4:                   # PyTorch's path: no GIL on hits, frees and misses
+                    ptr = t_malloc(n, d, s)
+                    if ptr is None:
+                        why = t_last().decode()
+                        if not refused(why):
+                            errors.append(f"torch path: {why}")
+                        outcomes["refused"] += 1
+                        continue
+                    a = None
+                    outcomes["torch"] += 1
+                else:
+                    try:
+                        a = pool.allocate(n, device=d, stream=s)
+                    except (xpool.OutOfMemoryError, RuntimeError) as e:
+                        if not refused(f"{type(e).__name__}: {e}"):
+                            raise
+                        outcomes["refused"] += 1
+                        continue
+                    ptr = a.ptr
+                tag = rng.randrange(1, 255)
+                ctypes.memset(ptr, tag, n)
+                held.append((ptr, n, d, s, tag, a))
+                outcomes["allocated"] += 1
+        except Exception as e:  # noqa: BLE001 - surfaced below
+            errors.append(f"worker {i}: {e!r}")
+        finally:
+            for ptr, n, d, s, _, a in held:
+                if a is None:
+                    t_free(ptr, n, d, s)
+            held.clear()
+
+    def background(name, action):
+        rng = random.Random(f"{seed}-{name}")
+        start.wait()
+        while not stop.is_set():
+            try:
+                action(rng)
+            except RuntimeError as e:                    # a failed unmap, passed on by empty_cache / trim
+                if "injected" not in str(e):
+                    errors.append(f"{name}: {e!r}")
+                    return
+            except Exception as e:  # noqa: BLE001 - surfaced below
+                errors.append(f"{name}: {e!r}")
+                return
+            time.sleep(0.002)
+
+    def release(rng):
+        if rng.random() < 0.5:
+            pool.empty_cache()
+        else:
+            pool.trim(rng.randrange(LIMIT), device=rng.randrange(DEVICES))
+
+    def inspect(rng):
+        pool.check()
+        pool.snapshot()
+        for d in range(DEVICES):
+            most[d] = max(most[d], twin.mapped_bytes(d))
+
+    def limit(rng):
+        pool.set_limit(size=rng.randrange(LIMIT // 2, LIMIT + 1), device=rng.randrange(DEVICES))
+
+    def faults(rng):
+        r = rng.random()
+        if r < 0.35:
+            twin.fail_maps(count=1, kind=rng.choice(["oom", "error"]), after_pages=rng.randrange(3))
+        elif r < 0.6:
+            twin.fail_unmaps(count=1, after_pages=rng.randrange(2))
+        elif r < 0.85:
+            twin.fail_reserves(1)
+        time.sleep(0.01)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(workers)]
+    threads += [threading.Thread(target=background, args=(name, fn)) for name, fn in
+                (("release", release), ("inspect", inspect), ("limit", limit), ("faults", faults))]
+    for t in threads:
+        t.start()
+    for t in threads[:workers]:
+        t.join()
+    stop.set()
+    for t in threads[workers:]:
+        t.join()
+    return pool, twin, errors, outcomes, most
+
+
+def assert_twin(pool, twin):
+    """The pool's counters against the twin's pages, device by device, and its calls."""
+    maps = unmaps = 0
+    for d in range(DEVICES):
+        st = pool._core.stats(d)
+        assert st["bytes_in_use"] == st["blocks_in_use"] == st["bytes_requested"] == 0, st
+        assert st["bytes_pending"] == st["bytes_releasing"] == 0, st
+        assert st["bytes_reserved"] == st["bytes_cached"] == twin.mapped_bytes(d), (d, st, twin.mapped_bytes(d))
+        assert st["requests"] == st["hits"] + st["misses"], st
+        assert st["peak_bytes_reserved"] <= LIMIT, st
+        assert st["device_mallocs"] == st["device_frees"] == 0, st
+        maps += st["device_maps"]
+        unmaps += st["device_unmaps"]
+    c = twin.counters()
+    assert (maps, unmaps) == (c["maps"], c["unmaps"]) and c["unmaps_while_capturing"] == 0, c
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed, workers, ops, debug, capturing_device", [
+    (11, 10, 3000, False, None),
+    (12, 10, 3000, False, 2),
+    (13, 6, 800, "raise", 3),
+])
+def test_soak_expandable(seed, workers, ops, debug, capturing_device):
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(5e-5)
+    gc.freeze()
+    try:
+        pool, twin, errors, outcomes, most = soak_expandable(seed, workers, ops, debug, capturing_device)
+    finally:
+        gc.unfreeze()
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert_twin(pool, twin)
+    assert outcomes["allocated"] > 0 and outcomes["refused"] > 0 and outcomes["torch"] > 0
+    assert max(most) <= LIMIT and min(most) > 0
+    c = twin.counters()
+    assert min(c["map_failures"], c["unmap_failures"], c["reserve_failures"]) > 0, c
+    if debug:
+        assert pool._hook.found == []
+    for d in range(DEVICES):
+        twin.set_capturing(d, False)
+    twin.fail_maps(count=0)
+    twin.fail_unmaps(count=0)
+    twin.fail_reserves(0)
+    pool.empty_cache()                               # every worker has ended, no capture is on: all goes back
+    assert twin.pages() == [] and twin.ranges() == []
+    assert_twin(pool, twin)

@@ -286,8 +286,9 @@ class XPool(Allocator):
         counters = (pool or self.pool).snapshot().per_device.get(device)
         return counters[key] if counters else 0
 
-    def device_mallocs(self, device):
-        return sum(self._stat(device, "device_mallocs", p) for p in [self.pool, *self._private])
+    def device_mallocs(self, device):   # the expandable scheme's maps are its device allocations
+        return sum(self._stat(device, "device_mallocs", p) + self._stat(device, "device_maps", p)
+                   for p in [self.pool, *self._private])
 
     def graph_pool_bytes(self, device):
         if not self._private:
@@ -552,6 +553,8 @@ ARMS = (
     _xp("xpool_segments", "xpool, segments scheme", "#d62728", "D", scheme="segments"),
     _xp("xpool_seed", "xpool, seed scheme (size classes, k = 1: powers of two)", "#8c564b", "h", lw=2.0, ls="-.",
         scheme="seed", classes_per_doubling=1),
+    _xp("xpool_expandable", "xpool, expandable scheme (pages mapped into reserved ranges)", "#bcbd22", "*",
+        scheme="expandable"),
     Arm("xpool_norelease", "xpool, segments never given back on a miss (replayed)", "#e377c2", "P",
         framework="replay", ls=":"),
     Arm("xpool_release_all", "xpool, every whole free segment given back on a miss (replayed)", "#ff9896", "d",
@@ -592,9 +595,10 @@ SETS = {
     "ddp": ("raw", "cupy_pool", "xpool", "xpool_seed"),
     "sweep": ("raw", "cupy_pool", "xpool"),
     "bench": ("raw", "raw_held", "cupy_pool", "cupy_async", "cupy_torch", "xpool", "xpool_seed", "noop", "c_noop"),
-    "gate": ("raw", "cupy_pool", "xpool", "xpool_seed", "xpool_k4", "xpool_debug"),   # raw first: the reference
-    "varlen": ("xpool", "xpool_seed", "cupy_pool"),
-    "schemes": ("xpool", "xpool_norelease", "xpool_release_all", "xpool_seed", "cupy_pool_model"),
+    "gate": ("raw", "cupy_pool", "xpool", "xpool_seed", "xpool_k4", "xpool_debug", "xpool_expandable",
+             "xpool_expandable_debug"),   # raw first: the reference
+    "varlen": ("xpool", "xpool_seed", "xpool_expandable", "cupy_pool"),
+    "schemes": ("xpool", "xpool_norelease", "xpool_release_all", "xpool_seed", "xpool_expandable", "cupy_pool_model"),
     "host": ("xpool", "xpool_seed", "c_noop"),
     "dynamic": ("cupy_pool", "cupy_async", "rmm_pool", "torch", "torch_expandable"),   # the peers; + xpool's schemes
 }

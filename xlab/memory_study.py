@@ -47,10 +47,11 @@ WASTE_COLUMNS = ["k", "source", "requests", "requested_bytes", "class_bytes", "c
 
 class AddressSpaceBackend(HostBackend):
     """HostBackend's devices and streams, but malloc hands out aligned address ranges that never overlap
-    and touches no memory: a replay of a GPU's many GiB costs nothing on the host."""
+    and touches no memory: a replay of a GPU's many GiB costs nothing on the host.  The expandable scheme's
+    pages are the host twin's (vmm()), of the H200's granularity: mapped, never touched."""
 
-    def __init__(self, n_devices: int = 64):
-        super().__init__(capacity=None, n_devices=n_devices)
+    def __init__(self, n_devices: int = 64, granularity: int = 2 << 20):
+        super().__init__(capacity=None, n_devices=n_devices, granularity=granularity)
         self._next = 1 << 12
 
     def malloc(self, device: int, nbytes: int) -> int:
@@ -297,7 +298,8 @@ def replay_pool(allocator: str):
           "xpool_release_all": dict(scheme="xpool", release_on_miss="always"),
           # the high-water rule before release_idle: a miss may give back a segment freed just before it
           "xpool_release_fresh": dict(scheme="xpool", release_idle=0),
-          "xpool_seed": dict(scheme="seed", classes_per_doubling=1)}
+          "xpool_seed": dict(scheme="seed", classes_per_doubling=1),
+          "xpool_expandable": dict(scheme="expandable")}
     if allocator not in kw:
         raise ValueError(f"allocator must be one of {(*SCHEME_ALLOCATORS, 'xpool_release_fresh')}, got "
                          f"{allocator!r}")
@@ -352,8 +354,9 @@ def _counters(pool) -> dict:
                     peak_bytes_requested=sum(pool.peak_requested.values()),
                     peak_bytes_reserved=sum(pool.peak_reserved.values()))
     st = pool.stats()
-    return {c: int(st[c].sum()) for c in ("requests", "device_mallocs", "peak_bytes_requested",
-                                          "peak_bytes_reserved")}
+    out = {c: int(st[c].sum()) for c in ("requests", "device_mallocs", "peak_bytes_requested", "peak_bytes_reserved")}
+    out["device_mallocs"] += int(st["device_maps"].sum())   # the expandable scheme's device allocations
+    return out
 
 
 WARMUP_STEPS = 5   # the experiments' warm-up: from this step on, a warm pool makes no device malloc or free
@@ -362,8 +365,9 @@ WARMUP_STEPS = 5   # the experiments' warm-up: from this step on, a warm pool ma
 def _device_calls(pool) -> tuple:
     if isinstance(pool, CupyPoolModel):
         return sum(pool.device_mallocs.values()), 0      # the model never frees
-    st = pool.stats()
-    return int(st["device_mallocs"].sum()), int(st["device_frees"].sum())
+    st = pool.stats()   # the expandable scheme's maps and unmaps count as its device mallocs and frees
+    return (int(st["device_mallocs"].sum() + st["device_maps"].sum()),
+            int(st["device_frees"].sum() + st["device_unmaps"].sum()))
 
 
 def replay_steps(timeline: pd.DataFrame, allocator: str) -> pd.DataFrame:

@@ -19,7 +19,7 @@ except ImportError as e:  # a source checkout that was never built
 
 from .backends import Backend, CupyBackend, DeviceOutOfMemory, HostBackend
 from .cupy_adapter import MemoryPool, current, install, installed, uninstall, use
-from .errors import CorruptionError, CorruptionWarning, OutOfMemoryError, RequestTooLargeError
+from .errors import CorruptionError, CorruptionWarning, IpcUnsupportedError, OutOfMemoryError, RequestTooLargeError
 from .pool import Pool
 from .settings import SCHEMES, Settings
 from .sizeclass import size_class
@@ -31,7 +31,7 @@ __all__ = [
     "size_class", "Pool", "MemoryPool", "Backend", "HostBackend", "CupyBackend", "install", "uninstall",
     "installed", "current", "use", "empty_cache", "stats", "snapshot", "OutOfMemoryError",
     "CorruptionError", "CorruptionWarning", "DeviceOutOfMemory", "RequestTooLargeError", "Snapshot",
-    "enable_torch", "Settings", "SCHEMES",
+    "enable_torch", "Settings", "SCHEMES", "IpcUnsupportedError",
 ]
 
 

@@ -27,9 +27,12 @@
  * five scheme_* functions: the hit side in _hot.h (scheme_block_size, scheme_take), the miss side in
  * _alloc.c (scheme_make, scheme_take_idle, scheme_give_back).  Everything else is shared.  A new scheme is
  * an XP_SCHEME_* id below, its name (and its fields) in xpool/settings.py, the fields read in
- * read_settings (_module.c), and a case in each scheme_* function; the others' hit paths do not change.  A scheme whose blocks are not whole device allocations of
- * the backend (mapped pages, say) brings its own way of making and giving back there, e.g. an ops table the
- * backend hands over, stored in the Allocator.
+ * read_settings (_module.c), and a case in each scheme_* function; the others' hit paths do not change.
+ * Scheme expandable's blocks are not device allocations of the backend but ranges of pages it maps into
+ * reserved address ranges (Note [Expandable segments]): it makes them through the virtual-memory ops the
+ * backend hands over (backend.vmm(), kept in Allocator.vmm; _vmm.h), called from C, and gives pages back in
+ * its own release (vm_release in _alloc.c, which release_cached turns to); the ladder, the limit, the
+ * statistics, the timeline, debug mode and the entry points are the shared ones.
  *
  * Concurrency.  Every entry point runs with the GIL held (CuPy calls the
  * CFunctionAllocator hooks from Cython with the GIL), and the module says so
@@ -67,7 +70,9 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
+#include "_expandable.h"
 #include "_segments.h"
+#include "_vmm.h"
 
 #define XP_ALIGN 512u                     /* cudaMalloc alignment and the small-class step */
 #define XP_SMALL_MAX (1u << 20)           /* up to 1 MiB: multiples of 512 B */
@@ -79,10 +84,10 @@
 #define XP_EXPORT __attribute__((visibility("default")))   /* symbols PyTorch looks up by name */
 
 /* How blocks are made (Allocator.scheme; names in xpool/settings.py).  Note [Schemes] */
-enum { XP_SCHEME_SEGMENTS = 0, XP_SCHEME_SEED = 1, XP_SCHEMES = 2 };
+enum { XP_SCHEME_SEGMENTS = 0, XP_SCHEME_SEED = 1, XP_SCHEME_EXPANDABLE = 2, XP_SCHEMES = 3 };
 extern const char *const xp_scheme_names[XP_SCHEMES];
 
-/* release_on_miss: what a miss of scheme segments gives back first (release_for_miss) */
+/* release_on_miss: what a miss of scheme segments (release_for_miss) or expandable (vm_try) gives back first */
 enum { XP_RELEASE_NEVER = 0, XP_RELEASE_HIGH_WATER = 1, XP_RELEASE_ALWAYS = 2, XP_RELEASE_CHOICES = 3 };
 extern const char *const xp_release_names[XP_RELEASE_CHOICES];
 #define XP_MISS_BUDGET 1    /* bytes misses may give back, in high-water marks, until empty_cache
@@ -143,13 +148,15 @@ typedef struct {
 
 typedef struct {
     uint64_t requests, hits, misses, device_mallocs, device_frees, frees;
+    uint64_t device_maps, device_unmaps;   /* scheme expandable: ops.map / ops.unmap calls that succeeded */
     uint64_t oom_recoveries, oom_errors;
     uint64_t blocks_in_use, blocks_cached;
     uint64_t bytes_in_use;            /* class bytes of blocks in use */
     uint64_t bytes_requested;         /* requested bytes of blocks in use */
     uint64_t bytes_cached;            /* class bytes of free blocks */
     uint64_t bytes_pending;           /* reserved for device mallocs in flight */
-    uint64_t bytes_releasing;         /* taken from the cache, the backend's free not yet returned */
+    uint64_t bytes_releasing;         /* taken from the cache, the backend's free not yet returned (scheme
+                                         expandable: mapped bytes a map or unmap plan holds) */
     uint64_t peak_bytes_in_use, peak_bytes_requested, peak_bytes_reserved;
     /* class bytes in use by origin; [ORIGIN_CUPY] stays 0: CuPy's share is bytes_in_use less the
      * others, so CuPy's path pays no counter for it (see origin_in/origin_out) */
@@ -171,7 +178,10 @@ typedef struct DevicePool {
     size_t n_streams, streams_cap;
     PtrTable live;          /* blocks in use, by pointer */
     BinTable bins;          /* free blocks, by (stream, class) (scheme seed) */
-    FreeTree segs;          /* free ranges of segments (scheme segments), by (stream, size, ptr) */
+    FreeTree segs;          /* free ranges of segments (scheme segments), by (stream, size, ptr); scheme
+                               expandable: its free mapped blocks */
+    XeDevice *vm;           /* scheme expandable: the address ranges and their pages (NULL until vm_ready) */
+    _Atomic int vm_ready;   /* vm is set: read without the lock by PyTorch's GIL-free miss */
     Stats st;
     uint64_t limit;         /* bytes the device may hold for this pool, pending mallocs included; 0 = none */
     uint64_t capacity;      /* the device's total bytes, asked once (pool_capacity); 0 = unknown */
@@ -193,7 +203,8 @@ static inline uint64_t committed(const Stats *s) { return reserved(s) + s->bytes
 
 /* ------------------------------------------------------------------ timeline */
 
-enum { EV_HIT = 1, EV_MISS = 2, EV_FREE = 3, EV_RELEASE = 4, EV_OOM = 5 };
+/* EV_MAP, EV_UNMAP (scheme expandable): pages mapped or unmapped, ptr and size the run's */
+enum { EV_HIT = 1, EV_MISS = 2, EV_FREE = 3, EV_RELEASE = 4, EV_OOM = 5, EV_MAP = 6, EV_UNMAP = 7 };
 
 typedef struct {
     int64_t t_ns;
@@ -240,6 +251,13 @@ typedef struct {
     uint64_t release_idle;    /* XP_RELEASE_HIGH_WATER: a miss gives back only segments whole and free for at
                                  least this many requests (release_for_miss) */
     int tells_capture;        /* the backend has .capturing(device, stream): stream_capturing asks it */
+    PyObject *vmm_capsule;    /* scheme expandable: backend.vmm(), kept alive while its ops are used */
+    XvVmm vmm;                /* scheme expandable: the ops table in it (_vmm.h), called from C */
+    /* scheme expandable: debug mode's check() reads live blocks from a listing that may be stale; while it
+     * reads (pins), nothing is unmapped (a block freed meanwhile keeps its pages), and the other way round */
+    pthread_mutex_t pin_lock;
+    pthread_cond_t pin_cv;
+    int pins, unmapping;      /* guarded by pin_lock */
     int forked;               /* set in a fork()ed child */
     pthread_mutex_t debug_lock;     /* guards debug_hook and debug_tail: set_debug swaps them together */
     PyObject *debug_hook;     /* NULL, or .on_alloc(info) / .on_free(info) / .on_reuse(info) */
@@ -282,6 +300,43 @@ static inline intptr_t stream_handle(intptr_t key)
     return key == xp_own_thread_key ? XP_STREAM_PER_THREAD : -1;
 }
 
+/* ------------------------------------------------------------------ the GIL, taken only when needed
+
+ * An operation that may run without the GIL (PyTorch's miss of scheme expandable) or that drops it around
+ * blocking device calls (an ops.map or ops.unmap: the unmap synchronises the device) says where it stands in
+ * an XpGil.  Never take it (xp_gil_take) with a pool lock held: the holder of the GIL may be waiting for it. */
+typedef struct {
+    int held;                 /* this thread holds the GIL now */
+    int caller_held;          /* it held it when the operation began, and must at the end */
+    int may_drop;             /* the GIL may be let go around device ops (not in a dealloc) */
+    int ensured;              /* taken here with PyGILState_Ensure: released by xp_gil_end */
+    PyGILState_STATE state;
+    PyThreadState *saved;     /* let go with PyEval_SaveThread */
+} XpGil;
+
+#define XP_GIL_HELD ((XpGil){.held = 1, .caller_held = 1, .may_drop = 1})
+#define XP_GIL_NONE ((XpGil){.may_drop = 1})
+
+static inline void xp_gil_drop(XpGil *g)
+{
+    if (g->held && g->may_drop) { g->saved = PyEval_SaveThread(); g->held = 0; }
+}
+
+static inline void xp_gil_take(XpGil *g)
+{
+    if (g->held) return;
+    if (g->saved) { PyEval_RestoreThread(g->saved); g->saved = NULL; }
+    else { g->state = PyGILState_Ensure(); g->ensured = 1; }
+    g->held = 1;
+}
+
+/* The GIL as the caller had it: held again, or released if this operation took it. */
+static inline void xp_gil_end(XpGil *g)
+{
+    if (g->caller_held || g->ensured) xp_gil_take(g);
+    if (g->ensured) { PyGILState_Release(g->state); g->ensured = 0; g->held = 0; }
+}
+
 /* ------------------------------------------------------------------ _alloc.c, for the other files */
 
 int xp_alloc_module_init(void);   /* with the GIL, once: what the ladder calls (gc.collect) */
@@ -322,11 +377,27 @@ static inline DevicePool *pool_lookup(Allocator *A, int device)
 }
 
 /* Cached blocks back to the device until at most `keep` bytes stay cached (of one stream, or all when
- * all_streams).  Returns bytes released; -1 with the first failed free's exception. */
+ * all_streams).  Returns bytes released; -1 with the first failed free's exception.  Scheme expandable: whole
+ * free pages unmapped (nothing while a stream of the device captures), the address ranges kept. */
 long long release_cached(Allocator *A, DevicePool *pool, int all_streams, intptr_t stream, uint64_t keep);
 /* 1 when nothing may go back to the device now: a stream of it captures, or may (Note [Capture: every
- * stream of a device]); 0 when it may; -1 with the backend's exception.  With the GIL, no pool lock. */
+ * stream of a device]); 0 when it may; -1 with the backend's exception.  With the GIL, no pool lock (scheme
+ * expandable: the ops answer, from C; no GIL needed, never -1). */
 int device_captures(Allocator *A, DevicePool *pool, intptr_t key);
+/* empty_cache() of one device: release_cached of everything; scheme expandable gives the address ranges left
+ * with nothing mapped back too.  g: whether the GIL may be let go around device ops. */
+long long empty_cache(Allocator *A, DevicePool *pool, XpGil *g);
+
+/* Scheme expandable, PyTorch's miss (debug mode off, the device's ranges made: pool->vm_ready): a new block of
+ * `requested` bytes through the ladder, the request and the miss counted.  Runs without the GIL unless the
+ * ladder must collect garbage or raise: then it takes it (g says so); NULL with the exception set, the GIL
+ * held.  The caller ends with xp_gil_end(g). */
+Block *xp_vm_alloc(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, int origin, XpGil *g);
+/* Pins the pages of scheme expandable (on) or lets them go (off): while any pin holds, nothing is unmapped.
+ * With the GIL; it is let go while a pin waits for an unmap in flight. */
+void xp_pin_pages(Allocator *A, int on);
+/* The address range of scheme expandable holding ptr on the device: 1 with *base, *bytes; 0 when none does. */
+int xp_vm_range_of(Allocator *A, int device, uintptr_t ptr, uintptr_t *base, size_t *bytes);
 /* empty_cache(): misses may give back again (Note [Release on miss]). */
 void reset_miss_budget(DevicePool *pool);
 

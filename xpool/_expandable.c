@@ -93,12 +93,13 @@ static void link_after(Block *b, Block *n)
     b->next_addr = n;
 }
 
-/* Cuts b at `at` bytes: n (a fresh Block) takes the rest, right after it, in b's state. */
+/* Cuts b at `at` bytes: n (a fresh Block) takes the rest, right after it, in b's state (its poison too). */
 static void cut(Block *b, size_t at, Block *n)
 {
     n->ptr = b->ptr + at;
     n->size = b->size - at;
     n->vm_state = b->vm_state;
+    n->poisoned = b->poisoned;
     b->size = at;
     link_after(b, n);
 }
@@ -320,6 +321,10 @@ Block *xe_map_finish(XeDevice *x, FreeTree *t, XeMapPlan *p, size_t maps_ok, XeD
         p->spare = NULL;
         return NULL;
     }
+    /* the rest after the block lies in the last piece: new pages (poisoned if the caller filled them), or a free
+     * block the plan joined (its own poison) */
+    const Block *last = p->piece[p->n_pieces - 1];
+    int rest_poisoned = last->vm_state == XE_HELD ? last->poisoned : p->poisoned;
     Block *b = p->piece[0];                      /* every piece joins the first */
     for (size_t i = 1; i < p->n_pieces; i++) swallow(b, p->piece[i]);
     b->vm_state = XE_MAPPED;
@@ -330,6 +335,7 @@ Block *xe_map_finish(XeDevice *x, FreeTree *t, XeMapPlan *p, size_t maps_ok, XeD
         Block *rest = p->spare;
         p->spare = NULL;
         cut(b, p->size, rest);
+        rest->poisoned = rest_poisoned;
         put_free(t, rest, d);
     }
     free(p->spare);

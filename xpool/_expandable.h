@@ -82,6 +82,8 @@ typedef struct {
     Block *piece[2 * XE_PLAN_MAPS + 1];   /* XE_HELD and XE_MAPPING blocks, by address */
     size_t n_pieces;
     Block *spare;          /* for the free rest after the block: taken now, so the finish cannot fail */
+    int poisoned;          /* set by the caller before the finish: the maps' pages were filled with poison (debug
+                              mode), so the free rest of them is filed poisoned, as a freed block is */
 } XeMapPlan;
 
 typedef struct {

@@ -161,26 +161,27 @@ static void timeline_record(Timeline *tl, int event, const DevicePool *pool, con
         e->size = b ? b->size : 0;
         e->bytes_in_use = pool->st.bytes_in_use;
         e->bytes_cached = pool->st.bytes_cached;
-        e->origin = b ? b->origin : -1;
+        e->origin = b && event != EV_MAP && event != EV_UNMAP ? (int32_t)b->origin : -1;   /* pages: no origin */
         tl->count++;
     }
     pthread_mutex_unlock(&tl->lock);
 }
 
-/* Counts a block as handed out, with its requested bytes set.  Pool lock held. */
+/* Counts a block as handed out, with its requested bytes set, and records `event` (0: none, the caller
+ * records it).  Pool lock held. */
 static void count_in_use(Allocator *A, DevicePool *pool, Block *b, int event)
 {
     pool->st.blocks_in_use++; pool->st.bytes_in_use += b->size;
     pool->st.bytes_requested += b->requested;
     origin_in(&pool->st, b->origin, b->size);
     note_peaks(&pool->st);
-    timeline_record(&A->tl, event, pool, b, b->requested);
+    if (event) timeline_record(&A->tl, event, pool, b, b->requested);
 }
 
 /* ------------------------------------------------------------------ schemes: the hit side (Note [Schemes]) */
 
 /* Bytes a block takes: its class (seed), or the request rounded up to 512 B, cut from a segment
- * (segments).  n <= XP_MAX_REQUEST + XP_MAX_DEBUG_TAIL. */
+ * (segments) or from the mapped pages of an address range (expandable).  n <= XP_MAX_REQUEST + XP_MAX_DEBUG_TAIL. */
 static inline size_t scheme_block_size(const Allocator *A, size_t n)
 {
     switch (A->scheme) {
@@ -201,7 +202,8 @@ static void cache_block(DevicePool *pool, Block *b)
     b->requested = 0;
     if (b->in_segment) {   /* merges with free neighbours: b may be freed, never use it after this */
         SegDelta d = {0, 0};
-        seg_put(&pool->segs, b, &d);
+        if (pool->vm) xe_put(&pool->segs, b, &d);   /* scheme expandable: its age starts again too */
+        else seg_put(&pool->segs, b, &d);
         apply_delta(&pool->st, d);
         return;
     }
@@ -222,6 +224,12 @@ static inline Block *scheme_take(Allocator *A, DevicePool *pool, intptr_t stream
         bin->top = b->next; bin->count--;
         b->next = NULL;
         pool->st.blocks_cached--; pool->st.bytes_cached -= b->size;
+        return b;
+    }
+    case XP_SCHEME_EXPANDABLE: {
+        SegDelta d = {0, 0};
+        Block *b = xe_take(&pool->segs, stream, size, &d);
+        apply_delta(&pool->st, d);
         return b;
     }
     default: {

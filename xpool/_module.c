@@ -137,8 +137,9 @@ static int read_settings(Allocator *self, PyObject *settings, unsigned long long
     if (scheme < 0) return -1;
     if (scheme == XP_SCHEME_SEED) {
         if (read_u64(settings, "classes_per_doubling", &k) < 0) return -1;
-    } else if (read_u64(settings, "small_segment", &small) < 0 || read_u64(settings, "segment_round", &round) < 0 ||
-               read_u64(settings, "release_idle", &idle) < 0 ||
+    } else if ((scheme == XP_SCHEME_SEGMENTS && (read_u64(settings, "small_segment", &small) < 0 ||
+                                                 read_u64(settings, "segment_round", &round) < 0)) ||
+               read_u64(settings, "release_idle", &idle) < 0 ||   /* segments and expandable */
                (release = read_choice(settings, "release_on_miss", xp_release_names, XP_RELEASE_CHOICES)) < 0) {
         return -1;
     }
@@ -159,6 +160,40 @@ static int read_settings(Allocator *self, PyObject *settings, unsigned long long
     self->default_fraction = fraction;
     Py_INCREF(settings);
     Py_XSETREF(self->settings, settings);
+    return 0;
+}
+
+/* Scheme expandable: the backend's virtual-memory ops (backend.vmm(), a capsule of _vmm.h's XvVmm), kept in the
+ * Allocator.  A backend without them is refused, naming the scheme and the backend. */
+static int read_vmm(Allocator *self, PyObject *backend)
+{
+    PyObject *vmm = PyObject_GetAttrString(backend, "vmm");
+    if (!vmm) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "scheme 'expandable' needs a backend with virtual memory (a vmm() method, as "
+                     "xpool.CupyBackend and xpool.HostBackend have); %.100s has none: use scheme 'segments' with it",
+                     Py_TYPE(backend)->tp_name);
+        return -1;
+    }
+    PyObject *cap = PyObject_CallNoArgs(vmm);
+    Py_DECREF(vmm);
+    if (!cap) {
+        PyObject *exc = PyErr_GetRaisedException();
+        PyErr_Format(PyExc_RuntimeError, "scheme 'expandable': %.100s.vmm() failed: %S", Py_TYPE(backend)->tp_name, exc);
+        PyObject *err = PyErr_GetRaisedException();
+        PyException_SetCause(err, exc);
+        PyErr_SetRaisedException(err);
+        return -1;
+    }
+    XvVmm *v = PyCapsule_IsValid(cap, XV_CAPSULE) ? PyCapsule_GetPointer(cap, XV_CAPSULE) : NULL;
+    if (!v || !v->ops || v->ops->abi != XV_ABI) {
+        PyErr_Format(PyExc_TypeError, "scheme 'expandable': %.100s.vmm() must return an '" XV_CAPSULE "' capsule of "
+                     "ABI %d, got %R", Py_TYPE(backend)->tp_name, XV_ABI, cap);
+        Py_DECREF(cap);
+        return -1;
+    }
+    self->vmm = *v;
+    Py_XSETREF(self->vmm_capsule, cap);
     return 0;
 }
 
@@ -271,6 +306,7 @@ static int Allocator_init(Allocator *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     if (read_settings(self, settings, &timeline) < 0) return -1;
+    if (self->scheme == XP_SCHEME_EXPANDABLE && read_vmm(self, backend) < 0) return -1;
     Py_INCREF(backend); Py_XSETREF(self->backend, backend);
     Py_INCREF(factory); Py_XSETREF(self->error_factory, factory);
     self->tells_capture = PyObject_HasAttrString(backend, "capturing");
@@ -286,6 +322,8 @@ static PyObject *Allocator_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     pthread_mutex_init(&self->registry_lock, NULL);
     pthread_mutex_init(&self->debug_lock, NULL);
     pthread_mutex_init(&self->tl.lock, NULL);
+    pthread_mutex_init(&self->pin_lock, NULL);
+    pthread_cond_init(&self->pin_cv, NULL);
     self->debug_hook = NULL;
     for (int i = 0; i < XP_MAX_DEVICES; i++) atomic_init(&self->pools[i], NULL);
     return (PyObject *)self;
@@ -304,6 +342,10 @@ static void pool_destroy(DevicePool *pool)
         free(bin);
     }
     seg_destroy(&pool->segs);
+    if (pool->vm) {   /* the ranges' own memory only: no op is called (a fork()ed child's copy, too) */
+        xe_destroy(pool->vm);
+        free(pool->vm);
+    }
     free(pool->streams);
     free(pool->live.slots);
     free(pool->bins.slots);
@@ -322,7 +364,9 @@ static void Allocator_dealloc(Allocator *self)
         DevicePool *pool = atomic_load(&self->pools[d]);
         if (pool) {
             /* a block whose free fails now is lost to the process: nothing is left to retry it */
-            if (self->backend && release_cached(self, pool, 1, 0, 0) < 0) PyErr_WriteUnraisable(NULL);
+            XpGil g = XP_GIL_HELD;
+            g.may_drop = 0;   /* a dealloc keeps the GIL */
+            if (self->backend && empty_cache(self, pool, &g) < 0) PyErr_WriteUnraisable(NULL);
             pool_destroy(pool);
         }
         for (DevicePool *p = self->forked_pools[d], *older; p; p = older) {   /* our copies only */
@@ -336,6 +380,7 @@ static void Allocator_dealloc(Allocator *self)
     Py_XDECREF(self->error_factory);
     Py_XDECREF(self->settings);
     Py_XDECREF(self->debug_hook);
+    Py_XDECREF(self->vmm_capsule);   /* last: the pools' pages went back through its ops */
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -347,6 +392,9 @@ static PyObject *Allocator_forget_after_fork(Allocator *self, PyObject *unused)
     pthread_mutex_init(&self->registry_lock, NULL);
     pthread_mutex_init(&self->debug_lock, NULL);
     pthread_mutex_init(&self->tl.lock, NULL);
+    pthread_mutex_init(&self->pin_lock, NULL);   /* no check or unmap of the parent's threads runs here */
+    pthread_cond_init(&self->pin_cv, NULL);
+    self->pins = self->unmapping = 0;
     for (int d = 0; d < XP_MAX_DEVICES; d++) {
         /* kept, not freed: the parent's blocks may die here, and only those may be forgotten */
         DevicePool *pool = atomic_load(&self->pools[d]);
@@ -429,9 +477,10 @@ static PyObject *Allocator_stats(Allocator *self, PyObject *args)
     pthread_mutex_unlock(&pool->lock);
 #define K(x) (unsigned long long)(x)
     return Py_BuildValue(
-        "{s:i,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+        "{s:i,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
         "device", device, "requests", K(s.requests), "hits", K(s.hits), "misses", K(s.misses),
         "device_mallocs", K(s.device_mallocs), "device_frees", K(s.device_frees),
+        "device_maps", K(s.device_maps), "device_unmaps", K(s.device_unmaps),
         "frees", K(s.frees), "oom_recoveries", K(s.oom_recoveries), "oom_errors", K(s.oom_errors),
         "blocks_in_use", K(s.blocks_in_use), "blocks_cached", K(s.blocks_cached),
         "bytes_in_use", K(s.bytes_in_use), "bytes_requested", K(s.bytes_requested),
@@ -492,8 +541,15 @@ static PyObject *Allocator_release(Allocator *self, PyObject *args, PyObject *kw
     intptr_t key = stream_key((intptr_t)s);
     int capturing = device_captures(self, pool, key);   /* then nothing goes back here: the capture would end */
     if (capturing) return capturing < 0 ? NULL : PyLong_FromLong(0);
-    if (stream == Py_None && !keep) reset_miss_budget(pool);   /* empty_cache() */
-    long long n = release_cached(self, pool, stream == Py_None, key, keep);
+    long long n;
+    if (stream == Py_None && !keep) {   /* empty_cache() */
+        reset_miss_budget(pool);
+        XpGil g = XP_GIL_HELD;
+        n = empty_cache(self, pool, &g);
+        xp_gil_end(&g);
+    } else {
+        n = release_cached(self, pool, stream == Py_None, key, keep);
+    }
     return n < 0 ? NULL : PyLong_FromLongLong(n);
 }
 
@@ -507,6 +563,27 @@ static PyObject *Allocator_set_limit(Allocator *self, PyObject *args)
     pthread_mutex_lock(&pool->lock);
     pool->limit = limit;
     pthread_mutex_unlock(&pool->lock);
+    Py_RETURN_NONE;
+}
+
+/* vm_range(device, ptr) -> (base, nbytes) of the scheme expandable's address range holding ptr, or None. */
+static PyObject *Allocator_vm_range(Allocator *self, PyObject *args)
+{
+    int device;
+    unsigned long long ptr;
+    if (!PyArg_ParseTuple(args, "iO&", &device, u64_ptr, &ptr) || xp_check_device(self, device) < 0) return NULL;
+    uintptr_t base;
+    size_t bytes;
+    if (!xp_vm_range_of(self, device, (uintptr_t)ptr, &base, &bytes)) Py_RETURN_NONE;
+    return Py_BuildValue("(Kn)", (unsigned long long)base, (Py_ssize_t)bytes);
+}
+
+/* pin_pages(on): while pinned, scheme expandable unmaps nothing (Pool.check reads live blocks meanwhile). */
+static PyObject *Allocator_pin_pages(Allocator *self, PyObject *arg)
+{
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    xp_pin_pages(self, on);
     Py_RETURN_NONE;
 }
 
@@ -682,7 +759,7 @@ static PyObject *Allocator_get_hook(Allocator *self, void *closure)
 
 static PyGetSetDef Allocator_getset[] = {
     {"classes_per_doubling", (getter)Allocator_get_k, NULL, "size classes per doubling above 1 MiB (scheme seed)"},
-    {"scheme", (getter)Allocator_get_scheme, NULL, "'segments' or 'seed': how blocks are made"},
+    {"scheme", (getter)Allocator_get_scheme, NULL, "'segments', 'seed' or 'expandable': how blocks are made"},
     {"settings", (getter)Allocator_get_settings, NULL, "the xpool.Settings it was made with"},
     {"debug_tail", (getter)Allocator_get_tail, NULL, "canary bytes added to each request in debug mode"},
     {"backend", (getter)Allocator_get_backend, NULL, "the raw allocate/free backend"},
@@ -700,6 +777,10 @@ static PyMethodDef Allocator_methods[] = {
     {"release", (PyCFunction)(void (*)(void))Allocator_release, METH_VARARGS | METH_KEYWORDS,
      "release(device, stream=None, keep=0) -> bytes given back to the device"},
     {"set_limit", (PyCFunction)Allocator_set_limit, METH_VARARGS, "set_limit(device, limit); 0: none"},
+    {"pin_pages", (PyCFunction)Allocator_pin_pages, METH_O,
+     "pin_pages(on): while pinned nothing is unmapped (scheme expandable); pins nest"},
+    {"vm_range", (PyCFunction)Allocator_vm_range, METH_VARARGS,
+     "vm_range(device, ptr) -> (base, nbytes) of the expandable scheme's address range holding ptr, or None"},
     {"live_blocks", (PyCFunction)Allocator_live_blocks, METH_VARARGS, "live_blocks(device) -> [info]"},
     {"cached_blocks", (PyCFunction)Allocator_cached_blocks, METH_VARARGS, "cached_blocks(device) -> [info]"},
     {"table_sizes", (PyCFunction)Allocator_table_sizes, METH_VARARGS,

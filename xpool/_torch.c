@@ -9,7 +9,8 @@
  * threads).  The hit path and the free path touch only C structures under the pool's mutex, so they run
  * without the GIL (take_nogil, free_nogil, over _hot.h); everything that can call Python (a miss:
  * backend, OOM ladder, gc; debug hooks; error reports) takes it with PyGILState_Ensure, holding no mutex,
- * as the rest of the core does. */
+ * as the rest of the core does.  Scheme expandable's miss maps pages through the backend's ops, from C: it
+ * runs without the GIL too (miss_nogil) and takes it only if the ladder must collect garbage or raise. */
 #include "_hot.h"
 
 #include <dlfcn.h>
@@ -87,6 +88,24 @@ static int free_nogil(Allocator *A, int device, uintptr_t ptr)
     return 0;
 }
 
+/* Scheme expandable's miss without the GIL (debug mode off, the device's ranges made by a first miss with the
+ * GIL): 0 with *out; -1 with torch_error; 1 when it cannot run here (the caller takes the GIL path). */
+static int miss_nogil(Allocator *A, int device, intptr_t stream, size_t size, void **out)
+{
+    if (A->scheme != XP_SCHEME_EXPANDABLE || atomic_load_explicit(&A->debug_on, memory_order_acquire)) return 1;
+    DevicePool *pool = pool_lookup(A, device);
+    if (!pool || !atomic_load_explicit(&pool->vm_ready, memory_order_acquire)) return 1;
+    XpGil g = XP_GIL_NONE;
+    Block *b = xp_vm_alloc(A, pool, stream, size, ORIGIN_TORCH, &g);
+    if (b) *out = (void *)b->ptr;
+    else {   /* the ladder raised: it holds the GIL */
+        torch_note_error();
+        PyErr_Clear();
+    }
+    xp_gil_end(&g);
+    return b ? 0 : -1;
+}
+
 /* The origin of the block in use at ptr (ORIGIN_*), or -1 when none is. */
 static int block_origin(DevicePool *pool, uintptr_t ptr)
 {
@@ -125,6 +144,8 @@ static int torch_alloc(ssize_t size, int device, void *stream_handle, void **out
                  "is shutting down", size);
         return -1;
     }
+    int r = miss_nogil(A, device, stream, (size_t)size, out);   /* scheme expandable: C only, as a hit */
+    if (r <= 0) return r;
     PyGILState_STATE gil = PyGILState_Ensure();
     b = xp_alloc(A, device, stream, (size_t)size, ORIGIN_TORCH);
     if (b) {

@@ -223,7 +223,12 @@ static int cu_reserve(void *ctx, int device, size_t bytes, size_t align, uintptr
     int st = cu_enter(device, &s);
     if (st != XV_OK) return st;
     XVCUdeviceptr p = 0;
+    /* Relaxed for this thread, as for a map: a graph's private pool reserves its first range mid-capture */
+    int mode = XVCU_STREAM_CAPTURE_MODE_RELAXED;
+    int exchanged = cu.d.cuThreadExchangeStreamCaptureMode &&
+                    cu.d.cuThreadExchangeStreamCaptureMode(&mode) == XVCUDA_SUCCESS;
     XVCUresult r = cu.d.cuMemAddressReserve(&p, bytes, align, 0, 0);
+    if (exchanged) cu.d.cuThreadExchangeStreamCaptureMode(&mode);
     cu_leave(&s);
     if (r != XVCUDA_SUCCESS) {
         char tail[64];

@@ -83,6 +83,26 @@ def make_error(device, requested, size, bytes_in_use, bytes_cached, limit, reaso
     return cls(device, requested, size, bytes_in_use, bytes_cached, limit, reason)
 
 
+class IpcUnsupportedError(RuntimeError):
+    """A block that CUDA IPC cannot share: the expandable scheme's pages are made by ``cuMemCreate`` with no
+    shareable handle, and ``cudaIpcGetMemHandle`` refuses memory of CUDA's virtual memory management.
+
+    Attributes:
+        device (int), ptr (int): the block.
+        base (int), nbytes (int): the reserved address range holding it.
+    """
+
+    def __init__(self, device, ptr, base, nbytes):
+        self.device, self.ptr, self.base, self.nbytes = device, ptr, base, nbytes
+        super().__init__(
+            f"xpool: block 0x{ptr:x} on device {device} lies in the expandable scheme's virtual memory (address range "
+            f"0x{base:x}, {human(nbytes)}), which CUDA IPC cannot share: cudaIpcGetMemHandle refuses memory mapped "
+            f"by cuMemMap. Allocate what other processes open from a pool of scheme 'segments' (or 'seed').")
+
+    def __reduce__(self):
+        return (type(self), (self.device, self.ptr, self.base, self.nbytes))
+
+
 class CorruptionError(RuntimeError):
     """Debug mode found a block written after it was freed, or past its requested length."""
 

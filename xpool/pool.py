@@ -92,7 +92,7 @@ class Pool:
 
     @property
     def scheme(self) -> str:
-        """How blocks are made: ``"segments"`` or ``"seed"`` (``settings.scheme``)."""
+        """How blocks are made: ``"segments"``, ``"seed"`` or ``"expandable"`` (``settings.scheme``)."""
         return self.settings.scheme
 
     @property
@@ -326,10 +326,14 @@ class Pool:
             return
         from .errors import CorruptionError
         problems = [str(e) for e in hook.take_pending()]
-        for d in self.devices():
-            def still_live(damaged, d=d):   # other threads may free blocks while their canaries are read
-                return {(b["ptr"], b["serial"]) for b in self._core.live_blocks(d)}
-            problems += hook.check_live(self._core.live_blocks(d), still_live)
+        self._core.pin_pages(True)   # a block freed meanwhile keeps its pages mapped (scheme expandable)
+        try:
+            for d in self.devices():
+                def still_live(damaged, d=d):   # other threads may free blocks while their canaries are read
+                    return {(b["ptr"], b["serial"]) for b in self._core.live_blocks(d)}
+                problems += hook.check_live(self._core.live_blocks(d), still_live)
+        finally:
+            self._core.pin_pages(False)
         if problems:
             raise CorruptionError("\n".join(problems))
 
@@ -353,6 +357,28 @@ class Pool:
             ``attrs["dropped"]``: events lost to the ring.
         """
         return events_frame(*self._core.timeline_events())
+
+    def check_ipc(self, ptr: int, device: int | None = None) -> None:
+        """Raise if CUDA IPC cannot share the block at ``ptr``: call it before ``cudaIpcGetMemHandle``
+        (CuPy's ``cupy.cuda.runtime.ipcGetMemHandle``) on memory of this pool.
+
+        Blocks of the expandable scheme live in pages mapped by CUDA's virtual memory management, made with no
+        shareable handle; ``cudaIpcGetMemHandle`` refuses them (Note [Expandable segments]). Blocks of the other
+        schemes are ordinary ``cudaMalloc`` memory.
+
+        Args:
+            ptr (int): an address the pool handed out (or any address inside such a block).
+            device (int): its device; None: the current device.
+
+        Raises:
+            xpool.IpcUnsupportedError: the block is in the expandable scheme's virtual memory.
+            ValueError: bad ``ptr`` or ``device``.
+        """
+        from .errors import IpcUnsupportedError
+        d = self._device(device)
+        found = self._core.vm_range(d, ptr)
+        if found is not None:
+            raise IpcUnsupportedError(d, ptr, *found)
 
     def live_blocks(self, device: int | None = None) -> list[dict]:
         """The blocks handed out on one device.

@@ -8,10 +8,10 @@ Each field comes from the argument when one is given, else from its ``XPOOL_*`` 
 ``ValueError`` that names the argument or the variable it came from, e.g.
 ``ValueError: XPOOL_MEMORY_LIMIT='0.4B': not a whole number of bytes``. The C core reads the resolved object.
 
-Some fields belong to one scheme (``SCHEME_FIELDS``): given for another scheme they are an error, and they
-are None in a resolved Settings of another scheme. The environment is one configuration: a scheme's variable
-(``XPOOL_CLASSES_PER_DOUBLING``) without ``XPOOL_SCHEME`` naming that scheme is an error; a scheme given as an
-argument overrides ``XPOOL_SCHEME``, and the other scheme's variables then do not apply.
+Some fields belong to some schemes only (``SCHEME_FIELDS``): given for another scheme they are an error, and
+they are None in a resolved Settings of another scheme. The environment is one configuration: a scheme's variable
+(``XPOOL_CLASSES_PER_DOUBLING``) without ``XPOOL_SCHEME`` naming a scheme it applies to is an error; a scheme given
+as an argument overrides ``XPOOL_SCHEME``, and the other schemes' variables then do not apply.
 """
 from __future__ import annotations
 
@@ -26,14 +26,15 @@ from fractions import Fraction
 from . import _core
 from .sizeclass import ALIGN, MAX_CLASSES_PER_DOUBLING, MAX_REQUEST
 
-SCHEMES = ("segments", "seed")             # how blocks are made (README: the table of schemes)
+SCHEMES = ("segments", "seed", "expandable")   # how blocks are made (README: the table of schemes)
 SCHEME_ALIASES = {"xpool": "segments"}      # the default scheme's old name: XPOOL_SCHEME=xpool keeps working
 RELEASE_ON_MISS = ("never", "high_water", "always")
 DEBUG_MODES = ("raise", "warn")
-# The fields that apply to one scheme only.
+# The fields that apply to some schemes only (the release rule is the segments' and the expandable scheme's).
 SCHEME_FIELDS = {
     "seed": ("classes_per_doubling",),
     "segments": ("small_segment", "segment_round", "release_on_miss", "release_idle"),
+    "expandable": ("release_on_miss", "release_idle"),
 }
 ENV = {
     "scheme": "XPOOL_SCHEME",
@@ -59,15 +60,17 @@ DEFAULTS = {
     "release_idle": 64,
 }
 HELP = {
-    "scheme": "how blocks are made: 'segments' (best fit in segments) or 'seed' (size classes)",
+    "scheme": "how blocks are made: 'segments' (best fit in segments), 'seed' (size classes) or 'expandable' "
+              "(best fit in pages mapped into reserved address ranges)",
     "classes_per_doubling": "seed: size classes per doubling above 1 MiB (1: powers of two)",
     "limit": "bytes each device may hold for the pool (0: none), or a share of each device",
     "debug": "debug mode: poison freed blocks, canary after each block ('raise', 'warn' or False)",
     "timeline": "allocation events kept (0: off)",
     "small_segment": "segments: bytes of a segment made for a block up to 1 MiB (shared by later ones)",
     "segment_round": "segments: a larger block's segment is rounded up to this",
-    "release_on_miss": "segments: what a miss gives back first ('never', 'high_water', 'always')",
-    "release_idle": "segments, high_water: requests a whole free segment must stay idle before it may go back",
+    "release_on_miss": "segments, expandable: what a miss gives back first ('never', 'high_water', 'always')",
+    "release_idle": "segments, expandable, high_water: requests a whole free segment (expandable: free pages) must "
+                    "stay idle before it may go back",
 }
 MAX_TIMELINE = 1 << 40                      # events (64 B each): past any host's memory
 MAX_RELEASE_IDLE = 1 << 62
@@ -89,7 +92,10 @@ class Settings:
     Attributes:
         scheme (str): how blocks are made (``XPOOL_SCHEME``): ``"segments"`` (the default; ``"xpool"`` is
             its old name): best fit in segments of one device allocation each, split and merged;
-            ``"seed"``: the design's size classes, one device allocation per block. See the README's table.
+            ``"seed"``: the design's size classes, one device allocation per block; ``"expandable"``: best fit
+            in pages of the device's granularity mapped into one reserved address range per stream as the pool
+            grows (CUDA's virtual memory; needs a backend with ``vmm()``; no CUDA IPC of its blocks). See the
+            README's table.
         classes_per_doubling (int): scheme seed: classes between p and 2p above 1 MiB, 1 to 64
             (``XPOOL_CLASSES_PER_DOUBLING``; default 1, powers of two).
         limit (int or float): bytes each device may hold for the pool, in use, cached and in flight
@@ -102,11 +108,13 @@ class Settings:
             later small blocks share (``XPOOL_SMALL_SEGMENT``; default 2 MiB; a positive multiple of 512).
         segment_round (int or str): scheme segments: a larger block's segment is its size rounded up to
             this (``XPOOL_SEGMENT_ROUND``; default 512 B).
-        release_on_miss (str): scheme segments: what a miss gives back first (``XPOOL_RELEASE_ON_MISS``):
-            ``"high_water"`` (the default) just enough idle whole free segments of its stream to stay at the
-            pool's high-water mark; ``"never"``; ``"always"`` every whole free segment of its stream.
-        release_idle (int): scheme segments with ``"high_water"``: requests a whole free segment must have
-            stayed whole and free before a miss may give it back (``XPOOL_RELEASE_IDLE``; default 64).
+        release_on_miss (str): schemes segments and expandable: what a miss gives back first
+            (``XPOOL_RELEASE_ON_MISS``): ``"high_water"`` (the default) just enough idle whole free segments
+            (expandable: whole free pages) of its stream to stay at the pool's high-water mark; ``"never"``;
+            ``"always"`` every whole free segment (page) of its stream.
+        release_idle (int): schemes segments and expandable with ``"high_water"``: requests a whole free
+            segment (a free block's pages) must have stayed free and unchanged before a miss may give it back
+            (``XPOOL_RELEASE_IDLE``; default 64).
 
     Raises:
         ValueError: a bad value, naming the argument or variable it came from.
@@ -125,19 +133,19 @@ class Settings:
     def __post_init__(self):
         env = _environment()
         env_scheme = _scheme(env["scheme"], ENV["scheme"]) if "scheme" in env else DEFAULTS["scheme"]
-        for scheme, names in SCHEME_FIELDS.items():
-            for name in names:
-                if name in env and env_scheme != scheme:
-                    raise ValueError(f"{ENV[name]}={env[name]!r} applies to scheme {scheme!r} only, and "
-                                     f"{ENV['scheme']} is {env_scheme!r}: set {ENV['scheme']}={scheme} with it")
+        for name in env:
+            owners = _owners(name)
+            if owners and env_scheme not in owners:
+                raise ValueError(f"{ENV[name]}={env[name]!r} applies to {_schemes(owners)} only, and "
+                                 f"{ENV['scheme']} is {env_scheme!r}: set {ENV['scheme']}={owners[0]} with it")
         resolved, sources = {}, {}
         for name in ENV:
             given = getattr(self, name)
-            owner = _owner(name)
-            if owner is not None and owner != resolved["scheme"]:
+            owners = _owners(name)
+            if owners and resolved["scheme"] not in owners:
                 if given is not None:
-                    raise ValueError(f"{name}={given!r} applies to scheme {owner!r} only, and this pool's "
-                                     f"scheme is {resolved['scheme']!r}: give scheme={owner!r} with it")
+                    raise ValueError(f"{name}={given!r} applies to {_schemes(owners)} only, and this pool's "
+                                     f"scheme is {resolved['scheme']!r}: give scheme={owners[0]!r} with it")
                 resolved[name], sources[name] = None, "n/a"
                 continue
             if given is not None:
@@ -216,8 +224,13 @@ def _environment() -> dict:
     return {name: os.environ[var] for name, var in ENV.items() if os.environ.get(var, "").strip()}
 
 
-def _owner(name: str) -> str | None:
-    return next((scheme for scheme, names in SCHEME_FIELDS.items() if name in names), None)
+def _owners(name: str) -> tuple:
+    """The schemes a field applies to; () for a field of every scheme."""
+    return tuple(scheme for scheme, names in SCHEME_FIELDS.items() if name in names)
+
+
+def _schemes(owners: tuple) -> str:
+    return f"scheme {owners[0]!r}" if len(owners) == 1 else f"schemes {' and '.join(map(repr, owners))}"
 
 
 def _bad(source: str, value, why: str) -> ValueError:

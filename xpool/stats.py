@@ -5,8 +5,9 @@ import importlib
 from dataclasses import dataclass, field
 
 # Counters only grow; a difference of two snapshots is what happened in between.
+# device_maps / device_unmaps: scheme expandable's page maps and unmaps (ops calls), its device calls
 COUNTERS = ("requests", "hits", "misses", "device_mallocs", "device_frees", "frees",
-            "oom_recoveries", "oom_errors")
+            "oom_recoveries", "oom_errors", "device_maps", "device_unmaps")
 # Gauges are levels; a difference keeps the later value.
 GAUGES = ("blocks_in_use", "blocks_cached", "bytes_in_use", "bytes_requested", "bytes_cached",
           "bytes_reserved", "peak_bytes_in_use", "peak_bytes_requested", "peak_bytes_reserved",

@@ -13,7 +13,8 @@ EVENT_DTYPE = np.dtype([
 ])
 assert EVENT_DTYPE.itemsize == _core.EVENT_SIZE, "timeline layout out of step with _core.h"
 
-EVENT_NAMES = {1: "alloc_hit", 2: "alloc_miss", 3: "free", 4: "release", 5: "oom"}
+# map / unmap (scheme expandable): pages mapped or unmapped, `ptr` and `size` the run's, no origin
+EVENT_NAMES = {1: "alloc_hit", 2: "alloc_miss", 3: "free", 4: "release", 5: "oom", 6: "map", 7: "unmap"}
 ORIGIN_NAMES = {0: "cupy", 1: "torch", 2: "python", -1: ""}   # who the block was handed to ("" for oom)
 
 
