@@ -93,6 +93,62 @@ def test_a_capture_holds_back_every_stream_of_its_device_and_no_other_device():
     del five
 
 
+class VouchingBackend(CapturingBackend):
+    """A backend that says which streams may be asked (CupyBackend.stream_alive: a destroyed stream must not be)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.alive, self.vouched = set(), []
+
+    def stream_alive(self, device, stream):
+        self.vouched.append((device, stream))
+        return stream in self.alive
+
+
+def test_a_stream_the_backend_cannot_vouch_for_is_never_asked():
+    """The pool holds memory for stream 5, whose handle may since have been destroyed (asking it crashed the
+    driver on an H200): only the legacy and the request's streams are asked unless the backend vouches for 5."""
+    backend = VouchingBackend()
+    pool = Pool(backend, **EAGER)
+    five = pool.allocate(2 * MiB, stream=5)
+    pool.allocate(3 * MiB, stream=1).release()
+    backend.capturing_streams = {5}
+    pool.allocate(6 * MiB, stream=1)            # gives stream 1's 3 MiB back: 5 was not asked, so not seen
+    assert (0, 5) in backend.vouched and (0, 5) not in backend.asked
+    assert pool.stats().iloc[0].device_frees == 1
+    pool.allocate(3 * MiB, stream=1).release()
+    backend.alive = {5}                         # now vouched for: asked, capturing, nothing goes back
+    frees = pool.stats().iloc[0].device_frees
+    pool.allocate(9 * MiB, stream=1)
+    assert (0, 5) in backend.asked and pool.stats().iloc[0].device_frees == frees
+    del five
+
+
+def test_cupy_backend_vouches_only_for_streams_whose_objects_live(monkeypatch):
+    """CupyBackend.stream_alive over a stand-in for CuPy: the legacy, per-thread and current streams always;
+    another only while the CuPy stream object seen at a request on it lives."""
+    import sys
+    import types
+
+    class Stream:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+    current = {"s": Stream(0)}
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda device=-1: current["s"]))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    b = xpool.backends.CupyBackend.__new__(xpool.backends.CupyBackend)
+    b._streams = {}
+    assert b.stream_alive(0, 0) and b.stream_alive(0, 2) and not b.stream_alive(0, 0x7000)
+    s = Stream(0x7000)
+    current["s"] = s
+    assert b.current_stream() == 0x7000 and b.stream_alive(0, 0x7000)      # current, and now seen
+    current["s"] = Stream(0)
+    assert b.stream_alive(0, 0x7000)                                        # seen, its object alive
+    del s
+    assert not b.stream_alive(0, 0x7000) and b._streams == {}              # gone: never asked again
+
+
 def test_the_per_thread_stream_is_asked_by_its_handle():
     pool, backend = make(**EAGER)
     pool.allocate(3 * MiB, stream=2).release()   # cudaStreamPerThread: keyed per thread inside the pool

@@ -74,3 +74,37 @@ def test_a_growing_miss_on_another_stream_gives_nothing_back_during_a_capture():
             cp.empty(12 * MiB, cp.uint8)
         assert (pool.snapshot() - before).device_frees >= 1
     pool.free_all_blocks()
+
+
+@pytest.mark.parametrize("scheme", ["segments", "expandable"])
+def test_a_destroyed_stream_with_cached_memory_is_never_asked(scheme):
+    """A stream dropped with its blocks cached (its handle destroyed), then a give-back that checks for captures:
+    asking the destroyed stream is undefined (it crashed the process in the driver, 8bf3303); run in a child so a
+    crash fails this test, not the suite."""
+    import subprocess
+    import sys
+    code = f"""
+import gc, cupy as cp, xpool
+pool = xpool.MemoryPool(scheme={scheme!r})
+cp.cuda.set_allocator(pool.malloc)
+for i in range(20):
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        if i % 2:
+            s.begin_capture()
+        a = cp.empty((i + 1) << 20, dtype=cp.uint8)
+        a.fill(1)
+        if i % 2:
+            g = s.end_capture()
+            g.launch(s)
+            del g
+        s.synchronize()
+        del a
+    del s
+    gc.collect()
+    pool.empty_cache()
+cp.cuda.set_allocator(None)
+print("ok", pool.stats(0).iloc[0].bytes_reserved)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["ok", "0"], out.stdout + out.stderr

@@ -86,6 +86,10 @@ def test_empty_cache_gives_pages_back_to_the_device(vm):
     assert row(vm).bytes_reserved == 0
 
 
+@pytest.mark.xfail(strict=True, reason="on an H200 (8bf3303 with the destroyed-stream fix; data/logs/sixth_gpu.tgz) a loop that keeps the "
+                   "previous step's loss and grads alive while the next step runs still maps (0.4 per step at batch "
+                   "4 and 32) and unmaps (1.6 per step at batch 32) pages after 5 warm-up steps; the dynamic "
+                   "benchmark's loops (which drop them) make none. NOTES.md, Note [Expandable segments]")
 @pytest.mark.parametrize("batch,foreach", [(4, True), (32, True), (32, False)])
 def test_training_maps_and_unmaps_nothing_once_warm(vm, batch, foreach):
     """Replayed on the CuPy-path traces (data/memory_schemes.csv): no map or unmap after the 5 warm-up steps at
@@ -238,7 +242,9 @@ def test_nothing_is_unmapped_while_a_stream_of_the_pool_captures(vm):
         side.synchronize()
     assert e.value.reason == "limit_capturing" and int(b[-1]) == 9
     assert (vm.snapshot() - before).device_unmaps == 0
-    assert cp.empty(80 * MiB, dtype=cp.uint8).nbytes == 80 * MiB   # not capturing: a's pages go back first
+    # not capturing: 64 MiB in use (keep, b), a's last 48 MiB free but too small; 56 more fit the limit only once
+    # those pages go back (112 + 56 > 128 > 64 + 56)
+    assert cp.empty(56 * MiB, dtype=cp.uint8).nbytes == 56 * MiB
     assert (vm.snapshot() - before).device_unmaps >= 1
     vm.set_limit(0)
     del b, keep

@@ -341,6 +341,23 @@ static void stream_use_gone(DevicePool *pool, intptr_t key)
     if (u && u->allocations && !--u->allocations) *u = pool->streams[--pool->n_streams];
 }
 
+/* Whether another stream's capture state may be asked (streams other than the legacy one and the request's):
+ * a stream the pool holds memory for may have been destroyed since, and asking a destroyed stream is undefined
+ * (cuStreamIsCapturing crashed in the driver on an H200).  Backends without .stream_alive have no such streams
+ * (the host backend); without the GIL (PyTorch's path) another stream is not asked.  1 yes, 0 no. */
+static int may_ask(Allocator *A, int device, intptr_t handle)
+{
+    if (!A->tells_alive) return 1;
+    if (!PyGILState_Check()) return 0;
+    PyObject *exc = PyErr_GetRaisedException();
+    PyObject *r = PyObject_CallMethod(A->backend, "stream_alive", "in", device, (Py_ssize_t)handle);
+    int yes = r ? PyObject_IsTrue(r) == 1 : 0;
+    Py_XDECREF(r);
+    PyErr_Clear();
+    PyErr_SetRaisedException(exc);
+    return yes;
+}
+
 static int ask_capturing(Allocator *A, int device, intptr_t handle)
 {
     PyObject *r = PyObject_CallMethod(A->backend, "capturing", "in", device, (Py_ssize_t)handle);
@@ -381,7 +398,7 @@ int device_captures(Allocator *A, DevicePool *pool, intptr_t key)
         intptr_t handle = stream_handle(keys[i]);
         if (handle < 0)     /* another thread's per-thread stream: unknown while it lives */
             capturing = !xp_thread_key_ended(keys[i]);
-        else
+        else if (i < 2 || may_ask(A, pool->device, handle))
             capturing = ask_capturing(A, pool->device, handle);
     }
     free(keys);
@@ -669,7 +686,7 @@ static int vm_captures(Allocator *A, DevicePool *pool, intptr_t key)
         intptr_t handle = stream_handle(keys[i]);
         if (handle < 0)     /* another thread's per-thread stream: unknown while it lives */
             capturing = !xp_thread_key_ended(keys[i]);
-        else
+        else if (i < 2 || may_ask(A, pool->device, handle))
             capturing = A->vmm.ops->capturing(A->vmm.ctx, pool->device, handle) != 0;
     }
     free(keys);

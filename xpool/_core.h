@@ -251,6 +251,9 @@ typedef struct {
     uint64_t release_idle;    /* XP_RELEASE_HIGH_WATER: a miss gives back only segments whole and free for at
                                  least this many requests (release_for_miss) */
     int tells_capture;        /* the backend has .capturing(device, stream): stream_capturing asks it */
+    int tells_alive;          /* the backend has .stream_alive(device, stream): asked before another stream's
+                                 capture state (a destroyed stream must never be asked: Note [Capture: every
+                                 stream of a device]) */
     PyObject *vmm_capsule;    /* scheme expandable: backend.vmm(), kept alive while its ops are used */
     XvVmm vmm;                /* scheme expandable: the ops table in it (_vmm.h), called from C */
     /* scheme expandable: debug mode's check() reads live blocks from a listing that may be stale; while it

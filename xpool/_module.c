@@ -310,6 +310,7 @@ static int Allocator_init(Allocator *self, PyObject *args, PyObject *kwds)
     Py_INCREF(backend); Py_XSETREF(self->backend, backend);
     Py_INCREF(factory); Py_XSETREF(self->error_factory, factory);
     self->tells_capture = PyObject_HasAttrString(backend, "capturing");
+    self->tells_alive = PyObject_HasAttrString(backend, "stream_alive");
     self->stream_fn = (stream_fn_t)(uintptr_t)stream_fn;
     self->n_devices = n_devices;
     return timeline ? timeline_resize(self, (Py_ssize_t)timeline) : 0;

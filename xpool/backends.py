@@ -266,13 +266,42 @@ class CupyBackend:
         from cupy.cuda import runtime
         self._rt = runtime
         self._oom_status = getattr(runtime, "errorMemoryAllocation", 2)
+        self._streams: dict[int, weakref.ref] = {}   # handle -> the CuPy stream current at a request on it
 
     def current_device(self) -> int:
         return self._rt.getDevice()
 
     def current_stream(self) -> int:
         import cupy
-        return cupy.cuda.get_current_stream().ptr
+        return self._seen(cupy.cuda.get_current_stream()).ptr
+
+    def _seen(self, stream):
+        """Remember a CuPy stream weakly, so `stream_alive` can vouch for its handle while the object lives."""
+        ptr = stream.ptr
+        if ptr in (0, 1, 2):
+            return stream
+        ref = self._streams.get(ptr)
+        if ref is None or ref() is not stream:
+            self._streams[ptr] = weakref.ref(stream, lambda r, k=ptr: self._forget(k, r))
+        return stream
+
+    def _forget(self, ptr, ref):
+        if self._streams.get(ptr) is ref:
+            self._streams.pop(ptr, None)
+
+    def stream_alive(self, device: int, stream: int) -> bool:
+        """Whether `stream`'s capture state may be asked: the legacy and per-thread streams, this thread's current
+        stream, or a stream whose CuPy object, seen at a request, still lives.  A stream the pool holds memory for
+        may have been destroyed since; asking it is undefined (cuStreamIsCapturing crashed in the driver), so an
+        unknown one is not asked (NOTES.md, Note [Capture: every stream of a device])."""
+        if stream in (0, 1, 2):
+            return True
+        import cupy
+        if cupy.cuda.get_current_stream(device).ptr == stream:
+            return True
+        ref = self._streams.get(stream)
+        s = ref() if ref is not None else None
+        return s is not None and s.ptr == stream
 
     def device_count(self) -> int:
         return self._rt.getDeviceCount()
@@ -283,6 +312,8 @@ class CupyBackend:
 
     def malloc(self, device: int, nbytes: int) -> int:
         with _on_device(self._rt, device):
+            import cupy
+            self._seen(cupy.cuda.get_current_stream())   # a miss: the stream it serves gets a segment
             try:
                 return self._rt.malloc(nbytes)
             except self._rt.CUDARuntimeError as e:
