@@ -86,10 +86,11 @@ def test_empty_cache_gives_pages_back_to_the_device(vm):
     assert row(vm).bytes_reserved == 0
 
 
-@pytest.mark.xfail(strict=True, reason="on an H200 (8bf3303 with the destroyed-stream fix; data/logs/sixth_gpu.tgz) a loop that keeps the "
-                   "previous step's loss and grads alive while the next step runs still maps (0.4 per step at batch "
-                   "4 and 32) and unmaps (1.6 per step at batch 32) pages after 5 warm-up steps; the dynamic "
-                   "benchmark's loops (which drop them) make none. NOTES.md, Note [Expandable segments]")
+@pytest.mark.xfail(strict=True, reason="on an H200 (8bf3303 with the destroyed-stream fix; data/logs/sixth_gpu.tgz) "
+                   "a loop that keeps the previous step's loss and grads alive while the next step runs still maps "
+                   "(0.4 per step at batch 4 and 32) and unmaps (1.6 per step at batch 32) pages after 5 warm-up "
+                   "steps; the dynamic benchmark's loops (which drop them) make none. NOTES.md, Note [Expandable "
+                   "segments]")
 @pytest.mark.parametrize("batch,foreach", [(4, True), (32, True), (32, False)])
 def test_training_maps_and_unmaps_nothing_once_warm(vm, batch, foreach):
     """Replayed on the CuPy-path traces (data/memory_schemes.csv): no map or unmap after the 5 warm-up steps at
