@@ -132,8 +132,25 @@ class _Live:
             self.live[device] -= size
             self.frees[device] += 1
 
+    def wrap(self, mp, size):
+        """CuPy block `mp` of `size` bytes, counted: its device malloc now, its device free when it dies."""
+        from cupy.cuda import memory
+        self._allocated(mp.device_id, size)
+        owner = _Freed(self, mp.device_id, size, mp)     # its death frees mp
+        return memory.MemoryPointer(memory.UnownedMemory(mp.ptr, size, owner, mp.device_id), 0)
 
-class Raw(Allocator):
+
+class _Counted(Allocator):
+    """An allocator whose counters, while counting, are `self.live`'s (a _Live)."""
+
+    def device_mallocs(self, device):
+        return self.live.mallocs[device] if self.counting else None
+
+    def peak_requested(self, device):
+        return self.live.peak[device] if self.counting else None
+
+
+class Raw(_Counted):
     """cudaMalloc/cudaFree for every array (`cupy.cuda.set_allocator(None)`)."""
 
     def __init__(self):
@@ -146,20 +163,9 @@ class Raw(Allocator):
     def _counting_malloc(self, size):
         from cupy.cuda import memory
         mp = memory._malloc(size)              # CuPy's raw path: one cudaMalloc (none for 0 bytes)
-        if size == 0:
-            return mp
-        d = mp.device_id
-        self.live._allocated(d, size)
-        owner = _Freed(self.live, d, size, mp)
-        return memory.MemoryPointer(memory.UnownedMemory(mp.ptr, size, owner, d), 0)
+        return self.live.wrap(mp, size) if size else mp
 
-    def device_mallocs(self, device):
-        return self.live.mallocs[device] if self.counting else None
-
-    def peak_reserved(self, device):
-        return self.live.peak[device] if self.counting else None
-
-    peak_requested = peak_reserved
+    peak_reserved = _Counted.peak_requested
 
 
 def _hook_class():
@@ -206,7 +212,7 @@ class RawHeld(Raw):
         super().uninstall()
 
 
-class CupyPool(Allocator):
+class CupyPool(_Counted):
     """CuPy's default best-fit pool (`cupy.cuda.MemoryPool`), fresh for each run."""
 
     def __init__(self):
@@ -214,6 +220,7 @@ class CupyPool(Allocator):
         super().__init__()
         self.pool = cupy.cuda.MemoryPool()
         self.hook = _hook_class()()
+        self.live = self.hook.live
         self._reserved = defaultdict(int)     # device -> highest total_bytes() seen
 
     def tracking(self):
@@ -224,15 +231,9 @@ class CupyPool(Allocator):
         with cupy.cuda.Device(device):
             self._reserved[device] = max(self._reserved[device], self.pool.total_bytes())
 
-    def device_mallocs(self, device):
-        return self.hook.live.mallocs[device] if self.counting else None
-
     def peak_reserved(self, device):
         self.sample(device)
         return self._reserved[device]
-
-    def peak_requested(self, device):
-        return self.hook.live.peak[device] if self.counting else None
 
     def _make_private(self):
         import cupy
@@ -404,7 +405,7 @@ class Host(Allocator):
 
 
 # --- the dynamic-shape benchmark's arms (xlab.bench.dynamic; Note [Dynamic-shape benchmark])
-class CupyAsyncCounted(CupyAsync):
+class CupyAsyncCounted(_Counted, CupyAsync):
     """cupy_async, counted: peak reserved from the device's pool (cudaMemPoolAttrReservedMemHigh); while counting,
     each block wrapped as raw's are, so its cudaMallocAsync, cudaFreeAsync and requested bytes are seen."""
 
@@ -420,30 +421,19 @@ class CupyAsyncCounted(CupyAsync):
         return runtime.deviceGetMemPool(device)       # MemoryAsyncPool('current') allocates from it
 
     def malloc_fn(self):
-        from cupy.cuda import memory
         pool_malloc, live = self.pool.malloc, self.live
 
         def malloc(size):
             mp = pool_malloc(size)
-            if size:
-                live._allocated(mp.device_id, size)
-                owner = _Freed(live, mp.device_id, size, mp)     # its death frees mp: one cudaFreeAsync
-                mp = memory.MemoryPointer(memory.UnownedMemory(mp.ptr, size, owner, mp.device_id), 0)
-            return mp
+            return live.wrap(mp, size) if size else mp     # its death: one cudaFreeAsync
         return malloc if self.counting else pool_malloc
 
     def device_calls(self, device):
         return self.live.mallocs[device] + self.live.frees[device] if self.counting else None
 
-    def device_mallocs(self, device):
-        return self.live.mallocs[device] if self.counting else None
-
     def peak_reserved(self, device):
         from cupy.cuda import runtime
         return int(runtime.memPoolGetAttribute(self._handle(device), runtime.cudaMemPoolAttrReservedMemHigh))
-
-    def peak_requested(self, device):
-        return self.live.peak[device] if self.counting else None
 
 
 class RmmPool(Allocator):

@@ -10,14 +10,10 @@ import sys
 
 
 def load_xpool(path, name: str = "xpool_before"):
-    """The xpool package of the checkout at `path` (its C core built in place), imported as `name`.
-
-    Raises:
-        FileNotFoundError: no xpool package there.
-        ImportError: its C core is not built.
-        ValueError: name is "xpool", the package is imported under another name already (xpool itself, say:
-            one C core loaded twice would share its state), or a module of that name is loaded from elsewhere.
-    """
+    """The xpool package of the checkout at `path` (its C core built in place), imported as `name`. FileNotFoundError:
+    no xpool package there; ImportError: its C core is not built; ValueError: name is "xpool", the package is imported
+    under another name already (xpool itself, say: one C core loaded twice would share its state), or a module of
+    that name is loaded from elsewhere."""
     if name == "xpool":
         raise ValueError("name must not be 'xpool': this checkout's package has that name")
     pkg = pathlib.Path(path).resolve() / "xpool"

@@ -167,11 +167,18 @@ class CupyPoolModel:
 
 
 def class_bytes(requested, k: int) -> int:
-    """Total bytes the size classes of setting k give to these requests.
-
-    Args: requested: request sizes in bytes; k: size classes per doubling. Returns: An int.
-    """
+    """Total bytes the size classes of setting k (classes per doubling) give to these request sizes."""
     return int(sum(size_class(int(n), k) for n in requested))
+
+
+def _waste_row(k: int, source: str, requested: pd.Series, counters: dict, unmatched_frees: int) -> dict:
+    """One row of WASTE_COLUMNS: the classes' bytes over the last step's `requested`, and the run's `counters`."""
+    cb = class_bytes(requested, k)
+    reserved, peak_requested = counters["peak_bytes_reserved"], counters["peak_bytes_requested"]
+    return dict(k=k, source=source, requests=len(requested), requested_bytes=int(requested.sum()), class_bytes=cb,
+                class_over_requested=cb / max(int(requested.sum()), 1), peak_bytes_requested=peak_requested,
+                peak_bytes_reserved=reserved, reserved_over_requested=reserved / max(peak_requested, 1),
+                device_mallocs=counters["device_mallocs"], unmatched_frees=unmatched_frees)
 
 
 def _step_requests(timeline: pd.DataFrame) -> pd.Series:
@@ -183,25 +190,14 @@ def _step_requests(timeline: pd.DataFrame) -> pd.Series:
 
 
 def replay_waste(timeline: pd.DataFrame, ks=KS) -> pd.DataFrame:
-    """Waste of each size-class setting, replayed from one recorded timeline (one row per k).
-
-    class_over_requested: bytes the classes hand out / bytes requested, over the last step's requests;
-    reserved_over_requested: peak bytes reserved / peak bytes requested over the whole recording.
-
-    Args: timeline: the recording (memory_timeline.csv); ks: the settings to replay. Returns: A DataFrame with
-    WASTE_COLUMNS (source "replay") and the recording's provenance.
-    """
+    """Waste of each size-class setting replayed from one recorded timeline (memory_timeline.csv): one row per k of
+    WASTE_COLUMNS (source "replay": class_over_requested over the last step's requests, reserved_over_requested
+    over the whole recording), with the recording's provenance."""
     requested = _step_requests(timeline)
     rows = []
     for k in ks:
         r = replay(timeline, int(k))
-        cb = class_bytes(requested, int(k))
-        rows.append(dict(k=int(k), source="replay", requests=len(requested), requested_bytes=int(requested.sum()),
-                         class_bytes=cb, class_over_requested=cb / max(int(requested.sum()), 1),
-                         peak_bytes_requested=r["peak_bytes_requested"],
-                         peak_bytes_reserved=r["peak_bytes_reserved"],
-                         reserved_over_requested=r["peak_bytes_reserved"] / max(r["peak_bytes_requested"], 1),
-                         device_mallocs=r["device_mallocs"], unmatched_frees=r["unmatched_frees"]))
+        rows.append(_waste_row(int(k), "replay", requested, r, r["unmatched_frees"]))
     out = pd.DataFrame(rows, columns=WASTE_COLUMNS)
     for col in _CARRIED:                  # the replay describes the recorded run: keep its provenance
         if col in timeline and len(timeline):
@@ -210,13 +206,8 @@ def replay_waste(timeline: pd.DataFrame, ks=KS) -> pd.DataFrame:
 
 
 def waste_table(measured: pd.DataFrame | None = None, replayed: pd.DataFrame | None = None) -> pd.DataFrame | None:
-    """One row per k: waste in percent, with the measured and replayed peaks side by side where both exist.
-
-    `replay_exact` says whether the CPU replay reproduced the GPU's peak reserved bytes and device mallocs.
-
-    Args: measured: measured waste rows, or None; replayed: replayed waste rows, or None. Returns: A DataFrame, or
-    None when both are None.
-    """
+    """One row per k: waste in percent, the measured and replayed peaks side by side where both exist (`replay_exact`:
+    the CPU replay reproduced the GPU's peak reserved bytes and device mallocs); None without either."""
     frames = [f for f in (measured, replayed) if f is not None and len(f)]
     if not frames:
         print("Nothing to tabulate: no measured waste and no timeline to replay.")
@@ -349,25 +340,26 @@ def _drive(pool, ev, on_step=None):
 
 
 def _counters(pool) -> dict:
+    """A replayed pool's counters over every device; the expandable scheme's maps and unmaps count as its device
+    mallocs and frees (CuPy's model never frees)."""
     if isinstance(pool, CupyPoolModel):
         return dict(requests=sum(pool.requests.values()), device_mallocs=sum(pool.device_mallocs.values()),
-                    peak_bytes_requested=sum(pool.peak_requested.values()),
+                    device_frees=0, peak_bytes_requested=sum(pool.peak_requested.values()),
                     peak_bytes_reserved=sum(pool.peak_reserved.values()))
     st = pool.stats()
-    out = {c: int(st[c].sum()) for c in ("requests", "device_mallocs", "peak_bytes_requested", "peak_bytes_reserved")}
-    out["device_mallocs"] += int(st["device_maps"].sum())   # the expandable scheme's device allocations
-    return out
+    total = {c: int(st[c].sum()) for c in ("requests", "device_mallocs", "device_maps", "device_frees", "device_unmaps",
+                                           "peak_bytes_requested", "peak_bytes_reserved")}
+    return dict(requests=total["requests"], device_mallocs=total["device_mallocs"] + total["device_maps"],
+                device_frees=total["device_frees"] + total["device_unmaps"],
+                peak_bytes_requested=total["peak_bytes_requested"], peak_bytes_reserved=total["peak_bytes_reserved"])
 
 
 WARMUP_STEPS = 5   # the experiments' warm-up: from this step on, a warm pool makes no device malloc or free
 
 
 def _device_calls(pool) -> tuple:
-    if isinstance(pool, CupyPoolModel):
-        return sum(pool.device_mallocs.values()), 0      # the model never frees
-    st = pool.stats()   # the expandable scheme's maps and unmaps count as its device mallocs and frees
-    return (int(st["device_mallocs"].sum() + st["device_maps"].sum()),
-            int(st["device_frees"].sum() + st["device_unmaps"].sum()))
+    c = _counters(pool)
+    return c["device_mallocs"], c["device_frees"]
 
 
 def replay_steps(timeline: pd.DataFrame, allocator: str) -> pd.DataFrame:
@@ -473,21 +465,18 @@ def load_traces(data_dir=None, names=None) -> dict:
 def scheme_study(traces: dict, allocators=SCHEME_ALLOCATORS, repeats: int = 7) -> pd.DataFrame:
     """One row per (trace, allocator): peak reserved / peak requested and device mallocs by replay, and ns
     per alloc+free pair over the host backend (xpool's schemes; NaN for CuPy's model), with provenance."""
-    from .provenance import provenance
     rows = []
     for name, tl in traces.items():
         cost = replay_cost(tl, [a for a in allocators if a != "cupy_pool_model"], repeats=repeats)
         cost = cost.set_index("allocator")
         first = tl.iloc[0] if len(tl) else {}
+        trace = dict(trace_recorded_on=first.get("gpu", "unknown"), trace_commit=first.get("commit", "unknown"),
+                     trace_date=first.get("date", "unknown"), trace_batch=first.get("batch", np.nan))
         for a in allocators:
             r = dict(trace=name, allocator=a, source="replay", **replay_allocator(tl, a))
             if a in cost.index:
                 r.update(cost.loc[a].to_dict())
-            r.update(trace_recorded_on=first.get("gpu", "unknown") if len(tl) else "unknown",
-                     trace_commit=first.get("commit", "unknown") if len(tl) else "unknown",
-                     trace_date=first.get("date", "unknown") if len(tl) else "unknown",
-                     trace_batch=first.get("batch", np.nan) if len(tl) else np.nan)
-            rows.append(r)
+            rows.append({**r, **trace})
     return pd.DataFrame(rows, columns=SCHEME_COLUMNS).assign(**provenance())
 
 
@@ -602,9 +591,7 @@ def record_numpy_timeline(batch: int = 4, block_sizes=(256, 256), seed: int = 0,
     NumPy's data allocations on device 0, stream 0. cupy_path: the fused ops take their CuPy branch over NumPy arrays,
     every kernel launch a no-op, so the outputs they allocate are the GPU's and the NumPy formulas' temporaries are
     gone: the GPU step's requests (up to CuPy's own temporaries), which the plain NumPy path missed at batch 4 (#14)."""
-    cfg = _config(config, batch)
-    if max(block_sizes) > cfg.block_size or min(block_sizes) < 1:
-        raise ValueError(f"block_sizes must be in [1, {cfg.block_size}], got {block_sizes}")
+    cfg = _config(config, batch, block_sizes)
     if cupy_path:
         saved = fused._on_host, kernels.kernel
         fused._on_host, kernels.kernel = (lambda a: False), (lambda name, dtype: lambda *args: None)
@@ -646,9 +633,12 @@ def _train(cfg, data, lengths, xp, seed: int = 0, foreach: bool = True, after=la
     return model, opt
 
 
-def _config(config=None, batch=None):
-    """A GPTConfig (None: the reference; a dict of fields; itself), at `batch` sequences when given."""
+def _config(config=None, batch=None, block_sizes=()):
+    """A GPTConfig (None: the reference; a dict of fields; itself), at `batch` sequences when given; ValueError if a
+    sequence length of `block_sizes` is not in [1, block_size]."""
     cfg = GPTConfig(**config) if isinstance(config, dict) else config or GPTConfig()
+    if block_sizes and (max(block_sizes) > cfg.block_size or min(block_sizes) < 1):
+        raise ValueError(f"block_sizes must be in [1, {cfg.block_size}], got {block_sizes}")
     return cfg if batch is None else GPTConfig(**dict(cfg.to_dict(), batch_size=int(batch)))
 
 
@@ -691,15 +681,7 @@ def measure_waste(ks=KS, config=None, batch: int | None = None, warmup: int = 1,
     for k in ks:
         tl = record_step_timeline(int(k), cfg, warmup=warmup, seed=seed)
         first = tl if first is None else first
-        requested = _step_requests(tl)
-        cb = class_bytes(requested, int(k))
-        a = tl.attrs
-        rows.append(dict(k=int(k), source="measured", requests=len(requested),
-                         requested_bytes=int(requested.sum()), class_bytes=cb,
-                         class_over_requested=cb / max(int(requested.sum()), 1),
-                         peak_bytes_requested=a["peak_bytes_requested"], peak_bytes_reserved=a["peak_bytes_reserved"],
-                         reserved_over_requested=a["peak_bytes_reserved"] / max(a["peak_bytes_requested"], 1),
-                         device_mallocs=a["device_mallocs"], unmatched_frees=0))
+        rows.append(_waste_row(int(k), "measured", _step_requests(tl), tl.attrs, 0))
     prov = provenance(batch=cfg.batch_size, n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,
                       warmup=warmup)
     waste = pd.DataFrame(rows, columns=WASTE_COLUMNS).assign(**prov)
@@ -749,9 +731,7 @@ def measure_varlen(allocators=VARLEN_ALLOCATORS, batch: int | None = None, block
     spec = NUMPY_TRACES["gpt_varlen_numpy"]
     batch = int(batch or spec["batch"])
     block_sizes = tuple(int(t) for t in (block_sizes or spec["block_sizes"]))
-    cfg = _config(None, batch)
-    if max(block_sizes) > cfg.block_size or min(block_sizes) < 1:
-        raise ValueError(f"block_sizes must be in [1, {cfg.block_size}], got {block_sizes}")
+    cfg = _config(None, batch, block_sizes)
     rows = []
     for name in allocators:
         alloc = registry.make(name)

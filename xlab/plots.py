@@ -45,8 +45,7 @@ def provenance_summary(df: pd.DataFrame) -> dict:
     for col in PROVENANCE + ("n_gpus",):
         vals = [str(v) for v in pd.unique(df[col].dropna())] if col in df else []
         if col == "date":
-            days = sorted({v[:10] for v in vals})
-            out[col] = (days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}") if days else "unknown date"
+            out[col] = sources.day_range(vals)
         else:
             out[col] = " / ".join(v.removesuffix(".0") if col == "n_gpus" else v for v in vals) or "unknown"
     return out

@@ -122,13 +122,18 @@ def bounds_table(data: pathlib.Path) -> str:
                 "GPU busy", "GC ms", "bound", "run"], rows) if rows else ""
 
 
+def _gil_rows(data: pathlib.Path) -> pd.DataFrame | None:
+    """gil_probe.csv's rows at Python's default switch interval (5 ms), or None."""
+    df = sources.read(data, "gil_probe")
+    return None if df is None else df[np.isclose(df.get("switch_interval_s", 0.005), 0.005)]
+
+
 def gil_sharing(data: pathlib.Path, arm: str = GIL_ARM) -> dict:
     """{N: (median, lo, hi)}: N threads' ops per second over one's (gil_probe.csv, 5 ms switch interval)."""
-    df = sources.read(data, "gil_probe")
+    df = _gil_rows(data)
     if df is None:
         return {}
-    df = df[(df["arm"] == arm) & np.isclose(df.get("switch_interval_s", 0.005), 0.005)]
-    return {int(n): _med(g["speedup"]) for n, g in df.groupby("threads") if n > 1}
+    return {int(n): _med(g["speedup"]) for n, g in df[df["arm"] == arm].groupby("threads") if n > 1}
 
 
 def projection(data: pathlib.Path, worlds=(2, 4, 8), kind: str = "single_gpu") -> list[dict]:
@@ -176,10 +181,9 @@ def projection_table(data: pathlib.Path) -> str:
 
 
 def gil_table(data: pathlib.Path) -> str:
-    df = sources.read(data, "gil_probe")
+    df = _gil_rows(data)
     if df is None:
         return ""
-    df = df[np.isclose(df.get("switch_interval_s", 0.005), 0.005)]
     threads = sorted(n for n in df["threads"].unique() if n > 1)
     rows = [(allocators.label(a), _ci(_med(g[g["threads"] == 1]["us_per_op"]), "{:.1f}"),
              *(_ci(_med(g[g["threads"] == n]["speedup"]), unit="×") for n in threads))

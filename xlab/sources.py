@@ -81,13 +81,25 @@ def frames(data: pathlib.Path, kind: str) -> list[pd.DataFrame]:
     found = []
     for i, (name, where) in enumerate(lineage(kind)[0]):
         df = read(data, name)
-        if df is None:
-            continue
-        for col, value in where.items():
-            df = df[df[col] == value] if col in df else df.iloc[:0]
-        if len(df):
+        if df is not None:
+            df = select(df, where)
+        if df is not None and len(df):
             found.append(((str(df["date"].max()) if "date" in df else "", i), df))
     return [df.assign(order=i) for i, (_, df) in enumerate(sorted(found, key=lambda f: f[0]))]
+
+
+def select(df: pd.DataFrame, where: dict) -> pd.DataFrame:
+    """The rows whose columns have these values (a tuple: any of them); none when a column is missing."""
+    for col, value in where.items():
+        df = (df[df[col].isin(value) if isinstance(value, tuple) else df[col] == value] if col in df
+              else df.iloc[:0])
+    return df
+
+
+def day_range(dates) -> str:
+    """'2026-11-30', '2026-11-30 to 2026-12-01' or 'unknown date': the days of these timestamps."""
+    days = sorted({str(d)[:10] for d in dates})
+    return (days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}") if days else "unknown date"
 
 
 def arm_column(df: pd.DataFrame) -> str | None:
@@ -116,9 +128,7 @@ def where(df: pd.DataFrame) -> str:
     """'NVIDIA H200, 2026-11-30' (or 'a CPU, no GPU, ...') from the provenance columns."""
     gpus = [g for g in pd.unique(df.get("gpu", pd.Series(dtype=str)).dropna().astype(str))]
     gpu = " / ".join("CPU, no GPU" if g.startswith("none") else g for g in gpus) or "unknown machine"
-    days = sorted({str(d)[:10] for d in df.get("date", pd.Series(dtype=str)).dropna()})
-    day = days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}" if days else "unknown date"
-    return f"{gpu}, {day}"
+    return f"{gpu}, {day_range(df.get('date', pd.Series(dtype=str)).dropna())}"
 
 
 def sources(df: pd.DataFrame) -> str:

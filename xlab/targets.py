@@ -247,13 +247,6 @@ def _group_label(keys, values) -> str:
                      for k, v in zip(keys, values))
 
 
-def _select(df, where):
-    for col, value in where.items():
-        df = (df[df[col].isin(value) if isinstance(value, tuple) else df[col] == value] if col in df
-              else df.iloc[:0])
-    return df
-
-
 def _value(r: T, mine: pd.DataFrame, ref: pd.DataFrame | None):
     """(value, lo, hi, n) of a row's statistic over the selected rows (and their reference)."""
     v = mine[r.metric].astype(float) * r.scale
@@ -284,12 +277,12 @@ def _bound(r: T, *frames) -> str:
 def _one(r: T, df: pd.DataFrame, col: str | None, group: dict) -> Measured | None:
     """The row measured on one CSV's rows, one group of `over`; None when the rows are not there."""
     arms = (r.arm,) if isinstance(r.arm, str) else r.arm
-    mine = _select(df, {**r.where, **group})
+    mine = sources.select(df, {**r.where, **group})
     if arms and col:
         mine = mine[mine[col].isin(arms)]
     ref = None
     if r.ref is not None:
-        ref = _select(df, {**r.where, **group, **r.ref})
+        ref = sources.select(df, {**r.where, **group, **r.ref})
         if col and col not in r.ref and arms:
             ref = ref[ref[col].isin(arms)]
         if not len(ref):
@@ -304,7 +297,7 @@ def _one(r: T, df: pd.DataFrame, col: str | None, group: dict) -> Measured | Non
                  bound=_bound(r, mine, ref), ref=ref[col].iloc[0] if ref is not None and col in ref else "",
                  steps="/".join(str(int(s)) for s in pd.unique(mine["steps"].dropna())) if "steps" in mine else "")
     if isinstance(r.goal, dict):
-        g = _select(df, {**r.where, **group, **r.goal})[r.metric].dropna()
+        g = sources.select(df, {**r.where, **group, **r.goal})[r.metric].dropna()
         if not len(g):
             return None
         m.goal = float(g.median() * r.scale)

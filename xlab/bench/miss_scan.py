@@ -21,15 +21,8 @@ BIG = 8 << 20          # the first timed miss; each one 512 B larger than the la
 
 
 def pool_with_free_ranges(n_ranges: int, segments: dict):
-    """A pool whose stream 0 has `n_ranges` free 512 B ranges, none of which can merge with another.
-
-    Args:
-        n_ranges: free ranges to make.
-        segments: the pool's segment settings (the arm).
-
-    Returns:
-        (pool, the blocks kept in use): the caller keeps the second alive.
-    """
+    """(pool, the blocks kept in use): a pool of settings `segments` (the arm) whose stream 0 has `n_ranges` free
+    512 B ranges, none of which can merge with another; the caller keeps the blocks alive."""
     from xpool import HostBackend, Pool
     pool = Pool(HostBackend(), **segments)
     blocks = [pool.allocate(512) for _ in range(2 * n_ranges)]
@@ -39,16 +32,7 @@ def pool_with_free_ranges(n_ranges: int, segments: dict):
 
 
 def growing_misses_us(pool, state: dict, misses: int) -> float:
-    """Median µs of `misses` misses above the high-water mark.
-
-    Args:
-        pool: from pool_with_free_ranges.
-        state: {"size": the last request}; each miss asks for 512 B more.
-        misses: how many.
-
-    Returns:
-        The median µs per miss.
-    """
+    """Median µs of `misses` misses above the high-water mark, each 512 B more than state["size"], the last."""
     times = []
     for _ in range(misses):
         state["size"] += 512
@@ -61,20 +45,12 @@ def growing_misses_us(pool, state: dict, misses: int) -> float:
 
 
 def run(n_ranges=N_RANGES, trials: int = 7, misses: int = 15, out: str | None = "data/miss_scan_host.csv"):
-    """One row per (n, arm, trial), trials interleaved across every configuration.
-
-    Args:
-        n_ranges: free-range counts to measure.
-        trials: trials per configuration (>= 5).
-        misses: timed misses per trial.
-        out: the CSV, or None.
-
-    Returns:
-        The DataFrame.
-    """
+    """One row per (n, arm, trial), `misses` timed misses each, trials interleaved across every configuration;
+    the summary printed, the rows written to `out` (None: not written)."""
     import pandas as pd
 
-    from xlab.intervals import median_ci
+    from xlab.bench.alloc import rotated
+    from xlab.intervals import summarize
     from xlab.paths import write_csv
     from xlab.provenance import provenance
     configs = [(n, arm) for n in n_ranges for arm in ARMS]
@@ -84,30 +60,21 @@ def run(n_ranges=N_RANGES, trials: int = 7, misses: int = 15, out: str | None = 
         growing_misses_us(pools[c][0], states[c], 1)
     rows = []
     for t in range(trials):
-        order = configs[t % len(configs):] + configs[:t % len(configs)]   # a different arm first each trial
-        for c in order:
+        for c in rotated(configs, t):            # a different arm first each trial
             us = growing_misses_us(pools[c][0], states[c], misses)
             rows.append(dict(backend="host", n_free_ranges=c[0], release_on_miss=c[1], trial=t, us_per_miss=us,
                              misses=misses))
-    df = pd.DataFrame(rows)
-    prov = provenance(bench="miss_scan", trials=trials)
-    for k, v in prov.items():
-        df[k] = v
-    summary = []
-    for (n, arm), g in df.groupby(["n_free_ranges", "release_on_miss"], sort=True):
-        med, lo, hi, k = median_ci(g.us_per_miss)
-        summary.append(dict(n_free_ranges=n, release_on_miss=arm, us_per_miss=med, lo=lo, hi=hi, trials=k))
-    print(pd.DataFrame(summary).to_string(index=False, float_format=lambda x: f"{x:.1f}"))
+    df = pd.DataFrame(rows).assign(**provenance(bench="miss_scan", trials=trials))
+    summary = summarize(df.sort_values(["n_free_ranges", "release_on_miss"], kind="stable"),
+                        ["n_free_ranges", "release_on_miss"], "us_per_miss")
+    summary = summary.rename(columns={"us_per_miss_lo": "lo", "us_per_miss_hi": "hi", "n_trials": "trials"})
+    print(summary.to_string(index=False, float_format=lambda x: f"{x:.1f}"))
     write_csv(df, out)
     return df
 
 
 def main(argv=None) -> int:
-    """`python -m xlab.bench.miss_scan [--out CSV] [--trials N] [--misses N] [--n-ranges N ...]`; returns 0.
-
-    Args:
-        argv: the arguments after the program name (None: the process's).
-    """
+    """`python -m xlab.bench.miss_scan [--out CSV] [--trials N] [--misses N] [--n-ranges N ...]`; returns 0."""
     ap = argparse.ArgumentParser(prog="python -m xlab.bench.miss_scan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="data/miss_scan_host.csv")
     ap.add_argument("--trials", type=int, default=7)
