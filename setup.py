@@ -11,9 +11,10 @@ setup(
     ext_modules=[
         Extension(
             "xpool._core",
-            sources=["xpool/_alloc.c", "xpool/_module.c", "xpool/_torch.c", "xpool/_segments.c",
+            sources=["xpool/_alloc.c", "xpool/_pages.c", "xpool/_module.c", "xpool/_torch.c", "xpool/_segments.c",
                      "xpool/_expandable.c"],
-            depends=["xpool/_core.h", "xpool/_hot.h", "xpool/_segments.h", "xpool/_expandable.h", "xpool/_vmm.h"],
+            depends=["xpool/_core.h", "xpool/_hot.h", "xpool/_pages.h", "xpool/_segments.h", "xpool/_expandable.h",
+                     "xpool/_vmm.h"],
             extra_compile_args=CFLAGS,
         ),
         Extension(

@@ -52,6 +52,18 @@ def test_packages_keep_their_direction():
             assert "__file__" not in text, f"{path} derives a path from __file__"
 
 
+def test_the_c_sources_are_built_and_stay_small():
+    """Every C file of xpool is a source of an extension in setup.py, and none is over 1,200 lines (#20): a file
+    that grows past it is cut along its sections, the hit path kept in one compilation unit with _hot.h."""
+    setup = (ROOT / "setup.py").read_text()
+    sources = sorted((ROOT / "xpool").glob("*.c"))
+    assert len(sources) >= 7
+    for path in sources:
+        assert f'"xpool/{path.name}"' in setup, f"{path.name} is not built by setup.py"
+        lines = len(path.read_text().splitlines())
+        assert lines <= 1200, f"{path.name} has {lines} lines"
+
+
 def private_uses(source: str) -> list[str]:
     """What a module uses of xpool that is not its public API: an xpool._* module (or any _ part of an xpool
     module path), a _name imported from xpool, a _name read off xpool or off a name imported from it, any

@@ -2,7 +2,10 @@
  * xpool._core: the C core of xpool's caching allocator, as one extension module built from
  *   _alloc.c     the allocator: size classes, tables, device pools, statistics, timeline, the schemes,
  *                the alloc and free paths (CuPy's C hooks among them), giving back, the recovery ladder
+ *   _pages.c     scheme expandable's pages: unmapped on giving back, mapped by its try of the ladder, its miss
+ *                (what it and _alloc.c share, no other file: _pages.h)
  *   _segments.c  the segments scheme's ranges: best fit, split, merge (no locks, no Python)
+ *   _expandable.c  scheme expandable's range manager: address ranges, mapped pages, plans (no locks, no Python)
  *   _module.c    the CPython binding: the Allocation and Allocator types, argument parsing, module init
  *   _torch.c     PyTorch's pluggable-allocator entry points (xpool_torch_malloc, xpool_torch_free, ...)
  * This header holds what they share; _hot.h the hit path's operations, static, so both entry paths have
@@ -31,7 +34,7 @@
  * Scheme expandable's blocks are not device allocations of the backend but ranges of pages it maps into
  * reserved address ranges (Note [Expandable segments]): it makes them through the virtual-memory ops the
  * backend hands over (backend.vmm(), kept in Allocator.vmm; _vmm.h), called from C, and gives pages back in
- * its own release (vm_release in _alloc.c, which release_cached turns to); the ladder, the limit, the
+ * its own release (vm_release in _pages.c, which release_cached turns to); the ladder, the limit, the
  * statistics, the timeline, debug mode and the entry points are the shared ones.
  *
  * Concurrency.  Every entry point runs with the GIL held (CuPy calls the
@@ -391,16 +394,6 @@ int device_captures(Allocator *A, DevicePool *pool, intptr_t key);
  * with nothing mapped back too.  g: whether the GIL may be let go around device ops. */
 long long empty_cache(Allocator *A, DevicePool *pool, XpGil *g);
 
-/* Scheme expandable, PyTorch's miss (debug mode off, the device's ranges made: pool->vm_ready): a new block of
- * `requested` bytes through the ladder, the request and the miss counted.  Runs without the GIL unless the
- * ladder must collect garbage or raise: then it takes it (g says so); NULL with the exception set, the GIL
- * held.  The caller ends with xp_gil_end(g). */
-Block *xp_vm_alloc(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, int origin, XpGil *g);
-/* Pins the pages of scheme expandable (on) or lets them go (off): while any pin holds, nothing is unmapped.
- * With the GIL; it is let go while a pin waits for an unmap in flight. */
-void xp_pin_pages(Allocator *A, int on);
-/* The address range of scheme expandable holding ptr on the device: 1 with *base, *bytes; 0 when none does. */
-int xp_vm_range_of(Allocator *A, int device, uintptr_t ptr, uintptr_t *base, size_t *bytes);
 /* empty_cache(): misses may give back again (Note [Release on miss]). */
 void reset_miss_budget(DevicePool *pool);
 
@@ -411,6 +404,19 @@ PyObject *block_info(const Block *b, size_t requested);
 PyObject *debug_snapshot(Allocator *A, size_t *tail);
 void drop_hook(PyObject *hook);
 void set_hook(Allocator *A, PyObject *hook, size_t tail);
+
+/* ------------------------------------------------------------------ _pages.c, for the other files */
+
+/* Scheme expandable, PyTorch's miss (debug mode off, the device's ranges made: pool->vm_ready): a new block of
+ * `requested` bytes through the ladder, the request and the miss counted.  Runs without the GIL unless the
+ * ladder must collect garbage or raise: then it takes it (g says so); NULL with the exception set, the GIL
+ * held.  The caller ends with xp_gil_end(g). */
+Block *xp_vm_alloc(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, int origin, XpGil *g);
+/* Pins the pages of scheme expandable (on) or lets them go (off): while any pin holds, nothing is unmapped.
+ * With the GIL; it is let go while a pin waits for an unmap in flight. */
+void xp_pin_pages(Allocator *A, int on);
+/* The address range of scheme expandable holding ptr on the device: 1 with *base, *bytes; 0 when none does. */
+int xp_vm_range_of(Allocator *A, int device, uintptr_t ptr, uintptr_t *base, size_t *bytes);
 
 /* ------------------------------------------------------------------ _torch.c, for _module.c */
 

@@ -4,7 +4,8 @@
  * Static, in a header, so that each file that runs a hit or a free has them inlined beside its entry point:
  * _alloc.c (CuPy's hooks, Allocator.allocate, with the GIL) and _torch.c (PyTorch's entry points, without
  * it).  Nothing here locks, calls Python or the backend: the callers hold the pool lock.  The schemes' hit
- * side is here (scheme_block_size, scheme_take, cache_block); their miss side is in _alloc.c (Note [Schemes]).
+ * side is here (scheme_block_size, scheme_take, cache_block); their miss side is in _alloc.c, scheme expandable's
+ * pages in _pages.c (Note [Schemes]).
  */
 #ifndef XPOOL_HOT_H
 #define XPOOL_HOT_H
