@@ -364,6 +364,27 @@ static int ask_capturing(Allocator *A, int device, intptr_t handle)
     return yes;
 }
 
+/* Whether a stream of keys[0..k) captures: keys[0] (the legacy stream) and keys[1] (the request's) are asked
+ * always, the others only when the backend vouches for them (may_ask); another thread's per-thread stream counts
+ * as capturing while that thread lives.  `ask` is the backend's query or the ops'; its first nonzero answer is
+ * returned (-1: its error).  Duplicates are asked once. */
+int streams_capture(Allocator *A, int device, const intptr_t *keys, size_t k,
+                    int (*ask)(Allocator *, int, intptr_t))
+{
+    int capturing = 0;
+    for (size_t i = 0; i < k && !capturing; i++) {
+        int seen = 0;
+        for (size_t j = 0; j < i && !seen; j++) seen = keys[j] == keys[i];
+        if (seen) continue;
+        intptr_t handle = stream_handle(keys[i]);
+        if (handle < 0)     /* another thread's per-thread stream: unknown while it lives */
+            capturing = !xp_thread_key_ended(keys[i]);
+        else if (i < 2 || may_ask(A, device, handle))
+            capturing = ask(A, device, handle);
+    }
+    return capturing;
+}
+
 /* Whether anything may go back to the device now, for a request on `key` (Note [Capture: every stream of a
  * device]): 1 when a stream of the device captures into a CUDA graph, or may, so nothing must (cudaFree
  * synchronises the device, which ends every capture on it, cudaErrorStreamCaptureUnsupported, and loses the
@@ -387,17 +408,7 @@ int device_captures(Allocator *A, DevicePool *pool, intptr_t key)
     }
     pthread_mutex_unlock(&pool->lock);
     if (!keys) { PyErr_NoMemory(); return -1; }
-    int capturing = 0;
-    for (size_t i = 0; i < n + 2 && !capturing; i++) {
-        int seen = 0;
-        for (size_t j = 0; j < i && !seen; j++) seen = keys[j] == keys[i];
-        if (seen) continue;
-        intptr_t handle = stream_handle(keys[i]);
-        if (handle < 0)     /* another thread's per-thread stream: unknown while it lives */
-            capturing = !xp_thread_key_ended(keys[i]);
-        else if (i < 2 || may_ask(A, pool->device, handle))
-            capturing = ask_capturing(A, pool->device, handle);
-    }
+    int capturing = streams_capture(A, pool->device, keys, n + 2, ask_capturing);
     free(keys);
     return capturing;
 }

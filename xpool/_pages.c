@@ -56,6 +56,12 @@ static void vm_event(Allocator *A, DevicePool *pool, int event, intptr_t stream,
     timeline_record(&A->tl, event, pool, &run, 0);
 }
 
+/* The ops' capture query: a failed one counts as capturing (giving nothing back is always safe). */
+static int ops_capturing(Allocator *A, int device, intptr_t handle)
+{
+    return A->vmm.ops->capturing(A->vmm.ctx, device, handle) != 0;
+}
+
 /* device_captures of scheme expandable: 1 when nothing may be unmapped on the device now, ops.capturing asked
  * of the streams device_captures asks (the legacy stream, where a global-mode capture of a blocking stream
  * shows, `key`'s stream) and every stream with a range here: the unmap synchronises the device, which would end
@@ -74,17 +80,7 @@ int vm_captures(Allocator *A, DevicePool *pool, intptr_t key)
     }
     pthread_mutex_unlock(&pool->lock);
     if (!keys) return 1;
-    int capturing = 0;
-    for (size_t i = 0; i < k && !capturing; i++) {
-        int seen = 0;
-        for (size_t j = 0; j < i && !seen; j++) seen = keys[j] == keys[i];
-        if (seen) continue;
-        intptr_t handle = stream_handle(keys[i]);
-        if (handle < 0)     /* another thread's per-thread stream: unknown while it lives */
-            capturing = !xp_thread_key_ended(keys[i]);
-        else if (i < 2 || may_ask(A, pool->device, handle))
-            capturing = A->vmm.ops->capturing(A->vmm.ctx, pool->device, handle) != 0;
-    }
+    int capturing = streams_capture(A, pool->device, keys, k, ops_capturing);
     free(keys);
     return capturing;
 }

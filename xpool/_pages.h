@@ -52,6 +52,9 @@ int call_hook(PyObject *hook, const char *name, const Block *b, size_t requested
 uint64_t pool_capacity(Allocator *A, DevicePool *pool);
 /* Whether another stream's capture state may be asked (the backend vouches it is not destroyed): 1 yes, 0 no. */
 int may_ask(Allocator *A, int device, intptr_t handle);
+/* Whether a stream of keys[0..k) captures, each asked through `ask` (device_captures, in _alloc.c). */
+int streams_capture(Allocator *A, int device, const intptr_t *keys, size_t k,
+                    int (*ask)(Allocator *, int, intptr_t));
 /* One block's way up the ladder: TRY_GOT, or TRY_FAILED with an exception (the GIL held then). */
 int climb(Allocator *A, DevicePool *pool, intptr_t stream, Climb *c, uintptr_t *ptr, XpGil *g);
 
