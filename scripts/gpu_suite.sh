@@ -103,7 +103,7 @@ for s in $stages; do
         split)       [ -n "${BEFORE:-}" ] || { echo "split: set BEFORE to a checkout of the commit before" | tee -a "$LOG"; status=1; continue; }
                      (cd "$BEFORE" && python3 setup.py build_ext --inplace -q) >>"$LOG" 2>&1 || { echo "split: BEFORE did not build" | tee -a "$LOG"; status=1; continue; }
                      stage split 150 $PY -m xlab.bench.alloc --sweep size --trials 11 --xpool-path "$BEFORE" \
-                         --allocators cupy_pool xpool xpool_seed c_noop --out "$DATA"/core_split_gpu.csv ;;
+                         --allocators cupy_pool xpool xpool_seed xpool_expandable c_noop --out "$DATA"/core_split_gpu.csv ;;
         torch-tests) stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/test_torch_gpu.py ;;
         torch-bench) stage torch-bench 200 $PY -m xlab.bench.torch_interop --out "$DATA"/torch_interop.csv ;;
         torch)       stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/test_torch_gpu.py
