@@ -60,8 +60,7 @@ def paired(df, value: str, arm: str, reference, by=(), trial: str = "trial"):
     """Every arm's `value` over the `reference` arm's, per group of `by`, paired by `trial` (ratio_ci): a frame of
     the `by` columns, `arm`, ratio, ratio_lo, ratio_hi, n_pairs (the reference left out; empty without it)."""
     by, rows = list(by), []
-    for key, g in (df.groupby(by, sort=False, dropna=False) if by else [((), df)]):
-        key = key if isinstance(key, tuple) else (key,)
+    for key, g in (df.groupby(by, sort=False, dropna=False) if by else [((), df)]):     # a key per column of by
         ref = g[g[arm] == reference].groupby(trial)[value].median()
         for name, a in ([] if ref.empty else g[g[arm] != reference].groupby(arm, sort=False)):
             mine = a.groupby(trial)[value].median()
@@ -84,7 +83,7 @@ def paired_best(df, value: str, arm: str, candidates, by=(), higher: bool = True
     for key, g in (df.groupby(by, sort=False, dropna=False) if by else [((), df)]):
         ref = best(g[g[arm].isin(candidates)], value, arm, higher)
         if ref is not None:
-            itself = dict(zip(by, key if isinstance(key, tuple) else (key,)), ratio=1.0, ratio_lo=1.0, ratio_hi=1.0,
+            itself = dict(zip(by, key), ratio=1.0, ratio_lo=1.0, ratio_hi=1.0,
                           n_pairs=g.loc[g[arm] == ref, trial].nunique(), **{arm: ref})
             out.append(pd.concat([paired(g, value, arm, ref, by, trial), pd.DataFrame([itself])],
                                  ignore_index=True).assign(reference=ref))
@@ -121,8 +120,7 @@ def summarize(df, by, value: str, trial: str = "trial"):
     trial per row)."""
     by = list(by)
     rows = []
-    for key, g in df.groupby(by, sort=False, dropna=False):
-        key = key if isinstance(key, tuple) else (key,)
+    for key, g in df.groupby(by, sort=False, dropna=False):     # by a list: a tuple key, as pandas >= 2 gives
         med, lo, hi, n = median_ci(g[value])
         rows.append({**dict(zip(by, key)), value: med, f"{value}_lo": lo, f"{value}_hi": hi, "n_trials": n})
     return pd.DataFrame(rows, columns=by + [value, f"{value}_lo", f"{value}_hi", "n_trials"])

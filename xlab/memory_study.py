@@ -234,41 +234,33 @@ def waste_table(measured: pd.DataFrame | None = None, replayed: pd.DataFrame | N
 # ---------------------------------------------------------------------------------------------------------
 # CPU: the allocation schemes on every recorded trace
 
-# name -> (file under data/, what was recorded)
+# name -> its file under data/: the GPU's recording (CuPy, batch 32, setup + 2 steps; before the fused model), and
+# the CPU's (NUMPY_TRACES: their settings; every row of a file also carries them)
 TRACES = {
-    "gpt_b32_gpu": ("memory_timeline.csv", "GPT training, batch 32, CuPy on a GPU (setup + 2 steps; before the "
-                    "fused model)"),
-    "gpt_b4_numpy": ("memory_trace_numpy_b4.csv.gz", "GPT training, batch 4, NumPy (setup + 10 steps)"),
-    "gpt_b32_numpy": ("memory_trace_numpy_b32.csv.gz", "GPT training, batch 32, NumPy (setup + 10 steps)"),
-    "gpt_varlen_numpy": ("memory_trace_numpy_varlen.csv.gz",
-                         "GPT training, batch 8, sequence length varying per step, NumPy (setup + 12 steps)"),
-    "gpt_b32_perparam_numpy": ("memory_trace_numpy_b32_perparam.csv.gz",
-                               "GPT training, batch 32, per-parameter AdamW, NumPy (setup + 10 steps)"),
-    # the fused ops' CuPy branch over NumPy, kernels not run (record_numpy_timeline(cupy_path=True)): the GPU's
-    # requests, which the traces above (NumPy formulas, their temporaries) do not show
-    "gpt_b4_cupy_path_numpy": ("memory_trace_cupy_path_b4.csv.gz",
-                               "GPT training, batch 4, fused ops' CuPy path on NumPy (setup + 10 steps)"),
-    "gpt_b32_cupy_path_numpy": ("memory_trace_cupy_path_b32.csv.gz",
-                                "GPT training, batch 32, fused ops' CuPy path on NumPy (setup + 10 steps)"),
-    "gpt_b32_perparam_cupy_path_numpy": ("memory_trace_cupy_path_b32_perparam.csv.gz",
-                                         "GPT training, batch 32, per-parameter AdamW, fused ops' CuPy path on "
-                                         "NumPy (setup + 10 steps)"),
-    "gpt_varlen_cupy_path_numpy": ("memory_trace_cupy_path_varlen.csv.gz",
-                                   "GPT training, batch 8, sequence length varying per step, fused ops' CuPy "
-                                   "path on NumPy (setup + 12 steps)"),
+    "gpt_b32_gpu": "memory_timeline.csv",
+    "gpt_b4_numpy": "memory_trace_numpy_b4.csv.gz",
+    "gpt_b32_numpy": "memory_trace_numpy_b32.csv.gz",
+    "gpt_varlen_numpy": "memory_trace_numpy_varlen.csv.gz",
+    "gpt_b32_perparam_numpy": "memory_trace_numpy_b32_perparam.csv.gz",
+    "gpt_b4_cupy_path_numpy": "memory_trace_cupy_path_b4.csv.gz",
+    "gpt_b32_cupy_path_numpy": "memory_trace_cupy_path_b32.csv.gz",
+    "gpt_b32_perparam_cupy_path_numpy": "memory_trace_cupy_path_b32_perparam.csv.gz",
+    "gpt_varlen_cupy_path_numpy": "memory_trace_cupy_path_varlen.csv.gz",
 }
+VARLEN = (256, 64, 192, 128, 224, 96, 160, 32, 256, 128, 200, 80)     # sequence length per step
 NUMPY_TRACES = {   # name -> record_numpy_timeline arguments
     "gpt_b4_numpy": dict(batch=4, block_sizes=(256,) * 10),
     "gpt_b32_numpy": dict(batch=32, block_sizes=(256,) * 10),
-    "gpt_varlen_numpy": dict(batch=8, block_sizes=(256, 64, 192, 128, 224, 96, 160, 32, 256, 128, 200, 80)),
+    "gpt_varlen_numpy": dict(batch=8, block_sizes=VARLEN),
     # per-parameter AdamW remakes every moment array each step (m, v: fresh arrays, the old ones freed after):
     # the arrays walk through memory, the case of the late device mallocs (NOTES.md, #14)
     "gpt_b32_perparam_numpy": dict(batch=32, block_sizes=(256,) * 10, foreach=False),
+    # the fused ops' CuPy branch over NumPy, kernels not run (record_numpy_timeline(cupy_path=True)): the GPU's
+    # requests, which the traces above (NumPy formulas, their temporaries) do not show
     "gpt_b4_cupy_path_numpy": dict(batch=4, block_sizes=(256,) * 10, cupy_path=True),
     "gpt_b32_cupy_path_numpy": dict(batch=32, block_sizes=(256,) * 10, cupy_path=True),
     "gpt_b32_perparam_cupy_path_numpy": dict(batch=32, block_sizes=(256,) * 10, foreach=False, cupy_path=True),
-    "gpt_varlen_cupy_path_numpy": dict(batch=8, block_sizes=(256, 64, 192, 128, 224, 96, 160, 32, 256, 128, 200, 80),
-                                       cupy_path=True),
+    "gpt_varlen_cupy_path_numpy": dict(batch=8, block_sizes=VARLEN, cupy_path=True),
 }
 # the replayed allocators: xpool's schemes, xpool giving segments back on a miss never or always (the default:
 # above the high-water mark only), CuPy's pool
@@ -456,7 +448,7 @@ def load_traces(data_dir=None, names=None) -> dict:
     from .paths import data_dir as repo_data
     out = {}
     for name in names or TRACES:
-        path = pathlib.Path(data_dir if data_dir is not None else repo_data()) / TRACES[name][0]
+        path = pathlib.Path(data_dir if data_dir is not None else repo_data()) / TRACES[name]
         if path.is_file():
             out[name] = pd.read_csv(path)
     return out
@@ -497,7 +489,7 @@ def write_numpy_trace(tl: pd.DataFrame, name: str, data_dir="data") -> pd.DataFr
     tl = tl[["step", "event", "device", "stream", "ptr", "requested"]].assign(**prov)
     if prov["gpu"] == "none":
         tl["gpu"] = "none (NumPy on the CPU)"
-    write_csv(tl, pathlib.Path(data_dir) / TRACES[name][0])
+    write_csv(tl, pathlib.Path(data_dir) / TRACES[name])
     return tl
 
 

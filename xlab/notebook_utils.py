@@ -204,7 +204,7 @@ def summary(df: pd.DataFrame | None, by, columns, fmt: str = "{:.3g}"):
     by, rows = list(by), []
     for key, g in df.groupby(by, sort=False):
         cells = {c: intervals.fmt_ci(*intervals.median_ci(g[c])[:3], fmt) for c in columns if c in g}
-        rows.append({**dict(zip(by, key if isinstance(key, tuple) else (key,))), **cells, "trials": len(g)})
+        rows.append({**dict(zip(by, key)), **cells, "trials": len(g)})
     return details(pd.DataFrame(rows), df)
 
 

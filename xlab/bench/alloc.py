@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import random
 import statistics
 import sys
@@ -25,6 +24,7 @@ from tqdm.auto import tqdm
 import xpool
 from xlab import allocators as registry, intervals
 from xlab.allocators import KIB, MIB, NoGPU
+from xlab.bench import gc_paused
 from xlab.intervals import fmt_bytes
 from xlab.paths import publish
 from xlab.provenance import provenance
@@ -186,30 +186,23 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
         # nothing else's blocks on the device. The thread sweep times one window per arm, each alone.
         together = [a for a in arms if case[0] == "size" and not allocs[a].device_calls_when_warm]
         timed = {}
-        gc_was_on = gc.isenabled()
-        try:
-            for name in arms:
-                if name not in together:
-                    with alone(name):
-                        run(50)                             # this arm's cache, warm again after the others ran
-                        gc.disable()  # a collection (every 700 new arrays) would land in some windows, not others
+        for name in arms:
+            if name not in together:
+                with alone(name):
+                    run(50)                                 # this arm's cache, warm again after the others ran
+                    with gc_paused():
                         timed[name] = median_window(run, pairs[name, case], n_windows)
-                        if gc_was_on:
-                            gc.enable()
-            if together:
-                trim_all_but(together)
-                for name in together:
-                    with _installed(allocs[name]):
-                        run(50)                             # each arm's own block cached
-                rates = {name: [] for name in together}
-                gc.disable()
+        if together:
+            trim_all_but(together)
+            for name in together:
+                with _installed(allocs[name]):
+                    run(50)                                 # each arm's own block cached
+            rates = {name: [] for name in together}
+            with gc_paused():
                 for w in range(n_windows):
                     for name in rotated(together, w):       # no arm always right after the same other
                         rates[name].append(one_window(name, run, max(1, pairs[name, case] // n_windows)))
-                timed.update({name: _median_rate(rates[name]) for name in together})
-        finally:
-            if gc_was_on:
-                gc.enable()
+            timed.update({name: _median_rate(rates[name]) for name in together})
         samples += [dict(allocator=name, sweep=case[0], size_bytes=case[1], threads=case[2], trial=trial, ns=ns,
                          pairs=n, windows=n_windows) for name, (ns, n) in timed.items()]
     mallocs = {}

@@ -7,7 +7,6 @@ NOTES.md, Note [Hit path breakdown].
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 import time
@@ -18,6 +17,7 @@ from tqdm.auto import tqdm
 import xpool
 from xlab import intervals
 from xlab.allocators import KIB, MIB
+from xlab.bench import gc_paused
 from xlab.bench.alloc import rotated
 from xlab.intervals import fmt_bytes, fmt_ci
 from xlab.paths import publish
@@ -107,9 +107,7 @@ def measure(sizes=SIZES, trials=TRIALS, windows=WINDOWS, window_s=WINDOW_S, gpu=
     calls = {(a, n): calibrated(arms[a], n, window_s) for a in names for n in sizes}
     rows = []
     order = [(t, n) for t in range(trials) for n in sizes]
-    gc_was_on = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         for trial, n in tqdm(order, desc="hit trials", disable=not progress):
             rates = {a: [] for a in names}
             for w in range(windows):                     # the arms take turns window by window (alloc.py)
@@ -121,9 +119,6 @@ def measure(sizes=SIZES, trials=TRIALS, windows=WINDOWS, window_s=WINDOW_S, gpu=
                 k = calls[a, n]
                 rows.append(dict(arm=a, size_bytes=n, trial=trial, ns=statistics.median(rates[a]) * k, calls=k,
                                  windows=windows, trials=trials))
-    finally:
-        if gc_was_on:
-            gc.enable()
     for obj in keep:
         if hasattr(obj, "empty_cache"):
             obj.empty_cache()
