@@ -1,7 +1,9 @@
 """The expandable scheme's choices, replayed on every recorded trace (Note [Expandable segments]): its release rule
-(release_idle 64 / 0, release_on_miss "always" / "never") and small blocks (up to 1 MiB) in a range of their own per
+(release_on_miss "never", the default, / "high_water" with release_idle 64 or 0 / "always") and small blocks (up to 1 MiB) in a range of their own per
 stream, as PyTorch keeps a small and a large pool, against scheme segments.  Pages of 2 MiB (an H200's) over the
-host twin; the small-block range is modelled by giving small requests a stream key of their own.
+host twin; the small-block range is modelled by giving small requests a stream key of their own.  Besides the lab's
+traces, the keep-previous-step traces (KEEP_TRACES: the loop rebinds x, y, loss and grads; Note [Release on miss:
+expandable]).
 
     python scripts/expandable_variants.py          (CPU, ~1 min: data/expandable_variants.csv, a table)
 """
@@ -23,12 +25,17 @@ from xpool import Pool  # noqa: E402
 VARIANTS = {   # name -> (pool settings, small blocks on a range of their own)
     "segments": (dict(scheme="segments"), False),
     "expandable": (dict(scheme="expandable"), False),
-    "expandable_idle0": (dict(scheme="expandable", release_idle=0), False),
+    "expandable_high_water": (dict(scheme="expandable", release_on_miss="high_water"), False),   # the old default
+    "expandable_idle0": (dict(scheme="expandable", release_on_miss="high_water", release_idle=0), False),
     "expandable_always": (dict(scheme="expandable", release_on_miss="always"), False),
     "expandable_never": (dict(scheme="expandable", release_on_miss="never"), False),
     "expandable_small_range": (dict(scheme="expandable"), True),
-    "expandable_small_range_idle0": (dict(scheme="expandable", release_idle=0), True),
+    "expandable_small_range_idle0": (dict(scheme="expandable", release_on_miss="high_water", release_idle=0), True),
 }
+# traces of the GPU test's loop (x, y, loss, grads of a step alive through the next; batch 32, CuPy path), recorded
+# by xlab.memory_study.record_numpy_timeline(batch=32, block_sizes=(256,) * 10, cupy_path=True, keep_previous=True)
+KEEP_TRACES = {"gpt_b32_keep_cupy_path_numpy": "memory_trace_cupy_path_b32_keep.csv.gz",
+               "gpt_b32_perparam_keep_cupy_path_numpy": "memory_trace_cupy_path_b32_perparam_keep.csv.gz"}
 SMALL = 1 << 20
 
 
@@ -55,8 +62,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "data" / "expandable_variants.csv"))
     a = p.parse_args(argv)
+    traces = {**m.load_traces(), **{n: pd.read_csv(ROOT / "data" / f) for n, f in KEEP_TRACES.items()}}
     rows = [dict(trace=name, variant=v, small_range=VARIANTS[v][1], **replay(tl, *VARIANTS[v]))
-            for name, tl in m.load_traces().items() for v in VARIANTS]
+            for name, tl in traces.items() for v in VARIANTS]
     df = pd.DataFrame(rows).assign(page_bytes=2 << 20, warmup_steps=m.WARMUP_STEPS, **provenance())
     df.to_csv(a.out, index=False)
     table = df.pivot(index="trace", columns="variant", values="reserved_over_requested")[list(VARIANTS)]

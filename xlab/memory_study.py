@@ -578,25 +578,28 @@ class NumpyRecorder:
 
 
 def record_numpy_timeline(batch: int = 4, block_sizes=(256, 256), seed: int = 0, foreach: bool = True,
-                          config=None, cupy_path: bool = False) -> pd.DataFrame:
+                          config=None, cupy_path: bool = False, keep_previous: bool = False) -> pd.DataFrame:
     """CPU: the request timeline of the GPT trained on NumPy (setup: step -1, then a step per entry of `block_sizes`),
     NumPy's data allocations on device 0, stream 0. cupy_path: the fused ops take their CuPy branch over NumPy arrays,
     every kernel launch a no-op, so the outputs they allocate are the GPU's and the NumPy formulas' temporaries are
-    gone: the GPU step's requests (up to CuPy's own temporaries), which the plain NumPy path missed at batch 4 (#14)."""
+    gone: the GPU step's requests (up to CuPy's own temporaries), which the plain NumPy path missed at batch 4 (#14).
+    keep_previous: a step's x, y, loss and grads live on while the next step runs (rebound, not deleted, as
+    ordinary training loops do)."""
     cfg = _config(config, batch, block_sizes)
     if cupy_path:
         saved = fused._on_host, kernels.kernel
         fused._on_host, kernels.kernel = (lambda a: False), (lambda name, dtype: lambda *args: None)
         try:
             with np.errstate(all="ignore"):
-                return record_numpy_timeline(batch, block_sizes, seed, foreach, cfg)
+                return record_numpy_timeline(batch, block_sizes, seed, foreach, cfg, keep_previous=keep_previous)
         finally:
             fused._on_host, kernels.kernel = saved
     data = load_corpus()
     rec = NumpyRecorder()
     marks = []
     with rec:
-        model, opt = _train(cfg, data, block_sizes, np, seed, foreach, lambda: marks.append(len(rec.events)))
+        model, opt = _train(cfg, data, block_sizes, np, seed, foreach, lambda: marks.append(len(rec.events)),
+                            keep_previous)
         del model, opt            # nothing made under the recorder outlives it
     ev = np.array(rec.events[:marks[-1]], dtype=np.int64).reshape(-1, 3)
     step = np.searchsorted(np.asarray(marks), np.arange(len(ev)), side="right") - 1
@@ -611,8 +614,10 @@ def record_numpy_timeline(batch: int = 4, block_sizes=(256, 256), seed: int = 0,
 # GPU: measure
 
 
-def _train(cfg, data, lengths, xp, seed: int = 0, foreach: bool = True, after=lambda: None):
-    """The GPT (seed) and AdamW trained on xp a step per length, after() after setup and each step: (model, opt)."""
+def _train(cfg, data, lengths, xp, seed: int = 0, foreach: bool = True, after=lambda: None,
+           keep_previous: bool = False):
+    """The GPT (seed) and AdamW trained on xp a step per length, after() after setup and each step: (model, opt).
+    keep_previous: a step's x, y, loss and grads are rebound by the next step, not deleted after it."""
     model = GPT(cfg, xp=xp, seed=seed)
     opt = AdamW(model.params, lr=1e-3, foreach=foreach)
     after()
@@ -620,7 +625,8 @@ def _train(cfg, data, lengths, xp, seed: int = 0, foreach: bool = True, after=la
         x, y = get_batch(data, cfg.batch_size, int(T), step, seed=seed, xp=xp)
         loss, grads = model.loss_and_grads(x, y)
         opt.step(grads)
-        del x, y, loss, grads
+        if not keep_previous:
+            del x, y, loss, grads
         after()
     return model, opt
 

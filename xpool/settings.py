@@ -59,6 +59,9 @@ DEFAULTS = {
     "release_on_miss": "high_water",   # Note [Release on miss]
     "release_idle": 64,
 }
+# A scheme's own defaults where it differs from DEFAULTS.  Expandable: a miss unmaps nothing, as PyTorch's
+# expandable segments (Note [Release on miss: expandable])
+SCHEME_DEFAULTS = {"expandable": {"release_on_miss": "never"}}
 HELP = {
     "scheme": "how blocks are made: 'segments' (best fit in segments), 'seed' (size classes) or 'expandable' "
               "(best fit in pages mapped into reserved address ranges)",
@@ -109,9 +112,10 @@ class Settings:
         segment_round (int or str): scheme segments: a larger block's segment is its size rounded up to
             this (``XPOOL_SEGMENT_ROUND``; default 512 B).
         release_on_miss (str): schemes segments and expandable: what a miss gives back first
-            (``XPOOL_RELEASE_ON_MISS``): ``"high_water"`` (the default) just enough idle whole free segments
-            (expandable: whole free pages) of its stream to stay at the pool's high-water mark; ``"never"``;
-            ``"always"`` every whole free segment (page) of its stream.
+            (``XPOOL_RELEASE_ON_MISS``): ``"high_water"`` (scheme segments' default) just enough idle whole
+            free segments (expandable: whole free pages) of its stream to stay at the pool's high-water mark;
+            ``"never"`` (scheme expandable's default: pages go back on ``empty_cache``/``trim`` and out of
+            memory only); ``"always"`` every whole free segment (page) of its stream.
         release_idle (int): schemes segments and expandable with ``"high_water"``: requests a whole free
             segment (a free block's pages) must have stayed free and unchanged before a miss may give it back
             (``XPOOL_RELEASE_IDLE``; default 64).
@@ -153,7 +157,7 @@ class Settings:
             elif name in env:   # a scheme's variable comes with XPOOL_SCHEME naming it (checked above)
                 value, source = env[name], ENV[name]
             else:
-                value, source = DEFAULTS[name], "default"
+                value, source = SCHEME_DEFAULTS.get(resolved.get("scheme"), {}).get(name, DEFAULTS[name]), "default"
             resolved[name], sources[name] = _PARSERS[name](value, source), source
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
