@@ -100,7 +100,19 @@ def test_blocks_are_keyed_by_cupys_current_stream(pool):
     assert stream_key(pool, e) == s2.ptr
     with cp.cuda.Stream.ptds:
         f = cp.empty(4096, dtype=cp.uint8)
-    assert stream_key(pool, f) == -threading.get_ident()
+        g = cp.empty(4096, dtype=cp.uint8)
+    other = {}
+
+    def on_another_thread():
+        with cp.cuda.Stream.ptds:
+            other["h"] = cp.empty(4096, dtype=cp.uint8)
+            other["key"] = stream_key(pool, other["h"])
+
+    t = threading.Thread(target=on_another_thread)
+    t.start()
+    t.join()
+    # a thread's own key, negative, never another thread's (Note [Per-thread stream keys])
+    assert stream_key(pool, f) == stream_key(pool, g) < 0 and other["key"] < 0 and other["key"] != stream_key(pool, f)
     assert stream_key(pool, cp.empty(4096, dtype=cp.uint8)) == cp.cuda.get_current_stream().ptr
     for s in (s1, s2):
         s.synchronize()

@@ -285,7 +285,7 @@ class XPool(Allocator):
 
     def _stat(self, device, key, pool=None):
         counters = (pool or self.pool).snapshot().per_device.get(device)
-        return counters[key] if counters else 0
+        return counters.get(key, 0) if counters else 0     # a build before the expandable scheme has no maps
 
     def device_mallocs(self, device):   # the expandable scheme's maps are its device allocations
         return sum(self._stat(device, "device_mallocs", p) + self._stat(device, "device_maps", p)
