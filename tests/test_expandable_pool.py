@@ -5,8 +5,6 @@ import ctypes
 import gc
 import os
 import pickle
-import shutil
-import subprocess
 import threading
 import time
 
@@ -17,21 +15,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import xpool
 from faults import AddressBackend, in_child
-from xpool import HostBackend, Pool, Settings, _core
+from fixtures.torch_c import FREE, LAST_ERROR, MALLOC, TRY_MALLOC, addr, build_harness  # noqa: F401
+from xpool import HostBackend, Pool, Settings
 from xpool.debug import CANARY, POISON
 
 P = 1 << 16                     # the twin's default granularity: the scheme's page
 MiB = 1 << 20
-
-
-# PyTorch's entry points, called as PyTorch calls them: through ctypes.CDLL, without the GIL
-LIB = ctypes.CDLL(_core.__file__)
-TRY_MALLOC, MALLOC, FREE, LAST_ERROR = (LIB.xpool_torch_try_malloc, LIB.xpool_torch_malloc, LIB.xpool_torch_free,
-                                        LIB.xpool_torch_last_error)
-for _fn in (TRY_MALLOC, MALLOC):
-    _fn.restype, _fn.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-FREE.restype, FREE.argtypes = None, [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-LAST_ERROR.restype, LAST_ERROR.argtypes = ctypes.c_char_p, []
 
 
 def make(capacity=None, n_devices=2, granularity=P, **kw):
@@ -649,25 +638,10 @@ def test_the_cupy_drop_in_serves_cupys_memory_objects():
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
-    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-    if not cxx:
-        pytest.skip("no C++ compiler to build the harness")
-    src = os.path.join(os.path.dirname(__file__), "fixtures", "torch_harness.cpp")
-    out = str(tmp_path_factory.mktemp("harness") / "harness.so")
-    subprocess.run([cxx, "-shared", "-fPIC", "-O1", "-pthread", src, "-o", out], check=True)
-    lib, held = ctypes.CDLL(out), ctypes.PyDLL(out)      # PyDLL: its calls keep the GIL
-    vp = ctypes.c_void_p
-    lib.call_malloc.restype = ctypes.c_int
-    lib.call_malloc.argtypes = [vp, ctypes.c_ssize_t, ctypes.c_int, vp, ctypes.POINTER(vp), ctypes.c_char_p,
-                                ctypes.c_size_t]
-    lib.start_job.restype, lib.start_job.argtypes = ctypes.c_int, [vp, vp, vp, ctypes.c_int, vp]
-    lib.join_job.restype, lib.join_job.argtypes = ctypes.c_int, []
+    lib = build_harness(tmp_path_factory)
+    held = ctypes.PyDLL(lib._name)                       # PyDLL: its calls keep the GIL
     held.hold_gil_until_done.restype, held.hold_gil_until_done.argtypes = ctypes.c_int, [ctypes.c_double]
     return lib, held
-
-
-def _addr(fn):
-    return ctypes.cast(fn, ctypes.c_void_p).value
 
 
 @pytest.fixture
@@ -689,7 +663,7 @@ def run_job(harness, sizes, hold_s):
     (whether it finished while the GIL was held, allocations that failed)."""
     lib, held = harness
     arr = (ctypes.c_ssize_t * len(sizes))(*sizes)
-    assert lib.start_job(_addr(MALLOC), _addr(FREE), ctypes.addressof(arr), len(sizes), None) == 0
+    assert lib.start_job(addr(MALLOC), addr(FREE), ctypes.addressof(arr), len(sizes), None) == 0
     finished = held.hold_gil_until_done(hold_s)
     return bool(finished), lib.join_job()
 
@@ -724,7 +698,7 @@ def test_a_torch_oom_recovers_without_the_gil_and_raises_through_it(torch_pool, 
     keep = TRY_MALLOC(5 * P, 0, None)
     lib, _ = harness
     out, msg = ctypes.c_void_p(), ctypes.create_string_buffer(1024)
-    assert lib.call_malloc(_addr(MALLOC), 4 * P, 0, None, ctypes.byref(out), msg, 1024) == 1
+    assert lib.call_malloc(addr(MALLOC), 4 * P, 0, None, ctypes.byref(out), msg, 1024) == 1
     assert msg.value.decode().startswith("OutOfMemoryError: xpool: out of memory on device 0: device 0 refused")
     FREE(keep, 0, 0, None)
     assert stats(pool)["oom_errors"] == 1

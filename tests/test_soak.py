@@ -133,6 +133,20 @@ def assert_exact(pool, backend):
     assert (mallocs, frees) == (backend.mallocs, backend.frees)
 
 
+@contextlib.contextmanager
+def stressed():
+    """Many more thread interleavings per operation, and a gc.collect() (the OOM ladder's) that scans only the
+    soak's own objects."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(5e-5)
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        sys.setswitchinterval(interval)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed, workers, ops, debug", [
     (1, 12, 5000, False),
@@ -140,14 +154,8 @@ def assert_exact(pool, backend):
     (3, 8, 1000, "raise"),
 ])
 def test_soak(seed, workers, ops, debug):
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(5e-5)                      # many more interleavings per operation
-    gc.freeze()                                      # the OOM ladder's gc.collect() scans only the soak's objects
-    try:
+    with stressed():
         pool, backend, errors, outcomes = soak(seed, workers, ops, debug)
-    finally:
-        gc.unfreeze()
-        sys.setswitchinterval(interval)
     assert errors == []
     assert_exact(pool, backend)
     # the run did meet what it is meant to survive
@@ -445,14 +453,8 @@ def soak_paths(seed: int, workers: int, ops: int, scheme: str, debug):
     (6, 6, 1500, "segments", "raise"),
 ])
 def test_soak_capture_per_thread_streams_and_torch(seed, workers, ops, scheme, debug):
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(5e-5)
-    gc.freeze()
-    try:
+    with stressed():
         pool, backend, errors, counts, keys = soak_paths(seed, workers, ops, scheme, debug)
-    finally:
-        gc.unfreeze()
-        sys.setswitchinterval(interval)
     assert errors == []
     assert backend.violations == []                  # nothing went back to a device while one of its streams captured
     assert_exact(pool, backend)
@@ -630,14 +632,8 @@ def assert_twin(pool, twin):
     (13, 6, 800, "raise", 3),
 ])
 def test_soak_expandable(seed, workers, ops, debug, capturing_device):
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(5e-5)
-    gc.freeze()
-    try:
+    with stressed():
         pool, twin, errors, outcomes, most = soak_expandable(seed, workers, ops, debug, capturing_device)
-    finally:
-        gc.unfreeze()
-        sys.setswitchinterval(interval)
     assert errors == []
     assert_twin(pool, twin)
     assert outcomes["allocated"] > 0 and outcomes["refused"] > 0 and outcomes["torch"] > 0

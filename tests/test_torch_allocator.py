@@ -6,7 +6,6 @@ exception PyTorch would see, and threads Python never saw.
 """
 import ctypes
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -27,7 +26,8 @@ def _design_scheme(monkeypatch):
     monkeypatch.setenv("XPOOL_SCHEME", "seed")
 
 
-from fixtures.torch_c import FREE, LAST_ERROR, LIB, MALLOC, TRY_MALLOC, torch_free, torch_malloc  # noqa: E402,F401
+from fixtures.torch_c import (FREE, LAST_ERROR, LIB, MALLOC, TRY_MALLOC, addr, build_harness,  # noqa: E402,F401
+                               torch_free, torch_malloc)
 
 @pytest.fixture
 def pool():
@@ -266,36 +266,19 @@ def test_debug_mode_checks_torch_blocks_too(pool):
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
-    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-    if not cxx:
-        pytest.skip("no C++ compiler to build the harness")
-    src = os.path.join(os.path.dirname(__file__), "fixtures", "torch_harness.cpp")
-    out = str(tmp_path_factory.mktemp("harness") / "harness.so")
-    subprocess.run([cxx, "-shared", "-fPIC", "-O1", "-pthread", src, "-o", out], check=True)
-    lib = ctypes.CDLL(out)
-    lib.call_malloc.restype = ctypes.c_int
-    lib.call_malloc.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p,
-                                ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]
-    lib.run_threads.restype = ctypes.c_int
-    lib.run_threads.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int,
-                                ctypes.c_int, ctypes.c_void_p]
-    return lib
-
-
-def _addr(fn):
-    return ctypes.cast(fn, ctypes.c_void_p).value
+    return build_harness(tmp_path_factory)
 
 
 def test_an_oom_reaches_a_cxx_caller_as_std_exception(pool, harness):
     """PyTorch turns a std::exception from its allocator into a Python RuntimeError with what()."""
     pool.backend.capacity = 1 << 20
     out, msg = ctypes.c_void_p(), ctypes.create_string_buffer(1024)
-    assert harness.call_malloc(_addr(MALLOC), 600 << 10, 0, None, ctypes.byref(out), msg, 1024) == 0
+    assert harness.call_malloc(addr(MALLOC), 600 << 10, 0, None, ctypes.byref(out), msg, 1024) == 0
     keep = out.value
-    rc = harness.call_malloc(_addr(MALLOC), 600 << 10, 0, None, ctypes.byref(out), msg, 1024)
+    rc = harness.call_malloc(addr(MALLOC), 600 << 10, 0, None, ctypes.byref(out), msg, 1024)
     assert rc == 1, "the error must arrive as a std::exception"
     assert msg.value.decode().startswith("OutOfMemoryError: xpool: out of memory on device 0")
-    rc = harness.call_malloc(_addr(MALLOC), 100, 99, None, ctypes.byref(out), msg, 1024)
+    rc = harness.call_malloc(addr(MALLOC), 100, 99, None, ctypes.byref(out), msg, 1024)
     assert rc == 1 and "device must be in [0, 8) (the backend's devices), got 99" in msg.value.decode()
     torch_free(keep)
     assert stats(pool)["oom_errors"] == 1
@@ -304,7 +287,7 @@ def test_an_oom_reaches_a_cxx_caller_as_std_exception(pool, harness):
 def test_threads_python_never_saw_allocate_and_free(pool, harness):
     """Misses from a fresh C thread take the GIL (PyGILState_Ensure); hits and frees need none."""
     threads, pairs = 8, 2000
-    errors = harness.run_threads(_addr(MALLOC), _addr(FREE), 10_000, threads, pairs, None)
+    errors = harness.run_threads(addr(MALLOC), addr(FREE), 10_000, threads, pairs, None)
     assert errors == 0
     s = stats(pool)
     assert s["requests"] == s["frees"] == threads * pairs
@@ -456,10 +439,10 @@ def test_the_labs_torch_probe_times_hits_through_the_entry_points(pool):
     from xlab import _probes
     torch_free(torch_malloc(4096))                      # cached: every timed pair hits
     before = stats(pool)
-    assert _probes.time_torch_pairs(_addr(TRY_MALLOC), _addr(FREE), 4096, 1000) > 0
+    assert _probes.time_torch_pairs(addr(TRY_MALLOC), addr(FREE), 4096, 1000) > 0
     s = stats(pool)
     assert (s["requests"] - before["requests"], s["hits"] - before["hits"], s["misses"] - before["misses"]) == \
         (1000, 1000, 0)
-    assert _probes.time_torch_pairs(_addr(TRY_MALLOC), _addr(FREE), 1 << 62, 5) == 0   # refused: no pair
+    assert _probes.time_torch_pairs(addr(TRY_MALLOC), addr(FREE), 1 << 62, 5) == 0   # refused: no pair
     with pytest.raises(ValueError, match="pairs"):
-        _probes.time_torch_pairs(_addr(TRY_MALLOC), _addr(FREE), 4096, -1)
+        _probes.time_torch_pairs(addr(TRY_MALLOC), addr(FREE), 4096, -1)
