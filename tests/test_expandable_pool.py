@@ -65,7 +65,7 @@ def intact(a, byte):
 def test_the_scheme_comes_from_the_argument_or_the_environment(monkeypatch):
     s = Settings(scheme="expandable")
     assert (s.scheme, s.release_on_miss, s.release_idle, s.small_segment, s.segment_round) == \
-           ("expandable", "never", 64, None, None)
+           ("expandable", "bounded", 64, None, None)
     assert "expandable" in xpool.SCHEMES
     with pytest.raises(ValueError, match="^small_segment=4096 applies to scheme 'segments' only"):
         Settings(scheme="expandable", small_segment=4096)
@@ -394,7 +394,43 @@ def test_a_miss_over_the_high_water_mark_unmaps_idle_pages_of_its_stream():
     del z, b
 
 
-@pytest.mark.parametrize("rule, idle, unmaps", [("never", 0, 0), ("high_water", 64, 0), ("always", 64, 1)])
+def test_a_bounded_miss_unmaps_just_enough_free_pages_of_any_age():
+    """release_on_miss "bounded" (the scheme's default): a miss that would take reserved above release_bound times
+    the most bytes ever requested unmaps free pages first, however recently freed, and only the excess."""
+    pool, backend = make(release_bound=1.25)
+    a = pool.allocate(4 * P)
+    z = pool.allocate(P)                                  # bounds a: no miss can join a's pages
+    a.release()                                           # freed just now: "high_water" would keep it (idle 64)
+    b = pool.allocate(2 * P)                              # a hit in a's pages: 5 pages reserved
+    c = pool.allocate(4 * P)                              # no fit: 9 pages > 1.25 x 7 requested; 1 page goes back
+    s = stats(pool)
+    assert (s["device_unmaps"], s["bytes_reserved"], s["peak_bytes_reserved"]) == (1, 8 * P, 8 * P)
+    assert s["peak_bytes_reserved"] <= 1.25 * s["peak_bytes_requested"]
+    audit(pool, backend)
+    d = pool.allocate(P // 2)                             # within the bound: nothing more goes back
+    assert stats(pool)["device_unmaps"] == 1
+    del z, b, c, d
+
+
+def test_the_bound_remembers_the_most_ever_requested_across_a_peak_reset():
+    """The bound's mark is the most bytes ever requested, not the peak statistic reset_peak_stats() restarts: a
+    program that once held 7.5 pages may hold 7.5 again, so a smaller miss later unmaps only down to that."""
+    pool, backend = make(release_bound=1.0)
+    order = [pool.allocate(2 * P if i % 2 == 0 else P // 2) for i in range(6)]   # 2 pages, half a page, ...
+    big, keep = order[::2], order[1::2]                   # the halves between: big's free pages cannot merge
+    assert sorted(a.ptr for a in order) == [a.ptr for a in order]
+    for a in big:
+        a.release()                                       # 5 whole free pages in holes of 2, 1 and 2
+    pool.reset_peak_stats()
+    a = pool.allocate(3 * P)                              # no hole holds it: 3 pages mapped at the end, 11 in all
+    s = stats(pool)
+    assert s["device_unmaps"] == 2 and s["bytes_reserved"] == 7 * P    # down to 7.5 pages, not to 4.5
+    audit(pool, backend)
+    del keep, a
+
+
+@pytest.mark.parametrize("rule, idle, unmaps", [("never", 0, 0), ("high_water", 64, 0), ("always", 64, 1),
+                                                ("bounded", 64, 1)])
 def test_the_release_rule_decides_what_a_miss_unmaps(rule, idle, unmaps):
     pool, backend = make(release_on_miss=rule, release_idle=idle)
     a = pool.allocate(4 * P)
@@ -741,7 +777,7 @@ SIZES = st.one_of(st.integers(0, 3 * P), st.sampled_from([P, 2 * P, P // 2, 512]
 
 class PoolModel(RuleBasedStateMachine):
     @initialize(capacity=st.sampled_from([None, 12 * P, 24 * P]), rule=st.sampled_from(["high_water", "never",
-                                                                                         "always"]),
+                                                                                         "always", "bounded"]),
                 idle=st.sampled_from([0, 3, 64]), debug=st.sampled_from([False, False, "raise"]))
     def setup(self, capacity, rule, idle, debug):
         self.pool, self.backend = make(capacity=capacity, release_on_miss=rule, release_idle=idle, debug=debug)

@@ -151,6 +151,19 @@ def test_release_on_miss_all_gives_back_every_whole_free_segment():
     assert pool.stats().iloc[0].device_frees == 2 and backend.used(0) == 4 * MiB
 
 
+def test_a_bounded_miss_gives_back_young_segments_over_the_bound():
+    """release_on_miss "bounded": a miss that would take the pool above release_bound times the most bytes ever
+    requested gives back whole free segments first, however recently freed ("high_water" waits 64 requests)."""
+    for rule, frees in (("high_water", 0), ("bounded", 1)):
+        pool, backend = make(release_on_miss=rule, release_bound=1.5)
+        a, z = pool.allocate(8 * MiB), pool.allocate(1000)
+        del a                              # whole and free just now
+        b = pool.allocate(9 * MiB)         # 2 + 8 + 9 MiB > 1.5 x (9 MiB + 1000 B): a's segment goes back
+        assert pool.stats().iloc[0].device_frees == frees, rule
+        assert backend.used(0) == (2 + 9 + 8 * (1 - frees)) * MiB
+        del b, z
+
+
 @pytest.mark.parametrize("bad", [-1, 3])
 def test_release_on_miss_is_checked(bad):
     with pytest.raises(ValueError, match="release_on_miss"):

@@ -112,10 +112,12 @@ def test_a_bad_debug_variable_is_refused_naming_it(monkeypatch, text):
     ("small_segment", 1000, "multiple of 512"), ("small_segment", 0, r"in \[512, "), ("small_segment", "1.25KiB",
                                                                                        "multiple of 512"),
     ("segment_round", -512, r"in \[512, "), ("segment_round", "big", "expected bytes"),
-    ("segment_round", 512.0, "got float"), ("release_on_miss", 1, "expected one of 'never', 'high_water', 'always'"),
+    ("segment_round", 512.0, "got float"), ("release_on_miss", 1, "expected one of 'never', 'high_water', 'always', 'bounded'"),
     ("release_on_miss", "sometimes", "expected one of"), ("release_idle", -1, r"in \[0, "),
     ("release_idle", "64", "got str"), ("timeline", -5, r"in \[0, "), ("timeline", 2**63, r"in \[0, "),
     ("timeline", 1.0, "got float"), ("classes_per_doubling", 0, r"in \[1, 64\]"), ("scheme", "arena", "expected one of"),
+    ("release_bound", 0.99, "from 1 to 1e6"), ("release_bound", "lots", "from 1 to 1e6"),
+    ("release_bound", True, "from 1 to 1e6"), ("release_bound", float("nan"), "from 1 to 1e6"),
 ])
 def test_every_field_is_checked_naming_the_argument(name, value, why):
     fields = {name: value}
@@ -131,7 +133,8 @@ def test_every_field_is_checked_naming_the_argument(name, value, why):
 @pytest.mark.parametrize("var, text", [("XPOOL_SMALL_SEGMENT", "1000"), ("XPOOL_SEGMENT_ROUND", "0"),
                                        ("XPOOL_RELEASE_ON_MISS", "2"), ("XPOOL_RELEASE_IDLE", "-1"),
                                        ("XPOOL_TIMELINE", "1e6"), ("XPOOL_TIMELINE", str(2**63)),
-                                       ("XPOOL_SCHEME", "buddy")])
+                                       ("XPOOL_SCHEME", "buddy"), ("XPOOL_RELEASE_BOUND", "0.5"),
+                                       ("XPOOL_RELEASE_BOUND", "1.05x")])
 def test_every_variable_is_checked_naming_it(monkeypatch, var, text):
     monkeypatch.setenv(var, text)
     with pytest.raises(ValueError, match=f"^{var}='{text}': "):
@@ -144,6 +147,15 @@ def test_segment_tunables_take_byte_text(monkeypatch):
     monkeypatch.setenv("XPOOL_RELEASE_ON_MISS", "never")
     s = Settings()
     assert (s.small_segment, s.release_on_miss) == (3 * KiB, "never")
+
+
+def test_the_release_bound_takes_numbers_and_text(monkeypatch):
+    assert Settings(release_bound=2).release_bound == 2.0 and Settings().release_bound == 1.05
+    monkeypatch.setenv("XPOOL_RELEASE_BOUND", " 1.2 ")
+    s = Settings(scheme="expandable")
+    assert (s.release_on_miss, s.release_bound, s.source("release_bound")) == ("bounded", 1.2, "XPOOL_RELEASE_BOUND")
+    with pytest.raises(ValueError, match="^release_bound=1.1 applies to schemes 'segments' and 'expandable' only"):
+        Settings(scheme="seed", release_bound=1.1)
 
 
 def test_the_old_scheme_name_is_an_alias(monkeypatch):

@@ -274,9 +274,9 @@ class CupyAsync(Allocator):
 class XPool(Allocator):
     """xpool.MemoryPool: its default scheme (`xpool`), the design's (`xpool_seed`), or k classes per doubling."""
 
-    def __init__(self, classes_per_doubling: int | None = None, debug=None, scheme: str | None = None):
+    def __init__(self, classes_per_doubling: int | None = None, debug=None, scheme: str | None = None, **settings):
         super().__init__()
-        self._settings = dict(debug=debug or False, **{k: v for k, v in (
+        self._settings = dict(debug=debug or False, **settings, **{k: v for k, v in (
             ("classes_per_doubling", classes_per_doubling), ("scheme", scheme)) if v is not None})
         self.pool = xpool.MemoryPool(**self._settings)
 
@@ -545,6 +545,8 @@ ARMS = (
         scheme="seed", classes_per_doubling=1),
     _xp("xpool_expandable", "xpool, expandable scheme (pages mapped into reserved ranges)", "#bcbd22", "*",
         scheme="expandable"),
+    _xp("xpool_expandable_never", "xpool, expandable scheme, nothing unmapped on a miss", "#dbdb8d", "*", ls="--",
+        scheme="expandable", release_on_miss="never"),
     Arm("xpool_norelease", "xpool, segments never given back on a miss (replayed)", "#e377c2", "P",
         framework="replay", ls=":"),
     Arm("xpool_release_all", "xpool, every whole free segment given back on a miss (replayed)", "#ff9896", "d",

@@ -6,7 +6,7 @@
 
 const char *const origin_names[XP_ORIGINS] = {"cupy", "torch", "python"};
 const char *const xp_scheme_names[XP_SCHEMES] = {"segments", "seed", "expandable"};
-const char *const xp_release_names[XP_RELEASE_CHOICES] = {"never", "high_water", "always"};
+const char *const xp_release_names[XP_RELEASE_CHOICES] = {"never", "high_water", "always", "bounded"};
 
 static PyObject *gc_collect;          /* gc.collect, for the ladder's last retry */
 static void thread_keys_after_fork(void);
@@ -513,6 +513,18 @@ void reset_miss_budget(DevicePool *pool)
     pthread_mutex_unlock(&pool->lock);
 }
 
+/* The committed bytes a miss of `requested` bytes may reach before it gives back (Note [Release on miss]):
+ * "high_water", the most a device malloc or map has taken the pool to; "bounded", release_bound times the most
+ * bytes ever in use by request, this one's included (pool lock held). */
+uint64_t miss_mark(const Allocator *A, const DevicePool *pool, size_t requested)
+{
+    if (A->release_on_miss != XP_RELEASE_BOUNDED) return pool->high_water;
+    uint64_t most = pool->st.bytes_requested + requested;
+    if (pool->st.peak_bytes_requested > most) most = pool->st.peak_bytes_requested;
+    if (pool->requested_high > most) most = pool->requested_high;
+    return (uint64_t)(A->release_bound * (double)most);
+}
+
 /* Bytes of a new segment for a `size`-byte range, before the limit and the device's size are asked. */
 static size_t segment_size_for(const Allocator *A, size_t size)
 {
@@ -522,9 +534,9 @@ static size_t segment_size_for(const Allocator *A, size_t size)
 /* Bytes a miss on `stream` wanting a `want`-byte segment should give back at the high-water mark (0: none,
  * also when the stream has no whole free segment to give: O(log n), Note [Whole free segments]).  Pool lock
  * held. */
-static uint64_t miss_excess(DevicePool *pool, intptr_t stream, size_t want)
+static uint64_t miss_excess(const Allocator *A, DevicePool *pool, intptr_t stream, size_t want, size_t requested)
 {
-    uint64_t after = committed(&pool->st) + want, mark = pool->high_water;
+    uint64_t after = committed(&pool->st) + want, mark = miss_mark(A, pool, requested);
     if (pool->miss_released > XP_MISS_BUDGET * mark) pool->miss_release_off = 1;
     if (after <= mark || pool->miss_release_off || !seg_any_whole(&pool->segs, 0, stream)) return 0;
     return after - mark;
@@ -549,13 +561,13 @@ static int release_for_miss(Allocator *A, DevicePool *pool, intptr_t stream, siz
     }
     size_t want = segment_size_for(A, size);
     pthread_mutex_lock(&pool->lock);
-    uint64_t excess = miss_excess(pool, stream, want);
+    uint64_t excess = miss_excess(A, pool, stream, want, size);
     pthread_mutex_unlock(&pool->lock);
     if (!excess) return 0;
     capturing = device_captures(A, pool, stream);
     if (capturing) return capturing < 0 ? -1 : 0;
     pthread_mutex_lock(&pool->lock);
-    excess = miss_excess(pool, stream, want);            /* again: another thread may have moved it */
+    excess = miss_excess(A, pool, stream, want, size);            /* again: another thread may have moved it */
     if (!excess) {
         pthread_mutex_unlock(&pool->lock);
         return 0;
@@ -564,7 +576,8 @@ static int release_for_miss(Allocator *A, DevicePool *pool, intptr_t stream, siz
     Block **blocks = malloc(cap * sizeof(Block *));
     if (!blocks) { pthread_mutex_unlock(&pool->lock); PyErr_NoMemory(); return -1; }
     SegDelta d = {0, 0};
-    seg_take_whole_need(&pool->segs, stream, excess, A->release_idle, blocks, &n, cap, &d);
+    seg_take_whole_need(&pool->segs, stream, excess,   /* "bounded": the bound alone, at any age */
+                        A->release_on_miss == XP_RELEASE_HIGH_WATER ? A->release_idle : 0, blocks, &n, cap, &d);
     apply_delta(&pool->st, d);
     for (size_t i = 0; i < n; i++) pool->st.bytes_releasing += blocks[i]->size;
     pthread_mutex_unlock(&pool->lock);

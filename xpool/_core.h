@@ -91,7 +91,8 @@ enum { XP_SCHEME_SEGMENTS = 0, XP_SCHEME_SEED = 1, XP_SCHEME_EXPANDABLE = 2, XP_
 extern const char *const xp_scheme_names[XP_SCHEMES];
 
 /* release_on_miss: what a miss of scheme segments (release_for_miss) or expandable (vm_try) gives back first */
-enum { XP_RELEASE_NEVER = 0, XP_RELEASE_HIGH_WATER = 1, XP_RELEASE_ALWAYS = 2, XP_RELEASE_CHOICES = 3 };
+enum { XP_RELEASE_NEVER = 0, XP_RELEASE_HIGH_WATER = 1, XP_RELEASE_ALWAYS = 2, XP_RELEASE_BOUNDED = 3,
+       XP_RELEASE_CHOICES = 4 };
 extern const char *const xp_release_names[XP_RELEASE_CHOICES];
 #define XP_MISS_BUDGET 1    /* bytes misses may give back, in high-water marks, until empty_cache
                                (Note [Release on miss]) */
@@ -192,6 +193,8 @@ typedef struct DevicePool {
                                reset_peaks leaves it alone: it is the pool's own, not a statistic */
     uint64_t miss_released; /* bytes misses gave back since the last empty_cache (release_for_miss) */
     int miss_release_off;   /* they passed XP_MISS_BUDGET marks: misses give nothing back until empty_cache */
+    uint64_t requested_high;    /* most bytes requested before the last reset_peaks (XP_RELEASE_BOUNDED's mark,
+                                   with the peak since: miss_mark); like high_water, not a statistic */
     struct DevicePool *older;   /* in a fork()ed child: the parent's pool it replaced (forked_pools) */
 } DevicePool;
 
@@ -253,6 +256,8 @@ typedef struct {
                                  gives back first (release_for_miss) */
     uint64_t release_idle;    /* XP_RELEASE_HIGH_WATER: a miss gives back only segments whole and free for at
                                  least this many requests (release_for_miss) */
+    double release_bound;     /* XP_RELEASE_BOUNDED: a miss gives back what would take committed bytes above this
+                                 many times the most bytes ever requested (miss_mark) */
     int tells_capture;        /* the backend has .capturing(device, stream): stream_capturing asks it */
     int tells_alive;          /* the backend has .stream_alive(device, stream): asked before another stream's
                                  capture state (a destroyed stream must never be asked: Note [Capture: every
@@ -396,6 +401,7 @@ long long empty_cache(Allocator *A, DevicePool *pool, XpGil *g);
 
 /* empty_cache(): misses may give back again (Note [Release on miss]). */
 void reset_miss_budget(DevicePool *pool);
+uint64_t miss_mark(const Allocator *A, const DevicePool *pool, size_t requested);
 
 PyObject *block_info(const Block *b, size_t requested);
 

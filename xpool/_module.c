@@ -109,6 +109,16 @@ static int read_choice(PyObject *settings, const char *name, const char *const *
     return i;
 }
 
+/* settings.<name> as a float (checked when the settings were made), or -1 with an error. */
+static int read_double(PyObject *settings, const char *name, double *out)
+{
+    PyObject *v = PyObject_GetAttrString(settings, name);
+    if (!v) return -1;
+    *out = PyFloat_AsDouble(v);
+    Py_DECREF(v);
+    return *out == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
 /* settings.<name> as an unsigned integer, or -1 with an error. */
 static int read_u64(PyObject *settings, const char *name, unsigned long long *out)
 {
@@ -133,6 +143,7 @@ static int read_settings(Allocator *self, PyObject *settings, unsigned long long
         return -1;
     }
     unsigned long long k = 1, small = 0, round = 0, idle = 0, limit = 0;
+    double bound = 0;
     int scheme = read_choice(settings, "scheme", xp_scheme_names, XP_SCHEMES), release = 0;
     if (scheme < 0) return -1;
     if (scheme == XP_SCHEME_SEED) {
@@ -140,6 +151,7 @@ static int read_settings(Allocator *self, PyObject *settings, unsigned long long
     } else if ((scheme == XP_SCHEME_SEGMENTS && (read_u64(settings, "small_segment", &small) < 0 ||
                                                  read_u64(settings, "segment_round", &round) < 0)) ||
                read_u64(settings, "release_idle", &idle) < 0 ||   /* segments and expandable */
+               read_double(settings, "release_bound", &bound) < 0 ||
                (release = read_choice(settings, "release_on_miss", xp_release_names, XP_RELEASE_CHOICES)) < 0) {
         return -1;
     }
@@ -156,6 +168,7 @@ static int read_settings(Allocator *self, PyObject *settings, unsigned long long
     self->segment_round = (size_t)round;
     self->release_on_miss = release;
     self->release_idle = idle;
+    self->release_bound = bound;
     self->default_limit = limit;
     self->default_fraction = fraction;
     Py_INCREF(settings);
@@ -517,6 +530,7 @@ static PyObject *Allocator_reset_peaks(Allocator *self, PyObject *args)
     if (pool) {
         pthread_mutex_lock(&pool->lock);
         pool->st.peak_bytes_in_use = pool->st.bytes_in_use;
+        if (pool->st.peak_bytes_requested > pool->requested_high) pool->requested_high = pool->st.peak_bytes_requested;
         pool->st.peak_bytes_requested = pool->st.bytes_requested;
         pool->st.peak_bytes_reserved = reserved(&pool->st);
         pthread_mutex_unlock(&pool->lock);

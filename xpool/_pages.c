@@ -256,11 +256,11 @@ int xp_vm_range_of(Allocator *A, int device, uintptr_t ptr, uintptr_t *base, siz
 /* Bytes a miss of scheme expandable should unmap first, its maps counted already in `after` (0: none;
  * UINT64_MAX: every whole free page of its stream), as release_on_miss says: Note [Release on miss], the same
  * rule and budget as scheme segments, in pages.  Pool lock held. */
-static uint64_t vm_miss_excess(Allocator *A, DevicePool *pool, uint64_t after)
+static uint64_t vm_miss_excess(Allocator *A, DevicePool *pool, uint64_t after, size_t requested)
 {
     if (A->release_on_miss == XP_RELEASE_NEVER || !pool->st.blocks_cached) return 0;
     if (A->release_on_miss == XP_RELEASE_ALWAYS) return UINT64_MAX;
-    uint64_t mark = pool->high_water;
+    uint64_t mark = miss_mark(A, pool, requested);
     if (pool->miss_released > XP_MISS_BUDGET * mark) pool->miss_release_off = 1;
     if (after <= mark || pool->miss_release_off) return 0;
     return after - mark;
@@ -320,10 +320,10 @@ int vm_try(Allocator *A, DevicePool *pool, Climb *c, XpGil *g)
         return TRY_NO_ROOM;
     }
     pool->st.bytes_pending += p.map_bytes;
-    uint64_t need = c->step == 0 ? vm_miss_excess(A, pool, after) : 0;
+    uint64_t need = c->step == 0 ? vm_miss_excess(A, pool, after, c->requested) : 0;
     pthread_mutex_unlock(&pool->lock);
     if (need) {   /* a failed unmap leaves its pages cached: the miss goes on */
-        XeRelease idle = {0, c->stream, need, A->release_on_miss == XP_RELEASE_ALWAYS ? 0 : A->release_idle};
+        XeRelease idle = {0, c->stream, need, A->release_on_miss == XP_RELEASE_HIGH_WATER ? A->release_idle : 0};
         VmFault ignored = {0};
         uint64_t got = vm_release(A, pool, &idle, c->stream, 0, g, &ignored);
         pthread_mutex_lock(&pool->lock);

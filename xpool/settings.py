@@ -28,13 +28,13 @@ from .sizeclass import ALIGN, MAX_CLASSES_PER_DOUBLING, MAX_REQUEST
 
 SCHEMES = ("segments", "seed", "expandable")   # how blocks are made (README: the table of schemes)
 SCHEME_ALIASES = {"xpool": "segments"}      # the default scheme's old name: XPOOL_SCHEME=xpool keeps working
-RELEASE_ON_MISS = ("never", "high_water", "always")
+RELEASE_ON_MISS = ("never", "high_water", "always", "bounded")
 DEBUG_MODES = ("raise", "warn")
 # The fields that apply to some schemes only (the release rule is the segments' and the expandable scheme's).
 SCHEME_FIELDS = {
     "seed": ("classes_per_doubling",),
-    "segments": ("small_segment", "segment_round", "release_on_miss", "release_idle"),
-    "expandable": ("release_on_miss", "release_idle"),
+    "segments": ("small_segment", "segment_round", "release_on_miss", "release_idle", "release_bound"),
+    "expandable": ("release_on_miss", "release_idle", "release_bound"),
 }
 ENV = {
     "scheme": "XPOOL_SCHEME",
@@ -46,6 +46,7 @@ ENV = {
     "segment_round": "XPOOL_SEGMENT_ROUND",
     "release_on_miss": "XPOOL_RELEASE_ON_MISS",
     "release_idle": "XPOOL_RELEASE_IDLE",
+    "release_bound": "XPOOL_RELEASE_BOUND",
 }
 DEFAULTS = {
     "scheme": "segments",
@@ -58,10 +59,11 @@ DEFAULTS = {
     "segment_round": ALIGN,
     "release_on_miss": "high_water",   # Note [Release on miss]
     "release_idle": 64,
+    "release_bound": 1.05,             # "bounded": Note [Release on miss: expandable]
 }
 # A scheme's own defaults where it differs from DEFAULTS.  Expandable: a miss unmaps nothing, as PyTorch's
 # expandable segments (Note [Release on miss: expandable])
-SCHEME_DEFAULTS = {"expandable": {"release_on_miss": "never"}}
+SCHEME_DEFAULTS = {"expandable": {"release_on_miss": "bounded"}}
 HELP = {
     "scheme": "how blocks are made: 'segments' (best fit in segments), 'seed' (size classes) or 'expandable' "
               "(best fit in pages mapped into reserved address ranges)",
@@ -71,9 +73,12 @@ HELP = {
     "timeline": "allocation events kept (0: off)",
     "small_segment": "segments: bytes of a segment made for a block up to 1 MiB (shared by later ones)",
     "segment_round": "segments: a larger block's segment is rounded up to this",
-    "release_on_miss": "segments, expandable: what a miss gives back first ('never', 'high_water', 'always')",
+    "release_on_miss": "segments, expandable: what a miss gives back first ('never', 'high_water', 'always', "
+                       "'bounded')",
     "release_idle": "segments, expandable, high_water: requests a whole free segment (expandable: free pages) must "
                     "stay idle before it may go back",
+    "release_bound": "segments, expandable, bounded: a miss gives back idle memory over this many times the most "
+                     "bytes ever requested",
 }
 MAX_TIMELINE = 1 << 40                      # events (64 B each): past any host's memory
 MAX_RELEASE_IDLE = 1 << 62
@@ -115,10 +120,14 @@ class Settings:
             (``XPOOL_RELEASE_ON_MISS``): ``"high_water"`` (scheme segments' default) just enough idle whole
             free segments (expandable: whole free pages) of its stream to stay at the pool's high-water mark;
             ``"never"`` (scheme expandable's default: pages go back on ``empty_cache``/``trim`` and out of
-            memory only); ``"always"`` every whole free segment (page) of its stream.
+            memory only); ``"always"`` every whole free segment (page) of its stream; ``"bounded"`` just enough
+            idle ones to keep the pool within ``release_bound`` of the most bytes ever requested.
         release_idle (int): schemes segments and expandable with ``"high_water"``: requests a whole free
             segment (a free block's pages) must have stayed free and unchanged before a miss may give it back
             (``XPOOL_RELEASE_IDLE``; default 64).
+        release_bound (float): schemes segments and expandable with ``"bounded"``: a miss that would take the
+            pool above this many times the most bytes ever requested (by the pool's users, this request
+            included) gives back idle memory first (``XPOOL_RELEASE_BOUND``; default 1.05; at least 1).
 
     Raises:
         ValueError: a bad value, naming the argument or variable it came from.
@@ -133,6 +142,7 @@ class Settings:
     segment_round: int | str | None = None
     release_on_miss: str | None = None
     release_idle: int | None = None
+    release_bound: float | None = None
 
     def __post_init__(self):
         env = _environment()
@@ -331,6 +341,16 @@ def _release(value, source: str) -> str:
     return s
 
 
+def _bound(value, source: str) -> float:
+    try:
+        f = float(value.strip()) if isinstance(value, str) else value
+    except ValueError:
+        f = None
+    if isinstance(f, bool) or not isinstance(f, numbers.Real) or not (1.0 <= f <= 1e6):
+        raise _bad(source, value, "expected a number from 1 to 1e6 (times the most bytes ever requested)")
+    return float(f)
+
+
 def _debug(value, source: str):
     if value is False or value is True:
         return "raise" if value else False
@@ -349,7 +369,7 @@ def _debug(value, source: str):
 
 _PARSERS = {"scheme": _scheme, "classes_per_doubling": _classes, "limit": _limit, "debug": _debug,
             "timeline": _timeline, "small_segment": _segment_bytes, "segment_round": _segment_bytes,
-            "release_on_miss": _release, "release_idle": _idle}
+            "release_on_miss": _release, "release_idle": _idle, "release_bound": _bound}
 
 
 def check_timeline(capacity, name: str = "capacity") -> int:

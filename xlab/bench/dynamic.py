@@ -69,8 +69,9 @@ COLUMNS = ["trial", "workload", "dynamic", "framework", "allocator", "peak_reser
 
 # --- arms
 def xpool_arms() -> tuple:
-    """`xpool_<scheme>` for every scheme this xpool has (xpool.SCHEMES)."""
-    return tuple(f"xpool_{s}" for s in xpool.SCHEMES)
+    """`xpool_<scheme>` for every scheme this xpool has (xpool.SCHEMES), and the expandable scheme's release rule
+    before #22's bound (`xpool_expandable_never`)."""
+    return tuple(f"xpool_{s}" for s in xpool.SCHEMES) + ("xpool_expandable_never",) * ("expandable" in xpool.SCHEMES)
 
 
 def resolve(workloads=None, arms=None, cpu: bool = False) -> tuple[list, dict]:
