@@ -369,3 +369,70 @@ def test_committed_figure_shows_the_committed_csvs_medians(name):
     if fig is None:
         pytest.skip(f"no committed CSV for {name}")
     CHECKS[name](fig, data)
+
+
+# --- defect classes found by hand in the figures (#23): each has a test so that it cannot come back
+
+
+def _interval_tops(ax):
+    """[(x from, x to, top)] of every narrow line of the axes: an error bar with its caps, or a min-max span."""
+    width = max((p.get_width() for p in ax.patches), default=0)
+    out = []
+    for line in ax.lines:
+        x, y = (np.asarray(v, dtype=float) for v in line.get_data())
+        ok = np.isfinite(x) & np.isfinite(y)
+        if ok.any() and np.ptp(x[ok]) <= width:
+            out.append((x[ok].min(), x[ok].max(), y[ok].max()))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(set(plots.FIGURES) - {"correctness"}))   # correctness: bars, no intervals
+def test_value_labels_sit_above_their_intervals(name, data):
+    """A bar's value is written above its error bar, never across it (seaborn draws a capped bar as one line)."""
+    fig = plots.draw(name, data)
+    labelled = 0
+    for ax in fig.axes:
+        tops = _interval_tops(ax)
+        for text in ax.texts:
+            if not hasattr(text, "xy") or not ax.containers:
+                continue
+            x, y = text.xy
+            over = [top for lo, hi, top in tops if lo - 1e-9 <= x <= hi + 1e-9]
+            labelled += bool(over)
+            assert y >= max(over, default=-np.inf) - 1e-9, f"{name}, {ax.get_title()!r}: {text.get_text()!r}"
+    if name in ("torch_interop", "single_gpu", "ddp_before_after", "graph_steps", "dynamic_shapes"):
+        assert labelled, f"{name}: no value label over an interval was found to check"
+
+
+@pytest.mark.parametrize("name", sorted(plots.FIGURES))
+def test_no_legend_inside_the_axes_hides_data(name, data):
+    """A legend drawn inside the axes covers none of their points (the timeline's once hid the rug of misses)."""
+    fig = plots.draw(name, data)
+    fig.canvas.draw()
+    for ax in fig.axes:
+        leg = ax.get_legend()
+        if leg is None:
+            continue
+        box = leg.get_window_extent()
+        for line in ax.lines:
+            xy = line.get_transform().transform(np.asarray(line.get_xydata(), dtype=float))
+            xy = xy[np.isfinite(xy).all(axis=1)]
+            inside = box.contains_points(xy) if hasattr(box, "contains_points") else [box.contains(*p) for p in xy]
+            assert not np.any(inside), f"{name}, {ax.get_title()!r}: the legend covers {line.get_label()!r}"
+
+
+def test_memory_timeline_legend_is_outside_and_names_the_rug(data):
+    fig = plots.draw("memory_timeline", data)
+    assert all(ax.get_legend() is None for ax in fig.axes)
+    texts = [t.get_text() for leg in fig.legends for t in leg.get_texts()]
+    assert any("cudaMalloc" in t for t in texts) and any(t.startswith("reserved") for t in texts)
+
+
+def test_graph_steps_caption_names_only_the_csvs_it_draws(data, tmp_path):
+    """Rows one process per GPU are in the lineage but in no panel: the caption must not name their CSV."""
+    import shutil
+    shutil.copytree(data, tmp_path, dirs_exist_ok=True)
+    ddp = pd.read_csv(tmp_path / "graph/ddp_scaling.csv")
+    ddp.assign(mode="processes").to_csv(tmp_path / "graph/ddp_processes.csv", index=False)
+    text = _all_text(plots.draw("graph_steps", tmp_path))
+    assert "graph/ddp_scaling.csv" in text and "ddp_processes" not in text

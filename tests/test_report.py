@@ -390,3 +390,29 @@ def test_the_dynamic_section_and_headline_are_there_only_with_the_csv(trial_data
     (trial_data / "dynamic_shapes.csv").unlink()
     page = _page(trial_data)
     assert "Dynamic shapes" not in page and "#22" not in page
+
+
+def test_two_different_bounds_never_print_as_one():
+    """'1.96× [1.96, 1.96]' read as an exact number; the interval was [1.960, 1.965] (#23's audit)."""
+    assert iv.fmt_ci(1.962, 1.9601, 1.9648, unit="×") == "1.962× [1.960, 1.965]"
+    assert iv.fmt_ci(38.6, 38.6, 38.6, "{:.1f}") == "38.6 [38.6, 38.6]"        # no spread at all: as it is
+    assert iv.fmt_ci(1.0166, 1.0160, 1.0170, "{:.3f}", exact=True) == "1.017"    # an exact value: itself
+
+
+def _replication_rows(text):
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 5 and "[" in cells[1]:
+            first = [float(v) for v in re.findall(r"-?\d+\.?\d*", cells[1].replace(",", ""))[:3]]
+            second = float(re.match(r"-?\d+\.?\d*", cells[2])[0])
+            yield cells[0], first, second, cells[4]
+
+
+def test_each_second_run_verdict_can_be_read_off_its_printed_numbers():
+    """'1.96× [1.96, 1.97]' then '1.96×' and **no**: the digits must show why (the committed data's rerun/)."""
+    data = pathlib.Path(__file__).resolve().parents[1] / "data"
+    rows = list(_replication_rows(report.replication(data) + "\n" + report.replication(data / "graph")))
+    if not rows:
+        pytest.skip("no second run committed")
+    for name, (_, lo, hi), second, inside in rows:
+        assert (lo <= second <= hi) == (inside == "yes"), f"{name}: [{lo}, {hi}] and {second} but {inside}"

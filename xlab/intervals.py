@@ -128,23 +128,33 @@ def summarize(df, by, value: str, trial: str = "trial"):
 
 def fmt_ci(value: float, lo: float, hi: float, fmt: str = "{:.2f}", unit: str = "", goal: float | None = None,
            exact: bool = False) -> str:
-    """'1.93× [1.90, 1.95]' (or '1.93× (single run)' without an interval; the value alone when exact). With a goal,
-    digits are added (up to four) until every bound that differs from the goal prints differently from it:
-    '0.998× [0.996, 1.001]', never a '1.00× [1.00, 1.00]' that is within noise of 1.00. "n/a" for NaN."""
+    """'1.93× [1.90, 1.95]' (or '1.93× (single run)' without an interval; the value alone when exact). Digits are
+    added (up to four) until two bounds that differ print apart, and with a goal until every bound that differs from
+    it prints differently from it: '0.998× [0.996, 1.001]', never a '1.00× [1.00, 1.00]' that is an interval of
+    width 0.005 or within noise of 1.00. "n/a" for NaN."""
     if value is None or not math.isfinite(value):
         return "n/a"
     bounds = [b for b in (lo, hi) if math.isfinite(b)]
-    m = re.fullmatch(r"\{:([,]?)\.(\d+)([fe])\}", fmt)
-    if goal is not None and m and math.isfinite(goal):
-        for extra in range(5):
-            f = "{:" + m[1] + "." + str(int(m[2]) + extra) + m[3] + "}"
-            if all(f.format(b) != f.format(goal) for b in bounds if b != goal):
-                fmt = f
-                break
+    fmt = digits(fmt, bounds, goal, apart=not exact)
     head = fmt.format(value) + unit
     if exact or len(bounds) < 2:
         return head if exact else f"{head} (single run)"
     return f"{head} [{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
+def digits(fmt: str, bounds, goal: float | None = None, apart: bool = True) -> str:
+    """`fmt` ('{:.2f}', '{:.1e}', ...) with the fewest digits added (up to four) for fmt_ci's rule (`apart`: its
+    first half); unchanged where no number of them will do or it is not of that form."""
+    m = re.fullmatch(r"\{:([,]?)\.(\d+)([fe])\}", fmt)
+    if not m:
+        return fmt
+    for extra in range(5):
+        f = "{:" + m[1] + "." + str(int(m[2]) + extra) + m[3] + "}"
+        split = not apart or len(set(bounds)) < 2 or f.format(bounds[0]) != f.format(bounds[1])
+        if split and (goal is None or not math.isfinite(goal) or
+                      all(f.format(b) != f.format(goal) for b in bounds if b != goal)):
+            return f
+    return fmt
 
 
 def fmt_bytes(n: float) -> str:

@@ -128,8 +128,13 @@ def bars(ax, df, x, y, order, fmt=fmt_si, labels=None, log=False, rotate=0, span
             ax.plot([p.get_x() + p.get_width() / 2] * 2, [lo, hi], color="0.15", lw=1)
     if log:
         ax.set_yscale("log")
-    tops = {round(float(np.mean(ln.get_xdata())), 6): np.nanmax(ln.get_ydata()) for ln in ax.lines
-            if len(ln.get_xdata()) == 2 and ln.get_xdata()[0] == ln.get_xdata()[1]}   # the error bars
+    tops, width = {}, max((p.get_width() for p in ax.patches), default=0)
+    for ln in ax.lines:      # the error bars: seaborn draws a bar's interval and its caps as one line
+        x, y = (np.asarray(v, dtype=float) for v in ln.get_data())
+        ok = np.isfinite(x) & np.isfinite(y)
+        if ok.any() and np.ptp(x[ok]) <= width:
+            key = round(float(np.mean(x[ok])), 6)
+            tops[key] = max(tops.get(key, -np.inf), float(y[ok].max()))
     for c, lab in zip(ax.containers, hue_order):
         a = allocators.arm(arms[lab])
         for p in c.patches:
@@ -425,7 +430,7 @@ def batch_sweep(df: pd.DataFrame) -> Figure:
 
 def graph_steps(df: pd.DataFrame) -> Figure:
     """Eager against captured steps: speedup on the largest world, host ms per step, GPU busy at batch 4."""
-    d = labelled(df)
+    d = labelled(df[df["mode"] != "processes"])      # no panel draws them: the caption names only what is drawn
     fig, axes = _figure(1, 3, size=(17, 6))
     sp, disp, util = axes[0]
     thr = d[(d["mode"] == "threads") & (d["world"] == d["world"].max())]
@@ -539,7 +544,6 @@ def memory_timeline(df: pd.DataFrame, step: int | None = None) -> Figure:
                    fontsize=8, va="bottom", ha="right" if s < 0 else "left", color="0.25")
     whole.set_title("Whole recording: building the model and optimizer, then training steps (dotted lines: where "
                     "each begins)", fontsize=10)
-    whole.legend(fontsize=8, loc="best")
     sel = tl["step"] == step if "step" in tl else everything
     t = tl["t_s"][sel]
     draw(zoom, sel, ((t - t.iloc[0]) * 1e3).to_numpy())
@@ -551,7 +555,8 @@ def memory_timeline(df: pd.DataFrame, step: int | None = None) -> Figure:
     k = int(tl["k"].iloc[0]) if "k" in tl else 1
     return _finish(fig, f"Device memory during training under xpool's seed scheme (size classes, k = {k})", df,
                    f"xpool_{'seed' if k == 1 else f'k{k}'}: the seed scheme with {k} size class"
-                   f"{'es' if k != 1 else ''} per doubling, from its allocation timeline.")
+                   f"{'es' if k != 1 else ''} per doubling, from its allocation timeline.",
+                   legend_from=[whole], ncol=4)     # above the axes: inside, it hid the rug of misses
 
 
 # --- dynamic shapes

@@ -284,7 +284,9 @@ def replication(data: pathlib.Path, where: str = "data") -> str:
         change = b.value / a.value - 1 if a.value else math.nan
         inside += bool(ok)
         close += abs(change) <= 0.05
-        rows.append((name, format(a), format(b), f"{100 * change:+.1f}%", "n/a" if ok is None else "yes" if ok else "**no**"))
+        f = iv.digits(a.row.fmt, [v for v in (a.lo, a.hi) if math.isfinite(v)], b.value)   # inside or not: visible
+        rows.append((name, format(a, f), format(b, f), f"{100 * change:+.1f}%",
+                     "n/a" if ok is None else "yes" if ok else "**no**"))
     if not rows:
         return ""
     runs = lambda d: ", ".join(sorted({m.src for m in d.values()}))     # noqa: E731
