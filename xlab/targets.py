@@ -58,7 +58,8 @@ W2T, W2P = dict(mode="threads", world=2), dict(mode="processes", world=2)
 
 
 def _dynamic() -> list:
-    """#22's targets per workload of xlab.bench.dynamic: xpool's default scheme, and its best for memory."""
+    """#22's targets per workload of xlab.bench.dynamic: xpool's default scheme, its best for memory, and the
+    device calls of the expandable scheme (the one that trades them for memory: Note [Release on miss: expandable])."""
     schemes = tuple(f"xpool_{s}" for s in xpool.SCHEMES)
     default, best = dict(arm=XD), dict(arm=schemes, over=("allocator",), pick="best")
     ror = dict(kind=DYN, metric="reserved_over_requested", higher=False, fmt="{:.3f}", exact=True, bound="—")
@@ -69,8 +70,9 @@ def _dynamic() -> list:
         if spec.dynamic:
             rows += [T(f"dyn_ror{k}_{w}", f"#22, {w}: peak reserved / peak requested ≤ 1.05 ({name})", goal=1.05,
                        **arms, **on, **ror) for k, name, arms in who]
-            rows.append(T(f"dyn_calls_{w}", f"#22, {w}: device calls per step once warm = 0 (xpool)", DYN,
-                          "device_calls_per_step", XD, 0.0, False, fmt="{:.3g}", exact=True, bound="—", **on))
+            rows += [T(f"dyn_calls{k}_{w}", f"#22, {w}: device calls per step once warm = 0 ({name})", DYN,
+                       "device_calls_per_step", arm, 0.0, False, fmt="{:.3g}", exact=True, bound="—", **on)
+                     for k, name, arm in (("", "xpool", XD), ("_expandable", "xpool_expandable", "xpool_expandable"))]
         rows.append(T(f"dyn_ms_{w}", f"#22, {w}: ms per step ≤ the fastest peer's ({{ref}}; xpool, paired by trial)",
                       DYN, "ms_per_step", XD, 1.0, False, ref=dict(allocator=PEERS), unit="×", fmt="{:.3f}", **on))
     on = dict(where=dict(workload="torch_varlen"), ref=dict(allocator="torch_expandable"), goal=1.0, unit="×")
@@ -193,6 +195,11 @@ TARGETS = (
       "torch_expandable", where=dict(dynamic=True), over=("workload",), pick="each", fmt="{:.3f}", exact=True),
     T("dyn_h_calls", "xpool device calls per step once warm, by dynamic workload", DYN, "device_calls_per_step", XD,
       where=dict(dynamic=True), over=("workload",), pick="each", fmt="{:.3g}", exact=True),
+    *(T(f"dyn_h_{k}{m}", f"the expandable scheme{label}: {what}, by dynamic workload", DYN, metric, f"xpool_{n}",
+        where=dict(dynamic=True), over=("workload",), pick="each", fmt=fmt, exact=True)
+      for k, n, label in (("xe", "expandable", ""), ("xe_never", "expandable_never", ", nothing unmapped on a miss"))
+      for m, what, metric, fmt in (("", "peak reserved / requested", "reserved_over_requested", "{:.3f}"),
+                                   ("_calls", "device calls per step once warm", "device_calls_per_step", "{:.2g}"))),
     T("dyn_h_ms", "xpool ms per step / the fastest peer's, by workload", DYN, "ms_per_step", XD, higher=False,
       ref=dict(allocator=PEERS), over=("workload",), pick="each", unit="×"),
     T("torch_step", "PyTorch's training step, xpool / PyTorch's allocator (tokens/s)", "torch_interop.csv", "value", X,
