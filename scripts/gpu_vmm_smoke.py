@@ -4,7 +4,8 @@
 Through xpool._vmm's CUDA ops and the range manager under the test harness (tests/fixtures/expandable.py) it
 reserves a range on device 0, maps pages, writes and reads them back through CuPy, runs a CuPy kernel, a matmul
 and an NCCL all-reduce (one rank) on such memory, unmaps and releases, checks the error paths (out of range,
-misaligned, double map, double unmap, out of memory with nothing left mapped, capture), and times map and unmap
+misaligned, double map, out of memory with nothing left mapped, capture; a double unmap is observed, not required
+(the driver accepts one)), and times map and unmap
 per page and per 64 MiB beside cudaMalloc/cudaFree, trials interleaved across arms.
 
     python3 scripts/gpu_vmm_smoke.py --out $OUT        (scripts/gpu_vmm_smoke.sh builds what it needs first)
@@ -192,12 +193,27 @@ class Smoke:
             ops.map(0, a, G)
             out.append(must_fail(lambda: ops.map(0, a, G), "double map"))
             assert ops.unmap(0, a, G) == G
-            out.append(must_fail(lambda: ops.unmap(0, a, G), "double unmap"))
             ops.release(0, a, 16 * G)
             out.append(must_fail(lambda: ops.map(0, a, G), "map in a released range"))
             out.append(must_fail(lambda: ops.granularity(99), "device 99"))
             return "; ".join(out)
         self.check("error paths", error_paths)
+
+        def observe_double_unmap():
+            # the H200's driver (580.159.04) returned CUDA_SUCCESS here in both of #22's sixth-session runs: the
+            # driver does not guard against it, so the range manager must (it never plans an unmapped page, and the
+            # host twin refuses a double unmap, so the CPU tests catch one)
+            a = ops.reserve(0, 4 * G)
+            ops.map(0, a, G)
+            assert ops.unmap(0, a, G) == G
+            try:
+                done = ops.unmap(0, a, G)
+                outcome = f"the driver accepted a second unmap of the same page ({done} B reported)"
+            except _vmm.VmmError as e:
+                outcome = f"refused ({e})"
+            ops.release(0, a, 4 * G)
+            return outcome
+        self.check("a second unmap of an unmapped page", observe_double_unmap, must=False)
 
         def observe_release_with_pages():
             a = ops.reserve(0, 4 * G)
