@@ -343,3 +343,14 @@ def test_miss_scan_rows_carry_every_configuration_and_provenance(tmp_path):
     assert pool.stats().iloc[0].blocks_cached >= 50 and len(keep) == 50
     with pytest.raises(SystemExit):
         miss_scan.main(["--trials", "3"])   # a median with an interval needs >= 5
+
+
+@pytest.mark.parametrize("argv,message", [(["--trials", "0"], "--trials: must be >= 1, got 0"),
+                                          (["--sizes", "4096", "0"], "--sizes: must be >= 1, got 0"),
+                                          (["--window-s", "0"], "--window-s: must be > 0.0, got 0"),
+                                          (["--trials", "two"], "--trials: invalid int value: 'two'")])
+def test_counts_on_the_command_line_are_checked_before_anything_runs(argv, message, capsys):
+    from xlab.bench import hit
+    with pytest.raises(SystemExit):
+        hit.main(argv)
+    assert message in capsys.readouterr().err

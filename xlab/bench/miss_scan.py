@@ -15,6 +15,8 @@ import argparse
 import statistics
 import time
 
+from xlab.bench import at_least
+
 N_RANGES = (100, 1_000, 10_000, 100_000, 300_000)
 ARMS = {"high_water": {}, "never": {"release_on_miss": "never"}}   # by release_on_miss
 BIG = 8 << 20          # the first timed miss; each one 512 B larger than the last
@@ -77,12 +79,10 @@ def main(argv=None) -> int:
     """`python -m xlab.bench.miss_scan [--out CSV] [--trials N] [--misses N] [--n-ranges N ...]`; returns 0."""
     ap = argparse.ArgumentParser(prog="python -m xlab.bench.miss_scan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="data/miss_scan_host.csv")
-    ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--trials", type=at_least(5), default=7, help="at least 5: a median with an interval")
     ap.add_argument("--misses", type=int, default=15)
     ap.add_argument("--n-ranges", type=int, nargs="+", default=list(N_RANGES))
     args = ap.parse_args(argv)
-    if args.trials < 5:
-        ap.error("--trials must be >= 5 (a median with an interval needs them)")
     run(n_ranges=args.n_ranges, trials=args.trials, misses=args.misses, out=args.out)
     return 0
 
