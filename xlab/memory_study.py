@@ -77,10 +77,8 @@ def replay(timeline: pd.DataFrame, k: int) -> dict:
     doubling: its counters summed over devices (peak_bytes_requested, peak_bytes_reserved, device_mallocs,
     requests) and unmatched_frees (frees of blocks allocated before the recording began: skipped)."""
     pool = Pool(AddressSpaceBackend(), scheme="seed", classes_per_doubling=k, limit=0, debug=False, timeline=0)
-    live, unmatched = _drive(pool, _replay_events(timeline))
-    out = dict(_counters(pool), unmatched_frees=unmatched)
-    live.clear()
-    return out
+    counters, _, unmatched = _replay_through(pool, timeline)
+    return dict(counters, unmatched_frees=unmatched)
 
 
 class CupyPoolModel:
@@ -339,31 +337,30 @@ def _device_calls(pool) -> tuple:
     return c["device_mallocs"], c["device_frees"]
 
 
+def _replay_through(pool, timeline: pd.DataFrame):
+    """(counters, {step: (device mallocs, device frees) so far at its end}, unmatched frees) of `timeline` replayed
+    through `pool`, its blocks given back after the counters are read."""
+    calls = {}
+    live, unmatched = _drive(pool, _replay_events(timeline), lambda step: calls.__setitem__(step, _device_calls(pool)))
+    counters = _counters(pool)
+    live.clear()
+    return counters, {s: c for s, c in calls.items() if s is not None}, unmatched
+
+
 def replay_steps(timeline: pd.DataFrame, allocator: str) -> pd.DataFrame:
     """Device mallocs and frees per recorded step (-1: setup) of `timeline` replayed through `allocator`."""
-    pool = replay_pool(allocator)
-    rows, last = [], [0, 0]
-
-    def on_step(step):
-        m, f = _device_calls(pool)
-        if step is not None:
-            rows.append((step, m - last[0], f - last[1]))
-        last[:] = [m, f]
-    live, _ = _drive(pool, _replay_events(timeline), on_step)
-    live.clear()
-    return pd.DataFrame(rows, columns=["step", "device_mallocs", "device_frees"])
+    _, calls, _ = _replay_through(replay_pool(allocator), timeline)
+    before = [(0, 0), *calls.values()]
+    return pd.DataFrame([(s, m - m0, f - f0) for (s, (m, f)), (m0, f0) in zip(calls.items(), before)],
+                        columns=["step", "device_mallocs", "device_frees"])
 
 
 def replay_allocator(timeline: pd.DataFrame, allocator: str) -> dict:
     """Replays `timeline` through a fresh `allocator` (one of SCHEME_ALLOCATORS): its peaks, device mallocs
     (in all, in the last recorded step, and in the steps from WARMUP_STEPS on, which should make none:
     NaN when the trace has no such step), device frees from WARMUP_STEPS on, and unmatched frees."""
-    pool = replay_pool(allocator)
-    ev = _replay_events(timeline)
-    calls = {}
-    live, unmatched = _drive(pool, ev, lambda step: calls.__setitem__(step, _device_calls(pool)))
-    out = _counters(pool)
-    steps = [s for s in calls if s is not None]
+    out, calls, unmatched = _replay_through(replay_pool(allocator), timeline)
+    steps = list(calls)
     out["device_mallocs_last_step"] = calls[steps[-1]][0] - (calls[steps[-2]][0] if len(steps) > 1 else 0)
     before = [s for s in steps if s < WARMUP_STEPS]
     if steps[-1] >= WARMUP_STEPS and before:
@@ -373,7 +370,6 @@ def replay_allocator(timeline: pd.DataFrame, allocator: str) -> dict:
         out["device_mallocs_warm"] = out["device_frees_warm"] = float("nan")
     out["unmatched_frees"] = unmatched
     out["reserved_over_requested"] = out["peak_bytes_reserved"] / max(out["peak_bytes_requested"], 1)
-    live.clear()
     return out
 
 
