@@ -38,7 +38,8 @@ VARIANTS = {   # name -> (pool settings, small blocks on a range of their own)
     "expandable_small_range_idle0": (dict(scheme="expandable", release_on_miss="high_water", release_idle=0), True),
 }
 # traces of the GPU test's loop (x, y, loss, grads of a step alive through the next; batch 32, CuPy path), recorded
-# by xlab.memory_study.record_numpy_timeline(batch=32, block_sizes=(256,) * 10, cupy_path=True, keep_previous=True)
+# by scripts/record_numpy_traces.py: record_numpy_timeline(batch=32, block_sizes=(256,) * 10, cupy_path=True,
+# keep_previous=True)
 KEEP_TRACES = {"gpt_b32_keep_cupy_path_numpy": "memory_trace_cupy_path_b32_keep.csv.gz",
                "gpt_b32_perparam_keep_cupy_path_numpy": "memory_trace_cupy_path_b32_perparam_keep.csv.gz"}
 DYN_TRACES = {f"dyn_{w}_h200": f"memory_trace_dyn_{w}.csv.gz" for w in (

@@ -332,8 +332,13 @@ def test_gil_probe_threads_share_one_window():
 
 
 def test_miss_scan_rows_carry_every_configuration_and_provenance(tmp_path):
-    """xlab.bench.miss_scan: one row per (free ranges, arm, trial), trials interleaved, with provenance."""
-    from xlab.bench import miss_scan
+    """scripts/miss_scan.py: one row per (free ranges, arm, trial), trials interleaved, with provenance."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "miss_scan.py"
+    spec = importlib.util.spec_from_file_location("miss_scan", path)
+    miss_scan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(miss_scan)
     out = tmp_path / "miss_scan.csv"
     df = miss_scan.run(n_ranges=(10, 200), trials=5, misses=2, out=str(out))
     assert out.is_file() and len(df) == 2 * 2 * 5
@@ -343,3 +348,14 @@ def test_miss_scan_rows_carry_every_configuration_and_provenance(tmp_path):
     assert pool.stats().iloc[0].blocks_cached >= 50 and len(keep) == 50
     with pytest.raises(SystemExit):
         miss_scan.main(["--trials", "3"])   # a median with an interval needs >= 5
+
+
+@pytest.mark.parametrize("argv,message", [(["--trials", "0"], "--trials: must be >= 1, got 0"),
+                                          (["--sizes", "4096", "0"], "--sizes: must be >= 1, got 0"),
+                                          (["--window-s", "0"], "--window-s: must be > 0.0, got 0"),
+                                          (["--trials", "two"], "--trials: invalid int value: 'two'")])
+def test_counts_on_the_command_line_are_checked_before_anything_runs(argv, message, capsys):
+    from xlab.bench import hit
+    with pytest.raises(SystemExit):
+        hit.main(argv)
+    assert message in capsys.readouterr().err

@@ -1,12 +1,19 @@
 """The scheme study: replays through each scheme, CuPy's pool modelled, NumPy traces recorded on the CPU."""
+import importlib.util
+import pathlib
+
 import numpy as np
 import pandas as pd
 import pytest
 
 import xpool
 from xlab import memory_study
-from xlab.memory_study import (SCHEME_ALLOCATORS, AddressSpaceBackend, CupyPoolModel, NumpyRecorder,
-                                replay_allocator)
+from xlab.memory_study import SCHEME_ALLOCATORS, AddressSpaceBackend, CupyPoolModel, replay_allocator
+
+_SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "record_numpy_traces.py"
+_spec = importlib.util.spec_from_file_location("record_numpy_traces", _SCRIPT)
+recorder = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(recorder)
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -69,7 +76,7 @@ def test_cupy_model_splits_best_fits_and_merges():
 def test_numpy_recorder_sees_every_array_and_restores_numpys_allocator():
     import numpy as np
     before = np._core.multiarray.get_handler_name()
-    with NumpyRecorder() as rec:
+    with recorder.NumpyRecorder() as rec:
         a = np.ones(1000)
         b = a * 2
         ptr = a.ctypes.data
@@ -83,20 +90,30 @@ def test_numpy_recorder_sees_every_array_and_restores_numpys_allocator():
 
 def test_numpy_timeline_records_setup_and_each_step():
     cfg = dict(n_layer=1, n_head=2, n_embd=32, n_ffn=64, block_size=16, batch_size=2)
-    tl = memory_study.record_numpy_timeline(batch=2, block_sizes=(16, 8), config=cfg)
+    tl = recorder.record_numpy_timeline(batch=2, block_sizes=(16, 8), config=cfg)
     assert list(tl.columns) == memory_study.TIMELINE_COLUMNS and set(tl["step"]) == {-1, 0, 1}
     r = replay_allocator(tl, "xpool")
     assert r["unmatched_frees"] == 0 and r["peak_bytes_requested"] > 0
     with pytest.raises(ValueError, match="block_sizes"):
-        memory_study.record_numpy_timeline(batch=2, block_sizes=(17,), config=cfg)
+        recorder.record_numpy_timeline(batch=2, block_sizes=(17,), config=cfg)
+
+
+def test_recorded_traces_are_written_where_the_study_reads_them(tmp_path):
+    assert set(recorder.NUMPY_TRACES) <= set(memory_study.TRACES)
+    cfg = dict(n_layer=1, n_head=2, n_embd=32, n_ffn=64, block_size=16, batch_size=2)
+    tl = recorder.record_numpy_timeline(batch=2, block_sizes=(16,), config=cfg)
+    recorder.write_numpy_trace(tl, "gpt_b4_cupy_path_numpy", tmp_path)
+    back = memory_study.load_traces(tmp_path)["gpt_b4_cupy_path_numpy"]
+    assert list(back["ptr"]) == list(tl["ptr"]) and set(back["fused_ops"]) == {"cupy_path"}
+    assert (back["batch"] == 4).all()          # the settings of NUMPY_TRACES, on every row
 
 
 def test_cupy_path_timeline_drops_the_numpy_formulas_temporaries_and_restores_the_ops():
     from tapegpt import fused, kernels
     cfg = dict(n_layer=1, n_head=2, n_embd=32, n_ffn=64, block_size=16, batch_size=2)
     ops = fused._on_host, kernels.kernel
-    plain = memory_study.record_numpy_timeline(batch=2, block_sizes=(16, 16), config=cfg)
-    gpu = memory_study.record_numpy_timeline(batch=2, block_sizes=(16, 16), config=cfg, cupy_path=True)
+    plain = recorder.record_numpy_timeline(batch=2, block_sizes=(16, 16), config=cfg)
+    gpu = recorder.record_numpy_timeline(batch=2, block_sizes=(16, 16), config=cfg, cupy_path=True)
     assert (fused._on_host, kernels.kernel) == ops
     n_plain, n_gpu = (((t["event"] != "free") & (t["step"] == 1)).sum() for t in (plain, gpu))
     assert 0 < n_gpu < n_plain             # each fused op allocates its outputs only

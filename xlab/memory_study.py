@@ -3,18 +3,16 @@
 A program's requests do not depend on the allocator, so replaying a recorded timeline's allocs and frees, in
 order, through a pool over a backend that touches no memory (`AddressSpaceBackend`) reproduces that pool's
 decisions exactly. GPU: `measure_waste` (the seed scheme at each k, its counters and timeline), `measure_varlen`
-(sequence lengths changing every step). CPU: `NumpyRecorder` records the GPT's requests on NumPy, and
-`scheme_study` replays every recorded trace through each scheme.
+(sequence lengths changing every step). CPU: `scheme_study` replays every recorded trace through each scheme (the
+NumPy ones recorded by scripts/record_numpy_traces.py).
 
     python -m xlab.memory_study --out-dir data     # GPU: memory_timeline.csv, memory_waste.csv, memory_varlen.csv
-    python -m xlab.memory_study --record-numpy     # CPU, ~5 min: data/memory_trace_numpy_*.csv.gz
     python -m xlab.memory_study --schemes          # CPU: data/memory_schemes.csv (then `make report`: its figure)
 """
 from __future__ import annotations
 
 import argparse
 import bisect
-import ctypes
 import gc
 import itertools
 import math
@@ -24,7 +22,7 @@ from collections import defaultdict
 import numpy as np
 import pandas as pd
 
-from tapegpt import GPT, AdamW, GPTConfig, fused, get_batch, kernels, load_corpus
+from tapegpt import GPT, AdamW, GPTConfig, get_batch, load_corpus
 from xlab import allocators as registry
 from xlab.paths import publish, write_csv
 from xlab.provenance import provenance
@@ -79,10 +77,8 @@ def replay(timeline: pd.DataFrame, k: int) -> dict:
     doubling: its counters summed over devices (peak_bytes_requested, peak_bytes_reserved, device_mallocs,
     requests) and unmatched_frees (frees of blocks allocated before the recording began: skipped)."""
     pool = Pool(AddressSpaceBackend(), scheme="seed", classes_per_doubling=k, limit=0, debug=False, timeline=0)
-    live, unmatched = _drive(pool, _replay_events(timeline))
-    out = dict(_counters(pool), unmatched_frees=unmatched)
-    live.clear()
-    return out
+    counters, _, unmatched = _replay_through(pool, timeline)
+    return dict(counters, unmatched_frees=unmatched)
 
 
 class CupyPoolModel:
@@ -235,7 +231,7 @@ def waste_table(measured: pd.DataFrame | None = None, replayed: pd.DataFrame | N
 # CPU: the allocation schemes on every recorded trace
 
 # name -> its file under data/: the GPU's recording (CuPy, batch 32, setup + 2 steps; before the fused model), and
-# the CPU's (NUMPY_TRACES: their settings; every row of a file also carries them)
+# the CPU's (scripts/record_numpy_traces.py's NUMPY_TRACES: their settings; every row of a file also carries them)
 TRACES = {
     "gpt_b32_gpu": "memory_timeline.csv",
     "gpt_b4_numpy": "memory_trace_numpy_b4.csv.gz",
@@ -248,20 +244,7 @@ TRACES = {
     "gpt_varlen_cupy_path_numpy": "memory_trace_cupy_path_varlen.csv.gz",
 }
 VARLEN = (256, 64, 192, 128, 224, 96, 160, 32, 256, 128, 200, 80)     # sequence length per step
-NUMPY_TRACES = {   # name -> record_numpy_timeline arguments
-    "gpt_b4_numpy": dict(batch=4, block_sizes=(256,) * 10),
-    "gpt_b32_numpy": dict(batch=32, block_sizes=(256,) * 10),
-    "gpt_varlen_numpy": dict(batch=8, block_sizes=VARLEN),
-    # per-parameter AdamW remakes every moment array each step (m, v: fresh arrays, the old ones freed after):
-    # the arrays walk through memory, the case of the late device mallocs (NOTES.md, #14)
-    "gpt_b32_perparam_numpy": dict(batch=32, block_sizes=(256,) * 10, foreach=False),
-    # the fused ops' CuPy branch over NumPy, kernels not run (record_numpy_timeline(cupy_path=True)): the GPU's
-    # requests, which the traces above (NumPy formulas, their temporaries) do not show
-    "gpt_b4_cupy_path_numpy": dict(batch=4, block_sizes=(256,) * 10, cupy_path=True),
-    "gpt_b32_cupy_path_numpy": dict(batch=32, block_sizes=(256,) * 10, cupy_path=True),
-    "gpt_b32_perparam_cupy_path_numpy": dict(batch=32, block_sizes=(256,) * 10, foreach=False, cupy_path=True),
-    "gpt_varlen_cupy_path_numpy": dict(batch=8, block_sizes=VARLEN, cupy_path=True),
-}
+VARLEN_BATCH = 8                 # the varying-length traces' batch
 # the replayed allocators: xpool's schemes, xpool giving segments back on a miss never or always (the default:
 # above the high-water mark only), CuPy's pool
 SCHEME_ALLOCATORS = registry.SETS["schemes"]
@@ -354,31 +337,30 @@ def _device_calls(pool) -> tuple:
     return c["device_mallocs"], c["device_frees"]
 
 
+def _replay_through(pool, timeline: pd.DataFrame):
+    """(counters, {step: (device mallocs, device frees) so far at its end}, unmatched frees) of `timeline` replayed
+    through `pool`, its blocks given back after the counters are read."""
+    calls = {}
+    live, unmatched = _drive(pool, _replay_events(timeline), lambda step: calls.__setitem__(step, _device_calls(pool)))
+    counters = _counters(pool)
+    live.clear()
+    return counters, {s: c for s, c in calls.items() if s is not None}, unmatched
+
+
 def replay_steps(timeline: pd.DataFrame, allocator: str) -> pd.DataFrame:
     """Device mallocs and frees per recorded step (-1: setup) of `timeline` replayed through `allocator`."""
-    pool = replay_pool(allocator)
-    rows, last = [], [0, 0]
-
-    def on_step(step):
-        m, f = _device_calls(pool)
-        if step is not None:
-            rows.append((step, m - last[0], f - last[1]))
-        last[:] = [m, f]
-    live, _ = _drive(pool, _replay_events(timeline), on_step)
-    live.clear()
-    return pd.DataFrame(rows, columns=["step", "device_mallocs", "device_frees"])
+    _, calls, _ = _replay_through(replay_pool(allocator), timeline)
+    before = [(0, 0), *calls.values()]
+    return pd.DataFrame([(s, m - m0, f - f0) for (s, (m, f)), (m0, f0) in zip(calls.items(), before)],
+                        columns=["step", "device_mallocs", "device_frees"])
 
 
 def replay_allocator(timeline: pd.DataFrame, allocator: str) -> dict:
     """Replays `timeline` through a fresh `allocator` (one of SCHEME_ALLOCATORS): its peaks, device mallocs
     (in all, in the last recorded step, and in the steps from WARMUP_STEPS on, which should make none:
     NaN when the trace has no such step), device frees from WARMUP_STEPS on, and unmatched frees."""
-    pool = replay_pool(allocator)
-    ev = _replay_events(timeline)
-    calls = {}
-    live, unmatched = _drive(pool, ev, lambda step: calls.__setitem__(step, _device_calls(pool)))
-    out = _counters(pool)
-    steps = [s for s in calls if s is not None]
+    out, calls, unmatched = _replay_through(replay_pool(allocator), timeline)
+    steps = list(calls)
     out["device_mallocs_last_step"] = calls[steps[-1]][0] - (calls[steps[-2]][0] if len(steps) > 1 else 0)
     before = [s for s in steps if s < WARMUP_STEPS]
     if steps[-1] >= WARMUP_STEPS and before:
@@ -388,7 +370,6 @@ def replay_allocator(timeline: pd.DataFrame, allocator: str) -> dict:
         out["device_mallocs_warm"] = out["device_frees_warm"] = float("nan")
     out["unmatched_frees"] = unmatched
     out["reserved_over_requested"] = out["peak_bytes_reserved"] / max(out["peak_bytes_requested"], 1)
-    live.clear()
     return out
 
 
@@ -470,144 +451,6 @@ def scheme_study(traces: dict, allocators=SCHEME_ALLOCATORS, repeats: int = 7) -
                 r.update(cost.loc[a].to_dict())
             rows.append({**r, **trace})
     return pd.DataFrame(rows, columns=SCHEME_COLUMNS).assign(**provenance())
-
-
-def record_numpy_traces(data_dir="data", names=None) -> dict:
-    """CPU: records the NumPy traces of NUMPY_TRACES into data_dir (gzipped CSV, provenance per row)."""
-    return {name: write_numpy_trace(record_numpy_timeline(**NUMPY_TRACES[name]), name, data_dir)
-            for name in names or NUMPY_TRACES}
-
-
-def write_numpy_trace(tl: pd.DataFrame, name: str, data_dir="data") -> pd.DataFrame:
-    """Write a NUMPY_TRACES timeline to its file under data_dir, with provenance on every row."""
-    kw = NUMPY_TRACES[name]
-    cfg = _config(None, kw["batch"])
-    prov = provenance(batch=cfg.batch_size, n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,
-                      block_sizes=" ".join(map(str, kw["block_sizes"])),
-                      adamw="foreach" if kw.get("foreach", True) else "per_param",
-                      fused_ops="cupy_path" if kw.get("cupy_path") else "numpy_formulas")
-    tl = tl[["step", "event", "device", "stream", "ptr", "requested"]].assign(**prov)
-    if prov["gpu"] == "none":
-        tl["gpu"] = "none (NumPy on the CPU)"
-    write_csv(tl, pathlib.Path(data_dir) / TRACES[name])
-    return tl
-
-
-# ---------------------------------------------------------------------------------------------------------
-# CPU: record the GPT's requests on NumPy
-
-
-class _NumpyHandler(ctypes.Structure):
-    """NumPy's PyDataMem_Handler (numpy/ndarraytypes.h, version 1)."""
-
-    MALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-    CALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t)
-    REALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-    FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-    _fields_ = [("name", ctypes.c_char * 127), ("version", ctypes.c_uint8), ("ctx", ctypes.c_void_p),
-                ("malloc", MALLOC), ("calloc", CALLOC), ("realloc", REALLOC), ("free", FREE)]
-
-
-_SET_HANDLER = 304              # PyDataMem_SetHandler's slot in NumPy's C API table (NumPy >= 1.22)
-_recorders: list = []           # kept for the life of the process: arrays made under one call it when they die
-
-
-class NumpyRecorder:
-    """Records every NumPy data allocation and free made inside `with` as (is_alloc, ptr, nbytes) events.
-
-    NumPy's own allocation policy hook (PyDataMem_SetHandler) routes array data through libc's malloc/free
-    here; each call appends one event.  A NumPy program's requests stand in for a device's: the same
-    arrays, in the same order (NumPy, unlike CuPy, reuses some temporaries in place)."""
-
-    def __init__(self):
-        libc = ctypes.CDLL(None)
-        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-        libc.calloc.restype, libc.calloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_size_t]
-        libc.realloc.restype, libc.realloc.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t]
-        libc.free.argtypes = [ctypes.c_void_p]
-        self.events: list[tuple[int, int, int]] = []
-        self.on = False
-        ev = self.events
-
-        def malloc(ctx, n):
-            p = libc.malloc(n or 1)
-            if self.on and p:
-                ev.append((1, p, n))
-            return p
-
-        def calloc(ctx, count, size):
-            p = libc.calloc(count or 1, size or 1)
-            if self.on and p:
-                ev.append((1, p, count * size))
-            return p
-
-        def realloc(ctx, p, n):
-            q = libc.realloc(p, n or 1)
-            if self.on and q:
-                if p:
-                    ev.append((0, p, 0))
-                ev.append((1, q, n))
-            return q
-
-        def free(ctx, p, n):
-            if p:
-                if self.on:
-                    ev.append((0, p, n))
-                libc.free(p)
-
-        H = _NumpyHandler
-        self._handler = H(b"xpool_recorder", 1, None, H.MALLOC(malloc), H.CALLOC(calloc), H.REALLOC(realloc),
-                          H.FREE(free))
-        get_ptr = ctypes.pythonapi.PyCapsule_GetPointer
-        get_ptr.restype, get_ptr.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-        table = ctypes.cast(get_ptr(np._core._multiarray_umath._ARRAY_API, None), ctypes.POINTER(ctypes.c_void_p))
-        self._set = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.py_object)(table[_SET_HANDLER])
-        new = ctypes.pythonapi.PyCapsule_New
-        new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-        self._capsule = new(ctypes.addressof(self._handler), b"mem_handler", None)
-        _recorders.append(self)
-
-    def __enter__(self):
-        self.on = True
-        self._previous = self._set(self._capsule)
-        return self
-
-    def __exit__(self, *exc):
-        self._set(self._previous)
-        self.on = False
-
-
-def record_numpy_timeline(batch: int = 4, block_sizes=(256, 256), seed: int = 0, foreach: bool = True,
-                          config=None, cupy_path: bool = False, keep_previous: bool = False) -> pd.DataFrame:
-    """CPU: the request timeline of the GPT trained on NumPy (setup: step -1, then a step per entry of `block_sizes`),
-    NumPy's data allocations on device 0, stream 0. cupy_path: the fused ops take their CuPy branch over NumPy arrays,
-    every kernel launch a no-op, so the outputs they allocate are the GPU's and the NumPy formulas' temporaries are
-    gone: the GPU step's requests (up to CuPy's own temporaries), which the plain NumPy path missed at batch 4 (#14).
-    keep_previous: a step's x, y, loss and grads live on while the next step runs (rebound, not deleted, as
-    ordinary training loops do)."""
-    cfg = _config(config, batch, block_sizes)
-    if cupy_path:
-        saved = fused._on_host, kernels.kernel
-        fused._on_host, kernels.kernel = (lambda a: False), (lambda name, dtype: lambda *args: None)
-        try:
-            with np.errstate(all="ignore"):
-                return record_numpy_timeline(batch, block_sizes, seed, foreach, cfg, keep_previous=keep_previous)
-        finally:
-            fused._on_host, kernels.kernel = saved
-    data = load_corpus()
-    rec = NumpyRecorder()
-    marks = []
-    with rec:
-        model, opt = _train(cfg, data, block_sizes, np, seed, foreach, lambda: marks.append(len(rec.events)),
-                            keep_previous)
-        del model, opt            # nothing made under the recorder outlives it
-    ev = np.array(rec.events[:marks[-1]], dtype=np.int64).reshape(-1, 3)
-    step = np.searchsorted(np.asarray(marks), np.arange(len(ev)), side="right") - 1
-    out = pd.DataFrame({"step": step, "t_s": 0.0, "device": 0,
-                        "event": np.where(ev[:, 0] == 1, "alloc_miss", "free"), "stream": 0, "ptr": ev[:, 1],
-                        "requested": np.where(ev[:, 0] == 1, ev[:, 2], 0), "size": ev[:, 2],
-                        "bytes_in_use": 0, "bytes_cached": 0, "bytes_reserved": 0})
-    return out[TIMELINE_COLUMNS]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -726,9 +569,8 @@ def measure_varlen(allocators=VARLEN_ALLOCATORS, batch: int | None = None, block
                    foreach: bool = True) -> pd.DataFrame:
     """GPU: each allocator's peak reserved / peak requested (its own exact counters: one run each) over a run whose
     sequence length changes every step (default: the varying-length trace's); device_mallocs_warm from WARMUP_STEPS."""
-    spec = NUMPY_TRACES["gpt_varlen_numpy"]
-    batch = int(batch or spec["batch"])
-    block_sizes = tuple(int(t) for t in (block_sizes or spec["block_sizes"]))
+    batch = int(batch or VARLEN_BATCH)
+    block_sizes = tuple(int(t) for t in (block_sizes or VARLEN))
     cfg = _config(None, batch, block_sizes)
     rows = []
     for name in allocators:
@@ -763,19 +605,14 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=1, help="steps before the recorded one (default: 1)")
     p.add_argument("--no-varlen", action="store_true",
                    help="GPU: skip the varying-length training run (data/memory_varlen.csv)")
-    p.add_argument("--record-numpy", action="store_true",
-                   help="CPU: record the NumPy traces (TRACES) into --out-dir, then stop")
     p.add_argument("--schemes", action="store_true",
                    help="CPU: replay every recorded trace through each scheme: memory_schemes.csv")
     a = p.parse_args(argv)
-    if a.record_numpy or a.schemes:
-        if a.record_numpy:
-            record_numpy_traces(a.out_dir)
-        if a.schemes:
-            df = schemes(a.out_dir)
-            cols = ["trace", "allocator", "reserved_over_requested", "device_mallocs", "device_mallocs_last_step",
-                    "device_mallocs_warm", "device_frees_warm", "ns_per_pair"]
-            print(df[cols].to_string(index=False))
+    if a.schemes:
+        df = schemes(a.out_dir)
+        cols = ["trace", "allocator", "reserved_over_requested", "device_mallocs", "device_mallocs_last_step",
+                "device_mallocs_warm", "device_frees_warm", "ns_per_pair"]
+        print(df[cols].to_string(index=False))
         return
     ks = tuple(int(k) for k in a.ks.split(","))
     waste = run(pathlib.Path(a.out_dir) / "memory_waste.csv", ks, batch=a.batch, warmup=a.warmup)

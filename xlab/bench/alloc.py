@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 import xpool
 from xlab import allocators as registry, intervals
 from xlab.allocators import KIB, MIB, NoGPU
-from xlab.bench import gc_paused
+from xlab.bench import at_least, gc_paused
 from xlab.intervals import fmt_bytes
 from xlab.paths import publish
 from xlab.provenance import provenance
@@ -428,10 +428,10 @@ def main(argv=None) -> int:
                     "data/alloc_core_host.csv)")
     ap.add_argument("--host", action="store_true", help="the C core alone over host memory, on a CPU")
     ap.add_argument("--quick", action="store_true", help="fewer pairs and trials: a smoke run")
-    ap.add_argument("--trials", type=int, help=f"trials per arm, interleaved (default {TRIALS}; 2 with --quick)")
+    ap.add_argument("--trials", type=at_least(1), help=f"trials per arm, interleaved (default {TRIALS}; 2 with --quick)")
     ap.add_argument("--allocators", nargs="+", type=registry.arg,
                     help="arm names (xlab.allocators.ARMS; default: every arm of SETS['bench'] this machine can run)")
-    ap.add_argument("--sizes", nargs="+", type=int, default=list(SIZES), help="request sizes in bytes")
+    ap.add_argument("--sizes", nargs="+", type=at_least(1), default=list(SIZES), help="request sizes in bytes")
     ap.add_argument("--sweep", choices=("size", "threads", "both"), default="both",
                     help="the size sweep (1 thread), the thread sweep (64 KiB), or both (default)")
     ap.add_argument("--target-s", type=float, help=f"seconds per (trial, arm, case), in {WINDOWS} windows "
@@ -441,10 +441,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.allocators and "cupy_pool" not in args.allocators:
         ap.error("the ratios need cupy_pool among --allocators")
-    if any(n <= 0 for n in args.sizes):
-        ap.error("--sizes must be positive byte counts")
-    if args.trials is not None and args.trials < 1:
-        ap.error("--trials must be at least 1")
     if args.host and args.xpool_path:
         ap.error("--xpool-path times CuPy's path on a GPU; on a CPU, scripts/core_split_host.py compares two builds")
     if args.host:

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 import xpool
 from xlab import intervals
 from xlab.allocators import KIB, MIB
-from xlab.bench import gc_paused
+from xlab.bench import at_least, gc_paused
 from xlab.bench.alloc import rotated
 from xlab.intervals import fmt_bytes, fmt_ci
 from xlab.paths import publish
@@ -165,17 +165,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m xlab.bench.hit", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="the CSV (default data/hit_breakdown.csv, or data/hit_breakdown_host.csv "
                     "without a GPU; '' for none)")
-    ap.add_argument("--trials", type=int, default=TRIALS, help=f"trials, arms interleaved (default {TRIALS})")
-    ap.add_argument("--sizes", nargs="+", type=int, default=list(SIZES), help="request sizes in bytes")
-    ap.add_argument("--window-s", type=float, default=WINDOW_S, help=f"seconds per window (default {WINDOW_S}), "
+    ap.add_argument("--trials", type=at_least(1), default=TRIALS, help=f"trials, arms interleaved (default {TRIALS})")
+    ap.add_argument("--sizes", nargs="+", type=at_least(1), default=list(SIZES), help="request sizes in bytes")
+    ap.add_argument("--window-s", type=at_least(0.0, float), default=WINDOW_S, help=f"seconds per window (default {WINDOW_S}), "
                     f"{WINDOWS} windows per (trial, arm, size)")
     args = ap.parse_args(argv)
-    if args.trials < 1:
-        ap.error("--trials must be at least 1")
-    if any(n <= 0 for n in args.sizes):
-        ap.error("--sizes must be positive byte counts")
-    if args.window_s <= 0:
-        ap.error("--window-s must be positive")
     run(args.out, args.trials, args.sizes, args.window_s)
     return 0
 

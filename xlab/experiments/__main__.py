@@ -9,6 +9,7 @@ import sys
 
 from xlab import allocators
 from xlab.allocators import NoGPU
+from xlab.bench import at_least
 
 EXPERIMENTS = {"single": "single_gpu", "ddp": "ddp", "sweep": "sweep"}     # command -> module
 PRESETS = {   # (--quick or --cpu-smoke, the sweep) -> the settings it gives
@@ -23,7 +24,7 @@ SHOW = ["mode", "allocator", "world", "batch", "tokens_per_s", "speedup", "ratio
 def _common(p, out, steps, warmup):
     p.add_argument("--allocators", nargs="+", type=allocators.arg,
                    help="arm names (xlab.allocators.ARMS; default: allocators.SETS of the experiment)")
-    p.add_argument("--trials", type=int, default=5, help="trials per configuration, interleaved (default 5)")
+    p.add_argument("--trials", type=at_least(1), default=5, help="trials per configuration, interleaved (default 5)")
     p.add_argument("--warmup", type=int, default=warmup, help=f"untimed steps first (default {warmup})")
     p.add_argument("--config", default="reference", help="GPT config: reference, small or tiny")
     p.add_argument("--out", help=f"CSV to write (default {out}; with --cpu-smoke: none)")
@@ -64,8 +65,6 @@ def parse(argv=None):
     k.add_argument("spec")
     args = ap.parse_args(argv)
     if args.cmd != "worker":
-        if args.trials < 1:
-            ap.error("--trials must be at least 1")
         for preset in ("quick", "cpu_smoke"):
             if getattr(args, preset):
                 vars(args).update(PRESETS[preset, args.cmd == "sweep"])

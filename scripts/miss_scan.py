@@ -1,4 +1,4 @@
-"""What a growing miss costs against the number of free ranges: `python -m xlab.bench.miss_scan`.
+"""What a growing miss costs against the number of free ranges: `python scripts/miss_scan.py` (over host memory).
 
 A miss that would take a pool above its high-water mark first looks for whole free segments of its stream to
 give back (scheme xpool's release on miss).  Free ranges inside partly used segments can never go back, so
@@ -12,8 +12,14 @@ across every (n, arm); one row per trial: the median µs over its misses.
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
+import sys
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from xlab.bench import at_least  # noqa: E402
 
 N_RANGES = (100, 1_000, 10_000, 100_000, 300_000)
 ARMS = {"high_water": {}, "never": {"release_on_miss": "never"}}   # by release_on_miss
@@ -74,15 +80,13 @@ def run(n_ranges=N_RANGES, trials: int = 7, misses: int = 15, out: str | None = 
 
 
 def main(argv=None) -> int:
-    """`python -m xlab.bench.miss_scan [--out CSV] [--trials N] [--misses N] [--n-ranges N ...]`; returns 0."""
-    ap = argparse.ArgumentParser(prog="python -m xlab.bench.miss_scan", description=__doc__.split("\n\n")[0])
+    """`python scripts/miss_scan.py [--out CSV] [--trials N] [--misses N] [--n-ranges N ...]`; returns 0."""
+    ap = argparse.ArgumentParser(prog="python scripts/miss_scan.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="data/miss_scan_host.csv")
-    ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--trials", type=at_least(5), default=7, help="at least 5: a median with an interval")
     ap.add_argument("--misses", type=int, default=15)
     ap.add_argument("--n-ranges", type=int, nargs="+", default=list(N_RANGES))
     args = ap.parse_args(argv)
-    if args.trials < 5:
-        ap.error("--trials must be >= 5 (a median with an interval needs them)")
     run(n_ranges=args.n_ranges, trials=args.trials, misses=args.misses, out=args.out)
     return 0
 
