@@ -1,6 +1,6 @@
 """The expandable scheme's choices, replayed on every recorded trace (Note [Expandable segments]): its release rule
-(release_on_miss "bounded", the default since #22's seventh session, at release_bound 1.02, 1.05 and 1.10 / "never" /
-"high_water" with release_idle 64 or 0 / "always") and small blocks (up to 1 MiB) in a range of their own per
+(release_on_miss "never", the default / "bounded" at release_bound 1.02, 1.05 and 1.10 / "high_water" with
+release_idle 64 or 0 / "always") and small blocks (up to 1 MiB) in a range of their own per
 stream, as PyTorch keeps a small and a large pool, against scheme segments.  Pages of 2 MiB (an H200's) over the
 host twin; the small-block range is modelled by giving small requests a stream key of their own.  Besides the lab's
 traces, the keep-previous-step traces (KEEP_TRACES: the loop rebinds x, y, loss and grads; Note [Release on miss:
@@ -27,9 +27,10 @@ from xpool import Pool  # noqa: E402
 
 VARIANTS = {   # name -> (pool settings, small blocks on a range of their own)
     "segments": (dict(scheme="segments"), False),
-    "expandable": (dict(scheme="expandable"), False),                                  # bounded, 1.05
-    "expandable_bound_1.02": (dict(scheme="expandable", release_bound=1.02), False),
-    "expandable_bound_1.10": (dict(scheme="expandable", release_bound=1.10), False),
+    "expandable": (dict(scheme="expandable"), False),                                  # its defaults: never
+    "expandable_bounded": (dict(scheme="expandable", release_on_miss="bounded"), False),   # release_bound 1.05
+    "expandable_bound_1.02": (dict(scheme="expandable", release_on_miss="bounded", release_bound=1.02), False),
+    "expandable_bound_1.10": (dict(scheme="expandable", release_on_miss="bounded", release_bound=1.10), False),
     "expandable_high_water": (dict(scheme="expandable", release_on_miss="high_water"), False),   # the old default
     "expandable_idle0": (dict(scheme="expandable", release_on_miss="high_water", release_idle=0), False),
     "expandable_always": (dict(scheme="expandable", release_on_miss="always"), False),
@@ -43,7 +44,7 @@ VARIANTS = {   # name -> (pool settings, small blocks on a range of their own)
 KEEP_TRACES = {"gpt_b32_keep_cupy_path_numpy": "memory_trace_cupy_path_b32_keep.csv.gz",
                "gpt_b32_perparam_keep_cupy_path_numpy": "memory_trace_cupy_path_b32_perparam_keep.csv.gz"}
 DYN_TRACES = {f"dyn_{w}_h200": f"memory_trace_dyn_{w}.csv.gz" for w in (
-    "cupy_mix", "torch_varlen", "gpt_varlen", "gpt_b4", "test_b4", "test_b32_perparam")}
+    "cupy_mix", "torch_varlen", "gpt_varlen", "gpt_b4", "test_b4", "test_b32_perparam", "torch_fixed", "gpt_b32")}
 SMALL = 1 << 20
 
 

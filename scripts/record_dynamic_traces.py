@@ -1,7 +1,7 @@
 """Record the allocation timelines of the dynamic-shape benchmark's workloads on a GPU, for replay on a CPU.
 
 Each workload runs once, in a process of its own (PyTorch keeps its first allocator), under an xpool pool of
-`--scheme` with its timeline on; every request and free goes to `data/memory_trace_dyn_<workload>.csv.gz` with
+`--scheme` (its default settings) with its timeline on; every request and free goes to `data/memory_trace_dyn_<workload>.csv.gz` with
 the step it belongs to (events before the first step's end are step 0) and the run's provenance, in the columns
 `xlab.memory_study` replays (its TRACES). The GPU's own peaks and device calls ride along (`gpu_*` columns), so a
 replay on the host twin can be checked against the run it came from.
@@ -94,7 +94,7 @@ def record(name, scheme, gpu, small) -> pd.DataFrame:
     calls = sum(int(st[c].sum()) for c in ("device_mallocs", "device_frees", "device_maps", "device_unmaps")
                 if c in st)
     return tl[TIMELINE_COLUMNS].assign(
-        workload=name, scheme=scheme, steps=steps, warmup=warmup, batch=info["batch"], shape=info["shape"],
+        workload=name, scheme=scheme, release_on_miss=pool.settings.release_on_miss, steps=steps, warmup=warmup, batch=info["batch"], shape=info["shape"],
         gpu_peak_bytes_reserved=int(st["peak_bytes_reserved"].sum()),
         gpu_peak_bytes_requested=int(st["peak_bytes_requested"].sum()), gpu_device_calls=calls,
         **provenance(experiment="dynamic_trace"))

@@ -32,7 +32,7 @@ def test_unknown_workloads_and_arms_are_named():
 
 def test_xpool_arms_are_xpools_schemes_and_missing_ones_are_skipped(capsys):
     import xpool
-    assert dynamic.xpool_arms() == tuple(f"xpool_{s}" for s in xpool.SCHEMES) + ("xpool_expandable_never",)
+    assert dynamic.xpool_arms() == tuple(f"xpool_{s}" for s in xpool.SCHEMES) + ("xpool_expandable_bounded",)
     _, per = dynamic.resolve(["cupy_mix", "torch_fixed"], ["xpool_nosuch", "xpool", "cupy_pool", "torch"])
     assert "skipping xpool_nosuch: this xpool has no such scheme" in capsys.readouterr().out
     assert per == {"cupy": ("xpool", "cupy_pool"), "torch": ("xpool", "torch")}
@@ -90,7 +90,7 @@ def test_row_takes_bytes_and_calls_from_the_run_that_counted_them():
     assert alone["counted_in"] == "timed run" and alone["ms_per_step"] == 900.0 and alone["dynamic"] is True
     blank = dynamic.build_row(0, 0, "cupy_mix", "numpy", timed, timed, 0, opts)
     assert math.isnan(blank["device_calls_per_step"]) and math.isnan(blank["reserved_over_requested"])
-    assert set(dynamic.COLUMNS) == set(row)
+    assert set(dynamic.COLUMNS) | {"release_on_miss"} == set(row)
 
 
 def test_xpool_device_calls_are_its_mallocs_and_frees():

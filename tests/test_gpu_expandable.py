@@ -87,11 +87,10 @@ def test_empty_cache_gives_pages_back_to_the_device(vm):
 
 
 GROWS = pytest.mark.xfail(strict=True, reason=(
-    "on an H200 (625e2bb83124, release_on_miss bounded; data/logs/seventh_gpu.tgz), a loop that keeps the "
-    "previous step's loss and grads alive while the next one runs still maps after the 5 warm-up steps: batch 4 "
-    "maps and unmaps 1-2 page runs every other step (steps 5-9: 4 maps, 5 unmaps; under 'never' 2 maps, no "
-    "unmap), batch 32 with per-parameter AdamW maps 1 run at step 5 and then nothing (replayed exactly from "
-    "data/memory_trace_dyn_test_*.csv.gz): NOTES.md, Note [Release on miss: expandable]"))
+    "on an H200 (0edc20636cd1 and 4f7e0ee8266f, release_on_miss never), a loop that keeps the previous step's "
+    "loss and grads alive while the next one runs still grows after the 5 warm-up steps: batch 4 maps 1 page run "
+    "at steps 7 and 8, batch 32 with per-parameter AdamW 1 at step 5, then nothing, and unmaps none (replayed to "
+    "the call from data/memory_trace_dyn_test_*.csv.gz): NOTES.md, Note [Release on miss: expandable]"))
 
 
 @pytest.mark.parametrize("batch,foreach", [pytest.param(4, True, marks=GROWS), (32, True),

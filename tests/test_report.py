@@ -376,11 +376,12 @@ def test_dynamic_targets_judge_xpool_against_the_fastest_peer_paired_by_trial(tr
     df.to_csv(trial_data / "dynamic_shapes.csv", index=False)
     assert {m.row.key: m for m in targets.judged(trial_data)[0]}["dyn_ms_torch_fixed"].ref != fastest
     best = rows["dyn_ror_best_torch_varlen"]
-    assert best.at == "xpool_expandable" and best.value == pytest.approx(1.04, rel=1e-3) and best.verdict == iv.MET
+    assert best.at == "xpool_expandable_bounded" and best.value == pytest.approx(1.04, rel=1e-3) and best.verdict == iv.MET
     assert rows["dyn_ror_torch_varlen"].value == pytest.approx(1.31, rel=1e-3)     # the default scheme's own row
     assert rows["dyn_calls_cupy_mix"].verdict == iv.MISSED
-    calls = rows["dyn_calls_expandable_torch_varlen"]      # the expandable scheme's calls are judged too
+    calls = rows["dyn_calls_expandable_bounded_torch_varlen"]      # the expandable arms' calls are judged too
     assert calls.value == pytest.approx(0.4) and calls.verdict == iv.MISSED
+    assert rows["dyn_calls_expandable_torch_varlen"].verdict == iv.MET
 
 
 def test_the_dynamic_section_and_headline_are_there_only_with_the_csv(trial_data):
@@ -390,8 +391,8 @@ def test_the_dynamic_section_and_headline_are_there_only_with_the_csv(trial_data
     expandable = df[(df["allocator"] == "torch_expandable") & (df["workload"] == "torch_varlen")]
     assert (f"(PyTorch with expandable segments torch_varlen: {expandable['reserved_over_requested'].median():.3f})"
             in _headline(page, "Dynamic shapes"))
-    never = df[(df["allocator"] == "xpool_expandable_never") & df["dynamic"]].groupby("workload", sort=False)
-    held = ", ".join(f"{w}: {v:.3f}" for w, v in never["reserved_over_requested"].median().items())
+    bounded = df[(df["allocator"] == "xpool_expandable_bounded") & df["dynamic"]].groupby("workload", sort=False)
+    held = ", ".join(f"{w}: {v:.3f}" for w, v in bounded["reserved_over_requested"].median().items())
     assert f"it holds {held} for" in _headline(page, "Dynamic shapes, the expandable scheme")
     (trial_data / "dynamic_shapes.csv").write_text(df[~df["allocator"].str.startswith("xpool_expandable")].to_csv())
     page = _page(trial_data)                  # a CSV without the expandable arms: that headline alone goes

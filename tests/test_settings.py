@@ -152,6 +152,7 @@ def test_segment_tunables_take_byte_text(monkeypatch):
 def test_the_release_bound_takes_numbers_and_text(monkeypatch):
     assert Settings(release_bound=2).release_bound == 2.0 and Settings().release_bound == 1.05
     monkeypatch.setenv("XPOOL_RELEASE_BOUND", " 1.2 ")
+    monkeypatch.setenv("XPOOL_RELEASE_ON_MISS", "bounded")
     s = Settings(scheme="expandable")
     assert (s.release_on_miss, s.release_bound, s.source("release_bound")) == ("bounded", 1.2, "XPOOL_RELEASE_BOUND")
     with pytest.raises(ValueError, match="^release_bound=1.1 applies to schemes 'segments' and 'expandable' only"):

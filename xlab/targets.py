@@ -24,7 +24,7 @@ import xpool
 
 from . import intervals as iv, sources
 from .allocators import DEFAULT_SCHEME, SETS
-from .bench.dynamic import WORKLOADS
+from .bench.dynamic import WORKLOADS, xpool_arms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +58,12 @@ W2T, W2P = dict(mode="threads", world=2), dict(mode="processes", world=2)
 
 
 def _dynamic() -> list:
-    """#22's targets per workload of xlab.bench.dynamic: xpool's default scheme, its best for memory, and the
-    device calls of the expandable scheme (the one that trades them for memory: Note [Release on miss: expandable])."""
-    schemes = tuple(f"xpool_{s}" for s in xpool.SCHEMES)
+    """#22's targets per workload of xlab.bench.dynamic: xpool's default scheme, its best arm for memory, and the
+    device calls of the expandable arms (what "bounded" trades for memory: Note [Release on miss: expandable])."""
+    schemes = xpool_arms()
     default, best = dict(arm=XD), dict(arm=schemes, over=("allocator",), pick="best")
     ror = dict(kind=DYN, metric="reserved_over_requested", higher=False, fmt="{:.3f}", exact=True, bound="—")
-    who = (("", "xpool", default), ("_best", "the best xpool scheme: {at}", best))
+    who = (("", "xpool", default), ("_best", "the best xpool arm: {at}", best))
     rows = []
     for w, spec in WORKLOADS.items():
         on = dict(where=dict(workload=w))
@@ -72,7 +72,7 @@ def _dynamic() -> list:
                        **arms, **on, **ror) for k, name, arms in who]
             rows += [T(f"dyn_calls{k}_{w}", f"#22, {w}: device calls per step once warm = 0 ({name})", DYN,
                        "device_calls_per_step", arm, 0.0, False, fmt="{:.3g}", exact=True, bound="—", **on)
-                     for k, name, arm in (("", "xpool", XD), ("_expandable", "xpool_expandable", "xpool_expandable"))]
+                     for k, name, arm in (("", "xpool", XD), *((f"_{a[6:]}", a, a) for a in schemes if "expandable" in a))]
         rows.append(T(f"dyn_ms_{w}", f"#22, {w}: ms per step ≤ the fastest peer's ({{ref}}; xpool, paired by trial)",
                       DYN, "ms_per_step", XD, 1.0, False, ref=dict(allocator=PEERS), unit="×", fmt="{:.3f}", **on))
     on = dict(where=dict(workload="torch_varlen"), ref=dict(allocator="torch_expandable"), goal=1.0, unit="×")
@@ -197,7 +197,7 @@ TARGETS = (
       where=dict(dynamic=True), over=("workload",), pick="each", fmt="{:.3g}", exact=True),
     *(T(f"dyn_h_{k}{m}", f"the expandable scheme{label}: {what}, by dynamic workload", DYN, metric, f"xpool_{n}",
         where=dict(dynamic=True), over=("workload",), pick="each", fmt=fmt, exact=True)
-      for k, n, label in (("xe", "expandable", ""), ("xe_never", "expandable_never", ", nothing unmapped on a miss"))
+      for k, n, label in (("xe", "expandable", ""), ("xe_bounded", "expandable_bounded", ", release_on_miss bounded"))
       for m, what, metric, fmt in (("", "peak reserved / requested", "reserved_over_requested", "{:.3f}"),
                                    ("_calls", "device calls per step once warm", "device_calls_per_step", "{:.2g}"))),
     T("dyn_h_ms", "xpool ms per step / the fastest peer's, by workload", DYN, "ms_per_step", XD, higher=False,

@@ -61,9 +61,9 @@ DEFAULTS = {
     "release_idle": 64,
     "release_bound": 1.05,             # "bounded": Note [Release on miss: expandable]
 }
-# A scheme's own defaults where it differs from DEFAULTS.  Expandable: a miss over release_bound times the most
-# bytes ever requested unmaps free pages first (Note [Release on miss: expandable])
-SCHEME_DEFAULTS = {"expandable": {"release_on_miss": "bounded"}}
+# A scheme's own defaults where it differs from DEFAULTS.  Expandable: a miss unmaps nothing, as PyTorch's
+# expandable segments ("bounded" churns on fixed shapes: Note [Release on miss: expandable])
+SCHEME_DEFAULTS = {"expandable": {"release_on_miss": "never"}}
 HELP = {
     "scheme": "how blocks are made: 'segments' (best fit in segments), 'seed' (size classes) or 'expandable' "
               "(best fit in pages mapped into reserved address ranges)",
@@ -119,10 +119,11 @@ class Settings:
         release_on_miss (str): schemes segments and expandable: what a miss gives back first
             (``XPOOL_RELEASE_ON_MISS``): ``"high_water"`` (scheme segments' default) just enough idle whole
             free segments (expandable: whole free pages) of its stream to stay at the pool's high-water mark;
-            ``"never"`` (pages go back on ``empty_cache``/``trim`` and out of memory only); ``"always"`` every
-            whole free segment (page) of its stream; ``"bounded"`` (scheme expandable's default) just enough
+            ``"never"`` (scheme expandable's default: pages go back on ``empty_cache``/``trim`` and out of
+            memory only); ``"always"`` every whole free segment (page) of its stream; ``"bounded"`` just enough
             whole free segments (pages) of its stream, however recently freed, to keep the pool within
-            ``release_bound`` of the most bytes ever requested.
+            ``release_bound`` of the most bytes ever requested (less memory for shapes that keep changing, but
+            device calls every step on some fixed-shape programs: Note [Release on miss: expandable]).
         release_idle (int): schemes segments and expandable with ``"high_water"``: requests a whole free
             segment (a free block's pages) must have stayed free and unchanged before a miss may give it back
             (``XPOOL_RELEASE_IDLE``; default 64).

@@ -69,9 +69,9 @@ COLUMNS = ["trial", "workload", "dynamic", "framework", "allocator", "peak_reser
 
 # --- arms
 def xpool_arms() -> tuple:
-    """`xpool_<scheme>` for every scheme this xpool has (xpool.SCHEMES), and the expandable scheme's release rule
-    before #22's bound (`xpool_expandable_never`)."""
-    return tuple(f"xpool_{s}" for s in xpool.SCHEMES) + ("xpool_expandable_never",) * ("expandable" in xpool.SCHEMES)
+    """`xpool_<scheme>` for every scheme this xpool has (xpool.SCHEMES), and the expandable scheme with
+    release_on_miss "bounded" (`xpool_expandable_bounded`)."""
+    return tuple(f"xpool_{s}" for s in xpool.SCHEMES) + ("xpool_expandable_bounded",) * ("expandable" in xpool.SCHEMES)
 
 
 def resolve(workloads=None, arms=None, cpu: bool = False) -> tuple[list, dict]:
@@ -199,6 +199,13 @@ def _version(*names) -> str | None:
     return None
 
 
+def release_rule(arm) -> str | None:
+    """The release_on_miss an xpool arm ran with (its settings over the environment's), None for the others: the
+    rows say which rule ran, whatever a later default is."""
+    row = registry.arm(arm)
+    return xpool.Settings(**dict(row.kwargs)).release_on_miss if row.make is registry.XPool else None
+
+
 def build_row(trial, position, workload, arm, timed, counted, at_start, opts) -> dict:
     """One row: bytes from the run that counted them, device calls from the counting run, time from the timed."""
     spec, (steps, warmup, seed) = WORKLOADS[workload], _settings(workload, opts)
@@ -211,7 +218,7 @@ def build_row(trial, position, workload, arm, timed, counted, at_start, opts) ->
                 device_calls_per_step=calls / steps, device_calls=calls, ms_per_step=1000 * timed["seconds"] / steps,
                 steps=steps, warmup=warmup, seed=seed, batch=timed["batch"], shape=timed["shape"],
                 counted_in="timed run" if counted is timed else "counting run", reserved_at_start_bytes=at_start,
-                position=position, gc_ms_per_step=1000 * timed["gc_seconds"] / steps)
+                position=position, gc_ms_per_step=1000 * timed["gc_seconds"] / steps, release_on_miss=release_rule(arm))
 
 
 # --- the run
