@@ -506,6 +506,9 @@ def soak_expandable(seed: int, workers: int, ops: int, debug, capturing_device):
     t_malloc, t_free, t_last = _torch_entry_points()
     if capturing_device is not None:
         twin.set_capturing(capturing_device, True)     # nothing may be unmapped there, for the whole run
+    # ranges are reserved mostly at the start: a reserve fault the faults thread arms later may find no reserve
+    # left to fail (a CI run did), so the first one is armed before the workers start
+    twin.fail_reserves(1)
     menu = [random_size(random.Random(seed * 7 + j)) for j in range(24)]
     errors, stop, most = [], threading.Event(), [0] * DEVICES
     outcomes = {"allocated": 0, "refused": 0, "torch": 0}
