@@ -16,6 +16,7 @@ loss and grads alive while the next one runs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import pathlib
 import sys
 import time
@@ -76,12 +77,12 @@ def record(name, scheme, gpu, small) -> pd.DataFrame:
         if gpu:
             xpool.enable_torch(pool=pool)
             sync = torch.cuda.synchronize
-        ctx = _nothing()
+        ctx = contextlib.nullcontext()
     else:
         if gpu:
             import cupy
             sync = cupy.cuda.Device().synchronize
-        ctx = xpool.use(pool) if gpu else _nothing()
+        ctx = xpool.use(pool) if gpu else contextlib.nullcontext()
     with ctx:
         info = fn(steps, warmup, 0, Window(lambda: 0, sync), gpu, small,
                   after_step=lambda: marks.append(time.monotonic_ns()))
@@ -98,14 +99,6 @@ def record(name, scheme, gpu, small) -> pd.DataFrame:
         gpu_peak_bytes_reserved=int(st["peak_bytes_reserved"].sum()),
         gpu_peak_bytes_requested=int(st["peak_bytes_requested"].sum()), gpu_device_calls=calls,
         **provenance(experiment="dynamic_trace"))
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main(argv=None) -> int:

@@ -576,8 +576,7 @@ static int release_for_miss(Allocator *A, DevicePool *pool, intptr_t stream, siz
     Block **blocks = malloc(cap * sizeof(Block *));
     if (!blocks) { pthread_mutex_unlock(&pool->lock); PyErr_NoMemory(); return -1; }
     SegDelta d = {0, 0};
-    seg_take_whole_need(&pool->segs, stream, excess,   /* "bounded": the bound alone, at any age */
-                        A->release_on_miss == XP_RELEASE_HIGH_WATER ? A->release_idle : 0, blocks, &n, cap, &d);
+    seg_take_whole_need(&pool->segs, stream, excess, miss_min_idle(A), blocks, &n, cap, &d);
     apply_delta(&pool->st, d);
     for (size_t i = 0; i < n; i++) pool->st.bytes_releasing += blocks[i]->size;
     pthread_mutex_unlock(&pool->lock);

@@ -403,6 +403,13 @@ long long empty_cache(Allocator *A, DevicePool *pool, XpGil *g);
 void reset_miss_budget(DevicePool *pool);
 uint64_t miss_mark(const Allocator *A, const DevicePool *pool, size_t requested);
 
+/* Requests a free segment (expandable: a free block's pages) must have stayed unchanged before a miss may give it
+ * back: release_idle under "high_water"; "bounded" and "always" take any age (Note [Release on miss]). */
+static inline uint64_t miss_min_idle(const Allocator *A)
+{
+    return A->release_on_miss == XP_RELEASE_HIGH_WATER ? A->release_idle : 0;
+}
+
 PyObject *block_info(const Block *b, size_t requested);
 
 /* The debug hook (a new reference, NULL when off) and its tail, as one pair; drop_hook() drops it keeping

@@ -323,7 +323,7 @@ int vm_try(Allocator *A, DevicePool *pool, Climb *c, XpGil *g)
     uint64_t need = c->step == 0 ? vm_miss_excess(A, pool, after, c->requested) : 0;
     pthread_mutex_unlock(&pool->lock);
     if (need) {   /* a failed unmap leaves its pages cached: the miss goes on */
-        XeRelease idle = {0, c->stream, need, A->release_on_miss == XP_RELEASE_HIGH_WATER ? A->release_idle : 0};
+        XeRelease idle = {0, c->stream, need, miss_min_idle(A)};
         VmFault ignored = {0};
         uint64_t got = vm_release(A, pool, &idle, c->stream, 0, g, &ignored);
         pthread_mutex_lock(&pool->lock);
