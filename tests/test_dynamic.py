@@ -71,7 +71,8 @@ def test_plan_leaves_out_what_is_done():
 # --- rows and device calls
 
 def _run_dict(**kw):
-    d = dict(batch=4, shape="T 256", seconds=0.5, calls=None, gc_seconds=0.01, reserved=None, requested=None)
+    d = dict(batch=4, shape="T 256", seconds=0.5, calls=None, gc_seconds=0.01, reserved=None, requested=None,
+             steady=None)
     d.update(kw)
     return d
 
@@ -91,6 +92,31 @@ def test_row_takes_bytes_and_calls_from_the_run_that_counted_them():
     blank = dynamic.build_row(0, 0, "cupy_mix", "numpy", timed, timed, 0, opts)
     assert math.isnan(blank["device_calls_per_step"]) and math.isnan(blank["reserved_over_requested"])
     assert set(dynamic.COLUMNS) | {"release_on_miss"} == set(row)
+
+
+def test_steady_state_starts_after_the_demands_last_new_high():
+    # (calls so far, peak requested so far) after each of 8 steps, 2 of them warm-up; the demand last rises at step 4
+    probes = [(3, 100), (4, 100), (5, 120), (5, 120), (7, 150), (7, 150), (8, 150), (8, 150)]
+    assert dynamic.steady_state(probes, 2) == dict(demand_peak_step=4, steady_steps=3, device_calls_steady=1)
+    flat = [(3, 100)] + [(3 + i // 3, 100) for i in range(1, 8)]       # peak at step 0: every timed step counts
+    assert dynamic.steady_state(flat, 2) == dict(demand_peak_step=0, steady_steps=6, device_calls_steady=2)
+    rising = [(i, 100 + i) for i in range(5)]                          # no step after the last new high
+    assert dynamic.steady_state(rising, 1)["steady_steps"] == 0
+    assert math.isnan(dynamic.steady_state(rising, 1)["device_calls_steady"])
+    for uncounted in ([], [(None, 100), (1, 100)], [(1, None), (1, None)]):
+        assert all(math.isnan(v) for v in dynamic.steady_state(uncounted, 1).values())
+
+
+def test_row_gives_device_calls_per_steady_step():
+    opts = dict(steps=6, warmup=2, seed=0)
+    probes = [(3, 100), (4, 100), (5, 120), (5, 120), (7, 150), (7, 150), (8, 150), (8, 150)]
+    counted = _run_dict(calls=4, reserved=200, requested=150, steady=dynamic.steady_state(probes, 2))
+    row = dynamic.build_row(0, 0, "cupy_mix", "xpool", counted, counted, 0, opts)
+    assert row["device_calls_per_step"] == 4 / 6 and row["device_calls_per_steady_step"] == 1 / 3
+    assert (row["steady_steps"], row["demand_peak_step"], row["device_calls_steady"]) == (3, 4, 1)
+    rising = counted | dict(steady=dynamic.steady_state([(i, 100 + i) for i in range(8)], 2))
+    none = dynamic.build_row(0, 0, "cupy_mix", "xpool", rising, rising, 0, opts)
+    assert math.isnan(none["device_calls_per_steady_step"])
 
 
 def test_xpool_device_calls_are_its_mallocs_and_frees():
@@ -258,6 +284,8 @@ def test_quick_run_on_the_gpu(tmp_path):
     assert len(df) == 2 * (len(arms) - 2) + 3         # xpool runs torch_varlen too
     assert (df.peak_reserved_bytes >= df.peak_requested_bytes).all() and (df.peak_requested_bytes > 0).all()
     assert (df.device_calls_per_step >= 0).all() and (df.ms_per_step > 0).all()
-    assert set(df[df.allocator.isin(["cupy_pool", "cupy_async"])].counted_in) == {"counting run"}
+    assert set(df[df.framework == "cupy"].counted_in) == {"counting run"}     # the probed run
+    assert df.steady_steps.notna().all() and df.steady_steps.between(0, 3).all()    # every arm probed
+    assert (df.device_calls_steady <= df.device_calls).all()
     assert (df[df.allocator == "cupy_async"].device_calls_per_step > 0).all()    # a call per request, warm or not
     assert (df[df.framework == "torch"].reserved_at_start_bytes == 0).all()

@@ -252,9 +252,10 @@ def check_dynamic_shapes(fig, data):
     frameworks = list(dict.fromkeys(df["framework"]))
     for j, f in enumerate(frameworks):
         sub = df[df["framework"] == f]
-        ror, calls, speed = fig.axes[j::len(frameworks)]
+        ror, steady, calls, speed = fig.axes[j::len(frameworks)]
         tick = str.partition                                     # 'cupy_mix\n(varying shapes)' -> 'cupy_mix'
-        for ax, rows, col in ((ror, sub, "reserved_over_requested"), (calls, sub, "device_calls_per_step"),
+        for ax, rows, col in ((ror, sub, "reserved_over_requested"), (steady, sub, "device_calls_per_steady_step"),
+                              (calls, sub, "device_calls_per_step"),
                               (speed, ratio[ratio["workload"].isin(set(sub["workload"]))], "r")):
             bar_panel(fig, ax, rows, "workload", col, lambda t: tick(t, "\n")[0])
 

@@ -561,27 +561,31 @@ def memory_timeline(df: pd.DataFrame, step: int | None = None) -> Figure:
 
 # --- dynamic shapes
 DYNAMIC_PANELS = (("reserved_over_requested", "peak reserved / peak requested (dotted: 1.05)", "{:.3f}", 1.05),
-                  ("device_calls_per_step", "device calls per step once warm (symlog scale)", "{:.3g}", None),
+                  ("device_calls_per_steady_step", "device calls per step in steady state (symlog scale)", "{:.3g}",
+                   None),
+                  ("device_calls_per_step", "device calls per timed step (symlog scale)", "{:.3g}", None),
                   ("ratio", "ms per step / the fastest peer's, paired by trial (dotted: 1)", "{:.2f}", 1.0))
 
 
 def dynamic_shapes(df: pd.DataFrame) -> Figure:
     """Per workload and arm, CuPy's left and PyTorch's right: peak reserved / peak requested, device calls per step
-    once warm, and ms per step over the fastest peer's (ratio of medians over paired trials, as the targets judge)."""
+    in steady state and per timed step, and ms per step over the fastest peer's (ratio of medians over paired
+    trials, as the targets judge)."""
     d = labelled(df)
     ratio = labelled(intervals.paired_best(d, "ms_per_step", "allocator", allocators.SETS["dynamic"], ["workload"],
                                            higher=False))
     shapes = {w: "varying" if str(v) == "True" else "fixed" for w, v in zip(d["workload"], d["dynamic"])}
     frameworks = [f for f in ("cupy", "torch") if f in set(d["framework"])]
     n = [d.loc[d["framework"] == f, "workload"].nunique() for f in frameworks]
-    fig, axes = _figure(3, len(frameworks), size=(4 + 2.3 * sum(n), 13), gridspec_kw=dict(width_ratios=n))
+    fig, axes = _figure(len(DYNAMIC_PANELS), len(frameworks), size=(4 + 2.3 * sum(n), 17),
+                        gridspec_kw=dict(width_ratios=n))
     for j, f in enumerate(frameworks):
         order = list(dict.fromkeys(d.loc[d["framework"] == f, "workload"]))
         axes[0][j].set_title(f"{'CuPy' if f == 'cupy' else 'PyTorch'} workloads", fontsize=11)
         for ax, (col, ylabel, fmt, line) in zip(axes[:, j], DYNAMIC_PANELS):
             rows = (ratio if col == "ratio" else d)
-            rows = rows[rows["workload"].isin(order)].dropna(subset=[col])
-            if not len(rows):
+            rows = rows[rows["workload"].isin(order)].dropna(subset=[col]) if col in rows else rows.iloc[:0]
+            if not len(rows):          # (a CSV from before the steady-state probes has no such column)
                 _empty(ax, f"no {col} measured")
                 continue
             bars(ax, rows, "workload", col, order, fmt=fmt.format, labels=lambda w: f"{w}\n({shapes[w]} shapes)",
@@ -589,10 +593,11 @@ def dynamic_shapes(df: pd.DataFrame) -> Figure:
             ax.set_ylabel(ylabel)
             if line:
                 ax.axhline(line, color="black", ls=":", lw=1)
-            if col == "device_calls_per_step":
+            if col.startswith("device_calls"):
                 ax.set_yscale("symlog", linthresh=1)      # 0 for a warm pool, hundreds for cudaMallocAsync
     return _finish(fig, "Dynamic shapes: memory held, device calls and speed of each allocator", d,
-                   "A device call: a cudaMalloc, cudaFree, map or unmap (NOTES.md, Note [Dynamic-shape benchmark]). "
+                   "A device call: a cudaMalloc, cudaFree, map or unmap; steady state: the timed steps after the "
+                   "step where the demand last rose (NOTES.md, Note [Dynamic-shape benchmark]). "
                    + trials_note(d, ["workload", "allocator"]), legend_from=list(axes.flat), ncol=4)
 
 

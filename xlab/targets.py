@@ -70,8 +70,8 @@ def _dynamic() -> list:
         if spec.dynamic:
             rows += [T(f"dyn_ror{k}_{w}", f"#22, {w}: peak reserved / peak requested ≤ 1.05 ({name})", goal=1.05,
                        **arms, **on, **ror) for k, name, arms in who]
-            rows += [T(f"dyn_calls{k}_{w}", f"#22, {w}: device calls per step once warm = 0 ({name})", DYN,
-                       "device_calls_per_step", arm, 0.0, False, fmt="{:.3g}", exact=True, bound="—", **on)
+            rows += [T(f"dyn_calls{k}_{w}", f"#22, {w}: device calls per step in steady state = 0 ({name})", DYN,
+                       "device_calls_per_steady_step", arm, 0.0, False, fmt="{:.3g}", exact=True, bound="—", **on)
                      for k, name, arm in (("", "xpool", XD), *((f"_{a[6:]}", a, a) for a in schemes if "expandable" in a))]
         rows.append(T(f"dyn_ms_{w}", f"#22, {w}: ms per step ≤ the fastest peer's ({{ref}}; xpool, paired by trial)",
                       DYN, "ms_per_step", XD, 1.0, False, ref=dict(allocator=PEERS), unit="×", fmt="{:.3f}", **on))
@@ -193,13 +193,19 @@ TARGETS = (
       where=dict(dynamic=True), over=("workload",), pick="each", fmt="{:.3f}", exact=True),
     T("dyn_h_expandable", "the same, PyTorch's expandable segments", DYN, "reserved_over_requested",
       "torch_expandable", where=dict(dynamic=True), over=("workload",), pick="each", fmt="{:.3f}", exact=True),
-    T("dyn_h_calls", "xpool device calls per step once warm, by dynamic workload", DYN, "device_calls_per_step", XD,
+    T("dyn_h_calls", "xpool device calls per step in steady state, by dynamic workload", DYN,
+      "device_calls_per_steady_step", XD, where=dict(dynamic=True), over=("workload",), pick="each", fmt="{:.3g}",
+      exact=True),
+    T("dyn_h_calls_timed", "xpool device calls per timed step, by dynamic workload", DYN, "device_calls_per_step", XD,
       where=dict(dynamic=True), over=("workload",), pick="each", fmt="{:.3g}", exact=True),
+    T("dyn_h_peak_step", "the step of the demand's last new high under xpool, by dynamic workload", DYN,
+      "demand_peak_step", XD, where=dict(dynamic=True), over=("workload",), pick="each", fmt="{:.0f}", exact=True),
     *(T(f"dyn_h_{k}{m}", f"the expandable scheme{label}: {what}, by dynamic workload", DYN, metric, f"xpool_{n}",
         where=dict(dynamic=True), over=("workload",), pick="each", fmt=fmt, exact=True)
       for k, n, label in (("xe", "expandable", ""), ("xe_bounded", "expandable_bounded", ", release_on_miss bounded"))
       for m, what, metric, fmt in (("", "peak reserved / requested", "reserved_over_requested", "{:.3f}"),
-                                   ("_calls", "device calls per step once warm", "device_calls_per_step", "{:.2g}"))),
+                                   ("_calls", "device calls per step in steady state", "device_calls_per_steady_step",
+                                    "{:.2g}"))),
     T("dyn_h_ms", "xpool ms per step / the fastest peer's, by workload", DYN, "ms_per_step", XD, higher=False,
       ref=dict(allocator=PEERS), over=("workload",), pick="each", unit="×"),
     T("torch_step", "PyTorch's training step, xpool / PyTorch's allocator (tokens/s)", "torch_interop.csv", "value", X,
