@@ -280,7 +280,8 @@ results live a random number of steps; tapegpt's GPT and a PyTorch `TransformerE
 sequence length drawn every step), beside fixed-shape controls (the GPT at batch 32 and 4, the PyTorch model at one
 length), under every peer (CuPy's `MemoryPool` and `MemoryAsyncPool`, RMM's pool; PyTorch's caching allocator with
 and without `expandable_segments:True`) and every xpool scheme: peak reserved over peak requested, device calls per
-step once warm, and ms per step over the fastest peer's in the same trial. Trials interleaved, each arm a process of
+timed step and per step in steady state (after the demand's last new high), and ms per step over the fastest peer's
+in the same trial. Trials interleaved, each arm a process of
 its own. Measured by `python -m xlab.bench.dynamic` (`data/dynamic_shapes.csv`); on a GPU this notebook runs a quick
 pass by default (one trial of a few steps: checks the code, not numbers to quote).
 ''' + header("06_dynamic_shapes", "-p quick False")),

@@ -211,6 +211,25 @@ def test_torch_fixed_trains_at_one_length(monkeypatch):
     assert {T for _, T in seen} == {16} and len(seen) == 4 and info["shape"] == "T 16"
 
 
+def test_resnet_trains_at_the_seeded_sizes_on_the_cpu(monkeypatch):
+    import torch
+    seen, randn = [], torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *a, **k: seen.append(a) or randn(*a, **k))
+    info = dynamic.WORKLOADS["resnet_varres"].fn(4, 2, 5, _window(), gpu=False, small=True)
+    assert info == dict(batch=2, shape="16-28 px by 4")
+    images = [a for a in seen if len(a) == 4 and a[1] == 3]
+    assert [a[2] for a in images] == wl.lengths(6, 16, 28, seed=5, multiple=4) and all(a[2] == a[3] for a in images)
+    seen.clear()
+    assert dynamic.WORKLOADS["resnet_fixed"].fn(2, 1, 0, _window(), gpu=False, small=True)["shape"] == "28 px"
+    assert {a[2:] for a in seen if len(a) == 4} == {(28, 28)}
+
+
+def test_resnet_is_resnet18():
+    from torch import nn
+    m = wl._resnet18(nn, 64, (2, 2, 2, 2), 1000)
+    assert sum(p.numel() for p in m.parameters()) == 11_689_512       # torchvision's resnet18, 1000 classes
+
+
 def test_cupy_mix_on_numpy_keeps_results_and_repeats_from_the_seed(monkeypatch):
     made = []
     real_sort = np.sort
@@ -278,14 +297,15 @@ def test_quick_run_on_the_gpu(tmp_path):
     pytest.importorskip("torch")
     arms = ["cupy_pool", "cupy_async", "xpool", "torch", "torch_expandable"] + ["rmm_pool"] * bool(
         importlib.util.find_spec("rmm"))
-    df = dynamic.run(["cupy_mix", "gpt_b4", "torch_varlen"], arms, trials=1, steps=3, warmup=2,
+    df = dynamic.run(["cupy_mix", "gpt_b4", "torch_varlen", "resnet_varres"], arms, trials=1, steps=3, warmup=2,
                      out=tmp_path / "d.csv", start="spawn", progress=False)
     assert not df.attrs["failed"]
-    assert len(df) == 2 * (len(arms) - 2) + 3         # xpool runs torch_varlen too
+    assert len(df) == 2 * (len(arms) - 2) + 2 * 3     # xpool runs the PyTorch workloads too
     assert (df.peak_reserved_bytes >= df.peak_requested_bytes).all() and (df.peak_requested_bytes > 0).all()
     assert (df.device_calls_per_step >= 0).all() and (df.ms_per_step > 0).all()
     assert set(df[df.framework == "cupy"].counted_in) == {"counting run"}     # the probed run
     assert df.steady_steps.notna().all() and df.steady_steps.between(0, 3).all()    # every arm probed
-    assert (df.device_calls_steady <= df.device_calls).all()
+    assert (df.device_calls_steady.fillna(0) <= df.device_calls).all()
+    assert (df.device_calls_steady.isna() == (df.steady_steps == 0)).all()   # no steady step: no count
     assert (df[df.allocator == "cupy_async"].device_calls_per_step > 0).all()    # a call per request, warm or not
     assert (df[df.framework == "torch"].reserved_at_start_bytes == 0).all()

@@ -75,9 +75,10 @@ def _dynamic() -> list:
                      for k, name, arm in (("", "xpool", XD), *((f"_{a[6:]}", a, a) for a in schemes if "expandable" in a))]
         rows.append(T(f"dyn_ms_{w}", f"#22, {w}: ms per step ≤ the fastest peer's ({{ref}}; xpool, paired by trial)",
                       DYN, "ms_per_step", XD, 1.0, False, ref=dict(allocator=PEERS), unit="×", fmt="{:.3f}", **on))
-    on = dict(where=dict(workload="torch_varlen"), ref=dict(allocator="torch_expandable"), goal=1.0, unit="×")
-    return rows + [T(f"dyn_vs_expandable{k}", f"#22, torch_varlen: peak reserved / peak requested ≤ PyTorch's "
-                     f"with expandable segments ({name}; paired by trial)", **arms, **on, **ror)
+    ref = dict(ref=dict(allocator="torch_expandable"), goal=1.0, unit="×")
+    return rows + [T(f"dyn_vs_expandable{k}_{w}", f"#22, {w}: peak reserved / peak requested ≤ PyTorch's "
+                     f"with expandable segments ({name}; paired by trial)", **arms, where=dict(workload=w), **ref, **ror)
+                   for w, spec in WORKLOADS.items() if spec.framework == "torch" and spec.dynamic
                    for k, name, arms in who]
 
 

@@ -55,6 +55,8 @@ WORKLOADS = {
     "gpt_b4": Workload("cupy", False, partial(wl.gpt, batch=4, lo=256), 20, 3),
     "torch_varlen": Workload("torch", True, partial(wl.torch_lm, lo=64, hi=512), 30, 5),
     "torch_fixed": Workload("torch", False, partial(wl.torch_lm, lo=256), 30, 5),
+    "resnet_varres": Workload("torch", True, partial(wl.resnet, lo=128, hi=224), 30, 5),
+    "resnet_fixed": Workload("torch", False, partial(wl.resnet, lo=224), 30, 5),
 }
 PEERS_ALL = registry.SETS["dynamic"]
 PEERS = {f: tuple(a for a in PEERS_ALL if registry.arm(a).framework == f) for f in ("cupy", "torch")}
@@ -326,9 +328,11 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
                         kind="stable")
     out = df[keys].drop_duplicates().reset_index(drop=True)
     for col, label, fmt in (("reserved_over_requested", "reserved/requested", "{:.3f}"),
-                            ("device_calls_per_step", "calls/step", "{:.1f}"),
-                            ("device_calls_per_steady_step", "calls/steady step", "{:.2f}"),
+                            ("device_calls_per_step", "calls/step", "{:.3g}"),
+                            ("device_calls_per_steady_step", "calls/steady step", "{:.3g}"),
                             ("ms_per_step", "ms/step", "{:.2f}")):
+        if col not in df:                      # a CSV from before the steady-state probes
+            continue
         s = intervals.summarize(df, keys, col)
         out[label] = [intervals.fmt_ci(v, lo, hi, fmt) for v, lo, hi in zip(s[col], s[col + "_lo"], s[col + "_hi"])]
     ratio = {(r.workload, r.allocator): "the fastest peer" if r.allocator == r.reference else

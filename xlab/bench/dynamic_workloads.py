@@ -6,6 +6,8 @@ models that run in seconds on a CPU.
 - cupy_mix: rfft, sort, cumsum and matmul of random sizes, OPS a step, each result kept 2**U(0, 5) steps.
 - gpt: tapegpt's GPT (reference config) trained on CuPy at lengths(lo, hi) tokens a step.
 - torch_lm: a causal pre-norm torch.nn.TransformerEncoder (6 layers, d_model 512, 8 heads), AdamW, bf16 autocast.
+- resnet: a ResNet-18 (basic blocks 2-2-2-2, 64-512 channels, written out here: no torchvision), channels_last,
+  bf16 autocast, SGD with momentum, on seeded random images of sizes(lo, hi) pixels a side (multi-scale training).
 """
 from __future__ import annotations
 
@@ -125,3 +127,58 @@ def torch_lm(steps, warmup, seed, window, gpu=True, small=False, after_step=lamb
     _loop(step, lengths(warmup + steps, lo, hi, seed, multiple), warmup, window, after_step)
     del m, opt
     return dict(batch=batch, shape=f"T {lo}-{hi} by {multiple}" if hi else f"T {lo}")
+
+
+def _resnet18(nn, width: int, blocks: tuple, classes: int):
+    """ResNet-18's layout (He et al. 2016; torchvision's resnet18): a 7x7 stem, four stages of basic blocks."""
+    class Basic(nn.Module):
+        def __init__(self, cin, cout, stride):
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout),
+                                      nn.ReLU(inplace=True), nn.Conv2d(cout, cout, 3, 1, 1, bias=False),
+                                      nn.BatchNorm2d(cout))
+            self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                         if stride != 1 or cin != cout else nn.Identity())
+            self.relu = nn.ReLU(inplace=True)
+
+        def forward(self, x):
+            return self.relu(self.body(x) + self.skip(x))
+
+    layers, cin = [nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+                   nn.MaxPool2d(3, 2, 1)], width
+    for i, n in enumerate(blocks):
+        for j in range(n):
+            layers.append(Basic(cin, width << i, 2 if i and not j else 1))
+            cin = width << i
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes))
+
+
+def resnet(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda: None, *, lo: int,
+           hi: int | None = None, batch: int = 32, multiple: int = 32) -> dict:
+    """ResNet-18 (see the module doc) on random images of lengths(lo, hi) pixels a side, in multiples of 32 (the
+    network's stride), drawn from seed on the device; 100 classes."""
+    import torch
+    from torch import nn
+
+    device = "cuda" if gpu else "cpu"
+    width, blocks = (8, (1, 1, 1, 1)) if small else (64, (2, 2, 2, 2))
+    if small:
+        lo, hi, batch, multiple = lo // 8, hi and hi // 8, 2, 4
+    torch.manual_seed(seed)
+    m = _resnet18(nn, width, blocks, 100).to(device, memory_format=torch.channels_last)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    gen = torch.Generator(device)
+
+    def step(i, side):
+        gen.manual_seed(seed * 1_000_003 + i)
+        x = torch.randn(batch, 3, side, side, device=device, generator=gen).to(memory_format=torch.channels_last)
+        y = torch.randint(0, 100, (batch,), device=device, generator=gen)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(m(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    _loop(step, lengths(warmup + steps, lo, hi, seed, multiple), warmup, window, after_step)
+    del m, opt
+    return dict(batch=batch, shape=f"{lo}-{hi} px by {multiple}" if hi else f"{lo} px")
