@@ -277,8 +277,8 @@ nbu.summary(schemes, ["trace", "allocator"], ["reserved_over_requested", "device
 
 Workloads whose shapes change every step (a CuPy loop of FFTs, sorts, cumsums and matmuls of random sizes whose
 results live a random number of steps; tapegpt's GPT and a PyTorch `TransformerEncoder` language model trained at a
-sequence length drawn every step), beside fixed-shape controls (the GPT at batch 32 and 4, the PyTorch model at one
-length), under every peer (CuPy's `MemoryPool` and `MemoryAsyncPool`, RMM's pool; PyTorch's caching allocator with
+sequence length drawn every step; a ResNet-18 at an image size drawn every step), beside fixed-shape controls (the
+GPT at batch 32 and 4, the PyTorch model at one length, the ResNet at 224 px), under every peer (CuPy's `MemoryPool` and `MemoryAsyncPool`, RMM's pool; PyTorch's caching allocator with
 and without `expandable_segments:True`) and every xpool scheme: peak reserved over peak requested, device calls per
 timed step and per step in steady state (after the demand's last new high), and ms per step over the fastest peer's
 in the same trial. Trials interleaved, each arm a process of

@@ -560,11 +560,16 @@ def memory_timeline(df: pd.DataFrame, step: int | None = None) -> Figure:
 
 
 # --- dynamic shapes
-DYNAMIC_PANELS = (("reserved_over_requested", "peak reserved / peak requested (dotted: 1.05)", "{:.3f}", 1.05),
-                  ("device_calls_per_steady_step", "device calls per step in steady state (symlog scale)", "{:.3g}",
-                   None),
-                  ("device_calls_per_step", "device calls per timed step (symlog scale)", "{:.3g}", None),
-                  ("ratio", "ms per step / the fastest peer's, paired by trial (dotted: 1)", "{:.2f}", 1.0))
+def _calls_label(v: float) -> str:
+    """A count per step, short enough to sit over its bar: 966, 21, 2.5, 0.37, 0.067, 0."""
+    return f"{v:.0f}" if v >= 10 or v == 0 else f"{v:.2g}"
+
+
+DYNAMIC_PANELS = (("reserved_over_requested", "peak reserved / peak requested (dotted: 1.05)", "{:.3f}".format, 1.05),
+                  ("device_calls_per_steady_step", "device calls per step in steady state (symlog scale)",
+                   _calls_label, None),
+                  ("device_calls_per_step", "device calls per timed step (symlog scale)", _calls_label, None),
+                  ("ratio", "ms per step / the fastest peer's, paired by trial (dotted: 1)", "{:.2f}".format, 1.0))
 
 
 def dynamic_shapes(df: pd.DataFrame) -> Figure:
@@ -577,7 +582,7 @@ def dynamic_shapes(df: pd.DataFrame) -> Figure:
     shapes = {w: "varying" if str(v) == "True" else "fixed" for w, v in zip(d["workload"], d["dynamic"])}
     frameworks = [f for f in ("cupy", "torch") if f in set(d["framework"])]
     n = [d.loc[d["framework"] == f, "workload"].nunique() for f in frameworks]
-    fig, axes = _figure(len(DYNAMIC_PANELS), len(frameworks), size=(4 + 2.3 * sum(n), 17),
+    fig, axes = _figure(len(DYNAMIC_PANELS), len(frameworks), size=(4 + 2.8 * sum(n), 17),
                         gridspec_kw=dict(width_ratios=n))
     for j, f in enumerate(frameworks):
         order = list(dict.fromkeys(d.loc[d["framework"] == f, "workload"]))
@@ -588,7 +593,7 @@ def dynamic_shapes(df: pd.DataFrame) -> Figure:
             if not len(rows):          # (a CSV from before the steady-state probes has no such column)
                 _empty(ax, f"no {col} measured")
                 continue
-            bars(ax, rows, "workload", col, order, fmt=fmt.format, labels=lambda w: f"{w}\n({shapes[w]} shapes)",
+            bars(ax, rows, "workload", col, order, fmt=fmt, labels=lambda w: f"{w}\n({shapes[w]} shapes)",
                  span=("ratio_lo", "ratio_hi") if col == "ratio" else None)
             ax.set_ylabel(ylabel)
             if line:
