@@ -94,6 +94,15 @@ def gpt(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda: N
     return dict(batch=batch, shape=f"T {lo}-{hi}" if hi else f"T {lo}")
 
 
+def _torch_step(torch, opt, device, loss) -> None:
+    """One training step of the PyTorch workloads: loss() under bf16 autocast, its gradients, the optimizer."""
+    with torch.autocast(device, dtype=torch.bfloat16):
+        value = loss()
+    opt.zero_grad(set_to_none=True)
+    value.backward()
+    opt.step()
+
+
 def torch_lm(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda: None, *, lo: int,
              hi: int | None = None, batch: int = 16, multiple: int = 64) -> dict:
     """The PyTorch language model (see the module doc) on the shipped corpus, lengths(lo, hi) tokens a step, in
@@ -117,12 +126,11 @@ def torch_lm(steps, warmup, seed, window, gpu=True, small=False, after_step=lamb
     def step(i, T):
         x, y = (torch.from_numpy(a).to(device) for a in get_batch(data, batch, T, i, seed=seed))
         mask = nn.Transformer.generate_square_subsequent_mask(T, device=device)
-        with torch.autocast(device, dtype=torch.bfloat16):
+
+        def loss():
             h = m["enc"](m["tok"](x) + m["pos"](torch.arange(T, device=device)), mask=mask, is_causal=True)
-            loss = nn.functional.cross_entropy(m["head"](h).flatten(0, 1), y.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+            return nn.functional.cross_entropy(m["head"](h).flatten(0, 1), y.flatten())
+        _torch_step(torch, opt, device, loss)
 
     _loop(step, lengths(warmup + steps, lo, hi, seed, multiple), warmup, window, after_step)
     del m, opt
@@ -173,11 +181,7 @@ def resnet(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda
         gen.manual_seed(seed * 1_000_003 + i)
         x = torch.randn(batch, 3, side, side, device=device, generator=gen).to(memory_format=torch.channels_last)
         y = torch.randint(0, 100, (batch,), device=device, generator=gen)
-        with torch.autocast(device, dtype=torch.bfloat16):
-            loss = nn.functional.cross_entropy(m(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        _torch_step(torch, opt, device, lambda: nn.functional.cross_entropy(m(x), y))
 
     _loop(step, lengths(warmup + steps, lo, hi, seed, multiple), warmup, window, after_step)
     del m, opt
