@@ -370,18 +370,20 @@ def test_dynamic_targets_judge_xpool_against_the_fastest_peer_paired_by_trial(tr
     fastest = min(("torch", "torch_expandable"), key=lambda a: per[a].median())
     m = rows["dyn_ms_torch_fixed"]
     assert m.ref == fastest and f"the fastest peer's ({fastest};" in targets.text(m)
-    assert m.value == pytest.approx(per["xpool_segments"].median() / per[fastest].median())
+    assert m.value == pytest.approx(per["xpool_expandable"].median() / per[fastest].median())  # enable_torch's pool
     slower = df["allocator"] == fastest                     # the other peer becomes the fastest: the reference follows
     df.loc[slower & (df["workload"] == "torch_fixed"), "ms_per_step"] *= 1.5
     df.to_csv(trial_data / "dynamic_shapes.csv", index=False)
     assert {m.row.key: m for m in targets.judged(trial_data)[0]}["dyn_ms_torch_fixed"].ref != fastest
     best = rows["dyn_ror_best_torch_varlen"]
     assert best.at == "xpool_expandable_bounded" and best.value == pytest.approx(1.04, rel=1e-3) and best.verdict == iv.MET
-    assert rows["dyn_ror_torch_varlen"].value == pytest.approx(1.31, rel=1e-3)     # the default scheme's own row
+    assert rows["dyn_ror_torch_varlen"].value == pytest.approx(1.11, rel=1e-3)     # enable_torch's default's row
+    assert rows["dyn_ror_gpt_varlen"].value == pytest.approx(1.31, rel=1e-3)       # CuPy's: the default scheme's
     assert rows["dyn_calls_cupy_mix"].verdict == iv.MISSED
+    assert "dyn_calls_expandable_torch_varlen" not in rows          # the default's row already judges that arm
     calls = rows["dyn_calls_expandable_bounded_torch_varlen"]      # the expandable arms' calls are judged too,
     assert calls.value == pytest.approx(0.2) and calls.verdict == iv.MISSED   # in steady state (0.4 per timed step)
-    assert rows["dyn_calls_expandable_torch_varlen"].verdict == iv.MET
+    assert rows["dyn_calls_expandable_cupy_mix"].verdict == iv.MET
 
 
 def test_the_dynamic_section_and_headline_are_there_only_with_the_csv(trial_data):
@@ -390,13 +392,21 @@ def test_the_dynamic_section_and_headline_are_there_only_with_the_csv(trial_data
     df = pd.read_csv(trial_data / "dynamic_shapes.csv")
     expandable = df[(df["allocator"] == "torch_expandable") & df["dynamic"]].groupby("workload")
     held = ", ".join(f"{w}: {v:.3f}" for w, v in sorted(expandable["reserved_over_requested"].median().items()))
-    assert f"(PyTorch with expandable segments {held})" in _headline(page, "Dynamic shapes")
+    assert f"(PyTorch with expandable segments {held})" in _headline(page, "Dynamic shapes, PyTorch programs")
+    segments = df[(df["allocator"] == "xpool_segments") & df["dynamic"] & (df["framework"] == "cupy")]
+    held = ", ".join(f"{w}: {v:.3f}" for w, v in
+                     sorted(segments.groupby("workload")["reserved_over_requested"].median().items()))
+    assert f"peak reserved / peak requested {held};" in _headline(page, "Dynamic shapes, CuPy programs")
+    held = ", ".join(f"{w}: {v:.3f}" for w, v in sorted(df[(df["allocator"] == "xpool_expandable") & df["dynamic"] & (
+        df["framework"] == "torch")].groupby("workload")["reserved_over_requested"].median().items()))
+    assert f"peak reserved / peak requested {held} (" in _headline(page, "Dynamic shapes, PyTorch programs")
     bounded = df[(df["allocator"] == "xpool_expandable_bounded") & df["dynamic"]].groupby("workload")
     held = ", ".join(f"{w}: {v:.3f}" for w, v in sorted(bounded["reserved_over_requested"].median().items()))
     assert f"it holds {held} for" in _headline(page, "Dynamic shapes, the expandable scheme")
     (trial_data / "dynamic_shapes.csv").write_text(df[~df["allocator"].str.startswith("xpool_expandable")].to_csv())
-    page = _page(trial_data)                  # a CSV without the expandable arms: that headline alone goes
-    assert "Dynamic shapes, the expandable scheme" not in page and "- **Dynamic shapes** (" in page
+    page = _page(trial_data)                  # a CSV without the expandable arms: the headlines of those go
+    assert "Dynamic shapes, the expandable scheme" not in page and "Dynamic shapes, PyTorch programs" not in page
+    assert "- **Dynamic shapes, CuPy programs** (" in page
     (trial_data / "dynamic_shapes.csv").unlink()
     page = _page(trial_data)
     assert "Dynamic shapes" not in page and "#22" not in page

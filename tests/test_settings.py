@@ -273,3 +273,20 @@ def test_every_field_has_its_variable_default_help_and_parser():
     owned = [name for names in settings.SCHEME_FIELDS.values() for name in names]
     assert set(settings.SCHEME_FIELDS) == set(settings.SCHEMES) and set(owned) <= set(fields)
     assert all(len(names) == len(set(names)) for names in settings.SCHEME_FIELDS.values())
+
+
+def test_a_front_ends_defaults_fill_only_what_nothing_else_set(monkeypatch):
+    s = Settings(frontend="torch")
+    assert (s.scheme, s.release_on_miss, s.small_segment) == ("expandable", "never", None)
+    assert s.source("scheme") == "default (torch)" and s.source("release_on_miss") == "default"
+    assert Settings(frontend="torch", scheme="seed").scheme == "seed"
+    monkeypatch.setenv("XPOOL_SCHEME", "segments")
+    assert Settings(frontend="torch").source("scheme") == "XPOOL_SCHEME"
+    monkeypatch.delenv("XPOOL_SCHEME")
+    kept = dataclasses.replace(Settings(frontend="torch"), debug="warn")   # resolved values carry over
+    assert kept.scheme == "expandable" and kept.debug == "warn"
+    with pytest.raises(ValueError, match="frontend must be None or one of 'torch', got 'cupy'"):
+        Settings(frontend="cupy")
+    with pytest.raises(TypeError):
+        Settings("seed", None, 0, False, 0, None, None, None, None, None, "torch")   # keyword only
+    assert Settings("seed").scheme == "seed"                                     # positional fields as before

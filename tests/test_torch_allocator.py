@@ -446,3 +446,77 @@ def test_the_labs_torch_probe_times_hits_through_the_entry_points(pool):
     assert _probes.time_torch_pairs(addr(TRY_MALLOC), addr(FREE), 1 << 62, 5) == 0   # refused: no pair
     with pytest.raises(ValueError, match="pairs"):
         _probes.time_torch_pairs(addr(TRY_MALLOC), addr(FREE), 4096, -1)
+
+
+# --- the pool enable() makes: scheme expandable unless one is set (Note [The default scheme per front end])
+
+class NoVmmBackend(HostBackend):
+    """Host memory whose driver, like an old one, has no virtual memory management."""
+
+    def vmm(self):
+        from xpool._vmm import VmmError
+        raise VmmError("cuMemAddressReserve not found (a driver without virtual memory management)")
+
+
+@pytest.fixture
+def made(fresh_enable):
+    """enable_torch() making its own pool over host memory, XPOOL_SCHEME unset."""
+    pytest.importorskip("cupy")
+    fresh_enable.delenv("XPOOL_SCHEME", raising=False)
+    fresh_enable.setitem(sys.modules, "torch", FakeTorch())
+    fresh_enable.setattr(torch_allocator, "_backend", HostBackend)
+    return fresh_enable
+
+
+def test_the_pool_enable_makes_is_expandable_and_says_why(made):
+    pool = xpool.enable_torch(limit="1GiB")
+    assert pool.scheme == "expandable" and pool.settings.release_on_miss == "never"
+    assert pool.settings.source("scheme") == "default (torch)" and pool.settings.source("limit") == "limit"
+    assert "default (torch)" in pool.settings.describe()
+    torch_free(torch_malloc(3 << 20))                  # it serves PyTorch's entry points from mapped pages
+    assert pool.snapshot().device_maps >= 1 and xpool.installed() is pool
+
+
+@pytest.mark.parametrize("how, scheme", [
+    (dict(scheme="seed"), "seed"),
+    (dict(settings=xpool.Settings()), "segments"),      # a Settings resolved with xpool's own defaults
+    ("env", "segments"),
+])
+def test_a_scheme_that_is_set_wins_over_the_torch_default(made, how, scheme):
+    if how == "env":
+        made.setenv("XPOOL_SCHEME", "segments")
+        how = {}
+    pool = xpool.enable_torch(**how)
+    assert pool.scheme == scheme and pool.settings.source("scheme") != "default (torch)"
+
+
+def test_the_pool_installed_for_cupy_is_shared_whatever_its_scheme(made):
+    pool = xpool.install(xpool.MemoryPool(backend=HostBackend()))
+    assert xpool.enable_torch() is pool and pool.scheme == "segments"
+
+
+def test_without_virtual_memory_the_torch_default_falls_back_with_a_warning(made):
+    made.setattr(torch_allocator, "_backend", NoVmmBackend)
+    with pytest.warns(RuntimeWarning, match="needs CUDA's virtual memory management.*using scheme 'segments'"):
+        pool = xpool.enable_torch()
+    assert pool.scheme == "segments" and pool.settings.source("scheme") == "default"
+
+
+def test_without_virtual_memory_a_scheme_asked_for_is_an_error(made):
+    made.setattr(torch_allocator, "_backend", NoVmmBackend)
+    with pytest.raises(RuntimeError, match="vmm\\(\\) failed"):
+        xpool.enable_torch(scheme="expandable")
+    assert xpool.installed() is None and torch_allocator.enabled() is None
+
+
+def test_a_segments_variable_without_a_scheme_names_the_torch_default(made):
+    made.setenv("XPOOL_SMALL_SEGMENT", "4MiB")
+    with pytest.raises(ValueError, match="XPOOL_SCHEME is unset \\(the default of torch: 'expandable'\\)"):
+        xpool.enable_torch()
+    assert xpool.installed() is None
+
+
+def test_a_pool_and_settings_together_are_refused(made):
+    with pytest.raises(ValueError, match="not both"):
+        xpool.enable_torch(xpool.MemoryPool(backend=HostBackend()), limit="1GiB")
+    assert xpool.installed() is None

@@ -44,7 +44,9 @@ def test_mixed_training_is_bit_identical_with_and_without_xpool(arms):
 
 def test_a_warm_mixed_loop_makes_no_device_malloc_and_each_framework_reuses_the_others_blocks(arms):
     x = arms["xpool"]
-    assert x["requests_warm"] > 0 and x["device_mallocs_warm"] == 0 and x["device_frees_warm"] == 0
+    assert x["scheme"] == "expandable" and x["params_in_virtual_memory"]   # the pool enable_torch() makes
+    assert x["requests_warm"] > 0
+    assert [x[f"device_{c}_warm"] for c in ("mallocs", "frees", "maps", "unmaps")] == [0, 0, 0, 0]
     assert x["torch_reused_cupy"] > 0 and x["cupy_reused_torch"] > 0
     assert x["bytes_in_use_torch"] > 0                     # the model's parameters and optimizer state
 

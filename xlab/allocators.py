@@ -16,12 +16,14 @@ import threading
 from collections import defaultdict
 
 import xpool
-from xpool.settings import DEFAULTS as XPOOL_DEFAULTS
+from xpool.settings import DEFAULTS as XPOOL_DEFAULTS, FRONTEND_DEFAULTS
 
 KIB, MIB = 1 << 10, 1 << 20
 
 # xpool.MemoryPool's default scheme: the `xpool` arm names it, so $XPOOL_SCHEME cannot move the arm
 DEFAULT_SCHEME = XPOOL_DEFAULTS["scheme"]
+# the scheme of the pool xpool.enable_torch() makes: the default a PyTorch program gets
+TORCH_DEFAULT_SCHEME = FRONTEND_DEFAULTS["torch"]["scheme"]
 
 
 class NoGPU(RuntimeError):

@@ -23,7 +23,7 @@ import pandas as pd
 import xpool
 
 from . import intervals as iv, sources
-from .allocators import DEFAULT_SCHEME, SETS
+from .allocators import DEFAULT_SCHEME, SETS, TORCH_DEFAULT_SCHEME
 from .bench.dynamic import WORKLOADS, xpool_arms
 
 
@@ -53,33 +53,39 @@ class T:
 X, XS, XG, CP = "xpool", "xpool_seed", "xpool_graph", "cupy_pool"
 BOTH = ((X, ""), (XS, "_seed"))            # rows measured for the default scheme and for the seed scheme
 DYN, XD, PEERS = "dynamic_shapes", ("xpool", f"xpool_{DEFAULT_SCHEME}"), SETS["dynamic"]   # XD: the default arm
+XDT = f"xpool_{TORCH_DEFAULT_SCHEME}"      # a PyTorch workload's default arm: the pool xpool.enable_torch() makes
+# the dynamic headlines' two defaults: (key suffix, label, arm, framework of the workloads)
+DEFAULTS = (("", f" ({DEFAULT_SCHEME})", XD, "cupy"), ("_torch", f" for PyTorch ({TORCH_DEFAULT_SCHEME})", XDT, "torch"))
 MS, PCT, K = dict(fmt="{:.1f}", unit=" ms"), dict(fmt="{:.0f}", unit="%"), dict(fmt="{:.1f}", unit="k", scale=1e-3)
 W2T, W2P = dict(mode="threads", world=2), dict(mode="processes", world=2)
 
 
 def _dynamic() -> list:
-    """#22's targets per workload of xlab.bench.dynamic: xpool's default scheme, its best arm for memory, and the
-    device calls of the expandable arms (what "bounded" trades for memory: Note [Release on miss: expandable])."""
+    """#22's targets per workload of xlab.bench.dynamic: xpool's default (a PyTorch workload's: the pool
+    enable_torch() makes), its best arm for memory, and the device calls of the expandable arms (what "bounded"
+    trades for memory: Note [Release on miss: expandable])."""
     schemes = xpool_arms()
-    default, best = dict(arm=XD), dict(arm=schemes, over=("allocator",), pick="best")
     ror = dict(kind=DYN, metric="reserved_over_requested", higher=False, fmt="{:.3f}", exact=True, bound="—")
-    who = (("", "xpool", default), ("_best", "the best xpool arm: {at}", best))
     rows = []
     for w, spec in WORKLOADS.items():
-        on = dict(where=dict(workload=w))
+        xd, on = XDT if spec.framework == "torch" else XD, dict(where=dict(workload=w))
+        name = f"xpool's default for PyTorch: {XDT}" if xd == XDT else "xpool"
+        who = (("", name, dict(arm=xd)), ("_best", "the best xpool arm: {at}",
+                                         dict(arm=schemes, over=("allocator",), pick="best")))
         if spec.dynamic:
-            rows += [T(f"dyn_ror{k}_{w}", f"#22, {w}: peak reserved / peak requested ≤ 1.05 ({name})", goal=1.05,
-                       **arms, **on, **ror) for k, name, arms in who]
-            rows += [T(f"dyn_calls{k}_{w}", f"#22, {w}: device calls per step in steady state = 0 ({name})", DYN,
+            rows += [T(f"dyn_ror{k}_{w}", f"#22, {w}: peak reserved / peak requested ≤ 1.05 ({n})", goal=1.05,
+                       **arms, **on, **ror) for k, n, arms in who]
+            rows += [T(f"dyn_calls{k}_{w}", f"#22, {w}: device calls per step in steady state = 0 ({n})", DYN,
                        "device_calls_per_steady_step", arm, 0.0, False, fmt="{:.3g}", exact=True, bound="—", **on)
-                     for k, name, arm in (("", "xpool", XD), *((f"_{a[6:]}", a, a) for a in schemes if "expandable" in a))]
-        rows.append(T(f"dyn_ms_{w}", f"#22, {w}: ms per step ≤ the fastest peer's ({{ref}}; xpool, paired by trial)",
-                      DYN, "ms_per_step", XD, 1.0, False, ref=dict(allocator=PEERS), unit="×", fmt="{:.3f}", **on))
-    ref = dict(ref=dict(allocator="torch_expandable"), goal=1.0, unit="×")
-    return rows + [T(f"dyn_vs_expandable{k}_{w}", f"#22, {w}: peak reserved / peak requested ≤ PyTorch's "
-                     f"with expandable segments ({name}; paired by trial)", **arms, where=dict(workload=w), **ref, **ror)
-                   for w, spec in WORKLOADS.items() if spec.framework == "torch" and spec.dynamic
-                   for k, name, arms in who]
+                     for k, n, arm in (("", name, xd), *((f"_{a[6:]}", a, a) for a in schemes
+                                                         if "expandable" in a and a != xd))]
+        rows.append(T(f"dyn_ms_{w}", f"#22, {w}: ms per step ≤ the fastest peer's ({{ref}}; {name}, paired by trial)",
+                      DYN, "ms_per_step", xd, 1.0, False, ref=dict(allocator=PEERS), unit="×", fmt="{:.3f}", **on))
+        if spec.framework == "torch" and spec.dynamic:
+            rows += [T(f"dyn_vs_expandable{k}_{w}", f"#22, {w}: peak reserved / peak requested ≤ PyTorch's with "
+                       f"expandable segments ({n}; paired by trial)", **arms, **on, ref=dict(allocator="torch_expandable"),
+                       goal=1.0, unit="×", **ror) for k, n, arms in who]
+    return rows
 
 
 # the goal 91.2k tokens/s: CuPy's pool at batch 32, flat-buffer AdamW, on an H200 at 8ea8461 (shared/ANCHORS.md)
@@ -190,25 +196,29 @@ TARGETS = (
       over=("k",), pick="each", fmt="{:.2f}", unit="×", exact=True),
     T("varlen_cupy", "CuPy's pool, varying lengths", "memory_varlen.csv", "reserved_over_requested", CP, fmt="{:.3f}",
       exact=True),
-    T("dyn_h_ror", "xpool peak reserved / requested by dynamic workload", DYN, "reserved_over_requested", XD,
-      where=dict(dynamic=True), over=("workload",), pick="each", fmt="{:.3f}", exact=True),
+    *(T(f"dyn_h_ror{k}", f"xpool's default{label}: peak reserved / requested by dynamic workload", DYN,
+        "reserved_over_requested", arm, where=dict(dynamic=True, framework=f), over=("workload",), pick="each",
+        fmt="{:.3f}", exact=True) for k, label, arm, f in DEFAULTS),
     T("dyn_h_expandable", "the same, PyTorch's expandable segments", DYN, "reserved_over_requested",
       "torch_expandable", where=dict(dynamic=True), over=("workload",), pick="each", fmt="{:.3f}", exact=True),
-    T("dyn_h_calls", "xpool device calls per step in steady state, by dynamic workload", DYN,
-      "device_calls_per_steady_step", XD, where=dict(dynamic=True), over=("workload",), pick="each", fmt="{:.3g}",
-      exact=True),
-    T("dyn_h_calls_timed", "xpool device calls per timed step, by dynamic workload", DYN, "device_calls_per_step", XD,
-      where=dict(dynamic=True), over=("workload",), pick="each", fmt="{:.3g}", exact=True),
-    T("dyn_h_peak_step", "the step of the demand's last new high under xpool, by dynamic workload", DYN,
-      "demand_peak_step", XD, where=dict(dynamic=True), over=("workload",), pick="each", fmt="{:.0f}", exact=True),
+    *(T(f"dyn_h_calls{k}", f"xpool's default{label}: device calls per step in steady state, by dynamic workload", DYN,
+        "device_calls_per_steady_step", arm, where=dict(dynamic=True, framework=f), over=("workload",), pick="each",
+        fmt="{:.3g}", exact=True) for k, label, arm, f in DEFAULTS),
+    *(T(f"dyn_h_calls_timed{k}", f"xpool's default{label}: device calls per timed step, by dynamic workload", DYN,
+        "device_calls_per_step", arm, where=dict(dynamic=True, framework=f), over=("workload",), pick="each",
+        fmt="{:.3g}", exact=True) for k, label, arm, f in DEFAULTS),
+    *(T(f"dyn_h_peak_step{k}", f"the step of the demand's last new high under xpool's default{label}, by dynamic "
+        "workload", DYN, "demand_peak_step", arm, where=dict(dynamic=True, framework=f), over=("workload",),
+        pick="each", fmt="{:.0f}", exact=True) for k, label, arm, f in DEFAULTS),
     *(T(f"dyn_h_{k}{m}", f"the expandable scheme{label}: {what}, by dynamic workload", DYN, metric, f"xpool_{n}",
         where=dict(dynamic=True), over=("workload",), pick="each", fmt=fmt, exact=True)
       for k, n, label in (("xe", "expandable", ""), ("xe_bounded", "expandable_bounded", ", release_on_miss bounded"))
       for m, what, metric, fmt in (("", "peak reserved / requested", "reserved_over_requested", "{:.3f}"),
                                    ("_calls", "device calls per step in steady state", "device_calls_per_steady_step",
                                     "{:.2g}"))),
-    T("dyn_h_ms", "xpool ms per step / the fastest peer's, by workload", DYN, "ms_per_step", XD, higher=False,
-      ref=dict(allocator=PEERS), over=("workload",), pick="each", unit="×"),
+    *(T(f"dyn_h_ms{k}", f"xpool's default{label}: ms per step / the fastest peer's, by workload", DYN, "ms_per_step",
+        arm, higher=False, where=dict(framework=f), ref=dict(allocator=PEERS), over=("workload",), pick="each",
+        unit="×") for k, label, arm, f in DEFAULTS),
     T("torch_step", "PyTorch's training step, xpool / PyTorch's allocator (tokens/s)", "torch_interop.csv", "value", X,
       where=dict(case="train_step"), ref=dict(arm="torch"), unit="×"),
     T("torch_empty", "torch.empty+del, PyTorch's allocator's time / xpool's, by size", "torch_interop.csv", "value",

@@ -64,6 +64,10 @@ DEFAULTS = {
 # A scheme's own defaults where it differs from DEFAULTS.  Expandable: a miss unmaps nothing, as PyTorch's
 # expandable segments ("bounded" churns on fixed shapes: Note [Release on miss: expandable])
 SCHEME_DEFAULTS = {"expandable": {"release_on_miss": "never"}}
+# A front end's own defaults where it differs from DEFAULTS: the pool xpool.enable_torch() makes is scheme expandable,
+# which held the least of every allocator on the lab's four PyTorch workloads, below PyTorch's expandable segments
+# (Note [The default scheme per front end]); CuPy's pool (install(), MemoryPool()) keeps DEFAULTS' segments.
+FRONTEND_DEFAULTS = {"torch": {"scheme": "expandable"}}
 HELP = {
     "scheme": "how blocks are made: 'segments' (best fit in segments), 'seed' (size classes) or 'expandable' "
               "(best fit in pages mapped into reserved address ranges)",
@@ -99,7 +103,7 @@ class Settings:
 
     Attributes:
         scheme (str): how blocks are made (``XPOOL_SCHEME``): ``"segments"`` (the default; ``"xpool"`` is
-            its old name): best fit in segments of one device allocation each, split and merged;
+            its old name; ``"expandable"`` is the default of the pool ``xpool.enable_torch()`` makes): best fit in segments of one device allocation each, split and merged;
             ``"seed"``: the design's size classes, one device allocation per block; ``"expandable"``: best fit
             in pages of the device's granularity mapped into one reserved address range per stream as the pool
             grows (CUDA's virtual memory; needs a backend with ``vmm()``; no CUDA IPC of its blocks). See the
@@ -131,6 +135,11 @@ class Settings:
             pool above this many times the most bytes ever requested (by the pool's users, this request
             included) gives back idle memory first (``XPOOL_RELEASE_BOUND``; default 1.05; at least 1).
 
+    Args:
+        frontend (str or None): whose defaults fill the fields left None: None, xpool's (``DEFAULTS``), or
+            ``"torch"``, those of the pool ``xpool.enable_torch()`` makes (``FRONTEND_DEFAULTS``); a field's
+            source then says ``"default (torch)"``.
+
     Raises:
         ValueError: a bad value, naming the argument or variable it came from.
     """
@@ -145,15 +154,24 @@ class Settings:
     release_on_miss: str | None = None
     release_idle: int | None = None
     release_bound: float | None = None
+    _: dataclasses.KW_ONLY
+    frontend: dataclasses.InitVar[str | None] = None
 
-    def __post_init__(self):
+    def __post_init__(self, frontend):
+        if frontend is not None and frontend not in FRONTEND_DEFAULTS:
+            raise ValueError(f"frontend must be None or one of {', '.join(map(repr, FRONTEND_DEFAULTS))}, "
+                             f"got {frontend!r}")
+        own = FRONTEND_DEFAULTS.get(frontend, {})
+        defaults = {**DEFAULTS, **own}
         env = _environment()
-        env_scheme = _scheme(env["scheme"], ENV["scheme"]) if "scheme" in env else DEFAULTS["scheme"]
+        env_scheme = _scheme(env["scheme"], ENV["scheme"]) if "scheme" in env else defaults["scheme"]
         for name in env:
             owners = _owners(name)
             if owners and env_scheme not in owners:
-                raise ValueError(f"{ENV[name]}={env[name]!r} applies to {_schemes(owners)} only, and "
-                                 f"{ENV['scheme']} is {env_scheme!r}: set {ENV['scheme']}={owners[0]} with it")
+                scheme = (f"{ENV['scheme']} is {env_scheme!r}" if "scheme" in env else
+                          f"{ENV['scheme']} is unset (the default{f' of {frontend}' if own else ''}: {env_scheme!r})")
+                raise ValueError(f"{ENV[name]}={env[name]!r} applies to {_schemes(owners)} only, and {scheme}: "
+                                 f"set {ENV['scheme']}={owners[0]} with it")
         resolved, sources = {}, {}
         for name in ENV:
             given = getattr(self, name)
@@ -168,8 +186,10 @@ class Settings:
                 value, source = given, name
             elif name in env:   # a scheme's variable comes with XPOOL_SCHEME naming it (checked above)
                 value, source = env[name], ENV[name]
+            elif name in own:
+                value, source = defaults[name], f"default ({frontend})"
             else:
-                value, source = SCHEME_DEFAULTS.get(resolved.get("scheme"), {}).get(name, DEFAULTS[name]), "default"
+                value, source = SCHEME_DEFAULTS.get(resolved.get("scheme"), {}).get(name, defaults[name]), "default"
             resolved[name], sources[name] = _PARSERS[name](value, source), source
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
@@ -186,8 +206,8 @@ class Settings:
             name: a field name.
 
         Returns:
-            str: the argument's name, the ``XPOOL_*`` variable, ``"default"``, or ``"n/a"`` (another
-            scheme's field).
+            str: the argument's name, the ``XPOOL_*`` variable, ``"default"`` (``"default (torch)"``: the
+            front end's, ``FRONTEND_DEFAULTS``), or ``"n/a"`` (another scheme's field).
         """
         if name not in ENV:
             raise ValueError(f"name must be one of {', '.join(ENV)}, got {name!r}")

@@ -9,18 +9,24 @@ PyTorch's `CUDAPluggableAllocator` loads two C functions by name from xpool's co
 `xpool_torch_malloc(size, device, stream)` and `xpool_torch_free(ptr, size, device, stream)`. They serve
 from the Allocator CuPy uses, so a block one framework frees is reused by the other (same device and
 stream). Importing xpool does not import torch; this module imports it only inside `enable()`.
+
+The pool `enable()` makes (none given, none installed for CuPy) is scheme expandable unless a scheme is set
+(`FRONTEND_DEFAULTS` in xpool/settings.py; Note [The default scheme per front end] in NOTES.md).
 """
 from __future__ import annotations
 
 import threading
+import warnings
 
 from . import _core
+from .settings import Settings
 
 ALLOC_FN = "xpool_torch_malloc"
 FREE_FN = "xpool_torch_free"
 
 _lock = threading.Lock()     # guards _enabled
 _enabled = None              # (MemoryPool, torch's CUDAPluggableAllocator) once enable() succeeded
+_backend = None              # the backend of the pool enable() makes (tests); None: CuPy's (CupyBackend)
 
 TOO_LATE = ("PyTorch's CUDA allocator is already initialised in this process (something ran on CUDA "
             "through PyTorch before xpool.enable_torch()), and PyTorch cannot change allocators after "
@@ -46,7 +52,9 @@ def enable(pool=None, **settings):
     Calling it again returns the same pool.
 
     Args:
-        pool (MemoryPool): the pool to share; None: the installed one, else a new one from ``settings``.
+        pool (MemoryPool): the pool to share; None: the installed one, else a new one from ``settings``,
+            whose scheme, unless one is set (``scheme=``, ``settings=``, ``XPOOL_SCHEME``), is ``"expandable"``
+            (``"segments"`` with a warning where the driver or device has no virtual memory management).
         **settings: ``MemoryPool`` settings, as for ``xpool.install()``.
 
     Returns:
@@ -71,7 +79,10 @@ def enable(pool=None, **settings):
                                "xpool.enable_torch() without arguments to share that one, or "
                                "xpool.uninstall() first")
         new = current is None
-        pool = install(pool, **settings) if new else current
+        if not new:
+            pool = current
+        else:                            # a pool and settings both given: install() refuses them
+            pool = install(_new_pool(settings)) if pool is None else install(pool, **settings)
         try:
             pool._core.bind_torch()
             allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path(), ALLOC_FN, FREE_FN)
@@ -88,6 +99,28 @@ def enable(pool=None, **settings):
             raise
         _enabled = (pool, allocator)     # keeps torch's allocator object alive with the pool
         return pool
+
+
+def _new_pool(settings: dict):
+    """The pool enable() makes: ``settings`` over the torch front end's defaults (scheme expandable), or over
+    xpool's where a given ``settings=`` Settings already holds them, or where the driver has no virtual memory
+    management (then with a warning saying so; a device without it fails its first map, naming the device)."""
+    from .backends import CupyBackend
+    from .cupy_adapter import MemoryPool
+    from ._vmm import VmmError
+    backend = _backend() if _backend is not None else None
+    if "settings" in settings:
+        return MemoryPool(backend=backend, **settings)
+    resolved = Settings(frontend="torch", **settings)
+    if resolved.source("scheme") == "default (torch)":
+        try:
+            (backend or CupyBackend()).vmm()
+        except VmmError as e:
+            resolved = Settings(**settings)
+            warnings.warn(f"xpool.enable_torch(): scheme 'expandable' (its default) needs CUDA's virtual memory "
+                          f"management, which this driver or device lacks ({e}); using scheme "
+                          f"{resolved.scheme!r}", RuntimeWarning, stacklevel=3)
+    return MemoryPool(resolved, backend=backend)
 
 
 def _import_torch():

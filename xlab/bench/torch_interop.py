@@ -21,8 +21,8 @@ from xlab.paths import write_csv
 
 ARMS = ("torch", "xpool")
 SIZES = (4096, 1 << 20, 64 << 20)
-COLUMNS = ["case", "arm", "trial", "order", "size_bytes", "value", "unit", "pairs", "steps", "batch_size",
-           "device_mallocs_per_step", "peak_reserved_bytes", "torch"]
+COLUMNS = ["case", "arm", "scheme", "trial", "order", "size_bytes", "value", "unit", "pairs", "steps", "batch_size",
+           "device_mallocs_per_step", "device_calls_per_step", "peak_reserved_bytes", "torch"]
 
 
 # --- one arm, in its own process
@@ -42,7 +42,8 @@ def time_empty_del(torch, nbytes: int, pairs: int) -> float:
 
 
 def time_train(torch, steps: int, warmup: int, batch_size: int | None):
-    """(tokens/s, batch size, device mallocs per step or None) of the parity model with AdamW."""
+    """(tokens/s, batch size, (device mallocs, device calls) per step or (None, None)) of the parity model with
+    AdamW; device calls: mallocs, frees, maps and unmaps (the expandable scheme maps where segments malloc)."""
     from tapegpt.checks import torch_logits
     from tapegpt.model import GPTConfig, init_params
     cfg = GPTConfig() if batch_size is None else GPTConfig(batch_size=batch_size)
@@ -70,8 +71,11 @@ def time_train(torch, steps: int, warmup: int, batch_size: int | None):
         step()
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    mallocs = (pool.snapshot() - before).device_mallocs / steps if pool else None
-    return B * T * steps / dt, B, mallocs
+    if pool is None:
+        return B * T * steps / dt, B, (None, None)
+    d = pool.snapshot() - before
+    calls = d.device_mallocs + d.device_frees + d.device_maps + d.device_unmaps
+    return B * T * steps / dt, B, (d.device_mallocs / steps, calls / steps)
 
 
 def worker(arm: str, pairs: int, steps: int, warmup: int, batch_size: int | None) -> list[dict]:
@@ -83,13 +87,14 @@ def worker(arm: str, pairs: int, steps: int, warmup: int, batch_size: int | None
         raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
     rows = [dict(case="empty_del", size_bytes=n, value=time_empty_del(torch, n, pairs), unit="us_per_pair",
                  pairs=pairs) for n in SIZES]
-    tps, B, mallocs = time_train(torch, steps, warmup, batch_size)
+    tps, B, (mallocs, calls) = time_train(torch, steps, warmup, batch_size)
     peak = (torch.cuda.max_memory_reserved() if arm == "torch" else
             xpool.installed().stats(0).iloc[0].peak_bytes_reserved)
     rows.append(dict(case="train_step", value=tps, unit="tokens_per_s", steps=steps, batch_size=B,
-                     device_mallocs_per_step=mallocs, peak_reserved_bytes=int(peak)))
+                     device_mallocs_per_step=mallocs, device_calls_per_step=calls, peak_reserved_bytes=int(peak)))
+    scheme = xpool.installed().scheme if arm == "xpool" else ""     # the pool enable_torch() made
     for r in rows:
-        r.update(arm=arm, torch=torch.__version__)
+        r.update(arm=arm, scheme=scheme, torch=torch.__version__)
     return rows
 
 
