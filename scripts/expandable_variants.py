@@ -44,7 +44,8 @@ VARIANTS = {   # name -> (pool settings, small blocks on a range of their own)
 KEEP_TRACES = {"gpt_b32_keep_cupy_path_numpy": "memory_trace_cupy_path_b32_keep.csv.gz",
                "gpt_b32_perparam_keep_cupy_path_numpy": "memory_trace_cupy_path_b32_perparam_keep.csv.gz"}
 DYN_TRACES = {f"dyn_{w}_h200": f"memory_trace_dyn_{w}.csv.gz" for w in (
-    "cupy_mix", "torch_varlen", "gpt_varlen", "gpt_b4", "test_b4", "test_b32_perparam", "torch_fixed", "gpt_b32")}
+    "cupy_mix", "torch_varlen", "gpt_varlen", "gpt_b4", "test_b4", "test_b32_perparam", "torch_fixed", "gpt_b32",
+    "resnet_varres", "resnet_fixed")}
 SMALL = 1 << 20
 
 

@@ -8,7 +8,8 @@ replay on the host twin can be checked against the run it came from.
 
 Besides the benchmark's workloads, `test_b4` and `test_b32_perparam` are the loop of
 `tests/test_gpu_expandable.py::test_training_maps_and_unmaps_nothing_once_warm` (10 steps, the previous step's
-loss and grads alive while the next one runs).
+loss and grads alive while the next one runs). Under `--scheme segments` the GPU's timeline holds every device
+malloc (a miss) and free (a release) itself; the ninth session's are `data/segments_trace_dyn_test_*.csv.gz`.
 
     python scripts/record_dynamic_traces.py                       # every workload, scheme expandable, into data/
     python scripts/record_dynamic_traces.py --workloads cupy_mix --cpu --out build/traces   # the code, on a CPU
@@ -103,7 +104,8 @@ def record(name, scheme, gpu, small) -> pd.DataFrame:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", default="cupy_mix,torch_varlen,gpt_varlen,gpt_b4,test_b4,test_b32_perparam")
+    p.add_argument("--workloads", default="cupy_mix,torch_varlen,gpt_varlen,gpt_b4,test_b4,test_b32_perparam,"
+                                          "torch_fixed,gpt_b32,resnet_varres,resnet_fixed")
     p.add_argument("--scheme", default="expandable", choices=xpool.SCHEMES)
     p.add_argument("--out", default="data", help="directory for memory_trace_dyn_<workload>.csv.gz")
     p.add_argument("--cpu", action="store_true", help="NumPy and PyTorch's CPU, small sizes: tests the code")

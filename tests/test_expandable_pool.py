@@ -460,7 +460,8 @@ def test_a_loop_keeping_the_previous_step_alive_maps_and_unmaps_nothing_once_war
     assert pool.empty_cache() > 0 and stats(pool)["bytes_reserved"] == 0
 
 
-DYN = ("cupy_mix", "torch_varlen", "gpt_varlen", "gpt_b4", "test_b4", "test_b32_perparam", "torch_fixed", "gpt_b32")
+DYN = ("cupy_mix", "torch_varlen", "gpt_varlen", "gpt_b4", "test_b4", "test_b32_perparam", "torch_fixed", "gpt_b32",
+       "resnet_varres", "resnet_fixed")
 
 
 @pytest.mark.parametrize("workload", DYN)
@@ -893,3 +894,18 @@ def test_random_sequences_through_the_pool_keep_every_invariant():
     PoolModel.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
                                            suppress_health_check=list(HealthCheck))
     PoolModel.TestCase().runTest()
+
+
+@pytest.mark.parametrize("loop", ("test_b4", "test_b32_perparam"))
+def test_scheme_segments_made_no_device_call_after_warm_up_on_the_gpu_tests_loop(loop):
+    """The H200's timeline of the GPU steady-state test's loop under scheme segments (ninth session,
+    `record_dynamic_traces.py --scheme segments`): every device malloc (a miss) and free (a release) of the run is
+    in it, and all fall in the 5 warm-up steps, where the expandable scheme still maps after them (the test's
+    expected failures). The host twin does not replay scheme segments exactly on these (its addresses are not
+    cudaMalloc's, so best fit breaks ties elsewhere), so the GPU's own events are the evidence."""
+    import pandas as pd
+    tl = pd.read_csv(os.path.join(os.path.dirname(__file__), "..", "data", f"segments_trace_dyn_{loop}.csv.gz"))
+    run = tl.iloc[0]
+    assert (run.scheme, run.release_on_miss, run.warmup) == ("segments", "high_water", 5)
+    calls = tl[tl["event"].isin(("alloc_miss", "release"))]
+    assert len(calls) == run.gpu_device_calls and calls["step"].max() < run.warmup

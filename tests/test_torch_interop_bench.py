@@ -30,12 +30,13 @@ def stand_in(arm):
 
 def test_trials_interleave_the_arms_one_row_per_trial_with_provenance():
     df = bench.run(trials=3, command=stand_in)
-    assert len(df) == 3 * 2 * (len(bench.SIZES) + 1)
+    assert len(df) == 3 * 3 * (len(bench.SIZES) + 1)
     assert list(df.columns[:len(bench.COLUMNS)]) == bench.COLUMNS
     for col in ("gpu", "commit", "date"):
         assert col in df.columns
     firsts = df[df.order == 0].groupby("trial").arm.first().tolist()
-    assert firsts == ["torch", "xpool", "torch"]          # who goes first alternates
+    assert firsts == ["torch", "xpool", "xpool_segments"]          # who goes first rotates
+    assert (df.groupby(["trial", "order"]).arm.nunique() == 1).all() and df.arm.nunique() == 3
 
 
 def test_a_failing_worker_names_the_trial_and_arm():
@@ -51,6 +52,9 @@ def test_summary_judges_by_interval():
     assert np.allclose(e.speedup, 2.0 / 1.8) and (e.verdict == "xpool faster").all()
     t = s.loc[["train_step"]].iloc[0]
     assert t.speedup == 1.0 and t.verdict == "within noise" and t.trials == 5
+    assert np.allclose(e.xpool_segments_median, 1.8)
+    old = bench.summarize(df[df.arm != "xpool_segments"])     # an older CSV, without the segments arm
+    assert "xpool_segments_median" not in old and np.allclose(old.speedup.iloc[:3], 2.0 / 1.8)
 
 
 def test_in_use_by_origin_follows_both_frameworks():

@@ -19,7 +19,10 @@ import xpool
 from xlab import intervals
 from xlab.paths import write_csv
 
-ARMS = ("torch", "xpool")
+# xpool: the pool enable_torch() makes (scheme expandable); xpool_segments: the same with scheme segments, CuPy's
+# default, beside it (the default per front end: NOTES.md, Note [The default scheme per front end])
+ARMS = ("torch", "xpool", "xpool_segments")
+MIXED_ARMS = ("torch", "xpool")          # the mixed loop's memory: one pool against the two frameworks' own
 SIZES = (4096, 1 << 20, 64 << 20)
 COLUMNS = ["case", "arm", "scheme", "trial", "order", "size_bytes", "value", "unit", "pairs", "steps", "batch_size",
            "device_mallocs_per_step", "device_calls_per_step", "peak_reserved_bytes", "torch"]
@@ -79,10 +82,12 @@ def time_train(torch, steps: int, warmup: int, batch_size: int | None):
 
 
 def worker(arm: str, pairs: int, steps: int, warmup: int, batch_size: int | None) -> list[dict]:
-    """Every case's rows for one arm, "torch" (PyTorch's own allocator) or "xpool"; call in a fresh process."""
+    """Every case's rows for one arm of ARMS ("torch": PyTorch's own allocator); call in a fresh process."""
     import torch
     if arm == "xpool":
         xpool.enable_torch()
+    elif arm == "xpool_segments":
+        xpool.enable_torch(scheme="segments")
     elif arm != "torch":
         raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
     rows = [dict(case="empty_del", size_bytes=n, value=time_empty_del(torch, n, pairs), unit="us_per_pair",
@@ -92,7 +97,7 @@ def worker(arm: str, pairs: int, steps: int, warmup: int, batch_size: int | None
             xpool.installed().stats(0).iloc[0].peak_bytes_reserved)
     rows.append(dict(case="train_step", value=tps, unit="tokens_per_s", steps=steps, batch_size=B,
                      device_mallocs_per_step=mallocs, device_calls_per_step=calls, peak_reserved_bytes=int(peak)))
-    scheme = xpool.installed().scheme if arm == "xpool" else ""     # the pool enable_torch() made
+    scheme = xpool.installed().scheme if arm != "torch" else ""     # the pool enable_torch() made
     for r in rows:
         r.update(arm=arm, scheme=scheme, torch=torch.__version__)
     return rows
@@ -109,7 +114,7 @@ def _worker(argv, what: str, timeout: float):
 # --- the trials, interleaved
 def run(trials: int = 5, pairs: int = 50_000, steps: int = 20, warmup: int = 5, batch_size: int | None = None,
         command=None, timeout: float = 120.0):
-    """Rows (COLUMNS, provenance) of `trials` trials, who goes first alternating, a fresh process per (trial, arm)
+    """Rows (COLUMNS, provenance) of `trials` trials, who goes first rotating, a fresh process per (trial, arm)
     running command(arm) (default: this module's GPU worker); a failing worker's trial and arm are named."""
     import pandas as pd
 
@@ -121,7 +126,7 @@ def run(trials: int = 5, pairs: int = 50_000, steps: int = 20, warmup: int = 5, 
             return argv + (["--batch-size", str(batch_size)] if batch_size else [])
     rows = []
     for trial in range(trials):
-        order = ARMS if trial % 2 == 0 else ARMS[::-1]        # who goes first alternates
+        order = ARMS[trial % len(ARMS):] + ARMS[:trial % len(ARMS)]     # who goes first rotates
         for position, arm in enumerate(order):
             rows += [{**r, "trial": trial, "order": position}
                      for r in _worker(command(arm), f"trial {trial}, arm {arm}", timeout)]
@@ -132,16 +137,17 @@ def run(trials: int = 5, pairs: int = 50_000, steps: int = 20, warmup: int = 5, 
 
 def summarize(df):
     """One row per (case, size): each arm's median [95% interval], and xpool's speed over PyTorch's own paired by
-    trial (speedup > 1: xpool is faster; torch µs / xpool µs for empty_del, xpool / torch tokens/s for training)."""
+    trial (speedup > 1: xpool is faster; torch µs / xpool µs for empty_del, xpool / torch tokens/s for training);
+    an older CSV without the arm xpool_segments has no columns of it."""
     import pandas as pd
 
     from xlab.allocators import canonical
     out, df = [], canonical(df)
     for (case, size), g in df.groupby(["case", df["size_bytes"].fillna(0)], sort=False):
-        vals = {arm: g.loc[g.arm == arm, "value"].to_numpy() for arm in ARMS}
+        vals = {arm: g.loc[g.arm == arm, "value"].to_numpy() for arm in ARMS if (g.arm == arm).any()}
         row = {"case": case, "size_bytes": int(size) or None, "unit": g.unit.iloc[0],
                "trials": min(len(v) for v in vals.values())}
-        for arm in ARMS:
+        for arm in vals:
             row[f"{arm}_median"], row[f"{arm}_low"], row[f"{arm}_high"], _ = intervals.median_ci(vals[arm])
         num, den = (vals["torch"], vals["xpool"]) if case == "empty_del" else (vals["xpool"], vals["torch"])
         row["speedup"], row["speedup_low"], row["speedup_high"], _ = intervals.ratio_ci(num, den)
@@ -210,7 +216,7 @@ def mixed_memory(steps: int = 4, timeout: float = 180.0):
     peaks = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "mixed.csv")
-        for arm in ARMS:
+        for arm in MIXED_ARMS:
             peaks[arm] = _worker([sys.executable, "-m", "xlab.bench.torch_interop", "--mixed", arm, "--steps",
                                   str(steps), "--mixed-out", path], f"mixed loop, arm {arm}", timeout)
         mem = pd.read_csv(path)
@@ -265,7 +271,7 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=None, help="default: the reference config's")
     p.add_argument("--out", default=None, help="CSV path (default: data/torch_interop.csv)")
     p.add_argument("--worker", choices=ARMS, help=argparse.SUPPRESS)
-    p.add_argument("--mixed", choices=ARMS, help=argparse.SUPPRESS)
+    p.add_argument("--mixed", choices=MIXED_ARMS, help=argparse.SUPPRESS)
     p.add_argument("--mixed-out", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.mixed:
