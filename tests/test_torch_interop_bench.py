@@ -84,3 +84,12 @@ def test_in_use_by_origin_follows_both_frameworks():
     fig = bench.plot_mixed_memory(m)
     assert fig.axes[0].get_ylabel() == "GiB"
     pool.empty_cache()
+
+
+def test_the_figure_names_the_scheme_of_the_pool_enable_torch_made():
+    from xlab import allocators, plots
+    df = bench.run(trials=2, command=stand_in).assign(scheme=lambda d: d.arm.map(
+        {"torch": "", "xpool": "expandable", "xpool_segments": "segments"}))
+    texts = [t.get_text() for t in plots.torch_interop(df).legends[0].get_texts()]
+    assert allocators.label("xpool_expandable") in texts and allocators.label("xpool_segments") in texts
+    assert allocators.label("xpool") not in texts          # not drawn as the default scheme (segments)
