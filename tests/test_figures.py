@@ -204,6 +204,9 @@ def check_batch_sweep(fig, data):
 
 def check_torch_interop(fig, data):
     df = canonical(pd.read_csv(data / "torch_interop.csv"))
+    if "scheme" in df:              # the arm xpool is drawn as the scheme of the pool enable_torch() made
+        df["arm"] = [f"xpool_{s}" if a == "xpool" and isinstance(s, str) and s else a
+                     for a, s in zip(df["arm"], df["scheme"])]
     left, right = fig.axes[:2]
     bar_panel(fig, left, df[df["case"] == "empty_del"], "size_bytes", "value", SIZES.__getitem__, arm="arm")
     bar_panel(fig, right, df[df["case"] == "train_step"].assign(x="training step"), "x", "value", str, arm="arm",
