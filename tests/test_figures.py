@@ -19,12 +19,15 @@ from fixtures import synthetic
 from xlab import plots
 
 try:                                   # the arms table; an older lab named its labels in plots
-    from xlab.allocators import canonical, label as arm_label
+    from xlab.allocators import by_scheme, canonical, label as arm_label
 except ImportError:
     def arm_label(a):
         return plots.style(a)["label"]
 
     def canonical(df):
+        return df
+
+    def by_scheme(df):
         return df
 
 MODES = {v: k for k, v in plots.MODES.items()}
@@ -203,10 +206,7 @@ def check_batch_sweep(fig, data):
 
 
 def check_torch_interop(fig, data):
-    df = canonical(pd.read_csv(data / "torch_interop.csv"))
-    if "scheme" in df:              # the arm xpool is drawn as the scheme of the pool enable_torch() made
-        df["arm"] = [f"xpool_{s}" if a == "xpool" and isinstance(s, str) and s else a
-                     for a, s in zip(df["arm"], df["scheme"])]
+    df = by_scheme(canonical(pd.read_csv(data / "torch_interop.csv")))   # xpool drawn as its pool's scheme
     left, right = fig.axes[:2]
     bar_panel(fig, left, df[df["case"] == "empty_del"], "size_bytes", "value", SIZES.__getitem__, arm="arm")
     bar_panel(fig, right, df[df["case"] == "train_step"].assign(x="training step"), "x", "value", str, arm="arm",

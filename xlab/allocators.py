@@ -685,6 +685,15 @@ def canonical(df):
     return df.assign(**{col: df[col].replace(renames)}) if renames else df
 
 
+def by_scheme(df):
+    """The torch interop rows with the arm `xpool` (the pool enable_torch() made) named by the scheme it ran,
+    where the rows say it (`scheme`): xpool_expandable, xpool_segments; older CSVs unchanged."""
+    if "scheme" not in df:
+        return df
+    return df.assign(arm=[f"xpool_{s}" if a == "xpool" and isinstance(s, str) and s else a
+                          for a, s in zip(df["arm"], df["scheme"])])
+
+
 def make(name: str, **kwargs) -> Allocator:
     """A fresh allocator by name (see `arm`), not installed; `kwargs` go to its class."""
     row = arm(name)

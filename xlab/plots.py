@@ -292,10 +292,7 @@ def torch_interop(df: pd.DataFrame) -> Figure:
     """PyTorch through xpool against its own allocator: µs per torch.empty+del by size, and tokens/s. The arm
     `xpool` is the pool enable_torch() made: named by its scheme where the rows say it (`scheme`), so a CSV from
     after the torch default became expandable is not drawn as the default scheme's."""
-    if "scheme" in df:
-        df = df.assign(arm=[f"xpool_{s}" if a == "xpool" and isinstance(s, str) and s else a
-                            for a, s in zip(df["arm"], df["scheme"])])
-    d = labelled(df, "arm")
+    d = labelled(allocators.by_scheme(df), "arm")
     fig, axes = _figure(1, 2, size=(12, 5.2))
     left, right = axes[0]
     e = d[d["case"] == "empty_del"]

@@ -55,7 +55,7 @@ BOTH = ((X, ""), (XS, "_seed"))            # rows measured for the default schem
 DYN, XD, PEERS = "dynamic_shapes", ("xpool", f"xpool_{DEFAULT_SCHEME}"), SETS["dynamic"]   # XD: the default arm
 XDT = f"xpool_{TORCH_DEFAULT_SCHEME}"      # a PyTorch workload's default arm: the pool xpool.enable_torch() makes
 # the dynamic headlines' two defaults: (key suffix, label, arm, framework of the workloads)
-DEFAULTS = (("", f" ({DEFAULT_SCHEME})", XD, "cupy"), ("_torch", f" for PyTorch ({TORCH_DEFAULT_SCHEME})", XDT, "torch"))
+DEFAULT_ARMS = (("", f" ({DEFAULT_SCHEME})", XD, "cupy"), ("_torch", f" for PyTorch ({TORCH_DEFAULT_SCHEME})", XDT, "torch"))
 MS, PCT, K = dict(fmt="{:.1f}", unit=" ms"), dict(fmt="{:.0f}", unit="%"), dict(fmt="{:.1f}", unit="k", scale=1e-3)
 W2T, W2P = dict(mode="threads", world=2), dict(mode="processes", world=2)
 
@@ -198,18 +198,18 @@ TARGETS = (
       exact=True),
     *(T(f"dyn_h_ror{k}", f"xpool's default{label}: peak reserved / requested by dynamic workload", DYN,
         "reserved_over_requested", arm, where=dict(dynamic=True, framework=f), over=("workload",), pick="each",
-        fmt="{:.3f}", exact=True) for k, label, arm, f in DEFAULTS),
+        fmt="{:.3f}", exact=True) for k, label, arm, f in DEFAULT_ARMS),
     T("dyn_h_expandable", "the same, PyTorch's expandable segments", DYN, "reserved_over_requested",
       "torch_expandable", where=dict(dynamic=True), over=("workload",), pick="each", fmt="{:.3f}", exact=True),
     *(T(f"dyn_h_calls{k}", f"xpool's default{label}: device calls per step in steady state, by dynamic workload", DYN,
         "device_calls_per_steady_step", arm, where=dict(dynamic=True, framework=f), over=("workload",), pick="each",
-        fmt="{:.3g}", exact=True) for k, label, arm, f in DEFAULTS),
+        fmt="{:.3g}", exact=True) for k, label, arm, f in DEFAULT_ARMS),
     *(T(f"dyn_h_calls_timed{k}", f"xpool's default{label}: device calls per timed step, by dynamic workload", DYN,
         "device_calls_per_step", arm, where=dict(dynamic=True, framework=f), over=("workload",), pick="each",
-        fmt="{:.3g}", exact=True) for k, label, arm, f in DEFAULTS),
+        fmt="{:.3g}", exact=True) for k, label, arm, f in DEFAULT_ARMS),
     *(T(f"dyn_h_peak_step{k}", f"the step of the demand's last new high under xpool's default{label}, by dynamic "
         "workload", DYN, "demand_peak_step", arm, where=dict(dynamic=True, framework=f), over=("workload",),
-        pick="each", fmt="{:.0f}", exact=True) for k, label, arm, f in DEFAULTS),
+        pick="each", fmt="{:.0f}", exact=True) for k, label, arm, f in DEFAULT_ARMS),
     *(T(f"dyn_h_{k}{m}", f"the expandable scheme{label}: {what}, by dynamic workload", DYN, metric, f"xpool_{n}",
         where=dict(dynamic=True), over=("workload",), pick="each", fmt=fmt, exact=True)
       for k, n, label in (("xe", "expandable", ""), ("xe_bounded", "expandable_bounded", ", release_on_miss bounded"))
@@ -218,7 +218,7 @@ TARGETS = (
                                     "{:.2g}"))),
     *(T(f"dyn_h_ms{k}", f"xpool's default{label}: ms per step / the fastest peer's, by workload", DYN, "ms_per_step",
         arm, higher=False, where=dict(framework=f), ref=dict(allocator=PEERS), over=("workload",), pick="each",
-        unit="×") for k, label, arm, f in DEFAULTS),
+        unit="×") for k, label, arm, f in DEFAULT_ARMS),
     T("torch_step", "PyTorch's training step, xpool / PyTorch's allocator (tokens/s)", "torch_interop.csv", "value", X,
       where=dict(case="train_step"), ref=dict(arm="torch"), unit="×"),
     T("torch_empty", "torch.empty+del, PyTorch's allocator's time / xpool's, by size", "torch_interop.csv", "value",

@@ -103,7 +103,8 @@ class Settings:
 
     Attributes:
         scheme (str): how blocks are made (``XPOOL_SCHEME``): ``"segments"`` (the default; ``"xpool"`` is
-            its old name; ``"expandable"`` is the default of the pool ``xpool.enable_torch()`` makes): best fit in segments of one device allocation each, split and merged;
+            its old name; ``"expandable"`` is the default of the pool ``xpool.enable_torch()`` makes): best
+            fit in segments of one device allocation each, split and merged;
             ``"seed"``: the design's size classes, one device allocation per block; ``"expandable"``: best fit
             in pages of the device's granularity mapped into one reserved address range per stream as the pool
             grows (CUDA's virtual memory; needs a backend with ``vmm()``; no CUDA IPC of its blocks). See the
