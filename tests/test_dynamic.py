@@ -2,6 +2,7 @@
 arithmetic, resuming, each arm's device-call count over stand-ins, the workloads on NumPy and PyTorch's CPU. The
 real paths run on a GPU (marked)."""
 import math
+import os
 import sys
 import types
 
@@ -65,14 +66,17 @@ def test_plan_leaves_out_what_is_done():
     jobs2, wanted2 = dynamic.plan(2, ["cupy_mix", "gpt_b4"], per, opts, done, commit="c1")
     assert wanted2 == wanted
     assert [(a, w, t) for _, a, w, t, _ in jobs2] == [("b", ["cupy_mix"], 1), ("a", ["cupy_mix", "gpt_b4"], 1)]
-    assert ("0", "cupy_mix", "a", "7", "30", "3", "c1") in wanted     # steps overridden, the workload's warm-up
+    assert ("0", "cupy_mix", "a", "7", "30", "3", "no", "c1") in wanted     # steps overridden, the workload's warm-up
+    pinned, _ = dynamic.plan(2, ["cupy_mix"], per, {**opts, "cpus": {3, 1}}, wanted, commit="c1")
+    assert len(pinned) == 4                                              # pinned: another measurement
+    assert dynamic.pinned({**opts, "cpus": {3, 1}}) == "1,3" and dynamic.pinned(opts) == "no"
 
 
 # --- rows and device calls
 
 def _run_dict(**kw):
-    d = dict(batch=4, shape="T 256", seconds=0.5, calls=None, gc_seconds=0.01, reserved=None, requested=None,
-             steady=None)
+    d = dict(batch=4, shape="T 256", seconds=0.5, host_seconds=0.45, calls=None, gc_seconds=0.01, reserved=None,
+             requested=None, steady=None)
     d.update(kw)
     return d
 
@@ -92,6 +96,15 @@ def test_row_takes_bytes_and_calls_from_the_run_that_counted_them():
     blank = dynamic.build_row(0, 0, "cupy_mix", "numpy", timed, timed, 0, opts)
     assert math.isnan(blank["device_calls_per_step"]) and math.isnan(blank["reserved_over_requested"])
     assert set(dynamic.COLUMNS) | {"release_on_miss"} == set(row)
+    assert row["host_ms_per_step"] == 45.0 and row["bound"] == "" and row["pinned"] == "no"   # no GPU: no bound
+
+
+def test_row_says_what_bounds_the_step_from_the_threads_cpu_time():
+    """A GPU row is host-bound when the thread was busy >= 80% of the window (train.step_bound), else gpu-bound."""
+    opts = dict(steps=10, warmup=2, seed=0, gpu=True)
+    busy = dynamic.build_row(0, 0, "gpt_b4", "cupy_pool", _run_dict(host_seconds=0.45), _run_dict(), 0, opts)
+    idle = dynamic.build_row(0, 0, "gpt_b4", "cupy_pool", _run_dict(host_seconds=0.2), _run_dict(), 0, opts)
+    assert (busy["bound"], idle["bound"]) == ("host", "gpu") and idle["host_ms_per_step"] == 20.0
 
 
 def test_steady_state_starts_after_the_demands_last_new_high():
@@ -269,6 +282,19 @@ def test_run_rejects_bad_counts():
     for bad in (dict(trials=0), dict(steps=0), dict(warmup=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             dynamic.run(cpu=True, out=None, **bad)
+
+
+def test_pinned_arms_run_on_their_cpus_and_bad_cpus_are_named(tmp_path):
+    """Note [Pinned arms]: every arm's process on the CPUs asked for, the rows saying so; a CPU this process may not
+    use, or not a CPU, is refused before anything runs."""
+    cpu = max(os.sched_getaffinity(0))
+    df = dynamic.run(["cupy_mix"], trials=1, steps=2, warmup=1, out=tmp_path / "d.csv", cpu=True, progress=False,
+                     cpus=[cpu])
+    assert list(df.pinned) == [str(cpu)] and not df.attrs["failed"]
+    for bad in ([], ["x"], [10 ** 6], [True], 7):
+        with pytest.raises(ValueError, match="cpus"):
+            dynamic.run(cpu=True, out=tmp_path / "bad.csv", cpus=bad)
+    assert not (tmp_path / "bad.csv").exists()
 
 
 def test_summary_from_rows():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import pathlib
 import re
 import sys
@@ -31,7 +32,7 @@ import xpool
 from xlab import allocators as registry
 from xlab import intervals
 from xlab.experiments.runner import installed
-from xlab.experiments.train import Window      # with tapegpt: imported once, before the forks (no CUDA)
+from xlab.experiments.train import Window, step_bound   # with tapegpt: imported once, before the forks (no CUDA)
 from xlab.paths import write_csv
 from xlab.provenance import git_commit, gpu_info, provenance
 
@@ -63,11 +64,12 @@ PEERS = {f: tuple(a for a in PEERS_ALL if registry.arm(a).framework == f) for f 
 DEVICE_CALLS = ("device_mallocs", "device_frees", "device_maps", "device_unmaps")   # xpool's counters, summed
 QUICK = dict(trials=1, steps=3, warmup=2)
 TRIALS, SEED, OUT = 5, 0, "data/dynamic_shapes.csv"
-KEYS = ("trial", "workload", "allocator", "steps", "warmup", "seed", "commit")   # what names one measurement
+KEYS = ("trial", "workload", "allocator", "steps", "warmup", "seed", "pinned", "commit")   # names one measurement
 COLUMNS = ["trial", "workload", "dynamic", "framework", "allocator", "peak_reserved_bytes", "peak_requested_bytes",
            "reserved_over_requested", "device_calls_per_step", "device_calls", "device_calls_per_steady_step",
            "device_calls_steady", "steady_steps", "demand_peak_step", "ms_per_step", "steps", "warmup",
-           "seed", "batch", "shape", "counted_in", "reserved_at_start_bytes", "position", "gc_ms_per_step"]
+           "seed", "batch", "shape", "counted_in", "reserved_at_start_bytes", "position", "gc_ms_per_step",
+           "host_ms_per_step", "bound", "pinned"]
 
 
 # --- arms
@@ -150,7 +152,8 @@ def _measure(alloc, workload, opts, sync, probe: bool) -> dict:
 
     with alloc.tracking():
         info = WORKLOADS[workload].fn(steps, warmup, seed, window, opts["gpu"], opts["small"], after_step=after_step)
-    return dict(info, seconds=window.seconds, calls=window.device_mallocs, gc_seconds=window.gc.seconds,
+    return dict(info, seconds=window.seconds, host_seconds=window.host_seconds, calls=window.device_mallocs,
+                gc_seconds=window.gc.seconds,
                 reserved=alloc.peak_reserved(0), requested=alloc.peak_requested(0),
                 steady=steady_state(probes, warmup) if probe else None)
 
@@ -207,7 +210,12 @@ def _torch_arm(arm, workloads, opts) -> list:
 
 
 def arm_process(framework, arm, workloads, trial, position, opts) -> list:
-    """Run `arm` over `workloads` (all of `framework`) in this process: their rows, with provenance."""
+    """Run `arm` over `workloads` (all of `framework`) in this process, on opts["cpus"] if given (Note [Pinned
+    arms]): their rows, with provenance."""
+    if opts.get("cpus"):
+        os.sched_setaffinity(0, opts["cpus"])
+        if os.sched_getaffinity(0) != set(opts["cpus"]):
+            raise RuntimeError(f"pinned to {sorted(opts['cpus'])}, the process runs on {sorted(os.sched_getaffinity(0))}")
     t0 = time.perf_counter()
     runs = (_cupy_arm if framework == "cupy" else _torch_arm)(arm, workloads, opts)
     prov = provenance(experiment="dynamic_shapes", torch=_version("torch"), rmm=_version("rmm-cu13", "rmm-cu12"),
@@ -240,15 +248,18 @@ def build_row(trial, position, workload, arm, timed, counted, at_start, opts) ->
         counted["reserved"] if timed["reserved"] is None else timed["reserved"],
         counted["requested"] if timed["requested"] is None else timed["requested"], counted["calls"]))
     steady = counted["steady"] or steady_state([], warmup)
+    ms, host_ms = (1000 * timed[k] / steps for k in ("seconds", "host_seconds"))
     per_steady = (steady["device_calls_steady"] / steady["steady_steps"] if steady["steady_steps"] else math.nan)
     return dict(trial=trial, workload=workload, dynamic=spec.dynamic, framework=spec.framework, allocator=arm,
                 peak_reserved_bytes=reserved, peak_requested_bytes=requested,
                 reserved_over_requested=reserved / requested if requested > 0 else math.nan,
                 device_calls_per_step=calls / steps, device_calls=calls, device_calls_per_steady_step=per_steady,
-                **steady, ms_per_step=1000 * timed["seconds"] / steps,
+                **steady, ms_per_step=ms, host_ms_per_step=host_ms,
+                bound=step_bound(None, host_ms, ms) if opts.get("gpu") else "",
                 steps=steps, warmup=warmup, seed=seed, batch=timed["batch"], shape=timed["shape"],
                 counted_in="timed run" if counted is timed else "counting run", reserved_at_start_bytes=at_start,
-                position=position, gc_ms_per_step=1000 * timed["gc_seconds"] / steps, release_on_miss=release_rule(arm))
+                position=position, gc_ms_per_step=1000 * timed["gc_seconds"] / steps, release_on_miss=release_rule(arm),
+                pinned=pinned(opts))
 
 
 # --- the run
@@ -258,7 +269,7 @@ def plan(trials, workloads, per_framework, opts, done=frozenset(), commit="") ->
     jobs, wanted = [], set()
     for t in range(trials):
         for pos, (f, a) in enumerate(rotated(units, t)):
-            keys = {w: tuple(map(str, (t, w, a, *_settings(w, opts), commit)))
+            keys = {w: tuple(map(str, (t, w, a, *_settings(w, opts), pinned(opts), commit)))
                     for w in workloads if WORKLOADS[w].framework == f}
             wanted |= set(keys.values())
             todo = [w for w, k in keys.items() if k not in done]
@@ -268,7 +279,26 @@ def plan(trials, workloads, per_framework, opts, done=frozenset(), commit="") ->
 
 
 def _keys(df) -> list:
-    return [tuple(str(v) for v in r) for r in df[list(KEYS)].itertuples(index=False)] if "commit" in df else []
+    return [tuple(str(v) for v in r) for r in df.reindex(columns=KEYS).itertuples(index=False)] if "commit" in df else []
+
+
+def check_cpus(cpus) -> frozenset | None:
+    """cpus as a set this process may run on; ValueError naming `cpus` otherwise."""
+    if cpus is None:
+        return None
+    allowed = os.sched_getaffinity(0)
+    try:
+        got = frozenset(int(c) for c in cpus)
+    except (TypeError, ValueError):
+        raise ValueError(f"cpus must be CPU numbers (this process may use {sorted(allowed)}), got {cpus!r}") from None
+    if not got or got - allowed or any(isinstance(c, bool) for c in cpus):
+        raise ValueError(f"cpus must be CPUs this process may use ({sorted(allowed)}), got {cpus!r}")
+    return got
+
+
+def pinned(opts) -> str:
+    """The CPUs every arm's process was pinned to ("2", "2,3"), or "no"."""
+    return ",".join(map(str, sorted(opts["cpus"]))) if opts.get("cpus") else "no"
 
 
 def _n_gpus() -> int:
@@ -283,16 +313,18 @@ def in_process(fn, *args, start="fork"):
 
 def run(workloads=None, arms=None, trials: int = TRIALS, steps: int | None = None, warmup: int | None = None,
         seed: int = SEED, out=OUT, fresh: bool = False, cpu: bool = False, small: bool | None = None,
-        start: str = "fork", progress: bool = True) -> pd.DataFrame:
+        start: str = "fork", progress: bool = True, cpus=None) -> pd.DataFrame:
     """Measure every (trial, workload, arm) `out` lacks for this commit and these settings (fresh: discard them), rows
     appended after each process; the run's rows (attrs["failed"]: arms that raised). steps, warmup: None for each
-    workload's own; cpu: NumPy and PyTorch's CPU under arm 'numpy' (tests the code); start: "fork" or "spawn"."""
+    workload's own; cpu: NumPy and PyTorch's CPU under arm 'numpy' (tests the code); start: "fork" or "spawn";
+    cpus: CPUs every arm's process is pinned to (Note [Pinned arms]), None: not pinned."""
     for name, v in (("trials", trials), ("steps", steps), ("warmup", warmup)):
         if v is not None and not (isinstance(v, int) and v >= 1):
             raise ValueError(f"{name} must be a whole number >= 1, got {v!r}")
+    cpus = check_cpus(cpus)
     workloads, per_framework = resolve(workloads, arms, cpu)
     opts = dict(steps=steps, warmup=warmup, seed=seed, gpu=not cpu, small=cpu if small is None else small,
-                start=start)
+                start=start, cpus=cpus)
     if not cpu and in_process(_n_gpus, start=start) < 1:    # asked in a child: this process must not start CUDA
         raise registry.NoGPU("xlab.bench.dynamic needs a CUDA GPU (none visible; --cpu runs the code on the CPU)")
     old = pd.read_csv(out) if out and pathlib.Path(out).is_file() and not fresh else pd.DataFrame()
@@ -357,10 +389,12 @@ def main(argv=None) -> int:
     p.add_argument("--figure", help="also draw the figure to this path (.png, .svg)")
     p.add_argument("--cpu", action="store_true", help="NumPy and PyTorch on the CPU, small models: tests the code")
     p.add_argument("--start", default="fork", choices=("fork", "spawn"), help="how the arms' processes start")
+    p.add_argument("--cpus", help="pin every arm's process to these CPUs, comma-separated (Note [Pinned arms])")
     a = p.parse_args(argv)
     kw = {k: v for k, v in (("trials", a.trials), ("steps", a.steps), ("warmup", a.warmup)) if v is not None}
     split = (lambda s: [x for x in s.split(",") if x] if s else None)   # noqa: E731
     df = run(split(a.workloads), split(a.arms), seed=a.seed, out=a.out, fresh=a.fresh, cpu=a.cpu, start=a.start,
+             cpus=split(a.cpus),
              **{**(QUICK if a.quick else {}), **kw})
     if len(df):
         print(summary(df).to_string(index=False))
