@@ -3,6 +3,7 @@ arithmetic, resuming, each arm's device-call count over stand-ins, the workloads
 real paths run on a GPU (marked)."""
 import math
 import os
+import pathlib
 import sys
 import types
 
@@ -100,11 +101,14 @@ def test_row_takes_bytes_and_calls_from_the_run_that_counted_them():
 
 
 def test_row_says_what_bounds_the_step_from_the_threads_cpu_time():
-    """A GPU row is host-bound when the thread was busy >= 80% of the window (train.step_bound), else gpu-bound."""
+    """A GPU row of a CuPy workload is host-bound when the thread was busy >= 80% of the window (train.step_bound),
+    else gpu-bound; a PyTorch row says nothing (its backward runs on the autograd thread)."""
     opts = dict(steps=10, warmup=2, seed=0, gpu=True)
     busy = dynamic.build_row(0, 0, "gpt_b4", "cupy_pool", _run_dict(host_seconds=0.45), _run_dict(), 0, opts)
     idle = dynamic.build_row(0, 0, "gpt_b4", "cupy_pool", _run_dict(host_seconds=0.2), _run_dict(), 0, opts)
     assert (busy["bound"], idle["bound"]) == ("host", "gpu") and idle["host_ms_per_step"] == 20.0
+    torch_row = dynamic.build_row(0, 0, "torch_fixed", "torch", _run_dict(host_seconds=0.2), _run_dict(), 0, opts)
+    assert torch_row["bound"] == "" and torch_row["host_ms_per_step"] == 20.0    # backward is on another thread
 
 
 def test_steady_state_starts_after_the_demands_last_new_high():
@@ -335,3 +339,22 @@ def test_quick_run_on_the_gpu(tmp_path):
     assert (df.device_calls_steady.isna() == (df.steady_steps == 0)).all()   # no steady step: no count
     assert (df[df.allocator == "cupy_async"].device_calls_per_step > 0).all()    # a call per request, warm or not
     assert (df[df.framework == "torch"].reserved_at_start_bytes == 0).all()
+
+
+def test_host_speed_probe_csv_is_what_its_log_gives():
+    """data/host_speed_probe.csv (Note [Pinned arms]) is scripts/host_speed_table.py over its committed log: each
+    step log matched to its benchmark row (a mismatch stops the script), the numbers recomputed."""
+    import importlib.util
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("host_speed_table", os.path.join(root, "scripts", "host_speed_table.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    got = mod.table(pathlib.Path(root, "data", "logs", "eleventh_host_speed.tgz"))
+    committed = pd.read_csv(os.path.join(root, "data", "host_speed_probe.csv"))
+    assert list(got.columns) == list(committed.columns) and len(got) == len(committed) == 60
+    for col in ("ms_per_step", "host_ms_per_step", "step_ms_p50", "step_cpu_ms_p50"):
+        assert np.allclose(got[col], committed[col], atol=1e-3), col
+    timed = committed[committed.run == "timed"]
+    gpt = timed[timed.workload == "gpt_b4"]
+    assert np.allclose(gpt.host_ms_per_step, gpt.ms_per_step, rtol=0.01)      # host-bound: CPU time is wall time
+    assert gpt.ms_per_step.max() > 1.5 * gpt.ms_per_step.min()                # the spread the note describes

@@ -242,7 +242,11 @@ def release_rule(arm) -> str | None:
 
 
 def build_row(trial, position, workload, arm, timed, counted, at_start, opts) -> dict:
-    """One row: bytes from the run that counted them, device calls from the counting run, time from the timed."""
+    """One row: bytes from the run that counted them, device calls from the counting run, time from the timed.
+    host_ms_per_step: the main thread's CPU time per timed step (to the last dispatch, Window); `bound` from it
+    (train.step_bound) on a GPU for the CuPy workloads, whose host work is all on that thread. A PyTorch row says
+    nothing there: PyTorch runs backward on its autograd thread, which that time does not count (Note [Pinned
+    arms])."""
     spec, (steps, warmup, seed) = WORKLOADS[workload], _settings(workload, opts)
     reserved, requested, calls = (math.nan if v is None else v for v in (
         counted["reserved"] if timed["reserved"] is None else timed["reserved"],
@@ -255,7 +259,7 @@ def build_row(trial, position, workload, arm, timed, counted, at_start, opts) ->
                 reserved_over_requested=reserved / requested if requested > 0 else math.nan,
                 device_calls_per_step=calls / steps, device_calls=calls, device_calls_per_steady_step=per_steady,
                 **steady, ms_per_step=ms, host_ms_per_step=host_ms,
-                bound=step_bound(None, host_ms, ms) if opts.get("gpu") else "",
+                bound=step_bound(None, host_ms, ms) if opts.get("gpu") and spec.framework == "cupy" else "",
                 steps=steps, warmup=warmup, seed=seed, batch=timed["batch"], shape=timed["shape"],
                 counted_in="timed run" if counted is timed else "counting run", reserved_at_start_bytes=at_start,
                 position=position, gc_ms_per_step=1000 * timed["gc_seconds"] / steps, release_on_miss=release_rule(arm),
