@@ -39,9 +39,10 @@ def table(tgz: pathlib.Path) -> pd.DataFrame:
     for r, s, run in runs:
         ts, w = np.array(s["ts"]), s["warmup"]
         wall, cpu = (np.diff(ts[:, i])[w - 1:] * 1e3 for i in (0, 1))        # the timed steps' intervals
-        if s["workload"] != r["workload"] or run == "timed" and abs(1e3 * s["window_s"] / len(wall) - r["ms_per_step"]) > 1e-6:
+        ms = 1e3 * s["window_s"] / len(wall)
+        if s["workload"] != r["workload"] or run == "timed" and abs(ms - r["ms_per_step"]) > 1e-6:
             raise SystemExit(f"step log {s['pid']} is not row {r['trial']} {r['workload']} {r['allocator']}")
-        out.append(dict(**{k: r[k] for k in KEEP}, run=run, window=r["window"], ms_per_step=1e3 * s["window_s"] / len(wall),
+        out.append(dict(**{k: r[k] for k in KEEP}, run=run, window=r["window"], ms_per_step=ms,
                         host_ms_per_step=1e3 * s["host_s"] / len(wall),
                         step_ms_p10=np.percentile(wall, 10), step_ms_p50=np.median(wall),
                         step_ms_p90=np.percentile(wall, 90), step_cpu_ms_p50=np.median(cpu),

@@ -345,12 +345,12 @@ def test_host_speed_probe_csv_is_what_its_log_gives():
     """data/host_speed_probe.csv (Note [Pinned arms]) is scripts/host_speed_table.py over its committed log: each
     step log matched to its benchmark row (a mismatch stops the script), the numbers recomputed."""
     import importlib.util
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("host_speed_table", os.path.join(root, "scripts", "host_speed_table.py"))
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("host_speed_table", root / "scripts" / "host_speed_table.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    got = mod.table(pathlib.Path(root, "data", "logs", "eleventh_host_speed.tgz"))
-    committed = pd.read_csv(os.path.join(root, "data", "host_speed_probe.csv"))
+    got = mod.table(root / "data" / "logs" / "eleventh_host_speed.tgz")
+    committed = pd.read_csv(root / "data" / "host_speed_probe.csv")
     assert list(got.columns) == list(committed.columns) and len(got) == len(committed) == 60
     for col in ("ms_per_step", "host_ms_per_step", "step_ms_p50", "step_cpu_ms_p50"):
         assert np.allclose(got[col], committed[col], atol=1e-3), col
