@@ -29,6 +29,7 @@ VARIANTS = {   # name -> (pool settings, small blocks on a range of their own)
     "segments": (dict(scheme="segments"), False),
     "expandable": (dict(scheme="expandable"), False),                                  # its defaults: never
     "expandable_bounded": (dict(scheme="expandable", release_on_miss="bounded"), False),   # release_bound 1.05
+    "expandable_growth": (dict(scheme="expandable", release_on_miss="growth"), False),   # release_bound 1.05
     "expandable_bound_1.02": (dict(scheme="expandable", release_on_miss="bounded", release_bound=1.02), False),
     "expandable_bound_1.10": (dict(scheme="expandable", release_on_miss="bounded", release_bound=1.10), False),
     "expandable_high_water": (dict(scheme="expandable", release_on_miss="high_water"), False),   # the old default

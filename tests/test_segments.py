@@ -154,7 +154,7 @@ def test_release_on_miss_all_gives_back_every_whole_free_segment():
 def test_a_bounded_miss_gives_back_young_segments_over_the_bound():
     """release_on_miss "bounded": a miss that would take the pool above release_bound times the most bytes ever
     requested gives back whole free segments first, however recently freed ("high_water" waits 64 requests)."""
-    for rule, frees in (("high_water", 0), ("bounded", 1)):
+    for rule, frees in (("high_water", 0), ("bounded", 1), ("growth", 1)):   # growth: 9 MiB + 1000 B is a new high
         pool, backend = make(release_on_miss=rule, release_bound=1.5)
         a, z = pool.allocate(8 * MiB), pool.allocate(1000)
         del a                              # whole and free just now
@@ -164,7 +164,23 @@ def test_a_bounded_miss_gives_back_young_segments_over_the_bound():
         del b, z
 
 
-@pytest.mark.parametrize("bad", [-1, 3])
+def test_a_growth_miss_gives_back_only_when_the_demand_reaches_a_new_high():
+    """release_on_miss "growth": as "bounded", but a miss that keeps the bytes requested within their most ever
+    gives back nothing (Note [Release on miss: growth]), so a program repeating a demand it has met only adds."""
+    for rule, frees in (("bounded", 1), ("growth", 0)):
+        pool, backend = make(release_on_miss=rule, release_bound=1.5)
+        a, c, z = pool.allocate(8 * MiB), pool.allocate(6 * MiB), pool.allocate(1000)   # the most: 14 MiB + 1000 B
+        del a, c                           # two whole free segments
+        b = pool.allocate(9 * MiB)         # 2 + 8 + 6 + 9 MiB > 1.5 x 14 MiB, but 9 MiB + 1000 B is no new high
+        assert pool.stats().iloc[0].device_frees == frees, rule
+        assert backend.used(0) == (2 + 8 + 9 + 6 * (1 - frees)) * MiB, rule
+        d = pool.allocate(9 * MiB)         # 18 MiB + 1000 B: a new high, so growth gives back too (a's 8 MiB)
+        assert pool.stats().iloc[0].device_frees == frees + 1, rule
+        assert pool.stats().iloc[0].bytes_reserved <= 1.5 * pool.stats().iloc[0].peak_bytes_requested, rule
+        del b, d, z
+
+
+@pytest.mark.parametrize("bad", [-1, 5])
 def test_release_on_miss_is_checked(bad):
     with pytest.raises(ValueError, match="release_on_miss"):
         make(release_on_miss=bad)

@@ -112,7 +112,7 @@ def test_a_bad_debug_variable_is_refused_naming_it(monkeypatch, text):
     ("small_segment", 1000, "multiple of 512"), ("small_segment", 0, r"in \[512, "), ("small_segment", "1.25KiB",
                                                                                        "multiple of 512"),
     ("segment_round", -512, r"in \[512, "), ("segment_round", "big", "expected bytes"),
-    ("segment_round", 512.0, "got float"), ("release_on_miss", 1, "expected one of 'never', 'high_water', 'always', 'bounded'"),
+    ("segment_round", 512.0, "got float"), ("release_on_miss", 1, "expected one of 'never', 'high_water', 'always', 'bounded', 'growth'"),
     ("release_on_miss", "sometimes", "expected one of"), ("release_idle", -1, r"in \[0, "),
     ("release_idle", "64", "got str"), ("timeline", -5, r"in \[0, "), ("timeline", 2**63, r"in \[0, "),
     ("timeline", 1.0, "got float"), ("classes_per_doubling", 0, r"in \[1, 64\]"), ("scheme", "arena", "expected one of"),
@@ -277,12 +277,20 @@ def test_every_field_has_its_variable_default_help_and_parser():
 
 def test_a_front_ends_defaults_fill_only_what_nothing_else_set(monkeypatch):
     s = Settings(frontend="torch")
-    assert (s.scheme, s.release_on_miss, s.small_segment) == ("expandable", "never", None)
-    assert s.source("scheme") == "default (torch)" and s.source("release_on_miss") == "default"
+    assert (s.scheme, s.release_on_miss, s.small_segment) == ("expandable", "growth", None)
+    assert s.source("scheme") == "default (torch)" and s.source("release_on_miss") == "default (torch)"
     assert Settings(frontend="torch", scheme="seed").scheme == "seed"
+    assert Settings(frontend="torch", release_on_miss="never").release_on_miss == "never"
     monkeypatch.setenv("XPOOL_SCHEME", "segments")
-    assert Settings(frontend="torch").source("scheme") == "XPOOL_SCHEME"
+    s = Settings(frontend="torch")             # the front end's release rule is its scheme's: segments keeps its own
+    assert (s.source("scheme"), s.release_on_miss, s.source("release_on_miss")) == ("XPOOL_SCHEME", "high_water",
+                                                                                  "default")
+    monkeypatch.setenv("XPOOL_SCHEME", "expandable")
+    assert Settings(frontend="torch").release_on_miss == "growth"
+    monkeypatch.setenv("XPOOL_RELEASE_ON_MISS", "bounded")
+    assert Settings(frontend="torch").source("release_on_miss") == "XPOOL_RELEASE_ON_MISS"
     monkeypatch.delenv("XPOOL_SCHEME")
+    monkeypatch.delenv("XPOOL_RELEASE_ON_MISS")
     kept = dataclasses.replace(Settings(frontend="torch"), debug="warn")   # resolved values carry over
     assert kept.scheme == "expandable" and kept.debug == "warn"
     with pytest.raises(ValueError, match="frontend must be None or one of 'torch', got 'cupy'"):

@@ -470,8 +470,9 @@ def made(fresh_enable):
 
 def test_the_pool_enable_makes_is_expandable_and_says_why(made):
     pool = xpool.enable_torch(limit="1GiB")
-    assert pool.scheme == "expandable" and pool.settings.release_on_miss == "never"
-    assert pool.settings.source("scheme") == "default (torch)" and pool.settings.source("limit") == "limit"
+    assert pool.scheme == "expandable" and pool.settings.release_on_miss == "growth"
+    assert pool.settings.source("scheme") == pool.settings.source("release_on_miss") == "default (torch)"
+    assert pool.settings.source("limit") == "limit"
     assert "default (torch)" in pool.settings.describe()
     torch_free(torch_malloc(3 << 20))                  # it serves PyTorch's entry points from mapped pages
     assert pool.snapshot().device_maps >= 1 and xpool.installed() is pool
@@ -488,6 +489,7 @@ def test_a_scheme_that_is_set_wins_over_the_torch_default(made, how, scheme):
         how = {}
     pool = xpool.enable_torch(**how)
     assert pool.scheme == scheme and pool.settings.source("scheme") != "default (torch)"
+    assert pool.settings.source("release_on_miss") != "default (torch)"   # the torch rule is scheme expandable's
 
 
 def test_the_pool_installed_for_cupy_is_shared_whatever_its_scheme(made):
@@ -500,6 +502,7 @@ def test_without_virtual_memory_the_torch_default_falls_back_with_a_warning(made
     with pytest.warns(RuntimeWarning, match="needs CUDA's virtual memory management.*using scheme 'segments'"):
         pool = xpool.enable_torch()
     assert pool.scheme == "segments" and pool.settings.source("scheme") == "default"
+    assert pool.settings.release_on_miss == "high_water"      # segments' own rule, not the torch front end's
 
 
 def test_without_virtual_memory_a_scheme_asked_for_is_an_error(made):

@@ -549,6 +549,8 @@ ARMS = (
         scheme="expandable"),
     _xp("xpool_expandable_bounded", "xpool, expandable scheme, misses unmap over 1.05× the most requested", "#dbdb8d",
         "*", ls="--", scheme="expandable", release_on_miss="bounded"),
+    _xp("xpool_expandable_growth", "xpool, expandable scheme, misses at a new demand high unmap over 1.05× the most "
+        "requested", "#8c8c00", "*", ls="-.", scheme="expandable", release_on_miss="growth"),
     Arm("xpool_norelease", "xpool, segments never given back on a miss (replayed)", "#e377c2", "P",
         framework="replay", ls=":"),
     Arm("xpool_release_all", "xpool, every whole free segment given back on a miss (replayed)", "#ff9896", "d",

@@ -21,6 +21,7 @@ import pathlib
 import pandas as pd
 
 import xpool
+from xpool.settings import FRONTEND_DEFAULTS
 
 from . import intervals as iv, sources
 from .allocators import DEFAULT_SCHEME, SETS, TORCH_DEFAULT_SCHEME
@@ -53,9 +54,13 @@ class T:
 X, XS, XG, CP = "xpool", "xpool_seed", "xpool_graph", "cupy_pool"
 BOTH = ((X, ""), (XS, "_seed"))            # rows measured for the default scheme and for the seed scheme
 DYN, XD, PEERS = "dynamic_shapes", ("xpool", f"xpool_{DEFAULT_SCHEME}"), SETS["dynamic"]   # XD: the default arm
-XDT = f"xpool_{TORCH_DEFAULT_SCHEME}"      # a PyTorch workload's default arm: the pool xpool.enable_torch() makes
+# a PyTorch workload's default arm: the pool xpool.enable_torch() makes (its scheme, and its release rule when the
+# front end sets one: xpool_expandable_growth)
+TORCH_RULE = FRONTEND_DEFAULTS["torch"].get("release_on_miss")
+XDT = f"xpool_{TORCH_DEFAULT_SCHEME}" + (f"_{TORCH_RULE}" if TORCH_RULE else "")
 # the dynamic headlines' two defaults: (key suffix, label, arm, framework of the workloads)
-DEFAULT_ARMS = (("", f" ({DEFAULT_SCHEME})", XD, "cupy"), ("_torch", f" for PyTorch ({TORCH_DEFAULT_SCHEME})", XDT, "torch"))
+TORCH_LABEL = f" for PyTorch ({TORCH_DEFAULT_SCHEME}{f', {TORCH_RULE}' if TORCH_RULE else ''})"
+DEFAULT_ARMS = (("", f" ({DEFAULT_SCHEME})", XD, "cupy"), ("_torch", TORCH_LABEL, XDT, "torch"))
 MS, PCT, K = dict(fmt="{:.1f}", unit=" ms"), dict(fmt="{:.0f}", unit="%"), dict(fmt="{:.1f}", unit="k", scale=1e-3)
 W2T, W2P = dict(mode="threads", world=2), dict(mode="processes", world=2)
 

@@ -6,7 +6,8 @@
 
 const char *const origin_names[XP_ORIGINS] = {"cupy", "torch", "python"};
 const char *const xp_scheme_names[XP_SCHEMES] = {"segments", "seed", "expandable"};
-const char *const xp_release_names[XP_RELEASE_CHOICES] = {"never", "high_water", "always", "bounded"};
+const char *const xp_release_names[XP_RELEASE_CHOICES] = {"never", "high_water", "always", "bounded",
+                                                               "growth"};
 
 static PyObject *gc_collect;          /* gc.collect, for the ladder's last retry */
 static void thread_keys_after_fork(void);
@@ -513,16 +514,31 @@ void reset_miss_budget(DevicePool *pool)
     pthread_mutex_unlock(&pool->lock);
 }
 
+/* The most bytes ever in use by request before this one: the peak statistic, or the peak before the last
+ * reset_peak_stats() when that was higher (pool lock held). */
+static uint64_t requested_most(const DevicePool *pool)
+{
+    uint64_t most = pool->st.peak_bytes_requested;
+    return pool->requested_high > most ? pool->requested_high : most;
+}
+
 /* The committed bytes a miss of `requested` bytes may reach before it gives back (Note [Release on miss]):
- * "high_water", the most a device malloc or map has taken the pool to; "bounded", release_bound times the most
- * bytes ever in use by request, this one's included (pool lock held). */
+ * "high_water", the most a device malloc or map has taken the pool to; "bounded" and "growth", release_bound
+ * times the most bytes ever in use by request, this one's included (pool lock held). */
 uint64_t miss_mark(const Allocator *A, const DevicePool *pool, size_t requested)
 {
-    if (A->release_on_miss != XP_RELEASE_BOUNDED) return pool->high_water;
-    uint64_t most = pool->st.bytes_requested + requested;
-    if (pool->st.peak_bytes_requested > most) most = pool->st.peak_bytes_requested;
-    if (pool->requested_high > most) most = pool->requested_high;
-    return (uint64_t)(A->release_bound * (double)most);
+    if (A->release_on_miss != XP_RELEASE_BOUNDED && A->release_on_miss != XP_RELEASE_GROWTH)
+        return pool->high_water;
+    uint64_t most = pool->st.bytes_requested + requested, before = requested_most(pool);
+    return (uint64_t)(A->release_bound * (double)(before > most ? before : most));
+}
+
+/* Whether a miss of `requested` bytes may give anything back at all: under "growth" only a miss that takes the
+ * bytes in use by request past their most ever, so once a program's largest demand has been seen its misses only
+ * map (Note [Release on miss: growth]); every other rule, yes (pool lock held). */
+int miss_may_release(const Allocator *A, const DevicePool *pool, size_t requested)
+{
+    return A->release_on_miss != XP_RELEASE_GROWTH || pool->st.bytes_requested + requested > requested_most(pool);
 }
 
 /* Bytes of a new segment for a `size`-byte range, before the limit and the device's size are asked. */
@@ -538,7 +554,9 @@ static uint64_t miss_excess(const Allocator *A, DevicePool *pool, intptr_t strea
 {
     uint64_t after = committed(&pool->st) + want, mark = miss_mark(A, pool, requested);
     if (pool->miss_released > XP_MISS_BUDGET * mark) pool->miss_release_off = 1;
-    if (after <= mark || pool->miss_release_off || !seg_any_whole(&pool->segs, 0, stream)) return 0;
+    if (after <= mark || pool->miss_release_off || !miss_may_release(A, pool, requested) ||
+        !seg_any_whole(&pool->segs, 0, stream))
+        return 0;
     return after - mark;
 }
 

@@ -92,7 +92,7 @@ extern const char *const xp_scheme_names[XP_SCHEMES];
 
 /* release_on_miss: what a miss of scheme segments (release_for_miss) or expandable (vm_try) gives back first */
 enum { XP_RELEASE_NEVER = 0, XP_RELEASE_HIGH_WATER = 1, XP_RELEASE_ALWAYS = 2, XP_RELEASE_BOUNDED = 3,
-       XP_RELEASE_CHOICES = 4 };
+       XP_RELEASE_GROWTH = 4, XP_RELEASE_CHOICES = 5 };
 extern const char *const xp_release_names[XP_RELEASE_CHOICES];
 #define XP_MISS_BUDGET 1    /* bytes misses may give back, in high-water marks, until empty_cache
                                (Note [Release on miss]) */
@@ -256,8 +256,8 @@ typedef struct {
                                  gives back first (release_for_miss) */
     uint64_t release_idle;    /* XP_RELEASE_HIGH_WATER: a miss gives back only segments whole and free for at
                                  least this many requests (release_for_miss) */
-    double release_bound;     /* XP_RELEASE_BOUNDED: a miss gives back what would take committed bytes above this
-                                 many times the most bytes ever requested (miss_mark) */
+    double release_bound;     /* XP_RELEASE_BOUNDED, _GROWTH: a miss gives back what would take committed bytes
+                                 above this many times the most bytes ever requested (miss_mark) */
     int tells_capture;        /* the backend has .capturing(device, stream): stream_capturing asks it */
     int tells_alive;          /* the backend has .stream_alive(device, stream): asked before another stream's
                                  capture state (a destroyed stream must never be asked: Note [Capture: every
@@ -402,9 +402,10 @@ long long empty_cache(Allocator *A, DevicePool *pool, XpGil *g);
 /* empty_cache(): misses may give back again (Note [Release on miss]). */
 void reset_miss_budget(DevicePool *pool);
 uint64_t miss_mark(const Allocator *A, const DevicePool *pool, size_t requested);
+int miss_may_release(const Allocator *A, const DevicePool *pool, size_t requested);
 
 /* Requests a free segment (expandable: a free block's pages) must have stayed unchanged before a miss may give it
- * back: release_idle under "high_water"; "bounded" and "always" take any age (Note [Release on miss]). */
+ * back: release_idle under "high_water"; "bounded", "growth" and "always" take any age (Note [Release on miss]). */
 static inline uint64_t miss_min_idle(const Allocator *A)
 {
     return A->release_on_miss == XP_RELEASE_HIGH_WATER ? A->release_idle : 0;

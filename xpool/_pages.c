@@ -262,7 +262,7 @@ static uint64_t vm_miss_excess(Allocator *A, DevicePool *pool, uint64_t after, s
     if (A->release_on_miss == XP_RELEASE_ALWAYS) return UINT64_MAX;
     uint64_t mark = miss_mark(A, pool, requested);
     if (pool->miss_released > XP_MISS_BUDGET * mark) pool->miss_release_off = 1;
-    if (after <= mark || pool->miss_release_off) return 0;
+    if (after <= mark || pool->miss_release_off || !miss_may_release(A, pool, requested)) return 0;
     return after - mark;
 }
 

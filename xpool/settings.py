@@ -28,7 +28,7 @@ from .sizeclass import ALIGN, MAX_CLASSES_PER_DOUBLING, MAX_REQUEST
 
 SCHEMES = ("segments", "seed", "expandable")   # how blocks are made (README: the table of schemes)
 SCHEME_ALIASES = {"xpool": "segments"}      # the default scheme's old name: XPOOL_SCHEME=xpool keeps working
-RELEASE_ON_MISS = ("never", "high_water", "always", "bounded")
+RELEASE_ON_MISS = ("never", "high_water", "always", "bounded", "growth")
 DEBUG_MODES = ("raise", "warn")
 # The fields that apply to some schemes only (the release rule is the segments' and the expandable scheme's).
 SCHEME_FIELDS = {
@@ -59,15 +59,18 @@ DEFAULTS = {
     "segment_round": ALIGN,
     "release_on_miss": "high_water",   # Note [Release on miss]
     "release_idle": 64,
-    "release_bound": 1.05,             # "bounded": Note [Release on miss: expandable]
+    "release_bound": 1.05,             # "bounded", "growth": Note [Release on miss: expandable]
 }
 # A scheme's own defaults where it differs from DEFAULTS.  Expandable: a miss unmaps nothing, as PyTorch's
 # expandable segments ("bounded" churns on fixed shapes: Note [Release on miss: expandable])
 SCHEME_DEFAULTS = {"expandable": {"release_on_miss": "never"}}
 # A front end's own defaults where it differs from DEFAULTS: the pool xpool.enable_torch() makes is scheme expandable,
 # which held the least of every allocator on the lab's four PyTorch workloads, below PyTorch's expandable segments
-# (Note [The default scheme per front end]); CuPy's pool (install(), MemoryPool()) keeps DEFAULTS' segments.
-FRONTEND_DEFAULTS = {"torch": {"scheme": "expandable"}}
+# (Note [The default scheme per front end]), with release_on_miss "growth", which held less again without a device
+# call more once warm (Note [Release on miss: growth]); CuPy's pool (install(), MemoryPool()) keeps DEFAULTS'
+# segments.  A front end's fields besides its scheme apply to that scheme only: XPOOL_SCHEME=segments under
+# enable_torch() gets segments' own defaults.
+FRONTEND_DEFAULTS = {"torch": {"scheme": "expandable", "release_on_miss": "growth"}}
 HELP = {
     "scheme": "how blocks are made: 'segments' (best fit in segments), 'seed' (size classes) or 'expandable' "
               "(best fit in pages mapped into reserved address ranges)",
@@ -78,11 +81,11 @@ HELP = {
     "small_segment": "segments: bytes of a segment made for a block up to 1 MiB (shared by later ones)",
     "segment_round": "segments: a larger block's segment is rounded up to this",
     "release_on_miss": "segments, expandable: what a miss gives back first ('never', 'high_water', 'always', "
-                       "'bounded')",
+                       "'bounded', 'growth')",
     "release_idle": "segments, expandable, high_water: requests a whole free segment (expandable: free pages) must "
                     "stay idle before it may go back",
-    "release_bound": "segments, expandable, bounded: a miss gives back idle memory over this many times the most "
-                     "bytes ever requested",
+    "release_bound": "segments, expandable, bounded and growth: a miss gives back idle memory over this many "
+                     "times the most bytes ever requested",
 }
 MAX_TIMELINE = 1 << 40                      # events (64 B each): past any host's memory
 MAX_RELEASE_IDLE = 1 << 62
@@ -128,11 +131,14 @@ class Settings:
             memory only); ``"always"`` every whole free segment (page) of its stream; ``"bounded"`` just enough
             whole free segments (pages) of its stream, however recently freed, to keep the pool within
             ``release_bound`` of the most bytes ever requested (less memory for shapes that keep changing, but
-            device calls every step on some fixed-shape programs: Note [Release on miss: expandable]).
+            device calls every step on some fixed-shape programs: Note [Release on miss: expandable]);
+            ``"growth"`` as ``"bounded"``, but only on a miss that takes the bytes requested past their most ever,
+            so once a program's largest demand has been seen its misses only map (Note [Release on miss:
+            growth]).
         release_idle (int): schemes segments and expandable with ``"high_water"``: requests a whole free
             segment (a free block's pages) must have stayed free and unchanged before a miss may give it back
             (``XPOOL_RELEASE_IDLE``; default 64).
-        release_bound (float): schemes segments and expandable with ``"bounded"``: a miss that would take the
+        release_bound (float): schemes segments and expandable with ``"bounded"`` or ``"growth"``: a miss that would take the
             pool above this many times the most bytes ever requested (by the pool's users, this request
             included) gives back idle memory first (``XPOOL_RELEASE_BOUND``; default 1.05; at least 1).
 
@@ -187,10 +193,10 @@ class Settings:
                 value, source = given, name
             elif name in env:   # a scheme's variable comes with XPOOL_SCHEME naming it (checked above)
                 value, source = env[name], ENV[name]
-            elif name in own:
-                value, source = defaults[name], f"default ({frontend})"
+            elif name in own and (name == "scheme" or resolved["scheme"] == own.get("scheme", resolved["scheme"])):
+                value, source = own[name], f"default ({frontend})"
             else:
-                value, source = SCHEME_DEFAULTS.get(resolved.get("scheme"), {}).get(name, defaults[name]), "default"
+                value, source = SCHEME_DEFAULTS.get(resolved.get("scheme"), {}).get(name, DEFAULTS[name]), "default"
             resolved[name], sources[name] = _PARSERS[name](value, source), source
         for name, value in resolved.items():
             object.__setattr__(self, name, value)

@@ -75,8 +75,9 @@ COLUMNS = ["trial", "workload", "dynamic", "framework", "allocator", "peak_reser
 # --- arms
 def xpool_arms() -> tuple:
     """`xpool_<scheme>` for every scheme this xpool has (xpool.SCHEMES), and the expandable scheme with
-    release_on_miss "bounded" (`xpool_expandable_bounded`)."""
-    return tuple(f"xpool_{s}" for s in xpool.SCHEMES) + ("xpool_expandable_bounded",) * ("expandable" in xpool.SCHEMES)
+    release_on_miss "bounded" and "growth" (`xpool_expandable_bounded`, `xpool_expandable_growth`)."""
+    rules = ("xpool_expandable_bounded", "xpool_expandable_growth") if "expandable" in xpool.SCHEMES else ()
+    return tuple(f"xpool_{s}" for s in xpool.SCHEMES) + rules
 
 
 def resolve(workloads=None, arms=None, cpu: bool = False) -> tuple[list, dict]:
