@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 import threading
 from collections import defaultdict
@@ -257,8 +258,10 @@ class CupyPool(_Counted):
                     p.free_all_blocks()
 
 
-class CupyAsync(Allocator):
-    """CuPy's `MemoryAsyncPool` (cudaMallocAsync on the current stream)."""
+class CupyAsync(_Counted):
+    """CuPy's `MemoryAsyncPool` (cudaMallocAsync on the current stream), counted: peak reserved from the device's
+    pool (cudaMemPoolAttrReservedMemHigh); while counting, each block wrapped as raw's are, so its cudaMallocAsync,
+    cudaFreeAsync and requested bytes are seen."""
 
     def __init__(self):
         import cupy
@@ -271,6 +274,32 @@ class CupyAsync(Allocator):
             with cupy.cuda.Device(d):
                 cupy.cuda.Device(d).synchronize()
                 self.pool.free_all_blocks()
+
+    def install(self, counting: bool = False) -> None:
+        from cupy.cuda import runtime
+        runtime.memPoolSetAttribute(self._handle(runtime.getDevice()), runtime.cudaMemPoolAttrReservedMemHigh, 0)
+        self.live = _Live()
+        super().install(counting)
+
+    @staticmethod
+    def _handle(device):
+        from cupy.cuda import runtime
+        return runtime.deviceGetMemPool(device)       # MemoryAsyncPool('current') allocates from it
+
+    def malloc_fn(self):
+        pool_malloc, live = self.pool.malloc, self.live
+
+        def malloc(size):
+            mp = pool_malloc(size)
+            return live.wrap(mp, size) if size else mp     # its death: one cudaFreeAsync
+        return malloc if self.counting else pool_malloc
+
+    def device_calls(self, device):
+        return self.live.mallocs[device] + self.live.frees[device] if self.counting else None
+
+    def peak_reserved(self, device):
+        from cupy.cuda import runtime
+        return int(runtime.memPoolGetAttribute(self._handle(device), runtime.cudaMemPoolAttrReservedMemHigh))
 
 
 class XPool(Allocator):
@@ -294,15 +323,10 @@ class XPool(Allocator):
                    for p in [self.pool, *self._private])
 
     def graph_pool_bytes(self, device):
-        if not self._private:
-            return None
-        return sum(self._stat(device, "bytes_reserved", p) for p in self._private)
+        return sum(self._stat(device, "bytes_reserved", p) for p in self._private) if self._private else None
 
-    def peak_reserved(self, device):
-        return self._stat(device, "peak_bytes_reserved")
-
-    def peak_requested(self, device):
-        return self._stat(device, "peak_bytes_requested")
+    peak_reserved = functools.partialmethod(_stat, key="peak_bytes_reserved")
+    peak_requested = functools.partialmethod(_stat, key="peak_bytes_requested")
 
     def check(self):
         for p in [self.pool, *self._private]:
@@ -341,14 +365,9 @@ class CupyTorch(Allocator):
     def _stat(self, device, key):
         return int(self.torch.cuda.memory_stats(device).get(key, 0))
 
-    def device_mallocs(self, device):
-        return self._stat(device, "segment.all.allocated")     # cudaMallocs since the process began
-
-    def peak_reserved(self, device):
-        return self._stat(device, "reserved_bytes.all.peak")
-
-    def peak_requested(self, device):
-        return self._stat(device, "requested_bytes.all.peak")
+    device_mallocs = functools.partialmethod(_stat, key="segment.all.allocated")   # cudaMallocs since the start
+    peak_reserved = functools.partialmethod(_stat, key="reserved_bytes.all.peak")
+    peak_requested = functools.partialmethod(_stat, key="requested_bytes.all.peak")
 
     def install(self, counting=False):
         self.torch.cuda.init()      # PyTorch's allocator knows no device before CUDA is initialised
@@ -407,37 +426,6 @@ class Host(Allocator):
 
 
 # --- the dynamic-shape benchmark's arms (xlab.bench.dynamic; Note [Dynamic-shape benchmark])
-class CupyAsyncCounted(_Counted, CupyAsync):
-    """cupy_async, counted: peak reserved from the device's pool (cudaMemPoolAttrReservedMemHigh); while counting,
-    each block wrapped as raw's are, so its cudaMallocAsync, cudaFreeAsync and requested bytes are seen."""
-
-    def install(self, counting: bool = False) -> None:
-        from cupy.cuda import runtime
-        runtime.memPoolSetAttribute(self._handle(runtime.getDevice()), runtime.cudaMemPoolAttrReservedMemHigh, 0)
-        self.live = _Live()
-        super().install(counting)
-
-    @staticmethod
-    def _handle(device):
-        from cupy.cuda import runtime
-        return runtime.deviceGetMemPool(device)       # MemoryAsyncPool('current') allocates from it
-
-    def malloc_fn(self):
-        pool_malloc, live = self.pool.malloc, self.live
-
-        def malloc(size):
-            mp = pool_malloc(size)
-            return live.wrap(mp, size) if size else mp     # its death: one cudaFreeAsync
-        return malloc if self.counting else pool_malloc
-
-    def device_calls(self, device):
-        return self.live.mallocs[device] + self.live.frees[device] if self.counting else None
-
-    def peak_reserved(self, device):
-        from cupy.cuda import runtime
-        return int(runtime.memPoolGetAttribute(self._handle(device), runtime.cudaMemPoolAttrReservedMemHigh))
-
-
 class RmmPool(Allocator):
     """RMM's pool (PoolMemoryResource over CudaMemoryResource, empty at first) through rmm_cupy_allocator, counted by a
     StatisticsResourceAdaptor under it (cudaMallocs, cudaFrees, reserved bytes) and one above it (requested bytes)."""
@@ -529,10 +517,9 @@ def _xp(name, label, color, marker, lw=2.6, ls="-", **kw):
 # The house order (before -> peers -> xpool -> the rest): figures and tables list arms in this order.
 ARMS = (
     Arm("raw", "raw cudaMalloc/cudaFree (no pool)", "#7f7f7f", "X", Raw, device_calls_when_warm=True),
-    Arm("raw_held", "raw, one small block held alive", "#bdbdbd", "P", RawHeld, device_calls_when_warm=True,
-        ls=":"),
+    Arm("raw_held", "raw, one small block held alive", "#bdbdbd", "P", RawHeld, device_calls_when_warm=True, ls=":"),
     Arm("cupy_pool", "CuPy MemoryPool (CuPy's default)", "#1f77b4", "o", CupyPool, can_capture=True),
-    Arm("cupy_async", "CuPy MemoryAsyncPool (cudaMallocAsync)", "#6baed6", "s", CupyAsyncCounted,
+    Arm("cupy_async", "CuPy MemoryAsyncPool (cudaMallocAsync)", "#6baed6", "s", CupyAsync,
         device_calls_when_warm=True),
     Arm("rmm_pool", "RMM pool (PoolMemoryResource, rmm_cupy_allocator)", "#9edae5", "o", RmmPool, exact=True),
     Arm("cupy_torch", "PyTorch's caching allocator handing CuPy its blocks", "#17becf", "p", CupyTorch, exact=True),
@@ -540,8 +527,7 @@ ARMS = (
         framework="torch", exact=True),
     Arm("torch_expandable", "PyTorch's caching allocator, expandable_segments:True", "#393b79", "P", TorchExpandable,
         framework="torch", exact=True),
-    _xp("xpool", f"xpool, default scheme ({DEFAULT_SCHEME})", "#d62728", "D",
-        scheme=DEFAULT_SCHEME),
+    _xp("xpool", f"xpool, default scheme ({DEFAULT_SCHEME})", "#d62728", "D", scheme=DEFAULT_SCHEME),
     _xp("xpool_segments", "xpool, segments scheme", "#d62728", "D", scheme="segments"),
     _xp("xpool_seed", "xpool, seed scheme (size classes, k = 1: powers of two)", "#8c564b", "h", lw=2.0, ls="-.",
         scheme="seed", classes_per_doubling=1),
@@ -602,11 +588,6 @@ SETS = {
 LEGACY = {("alloc", "torch"): "cupy_torch", ("torch_interop", "native"): "torch"}
 
 
-def _known() -> str:
-    return (", ".join(_TABLE) + "; xpool_k<N> (the seed scheme, N classes per doubling); an xpool arm + _debug; "
-            "a pool + _graph")
-
-
 def arm(name: str) -> Arm:
     """The row of `name`, of ARMS or of a family (xpool_k<N>, _debug, _graph); ValueError if unknown."""
     if name in _TABLE:
@@ -622,7 +603,8 @@ def arm(name: str) -> Arm:
         row = _TABLE[base]
     else:
         raise ValueError(f"unknown allocator {base if base not in _TABLE and (debug or graph) else name!r}; "
-                         f"known: {_known()}")
+                         f"known: {', '.join(_TABLE)}; xpool_k<N> (the seed scheme, N classes per doubling); "
+                         "an xpool arm + _debug; a pool + _graph")
     if debug:
         if row.make is not XPool:
             raise ValueError(f"allocator {name!r}: only xpool arms have a debug mode")
@@ -663,8 +645,7 @@ def ordered(names) -> list:
 
     def key(n):
         try:
-            base = _FAMILY.fullmatch(n)["base"]
-            return (order.get(base, order["xpool_seed"] + 0.5), n)
+            return (order.get(_FAMILY.fullmatch(n)["base"], order["xpool_seed"] + 0.5), n)
         except (TypeError, KeyError):
             return (len(ARMS), n)
     return sorted(names, key=key)

@@ -107,19 +107,14 @@ def judge(value: float, lo: float, hi: float, target: float, higher_is_better: b
             ok = value >= target if higher_is_better else value <= target
             return f"{SINGLE} (the median {'meets' if ok else 'misses'} it)"
     good_lo, good_hi = (lo >= target, hi >= target) if higher_is_better else (hi <= target, lo <= target)
-    if good_lo and good_hi:
-        return MET
-    if not good_lo and not good_hi:
-        return MISSED
-    return NOISE
+    return MET if good_lo and good_hi else NOISE if good_lo or good_hi else MISSED
 
 
 def summarize(df, by, value: str, trial: str = "trial"):
     """Median and interval of `value` per group of `by`, groups in order of first appearance: the `by` columns,
     `value`, `value`_lo, `value`_hi and n_trials (NaN bounds for one trial; a CSV without a trial column counts one
     trial per row)."""
-    by = list(by)
-    rows = []
+    by, rows = list(by), []
     for key, g in df.groupby(by, sort=False, dropna=False):     # by a list: a tuple key, as pandas >= 2 gives
         med, lo, hi, n = median_ci(g[value])
         rows.append({**dict(zip(by, key)), value: med, f"{value}_lo": lo, f"{value}_hi": hi, "n_trials": n})

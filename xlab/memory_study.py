@@ -68,10 +68,7 @@ class AddressSpaceBackend(HostBackend):
     read = fill
 
 
-# ---------------------------------------------------------------------------------------------------------
-# CPU (or GPU): replay
-
-
+# --- CPU (or GPU): replay
 def replay(timeline: pd.DataFrame, k: int) -> dict:
     """Replay the allocs and frees of `timeline` through a fresh Pool of the seed scheme with k classes per
     doubling: its counters summed over devices (peak_bytes_requested, peak_bytes_reserved, device_mallocs,
@@ -91,10 +88,8 @@ class CupyPoolModel:
     def __init__(self):
         self.free = {}          # (device, stream) -> sorted [(size, -serial, ptr)]
         self.chunks = {}        # (device, ptr) -> [size, stream, prev ptr|None, next ptr|None, in use]
-        self.reserved, self.requested = defaultdict(int), defaultdict(int)
-        self.peak_reserved, self.peak_requested = defaultdict(int), defaultdict(int)
-        self.device_mallocs = defaultdict(int)
-        self.requests = defaultdict(int)
+        (self.reserved, self.requested, self.peak_reserved, self.peak_requested, self.device_mallocs,
+         self.requests) = (defaultdict(int) for _ in range(6))     # per device
         self._serial = itertools.count()
         self._next = itertools.count(1)
         self._free_key = {}     # (device, ptr) -> its entry in the free list
@@ -167,14 +162,15 @@ def class_bytes(requested, k: int) -> int:
     return int(sum(size_class(int(n), k) for n in requested))
 
 
-def _waste_row(k: int, source: str, requested: pd.Series, counters: dict, unmatched_frees: int) -> dict:
-    """One row of WASTE_COLUMNS: the classes' bytes over the last step's `requested`, and the run's `counters`."""
+def _waste_row(k: int, source: str, requested: pd.Series, counters: dict) -> dict:
+    """One row of WASTE_COLUMNS: the classes' bytes over the last step's `requested`, and the run's `counters`
+    (unmatched_frees 0 where they have none)."""
     cb = class_bytes(requested, k)
     reserved, peak_requested = counters["peak_bytes_reserved"], counters["peak_bytes_requested"]
     return dict(k=k, source=source, requests=len(requested), requested_bytes=int(requested.sum()), class_bytes=cb,
                 class_over_requested=cb / max(int(requested.sum()), 1), peak_bytes_requested=peak_requested,
                 peak_bytes_reserved=reserved, reserved_over_requested=reserved / max(peak_requested, 1),
-                device_mallocs=counters["device_mallocs"], unmatched_frees=unmatched_frees)
+                device_mallocs=counters["device_mallocs"], unmatched_frees=counters.get("unmatched_frees", 0))
 
 
 def _step_requests(timeline: pd.DataFrame) -> pd.Series:
@@ -190,10 +186,7 @@ def replay_waste(timeline: pd.DataFrame, ks=KS) -> pd.DataFrame:
     WASTE_COLUMNS (source "replay": class_over_requested over the last step's requests, reserved_over_requested
     over the whole recording), with the recording's provenance."""
     requested = _step_requests(timeline)
-    rows = []
-    for k in ks:
-        r = replay(timeline, int(k))
-        rows.append(_waste_row(int(k), "replay", requested, r, r["unmatched_frees"]))
+    rows = [_waste_row(int(k), "replay", requested, replay(timeline, int(k))) for k in ks]
     out = pd.DataFrame(rows, columns=WASTE_COLUMNS)
     for col in _CARRIED:                  # the replay describes the recorded run: keep its provenance
         if col in timeline and len(timeline):
@@ -218,7 +211,7 @@ def waste_table(measured: pd.DataFrame | None = None, replayed: pd.DataFrame | N
         "peak requested GiB": main["peak_bytes_requested"] / 2**30,
         "device mallocs": main["device_mallocs"].astype(int),
     })
-    if measured is not None and replayed is not None and len(measured) and len(replayed):
+    if len(frames) == 2:
         rep = replayed.set_index("k")
         ks = out["k"]
         out["replayed peak reserved GiB"] = ks.map(rep["peak_bytes_reserved"]).to_numpy() / 2**30
@@ -227,9 +220,7 @@ def waste_table(measured: pd.DataFrame | None = None, replayed: pd.DataFrame | N
     return out.reset_index(drop=True)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# CPU: the allocation schemes on every recorded trace
-
+# --- CPU: the allocation schemes on every recorded trace
 # name -> its file under data/: the GPU's recording (CuPy, batch 32, setup + 2 steps; before the fused model), and
 # the CPU's (scripts/record_numpy_traces.py's NUMPY_TRACES: their settings; every row of a file also carries them)
 TRACES = {
@@ -267,8 +258,7 @@ def replay_pool(allocator: str):
           "xpool_seed": dict(scheme="seed", classes_per_doubling=1),
           "xpool_expandable": dict(scheme="expandable")}
     if allocator not in kw:
-        raise ValueError(f"allocator must be one of {(*SCHEME_ALLOCATORS, 'xpool_release_fresh')}, got "
-                         f"{allocator!r}")
+        raise ValueError(f"allocator must be one of {(*SCHEME_ALLOCATORS, 'xpool_release_fresh')}, got {allocator!r}")
     return Pool(AddressSpaceBackend(), limit=0, debug=False, timeline=0, **kw[allocator])
 
 
@@ -332,16 +322,15 @@ def _counters(pool) -> dict:
 WARMUP_STEPS = 5   # the experiments' warm-up: from this step on, a warm pool makes no device malloc or free
 
 
-def _device_calls(pool) -> tuple:
-    c = _counters(pool)
-    return c["device_mallocs"], c["device_frees"]
-
-
 def _replay_through(pool, timeline: pd.DataFrame):
     """(counters, {step: (device mallocs, device frees) so far at its end}, unmatched frees) of `timeline` replayed
     through `pool`, its blocks given back after the counters are read."""
     calls = {}
-    live, unmatched = _drive(pool, _replay_events(timeline), lambda step: calls.__setitem__(step, _device_calls(pool)))
+
+    def on_step(step):
+        c = _counters(pool)
+        calls[step] = c["device_mallocs"], c["device_frees"]
+    live, unmatched = _drive(pool, _replay_events(timeline), on_step)
     counters = _counters(pool)
     live.clear()
     return counters, {s: c for s, c in calls.items() if s is not None}, unmatched
@@ -427,12 +416,9 @@ def load_traces(data_dir=None, names=None) -> dict:
     """The recorded traces of TRACES present under data_dir (default: the repository's data/): name ->
     timeline."""
     from .paths import data_dir as repo_data
-    out = {}
-    for name in names or TRACES:
-        path = pathlib.Path(data_dir if data_dir is not None else repo_data()) / TRACES[name]
-        if path.is_file():
-            out[name] = pd.read_csv(path)
-    return out
+    folder = pathlib.Path(data_dir if data_dir is not None else repo_data())
+    files = {name: folder / TRACES[name] for name in names or TRACES}
+    return {name: pd.read_csv(path) for name, path in files.items() if path.is_file()}
 
 
 def scheme_study(traces: dict, allocators=SCHEME_ALLOCATORS, repeats: int = 7) -> pd.DataFrame:
@@ -453,10 +439,7 @@ def scheme_study(traces: dict, allocators=SCHEME_ALLOCATORS, repeats: int = 7) -
     return pd.DataFrame(rows, columns=SCHEME_COLUMNS).assign(**provenance())
 
 
-# ---------------------------------------------------------------------------------------------------------
-# GPU: measure
-
-
+# --- GPU: measure
 def _train(cfg, data, lengths, xp, seed: int = 0, foreach: bool = True, after=lambda: None,
            keep_previous: bool = False):
     """The GPT (seed) and AdamW trained on xp a step per length, after() after setup and each step: (model, opt).
@@ -505,8 +488,7 @@ def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warm
         del model, opt
     if tl.attrs.get("dropped"):
         raise RuntimeError(f"timeline ring overflowed ({tl.attrs['dropped']} events lost): raise capacity")
-    bounds = np.asarray(marks)
-    tl["step"] = np.searchsorted(bounds, np.arange(len(tl)), side="right") - 1
+    tl["step"] = np.searchsorted(np.asarray(marks), np.arange(len(tl)), side="right") - 1
     tl = tl[TIMELINE_COLUMNS].copy()
     stats = pool.stats()
     tl.attrs.update(k=k, peak_bytes_reserved=int(stats["peak_bytes_reserved"].sum()),
@@ -522,12 +504,10 @@ def measure_waste(ks=KS, config=None, batch: int | None = None, warmup: int = 1,
     for k in ks:
         tl = record_step_timeline(int(k), cfg, warmup=warmup, seed=seed)
         first = tl if first is None else first
-        rows.append(_waste_row(int(k), "measured", _step_requests(tl), tl.attrs, 0))
+        rows.append(_waste_row(int(k), "measured", _step_requests(tl), tl.attrs))
     prov = provenance(batch=cfg.batch_size, n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,
                       warmup=warmup)
-    waste = pd.DataFrame(rows, columns=WASTE_COLUMNS).assign(**prov)
-    timeline = first.assign(k=int(ks[0]), **prov)
-    return waste, timeline
+    return pd.DataFrame(rows, columns=WASTE_COLUMNS).assign(**prov), first.assign(k=int(ks[0]), **prov)
 
 
 def run(out="data/memory_waste.csv", ks=KS, config=None, batch: int | None = None, warmup: int = 1):

@@ -44,10 +44,8 @@ def provenance_summary(df: pd.DataFrame) -> dict:
     out = {}
     for col in PROVENANCE + ("n_gpus",):
         vals = [str(v) for v in pd.unique(df[col].dropna())] if col in df else []
-        if col == "date":
-            out[col] = sources.day_range(vals)
-        else:
-            out[col] = " / ".join(v.removesuffix(".0") if col == "n_gpus" else v for v in vals) or "unknown"
+        out[col] = (sources.day_range(vals) if col == "date" else
+                    " / ".join(v.removesuffix(".0") if col == "n_gpus" else v for v in vals) or "unknown")
     return out
 
 
@@ -181,8 +179,7 @@ def _logy(ax):
 
 def _empty(ax, text):
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4")
-    ax.set_xticks([])
-    ax.set_yticks([])
+    ax.set(xticks=[], yticks=[])
 
 
 # --- correctness
@@ -251,8 +248,7 @@ def alloc_cost(df: pd.DataFrame) -> Figure:
     """µs per alloc/free pair by request size, and each arm's time over CuPy's pool's in the same trial."""
     d = labelled(df)
     sizes = sorted(d["size_bytes"].unique())
-    fig, axes = _figure(1, 2, size=(13.5, 6.2))
-    ax, rel = axes[0]
+    fig, [[ax, rel]] = _figure(1, 2, size=(13.5, 6.2))
     lines(ax, d, "size_bytes", "us_per_pair")
     _log2(ax, sizes, fmt_bytes)
     _logy(ax)
@@ -277,8 +273,7 @@ def alloc_cost(df: pd.DataFrame) -> Figure:
 def alloc_threads(df: pd.DataFrame, size_bytes: int = 65536) -> Figure:
     """Thousands of alloc/free pairs per second (all threads together) against threads on one GPU."""
     d = labelled(df[df["size_bytes"] == size_bytes])
-    fig, axes = _figure(1, 1, size=(10, 6.4))
-    ax = axes[0][0]
+    fig, [[ax]] = _figure(1, 1, size=(10, 6.4))
     lines(ax, d, "threads", "kpairs_per_s")
     _log2(ax, sorted(d["threads"].unique()))
     ax.set(ylim=(0, None), xlabel="threads allocating on the same GPU",
@@ -293,8 +288,7 @@ def torch_interop(df: pd.DataFrame) -> Figure:
     `xpool` is the pool enable_torch() made: named by its scheme where the rows say it (`scheme`), so a CSV from
     after the torch default became expandable is not drawn as the default scheme's."""
     d = labelled(allocators.by_scheme(df), "arm")
-    fig, axes = _figure(1, 2, size=(12, 5.2))
-    left, right = axes[0]
+    fig, [[left, right]] = _figure(1, 2, size=(12, 5.2))
     e = d[d["case"] == "empty_del"]
     sizes = sorted(e["size_bytes"].unique())
     bars(left, e, "size_bytes", "value", sizes, fmt=lambda v: f"{v:.2f}", labels=lambda n: fmt_bytes(n))
@@ -384,8 +378,7 @@ def ddp_before_after(df: pd.DataFrame) -> Figure:
     world = int(d["world"].max())
     top = labelled(d[d["world"] == world])
     modes = _modes(top)
-    fig, axes = _figure(1, 2, size=(13.5, 5.8))
-    sp, ut = axes[0]
+    fig, [[sp, ut]] = _figure(1, 2, size=(13.5, 5.8))
     for ax, col, ylabel, fmt in ((sp, "speedup", f"speedup on {world} GPUs over 1 GPU (×)", lambda v: f"{v:.2f}×"),
                                  (ut, "gpu_util_mean", "mean GPU utilisation (%)", lambda v: f"{v:.0f}%")):
         bars(ax, top.dropna(subset=[col]), "mode", col, modes, fmt=fmt, labels=lambda m: MODES[m])
@@ -403,8 +396,7 @@ def batch_sweep(df: pd.DataFrame) -> Figure:
     """Threads on N GPUs over 1 by per-GPU batch, and on one GPU the host's time against the wall time."""
     d = labelled(df[df["mode"] == "threads"] if "mode" in df else df)
     world, batches = int(d["world"].max()), sorted(d["batch"].unique())
-    fig, axes = _figure(1, 2, size=(13.5, 6))
-    sp, ms = axes[0]
+    fig, [[sp, ms]] = _figure(1, 2, size=(13.5, 6))
     lines(sp, d[d["world"] == world], "batch", "speedup")
     sp.axhline(world, color="black", ls="--", lw=0.8)
     sp.text(batches[0], world, f" ideal {world}×", va="bottom", fontsize=8)
@@ -433,8 +425,7 @@ def batch_sweep(df: pd.DataFrame) -> Figure:
 def graph_steps(df: pd.DataFrame) -> Figure:
     """Eager against captured steps: speedup on the largest world, host ms per step, GPU busy at batch 4."""
     d = labelled(df[df["mode"] != "processes"])      # no panel draws them: the caption names only what is drawn
-    fig, axes = _figure(1, 3, size=(17, 6))
-    sp, disp, util = axes[0]
+    fig, [[sp, disp, util]] = _figure(1, 3, size=(17, 6))
     thr = d[(d["mode"] == "threads") & (d["world"] == d["world"].max())]
     single = d[d["mode"] == "single"]
     small = single[single["batch"] == single["batch"].min()] if len(single) else single
@@ -453,7 +444,7 @@ def graph_steps(df: pd.DataFrame) -> Figure:
     disp.set(ylabel="host ms per step (thread CPU time, idle device; log)", title="One GPU: the host's work per step")
     util.set(ylabel="GPU utilisation, NVML (%)", title="One GPU, smallest batch: how busy the GPU is", ylim=(0, 110))
     return _finish(fig, "The training step as a CUDA graph: eager against captured", d,
-                   trials_note(d, ["mode", "world", "batch", "arm"]), legend_from=list(axes.flat))
+                   trials_note(d, ["mode", "world", "batch", "arm"]), legend_from=[sp, disp, util])
 
 
 # --- memory
@@ -463,8 +454,7 @@ def memory_waste(df: pd.DataFrame) -> Figure:
     long = pd.concat([pd.DataFrame({"k": d.index, "what": w, "waste": 100 * (d[c].to_numpy() - 1)}) for c, w in (
         ("class_over_requested", "size classes: bytes handed out / bytes requested, one step's requests"),
         ("reserved_over_requested", "peak bytes reserved / peak bytes requested, whole run"))])
-    fig, axes = _figure(1, 1, size=(10, 5.6))
-    ax = axes[0][0]
+    fig, [[ax]] = _figure(1, 1, size=(10, 5.6))
     sns.barplot(long, x="k", y="waste", hue="what", palette=["#ff7f0e", "#d62728"], ax=ax, saturation=1)
     for c in ax.containers:
         ax.bar_label(c, fmt=lambda v: f"{v:.1f}%" if v >= 1 else f"{v:.2g}%", fontsize=8.5, padding=2)
@@ -492,8 +482,7 @@ def memory_schemes(df: pd.DataFrame) -> Figure:
     """Per trace and scheme: peak reserved over requested (replayed), and ns per pair (host backend)."""
     d = labelled(df.assign(waste_pct=100 * (df["reserved_over_requested"] - 1)))
     traces = list(dict.fromkeys(d["trace"]))
-    fig, axes = _figure(2, 1, size=(15, 11))
-    ax, cost = axes[0][0], axes[1][0]
+    fig, [[ax], [cost]] = _figure(2, 1, size=(15, 11))
     # log scale: the seed scheme's 50-170% beside the segments' 0.2-3% would flatten the bars that matter
     bars(ax, d.assign(waste_pct=d["waste_pct"].clip(lower=0.01)), "trace", "waste_pct", traces,
          fmt=lambda v: f"{v:.0f}%" if v >= 10 else f"{v:.1f}%", labels=trace_label, log=True, rotate=90)
@@ -520,8 +509,7 @@ def memory_timeline(df: pd.DataFrame, step: int | None = None) -> Figure:
     req = np.cumsum(sign * tl["requested"].to_numpy(dtype=float)) / 2**30
     steps = sorted(tl["step"].unique()) if "step" in tl else [0]
     step = steps[-1] if step is None else step
-    fig, axes = _figure(2, 1, size=(12, 9))
-    whole, zoom = axes[0][0], axes[1][0]
+    fig, [[whole], [zoom]] = _figure(2, 1, size=(12, 9))
 
     def draw(ax, sel, x):
         ax.fill_between(x, 0, tl["bytes_in_use"][sel] / 2**30, step="post", color="#fdae6b", alpha=0.8,

@@ -55,11 +55,9 @@ def gpu_info() -> dict:
 
 def provenance(**params) -> dict:
     """The provenance columns for one measurement row, plus the run's parameters."""
-    row = dict(gpu_info())
-    row.update(commit=git_commit(), date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-               python=platform.python_version(), host=platform.node())
-    row.update(params)
-    return row
+    return {**gpu_info(), "commit": git_commit(),
+            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "python": platform.python_version(), "host": platform.node(), **params}
 
 
 def has_gpu() -> bool:

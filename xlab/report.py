@@ -75,8 +75,7 @@ def run_notebook(path: pathlib.Path, out_dir: pathlib.Path, parameters: dict | N
 
 # --- tables of rows (summaries over trials), each from the rows sources.current gives
 def _med(values):
-    m, lo, hi, _ = iv.median_ci(values)
-    return m, lo, hi
+    return iv.median_ci(values)[:3]
 
 
 def _ci(v, fmt="{:.2f}", unit=""):
@@ -264,12 +263,8 @@ REPLICATED = (     # every ratio the targets rest on, per group; measured in a f
 
 def _ratios(data: pathlib.Path) -> dict:
     """{name: Measured} of every REPLICATED ratio measured in `data`."""
-    out = {}
-    for r in REPLICATED:
-        for m in targets.measure(r, data):
-            for e in m.each or [m]:
-                out[r.text.replace("{at}", e.at)] = e
-    return out
+    return {r.text.replace("{at}", e.at): e for r in REPLICATED for m in targets.measure(r, data)
+            for e in m.each or [m]}
 
 
 def replication(data: pathlib.Path, where: str = "data") -> str:
@@ -365,10 +360,8 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
                 values.update(fn(data))
         except (KeyError, ValueError, IndexError, TypeError) as e:     # a malformed CSV costs its section only
             values[name] = f"(could not compute: {type(e).__name__}: {e})"
-    gil = sources.read(data, "gil_probe")
-    values["gil_src"] = sources.sources(gil) if gil is not None else ""
-    for key, kind in (("graph_src", "graph"), ("dynamic_src", "dynamic_shapes")):
-        rows = sources.current(data, kind)
+    for key, rows in (("gil_src", sources.read(data, "gil_probe")), ("graph_src", sources.current(data, "graph")),
+                      ("dynamic_src", sources.current(data, "dynamic_shapes"))):
         values[key] = sources.sources(rows) if rows is not None else ""
     if runs:
         values["notebooks"] = _md(["notebook", "result"], [(f"`notebooks/{r['notebook']}.ipynb`", "ran" if r["ok"] else

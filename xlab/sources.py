@@ -81,9 +81,7 @@ def frames(data: pathlib.Path, kind: str) -> list[pd.DataFrame]:
     found = []
     for i, (name, where) in enumerate(lineage(kind)[0]):
         df = read(data, name)
-        if df is not None:
-            df = select(df, where)
-        if df is not None and len(df):
+        if df is not None and len(df := select(df, where)):
             found.append(((str(df["date"].max()) if "date" in df else "", i), df))
     return [df.assign(order=i) for i, (_, df) in enumerate(sorted(found, key=lambda f: f[0]))]
 
@@ -91,8 +89,7 @@ def frames(data: pathlib.Path, kind: str) -> list[pd.DataFrame]:
 def select(df: pd.DataFrame, where: dict) -> pd.DataFrame:
     """The rows whose columns have these values (a tuple: any of them); none when a column is missing."""
     for col, value in where.items():
-        df = (df[df[col].isin(value) if isinstance(value, tuple) else df[col] == value] if col in df
-              else df.iloc[:0])
+        df = df[df[col].isin(value) if isinstance(value, tuple) else df[col] == value] if col in df else df.iloc[:0]
     return df
 
 

@@ -107,9 +107,7 @@ def time_threads(nbytes: int, pairs: int, threads: int) -> tuple[int, int]:
 def timer(case):
     """timer(pairs) -> (ns, pairs) of one case, (sweep, nbytes, threads)."""
     sweep, nbytes, threads = case
-    if sweep == "size":
-        return lambda pairs: time_pairs(nbytes, pairs)
-    return lambda pairs: time_threads(nbytes, pairs, threads)
+    return lambda pairs: time_pairs(nbytes, pairs) if sweep == "size" else time_threads(nbytes, pairs, threads)
 
 
 def calibrated_pairs(ns: int, pairs: int, target_s: float, lo: int = 200, hi: int = 400_000) -> int:
@@ -164,12 +162,6 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
         trim_all_but((name,))
         return _installed(allocs[name], counting)
 
-    def one_window(name, run, per):
-        """(ns, pairs) of one window of this arm, installed for it; its code and block warm first."""
-        with _installed(allocs[name]):
-            run(SWITCH_WARM)
-            return run(per)
-
     pairs, samples = {}, []
     for name in tqdm(allocators, desc="calibrate", disable=not progress):
         with alone(name):
@@ -201,7 +193,9 @@ def measure(allocators=None, sizes=SIZES, threads=THREADS, trials=TRIALS, target
             with gc_paused():
                 for w in range(n_windows):
                     for name in rotated(together, w):       # no arm always right after the same other
-                        rates[name].append(one_window(name, run, max(1, pairs[name, case] // n_windows)))
+                        with _installed(allocs[name]):
+                            run(SWITCH_WARM)                # its code and block warm again
+                            rates[name].append(run(max(1, pairs[name, case] // n_windows)))
             timed.update({name: _median_rate(rates[name]) for name in together})
         samples += [dict(allocator=name, sweep=case[0], size_bytes=case[1], threads=case[2], trial=trial, ns=ns,
                          pairs=n, windows=n_windows) for name, (ns, n) in timed.items()]
@@ -424,8 +418,7 @@ def run(out="data/alloc_microbench.csv", quick=False, trials=None, target_s=None
 def main(argv=None) -> int:
     """The command line (see --help); the exit status, 2 without a GPU."""
     ap = argparse.ArgumentParser(prog="python -m xlab.bench.alloc", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", help="the CSV (default data/alloc_microbench.csv; with --host, "
-                    "data/alloc_core_host.csv)")
+    ap.add_argument("--out", help="the CSV (default data/alloc_microbench.csv; with --host, data/alloc_core_host.csv)")
     ap.add_argument("--host", action="store_true", help="the C core alone over host memory, on a CPU")
     ap.add_argument("--quick", action="store_true", help="fewer pairs and trials: a smoke run")
     ap.add_argument("--trials", type=at_least(1), help=f"trials per arm, interleaved (default {TRIALS}; 2 with --quick)")

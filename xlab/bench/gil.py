@@ -129,27 +129,24 @@ def _run(ranks, arm, seconds):
                               timeout=60)
 
     def body(i):
+        r = ranks[i]
         try:
-            measure(i)
+            with r.cupy.cuda.Device(r.device), r.stream:
+                op = r.op(arm)
+                for _ in range(50):
+                    op()
+                r.stream.synchronize()
+                start.wait()
+                c0, n, t_end = time.thread_time(), 0, deadline[0]
+                while time.perf_counter() < t_end:
+                    for _ in range(32):
+                        op()
+                    n += 32
+                r.stream.synchronize()
+                counts[i], cpu[i] = n, time.thread_time() - c0
         except BaseException as e:          # a failing op must fail the probe, not count as zero ops
             errors.append(e)
             start.abort()
-
-    def measure(i):
-        r = ranks[i]
-        with r.cupy.cuda.Device(r.device), r.stream:
-            op = r.op(arm)
-            for _ in range(50):
-                op()
-            r.stream.synchronize()
-            start.wait()
-            c0, n, t_end = time.thread_time(), 0, deadline[0]
-            while time.perf_counter() < t_end:
-                for _ in range(32):
-                    op()
-                n += 32
-            r.stream.synchronize()
-            counts[i], cpu[i] = n, time.thread_time() - c0
 
     threads = [threading.Thread(target=body, args=(i,)) for i in range(len(ranks))]
     for t in threads:

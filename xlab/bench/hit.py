@@ -94,8 +94,7 @@ def make_arms(gpu: bool) -> dict:
 def calibrated(run, nbytes: int, window_s: float) -> int:
     """Calls per window: about window_s seconds at the rate of a 2000-call pass (at least 100)."""
     run(nbytes, 200)
-    ns = max(run(nbytes, 2000), 1)
-    return max(100, int(window_s * 1e9 * 2000 / ns))
+    return max(100, int(window_s * 1e9 * 2000 / max(run(nbytes, 2000), 1)))
 
 
 def measure(sizes=SIZES, trials=TRIALS, windows=WINDOWS, window_s=WINDOW_S, gpu=None, progress=True):

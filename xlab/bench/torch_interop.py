@@ -158,7 +158,6 @@ def summarize(df):
 
 
 # --- a mixed CuPy/PyTorch loop, and its memory (the notebook's section; tests/test_torch_gpu.py runs it too)
-
 MIX_B, MIX_D, MIX_H = 4096, 1024, 4096   # PyTorch's B*H*4 activations = CuPy's H*H*4 temporaries = 64 MiB
 
 
@@ -166,8 +165,7 @@ def mixed_setup(torch, seed=0):
     """(model, optimizer, first input) of the mixed loop: an MLP trained with AdamW on CUDA device 0."""
     torch.manual_seed(seed)
     dev = torch.device("cuda", 0)
-    model = torch.nn.Sequential(torch.nn.Linear(MIX_D, MIX_H), torch.nn.GELU(),
-                                torch.nn.Linear(MIX_H, MIX_D)).to(dev)
+    model = torch.nn.Sequential(torch.nn.Linear(MIX_D, MIX_H), torch.nn.GELU(), torch.nn.Linear(MIX_H, MIX_D)).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(MIX_B, MIX_D, device=dev, generator=torch.Generator(device=dev).manual_seed(seed + 1))
     return model, opt, x
@@ -193,9 +191,7 @@ def mixed_worker(arm: str, steps: int, out_csv: str | None) -> dict:
     """The mixed loop in this fresh process under `arm`: its peak reserved; xpool's memory to `out_csv`."""
     import cupy
     import torch
-    pool = None
-    if arm == "xpool":
-        pool = xpool.enable_torch(timeline=1_000_000)
+    pool = xpool.enable_torch(timeline=1_000_000) if arm == "xpool" else None
     model, opt, x = mixed_setup(torch)
     for _ in range(steps):
         _, _, x = mixed_step(torch, cupy, model, opt, x)

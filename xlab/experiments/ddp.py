@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import multiprocessing as mp
 import os
+import pathlib
 import pickle
 import queue as queue_module
 import shutil
@@ -162,14 +163,12 @@ def worker_main(spec_path) -> None:
     """An `mpirun`-launched rank: NCCL id from rank 0, every rank's results to rank 0's result_path."""
     from mpi4py import MPI
     from cupy.cuda import nccl
-    with open(spec_path, "rb") as f:
-        spec = pickle.load(f)
+    spec = pickle.loads(pathlib.Path(spec_path).read_bytes())
     c = MPI.COMM_WORLD
     uid = c.bcast(nccl.get_unique_id() if c.rank == 0 else None, root=0)
     results = c.gather(rank_main(c.rank, c.size, uid, spec, c.Barrier), root=0)
     if c.rank == 0:
-        with open(spec["result_path"], "wb") as f:
-            pickle.dump(results, f)
+        pathlib.Path(spec["result_path"]).write_bytes(pickle.dumps(results))
 
 
 def _spawned_rank(rank, world, uid, spec, barrier, queue):
@@ -196,8 +195,7 @@ def launch(world, spec, launcher="auto") -> list:
         spec = dict(spec, result_path=os.path.join(tmp, "results.pkl"))
         if launcher == "mpirun":
             spec_path = os.path.join(tmp, "spec.pkl")
-            with open(spec_path, "wb") as f:
-                pickle.dump(spec, f)
+            pathlib.Path(spec_path).write_bytes(pickle.dumps(spec))
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
             cmd = ["mpirun", "-np", str(world), "--oversubscribe", "--bind-to", "none",
                    "-x", "NCCL_NVLS_ENABLE", "-x", "PYTHONPATH", "-x", train.ADAMW_ENV,
@@ -205,8 +203,7 @@ def launch(world, spec, launcher="auto") -> list:
             if os.geteuid() == 0:
                 cmd.insert(1, "--allow-run-as-root")
             subprocess.run(cmd, env=env, check=True, timeout=spec.get("barrier_timeout", BARRIER_TIMEOUT) * 2)
-            with open(spec["result_path"], "rb") as f:
-                return pickle.load(f)
+            return pickle.loads(pathlib.Path(spec["result_path"]).read_bytes())
         if launcher == "spawn":
             return _spawn(world, spec, env)
     raise ValueError(f"unknown launcher {launcher!r}; use auto, mpirun or spawn")
@@ -224,7 +221,8 @@ def _spawn(world, spec, env):
         p.start()
     results = [None] * world
     # a rank hung inside NCCL never exits: give up after twice the barrier timeout, as mpirun's launch does
-    deadline = time.monotonic() + 2 * spec.get("barrier_timeout", BARRIER_TIMEOUT)
+    limit = 2 * spec.get("barrier_timeout", BARRIER_TIMEOUT)
+    deadline = time.monotonic() + limit
     try:
         for _ in range(world):
             while True:
@@ -236,8 +234,7 @@ def _spawn(world, spec, env):
                     if dead:
                         raise RuntimeError(f"rank process exited with {dead[0].exitcode}") from None
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"rank processes still running after "
-                                           f"{2 * spec.get('barrier_timeout', BARRIER_TIMEOUT)} s") from None
+                        raise TimeoutError(f"rank processes still running after {limit} s") from None
             if error:
                 raise RuntimeError(f"rank {rank} failed:\n{error}")
             results[rank] = result

@@ -90,12 +90,10 @@ def resumed(out, keys, **same) -> tuple[list, set]:
     if out is None or not pathlib.Path(out).is_file():
         return [], set()
     df = pd.read_csv(out)
-    for col, value in same.items():
-        if col not in df:
-            return [], set()
-        df = df[df[col].astype(str) == str(value)]
-    if not set(keys) <= set(df.columns):
+    if not set(keys) | set(same) <= set(df.columns):
         return [], set()
+    for col, value in same.items():
+        df = df[df[col].astype(str) == str(value)]
     rows = df.to_dict("records")
     return rows, {tuple(r[k] for k in keys) for r in rows}
 

@@ -99,8 +99,7 @@ def unflatten(flat, like: dict):
     for k, g in like.items():
         out[k] = flat[offset:offset + g.size].reshape(g.shape)
         offset += g.size
-    loss = flat[offset] if flat.size > offset else None
-    return out, loss
+    return out, flat[offset] if flat.size > offset else None
 
 
 def train_step(model, opt, x, y, comm=None, world: int = 1, loss_and_grads=None):
@@ -269,16 +268,12 @@ class StepEvents:
             self.pairs[i][1].record()
 
     def ms(self) -> float:
-        if not self.pairs:
-            return math.nan
-        return float(np.mean([self.xp.cuda.get_elapsed_time(a, b) for a, b in self.pairs]))
+        return float(np.mean([self.xp.cuda.get_elapsed_time(a, b) for a, b in self.pairs])) if self.pairs else math.nan
 
 
 def synchronizer(xp, device):
     """A function that waits for `device` (nothing on NumPy)."""
-    if xp is np:
-        return lambda: None
-    return xp.cuda.Device(device).synchronize
+    return (lambda: None) if xp is np else xp.cuda.Device(device).synchronize
 
 
 def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0, world=1, comm=None,
@@ -335,14 +330,13 @@ def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0,
             dispatch.append(1000 * (time.thread_time() - t0))
         window.sync()
         param_diff = param_rank_diff(model.params, comm) if comm is not None else None
-        n_params = model.num_params()
         out = dict(rank=rank, device=device, seconds=window.seconds, host_seconds=window.host_seconds,
                    dispatch_ms=float(np.median(dispatch)) if dispatch else math.nan,
                    gpu_ms_per_step=events.ms(), gc_seconds=window.gc.seconds, gc_collections=window.gc.collections,
                    device_mallocs=window.device_mallocs, util=window.util,
                    losses=[float(v) for v in (losses.get() if xp is not np else losses)],
                    param_rank_diff=param_diff, peak_reserved=alloc.peak_reserved(device),
-                   peak_requested=alloc.peak_requested(device), n_params=n_params,
+                   peak_requested=alloc.peak_requested(device), n_params=model.num_params(),
                    fenced=fence is not None and (alloc.device_calls_when_warm or fence_always()),
                    fused=getattr(model, "fused", None),   # the workload's fused kernels (tapegpt's GPT(fused=)), if any
                    gemm="cublas" if tapegpt_blas.enabled and xp is not np else "matmul",   # how GEMMs were made
@@ -365,12 +359,8 @@ def loss_rel_diff(losses, reference) -> float:
 def checks_passed(loss_rel_diff_max=None, param_rank_diff_max=None, loss_tol=LOSS_TOL,
                   param_tol=PARAM_TOL) -> bool:
     """Every check that was made passed (None: not made; NaN fails)."""
-    ok = True
-    if loss_rel_diff_max is not None:
-        ok &= bool(loss_rel_diff_max <= loss_tol)          # NaN compares False
-    if param_rank_diff_max is not None:
-        ok &= bool(param_rank_diff_max < param_tol)
-    return ok
+    return ((loss_rel_diff_max is None or bool(loss_rel_diff_max <= loss_tol))        # NaN compares False
+            and (param_rank_diff_max is None or bool(param_rank_diff_max < param_tol)))
 
 
 def step_bound(gpu_util: float, host_ms: float, ms_per_step: float) -> str:
@@ -400,9 +390,7 @@ def build_row(mode, m, world, batch, cfg, steps, warmup, ref_losses=None, launch
     timed, counted = m["timed"], m["counted"]
     seconds = max(r["seconds"] for r in timed)
     ms_per_step = 1000 * seconds / steps
-    util = {}
-    for r in timed:
-        util.update(r["util"])
+    util = {d: u for r in timed for d, u in r["util"].items()}
     gpu_util = float(np.mean(list(util.values()))) if util else math.nan
     host_ms = _mean(1000 * r.get("host_seconds", math.nan) / steps for r in timed)
     if counted is None:
