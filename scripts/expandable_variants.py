@@ -67,7 +67,7 @@ def replay(tl: pd.DataFrame, settings: dict, small_range: bool) -> dict:
     live.clear()
     return dict(peak_bytes_requested=c["peak_bytes_requested"], peak_bytes_reserved=c["peak_bytes_reserved"],
                 reserved_over_requested=c["peak_bytes_reserved"] / max(c["peak_bytes_requested"], 1),
-                device_calls=c["device_mallocs"],
+                device_calls=c["device_mallocs"] + c["device_frees"],
                 device_allocs_warm=calls[steps[-1]][0] - calls[before[-1]][0] if warm else float("nan"),
                 device_frees_warm=calls[steps[-1]][1] - calls[before[-1]][1] if warm else float("nan"),
                 warmup_steps=warmup, device_calls_per_timed_step=(

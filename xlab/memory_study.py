@@ -322,15 +322,17 @@ def _counters(pool) -> dict:
 WARMUP_STEPS = 5   # the experiments' warm-up: from this step on, a warm pool makes no device malloc or free
 
 
+def _device_calls(pool) -> tuple:
+    """(device mallocs, device frees) of a replayed pool so far (maps and unmaps counted as those)."""
+    c = _counters(pool)
+    return c["device_mallocs"], c["device_frees"]
+
+
 def _replay_through(pool, timeline: pd.DataFrame):
     """(counters, {step: (device mallocs, device frees) so far at its end}, unmatched frees) of `timeline` replayed
     through `pool`, its blocks given back after the counters are read."""
     calls = {}
-
-    def on_step(step):
-        c = _counters(pool)
-        calls[step] = c["device_mallocs"], c["device_frees"]
-    live, unmatched = _drive(pool, _replay_events(timeline), on_step)
+    live, unmatched = _drive(pool, _replay_events(timeline), lambda step: calls.__setitem__(step, _device_calls(pool)))
     counters = _counters(pool)
     live.clear()
     return counters, {s: c for s, c in calls.items() if s is not None}, unmatched
