@@ -217,7 +217,8 @@ TARGETS = (
         pick="each", fmt="{:.0f}", exact=True) for k, label, arm, f in DEFAULT_ARMS),
     *(T(f"dyn_h_{k}{m}", f"the expandable scheme{label}: {what}, by dynamic workload", DYN, metric, f"xpool_{n}",
         where=dict(dynamic=True), over=("workload",), pick="each", fmt=fmt, exact=True)
-      for k, n, label in (("xe", "expandable", ""), ("xe_bounded", "expandable_bounded", ", release_on_miss bounded"))
+      for k, n, label in (("xe", "expandable", ""), ("xe_bounded", "expandable_bounded", ", release_on_miss bounded"),
+                          ("xe_growth", "expandable_growth", ", release_on_miss growth"))
       for m, what, metric, fmt in (("", "peak reserved / requested", "reserved_over_requested", "{:.3f}"),
                                    ("_calls", "device calls per step in steady state", "device_calls_per_steady_step",
                                     "{:.2g}"))),
