@@ -17,6 +17,7 @@ def test_a_replay_under_the_traces_own_rule_is_the_gpus_run_and_growth_unmaps_le
     own = ev.replay(tl, dict(scheme="expandable", release_on_miss=gpu.release_on_miss), False)
     assert (own["peak_bytes_reserved"], own["peak_bytes_requested"], own["device_calls"]) == \
         (gpu.gpu_peak_bytes_reserved, gpu.gpu_peak_bytes_requested, gpu.gpu_device_calls)
-    bounded, growth = (ev.replay(tl, dict(scheme="expandable", release_on_miss=r), False) for r in ("bounded", "growth"))
+    bounded, growth = (ev.replay(tl, dict(scheme="expandable", release_on_miss=rule), False)
+                       for rule in ("bounded", "growth"))
     assert bounded["reserved_over_requested"] < own["reserved_over_requested"]       # the bound gives pages back
     assert own["device_calls"] < growth["device_calls"] < bounded["device_calls"]      # growth only while it grows

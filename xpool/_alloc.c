@@ -6,8 +6,7 @@
 
 const char *const origin_names[XP_ORIGINS] = {"cupy", "torch", "python"};
 const char *const xp_scheme_names[XP_SCHEMES] = {"segments", "seed", "expandable"};
-const char *const xp_release_names[XP_RELEASE_CHOICES] = {"never", "high_water", "always", "bounded",
-                                                               "growth"};
+const char *const xp_release_names[XP_RELEASE_CHOICES] = {"never", "high_water", "always", "bounded", "growth"};
 
 static PyObject *gc_collect;          /* gc.collect, for the ladder's last retry */
 static void thread_keys_after_fork(void);

@@ -66,7 +66,7 @@ DEFAULTS = {
 SCHEME_DEFAULTS = {"expandable": {"release_on_miss": "never"}}
 # A front end's own defaults where it differs from DEFAULTS: the pool xpool.enable_torch() makes is scheme expandable,
 # which held the least of every allocator on the lab's four PyTorch workloads, below PyTorch's expandable segments
-# (Note [The default scheme per front end]), with release_on_miss "growth", which held less again without a device
+# (Note [The default scheme per front end]), with release_on_miss "growth", which held as much or less without a device
 # call more once warm (Note [Release on miss: growth]); CuPy's pool (install(), MemoryPool()) keeps DEFAULTS'
 # segments.  A front end's fields besides its scheme apply to that scheme only: XPOOL_SCHEME=segments under
 # enable_torch() gets segments' own defaults.
@@ -138,9 +138,9 @@ class Settings:
         release_idle (int): schemes segments and expandable with ``"high_water"``: requests a whole free
             segment (a free block's pages) must have stayed free and unchanged before a miss may give it back
             (``XPOOL_RELEASE_IDLE``; default 64).
-        release_bound (float): schemes segments and expandable with ``"bounded"`` or ``"growth"``: a miss that would take the
-            pool above this many times the most bytes ever requested (by the pool's users, this request
-            included) gives back idle memory first (``XPOOL_RELEASE_BOUND``; default 1.05; at least 1).
+        release_bound (float): schemes segments and expandable with ``"bounded"`` or ``"growth"``: a miss that
+            would take the pool above this many times the most bytes ever requested (by the pool's users, this
+            request included) gives back idle memory first (``XPOOL_RELEASE_BOUND``; default 1.05; at least 1).
 
     Args:
         frontend (str or None): whose defaults fill the fields left None: None, xpool's (``DEFAULTS``), or
@@ -169,9 +169,9 @@ class Settings:
             raise ValueError(f"frontend must be None or one of {', '.join(map(repr, FRONTEND_DEFAULTS))}, "
                              f"got {frontend!r}")
         own = FRONTEND_DEFAULTS.get(frontend, {})
-        defaults = {**DEFAULTS, **own}
+        own_scheme = own.get("scheme")          # a front end's other fields are that scheme's defaults only
         env = _environment()
-        env_scheme = _scheme(env["scheme"], ENV["scheme"]) if "scheme" in env else defaults["scheme"]
+        env_scheme = _scheme(env["scheme"], ENV["scheme"]) if "scheme" in env else own_scheme or DEFAULTS["scheme"]
         for name in env:
             owners = _owners(name)
             if owners and env_scheme not in owners:
@@ -193,7 +193,7 @@ class Settings:
                 value, source = given, name
             elif name in env:   # a scheme's variable comes with XPOOL_SCHEME naming it (checked above)
                 value, source = env[name], ENV[name]
-            elif name in own and (name == "scheme" or resolved["scheme"] == own.get("scheme", resolved["scheme"])):
+            elif name in own and (name == "scheme" or own_scheme in (None, resolved["scheme"])):
                 value, source = own[name], f"default ({frontend})"
             else:
                 value, source = SCHEME_DEFAULTS.get(resolved.get("scheme"), {}).get(name, DEFAULTS[name]), "default"
