@@ -12,6 +12,7 @@ loss and grads alive while the next one runs). Under `--scheme segments` the GPU
 malloc (a miss) and free (a release) itself; the ninth session's are `data/segments_trace_dyn_test_*.csv.gz`.
 
     python scripts/record_dynamic_traces.py                       # every workload, scheme expandable, into data/
+    python scripts/record_dynamic_traces.py --workloads torch_varlen --seeds 1,2    # other realizations: ..._s1 ...
     python scripts/record_dynamic_traces.py --workloads cupy_mix --cpu --out build/traces   # the code, on a CPU
 """
 from __future__ import annotations
@@ -67,7 +68,7 @@ def spec(name):
     return w.framework, w.fn, w.steps, w.warmup
 
 
-def record(name, scheme, gpu, small) -> pd.DataFrame:
+def record(name, scheme, gpu, small, seed=0) -> pd.DataFrame:
     """One workload under a fresh pool with its timeline on: the trace (one row per event, with its step)."""
     framework, fn, steps, warmup = spec(name)
     pool = (xpool.MemoryPool(scheme=scheme, timeline=CAPACITY) if gpu else     # on a CPU: no request reaches it
@@ -85,7 +86,7 @@ def record(name, scheme, gpu, small) -> pd.DataFrame:
             sync = cupy.cuda.Device().synchronize
         ctx = xpool.use(pool) if gpu else contextlib.nullcontext()
     with ctx:
-        info = fn(steps, warmup, 0, Window(lambda: 0, sync), gpu, small,
+        info = fn(steps, warmup, seed, Window(lambda: 0, sync), gpu, small,
                   after_step=lambda: marks.append(time.monotonic_ns()))
     sync()
     tl = pool.timeline()
@@ -96,7 +97,8 @@ def record(name, scheme, gpu, small) -> pd.DataFrame:
     calls = sum(int(st[c].sum()) for c in ("device_mallocs", "device_frees", "device_maps", "device_unmaps")
                 if c in st)
     return tl[TIMELINE_COLUMNS].assign(
-        workload=name, scheme=scheme, release_on_miss=pool.settings.release_on_miss, steps=steps, warmup=warmup, batch=info["batch"], shape=info["shape"],
+        workload=name, scheme=scheme, release_on_miss=pool.settings.release_on_miss, steps=steps, warmup=warmup,
+        seed=seed, batch=info["batch"], shape=info["shape"],
         gpu_peak_bytes_reserved=int(st["peak_bytes_reserved"].sum()),
         gpu_peak_bytes_requested=int(st["peak_bytes_requested"].sum()), gpu_device_calls=calls,
         **provenance(experiment="dynamic_trace"))
@@ -108,14 +110,22 @@ def main(argv=None) -> int:
                                           "torch_fixed,gpt_b32,resnet_varres,resnet_fixed")
     p.add_argument("--scheme", default="expandable", choices=xpool.SCHEMES)
     p.add_argument("--out", default="data", help="directory for memory_trace_dyn_<workload>.csv.gz")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (default 0); seed s > 0 writes "
+                                                "memory_trace_dyn_<workload>_s<s>.csv.gz")
     p.add_argument("--cpu", action="store_true", help="NumPy and PyTorch's CPU, small sizes: tests the code")
     a = p.parse_args(argv)
+    try:
+        seeds = [int(x) for x in a.seeds.split(",")]
+        if any(x < 0 for x in seeds):
+            raise ValueError
+    except ValueError:
+        p.error(f"--seeds must be whole numbers >= 0, comma-separated; got {a.seeds!r}")
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name in a.workloads.split(","):
+    for name, seed in ((n, s) for n in a.workloads.split(",") for s in seeds):
         t0 = time.perf_counter()
-        tl = dynamic.in_process(record, name, a.scheme, not a.cpu, a.cpu)
-        path = out / f"memory_trace_dyn_{name}.csv.gz"
+        tl = dynamic.in_process(record, name, a.scheme, not a.cpu, a.cpu, seed)
+        path = out / f"memory_trace_dyn_{name}{f'_s{seed}' if seed else ''}.csv.gz"
         tl.to_csv(path, index=False)
         r = tl.iloc[0] if len(tl) else {}
         print(f"{name}: {len(tl)} events, {tl['step'].max() + 1 if len(tl) else 0} steps, GPU peak reserved / "

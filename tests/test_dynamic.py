@@ -74,6 +74,29 @@ def test_plan_leaves_out_what_is_done():
     assert dynamic.pinned({**opts, "cpus": {3, 1}}) == "1,3" and dynamic.pinned(opts) == "no"
 
 
+def test_each_trial_is_a_realization_of_its_own_seed_unless_asked_for_one():
+    """Note [Trials are realizations]: trial t draws from seed + t, every arm of it alike; same_seed: all on seed."""
+    per, opts = {"cupy": ("a", "b"), "torch": ("d",)}, dict(steps=None, warmup=None, seed=10)
+    _, wanted = dynamic.plan(3, ["cupy_mix", "torch_varlen"], per, opts)
+    seeds = {(k[0], k[2]): k[5] for k in wanted}
+    assert seeds == {(str(t), a): str(10 + t) for t in range(3) for a in ("a", "b", "d")}
+    _, same = dynamic.plan(3, ["cupy_mix"], per, {**opts, "same_seed": True})
+    assert {k[5] for k in same} == {"10"}
+    assert dynamic.for_trial(opts, 4)["seed"] == 14 and opts["seed"] == 10        # the run's options untouched
+    assert dynamic.for_trial({**opts, "same_seed": True}, 4)["seed"] == 10
+
+
+def test_rows_carry_their_trials_seed_and_a_bad_seed_is_named():
+    df = dynamic.run(["cupy_mix"], trials=2, steps=3, warmup=1, out=None, cpu=True, progress=False, seed=5)
+    assert dict(zip(df.trial, df.seed)) == {0: 5, 1: 6}
+    same = dynamic.run(["cupy_mix"], trials=2, steps=3, warmup=1, out=None, cpu=True, progress=False, seed=5,
+                       same_seed=True)
+    assert list(same.seed) == [5, 5]
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="seed"):
+            dynamic.run(cpu=True, out=None, seed=bad)
+
+
 # --- rows and device calls
 
 def _run_dict(**kw):
@@ -359,3 +382,18 @@ def test_host_speed_probe_csv_is_what_its_log_gives():
     gpt = timed[timed.workload == "gpt_b4"]
     assert np.allclose(gpt.host_ms_per_step, gpt.ms_per_step, rtol=0.01)      # host-bound: CPU time is wall time
     assert gpt.ms_per_step.max() > 1.5 * gpt.ms_per_step.min()                # the spread the note describes
+
+
+def test_record_dynamic_traces_writes_a_trace_per_seed_and_names_a_bad_seed(tmp_path, capsys):
+    """scripts/record_dynamic_traces.py --seeds: seed 0 keeps the file name the replays read, seed s > 0 adds _s<s>,
+    and each trace says its seed (on a CPU the pool sees no request: the code, not a trace)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+    import record_dynamic_traces as rec
+    assert rec.main(["--workloads", "cupy_mix", "--cpu", "--seeds", "0,3", "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["memory_trace_dyn_cupy_mix.csv.gz",
+                                                          "memory_trace_dyn_cupy_mix_s3.csv.gz"]
+    for bad in ("x", "-1", "1,,2"):
+        with pytest.raises(SystemExit):
+            rec.main(["--workloads", "cupy_mix", "--cpu", "--seeds", bad, "--out", str(tmp_path / "no")])
+        assert "--seeds must be whole numbers" in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()

@@ -387,23 +387,49 @@ def test_dynamic_targets_judge_xpool_against_the_fastest_peer_paired_by_trial(tr
     assert rows["dyn_calls_expandable_cupy_mix"].verdict == iv.MET
 
 
+def test_a_count_whose_trials_differ_is_judged_on_its_interval(trial_data):
+    """Note [Trials are realizations]: a row marked exact (bytes, calls) is judged on its value while its trials agree;
+    when each trial is another realization of the workload and they differ, on its interval like a timed row."""
+    df = pd.read_csv(trial_data / "dynamic_shapes.csv")
+    mine = (df["allocator"] == "xpool_expandable_growth") & (df["workload"] == "torch_varlen")
+    df.loc[mine, "reserved_over_requested"] = 1.049
+    df.to_csv(trial_data / "dynamic_shapes.csv", index=False)
+    m = {m.row.key: m for m in targets.judged(trial_data)[0]}["dyn_ror_torch_varlen"]
+    assert (m.verdict, f"{m}") == (iv.MET, "1.049")                    # the trials agree: the value, judged alone
+    df.loc[mine, "reserved_over_requested"] = 1.049 + 0.002 * df.loc[mine, "trial"]    # 1.049 ... 1.057
+    df.to_csv(trial_data / "dynamic_shapes.csv", index=False)
+    m = {m.row.key: m for m in targets.judged(trial_data)[0]}["dyn_ror_torch_varlen"]
+    assert m.lo < 1.05 < m.hi and m.verdict == iv.NOISE and f"{m}".startswith("1.053 [")
+    df.loc[mine, "reserved_over_requested"] = 1.0505 + 0.001 * df.loc[mine, "trial"]
+    df.to_csv(trial_data / "dynamic_shapes.csv", index=False)
+    assert {m.row.key: m for m in targets.judged(trial_data)[0]}["dyn_ror_torch_varlen"].verdict == iv.MISSED
+
+
+def _held(df, arm, **where) -> str:
+    """'w: median [lo, hi], ...' of an arm's peak reserved / peak requested per workload, as a headline gives it (the
+    value alone where the trials agree: Note [Trials are realizations])."""
+    rows = df[(df["allocator"] == arm) & df["dynamic"]]
+    for k, v in where.items():
+        rows = rows[rows[k] == v]
+    out = []
+    for w, g in sorted(rows.groupby("workload")):
+        v, lo, hi, _ = iv.median_ci(g.groupby("trial")["reserved_over_requested"].median())
+        out.append(f"{w}: {iv.fmt_ci(v, lo, hi, '{:.3f}', exact=not hi - lo > 1e-6 * abs(v))}")
+    return ", ".join(out)
+
+
 def test_the_dynamic_section_and_headline_are_there_only_with_the_csv(trial_data):
     page = _page(trial_data)
     assert "## Dynamic shapes" in page and "| cupy_mix | xpool_segments |" in page
     df = pd.read_csv(trial_data / "dynamic_shapes.csv")
-    expandable = df[(df["allocator"] == "torch_expandable") & df["dynamic"]].groupby("workload")
-    held = ", ".join(f"{w}: {v:.3f}" for w, v in sorted(expandable["reserved_over_requested"].median().items()))
-    assert f"(PyTorch with expandable segments {held})" in _headline(page, "Dynamic shapes, PyTorch programs")
-    segments = df[(df["allocator"] == "xpool_segments") & df["dynamic"] & (df["framework"] == "cupy")]
-    held = ", ".join(f"{w}: {v:.3f}" for w, v in
-                     sorted(segments.groupby("workload")["reserved_over_requested"].median().items()))
-    assert f"peak reserved / peak requested {held};" in _headline(page, "Dynamic shapes, CuPy programs")
-    held = ", ".join(f"{w}: {v:.3f}" for w, v in sorted(df[(df["allocator"] == "xpool_expandable_growth") & df[
-        "dynamic"] & (df["framework"] == "torch")].groupby("workload")["reserved_over_requested"].median().items()))
-    assert f"peak reserved / peak requested {held} (" in _headline(page, "Dynamic shapes, PyTorch programs")
-    bounded = df[(df["allocator"] == "xpool_expandable_bounded") & df["dynamic"]].groupby("workload")
-    held = ", ".join(f"{w}: {v:.3f}" for w, v in sorted(bounded["reserved_over_requested"].median().items()))
-    assert f"it holds {held} for" in _headline(page, "Dynamic shapes, the expandable scheme")
+    torch_line = _headline(page, "Dynamic shapes, PyTorch programs")
+    assert f"(PyTorch with expandable segments {_held(df, 'torch_expandable')})" in torch_line
+    assert " [" in _held(df, "torch_expandable")           # the fixture's trials differ: intervals, not values alone
+    assert f"peak reserved / peak requested {_held(df, 'xpool_segments', framework='cupy')};" in _headline(
+        page, "Dynamic shapes, CuPy programs")
+    assert f"peak reserved / peak requested {_held(df, 'xpool_expandable_growth', framework='torch')} (" in torch_line
+    assert f"it holds {_held(df, 'xpool_expandable_bounded')} for" in _headline(page, "Dynamic shapes, the expandable "
+                                                                                 "scheme")
     (trial_data / "dynamic_shapes.csv").write_text(df[~df["allocator"].str.startswith("xpool_expandable")].to_csv())
     page = _page(trial_data)                  # a CSV without the expandable arms: the headlines of those go
     assert "Dynamic shapes, the expandable scheme" not in page and "Dynamic shapes, PyTorch programs" not in page

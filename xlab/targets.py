@@ -262,7 +262,9 @@ class Measured:
 
     @property
     def _exact(self) -> bool:
-        return self.row.exact or self.row.stat != "median"
+        """Judged on its value: a statistic that is not a median, or a row marked exact (a count, a replay's bytes)
+        whose trials agree; one whose trials differ (the dynamic benchmark's realizations) is judged on its interval."""
+        return self.row.stat != "median" or (self.row.exact and not self.hi - self.lo > 1e-6 * abs(self.value))
 
     @property
     def verdict(self) -> str:

@@ -7,6 +7,11 @@ this way: NOTES.md, Note [Dynamic-shape benchmark].
     python -m xlab.bench.dynamic                     # every workload and arm, 5 trials: data/dynamic_shapes.csv
     python -m xlab.bench.dynamic --quick             # 1 trial, 3 steps: a smoke test
     python -m xlab.bench.dynamic --workloads torch_varlen,torch_fixed        # a piece (a rerun resumes)
+    python -m xlab.bench.dynamic --same-seed         # every trial on the seed itself (before the thirteenth session)
+
+Trial t draws its shapes, sizes and data from seed + t, the same for every arm of the trial: a trial is one more
+realization of each dynamic workload, so its bytes and device calls vary between trials and are judged on their
+median and interval over realizations, paired by trial against the peers (Note [Trials are realizations]).
 """
 from __future__ import annotations
 
@@ -124,6 +129,12 @@ def _settings(workload, opts) -> tuple:
     return opts["steps"] or spec.steps, opts["warmup"] or spec.warmup, opts["seed"]
 
 
+def for_trial(opts, trial: int) -> dict:
+    """The options of trial `trial`: its seed is the run's seed + trial, unless opts["same_seed"] (every trial on the
+    run's seed, the benchmark before the thirteenth session)."""
+    return opts if opts.get("same_seed") else {**opts, "seed": opts["seed"] + trial}
+
+
 def steady_state(probes: list, warmup: int) -> dict:
     """The steady state of one run, from its probes after every step in order, each (device calls so far, peak
     requested bytes so far): the timed steps (from `warmup` on) after the last step that raised the peak requested
@@ -215,7 +226,7 @@ def arm_process(framework, arm, workloads, trial, position, opts) -> list:
     arms]): their rows, with provenance."""
     if opts.get("cpus"):
         os.sched_setaffinity(0, opts["cpus"])      # exactly these CPUs, or OSError
-    t0 = time.perf_counter()
+    opts, t0 = for_trial(opts, trial), time.perf_counter()
     runs = (_cupy_arm if framework == "cupy" else _torch_arm)(arm, workloads, opts)
     prov = provenance(experiment="dynamic_shapes", torch=_version("torch"), rmm=_version("rmm-cu13", "rmm-cu12"),
                       process_s=round(time.perf_counter() - t0, 2), start=opts["start"])
@@ -272,7 +283,7 @@ def plan(trials, workloads, per_framework, opts, done=frozenset(), commit="") ->
     jobs, wanted = [], set()
     for t in range(trials):
         for pos, (f, a) in enumerate(rotated(units, t)):
-            keys = {w: tuple(map(str, (t, w, a, *_settings(w, opts), pinned(opts), commit)))
+            keys = {w: tuple(map(str, (t, w, a, *_settings(w, for_trial(opts, t)), pinned(opts), commit)))
                     for w in workloads if WORKLOADS[w].framework == f}
             wanted |= set(keys.values())
             todo = [w for w, k in keys.items() if k not in done]
@@ -317,18 +328,21 @@ def in_process(fn, *args, start="fork"):
 
 def run(workloads=None, arms=None, trials: int = TRIALS, steps: int | None = None, warmup: int | None = None,
         seed: int = SEED, out=OUT, fresh: bool = False, cpu: bool = False, small: bool | None = None,
-        start: str = "fork", progress: bool = True, cpus=None) -> pd.DataFrame:
+        start: str = "fork", progress: bool = True, cpus=None, same_seed: bool = False) -> pd.DataFrame:
     """Measure every (trial, workload, arm) `out` lacks for this commit and these settings (fresh: discard them), rows
     appended after each process; the run's rows (attrs["failed"]: arms that raised). steps, warmup: None for each
     workload's own; cpu: NumPy and PyTorch's CPU under arm 'numpy' (tests the code); start: "fork" or "spawn";
-    cpus: CPUs every arm's process is pinned to (Note [Pinned arms]), None: not pinned."""
+    cpus: CPUs every arm's process is pinned to (Note [Pinned arms]), None: not pinned; trial t runs on seed + t, or
+    on seed itself when same_seed."""
     for name, v in (("trials", trials), ("steps", steps), ("warmup", warmup)):
         if v is not None and not (isinstance(v, int) and v >= 1):
             raise ValueError(f"{name} must be a whole number >= 1, got {v!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a whole number >= 0, got {seed!r}")
     cpus = check_cpus(cpus)
     workloads, per_framework = resolve(workloads, arms, cpu)
     opts = dict(steps=steps, warmup=warmup, seed=seed, gpu=not cpu, small=cpu if small is None else small,
-                start=start, cpus=cpus)
+                start=start, cpus=cpus, same_seed=bool(same_seed))
     if not cpu and in_process(_n_gpus, start=start) < 1:    # asked in a child: this process must not start CUDA
         raise registry.NoGPU("xlab.bench.dynamic needs a CUDA GPU (none visible; --cpu runs the code on the CPU)")
     old = pd.read_csv(out) if out and pathlib.Path(out).is_file() and not fresh else pd.DataFrame()
@@ -386,7 +400,8 @@ def main(argv=None) -> int:
     p.add_argument("--trials", type=int, help=f"trials (default {TRIALS}; --quick: 1)")
     p.add_argument("--steps", type=int, help="timed steps of every workload (default: each workload's own)")
     p.add_argument("--warmup", type=int, help="warm-up steps of every workload (default: each workload's own)")
-    p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--seed", type=int, default=SEED, help=f"trial t runs on seed + t (default {SEED})")
+    p.add_argument("--same-seed", action="store_true", help="every trial on the seed itself: one realization")
     p.add_argument("--quick", action="store_true", help="1 trial, 3 steps after 2 warm-up steps: a smoke test")
     p.add_argument("--out", default=OUT, help=f"the CSV (default {OUT})")
     p.add_argument("--fresh", action="store_true", help="discard the CSV's rows instead of resuming")
@@ -398,7 +413,7 @@ def main(argv=None) -> int:
     kw = {k: v for k, v in (("trials", a.trials), ("steps", a.steps), ("warmup", a.warmup)) if v is not None}
     split = (lambda s: [x for x in s.split(",") if x] if s else None)   # noqa: E731
     df = run(split(a.workloads), split(a.arms), seed=a.seed, out=a.out, fresh=a.fresh, cpu=a.cpu, start=a.start,
-             cpus=split(a.cpus),
+             cpus=split(a.cpus), same_seed=a.same_seed,
              **{**(QUICK if a.quick else {}), **kw})
     if len(df):
         print(summary(df).to_string(index=False))
