@@ -418,6 +418,15 @@ def _held(df, arm, **where) -> str:
     return ", ".join(out)
 
 
+def test_the_dynamic_section_says_whether_its_trials_are_one_realization_or_several(trial_data):
+    df = pd.read_csv(trial_data / "dynamic_shapes.csv")
+    df.assign(seed=0).to_csv(trial_data / "dynamic_shapes.csv", index=False)
+    assert "every trial on seed 0: the same shapes" in _page(trial_data)
+    df.assign(seed=df["trial"] + 7).to_csv(trial_data / "dynamic_shapes.csv", index=False)
+    page = _page(trial_data)
+    assert "each trial on a seed of its own (trial 0: seed 7; trial 1: seed 8;" in page and "every trial on" not in page
+
+
 def test_the_dynamic_section_and_headline_are_there_only_with_the_csv(trial_data):
     page = _page(trial_data)
     assert "## Dynamic shapes" in page and "| cupy_mix | xpool_segments |" in page

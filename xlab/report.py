@@ -299,6 +299,23 @@ def dynamic_table(data: pathlib.Path) -> str:
     return "" if df is None else _md(list(s := dynamic_summary(df)), s.itertuples(index=False))
 
 
+def dynamic_seeds(data: pathlib.Path) -> str:
+    """What the dynamic benchmark's trials drew their shapes from: one seed, or a seed per trial."""
+    df = sources.current(data, "dynamic_shapes")
+    if df is None or "seed" not in df:
+        return ""
+    per = df.groupby("trial")["seed"].agg(lambda s: sorted(set(s)))
+    seeds = sorted({x for v in per for x in v})
+    if len(seeds) == 1:
+        return (f"every trial on seed {seeds[0]}: the same shapes, sizes and data in each, so bytes and calls are one "
+                "realization's, the same in every trial")
+    pairs = "; ".join(f"trial {t}: seed {'/'.join(map(str, v))}" for t, v in per.items())
+    return (f"each trial on a seed of its own ({pairs}), the "
+            "same for every arm of the trial: each trial another realization of every workload (NOTES.md, Note "
+            "[Trials are realizations]), so bytes and calls vary between trials where the realizations differ, and "
+            "a value without an interval is one every trial gave")
+
+
 def data_table(data: pathlib.Path) -> str:
     """Every CSV under data/ with its provenance (machine, driver, CUDA, CuPy, commit, date)."""
     rows = []
@@ -352,7 +369,7 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
               "history_table": "\n".join(targets.table(then)), "replay": _replay(data)}
     for name, fn in (("bounds_table", bounds_table), ("projection_table", projection_table), ("gil_table", gil_table),
                      ("graph_table", graph_table), ("graph_notes", graph_notes), ("replication", replication),
-                     ("dynamic_table", dynamic_table), ("data_table", data_table)):
+                     ("dynamic_table", dynamic_table), ("dynamic_seeds", dynamic_seeds), ("data_table", data_table)):
         try:
             if name != "graph_notes":
                 values[name] = fn(data)
