@@ -47,6 +47,8 @@ KEEP_TRACES = {"gpt_b32_keep_cupy_path_numpy": "memory_trace_cupy_path_b32_keep.
 DYN_TRACES = {f"dyn_{w}_h200": f"memory_trace_dyn_{w}.csv.gz" for w in (
     "cupy_mix", "torch_varlen", "gpt_varlen", "gpt_b4", "test_b4", "test_b32_perparam", "torch_fixed", "gpt_b32",
     "resnet_varres", "resnet_fixed")}
+DYN_TRACES |= {f"dyn_{w}_s{s}_h200": f"memory_trace_dyn_{w}_s{s}.csv.gz"     # other realizations (seed s: Note
+               for w in ("cupy_mix", "torch_varlen", "resnet_varres") for s in (1, 2, 3, 4)}   # [Trials are realizations])
 SMALL = 1 << 20
 
 

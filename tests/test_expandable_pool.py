@@ -482,7 +482,8 @@ def test_a_loop_keeping_the_previous_step_alive_maps_and_unmaps_nothing_once_war
 
 
 DYN = ("cupy_mix", "torch_varlen", "gpt_varlen", "gpt_b4", "test_b4", "test_b32_perparam", "torch_fixed", "gpt_b32",
-       "resnet_varres", "resnet_fixed")
+       "resnet_varres", "resnet_fixed",
+       *(f"{w}_s{s}" for w in ("cupy_mix", "torch_varlen", "resnet_varres") for s in (1, 2, 3, 4)))   # other seeds
 
 
 @pytest.mark.parametrize("workload", DYN)
@@ -502,7 +503,7 @@ def test_the_h200s_traces_replay_to_its_counters_and_the_bound_holds(workload):
         if rule == gpu.release_on_miss:
             assert (s["peak_bytes_reserved"], s["peak_bytes_requested"], s["device_maps"] + s["device_unmaps"]) == \
                 (gpu.gpu_peak_bytes_reserved, gpu.gpu_peak_bytes_requested, gpu.gpu_device_calls) and not unmatched
-        if rule == "bounded" and workload != "cupy_mix":
+        if rule == "bounded" and not workload.startswith("cupy_mix"):
             assert s["peak_bytes_reserved"] <= 1.05 * s["peak_bytes_requested"], s
         live.clear()
 

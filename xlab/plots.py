@@ -593,7 +593,16 @@ def dynamic_shapes(df: pd.DataFrame) -> Figure:
     return _finish(fig, "Dynamic shapes: memory held, device calls and speed of each allocator", d,
                    "A device call: a cudaMalloc, cudaFree, map or unmap; steady state: the timed steps after the "
                    "step where the demand last rose (NOTES.md, Note [Dynamic-shape benchmark]). "
-                   + trials_note(d, ["workload", "allocator"]), legend_from=list(axes.flat), ncol=4)
+                   + trials_note(d, ["workload", "allocator"]) + _seeds_note(d), legend_from=list(axes.flat), ncol=4)
+
+
+def _seeds_note(d: pd.DataFrame) -> str:
+    """' Each trial on a seed of its own (0-4), ...' when the trials are several realizations, else ''."""
+    seeds = sorted(set(d["seed"].dropna().astype(int))) if "seed" in d else []
+    if len(seeds) < 2:
+        return ""
+    return (f" Each trial on a seed of its own ({seeds[0]}-{seeds[-1]}), the same for every allocator: another "
+            "realization of each workload (Note [Trials are realizations]).")
 
 
 # --- every figure from data/: the one writer of figures/
