@@ -299,3 +299,16 @@ def test_a_front_ends_defaults_fill_only_what_nothing_else_set(monkeypatch):
     with pytest.raises(TypeError):
         Settings("seed", None, 0, False, 0, None, None, None, None, None, "torch")   # keyword only
     assert Settings("seed").scheme == "seed"                                     # positional fields as before
+
+
+def test_until_churn_is_the_expandable_schemes_only_and_says_so(monkeypatch):
+    """release_on_miss "until_churn" watches which pages a miss maps: scheme expandable only, a clear error naming
+    where the value came from otherwise."""
+    assert Settings(scheme="expandable", release_on_miss="until_churn").release_on_miss == "until_churn"
+    with pytest.raises(ValueError, match=r"release_on_miss='until_churn' needs scheme 'expandable'.*'segments'"):
+        Settings(scheme="segments", release_on_miss="until_churn")
+    monkeypatch.setenv("XPOOL_RELEASE_ON_MISS", "until_churn")
+    with pytest.raises(ValueError, match=r"XPOOL_RELEASE_ON_MISS='until_churn' needs scheme 'expandable'"):
+        Settings()
+    monkeypatch.setenv("XPOOL_SCHEME", "expandable")
+    assert Settings().release_on_miss == "until_churn"

@@ -6,7 +6,8 @@
 
 const char *const origin_names[XP_ORIGINS] = {"cupy", "torch", "python"};
 const char *const xp_scheme_names[XP_SCHEMES] = {"segments", "seed", "expandable"};
-const char *const xp_release_names[XP_RELEASE_CHOICES] = {"never", "high_water", "always", "bounded", "growth"};
+const char *const xp_release_names[XP_RELEASE_CHOICES] = {"never", "high_water", "always", "bounded", "growth",
+                                                           "until_churn"};
 
 static PyObject *gc_collect;          /* gc.collect, for the ladder's last retry */
 static void thread_keys_after_fork(void);
@@ -510,6 +511,8 @@ void reset_miss_budget(DevicePool *pool)
     pthread_mutex_lock(&pool->lock);
     pool->miss_released = 0;
     pool->miss_release_off = 0;
+    pool->miss_unmapped_n = 0;
+    pool->churned_at = 0;
     pthread_mutex_unlock(&pool->lock);
 }
 
@@ -526,7 +529,8 @@ static uint64_t requested_most(const DevicePool *pool)
  * times the most bytes ever in use by request, this one's included (pool lock held). */
 uint64_t miss_mark(const Allocator *A, const DevicePool *pool, size_t requested)
 {
-    if (A->release_on_miss != XP_RELEASE_BOUNDED && A->release_on_miss != XP_RELEASE_GROWTH)
+    if (A->release_on_miss != XP_RELEASE_BOUNDED && A->release_on_miss != XP_RELEASE_GROWTH &&
+        A->release_on_miss != XP_RELEASE_UNTIL_CHURN)
         return pool->high_water;
     uint64_t most = pool->st.bytes_requested + requested, before = requested_most(pool);
     return (uint64_t)(A->release_bound * (double)(before > most ? before : most));
@@ -537,7 +541,33 @@ uint64_t miss_mark(const Allocator *A, const DevicePool *pool, size_t requested)
  * map (Note [Release on miss: growth]); every other rule, yes (pool lock held). */
 int miss_may_release(const Allocator *A, const DevicePool *pool, size_t requested)
 {
-    return A->release_on_miss != XP_RELEASE_GROWTH || pool->st.bytes_requested + requested > requested_most(pool);
+    int rule = A->release_on_miss;
+    if (rule != XP_RELEASE_GROWTH && rule != XP_RELEASE_UNTIL_CHURN) return 1;
+    uint64_t most = requested_most(pool);
+    if (pool->st.bytes_requested + requested > most) return 1;
+    return rule == XP_RELEASE_UNTIL_CHURN && !(pool->churned_at && pool->churned_at >= most);
+}
+
+/* "until_churn" (Note [Release on miss: until_churn]): misses give back as under "bounded" until one maps pages a
+ * miss unmapped while the demand's most was what it is now (churn: the layout wants those pages every step), then
+ * as under "growth" until the demand passes that most. */
+void note_miss_unmap(DevicePool *pool, uintptr_t addr, uint64_t bytes)
+{
+    unsigned k = pool->miss_unmapped_n++ % XP_CHURN_RING;
+    pool->miss_unmapped[k].addr = addr;
+    pool->miss_unmapped[k].bytes = bytes;
+    pool->miss_unmapped[k].most = requested_most(pool);
+}
+
+void note_miss_map(const Allocator *A, DevicePool *pool, uintptr_t addr, uint64_t bytes)
+{
+    if (A->release_on_miss != XP_RELEASE_UNTIL_CHURN) return;
+    uint64_t most = requested_most(pool);
+    unsigned n = pool->miss_unmapped_n < XP_CHURN_RING ? pool->miss_unmapped_n : XP_CHURN_RING;
+    for (unsigned k = 0; k < n; k++) {
+        uintptr_t lo = pool->miss_unmapped[k].addr, hi = lo + pool->miss_unmapped[k].bytes;
+        if (pool->miss_unmapped[k].most == most && addr < hi && lo < addr + bytes) pool->churned_at = most;
+    }
 }
 
 /* Bytes of a new segment for a `size`-byte range, before the limit and the device's size are asked. */

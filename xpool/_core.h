@@ -92,10 +92,11 @@ extern const char *const xp_scheme_names[XP_SCHEMES];
 
 /* release_on_miss: what a miss of scheme segments (release_for_miss) or expandable (vm_try) gives back first */
 enum { XP_RELEASE_NEVER = 0, XP_RELEASE_HIGH_WATER = 1, XP_RELEASE_ALWAYS = 2, XP_RELEASE_BOUNDED = 3,
-       XP_RELEASE_GROWTH = 4, XP_RELEASE_CHOICES = 5 };
+       XP_RELEASE_GROWTH = 4, XP_RELEASE_UNTIL_CHURN = 5, XP_RELEASE_CHOICES = 6 };
 extern const char *const xp_release_names[XP_RELEASE_CHOICES];
 #define XP_MISS_BUDGET 1    /* bytes misses may give back, in high-water marks, until empty_cache
                                (Note [Release on miss]) */
+#define XP_CHURN_RING 8     /* "until_churn": the page runs a miss unmapped that a later map is checked against */
 
 /* Who a block was handed to: CuPy's C hooks, PyTorch's pluggable-allocator hooks, Allocator.allocate(). */
 enum { ORIGIN_CUPY = 0, ORIGIN_TORCH = 1, ORIGIN_PYTHON = 2, XP_ORIGINS = 3 };
@@ -195,6 +196,12 @@ typedef struct DevicePool {
     int miss_release_off;   /* they passed XP_MISS_BUDGET marks: misses give nothing back until empty_cache */
     uint64_t requested_high;    /* most bytes requested before the last reset_peaks (XP_RELEASE_BOUNDED's mark,
                                    with the peak since: miss_mark); like high_water, not a statistic */
+    struct { uintptr_t addr; uint64_t bytes, most; } miss_unmapped[XP_CHURN_RING];   /* "until_churn": the last
+                                   runs misses unmapped, with the demand's most at the time (Note [Release on
+                                   miss: until_churn]) */
+    unsigned miss_unmapped_n;   /* runs recorded so far (the ring's next slot, modulo XP_CHURN_RING) */
+    uint64_t churned_at;        /* "until_churn": a miss mapped pages a miss had unmapped while the demand's most
+                                   was this; 0 none: until the demand passes it, misses under the most give nothing */
     struct DevicePool *older;   /* in a fork()ed child: the parent's pool it replaced (forked_pools) */
 } DevicePool;
 
@@ -403,6 +410,9 @@ long long empty_cache(Allocator *A, DevicePool *pool, XpGil *g);
 void reset_miss_budget(DevicePool *pool);
 uint64_t miss_mark(const Allocator *A, const DevicePool *pool, size_t requested);
 int miss_may_release(const Allocator *A, const DevicePool *pool, size_t requested);
+/* "until_churn" (pool lock held): a miss unmapped [addr, addr + bytes); a miss will map [addr, addr + bytes). */
+void note_miss_unmap(DevicePool *pool, uintptr_t addr, uint64_t bytes);
+void note_miss_map(const Allocator *A, DevicePool *pool, uintptr_t addr, uint64_t bytes);
 
 /* Requests a free segment (expandable: a free block's pages) must have stayed unchanged before a miss may give it
  * back: release_idle under "high_water"; "bounded", "growth" and "always" take any age (Note [Release on miss]). */

@@ -151,6 +151,7 @@ uint64_t vm_release(Allocator *A, DevicePool *pool, const XeRelease *spec, intpt
         xe_unmap_finish(x, &pool->segs, &plan, i, done, &e);
         vm_apply(pool, e);
         if (done) vm_event(A, pool, EV_UNMAP, run.range->stream, run.addr, done);
+        if (done && spec->for_miss) note_miss_unmap(pool, run.addr, done);
         pthread_mutex_unlock(&pool->lock);
         unmapped += done;
     }
@@ -320,10 +321,11 @@ int vm_try(Allocator *A, DevicePool *pool, Climb *c, XpGil *g)
         return TRY_NO_ROOM;
     }
     pool->st.bytes_pending += p.map_bytes;
+    for (size_t i = 0; c->step == 0 && i < p.n_maps; i++) note_miss_map(A, pool, p.map[i].addr, p.map[i].bytes);
     uint64_t need = c->step == 0 ? vm_miss_excess(A, pool, after, c->requested) : 0;
     pthread_mutex_unlock(&pool->lock);
     if (need) {   /* a failed unmap leaves its pages cached: the miss goes on */
-        XeRelease idle = {0, c->stream, need, miss_min_idle(A)};
+        XeRelease idle = {0, c->stream, need, miss_min_idle(A), 1};
         VmFault ignored = {0};
         uint64_t got = vm_release(A, pool, &idle, c->stream, 0, g, &ignored);
         pthread_mutex_lock(&pool->lock);

@@ -28,7 +28,7 @@ from .sizeclass import ALIGN, MAX_CLASSES_PER_DOUBLING, MAX_REQUEST
 
 SCHEMES = ("segments", "seed", "expandable")   # how blocks are made (README: the table of schemes)
 SCHEME_ALIASES = {"xpool": "segments"}      # the default scheme's old name: XPOOL_SCHEME=xpool keeps working
-RELEASE_ON_MISS = ("never", "high_water", "always", "bounded", "growth")
+RELEASE_ON_MISS = ("never", "high_water", "always", "bounded", "growth", "until_churn")
 DEBUG_MODES = ("raise", "warn")
 # The fields that apply to some schemes only (the release rule is the segments' and the expandable scheme's).
 SCHEME_FIELDS = {
@@ -81,7 +81,7 @@ HELP = {
     "small_segment": "segments: bytes of a segment made for a block up to 1 MiB (shared by later ones)",
     "segment_round": "segments: a larger block's segment is rounded up to this",
     "release_on_miss": "segments, expandable: what a miss gives back first ('never', 'high_water', 'always', "
-                       "'bounded', 'growth')",
+                       "'bounded', 'growth', 'until_churn': expandable only)",
     "release_idle": "segments, expandable, high_water: requests a whole free segment (expandable: free pages) must "
                     "stay idle before it may go back",
     "release_bound": "segments, expandable, bounded and growth: a miss gives back idle memory over this many "
@@ -134,13 +134,16 @@ class Settings:
             device calls every step on some fixed-shape programs: Note [Release on miss: expandable]);
             ``"growth"`` as ``"bounded"``, but only on a miss that takes the bytes requested past their most ever,
             so once a program's largest demand has been seen its misses only map (Note [Release on miss:
-            growth]).
+            growth]); ``"until_churn"`` (scheme expandable only) as ``"bounded"`` until a miss maps pages that
+            a miss unmapped since the demand last rose, then as ``"growth"`` until it rises again (Note [Release
+            on miss: until_churn]).
         release_idle (int): schemes segments and expandable with ``"high_water"``: requests a whole free
             segment (a free block's pages) must have stayed free and unchanged before a miss may give it back
             (``XPOOL_RELEASE_IDLE``; default 64).
-        release_bound (float): schemes segments and expandable with ``"bounded"`` or ``"growth"``: a miss that
-            would take the pool above this many times the most bytes ever requested (by the pool's users, this
-            request included) gives back idle memory first (``XPOOL_RELEASE_BOUND``; default 1.05; at least 1).
+        release_bound (float): schemes segments and expandable with ``"bounded"``, ``"growth"`` or
+            ``"until_churn"``: a miss that would take the pool above this many times the most bytes ever requested
+            (by the pool's users, this request included) gives back idle memory first (``XPOOL_RELEASE_BOUND``;
+            default 1.05; at least 1).
 
     Args:
         frontend (str or None): whose defaults fill the fields left None: None, xpool's (``DEFAULTS``), or
@@ -198,6 +201,9 @@ class Settings:
             else:
                 value, source = SCHEME_DEFAULTS.get(resolved.get("scheme"), {}).get(name, DEFAULTS[name]), "default"
             resolved[name], sources[name] = _PARSERS[name](value, source), source
+        if resolved["release_on_miss"] == "until_churn" and resolved["scheme"] != "expandable":
+            raise ValueError(f"{sources['release_on_miss']}='until_churn' needs scheme 'expandable' (it watches "
+                             f"which pages a miss maps), and this pool's scheme is {resolved['scheme']!r}")
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_sources", sources)   # field -> argument, variable, "default" or "n/a"
