@@ -545,7 +545,7 @@ int miss_may_release(const Allocator *A, const DevicePool *pool, size_t requeste
     if (rule != XP_RELEASE_GROWTH && rule != XP_RELEASE_UNTIL_CHURN) return 1;
     uint64_t most = requested_most(pool);
     if (pool->st.bytes_requested + requested > most) return 1;
-    return rule == XP_RELEASE_UNTIL_CHURN && !(pool->churned_at && pool->churned_at >= most);
+    return rule == XP_RELEASE_UNTIL_CHURN && pool->churned_at < most;   /* churned_at only takes the most then */
 }
 
 /* "until_churn" (Note [Release on miss: until_churn]): misses give back as under "bounded" until one maps pages a

@@ -34,7 +34,6 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 import xpool
-from xpool.settings import RELEASE_ON_MISS
 from xlab import allocators as registry
 from xlab import intervals
 from xlab.experiments.runner import installed
@@ -82,8 +81,8 @@ COLUMNS = ["trial", "workload", "dynamic", "framework", "allocator", "peak_reser
 def xpool_arms() -> tuple:
     """`xpool_<scheme>` for every scheme this xpool has (xpool.SCHEMES), and the expandable scheme with
     release_on_miss "bounded", "growth" and "until_churn" (`xpool_expandable_<rule>`)."""
-    rules = tuple(f"xpool_expandable_{r}" for r in ("bounded", "growth", "until_churn")
-                  if r in RELEASE_ON_MISS) if "expandable" in xpool.SCHEMES else ()
+    rules = tuple(f"xpool_expandable_{r}" for r in ("bounded", "growth", "until_churn")) \
+        if "expandable" in xpool.SCHEMES else ()
     return tuple(f"xpool_{s}" for s in xpool.SCHEMES) + rules
 
 
