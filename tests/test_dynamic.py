@@ -178,6 +178,26 @@ def test_torch_device_calls_are_num_device_alloc_and_free():
     assert dynamic.device_calls(alloc) == 10
 
 
+@pytest.mark.parametrize("arm, expandable", [("torch", True), ("torch_expandable", False),
+                                             ("cupy_torch_expandable", False)])
+def test_an_arm_of_pytorchs_allocator_whose_setting_did_not_take_fails(arm, expandable):
+    """The segments PyTorch made must be expandable exactly when the arm says so (cupy_torch_expandable too: PyTorch's
+    expandable segments handing CuPy its blocks), or the arm measured the other allocator."""
+    alloc = object.__new__(registry.arm(arm).make)
+    alloc.torch = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        memory_snapshot=lambda: [{"is_expandable": expandable}, {"is_expandable": expandable}]))
+    dynamic._check_torch_setting(alloc, arm, gpu=False)          # nothing to ask on a CPU
+    with pytest.raises(RuntimeError, match=f"arm '{arm}' ran with expandable segments \\[{expandable}\\]"):
+        dynamic._check_torch_setting(alloc, arm, gpu=True)
+    alloc.torch.cuda.memory_snapshot = lambda: [{"is_expandable": not expandable}]
+    dynamic._check_torch_setting(alloc, arm, gpu=True)           # the setting took
+
+
+def test_pytorchs_expandable_segments_serve_the_cupy_workloads_too():
+    assert "cupy_torch_expandable" in dynamic.PEERS["cupy"] and "torch_expandable" in dynamic.PEERS["torch"]
+    assert registry.arm("cupy_torch_expandable").make is registry.TorchExpandable
+
+
 def test_rmm_pool_counts_its_upstream(monkeypatch):
     class Stats:
         def __init__(self, upstream):
@@ -349,7 +369,7 @@ def test_quick_run_on_the_gpu(tmp_path):
     conftest) has started CUDA and a fork could not use it."""
     import importlib.util
     pytest.importorskip("torch")
-    arms = ["cupy_pool", "cupy_async", "xpool", "torch", "torch_expandable"] + ["rmm_pool"] * bool(
+    arms = ["cupy_pool", "cupy_async", "xpool", "cupy_torch_expandable", "torch", "torch_expandable"] + ["rmm_pool"] * bool(
         importlib.util.find_spec("rmm"))
     df = dynamic.run(["cupy_mix", "gpt_b4", "torch_varlen", "resnet_varres"], arms, trials=1, steps=3, warmup=2,
                      out=tmp_path / "d.csv", start="spawn", progress=False)

@@ -429,6 +429,32 @@ def test_the_bound_remembers_the_most_ever_requested_across_a_peak_reset():
     del keep, a
 
 
+@pytest.mark.parametrize("rule", ["bounded", "growth", "until_churn"])
+def test_a_peak_reset_with_history_forgets_the_most_ever_requested(rule):
+    """reset_peak_stats(history=True): the release rules measure later misses against the demand since, as in a new
+    program (the benchmark's PyTorch workloads run one after another in one process); without it they remember."""
+    remembers = 1 - (rule == "growth")       # growth: 4.5 pages is no new high then, so it maps 3 and unmaps none
+    for history, unmaps, pages in ((False, 2 * remembers, 11 - 4 * remembers), (True, 3, 6)):
+        pool, backend = make(release_on_miss=rule, release_bound=1.0)
+        order = [pool.allocate(2 * P if i % 2 == 0 else P // 2) for i in range(6)]   # as above: 5 free pages in
+        big, keep = order[::2], order[1::2]                                           # holes of 2, 1 and 2
+        for a in big:
+            a.release()
+        pool.reset_peak_stats(history=history)
+        a = pool.allocate(3 * P)                          # the demand since: 1.5 + 3 pages, a new high there
+        s = stats(pool)
+        assert (s["device_unmaps"], s["bytes_reserved"]) == (unmaps, pages * P), (history, s)
+        assert s["peak_bytes_requested"] == 4.5 * P
+        audit(pool, backend)
+        del keep, a, big, order
+
+
+def test_a_peak_reset_names_a_history_that_is_not_a_bool():
+    pool, _ = make()
+    with pytest.raises(TypeError, match="history must be a bool"):
+        pool.reset_peak_stats(history=1)
+
+
 def test_a_growth_miss_unmaps_only_when_the_demand_reaches_a_new_high():
     """release_on_miss "growth": a miss that keeps the bytes requested within their most ever maps and unmaps
     nothing, however far over the bound (so a fixed-shape program cannot churn); one that takes them to a new high

@@ -244,7 +244,7 @@ def check_memory_timeline(fig, data):
 def check_dynamic_shapes(fig, data):
     df = pd.read_csv(data / "dynamic_shapes.csv")
     per = df.groupby(["workload", "allocator", "trial"])["ms_per_step"].median()
-    peers = ("cupy_pool", "cupy_async", "rmm_pool", "torch", "torch_expandable")
+    peers = ("cupy_pool", "cupy_async", "rmm_pool", "cupy_torch_expandable", "torch", "torch_expandable")
     ratio = []                       # each arm's ms over the fastest peer's: ratio of medians of paired trials
     for w, g in df.groupby("workload"):
         ref = per[w][g[g["allocator"].isin(peers)].groupby("allocator")["ms_per_step"].median().idxmin()]

@@ -370,7 +370,7 @@ def test_dynamic_targets_judge_xpool_against_the_fastest_peer_paired_by_trial(tr
     fastest = min(("torch", "torch_expandable"), key=lambda a: per[a].median())
     m = rows["dyn_ms_torch_fixed"]
     assert m.ref == fastest and f"the fastest peer's ({fastest};" in targets.text(m)
-    assert m.value == pytest.approx(per["xpool_expandable_growth"].median() / per[fastest].median())   # enable_torch's
+    assert m.value == pytest.approx(per[targets.XDT].median() / per[fastest].median())   # enable_torch's
     slower = df["allocator"] == fastest                     # the other peer becomes the fastest: the reference follows
     df.loc[slower & (df["workload"] == "torch_fixed"), "ms_per_step"] *= 1.5
     df.to_csv(trial_data / "dynamic_shapes.csv", index=False)
@@ -380,7 +380,9 @@ def test_dynamic_targets_judge_xpool_against_the_fastest_peer_paired_by_trial(tr
     assert rows["dyn_ror_torch_varlen"].value == pytest.approx(1.06, rel=1e-3)     # enable_torch's default's row
     assert rows["dyn_ror_gpt_varlen"].value == pytest.approx(1.31, rel=1e-3)       # CuPy's: the default scheme's
     assert rows["dyn_calls_cupy_mix"].verdict == iv.MISSED
-    assert "dyn_calls_expandable_growth_torch_varlen" not in rows   # the default's row already judges that arm
+    assert targets.XDT == "xpool_expandable_until_churn"
+    assert "dyn_calls_expandable_until_churn_torch_varlen" not in rows   # the default's row already judges that arm
+    assert rows["dyn_calls_expandable_growth_torch_varlen"].value == pytest.approx(0.1)    # the other rules: judged
     assert rows["dyn_calls_expandable_torch_varlen"].value == 0      # the rule that never unmaps on a miss: judged
     calls = rows["dyn_calls_expandable_bounded_torch_varlen"]      # the expandable arms' calls are judged too,
     assert calls.value == pytest.approx(0.2) and calls.verdict == iv.MISSED   # in steady state (0.4 per timed step)
@@ -391,7 +393,7 @@ def test_a_count_whose_trials_differ_is_judged_on_its_interval(trial_data):
     """Note [Trials are realizations]: a row marked exact (bytes, calls) is judged on its value while its trials agree;
     when each trial is another realization of the workload and they differ, on its interval like a timed row."""
     df = pd.read_csv(trial_data / "dynamic_shapes.csv")
-    mine = (df["allocator"] == "xpool_expandable_growth") & (df["workload"] == "torch_varlen")
+    mine = (df["allocator"] == targets.XDT) & (df["workload"] == "torch_varlen")
     df.loc[mine, "reserved_over_requested"] = 1.049
     df.to_csv(trial_data / "dynamic_shapes.csv", index=False)
     m = {m.row.key: m for m in targets.judged(trial_data)[0]}["dyn_ror_torch_varlen"]
@@ -436,7 +438,7 @@ def test_the_dynamic_section_and_headline_are_there_only_with_the_csv(trial_data
     assert " [" in _held(df, "torch_expandable")           # the fixture's trials differ: intervals, not values alone
     assert f"peak reserved / peak requested {_held(df, 'xpool_segments', framework='cupy')};" in _headline(
         page, "Dynamic shapes, CuPy programs")
-    assert f"peak reserved / peak requested {_held(df, 'xpool_expandable_growth', framework='torch')} (" in torch_line
+    assert f"peak reserved / peak requested {_held(df, targets.XDT, framework='torch')} (" in torch_line
     assert f"it holds {_held(df, 'xpool_expandable_bounded')} for" in _headline(page, "Dynamic shapes, the expandable "
                                                                                  "scheme")
     (trial_data / "dynamic_shapes.csv").write_text(df[~df["allocator"].str.startswith("xpool_expandable")].to_csv())

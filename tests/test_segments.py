@@ -180,6 +180,21 @@ def test_a_growth_miss_gives_back_only_when_the_demand_reaches_a_new_high():
         del b, d, z
 
 
+def test_a_peak_reset_with_history_lets_growth_give_back_against_the_demand_since():
+    """reset_peak_stats(history=True) under scheme segments: the most bytes ever requested are forgotten, so the miss
+    of the test above is a new high of the demand since, 9 MiB + 1000 B, and gives back both free segments to stay
+    within 1.5 times that (without it, nothing: 9 MiB is no new high)."""
+    for history, frees in ((False, 0), (True, 2)):
+        pool, backend = make(release_on_miss="growth", release_bound=1.5)
+        a, c, z = pool.allocate(8 * MiB), pool.allocate(6 * MiB), pool.allocate(1000)
+        del a, c
+        pool.reset_peak_stats(history=history)
+        b = pool.allocate(9 * MiB)
+        assert pool.stats().iloc[0].device_frees == frees, history
+        assert backend.used(0) == (2 + 9 + 14 * (frees == 0)) * MiB, history
+        del b, z
+
+
 @pytest.mark.parametrize("bad", [-1, 5])
 def test_release_on_miss_is_checked(bad):
     with pytest.raises(ValueError, match="release_on_miss"):

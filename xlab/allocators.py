@@ -476,7 +476,8 @@ class RmmPool(Allocator):
 
 
 class TorchExpandable(CupyTorch):
-    """`torch` with expandable segments (process-wide: make it in a process of its own)."""
+    """`torch` (or `cupy_torch`: arm cupy_torch_expandable) with expandable segments (process-wide: make it in a
+    process of its own)."""
 
     name = "torch_expandable"
     SETTING = "expandable_segments:True"
@@ -527,6 +528,8 @@ ARMS = (
         framework="torch", exact=True),
     Arm("torch_expandable", "PyTorch's caching allocator, expandable_segments:True", "#393b79", "P", TorchExpandable,
         framework="torch", exact=True),
+    Arm("cupy_torch_expandable", "PyTorch's caching allocator, expandable_segments:True, handing CuPy its blocks",
+        "#6b6ecf", "P", TorchExpandable, exact=True),
     _xp("xpool", f"xpool, default scheme ({DEFAULT_SCHEME})", "#d62728", "D", scheme=DEFAULT_SCHEME),
     _xp("xpool_segments", "xpool, segments scheme", "#d62728", "D", scheme="segments"),
     _xp("xpool_seed", "xpool, seed scheme (size classes, k = 1: powers of two)", "#8c564b", "h", lw=2.0, ls="-.",
@@ -536,9 +539,10 @@ ARMS = (
     _xp("xpool_expandable_bounded", "xpool, expandable scheme, misses unmap over 1.05× the most requested", "#dbdb8d",
         "*", ls="--", scheme="expandable", release_on_miss="bounded"),
     _xp("xpool_expandable_growth", "xpool, expandable scheme, misses at a new demand high unmap over 1.05× the most "
-        "requested (enable_torch()'s pool)", "#8c8c00", "*", ls="-.", scheme="expandable", release_on_miss="growth"),
+        "requested", "#8c8c00", "*", ls="-.", scheme="expandable", release_on_miss="growth"),
     _xp("xpool_expandable_until_churn", "xpool, expandable scheme, misses unmap over 1.05× the most requested until "
-        "a miss maps pages a miss unmapped", "#5c5c00", "*", ls=":", scheme="expandable", release_on_miss="until_churn"),
+        "a miss maps pages a miss unmapped (enable_torch()'s pool)", "#5c5c00", "*", ls=":", scheme="expandable",
+        release_on_miss="until_churn"),
     Arm("xpool_norelease", "xpool, segments never given back on a miss (replayed)", "#e377c2", "P",
         framework="replay", ls=":"),
     Arm("xpool_release_all", "xpool, every whole free segment given back on a miss (replayed)", "#ff9896", "d",
@@ -584,7 +588,9 @@ SETS = {
     "varlen": ("xpool", "xpool_seed", "xpool_expandable", "cupy_pool"),
     "schemes": ("xpool", "xpool_norelease", "xpool_release_all", "xpool_seed", "xpool_expandable", "cupy_pool_model"),
     "host": ("xpool", "xpool_seed", "c_noop"),
-    "dynamic": ("cupy_pool", "cupy_async", "rmm_pool", "torch", "torch_expandable"),   # the peers; + xpool's schemes
+    # the peers (+ xpool's schemes); PyTorch's expandable segments serve the CuPy workloads too, the one allocator
+    # with pages mapped into reserved ranges before xpool's (Note [Dynamic-shape benchmark])
+    "dynamic": ("cupy_pool", "cupy_async", "rmm_pool", "cupy_torch_expandable", "torch", "torch_expandable"),
 }
 # Names older CSVs used, by the CSV's `bench` column: (bench, old name) -> arm
 LEGACY = {("alloc", "torch"): "cupy_torch", ("torch_interop", "native"): "torch"}

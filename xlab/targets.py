@@ -55,7 +55,7 @@ X, XS, XG, CP = "xpool", "xpool_seed", "xpool_graph", "cupy_pool"
 BOTH = ((X, ""), (XS, "_seed"))            # rows measured for the default scheme and for the seed scheme
 DYN, XD, PEERS = "dynamic_shapes", ("xpool", f"xpool_{DEFAULT_SCHEME}"), SETS["dynamic"]   # XD: the default arm
 # a PyTorch workload's default arm: the pool xpool.enable_torch() makes (its scheme, and its release rule when the
-# front end sets one: xpool_expandable_growth)
+# front end sets one: xpool_expandable_until_churn)
 TORCH_RULE = FRONTEND_DEFAULTS["torch"].get("release_on_miss")
 XDT = f"xpool_{TORCH_DEFAULT_SCHEME}" + (f"_{TORCH_RULE}" if TORCH_RULE else "")
 # the dynamic headlines' two defaults: (key suffix, label, arm, framework of the workloads)
@@ -218,7 +218,8 @@ TARGETS = (
     *(T(f"dyn_h_{k}{m}", f"the expandable scheme{label}: {what}, by dynamic workload", DYN, metric, f"xpool_{n}",
         where=dict(dynamic=True), over=("workload",), pick="each", fmt=fmt, exact=True)
       for k, n, label in (("xe", "expandable", ""), ("xe_bounded", "expandable_bounded", ", release_on_miss bounded"),
-                          ("xe_growth", "expandable_growth", ", release_on_miss growth"))
+                          ("xe_growth", "expandable_growth", ", release_on_miss growth"),
+                          ("xe_until_churn", "expandable_until_churn", ", release_on_miss until_churn"))
       for m, what, metric, fmt in (("", "peak reserved / requested", "reserved_over_requested", "{:.3f}"),
                                    ("_calls", "device calls per step in steady state", "device_calls_per_steady_step",
                                     "{:.2g}"))),

@@ -521,10 +521,14 @@ static PyObject *Allocator_devices(Allocator *self, PyObject *unused)
     return out;
 }
 
-static PyObject *Allocator_reset_peaks(Allocator *self, PyObject *args)
+/* reset_peaks(device, history=False): the peak gauges to the current levels; history: also what the release rules
+ * remember of the program so far (the most bytes requested and committed, the miss budget, until_churn's ring), so
+ * the pool treats what follows as a new program (Note [Release on miss: until_churn]). */
+static PyObject *Allocator_reset_peaks(Allocator *self, PyObject *args, PyObject *kwds)
 {
-    int device;
-    if (!PyArg_ParseTuple(args, "i", &device)) return NULL;
+    static char *kwlist[] = {"device", "history", NULL};
+    int device, history = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i|p", kwlist, &device, &history)) return NULL;
     DevicePool *pool = pool_arg(self, device, 0);
     if (PyErr_Occurred()) return NULL;
     if (pool) {
@@ -533,7 +537,12 @@ static PyObject *Allocator_reset_peaks(Allocator *self, PyObject *args)
         if (pool->st.peak_bytes_requested > pool->requested_high) pool->requested_high = pool->st.peak_bytes_requested;
         pool->st.peak_bytes_requested = pool->st.bytes_requested;
         pool->st.peak_bytes_reserved = reserved(&pool->st);
+        if (history) {
+            pool->requested_high = pool->st.bytes_requested;
+            pool->high_water = committed(&pool->st);
+        }
         pthread_mutex_unlock(&pool->lock);
+        if (history) reset_miss_budget(pool);
     }
     Py_RETURN_NONE;
 }
@@ -788,7 +797,8 @@ static PyMethodDef Allocator_methods[] = {
     {"free_ptr", (PyCFunction)Allocator_free_ptr, METH_VARARGS, "free_ptr(device, ptr): give a block back by address"},
     {"stats", (PyCFunction)Allocator_stats, METH_VARARGS, "stats(device) -> dict of exact counters"},
     {"devices", (PyCFunction)Allocator_devices, METH_NOARGS, "devices that have a pool"},
-    {"reset_peaks", (PyCFunction)Allocator_reset_peaks, METH_VARARGS, "reset_peaks(device)"},
+    {"reset_peaks", (PyCFunction)(void (*)(void))Allocator_reset_peaks, METH_VARARGS | METH_KEYWORDS,
+     "reset_peaks(device, history=False)"},
     {"release", (PyCFunction)(void (*)(void))Allocator_release, METH_VARARGS | METH_KEYWORDS,
      "release(device, stream=None, keep=0) -> bytes given back to the device"},
     {"set_limit", (PyCFunction)Allocator_set_limit, METH_VARARGS, "set_limit(device, limit); 0: none"},

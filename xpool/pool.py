@@ -181,17 +181,27 @@ class Pool:
         """
         return Snapshot({d: self._core.stats(d) for d in self._core.devices()})
 
-    def reset_peak_stats(self, device: int | None = None) -> None:
+    def reset_peak_stats(self, device: int | None = None, *, history: bool = False) -> None:
         """Set the peak gauges to the current levels.
+
+        The release rules (``release_on_miss``) measure a miss against the most bytes the program has requested
+        and committed, which outlive a peak reset: a program that once held that much may hold it again.
 
         Args:
             device (int): one device; None: every device served.
+            history (bool): also forget what the release rules remember of the program so far (those most bytes,
+                the miss budget, ``"until_churn"``'s record of churn), so the pool treats what follows as a new
+                program: a benchmark running one program after another in a process, or a program entering a
+                phase whose demand has nothing to do with the last one's.
 
         Raises:
             ValueError: bad ``device``.
+            TypeError: ``history`` not a bool.
         """
+        if not isinstance(history, bool):
+            raise TypeError(f"history must be a bool, not {type(history).__name__}")
         for d in self._devices(device):
-            self._core.reset_peaks(d)
+            self._core.reset_peaks(d, history)
 
     # --- giving memory back
     def empty_cache(self, device: int | None = None) -> int:

@@ -184,13 +184,16 @@ def _cupy_arm(arm, workloads, opts) -> list:
         for counting in (False, True):
             with installed(arm, counting, [0]) as alloc:
                 runs.append(_measure(alloc, w, opts, sync, probe=counting))
+                _check_torch_setting(alloc, arm, opts["gpu"])     # cupy_torch_expandable: before its cache goes
         out.append((w, runs[0], runs[-1], 0))
     return out
 
 
 def _torch_arm(arm, workloads, opts) -> list:
-    """One allocator for the process (PyTorch keeps its first), emptied with its peaks reset between workloads; one
-    run per workload, probed every step (a read of the counters costs well under 1% of a 17-50 ms step)."""
+    """One allocator for the process (PyTorch keeps its first), emptied with its peaks reset between workloads (an
+    xpool pool's history too, so its release rules meet each workload as a program of its own, as run alone; before
+    the fourteenth session the later workloads were measured against torch_varlen's demand); one run per workload,
+    probed every step (a read of the counters costs well under 1% of a 17-50 ms step)."""
     import torch
     alloc, gpu = registry.make(arm), opts["gpu"]
     is_xpool = isinstance(alloc, registry.XPool)
@@ -201,18 +204,14 @@ def _torch_arm(arm, workloads, opts) -> list:
     out = []
     for w in workloads:
         if is_xpool:
-            alloc.pool.reset_peak_stats()
+            alloc.pool.reset_peak_stats(history=True)
             at_start = alloc.pool.snapshot().per_device.get(0, {}).get("bytes_reserved", 0)
         else:
             if gpu:
                 torch.cuda.reset_peak_memory_stats(0)
             at_start = torch.cuda.memory_stats(0)["reserved_bytes.all.current"] if gpu else math.nan
         run = _measure(alloc, w, opts, torch.cuda.synchronize if gpu else (lambda: None), probe=True)
-        if gpu and isinstance(alloc, registry.CupyTorch):      # the setting took, or the arm measured the other one
-            kinds = {bool(s["is_expandable"]) for s in torch.cuda.memory_snapshot() if "is_expandable" in s}
-            if kinds - {isinstance(alloc, registry.TorchExpandable)}:
-                raise RuntimeError(f"arm {arm!r} ran with expandable segments {sorted(kinds)}: its PyTorch "
-                                   "allocator setting did not take")
+        _check_torch_setting(alloc, arm, gpu)
         out.append((w, run, run, at_start))
         gc.collect()
         if gpu:
@@ -220,6 +219,16 @@ def _torch_arm(arm, workloads, opts) -> list:
             torch._C._cuda_clearCublasWorkspaces()     # allocator memory: the next workload starts empty
             alloc.pool.empty_cache() if is_xpool else torch.cuda.empty_cache()
     return out
+
+
+def _check_torch_setting(alloc, arm, gpu) -> None:
+    """For an arm of PyTorch's allocator, raise unless its segments are expandable exactly when the arm says so: the
+    setting took, or the arm measured the other allocator."""
+    if gpu and isinstance(alloc, registry.CupyTorch):
+        kinds = {bool(s["is_expandable"]) for s in alloc.torch.cuda.memory_snapshot() if "is_expandable" in s}
+        if kinds - {isinstance(alloc, registry.TorchExpandable)}:
+            raise RuntimeError(f"arm {arm!r} ran with expandable segments {sorted(kinds)}: its PyTorch allocator "
+                               "setting did not take")
 
 
 def arm_process(framework, arm, workloads, trial, position, opts) -> list:
