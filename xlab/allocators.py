@@ -539,9 +539,9 @@ ARMS = (
     _xp("xpool_expandable_bounded", "xpool, expandable scheme, misses unmap over 1.05× the most requested", "#dbdb8d",
         "*", ls="--", scheme="expandable", release_on_miss="bounded"),
     _xp("xpool_expandable_growth", "xpool, expandable scheme, misses at a new demand high unmap over 1.05× the most "
-        "requested", "#8c8c00", "*", ls="-.", scheme="expandable", release_on_miss="growth"),
+        "requested (enable_torch()'s pool)", "#8c8c00", "*", ls="-.", scheme="expandable", release_on_miss="growth"),
     _xp("xpool_expandable_until_churn", "xpool, expandable scheme, misses unmap over 1.05× the most requested until "
-        "a miss maps pages a miss unmapped (enable_torch()'s pool)", "#5c5c00", "*", ls=":", scheme="expandable",
+        "a miss maps pages a miss unmapped", "#5c5c00", "*", ls=":", scheme="expandable",
         release_on_miss="until_churn"),
     Arm("xpool_norelease", "xpool, segments never given back on a miss (replayed)", "#e377c2", "P",
         framework="replay", ls=":"),

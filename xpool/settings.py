@@ -66,11 +66,13 @@ DEFAULTS = {
 SCHEME_DEFAULTS = {"expandable": {"release_on_miss": "never"}}
 # A front end's own defaults where it differs from DEFAULTS: the pool xpool.enable_torch() makes is scheme expandable,
 # which held the least of every allocator on the lab's four PyTorch workloads, below PyTorch's expandable segments
-# (Note [The default scheme per front end]), with release_on_miss "until_churn", which held 1.049 on every realization
-# of the PyTorch model at varying lengths where "growth" held up to 1.116, without a device call in steady state
-# (Note [Release on miss: until_churn]); CuPy's pool (install(), MemoryPool()) keeps DEFAULTS' segments.  A front end's fields besides its scheme apply to that scheme only: XPOOL_SCHEME=segments under
+# (Note [The default scheme per front end]), with release_on_miss "growth", which unmaps nothing once the demand's
+# most has been seen, so a fixed-shape loop makes no device call once warm; "until_churn" held less on two of five
+# realizations of the PyTorch model at varying lengths (1.049 where "growth" held 1.116) but re-mapped, after warm-up,
+# pages it had unmapped during it (Note [Release on miss: until_churn]).  CuPy's pool (install(), MemoryPool()) keeps
+# DEFAULTS' segments.  A front end's fields besides its scheme apply to that scheme only: XPOOL_SCHEME=segments under
 # enable_torch() gets segments' own defaults.
-FRONTEND_DEFAULTS = {"torch": {"scheme": "expandable", "release_on_miss": "until_churn"}}
+FRONTEND_DEFAULTS = {"torch": {"scheme": "expandable", "release_on_miss": "growth"}}
 HELP = {
     "scheme": "how blocks are made: 'segments' (best fit in segments), 'seed' (size classes) or 'expandable' "
               "(best fit in pages mapped into reserved address ranges)",
