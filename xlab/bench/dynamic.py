@@ -192,7 +192,7 @@ def _cupy_arm(arm, workloads, opts) -> list:
 def _torch_arm(arm, workloads, opts) -> list:
     """One allocator for the process (PyTorch keeps its first), emptied with its peaks reset between workloads (an
     xpool pool's history too, so its release rules meet each workload as a program of its own, as run alone; before
-    the fourteenth session the later workloads were measured against torch_varlen's demand); one run per workload,
+    40f5ea4 the later workloads were measured against torch_varlen's demand); one run per workload,
     probed every step (a read of the counters costs well under 1% of a 17-50 ms step)."""
     import torch
     alloc, gpu = registry.make(arm), opts["gpu"]
