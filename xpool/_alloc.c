@@ -506,13 +506,18 @@ long long empty_cache(Allocator *A, DevicePool *pool, XpGil *g)
     return release_cached(A, pool, 1, 0, 0);
 }
 
-void reset_miss_budget(DevicePool *pool)
+void forget_misses(DevicePool *pool)
 {
-    pthread_mutex_lock(&pool->lock);
     pool->miss_released = 0;
     pool->miss_release_off = 0;
     pool->miss_unmapped_n = 0;
     pool->churned_at = 0;
+}
+
+void reset_miss_budget(DevicePool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    forget_misses(pool);
     pthread_mutex_unlock(&pool->lock);
 }
 

@@ -406,8 +406,9 @@ int device_captures(Allocator *A, DevicePool *pool, intptr_t key);
  * with nothing mapped back too.  g: whether the GIL may be let go around device ops. */
 long long empty_cache(Allocator *A, DevicePool *pool, XpGil *g);
 
-/* empty_cache(): misses may give back again (Note [Release on miss]). */
+/* empty_cache(): misses may give back again (Note [Release on miss]).  forget_misses: the same, pool lock held. */
 void reset_miss_budget(DevicePool *pool);
+void forget_misses(DevicePool *pool);
 uint64_t miss_mark(const Allocator *A, const DevicePool *pool, size_t requested);
 int miss_may_release(const Allocator *A, const DevicePool *pool, size_t requested);
 /* "until_churn" (pool lock held): a miss unmapped [addr, addr + bytes); a miss will map [addr, addr + bytes). */

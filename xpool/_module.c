@@ -534,15 +534,16 @@ static PyObject *Allocator_reset_peaks(Allocator *self, PyObject *args, PyObject
     if (pool) {
         pthread_mutex_lock(&pool->lock);
         pool->st.peak_bytes_in_use = pool->st.bytes_in_use;
-        if (pool->st.peak_bytes_requested > pool->requested_high) pool->requested_high = pool->st.peak_bytes_requested;
-        pool->st.peak_bytes_requested = pool->st.bytes_requested;
-        pool->st.peak_bytes_reserved = reserved(&pool->st);
-        if (history) {
+        if (history) {                      /* one locked section: no miss sees half a new program */
             pool->requested_high = pool->st.bytes_requested;
             pool->high_water = committed(&pool->st);
+            forget_misses(pool);
+        } else if (pool->st.peak_bytes_requested > pool->requested_high) {
+            pool->requested_high = pool->st.peak_bytes_requested;
         }
+        pool->st.peak_bytes_requested = pool->st.bytes_requested;
+        pool->st.peak_bytes_reserved = reserved(&pool->st);
         pthread_mutex_unlock(&pool->lock);
-        if (history) reset_miss_budget(pool);
     }
     Py_RETURN_NONE;
 }
