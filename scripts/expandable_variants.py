@@ -1,6 +1,6 @@
 """The expandable scheme's choices, replayed on every recorded trace (Note [Expandable segments]): its release rule
-(release_on_miss "never", the default / "bounded" at release_bound 1.02, 1.05 and 1.10 / "high_water" with
-release_idle 64 or 0 / "always") and small blocks (up to 1 MiB) in a range of their own per
+(release_on_miss "never", the default / "bounded" at release_bound 1.02, 1.05 and 1.10 / "growth" / "until_churn" /
+"peak", the default of the pool xpool.enable_torch() makes / "high_water" with release_idle 64 or 0 / "always") and small blocks (up to 1 MiB) in a range of their own per
 stream, as PyTorch keeps a small and a large pool, against scheme segments.  Pages of 2 MiB (an H200's) over the
 host twin; the small-block range is modelled by giving small requests a stream key of their own.  Besides the lab's
 traces, the keep-previous-step traces (KEEP_TRACES: the loop rebinds x, y, loss and grads; Note [Release on miss:
@@ -30,6 +30,8 @@ VARIANTS = {   # name -> (pool settings, small blocks on a range of their own)
     "expandable": (dict(scheme="expandable"), False),                                  # its defaults: never
     "expandable_bounded": (dict(scheme="expandable", release_on_miss="bounded"), False),   # release_bound 1.05
     "expandable_growth": (dict(scheme="expandable", release_on_miss="growth"), False),   # release_bound 1.05
+    "expandable_until_churn": (dict(scheme="expandable", release_on_miss="until_churn"), False),
+    "expandable_peak": (dict(scheme="expandable", release_on_miss="peak"), False),      # enable_torch()'s pool
     "expandable_bound_1.02": (dict(scheme="expandable", release_on_miss="bounded", release_bound=1.02), False),
     "expandable_bound_1.10": (dict(scheme="expandable", release_on_miss="bounded", release_bound=1.10), False),
     "expandable_high_water": (dict(scheme="expandable", release_on_miss="high_water"), False),   # the old default

@@ -180,6 +180,22 @@ def test_a_growth_miss_gives_back_only_when_the_demand_reaches_a_new_high():
         del b, d, z
 
 
+def test_a_peak_miss_gives_back_only_within_the_bound_of_the_most():
+    """release_on_miss "peak" under scheme segments: as "bounded", but only a miss that brings the bytes requested
+    within release_bound of their most ever (Note [Release on miss: peak]): with the most 16 MiB + 1000 B and the
+    bound 1.3, a 13 MiB miss is at the peak (1.3 x 13 MiB >= the most) and gives back, a 9 MiB one is below it and
+    gives back nothing, where "bounded" gives back on both and "growth" on neither (no new high)."""
+    for rule, size, frees in (("bounded", 13, 2), ("peak", 13, 2), ("growth", 13, 0), ("bounded", 9, 1),
+                              ("peak", 9, 0), ("growth", 9, 0)):
+        pool, backend = make(release_on_miss=rule, release_bound=1.3)
+        a, c, z = pool.allocate(8 * MiB), pool.allocate(8 * MiB), pool.allocate(1000)   # the most: 16 MiB + 1000 B
+        del a, c                           # two whole free segments
+        b = pool.allocate(size * MiB)      # neither holds it: a segment of its own, over 1.3 x the most
+        assert pool.stats().iloc[0].device_frees == frees, (rule, size)
+        assert backend.used(0) == (2 + size + 8 * (2 - frees)) * MiB, (rule, size)
+        del b, z
+
+
 def test_a_peak_reset_with_history_lets_growth_give_back_against_the_demand_since():
     """reset_peak_stats(history=True) under scheme segments: the most bytes ever requested are forgotten, so the miss
     of the test above is a new high of the demand since, 9 MiB + 1000 B, and gives back both free segments to stay

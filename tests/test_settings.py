@@ -278,7 +278,7 @@ def test_every_field_has_its_variable_default_help_and_parser():
 
 def test_a_front_ends_defaults_fill_only_what_nothing_else_set(monkeypatch):
     s = Settings(frontend="torch")
-    assert (s.scheme, s.release_on_miss, s.small_segment) == ("expandable", "growth", None)
+    assert (s.scheme, s.release_on_miss, s.small_segment) == ("expandable", "peak", None)
     assert s.source("scheme") == "default (torch)" and s.source("release_on_miss") == "default (torch)"
     assert Settings(frontend="torch", scheme="seed").scheme == "seed"
     assert Settings(frontend="torch", release_on_miss="never").release_on_miss == "never"
@@ -287,7 +287,7 @@ def test_a_front_ends_defaults_fill_only_what_nothing_else_set(monkeypatch):
     assert (s.source("scheme"), s.release_on_miss, s.source("release_on_miss")) == ("XPOOL_SCHEME", "high_water",
                                                                                   "default")
     monkeypatch.setenv("XPOOL_SCHEME", "expandable")
-    assert Settings(frontend="torch").release_on_miss == "growth"
+    assert Settings(frontend="torch").release_on_miss == "peak"
     monkeypatch.setenv("XPOOL_RELEASE_ON_MISS", "bounded")
     assert Settings(frontend="torch").source("release_on_miss") == "XPOOL_RELEASE_ON_MISS"
     monkeypatch.delenv("XPOOL_SCHEME")

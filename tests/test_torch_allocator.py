@@ -470,7 +470,7 @@ def made(fresh_enable):
 
 def test_the_pool_enable_makes_is_expandable_and_says_why(made):
     pool = xpool.enable_torch(limit="1GiB")
-    assert pool.scheme == "expandable" and pool.settings.release_on_miss == "growth"
+    assert pool.scheme == "expandable" and pool.settings.release_on_miss == "peak"
     assert pool.settings.source("scheme") == pool.settings.source("release_on_miss") == "default (torch)"
     assert pool.settings.source("limit") == "limit"
     assert "default (torch)" in pool.settings.describe()

@@ -23,8 +23,9 @@ KIB, MIB = 1 << 10, 1 << 20
 
 # xpool.MemoryPool's default scheme: the `xpool` arm names it, so $XPOOL_SCHEME cannot move the arm
 DEFAULT_SCHEME = XPOOL_DEFAULTS["scheme"]
-# the scheme of the pool xpool.enable_torch() makes: the default a PyTorch program gets
+# the scheme of the pool xpool.enable_torch() makes: the default a PyTorch program gets, and its release rule
 TORCH_DEFAULT_SCHEME = FRONTEND_DEFAULTS["torch"]["scheme"]
+TORCH_DEFAULT_RULE = FRONTEND_DEFAULTS["torch"].get("release_on_miss")
 
 
 class NoGPU(RuntimeError):
@@ -515,6 +516,14 @@ def _xp(name, label, color, marker, lw=2.6, ls="-", **kw):
     return Arm(name, label, color, marker, XPool, tuple(kw.items()), exact=True, can_capture=True, lw=lw, ls=ls)
 
 
+def _xe(rule, what, color, ls):
+    """The expandable scheme under release_on_miss `rule` (`what` a miss then gives back); the label names the pool
+    xpool.enable_torch() makes when it is this one."""
+    mine = TORCH_DEFAULT_SCHEME == "expandable" and TORCH_DEFAULT_RULE == rule
+    return _xp(f"xpool_expandable_{rule}", f"xpool, expandable scheme, {what}" + " (enable_torch()'s pool)" * mine,
+               color, "*", ls=ls, scheme="expandable", release_on_miss=rule)
+
+
 # The house order (before -> peers -> xpool -> the rest): figures and tables list arms in this order.
 ARMS = (
     Arm("raw", "raw cudaMalloc/cudaFree (no pool)", "#7f7f7f", "X", Raw, device_calls_when_warm=True),
@@ -536,13 +545,11 @@ ARMS = (
         scheme="seed", classes_per_doubling=1),
     _xp("xpool_expandable", "xpool, expandable scheme (pages mapped into reserved ranges; a miss unmaps nothing)",
         "#bcbd22", "*", scheme="expandable"),
-    _xp("xpool_expandable_bounded", "xpool, expandable scheme, misses unmap over 1.05× the most requested", "#dbdb8d",
-        "*", ls="--", scheme="expandable", release_on_miss="bounded"),
-    _xp("xpool_expandable_growth", "xpool, expandable scheme, misses at a new demand high unmap over 1.05× the most "
-        "requested (enable_torch()'s pool)", "#8c8c00", "*", ls="-.", scheme="expandable", release_on_miss="growth"),
-    _xp("xpool_expandable_until_churn", "xpool, expandable scheme, misses unmap over 1.05× the most requested until "
-        "a miss maps pages a miss unmapped", "#5c5c00", "*", ls=":", scheme="expandable",
-        release_on_miss="until_churn"),
+    _xe("bounded", "misses unmap over 1.05× the most requested", "#dbdb8d", "--"),
+    _xe("growth", "misses at a new demand high unmap over 1.05× the most requested", "#8c8c00", "-."),
+    _xe("until_churn", "misses unmap over 1.05× the most requested until a miss maps pages a miss unmapped",
+        "#5c5c00", ":"),
+    _xe("peak", "misses within 1.05× of the demand's most unmap over 1.05× the most requested", "#637939", "-"),
     Arm("xpool_norelease", "xpool, segments never given back on a miss (replayed)", "#e377c2", "P",
         framework="replay", ls=":"),
     Arm("xpool_release_all", "xpool, every whole free segment given back on a miss (replayed)", "#ff9896", "d",

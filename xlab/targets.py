@@ -219,7 +219,8 @@ TARGETS = (
         where=dict(dynamic=True), over=("workload",), pick="each", fmt=fmt, exact=True)
       for k, n, label in (("xe", "expandable", ""), ("xe_bounded", "expandable_bounded", ", release_on_miss bounded"),
                           ("xe_growth", "expandable_growth", ", release_on_miss growth"),
-                          ("xe_until_churn", "expandable_until_churn", ", release_on_miss until_churn"))
+                          ("xe_until_churn", "expandable_until_churn", ", release_on_miss until_churn"),
+                          ("xe_peak", "expandable_peak", ", release_on_miss peak"))
       for m, what, metric, fmt in (("", "peak reserved / requested", "reserved_over_requested", "{:.3f}"),
                                    ("_calls", "device calls per step in steady state", "device_calls_per_steady_step",
                                     "{:.2g}"))),

@@ -7,7 +7,7 @@
 const char *const origin_names[XP_ORIGINS] = {"cupy", "torch", "python"};
 const char *const xp_scheme_names[XP_SCHEMES] = {"segments", "seed", "expandable"};
 const char *const xp_release_names[XP_RELEASE_CHOICES] = {"never", "high_water", "always", "bounded", "growth",
-                                                           "until_churn"};
+                                                           "until_churn", "peak"};
 
 static PyObject *gc_collect;          /* gc.collect, for the ladder's last retry */
 static void thread_keys_after_fork(void);
@@ -530,12 +530,13 @@ static uint64_t requested_most(const DevicePool *pool)
 }
 
 /* The committed bytes a miss of `requested` bytes may reach before it gives back (Note [Release on miss]):
- * "high_water", the most a device malloc or map has taken the pool to; "bounded" and "growth", release_bound
- * times the most bytes ever in use by request, this one's included (pool lock held). */
+ * "high_water", the most a device malloc or map has taken the pool to; "bounded", "growth", "until_churn" and
+ * "peak", release_bound times the most bytes ever in use by request, this one's included (pool lock held). */
 uint64_t miss_mark(const Allocator *A, const DevicePool *pool, size_t requested)
 {
-    if (A->release_on_miss != XP_RELEASE_BOUNDED && A->release_on_miss != XP_RELEASE_GROWTH &&
-        A->release_on_miss != XP_RELEASE_UNTIL_CHURN)
+    int rule = A->release_on_miss;
+    if (rule != XP_RELEASE_BOUNDED && rule != XP_RELEASE_GROWTH && rule != XP_RELEASE_UNTIL_CHURN &&
+        rule != XP_RELEASE_PEAK)
         return pool->high_water;
     uint64_t most = pool->st.bytes_requested + requested, before = requested_most(pool);
     return (uint64_t)(A->release_bound * (double)(before > most ? before : most));
@@ -543,13 +544,16 @@ uint64_t miss_mark(const Allocator *A, const DevicePool *pool, size_t requested)
 
 /* Whether a miss of `requested` bytes may give anything back at all: under "growth" only a miss that takes the
  * bytes in use by request past their most ever, so once a program's largest demand has been seen its misses only
- * map (Note [Release on miss: growth]); every other rule, yes (pool lock held). */
+ * map (Note [Release on miss: growth]); under "peak" also one that brings them within release_bound of that most,
+ * at the program's peak, where its peak reserved is decided, never one below it, where a loop's layout drifts
+ * (Note [Release on miss: peak]); every other rule, yes (pool lock held). */
 int miss_may_release(const Allocator *A, const DevicePool *pool, size_t requested)
 {
     int rule = A->release_on_miss;
-    if (rule != XP_RELEASE_GROWTH && rule != XP_RELEASE_UNTIL_CHURN) return 1;
-    uint64_t most = requested_most(pool);
-    if (pool->st.bytes_requested + requested > most) return 1;
+    if (rule != XP_RELEASE_GROWTH && rule != XP_RELEASE_UNTIL_CHURN && rule != XP_RELEASE_PEAK) return 1;
+    uint64_t most = requested_most(pool), demand = pool->st.bytes_requested + requested;
+    if (demand > most) return 1;
+    if (rule == XP_RELEASE_PEAK) return A->release_bound * (double)demand >= (double)most;
     return rule == XP_RELEASE_UNTIL_CHURN && pool->churned_at < most;   /* churned_at only takes the most then */
 }
 

@@ -92,7 +92,7 @@ extern const char *const xp_scheme_names[XP_SCHEMES];
 
 /* release_on_miss: what a miss of scheme segments (release_for_miss) or expandable (vm_try) gives back first */
 enum { XP_RELEASE_NEVER = 0, XP_RELEASE_HIGH_WATER = 1, XP_RELEASE_ALWAYS = 2, XP_RELEASE_BOUNDED = 3,
-       XP_RELEASE_GROWTH = 4, XP_RELEASE_UNTIL_CHURN = 5, XP_RELEASE_CHOICES = 6 };
+       XP_RELEASE_GROWTH = 4, XP_RELEASE_UNTIL_CHURN = 5, XP_RELEASE_PEAK = 6, XP_RELEASE_CHOICES = 7 };
 extern const char *const xp_release_names[XP_RELEASE_CHOICES];
 #define XP_MISS_BUDGET 1    /* bytes misses may give back, in high-water marks, until empty_cache
                                (Note [Release on miss]) */
@@ -263,8 +263,9 @@ typedef struct {
                                  gives back first (release_for_miss) */
     uint64_t release_idle;    /* XP_RELEASE_HIGH_WATER: a miss gives back only segments whole and free for at
                                  least this many requests (release_for_miss) */
-    double release_bound;     /* XP_RELEASE_BOUNDED, _GROWTH: a miss gives back what would take committed bytes
-                                 above this many times the most bytes ever requested (miss_mark) */
+    double release_bound;     /* XP_RELEASE_BOUNDED, _GROWTH, _UNTIL_CHURN, _PEAK: a miss gives back what would
+                                 take committed bytes above this many times the most bytes ever requested
+                                 (miss_mark); _PEAK: only a miss whose demand is within it of that most */
     int tells_capture;        /* the backend has .capturing(device, stream): stream_capturing asks it */
     int tells_alive;          /* the backend has .stream_alive(device, stream): asked before another stream's
                                  capture state (a destroyed stream must never be asked: Note [Capture: every
@@ -416,7 +417,7 @@ void note_miss_unmap(DevicePool *pool, uintptr_t addr, uint64_t bytes);
 void note_miss_map(const Allocator *A, DevicePool *pool, uintptr_t addr, uint64_t bytes);
 
 /* Requests a free segment (expandable: a free block's pages) must have stayed unchanged before a miss may give it
- * back: release_idle under "high_water"; "bounded", "growth" and "always" take any age (Note [Release on miss]). */
+ * back: release_idle under "high_water"; every other rule takes any age (Note [Release on miss]). */
 static inline uint64_t miss_min_idle(const Allocator *A)
 {
     return A->release_on_miss == XP_RELEASE_HIGH_WATER ? A->release_idle : 0;

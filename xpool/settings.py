@@ -28,7 +28,7 @@ from .sizeclass import ALIGN, MAX_CLASSES_PER_DOUBLING, MAX_REQUEST
 
 SCHEMES = ("segments", "seed", "expandable")   # how blocks are made (README: the table of schemes)
 SCHEME_ALIASES = {"xpool": "segments"}      # the default scheme's old name: XPOOL_SCHEME=xpool keeps working
-RELEASE_ON_MISS = ("never", "high_water", "always", "bounded", "growth", "until_churn")
+RELEASE_ON_MISS = ("never", "high_water", "always", "bounded", "growth", "until_churn", "peak")
 DEBUG_MODES = ("raise", "warn")
 # The fields that apply to some schemes only (the release rule is the segments' and the expandable scheme's).
 SCHEME_FIELDS = {
@@ -59,20 +59,21 @@ DEFAULTS = {
     "segment_round": ALIGN,
     "release_on_miss": "high_water",   # Note [Release on miss]
     "release_idle": 64,
-    "release_bound": 1.05,             # "bounded", "growth": Note [Release on miss: expandable]
+    "release_bound": 1.05,             # "bounded", "growth", "until_churn", "peak": Note [Release on miss: expandable]
 }
 # A scheme's own defaults where it differs from DEFAULTS.  Expandable: a miss unmaps nothing, as PyTorch's
 # expandable segments ("bounded" churns on fixed shapes: Note [Release on miss: expandable])
 SCHEME_DEFAULTS = {"expandable": {"release_on_miss": "never"}}
 # A front end's own defaults where it differs from DEFAULTS: the pool xpool.enable_torch() makes is scheme expandable,
 # which held the least of every allocator on the lab's four PyTorch workloads, below PyTorch's expandable segments
-# (Note [The default scheme per front end]), with release_on_miss "growth", which unmaps nothing once the demand's
-# most has been seen, so a fixed-shape loop makes no device call once warm; "until_churn" held less on two of five
-# realizations of the PyTorch model at varying lengths (1.049 where "growth" held 1.116) but re-mapped, after warm-up,
-# pages it had unmapped during it (Note [Release on miss: until_churn]).  CuPy's pool (install(), MemoryPool()) keeps
-# DEFAULTS' segments.  A front end's fields besides its scheme apply to that scheme only: XPOOL_SCHEME=segments under
-# enable_torch() gets segments' own defaults.
-FRONTEND_DEFAULTS = {"torch": {"scheme": "expandable", "release_on_miss": "growth"}}
+# (Note [The default scheme per front end]), with release_on_miss "peak": a miss gives back only at the program's
+# peak demand (within release_bound of its most), where its peak reserved is decided, and never below it, where a
+# loop's layout drifts, so a fixed-shape loop makes no device call once warm; "growth" (only a miss past the most)
+# held 1.116 on two of five realizations of the PyTorch model at varying lengths, "peak" 1.049 on all five
+# (Note [Release on miss: peak]).  CuPy's pool (install(), MemoryPool()) keeps DEFAULTS' segments.  A front end's
+# fields besides its scheme apply to that scheme only: XPOOL_SCHEME=segments under enable_torch() gets segments' own
+# defaults.
+FRONTEND_DEFAULTS = {"torch": {"scheme": "expandable", "release_on_miss": "peak"}}
 HELP = {
     "scheme": "how blocks are made: 'segments' (best fit in segments), 'seed' (size classes) or 'expandable' "
               "(best fit in pages mapped into reserved address ranges)",
@@ -83,11 +84,11 @@ HELP = {
     "small_segment": "segments: bytes of a segment made for a block up to 1 MiB (shared by later ones)",
     "segment_round": "segments: a larger block's segment is rounded up to this",
     "release_on_miss": "segments, expandable: what a miss gives back first ('never', 'high_water', 'always', "
-                       "'bounded', 'growth', 'until_churn': expandable only)",
+                       "'bounded', 'growth', 'until_churn': expandable only, 'peak')",
     "release_idle": "segments, expandable, high_water: requests a whole free segment (expandable: free pages) must "
                     "stay idle before it may go back",
-    "release_bound": "segments, expandable, bounded and growth: a miss gives back idle memory over this many "
-                     "times the most bytes ever requested",
+    "release_bound": "segments, expandable, bounded, growth, until_churn and peak: a miss gives back idle memory "
+                     "over this many times the most bytes ever requested",
 }
 MAX_TIMELINE = 1 << 40                      # events (64 B each): past any host's memory
 MAX_RELEASE_IDLE = 1 << 62
@@ -138,14 +139,17 @@ class Settings:
             so once a program's largest demand has been seen its misses only map (Note [Release on miss:
             growth]); ``"until_churn"`` (scheme expandable only) as ``"bounded"`` until a miss maps pages that
             a miss unmapped since the demand last rose, then as ``"growth"`` until it rises again (Note [Release
-            on miss: until_churn]).
+            on miss: until_churn]); ``"peak"`` (the default of the pool ``xpool.enable_torch()`` makes) as
+            ``"bounded"``, but only on a miss that brings the bytes requested within ``release_bound`` of their
+            most ever, or past it: at the program's peak, never below it, where a loop's layout drifts (Note
+            [Release on miss: peak]).
         release_idle (int): schemes segments and expandable with ``"high_water"``: requests a whole free
             segment (a free block's pages) must have stayed free and unchanged before a miss may give it back
             (``XPOOL_RELEASE_IDLE``; default 64).
-        release_bound (float): schemes segments and expandable with ``"bounded"``, ``"growth"`` or
-            ``"until_churn"``: a miss that would take the pool above this many times the most bytes ever requested
-            (by the pool's users, this request included) gives back idle memory first (``XPOOL_RELEASE_BOUND``;
-            default 1.05; at least 1).
+        release_bound (float): schemes segments and expandable with ``"bounded"``, ``"growth"``,
+            ``"until_churn"`` or ``"peak"``: a miss that would take the pool above this many times the most bytes
+            ever requested (by the pool's users, this request included) gives back idle memory first
+            (``XPOOL_RELEASE_BOUND``; default 1.05; at least 1).
 
     Args:
         frontend (str or None): whose defaults fill the fields left None: None, xpool's (``DEFAULTS``), or

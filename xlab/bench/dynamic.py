@@ -80,8 +80,8 @@ COLUMNS = ["trial", "workload", "dynamic", "framework", "allocator", "peak_reser
 # --- arms
 def xpool_arms() -> tuple:
     """`xpool_<scheme>` for every scheme this xpool has (xpool.SCHEMES), and the expandable scheme with
-    release_on_miss "bounded", "growth" and "until_churn" (`xpool_expandable_<rule>`)."""
-    rules = tuple(f"xpool_expandable_{r}" for r in ("bounded", "growth", "until_churn")) \
+    release_on_miss "bounded", "growth", "until_churn" and "peak" (`xpool_expandable_<rule>`)."""
+    rules = tuple(f"xpool_expandable_{r}" for r in ("bounded", "growth", "until_churn", "peak")) \
         if "expandable" in xpool.SCHEMES else ()
     return tuple(f"xpool_{s}" for s in xpool.SCHEMES) + rules
 
