@@ -377,12 +377,13 @@ def test_dynamic_targets_judge_xpool_against_the_fastest_peer_paired_by_trial(tr
     assert {m.row.key: m for m in targets.judged(trial_data)[0]}["dyn_ms_torch_fixed"].ref != fastest
     best = rows["dyn_ror_best_torch_varlen"]
     assert best.at == "xpool_expandable_bounded" and best.value == pytest.approx(1.04, rel=1e-3) and best.verdict == iv.MET
-    assert rows["dyn_ror_torch_varlen"].value == pytest.approx(1.06, rel=1e-3)     # enable_torch's default's row
+    assert rows["dyn_ror_torch_varlen"].value == pytest.approx(1.045, rel=1e-3)    # enable_torch's default's row
     assert rows["dyn_ror_gpt_varlen"].value == pytest.approx(1.31, rel=1e-3)       # CuPy's: the default scheme's
     assert rows["dyn_calls_cupy_mix"].verdict == iv.MISSED
-    assert targets.XDT == "xpool_expandable_growth"
-    assert "dyn_calls_expandable_growth_torch_varlen" not in rows   # the default's row already judges that arm
+    assert targets.XDT == "xpool_expandable_peak"
+    assert "dyn_calls_expandable_peak_torch_varlen" not in rows     # the default's row already judges that arm
     assert rows["dyn_calls_expandable_until_churn_torch_varlen"].value == pytest.approx(0.1)   # the other rules: judged
+    assert rows["dyn_calls_expandable_growth_torch_varlen"].value == pytest.approx(0.1)
     assert rows["dyn_calls_expandable_torch_varlen"].value == 0      # the rule that never unmaps on a miss: judged
     calls = rows["dyn_calls_expandable_bounded_torch_varlen"]      # the expandable arms' calls are judged too,
     assert calls.value == pytest.approx(0.2) and calls.verdict == iv.MISSED   # in steady state (0.4 per timed step)

@@ -366,7 +366,8 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
             links[name] = f"_{name}: {got or 'not built'}._"
     values = {**targets.values(data), "counts": targets.counts(now), "fig": links, "host_bound_util": HOST_BOUND_UTIL,
               "targets_table": "\n".join(targets.table(now)) or "_No targets measured yet._",
-              "history_table": "\n".join(targets.table(then)), "replay": _replay(data)}
+              "history_table": "\n".join(targets.table(then)), "replay": _replay(data),
+              "torch_scheme": targets.TORCH_DEFAULT_SCHEME, "torch_rule": targets.TORCH_RULE}
     for name, fn in (("bounds_table", bounds_table), ("projection_table", projection_table), ("gil_table", gil_table),
                      ("graph_table", graph_table), ("graph_notes", graph_notes), ("replication", replication),
                      ("dynamic_table", dynamic_table), ("dynamic_seeds", dynamic_seeds), ("data_table", data_table)):
