@@ -55,7 +55,7 @@ X, XS, XG, CP = "xpool", "xpool_seed", "xpool_graph", "cupy_pool"
 BOTH = ((X, ""), (XS, "_seed"))            # rows measured for the default scheme and for the seed scheme
 DYN, XD, PEERS = "dynamic_shapes", ("xpool", f"xpool_{DEFAULT_SCHEME}"), SETS["dynamic"]   # XD: the default arm
 # a PyTorch workload's default arm: the pool xpool.enable_torch() makes (its scheme, and its release rule when the
-# front end sets one: xpool_expandable_growth)
+# front end sets one: xpool_expandable_peak)
 TORCH_RULE = FRONTEND_DEFAULTS["torch"].get("release_on_miss")
 XDT = f"xpool_{TORCH_DEFAULT_SCHEME}" + (f"_{TORCH_RULE}" if TORCH_RULE else "")
 # the dynamic headlines' two defaults: (key suffix, label, arm, framework of the workloads)
