@@ -54,6 +54,7 @@ class T:
 X, XS, XG, CP = "xpool", "xpool_seed", "xpool_graph", "cupy_pool"
 BOTH = ((X, ""), (XS, "_seed"))            # rows measured for the default scheme and for the seed scheme
 DYN, XD, PEERS = "dynamic_shapes", ("xpool", f"xpool_{DEFAULT_SCHEME}"), SETS["dynamic"]   # XD: the default arm
+DYN_HELD_OUT = "dynamic_heldout"          # the CSV of xlab.bench.dynamic's held-out workloads
 # a PyTorch workload's default arm: the pool xpool.enable_torch() makes (its scheme, and its release rule when the
 # front end sets one: xpool_expandable_peak)
 TORCH_RULE = FRONTEND_DEFAULTS["torch"].get("release_on_miss")
@@ -70,24 +71,25 @@ def _dynamic() -> list:
     enable_torch() makes), its best arm for memory, and the device calls of the expandable arms (what "bounded"
     trades for memory: Note [Release on miss: expandable])."""
     schemes = xpool_arms()
-    ror = dict(kind=DYN, metric="reserved_over_requested", higher=False, fmt="{:.3f}", exact=True, bound="—")
     rows = []
-    for w, spec in WORKLOADS.items():
+    for w, spec in WORKLOADS.items():      # a held-out workload: its own CSV, and "held out" in its targets' names
+        kind, w_ = (DYN_HELD_OUT, f"{w} (held out)") if spec.held_out else (DYN, w)
+        ror = dict(kind=kind, metric="reserved_over_requested", higher=False, fmt="{:.3f}", exact=True, bound="—")
         xd, on = XDT if spec.framework == "torch" else XD, dict(where=dict(workload=w))
         name = f"xpool's default for PyTorch: {XDT}" if xd == XDT else "xpool"
         who = (("", name, dict(arm=xd)), ("_best", "the best xpool arm: {at}",
                                          dict(arm=schemes, over=("allocator",), pick="best")))
         if spec.dynamic:
-            rows += [T(f"dyn_ror{k}_{w}", f"#22, {w}: peak reserved / peak requested ≤ 1.05 ({n})", goal=1.05,
+            rows += [T(f"dyn_ror{k}_{w}", f"#22, {w_}: peak reserved / peak requested ≤ 1.05 ({n})", goal=1.05,
                        **arms, **on, **ror) for k, n, arms in who]
-            rows += [T(f"dyn_calls{k}_{w}", f"#22, {w}: device calls per step in steady state = 0 ({n})", DYN,
+            rows += [T(f"dyn_calls{k}_{w}", f"#22, {w_}: device calls per step in steady state = 0 ({n})", kind,
                        "device_calls_per_steady_step", arm, 0.0, False, fmt="{:.3g}", exact=True, bound="—", **on)
                      for k, n, arm in (("", name, xd), *((f"_{a[6:]}", a, a) for a in schemes
                                                          if "expandable" in a and a != xd))]
-        rows.append(T(f"dyn_ms_{w}", f"#22, {w}: ms per step ≤ the fastest peer's ({{ref}}; {name}, paired by trial)",
-                      DYN, "ms_per_step", xd, 1.0, False, ref=dict(allocator=PEERS), unit="×", fmt="{:.3f}", **on))
+        rows.append(T(f"dyn_ms_{w}", f"#22, {w_}: ms per step ≤ the fastest peer's ({{ref}}; {name}, paired by trial)",
+                      kind, "ms_per_step", xd, 1.0, False, ref=dict(allocator=PEERS), unit="×", fmt="{:.3f}", **on))
         if spec.framework == "torch" and spec.dynamic:
-            rows += [T(f"dyn_vs_expandable{k}_{w}", f"#22, {w}: peak reserved / peak requested ≤ PyTorch's with "
+            rows += [T(f"dyn_vs_expandable{k}_{w}", f"#22, {w_}: peak reserved / peak requested ≤ PyTorch's with "
                        f"expandable segments ({n}; paired by trial)", **arms, **on, ref=dict(allocator="torch_expandable"),
                        goal=1.0, unit="×", **ror) for k, n, arms in who]
     return rows
