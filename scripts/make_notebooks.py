@@ -287,7 +287,7 @@ pass by default (one trial of a few steps: checks the code, not numbers to quote
 ''' + header("06_dynamic_shapes", "-p quick False")),
         ("params", '''\
 quick: bool = True  # GPU only: one trial of a few steps; False: the full run (every trial and step)
-workloads: list[str] = []  # workloads (xlab.bench.dynamic.WORKLOADS; empty: all of them)
+workloads: list[str] = []  # workloads (xlab.bench.dynamic.WORKLOADS; empty: all but the held-out ones)
 allocators: list[str] = []  # arms (xlab.allocators.ARMS; empty: every peer and every xpool scheme)
 measure: bool = True  # on a GPU: measure now
 cpu_check: bool = True  # without a GPU: run the benchmark's code on NumPy and PyTorch's CPU (measures nothing)

@@ -418,3 +418,27 @@ def test_record_dynamic_traces_writes_a_trace_per_seed_and_names_a_bad_seed(tmp_
             rec.main(["--workloads", "cupy_mix", "--cpu", "--seeds", bad, "--out", str(tmp_path / "no")])
         assert "--seeds must be whole numbers" in capsys.readouterr().err
     assert not (tmp_path / "no").exists()
+
+
+def test_the_held_out_workloads_stay_out_of_the_default_set_and_have_targets_of_their_own():
+    """The held-out PyTorch programs (other batches, lengths and image sizes than the release rules were chosen on:
+    Note [Release on miss: peak]) run only when named, write data/dynamic_heldout.csv, and are judged there."""
+    from xlab import targets
+    held = [w for w, spec in dynamic.WORKLOADS.items() if spec.held_out]
+    assert held == ["torch_varlen_b32", "torch_fixed_b32", "resnet_varres_b64"]
+    assert not set(held) & set(dynamic.resolve()[0]) and len(dynamic.resolve()[0]) == 8
+    assert dynamic.resolve(held)[0] == held
+    for w in held:
+        t = targets.BY_KEY[f"dyn_ms_{w}"]
+        assert t.kind == targets.DYN_HELD_OUT == "dynamic_heldout" and f"{w} (held out)" in t.text
+    assert targets.BY_KEY["dyn_ms_torch_fixed"].kind == targets.DYN
+
+
+def test_the_held_out_workloads_train_at_their_own_shapes_on_the_cpu(monkeypatch):
+    seen = _record_lengths(monkeypatch)
+    info = dynamic.WORKLOADS["torch_varlen_b32"].fn(4, 2, 3, _window(), gpu=False, small=True)
+    assert info == dict(batch=2, shape="T 4-20 by 4")                   # lo 64, hi 320, by 32, small: / 16, by 4
+    assert [T for _, T in seen] == wl.lengths(6, 4, 20, seed=3, multiple=4)
+    assert dynamic.WORKLOADS["torch_fixed_b32"].fn(2, 1, 0, _window(), gpu=False, small=True)["shape"] == "T 8"
+    assert dynamic.WORKLOADS["resnet_varres_b64"].fn(3, 1, 0, _window(), gpu=False, small=True) == dict(
+        batch=2, shape="8-20 px by 4")

@@ -208,6 +208,15 @@ TARGETS = (
         fmt="{:.3f}", exact=True) for k, label, arm, f in DEFAULT_ARMS),
     T("dyn_h_expandable", "the same, PyTorch's expandable segments", DYN, "reserved_over_requested",
       "torch_expandable", where=dict(dynamic=True), over=("workload",), pick="each", fmt="{:.3f}", exact=True),
+    # the held-out PyTorch workloads (data/dynamic_heldout.csv): the default, "growth" and PyTorch's expandable segments
+    *(T(f"dyn_ho{k}{m}", f"held-out PyTorch workloads, {who}: {what}, by workload", DYN_HELD_OUT, metric, arm,
+        over=("workload",), pick="each", fmt=fmt, exact=True)
+      for k, who, arm in (("", f"xpool's default for PyTorch ({XDT})", XDT),
+                          ("_growth", "xpool, release_on_miss growth", "xpool_expandable_growth"),
+                          ("_expandable", "PyTorch's expandable segments", "torch_expandable"))
+      for m, what, metric, fmt in (("_ror", "peak reserved / requested", "reserved_over_requested", "{:.3f}"),
+                                   ("_calls", "device calls per step in steady state", "device_calls_per_steady_step",
+                                    "{:.3g}"))),
     *(T(f"dyn_h_calls{k}", f"xpool's default{label}: device calls per step in steady state, by dynamic workload", DYN,
         "device_calls_per_steady_step", arm, where=dict(dynamic=True, framework=f), over=("workload",), pick="each",
         fmt="{:.3g}", exact=True) for k, label, arm, f in DEFAULT_ARMS),
