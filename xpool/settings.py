@@ -84,7 +84,7 @@ HELP = {
     "small_segment": "segments: bytes of a segment made for a block up to 1 MiB (shared by later ones)",
     "segment_round": "segments: a larger block's segment is rounded up to this",
     "release_on_miss": "segments, expandable: what a miss gives back first ('never', 'high_water', 'always', "
-                       "'bounded', 'growth', 'until_churn': expandable only, 'peak')",
+                       "'bounded', 'growth', 'peak', 'until_churn': expandable only)",
     "release_idle": "segments, expandable, high_water: requests a whole free segment (expandable: free pages) must "
                     "stay idle before it may go back",
     "release_bound": "segments, expandable, bounded, growth, until_churn and peak: a miss gives back idle memory "
