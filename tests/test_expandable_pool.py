@@ -538,9 +538,8 @@ def test_the_h200s_traces_replay_to_its_counters_and_the_bound_holds(workload):
     recording run's peaks and device calls to the byte under the rule it ran (its release_on_miss column); under
     "bounded" (1.05) peak reserved stays within the bound on every trace but the CuPy loop's, whose misses spend
     the give-back budget (Note [Release on miss: expandable])."""
-    import pandas as pd
     from xlab import memory_study as m
-    tl = pd.read_csv(os.path.join(os.path.dirname(__file__), "..", "data", f"memory_trace_dyn_{workload}.csv.gz"))
+    tl = _trace(workload)
     gpu = tl.iloc[0]
     for rule in dict.fromkeys((gpu.release_on_miss, "bounded")):
         pool = Pool(m.AddressSpaceBackend(), scheme="expandable", limit=0, timeline=0, release_on_miss=rule)
@@ -554,24 +553,39 @@ def test_the_h200s_traces_replay_to_its_counters_and_the_bound_holds(workload):
         live.clear()
 
 
+def _replay_rule(tl, rule: str) -> dict:
+    """A trace replayed under `rule` with 2 MiB pages: peak reserved / peak requested, the unmaps after the demand's
+    last new high (the benchmark's steady state), and the maps and unmaps after the trace's warm-up steps."""
+    from xlab import memory_study as m
+    from xlab.bench.dynamic import steady_state
+    pool = Pool(m.AddressSpaceBackend(), scheme="expandable", limit=0, timeline=0, release_on_miss=rule)
+    probes = []                                           # (unmaps, maps + unmaps, peak requested) after each step
+
+    def probe(step):
+        s = stats(pool)
+        probes.append((s["device_unmaps"], s["device_unmaps"] + s["device_maps"], s["peak_bytes_requested"]))
+    live, _ = m._drive(pool, m._replay_events(tl), probe)
+    s = stats(pool)
+    live.clear()
+    warmup = int(tl["warmup"].iloc[0])                    # probes[0] is the setup before step 0
+    return dict(ratio=s["peak_bytes_reserved"] / s["peak_bytes_requested"],
+                steady_unmaps=steady_state([(u, p) for u, _, p in probes], 0)["device_calls_steady"],
+                calls_after_warmup=probes[-1][1] - probes[warmup][1])
+
+
+def _trace(workload):
+    import pandas as pd
+    return pd.read_csv(os.path.join(os.path.dirname(__file__), "..", "data", f"memory_trace_dyn_{workload}.csv.gz"))
+
+
 @pytest.mark.parametrize("workload", DYN)
 def test_under_growth_the_h200s_traces_unmap_nothing_once_their_demand_has_peaked(workload):
     """release_on_miss "growth" on the H200's traces: no unmap in any step after the last one whose demand reached a
     new high (the benchmark's steady state), where "bounded" unmaps on three of them.  Its maps there are not always
     fewer than "never"'s: the layout its earlier unmaps leave can miss later (cupy_mix 2 where "never" makes none,
     resnet_fixed 2 against 1; Note [Release on miss: growth])."""
-    import pandas as pd
-    from xlab import memory_study as m
-    from xlab.bench.dynamic import steady_state
-    tl = pd.read_csv(os.path.join(os.path.dirname(__file__), "..", "data", f"memory_trace_dyn_{workload}.csv.gz"))
-    unmaps = {}
-    for rule in ("bounded", "growth"):
-        pool = Pool(m.AddressSpaceBackend(), scheme="expandable", limit=0, timeline=0, release_on_miss=rule)
-        probes = []                                       # (unmaps so far, peak requested so far) after each step
-        live, _ = m._drive(pool, m._replay_events(tl), lambda step: probes.append(
-            (stats(pool)["device_unmaps"], stats(pool)["peak_bytes_requested"])))
-        unmaps[rule] = steady_state(probes, 0)["device_calls_steady"]   # after the demand's last new high
-        live.clear()
+    tl = _trace(workload)
+    unmaps = {rule: _replay_rule(tl, rule)["steady_unmaps"] for rule in ("bounded", "growth")}
     assert unmaps["growth"] == 0, unmaps
     if workload in ("cupy_mix", "test_b4", "resnet_fixed"):      # where "bounded" unmaps there, so the count sees it
         assert unmaps["bounded"] > 0, unmaps
@@ -583,19 +597,9 @@ def test_until_churn_holds_bounded_s_memory_on_the_pytorch_traces_and_stops_its_
     state no more than "bounded" does, and far less where "bounded" churns (the ResNet at a fixed size: 17 unmaps
     after the demand's peak against 3); on the PyTorch model at varying lengths and the ResNet at varying sizes it
     holds what "bounded" holds, within 1.05, on every realization, where "growth" holds 1.116 on two."""
-    import pandas as pd
-    from xlab import memory_study as m
-    from xlab.bench.dynamic import steady_state
-    tl = pd.read_csv(os.path.join(os.path.dirname(__file__), "..", "data", f"memory_trace_dyn_{workload}.csv.gz"))
-    got = {}
-    for rule in ("bounded", "until_churn"):
-        pool = Pool(m.AddressSpaceBackend(), scheme="expandable", limit=0, timeline=0, release_on_miss=rule)
-        probes = []
-        live, _ = m._drive(pool, m._replay_events(tl), lambda step: probes.append(
-            (stats(pool)["device_unmaps"], stats(pool)["peak_bytes_requested"])))
-        s = stats(pool)
-        got[rule] = (steady_state(probes, 0)["device_calls_steady"], s["peak_bytes_reserved"] / s["peak_bytes_requested"])
-        live.clear()
+    tl = _trace(workload)
+    got = {rule: (r["steady_unmaps"], r["ratio"]) for rule in ("bounded", "until_churn")
+           for r in [_replay_rule(tl, rule)]}
     assert got["until_churn"][0] <= got["bounded"][0], got
     if workload == "resnet_fixed":
         assert got["bounded"][0] >= 10 and got["until_churn"][0] <= 3, got
@@ -606,24 +610,6 @@ def test_until_churn_holds_bounded_s_memory_on_the_pytorch_traces_and_stops_its_
 FIXED = ("torch_fixed", "resnet_fixed", "gpt_b4", "gpt_b32", "test_b4", "test_b32_perparam")   # shapes that repeat
 
 
-def _replay_rule(tl, rule: str) -> dict:
-    """A trace replayed under `rule` with 2 MiB pages: peak reserved / peak requested, the unmaps after the demand's
-    last new high (the benchmark's steady state), and the maps and unmaps after the trace's warm-up steps."""
-    from xlab import memory_study as m
-    from xlab.bench.dynamic import steady_state
-    pool = Pool(m.AddressSpaceBackend(), scheme="expandable", limit=0, timeline=0, release_on_miss=rule)
-    probes = []                                           # (unmaps, maps + unmaps, peak requested) after each step
-    live, _ = m._drive(pool, m._replay_events(tl), lambda step: probes.append(
-        (stats(pool)["device_unmaps"], stats(pool)["device_unmaps"] + stats(pool)["device_maps"],
-         stats(pool)["peak_bytes_requested"])))
-    s = stats(pool)
-    live.clear()
-    warmup = int(tl["warmup"].iloc[0])                    # probes[0] is the setup before step 0
-    return dict(ratio=s["peak_bytes_reserved"] / s["peak_bytes_requested"],
-                steady_unmaps=steady_state([(u, p) for u, _, p in probes], 0)["device_calls_steady"],
-                calls_after_warmup=probes[-1][1] - probes[warmup][1])
-
-
 @pytest.mark.parametrize("workload", DYN)
 def test_peak_holds_bounded_s_memory_on_the_language_model_and_does_not_churn(workload):
     """release_on_miss "peak" (the default of the pool enable_torch() makes) on the H200's traces (Note [Release on
@@ -631,8 +617,7 @@ def test_peak_holds_bounded_s_memory_on_the_language_model_and_does_not_churn(wo
     1.05, where "growth" holds 1.116 on two; after the demand's last new high it unmaps nothing (but 3 runs on one
     realization of the CuPy loop, whose results live 1-32 steps); and on every trace whose shapes repeat it calls the
     device after the warm-up no more often than "growth", where "bounded" calls it 4 to 32 times as often on two."""
-    import pandas as pd
-    tl = pd.read_csv(os.path.join(os.path.dirname(__file__), "..", "data", f"memory_trace_dyn_{workload}.csv.gz"))
+    tl = _trace(workload)
     got = {rule: _replay_rule(tl, rule) for rule in ("bounded", "growth", "peak")}
     if workload.startswith("torch_varlen"):
         assert got["peak"]["ratio"] == got["bounded"]["ratio"] <= 1.05, got

@@ -21,10 +21,9 @@ import pathlib
 import pandas as pd
 
 import xpool
-from xpool.settings import FRONTEND_DEFAULTS
 
 from . import intervals as iv, sources
-from .allocators import DEFAULT_SCHEME, SETS, TORCH_DEFAULT_SCHEME
+from .allocators import DEFAULT_SCHEME, SETS, TORCH_DEFAULT_RULE as TORCH_RULE, TORCH_DEFAULT_SCHEME
 from .bench.dynamic import WORKLOADS, xpool_arms
 
 
@@ -57,7 +56,6 @@ DYN, XD, PEERS = "dynamic_shapes", ("xpool", f"xpool_{DEFAULT_SCHEME}"), SETS["d
 DYN_HELD_OUT = "dynamic_heldout"          # the CSV of xlab.bench.dynamic's held-out workloads
 # a PyTorch workload's default arm: the pool xpool.enable_torch() makes (its scheme, and its release rule when the
 # front end sets one: xpool_expandable_peak)
-TORCH_RULE = FRONTEND_DEFAULTS["torch"].get("release_on_miss")
 XDT = f"xpool_{TORCH_DEFAULT_SCHEME}" + (f"_{TORCH_RULE}" if TORCH_RULE else "")
 # the dynamic headlines' two defaults: (key suffix, label, arm, framework of the workloads)
 TORCH_LABEL = f" for PyTorch ({TORCH_DEFAULT_SCHEME}{f', {TORCH_RULE}' if TORCH_RULE else ''})"
