@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The seventeenth session's GPU runs (#22), one lent host of two H200s:
+#   P: build; which cross-GPU uses of pool memory work under each scheme (scripts/gpu_peer_probe.py: NCCL in
+#      threads and in processes, CuPy kernels and copies, PyTorch copies); then the GPU traces of the held-out
+#      language model at batch 32 (seeds 0-4), the held-out fixed-length model, and gpt_varlen's other
+#      realizations, for replay on the CPU.
+#   bash docs/past-runs/gpu_seventeenth.sh P     (the commit in .xpool_commit, RMM's wheels in .whl/, both carried)
+# Logs and CSVs go to $OUT/<stage>.tgz.
+set -uo pipefail
+stage=${1:?P}
+OUT=${OUT:-build/gpu}
+L=$OUT/$stage
+mkdir -p "$L"
+export PYTHONUNBUFFERED=1 XPOOL_COMMIT=$(cat .xpool_commit) NCCL_NVLS_ENABLE=0
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$L/pip.log" 2>&1
+export PYTHONPATH=$PWD:/tmp/site
+python3 setup.py build_ext --inplace > "$L/build.log" 2>&1 || { tail -30 "$L/build.log"; exit 1; }
+{ nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv; nvidia-smi topo -m
+  python3 -c "import rmm, cupy, torch; print('rmm', rmm.__version__, 'cupy', cupy.__version__, 'torch', torch.__version__)"
+  echo "commit $XPOOL_COMMIT"; } > "$L/gpu.txt" 2>&1
+if [ "$stage" = P ]; then
+    timeout -k 5 200 python3 scripts/gpu_peer_probe.py --out "$L/peer_probe.csv" > "$L/peer.log" 2>&1
+    echo "peer rc $?" >> "$L/peer.log"
+    mkdir -p "$L/traces"
+    timeout -k 5 300 python3 scripts/record_dynamic_traces.py --out "$L/traces" --workloads torch_varlen_b32 \
+        --seeds 0,1,2,3,4 > "$L/traces.log" 2>&1
+    timeout -k 5 60 python3 scripts/record_dynamic_traces.py --out "$L/traces" --workloads torch_fixed_b32 \
+        >> "$L/traces.log" 2>&1
+    timeout -k 5 80 python3 scripts/record_dynamic_traces.py --out "$L/traces" --workloads gpt_varlen \
+        --seeds 1,2,3,4 >> "$L/traces.log" 2>&1
+    echo "traces rc $?" >> "$L/traces.log"
+fi
+tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"
+cat "$L/peer.log" 2>/dev/null | cut -c1-400; tail -15 "$L/traces.log" 2>/dev/null
