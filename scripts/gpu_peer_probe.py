@@ -11,7 +11,10 @@ Each case runs in a process of its own (a fault poisons a CUDA context), under a
 - ``cupy_copy``: a CuPy copy of GPU 0's array onto GPU 1.
 - ``torch_copy``: ``tensor.to("cuda:1")`` of a tensor from the pool ``enable_torch`` makes on GPU 0.
 
-    python scripts/gpu_peer_probe.py --out build/peer.csv
+With ``--map-cost``, also what peer access costs a miss (``map_cost``: seconds per one-page miss under
+``peer_access`` "all" and "none", interleaved trials).
+
+    python scripts/gpu_peer_probe.py --out build/peer.csv --peer-accesses 'null;"none"' --map-cost build/cost.csv
 """
 from __future__ import annotations
 
@@ -128,7 +131,34 @@ def torch_copy(scheme, peer_access):
     return dict(ok=bool(y[-1].item() == N - 1 and z[-1].item() == N - 1), detail="tensor.to and copy_ 0 -> 1")
 
 
-CASES = {f.__name__: f for f in (nccl_threads, nccl_procs, cupy_kernel, cupy_copy, torch_copy, nccl_rank)}
+def map_cost(trials=7, maps=256):
+    """What peer access costs a miss: `maps` misses of one 2 MiB page each (a map and its cuMemSetAccess) under
+    peer_access "all" and "none", fresh pools, interleaved in rotated order; seconds per miss, one row per
+    (trial, arm).  Host-bound: the driver calls are the work."""
+    import time
+    import cupy
+    import xpool
+    rows, arms = [], ["all", "none"]
+    page = xpool._vmm.Ops(xpool._vmm.cuda_vmm()).granularity(0)
+    for trial in range(trials):
+        for arm in arms[trial % 2:] + arms[:trial % 2]:
+            pool = xpool.MemoryPool(scheme="expandable", peer_access=arm)
+            with xpool.use(pool):
+                keep = [cupy.empty(page, dtype=cupy.uint8)]      # the range is reserved by this first miss
+                cupy.cuda.Device().synchronize()
+                t0 = time.perf_counter()
+                keep += [cupy.empty(page, dtype=cupy.uint8) for _ in range(maps)]
+                cupy.cuda.Device().synchronize()
+                dt = time.perf_counter() - t0
+                st = pool.stats(0).iloc[0]
+                rows.append(dict(trial=trial, peer_access=arm, maps=int(st.device_maps) - 1, s_per_miss=dt / maps,
+                                 page_bytes=page))
+                del keep
+            pool.empty_cache()
+    return dict(ok=all(r["maps"] == maps for r in rows), detail="map cost", rows=rows)
+
+
+CASES = {f.__name__: f for f in (nccl_threads, nccl_procs, cupy_kernel, cupy_copy, torch_copy, nccl_rank, map_cost)}
 
 
 def _last_json(out):
@@ -149,14 +179,17 @@ def main(argv=None):
     p.add_argument("--out", default="build/peer_probe.csv")
     p.add_argument("--schemes", default="segments,expandable")
     p.add_argument("--peer-accesses", default="null", help="';'-separated JSON values to try")
+    p.add_argument("--cases", default="nccl_threads,nccl_procs,cupy_kernel,cupy_copy,torch_copy")
+    p.add_argument("--map-cost", default="", help="CSV for the map cost under peer_access 'all' and 'none'")
     a = p.parse_args(argv)
     if a.case:      # one case, in this process: its result as the last JSON line
-        print(json.dumps(CASES[a.case](a.scheme, json.loads(a.peer_access))), flush=True)
+        args = () if a.case == "map_cost" else (a.scheme, json.loads(a.peer_access))
+        print(json.dumps(CASES[a.case](*args)), flush=True)
         return 0
     import pandas as pd
     from xlab.provenance import provenance
     rows = []
-    for case in ("nccl_threads", "nccl_procs", "cupy_kernel", "cupy_copy", "torch_copy"):
+    for case in a.cases.split(","):
         for scheme in a.schemes.split(","):
             for pa in a.peer_accesses.split(";"):
                 envs = [{}] + ([{"NCCL_P2P_DIRECT_DISABLE": "1"}] if case == "nccl_threads" else [])
@@ -178,6 +211,16 @@ def main(argv=None):
     for k, v in provenance(experiment="peer_probe").items():
         df[k] = v
     df.to_csv(a.out, index=False)
+    if a.map_cost:      # in a process of its own, after the cases
+        cp = subprocess.run([sys.executable, __file__, "--case", "map_cost"], capture_output=True, text=True,
+                            timeout=300)
+        res = _last_json(cp.stdout)
+        if not res.get("rows"):
+            print(cp.stdout[-2000:], cp.stderr[-2000:])
+            return 1
+        cost = pd.DataFrame(res["rows"]).assign(bound="host", **provenance(experiment="peer_map_cost"))
+        cost.to_csv(a.map_cost, index=False)
+        print(cost.groupby("peer_access").s_per_miss.median().mul(1e6).round(1).to_string(), flush=True)
     return 0
 
 

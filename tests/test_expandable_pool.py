@@ -157,6 +157,41 @@ def test_each_device_has_its_own_ranges_and_pages():
     del a0, a1
 
 
+def test_pages_are_mapped_for_every_device_that_can_access_them_unless_peer_access_is_none():
+    """peer_access "all" (the default): each map names every device the backend says can access the pool's
+    device (the twin: every other one unless set), so another GPU's copy or kernel reaches a block as it reaches
+    cudaMalloc's memory; "none": the device alone.  Asked once per device, on its first miss."""
+    backend = HostBackend(n_devices=3, granularity=P)
+    backend.twin.set_peers(2, 0b001)                      # device 1 has no P2P to device 2
+    pool = Pool(backend, scheme="expandable")
+    held = [pool.allocate(1000, device=d) for d in (0, 1, 2)] + [pool.allocate(5 * P, device=0)]
+    assert sorted({(d, peers) for d, _, _, peers in backend.twin.pages()}) == [(0, 0b110), (1, 0b101), (2, 0b001)]
+    audit(pool, backend)
+    backend.twin.set_peers(0, 0b010)                      # asked once: a later map names its first answer, which
+    before = stats(pool)                                  # the twin now refuses, as a driver would a lost peer:
+    with pytest.raises(RuntimeError, match="cannot access device 0"):   # the request fails, nothing is kept
+        pool.allocate(9 * P, device=0)
+    after = stats(pool)
+    assert (after["bytes_reserved"], after["device_maps"], after["blocks_in_use"]) == \
+           (before["bytes_reserved"], before["device_maps"], before["blocks_in_use"])
+    audit(pool, backend)
+    alone, twin2 = make(n_devices=3, peer_access="none")
+    held += [alone.allocate(3 * P, device=d) for d in (0, 2)]
+    assert {peers for *_, peers in twin2.twin.pages()} == {0}
+    audit(alone, twin2)
+    del held
+
+
+def test_a_device_no_other_can_access_maps_for_itself_alone():
+    backend = HostBackend(n_devices=2, granularity=P)
+    backend.twin.set_peers(1, 0)                          # GPUs without P2P between them
+    pool = Pool(backend, scheme="expandable")
+    held = [pool.allocate(P, device=1), pool.allocate(P, device=0)]
+    assert sorted((d, peers) for d, _, _, peers in backend.twin.pages()) == [(0, 0b10), (1, 0)]
+    audit(pool, backend)
+    del held
+
+
 # --- giving pages back
 
 def test_empty_cache_unmaps_every_free_page_and_gives_the_ranges_back():

@@ -294,6 +294,44 @@ def test_an_nccl_all_reduce_reads_and_writes_expandable_memory(vm):
             vm.check_ipc(ptr)                           # the buffers were the scheme's mapped pages
 
 
+def _peer_case(case, peer_access=None):
+    """One case of scripts/gpu_peer_probe.py in a process of its own (a fault poisons a context): its JSON."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_peer_probe.py"), "--case", case,
+                        "--scheme", "expandable", "--peer-access", json.dumps(peer_access)],
+                       capture_output=True, text=True, timeout=240, cwd=ROOT,
+                       env=dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONPATH=ROOT))
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    return (json.loads(lines[-1]) if lines else {"ok": False}), r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def _gpus():
+    try:
+        return cp.cuda.runtime.getDeviceCount()
+    except cp.cuda.runtime.CUDARuntimeError:        # no driver: the gpu mark skips it anyway
+        return 0
+
+
+two_gpus = pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs")
+
+
+@two_gpus
+@pytest.mark.parametrize("case", ["cupy_kernel", "cupy_copy", "torch_copy", "nccl_threads", "nccl_procs"])
+def test_another_gpu_reads_and_copies_expandable_memory_as_cudamallocs(case):
+    """Under the default peer_access "all" another GPU of the host reaches the pool's pages: a CuPy kernel on GPU 1
+    reading GPU 0's array, CuPy's and PyTorch's copies from GPU 0 to GPU 1 (tensor.to("cuda:1") through
+    enable_torch's pool), NCCL all-reduces with one thread or one process per GPU."""
+    got, log = _peer_case(case)
+    assert got["ok"], log
+
+
+@two_gpus
+def test_with_peer_access_none_another_gpus_copy_is_refused():
+    """peer_access "none" maps for the pool's device alone: the driver refuses GPU 1's copy from it (what every
+    cross-GPU case did before peer access, data/peer_probe.csv), so the setting is what makes the difference."""
+    got, log = _peer_case("cupy_copy", "none")
+    assert not got["ok"] and "cudaErrorInvalidValue" in log, log
+
+
 def test_cuda_ipc_refuses_expandable_memory_and_check_ipc_says_why_first(vm):
     a = cp.empty(4 * MiB, dtype=cp.uint8)
     with pytest.raises(xpool.IpcUnsupportedError, match="cudaIpcGetMemHandle refuses"):

@@ -23,7 +23,8 @@ def test_defaults_are_the_segments_scheme_with_nothing_on():
     assert (s.scheme, s.limit, s.debug, s.timeline) == ("segments", 0, False, 0)
     assert (s.small_segment, s.segment_round, s.release_on_miss, s.release_idle) == (2 * MiB, 512, "high_water", 64)
     assert s.classes_per_doubling is None and s.source("classes_per_doubling") == "n/a"
-    assert all(s.source(name) == "default" for name in ENV if name != "classes_per_doubling")
+    assert s.peer_access is None and s.source("peer_access") == "n/a"         # scheme expandable's
+    assert all(s.source(name) == "default" for name in ENV if name not in ("classes_per_doubling", "peer_access"))
 
 
 def test_repr_shows_what_applies_and_round_trips():
@@ -37,7 +38,7 @@ def test_describe_lists_value_source_and_meaning(monkeypatch):
     monkeypatch.setenv("XPOOL_DEBUG", "warn")
     text = Settings(limit="50%").describe()
     lines = {line.split()[0]: line for line in text.splitlines()}
-    assert set(lines) == set(ENV) - {"classes_per_doubling"}
+    assert set(lines) == set(ENV) - {"classes_per_doubling", "peer_access"}
     assert "0.5 of each device" in lines["limit"] and " limit " in lines["limit"]
     assert "'warn'" in lines["debug"] and "XPOOL_DEBUG" in lines["debug"]
     assert "default" in lines["small_segment"] and "2097152 B" in lines["small_segment"]
@@ -119,11 +120,14 @@ def test_a_bad_debug_variable_is_refused_naming_it(monkeypatch, text):
     ("timeline", 1.0, "got float"), ("classes_per_doubling", 0, r"in \[1, 64\]"), ("scheme", "arena", "expected one of"),
     ("release_bound", 0.99, "from 1 to 1e6"), ("release_bound", "lots", "from 1 to 1e6"),
     ("release_bound", True, "from 1 to 1e6"), ("release_bound", float("nan"), "from 1 to 1e6"),
+    ("peer_access", "some", "expected one of 'all', 'none'"), ("peer_access", True, "expected one of 'all', 'none'"),
 ])
 def test_every_field_is_checked_naming_the_argument(name, value, why):
     fields = {name: value}
     if name == "classes_per_doubling":
         fields["scheme"] = "seed"
+    if name == "peer_access":
+        fields["scheme"] = "expandable"
     if name == "release_idle" and isinstance(value, str):
         why = "expected a whole number"             # an argument's text is read as a number, as a variable's
         fields[name] = "sixty-four"
@@ -297,7 +301,7 @@ def test_a_front_ends_defaults_fill_only_what_nothing_else_set(monkeypatch):
     with pytest.raises(ValueError, match="frontend must be None or one of 'torch', got 'cupy'"):
         Settings(frontend="cupy")
     with pytest.raises(TypeError):
-        Settings("seed", None, 0, False, 0, None, None, None, None, None, "torch")   # keyword only
+        Settings("seed", None, 0, False, 0, None, None, None, None, None, None, "torch")   # keyword only
     assert Settings("seed").scheme == "seed"                                     # positional fields as before
 
 
@@ -312,3 +316,25 @@ def test_until_churn_is_the_expandable_schemes_only_and_says_so(monkeypatch):
         Settings()
     monkeypatch.setenv("XPOOL_SCHEME", "expandable")
     assert Settings().release_on_miss == "until_churn"
+
+
+def test_peer_access_is_the_expandable_schemes_and_every_peer_by_default(monkeypatch):
+    """peer_access: which other devices a map makes the pool's pages reachable from (scheme expandable only):
+    "all" by default, the pool enable_torch() makes included; "none" from the argument or XPOOL_PEER_ACCESS."""
+    s = Settings(scheme="expandable")
+    assert (s.peer_access, s.source("peer_access")) == ("all", "default")
+    assert Settings(frontend="torch").peer_access == "all"
+    assert Settings(scheme="expandable", peer_access=" None ").peer_access == "none"
+    assert "peer_access" in s.describe() and "'all'" in s.describe()
+    with pytest.raises(ValueError, match="^peer_access='none' applies to scheme 'expandable' only"):
+        Settings(peer_access="none")
+    monkeypatch.setenv("XPOOL_SCHEME", "expandable")
+    monkeypatch.setenv("XPOOL_PEER_ACCESS", "none")
+    assert (Settings().peer_access, Settings().source("peer_access")) == ("none", "XPOOL_PEER_ACCESS")
+    monkeypatch.setenv("XPOOL_PEER_ACCESS", "some")
+    with pytest.raises(ValueError, match="^XPOOL_PEER_ACCESS='some': expected one of 'all', 'none'"):
+        Settings()
+    monkeypatch.setenv("XPOOL_SCHEME", "segments")
+    monkeypatch.setenv("XPOOL_PEER_ACCESS", "all")
+    with pytest.raises(ValueError, match="^XPOOL_PEER_ACCESS='all' applies to scheme 'expandable' only"):
+        Settings()

@@ -170,6 +170,25 @@ def test_peers_are_recorded_without_the_device_itself(twin, ops):
     assert twin.pages() == [(0, a, K64, 0b10)]
 
 
+def test_the_twins_peers_are_every_other_device_unless_set(twin, ops):
+    """ops.peers(device) on the twin: every other device (an NVLink host), or what set_peers says; a map naming a
+    device that cannot access the device is refused, as cuMemSetAccess refuses it, and leaves nothing mapped."""
+    assert (ops.peers(0), ops.peers(1)) == (0b10, 0b01)
+    twin.set_peers(0, 0)                         # GPUs without P2P between them
+    assert ops.peers(0) == 0 and ops.peers(1) == 0b01
+    a = ops.reserve(0, 8 * K64)
+    with pytest.raises(_vmm.VmmError, match="cannot access device 0"):
+        ops.map(0, a, K64, peers=0b10)
+    assert twin.pages() == []
+    twin.set_peers(0, 0b10)
+    ops.map(0, a, K64, peers=0b10)
+    assert twin.pages() == [(0, a, K64, 0b10)]
+    for bad in (0b01, 1 << 7):                   # itself; no such device
+        with pytest.raises(ValueError, match="set_peers"):
+            twin.set_peers(0, bad)
+    assert ops.peers(0) == 0b10
+
+
 @pytest.mark.parametrize("gran", [3000, 4096 * 3, 0, 1 << 11])
 def test_a_granularity_must_be_a_power_of_two_of_host_pages(gran):
     with pytest.raises(ValueError, match="granularity"):
@@ -283,6 +302,20 @@ def test_cuda_ops_map_one_allocation_per_page_and_free_it_on_unmap(fake_driver):
         assert get("fake_syncs") == 1                     # the device finished its work first
         assert get("fake_pushes") == get("fake_pops") > 0 # the primary context made current, then not
         ops.release(0, a, 64 * G)
+    """)
+
+
+def test_cuda_peers_are_the_devices_that_can_access_the_device(fake_driver):
+    """ops.peers(device): every other device cuDeviceCanAccessPeer says can reach it (the fake's two devices)."""
+    _fake(fake_driver, """
+        assert (ops.peers(0), ops.peers(1)) == (0b10, 0b01)
+        put("fake_peers_ok", 0)                           # GPUs without P2P between them
+        assert ops.peers(0) == 0
+        try:
+            ops.peers(2)
+            raise SystemExit("no error")
+        except _vmm.VmmError as e:
+            assert "cuDeviceGet" in str(e), e
     """)
 
 

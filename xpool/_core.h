@@ -90,6 +90,11 @@
 enum { XP_SCHEME_SEGMENTS = 0, XP_SCHEME_SEED = 1, XP_SCHEME_EXPANDABLE = 2, XP_SCHEMES = 3 };
 extern const char *const xp_scheme_names[XP_SCHEMES];
 
+/* peer_access of scheme expandable: which other devices a map makes its pages accessible to (names in
+ * xpool/settings.py).  Note [Expandable segments]: peer access */
+enum { XP_PEERS_NONE = 0, XP_PEERS_ALL = 1, XP_PEER_CHOICES = 2 };
+extern const char *const xp_peer_names[XP_PEER_CHOICES];
+
 /* release_on_miss: what a miss of scheme segments (release_for_miss) or expandable (vm_try) gives back first */
 enum { XP_RELEASE_NEVER = 0, XP_RELEASE_HIGH_WATER = 1, XP_RELEASE_ALWAYS = 2, XP_RELEASE_BOUNDED = 3,
        XP_RELEASE_GROWTH = 4, XP_RELEASE_UNTIL_CHURN = 5, XP_RELEASE_PEAK = 6, XP_RELEASE_CHOICES = 7 };
@@ -272,6 +277,8 @@ typedef struct {
                                  stream of a device]) */
     PyObject *vmm_capsule;    /* scheme expandable: backend.vmm(), kept alive while its ops are used */
     XvVmm vmm;                /* scheme expandable: the ops table in it (_vmm.h), called from C */
+    int peer_access;          /* scheme expandable: XP_PEERS_*: XP_PEERS_ALL maps pages for every device that can
+                                 access the pool's device (vm_init asks ops.peers once per device) */
     /* scheme expandable: debug mode's check() reads live blocks from a listing that may be stale; while it
      * reads (pins), nothing is unmapped (a block freed meanwhile keeps its pages), and the other way round */
     pthread_mutex_t pin_lock;

@@ -22,12 +22,13 @@ size_t xe_range_bytes(uint64_t capacity, size_t page)
     return r ? r : page;
 }
 
-int xe_init(XeDevice *x, int device, size_t page, size_t range_bytes)
+int xe_init(XeDevice *x, int device, size_t page, size_t range_bytes, uint64_t peers)
 {
     if (page < 512 || (page & (page - 1))) return -1;
     memset(x, 0, sizeof *x);
     x->device = device;
     x->page = page;
+    x->peers = peers;
     x->range_bytes = range_bytes ? up(range_bytes, page) : page;
     return 0;
 }

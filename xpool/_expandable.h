@@ -53,6 +53,7 @@ typedef struct XeRange {
 typedef struct {
     int device;
     size_t page;           /* the unit of physical memory: ops.granularity(device), a power of two */
+    uint64_t peers;        /* the other devices every map makes its pages accessible to (ops.map's peers) */
     size_t range_bytes;    /* a new range's size, whole pages (xe_range_bytes) */
     XeRange **ranges;      /* by base address */
     size_t n_ranges, cap_ranges;
@@ -114,7 +115,7 @@ typedef struct {
 size_t xe_range_bytes(uint64_t capacity, size_t page);
 
 /* 0, or -1 for a page that is not a power of two of at least 512 B. */
-int xe_init(XeDevice *x, int device, size_t page, size_t range_bytes);
+int xe_init(XeDevice *x, int device, size_t page, size_t range_bytes, uint64_t peers);
 /* Frees the manager's own memory (ranges, unmapped runs) without calling an op: the core has given back
  * what it could, or is a fork()ed child that must not touch the parent's memory.  Free and live blocks are
  * the FreeTree's and the core's. */

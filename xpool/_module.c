@@ -144,8 +144,11 @@ static int read_settings(Allocator *self, PyObject *settings, unsigned long long
     }
     unsigned long long k = 1, small = 0, round = 0, idle = 0, limit = 0;
     double bound = 0;
-    int scheme = read_choice(settings, "scheme", xp_scheme_names, XP_SCHEMES), release = 0;
+    int scheme = read_choice(settings, "scheme", xp_scheme_names, XP_SCHEMES), release = 0, peers = XP_PEERS_NONE;
     if (scheme < 0) return -1;
+    if (scheme == XP_SCHEME_EXPANDABLE &&
+        (peers = read_choice(settings, "peer_access", xp_peer_names, XP_PEER_CHOICES)) < 0)
+        return -1;
     if (scheme == XP_SCHEME_SEED) {
         if (read_u64(settings, "classes_per_doubling", &k) < 0) return -1;
     } else if ((scheme == XP_SCHEME_SEGMENTS && (read_u64(settings, "small_segment", &small) < 0 ||
@@ -169,6 +172,7 @@ static int read_settings(Allocator *self, PyObject *settings, unsigned long long
     self->release_on_miss = release;
     self->release_idle = idle;
     self->release_bound = bound;
+    self->peer_access = peers;
     self->default_limit = limit;
     self->default_fraction = fraction;
     Py_INCREF(settings);

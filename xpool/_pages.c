@@ -206,25 +206,33 @@ uint64_t vm_capacity(DevicePool *pool)
     return capacity;
 }
 
+const char *const xp_peer_names[XP_PEER_CHOICES] = {"none", "all"};
+
 /* The device's range manager, made on its first miss (with the GIL): its page is the device's granularity, a
- * range 1.125x the device's memory.  0, or -1 with an exception. */
+ * range 1.125x the device's memory, its peers (peer_access "all") every device that can access it.  0, or -1
+ * with an exception. */
 static int vm_init(Allocator *A, DevicePool *pool)
 {
     size_t page = 0;
+    uint64_t peers = 0;
     int st;
+    const char *what = "cannot run";
     char why[256] = "";
     Py_BEGIN_ALLOW_THREADS
     st = A->vmm.ops->granularity(A->vmm.ctx, pool->device, &page);
+    if (st == XV_OK && A->peer_access == XP_PEERS_ALL &&
+        (st = A->vmm.ops->peers(A->vmm.ctx, pool->device, &peers)) != XV_OK)
+        what = "cannot tell which devices may access";
     if (st != XV_OK) snprintf(why, sizeof why, "%s", A->vmm.ops->message(A->vmm.ctx));
     Py_END_ALLOW_THREADS
     if (st != XV_OK) {
-        PyErr_Format(PyExc_RuntimeError, "xpool: scheme 'expandable' cannot run on device %d: %s", pool->device, why);
+        PyErr_Format(PyExc_RuntimeError, "xpool: scheme 'expandable' %s on device %d: %s", what, pool->device, why);
         return -1;
     }
     uint64_t capacity = pool_capacity(A, pool);
     XeDevice *x = calloc(1, sizeof *x);
     if (!x) { PyErr_NoMemory(); return -1; }
-    if (xe_init(x, pool->device, page, xe_range_bytes(capacity ? capacity : VM_UNKNOWN_CAPACITY, page)) < 0) {
+    if (xe_init(x, pool->device, page, xe_range_bytes(capacity ? capacity : VM_UNKNOWN_CAPACITY, page), peers) < 0) {
         free(x);
         PyErr_Format(PyExc_ValueError, "xpool: scheme 'expandable': device %d's granularity of %zu B is not a power "
                      "of two of at least 512 B", pool->device, page);
@@ -336,7 +344,7 @@ int vm_try(Allocator *A, DevicePool *pool, Climb *c, XpGil *g)
     size_t ok = 0;
     int st = XV_OK;
     for (; ok < p.n_maps; ok++) {
-        st = ops->map(ctx, pool->device, p.map[ok].addr, p.map[ok].bytes, x->page, 0);
+        st = ops->map(ctx, pool->device, p.map[ok].addr, p.map[ok].bytes, x->page, x->peers);
         if (st != XV_OK) {
             vm_fault(st == XV_OOM ? &c->oom : &c->fault, st, "%s", ops->message(ctx));
             break;

@@ -363,8 +363,32 @@ static int cu_capturing(void *ctx, int device, intptr_t stream)
     return status != XVCU_STREAM_CAPTURE_STATUS_NONE;
 }
 
+/* The devices whose contexts can access `device`'s memory (cuDeviceCanAccessPeer(peer, device)); asked once per
+ * device by the core, so no cache.  A device past the 64 a mask holds is left out. */
+static int cu_peers(void *ctx, int device, uint64_t *mask)
+{
+    (void)ctx;
+    *mask = 0;
+    pthread_once(&cu.once, cu_load);
+    if (cu.status != XV_OK) return fail(cu.status, "%s", cu.why);
+    int n = 0;
+    XVCUdevice dev, other;
+    XVCUresult r = cu.d.cuDeviceGetCount(&n);
+    if (r != XVCUDA_SUCCESS) return cu_fail(r, "cuDeviceGetCount", NULL);
+    if ((r = cu.d.cuDeviceGet(&dev, device)) != XVCUDA_SUCCESS) return cu_fail(r, "cuDeviceGet", NULL);
+    for (int d = 0; d < n && d < XV_MAX_DEVICES; d++) {
+        int can = 0;
+        if (d == device) continue;
+        if ((r = cu.d.cuDeviceGet(&other, d)) != XVCUDA_SUCCESS ||
+            (r = cu.d.cuDeviceCanAccessPeer(&can, other, dev)) != XVCUDA_SUCCESS)
+            return cu_fail(r, "cuDeviceCanAccessPeer", NULL);
+        if (can) *mask |= (uint64_t)1 << d;
+    }
+    return XV_OK;
+}
+
 static const XvOps cuda_ops = {XV_ABI, "cuda", cu_granularity, cu_reserve, cu_release, cu_map, cu_unmap,
-                               cu_capturing, op_message};
+                               cu_capturing, op_message, cu_peers};
 
 int xv_cuda_open(XvVmm *out)
 {
@@ -398,6 +422,7 @@ struct XvHost {
     uint64_t capacity[XV_MAX_DEVICES];
     uint64_t mapped[XV_MAX_DEVICES];
     int capturing[XV_MAX_DEVICES];
+    uint64_t peers[XV_MAX_DEVICES];      /* peers(device): every other device unless set */
     Page *pages;
     size_t n_pages, cap_pages;
     Range *ranges;
@@ -427,7 +452,12 @@ XvHost *xv_host_new(int n_devices, size_t granularity)
     XvHost *h = calloc(1, sizeof *h);
     if (!h) return NULL;
     h->n = n_devices;
-    for (int d = 0; d < n_devices; d++) { h->gran[d] = granularity; h->capacity[d] = UINT64_MAX; }
+    uint64_t all = n_devices == 64 ? UINT64_MAX : ((uint64_t)1 << n_devices) - 1;
+    for (int d = 0; d < n_devices; d++) {
+        h->gran[d] = granularity;
+        h->capacity[d] = UINT64_MAX;
+        h->peers[d] = all & ~((uint64_t)1 << d);
+    }
     return h;
 }
 
@@ -558,6 +588,11 @@ static int host_map(void *ctx, int device, uintptr_t addr, size_t bytes, size_t 
         st = fail(XV_INVALID, "map: peers 0x%llx name no device of %d", (unsigned long long)peers, h->n);
         goto out;
     }
+    if (peers & ~h->peers[device] & ~((uint64_t)1 << device)) {   /* as cuMemSetAccess for a device without P2P */
+        st = fail(XV_INVALID, "map: peers 0x%llx name a device that cannot access device %d (its peers: 0x%llx)",
+                  (unsigned long long)peers, device, (unsigned long long)h->peers[device]);
+        goto out;
+    }
     if (range_of(h, addr, bytes) < 0) {
         st = fail(XV_INVALID, "map: [0x%zx, +%zu) is not inside a reserved range", (size_t)addr, bytes);
         goto out;
@@ -670,8 +705,18 @@ static int host_capturing(void *ctx, int device, intptr_t stream)
     return on;
 }
 
+static int host_peers(void *ctx, int device, uint64_t *mask)
+{
+    XvHost *h = ctx;
+    pthread_mutex_lock(&host_lock);
+    int st = host_check(h, device, "peers");
+    *mask = st == XV_OK ? h->peers[device] : 0;
+    pthread_mutex_unlock(&host_lock);
+    return st;
+}
+
 static const XvOps host_ops = {XV_ABI, "host", host_granularity, host_reserve, host_release, host_map, host_unmap,
-                               host_capturing, op_message};
+                               host_capturing, op_message, host_peers};
 
 XvVmm xv_host_vmm(XvHost *h) { return (XvVmm){&host_ops, h}; }
 int xv_host_devices(const XvHost *h) { return h->n; }
@@ -701,6 +746,19 @@ int xv_host_set_capturing(XvHost *h, int device, int on)
     pthread_mutex_lock(&host_lock);
     int st = host_check(h, device, "set_capturing");
     if (st == XV_OK) h->capturing[device] = !!on;
+    pthread_mutex_unlock(&host_lock);
+    return st;
+}
+
+int xv_host_set_peers(XvHost *h, int device, uint64_t mask)
+{
+    pthread_mutex_lock(&host_lock);
+    int st = host_check(h, device, "set_peers");
+    if (st == XV_OK && (mask >> device & 1 || (h->n < 64 && mask >> h->n)))
+        st = fail(XV_INVALID, "set_peers: 0x%llx names device %d itself or no device of %d", (unsigned long long)mask,
+                  device, h->n);
+    else if (st == XV_OK)
+        h->peers[device] = mask;
     pthread_mutex_unlock(&host_lock);
     return st;
 }

@@ -21,7 +21,7 @@
 #include <stdint.h>
 
 #define XV_CAPSULE "xpool.vmm"
-#define XV_ABI 1
+#define XV_ABI 2
 
 typedef enum {
     XV_OK = 0,
@@ -53,6 +53,10 @@ typedef struct XvOps {
     int (*capturing)(void *ctx, int device, intptr_t stream);
     /* Why this thread's last failed op failed (a thread-local buffer, valid until its next op). */
     const char *(*message)(void *ctx);
+    /* *mask: the devices other than `device` whose kernels and copies can reach its memory directly (CUDA:
+     * cuDeviceCanAccessPeer from each of them; the twin: every other device unless set otherwise), a bit per
+     * device.  What map's `peers` may name for peer access (Note [Expandable segments]: peer access). */
+    int (*peers)(void *ctx, int device, uint64_t *mask);
 } XvOps;
 
 typedef struct {
@@ -90,6 +94,8 @@ int xv_host_devices(const XvHost *h);
 int xv_host_set_capacity(XvHost *h, int device, uint64_t bytes);
 int xv_host_set_granularity(XvHost *h, int device, size_t bytes);   /* only while nothing is reserved */
 int xv_host_set_capturing(XvHost *h, int device, int on);
+/* The devices peers(device) names: a bit per device, `device`'s own and bits past the twin's devices refused. */
+int xv_host_set_peers(XvHost *h, int device, uint64_t mask);
 uint64_t xv_host_capacity(XvHost *h, int device);
 uint64_t xv_host_mapped(XvHost *h, int device);
 /* Faults: after `skip` maps that are let through, the next `count` maps fail with `status` (XV_OOM or XV_ERROR)

@@ -82,6 +82,8 @@ typedef XVCUresult (*xvcu_getproc_v1_t)(const char *, void **, int, XVcuuint64_t
     X(cuInit, XVCUresult (*)(unsigned), "cuInit")                                                          \
     X(cuDriverGetVersion, XVCUresult (*)(int *), "cuDriverGetVersion")                                     \
     X(cuDeviceGet, XVCUresult (*)(XVCUdevice *, int), "cuDeviceGet")                                       \
+    X(cuDeviceGetCount, XVCUresult (*)(int *), "cuDeviceGetCount")                                         \
+    X(cuDeviceCanAccessPeer, XVCUresult (*)(int *, XVCUdevice, XVCUdevice), "cuDeviceCanAccessPeer")       \
     X(cuDeviceGetAttribute, XVCUresult (*)(int *, XVCUdevice_attribute, XVCUdevice), "cuDeviceGetAttribute") \
     X(cuDevicePrimaryCtxRetain, XVCUresult (*)(XVCUcontext *, XVCUdevice), "cuDevicePrimaryCtxRetain")     \
     X(cuCtxGetCurrent, XVCUresult (*)(XVCUcontext *), "cuCtxGetCurrent")                                   \

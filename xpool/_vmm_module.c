@@ -221,6 +221,18 @@ static PyObject *HostTwin_set_capturing(HostTwin *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *HostTwin_set_peers(HostTwin *self, PyObject *args)
+{
+    int device;
+    unsigned long long mask;
+    if (!PyArg_ParseTuple(args, "iK", &device, &mask) || device_arg(self, device) < 0) return NULL;
+    if (xv_host_set_peers(self->h, device, mask) != XV_OK) {
+        PyErr_Format(PyExc_ValueError, "%s", xv_message());
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *HostTwin_fail_maps(HostTwin *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"count", "kind", "after_pages", "skip", NULL};
@@ -339,6 +351,8 @@ static PyMethodDef HostTwin_methods[] = {
     {"mapped_bytes", (PyCFunction)HostTwin_mapped_bytes, METH_VARARGS, "mapped_bytes(device) -> bytes mapped now"},
     {"set_capturing", (PyCFunction)HostTwin_set_capturing, METH_VARARGS,
      "set_capturing(device, on): every stream of the device captures (ops.capturing says so; unmaps are counted)"},
+    {"set_peers", (PyCFunction)HostTwin_set_peers, METH_VARARGS,
+     "set_peers(device, mask): the devices (a bit each) that can access the device's pages (default: every other)"},
     {"fail_maps", (PyCFunction)HostTwin_fail_maps, METH_VARARGS | METH_KEYWORDS,
      "fail_maps(count=1, kind='oom'|'error', after_pages=0, skip=0): after `skip` maps, the next `count` fail "
      "after making `after_pages` pages (undone)"},
@@ -512,6 +526,19 @@ static PyObject *Ops_capturing(Ops *self, PyObject *args)
     return PyBool_FromLong(r);
 }
 
+static PyObject *Ops_peers(Ops *self, PyObject *args)
+{
+    int device;
+    if (!PyArg_ParseTuple(args, "i", &device) || ops_ready(self) < 0) return NULL;
+    uint64_t mask = 0;
+    int st;
+    Py_BEGIN_ALLOW_THREADS
+    st = self->vmm->ops->peers(self->vmm->ctx, device, &mask);
+    Py_END_ALLOW_THREADS
+    if (st != XV_OK) return raise_status(st, self->vmm->ops->message(self->vmm->ctx), 0);
+    return PyLong_FromUnsignedLongLong(mask);
+}
+
 static PyObject *Ops_get_name(Ops *self, void *closure)
 {
     if (ops_ready(self) < 0) return NULL;
@@ -528,6 +555,8 @@ static PyMethodDef Ops_methods[] = {
     {"unmap", (PyCFunction)Ops_unmap, METH_VARARGS | METH_KEYWORDS,
      "unmap(device, addr, nbytes, page=0) -> bytes unmapped; a failure's VmmError.done says how many were"},
     {"capturing", (PyCFunction)Ops_capturing, METH_VARARGS, "capturing(device, stream) -> bool"},
+    {"peers", (PyCFunction)Ops_peers, METH_VARARGS,
+     "peers(device) -> mask: the other devices (a bit each) that can access the device's memory directly"},
     {NULL}
 };
 

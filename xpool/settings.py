@@ -30,11 +30,12 @@ SCHEMES = ("segments", "seed", "expandable")   # how blocks are made (README: th
 SCHEME_ALIASES = {"xpool": "segments"}      # the default scheme's old name: XPOOL_SCHEME=xpool keeps working
 RELEASE_ON_MISS = ("never", "high_water", "always", "bounded", "growth", "until_churn", "peak")
 DEBUG_MODES = ("raise", "warn")
+PEER_ACCESS = ("all", "none")
 # The fields that apply to some schemes only (the release rule is the segments' and the expandable scheme's).
 SCHEME_FIELDS = {
     "seed": ("classes_per_doubling",),
     "segments": ("small_segment", "segment_round", "release_on_miss", "release_idle", "release_bound"),
-    "expandable": ("release_on_miss", "release_idle", "release_bound"),
+    "expandable": ("release_on_miss", "release_idle", "release_bound", "peer_access"),
 }
 ENV = {
     "scheme": "XPOOL_SCHEME",
@@ -47,6 +48,7 @@ ENV = {
     "release_on_miss": "XPOOL_RELEASE_ON_MISS",
     "release_idle": "XPOOL_RELEASE_IDLE",
     "release_bound": "XPOOL_RELEASE_BOUND",
+    "peer_access": "XPOOL_PEER_ACCESS",
 }
 DEFAULTS = {
     "scheme": "segments",
@@ -60,6 +62,9 @@ DEFAULTS = {
     "release_on_miss": "high_water",   # Note [Release on miss]
     "release_idle": 64,
     "release_bound": 1.05,             # "bounded", "growth", "until_churn", "peak": Note [Release on miss: expandable]
+    # expandable: pages are mapped for every device that can reach them, as cudaMalloc's memory is reachable from
+    # every peer once peer access is on (Note [Expandable segments]: peer access)
+    "peer_access": "all",
 }
 # A scheme's own defaults where it differs from DEFAULTS.  Expandable: a miss unmaps nothing, as PyTorch's
 # expandable segments ("bounded" churns on fixed shapes: Note [Release on miss: expandable])
@@ -89,6 +94,8 @@ HELP = {
                     "stay idle before it may go back",
     "release_bound": "segments, expandable, bounded, growth, until_churn and peak: a miss gives back idle memory "
                      "over this many times the most bytes ever requested",
+    "peer_access": "expandable: which other devices may read and write the pool's pages: 'all' (every device "
+                   "that can access the pool's device) or 'none' (its own device only)",
 }
 MAX_TIMELINE = 1 << 40                      # events (64 B each): past any host's memory
 MAX_RELEASE_IDLE = 1 << 62
@@ -150,6 +157,12 @@ class Settings:
             ``"until_churn"`` or ``"peak"``: a miss that would take the pool above this many times the most bytes
             ever requested (by the pool's users, this request included) gives back idle memory first
             (``XPOOL_RELEASE_BOUND``; default 1.05; at least 1).
+        peer_access (str): scheme expandable: which other devices' kernels and copies may reach the pool's
+            pages (``XPOOL_PEER_ACCESS``): ``"all"`` (the default) every device that can access the pool's
+            device (CUDA's ``cuDeviceCanAccessPeer``), so a copy to another GPU (``tensor.to("cuda:1")``) or a
+            kernel reading another GPU's array works as with ``cudaMalloc``'s memory; ``"none"`` its own
+            device only (a map sets access for one device; a peer's access then faults). Note [Expandable
+            segments]: peer access.
 
     Args:
         frontend (str or None): whose defaults fill the fields left None: None, xpool's (``DEFAULTS``), or
@@ -170,6 +183,7 @@ class Settings:
     release_on_miss: str | None = None
     release_idle: int | None = None
     release_bound: float | None = None
+    peer_access: str | None = None
     _: dataclasses.KW_ONLY
     frontend: dataclasses.InitVar[str | None] = None
 
@@ -392,6 +406,13 @@ def _bound(value, source: str) -> float:
     return float(f)
 
 
+def _peer_access(value, source: str) -> str:
+    s = value.strip().lower() if isinstance(value, str) else value
+    if s not in PEER_ACCESS:
+        raise _bad(source, value, f"expected one of {', '.join(map(repr, PEER_ACCESS))}")
+    return s
+
+
 def _debug(value, source: str):
     if value is False or value is True:
         return "raise" if value else False
@@ -410,7 +431,8 @@ def _debug(value, source: str):
 
 _PARSERS = {"scheme": _scheme, "classes_per_doubling": _classes, "limit": _limit, "debug": _debug,
             "timeline": _timeline, "small_segment": _segment_bytes, "segment_round": _segment_bytes,
-            "release_on_miss": _release, "release_idle": _idle, "release_bound": _bound}
+            "release_on_miss": _release, "release_idle": _idle, "release_bound": _bound,
+            "peer_access": _peer_access}
 
 
 def check_timeline(capacity, name: str = "capacity") -> int:

@@ -4,6 +4,8 @@
 #      threads and in processes, CuPy kernels and copies, PyTorch copies); then the GPU traces of the held-out
 #      language model at batch 32 (seeds 0-4), the held-out fixed-length model, and gpt_varlen's other
 #      realizations, for replay on the CPU.
+#   Q: after peer access (peer_access "all"): the expandable scheme's and PyTorch's GPU tests (the two-GPU cases
+#      included), then the probe again under peer_access "all" (the default) and "none", with the map cost.
 #   bash docs/past-runs/gpu_seventeenth.sh P     (the commit in .xpool_commit, RMM's wheels in .whl/, both carried)
 # Logs and CSVs go to $OUT/<stage>.tgz.
 set -uo pipefail
@@ -30,6 +32,14 @@ if [ "$stage" = P ]; then
     timeout -k 5 80 python3 scripts/record_dynamic_traces.py --out "$L/traces" --workloads gpt_varlen \
         --seeds 1,2,3,4 >> "$L/traces.log" 2>&1
     echo "traces rc $?" >> "$L/traces.log"
+fi
+if [ "$stage" = Q ]; then
+    timeout -k 5 330 python3 -m pytest -q -rxXfs tests/test_gpu_expandable.py tests/test_torch_gpu.py > "$L/tests.log" 2>&1
+    echo "tests rc $?" >> "$L/tests.log"
+    timeout -k 5 200 python3 scripts/gpu_peer_probe.py --out "$L/peer_probe.csv" --peer-accesses 'null;"none"' \
+        --map-cost "$L/peer_map_cost.csv" > "$L/peer.log" 2>&1
+    echo "peer rc $?" >> "$L/peer.log"
+    tail -5 "$L/tests.log"
 fi
 tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"
 cat "$L/peer.log" 2>/dev/null | cut -c1-400; tail -15 "$L/traces.log" 2>/dev/null
