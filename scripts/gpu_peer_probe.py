@@ -138,8 +138,9 @@ def map_cost(trials=7, maps=256):
     import time
     import cupy
     import xpool
+    from xpool import _vmm
     rows, arms = [], ["all", "none"]
-    page = xpool._vmm.Ops(xpool._vmm.cuda_vmm()).granularity(0)
+    page = _vmm.Ops(_vmm.cuda_vmm()).granularity(0)
     for trial in range(trials):
         for arm in arms[trial % 2:] + arms[:trial % 2]:
             pool = xpool.MemoryPool(scheme="expandable", peer_access=arm)
@@ -192,6 +193,8 @@ def main(argv=None):
     for case in a.cases.split(","):
         for scheme in a.schemes.split(","):
             for pa in a.peer_accesses.split(";"):
+                if scheme != "expandable" and pa != "null":
+                    continue                # peer_access is scheme expandable's setting
                 envs = [{}] + ([{"NCCL_P2P_DIRECT_DISABLE": "1"}] if case == "nccl_threads" else [])
                 for extra in envs:
                     env = dict(os.environ, NCCL_NVLS_ENABLE="0", **extra)
