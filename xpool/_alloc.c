@@ -546,20 +546,27 @@ uint64_t miss_mark(const Allocator *A, const DevicePool *pool, size_t requested)
  * bytes in use by request past their most ever, so once a program's largest demand has been seen its misses only
  * map (Note [Release on miss: growth]); under "peak" also one that brings them within release_bound of that most,
  * at the program's peak, where its peak reserved is decided, never one below it, where a loop's layout drifts
- * (Note [Release on miss: peak]); every other rule, yes (pool lock held). */
+ * (Note [Release on miss: peak]), and that one only until a miss has mapped pages a miss unmapped at that peak
+ * (churn at a recurring peak: note_miss_map); every other rule, yes (pool lock held). */
 int miss_may_release(const Allocator *A, const DevicePool *pool, size_t requested)
 {
     int rule = A->release_on_miss;
     if (rule != XP_RELEASE_GROWTH && rule != XP_RELEASE_UNTIL_CHURN && rule != XP_RELEASE_PEAK) return 1;
     uint64_t most = requested_most(pool), demand = pool->st.bytes_requested + requested;
     if (demand > most) return 1;
-    if (rule == XP_RELEASE_PEAK) return A->release_bound * (double)demand >= (double)most;
+    if (rule == XP_RELEASE_PEAK)       /* churned_at: 0 none (and always 0 on scheme segments, which maps nothing) */
+        return A->release_bound * (double)demand >= (double)most && (!pool->churned_at || pool->churned_at < most);
     return rule == XP_RELEASE_UNTIL_CHURN && pool->churned_at < most;   /* churned_at only takes the most then */
 }
 
 /* "until_churn" (Note [Release on miss: until_churn]): misses give back as under "bounded" until one maps pages a
  * miss unmapped while the demand's most was what it is now (churn: the layout wants those pages every step), then
- * as under "growth" until the demand passes that most. */
+ * as under "growth" until the demand passes that most.  "peak" (Note [Release on miss: peak]) keeps the same ring
+ * of the last XP_CHURN_RING runs misses unmapped, each with the most at the time: a miss that maps pages of a run
+ * unmapped at a most within release_bound of the current one (m <= most <= release_bound * m: a peak that recurs,
+ * or creeps up by less than the bound) is churn, and churned_at takes the most, so from then on misses at that
+ * peak only map, as under "growth", until the demand passes it.  Its ring records every miss's unmaps, but under
+ * "peak" only misses at the peak (or past it) unmap at all. */
 void note_miss_unmap(DevicePool *pool, uintptr_t addr, uint64_t bytes)
 {
     unsigned k = pool->miss_unmapped_n++ % XP_CHURN_RING;
@@ -568,14 +575,21 @@ void note_miss_unmap(DevicePool *pool, uintptr_t addr, uint64_t bytes)
     pool->miss_unmapped[k].most = requested_most(pool);
 }
 
+/* Whether a run unmapped while the demand's most was `then` was unmapped at the peak of now's most. */
+static int same_peak(const Allocator *A, uint64_t then, uint64_t most)
+{
+    if (A->release_on_miss == XP_RELEASE_PEAK) return then <= most && A->release_bound * (double)then >= (double)most;
+    return then == most;
+}
+
 void note_miss_map(const Allocator *A, DevicePool *pool, uintptr_t addr, uint64_t bytes)
 {
-    if (A->release_on_miss != XP_RELEASE_UNTIL_CHURN) return;
+    if (A->release_on_miss != XP_RELEASE_UNTIL_CHURN && A->release_on_miss != XP_RELEASE_PEAK) return;
     uint64_t most = requested_most(pool);
     unsigned n = pool->miss_unmapped_n < XP_CHURN_RING ? pool->miss_unmapped_n : XP_CHURN_RING;
     for (unsigned k = 0; k < n; k++) {
         uintptr_t lo = pool->miss_unmapped[k].addr, hi = lo + pool->miss_unmapped[k].bytes;
-        if (pool->miss_unmapped[k].most == most && addr < hi && lo < addr + bytes) pool->churned_at = most;
+        if (same_peak(A, pool->miss_unmapped[k].most, most) && addr < hi && lo < addr + bytes) pool->churned_at = most;
     }
 }
 

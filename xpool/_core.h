@@ -101,7 +101,7 @@ enum { XP_RELEASE_NEVER = 0, XP_RELEASE_HIGH_WATER = 1, XP_RELEASE_ALWAYS = 2, X
 extern const char *const xp_release_names[XP_RELEASE_CHOICES];
 #define XP_MISS_BUDGET 1    /* bytes misses may give back, in high-water marks, until empty_cache
                                (Note [Release on miss]) */
-#define XP_CHURN_RING 8     /* "until_churn": the page runs a miss unmapped that a later map is checked against */
+#define XP_CHURN_RING 8     /* "until_churn", "peak": the page runs misses unmapped that a map is checked against */
 
 /* Who a block was handed to: CuPy's C hooks, PyTorch's pluggable-allocator hooks, Allocator.allocate(). */
 enum { ORIGIN_CUPY = 0, ORIGIN_TORCH = 1, ORIGIN_PYTHON = 2, XP_ORIGINS = 3 };
@@ -201,12 +201,13 @@ typedef struct DevicePool {
     int miss_release_off;   /* they passed XP_MISS_BUDGET marks: misses give nothing back until empty_cache */
     uint64_t requested_high;    /* most bytes requested before the last reset_peaks (XP_RELEASE_BOUNDED's mark,
                                    with the peak since: miss_mark); like high_water, not a statistic */
-    struct { uintptr_t addr; uint64_t bytes, most; } miss_unmapped[XP_CHURN_RING];   /* "until_churn": the last
-                                   runs misses unmapped, with the demand's most at the time (Note [Release on
-                                   miss: until_churn]) */
+    struct { uintptr_t addr; uint64_t bytes, most; } miss_unmapped[XP_CHURN_RING];   /* "until_churn", "peak":
+                                   the last runs misses unmapped, with the demand's most at the time (Note [Release
+                                   on miss: until_churn], Note [Release on miss: peak]) */
     unsigned miss_unmapped_n;   /* runs recorded so far (the ring's next slot, modulo XP_CHURN_RING) */
-    uint64_t churned_at;        /* "until_churn": a miss mapped pages a miss had unmapped while the demand's most
-                                   was this; 0 none: until the demand passes it, misses under the most give nothing */
+    uint64_t churned_at;        /* "until_churn", "peak": a miss mapped pages a miss had unmapped while the demand's
+                                   most was this (under "peak": within release_bound of it); 0 none: until the
+                                   demand passes it, misses under the most give nothing back */
     struct DevicePool *older;   /* in a fork()ed child: the parent's pool it replaced (forked_pools) */
 } DevicePool;
 

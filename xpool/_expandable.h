@@ -108,7 +108,7 @@ typedef struct {
     uint64_t need;         /* at least this many bytes, as few whole pages as cover it: the smallest free block
                               that covers it alone, else the largest first; UINT64_MAX: every whole free page */
     uint64_t min_idle;     /* only free blocks unchanged for this many requests (FreeTree.clock) */
-    int for_miss;          /* a miss gives these back: "until_churn" remembers them (note_miss_unmap) */
+    int for_miss;          /* a miss gives these back: "until_churn" and "peak" remember them (note_miss_unmap) */
 } XeRelease;
 
 /* A range's size for a device of `capacity` bytes: 1.125x it (as PyTorch), whole pages, at least one page. */

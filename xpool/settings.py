@@ -148,8 +148,9 @@ class Settings:
             a miss unmapped since the demand last rose, then as ``"growth"`` until it rises again (Note [Release
             on miss: until_churn]); ``"peak"`` (the default of the pool ``xpool.enable_torch()`` makes) as
             ``"bounded"``, but only on a miss that brings the bytes requested within ``release_bound`` of their
-            most ever, or past it: at the program's peak, never below it, where a loop's layout drifts (Note
-            [Release on miss: peak]).
+            most ever, or past it: at the program's peak, never below it, where a loop's layout drifts; on
+            scheme expandable only until a miss maps pages a miss unmapped at that peak (churn at a peak that
+            recurs), then as ``"growth"`` until the demand passes it (Note [Release on miss: peak]).
         release_idle (int): schemes segments and expandable with ``"high_water"``: requests a whole free
             segment (a free block's pages) must have stayed free and unchanged before a miss may give it back
             (``XPOOL_RELEASE_IDLE``; default 64).
