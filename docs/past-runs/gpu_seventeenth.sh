@@ -6,6 +6,10 @@
 #      realizations, for replay on the CPU.
 #   Q: after peer access (peer_access "all"): the expandable scheme's and PyTorch's GPU tests (the two-GPU cases
 #      included), then the probe again under peer_access "all" (the default) and "none", with the map cost.
+#   R: after the churn stop of "peak" and peer access: the GPU tests again, the probe under peer_access "all" and
+#      "none" with the map cost, the held-out language model at batch 32 under PyTorch's allocators and the three
+#      expandable rules (5 interleaved trials, seeds 0-4; data/dynamic_heldout_b32.csv), and the traces of the
+#      held-out ResNet at batch 64 (seeds 0-4) for replay on the CPU.
 #   bash docs/past-runs/gpu_seventeenth.sh P     (the commit in .xpool_commit, RMM's wheels in .whl/, both carried)
 # Logs and CSVs go to $OUT/<stage>.tgz.
 set -uo pipefail
@@ -32,6 +36,23 @@ if [ "$stage" = P ]; then
     timeout -k 5 80 python3 scripts/record_dynamic_traces.py --out "$L/traces" --workloads gpt_varlen \
         --seeds 1,2,3,4 >> "$L/traces.log" 2>&1
     echo "traces rc $?" >> "$L/traces.log"
+fi
+if [ "$stage" = R ]; then
+    timeout -k 5 170 python3 -m pytest -q -rxXfs tests/test_gpu_expandable.py tests/test_torch_gpu.py > "$L/tests.log" 2>&1
+    echo "tests rc $?" >> "$L/tests.log"
+    timeout -k 5 120 python3 scripts/gpu_peer_probe.py --out "$L/peer_probe.csv" --peer-accesses 'null;"none"' \
+        --map-cost "$L/peer_map_cost.csv" > "$L/peer.log" 2>&1
+    echo "peer rc $?" >> "$L/peer.log"
+    timeout -k 5 290 python3 -m xlab.bench.dynamic --fresh --out "$L/dynamic_heldout_b32.csv" --workloads torch_varlen_b32 \
+        --arms torch,torch_expandable,xpool_expandable_bounded,xpool_expandable_growth,xpool_expandable_peak \
+        > "$L/bench.log" 2>&1
+    echo "bench rc $?" >> "$L/bench.log"
+    mkdir -p "$L/traces"
+    left=$((570 - SECONDS)); [ "$left" -lt 10 ] && left=10
+    timeout -k 5 "$left" python3 scripts/record_dynamic_traces.py --out "$L/traces" \
+        --workloads resnet_varres_b64 --seeds 0,1,2,3,4 > "$L/traces.log" 2>&1
+    echo "traces rc $?" >> "$L/traces.log"
+    tail -3 "$L/tests.log"; tail -4 "$L/peer.log"; tail -c 1500 "$L/bench.log"; tail -6 "$L/traces.log"
 fi
 if [ "$stage" = Q ]; then
     timeout -k 5 330 python3 -m pytest -q -rxXfs tests/test_gpu_expandable.py tests/test_torch_gpu.py > "$L/tests.log" 2>&1
