@@ -40,6 +40,7 @@ DYN = ("cupy_mix", "torch_varlen", "gpt_varlen", "gpt_b4", "test_b4", "test_b32_
        "resnet_varres", "resnet_fixed",
        *(f"{w}_s{s}" for w in ("cupy_mix", "torch_varlen", "resnet_varres") for s in (1, 2, 3, 4)))
 HELD_OUT = ("torch_varlen_b32", *(f"torch_varlen_b32_s{s}" for s in (1, 2, 3, 4)), "torch_fixed_b32",
+            "resnet_varres_b64", *(f"resnet_varres_b64_s{s}" for s in (1, 2, 3, 4)),
             *(f"gpt_varlen_s{s}" for s in (1, 2, 3, 4)))
 RULES = ("bounded", "growth", "until_churn", "peak")
 COLUMNS = ["trace", "rule", "ratio", "steady_calls", "steady_unmaps", "calls_after_warmup"]
