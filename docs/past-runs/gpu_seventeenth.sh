@@ -10,6 +10,8 @@
 #      "none" with the map cost, the held-out language model at batch 32 under PyTorch's allocators and the three
 #      expandable rules (5 interleaved trials, seeds 0-4; data/dynamic_heldout_b32.csv), and the traces of the
 #      held-out ResNet at batch 64 (seeds 0-4) for replay on the CPU.
+#   S: the CuPy loop (cupy_mix) again under every arm (5 interleaved trials, seeds 0-4;
+#      data/dynamic_cupy_mix_rerun.csv), whose "peak" rows the churn stop changes (by the replays of its traces).
 #   bash docs/past-runs/gpu_seventeenth.sh P     (the commit in .xpool_commit, RMM's wheels in .whl/, both carried)
 # Logs and CSVs go to $OUT/<stage>.tgz.
 set -uo pipefail
@@ -55,6 +57,12 @@ if [ "$stage" = R ]; then
         --workloads resnet_varres_b64 --seeds 0,1,2,3,4 > "$L/traces.log" 2>&1
     echo "traces rc $?" >> "$L/traces.log"
     tail -3 "$L/tests.log"; tail -4 "$L/peer.log"; tail -c 1500 "$L/bench.log"; tail -6 "$L/traces.log"
+fi
+if [ "$stage" = S ]; then
+    timeout -k 5 520 python3 -m xlab.bench.dynamic --fresh --out "$L/dynamic_cupy_mix.csv" --workloads cupy_mix \
+        > "$L/bench.log" 2>&1
+    echo "bench rc $?" >> "$L/bench.log"
+    tail -c 2500 "$L/bench.log"
 fi
 if [ "$stage" = Q ]; then
     timeout -k 5 330 python3 -m pytest -q -rxXfs tests/test_gpu_expandable.py tests/test_torch_gpu.py > "$L/tests.log" 2>&1
