@@ -549,7 +549,7 @@ ARMS = (
     _xe("growth", "misses at a new demand high unmap over 1.05× the most requested", "#8c8c00", "-."),
     _xe("until_churn", "misses unmap over 1.05× the most requested until a miss maps pages a miss unmapped",
         "#5c5c00", ":"),
-    _xe("peak", "misses at the demand's peak unmap over 1.05× the most requested", "#a55194", "-"),
+    _xe("peak", "peak misses unmap over 1.05× the most requested until they churn", "#a55194", "-"),
     Arm("xpool_norelease", "xpool, segments never given back on a miss (replayed)", "#e377c2", "P",
         framework="replay", ls=":"),
     Arm("xpool_release_all", "xpool, every whole free segment given back on a miss (replayed)", "#ff9896", "d",
