@@ -106,6 +106,7 @@ def main(argv=None) -> int:
     prov = provenance(experiment="map_slack_replay")
     for k, v in prov.items():
         df[k] = v
+    df["build"] = f"{prov['commit'].removesuffix('+dirty')} with scripts/map_slack_experiment.patch applied"
     df["page_bytes"] = 2 << 20
     df = df[COLUMNS + [c for c in df.columns if c not in COLUMNS]]
     df.to_csv(a.out, index=False)
