@@ -34,6 +34,21 @@ def _pool(scheme, peer_access):
     return xpool.MemoryPool(scheme=scheme, **kw)
 
 
+def _all_reduce(rank, uid, times=1):
+    """Rank `rank` of two: an NCCL all-reduce of 64 MiB from and into pool memory (the current allocator's) on
+    its own GPU, `times` times; whether every element came out the sum."""
+    import cupy
+    from cupy.cuda import nccl
+    comm = nccl.NcclCommunicator(2, uid, rank)
+    x = cupy.full(N, rank + 1, dtype=cupy.float32)
+    y = cupy.empty_like(x)
+    s = cupy.cuda.get_current_stream()
+    for _ in range(times):
+        comm.allReduce(x.data.ptr, y.data.ptr, N, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, s.ptr)
+    s.synchronize()
+    return bool((y == 3).all())
+
+
 def nccl_threads(scheme, peer_access):
     import cupy
     from cupy.cuda import nccl
@@ -44,14 +59,7 @@ def nccl_threads(scheme, peer_access):
     def rank(r):
         try:
             with cupy.cuda.Device(r), xpool.use(pool):
-                comm = nccl.NcclCommunicator(2, uid, r)
-                x = cupy.full(N, r + 1, dtype=cupy.float32)
-                y = cupy.empty_like(x)
-                s = cupy.cuda.get_current_stream()
-                for _ in range(3):
-                    comm.allReduce(x.data.ptr, y.data.ptr, N, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, s.ptr)
-                s.synchronize()
-                ok[r] = bool((y == 3).all())
+                ok[r] = _all_reduce(r, uid, times=3)
         except Exception as e:      # noqa: BLE001 -- reported
             errors.append(f"rank {r}: {type(e).__name__}: {e}")
     ts = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
@@ -64,18 +72,10 @@ def nccl_threads(scheme, peer_access):
 
 def nccl_rank(scheme, peer_access):
     import cupy
-    from cupy.cuda import nccl
     import xpool
     r, uid = int(os.environ["PROBE_RANK"]), bytes(json.loads(os.environ["PROBE_UID"]))
-    pool = _pool(scheme, peer_access)
-    with cupy.cuda.Device(r), xpool.use(pool):
-        comm = nccl.NcclCommunicator(2, uid, r)
-        x = cupy.full(N, r + 1, dtype=cupy.float32)
-        y = cupy.empty_like(x)
-        s = cupy.cuda.get_current_stream()
-        comm.allReduce(x.data.ptr, y.data.ptr, N, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, s.ptr)
-        s.synchronize()
-        return dict(ok=bool((y == 3).all()), detail=f"rank {r}")
+    with cupy.cuda.Device(r), xpool.use(_pool(scheme, peer_access)):
+        return dict(ok=_all_reduce(r, uid), detail=f"rank {r}")
 
 
 def nccl_procs(scheme, peer_access):

@@ -1,8 +1,8 @@
 """Map slack (#22's steady-state maps from fragmentation), replayed on every H200 trace of the dynamic-shape benchmark
-(scripts/peak_churn_replay.py's DYN) and of its held-out workloads (HELD_OUT), under release_on_miss "peak" (the
+(xlab.memory_study's DYN_TRACES) and of its held-out workloads (HELD_OUT_TRACES), under release_on_miss "peak" (the
 PyTorch front end's default) and "never" (CuPy's expandable default).  Scheme expandable with 2 MiB pages over the
-host twin, as scripts/peak_churn_replay.py replays them (its `replay`: the replays equal the GPU's runs to the byte and
-the call).
+host twin, as xlab.memory_study.replay_rule replays them (the replays equal the GPU's runs to the byte and the
+call).
 
 Slack: when a miss maps pages, the run it maps is rounded up to cover `slack` more bytes past the block (only where
 the plan ends in an unmapped run; capped at that run), so the next odd-sized requests find a free piece.  It needs an
@@ -41,7 +41,6 @@ import pandas as pd
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 SLACKS = ("none",
           "pages:1", "pages:2", "pages:4", "pages:8", "demand:0.005", "demand:0.01", "demand:0.02", "req:1",
@@ -55,13 +54,13 @@ COLUMNS = ["trace", "rule", "slack", "ratio", "steady_calls", "steady_unmaps", "
 
 def worker(slack: str, rules) -> list:
     """Every trace under every rule in this process, whose $XPOOL_EXP_SLACK is `slack`."""
-    import peak_churn_replay as pcr
+    from xlab import memory_study as m
     rows = []
-    for name in pcr.DYN + pcr.HELD_OUT:
-        tl = pcr.trace(name)
+    for name in m.DYN_TRACES + m.HELD_OUT_TRACES:
+        tl = m.dyn_trace(name)
         for rule in rules:
-            r = pcr.replay(tl, rule)
-            rows.append(dict(trace=name, rule=rule, slack=slack, held_out=name in pcr.HELD_OUT,
+            r = m.replay_rule(tl, rule)
+            rows.append(dict(trace=name, rule=rule, slack=slack, held_out=name in m.HELD_OUT_TRACES,
                              **{k: (float(v) if k == "ratio" else int(v)) for k, v in r.items()}))
     return rows
 
@@ -107,12 +106,12 @@ def main(argv=None) -> int:
     for k, v in prov.items():
         df[k] = v
     df["build"] = f"{prov['commit'].removesuffix('+dirty')} with scripts/map_slack_experiment.patch applied"
-    df["page_bytes"] = 2 << 20
+    from xlab import memory_study as m
+    df["page_bytes"] = m.DYN_PAGE
     df = df[COLUMNS + [c for c in df.columns if c not in COLUMNS]]
     df.to_csv(a.out, index=False)
 
-    import peak_churn_replay as pcr
-    pytorch = [n for n in pcr.DYN + pcr.HELD_OUT if n.startswith(("resnet_varres", "torch_fixed_b32"))]
+    pytorch = [n for n in m.DYN_TRACES + m.HELD_OUT_TRACES if n.startswith(("resnet_varres", "torch_fixed_b32"))]
     summary = []
     for (slack, rule), g in df.groupby(["slack", "rule"], sort=False):
         w = g[g["ratio"] > g["ratio_none"] + 0.002]

@@ -18,6 +18,7 @@ from faults import AddressBackend, in_child
 from fixtures.torch_c import FREE, LAST_ERROR, MALLOC, TRY_MALLOC, addr, build_harness  # noqa: F401
 from xpool import HostBackend, Pool, Settings
 from xpool.debug import CANARY, POISON
+from xlab import memory_study
 
 P = 1 << 16                     # the twin's default granularity: the scheme's page
 MiB = 1 << 20
@@ -593,12 +594,7 @@ def test_a_loop_keeping_the_previous_step_alive_maps_and_unmaps_nothing_once_war
     assert pool.empty_cache() > 0 and stats(pool)["bytes_reserved"] == 0
 
 
-DYN = ("cupy_mix", "torch_varlen", "gpt_varlen", "gpt_b4", "test_b4", "test_b32_perparam", "torch_fixed", "gpt_b32",
-       "resnet_varres", "resnet_fixed",
-       *(f"{w}_s{s}" for w in ("cupy_mix", "torch_varlen", "resnet_varres") for s in (1, 2, 3, 4)))   # other seeds
-HELD_OUT = ("torch_varlen_b32", *(f"torch_varlen_b32_s{s}" for s in (1, 2, 3, 4)), "torch_fixed_b32",   # xlab.bench.
-            "resnet_varres_b64", *(f"resnet_varres_b64_s{s}" for s in (1, 2, 3, 4)),   # dynamic's held-out workloads,
-            *(f"gpt_varlen_s{s}" for s in (1, 2, 3, 4)))   # and gpt_varlen's other seeds
+DYN, HELD_OUT = memory_study.DYN_TRACES, memory_study.HELD_OUT_TRACES   # the H200's traces
 
 
 @pytest.mark.parametrize("workload", DYN + HELD_OUT)
@@ -607,8 +603,8 @@ def test_the_h200s_traces_replay_to_its_counters_and_the_bound_holds(workload):
     recording run's peaks and device calls to the byte under the rule it ran (its release_on_miss column); under
     "bounded" (1.05) peak reserved stays within the bound on every trace but the CuPy loop's, whose misses spend
     the give-back budget (Note [Release on miss: expandable])."""
-    from xlab import memory_study as m
-    tl = _trace(workload)
+    m = memory_study
+    tl = m.dyn_trace(workload)
     gpu = tl.iloc[0]
     for rule in dict.fromkeys((gpu.release_on_miss, "bounded")):
         pool = Pool(m.AddressSpaceBackend(), scheme="expandable", limit=0, timeline=0, release_on_miss=rule)
@@ -622,39 +618,14 @@ def test_the_h200s_traces_replay_to_its_counters_and_the_bound_holds(workload):
         live.clear()
 
 
-def _replay_rule(tl, rule: str) -> dict:
-    """A trace replayed under `rule` with 2 MiB pages: peak reserved / peak requested, the unmaps after the demand's
-    last new high (the benchmark's steady state), and the maps and unmaps after the trace's warm-up steps."""
-    from xlab import memory_study as m
-    from xlab.bench.dynamic import steady_state
-    pool = Pool(m.AddressSpaceBackend(), scheme="expandable", limit=0, timeline=0, release_on_miss=rule)
-    probes = []                                           # (unmaps, maps + unmaps, peak requested) after each step
-
-    def probe(step):
-        s = stats(pool)
-        probes.append((s["device_unmaps"], s["device_unmaps"] + s["device_maps"], s["peak_bytes_requested"]))
-    live, _ = m._drive(pool, m._replay_events(tl), probe)
-    s = stats(pool)
-    live.clear()
-    warmup = int(tl["warmup"].iloc[0])                    # probes[0] is the setup before step 0
-    return dict(ratio=s["peak_bytes_reserved"] / s["peak_bytes_requested"],
-                steady_unmaps=steady_state([(u, p) for u, _, p in probes], 0)["device_calls_steady"],
-                calls_after_warmup=probes[-1][1] - probes[warmup][1])
-
-
-def _trace(workload):
-    import pandas as pd
-    return pd.read_csv(os.path.join(os.path.dirname(__file__), "..", "data", f"memory_trace_dyn_{workload}.csv.gz"))
-
-
 @pytest.mark.parametrize("workload", DYN + HELD_OUT)
 def test_under_growth_the_h200s_traces_unmap_nothing_once_their_demand_has_peaked(workload):
     """release_on_miss "growth" on the H200's traces: no unmap in any step after the last one whose demand reached a
     new high (the benchmark's steady state), where "bounded" unmaps on three of them.  Its maps there are not always
     fewer than "never"'s: the layout its earlier unmaps leave can miss later (cupy_mix 2 where "never" makes none,
     resnet_fixed 2 against 1; Note [Release on miss: growth])."""
-    tl = _trace(workload)
-    unmaps = {rule: _replay_rule(tl, rule)["steady_unmaps"] for rule in ("bounded", "growth")}
+    tl = memory_study.dyn_trace(workload)
+    unmaps = {rule: memory_study.replay_rule(tl, rule)["steady_unmaps"] for rule in ("bounded", "growth")}
     assert unmaps["growth"] == 0, unmaps
     if workload in ("cupy_mix", "test_b4", "resnet_fixed"):      # where "bounded" unmaps there, so the count sees it
         assert unmaps["bounded"] > 0, unmaps
@@ -666,9 +637,9 @@ def test_until_churn_holds_bounded_s_memory_on_the_pytorch_traces_and_stops_its_
     state no more than "bounded" does, and far less where "bounded" churns (the ResNet at a fixed size: 17 unmaps
     after the demand's peak against 3); on the PyTorch model at varying lengths and the ResNet at varying sizes it
     holds what "bounded" holds, within 1.05, on every realization, where "growth" holds 1.116 on two."""
-    tl = _trace(workload)
+    tl = memory_study.dyn_trace(workload)
     got = {rule: (r["steady_unmaps"], r["ratio"]) for rule in ("bounded", "until_churn")
-           for r in [_replay_rule(tl, rule)]}
+           for r in [memory_study.replay_rule(tl, rule)]}
     assert got["until_churn"][0] <= got["bounded"][0], got
     if workload == "resnet_fixed":
         assert got["bounded"][0] >= 10 and got["until_churn"][0] <= 3, got
@@ -698,8 +669,8 @@ def test_peak_holds_bounded_s_memory_on_the_language_model_and_does_not_churn(wo
     batch 32 (held out) a miss at its recurring peak unmapped and mapped again every few steps, as "bounded" does;
     the churn stop cuts those calls to 1-12 after the warm-up (from 6-25), for 1.054-1.133 peak reserved / peak
     requested where "bounded" holds 1.050 (and "growth" 1.100-1.130 with 0-6 calls)."""
-    tl = _trace(workload)
-    got = {rule: _replay_rule(tl, rule) for rule in ("bounded", "growth", "peak")}
+    tl = memory_study.dyn_trace(workload)
+    got = {rule: memory_study.replay_rule(tl, rule) for rule in ("bounded", "growth", "peak")}
     if workload.startswith("torch_varlen") and workload not in B32_PEAK:
         assert got["peak"]["ratio"] == got["bounded"]["ratio"] <= 1.05, got
         if workload.endswith(("_s3", "_s4")):

@@ -423,6 +423,59 @@ def load_traces(data_dir=None, names=None) -> dict:
     return {name: pd.read_csv(path) for name, path in files.items() if path.is_file()}
 
 
+# The H200's traces of the dynamic-shape benchmark's workloads (scripts/record_dynamic_traces.py,
+# data/memory_trace_dyn_<name>.csv.gz; _s<k>: the realization of seed k), and of its held-out ones with gpt_varlen's
+# other realizations.  The release rules' trace tests and replays (Note [Release on miss: peak]) run over these.
+DYN_TRACES = ("cupy_mix", "torch_varlen", "gpt_varlen", "gpt_b4", "test_b4", "test_b32_perparam", "torch_fixed",
+              "gpt_b32", "resnet_varres", "resnet_fixed",
+              *(f"{w}_s{s}" for w in ("cupy_mix", "torch_varlen", "resnet_varres") for s in (1, 2, 3, 4)))
+HELD_OUT_TRACES = ("torch_varlen_b32", *(f"torch_varlen_b32_s{s}" for s in (1, 2, 3, 4)), "torch_fixed_b32",
+                   "resnet_varres_b64", *(f"resnet_varres_b64_s{s}" for s in (1, 2, 3, 4)),
+                   *(f"gpt_varlen_s{s}" for s in (1, 2, 3, 4)))
+DYN_PAGE = 2 << 20       # the H200's granularity: AddressSpaceBackend's page
+
+
+def dyn_trace(name: str, data_dir=None) -> pd.DataFrame:
+    """One trace of DYN_TRACES or HELD_OUT_TRACES (default folder: the repository's data/)."""
+    from .paths import data_dir as repo_data
+    return pd.read_csv(pathlib.Path(data_dir if data_dir is not None else repo_data()) /
+                       f"memory_trace_dyn_{name}.csv.gz")
+
+
+def replay_rule(tl: pd.DataFrame, rule: str) -> dict:
+    """A dynamic trace under scheme expandable with release_on_miss `rule`, 2 MiB pages over the host twin (the
+    replays equal the GPU's runs to the byte and the call):
+    - ratio: peak reserved / peak requested;
+    - steady_calls, steady_unmaps: maps + unmaps, and unmaps alone, in the benchmark's steady state
+      (xlab.bench.dynamic.steady_state over the workload's steps, probed after each as the benchmark probes them;
+      the trace's teardown after the last step is not counted);
+    - calls_after_warmup: maps + unmaps from the end of the last warm-up step to the end of the trace, teardown
+      included;
+    and the counts they come from."""
+    from xlab.bench.dynamic import steady_state
+    pool = Pool(AddressSpaceBackend(), scheme="expandable", limit=0, timeline=0, release_on_miss=rule)
+    probes = {}                                           # step -> (maps, unmaps, peak requested) at its end
+
+    def probe(step):                                      # _drive calls it with None before the first event
+        s = pool._core.stats(0)
+        probes[step] = (s["device_maps"], s["device_unmaps"], s["peak_bytes_requested"])
+    live, unmatched = _drive(pool, _replay_events(tl), probe)
+    s = pool._core.stats(0)
+    live.clear()
+    warmup, steps = int(tl["warmup"].iloc[0]), int(tl["steps"].iloc[0])
+    per_step = [probes[k] for k in range(warmup + steps)]   # the workload's steps: the benchmark's probes
+    calls = steady_state([(mp + un, p) for mp, un, p in per_step], warmup)
+    unmaps = steady_state([(un, p) for _, un, p in per_step], warmup)
+    last = probes[max(k for k in probes if k is not None)]
+    return dict(ratio=s["peak_bytes_reserved"] / s["peak_bytes_requested"],
+                steady_calls=calls["device_calls_steady"], steady_unmaps=unmaps["device_calls_steady"],
+                calls_after_warmup=sum(last[:2]) - sum(probes[warmup - 1][:2]),
+                steady_steps=calls["steady_steps"], demand_peak_step=calls["demand_peak_step"],
+                device_calls=s["device_maps"] + s["device_unmaps"],
+                peak_bytes_reserved=s["peak_bytes_reserved"], peak_bytes_requested=s["peak_bytes_requested"],
+                unmatched_frees=unmatched)
+
+
 def scheme_study(traces: dict, allocators=SCHEME_ALLOCATORS, repeats: int = 7) -> pd.DataFrame:
     """One row per (trace, allocator): peak reserved / peak requested and device mallocs by replay, and ns
     per alloc+free pair over the host backend (xpool's schemes; NaN for CuPy's model), with provenance."""

@@ -554,9 +554,10 @@ int miss_may_release(const Allocator *A, const DevicePool *pool, size_t requeste
     if (rule != XP_RELEASE_GROWTH && rule != XP_RELEASE_UNTIL_CHURN && rule != XP_RELEASE_PEAK) return 1;
     uint64_t most = requested_most(pool), demand = pool->st.bytes_requested + requested;
     if (demand > most) return 1;
-    if (rule == XP_RELEASE_PEAK)       /* churned_at: 0 none (and always 0 on scheme segments, which maps nothing) */
-        return A->release_bound * (double)demand >= (double)most && (!pool->churned_at || pool->churned_at < most);
-    return rule == XP_RELEASE_UNTIL_CHURN && pool->churned_at < most;   /* churned_at only takes the most then */
+    /* churned_at (0: none; always 0 on scheme segments, which maps nothing) only ever takes the most, so below it
+     * means no churn seen at this most */
+    if (rule == XP_RELEASE_PEAK) return A->release_bound * (double)demand >= (double)most && pool->churned_at < most;
+    return rule == XP_RELEASE_UNTIL_CHURN && pool->churned_at < most;
 }
 
 /* "until_churn" (Note [Release on miss: until_churn]): misses give back as under "bounded" until one maps pages a
