@@ -457,10 +457,10 @@ def replay_rule(tl: pd.DataFrame, rule: str) -> dict:
     probes = {}                                           # step -> (maps, unmaps, peak requested) at its end
 
     def probe(step):                                      # _drive calls it with None before the first event
-        s = pool._core.stats(0)
+        s = pool.stats(0).iloc[0]
         probes[step] = (s["device_maps"], s["device_unmaps"], s["peak_bytes_requested"])
     live, unmatched = _drive(pool, _replay_events(tl), probe)
-    s = pool._core.stats(0)
+    s = pool.stats(0).iloc[0]
     live.clear()
     warmup, steps = int(tl["warmup"].iloc[0]), int(tl["steps"].iloc[0])
     per_step = [probes[k] for k in range(warmup + steps)]   # the workload's steps: the benchmark's probes
