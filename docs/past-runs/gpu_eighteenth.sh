@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The eighteenth session's GPU runs (#22), one lent host of two H200s:
+#   V: build; the cross-GPU probe at this commit (scripts/gpu_peer_probe.py: NCCL in threads and in processes,
+#      CuPy kernels and copies, PyTorch copies; peer_access default and "none"), with what peer access costs a
+#      one-page miss; the two-GPU tests of the expandable scheme; then threads and processes on 1 and 2 GPUs,
+#      batch 32, 5 interleaved trials (xlab.experiments ddp) under raw, CuPy's pool, xpool's default (segments) and
+#      the expandable scheme: the measurement on several GPUs that the CuPy default was waiting for.
+#   W: the four PyTorch workloads of the dynamic-shape benchmark at this commit (peer access on, the churn stop of
+#      "peak"), every PyTorch-capable arm, 5 interleaved trials on seeds 0-4: they replace the rows of
+#      data/dynamic_shapes.csv measured at 6147932.
+#   bash docs/past-runs/gpu_eighteenth.sh V     (the commit in .xpool_commit, carried)
+# Logs and CSVs go to $OUT/<stage>.tgz.
+set -uo pipefail
+stage=${1:?V}
+OUT=${OUT:-build/gpu}
+L=$OUT/$stage
+mkdir -p "$L"
+export PYTHONUNBUFFERED=1 XPOOL_COMMIT=$(cat .xpool_commit) NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD
+python3 setup.py build_ext --inplace > "$L/build.log" 2>&1 || { tail -30 "$L/build.log"; exit 1; }
+{ nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv; nvidia-smi topo -m
+  python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch.__version__)"
+  echo "commit $XPOOL_COMMIT"; } > "$L/gpu.txt" 2>&1
+if [ "$stage" = V ]; then
+    timeout -k 5 170 python3 scripts/gpu_peer_probe.py --out "$L/peer_probe.csv" --peer-accesses 'null;"none"' \
+        --map-cost "$L/peer_map_cost.csv" > "$L/peer.log" 2>&1
+    echo "peer rc $?" >> "$L/peer.log"
+    timeout -k 5 90 python3 -m pytest -q -rxXfs tests/test_gpu_expandable.py \
+        -k "another_gpu or peer_access_none or nccl" > "$L/tests.log" 2>&1
+    echo "tests rc $?" >> "$L/tests.log"
+    left=$((575 - SECONDS)); [ "$left" -lt 10 ] && left=10
+    timeout -k 5 "$left" python3 -X faulthandler -m xlab.experiments ddp --trials 5 --no-progress --worlds 1 2 \
+        --allocators raw cupy_pool xpool xpool_expandable --out "$L/ddp_expandable.csv" ${RESUME:+--resume} \
+        > "$L/ddp.log" 2>&1
+    echo "ddp rc $?" >> "$L/ddp.log"
+    tail -4 "$L/peer.log"; tail -4 "$L/tests.log"; tail -c 2500 "$L/ddp.log"
+fi
+if [ "$stage" = W ]; then
+    left=$((575 - SECONDS))
+    timeout -k 5 "$left" python3 -m xlab.bench.dynamic ${RESUME:---fresh} --out "$L/dynamic_torch.csv" \
+        --workloads torch_varlen,torch_fixed,resnet_varres,resnet_fixed \
+        --arms torch,torch_expandable,xpool_segments,xpool_seed,xpool_expandable,xpool_expandable_bounded,xpool_expandable_growth,xpool_expandable_until_churn,xpool_expandable_peak \
+        > "$L/bench.log" 2>&1
+    echo "bench rc $?" >> "$L/bench.log"
+    tail -c 3000 "$L/bench.log"
+fi
+tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"
+cat "$L/peer.log" 2>/dev/null | cut -c1-300 | tail -30
