@@ -21,7 +21,8 @@ KINDS = {
     # NVML's utilisation needs windows longer than its sample period (1/6 s to 1 s): 250 steps at batch 4
     "busy_b4": ((("single_gpu", {"batch": 4}), ("single_gpu_recheck", {"batch": 4}),
                  ("graph/single_gpu_b4", {"batch": 4})), ("batch",)),
-    "ddp": ((("ddp_scaling", {}),), ("mode", "world", "batch")),
+    # ddp_expandable (d07f649): raw, CuPy's pool and xpool again, beside the expandable scheme, on another day's host
+    "ddp": ((("ddp_scaling", {}), ("ddp_expandable", {})), ("mode", "world", "batch")),
     "batch_sweep": ((("batch_sweep", {}), ("graph/batch_sweep", {})), ("mode", "world", "batch")),
     "graph": ((("graph/single_gpu", {}), ("graph/single_gpu_b4", {}), ("graph/ddp_scaling", {}),
                ("graph/ddp_processes", {})), ("mode", "world", "batch")),
