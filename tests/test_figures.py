@@ -145,7 +145,7 @@ def test_every_figure_is_checked():
 
 
 def check_ddp_before_after(fig, data):
-    df = newest(data, "ddp_scaling", keys=("mode", "world"))
+    df = newest(data, "ddp_scaling", "ddp_expandable", keys=("mode", "world"))
     top = df[(df["mode"] != "single") & (df["world"] == df["world"].max())]
     sp, ut = fig.axes[:2]
     bar_panel(fig, sp, top, "mode", "speedup", MODES.__getitem__)
@@ -187,7 +187,7 @@ def check_alloc_threads(fig, data):
 
 
 def check_ddp_scaling(fig, data):
-    df = newest(data, "ddp_scaling", keys=("mode", "world"))
+    df = newest(data, "ddp_scaling", "ddp_expandable", keys=("mode", "world"))
     df = df[df["mode"] != "single"]
     modes = [m for m in ("threads", "processes") if m in set(df["mode"])]
     for j, mode in enumerate(modes):
