@@ -8,13 +8,17 @@
 #   W: the four PyTorch workloads of the dynamic-shape benchmark at this commit (peer access on, the churn stop of
 #      "peak"), every PyTorch-capable arm, 5 interleaved trials on seeds 0-4: they replace the rows of
 #      data/dynamic_shapes.csv measured at 6147932.
-#   bash docs/past-runs/gpu_eighteenth.sh V     (the commit in .xpool_commit, carried)
+#   X: the six notebooks on one GPU through papermill, each measuring with small parameters (a smoke run of the
+#      measuring path, not numbers to quote), publish=False: they must finish, and change no committed file.
+#   bash docs/past-runs/gpu_eighteenth.sh V     (the commit in .xpool_commit, carried; X: .whl carried too, with
+#   RMM's wheels in .whl/ and papermill's and ipykernel's for Python 3.12 in .whl/pm/:
+#   pip download papermill ipykernel --python-version 3.12 --platform manylinux_2_28_x86_64 --only-binary=:all: -d .whl/pm)
 # Logs and CSVs go to $OUT/<stage>.tgz.
 set -uo pipefail
 stage=${1:?V}
 OUT=${OUT:-build/gpu}
-L=$OUT/$stage
-mkdir -p "$L"
+L=/tmp/gpu/$stage          # the stage's files; $OUT gets its tarball (at most 8 files come back) and its main log
+mkdir -p "$L" "$OUT"
 export PYTHONUNBUFFERED=1 XPOOL_COMMIT=$(cat .xpool_commit) NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD
 python3 setup.py build_ext --inplace > "$L/build.log" 2>&1 || { tail -30 "$L/build.log"; exit 1; }
 { nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv; nvidia-smi topo -m
@@ -43,5 +47,33 @@ if [ "$stage" = W ]; then
     echo "bench rc $?" >> "$L/bench.log"
     tail -c 3000 "$L/bench.log"
 fi
-tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"
+if [ "$stage" = X ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        > "$L/pip.log" 2>&1
+    python3 -m pip install -q --no-index --find-links .whl/pm papermill ipykernel >> "$L/pip.log" 2>&1
+    export PYTHONPATH=$PWD:/tmp/site
+    sums() { find data figures notebooks report -type f | sort | xargs sha256sum; }
+    sums > "$L/before.sha"
+    mkdir -p "$L/nb"
+    nb() {      # nb NAME LIMIT ARGS...: one notebook, time-limited by what is left of 570 s
+        local name=$1 limit=$2; shift 2
+        local left=$((570 - SECONDS)); [ "$left" -lt "$limit" ] && limit=$left
+        [ "$limit" -lt 10 ] && { echo "$name: skipped (no time left)" >> "$L/nb.log"; return; }
+        local t0=$SECONDS
+        timeout -k 5 "$limit" python3 -m papermill --no-progress-bar -k python3 "notebooks/$name.ipynb" "$L/nb/$name.ipynb" "$@" \
+            > "$L/nb/$name.log" 2>&1
+        echo "$name: rc $? in $((SECONDS - t0)) s" >> "$L/nb.log"
+    }
+    nb 01_correctness 120 -p transparency_steps 10
+    nb 02_allocator_microbench 90 -p quick True
+    nb 03_single_gpu 90 -p steps 4 -p warmup 2 -p trials 1 -y "batches: [4]"
+    nb 05_memory 60 -y "ks: [1]"
+    nb 04_multi_gpu 120 -y "worlds: [1]" -p trials 1 -p steps 3 -p sweep False -p graph False
+    nb 06_dynamic_shapes 200 -p quick True
+    sums > "$L/after.sha"
+    { echo "committed files changed by the runs:"; diff "$L/before.sha" "$L/after.sha" && echo none; } >> "$L/nb.log"
+    cat "$L/nb.log"; tail -3 "$L/pip.log"
+fi
+tar czf "$OUT/$stage.tgz" -C /tmp/gpu "$stage"
+cp "$L"/*.csv "$L/nb.log" "$OUT"/ 2>/dev/null
 cat "$L/peer.log" 2>/dev/null | cut -c1-300 | tail -30
