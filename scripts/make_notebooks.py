@@ -182,8 +182,8 @@ Data-parallel training of the same GPT on 1 and 2 GPUs, either one thread per GP
 one process per GPU (`processes`), gradients all-reduced with NCCL every step: tokens per second, speedup over one
 GPU, GPU utilisation, before (raw `cudaMalloc`) and after (a pool); then the batch sweep: one thread per GPU on 2
 GPUs against 1 at per-GPU batch 4 to 128, where the host bound ends. Trials interleaved across the allocators.
-Measured by `xlab.experiments.ddp.run` and `xlab.experiments.sweep.run` (`data/ddp_scaling.csv`,
-`data/batch_sweep.csv`). Last, the step as a CUDA graph: forward and backward captured once over a private pool and
+Measured by `xlab.experiments.ddp.run` and `xlab.experiments.sweep.run` (`data/ddp_scaling.csv`; its newer run
+`data/ddp_expandable.csv` beside the expandable scheme; `data/batch_sweep.csv`). Last, the step as a CUDA graph: forward and backward captured once over a private pool and
 replayed (`_graph` arms, `tapegpt.graph`), beside the eager arms (`data/graph/`).
 ''' + header("04_multi_gpu", "-p modes threads -p worlds 1,2")),
         ("params", '''\
