@@ -442,9 +442,11 @@ def dyn_trace(name: str, data_dir=None) -> pd.DataFrame:
                        f"memory_trace_dyn_{name}.csv.gz")
 
 
-def replay_rule(tl: pd.DataFrame, rule: str) -> dict:
+def replay_rule(tl: pd.DataFrame, rule: str, reserve: int = 0) -> dict:
     """A dynamic trace under scheme expandable with release_on_miss `rule`, 2 MiB pages over the host twin (the
-    replays equal the GPU's runs to the byte and the call):
+    replays equal the GPU's runs to the byte and the call); with `reserve` bytes, the reserve recipe first (one block
+    of that size allocated on the trace's first stream and freed, then `reset_peak_stats(history=True)`: its pages
+    stay mapped as one free run, and neither the gauges nor the release rules remember the request):
     - ratio: peak reserved / peak requested;
     - steady_calls, steady_unmaps: maps + unmaps, and unmaps alone, in the benchmark's steady state
       (xlab.bench.dynamic.steady_state over the workload's steps, probed after each as the benchmark probes them;
@@ -454,12 +456,17 @@ def replay_rule(tl: pd.DataFrame, rule: str) -> dict:
     and the counts they come from."""
     from xlab.bench.dynamic import steady_state
     pool = Pool(AddressSpaceBackend(), scheme="expandable", limit=0, timeline=0, release_on_miss=rule)
+    events = _replay_events(tl)
+    if reserve:
+        block = pool.allocate(reserve, int(events["device"].iloc[0]), int(events["stream"].iloc[0]))
+        del block
+        pool.reset_peak_stats(history=True)
     probes = {}                                           # step -> (maps, unmaps, peak requested) at its end
 
     def probe(step):                                      # _drive calls it with None before the first event
         s = pool.stats(0).iloc[0]
         probes[step] = (s["device_maps"], s["device_unmaps"], s["peak_bytes_requested"])
-    live, unmatched = _drive(pool, _replay_events(tl), probe)
+    live, unmatched = _drive(pool, events, probe)
     s = pool.stats(0).iloc[0]
     live.clear()
     warmup, steps = int(tl["warmup"].iloc[0]), int(tl["steps"].iloc[0])

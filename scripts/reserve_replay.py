@@ -1,0 +1,58 @@
+"""Replay: does mapping a reserve up front stop the steady-state maps of fragmentation? (#22; NOTES.md, Note
+[Expandable segments], "A reserve up front").
+
+The recipe, with xpool's public API only: before the program's first step, allocate one block of R bytes on the
+program's stream and free it (scheme expandable maps R as one run of pages, which stays mapped as a free block),
+then `pool.reset_peak_stats(history=True)`, so neither the gauges nor the release rules remember that request. R is
+a multiple `frac` of the program's peak requested bytes, as a dry run of the program reports it
+(`pool.stats()["peak_bytes_requested"]`). Every trace of `xlab.memory_study.DYN_TRACES` and `HELD_OUT_TRACES` is
+replayed over the host twin (2 MiB pages) under release rules "peak" (enable_torch()'s) and "never" (the scheme's
+CuPy default), frac 0 (no reserve: the plain replay, equal to the GPU's runs) and 1.02-1.05; one row per (trace,
+rule, frac): peak reserved over peak requested (the program's: the reserve's request is forgotten), device calls
+in the benchmark's steady state, maps and unmaps in all.
+
+    python scripts/reserve_replay.py --out data/reserve_replay.csv
+"""
+from __future__ import annotations
+
+import argparse
+
+import pandas as pd
+
+from xlab import memory_study as ms
+from xlab.provenance import provenance
+
+FRACS = (0.0, 1.02, 1.03, 1.04, 1.05)
+RULES = ("peak", "never")
+
+
+def rows(name: str) -> list[dict]:
+    """The trace's rows: each rule, each frac (0: the plain replay)."""
+    tl, out = ms.dyn_trace(name), []
+    for rule in RULES:
+        peak = ms.replay_rule(tl, rule)["peak_bytes_requested"]
+        for frac in FRACS:
+            reserve = int(frac * peak) // ms.DYN_PAGE * ms.DYN_PAGE
+            r = ms.replay_rule(tl, rule, reserve)
+            assert r["peak_bytes_requested"] == peak          # the reserve's request is forgotten
+            out.append(dict(trace=name, rule=rule, frac=frac, reserve_bytes=reserve, peak_bytes_requested=peak,
+                            peak_bytes_reserved=r["peak_bytes_reserved"], reserved_over_requested=r["ratio"],
+                            steady_calls=r["steady_calls"], steady_steps=r["steady_steps"],
+                            device_calls=r["device_calls"], page_bytes=ms.DYN_PAGE))
+            print(f"{name:24s} {rule:6s} {frac:4.2f} {r['ratio']:.4f} {r['steady_calls']}", flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="build/reserve_replay.csv")
+    p.add_argument("--traces", help="comma-separated (default: DYN_TRACES and HELD_OUT_TRACES)")
+    a = p.parse_args(argv)
+    names = a.traces.split(",") if a.traces else ms.DYN_TRACES + ms.HELD_OUT_TRACES
+    out = [r for name in names for r in rows(name)]
+    pd.DataFrame(out).assign(**provenance(experiment="reserve_replay")).to_csv(a.out, index=False)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
