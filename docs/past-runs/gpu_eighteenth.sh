@@ -10,6 +10,8 @@
 #      data/dynamic_shapes.csv measured at 6147932.
 #   X: the six notebooks on one GPU through papermill, each measuring with small parameters (a smoke run of the
 #      measuring path, not numbers to quote), publish=False: they must finish, and change no committed file.
+#   Y: the reserve recipe on the GPU (scripts/gpu_reserve_probe.py): the ResNets at varying image sizes through
+#      enable_torch()'s pool, plain and with 1.03x their peak reserved first, seeds 0-4, each run in its own process.
 #   bash docs/past-runs/gpu_eighteenth.sh V     (the commit in .xpool_commit, carried; X: .whl carried too, with
 #   RMM's wheels in .whl/ and papermill's and ipykernel's for Python 3.12 in .whl/pm/:
 #   pip download papermill ipykernel --python-version 3.12 --platform manylinux_2_28_x86_64 --only-binary=:all: -d .whl/pm)
@@ -46,6 +48,12 @@ if [ "$stage" = W ]; then
         > "$L/bench.log" 2>&1
     echo "bench rc $?" >> "$L/bench.log"
     tail -c 3000 "$L/bench.log"
+fi
+if [ "$stage" = Y ]; then
+    timeout -k 5 $((570 - SECONDS)) python3 scripts/gpu_reserve_probe.py --out "$L/reserve_probe.csv" > "$L/probe.log" 2>&1
+    echo "probe rc $?" >> "$L/probe.log"
+    cp "$L/probe.log" "$L/nb.log"       # the log that comes back beside the tarball
+    tail -25 "$L/probe.log"
 fi
 if [ "$stage" = X ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

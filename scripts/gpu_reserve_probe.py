@@ -1,0 +1,94 @@
+"""The reserve recipe on the GPU (#22; NOTES.md, Note [Expandable segments], "A reserve up front"): the ResNets at
+varying image sizes (the benchmark's and the held-out one at batch 64) through the pool `xpool.enable_torch()` makes,
+plain and with 1.03 times the program's peak requested bytes reserved first (one tensor of that many bytes made and
+dropped, then `pool.reset_peak_stats(history=True)`), seeds 0-4, the two arms in turn (rotated by seed), each run
+in a process of its own. The peak is what a dry run reports (the largest image comes first, so every seed's is the
+same: data/dynamic_shapes.csv, data/dynamic_heldout.csv). One row per run: peak reserved / peak requested, device
+calls in the benchmark's steady state (xlab.bench.dynamic.steady_state), maps and unmaps in all.
+
+    python scripts/gpu_reserve_probe.py --out build/reserve_probe.csv
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+PEAK = {"resnet_varres": 626_710_224, "resnet_varres_b64": 634_902_480}   # peak requested bytes, every seed
+PAGE = 2 << 20
+
+
+class _Window:      # the workloads' timed window, untimed here: only the counters matter
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def dispatched(self):
+        pass
+
+
+def one(workload: str, seed: int, frac: float) -> dict:
+    import torch
+    import xpool
+    from xlab.bench.dynamic import WORKLOADS, steady_state
+    pool = xpool.enable_torch()
+    reserve = int(frac * PEAK[workload]) // PAGE * PAGE
+    if reserve:
+        x = torch.empty(reserve, dtype=torch.uint8, device="cuda")
+        del x
+        pool.reset_peak_stats(history=True)
+    probes = []
+
+    def after_step():
+        s = pool.stats(0).iloc[0]
+        probes.append((int(s["device_maps"] + s["device_unmaps"]), int(s["peak_bytes_requested"])))
+    w = WORKLOADS[workload]
+    w.fn(w.steps, w.warmup, seed, _Window(), True, False, after_step=after_step)
+    torch.cuda.synchronize()
+    s = pool.stats(0).iloc[0]
+    st = steady_state(probes, w.warmup)
+    return dict(workload=workload, seed=seed, frac=frac, reserve_bytes=reserve,
+                peak_bytes_reserved=int(s["peak_bytes_reserved"]), peak_bytes_requested=int(s["peak_bytes_requested"]),
+                reserved_over_requested=s["peak_bytes_reserved"] / s["peak_bytes_requested"],
+                steady_calls=st["device_calls_steady"], steady_steps=st["steady_steps"],
+                demand_peak_step=st["demand_peak_step"], device_maps=int(s["device_maps"]),
+                device_unmaps=int(s["device_unmaps"]), release_on_miss=pool.settings.release_on_miss,
+                scheme=pool.scheme, steps=w.steps, warmup=w.warmup)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--one", help="JSON [workload, seed, frac]: one run, in this process")
+    p.add_argument("--out", default="build/reserve_probe.csv")
+    p.add_argument("--seeds", default="0,1,2,3,4")
+    p.add_argument("--fracs", default="0,1.03")
+    p.add_argument("--workloads", default="resnet_varres,resnet_varres_b64")
+    a = p.parse_args(argv)
+    if a.one:
+        print(json.dumps(one(*json.loads(a.one))), flush=True)
+        return 0
+    import pandas as pd
+    from xlab.provenance import provenance
+    fracs, rows = [float(f) for f in a.fracs.split(",")], []
+    for w in a.workloads.split(","):
+        for seed in (int(s) for s in a.seeds.split(",")):
+            for frac in fracs[seed % len(fracs):] + fracs[:seed % len(fracs)]:
+                cp = subprocess.run([sys.executable, __file__, "--one", json.dumps([w, seed, frac])],
+                                    capture_output=True, text=True, timeout=300)
+                line = [x for x in cp.stdout.splitlines() if x.startswith("{")]
+                if cp.returncode or not line:
+                    print(cp.stdout[-1500:], cp.stderr[-3000:], flush=True)
+                    return 1
+                rows.append(json.loads(line[-1]))
+                r = rows[-1]
+                print(f"{w} seed {seed} frac {frac}: {r['reserved_over_requested']:.4f}, {r['steady_calls']} steady "
+                      f"calls, {r['device_maps']} maps", flush=True)
+                pd.DataFrame(rows).assign(**provenance(experiment="reserve_probe")).to_csv(a.out, index=False)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
