@@ -168,6 +168,18 @@ TARGETS = (
       over=("allocator", "mode", "world", "batch"), fmt="{:.2g}", exact=True),
     # dynamic shapes (issue #22)
     *_dynamic(),
+    # the reserve recipe on the ResNets at varying sizes (scripts/gpu_reserve_probe.py): not the default's targets,
+    # which stay above; what a program that knows its peak can do with the public API
+    T("reserve_ror", "#22, ResNets at varying image sizes through enable_torch()'s pool with 1.03× the peak reserved "
+      "up front: peak reserved / peak requested ≤ 1.05 (every seed; worst: {at})", "reserve_probe.csv",
+      "reserved_over_requested", None, 1.05, False, where=dict(frac=1.03), over=("workload",), stat="max",
+      fmt="{:.4f}", exact=True, bound="—"),
+    T("reserve_calls", "#22, the same: device calls in steady state = 0 (every seed; worst: {at})", "reserve_probe.csv",
+      "steady_calls", None, 0.0, False, where=dict(frac=1.03), over=("workload",), stat="max", fmt="{:.0f}",
+      exact=True, bound="—"),
+    T("reserve_calls_plain", "the same without the reserve: device calls in steady state, by workload (every seed)",
+      "reserve_probe.csv", "steady_calls", None, where=dict(frac=0.0), over=("workload",), pick="each", stat="max",
+      fmt="{:.0f}", exact=True, bound="—"),
     # correctness
     T("gate", "transparency gate: every allocator bit-identical to raw cudaMalloc (checks passing)", "correctness",
       "passed", None, 1.0, where=dict(gate=True), stat="all", exact=True, bound="—"),
