@@ -1,7 +1,8 @@
 """The reserve recipe on the GPU (#22; NOTES.md, Note [Expandable segments], "A reserve up front"): the ResNets at
 varying image sizes (the benchmark's and the held-out one at batch 64) through the pool `xpool.enable_torch()` makes,
 plain and with 1.03 times the program's peak requested bytes reserved first (one tensor of that many bytes made and
-dropped, then `pool.reset_peak_stats(history=True)`), seeds 0-4, the two arms in turn (rotated by seed), each run
+dropped, then `pool.reset_peak_stats(history=True)`: `--recipe tensor`, the first run at 48c89f0; or
+`pool.reserve`, which does the same through the pool, the default since), seeds 0-4, the two arms in turn (rotated by seed), each run
 in a process of its own. The peak is what a dry run reports (the largest image comes first, so every seed's is the
 same: data/dynamic_shapes.csv, data/dynamic_heldout.csv). One row per run: peak reserved / peak requested, device
 calls in the benchmark's steady state (xlab.bench.dynamic.steady_state), maps and unmaps in all.
@@ -17,6 +18,7 @@ import sys
 
 PEAK = {"resnet_varres": 626_710_224, "resnet_varres_b64": 634_902_480}   # peak requested bytes, every seed
 PAGE = 2 << 20
+RECIPE = "pool.reserve"     # or "tensor": torch.empty(reserve) dropped, then pool.reset_peak_stats(history=True)
 
 
 class _Window:      # the workloads' timed window, untimed here: only the counters matter
@@ -36,7 +38,9 @@ def one(workload: str, seed: int, frac: float) -> dict:
     from xlab.bench.dynamic import WORKLOADS, steady_state
     pool = xpool.enable_torch()
     reserve = int(frac * PEAK[workload]) // PAGE * PAGE
-    if reserve:
+    if reserve and RECIPE == "pool.reserve":
+        pool.reserve(reserve)
+    elif reserve:               # the recipe by hand: a tensor made and dropped, then the reset pool.reserve does
         x = torch.empty(reserve, dtype=torch.uint8, device="cuda")
         del x
         pool.reset_peak_stats(history=True)
@@ -50,7 +54,7 @@ def one(workload: str, seed: int, frac: float) -> dict:
     torch.cuda.synchronize()
     s = pool.stats(0).iloc[0]
     st = steady_state(probes, w.warmup)
-    return dict(workload=workload, seed=seed, frac=frac, reserve_bytes=reserve,
+    return dict(workload=workload, seed=seed, frac=frac, reserve_bytes=reserve, recipe=RECIPE if reserve else "",
                 peak_bytes_reserved=int(s["peak_bytes_reserved"]), peak_bytes_requested=int(s["peak_bytes_requested"]),
                 reserved_over_requested=s["peak_bytes_reserved"] / s["peak_bytes_requested"],
                 steady_calls=st["device_calls_steady"], steady_steps=st["steady_steps"],
@@ -61,14 +65,17 @@ def one(workload: str, seed: int, frac: float) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--one", help="JSON [workload, seed, frac]: one run, in this process")
+    p.add_argument("--one", help="JSON [workload, seed, frac, recipe]: one run, in this process")
+    p.add_argument("--recipe", default="pool.reserve", choices=("pool.reserve", "tensor"))
     p.add_argument("--out", default="build/reserve_probe.csv")
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--fracs", default="0,1.03")
     p.add_argument("--workloads", default="resnet_varres,resnet_varres_b64")
     a = p.parse_args(argv)
     if a.one:
-        print(json.dumps(one(*json.loads(a.one))), flush=True)
+        global RECIPE
+        *args, RECIPE = json.loads(a.one)
+        print(json.dumps(one(*args)), flush=True)
         return 0
     import pandas as pd
     from xlab.provenance import provenance
@@ -76,7 +83,7 @@ def main(argv=None) -> int:
     for w in a.workloads.split(","):
         for seed in (int(s) for s in a.seeds.split(",")):
             for frac in fracs[seed % len(fracs):] + fracs[:seed % len(fracs)]:
-                cp = subprocess.run([sys.executable, __file__, "--one", json.dumps([w, seed, frac])],
+                cp = subprocess.run([sys.executable, __file__, "--one", json.dumps([w, seed, frac, a.recipe])],
                                     capture_output=True, text=True, timeout=300)
                 line = [x for x in cp.stdout.splitlines() if x.startswith("{")]
                 if cp.returncode or not line:

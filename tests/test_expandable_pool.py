@@ -691,13 +691,11 @@ RESNETS = tuple(w for w in DYN + HELD_OUT if w.startswith("resnet_varres"))
 
 
 def test_a_reserve_up_front_is_one_free_run_that_later_requests_hit_and_the_stats_forget():
-    """The reserve recipe (Note [Expandable segments], "A reserve up front"): a block allocated and freed maps its
-    pages as one run that stays mapped; reset_peak_stats(history=True) then forgets its request, so requests that
-    fit it hit, with no map, and the peaks are the program's."""
+    """pool.reserve (Note [Expandable segments], "A reserve up front"): a block allocated and freed maps its pages
+    as one run that stays mapped, and the peaks and the release rules' history are reset, so requests that fit it
+    hit, with no map, and the peaks are the program's."""
     pool, backend = make(release_on_miss="peak")
-    block = pool.allocate(10 * P)
-    del block
-    pool.reset_peak_stats(history=True)
+    assert pool.reserve(10 * P) is None
     s = stats(pool)
     assert (s["device_maps"], s["bytes_reserved"], s["peak_bytes_requested"], s["peak_bytes_reserved"]) == \
         (1, 10 * P, 0, 10 * P)
@@ -708,6 +706,37 @@ def test_a_reserve_up_front_is_one_free_run_that_later_requests_hit_and_the_stat
     assert backend.twin.mapped_bytes(0) == 10 * P
     del kept
     audit(pool, backend)
+
+
+@pytest.mark.parametrize("nbytes", [0, -1, 1.5, True, "1", None])
+def test_a_reserve_names_a_bad_size_and_takes_nothing(nbytes):
+    pool, backend = make()
+    with pytest.raises(ValueError, match=r"nbytes must be a positive int, got"):
+        pool.reserve(nbytes)
+    assert backend.twin.mapped_bytes(0) == 0
+
+
+def test_a_reserve_the_device_refuses_raises_out_of_memory_and_keeps_nothing():
+    pool, backend = make(capacity=8 * P)
+    pool.allocate(P)        # the program's block: its peak gauges stay as they were
+    with pytest.raises(xpool.OutOfMemoryError):
+        pool.reserve(64 * P)
+    s = stats(pool)
+    assert (s["bytes_reserved"], s["peak_bytes_requested"]) == (P, P)
+    audit(pool, backend)
+
+
+@pytest.mark.parametrize("scheme", ["segments", "seed"])
+def test_under_the_other_schemes_a_reserve_is_a_cached_block_the_next_request_of_its_size_hits(scheme):
+    backend = HostBackend(n_devices=1, granularity=P)
+    pool = Pool(backend, scheme=scheme)
+    pool.reserve(4 << 20)
+    s = stats(pool)
+    assert (s["device_mallocs"], s["peak_bytes_requested"], s["bytes_in_use"]) == (1, 0, 0)
+    assert s["bytes_reserved"] >= 4 << 20
+    b = pool.allocate(4 << 20)
+    assert (stats(pool)["device_mallocs"], stats(pool)["hits"]) == (1, 1)
+    del b
 
 
 @pytest.mark.parametrize("workload", RESNETS)

@@ -444,8 +444,8 @@ def dyn_trace(name: str, data_dir=None) -> pd.DataFrame:
 
 def replay_rule(tl: pd.DataFrame, rule: str, reserve: int = 0) -> dict:
     """A dynamic trace under scheme expandable with release_on_miss `rule`, 2 MiB pages over the host twin (the
-    replays equal the GPU's runs to the byte and the call); with `reserve` bytes, the reserve recipe first (one block
-    of that size allocated on the trace's first stream and freed, then `reset_peak_stats(history=True)`: its pages
+    replays equal the GPU's runs to the byte and the call); with `reserve` bytes, `pool.reserve` first on the trace's
+    first stream (a block of that size allocated and freed, then the peaks and the rules' history reset: its pages
     stay mapped as one free run, and neither the gauges nor the release rules remember the request):
     - ratio: peak reserved / peak requested;
     - steady_calls, steady_unmaps: maps + unmaps, and unmaps alone, in the benchmark's steady state
@@ -458,9 +458,7 @@ def replay_rule(tl: pd.DataFrame, rule: str, reserve: int = 0) -> dict:
     pool = Pool(AddressSpaceBackend(), scheme="expandable", limit=0, timeline=0, release_on_miss=rule)
     events = _replay_events(tl)
     if reserve:
-        block = pool.allocate(reserve, int(events["device"].iloc[0]), int(events["stream"].iloc[0]))
-        del block
-        pool.reset_peak_stats(history=True)
+        pool.reserve(reserve, int(events["device"].iloc[0]), int(events["stream"].iloc[0]))
     probes = {}                                           # step -> (maps, unmaps, peak requested) at its end
 
     def probe(step):                                      # _drive calls it with None before the first event

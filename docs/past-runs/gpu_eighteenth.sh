@@ -12,6 +12,7 @@
 #      measuring path, not numbers to quote), publish=False: they must finish, and change no committed file.
 #   Y: the reserve recipe on the GPU (scripts/gpu_reserve_probe.py): the ResNets at varying image sizes through
 #      enable_torch()'s pool, plain and with 1.03x their peak reserved first, seeds 0-4, each run in its own process.
+#   Z: the same through `pool.reserve` (the API landed after Y), 1.03x only, seeds 0-4.
 #   bash docs/past-runs/gpu_eighteenth.sh V     (the commit in .xpool_commit, carried; X: .whl carried too, with
 #   RMM's wheels in .whl/ and papermill's and ipykernel's for Python 3.12 in .whl/pm/:
 #   pip download papermill ipykernel --python-version 3.12 --platform manylinux_2_28_x86_64 --only-binary=:all: -d .whl/pm)
@@ -54,6 +55,13 @@ if [ "$stage" = Y ]; then
     echo "probe rc $?" >> "$L/probe.log"
     cp "$L/probe.log" "$L/nb.log"       # the log that comes back beside the tarball
     tail -25 "$L/probe.log"
+fi
+if [ "$stage" = Z ]; then
+    timeout -k 5 200 python3 scripts/gpu_reserve_probe.py --fracs 1.03 --recipe pool.reserve \
+        --out "$L/reserve_probe_api.csv" > "$L/probe.log" 2>&1
+    echo "probe rc $?" >> "$L/probe.log"
+    cp "$L/probe.log" "$L/nb.log"
+    tail -15 "$L/probe.log"
 fi
 if [ "$stage" = X ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
