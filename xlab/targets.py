@@ -171,7 +171,7 @@ TARGETS = (
     # the reserve recipe on the ResNets at varying sizes (scripts/gpu_reserve_probe.py): not the default's targets,
     # which stay above; what a program that knows its peak can do with the public API
     T("reserve_ror", "#22, ResNets at varying image sizes through enable_torch()'s pool with 1.03× the peak reserved "
-      "up front: peak reserved / peak requested ≤ 1.05 (every seed; worst: {at})", "reserve_probe.csv",
+      "up front (pool.reserve and by hand): peak reserved / peak requested ≤ 1.05 (every seed; worst: {at})", "reserve_probe.csv",
       "reserved_over_requested", None, 1.05, False, where=dict(frac=1.03), over=("workload",), stat="max",
       fmt="{:.4f}", exact=True, bound="—"),
     T("reserve_calls", "#22, the same: device calls in steady state = 0 (every seed; worst: {at})", "reserve_probe.csv",
