@@ -141,7 +141,9 @@ class Pool:
         Args:
             nbytes (int): bytes to take (rounded up as a request of that size is).
             device (int): the device; None: the backend's current device.
-            stream (int): the stream the program allocates on; None: the backend's current stream.
+            stream (int): the stream the program allocates on (a block is reused only on its stream); None: the
+                backend's current stream (CuPy's; a PyTorch program on a stream of its own passes
+                ``torch.cuda.current_stream().cuda_stream``).
 
         Raises:
             ValueError: bad ``nbytes``, ``device`` or ``stream``.
