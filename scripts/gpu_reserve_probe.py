@@ -1,11 +1,12 @@
 """The reserve recipe on the GPU (#22; NOTES.md, Note [Expandable segments], "A reserve up front"): the ResNets at
 varying image sizes (the benchmark's and the held-out one at batch 64) through the pool `xpool.enable_torch()` makes,
-plain and with 1.03 times the program's peak requested bytes reserved first (one tensor of that many bytes made and
-dropped, then `pool.reset_peak_stats(history=True)`: `--recipe tensor`, the first run at 48c89f0; or
-`pool.reserve`, which does the same through the pool, the default since), seeds 0-4, the two arms in turn (rotated by seed), each run
-in a process of its own. The peak is what a dry run reports (the largest image comes first, so every seed's is the
-same: data/dynamic_shapes.csv, data/dynamic_heldout.csv). One row per run: peak reserved / peak requested, device
-calls in the benchmark's steady state (xlab.bench.dynamic.steady_state), maps and unmaps in all.
+plain and with `frac` times the program's peak requested bytes reserved first, seeds 0-4, the arms in turn (rotated
+by seed), each run in a process of its own. The reserve is `pool.reserve` (`--recipe pool.reserve`, the default) or
+the same by hand (`--recipe tensor`: a tensor of that many bytes made and dropped, then
+`pool.reset_peak_stats(history=True)`; the first run, at 48c89f0). The peak is what a dry run reports: the
+benchmark's rows of the default pool (data/dynamic_shapes.csv, data/dynamic_heldout.csv; the largest image comes
+first, so every seed's is the same). One row per run: peak reserved / peak requested, device calls in the
+benchmark's steady state (xlab.bench.dynamic.steady_state), maps and unmaps in all.
 
     python scripts/gpu_reserve_probe.py --out build/reserve_probe.csv
 """
@@ -16,29 +17,28 @@ import json
 import subprocess
 import sys
 
-PEAK = {"resnet_varres": 626_710_224, "resnet_varres_b64": 634_902_480}   # peak requested bytes, every seed
 PAGE = 2 << 20
-RECIPE = "pool.reserve"     # or "tensor": torch.empty(reserve) dropped, then pool.reset_peak_stats(history=True)
 
 
-class _Window:      # the workloads' timed window, untimed here: only the counters matter
-    def __enter__(self):
-        return self
+def dry_run_peak(workload: str) -> int:
+    """The most bytes `workload` requested under the default pool in the benchmark's committed rows."""
+    import pandas as pd
+    from xlab.bench.dynamic import WORKLOADS
+    from xlab.paths import data_dir
+    csv = "dynamic_heldout.csv" if WORKLOADS[workload].held_out else "dynamic_shapes.csv"
+    d = pd.read_csv(data_dir() / csv)
+    return int(d.loc[(d["workload"] == workload) & (d["allocator"] == "xpool_expandable_peak"),
+                     "peak_requested_bytes"].max())
 
-    def __exit__(self, *exc):
-        return False
 
-    def dispatched(self):
-        pass
-
-
-def one(workload: str, seed: int, frac: float) -> dict:
+def one(workload: str, seed: int, frac: float, recipe: str) -> dict:
     import torch
     import xpool
     from xlab.bench.dynamic import WORKLOADS, steady_state
+    from xlab.experiments.train import Window
+    reserve = int(frac * dry_run_peak(workload)) // PAGE * PAGE
     pool = xpool.enable_torch()
-    reserve = int(frac * PEAK[workload]) // PAGE * PAGE
-    if reserve and RECIPE == "pool.reserve":
+    if reserve and recipe == "pool.reserve":
         pool.reserve(reserve)
     elif reserve:               # the recipe by hand: a tensor made and dropped, then the reset pool.reserve does
         x = torch.empty(reserve, dtype=torch.uint8, device="cuda")
@@ -50,11 +50,11 @@ def one(workload: str, seed: int, frac: float) -> dict:
         s = pool.stats(0).iloc[0]
         probes.append((int(s["device_maps"] + s["device_unmaps"]), int(s["peak_bytes_requested"])))
     w = WORKLOADS[workload]
-    w.fn(w.steps, w.warmup, seed, _Window(), True, False, after_step=after_step)
+    w.fn(w.steps, w.warmup, seed, Window(lambda: 0, torch.cuda.synchronize), True, False, after_step=after_step)
     torch.cuda.synchronize()
     s = pool.stats(0).iloc[0]
     st = steady_state(probes, w.warmup)
-    return dict(workload=workload, seed=seed, frac=frac, reserve_bytes=reserve, recipe=RECIPE if reserve else "",
+    return dict(workload=workload, seed=seed, frac=frac, reserve_bytes=reserve, recipe=recipe if reserve else "",
                 peak_bytes_reserved=int(s["peak_bytes_reserved"]), peak_bytes_requested=int(s["peak_bytes_requested"]),
                 reserved_over_requested=s["peak_bytes_reserved"] / s["peak_bytes_requested"],
                 steady_calls=st["device_calls_steady"], steady_steps=st["steady_steps"],
@@ -73,9 +73,7 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", default="resnet_varres,resnet_varres_b64")
     a = p.parse_args(argv)
     if a.one:
-        global RECIPE
-        *args, RECIPE = json.loads(a.one)
-        print(json.dumps(one(*args)), flush=True)
+        print(json.dumps(one(*json.loads(a.one))), flush=True)
         return 0
     import pandas as pd
     from xlab.provenance import provenance

@@ -30,10 +30,11 @@ def rows(name: str) -> list[dict]:
     """The trace's rows: each rule, each frac (0: the plain replay)."""
     tl, out = ms.dyn_trace(name), []
     for rule in RULES:
-        peak = ms.replay_rule(tl, rule)["peak_bytes_requested"]
+        plain = ms.replay_rule(tl, rule)
+        peak = plain["peak_bytes_requested"]
         for frac in FRACS:
             reserve = int(frac * peak) // ms.DYN_PAGE * ms.DYN_PAGE
-            r = ms.replay_rule(tl, rule, reserve)
+            r = ms.replay_rule(tl, rule, reserve) if reserve else plain
             assert r["peak_bytes_requested"] == peak          # the reserve's request is forgotten
             out.append(dict(trace=name, rule=rule, frac=frac, reserve_bytes=reserve, peak_bytes_requested=peak,
                             peak_bytes_reserved=r["peak_bytes_reserved"], reserved_over_requested=r["ratio"],
