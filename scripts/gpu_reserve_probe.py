@@ -1,14 +1,18 @@
 """The reserve recipe on the GPU (#22; NOTES.md, Note [Expandable segments], "A reserve up front"): the ResNets at
 varying image sizes (the benchmark's and the held-out one at batch 64) through the pool `xpool.enable_torch()` makes,
-plain and with `frac` times the program's peak requested bytes reserved first, seeds 0-4, the arms in turn (rotated
-by seed), each run in a process of its own. The reserve is `pool.reserve` (`--recipe pool.reserve`, the default) or
-the same by hand (`--recipe tensor`: a tensor of that many bytes made and dropped, then
-`pool.reset_peak_stats(history=True)`; the first run, at 48c89f0). The peak is what a dry run reports: the
-benchmark's rows of the default pool (data/dynamic_shapes.csv, data/dynamic_heldout.csv; the largest image comes
-first, so every seed's is the same). One row per run: peak reserved / peak requested, device calls in the
-benchmark's steady state (xlab.bench.dynamic.steady_state), maps and unmaps in all.
+plain and with `frac` times the program's peak requested bytes reserved, seeds 0-4, the arms in turn (rotated by
+seed), each run in a process of its own. The reserve is `pool.reserve` (`--recipe pool.reserve`, the default) or the
+same by hand (`--recipe tensor`: a tensor of that many bytes made and dropped, then
+`pool.reset_peak_stats(history=True)`; the first run, at 48c89f0), made before anything (`--when start`) or once
+the model and its optimizer are made (`--when build`: `pool.reserve` holds the bytes in use and a free block of the
+rest). The peak is what a dry run reports: the benchmark's rows of the default pool (data/dynamic_shapes.csv,
+data/dynamic_heldout.csv; the largest image comes first, so every seed's is the same). One row per run: peak
+reserved / peak requested, device calls in the benchmark's steady state (xlab.bench.dynamic.steady_state), maps and
+unmaps in all, and ms per step over the timed steps (after the warm-up; the window synchronises the device at both
+ends, and the per-step counter reads are in every arm alike).
 
     python scripts/gpu_reserve_probe.py --out build/reserve_probe.csv
+    python scripts/gpu_reserve_probe.py --when start,build --out build/reserve_probe.csv
 """
 from __future__ import annotations
 
@@ -31,46 +35,55 @@ def dry_run_peak(workload: str) -> int:
                      "peak_requested_bytes"].max())
 
 
-def one(workload: str, seed: int, frac: float, recipe: str) -> dict:
+def one(workload: str, seed: int, frac: float, recipe: str, when: str = "start") -> dict:
     import torch
     import xpool
     from xlab.bench.dynamic import WORKLOADS, steady_state
     from xlab.experiments.train import Window
     reserve = int(frac * dry_run_peak(workload)) // PAGE * PAGE
-    pool = xpool.enable_torch()
-    if reserve and recipe == "pool.reserve":
-        pool.reserve(reserve)
-    elif reserve:               # the recipe by hand: a tensor made and dropped, then the reset pool.reserve does
-        x = torch.empty(reserve, dtype=torch.uint8, device="cuda")
-        del x
-        pool.reset_peak_stats(history=True)
+    pool, taken = xpool.enable_torch(), [0]
+
+    def make_reserve():
+        if reserve and recipe == "pool.reserve":
+            taken[0] = pool.reserve(reserve)
+        elif reserve:           # the recipe by hand: a tensor made and dropped, then the reset pool.reserve does
+            x = torch.empty(reserve, dtype=torch.uint8, device="cuda")
+            taken[0] = x.numel()
+            del x
+            pool.reset_peak_stats(history=True)
     probes = []
 
     def after_step():
         s = pool.stats(0).iloc[0]
         probes.append((int(s["device_maps"] + s["device_unmaps"]), int(s["peak_bytes_requested"])))
     w = WORKLOADS[workload]
-    w.fn(w.steps, w.warmup, seed, Window(lambda: 0, torch.cuda.synchronize), True, False, after_step=after_step)
+    if when == "start":
+        make_reserve()
+    window = Window(lambda: 0, torch.cuda.synchronize)
+    w.fn(w.steps, w.warmup, seed, window, True, False, after_step=after_step,
+         after_build=make_reserve if when == "build" else lambda: None)
     torch.cuda.synchronize()
     s = pool.stats(0).iloc[0]
     st = steady_state(probes, w.warmup)
     return dict(workload=workload, seed=seed, frac=frac, reserve_bytes=reserve, recipe=recipe if reserve else "",
+                when=when if reserve else "", block_bytes=taken[0],
                 peak_bytes_reserved=int(s["peak_bytes_reserved"]), peak_bytes_requested=int(s["peak_bytes_requested"]),
                 reserved_over_requested=s["peak_bytes_reserved"] / s["peak_bytes_requested"],
                 steady_calls=st["device_calls_steady"], steady_steps=st["steady_steps"],
                 demand_peak_step=st["demand_peak_step"], device_maps=int(s["device_maps"]),
-                device_unmaps=int(s["device_unmaps"]), release_on_miss=pool.settings.release_on_miss,
-                scheme=pool.scheme, steps=w.steps, warmup=w.warmup)
+                device_unmaps=int(s["device_unmaps"]), ms_per_step=1e3 * window.seconds / w.steps,
+                release_on_miss=pool.settings.release_on_miss, scheme=pool.scheme, steps=w.steps, warmup=w.warmup)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--one", help="JSON [workload, seed, frac, recipe]: one run, in this process")
+    p.add_argument("--one", help="JSON [workload, seed, frac, recipe, when]: one run, in this process")
     p.add_argument("--recipe", default="pool.reserve", choices=("pool.reserve", "tensor"))
     p.add_argument("--out", default="build/reserve_probe.csv")
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--fracs", default="0,1.03")
     p.add_argument("--workloads", default="resnet_varres,resnet_varres_b64")
+    p.add_argument("--when", default="start", help="comma-separated: start (before anything), build (after the model)")
     a = p.parse_args(argv)
     if a.one:
         print(json.dumps(one(*json.loads(a.one))), flush=True)
@@ -78,10 +91,11 @@ def main(argv=None) -> int:
     import pandas as pd
     from xlab.provenance import provenance
     fracs, rows = [float(f) for f in a.fracs.split(",")], []
+    arms = [(f, when) for f in fracs for when in (a.when.split(",") if f else ["start"])]
     for w in a.workloads.split(","):
         for seed in (int(s) for s in a.seeds.split(",")):
-            for frac in fracs[seed % len(fracs):] + fracs[:seed % len(fracs)]:
-                cp = subprocess.run([sys.executable, __file__, "--one", json.dumps([w, seed, frac, a.recipe])],
+            for frac, when in arms[seed % len(arms):] + arms[:seed % len(arms)]:
+                cp = subprocess.run([sys.executable, __file__, "--one", json.dumps([w, seed, frac, a.recipe, when])],
                                     capture_output=True, text=True, timeout=300)
                 line = [x for x in cp.stdout.splitlines() if x.startswith("{")]
                 if cp.returncode or not line:
@@ -89,8 +103,9 @@ def main(argv=None) -> int:
                     return 1
                 rows.append(json.loads(line[-1]))
                 r = rows[-1]
-                print(f"{w} seed {seed} frac {frac}: {r['reserved_over_requested']:.4f}, {r['steady_calls']} steady "
-                      f"calls, {r['device_maps']} maps", flush=True)
+                print(f"{w} seed {seed} frac {frac} {r['when']}: {r['reserved_over_requested']:.4f}, "
+                      f"{r['steady_calls']} steady calls, {r['device_maps']} maps, {r['ms_per_step']:.1f} ms/step",
+                      flush=True)
                 pd.DataFrame(rows).assign(**provenance(experiment="reserve_probe")).to_csv(a.out, index=False)
     return 0
 

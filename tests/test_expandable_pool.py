@@ -695,7 +695,7 @@ def test_a_reserve_up_front_is_one_free_run_that_later_requests_hit_and_the_stat
     as one run that stays mapped, and the peaks and the release rules' history are reset, so requests that fit it
     hit, with no map, and the peaks are the program's."""
     pool, backend = make(release_on_miss="peak")
-    assert pool.reserve(10 * P) is None
+    assert pool.reserve(10 * P) == 10 * P
     s = stats(pool)
     assert (s["device_maps"], s["bytes_reserved"], s["peak_bytes_requested"], s["peak_bytes_reserved"]) == \
         (1, 10 * P, 0, 10 * P)
@@ -705,6 +705,31 @@ def test_a_reserve_up_front_is_one_free_run_that_later_requests_hit_and_the_stat
     assert s["peak_bytes_requested"] == 6 * P + 12_345 + 100_000       # the program's requests alone
     assert backend.twin.mapped_bytes(0) == 10 * P
     del kept
+    audit(pool, backend)
+
+
+def test_a_reserve_after_the_model_is_built_holds_the_bytes_in_use_and_a_free_block_of_the_rest():
+    """pool.reserve(nbytes) counts the blocks in use (a model built first): it takes nbytes less them, so the pool
+    holds nbytes in all, in one free run after them, and the peaks start from the program's blocks; when they reach
+    nbytes it takes nothing and resets nothing."""
+    pool, backend = make(release_on_miss="peak")
+    model = [pool.allocate(n) for n in (P + 4096, 3 * P, 5000)]      # 2 maps; 4 pages and 9,216 B in use
+    in_use = stats(pool)["bytes_in_use"]
+    assert in_use == 4 * P + 4096 + 5120
+    assert pool.reserve(12 * P) == 12 * P - in_use
+    s = stats(pool)
+    assert (s["bytes_reserved"], s["device_maps"], s["bytes_in_use"]) == (12 * P, 2 + 1, in_use)
+    assert (s["peak_bytes_requested"], s["peak_bytes_in_use"]) == (4 * P + 4096 + 5000, in_use)
+    step = [pool.allocate(n) for n in (5 * P, P + 1, 50_000)]         # all in the free run: no map
+    assert (stats(pool)["device_maps"], stats(pool)["bytes_reserved"]) == (3, 12 * P)
+    del step
+    pool.allocate(P).release()
+    before = stats(pool)
+    assert pool.reserve(in_use) == 0 and pool.reserve(1) == 0         # nothing to take: nothing reset
+    after = stats(pool)
+    assert (after["device_maps"], after["peak_bytes_requested"], after["requests"]) == \
+        (before["device_maps"], before["peak_bytes_requested"], before["requests"])
+    del model
     audit(pool, backend)
 
 
@@ -749,11 +774,24 @@ def test_a_reserve_of_1_03_times_the_peak_stops_the_resnets_steady_maps(workload
     tl = memory_study.dyn_trace(workload)
     plain = memory_study.replay_rule(tl, "peak")
     peak = plain["peak_bytes_requested"]
-    got = memory_study.replay_rule(tl, "peak", int(1.03 * peak) // memory_study.DYN_PAGE * memory_study.DYN_PAGE)
-    assert got["peak_bytes_requested"] == peak                # the reserve's request is forgotten
-    assert got["steady_calls"] == 0 and got["ratio"] <= 1.03, got
+    reserve = int(1.03 * peak) // memory_study.DYN_PAGE * memory_study.DYN_PAGE
+    for after in (0, memory_study.build_events(tl)):         # before anything, and after the model's build
+        got = memory_study.replay_rule(tl, "peak", reserve, after)
+        assert got["peak_bytes_requested"] == peak            # the reserve's request is forgotten
+        assert got["steady_calls"] == 0 and got["ratio"] <= 1.03, (after, got)
     if workload in ("resnet_varres", "resnet_varres_s2", "resnet_varres_s3", "resnet_varres_b64_s1"):
         assert plain["steady_calls"] >= 2, plain              # what the reserve stops
+
+
+def test_the_build_of_a_trace_is_its_models_parameters():
+    """memory_study.build_events: the ResNet's build ends after its 156th event, when the model's parameters (and
+    nothing the first step frees) are in use; the language model's after its 76th."""
+    for name, n in (("resnet_varres", 156), ("torch_varlen", 76)):
+        tl = memory_study.dyn_trace(name)
+        assert memory_study.build_events(tl) == n
+        ev = memory_study._replay_events(tl)
+        head = ev.iloc[:n]
+        assert (head["step"] == 0).all() and head["alloc"].iloc[0] and ev["alloc"].iloc[n:n + 20].any()
 
 
 # --- capture safety

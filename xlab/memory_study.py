@@ -276,14 +276,16 @@ def _rows(ev: pd.DataFrame) -> list:
             for a, d, s, p, n, t in ev.itertuples(index=False, name=None)]
 
 
-def _drive(pool, ev, on_step=None):
+def _drive(pool, ev, on_step=None, before=None):
     """Replays the events (a frame from _replay_events, or its _rows) through pool (an xpool Pool or
-    CupyPoolModel); returns (live blocks, unmatched frees)."""
+    CupyPoolModel); before: (k, fn), fn() called before the k-th event; returns (live blocks, unmatched frees)."""
     model = isinstance(pool, CupyPoolModel)
     alloc = pool.allocate if model else getattr(pool, "raw_allocate", None) or allocate_function(pool)  # C alone
     live, unmatched, last = {}, 0, None
     rows = _rows(ev) if isinstance(ev, pd.DataFrame) else ev
-    for is_alloc, device, stream, ptr, requested, step in rows:
+    for k, (is_alloc, device, stream, ptr, requested, step) in enumerate(rows):
+        if before is not None and k == before[0]:
+            before[1]()
         if on_step is not None and step != last:
             on_step(last)
             last = step
@@ -442,11 +444,32 @@ def dyn_trace(name: str, data_dir=None) -> pd.DataFrame:
                        f"memory_trace_dyn_{name}.csv.gz")
 
 
-def replay_rule(tl: pd.DataFrame, rule: str, reserve: int = 0) -> dict:
+def build_events(tl: pd.DataFrame) -> int:
+    """How many of a dynamic trace's events build the program (the model, its parameters), by their blocks: step 0's
+    leading events up to the last block that outlives step 2, before the first 20 events in a row that make none
+    (the first step's own work). The traces do not mark the build; the PyTorch workloads' runs with a reserve made
+    after it (`scripts/gpu_reserve_probe.py --when build`) check this boundary against the GPU's."""
+    ev = _replay_events(tl)
+    alloc, ptr, step = ev["alloc"].to_numpy(), ev["ptr"].to_numpy(), ev["step"].to_numpy()
+    made, freed_at = {}, {}
+    for k in range(len(ev)):
+        if alloc[k]:
+            made[ptr[k]] = k
+        elif ptr[k] in made:
+            freed_at[made.pop(ptr[k])] = k
+    kept = [k for k in range(len(ev)) if alloc[k] and step[k] == 0 and (k not in freed_at or step[freed_at[k]] > 2)]
+    for a, b in zip(kept, kept[1:]):
+        if b - a > 20:
+            return a + 1
+    return kept[-1] + 1 if kept else 0
+
+
+def replay_rule(tl: pd.DataFrame, rule: str, reserve: int = 0, after: int = 0) -> dict:
     """A dynamic trace under scheme expandable with release_on_miss `rule`, 2 MiB pages over the host twin (the
-    replays equal the GPU's runs to the byte and the call); with `reserve` bytes, `pool.reserve` first on the trace's
-    first stream (a block of that size allocated and freed, then the peaks and the rules' history reset: its pages
-    stay mapped as one free run, and neither the gauges nor the release rules remember the request):
+    replays equal the GPU's runs to the byte and the call); with `reserve` bytes, `pool.reserve(reserve)` on the
+    trace's first stream before its event `after` (0: before anything; `build_events(tl)`: after the program's
+    build): the bytes in use and a free block of the rest, allocated and freed, then the peaks and the rules' history
+    reset: its pages stay mapped as one free run, and neither the gauges nor the release rules remember the request:
     - ratio: peak reserved / peak requested;
     - steady_calls, steady_unmaps: maps + unmaps, and unmaps alone, in the benchmark's steady state
       (xlab.bench.dynamic.steady_state over the workload's steps, probed after each as the benchmark probes them;
@@ -457,14 +480,14 @@ def replay_rule(tl: pd.DataFrame, rule: str, reserve: int = 0) -> dict:
     from xlab.bench.dynamic import steady_state
     pool = Pool(AddressSpaceBackend(), scheme="expandable", limit=0, timeline=0, release_on_miss=rule)
     events = _replay_events(tl)
-    if reserve:
-        pool.reserve(reserve, int(events["device"].iloc[0]), int(events["stream"].iloc[0]))
+    device, stream = int(events["device"].iloc[0]), int(events["stream"].iloc[0])
     probes = {}                                           # step -> (maps, unmaps, peak requested) at its end
 
     def probe(step):                                      # _drive calls it with None before the first event
         s = pool.stats(0).iloc[0]
         probes[step] = (s["device_maps"], s["device_unmaps"], s["peak_bytes_requested"])
-    live, unmatched = _drive(pool, events, probe)
+    before = (after, lambda: pool.reserve(reserve, device, stream)) if reserve else None
+    live, unmatched = _drive(pool, events, probe, before)
     s = pool.stats(0).iloc[0]
     live.clear()
     warmup, steps = int(tl["warmup"].iloc[0]), int(tl["steps"].iloc[0])

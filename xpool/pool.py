@@ -124,37 +124,48 @@ class Pool:
         """
         return self._core.allocate(nbytes, self._device(device), self._stream(stream))   # nbytes checked there
 
-    def reserve(self, nbytes: int, device: int | None = None, stream: int | None = None) -> None:
-        """Take ``nbytes`` from the device now, as one free block that the program's blocks are then cut from.
+    def reserve(self, nbytes: int, device: int | None = None, stream: int | None = None) -> int:
+        """Make the device hold ``nbytes`` for the program in all: the bytes in use now and one free block of the rest.
 
         A program that knows its peak (a dry run's ``stats()["peak_bytes_requested"]``) and reserves a little more
-        before its first step starts with that memory in one piece: on the ResNets at varying image sizes, 1.03 times
-        the peak under scheme expandable made no device call in steady state on any seed, where the pool made 1-4
-        without (NOTES.md, Note [Expandable segments], "A reserve up front"; not a rule for every program).
+        before its first step, before or after building its model, starts its steps with that memory in one piece:
+        on the ResNets at varying image sizes, 1.03 times the peak under scheme expandable made no device call in
+        steady state on any seed, where the pool made 1-4 without (NOTES.md, Note [Expandable segments], "A reserve
+        up front"; not a rule for every program).
 
-        The block is allocated and given back (under scheme expandable its pages stay mapped as one free run; under
-        segments it is one cached segment), then the peak gauges and what the release rules remember of the
-        program are reset, as ``reset_peak_stats(device, history=True)`` does, so nothing counts the reservation as
-        a request: call it before the program's first step. Like any cached memory, ``empty_cache``/``trim``, the
-        out-of-memory ladder and the release rules may give it back.
+        The block, ``nbytes`` less the device's bytes in use, is allocated and given back (under scheme expandable
+        its pages stay mapped as one free run; under segments it is one cached segment), then the peak gauges and
+        what the release rules remember of the program are reset, as ``reset_peak_stats(device, history=True)``
+        does, so nothing counts the reservation as a request: call it before the program's first step. When the
+        bytes in use already reach ``nbytes`` nothing is taken and nothing reset. Like any cached memory,
+        ``empty_cache``/``trim``, the out-of-memory ladder and the release rules may give it back.
 
         Args:
-            nbytes (int): bytes to take (rounded up as a request of that size is).
+            nbytes (int): bytes the device should hold for the program, those in use included.
             device (int): the device; None: the backend's current device.
             stream (int): the stream the program allocates on (a block is reused only on its stream); None: the
                 backend's current stream (CuPy's; a PyTorch program on a stream of its own passes
                 ``torch.cuda.current_stream().cuda_stream``).
 
+        Returns:
+            int: the bytes of the block taken (rounded up as a request of that size is), 0 when none was.
+
         Raises:
             ValueError: bad ``nbytes``, ``device`` or ``stream``.
-            xpool.OutOfMemoryError: the device or the limit refused ``nbytes``.
+            xpool.OutOfMemoryError: the device or the limit refused the block; nothing is kept or reset.
         """
         if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
         d = self._device(device)
-        block = self._core.allocate(int(nbytes), d, self._stream(stream))
+        s = self._stream(stream)
+        rest = int(nbytes) - self._core.stats(d)["bytes_in_use"]
+        if rest <= 0:
+            return 0
+        block = self._core.allocate(rest, d, s)
+        size = block.size
         block.release()
         self.reset_peak_stats(d, history=True)
+        return size
 
     def _device(self, device):
         if device is None:

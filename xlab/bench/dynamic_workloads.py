@@ -104,11 +104,12 @@ def _torch_step(torch, opt, device, loss) -> None:
 
 
 def torch_lm(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda: None, *, lo: int,
-             hi: int | None = None, batch: int = 16, multiple: int = 64) -> dict:
+             hi: int | None = None, batch: int = 16, multiple: int = 64, after_build=lambda: None) -> dict:
     """The PyTorch language model (see the module doc) on the shipped corpus, lengths(lo, hi) tokens a step, in
     multiples of 64 (length buckets, as training loops batch them): with any length, the H200's quick run took
     ~190 ms a step under every allocator alike against ~20 ms at a fixed length (per-shape work in PyTorch, not
-    allocation), which would drown the allocators' differences (NOTES, the fifth session's runs)."""
+    allocation), which would drown the allocators' differences (NOTES, the fifth session's runs). after_build():
+    called once the model and its optimizer are made."""
     import torch
     from torch import nn
 
@@ -122,6 +123,7 @@ def torch_lm(steps, warmup, seed, window, gpu=True, small=False, after_step=lamb
     m = nn.ModuleDict(dict(tok=nn.Embedding(256, d), pos=nn.Embedding(max_len, d), head=nn.Linear(d, 256),
                            enc=nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False))).to(device)
     opt = torch.optim.AdamW(m.parameters(), lr=3e-4)
+    after_build()
 
     def step(i, T):
         x, y = (torch.from_numpy(a).to(device) for a in get_batch(data, batch, T, i, seed=seed))
@@ -162,9 +164,10 @@ def _resnet18(nn, width: int, blocks: tuple, classes: int):
 
 
 def resnet(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda: None, *, lo: int,
-           hi: int | None = None, batch: int = 32, multiple: int = 32) -> dict:
+           hi: int | None = None, batch: int = 32, multiple: int = 32, after_build=lambda: None) -> dict:
     """ResNet-18 (see the module doc) on random images of lengths(lo, hi) pixels a side, in multiples of 32 (the
-    network's stride), drawn from seed on the device; 100 classes."""
+    network's stride), drawn from seed on the device; 100 classes. after_build(): called once the model and its
+    optimizer are made (a reserve made there: scripts/gpu_reserve_probe.py --when build)."""
     import torch
     from torch import nn
 
@@ -176,6 +179,7 @@ def resnet(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda
     m = _resnet18(nn, width, blocks, 100).to(device, memory_format=torch.channels_last)
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     gen = torch.Generator(device)
+    after_build()
 
     def step(i, side):
         gen.manual_seed(seed * 1_000_003 + i)
