@@ -66,7 +66,7 @@ def one(workload: str, seed: int, frac: float, recipe: str, when: str = "start")
     s = pool.stats(0).iloc[0]
     st = steady_state(probes, w.warmup)
     return dict(workload=workload, seed=seed, frac=frac, reserve_bytes=reserve, recipe=recipe if reserve else "",
-                when=when if reserve else "", block_bytes=taken[0],
+                when=when if reserve else "none", trial=seed, block_bytes=taken[0],
                 peak_bytes_reserved=int(s["peak_bytes_reserved"]), peak_bytes_requested=int(s["peak_bytes_requested"]),
                 reserved_over_requested=s["peak_bytes_reserved"] / s["peak_bytes_requested"],
                 steady_calls=st["device_calls_steady"], steady_steps=st["steady_steps"],

@@ -783,6 +783,27 @@ def test_a_reserve_of_1_03_times_the_peak_stops_the_resnets_steady_maps(workload
         assert plain["steady_calls"] >= 2, plain              # what the reserve stops
 
 
+def _probe_rows():
+    import pandas as pd
+    from xlab.paths import data_dir
+    d = pd.read_csv(data_dir() / "reserve_probe.csv")
+    return [pytest.param(r, id=f"{r.workload}-s{r.seed}-{r.frac}-{r.when}-{r.commit[:7]}") for r in d.itertuples()]
+
+
+@pytest.mark.parametrize("row", _probe_rows())
+def test_every_gpu_run_of_the_reserve_probe_equals_its_replay(row):
+    """data/reserve_probe.csv (scripts/gpu_reserve_probe.py on the H200): every run, plain or with a reserve (by
+    hand or pool.reserve) before anything ("start") or pool.reserve after the model is built ("build", at the
+    replay's build_events), made the peaks and device calls the host twin makes on that seed's trace, to the byte and
+    the call."""
+    m = memory_study
+    tl = m.dyn_trace(row.workload + (f"_s{row.seed}" if row.seed else ""))
+    after = m.build_events(tl) if row.when == "build" else 0
+    got = m.replay_rule(tl, row.release_on_miss, int(row.reserve_bytes), after)
+    assert (got["peak_bytes_reserved"], got["peak_bytes_requested"], got["steady_calls"], got["device_calls"]) == \
+        (row.peak_bytes_reserved, row.peak_bytes_requested, row.steady_calls, row.device_maps + row.device_unmaps)
+
+
 def test_the_build_of_a_trace_is_its_models_parameters():
     """memory_study.build_events: the ResNet's build ends after its 156th event, when the model's parameters (and
     nothing the first step frees) are in use; the language model's after its 76th."""

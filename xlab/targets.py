@@ -171,12 +171,16 @@ TARGETS = (
     # the reserve recipe on the ResNets at varying sizes (scripts/gpu_reserve_probe.py): not the default's targets,
     # which stay above; what a program that knows its peak can do with the public API
     T("reserve_ror", "#22, ResNets at varying image sizes through enable_torch()'s pool with 1.03× the peak reserved "
-      "up front (pool.reserve and by hand): peak reserved / peak requested ≤ 1.05 (every seed; worst: {at})", "reserve_probe.csv",
+      "before the first step (pool.reserve before or after the model is built, and by hand): peak reserved / peak "
+      "requested ≤ 1.05 (every seed; worst: {at})", "reserve_probe.csv",
       "reserved_over_requested", None, 1.05, False, where=dict(frac=1.03), over=("workload",), stat="max",
       fmt="{:.4f}", exact=True, bound="—"),
     T("reserve_calls", "#22, the same: device calls in steady state = 0 (every seed; worst: {at})", "reserve_probe.csv",
       "steady_calls", None, 0.0, False, where=dict(frac=1.03), over=("workload",), stat="max", fmt="{:.0f}",
       exact=True, bound="—"),
+    T("reserve_ms", "#22, the same: ms per step with the reserve ≤ without (paired by seed; worst: {at})",
+      "reserve_probe.csv", "ms_per_step", None, 1.0, False, where=dict(frac=1.03), ref=dict(frac=0.0, when="none"),
+      over=("workload", "when"), fmt="{:.3f}", unit="×"),
     T("reserve_calls_plain", "the same without the reserve: device calls in steady state, by workload (every seed)",
       "reserve_probe.csv", "steady_calls", None, where=dict(frac=0.0), over=("workload",), pick="each", stat="max",
       fmt="{:.0f}", exact=True, bound="—"),
