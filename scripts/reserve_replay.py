@@ -9,8 +9,10 @@ bytes, as a dry run of the program reports it (`pool.stats()["peak_bytes_request
 `xlab.memory_study.DYN_TRACES` and `HELD_OUT_TRACES` is replayed over the host twin (2 MiB pages) under release
 rules "peak" (enable_torch()'s) and "never" (the scheme's CuPy default), frac 0 (no reserve: the plain replay, equal
 to the GPU's runs) and 1.02-1.05, the reserve made before anything (`when` "start") or after the program's build
-(`when` "build": `xlab.memory_study.build_events`, the model's parameters in use); one row per (trace, rule, frac,
-when): peak reserved over peak requested (the program's: the reserve's request is forgotten), device calls in the
+(`when` "build": `xlab.memory_study.build_events`, the model's parameters in use). Or with no dry run: after the
+first step (`when` "step1"; the largest shape comes first) or after the warm-up (`when` "warmup"), `frac` times the
+peak requested so far (`reserve_bytes` is then that run's). One row per (trace, rule, frac, when): peak reserved over
+peak requested (the program's, over the whole run: the reserve's request is forgotten), device calls in the
 benchmark's steady state, maps and unmaps in all.
 
     python scripts/reserve_replay.py --out data/reserve_replay.csv
@@ -31,17 +33,25 @@ RULES = ("peak", "never")
 def rows(name: str) -> list[dict]:
     """The trace's rows: each rule, each frac (0: the plain replay)."""
     tl, out = ms.dyn_trace(name), []
-    build = ms.build_events(tl)
+    step = tl.loc[tl["event"].isin(ms.ALLOC_EVENTS + ("free",)), "step"].to_numpy()
+    places = dict(start=0, build=ms.build_events(tl), step1=int((step < 1).sum()),
+                  warmup=int((step < int(tl["warmup"].iloc[0])).sum()))
     for rule in RULES:
         plain = ms.replay_rule(tl, rule)
         peak = plain["peak_bytes_requested"]
         for frac in FRACS:
-            reserve = int(frac * peak) // ms.DYN_PAGE * ms.DYN_PAGE
-            for when, after in (("start", 0), ("build", build)) if reserve else (("", 0),):
-                r = ms.replay_rule(tl, rule, reserve, after) if reserve else plain
+            for when, after in places.items() if frac else (("", 0),):
+                taken = []
+
+                def so_far(s, frac=frac, taken=taken):        # the peak requested so far, when no dry run told it
+                    taken.append(int(frac * s["peak_bytes_requested"]) // ms.DYN_PAGE * ms.DYN_PAGE)
+                    return taken[-1]
+                reserve = int(frac * peak) // ms.DYN_PAGE * ms.DYN_PAGE if when in ("start", "build") else so_far
+                r = ms.replay_rule(tl, rule, reserve, after) if frac else plain
                 assert r["peak_bytes_requested"] == peak          # the reserve's request is forgotten
-                out.append(dict(trace=name, rule=rule, frac=frac, when=when, reserve_bytes=reserve,
-                                build_events=after, peak_bytes_requested=peak,
+                out.append(dict(trace=name, rule=rule, frac=frac, when=when,
+                                reserve_bytes=taken[0] if taken else (reserve if frac else 0),
+                                after_events=after, peak_bytes_requested=peak,
                                 peak_bytes_reserved=r["peak_bytes_reserved"], reserved_over_requested=r["ratio"],
                                 steady_calls=r["steady_calls"], steady_steps=r["steady_steps"],
                                 device_calls=r["device_calls"], page_bytes=ms.DYN_PAGE))

@@ -464,12 +464,14 @@ def build_events(tl: pd.DataFrame) -> int:
     return kept[-1] + 1 if kept else 0
 
 
-def replay_rule(tl: pd.DataFrame, rule: str, reserve: int = 0, after: int = 0) -> dict:
+def replay_rule(tl: pd.DataFrame, rule: str, reserve=0, after: int = 0) -> dict:
     """A dynamic trace under scheme expandable with release_on_miss `rule`, 2 MiB pages over the host twin (the
     replays equal the GPU's runs to the byte and the call); with `reserve` bytes, `pool.reserve(reserve)` on the
     trace's first stream before its event `after` (0: before anything; `build_events(tl)`: after the program's
     build): the bytes in use and a free block of the rest, allocated and freed, then the peaks and the rules' history
-    reset: its pages stay mapped as one free run, and neither the gauges nor the release rules remember the request:
+    reset: its pages stay mapped as one free run, and neither the gauges nor the release rules remember the request.
+    `reserve` may be a function of the pool's stats row at that moment (a reserve from the peak seen so far, made
+    mid-run); the peaks reported are then the most of the run's, before the reset and after:
     - ratio: peak reserved / peak requested;
     - steady_calls, steady_unmaps: maps + unmaps, and unmaps alone, in the benchmark's steady state
       (xlab.bench.dynamic.steady_state over the workload's steps, probed after each as the benchmark probes them;
@@ -482,13 +484,21 @@ def replay_rule(tl: pd.DataFrame, rule: str, reserve: int = 0, after: int = 0) -
     events = _replay_events(tl)
     device, stream = int(events["device"].iloc[0]), int(events["stream"].iloc[0])
     probes = {}                                           # step -> (maps, unmaps, peak requested) at its end
+    reset = {"peak_bytes_requested": 0, "peak_bytes_reserved": 0}   # the peaks the reserve's reset forgot
 
     def probe(step):                                      # _drive calls it with None before the first event
         s = pool.stats(0).iloc[0]
-        probes[step] = (s["device_maps"], s["device_unmaps"], s["peak_bytes_requested"])
-    before = (after, lambda: pool.reserve(reserve, device, stream)) if reserve else None
-    live, unmatched = _drive(pool, events, probe, before)
-    s = pool.stats(0).iloc[0]
+        probes[step] = (s["device_maps"], s["device_unmaps"],
+                        max(s["peak_bytes_requested"], reset["peak_bytes_requested"]))
+
+    def make_reserve():
+        s = pool.stats(0).iloc[0]
+        reset.update({k: int(s[k]) for k in reset})
+        pool.reserve(reserve(s) if callable(reserve) else reserve, device, stream)
+    live, unmatched = _drive(pool, events, probe, (after, make_reserve) if reserve else None)
+    s = pool.stats(0).iloc[0].copy()
+    for k in reset:
+        s[k] = max(s[k], reset[k])
     live.clear()
     warmup, steps = int(tl["warmup"].iloc[0]), int(tl["steps"].iloc[0])
     per_step = [probes[k] for k in range(warmup + steps)]   # the workload's steps: the benchmark's probes
