@@ -90,6 +90,8 @@ def main(argv=None) -> int:
         return 0
     import pandas as pd
     from xlab.provenance import provenance
+    if a.recipe == "tensor" and "build" in a.when.split(","):
+        p.error("--when build needs --recipe pool.reserve (a tensor by hand would not count the model's bytes)")
     fracs, rows = [float(f) for f in a.fracs.split(",")], []
     arms = [(f, when) for f in fracs for when in (a.when.split(",") if f else ["start"])]
     for w in a.workloads.split(","):

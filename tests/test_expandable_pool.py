@@ -741,6 +741,17 @@ def test_a_reserve_names_a_bad_size_and_takes_nothing(nbytes):
     assert backend.twin.mapped_bytes(0) == 0
 
 
+@pytest.mark.parametrize("kw, message", [(dict(device=7), r"device must be an int in \[0, 2\)"),
+                                         (dict(device="0"), r"device must be an int"),
+                                         (dict(stream=-1), r"stream must be a stream handle"),
+                                         (dict(stream=1.0), r"stream must be a stream handle")])
+def test_a_reserve_names_a_bad_device_or_stream_and_takes_nothing(kw, message):
+    pool, backend = make()
+    with pytest.raises(ValueError, match=message):
+        pool.reserve(4 * P, **kw)
+    assert backend.twin.mapped_bytes(0) == backend.twin.mapped_bytes(1) == 0 and pool.stats()["requests"].sum() == 0
+
+
 def test_a_reserve_the_device_refuses_raises_out_of_memory_and_keeps_nothing():
     pool, backend = make(capacity=8 * P)
     pool.allocate(P)        # the program's block: its peak gauges stay as they were
