@@ -7,6 +7,7 @@
 #   AB: the CuPy workloads of the dynamic-shape benchmark (gpt_b32, gpt_b4, gpt_varlen, cupy_mix) at this commit,
 #       every CuPy arm, 5 interleaved trials on seeds 0-4: they replace the rows measured at 6147932 and 89ee811 in
 #       data/dynamic_shapes.csv. RESUME=1 continues a CSV left by a call that ran out of time.
+#   AC: the expandable scheme's and PyTorch's GPU tests at the session's last code.
 #   bash docs/past-runs/gpu_nineteenth.sh AA     (the commit in .xpool_commit and RMM's wheels in .whl/, carried)
 # Logs and CSVs go to $OUT/<stage>.tgz, and the stage's CSVs and main log beside it.
 set -uo pipefail
@@ -37,5 +38,11 @@ if [ "$stage" = AB ]; then
     echo "bench rc $?" >> "$L/main.log"
     tail -c 3500 "$L/main.log"
 fi
+if [ "$stage" = AC ]; then
+    timeout -k 5 $((560 - SECONDS)) python3 -m pytest -q -rxXfs tests/test_gpu_expandable.py tests/test_torch_gpu.py \
+        > "$L/main.log" 2>&1
+    echo "tests rc $?" >> "$L/main.log"
+    tail -12 "$L/main.log"
+fi
 tar czf "$OUT/$stage.tgz" -C build/run "$stage"
-cp "$L"/*.csv "$L/main.log" "$OUT"/ 2>/dev/null
+cp "$L"/*.csv "$L/main.log" "$OUT"/ 2>/dev/null || true      # AC writes no CSV
