@@ -33,24 +33,20 @@ RULES = ("peak", "never")
 def rows(name: str) -> list[dict]:
     """The trace's rows: each rule, each frac (0: the plain replay)."""
     tl, out = ms.dyn_trace(name), []
-    step = tl.loc[tl["event"].isin(ms.ALLOC_EVENTS + ("free",)), "step"].to_numpy()
-    places = dict(start=0, build=ms.build_events(tl), step1=int((step < 1).sum()),
-                  warmup=int((step < int(tl["warmup"].iloc[0])).sum()))
+    places = dict(start=0, build=ms.build_events(tl), step1=ms.events_before_step(tl, 1),
+                  warmup=ms.events_before_step(tl, int(tl["warmup"].iloc[0])))
+    pages = lambda n: int(n) // ms.DYN_PAGE * ms.DYN_PAGE    # noqa: E731
     for rule in RULES:
         plain = ms.replay_rule(tl, rule)
         peak = plain["peak_bytes_requested"]
         for frac in FRACS:
             for when, after in places.items() if frac else (("", 0),):
-                taken = []
-
-                def so_far(s, frac=frac, taken=taken):        # the peak requested so far, when no dry run told it
-                    taken.append(int(frac * s["peak_bytes_requested"]) // ms.DYN_PAGE * ms.DYN_PAGE)
-                    return taken[-1]
-                reserve = int(frac * peak) // ms.DYN_PAGE * ms.DYN_PAGE if when in ("start", "build") else so_far
+                # with no dry run (step1, warmup): the peak requested so far
+                reserve = pages(frac * peak) if when in ("start", "build") else \
+                    (lambda s, frac=frac: pages(frac * s["peak_bytes_requested"]))
                 r = ms.replay_rule(tl, rule, reserve, after) if frac else plain
                 assert r["peak_bytes_requested"] == peak          # the reserve's request is forgotten
-                out.append(dict(trace=name, rule=rule, frac=frac, when=when,
-                                reserve_bytes=taken[0] if taken else (reserve if frac else 0),
+                out.append(dict(trace=name, rule=rule, frac=frac, when=when, reserve_bytes=r["reserve_bytes"],
                                 after_events=after, peak_bytes_requested=peak,
                                 peak_bytes_reserved=r["peak_bytes_reserved"], reserved_over_requested=r["ratio"],
                                 steady_calls=r["steady_calls"], steady_steps=r["steady_steps"],

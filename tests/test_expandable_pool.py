@@ -800,11 +800,10 @@ def test_a_reserve_from_the_peak_so_far_made_mid_run_is_no_reserve_up_front():
     maps (the first step's layout is already in pieces), and after the warm-up it stops them at about 1.08."""
     m = memory_study
     tl = m.dyn_trace("resnet_varres_s3")
-    step = m._replay_events(tl)["step"].to_numpy()
     so_far = lambda s: int(1.03 * s["peak_bytes_requested"]) // m.DYN_PAGE * m.DYN_PAGE     # noqa: E731
     plain = m.replay_rule(tl, "peak")
-    first = m.replay_rule(tl, "peak", so_far, int((step < 1).sum()))
-    warm = m.replay_rule(tl, "peak", so_far, int((step < int(tl["warmup"].iloc[0])).sum()))
+    first = m.replay_rule(tl, "peak", so_far, m.events_before_step(tl, 1))
+    warm = m.replay_rule(tl, "peak", so_far, m.events_before_step(tl, int(tl["warmup"].iloc[0])))
     assert plain["steady_calls"] == first["steady_calls"] == 4, (plain, first)
     assert warm["steady_calls"] == 0 and warm["ratio"] > 1.07, warm
     assert first["peak_bytes_requested"] == warm["peak_bytes_requested"] == plain["peak_bytes_requested"]

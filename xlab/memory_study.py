@@ -276,16 +276,15 @@ def _rows(ev: pd.DataFrame) -> list:
             for a, d, s, p, n, t in ev.itertuples(index=False, name=None)]
 
 
-def _drive(pool, ev, on_step=None, before=None):
+def _drive(pool, ev, on_step=None, live=None):
     """Replays the events (a frame from _replay_events, or its _rows) through pool (an xpool Pool or
-    CupyPoolModel); before: (k, fn), fn() called before the k-th event; returns (live blocks, unmatched frees)."""
+    CupyPoolModel), the blocks of earlier events in `live` (a dict _drive returned); returns (live blocks, unmatched
+    frees)."""
     model = isinstance(pool, CupyPoolModel)
     alloc = pool.allocate if model else getattr(pool, "raw_allocate", None) or allocate_function(pool)  # C alone
-    live, unmatched, last = {}, 0, None
+    live, unmatched, last = {} if live is None else live, 0, None
     rows = _rows(ev) if isinstance(ev, pd.DataFrame) else ev
-    for k, (is_alloc, device, stream, ptr, requested, step) in enumerate(rows):
-        if before is not None and k == before[0]:
-            before[1]()
+    for is_alloc, device, stream, ptr, requested, step in rows:
         if on_step is not None and step != last:
             on_step(last)
             last = step
@@ -464,6 +463,12 @@ def build_events(tl: pd.DataFrame) -> int:
     return kept[-1] + 1 if kept else 0
 
 
+def events_before_step(tl: pd.DataFrame, step: int) -> int:
+    """How many of a trace's replayed events come before its step `step` (the place of a reserve made after the
+    steps before it)."""
+    return int((_replay_events(tl)["step"].to_numpy() < step).sum())
+
+
 def replay_rule(tl: pd.DataFrame, rule: str, reserve=0, after: int = 0) -> dict:
     """A dynamic trace under scheme expandable with release_on_miss `rule`, 2 MiB pages over the host twin (the
     replays equal the GPU's runs to the byte and the call); with `reserve` bytes, `pool.reserve(reserve)` on the
@@ -473,6 +478,7 @@ def replay_rule(tl: pd.DataFrame, rule: str, reserve=0, after: int = 0) -> dict:
     `reserve` may be a function of the pool's stats row at that moment (a reserve from the peak seen so far, made
     mid-run); the peaks reported are then the most of the run's, before the reset and after:
     - ratio: peak reserved / peak requested;
+    - reserve_bytes: the bytes asked of pool.reserve (0: none);
     - steady_calls, steady_unmaps: maps + unmaps, and unmaps alone, in the benchmark's steady state
       (xlab.bench.dynamic.steady_state over the workload's steps, probed after each as the benchmark probes them;
       the trace's teardown after the last step is not counted);
@@ -485,17 +491,22 @@ def replay_rule(tl: pd.DataFrame, rule: str, reserve=0, after: int = 0) -> dict:
     device, stream = int(events["device"].iloc[0]), int(events["stream"].iloc[0])
     probes = {}                                           # step -> (maps, unmaps, peak requested) at its end
     reset = {"peak_bytes_requested": 0, "peak_bytes_reserved": 0}   # the peaks the reserve's reset forgot
+    asked, rows = 0, _rows(events)
 
     def probe(step):                                      # _drive calls it with None before the first event
         s = pool.stats(0).iloc[0]
         probes[step] = (s["device_maps"], s["device_unmaps"],
                         max(s["peak_bytes_requested"], reset["peak_bytes_requested"]))
-
-    def make_reserve():
+    live, unmatched = _drive(pool, rows[:after], probe) if reserve else ({}, 0)
+    if reserve:
         s = pool.stats(0).iloc[0]
         reset.update({k: int(s[k]) for k in reset})
-        pool.reserve(reserve(s) if callable(reserve) else reserve, device, stream)
-    live, unmatched = _drive(pool, events, probe, (after, make_reserve) if reserve else None)
+        asked = reserve(s) if callable(reserve) else reserve
+        pool.reserve(asked, device, stream)
+        if after:
+            probe(rows[after - 1][-1])                    # its step's counts include the reserve's, as in a program
+    live, more = _drive(pool, rows[after if reserve else 0:], probe, live)
+    unmatched += more
     s = pool.stats(0).iloc[0].copy()
     for k in reset:
         s[k] = max(s[k], reset[k])
@@ -505,7 +516,7 @@ def replay_rule(tl: pd.DataFrame, rule: str, reserve=0, after: int = 0) -> dict:
     calls = steady_state([(mp + un, p) for mp, un, p in per_step], warmup)
     unmaps = steady_state([(un, p) for _, un, p in per_step], warmup)
     last = probes[max(k for k in probes if k is not None)]
-    return dict(ratio=s["peak_bytes_reserved"] / s["peak_bytes_requested"],
+    return dict(ratio=s["peak_bytes_reserved"] / s["peak_bytes_requested"], reserve_bytes=asked,
                 steady_calls=calls["device_calls_steady"], steady_unmaps=unmaps["device_calls_steady"],
                 calls_after_warmup=sum(last[:2]) - sum(probes[warmup - 1][:2]),
                 steady_steps=calls["steady_steps"], demand_peak_step=calls["demand_peak_step"],
