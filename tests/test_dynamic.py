@@ -134,6 +134,76 @@ def test_row_says_what_bounds_the_step_from_the_threads_cpu_time():
     assert (busy["bound"], idle["bound"]) == ("host", "gpu") and idle["host_ms_per_step"] == 20.0
     torch_row = dynamic.build_row(0, 0, "torch_fixed", "torch", _run_dict(host_seconds=0.2), _run_dict(), 0, opts)
     assert torch_row["bound"] == "" and torch_row["host_ms_per_step"] == 20.0    # backward is on another thread
+    assert math.isnan(torch_row["gpu_util_mean"])
+
+
+def test_row_says_what_bounds_the_step_from_nvml_where_it_was_sampled():
+    """With NVML's utilisation over the timed window a row's bound is NVML's (train.step_bound: gpu at >= 80% busy),
+    a PyTorch row's too, whatever the main thread's time says; a NaN reading falls back as without NVML."""
+    opts = dict(steps=10, warmup=2, seed=0, gpu=True)
+
+    def row(workload, util, host_seconds=0.45):
+        return dynamic.build_row(0, 0, workload, "torch" if workload.startswith("torch") else "cupy_pool",
+                                 _run_dict(host_seconds=host_seconds, gpu_util=util), _run_dict(), 0, opts)
+    assert (row("torch_fixed", 41.5)["bound"], row("torch_fixed", 97.0, 0.1)["bound"]) == ("host", "gpu")
+    assert row("torch_fixed", 41.5)["gpu_util_mean"] == 41.5
+    assert row("gpt_b4", 97.0)["bound"] == "gpu"                 # NVML over the thread's 90% busy
+    assert row("gpt_b4", math.nan)["bound"] == "host" and row("torch_fixed", math.nan)["bound"] == ""
+    on_cpu = dynamic.build_row(0, 0, "torch_fixed", "torch", _run_dict(gpu_util=50.0), _run_dict(), 0,
+                               dict(opts, gpu=False))
+    assert on_cpu["bound"] == ""
+
+
+class _FakeSampler:
+    made = []
+
+    def __init__(self, devices):
+        self.devices = devices
+        _FakeSampler.made.append(self)
+
+    def start(self):
+        self.started = True
+        return self
+
+    def stop(self):
+        return {0: 63.0}
+
+
+class _FakeAlloc:
+    def __init__(self):
+        import contextlib
+        self.tracking = contextlib.nullcontext
+
+    def sample(self, device):
+        pass
+
+    def device_mallocs(self, device):
+        return 0
+
+    def peak_reserved(self, device):
+        return 10
+
+    def peak_requested(self, device):
+        return 8
+
+
+def test_measure_samples_nvml_over_the_timed_run_only(monkeypatch):
+    """On a GPU the timed run's window carries an NVML sampler over device 0 (its mean is the row's gpu_util_mean);
+    a counting run, whose probes cost time, has none; on a CPU neither has."""
+    def fn(steps, warmup, seed, window, gpu, small, after_step):
+        with window:
+            after_step()
+            window.dispatched()
+        return dict(batch=1, shape="x")
+    monkeypatch.setattr(dynamic, "UtilSampler", _FakeSampler)
+    monkeypatch.setitem(dynamic.WORKLOADS, "gpt_b4", dynamic.Workload("cupy", False, fn, 2, 1))
+    _FakeSampler.made.clear()
+    opts = dict(steps=None, warmup=None, seed=0, gpu=True, small=True)
+    timed = dynamic._measure(_FakeAlloc(), "gpt_b4", opts, lambda: None, probe=False, timed=True)
+    counting = dynamic._measure(_FakeAlloc(), "gpt_b4", opts, lambda: None, probe=True, timed=False)
+    on_cpu = dynamic._measure(_FakeAlloc(), "gpt_b4", dict(opts, gpu=False), lambda: None, probe=False)
+    assert timed["gpu_util"] == 63.0 and math.isnan(counting["gpu_util"]) and math.isnan(on_cpu["gpu_util"])
+    assert len(_FakeSampler.made) == 1 and _FakeSampler.made[0].devices == [0] and _FakeSampler.made[0].started
 
 
 def test_steady_state_starts_after_the_demands_last_new_high():
@@ -317,8 +387,10 @@ def test_run_writes_rows_with_provenance_and_resumes(tmp_path):
     again = dynamic.run(**kw)
     assert len(again) == 4 and len(pd.read_csv(out)) == 4
     assert set(again[again.trial == 1].date) == set(df[df.trial == 1].date)     # trial 1 kept, not measured again
+    pd.read_csv(out).drop(columns="gpu_util_mean").to_csv(out, index=False)   # rows from before NVML's column
     other = dynamic.run(**{**kw, "steps": 3})                                # other settings: measured anew
     assert len(other) == 4 and len(pd.read_csv(out)) == 8
+    assert list(pd.read_csv(out).columns[:len(dynamic.COLUMNS)]) == dynamic.COLUMNS     # the new column in its place
 
 
 def test_spawned_processes_work_too():
@@ -384,6 +456,7 @@ def test_quick_run_on_the_gpu(tmp_path):
     assert (df.device_calls_steady.isna() == (df.steady_steps == 0)).all()   # no steady step: no count
     assert (df[df.allocator == "cupy_async"].device_calls_per_step > 0).all()    # a call per request, warm or not
     assert (df[df.framework == "torch"].reserved_at_start_bytes == 0).all()
+    assert df.gpu_util_mean.between(0, 100).all() and set(df.bound) <= {"host", "gpu"}   # NVML over every row
 
 
 def test_host_speed_probe_csv_is_what_its_log_gives():

@@ -38,6 +38,7 @@ from xlab import allocators as registry
 from xlab import intervals
 from xlab.experiments.runner import installed
 from xlab.experiments.train import Window, step_bound   # with tapegpt: imported once, before the forks (no CUDA)
+from xlab.nvml import UtilSampler
 from xlab.paths import write_csv
 from xlab.provenance import git_commit, gpu_info, provenance
 
@@ -82,7 +83,7 @@ COLUMNS = ["trial", "workload", "dynamic", "framework", "allocator", "peak_reser
            "reserved_over_requested", "device_calls_per_step", "device_calls", "device_calls_per_steady_step",
            "device_calls_steady", "steady_steps", "demand_peak_step", "ms_per_step", "steps", "warmup",
            "seed", "batch", "shape", "counted_in", "reserved_at_start_bytes", "position", "gc_ms_per_step",
-           "host_ms_per_step", "bound", "pinned"]
+           "host_ms_per_step", "gpu_util_mean", "bound", "pinned"]
 
 
 # --- arms
@@ -161,11 +162,13 @@ def steady_state(probes: list, warmup: int) -> dict:
                 device_calls_steady=calls[-1] - calls[first - 1] if first < len(probes) else math.nan)
 
 
-def _measure(alloc, workload, opts, sync, probe: bool) -> dict:
+def _measure(alloc, workload, opts, sync, probe: bool, timed: bool = True) -> dict:
     """One run of `workload`; probe: read the device calls and the peak requested after every step (a cost inside
-    the timed window, so only in runs that count: steady_state)."""
+    the timed window, so only in runs that count: steady_state); timed: the run whose time the row reports, over
+    which NVML samples the GPU's utilisation on a GPU (a thread reading it every 25 ms: what bounds the step)."""
     steps, warmup, seed = _settings(workload, opts)
-    window, probes = Window(lambda: device_calls(alloc), sync), []
+    sampler = UtilSampler([0]) if timed and opts["gpu"] else None
+    window, probes = Window(lambda: device_calls(alloc), sync, sampler=sampler), []
 
     def after_step():
         alloc.sample(0)
@@ -175,7 +178,7 @@ def _measure(alloc, workload, opts, sync, probe: bool) -> dict:
     with alloc.tracking():
         info = WORKLOADS[workload].fn(steps, warmup, seed, window, opts["gpu"], opts["small"], after_step=after_step)
     return dict(info, seconds=window.seconds, host_seconds=window.host_seconds, calls=window.device_mallocs,
-                gc_seconds=window.gc.seconds,
+                gc_seconds=window.gc.seconds, gpu_util=window.util.get(0, math.nan),
                 reserved=alloc.peak_reserved(0), requested=alloc.peak_requested(0),
                 steady=steady_state(probes, warmup) if probe else None)
 
@@ -192,7 +195,7 @@ def _cupy_arm(arm, workloads, opts) -> list:
         runs = []
         for counting in (False, True):
             with installed(arm, counting, [0]) as alloc:
-                runs.append(_measure(alloc, w, opts, sync, probe=counting))
+                runs.append(_measure(alloc, w, opts, sync, probe=counting, timed=not counting))
                 _check_torch_setting(alloc, arm, opts["gpu"])     # cupy_torch_expandable: before its cache goes
         out.append((w, runs[0], runs[-1], 0))
     return out
@@ -272,23 +275,29 @@ def release_rule(arm) -> str | None:
 
 def build_row(trial, position, workload, arm, timed, counted, at_start, opts) -> dict:
     """One row: bytes from the run that counted them, device calls from the counting run, time from the timed.
-    host_ms_per_step: the main thread's CPU time per timed step (to the last dispatch, Window); `bound` from it
-    (train.step_bound) on a GPU for the CuPy workloads, whose host work is all on that thread. A PyTorch row says
-    nothing there: PyTorch runs backward on its autograd thread, which that time does not count (Note [Pinned
-    arms])."""
+    host_ms_per_step: the main thread's CPU time per timed step (to the last dispatch, Window); gpu_util_mean: NVML's
+    utilisation over the timed window (NaN: not sampled). `bound` (train.step_bound) on a GPU from NVML where it was
+    sampled (since the twentieth session), else from the thread's time for the CuPy workloads, whose host work is all
+    on that thread; a PyTorch row without NVML says nothing: PyTorch runs backward on its autograd thread, which that
+    time does not count (Note [Pinned arms])."""
     spec, (steps, warmup, seed) = WORKLOADS[workload], _settings(workload, opts)
     reserved, requested, calls = (math.nan if v is None else v for v in (
         counted["reserved"] if timed["reserved"] is None else timed["reserved"],
         counted["requested"] if timed["requested"] is None else timed["requested"], counted["calls"]))
     steady = counted["steady"] or steady_state([], warmup)
     ms, host_ms = (1000 * timed[k] / steps for k in ("seconds", "host_seconds"))
+    util = timed.get("gpu_util")
+    sampled = util is not None and math.isfinite(util)
+    by_thread = spec.framework == "cupy"        # the thread's time tells only where all host work is on it
     per_steady = (steady["device_calls_steady"] / steady["steady_steps"] if steady["steady_steps"] else math.nan)
     return dict(trial=trial, workload=workload, dynamic=spec.dynamic, framework=spec.framework, allocator=arm,
                 peak_reserved_bytes=reserved, peak_requested_bytes=requested,
                 reserved_over_requested=reserved / requested if requested > 0 else math.nan,
                 device_calls_per_step=calls / steps, device_calls=calls, device_calls_per_steady_step=per_steady,
                 **steady, ms_per_step=ms, host_ms_per_step=host_ms,
-                bound=step_bound(None, host_ms, ms) if opts.get("gpu") and spec.framework == "cupy" else "",
+                gpu_util_mean=util if sampled else math.nan,
+                bound=step_bound(util if sampled else None, host_ms, ms) if opts.get("gpu") and (sampled or by_thread)
+                else "",
                 steps=steps, warmup=warmup, seed=seed, batch=timed["batch"], shape=timed["shape"],
                 counted_in="timed run" if counted is timed else "counting run", reserved_at_start_bytes=at_start,
                 position=position, gc_ms_per_step=1000 * timed["gc_seconds"] / steps, release_on_miss=release_rule(arm),
@@ -382,6 +391,7 @@ def run(workloads=None, arms=None, trials: int = TRIALS, steps: int | None = Non
         new = pd.DataFrame(rows)
         new = new[COLUMNS + [c for c in new if c not in COLUMNS]]
         old = new if old.empty else pd.concat([old, new], ignore_index=True)
+        old = old[COLUMNS + [c for c in old if c not in COLUMNS]]    # a column new since the older rows: in place
         write_csv(old, out)
     mine = old[[k in wanted for k in _keys(old)]].reset_index(drop=True)
     mine.attrs["failed"] = failed
