@@ -515,3 +515,19 @@ def test_the_held_out_workloads_train_at_their_own_shapes_on_the_cpu(monkeypatch
     assert dynamic.WORKLOADS["torch_fixed_b32"].fn(2, 1, 0, _window(), gpu=False, small=True)["shape"] == "T 8"
     assert dynamic.WORKLOADS["resnet_varres_b64"].fn(3, 1, 0, _window(), gpu=False, small=True) == dict(
         batch=2, shape="8-20 px by 4")
+
+
+def test_summary_says_what_bounds_each_arm_with_nvmls_reading():
+    """The summary's bound column: the rows' bounds, with NVML's GPU busy (median [95% interval]) where sampled; a
+    mixed verdict shows both; nothing measured: n/a."""
+    rows = []
+    for t in range(5):
+        rows += [dict(trial=t, workload="torch_fixed", allocator="torch", ms_per_step=10.0 + t, bound="host",
+                      gpu_util_mean=20.0 + t),
+                 dict(trial=t, workload="gpt_b32", allocator="cupy_pool", ms_per_step=30.0,
+                      bound="gpu" if t else "host", gpu_util_mean=math.nan),
+                 dict(trial=t, workload="gpt_b4", allocator="cupy_pool", ms_per_step=5.0, bound="",
+                      gpu_util_mean=math.nan)]
+    s = dynamic.summary(pd.DataFrame(rows)).set_index(["workload", "allocator"])["bound (GPU busy)"]
+    assert s[("torch_fixed", "torch")] == "host (22% [20, 24])"
+    assert s[("gpt_b32", "cupy_pool")] == "gpu/host" and s[("gpt_b4", "cupy_pool")] == "n/a"

@@ -418,7 +418,22 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
              f"{intervals.fmt_ci(r.ratio, r.ratio_lo, r.ratio_hi, '{:.3f}', '×')} ({r.reference})" for r in
              intervals.paired_best(df, "ms_per_step", "allocator", PEERS_ALL, ["workload"], False).itertuples()}
     out["ms vs the fastest peer"] = [ratio.get(k, "n/a") for k in zip(out["workload"], out["allocator"])]
+    if "bound" in df:
+        out["bound (GPU busy)"] = [_bound_label(g) for _, g in df.groupby(keys, sort=False)]
     return out.assign(trials=s["n_trials"])
+
+
+def _bound_label(g: pd.DataFrame) -> str:
+    """What bounds one (workload, allocator)'s steps: its rows' bounds ("host", "gpu", both as "host/gpu"), with NVML's
+    GPU utilisation, median [95% interval], where it was sampled: 'host (12% [8, 15])'; "n/a" without either."""
+    kinds = sorted({b for b in g["bound"].dropna().astype(str) if b})
+    util = g["gpu_util_mean"].dropna() if "gpu_util_mean" in g else pd.Series(dtype=float)
+    busy = ""
+    if len(util):
+        med, lo, hi, _ = intervals.median_ci(util)
+        busy = intervals.fmt_ci(med, lo, hi, "{:.0f}", "%")
+    label = "/".join(kinds)
+    return f"{label} ({busy})" if label and busy else label or busy or "n/a"
 
 
 def main(argv=None) -> int:
