@@ -194,3 +194,27 @@ def test_trace_labels_are_short_and_say_where_the_trace_was_recorded():
     assert plots.trace_label("gpt_b32_perparam_numpy") == "b32 perparam\n(NumPy)"
     assert plots.trace_label("gpt_b32_gpu") == "b32\n(GPU)" and plots.trace_label("random") == "random"
     assert plots.trace_label("gpt_varlen_cupy_path_numpy") == "varlen\n(CuPy path)"
+
+
+def test_hidden_buffer_study_csv_is_what_its_script_gives():
+    """data/hidden_buffer_replay.csv (NOTES.md, Note [Expandable segments], "A hidden buffer") is
+    scripts/hidden_buffer_replay.py's: two traces' rows recomputed to the byte and the call (the script checks each
+    trace's plain walk against replay_rule itself); and the study's claims: no trace makes a steady call more with a
+    buffer, and no buffer reaches 0 on every target trace."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("hidden_buffer_replay", root / "scripts" / "hidden_buffer_replay.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    committed = pd.read_csv(root / "data" / "hidden_buffer_replay.csv")
+    assert len(committed) == len(memory_study.DYN_TRACES + memory_study.HELD_OUT_TRACES) * 2 * len(mod.AHEAD)
+    cols = ["rule", "buffer_pages", "peak_bytes_requested", "peak_bytes_held", "steady_calls", "device_calls"]
+    for name in ("resnet_varres_s3", "torch_fixed_b32"):
+        got = pd.DataFrame(mod.rows(name))[cols].reset_index(drop=True)
+        want = committed[committed.trace == name][cols].reset_index(drop=True)
+        pd.testing.assert_frame_equal(got, want, check_dtype=False)
+    plain = committed[committed.buffer_pages == 0].set_index(["trace", "rule"])
+    for k, g in committed[committed.buffer_pages > 0].groupby("buffer_pages"):
+        g = g.set_index(["trace", "rule"])
+        assert (g.steady_calls <= plain.loc[g.index].steady_calls).all(), k
+        targets = g[g.index.get_level_values(0).str.startswith(("resnet_varres", "torch_fixed_b32"))]
+        assert (targets.steady_calls > 0).any(), k
