@@ -424,7 +424,7 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _bound_label(g: pd.DataFrame) -> str:
-    """What bounds one (workload, allocator)'s steps: its rows' bounds ("host", "gpu", both as "host/gpu"), with NVML's
+    """What bounds one (workload, allocator)'s steps: its rows' bounds ("host", "gpu", both as "gpu/host"), with NVML's
     GPU utilisation, median [95% interval], where it was sampled: 'host (12% [8, 15])'; "n/a" without either."""
     kinds = sorted({b for b in g["bound"].dropna().astype(str) if b})
     util = g["gpu_util_mean"].dropna() if "gpu_util_mean" in g else pd.Series(dtype=float)
