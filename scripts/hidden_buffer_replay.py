@@ -17,13 +17,8 @@ the plain replay (checked against `replay_rule` on every row).
 """
 from __future__ import annotations
 
-import argparse
-
-import pandas as pd
-
 from xlab import memory_study as ms
 from xlab.bench.dynamic import steady_state
-from xlab.provenance import provenance
 from xpool import Pool
 
 AHEAD = (0, 2, 4, 8, 16)     # pages of buffer
@@ -109,14 +104,7 @@ def rows(name: str) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="build/hidden_buffer_replay.csv")
-    p.add_argument("--traces", help="comma-separated (default: DYN_TRACES and HELD_OUT_TRACES)")
-    a = p.parse_args(argv)
-    names = a.traces.split(",") if a.traces else ms.DYN_TRACES + ms.HELD_OUT_TRACES
-    out = [r for name in names for r in rows(name)]
-    pd.DataFrame(out).assign(**provenance(experiment="hidden_buffer_replay")).to_csv(a.out, index=False)
-    return 0
+    return ms.trace_study(__doc__, rows, "hidden_buffer_replay", "build/hidden_buffer_replay.csv", argv)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,7 @@ benchmark's steady state, maps and unmaps in all.
 """
 from __future__ import annotations
 
-import argparse
-
-import pandas as pd
-
 from xlab import memory_study as ms
-from xlab.provenance import provenance
 
 FRACS = (0.0, 1.02, 1.03, 1.04, 1.05)
 RULES = ("peak", "never")
@@ -56,14 +51,7 @@ def rows(name: str) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="build/reserve_replay.csv")
-    p.add_argument("--traces", help="comma-separated (default: DYN_TRACES and HELD_OUT_TRACES)")
-    a = p.parse_args(argv)
-    names = a.traces.split(",") if a.traces else ms.DYN_TRACES + ms.HELD_OUT_TRACES
-    out = [r for name in names for r in rows(name)]
-    pd.DataFrame(out).assign(**provenance(experiment="reserve_replay")).to_csv(a.out, index=False)
-    return 0
+    return ms.trace_study(__doc__, rows, "reserve_replay", "build/reserve_replay.csv", argv)
 
 
 if __name__ == "__main__":

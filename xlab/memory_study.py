@@ -525,6 +525,19 @@ def replay_rule(tl: pd.DataFrame, rule: str, reserve=0, after: int = 0) -> dict:
                 unmatched_frees=unmatched)
 
 
+def trace_study(doc: str, rows, experiment: str, default_out: str, argv=None) -> int:
+    """The command line of a replay study over the dynamic traces (scripts/reserve_replay.py and its kind):
+    `rows(name)` for each trace of --traces (default: DYN_TRACES and HELD_OUT_TRACES), with provenance, to --out."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=default_out)
+    p.add_argument("--traces", help="comma-separated (default: DYN_TRACES and HELD_OUT_TRACES)")
+    a = p.parse_args(argv)
+    names = a.traces.split(",") if a.traces else DYN_TRACES + HELD_OUT_TRACES
+    out = [r for name in names for r in rows(name)]
+    pd.DataFrame(out).assign(**provenance(experiment=experiment)).to_csv(a.out, index=False)
+    return 0
+
+
 def scheme_study(traces: dict, allocators=SCHEME_ALLOCATORS, repeats: int = 7) -> pd.DataFrame:
     """One row per (trace, allocator): peak reserved / peak requested and device mallocs by replay, and ns
     per alloc+free pair over the host backend (xpool's schemes; NaN for CuPy's model), with provenance."""
