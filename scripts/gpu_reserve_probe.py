@@ -9,7 +9,8 @@ rest). The peak is what a dry run reports: the benchmark's rows of the default p
 data/dynamic_heldout.csv; the largest image comes first, so every seed's is the same). One row per run: peak
 reserved / peak requested, device calls in the benchmark's steady state (xlab.bench.dynamic.steady_state), maps and
 unmaps in all, and ms per step over the timed steps (after the warm-up; the window synchronises the device at both
-ends, and the per-step counter reads are in every arm alike).
+ends, and the per-step counter reads are in every arm alike), with NVML's GPU utilisation over that window and what
+it says bounds the steps (since the twentieth session; xlab.experiments.train.step_bound).
 
     python scripts/gpu_reserve_probe.py --out build/reserve_probe.csv
     python scripts/gpu_reserve_probe.py --when start,build --out build/reserve_probe.csv
@@ -39,7 +40,8 @@ def one(workload: str, seed: int, frac: float, recipe: str, when: str = "start")
     import torch
     import xpool
     from xlab.bench.dynamic import WORKLOADS, steady_state
-    from xlab.experiments.train import Window
+    from xlab.experiments.train import Window, step_bound
+    from xlab.nvml import UtilSampler
     reserve = int(frac * dry_run_peak(workload)) // PAGE * PAGE
     pool, taken = xpool.enable_torch(), [0]
 
@@ -59,19 +61,21 @@ def one(workload: str, seed: int, frac: float, recipe: str, when: str = "start")
     w = WORKLOADS[workload]
     if when == "start":
         make_reserve()
-    window = Window(lambda: 0, torch.cuda.synchronize)
+    window = Window(lambda: 0, torch.cuda.synchronize, sampler=UtilSampler([0]))
     w.fn(w.steps, w.warmup, seed, window, True, False, after_step=after_step,
          after_build=make_reserve if when == "build" else lambda: None)
     torch.cuda.synchronize()
     s = pool.stats(0).iloc[0]
     st = steady_state(probes, w.warmup)
+    ms, util = 1e3 * window.seconds / w.steps, window.util.get(0, float("nan"))
     return dict(workload=workload, seed=seed, frac=frac, reserve_bytes=reserve, recipe=recipe if reserve else "",
                 when=when if reserve else "none", trial=seed, block_bytes=taken[0],
                 peak_bytes_reserved=int(s["peak_bytes_reserved"]), peak_bytes_requested=int(s["peak_bytes_requested"]),
                 reserved_over_requested=s["peak_bytes_reserved"] / s["peak_bytes_requested"],
                 steady_calls=st["device_calls_steady"], steady_steps=st["steady_steps"],
                 demand_peak_step=st["demand_peak_step"], device_maps=int(s["device_maps"]),
-                device_unmaps=int(s["device_unmaps"]), ms_per_step=1e3 * window.seconds / w.steps,
+                device_unmaps=int(s["device_unmaps"]), ms_per_step=ms, gpu_util_mean=util,
+                bound=step_bound(util, float("nan"), ms),
                 release_on_miss=pool.settings.release_on_miss, scheme=pool.scheme, steps=w.steps, warmup=w.warmup)
 
 

@@ -9,10 +9,13 @@
 #       PyTorch workloads (torch_varlen_b32, torch_fixed_b32, resnet_varres_b64; PyTorch's two allocators and three
 #       expandable rules, 5 interleaved trials, --fresh): data/dynamic_heldout.csv; then the benchmark's GPU test
 #       (tests/test_dynamic.py -m gpu: every peer a few steps, NVML on every row) while time is left.
+#   BC: the reserve probe again (scripts/gpu_reserve_probe.py --when start,build: both ResNets at varying sizes,
+#       seeds 0-4, reserve before anything, after the build, none), now with NVML over each timed window; its rows
+#       replace 47d37c6's (stage AA's) in data/reserve_probe.csv.
 #   bash docs/past-runs/gpu_twentieth.sh BA    (the commit in .xpool_commit and RMM's wheels in .whl/, carried)
 # The stage's CSVs and main log go to $OUT, and all its files as $OUT/<stage>.tgz.
 set -uo pipefail
-stage=${1:?BA or BB}
+stage=${1:?BA, BB or BC}
 OUT=${OUT:-build/gpu}
 L=$PWD/build/run/$stage
 mkdir -p "$L" "$OUT"
@@ -47,6 +50,11 @@ if [ "$stage" = BB ]; then
     else
         echo "tests not run: ${left}s left" > "$L/tests.log"
     fi
+fi
+if [ "$stage" = BC ]; then
+    timeout -k 5 $((570 - SECONDS)) python3 scripts/gpu_reserve_probe.py --fracs 0,1.03 --when start,build \
+        --out "$L/reserve_probe.csv" >> "$L/main.log" 2>&1
+    echo "probe rc $?" >> "$L/main.log"
 fi
 tail -c 2500 "$L/main.log"; tail -3 "$L/tests.log" 2>/dev/null
 tar czf "$OUT/$stage.tgz" -C build/run "$stage"
