@@ -19,33 +19,17 @@ from __future__ import annotations
 
 from xlab import memory_study as ms
 from xlab.bench.dynamic import steady_state
-from xpool import Pool
 
 AHEAD = (0, 2, 4, 8, 16)     # pages of buffer
 RULES = ("peak", "never")
 BOUND = 1.05                 # the default release_bound: the buffer never takes committed bytes past it
 
 
-def plain_replay(tl, rule: str):
-    """The trace through scheme expandable under `rule`: (its timeline, {step: (maps + unmaps so far, peak requested
-    so far)})."""
-    pool = Pool(ms.AddressSpaceBackend(), scheme="expandable", limit=0, timeline=0, release_on_miss=rule)
-    pool.enable_timeline(10_000_000)
-    probes = {}
-
-    def probe(step):
-        s = pool.stats(0).iloc[0]
-        probes[step] = (int(s["device_maps"] + s["device_unmaps"]), int(s["peak_bytes_requested"]))
-    live, _ = ms._drive(pool, ms._replay_events(tl), probe)
-    events = pool.timeline()
-    assert events.attrs["dropped"] == 0
-    live.clear()
-    return events, probes
-
-
-def with_buffer(tl, events, probes, ahead: int, page: int = ms.DYN_PAGE) -> dict:
-    """The plain replay's maps and unmaps walked with a buffer of `ahead` pages: steady calls, calls in all and peak
-    pages held (mapped + buffer)."""
+def with_buffer(tl, plain: dict, ahead: int, page: int = ms.DYN_PAGE) -> dict:
+    """The plain replay's maps and unmaps (`replay_rule(..., events=True)`) walked with a buffer of `ahead` pages:
+    steady calls, calls in all and peak pages held (mapped + buffer)."""
+    events = plain["timeline"]
+    probes = {s: (mp + un, p) for s, (mp, un, p) in plain["probes"].items()}   # maps + unmaps so far, peak requested
     mapped, buffer = set(), set()
     most = calls = held = seen = 0
     ends = sorted((c, s) for s, (c, _) in probes.items() if s is not None)   # calls so far at each step's end
@@ -86,10 +70,9 @@ def with_buffer(tl, events, probes, ahead: int, page: int = ms.DYN_PAGE) -> dict
 def rows(name: str) -> list[dict]:
     tl, out = ms.dyn_trace(name), []
     for rule in RULES:
-        events, probes = plain_replay(tl, rule)
-        plain = ms.replay_rule(tl, rule)
+        plain = ms.replay_rule(tl, rule, events=True)
         for ahead in AHEAD:
-            r = with_buffer(tl, events, probes, ahead)
+            r = with_buffer(tl, plain, ahead)
             requested = plain["peak_bytes_requested"]
             if ahead == 0:      # the walk without a buffer is the plain replay
                 assert r["steady_calls"] == plain["steady_calls"]

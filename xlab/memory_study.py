@@ -469,7 +469,7 @@ def events_before_step(tl: pd.DataFrame, step: int) -> int:
     return int((_replay_events(tl)["step"].to_numpy() < step).sum())
 
 
-def replay_rule(tl: pd.DataFrame, rule: str, reserve=0, after: int = 0) -> dict:
+def replay_rule(tl: pd.DataFrame, rule: str, reserve=0, after: int = 0, events: bool = False) -> dict:
     """A dynamic trace under scheme expandable with release_on_miss `rule`, 2 MiB pages over the host twin (the
     replays equal the GPU's runs to the byte and the call); with `reserve` bytes, `pool.reserve(reserve)` on the
     trace's first stream before its event `after` (0: before anything; `build_events(tl)`: after the program's
@@ -484,14 +484,17 @@ def replay_rule(tl: pd.DataFrame, rule: str, reserve=0, after: int = 0) -> dict:
       the trace's teardown after the last step is not counted);
     - calls_after_warmup: maps + unmaps from the end of the last warm-up step to the end of the trace, teardown
       included;
-    and the counts they come from."""
+    and the counts they come from; with `events`, also the pool's timeline (`timeline`: every request, free, map
+    and unmap, for a study of the replay's maps) and `probes` ({step: (maps, unmaps, peak requested) at its end})."""
     from xlab.bench.dynamic import steady_state
     pool = Pool(AddressSpaceBackend(), scheme="expandable", limit=0, timeline=0, release_on_miss=rule)
-    events = _replay_events(tl)
-    device, stream = int(events["device"].iloc[0]), int(events["stream"].iloc[0])
+    if events:
+        pool.enable_timeline(10_000_000)
+    trace = _replay_events(tl)
+    device, stream = int(trace["device"].iloc[0]), int(trace["stream"].iloc[0])
     probes = {}                                           # step -> (maps, unmaps, peak requested) at its end
     reset = {"peak_bytes_requested": 0, "peak_bytes_reserved": 0}   # the peaks the reserve's reset forgot
-    asked, rows = 0, _rows(events)
+    asked, rows = 0, _rows(trace)
 
     def probe(step):                                      # _drive calls it with None before the first event
         s = pool.stats(0).iloc[0]
@@ -510,6 +513,10 @@ def replay_rule(tl: pd.DataFrame, rule: str, reserve=0, after: int = 0) -> dict:
     s = pool.stats(0).iloc[0].copy()
     for k in reset:
         s[k] = max(s[k], reset[k])
+    extra = {}
+    if events:
+        extra = dict(timeline=pool.timeline(), probes=probes)
+        assert extra["timeline"].attrs["dropped"] == 0
     live.clear()
     warmup, steps = int(tl["warmup"].iloc[0]), int(tl["steps"].iloc[0])
     per_step = [probes[k] for k in range(warmup + steps)]   # the workload's steps: the benchmark's probes
@@ -522,7 +529,7 @@ def replay_rule(tl: pd.DataFrame, rule: str, reserve=0, after: int = 0) -> dict:
                 steady_steps=calls["steady_steps"], demand_peak_step=calls["demand_peak_step"],
                 device_calls=s["device_maps"] + s["device_unmaps"],
                 peak_bytes_reserved=s["peak_bytes_reserved"], peak_bytes_requested=s["peak_bytes_requested"],
-                unmatched_frees=unmatched)
+                unmatched_frees=unmatched, **extra)
 
 
 def trace_study(doc: str, rows, experiment: str, default_out: str, argv=None) -> int:
