@@ -9,7 +9,12 @@ pool's peaks on every trace before it believes the others. Per trace and placeme
 maps after the trace's warm-up, and the most pages blocks in use touch at once over the peak requested (what that
 placement would hold if every other page were given back: no release rule can do better with it).
 
-    python scripts/placement_variants.py          (CPU, ~1 min: data/placement_variants.csv, a table)
+Placements: "best" (xpool's), "best_high" (cut from the high end), "first" (address-ordered first fit), "split_1mib"
+(blocks of 1 MiB and more from the high end), "youngest_neighbour", "lifetime" (a guess per size), "small_range_1mib"
+(blocks of at most 1 MiB in a range of their own, as PyTorch's small pool; best fit in each), "page_aligned" (blocks
+of a page or more start on a page, the gap below left free, so a freed one leaves whole pages), and the two together.
+
+    python scripts/placement_variants.py          (CPU, ~2 min: data/placement_variants.csv, a table)
 """
 from __future__ import annotations
 
@@ -29,10 +34,17 @@ from xpool import Pool  # noqa: E402
 
 PAGE, ALIGN = 2 << 20, 512
 LIFETIME_SHORT = 32       # "lifetime": a size whose blocks lived fewer requests than this (moving average) is short
+SMALL = 1 << 20           # "small_range_1mib": blocks of at most this many bytes get a range of their own (PyTorch's
+                          # small pool: kSmallSize); its addresses start at SMALL_BASE, far from the other range's
+SMALL_BASE = 1 << 46
 
 
 def _round(n: int) -> int:
     return max(ALIGN, -(-n // ALIGN) * ALIGN)
+
+
+def _up(n: int, align: int) -> int:
+    return -(-n // align) * align if align else n
 
 
 class Range:
@@ -56,13 +68,17 @@ class Range:
         self.starts.insert(i, start)
         self.end[start] = end
 
-    def grow(self, size):
-        """A miss: the block at the last free range when it reaches the top, else at the top; pages mapped to hold it."""
+    def grow(self, size, align=0):
+        """A miss: the block at the last free range when it reaches the top, else at the top (at the next multiple of
+        `align` there, what lies below it left free); pages mapped to hold it."""
         self.maps += 1
         last = self.starts[-1] if self.starts and self.end[self.starts[-1]] == self.top else None
         start = self.top if last is None else last
         if last is not None:
             self.take(last)
+        if _up(start, align) > start:
+            self.put(start, _up(start, align))
+            start = _up(start, align)
         top = -(-(start + size) // PAGE) * PAGE
         if start + size < top:
             self.put(start + size, top)
@@ -71,32 +87,56 @@ class Range:
 
 
 class Model:
-    """One placement over a Range: alloc(size, tick) -> address; free(address)."""
+    """One placement over a Range (two for "small_range_*": small blocks in one, the rest in the other):
+    alloc(size, tick) -> address; free(address)."""
 
     def __init__(self, placement: str):
         self.placement, self.r = placement, Range()
+        self.small = Range() if placement.startswith("small_range") else None
         self.born, self.by_end, self.life, self.size = {}, {}, {}, {}
 
+    @property
+    def maps(self) -> int:
+        return self.r.maps + (self.small.maps if self.small else 0)
+
+    @property
+    def top(self) -> int:
+        """Mapped bytes: both ranges' pages."""
+        return self.r.top + (self.small.top if self.small else 0)
+
     def alloc(self, size, tick):
-        r, p = self.r, self.placement
-        fits = [(r.end[s] - s, s) for s in r.starts if r.end[s] - s >= size]
+        p = self.placement
+        if self.small is not None and size <= SMALL:
+            start = SMALL_BASE + self._place(self.small, size, "best", 0)
+        else:
+            align = PAGE if p in ("page_aligned", "small_range_page_aligned") and size >= PAGE else 0
+            start = self._place(self.r, size, p, align)
+        self.born[start], self.by_end[start + size], self.size[start] = tick, start, size
+        return start
+
+    def _place(self, r, size, p, align):
+        """The block's address in range r."""
+        fits = [(r.end[s] - s, s) for s in r.starts if _up(s, align) + size <= r.end[s]]
         if not fits:
-            start = r.grow(size)
+            start = r.grow(size, align)
         else:
             length, start = min(fits, key=lambda c: c[1]) if p == "first" else min(fits)
             end = start + length
             high = {"best": False, "first": False, "best_high": True,
                     "split_1mib": size >= 1 << 20,
                     "youngest_neighbour": self._younger_above(start, end),
-                    "lifetime": self.life.get(size, LIFETIME_SHORT) < LIFETIME_SHORT}[p]
+                    "lifetime": self.life.get(size, LIFETIME_SHORT) < LIFETIME_SHORT,
+                    "page_aligned": False, "small_range_1mib": False, "small_range_page_aligned": False}[p]
             r.take(start)
+            if _up(start, align) > start:             # a page-aligned block: what lies below it stays free
+                r.put(start, _up(start, align))
+                start = _up(start, align)
             if high:
                 start = end - size
                 if start > end - length:
                     r.put(end - length, start)
             elif start + size < end:
                 r.put(start + size, end)
-        self.born[start], self.by_end[start + size], self.size[start] = tick, start, size
         return start
 
     def _younger_above(self, start, end):
@@ -110,10 +150,14 @@ class Model:
         del self.by_end[start + size]
         old = self.life.get(size)
         self.life[size] = lived if old is None else 0.75 * old + 0.25 * lived
-        self.r.put(start, start + size)
+        if start >= SMALL_BASE:
+            self.small.put(start - SMALL_BASE, start - SMALL_BASE + size)
+        else:
+            self.r.put(start, start + size)
 
 
-PLACEMENTS = ("best", "best_high", "first", "split_1mib", "youngest_neighbour", "lifetime")
+PLACEMENTS = ("best", "best_high", "first", "split_1mib", "youngest_neighbour", "lifetime",
+              "small_range_1mib", "page_aligned", "small_range_page_aligned")
 
 
 def model_replay(tl: pd.DataFrame, placement: str) -> dict:
@@ -125,7 +169,7 @@ def model_replay(tl: pd.DataFrame, placement: str) -> dict:
     maps_before, tick = None, 0                      # tick: requests so far (the lifetimes' clock)
     for kind, ptr, n, step in zip(ev["event"], ev["ptr"], ev["requested"], steps):
         if maps_before is None and step >= warmup:
-            maps_before = model.r.maps
+            maps_before = model.maps
         if kind == "free":
             if ptr not in live:
                 continue
@@ -139,15 +183,30 @@ def model_replay(tl: pd.DataFrame, placement: str) -> dict:
             start = model.alloc(size, tick)
             live[ptr] = (start, size, n)
             requested += n
-            peak, peak_top = max(peak, requested), max(peak_top, model.r.top)
+            peak, peak_top = max(peak, requested), max(peak_top, model.top)
             delta = 1
         for page in range(start // PAGE, (start + size - 1) // PAGE + 1):
             refs[page] = refs.get(page, 0) + delta
             touched += (delta > 0 and refs[page] == 1) - (delta < 0 and refs[page] == 0)
         most_touched = max(most_touched, touched)
     return dict(peak_bytes_requested=peak, peak_bytes_mapped=peak_top, reserved_over_requested=peak_top / max(peak, 1),
-                maps_after_warmup=model.r.maps - (model.r.maps if maps_before is None else maps_before),
+                maps_after_warmup=model.maps - (model.maps if maps_before is None else maps_before),
                 touched_pages_over_requested=most_touched * PAGE / max(peak, 1), warmup_steps=warmup)
+
+
+def peak_blocks(tl: pd.DataFrame) -> list[int]:
+    """The requested sizes of the blocks in use at the trace's peak of bytes requested (its first moment there)."""
+    ev = tl[tl["event"].isin(m.ALLOC_EVENTS + ("free",))]
+    live, requested, peak, at_peak = {}, 0, -1, []
+    for kind, ptr, n in zip(ev["event"], ev["ptr"], ev["requested"]):
+        if kind == "free":
+            requested -= live.pop(ptr, 0)
+            continue
+        live[ptr] = int(n)
+        requested += int(n)
+        if requested > peak:
+            peak, at_peak = requested, list(live.values())
+    return at_peak
 
 
 def pool_peak(tl: pd.DataFrame) -> int:
