@@ -475,3 +475,19 @@ def test_each_second_run_verdict_can_be_read_off_its_printed_numbers():
         pytest.skip("no second run committed")
     for name, (_, lo, hi), second, inside in rows:
         assert (lo <= second <= hi) == (inside == "yes"), f"{name}: [{lo}, {hi}] and {second} but {inside}"
+
+
+def test_the_dynamic_section_says_what_placement_allows_the_cupy_loop(trial_data):
+    """The least over placements per realization, best fit's beside it, and how many are over 1.05, from the CSV."""
+    rows = [dict(trace=t, placement=p, touched_pages_over_requested=v, page_bytes=2 << 20, commit="abcdef0123456")
+            for t, vals in (("dyn_cupy_mix", (1.09, 1.07)), ("dyn_cupy_mix_s1", (1.02, 1.04)),
+                            ("dyn_cupy_mix_s10", (1.2, 1.06)), ("dyn_cupy_mix_b4", (1.0, 1.0)),
+                            ("dyn_torch_varlen", (1.0, 1.0)))
+            for p, v in zip(("best", "other"), vals)]
+    pd.DataFrame(rows).to_csv(trial_data / "placement_variants.csv", index=False)
+    line = next(x for x in _page(trial_data).splitlines() if x.startswith("What placement allows the CuPy loop"))
+    assert "under the best of the 2 placements" in line and "is 1.070, 1.020, 1.060 on its 3 (seeds 0, 1, 10)" in line
+    assert "under best fit, xpool's, 1.090, 1.020, 1.200 (`placement_variants.csv` at abcdef0)" in line
+    assert "none reaches 1.05 on 2 of the 3" in line
+    (trial_data / "placement_variants.csv").unlink()
+    assert "What placement allows" not in _page(trial_data)

@@ -316,6 +316,32 @@ def dynamic_seeds(data: pathlib.Path) -> str:
             "a value without an interval is one every trial gave")
 
 
+def dynamic_floor(data: pathlib.Path) -> str:
+    """Why the CuPy loop's 1.05 is out of reach: per realization, the least over every placement the model tried
+    (`scripts/placement_variants.py`) of the most pages its blocks in use touch at once, over its peak requested."""
+    path = data / "placement_variants.csv"
+    if not path.exists():
+        return ""
+    df = pd.read_csv(path)
+    mix = df[df["trace"].astype(str).str.fullmatch(r"dyn_cupy_mix(_s\d+)?")]
+    if mix.empty:
+        return ""
+    seed = lambda t: int(t.rpartition("_s")[2]) if "_s" in t else 0                 # noqa: E731
+    least = mix.groupby("trace")["touched_pages_over_requested"].min()
+    least = least.loc[sorted(least.index, key=seed)]
+    best = mix[mix["placement"] == "best"].set_index("trace")["touched_pages_over_requested"]
+    page = int(mix["page_bytes"].iloc[0]) >> 20
+    over = int((least > 1.05).sum())
+    each = lambda v: ", ".join(f"{x:.3f}" for x in v)                             # noqa: E731
+    return (f"What placement allows the CuPy loop: the most {page} MiB pages its blocks in use touch at once, over its "
+            f"peak requested, under the best of the {mix['placement'].nunique()} placements of "
+            f"`scripts/placement_variants.py` for each realization, is {each(least)} on its {len(least)} (seeds "
+            f"{', '.join(str(seed(t)) for t in least.index)}); under best fit, xpool's, {each(best.reindex(least.index))} "
+            f"(`placement_variants.csv` at {sources.run_label(mix)}). A release rule that gave back every free page at "
+            f"once would hold that much, so none reaches 1.05 on {over} of the {len(least)} with any of these "
+            "placements (NOTES.md, Note [Release on miss: expandable], \"Placement\").")
+
+
 def data_table(data: pathlib.Path) -> str:
     """Every CSV under data/ with its provenance (machine, driver, CUDA, CuPy, commit, date)."""
     rows = []
@@ -370,7 +396,8 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
               "torch_scheme": targets.TORCH_DEFAULT_SCHEME, "torch_rule": targets.TORCH_RULE}
     for name, fn in (("bounds_table", bounds_table), ("projection_table", projection_table), ("gil_table", gil_table),
                      ("graph_table", graph_table), ("graph_notes", graph_notes), ("replication", replication),
-                     ("dynamic_table", dynamic_table), ("dynamic_seeds", dynamic_seeds), ("data_table", data_table)):
+                     ("dynamic_table", dynamic_table), ("dynamic_seeds", dynamic_seeds), ("dynamic_floor", dynamic_floor),
+                     ("data_table", data_table)):
         try:
             if name != "graph_notes":
                 values[name] = fn(data)
