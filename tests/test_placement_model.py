@@ -100,3 +100,14 @@ def test_the_cupy_loops_peak_holds_many_long_blocks_against_a_few_pages_of_slack
         assert 174 << 20 < peak < 195 << 20 and 63 <= len(sizes) <= 82
         assert 18 <= sum(n >= pv.PAGE for n in sizes) <= 22
         assert 4.3 < 0.05 * peak / pv.PAGE < 4.9
+
+
+def test_the_models_small_range_is_the_pools_with_small_blocks_on_a_stream_of_their_own():
+    """scripts/expandable_variants.py replays the real pool with requests of at most 1 MiB on a stream key of their
+    own; the model's small_range_1mib must give the same peak, or its page-aligned variants prove nothing."""
+    import expandable_variants as ev
+    for name in ("dyn_gpt_b4", "dyn_cupy_mix_s2"):
+        tl = pd.read_csv(DATA / f"memory_trace_{name}.csv.gz")
+        pool = ev.replay(tl, dict(scheme="expandable"), True)
+        model = pv.model_replay(tl, "small_range_1mib")
+        assert pool["peak_bytes_reserved"] == model["peak_bytes_mapped"]
