@@ -389,9 +389,8 @@ def run(workloads=None, arms=None, trials: int = TRIALS, steps: int | None = Non
             print(f"\narm {a} ({', '.join(todo)}, trial {t}) failed:", *traceback.format_exception(e), file=sys.stderr)
             continue
         new = pd.DataFrame(rows)
-        new = new[COLUMNS + [c for c in new if c not in COLUMNS]]
         old = new if old.empty else pd.concat([old, new], ignore_index=True)
-        old = old[COLUMNS + [c for c in old if c not in COLUMNS]]    # a column new since the older rows: in place
+        old = old[COLUMNS + [c for c in old if c not in COLUMNS]]    # COLUMNS first, one new since older rows too
         write_csv(old, out)
     mine = old[[k in wanted for k in _keys(old)]].reset_index(drop=True)
     mine.attrs["failed"] = failed
