@@ -1,20 +1,30 @@
-# Two commands for a new user (see README): `make report` and `make test`.
+# A new user's commands (see README): `make setup`, `make test`, `make report`.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# CuPy's build for the CUDA the driver speaks (nvidia-smi's "CUDA Version"); CUDA 12 where there is no driver
+CUDA_MAJOR := $(shell nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -1)
+CUPY ?= cupy-cuda$(if $(filter 13 14 15,$(CUDA_MAJOR)),13,12)x>=13.0
 
-.PHONY: setup test report gpu clean
+.PHONY: setup test test-xpool report gpu clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml setup.py $(wildcard xpool/*.c xpool/*.h xlab/*.c)
+# the allocator (.), the workload (workload/), the lab with the notebooks' and the tests' tools (lab/), CuPy
+$(VENV)/.installed: pyproject.toml setup.py lab/pyproject.toml lab/setup.py workload/pyproject.toml \
+		$(wildcard xpool/*.c xpool/*.h lab/xlab/*.c)
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e . -e ./workload -e "./lab[notebooks,dev]" "$(CUPY)"
 	touch $@
 
+# every test (the allocator's, the workload's, the lab's); GPU tests skip where no GPU is visible
 test: setup
 	$(BIN)/python -m pytest -q
+
+# the allocator's own tests alone: the fast tier
+test-xpool: setup
+	$(BIN)/python -m pytest -q tests/xpool
 
 report: setup
 	$(BIN)/python -m xlab.report
@@ -24,4 +34,4 @@ gpu:
 	bash scripts/gpu_suite.sh
 
 clean:
-	rm -rf build $(VENV) xpool/*.so xlab/*.so
+	rm -rf build $(VENV) xpool/*.so lab/xlab/*.so

@@ -1,5 +1,4 @@
-"""Build the C core of the pool (xpool._core), its virtual-memory ops (xpool._vmm) and the lab's timing probes
-(xlab._probes); the rest is Python."""
+"""Build xpool's C core (xpool._core) and its virtual-memory ops (xpool._vmm); the rest is Python."""
 from setuptools import Extension, setup
 
 CFLAGS = ["-O2", "-std=c11", "-Wall", "-Wno-unused-function",
@@ -23,6 +22,5 @@ setup(
             depends=["xpool/_vmm.h", "xpool/_vmm_cuda.h"],
             extra_compile_args=CFLAGS,
         ),
-        Extension("xlab._probes", sources=["xlab/_probes.c"], extra_compile_args=CFLAGS),
     ]
 )

@@ -19,7 +19,7 @@
 #              11 trials interleaved (core_split_gpu.csv)                ~1.5 min             150 s
 # torch        opt-in, not in the default list: PyTorch and CuPy sharing xpool, its GPU tests then the interop
 #              benchmark                                                 ~5 min               440 s
-# expandable   opt-in (#22): the expandable scheme's GPU tests (tests/test_gpu_expandable.py, PyTorch's included),
+# expandable   opt-in (#22): the expandable scheme's GPU tests (tests/lab/test_gpu_expandable.py, PyTorch's included),
 #              then the capture-legality probe (vmm_capture_probe.csv)   ~3 min               300 s
 # (expected times from the H200 step times at 70fd21b, before the fused kernels: 90 ms per batch-32 step, 48 ms
 # per batch-4 step, raw about 4x; the fused kernels shorten the host-bound ones.)
@@ -81,8 +81,8 @@ TRAIN="--trials $TRIALS --no-progress ${STEPS:+--steps $STEPS} ${WARMUP:+--warmu
 for s in $stages; do
     case $s in
         tests)       stage tests 240 $PY -m pytest -q -p no:warnings -m "gpu or multigpu" tests \
-                         -k "not transparency_gate_raw" --ignore=tests/test_torch_gpu.py \
-                         --ignore=tests/test_gpu_expandable.py ${TESTS_IGNORE:-} ;;
+                         -k "not transparency_gate_raw" --ignore=tests/lab/test_torch_gpu.py \
+                         --ignore=tests/lab/test_gpu_expandable.py ${TESTS_IGNORE:-} ;;
         bench)       stage bench 150 $PY -m xlab.bench.alloc --trials "${BENCH_TRIALS:-7}" --out "$DATA"/alloc_microbench.csv ;;
         single)      stage single 150 $PY -m xlab.experiments single $TRAIN --out "$DATA"/single_gpu.csv ;;
         correctness) stage correctness 150 $PY -m xlab.correctness --gpu --out "$DATA"/correctness_gpu.csv ;;
@@ -104,11 +104,11 @@ for s in $stages; do
                      (cd "$BEFORE" && python3 setup.py build_ext --inplace -q) >>"$LOG" 2>&1 || { echo "split: BEFORE did not build" | tee -a "$LOG"; status=1; continue; }
                      stage split 150 $PY -m xlab.bench.alloc --sweep size --trials 11 --xpool-path "$BEFORE" \
                          --allocators cupy_pool xpool xpool_seed xpool_expandable c_noop --out "$DATA"/core_split_gpu.csv ;;
-        torch-tests) stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/test_torch_gpu.py ;;
+        torch-tests) stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/lab/test_torch_gpu.py ;;
         torch-bench) stage torch-bench 200 $PY -m xlab.bench.torch_interop --out "$DATA"/torch_interop.csv ;;
-        torch)       stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/test_torch_gpu.py
+        torch)       stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/lab/test_torch_gpu.py
                      stage torch-bench 200 $PY -m xlab.bench.torch_interop --out "$DATA"/torch_interop.csv ;;
-        expandable)  stage expandable 240 $PY -m pytest -q -p no:warnings -m gpu tests/test_gpu_expandable.py
+        expandable)  stage expandable 240 $PY -m pytest -q -p no:warnings -m gpu tests/lab/test_gpu_expandable.py
                      stage vmm-capture 60 $PY scripts/gpu_vmm_capture_probe.py --out "$OUT" ;;
         *) echo "unknown stage $s (stages: tests bench single correctness debugcost ddp sweep memory gil hit split torch torch-tests torch-bench expandable)" | tee -a "$LOG"
            status=1 ;;

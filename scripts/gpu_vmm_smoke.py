@@ -1,7 +1,7 @@
 """The expandable scheme's CUDA ops and range manager on a GPU, before they are wired into the pool
 (Note [Expandable segments]): every check it can make, and what a miss costs.
 
-Through xpool._vmm's CUDA ops and the range manager under the test harness (tests/fixtures/expandable.py) it
+Through xpool._vmm's CUDA ops and the range manager under the test harness (tests/xpool/fixtures/expandable.py) it
 reserves a range on device 0, maps pages, writes and reads them back through CuPy, runs a CuPy kernel, a matmul
 and an NCCL all-reduce (one rank) on such memory, unmaps and releases, checks the error paths (out of range,
 misaligned, double map, out of memory with nothing left mapped, capture; a double unmap is observed, not required

@@ -3,7 +3,7 @@ dynamic-shape benchmark (xlab.memory_study's DYN_TRACES) and of its held-out wor
 language model at batch 32 and the ResNet at batch 64 on seeds 0-4, the fixed-length model at batch 32, the GPT at
 varying lengths' seeds 1-4), beside "bounded", "growth" and "until_churn", by xlab.memory_study.replay_rule (scheme
 expandable with 2 MiB pages over the host twin, the settings the trace tests use; the replays equal the GPU's runs
-to the byte and the call: tests/test_expandable_pool.py checks each trace against the counters of its recording
+to the byte and the call: tests/xpool/test_expandable_pool.py checks each trace against the counters of its recording
 run).  One row per (trace, rule): replay_rule's columns (ratio, steady_calls, steady_unmaps, calls_after_warmup and
 the counts they come from).
 

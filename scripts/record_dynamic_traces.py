@@ -7,7 +7,7 @@ the step it belongs to (events before the first step's end are step 0) and the r
 replay on the host twin can be checked against the run it came from.
 
 Besides the benchmark's workloads, `test_b4` and `test_b32_perparam` are the loop of
-`tests/test_gpu_expandable.py::test_training_maps_and_unmaps_nothing_once_warm` (10 steps, the previous step's
+`tests/lab/test_gpu_expandable.py::test_training_maps_and_unmaps_nothing_once_warm` (10 steps, the previous step's
 loss and grads alive while the next one runs). Under `--scheme segments` the GPU's timeline holds every device
 malloc (a miss) and free (a release) itself; the ninth session's are `data/segments_trace_dyn_test_*.csv.gz`.
 

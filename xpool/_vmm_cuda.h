@@ -1,8 +1,8 @@
 /*
  * The few CUDA driver types, values and signatures _vmm.c uses, declared here so xpool builds without CUDA
  * headers and links no CUDA library (the driver is loaded at run time).  Prefixed XVCU_ so that
- * tests/fixtures/vmm_cuda_layout.c can include this beside <cuda.h> and check every layout and value against
- * it (tests/test_vmm.py::test_cuda_declarations_match_cuda_h).  They are the CUDA 12.0 ABI, unchanged in 13.
+ * tests/xpool/fixtures/vmm_cuda_layout.c can include this beside <cuda.h> and check every layout and value against
+ * it (tests/xpool/test_vmm.py::test_cuda_declarations_match_cuda_h).  They are the CUDA 12.0 ABI, unchanged in 13.
  */
 #ifndef XPOOL_VMM_CUDA_H
 #define XPOOL_VMM_CUDA_H

@@ -1,0 +1,665 @@
+"""Figures from the measurement CSVs alone: each function takes the rows xlab.sources gives for its figure and
+returns a matplotlib Figure (the Agg canvas, no pyplot); `build(name)` is the one writer of figures/NAME.png, .svg.
+
+Arms are labelled and styled from the arms table. A timed number is the median over trials with its 95% bootstrap
+interval as an error bar (seaborn draws them with xlab.intervals' median and interval: a bar is the number the
+report prints). Every figure has a title, axis labels with units and a caption naming its CSVs, machine, software
+and date; tests/lab/test_figures.py reads every bar and point back from the axes and checks it against the CSV.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import re
+import textwrap
+
+import matplotlib
+import numpy as np
+import pandas as pd
+import seaborn as sns
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+from . import allocators, intervals, sources
+from .intervals import fmt_bytes
+
+PROVENANCE = ("gpu", "driver", "cuda", "cupy", "commit", "date")
+MODES = {"single": "one GPU", "threads": "one thread per GPU (one process)", "processes": "one process per GPU"}
+PASS_COLOR, FAIL_COLOR = "#2ca02c", "#d62728"
+
+
+# --- shared pieces
+def fmt_si(v: float) -> str:
+    """A count with k or M: '91.2k', '1.5M'."""
+    for suffix, scale in (("M", 1e6), ("k", 1e3)):
+        if abs(v) >= scale:
+            return f"{v / scale:.3g}{suffix}"
+    return f"{v:.3g}"
+
+
+def provenance_summary(df: pd.DataFrame) -> dict:
+    """Each provenance column's values joined by ' / ' ('unknown' where absent); dates as a day or range."""
+    out = {}
+    for col in PROVENANCE + ("n_gpus",):
+        vals = [str(v) for v in pd.unique(df[col].dropna())] if col in df else []
+        out[col] = (sources.day_range(vals) if col == "date" else
+                    " / ".join(v.removesuffix(".0") if col == "n_gpus" else v for v in vals) or "unknown")
+    return out
+
+
+def caption(df: pd.DataFrame, note: str = "") -> str:
+    """The CSVs a figure's rows come from (with their commits), each machine and its software, and a note."""
+    lines = textwrap.wrap(f"Data: {sources.sources(df)}".replace("`", ""), 190) if "csv" in df else []
+    for _, g in (df.groupby("gpu", sort=False) if "gpu" in df else [(None, df)]):
+        p = provenance_summary(g)
+        where = ("a CPU, no GPU (NumPy)" if str(p["gpu"]).startswith("none") else
+                 f"{p['gpu']} · driver {p['driver']} · CUDA {p['cuda']}")
+        lines.append(f"Measured on {where} · CuPy {p['cupy']} · commit {p['commit']} · {p['date']}")
+    return "\n".join(lines + ([note] if note else []))
+
+
+def trials_note(df: pd.DataFrame, keys) -> str:
+    """What a point is: a median of n trials with an interval, or a single run."""
+    n = df.groupby(list(keys), sort=False).size() if len(df) else pd.Series([], dtype=int)
+    if "trial" not in df or not len(n) or n.max() < 2:
+        return "One row per point in this CSV (measured before every trial was kept): no interval."
+    lo, hi = int(n.min()), int(n.max())
+    return f"Median of {lo if lo == hi else f'{lo}-{hi}'} interleaved trials per point; bars: 95% bootstrap interval."
+
+
+def _figure(nrows=1, ncols=1, size=(10, 5), **kw):
+    fig = Figure(figsize=size, layout="constrained", dpi=110)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(nrows, ncols, squeeze=False, **kw)
+
+
+def _finish(fig, title, df, note="", legend_from=(), ncol=2):
+    """Title, one legend of the entries of the axes `legend_from` (theirs removed), and the caption."""
+    entries = {}
+    for ax in legend_from:
+        for handle, text in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(text, handle)
+        if ax.get_legend():
+            ax.get_legend().remove()
+    if entries:
+        fig.legend(entries.values(), entries.keys(), loc="outside upper center", ncol=min(len(entries), ncol),
+                   fontsize=8.5, frameon=False, title=title, title_fontproperties=dict(size=13, weight="bold"))
+    else:
+        fig.suptitle(title, fontsize=13, fontweight="bold")
+    fig.supxlabel(caption(df, note), x=0.005, ha="left", fontsize=7.5, color="0.3", multialignment="left")
+    return fig
+
+
+def _ci(values):
+    """seaborn's errorbar: xlab.intervals' 95% bootstrap interval of the median (NaN for one trial)."""
+    return intervals.median_ci(values)[1:3]
+
+
+def labelled(df: pd.DataFrame, col: str = "allocator") -> pd.DataFrame:
+    """The rows with `arm` and `label` (the table's label, with the commit when from several CSVs)."""
+    df = df.copy()
+    df["arm"] = df[col].astype(str)
+    many = "run" in df and df["run"].nunique() > 1
+    df["label"] = [allocators.label(a) + (f" · {r}" if many else "") for a, r in
+                   zip(df["arm"], df["run"] if "run" in df else [""] * len(df))]
+    return df
+
+
+def _hue(df):
+    """hue_order, palette and (label -> arm) of a labelled frame."""
+    arms = {lab: a for a, lab in zip(df["arm"], df["label"])}
+    order = sorted(arms, key=lambda lab: (allocators.ordered(arms.values()).index(arms[lab]), lab))
+    return order, {lab: allocators.arm(arms[lab]).color for lab in order}, arms
+
+
+def bars(ax, df, x, y, order, fmt=fmt_si, labels=None, log=False, rotate=0, span=None):
+    """Grouped bars of y by x and arm, medians with intervals (or `span`'s columns), values labelled."""
+    hue_order, palette, arms = _hue(df)
+    sns.barplot(df, x=x, y=y, hue="label", order=order, hue_order=hue_order, palette=palette, ax=ax,
+                estimator=np.median, errorbar=None if span else _ci, err_kws=dict(linewidth=1, color="0.15"),
+                capsize=0.15, saturation=1)
+    for box, lab in zip(ax.containers, hue_order) if span else ():
+        r = df[df["label"] == lab].groupby(x)[[y, *span]].median().reindex(order)
+        for p, (v, lo, hi) in zip(box.patches, r.to_numpy()):
+            ax.plot([p.get_x() + p.get_width() / 2] * 2, [lo, hi], color="0.15", lw=1)
+    if log:
+        ax.set_yscale("log")
+    tops, width = {}, max((p.get_width() for p in ax.patches), default=0)
+    for ln in ax.lines:      # the error bars: seaborn draws a bar's interval and its caps as one line
+        x, y = (np.asarray(v, dtype=float) for v in ln.get_data())
+        ok = np.isfinite(x) & np.isfinite(y)
+        if ok.any() and np.ptp(x[ok]) <= width:
+            key = round(float(np.mean(x[ok])), 6)
+            tops[key] = max(tops.get(key, -np.inf), float(y[ok].max()))
+    for c, lab in zip(ax.containers, hue_order):
+        a = allocators.arm(arms[lab])
+        for p in c.patches:
+            h, xc = p.get_height(), p.get_x() + p.get_width() / 2
+            p.set_hatch(a.hatch)
+            p.set_edgecolor("black" if a.name.startswith("xpool") else "none")
+            if np.isfinite(h):        # the value, above its interval
+                ax.annotate(fmt(h), (xc, max(h, tops.get(round(xc, 6), h))), xytext=(0, 3), fontsize=7,
+                            textcoords="offset points", ha="center", va="bottom", rotation=rotate)
+    for handle, text in zip(*ax.get_legend_handles_labels()):     # what every legend of the figure is made from
+        if text in arms:
+            handle.set_hatch(allocators.arm(arms[text]).hatch)
+    if labels:
+        ax.set_xticks(range(len(order)), [labels(v) for v in order], fontsize=8.5)
+    ax.set_xlabel("")
+    ax.margins(y=0.15)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def lines(ax, df, x, y):
+    """Lines of y against x per arm: medians with their intervals, styled from the arms table."""
+    hue_order, palette, arms = _hue(df)
+    markers = {lab: allocators.arm(arms[lab]).marker or "." for lab in hue_order}
+    dashes = {lab: {"-": "", "--": (4, 2), ":": (1, 2), "-.": (4, 1, 1, 1)}[allocators.arm(arms[lab]).ls]
+              for lab in hue_order}
+    sns.lineplot(df, x=x, y=y, hue="label", style="label", hue_order=hue_order, style_order=hue_order,
+                 palette=palette, markers=markers, dashes=dashes, estimator=np.median, errorbar=_ci,
+                 err_style="bars", err_kws=dict(capsize=2), ax=ax)
+    ax.grid(alpha=0.3)
+
+
+def _log2(ax, ticks, fmt=str):
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [fmt(t) for t in ticks])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _logy(ax):
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _empty(ax, text):
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4")
+    ax.set(xticks=[], yticks=[])
+
+
+# --- correctness
+_FAMILIES = ((r"^transparency: ", "bitwise transparency: an allocator = raw cudaMalloc"),
+             (r"^grad GPT loss", "gradient of the GPT loss by finite differences"),
+             (r"^grad ", "op gradients by finite differences (float64)"),
+             (r"^fused .* (float\d+) vs NumPy$", r"fused kernels against NumPy, \1"),
+             (r"^torch grad (float\d+(?: fused| unfused)?) \S+$", r"PyTorch parity: every parameter's gradient, \1"),
+             (r"^torch AdamW", "PyTorch parity: AdamW steps"), (r"^torch ", "PyTorch parity: logits and loss"))
+
+
+def family(check: str) -> str:
+    """The group a check belongs to in the figure (every row stays in the CSV and the notebook's table)."""
+    for pattern, name in _FAMILIES:
+        if re.match(pattern, check):
+            return re.sub(pattern, name, check) if "\\" in name else name
+    return check
+
+
+def correctness(df: pd.DataFrame) -> Figure:
+    """Per device and family of checks: the worst error over its threshold (log), and how many pass."""
+    df = sources.with_device(df)
+    df["group"] = df["check"].map(family)
+    df["ratio"] = np.where(df["threshold"] > 0, df["measured"] / df["threshold"].where(df["threshold"] > 0), 0.0)
+    df.loc[df["ratio"].isna(), "ratio"] = np.inf        # NaN never passes: draw it past the line
+    df["exact"] = df["threshold"] <= 0
+    rows = df.groupby(["device", "group"], sort=False).agg(ratio=("ratio", "max"), passed=("passed", "sum"),
+                                                           n=("passed", "size"), exact=("exact", "all"),
+                                                           measured=("measured", "max"))
+    devices = sorted(pd.unique(df["device"]), key=lambda d: (d != "cpu", d))
+    sizes = [len(rows.loc[d]) for d in devices]
+    fig, axes = _figure(len(devices), 1, size=(10, 1.6 + 0.24 * sum(sizes) + 0.6 * len(devices)), sharex=True,
+                        gridspec_kw=dict(height_ratios=sizes))
+    finite = df["ratio"][np.isfinite(df["ratio"]) & (df["ratio"] > 0)]
+    lo = min(1e-6, finite.min() / 3) if len(finite) else 1e-6
+    hi = max(10.0, finite.max() * 3) if len(finite) else 10.0
+    for ax, dev in zip(axes[:, 0], devices):
+        sub = df[df["device"] == dev]
+        ax.set_title(f"{dev.upper()}: {int(sub['passed'].sum())} of {len(sub)} checks pass", fontsize=10, loc="left")
+        w = rows.loc[dev].iloc[::-1]
+        y = np.arange(len(w))
+        ok = (w["passed"] == w["n"]).to_numpy()
+        tol = ~w["exact"].to_numpy()
+        ax.barh(y[tol], w["ratio"].clip(lower=lo, upper=hi).to_numpy()[tol] - lo, left=lo, height=0.7,
+                color=np.where(ok, PASS_COLOR, FAIL_COLOR)[tol])
+        for yi, r, exact, good, measured in zip(y, w["ratio"], w["exact"], ok, w["measured"]):
+            txt = (("exact: measured 0 ✓" if good else f"exact: measured {measured:g}, must be 0 ✗") if exact else
+                   "0" if r == 0 else "NaN" if not np.isfinite(r) else f"{r:.1g}")
+            ax.annotate(txt, (lo if exact else max(min(r, hi), lo), yi), xytext=(3, 0), textcoords="offset points",
+                        va="center", fontsize=7, color=(PASS_COLOR if good else FAIL_COLOR) if exact else "black")
+        ax.set_yticks(y, [f"{g} ({int(p)} of {int(n)})" for g, p, n in zip(w.index, w["passed"], w["n"])],
+                      fontsize=7.5)
+        ax.set(xscale="log", xlim=(lo, hi), ylim=(-0.7, len(w) - 0.3))
+        ax.axvline(1.0, color="black", lw=1.2)
+        ax.text(1.15, 0.99, "threshold", transform=ax.get_xaxis_transform(), va="top", fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+        ax.tick_params(labelbottom=True)
+    axes[-1, 0].set_xlabel("worst measured error / threshold in the family (log scale; below 1 passes)")
+    return _finish(fig, "Correctness gate: every check's error against its threshold", df,
+                   "A bar: the worst check of a family, in multiples of its threshold (checks passing of the family "
+                   "in brackets); green: every check passes, red: one fails. Every check is a row of the CSV.")
+
+
+# --- the allocator microbenchmark
+def alloc_cost(df: pd.DataFrame) -> Figure:
+    """µs per alloc/free pair by request size, and each arm's time over CuPy's pool's in the same trial."""
+    d = labelled(df)
+    sizes = sorted(d["size_bytes"].unique())
+    fig, [[ax, rel]] = _figure(1, 2, size=(13.5, 6.2))
+    lines(ax, d, "size_bytes", "us_per_pair")
+    _log2(ax, sizes, fmt_bytes)
+    _logy(ax)
+    ax.set(xlabel="request size (bytes, log scale)", ylabel="µs per alloc/free pair (log scale; lower is faster)",
+           title="Cost of a = cupy.empty(n, uint8); del a, one thread")
+    r = d[~d["arm"].isin(["raw", "raw_held", "cupy_pool"])].dropna(subset=["time_vs_cupy_pool"])
+    if len(r):
+        lines(rel, r, "size_bytes", "time_vs_cupy_pool")
+        rel.axhline(1.0, color=allocators.arm("cupy_pool").color, lw=1.6)
+        rel.text(0.01, 1.0, "CuPy MemoryPool = 1", transform=rel.get_yaxis_transform(), va="bottom", fontsize=8)
+        rel.set_ylim(bottom=0)
+    else:
+        _empty(rel, "CuPy MemoryPool not measured: no reference")
+    _log2(rel, sizes, fmt_bytes)
+    rel.set(xlabel="request size (bytes, log scale)", ylabel="time per pair / CuPy MemoryPool's, same trial (below 1: "
+            "faster)", title="Relative to the default CuPy pool (raw cudaMalloc left out: off the scale)")
+    return _finish(fig, "Allocator cost per allocation: xpool against its peers and raw cudaMalloc", d,
+                   trials_note(d, ["arm", "size_bytes", "csv"]) + " Each point times many alloc/free pairs "
+                   "through CuPy's array path.", legend_from=[ax, rel])
+
+
+def alloc_threads(df: pd.DataFrame, size_bytes: int = 65536) -> Figure:
+    """Thousands of alloc/free pairs per second (all threads together) against threads on one GPU."""
+    d = labelled(df[df["size_bytes"] == size_bytes])
+    fig, [[ax]] = _figure(1, 1, size=(10, 6.4))
+    lines(ax, d, "threads", "kpairs_per_s")
+    _log2(ax, sorted(d["threads"].unique()))
+    ax.set(ylim=(0, None), xlabel="threads allocating on the same GPU",
+           ylabel="thousand alloc/free pairs per second (all threads)",
+           title=f"{fmt_bytes(size_bytes)} requests; higher is better, flat or rising means no lock contention")
+    return _finish(fig, "Several threads on one GPU: allocation throughput", d,
+                   trials_note(d, ["arm", "threads", "csv"]), legend_from=[ax])
+
+
+def torch_interop(df: pd.DataFrame) -> Figure:
+    """PyTorch through xpool against its own allocator: µs per torch.empty+del by size, and tokens/s. The arm
+    `xpool` is the pool enable_torch() made: named by its scheme where the rows say it (`scheme`), so a CSV from
+    after the torch default became expandable is not drawn as the default scheme's."""
+    d = labelled(allocators.by_scheme(df), "arm")
+    fig, [[left, right]] = _figure(1, 2, size=(12, 5.2))
+    e = d[d["case"] == "empty_del"]
+    sizes = sorted(e["size_bytes"].unique())
+    bars(left, e, "size_bytes", "value", sizes, fmt=lambda v: f"{v:.2f}", labels=lambda n: fmt_bytes(n))
+    left.set(ylabel="µs per torch.empty + del pair (lower is better)", title="Allocation cost through PyTorch")
+    t = d[d["case"] == "train_step"].assign(k=lambda f: f["value"] / 1e3, case="training step")
+    bars(right, t, "case", "k", ["training step"], fmt=lambda v: f"{v:.1f}k")
+    right.set(ylabel="thousand tokens per second (higher is better)", title="PyTorch's training step (parity model)")
+    return _finish(fig, "CuPy and PyTorch in one pool: PyTorch through xpool", d,
+                   trials_note(d, ["arm", "case", "size_bytes"]), legend_from=[left, right])
+
+
+# --- one GPU
+SINGLE_PANELS = (
+    ("tokens_per_s", "tokens per second (higher is better)", "Training throughput", fmt_si),
+    ("host_ms_per_step", "ms of the dispatching thread's CPU time per step", "Host work per step (thread CPU time)",
+     lambda v: f"{v:.0f}"),
+    ("gpu_ms_per_step", "ms per step on the GPU's stream (CUDA events)",
+     "Step span on the GPU stream (= wall time when host-bound)", lambda v: f"{v:.0f}"),
+    ("gpu_util_mean", "mean GPU utilisation (%)", "GPU busy (NVML; a 10-step window at batch 4 reads low)",
+     lambda v: f"{v:.0f}%"),
+    ("device_mallocs_per_step", "cudaMalloc calls per step (symlog scale)",
+     "Device mallocs per training step (after warm-up)", lambda v: f"{v:.4g}"),
+    ("reserved_over_requested", "peak reserved / peak requested bytes", "Memory held at the peak over what was asked",
+     lambda v: f"{v:.3f}"),
+)
+
+
+def single_gpu(df: pd.DataFrame) -> Figure:
+    """Per arm and batch: tokens/s, host and GPU ms, utilisation, device mallocs, reserved/requested."""
+    d = labelled(df[df["mode"] == "single"] if "mode" in df else df)
+    batches = sorted(d["batch"].unique(), reverse=True)
+    fig, axes = _figure(3, 2, size=(13.5, 13.5))
+    for ax, (col, ylabel, title, fmt) in zip(axes.flat, SINGLE_PANELS):
+        ax.set_title(title, fontsize=10)
+        if col not in d or d[col].isna().all():
+            _empty(ax, f"no {col} in the CSV")
+            continue
+        bars(ax, d.dropna(subset=[col]), "batch", col, batches, fmt=fmt, labels=lambda b: f"batch {b}")
+        ax.set_ylabel(ylabel)
+        if col == "tokens_per_s":
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt_si(v)))
+        if col == "device_mallocs_per_step":
+            ax.set_yscale("symlog", linthresh=1)      # 0 is a bar of height 0, labelled 0
+        if col == "reserved_over_requested":
+            ax.axhline(1.0, color="black", lw=0.8)
+            ax.set_ylim(bottom=0)
+    return _finish(fig, "One GPU: the small GPT's training step under each allocator", d,
+                   trials_note(d, ["batch", "arm", "csv"]) + " Each trial times the steps after warm-up.",
+                   legend_from=list(axes.flat))
+
+
+# --- several GPUs
+def _modes(df):
+    return [m for m in ("threads", "processes") if m in set(df["mode"])]
+
+
+def ddp_scaling(df: pd.DataFrame) -> Figure:
+    """Tokens/s and speedup (trial t on N GPUs over trial t on one) against GPUs, a column per mode."""
+    d = labelled(df[df["mode"] != "single"])
+    modes, worlds = _modes(d), sorted(d["world"].unique())
+    fig, axes = _figure(2, len(modes), size=(6.8 * len(modes), 9), sharey="row")
+    for j, mode in enumerate(modes):
+        top, bottom = axes[0][j], axes[1][j]
+        sub = d[d["mode"] == mode]
+        lines(top, sub, "world", "tokens_per_s")
+        lines(bottom, sub, "world", "speedup")
+        bottom.plot(worlds, worlds, color="black", ls="--", lw=0.8, label="ideal (linear)")
+        top.set_title(MODES[mode], fontsize=11)
+        top.yaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt_si(v)))
+        for ax in (top, bottom):
+            ax.set_xticks(worlds, [str(w) for w in worlds])
+            ax.set_xlabel("GPUs")
+            if j or ax is top:
+                ax.get_legend().remove()
+    axes[0][0].set(ylim=(0, 1.08 * d["tokens_per_s"].max()), ylabel="tokens per second, all GPUs (higher is better)")
+    axes[1][0].set(ylim=(0, 1.1 * max(d["speedup"].max(), max(worlds))),
+                   ylabel="speedup over the same allocator on 1 GPU (×)")
+    batch = ", ".join(str(b) for b in sorted(d["batch"].unique()))
+    return _finish(fig, "Several GPUs: data-parallel training throughput and speedup", d,
+                   f"Batch {batch} per GPU; gradients all-reduced with NCCL each step. "
+                   + trials_note(d, ["mode", "arm", "world"]), legend_from=[axes[1][0]])
+
+
+def ddp_before_after(df: pd.DataFrame) -> Figure:
+    """At the largest world: speedup and GPU utilisation per mode and arm, before (raw) and after (a pool)."""
+    d = df[df["mode"] != "single"]
+    world = int(d["world"].max())
+    top = labelled(d[d["world"] == world])
+    modes = _modes(top)
+    fig, [[sp, ut]] = _figure(1, 2, size=(13.5, 5.8))
+    for ax, col, ylabel, fmt in ((sp, "speedup", f"speedup on {world} GPUs over 1 GPU (×)", lambda v: f"{v:.2f}×"),
+                                 (ut, "gpu_util_mean", "mean GPU utilisation (%)", lambda v: f"{v:.0f}%")):
+        bars(ax, top.dropna(subset=[col]), "mode", col, modes, fmt=fmt, labels=lambda m: MODES[m])
+        ax.set_ylabel(ylabel)
+    sp.axhline(world, color="black", ls="--", lw=0.8)
+    sp.text(-0.45, world, f"ideal {world}×", va="bottom", fontsize=8)
+    sp.set_title(f"Speedup on {world} GPUs: before (raw cudaMalloc) → after (a pool)", fontsize=10)
+    ut.set_title(f"GPU utilisation on {world} GPUs", fontsize=10)
+    ut.set_ylim(0, 110)
+    return _finish(fig, f"{world} GPUs: what the allocator changes", top, trials_note(top, ["mode", "arm"]),
+                   legend_from=[sp, ut])
+
+
+def batch_sweep(df: pd.DataFrame) -> Figure:
+    """Threads on N GPUs over 1 by per-GPU batch, and on one GPU the host's time against the wall time."""
+    d = labelled(df[df["mode"] == "threads"] if "mode" in df else df)
+    world, batches = int(d["world"].max()), sorted(d["batch"].unique())
+    fig, [[sp, ms]] = _figure(1, 2, size=(13.5, 6))
+    lines(sp, d[d["world"] == world], "batch", "speedup")
+    sp.axhline(world, color="black", ls="--", lw=0.8)
+    sp.text(batches[0], world, f" ideal {world}×", va="bottom", fontsize=8)
+    sp.set(ylim=(0, 1.15 * world), ylabel=f"speedup, {world} GPUs over 1 (same trial)",
+           title=f"One thread per GPU, {world} GPUs: speedup by per-GPU batch")
+    one = d[(d["world"] == 1) & (d["arm"] == "xpool")]
+    if len(one) and "host_ms_per_step" in one:
+        both = pd.concat([one.assign(what="host: the dispatching thread's CPU time", ms=one["host_ms_per_step"]),
+                          one.assign(what="wall time per step", ms=one["ms_per_step"])])
+        sns.lineplot(both, x="batch", y="ms", hue="what", palette=["#6a3d9a", "#33a02c"], marker="o",
+                     estimator=np.median, errorbar=_ci, err_style="bars", ax=ms)
+        ms.legend(fontsize=8, loc="upper left", title=None)
+        _logy(ms)
+        ms.set_title("Where the host bound ends: one GPU, xpool (default scheme)", fontsize=10)
+    else:
+        _empty(ms, "no host ms per step in the CSV")
+    ms.set_ylabel("ms per step (log scale)")
+    for ax in (sp, ms):
+        _log2(ax, batches)
+        ax.set_xlabel("sequences per GPU per step (log scale)")
+    return _finish(fig, "Batch sweep: where one thread per GPU starts to scale", d,
+                   "Two threads share one GIL: while a step's host time is its wall time, the second thread's host "
+                   "work cannot overlap the first's. " + trials_note(d, ["arm", "world", "batch"]), legend_from=[sp])
+
+
+def graph_steps(df: pd.DataFrame) -> Figure:
+    """Eager against captured steps: speedup on the largest world, host ms per step, GPU busy at batch 4."""
+    d = labelled(df[df["mode"] != "processes"])      # no panel draws them: the caption names only what is drawn
+    fig, [[sp, disp, util]] = _figure(1, 3, size=(17, 6))
+    thr = d[(d["mode"] == "threads") & (d["world"] == d["world"].max())]
+    single = d[d["mode"] == "single"]
+    small = single[single["batch"] == single["batch"].min()] if len(single) else single
+    for ax, rows, col, fmt, log in ((sp, thr, "speedup", lambda v: f"{v:.2f}×", False),
+                                    (disp, single, "dispatch_ms_per_step", lambda v: f"{v:.1f}", True),
+                                    (util, small, "gpu_util_mean", lambda v: f"{v:.0f}%", False)):
+        rows = rows.dropna(subset=[col]) if col in rows else rows.iloc[:0]
+        if not len(rows):
+            _empty(ax, f"no {col} rows")
+            continue
+        bars(ax, rows, "batch", col, sorted(rows["batch"].unique()), fmt=fmt, labels=lambda b: f"batch {b}", log=log)
+    if len(thr):
+        world = int(thr["world"].max())
+        sp.axhline(world, color="black", ls="--", lw=0.8)
+        sp.set(ylabel=f"speedup, {world} GPUs over 1 (×)", title=f"One thread per GPU, {world} GPUs")
+    disp.set(ylabel="host ms per step (thread CPU time, idle device; log)", title="One GPU: the host's work per step")
+    util.set(ylabel="GPU utilisation, NVML (%)", title="One GPU, smallest batch: how busy the GPU is", ylim=(0, 110))
+    return _finish(fig, "The training step as a CUDA graph: eager against captured", d,
+                   trials_note(d, ["mode", "world", "batch", "arm"]), legend_from=[sp, disp, util])
+
+
+# --- memory
+def memory_waste(df: pd.DataFrame) -> Figure:
+    """The seed scheme by k: bytes handed out over requested (one step), peak reserved over requested."""
+    d = df.groupby("k", sort=True)[["class_over_requested", "reserved_over_requested"]].median()
+    long = pd.concat([pd.DataFrame({"k": d.index, "what": w, "waste": 100 * (d[c].to_numpy() - 1)}) for c, w in (
+        ("class_over_requested", "size classes: bytes handed out / bytes requested, one step's requests"),
+        ("reserved_over_requested", "peak bytes reserved / peak bytes requested, whole run"))])
+    fig, [[ax]] = _figure(1, 1, size=(10, 5.6))
+    sns.barplot(long, x="k", y="waste", hue="what", palette=["#ff7f0e", "#d62728"], ax=ax, saturation=1)
+    for c in ax.containers:
+        ax.bar_label(c, fmt=lambda v: f"{v:.1f}%" if v >= 1 else f"{v:.2g}%", fontsize=8.5, padding=2)
+    ax.set_xticks(range(len(d.index)), [f"k = {k}" for k in d.index])
+    ax.set(xlabel="size classes per doubling above 1 MiB (xpool's seed scheme, classes_per_doubling)",
+           ylabel="waste: bytes beyond the request (% of requested)",
+           title="Bytes the pool holds beyond what the arrays asked for (lower is better)", ylim=(0, None))
+    ax.margins(y=0.15)
+    ax.legend(fontsize=8.5, loc="upper right", title=None)
+    src = "measured with xpool installed" if (df.get("source") == "measured").any() else "replayed on the CPU"
+    return _finish(fig, "Memory waste of xpool's seed scheme (size classes) by setting, GPT training run", df,
+                   f"Numbers {src}: one run per setting (exact counters).")
+
+
+def trace_label(name: str) -> str:
+    """A recorded trace's name as a two-line tick label: 'gpt_b32_perparam_numpy' -> 'b32 perparam\\n(NumPy)'."""
+    base = name[4:] if name.startswith("gpt_") else name
+    for suffix, where in (("_cupy_path_numpy", "CuPy path"), ("_numpy", "NumPy"), ("_gpu", "GPU")):
+        if base.endswith(suffix):
+            return f"{base[:-len(suffix)].replace('_', ' ')}\n({where})"
+    return base.replace("_", " ")
+
+
+def memory_schemes(df: pd.DataFrame) -> Figure:
+    """Per trace and scheme: peak reserved over requested (replayed), and ns per pair (host backend)."""
+    d = labelled(df.assign(waste_pct=100 * (df["reserved_over_requested"] - 1)))
+    traces = list(dict.fromkeys(d["trace"]))
+    fig, [[ax], [cost]] = _figure(2, 1, size=(15, 11))
+    # log scale: the seed scheme's 50-170% beside the segments' 0.2-3% would flatten the bars that matter
+    bars(ax, d.assign(waste_pct=d["waste_pct"].clip(lower=0.01)), "trace", "waste_pct", traces,
+         fmt=lambda v: f"{v:.0f}%" if v >= 10 else f"{v:.1f}%", labels=trace_label, log=True, rotate=90)
+    ax.set(ylabel="peak reserved / peak requested − 1 (%, log)", title="Memory held beyond the arrays' peak, "
+           "replayed on the CPU")
+    c = d.dropna(subset=["ns_per_pair"])
+    if len(c):
+        bars(cost, c, "trace", "ns_per_pair", traces, fmt=lambda v: f"{v:.0f}", labels=trace_label, rotate=90,
+             span=("ns_per_pair_min", "ns_per_pair_max"))
+        cost.set(ylabel="ns per alloc+free pair, C core (Python floor subtracted)", title="Cost of the last step's "
+                 "requests once warm, host backend (CuPy's pool needs a GPU: see the allocator microbenchmark)")
+    else:
+        _empty(cost, "no cost measured")
+    return _finish(fig, "Memory waste and allocation cost of each scheme on the recorded request traces", d,
+                   "Waste: every trace replayed, in order, through each pool (CuPy's as a model of its arena), one "
+                   "replay each (exact). Cost: median with min-max over interleaved repeats.", [ax, cost], ncol=3)
+
+
+def memory_timeline(df: pd.DataFrame, step: int | None = None) -> Figure:
+    """Bytes reserved, in use and requested over the recorded run (by event), and over one step (in time)."""
+    tl = df[df["k"] == df["k"].iloc[0]] if "k" in df else df
+    tl = tl.reset_index(drop=True)               # the CSV keeps the timeline's own (recorded) order
+    sign = np.select([tl["event"].isin(["alloc_hit", "alloc_miss"]), tl["event"] == "free"], [1, -1], 0)
+    req = np.cumsum(sign * tl["requested"].to_numpy(dtype=float)) / 2**30
+    steps = sorted(tl["step"].unique()) if "step" in tl else [0]
+    step = steps[-1] if step is None else step
+    fig, [[whole], [zoom]] = _figure(2, 1, size=(12, 9))
+
+    def draw(ax, sel, x):
+        ax.fill_between(x, 0, tl["bytes_in_use"][sel] / 2**30, step="post", color="#fdae6b", alpha=0.8,
+                        label="in use: size-class bytes of live blocks")
+        ax.step(x, req[sel.to_numpy()], where="post", color="#2171b5", lw=1.2, label="requested by live arrays")
+        ax.step(x, tl["bytes_reserved"][sel] / 2**30, where="post", color="#d62728", lw=2,
+                label="reserved from the device (in use + cached)")
+        miss = (tl["event"][sel] == "alloc_miss").to_numpy()
+        if miss.any():          # a rug along the top: where the pool had to call cudaMalloc
+            ax.plot(np.asarray(x)[miss], np.full(int(miss.sum()), 0.985), "|", color="black", ms=6, alpha=0.5,
+                    transform=ax.get_xaxis_transform(), label="cudaMalloc (a pool miss), rug along the top")
+        ax.set(ylabel="GiB", ylim=(0, None))
+        ax.grid(alpha=0.3)
+
+    everything = pd.Series(True, index=tl.index)
+    draw(whole, everything, tl.index.to_numpy())
+    whole.set_xlabel("allocator events (allocs and frees), in order")
+    for s in steps if "step" in tl else []:
+        first = tl.index[tl["step"] == s]
+        whole.axvline(first[0], color="0.4", lw=0.8, ls=":")
+        whole.text(first[0], 0.03, "setup " if s < 0 else f" step {s}", transform=whole.get_xaxis_transform(),
+                   fontsize=8, va="bottom", ha="right" if s < 0 else "left", color="0.25")
+    whole.set_title("Whole recording: building the model and optimizer, then training steps (dotted lines: where "
+                    "each begins)", fontsize=10)
+    sel = tl["step"] == step if "step" in tl else everything
+    t = tl["t_s"][sel]
+    draw(zoom, sel, ((t - t.iloc[0]) * 1e3).to_numpy())
+    zoom.set_xlabel("time from the step's first allocation (ms, host clock)")
+    n_alloc = int((sel & tl["event"].isin(["alloc_hit", "alloc_miss"])).sum())
+    n_miss = int((sel & (tl["event"] == "alloc_miss")).sum())
+    zoom.set_title(f"The recorded training step (step {step}): {n_alloc} allocations, {n_miss} cudaMalloc",
+                   fontsize=10)
+    k = int(tl["k"].iloc[0]) if "k" in tl else 1
+    return _finish(fig, f"Device memory during training under xpool's seed scheme (size classes, k = {k})", df,
+                   f"xpool_{'seed' if k == 1 else f'k{k}'}: the seed scheme with {k} size class"
+                   f"{'es' if k != 1 else ''} per doubling, from its allocation timeline.",
+                   legend_from=[whole], ncol=4)     # above the axes: inside, it hid the rug of misses
+
+
+# --- dynamic shapes
+def _calls_label(v: float) -> str:
+    """A count per step, short enough to sit over its bar: 966, 21, 2.5, 0.37, 0.067, 0."""
+    return f"{v:.0f}" if v >= 10 or v == 0 else f"{v:.2g}"
+
+
+DYNAMIC_PANELS = (("reserved_over_requested", "peak reserved / peak requested (dotted: 1.05)", "{:.3f}".format, 1.05),
+                  ("device_calls_per_steady_step", "device calls per step in steady state (symlog scale)",
+                   _calls_label, None),
+                  ("device_calls_per_step", "device calls per timed step (symlog scale)", _calls_label, None),
+                  ("ratio", "ms per step / the fastest peer's, paired by trial (dotted: 1)", "{:.2f}".format, 1.0))
+
+
+def dynamic_shapes(df: pd.DataFrame) -> Figure:
+    """Per workload and arm, CuPy's left and PyTorch's right: peak reserved / peak requested, device calls per step
+    in steady state and per timed step, and ms per step over the fastest peer's (ratio of medians over paired
+    trials, as the targets judge)."""
+    d = labelled(df)
+    ratio = labelled(intervals.paired_best(d, "ms_per_step", "allocator", allocators.SETS["dynamic"], ["workload"],
+                                           higher=False))
+    shapes = {w: "varying" if str(v) == "True" else "fixed" for w, v in zip(d["workload"], d["dynamic"])}
+    frameworks = [f for f in ("cupy", "torch") if f in set(d["framework"])]
+    n = [d.loc[d["framework"] == f, "workload"].nunique() for f in frameworks]
+    fig, axes = _figure(len(DYNAMIC_PANELS), len(frameworks), size=(4 + 2.8 * sum(n), 17),
+                        gridspec_kw=dict(width_ratios=n))
+    for j, f in enumerate(frameworks):
+        order = list(dict.fromkeys(d.loc[d["framework"] == f, "workload"]))
+        axes[0][j].set_title(f"{'CuPy' if f == 'cupy' else 'PyTorch'} workloads", fontsize=11)
+        for ax, (col, ylabel, fmt, line) in zip(axes[:, j], DYNAMIC_PANELS):
+            rows = (ratio if col == "ratio" else d)
+            rows = rows[rows["workload"].isin(order)].dropna(subset=[col]) if col in rows else rows.iloc[:0]
+            if not len(rows):          # (a CSV from before the steady-state probes has no such column)
+                _empty(ax, f"no {col} measured")
+                continue
+            bars(ax, rows, "workload", col, order, fmt=fmt, labels=lambda w: f"{w}\n({shapes[w]} shapes)",
+                 span=("ratio_lo", "ratio_hi") if col == "ratio" else None)
+            ax.set_ylabel(ylabel)
+            if line:
+                ax.axhline(line, color="black", ls=":", lw=1)
+            if col.startswith("device_calls"):
+                ax.set_yscale("symlog", linthresh=1)      # 0 for a warm pool, hundreds for cudaMallocAsync
+    return _finish(fig, "Dynamic shapes: memory held, device calls and speed of each allocator", d,
+                   "A device call: a cudaMalloc, cudaFree, map or unmap; steady state: the timed steps after the "
+                   "step where the demand last rose (NOTES.md, Note [Dynamic-shape benchmark]). "
+                   + trials_note(d, ["workload", "allocator"]) + _seeds_note(d), legend_from=list(axes.flat), ncol=4)
+
+
+def _seeds_note(d: pd.DataFrame) -> str:
+    """' Each trial on a seed of its own (0-4), ...' when the trials are several realizations, else ''."""
+    seeds = sorted(set(d["seed"].dropna().astype(int))) if "seed" in d else []
+    if len(seeds) < 2:
+        return ""
+    return (f" Each trial on a seed of its own ({seeds[0]}-{seeds[-1]}), the same for every allocator: another "
+            "realization of each workload (Note [Trials are realizations]).")
+
+
+# --- every figure from data/: the one writer of figures/
+
+# name -> (lineage or CSV it is drawn from, the function)
+FIGURES = {
+    "correctness": ("correctness", correctness),
+    "alloc_cost": ("alloc_size", alloc_cost),
+    "alloc_threads": ("alloc_threads", alloc_threads),
+    "torch_interop": ("torch_interop.csv", torch_interop),
+    "single_gpu": ("single_gpu", single_gpu),
+    "ddp_scaling": ("ddp", ddp_scaling),
+    "ddp_before_after": ("ddp", ddp_before_after),
+    "batch_sweep": ("batch_sweep", batch_sweep),
+    "memory_waste": ("memory_waste.csv", memory_waste),
+    "memory_timeline": ("memory_timeline.csv", memory_timeline),
+    "memory_schemes": ("memory_schemes.csv", memory_schemes),
+    "graph_steps": ("graph", graph_steps),
+    "dynamic_shapes": ("dynamic_shapes", dynamic_shapes),
+}
+
+
+def draw(name: str, data_dir: str | os.PathLike = "data") -> Figure | None:
+    """Figure `name` drawn from the rows xlab.sources.current gives of its lineage, or None when they are missing."""
+    df = sources.current(pathlib.Path(data_dir), FIGURES[name][0])
+    return None if df is None else FIGURES[name][1](df)
+
+
+def png(fig: Figure) -> bytes:
+    """The figure as PNG bytes (what a notebook displays inline; nothing is written)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
+    return buf.getvalue()
+
+
+def save(fig: Figure, name: str, figures_dir: str | os.PathLike = "figures"):
+    """Write NAME.png and NAME.svg (no timestamps inside: unchanged data gives unchanged files); both paths."""
+    out = pathlib.Path(figures_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    png_path, svg = out / f"{name}.png", out / f"{name}.svg"
+    with matplotlib.rc_context({"svg.hashsalt": "xpool", "svg.fonttype": "none"}):
+        fig.savefig(png_path, dpi=110, metadata={"Software": None})
+        fig.savefig(svg, metadata={"Date": None, "Creator": None})
+    return png_path, svg
+
+
+def build(name: str, data_dir: str | os.PathLike = "data", figures_dir: str | os.PathLike = "figures"):
+    """Draw figure `name` from data_dir and write it to figures_dir: the PNG's path, or why it was not built."""
+    try:
+        fig = draw(name, data_dir)
+    except Exception as e:                # one bad CSV must not cost the other figures
+        return f"failed: {type(e).__name__}: {e}"
+    if fig is None:
+        return f"skipped: no CSV of {FIGURES[name][0]} in {data_dir}"
+    return save(fig, name, figures_dir)[0]
+
+
+def build_all(data_dir: str | os.PathLike = "data", figures_dir: str | os.PathLike = "figures") -> dict:
+    """Every figure whose CSVs exist: name -> PNG path, or the reason it was skipped or failed."""
+    return {name: build(name, data_dir, figures_dir) for name in FIGURES}

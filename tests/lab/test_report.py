@@ -1,0 +1,493 @@
+"""The report (headlines computed from the CSVs, one page, exit status) and the memory study's replay."""
+import math
+import pathlib
+import re
+import shutil
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import xpool
+from lab_fixtures import synthetic
+from xlab import intervals as iv
+from xlab import memory_study, paths, plots, report, sources, targets
+from xlab.memory_study import AddressSpaceBackend, replay, replay_waste, waste_table
+
+# ---------------------------------------------------------------------------------------------------------
+# Replay: a recorded trace through a fresh pool reproduces the pool's own decisions exactly
+
+
+def _record(k, seed=0, n=3000, devices=(0,), streams=(0,)):
+    """Random allocs and frees of GPT-like sizes through a real pool; returns (timeline, stats)."""
+    pool = xpool.Pool(AddressSpaceBackend(), scheme="seed", classes_per_doubling=k, limit=0, debug=False, timeline=100_000)
+    rng = np.random.default_rng(seed)
+    sizes = [100, 4096, 70_000, 1 << 20, (1 << 20) + 1, 3 << 20, 5_000_000, 12_582_912, 50_331_649]
+    live = []
+    for _ in range(n):
+        if live and rng.random() < 0.47:
+            live.pop(int(rng.integers(len(live))))
+        else:
+            live.append(pool.allocate(int(rng.choice(sizes)) + int(rng.integers(0, 3000)),
+                                      device=int(rng.choice(devices)), stream=int(rng.choice(streams))))
+    stats = pool.stats()
+    tl = pool.timeline()
+    del live
+    return tl, stats
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_replay_of_a_synthetic_trace_reproduces_every_setting(k):
+    """The trace is recorded at k=1; replayed at k it must match a pool that ran the same program at k."""
+    trace, _ = _record(1, devices=(0, 1), streams=(0, 7))
+    _, truth = _record(k, devices=(0, 1), streams=(0, 7))
+    got = replay(trace, k)
+    for name in ("peak_bytes_reserved", "peak_bytes_requested", "device_mallocs", "requests"):
+        assert got[name] == int(truth[name].sum()), name
+    assert got["unmatched_frees"] == 0
+
+
+def test_replay_skips_frees_of_blocks_allocated_before_the_recording():
+    trace, _ = _record(1, n=400)
+    frees = trace.index[trace["event"] == "free"]
+    first_alloc_of_a_freed_block = trace.index[
+        trace["ptr"].isin(trace.loc[frees, "ptr"]) & trace["event"].str.startswith("alloc")][0]
+    cut = trace.drop(index=first_alloc_of_a_freed_block)
+    assert replay(cut, 1)["unmatched_frees"] >= 1
+
+
+def test_replay_waste_table():
+    trace, stats = _record(1)
+    w = replay_waste(trace, (1, 2, 4, 8))
+    assert list(w["k"]) == [1, 2, 4, 8] and (w["source"] == "replay").all()
+    assert (w["class_over_requested"] >= 1).all() and (w["reserved_over_requested"] >= 1).all()
+    # The classes of k are among those of 2k, so handing out bytes can only get tighter.
+    assert w["class_bytes"].is_monotonic_decreasing
+    assert w.loc[0, "peak_bytes_reserved"] == int(stats["peak_bytes_reserved"].sum())
+    measured = w.assign(source="measured")
+    t = waste_table(measured, w)
+    assert t["replay_exact"].all() and list(t["k"]) == [1, 2, 4, 8]
+    off = measured.assign(peak_bytes_reserved=measured["peak_bytes_reserved"] + 512)
+    assert not waste_table(off, w)["replay_exact"].any()
+    assert waste_table(None, None) is None
+
+
+def test_replay_uses_only_the_last_steps_requests_for_class_waste():
+    tl = synthetic.memory_timeline(steps=2)
+    w = replay_waste(tl, (1,))
+    last = tl[(tl["step"] == tl["step"].max()) & tl["event"].str.startswith("alloc")]
+    assert w.loc[0, "requests"] == len(last) and w.loc[0, "requested_bytes"] == last["requested"].sum()
+    assert w.loc[0, "gpu"] == synthetic.PROV["gpu"]          # the replay keeps the recording's provenance
+
+
+def test_replay_of_the_committed_timeline_matches_the_committed_waste():
+    """On any machine: the committed GPU measurements are reproduced exactly by the CPU replay."""
+    data = pathlib.Path(__file__).resolve().parents[2] / "data"
+    if not (data / "memory_timeline.csv").is_file() or not (data / "memory_waste.csv").is_file():
+        pytest.skip("no committed memory measurements yet")
+    measured = pd.read_csv(data / "memory_waste.csv")
+    replayed = replay_waste(pd.read_csv(data / "memory_timeline.csv"), tuple(measured["k"]))
+    assert waste_table(measured, replayed)["replay_exact"].all()
+
+
+@pytest.mark.gpu
+def test_recorded_gpu_timeline_replays_exactly():
+    cfg = dict(n_layer=2, n_head=2, n_embd=64, n_ffn=256, block_size=32, batch_size=4)
+    waste, timeline = memory_study.measure_waste((1, 4), config=cfg)
+    assert set(timeline["step"]) == {-1, 0, 1}
+    assert waste_table(waste, replay_waste(timeline, (1, 4)))["replay_exact"].all()
+    assert (timeline["step"] == 1).any() and not (timeline[timeline["step"] == 1]["event"] == "alloc_miss").any()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The report: the template filled from the CSVs, the targets judged by one rule
+
+
+def _write(data, trials):
+    synthetic.write_all(data, trials=trials)
+    synthetic.correctness("cpu").assign(gpu="none").to_csv(data / "correctness_cpu.csv", index=False)
+    return data
+
+
+@pytest.fixture
+def synthetic_data(tmp_path):
+    """The old schema: one row per configuration (what data/ held before trials were kept)."""
+    return _write(tmp_path / "data", 0)
+
+
+@pytest.fixture
+def trial_data(tmp_path):
+    """Five interleaved trials per configuration, the newer columns, re-check CSVs, the graph runs."""
+    return _write(tmp_path / "trials", 5)
+
+
+def _page(data):
+    return report.render(data, [], {}, data)
+
+
+def _rows(data):
+    return {targets.text(m): m for m in targets.judged(data)[0]}
+
+
+def _headline(page, start):
+    return next(line for line in page.splitlines() if line.startswith(f"- **{start}"))
+
+
+def test_headlines_are_computed_from_the_newest_csvs(trial_data):
+    page = _page(trial_data)
+    assert "6 of 6 checks pass on the CPU" in page and "7 of 7 on a GPU" in page and "1 of 1 arms" in page
+    one = _headline(page, "One GPU")
+    recheck = pd.read_csv(trial_data / "single_gpu_recheck.csv")
+    tps = recheck[(recheck["allocator"] == "xpool") & (recheck["batch"] == 32)]["tokens_per_s"].median()
+    assert f"xpool {tps:,.0f} [" in one and "`single_gpu_recheck.csv` at synthetic-newer" in one
+    assert "`single_gpu.csv` at synthetic" in one             # raw is only in the older CSV: named beside it
+    df = pd.read_csv(trial_data / "ddp_scaling.csv")         # change a CSV, and the headline follows
+    df.loc[(df["mode"] == "threads") & (df["allocator"] == "xpool") & (df["world"] == 2), "speedup"] = 1.99
+    df.to_csv(trial_data / "ddp_scaling.csv", index=False)
+    assert "xpool 1.99× [1.99, 1.99]" in _headline(_page(trial_data), "2 GPUs")
+
+
+def test_no_number_in_the_headlines_or_the_targets_is_not_from_a_csv(trial_data, tmp_path):
+    """The page is the template filled with measured values: every value moves when the CSVs' measurements do, and
+    the template itself holds no measured number (only the rule's and the methods' constants)."""
+    moved = tmp_path / "moved"
+    shutil.copytree(trial_data, moved)
+    keys = {"batch", "world", "trial", "threads", "size_bytes", "k", "steps", "warmup", "n_gpus", "block_size",
+            "n_layer", "n_embd", "count_steps", "requested", "ptr", "stream", "device", "step", "threshold"}
+    for path in moved.rglob("*.csv"):
+        df = pd.read_csv(path)
+        factor = 1.03 + 0.02 * (np.arange(len(df)) % 5) / 4
+        for col in df.select_dtypes("float").columns.difference(keys):
+            df[col] = df[col] * factor
+        df.to_csv(path, index=False)
+    before, after = targets.values(trial_data), targets.values(moved)
+    assert set(before) == set(after) and len(before) > 50
+    for key, m in before.items():
+        if m.row.stat == "all" or m.value == 0 or m.each:
+            continue
+        assert m.value != after[key].value, f"{key}: {format(m)} did not move with the CSVs"
+    for key in ("sweep", "waste", "torch_empty"):
+        assert [e.value for e in before[key].each] != [e.value for e in after[key].each]
+    template = re.sub(r"\{[^{}]*\}", "", report.TEMPLATE.read_text())
+    # what the prose may name: the interval's level (95), NVML's sample period (1/6 s to 1 s), the GPU counts and
+    # batch and sizes the rows are selected by (2, 4, 8; batch 32; 64 KiB; a 512-byte block), perfect
+    # serialisation (1.0), the closeness of two runs (5%), the issues (12, 13, 14)
+    allowed = {"95", "1", "6", "2", "4", "8", "32", "64", "512", "1.0", "5", "12", "13", "14"}
+    assert set(re.findall(r"\d+(?:\.\d+)?", template)) <= allowed
+
+
+def test_targets_are_judged_on_the_interval_by_one_rule(trial_data):
+    key = "2 GPUs, one thread per GPU, batch 32: xpool ≥ 1.85×"
+    assert _rows(trial_data)[key].verdict == iv.MISSED                    # 1.75x in every trial
+    df = pd.read_csv(trial_data / "ddp_scaling.csv")
+    sel = (df["mode"] == "threads") & (df["allocator"] == "xpool") & (df["world"] == 2)
+    for speedups, verdict in (([1.80, 1.84, 1.86, 1.90, 1.83], iv.NOISE), ([1.90, 1.92, 1.95, 1.91, 1.93], iv.MET)):
+        df.loc[sel, "speedup"] = speedups
+        df.to_csv(trial_data / "ddp_scaling.csv", index=False)
+        m = _rows(trial_data)[key]
+        assert m.verdict == verdict
+    assert format(m).startswith("1.92× [")
+    rows = _rows(trial_data)
+    assert rows["one GPU, batch 32: xpool ≥ 2.9× raw (tokens/s)"].bound == "xpool gpu, raw host"
+    assert rows["one GPU, batch 4: GPU busy ≥ 70% (xpool; NVML over 250-step windows)"].src.startswith(
+        "`graph/single_gpu_b4.csv`")                              # the 250-step windows, newest of the kind
+    assert rows["xpool µs per pair ≤ 1.05× CuPy MemoryPool's, every size (worst: 64 KiB)"].bound == "host"
+
+
+def test_an_interval_that_straddles_the_goal_prints_the_digits_that_show_it():
+    assert iv.fmt_ci(1.0001, 0.9969, 1.0015, unit="×", goal=1.0) == "1.000× [0.997, 1.002]"
+    assert iv.judge(1.0001, 0.9969, 1.0015, 1.0) == iv.NOISE
+    assert iv.judge(0.0, math.nan, math.nan, 0.0, higher_is_better=False, exact=True) == iv.MET
+    assert iv.judge(0.7, math.nan, math.nan, 0.0, higher_is_better=False, exact=True) == iv.MISSED
+    assert iv.judge(1.2, math.nan, math.nan, 1.0).startswith(iv.SINGLE)
+
+
+def test_older_csvs_of_a_kind_are_history_not_verdicts(trial_data):
+    now, then = targets.judged(trial_data)
+    key = "#14: xpool device mallocs per step after warm-up, batch 4 and 32 (worst: batch 4)"
+    (current,) = [m for m in now if targets.text(m) == key]
+    assert "single_gpu_recheck.csv" in current.src
+    assert any(targets.text(m) == key and "`single_gpu.csv`" in m.src for m in then)
+    page = _page(trial_data)
+    assert "### History" in page and page.index("### History") > page.index("## Targets")
+    c = targets.counts(now)
+    assert f"{c['targets']} targets: {c['met']} met, {c['missed']} missed, {c['noise']} within noise" in page
+
+
+def test_a_target_whose_goal_is_another_arm_says_its_value(trial_data):
+    m = _rows(trial_data)["#14: batch 4: xpool peak reserved / peak requested ≤ CuPy MemoryPool's"
+                          f" ({targets.measure(targets.BY_KEY['ror_4'], trial_data)[0].goal_text})"]
+    recheck = pd.read_csv(trial_data / "single_gpu_recheck.csv")
+    b4 = recheck[recheck["batch"] == 4]
+    assert m.goal == pytest.approx(b4[b4["allocator"] == "cupy_pool"]["reserved_over_requested"].median())
+    assert m.value == pytest.approx(b4[b4["allocator"] == "xpool"]["reserved_over_requested"].median())
+
+
+def test_bounds_and_projection(trial_data, synthetic_data):
+    rows = {(r["batch"], r["allocator"]): r for r in report.bound_rows(trial_data)}
+    assert rows[32, "xpool"]["bound"] == "gpu" and rows[4, "xpool"]["bound"] == "host"
+    proj = {p["allocator"]: p for p in report.projection(trial_data)}
+    p = proj["xpool"]
+    assert p["h_source"] == "batch-32 thread CPU time"
+    for n, s in p["speedup"].items():
+        assert s == pytest.approx(n * max(p["h"], p["g"]) / max(n * p["h"], p["g"]))
+    assert "raw" not in proj
+    assert "| 8 GPUs (s_8) |" in report.projection_table(trial_data)
+    df = pd.read_csv(trial_data / "single_gpu.csv").drop(columns=["host_ms_per_step", "bound"])
+    df.to_csv(synthetic_data / "single_gpu.csv", index=False)
+    (synthetic_data / "single_gpu_recheck.csv").unlink(missing_ok=True)
+    old = {p["allocator"]: p for p in report.projection(synthetic_data)}
+    assert old["xpool"]["h_source"].startswith("batch-4 wall time")
+
+
+def _gil_csv(data, share=(0.7, 0.6)):
+    rows = []
+    for trial in range(5):
+        for n, sp in zip((1, 2, 4), (1.0,) + share):
+            rows.append(dict(arm="add", threads=n, trial=trial, switch_interval_s=0.005, ops_per_s=1e5 * sp,
+                             speedup=sp, us_per_op=10.0 * n / sp, commit="abc"))
+    pd.DataFrame(rows).to_csv(data / "gil_probe.csv", index=False)
+
+
+def test_the_gil_probe_feeds_the_projection_and_its_own_table(trial_data):
+    _gil_csv(trial_data)
+    assert report.gil_sharing(trial_data) == {2: (0.7, 0.7, 0.7), 4: (0.6, 0.6, 0.6)}
+    p = {p["allocator"]: p for p in report.projection(trial_data)}["xpool"]
+    assert p["sharing"] == {2: 0.7, 4: 0.6, 8: 1.0}                   # 8 threads not probed: plain serialisation
+    assert ("| `x + x`, 1 element, CuPy (allocation + launch, GIL released) | 10.0 [10.0, 10.0] | 0.70× [0.70, 0.70] "
+            "| 0.60×") in report.gil_table(trial_data)
+    assert "### Threads under one GIL" in _page(trial_data)
+
+
+def test_a_second_run_is_checked_against_the_first_runs_intervals(trial_data):
+    assert report.replication(trial_data) == "" and "### Does a second run agree" not in _page(trial_data)
+    synthetic.write_all(trial_data / "rerun", trials=5)
+    text = report.replication(trial_data)
+    assert "| **no** |" not in text and text.count("| yes |") > 20       # the same numbers: every one inside
+    df = pd.read_csv(trial_data / "rerun" / "ddp_scaling.csv")
+    df.loc[(df["mode"] == "threads") & (df["allocator"] == "xpool") & (df["world"] == 2), "speedup"] = 1.95
+    df.to_csv(trial_data / "rerun" / "ddp_scaling.csv", index=False)
+    _gil_csv(trial_data)
+    _gil_csv(trial_data / "rerun", share=(0.9, 0.6))
+    text = report.replication(trial_data)
+    assert re.search(r"\| 2 GPUs, threads, batch 32, xpool: speedup \| [^|]+ \| 1\.95× [^|]+ \| [^|]+ \| \*\*no\*\* \|",
+                     text)
+    assert re.search(r"\| GIL probe \(add\), threads 2: .* \| \*\*no\*\* \|", text)
+    assert "### Does a second run agree?" in _page(trial_data)
+
+
+def test_report_builds_from_trials_with_every_figure(trial_data, tmp_path):
+    rc = report.main(["--no-notebooks", "--data", str(trial_data), "--figures", str(tmp_path / "figures"),
+                      "--build", str(tmp_path / "build"), "--report-dir", str(tmp_path / "report")])
+    assert rc == 0
+    page = (tmp_path / "report" / "REPORT.md").read_text()
+    assert page == (tmp_path / "build" / "report.md").read_text()
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page)
+    assert len(links) == len(plots.FIGURES) and "not built" not in page and "skipped" not in page
+    assert all((tmp_path / "report" / link).resolve().is_file() for link in links)
+    assert "SYNTHETIC GPU" in page                                   # the data table names the machines
+
+
+def test_the_old_schema_gives_single_runs_said_so(synthetic_data):
+    page = _page(synthetic_data)
+    assert "(single run)" in page and "single run, no interval" in page
+
+
+def test_a_page_without_data_says_so_and_drops_every_number(tmp_path):
+    page = _page(tmp_path)
+    assert "_No targets measured yet._" in page and "- **" not in page and "{" not in page
+
+
+def test_a_malformed_csv_costs_its_lines_not_the_report(trial_data):
+    (trial_data / "gil_probe.csv").write_text("arm,threads\nadd,1\n")
+    page = _page(trial_data)
+    assert "could not compute" in page and "- **One GPU**" in page
+
+
+def test_main_fails_when_a_notebook_fails(synthetic_data, tmp_path, monkeypatch):
+    def fake_run(path, out_dir, parameters=None, timeout=0):
+        ok = not path.stem.startswith("03")
+        return dict(notebook=path.stem, ok=ok, seconds=0.0, output="", error="" if ok else "boom")
+
+    monkeypatch.setattr(report, "run_notebook", fake_run)
+    rc = report.main(["--cpu-quick", "--data", str(synthetic_data), "--figures", str(tmp_path / "figures"),
+                      "--build", str(tmp_path / "build"), "--report-dir", str(tmp_path / "report")])
+    assert rc == 1
+    assert "FAILED: boom" in (tmp_path / "build" / "report.md").read_text()
+    assert "## Notebooks" not in (tmp_path / "report" / "REPORT.md").read_text()   # the page depends on data/ only
+
+
+def test_cpu_quick_parameters_exist_in_the_notebooks():
+    import nbformat
+    from papermill.translators import PythonTranslator
+    for name, params in report.CPU_QUICK.items():
+        nb = nbformat.read(paths.repo_root() / "notebooks" / f"{name}.ipynb", as_version=4)
+        cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+        assert set(params) <= {p.name for p in PythonTranslator.inspect(cell)}, name
+        assert params["measure"] is False                     # CPU mode never measures, even on a GPU
+
+
+def test_the_committed_report_is_what_the_committed_csvs_give():
+    """report/REPORT.md is rebuilt from data/ by `make report`; committed stale, a fresh clone's `make report`
+    would change it. Regenerate with `python -m xlab.report --no-notebooks`."""
+    root = paths.repo_root()
+    figs = {name: root / "figures" / f"{name}.png" for name in plots.FIGURES}
+    assert report.render(root / "data", [], figs, root / "report") == (root / "report" / "REPORT.md").read_text()
+
+
+def test_every_commit_a_csv_names_is_in_the_repository_or_said_to_be_rewritten():
+    import subprocess
+    root = paths.repo_root()
+    if subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=root, capture_output=True,
+                      text=True).stdout.strip() != "false":
+        pytest.skip("needs the whole history")
+    for path in (root / "data").rglob("*.csv"):
+        for c in pd.read_csv(path).get("commit", pd.Series(dtype=str)).dropna().astype(str).unique():
+            base = c.removesuffix("+dirty")
+            known = subprocess.run(["git", "cat-file", "-e", f"{base}^{{commit}}"], cwd=root).returncode == 0
+            assert known or base in sources.REWRITTEN, f"{path.name}: commit {c} is not in the repository"
+
+
+def test_graph_targets_judge_the_graph_runs(trial_data):
+    rows = _rows(trial_data)
+    threads = rows["2 GPUs, one thread per GPU, batch 32: xpool_graph ≥ 1.85× (step as a CUDA graph)"]
+    assert threads.verdict == iv.MET and format(threads).startswith("1.96×")
+    host = rows["host ms per step ≤ 12 at batch 32 (xpool_graph; thread CPU time of a step started on an idle device)"]
+    assert host.verdict == iv.MET and format(host).startswith("1.10 ms")
+    assert rows["one GPU, batch 4: GPU busy ≥ 70% (xpool_graph; NVML over 250-step windows)"].verdict == iv.MET
+    assert not any("process per GPU, batch 32: xpool_graph" in t for t in rows)     # no processes CSV: no row
+    table = report.graph_table(trial_data)
+    assert "| one GPU, batch 4, 250 steps | xpool_graph |" in table and "| threads, batch 32, 10 steps | raw |" in table
+    notes = _page(trial_data)
+    assert "eager xpool reserves at most 4.56 GiB; xpool_graph 410 MiB in the arm's pool plus 4.28 GiB" in notes
+
+
+def test_dynamic_targets_judge_xpool_against_the_fastest_peer_paired_by_trial(trial_data):
+    rows = {m.row.key: m for m in targets.judged(trial_data)[0]}
+    df = pd.read_csv(trial_data / "dynamic_shapes.csv")
+    w = df[df["workload"] == "torch_fixed"]
+    per = {a: w[w["allocator"] == a].groupby("trial")["ms_per_step"].median() for a in set(w["allocator"])}
+    fastest = min(("torch", "torch_expandable"), key=lambda a: per[a].median())
+    m = rows["dyn_ms_torch_fixed"]
+    assert m.ref == fastest and f"the fastest peer's ({fastest};" in targets.text(m)
+    assert m.value == pytest.approx(per[targets.XDT].median() / per[fastest].median())   # enable_torch's
+    slower = df["allocator"] == fastest                     # the other peer becomes the fastest: the reference follows
+    df.loc[slower & (df["workload"] == "torch_fixed"), "ms_per_step"] *= 1.5
+    df.to_csv(trial_data / "dynamic_shapes.csv", index=False)
+    assert {m.row.key: m for m in targets.judged(trial_data)[0]}["dyn_ms_torch_fixed"].ref != fastest
+    best = rows["dyn_ror_best_torch_varlen"]
+    assert best.at == "xpool_expandable_bounded" and best.value == pytest.approx(1.04, rel=1e-3) and best.verdict == iv.MET
+    assert rows["dyn_ror_torch_varlen"].value == pytest.approx(1.045, rel=1e-3)    # enable_torch's default's row
+    assert rows["dyn_ror_gpt_varlen"].value == pytest.approx(1.31, rel=1e-3)       # CuPy's: the default scheme's
+    assert rows["dyn_calls_cupy_mix"].verdict == iv.MISSED
+    assert targets.XDT == "xpool_expandable_peak"
+    assert "dyn_calls_expandable_peak_torch_varlen" not in rows     # the default's row already judges that arm
+    assert rows["dyn_calls_expandable_until_churn_torch_varlen"].value == pytest.approx(0.1)   # the other rules: judged
+    assert rows["dyn_calls_expandable_growth_torch_varlen"].value == pytest.approx(0.1)
+    assert rows["dyn_calls_expandable_torch_varlen"].value == 0      # the rule that never unmaps on a miss: judged
+    calls = rows["dyn_calls_expandable_bounded_torch_varlen"]      # the expandable arms' calls are judged too,
+    assert calls.value == pytest.approx(0.2) and calls.verdict == iv.MISSED   # in steady state (0.4 per timed step)
+    assert rows["dyn_calls_expandable_cupy_mix"].verdict == iv.MET
+
+
+def test_a_count_whose_trials_differ_is_judged_on_its_interval(trial_data):
+    """Note [Trials are realizations]: a row marked exact (bytes, calls) is judged on its value while its trials agree;
+    when each trial is another realization of the workload and they differ, on its interval like a timed row."""
+    df = pd.read_csv(trial_data / "dynamic_shapes.csv")
+    mine = (df["allocator"] == targets.XDT) & (df["workload"] == "torch_varlen")
+    df.loc[mine, "reserved_over_requested"] = 1.049
+    df.to_csv(trial_data / "dynamic_shapes.csv", index=False)
+    m = {m.row.key: m for m in targets.judged(trial_data)[0]}["dyn_ror_torch_varlen"]
+    assert (m.verdict, f"{m}") == (iv.MET, "1.049")                    # the trials agree: the value, judged alone
+    df.loc[mine, "reserved_over_requested"] = 1.049 + 0.002 * df.loc[mine, "trial"]    # 1.049 ... 1.057
+    df.to_csv(trial_data / "dynamic_shapes.csv", index=False)
+    m = {m.row.key: m for m in targets.judged(trial_data)[0]}["dyn_ror_torch_varlen"]
+    assert m.lo < 1.05 < m.hi and m.verdict == iv.NOISE and f"{m}".startswith("1.053 [")
+    df.loc[mine, "reserved_over_requested"] = 1.0505 + 0.001 * df.loc[mine, "trial"]
+    df.to_csv(trial_data / "dynamic_shapes.csv", index=False)
+    assert {m.row.key: m for m in targets.judged(trial_data)[0]}["dyn_ror_torch_varlen"].verdict == iv.MISSED
+
+
+def _held(df, arm, **where) -> str:
+    """'w: median [lo, hi], ...' of an arm's peak reserved / peak requested per workload, as a headline gives it (the
+    value alone where the trials agree: Note [Trials are realizations])."""
+    rows = df[(df["allocator"] == arm) & df["dynamic"]]
+    for k, v in where.items():
+        rows = rows[rows[k] == v]
+    out = []
+    for w, g in sorted(rows.groupby("workload")):
+        v, lo, hi, _ = iv.median_ci(g.groupby("trial")["reserved_over_requested"].median())
+        out.append(f"{w}: {iv.fmt_ci(v, lo, hi, '{:.3f}', exact=not hi - lo > 1e-6 * abs(v))}")
+    return ", ".join(out)
+
+
+def test_the_dynamic_section_says_whether_its_trials_are_one_realization_or_several(trial_data):
+    df = pd.read_csv(trial_data / "dynamic_shapes.csv")
+    df.assign(seed=0).to_csv(trial_data / "dynamic_shapes.csv", index=False)
+    assert "every trial on seed 0: the same shapes" in _page(trial_data)
+    df.assign(seed=df["trial"] + 7).to_csv(trial_data / "dynamic_shapes.csv", index=False)
+    page = _page(trial_data)
+    assert "each trial on a seed of its own (trial 0: seed 7; trial 1: seed 8;" in page and "every trial on" not in page
+
+
+def test_the_dynamic_section_and_headline_are_there_only_with_the_csv(trial_data):
+    page = _page(trial_data)
+    assert "## Dynamic shapes" in page and "| cupy_mix | xpool_segments |" in page
+    df = pd.read_csv(trial_data / "dynamic_shapes.csv")
+    torch_line = _headline(page, "Dynamic shapes, PyTorch programs")
+    assert f"(PyTorch with expandable segments {_held(df, 'torch_expandable')})" in torch_line
+    assert " [" in _held(df, "torch_expandable")           # the fixture's trials differ: intervals, not values alone
+    assert f"peak reserved / peak requested {_held(df, 'xpool_segments', framework='cupy')};" in _headline(
+        page, "Dynamic shapes, CuPy programs")
+    assert f"peak reserved / peak requested {_held(df, targets.XDT, framework='torch')} (" in torch_line
+    assert f"it holds {_held(df, 'xpool_expandable_bounded')} for" in _headline(page, "Dynamic shapes, the expandable "
+                                                                                 "scheme")
+    (trial_data / "dynamic_shapes.csv").write_text(df[~df["allocator"].str.startswith("xpool_expandable")].to_csv())
+    page = _page(trial_data)                  # a CSV without the expandable arms: the headlines of those go
+    assert "Dynamic shapes, the expandable scheme" not in page and "Dynamic shapes, PyTorch programs" not in page
+    assert "- **Dynamic shapes, CuPy programs** (" in page
+    (trial_data / "dynamic_shapes.csv").unlink()
+    page = _page(trial_data)
+    assert "Dynamic shapes" not in page and "#22" not in page
+
+
+def test_two_different_bounds_never_print_as_one():
+    """'1.96× [1.96, 1.96]' read as an exact number; the interval was [1.960, 1.965] (#23's audit)."""
+    assert iv.fmt_ci(1.962, 1.9601, 1.9648, unit="×") == "1.962× [1.960, 1.965]"
+    assert iv.fmt_ci(38.6, 38.6, 38.6, "{:.1f}") == "38.6 [38.6, 38.6]"        # no spread at all: as it is
+    assert iv.fmt_ci(1.0166, 1.0160, 1.0170, "{:.3f}", exact=True) == "1.017"    # an exact value: itself
+
+
+def _replication_rows(text):
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 5 and "[" in cells[1]:
+            first = [float(v) for v in re.findall(r"-?\d+\.?\d*", cells[1].replace(",", ""))[:3]]
+            second = float(re.match(r"-?\d+\.?\d*", cells[2])[0])
+            yield cells[0], first, second, cells[4]
+
+
+def test_each_second_run_verdict_can_be_read_off_its_printed_numbers():
+    """'1.96× [1.96, 1.97]' then '1.96×' and **no**: the digits must show why (the committed data's rerun/)."""
+    data = pathlib.Path(__file__).resolve().parents[2] / "data"
+    rows = list(_replication_rows(report.replication(data) + "\n" + report.replication(data / "graph")))
+    if not rows:
+        pytest.skip("no second run committed")
+    for name, (_, lo, hi), second, inside in rows:
+        assert (lo <= second <= hi) == (inside == "yes"), f"{name}: [{lo}, {hi}] and {second} but {inside}"
+
+
+def test_the_dynamic_section_says_what_placement_allows_the_cupy_loop(trial_data):
+    """The least over placements per realization, best fit's beside it, and how many are over 1.05, from the CSV."""
+    rows = [dict(trace=t, placement=p, touched_pages_over_requested=v, page_bytes=2 << 20, commit="abcdef0123456")
+            for t, vals in (("dyn_cupy_mix", (1.09, 1.07)), ("dyn_cupy_mix_s1", (1.02, 1.04)),
+                            ("dyn_cupy_mix_s10", (1.2, 1.06)), ("dyn_cupy_mix_b4", (1.0, 1.0)),
+                            ("dyn_torch_varlen", (1.0, 1.0)))
+            for p, v in zip(("best", "other"), vals)]
+    pd.DataFrame(rows).to_csv(trial_data / "placement_variants.csv", index=False)
+    line = next(x for x in _page(trial_data).splitlines() if x.startswith("What placement allows the CuPy loop"))
+    assert "under the best of the 2 placements" in line and "is 1.070, 1.020, 1.060 on its 3 (seeds 0, 1, 10)" in line
+    assert "under best fit, xpool's, 1.090, 1.020, 1.200 (`placement_variants.csv` at abcdef0)" in line
+    assert "none reaches 1.05 on 2 of the 3" in line
+    (trial_data / "placement_variants.csv").unlink()
+    assert "What placement allows" not in _page(trial_data)

@@ -1,0 +1,519 @@
+"""The range manager of the expandable scheme (xpool/_expandable.c) under a one-device test pool
+(tests/xpool/fixtures/expandable_harness.c) over the host twin: placement, what is mapped and unmapped, exact
+counters, faults.  Every test audits the manager against the twin's own bookkeeping.
+Note [Expandable segments] in NOTES.md."""
+import ctypes
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from fixtures import expandable as E
+from xpool import _vmm
+
+P = 1 << 16          # the twin's default granularity
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    try:
+        return E.build(tmp_path_factory.mktemp("expandable"))
+    except RuntimeError as e:
+        pytest.skip(str(e))
+
+
+def make(lib, capacity=None, range_pages=64, granularity=P, n_devices=1, device=0, **kw):
+    twin = _vmm.HostTwin(n_devices, capacity=capacity, granularity=granularity)
+    pool = E.Pool(lib, twin.vmm(), device, range_bytes=range_pages * twin.granularity(device), **kw)
+    return twin, pool
+
+
+def audit(twin, pool, alone=True):
+    """The manager's invariants, its pages and ranges the twin's, and (the twin's only pool) its counters."""
+    pool.check()
+    s, c, dev = pool.stats(), twin.counters(), pool.device
+    assert twin.mapped_bytes(dev) == s["mapped"] == s["in_use"] + s["cached"]
+    # a failed unmap's prefix counts in unmap_pages on both sides, its call in unmaps on neither
+    if alone:
+        assert (s["maps"], s["unmaps"], s["map_pages"], s["unmap_pages"]) == \
+               (c["maps"], c["unmaps"], c["map_pages"], c["unmap_pages"])
+    assert [a for d, a, n, _ in twin.pages() if d == dev] == pool.mapped_pages()
+    assert all(n == pool.page for d, _, n, _ in twin.pages() if d == dev)
+    ranges = sorted({(b[2]) for b in pool.blocks()})
+    assert [a for d, a, _ in twin.ranges() if d == dev] == ranges
+    assert s["ranges"] == len(ranges)
+
+
+def free_blocks(pool, stream=0):
+    return [(p, n) for p, n, _, s, state, free in pool.blocks() if free and s == stream]
+
+
+def fill(ptr, size, byte):
+    ctypes.memset(ptr, byte, size)
+
+
+def intact(ptr, size, byte):
+    return ctypes.string_at(ptr, size) == bytes([byte]) * size
+
+
+def unmapped_under(twin, ptr, size, page):
+    """Pages of [ptr, ptr + size) the twin has not mapped (reading those would fault)."""
+    mapped = {a for _, a, _, _ in twin.pages()}
+    return [a for a in range(ptr - ptr % page, ptr + size, page) if a not in mapped]
+
+
+# --- placement
+
+def test_a_block_spanning_many_pages_is_one_map(lib):
+    twin, pool = make(lib)
+    size = 10 * P + 100
+    a = pool.alloc(size)
+    assert a == twin.ranges()[0][1]              # the range's first byte
+    s = pool.stats()
+    assert (s["maps"], s["map_pages"], s["in_use"], s["cached"]) == (1, 11, 10 * P + 512, P - 512)
+    fill(a, size, 3)
+    audit(twin, pool)
+    pool.free(a)
+    assert pool.release() == 11 * P
+    assert twin.pages() == [] and twin.ranges() == []      # empty_cache gives the range back
+    audit(twin, pool)
+
+
+def test_a_miss_joins_the_free_tail_and_grows_at_the_end(lib):
+    twin, pool = make(lib)
+    a = pool.alloc(P + 1024)                     # 2 pages, P - 1024 free after it
+    b = pool.alloc(2 * P)                        # starts in that free tail: maps 2 more pages, not 3
+    assert b == a + P + 1024
+    assert pool.stats()["map_pages"] == 4
+    audit(twin, pool)
+
+
+def test_a_miss_fills_the_lowest_unmapped_hole_first(lib):
+    twin, pool = make(lib)
+    a, b, c = pool.alloc(2 * P), pool.alloc(2 * P), pool.alloc(2 * P)
+    pool.free(b)
+    assert pool.release() == 2 * P               # b's pages: a hole between a and c
+    d = pool.alloc(P)                            # fits in the hole: mapped there, not at the end
+    assert d == b and pool.stats()["mapped"] == 5 * P
+    e = pool.alloc(2 * P)                        # does not fit in what is left of it: the end
+    assert e == c + 2 * P
+    audit(twin, pool)
+
+
+def test_a_miss_may_bridge_holes_through_a_free_mapped_run(lib):
+    twin, pool = make(lib)
+    a, b, c, d = (pool.alloc(2 * P) for _ in range(4))
+    pool.free(a); pool.free(c)
+    pool.release()                               # a's and c's pages unmapped; b and d in use
+    pool.free(b)                                 # b: a mapped run, all free, between two holes
+    x = pool.alloc(5 * P)                        # hole a + free b + one page of hole c
+    assert x == a
+    s = pool.stats()
+    assert (s["maps"], s["map_pages"], s["mapped"]) == (2 + 4, 8 + 3, 4 * P + 3 * P)
+    audit(twin, pool)
+
+
+def test_hits_take_the_best_fit(lib):
+    twin, pool = make(lib)
+    blocks = [pool.alloc(n) for n in (3 * P, 1024, P, 1024, 2 * P, 1024)]
+    for i in (0, 2, 4):
+        pool.free(blocks[i])
+    hits = pool.stats()["hits"]
+    assert pool.alloc(P) == blocks[2]            # exactly: the P block, not the first or the largest
+    assert pool.alloc(P + 512) == blocks[4]      # the smallest that fits: 2P, cut
+    assert pool.stats()["hits"] == hits + 2
+    audit(twin, pool)
+
+
+# --- what is unmapped
+
+def test_a_free_run_of_exactly_one_page_is_unmapped_alone(lib):
+    twin, pool = make(lib)
+    a, b, c = pool.alloc(P), pool.alloc(P), pool.alloc(P)
+    fill(a, P, 1); fill(c, P, 3)
+    pool.free(b)
+    assert pool.release() == P
+    assert not twin.is_mapped(b) and twin.is_mapped(a) and twin.is_mapped(c)
+    assert intact(a, P, 1) and intact(c, P, 3)
+    audit(twin, pool)
+
+
+def test_no_page_holding_a_live_byte_is_unmapped(lib):
+    twin, pool = make(lib)
+    a = pool.alloc(P // 2)
+    b = pool.alloc(P)                            # [P/2, 3P/2): bytes in pages 0 and 1
+    c = pool.alloc(2 * P)                        # [3P/2, 7P/2)
+    d = pool.alloc(P // 4)                       # [7P/2, 15P/4): in page 3
+    assert (b, c, d) == (a + P // 2, a + 3 * P // 2, a + 7 * P // 2)
+    fill(b, P, 2); fill(d, P // 4, 4)
+    pool.free(a); pool.free(c)
+    assert pool.release() == P                   # only page 2 lies wholly inside a free block
+    assert [twin.is_mapped(a + i * P) for i in range(4)] == [True, True, False, True]
+    assert intact(b, P, 2) and intact(d, P // 4, 4)
+    audit(twin, pool)
+
+
+def test_the_last_page_of_a_range(lib):
+    twin, pool = make(lib, range_pages=4)
+    a = pool.alloc(3 * P)
+    b = pool.alloc(P)                            # the range's last page
+    assert b == a + 3 * P and len(twin.ranges()) == 1
+    fill(b, P, 9)
+    pool.free(b)
+    assert pool.release(keep=0, stream=0) == P   # a trim of one stream: its range stays
+    assert len(twin.ranges()) == 1 and not twin.is_mapped(b) and twin.is_mapped(b - 1)
+    assert pool.alloc(P) == b                    # mapped again, the range's last page
+    c = pool.alloc(512)                          # no room left: a second range
+    assert len(twin.ranges()) == 2 and not (a <= c < a + 4 * P)
+    audit(twin, pool)
+
+
+def test_a_request_larger_than_a_range_gets_a_range_of_its_own(lib):
+    twin, pool = make(lib, range_pages=4)
+    a = pool.alloc(10 * P)
+    assert twin.ranges()[0][2] == 10 * P and pool.stats()["map_pages"] == 10
+    audit(twin, pool)
+
+
+def test_each_device_has_its_own_granularity(lib):
+    twin = _vmm.HostTwin(2, granularity=[P, 4 * P])
+    p0 = E.Pool(lib, twin.vmm(), 0, range_bytes=64 * P)
+    p1 = E.Pool(lib, twin.vmm(), 1, range_bytes=64 * P)
+    assert (p0.page, p1.page) == (P, 4 * P)
+    a0, a1 = p0.alloc(100 << 10), p1.alloc(100 << 10)
+    assert p0.stats()["map_pages"] == 2 and p1.stats()["map_pages"] == 1
+    assert {(d, n) for d, _, n, _ in twin.pages()} == {(0, P), (1, 4 * P)}
+    assert a1 % (4 * P) == 0
+    for pool in (p0, p1):
+        audit(twin, pool, alone=False)
+    p0.free(a0); p1.free(a1)
+    assert p0.release() == 2 * P and p1.release() == 4 * P
+    assert twin.pages() == [] and twin.ranges() == []
+
+
+def test_trim_keeps_what_it_is_asked_to_and_unmaps_the_smallest_run_that_covers_the_rest(lib):
+    twin, pool = make(lib)
+    blocks = [pool.alloc(n * P) for n in (4, 1, 2, 1, 1)]
+    for i in (0, 2, 4):
+        pool.free(blocks[i])                     # free runs of 4, 2 and 1 + the tail: 7 pages cached
+    assert pool.stats()["cached"] == 7 * P
+    assert pool.release(keep=5 * P) == 2 * P     # 2 pages: the 2-page run covers them alone
+    assert not twin.is_mapped(blocks[2]) and twin.is_mapped(blocks[0]) and twin.is_mapped(blocks[4])
+    assert pool.release(keep=2 * P) == 3 * P     # 3 pages: the smallest run that covers them, its top 3
+    assert twin.is_mapped(blocks[0]) and not twin.is_mapped(blocks[0] + P)
+    assert pool.stats()["cached"] == 2 * P
+    audit(twin, pool)
+
+
+def test_empty_cache_gives_emptied_ranges_back_but_trim_does_not(lib):
+    twin, pool = make(lib)
+    pool.free(pool.alloc(3 * P))
+    pool.release(keep=0, stream=0)
+    assert twin.pages() == [] and len(twin.ranges()) == 1
+    pool.release()
+    assert twin.ranges() == []
+    audit(twin, pool)
+
+
+# --- the miss at the high-water mark
+
+def test_a_miss_over_the_high_water_mark_unmaps_only_idle_pages_of_its_stream(lib):
+    twin, pool = make(lib, release_on_miss=True, min_idle=5)
+    pool.free(pool.alloc(4 * P, stream=1))       # request 1; the mark: 4 pages
+    young = pool.alloc(2 * P)                    # 2: over the mark, but stream 1's pages are not its stream's
+    z = pool.alloc(P)                            # 3: bounds young, so no miss can join it
+    assert pool.stats()["unmaps"] == 0 and pool.stats()["mapped"] == 7 * P
+    pool.free(young)                             # free since request 3
+    for _ in range(3):
+        pool.free(pool.alloc(512, stream=2))     # 4-6 (maps a page of stream 2: the mark is 8 pages)
+    pool.alloc(3 * P)                            # 7: over the mark by 3 pages; young is 4 requests old
+    assert pool.stats()["unmaps"] == 0 and pool.stats()["high_water"] == 11 * P
+    pool.free(pool.alloc(512, stream=2))         # 8
+    pool.free(pool.alloc(512, stream=2))         # 9
+    pool.alloc(3 * P)                            # 10: over the mark by 3 pages; young is 7 requests old
+    s = pool.stats()
+    assert (s["unmaps"], s["unmap_pages"], s["mapped"]) == (1, 2, 12 * P)
+    assert not twin.is_mapped(young) and twin.is_mapped(z)
+    assert twin.mapped_bytes(0) == 12 * P        # stream 1's idle pages stayed: another stream
+    audit(twin, pool)
+
+
+def test_the_rest_of_a_block_just_cut_is_not_idle(lib):
+    twin, pool = make(lib, release_on_miss=True, min_idle=5)
+    x = pool.alloc(4 * P)
+    pool.alloc(P)                                # bounds x
+    pool.free(x)
+    for _ in range(6):
+        pool.free(pool.alloc(512, stream=2))     # x idle for 6 requests
+    assert pool.alloc(P) == x                    # cut from x: its rest [P, 4P) was just touched
+    pool.alloc(6 * P)                            # over the mark: nothing of stream 0 is idle
+    assert pool.stats()["unmaps"] == 0 and twin.is_mapped(x + P)
+    audit(twin, pool)
+
+
+# --- out of memory, the limit, faults
+
+def test_out_of_memory_on_the_nth_page_leaves_nothing_mapped(lib):
+    twin, pool = make(lib, capacity=3 * P)
+    with pytest.raises(E.HarnessError) as e:
+        pool.alloc(5 * P)
+    assert e.value.status == _vmm.OOM and "page 3 of 5" in str(e.value)
+    assert twin.mapped_bytes(0) == 0 and pool.stats()["mapped"] == 0
+    assert twin.counters()["map_failures"] == 3  # the first try and two retries after releasing
+    audit(twin, pool)
+    a = pool.alloc(2 * P)
+    assert twin.is_mapped(a)
+    audit(twin, pool)
+
+
+def test_out_of_memory_gives_back_other_streams_pages_and_retries(lib):
+    twin, pool = make(lib, capacity=4 * P)
+    pool.free(pool.alloc(3 * P, stream=1))       # 3 pages cached on stream 1
+    a = pool.alloc(3 * P, stream=0)
+    s = pool.stats()
+    assert s["oom_recoveries"] == 1 and s["unmap_pages"] == 3 and twin.is_mapped(a)
+    audit(twin, pool)
+
+
+def test_a_failing_map_that_is_not_out_of_memory_is_not_retried(lib):
+    twin, pool = make(lib)
+    pool.free(pool.alloc(P, stream=1))
+    twin.fail_maps(count=1, kind="error", after_pages=2)
+    with pytest.raises(E.HarnessError) as e:
+        pool.alloc(4 * P)
+    assert e.value.status == _vmm.ERROR and "injected failure at page 2" in str(e.value)
+    assert twin.counters()["map_failures"] == 1 and pool.stats()["unmaps"] == 0   # nothing given back for it
+    assert pool.stats()["mapped"] == P
+    audit(twin, pool)
+
+
+def test_a_fault_in_the_second_map_of_a_plan_keeps_the_first_runs_pages(lib):
+    twin, pool = make(lib)
+    a, b, c, d = (pool.alloc(2 * P) for _ in range(4))
+    pool.free(a); pool.free(c)
+    pool.release()
+    pool.free(b)
+    twin.fail_maps(count=1, kind="error", after_pages=0, skip=1)
+    with pytest.raises(E.HarnessError):
+        pool.alloc(5 * P)                        # maps hole a, then hole c fails
+    s = pool.stats()
+    assert s["mapped"] == 6 * P and s["cached"] == 4 * P   # a's pages mapped now, free, merged with b
+    assert free_blocks(pool) == [(a, 4 * P)]
+    audit(twin, pool)
+    assert pool.alloc(5 * P) == a                # the same plan, now with one map
+    audit(twin, pool)
+
+
+def test_a_failing_unmap_leaves_the_rest_cached(lib):
+    twin, pool = make(lib)
+    a = pool.alloc(3 * P)
+    b = pool.alloc(P)
+    pool.free(a)
+    twin.fail_unmaps(count=1, after_pages=1)
+    with pytest.raises(E.HarnessError) as e:
+        pool.release(keep=0, stream=0)
+    assert "injected failure at page 1 of 3" in str(e.value)
+    s = pool.stats()
+    assert (s["unmap_pages"], s["unmaps"], s["cached"]) == (1, 0, 2 * P)
+    assert not twin.is_mapped(a) and twin.is_mapped(a + P) and twin.is_mapped(b)
+    audit(twin, pool)
+    assert pool.release(keep=0, stream=0) == 2 * P
+    audit(twin, pool)
+
+
+def test_a_failing_reserve_is_retried_after_a_release_then_reported(lib):
+    twin, pool = make(lib)
+    twin.fail_reserves(1)
+    a = pool.alloc(P)
+    assert twin.counters()["reserve_failures"] == 1 and twin.is_mapped(a)
+    twin.fail_reserves(3)
+    with pytest.raises(E.HarnessError) as e:
+        pool.alloc(P, stream=1)                  # a new stream: a new range, refused three times
+    assert e.value.status == _vmm.OOM
+    audit(twin, pool)
+
+
+def test_the_limit_counts_mapped_bytes(lib):
+    twin, pool = make(lib)
+    pool.set_limit(4 * P)
+    pool.free(pool.alloc(3 * P, stream=1))
+    a = pool.alloc(2 * P)                        # 3 + 2 > 4: stream 1's pages go back first
+    assert pool.stats()["unmap_pages"] == 3 and pool.stats()["mapped"] == 2 * P and twin.is_mapped(a)
+    b = pool.alloc(P + 512)                      # 2 pages more: 4, at the limit
+    with pytest.raises(E.HarnessError) as e:
+        pool.alloc(P)
+    assert e.value.status == E.ERR_LIMIT and twin.mapped_bytes(0) <= 4 * P
+    with pytest.raises(E.HarnessError, match="limit"):
+        pool.alloc(5 * P)                        # larger than the limit itself
+    pool.free(b)
+    audit(twin, pool)
+
+
+def test_nothing_is_unmapped_while_the_device_captures(lib):
+    twin, pool = make(lib, capacity=4 * P)
+    pool.free(pool.alloc(3 * P, stream=1))
+    twin.set_capturing(0, True)
+    assert pool.release() == 0 and twin.mapped_bytes(0) == 3 * P
+    with pytest.raises(E.HarnessError) as e:
+        pool.alloc(3 * P)                        # out of memory: not recovered by unmapping while capturing
+    assert e.value.status == _vmm.OOM
+    a = pool.alloc(P)                            # a miss that fits still maps
+    assert twin.is_mapped(a)
+    assert twin.counters()["unmaps_while_capturing"] == 0
+    twin.set_capturing(0, False)
+    assert pool.release() == 3 * P
+    audit(twin, pool)
+
+
+def test_destroy_unmaps_and_releases_everything(lib):
+    twin, pool = make(lib)
+    for n in (P, 3 * P, 512):
+        pool.alloc(n)
+    pool.alloc(P, stream=4)
+    pool.destroy()
+    assert twin.pages() == [] and twin.ranges() == [] and twin.mapped_bytes(0) == 0
+
+
+# --- a model: random sequences, every step audited
+
+def predict_miss(blocks, stream, size):
+    """Where a miss of `size` bytes lands: the lowest address where a free block, unmapped runs after it and
+    whole free mapped runs between them hold it (at most 3 runs); None: a new range."""
+    for base in sorted({b[2] for b in blocks if b[3] == stream}):
+        seq = [b for b in blocks if b[2] == base]
+        for i, (ptr, n, _, _, state, _) in enumerate(seq):
+            if state != E.UNMAPPED:
+                continue
+            start, got = ptr, 0
+            if i and seq[i - 1][4] == E.MAPPED and seq[i - 1][5]:
+                start, got = seq[i - 1][0], seq[i - 1][1]
+            j, runs = i, 0
+            while j < len(seq) and seq[j][4] == E.UNMAPPED and runs < E_PLAN_MAPS:
+                runs += 1
+                got += seq[j][1]
+                if got >= size:
+                    return start
+                if j + 1 >= len(seq) or not (seq[j + 1][4] == E.MAPPED and seq[j + 1][5]):
+                    break
+                got += seq[j + 1][1]
+                if got >= size:
+                    return start
+                j += 2
+    return None
+
+
+E_PLAN_MAPS = 3
+SIZES = st.one_of(st.integers(1, 3 * P), st.sampled_from([P, 2 * P, P // 2, 512]),
+                  st.integers(1, 8).map(lambda k: k * P))
+
+
+class ExpandableModel(RuleBasedStateMachine):
+    lib = None
+
+    @initialize(capacity=st.sampled_from([None, 12 * P, 24 * P]), range_pages=st.sampled_from([8, 32]),
+                release_on_miss=st.booleans(), min_idle=st.sampled_from([0, 3]))
+    def setup(self, capacity, range_pages, release_on_miss, min_idle):
+        self.twin, self.pool = make(self.lib, capacity=capacity, range_pages=range_pages,
+                                    release_on_miss=release_on_miss, min_idle=min_idle)
+        self.live = {}                          # ptr -> (size, stream, byte)
+        self.byte = 0
+
+    @rule(size=SIZES, stream=st.sampled_from([0, 0, 1]))
+    def alloc(self, size, stream):
+        rsize = (size + 511) // 512 * 512
+        before = self.pool.blocks()
+        fits = [(n, p) for p, n, _, s, state, free in before if free and s == stream and n >= rsize]
+        c = self.twin.counters()
+        untouched = lambda: self.twin.counters() | {"maps": 0, "map_pages": 0} == c | {"maps": 0, "map_pages": 0}
+        try:
+            ptr = self.pool.alloc(size, stream)
+        except E.HarnessError as e:
+            assert not fits, "a request that had a free block failed"
+            assert e.status in (_vmm.OOM, _vmm.ERROR, E.ERR_LIMIT), e
+            return
+        if fits:
+            assert ptr == min(fits)[1], "not the best fit"
+        elif untouched():                    # no release, fault or retry changed the layout first
+            want = predict_miss(before, stream, rsize)
+            if want is not None:
+                assert ptr == want, "not the lowest address that fits"
+            else:
+                ends = {}
+                for p, n, base, *_ in before:
+                    ends[base] = max(ends.get(base, base), p + n)
+                assert all(not base <= ptr < end for base, end in ends.items()), "a new range was expected"
+        assert self.twin.is_mapped(ptr) and self.twin.is_mapped(ptr + rsize - 1)
+        for p, (n, _, _) in self.live.items():
+            assert ptr + rsize <= p or p + n <= ptr, "overlap"
+        self.byte = self.byte % 251 + 1
+        fill(ptr, rsize, self.byte)
+        self.live[ptr] = (rsize, stream, self.byte)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        ptr = data.draw(st.sampled_from(sorted(self.live)))
+        n, _, byte = self.live.pop(ptr)
+        assert not unmapped_under(self.twin, ptr, n, self.pool.page), "a live block's page was unmapped"
+        assert intact(ptr, n, byte), "a live block's bytes changed"
+        self.pool.free(ptr)
+
+    @rule(keep=st.sampled_from([0, P, 3 * P]), stream=st.sampled_from([None, 0, 1]))
+    def trim(self, keep, stream):
+        try:
+            self.pool.release(keep=keep, stream=stream)
+        except E.HarnessError as e:
+            assert "injected" in str(e)
+
+    @rule(limit=st.sampled_from([0, 0, 6 * P, 16 * P]))
+    def limit(self, limit):
+        self.pool.set_limit(limit)
+
+    @rule(kind=st.sampled_from(["oom", "error"]), after=st.integers(0, 3), skip=st.integers(0, 1))
+    def map_fault(self, kind, after, skip):
+        self.twin.fail_maps(count=1, kind=kind, after_pages=after, skip=skip)
+
+    @rule(after=st.integers(0, 2))
+    def unmap_fault(self, after):
+        self.twin.fail_unmaps(count=1, after_pages=after)
+
+    @rule()
+    def reserve_fault(self):
+        self.twin.fail_reserves(1)
+
+    @rule(on=st.booleans())
+    def capturing(self, on):
+        self.twin.set_capturing(0, on)
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "pool"):
+            return
+        audit(self.twin, self.pool)
+        in_use = sorted((p, n) for p, n, _, _, state, free in self.pool.blocks() if state == E.MAPPED and not free)
+        assert in_use == sorted((p, n) for p, (n, _, _) in self.live.items())
+        assert self.twin.counters()["unmaps_while_capturing"] == 0
+        for p, (n, _, _) in self.live.items():
+            assert not unmapped_under(self.twin, p, n, self.pool.page), "a page under a live block is unmapped"
+
+    def teardown(self):
+        if not hasattr(self, "pool"):
+            return
+        self.twin.set_capturing(0, False)
+        self.twin.fail_maps(count=0)
+        self.twin.fail_unmaps(count=0)
+        for ptr, (n, _, byte) in sorted(self.live.items()):
+            assert intact(ptr, n, byte)
+            self.pool.free(ptr)
+        self.pool.release()
+        audit(self.twin, self.pool)
+        assert self.twin.pages() == [] and self.twin.ranges() == [] and self.twin.mapped_bytes(0) == 0
+        self.pool.destroy()
+
+
+def test_random_sequences_keep_every_invariant(lib):
+    ExpandableModel.lib = lib
+    ExpandableModel.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                                 suppress_health_check=list(HealthCheck))
+    ExpandableModel.TestCase().runTest()
