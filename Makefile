@@ -10,12 +10,12 @@ CUPY ?= cupy-cuda$(if $(filter 13 14 15,$(CUDA_MAJOR)),13,12)x>=13.0
 
 setup: $(VENV)/.installed
 
-# the allocator (.), the workload (workload/), the lab with the notebooks' and the tests' tools (lab/), CuPy
+# the allocator (.), the tests' host twin (tests/xpool/fixtures/twin), the workload (workload/), the lab with the notebooks' and the tests' tools (lab/), CuPy
 $(VENV)/.installed: pyproject.toml setup.py lab/pyproject.toml lab/setup.py workload/pyproject.toml \
-		$(wildcard xpool/*.c xpool/*.h lab/xlab/*.c)
+		$(wildcard xpool/*.c xpool/*.h lab/xlab/*.c tests/xpool/fixtures/twin/xpool_twin/*.[ch])
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e . -e ./workload -e "./lab[notebooks,dev]" "$(CUPY)"
+	$(BIN)/python -m pip install -q -e . -e ./tests/xpool/fixtures/twin -e ./workload -e "./lab[notebooks,dev]" "$(CUPY)"
 	touch $@
 
 # every test (the allocator's, the workload's, the lab's); GPU tests skip where no GPU is visible
@@ -34,4 +34,4 @@ gpu:
 	bash scripts/gpu_suite.sh
 
 clean:
-	rm -rf build $(VENV) xpool/*.so lab/xlab/*.so
+	rm -rf build $(VENV) xpool/*.so lab/xlab/*.so tests/xpool/fixtures/twin/xpool_twin/*.so

@@ -18,7 +18,7 @@ setup(
         ),
         Extension(
             "xpool._vmm",
-            sources=["xpool/_vmm_module.c", "xpool/_vmm.c"],
+            sources=["xpool/_vmm_module.c", "xpool/_vmm_cuda.c"],
             depends=["xpool/_vmm.h", "xpool/_vmm_cuda.h"],
             extra_compile_args=CFLAGS,
         ),

@@ -138,9 +138,10 @@ def map_cost(trials=7, maps=256):
     import time
     import cupy
     import xpool
+    import xpool_twin
     from xpool import _vmm
     rows, arms = [], ["all", "none"]
-    page = _vmm.Ops(_vmm.cuda_vmm()).granularity(0)
+    page = xpool_twin.Ops(_vmm.cuda_vmm()).granularity(0)
     for trial in range(trials):
         for arm in arms[trial % 2:] + arms[:trial % 2]:
             pool = xpool.MemoryPool(scheme="expandable", peer_access=arm)

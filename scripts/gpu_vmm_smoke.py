@@ -34,6 +34,7 @@ from fixtures import expandable as E  # noqa: E402
 from xlab.intervals import median_ci  # noqa: E402
 from xlab.provenance import provenance  # noqa: E402
 from xpool import _vmm  # noqa: E402
+import xpool_twin  # noqa: E402
 
 MiB = 1 << 20
 
@@ -51,10 +52,10 @@ class Smoke:
             self.total = cupy.cuda.runtime.memGetInfo()[1]
         else:
             self.cp = None
-            self.twin = _vmm.HostTwin(1, capacity=1 << 30, granularity=2 * MiB)
+            self.twin = xpool_twin.HostTwin(1, capacity=1 << 30, granularity=2 * MiB)
             self.capsule = self.twin.vmm()
             self.total = 1 << 30
-        self.ops = _vmm.Ops(self.capsule)
+        self.ops = xpool_twin.Ops(self.capsule)
         self.G = self.ops.granularity(0)
         self.lib = E.build()   # in a temporary directory: nothing built lands in --out
 

@@ -68,8 +68,7 @@ class Backend(Protocol):
     map pages of the device's granularity into it (all or nothing; out of memory told apart from other
     failures), unmap them, give the range back. The pool calls those from C, without the GIL, on misses and
     releases only, and keeps the capsule for as long as it uses them. ``CupyBackend`` offers CUDA's
-    (``cuMemCreate``/``cuMemMap``, the driver loaded at run time), ``HostBackend`` a host twin with its
-    capacity. Note [Expandable segments] in NOTES.md.
+    (``cuMemCreate``/``cuMemMap``, the driver loaded at run time); the tests have a host twin of their own.
     """
 
     def malloc(self, device: int, nbytes: int) -> int:
@@ -127,22 +126,19 @@ class HostBackend:
 
     The current device and stream are per thread, like CUDA's.  Usable in a
     ``fork()``ed child.  It keeps its own accounting to check a pool against:
-    ``used(device)``, ``high_water[device]``, ``mallocs``, ``frees``.
+    ``used(device)``, ``high_water[device]``, ``mallocs``, ``frees``.  It has no
+    ``vmm()``: the expandable scheme needs CUDA's virtual memory (the tests run
+    it over a host twin of their own).
 
     Args:
         capacity (int): bytes per "device"; past it ``malloc`` raises
             ``DeviceOutOfMemory``, as a full device would.  None: unbounded.
-            The twin's pages (``vmm()``) have a budget of their own of this size.
         n_devices (int): how many devices it pretends to have.
-        granularity (int, or one per device): the page of the twin's devices
-            (``vmm()``): a power of two, a multiple of the host's page size.
     """
 
-    def __init__(self, capacity: int | None = None, n_devices: int = 8, granularity: int | list[int] = 1 << 16):
-        self._twin = None
+    def __init__(self, capacity: int | None = None, n_devices: int = 8):
         self.capacity = capacity
         self.n_devices = n_devices
-        self._granularity = granularity
         self._libc = ctypes.CDLL(None)
         self._libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
                                               ctypes.c_size_t]
@@ -158,29 +154,12 @@ class HostBackend:
 
     @property
     def capacity(self) -> int | None:
-        """Bytes per device (None: unbounded); setting it sets the twin's too."""
+        """Bytes per device (None: unbounded)."""
         return self._capacity
 
     @capacity.setter
     def capacity(self, value: int | None) -> None:
         self._capacity = value
-        if self._twin is not None:
-            for device in range(self.n_devices):
-                self._twin.set_capacity(device, value)
-
-    @property
-    def twin(self):
-        """The host twin under ``vmm()`` (``xpool._vmm.HostTwin``), made on first use: its pages, counters and
-        injectable faults are what tests check a pool of the expandable scheme against."""
-        with self._lock:
-            if self._twin is None:
-                from . import _vmm
-                self._twin = _vmm.HostTwin(self.n_devices, capacity=self._capacity, granularity=self._granularity)
-            return self._twin
-
-    def vmm(self):
-        """The expandable scheme's ops over host memory: a PyCapsule ``"xpool.vmm"`` of ``twin``."""
-        return self.twin.vmm()
 
     # the current device and stream, per thread
     def current_device(self) -> int:

@@ -26,10 +26,10 @@ from tapegpt import GPT, AdamW, GPTConfig, get_batch, load_corpus
 from xlab import allocators as registry
 from xlab.paths import publish, write_csv
 from xlab.provenance import provenance
-from xpool.backends import HostBackend
 from xpool.pool import Pool
 from xpool.sizeclass import ALIGN, size_class
 from xpool.testing import allocate_function
+from xpool_twin import TwinBackend
 
 KS = (1, 2, 4, 8)
 SETUP_STEP = -1                  # `step` of the events recorded while the model and optimizer are built
@@ -43,10 +43,10 @@ WASTE_COLUMNS = ["k", "source", "requests", "requested_bytes", "class_bytes", "c
                  "device_mallocs", "unmatched_frees"]
 
 
-class AddressSpaceBackend(HostBackend):
+class AddressSpaceBackend(TwinBackend):
     """HostBackend's devices and streams, but malloc hands out aligned address ranges that never overlap
     and touches no memory: a replay of a GPU's many GiB costs nothing on the host.  The expandable scheme's
-    pages are the host twin's (vmm()), of the H200's granularity: mapped, never touched."""
+    pages are the tests' host twin's (xpool_twin: vmm()), of the H200's granularity: mapped, never touched."""
 
     def __init__(self, n_devices: int = 64, granularity: int = 2 << 20):
         super().__init__(capacity=None, n_devices=n_devices, granularity=granularity)

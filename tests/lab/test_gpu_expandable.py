@@ -33,7 +33,7 @@ def vm():
 
 
 def page():
-    return xpool._vmm.Ops(xpool._vmm.cuda_vmm()).granularity(cp.cuda.Device().id)
+    return __import__("xpool_twin").Ops(xpool._vmm.cuda_vmm()).granularity(cp.cuda.Device().id)
 
 
 def row(pool):

@@ -27,7 +27,7 @@ def test_environment_yml_matches_pyproject():
     lab = _project("lab")
     reqs = (_project(".")["dependencies"] + _project("workload")["dependencies"] + lab["dependencies"]
             + [r for extra in lab["optional-dependencies"].values() for r in extra] + ["cupy-cuda12x"])
-    pip = {_name(r) for r in reqs} - {"xpool", "tapegpt"}
+    pip = {_name(r) for r in reqs} - {"xpool", "xpool-twin", "tapegpt"}
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     conda = {_name(d) for d in env["dependencies"] if isinstance(d, str)} - CONDA_ONLY
     assert {CONDA_TO_PIP.get(n, n) for n in conda} == pip

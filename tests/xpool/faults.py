@@ -7,15 +7,16 @@ import signal
 import threading
 import time
 
-from xpool import DeviceOutOfMemory, HostBackend
+from xpool.backends import DeviceOutOfMemory
+from xpool_twin import TwinBackend
 
 
 class InjectedFault(RuntimeError):
     """A failure the test asked the backend for."""
 
 
-class FaultyBackend(HostBackend):
-    """HostBackend that fails and stalls on request; its own accounting stays exact.
+class FaultyBackend(TwinBackend):
+    """The host twin's backend (TwinBackend) that fails and stalls on request; its own accounting stays exact.
 
     Args:
         malloc_oom: probability that malloc raises DeviceOutOfMemory (the pool's recovery ladder).

@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from fixtures import expandable as E
 from xpool import _vmm
+import xpool_twin
 
 P = 1 << 16          # the twin's default granularity
 
@@ -24,7 +25,7 @@ def lib(tmp_path_factory):
 
 
 def make(lib, capacity=None, range_pages=64, granularity=P, n_devices=1, device=0, **kw):
-    twin = _vmm.HostTwin(n_devices, capacity=capacity, granularity=granularity)
+    twin = xpool_twin.HostTwin(n_devices, capacity=capacity, granularity=granularity)
     pool = E.Pool(lib, twin.vmm(), device, range_bytes=range_pages * twin.granularity(device), **kw)
     return twin, pool
 
@@ -177,7 +178,7 @@ def test_a_request_larger_than_a_range_gets_a_range_of_its_own(lib):
 
 
 def test_each_device_has_its_own_granularity(lib):
-    twin = _vmm.HostTwin(2, granularity=[P, 4 * P])
+    twin = xpool_twin.HostTwin(2, granularity=[P, 4 * P])
     p0 = E.Pool(lib, twin.vmm(), 0, range_bytes=64 * P)
     p1 = E.Pool(lib, twin.vmm(), 1, range_bytes=64 * P)
     assert (p0.page, p1.page) == (P, 4 * P)

@@ -1,4 +1,4 @@
-"""Scheme expandable wired into the pool (Note [Expandable segments]): Pool(scheme="expandable") over HostBackend's
+"""Scheme expandable wired into the pool (Note [Expandable segments]): Pool(scheme="expandable") over TwinBackend's
 host twin, whose pages, ranges and counters every test audits the pool against.  The range manager alone is
 tests/xpool/test_expandable.py; the GPU checks are tests/lab/test_gpu_expandable.py."""
 import ctypes
@@ -16,7 +16,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import xpool
 from faults import AddressBackend, in_child
 from fixtures.torch_c import FREE, LAST_ERROR, MALLOC, TRY_MALLOC, addr, build_harness  # noqa: F401
-from xpool import HostBackend, Pool, Settings
+from xpool import Pool, Settings
+from xpool_twin import TwinBackend
 from xpool.debug import CANARY, POISON
 from xlab import memory_study
 
@@ -25,7 +26,7 @@ MiB = 1 << 20
 
 
 def make(capacity=None, n_devices=2, granularity=P, **kw):
-    backend = HostBackend(capacity=capacity, n_devices=n_devices, granularity=granularity)
+    backend = TwinBackend(capacity=capacity, n_devices=n_devices, granularity=granularity)
     return Pool(backend, scheme="expandable", **kw), backend
 
 
@@ -74,7 +75,7 @@ def test_the_scheme_comes_from_the_argument_or_the_environment(monkeypatch):
     monkeypatch.setenv("XPOOL_RELEASE_IDLE", "10")
     s = Settings()
     assert (s.scheme, s.release_idle, s.source("release_idle")) == ("expandable", 10, "XPOOL_RELEASE_IDLE")
-    pool = Pool(HostBackend())
+    pool = Pool(TwinBackend())
     assert pool.scheme == pool._core.scheme == "expandable"
     monkeypatch.setenv("XPOOL_SEGMENT_ROUND", "4096")
     with pytest.raises(ValueError, match="^XPOOL_SEGMENT_ROUND='4096' applies to scheme 'segments' only.*"
@@ -88,7 +89,7 @@ def test_a_backend_without_virtual_memory_is_refused_naming_the_scheme_and_the_b
         Pool(AddressBackend(), scheme="expandable")
     Pool(AddressBackend())                                 # the other schemes need none
 
-    class NoDriver(HostBackend):
+    class NoDriver(TwinBackend):
         def vmm(self):
             raise xpool._vmm.VmmError("cannot load the CUDA driver (libcuda.so.1)")
 
@@ -96,7 +97,7 @@ def test_a_backend_without_virtual_memory_is_refused_naming_the_scheme_and_the_b
         Pool(NoDriver(), scheme="expandable")
     assert isinstance(e.value.__cause__, xpool._vmm.VmmError)
 
-    class Junk(HostBackend):
+    class Junk(TwinBackend):
         def vmm(self):
             return 42
 
@@ -149,7 +150,7 @@ def test_a_block_is_reused_only_on_its_stream():
 
 
 def test_each_device_has_its_own_ranges_and_pages():
-    backend = HostBackend(n_devices=2, granularity=[P, 4 * P])
+    backend = TwinBackend(n_devices=2, granularity=[P, 4 * P])
     pool = Pool(backend, scheme="expandable")
     a0, a1 = pool.allocate(1000, device=0), pool.allocate(1000, device=1)
     assert backend.twin.mapped_bytes(0) == P and backend.twin.mapped_bytes(1) == 4 * P
@@ -162,7 +163,7 @@ def test_pages_are_mapped_for_every_device_that_can_access_them_unless_peer_acce
     """peer_access "all" (the default): each map names every device the backend says can access the pool's
     device (the twin: every other one unless set), so another GPU's copy or kernel reaches a block as it reaches
     cudaMalloc's memory; "none": the device alone.  Asked once per device, on its first miss."""
-    backend = HostBackend(n_devices=3, granularity=P)
+    backend = TwinBackend(n_devices=3, granularity=P)
     backend.twin.set_peers(2, 0b001)                      # device 1 has no P2P to device 2
     pool = Pool(backend, scheme="expandable")
     held = [pool.allocate(1000, device=d) for d in (0, 1, 2)] + [pool.allocate(5 * P, device=0)]
@@ -184,7 +185,7 @@ def test_pages_are_mapped_for_every_device_that_can_access_them_unless_peer_acce
 
 
 def test_a_device_no_other_can_access_maps_for_itself_alone():
-    backend = HostBackend(n_devices=2, granularity=P)
+    backend = TwinBackend(n_devices=2, granularity=P)
     backend.twin.set_peers(1, 0)                          # GPUs without P2P between them
     pool = Pool(backend, scheme="expandable")
     held = [pool.allocate(P, device=1), pool.allocate(P, device=0)]
@@ -222,7 +223,7 @@ def test_trim_unmaps_until_keep_bytes_stay_and_keeps_the_ranges():
 
 def test_free_all_blocks_of_one_stream_leaves_the_other_streams_pages():
     pytest.importorskip("cupy.cuda.memory")
-    pool = xpool.MemoryPool(backend=HostBackend(granularity=P), scheme="expandable")
+    pool = xpool.MemoryPool(backend=TwinBackend(granularity=P), scheme="expandable")
     pool.allocate(3 * P, stream=1).release()
     pool.allocate(2 * P, stream=2).release()
 
@@ -764,7 +765,7 @@ def test_a_reserve_the_device_refuses_raises_out_of_memory_and_keeps_nothing():
 
 @pytest.mark.parametrize("scheme", ["segments", "seed"])
 def test_under_the_other_schemes_a_reserve_is_a_cached_block_the_next_request_of_its_size_hits(scheme):
-    backend = HostBackend(n_devices=1, granularity=P)
+    backend = TwinBackend(n_devices=1, granularity=P)
     pool = Pool(backend, scheme=scheme)
     pool.reserve(4 << 20)
     s = stats(pool)
@@ -1030,7 +1031,7 @@ def test_ipc_of_an_expandable_block_is_refused_with_a_clear_error():
     again = pickle.loads(pickle.dumps(e.value))
     assert str(again) == str(e.value)
     pool.check_ipc(12345, device=0)                       # no range of this pool: nothing to say
-    other = Pool(HostBackend())
+    other = Pool(TwinBackend())
     other.check_ipc(other.allocate(1000).ptr)             # ordinary device memory
 
 
@@ -1038,7 +1039,7 @@ def test_ipc_of_an_expandable_block_is_refused_with_a_clear_error():
 
 def test_the_cupy_drop_in_serves_cupys_memory_objects():
     cupy_memory = pytest.importorskip("cupy.cuda.memory")
-    pool = xpool.MemoryPool(scheme="expandable", backend=HostBackend(granularity=P))
+    pool = xpool.MemoryPool(scheme="expandable", backend=TwinBackend(granularity=P))
     param, malloc_fn, free_fn = pool._core.cfunctions()
     mem = cupy_memory.CFunctionAllocatorMemory(5000, param, malloc_fn, free_fn, 0)
     assert mem.size == 5000 and pool.backend.twin.is_mapped(mem.ptr)
@@ -1101,7 +1102,7 @@ def test_torch_misses_of_the_expandable_scheme_run_without_the_gil(torch_pool, h
 def test_torch_misses_of_another_scheme_wait_for_the_gil(harness):
     """The control: the same job under scheme segments (its misses call backend.malloc, Python) cannot finish
     while the GIL is held, so the test above would see a miss that took it."""
-    pool = Pool(HostBackend(), scheme="segments")
+    pool = Pool(TwinBackend(), scheme="segments")
     pool._core.bind_torch()
     finished, failed = run_job(harness, [(i + 1) * MiB + 512 for i in range(4)], hold_s=0.5)
     assert not finished and failed == 0 and stats(pool)["misses"] == 4

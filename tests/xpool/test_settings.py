@@ -6,7 +6,8 @@ import inspect
 import pytest
 
 import xpool
-from xpool import HostBackend, Pool, Settings
+from xpool import Pool, Settings
+from xpool_twin import TwinBackend
 from xpool.settings import DEFAULTS, ENV
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -91,7 +92,7 @@ def test_a_bad_limit_is_refused_naming_the_argument(value, why):
 def test_a_bad_limit_variable_is_refused_naming_the_variable(monkeypatch, text):
     monkeypatch.setenv("XPOOL_MEMORY_LIMIT", text)
     with pytest.raises(ValueError, match=f"^XPOOL_MEMORY_LIMIT='{text}': "):
-        Pool(HostBackend())
+        Pool(TwinBackend())
 
 
 @pytest.mark.parametrize("text, mode", [("1", "raise"), ("on", "raise"), ("RAISE", "raise"), ("warn", "warn"),
@@ -99,7 +100,7 @@ def test_a_bad_limit_variable_is_refused_naming_the_variable(monkeypatch, text):
 def test_debug_variable_values(monkeypatch, text, mode):
     monkeypatch.setenv("XPOOL_DEBUG", text)
     assert Settings().debug == mode
-    assert Pool(HostBackend()).debug == (mode or None)
+    assert Pool(TwinBackend()).debug == (mode or None)
 
 
 @pytest.mark.parametrize("text", ["2", "loud", "yes please"])
@@ -202,30 +203,30 @@ def test_numpy_integers_are_taken_as_ints():
 
 def test_pool_takes_settings_or_keywords_or_both():
     base = Settings(scheme="seed", classes_per_doubling=2)
-    assert Pool(HostBackend(), base).settings is base
-    pool = Pool(HostBackend(), base, debug="warn")
+    assert Pool(TwinBackend(), base).settings is base
+    pool = Pool(TwinBackend(), base, debug="warn")
     assert pool.settings == dataclasses.replace(base, debug="warn") and pool.debug == "warn"
-    assert Pool(HostBackend(), scheme="seed").scheme == "seed"
-    assert xpool.MemoryPool(base, backend=HostBackend()).classes_per_doubling == 2
+    assert Pool(TwinBackend(), scheme="seed").scheme == "seed"
+    assert xpool.MemoryPool(base, backend=TwinBackend()).classes_per_doubling == 2
 
 
 def test_install_and_use_take_a_settings_in_place_of_a_pool():
     pytest.importorskip("cupy")
     base = Settings(scheme="seed", classes_per_doubling=2)
-    with xpool.use(base, backend=HostBackend()) as pool:
+    with xpool.use(base, backend=TwinBackend()) as pool:
         assert pool.settings is base and xpool.current() is pool
-    with xpool.use(base, backend=HostBackend(), debug="warn") as pool:
+    with xpool.use(base, backend=TwinBackend(), debug="warn") as pool:
         assert pool.settings == dataclasses.replace(base, debug="warn")
 
 
 def test_pool_refuses_a_positional_k_and_unknown_settings_by_name():
     with pytest.raises(TypeError, match=r"settings must be an xpool.Settings, got int 4 .classes_per_doubling is a "
                                         r"keyword now: Pool\(..., scheme='seed', classes_per_doubling=4\)"):
-        Pool(HostBackend(), 4)
+        Pool(TwinBackend(), 4)
     with pytest.raises(TypeError, match="Pool.. got no setting 'classes'; the settings are scheme, "):
-        Pool(HostBackend(), classes=4)
+        Pool(TwinBackend(), classes=4)
     with pytest.raises(TypeError, match="MemoryPool.. got no setting '_segments'"):
-        xpool.MemoryPool(backend=HostBackend(), _segments={})
+        xpool.MemoryPool(backend=TwinBackend(), _segments={})
 
 
 def test_the_signatures_list_every_setting():
@@ -236,7 +237,7 @@ def test_the_signatures_list_every_setting():
 
 
 def test_the_core_reads_the_segments_tunables():
-    backend = HostBackend()
+    backend = TwinBackend()
     pool = Pool(backend, small_segment="4MiB", segment_round="1MiB")
     pool.allocate(4096)
     assert backend.used(0) == 4 * MiB                    # a small block's segment
@@ -245,7 +246,7 @@ def test_the_core_reads_the_segments_tunables():
 
 
 def test_the_core_reads_scheme_k_limit_and_timeline():
-    pool = Pool(HostBackend(capacity=16 * MiB), scheme="seed", classes_per_doubling=4, limit="50%", timeline=100)
+    pool = Pool(TwinBackend(capacity=16 * MiB), scheme="seed", classes_per_doubling=4, limit="50%", timeline=100)
     assert pool._core.scheme == "seed" and pool._core.classes_per_doubling == 4
     assert pool.allocate(4 * MiB + 1).size == 5 * MiB       # k = 4: 5, 6, 7, 8 MiB between 4 and 8 MiB
     assert pool.get_limit(device=1) == 8 * MiB
@@ -257,13 +258,13 @@ def test_the_core_takes_only_a_settings():
     from xpool import _core
     from xpool.errors import make_error
     with pytest.raises(TypeError, match=r"settings must be an xpool.Settings .* got <class 'dict'>"):
-        _core.Allocator(HostBackend(), make_error, {"scheme": "seed"})
+        _core.Allocator(TwinBackend(), make_error, {"scheme": "seed"})
 
 
 def test_a_timeline_too_large_for_the_host_says_so():
     with pytest.raises(MemoryError, match=r"a timeline of \d+ events needs \d+ bytes"):
-        Pool(HostBackend(), timeline=1 << 40)
-    pool = Pool(HostBackend())
+        Pool(TwinBackend(), timeline=1 << 40)
+    pool = Pool(TwinBackend())
     with pytest.raises(ValueError, match="capacity"):
         pool.enable_timeline(2**63)
     with pytest.raises(MemoryError, match="needs"):

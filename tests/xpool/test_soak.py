@@ -16,6 +16,7 @@ import pytest
 
 import xpool
 import xpool.testing
+from xpool_twin import TwinBackend
 from faults import FaultyBackend, InjectedFault
 from xpool import Pool
 
@@ -499,7 +500,7 @@ def test_soak_capture_per_thread_streams_and_torch(seed, workers, ops, scheme, d
 # unmap and reserve faults and a device that captures throughout
 
 def soak_expandable(seed: int, workers: int, ops: int, debug, capturing_device):
-    backend = xpool.HostBackend(capacity=2 * LIMIT, n_devices=DEVICES, granularity=64 * KiB)
+    backend = TwinBackend(capacity=2 * LIMIT, n_devices=DEVICES, granularity=64 * KiB)
     twin = backend.twin
     pool = Pool(backend, scheme="expandable", limit=LIMIT, debug=debug, release_idle=8)
     pool._core.bind_torch()

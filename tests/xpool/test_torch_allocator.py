@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import xpool
-from xpool import HostBackend, _core
+from xpool import _core
+from xpool_twin import TwinBackend
 from xpool import torch_allocator
 
 
@@ -32,7 +33,7 @@ from fixtures.torch_c import (FREE, LAST_ERROR, LIB, MALLOC, TRY_MALLOC, addr, b
 @pytest.fixture
 def pool():
     """A host-memory pool bound to PyTorch's entry points; every torch block must be back at the end."""
-    p = xpool.Pool(HostBackend())
+    p = xpool.Pool(TwinBackend())
     p._core.bind_torch()
     yield p
     for d in p.devices():
@@ -83,7 +84,7 @@ def test_the_torch_hit_path_leaves_what_the_core_hit_path_leaves():
     """torch_take_cached/torch_give_back mirror xp_alloc/xp_free: same counters, same events, other origin."""
     runs = []
     for path in ("python", "torch"):
-        p = xpool.Pool(HostBackend(), timeline=100)
+        p = xpool.Pool(TwinBackend(), timeline=100)
         if path == "torch":
             p._core.bind_torch()
             runs.append(_run_sequence(p, torch_malloc, torch_free))
@@ -194,7 +195,7 @@ def test_the_oom_ladder_runs_before_torch_sees_an_error(pool):
 
 
 def test_bad_requests_are_refused_with_the_argument_named(pool):
-    for device in (-1, 8, 64):                          # the backend (HostBackend) has 8 devices
+    for device in (-1, 8, 64):                          # the backend (TwinBackend) has 8 devices
         with pytest.raises(MemoryError, match=rf"ValueError: device must be in \[0, 8\) \(the backend's devices\), "
                                               rf"got {device}$"):
             torch_malloc(1000, device=device)
@@ -230,7 +231,7 @@ def test_bad_frees_are_reported_and_change_nothing(pool, monkeypatch):
 
 def test_binding_another_pool_waits_until_torch_gave_its_blocks_back(pool):
     ptr = torch_malloc(1000)
-    other = xpool.Pool(HostBackend())
+    other = xpool.Pool(TwinBackend())
     with pytest.raises(RuntimeError, match="PyTorch still holds 1024 bytes on device 0"):
         other._core.bind_torch()
     assert _core.torch_bound() is pool._core
@@ -383,7 +384,7 @@ def test_enable_installs_one_pool_for_both(fresh_enable):
     pytest.importorskip("cupy")
     fake = FakeTorch()
     fresh_enable.setitem(sys.modules, "torch", fake)
-    pool = xpool.enable_torch(xpool.MemoryPool(backend=HostBackend()))
+    pool = xpool.enable_torch(xpool.MemoryPool(backend=TwinBackend()))
     assert xpool.installed() is pool and _core.torch_bound() is pool._core
     assert fake.changed == [(_core.__file__, "xpool_torch_malloc", "xpool_torch_free")]
     assert xpool.enable_torch() is pool and torch_allocator.enabled() is pool   # again: the same pool
@@ -394,9 +395,9 @@ def test_enable_installs_one_pool_for_both(fresh_enable):
 def test_enable_shares_the_pool_already_installed(fresh_enable):
     pytest.importorskip("cupy")
     fresh_enable.setitem(sys.modules, "torch", FakeTorch())
-    pool = xpool.install(xpool.MemoryPool(backend=HostBackend()))
+    pool = xpool.install(xpool.MemoryPool(backend=TwinBackend()))
     with pytest.raises(RuntimeError, match="already installed for CuPy with another pool"):
-        xpool.enable_torch(xpool.MemoryPool(backend=HostBackend()))
+        xpool.enable_torch(xpool.MemoryPool(backend=TwinBackend()))
     assert xpool.enable_torch() is pool
 
 
@@ -409,7 +410,7 @@ def test_enable_explains_why_it_cannot(fresh_enable, fake, message):
     pytest.importorskip("cupy")
     fresh_enable.setitem(sys.modules, "torch", FakeTorch(**fake))
     with pytest.raises(RuntimeError, match=message):
-        xpool.enable_torch(xpool.MemoryPool(backend=HostBackend()))
+        xpool.enable_torch(xpool.MemoryPool(backend=TwinBackend()))
     assert xpool.installed() is None and torch_allocator.enabled() is None   # nothing left half done
 
 
@@ -450,7 +451,7 @@ def test_the_labs_torch_probe_times_hits_through_the_entry_points(pool):
 
 # --- the pool enable() makes: scheme expandable unless one is set (Note [The default scheme per front end])
 
-class NoVmmBackend(HostBackend):
+class NoVmmBackend(TwinBackend):
     """Host memory whose driver, like an old one, has no virtual memory management."""
 
     def vmm(self):
@@ -464,7 +465,7 @@ def made(fresh_enable):
     pytest.importorskip("cupy")
     fresh_enable.delenv("XPOOL_SCHEME", raising=False)
     fresh_enable.setitem(sys.modules, "torch", FakeTorch())
-    fresh_enable.setattr(torch_allocator, "_backend", HostBackend)
+    fresh_enable.setattr(torch_allocator, "_backend", TwinBackend)
     return fresh_enable
 
 
@@ -493,7 +494,7 @@ def test_a_scheme_that_is_set_wins_over_the_torch_default(made, how, scheme):
 
 
 def test_the_pool_installed_for_cupy_is_shared_whatever_its_scheme(made):
-    pool = xpool.install(xpool.MemoryPool(backend=HostBackend()))
+    pool = xpool.install(xpool.MemoryPool(backend=TwinBackend()))
     assert xpool.enable_torch() is pool and pool.scheme == "segments"
 
 
@@ -521,5 +522,5 @@ def test_a_segments_variable_without_a_scheme_names_the_torch_default(made):
 
 def test_a_pool_and_settings_together_are_refused(made):
     with pytest.raises(ValueError, match="not both"):
-        xpool.enable_torch(xpool.MemoryPool(backend=HostBackend()), limit="1GiB")
+        xpool.enable_torch(xpool.MemoryPool(backend=TwinBackend()), limit="1GiB")
     assert xpool.installed() is None

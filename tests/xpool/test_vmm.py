@@ -14,6 +14,7 @@ import textwrap
 import pytest
 
 from xpool import _vmm
+import xpool_twin
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 XPOOL = FIXTURES.parents[2] / "xpool"
@@ -22,12 +23,12 @@ K64 = 1 << 16
 
 @pytest.fixture
 def twin():
-    return _vmm.HostTwin(n_devices=2, capacity=[16 * K64, None], granularity=[K64, 4 * K64])
+    return xpool_twin.HostTwin(n_devices=2, capacity=[16 * K64, None], granularity=[K64, 4 * K64])
 
 
 @pytest.fixture
 def ops(twin):
-    return _vmm.Ops(twin.vmm())
+    return xpool_twin.Ops(twin.vmm())
 
 
 def test_ranges_are_aligned_to_each_devices_granularity(twin, ops):
@@ -62,9 +63,9 @@ def test_a_map_gives_fresh_pages_and_an_unmap_takes_them_back(twin, ops):
 def test_a_touch_of_an_unmapped_page_faults_as_on_a_gpu():
     code = textwrap.dedent("""
         import ctypes
-        from xpool import _vmm
-        twin = _vmm.HostTwin(1)
-        ops = _vmm.Ops(twin.vmm())
+        import xpool_twin
+        twin = xpool_twin.HostTwin(1)
+        ops = xpool_twin.Ops(twin.vmm())
         a = ops.reserve(0, 4 << 16)
         ops.map(0, a, 1 << 16)
         ctypes.memset(a, 1, 1 << 16)             # mapped: fine
@@ -192,23 +193,23 @@ def test_the_twins_peers_are_every_other_device_unless_set(twin, ops):
 @pytest.mark.parametrize("gran", [3000, 4096 * 3, 0, 1 << 11])
 def test_a_granularity_must_be_a_power_of_two_of_host_pages(gran):
     with pytest.raises(ValueError, match="granularity"):
-        _vmm.HostTwin(1, granularity=gran)
+        xpool_twin.HostTwin(1, granularity=gran)
 
 
 def test_bad_twin_arguments_name_themselves():
     with pytest.raises(ValueError, match="n_devices"):
-        _vmm.HostTwin(0)
+        xpool_twin.HostTwin(0)
     with pytest.raises(ValueError, match="capacity: 1 values for 2 devices"):
-        _vmm.HostTwin(2, capacity=[1])
+        xpool_twin.HostTwin(2, capacity=[1])
     with pytest.raises(ValueError, match="kind"):
-        _vmm.HostTwin(1).fail_maps(kind="sometimes")
+        xpool_twin.HostTwin(1).fail_maps(kind="sometimes")
     with pytest.raises(ValueError, match="device must be in"):
-        _vmm.HostTwin(1).mapped_bytes(1)
+        xpool_twin.HostTwin(1).mapped_bytes(1)
 
 
 def test_a_capsule_keeps_its_twin_alive():
-    twin = _vmm.HostTwin(1)
-    ops = _vmm.Ops(twin.vmm())
+    twin = xpool_twin.HostTwin(1)
+    ops = xpool_twin.Ops(twin.vmm())
     del twin
     a = ops.reserve(0, 4 * K64)
     ops.map(0, a, K64)
@@ -219,9 +220,9 @@ def test_ops_take_only_an_xpool_vmm_capsule():
     other = ctypes.pythonapi.PyCapsule_New
     other.restype, other.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
     with pytest.raises(TypeError, match="expected an 'xpool.vmm' capsule"):
-        _vmm.Ops(other(ctypes.c_void_p(8), b"not.vmm", None))
+        xpool_twin.Ops(other(ctypes.c_void_p(8), b"not.vmm", None))
     with pytest.raises(TypeError, match="xpool.vmm"):
-        _vmm.address(42)
+        xpool_twin.address(42)
 
 
 # --- CUDA: the loader, and the ops over a fake driver
@@ -268,13 +269,14 @@ def fake_driver(tmp_path_factory):
 
 FAKE_PRELUDE = """
     import ctypes, os
+    import xpool_twin
     from xpool import _vmm
     fake = ctypes.CDLL(os.environ["XPOOL_LIBCUDA"])
     def get(name, kind=ctypes.c_long):
         return kind.in_dll(fake, name).value
     def put(name, value, kind=ctypes.c_long):
         kind.in_dll(fake, name).value = value
-    ops = _vmm.Ops(_vmm.cuda_vmm())
+    ops = xpool_twin.Ops(_vmm.cuda_vmm())
     G = ops.granularity(0)
 """
 
@@ -410,9 +412,9 @@ def test_cuda_declarations_match_cuda_h(tmp_path):
 # --- the backends' optional vmm()
 
 def test_host_backend_offers_a_twin_of_its_devices():
-    from xpool.backends import HostBackend
-    b = HostBackend(capacity=8 * K64, n_devices=3, granularity=[K64, 2 * K64, K64])
-    ops = _vmm.Ops(b.vmm())
+    from xpool_twin import TwinBackend
+    b = TwinBackend(capacity=8 * K64, n_devices=3, granularity=[K64, 2 * K64, K64])
+    ops = xpool_twin.Ops(b.vmm())
     assert b.twin is b.twin and b.twin.n_devices == 3
     assert (ops.name, ops.granularity(1), b.twin.capacity(2)) == ("host", 2 * K64, 8 * K64)
     b.capacity = 2 * K64                         # as tests set it: the twin follows
@@ -433,4 +435,4 @@ def test_cupy_backend_offers_cuda_or_says_why_not():
         assert e.status == _vmm.UNAVAILABLE and ("CUDA driver" in str(e) or "cuInit" in str(e)
                                                  or "virtual memory" in str(e)), e
     else:
-        assert _vmm.Ops(capsule).name == "cuda"
+        assert xpool_twin.Ops(capsule).name == "cuda"

@@ -1,0 +1,400 @@
+/* xpool._vmm: CUDA's virtual-memory ops, the driver loaded at run time (see _vmm.h). */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "_vmm.h"
+#include "_vmm_cuda.h"
+
+#define XV_MAX_DEVICES 64
+
+static _Thread_local char msg_buf[512];
+
+const char *xv_message(void) { return msg_buf; }
+static const char *op_message(void *ctx) { (void)ctx; return msg_buf; }
+
+static int fail(int status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg_buf, sizeof msg_buf, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+/* ================================================================== CUDA */
+
+typedef struct {
+#define XV_FIELD(name, type, sym) __typeof__(type) name;
+    XVCU_FUNCTIONS(XV_FIELD)
+#undef XV_FIELD
+} Driver;
+
+static struct {
+    pthread_once_t once;
+    int status;                          /* of loading: XV_OK or XV_UNAVAILABLE */
+    char why[256];
+    Driver d;
+    pthread_mutex_t lock;                /* guards the lazy retain of primary[] */
+    _Atomic(XVCUcontext) primary[XV_MAX_DEVICES];
+    _Atomic int vmm_ok[XV_MAX_DEVICES];  /* 1: supports VMM, -1: does not, 0: not asked */
+} cu = {PTHREAD_ONCE_INIT, 0, "", {0}, PTHREAD_MUTEX_INITIALIZER, {0}, {0}};
+
+static const char *cu_name(XVCUresult r)
+{
+    const char *s = NULL;
+    if (cu.d.cuGetErrorName && cu.d.cuGetErrorName(r, &s) == XVCUDA_SUCCESS && s) return s;
+    return "CUDA_ERROR_?";
+}
+
+static const char *cu_string(XVCUresult r)
+{
+    const char *s = NULL;
+    if (cu.d.cuGetErrorString && cu.d.cuGetErrorString(r, &s) == XVCUDA_SUCCESS && s) return s;
+    return "unknown error";
+}
+
+static int cu_status(XVCUresult r)
+{
+    switch (r) {
+    case XVCUDA_ERROR_OUT_OF_MEMORY: return XV_OOM;
+    case XVCUDA_ERROR_INVALID_VALUE:
+    case XVCUDA_ERROR_INVALID_DEVICE: return XV_INVALID;
+    case XVCUDA_ERROR_NOT_SUPPORTED:
+    case XVCUDA_ERROR_NO_DEVICE:
+    case XVCUDA_ERROR_STUB_LIBRARY: return XV_UNAVAILABLE;
+    default: return XV_ERROR;
+    }
+}
+
+/* "cuMemCreate(...) failed: CUDA_ERROR_OUT_OF_MEMORY (out of memory)<tail>" */
+static int cu_fail(XVCUresult r, const char *call, const char *tail)
+{
+    return fail(cu_status(r), "%s failed: %s (%s)%s", call, cu_name(r), cu_string(r), tail ? tail : "");
+}
+
+/* Without these the ops still work: maps run in the thread's own capture mode, errors go unnamed. */
+static int optional(const char *sym)
+{
+    return !strcmp(sym, "cuThreadExchangeStreamCaptureMode") || !strcmp(sym, "cuGetErrorName") ||
+           !strcmp(sym, "cuGetErrorString");
+}
+
+static void cu_load(void)
+{
+    const char *path = getenv("XPOOL_LIBCUDA");
+    void *lib = dlopen(path && *path ? path : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        snprintf(cu.why, sizeof cu.why, "cannot load the CUDA driver (%s): %s",
+                 path && *path ? path : "libcuda.so.1, or $XPOOL_LIBCUDA", dlerror());
+        cu.status = XV_UNAVAILABLE;
+        return;
+    }
+    /* cuInit first: cuGetProcAddress answers for an initialised driver */
+    XVCUresult (*init)(unsigned) = (XVCUresult (*)(unsigned))dlsym(lib, "cuInit");
+    XVCUresult (*version)(int *) = (XVCUresult (*)(int *))dlsym(lib, "cuDriverGetVersion");
+    int have = 0;
+    if (!init || !version) {
+        snprintf(cu.why, sizeof cu.why, "%s is no CUDA driver (no cuInit)", path && *path ? path : "libcuda.so.1");
+        cu.status = XV_UNAVAILABLE;
+        return;
+    }
+    XVCUresult r = init(0);
+    if (r != XVCUDA_SUCCESS) {
+        const char *nm = NULL;
+        XVCUresult (*name)(XVCUresult, const char **) = (XVCUresult (*)(XVCUresult, const char **))dlsym(lib, "cuGetErrorName");
+        if (name) name(r, &nm);
+        snprintf(cu.why, sizeof cu.why, "cuInit failed: %s (%d)", nm ? nm : "CUDA_ERROR_?", r);
+        cu.status = XV_UNAVAILABLE;
+        return;
+    }
+    version(&have);
+    xvcu_getproc_v2_t gp2 = (xvcu_getproc_v2_t)dlsym(lib, "cuGetProcAddress_v2");
+    xvcu_getproc_v1_t gp1 = gp2 ? NULL : (xvcu_getproc_v1_t)dlsym(lib, "cuGetProcAddress");
+    /* The ABI these declarations follow; an older driver is asked for its own (the same signatures since 11.3). */
+    int want = have && have < 12000 ? have : 12000;
+    const char *missing = NULL;
+#define XV_RESOLVE(name, type, sym)                                                                        \
+    {                                                                                                      \
+        void *fn = NULL;                                                                                   \
+        int found = 0;                                                                                     \
+        if (gp2) gp2(#name, &fn, want, XVCU_GET_PROC_ADDRESS_DEFAULT, &found);                             \
+        else if (gp1) gp1(#name, &fn, want, XVCU_GET_PROC_ADDRESS_DEFAULT);                                \
+        if (!fn) fn = dlsym(lib, sym);   /* before 11.3, or not found by version */                       \
+        cu.d.name = (__typeof__(type))fn;                                                                  \
+        if (!fn && !missing && !optional(sym)) missing = sym;                                              \
+    }
+    XVCU_FUNCTIONS(XV_RESOLVE)
+#undef XV_RESOLVE
+    if (missing) {
+        snprintf(cu.why, sizeof cu.why, "the CUDA driver (%d) has no %s", have, missing);
+        cu.status = XV_UNAVAILABLE;
+        return;
+    }
+    cu.status = XV_OK;
+}
+
+/* The device's primary context, retained once and kept for the process (CuPy and PyTorch use it). */
+static int cu_primary(int device, XVCUcontext *out)
+{
+    if (device < 0 || device >= XV_MAX_DEVICES) return fail(XV_INVALID, "device %d out of range", device);
+    XVCUcontext c = atomic_load(&cu.primary[device]);
+    if (c) { *out = c; return XV_OK; }
+    pthread_mutex_lock(&cu.lock);
+    c = atomic_load(&cu.primary[device]);
+    int status = XV_OK;
+    if (!c) {
+        XVCUdevice dev;
+        int vmm = 0;
+        XVCUresult r = cu.d.cuDeviceGet(&dev, device);
+        if (r == XVCUDA_SUCCESS)
+            r = cu.d.cuDeviceGetAttribute(&vmm, XVCU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev);
+        if (r != XVCUDA_SUCCESS) status = cu_fail(r, "cuDeviceGet", NULL);
+        else if (!vmm) status = fail(XV_UNAVAILABLE, "device %d does not support virtual memory management", device);
+        else if ((r = cu.d.cuDevicePrimaryCtxRetain(&c, dev)) != XVCUDA_SUCCESS)
+            status = cu_fail(r, "cuDevicePrimaryCtxRetain", NULL);
+        else atomic_store(&cu.primary[device], c);
+    }
+    pthread_mutex_unlock(&cu.lock);
+    *out = c;
+    return status;
+}
+
+/* Makes the device's primary context current for one op; cu_leave undoes it. */
+typedef struct { int pushed; } CuScope;
+
+static int cu_enter(int device, CuScope *s)
+{
+    s->pushed = 0;
+    pthread_once(&cu.once, cu_load);
+    if (cu.status != XV_OK) return fail(cu.status, "%s", cu.why);
+    XVCUcontext want = NULL, cur = NULL;
+    int st = cu_primary(device, &want);
+    if (st != XV_OK) return st;
+    XVCUresult r = cu.d.cuCtxGetCurrent(&cur);
+    if (r != XVCUDA_SUCCESS) return cu_fail(r, "cuCtxGetCurrent", NULL);
+    if (cur == want) return XV_OK;
+    if ((r = cu.d.cuCtxPushCurrent(want)) != XVCUDA_SUCCESS) return cu_fail(r, "cuCtxPushCurrent", NULL);
+    s->pushed = 1;
+    return XV_OK;
+}
+
+static void cu_leave(CuScope *s)
+{
+    XVCUcontext popped;
+    if (s->pushed) cu.d.cuCtxPopCurrent(&popped);
+}
+
+static XVCUmemAllocationProp cu_prop(int device)
+{
+    XVCUmemAllocationProp p;
+    memset(&p, 0, sizeof p);
+    p.type = XVCU_MEM_ALLOCATION_TYPE_PINNED;
+    p.requestedHandleTypes = XVCU_MEM_HANDLE_TYPE_NONE;   /* no IPC: Note [Expandable segments] */
+    p.location.type = XVCU_MEM_LOCATION_TYPE_DEVICE;
+    p.location.id = device;
+    return p;
+}
+
+static int cu_granularity(void *ctx, int device, size_t *bytes)
+{
+    (void)ctx;
+    CuScope s;
+    int st = cu_enter(device, &s);
+    if (st != XV_OK) return st;
+    XVCUmemAllocationProp p = cu_prop(device);
+    XVCUresult r = cu.d.cuMemGetAllocationGranularity(bytes, &p, XVCU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    cu_leave(&s);
+    return r == XVCUDA_SUCCESS ? XV_OK : cu_fail(r, "cuMemGetAllocationGranularity", NULL);
+}
+
+static int cu_reserve(void *ctx, int device, size_t bytes, size_t align, uintptr_t *addr)
+{
+    (void)ctx;
+    CuScope s;
+    int st = cu_enter(device, &s);
+    if (st != XV_OK) return st;
+    XVCUdeviceptr p = 0;
+    /* Relaxed for this thread, as for a map: a graph's private pool reserves its first range mid-capture */
+    int mode = XVCU_STREAM_CAPTURE_MODE_RELAXED;
+    int exchanged = cu.d.cuThreadExchangeStreamCaptureMode &&
+                    cu.d.cuThreadExchangeStreamCaptureMode(&mode) == XVCUDA_SUCCESS;
+    XVCUresult r = cu.d.cuMemAddressReserve(&p, bytes, align, 0, 0);
+    if (exchanged) cu.d.cuThreadExchangeStreamCaptureMode(&mode);
+    cu_leave(&s);
+    if (r != XVCUDA_SUCCESS) {
+        char tail[64];
+        snprintf(tail, sizeof tail, " reserving %zu B", bytes);
+        return cu_fail(r, "cuMemAddressReserve", tail);
+    }
+    *addr = (uintptr_t)p;
+    return XV_OK;
+}
+
+static int cu_release(void *ctx, int device, uintptr_t addr, size_t bytes)
+{
+    (void)ctx;
+    CuScope s;
+    int st = cu_enter(device, &s);
+    if (st != XV_OK) return st;
+    XVCUresult r = cu.d.cuMemAddressFree((XVCUdeviceptr)addr, bytes);
+    cu_leave(&s);
+    return r == XVCUDA_SUCCESS ? XV_OK : cu_fail(r, "cuMemAddressFree", NULL);
+}
+
+/* Unmaps n pages from addr on, each one mapping; the first failure stops it.  Pages counted in *done. */
+static XVCUresult cu_unmap_pages(uintptr_t addr, size_t n, size_t page, size_t *done)
+{
+    for (size_t i = 0; i < n; i++) {
+        XVCUresult r = cu.d.cuMemUnmap((XVCUdeviceptr)(addr + i * page), page);
+        if (r != XVCUDA_SUCCESS) return r;
+        (*done)++;
+    }
+    return XVCUDA_SUCCESS;
+}
+
+static int cu_map(void *ctx, int device, uintptr_t addr, size_t bytes, size_t page, uint64_t peers)
+{
+    (void)ctx;
+    if (!page || bytes % page || addr % page)
+        return fail(XV_INVALID, "map: %zu B at 0x%zx is not whole %zu B pages", bytes, (size_t)addr, page);
+    CuScope s;
+    int st = cu_enter(device, &s);
+    if (st != XV_OK) return st;
+    /* Relaxed for this thread: a map while a stream captures (a graph's private pool) is legal then. */
+    int mode = XVCU_STREAM_CAPTURE_MODE_RELAXED;
+    int exchanged = cu.d.cuThreadExchangeStreamCaptureMode &&
+                    cu.d.cuThreadExchangeStreamCaptureMode(&mode) == XVCUDA_SUCCESS;
+    XVCUmemAllocationProp p = cu_prop(device);
+    size_t n = bytes / page, made = 0;
+    XVCUresult r = XVCUDA_SUCCESS;
+    const char *call = "cuMemCreate";
+    for (; made < n; made++) {
+        /* One physical allocation per page, its handle released once mapped: the mapping keeps the memory and
+         * cuMemUnmap frees it, so no handle table is kept (cuMemRelease's contract). */
+        XVCUmemGenericAllocationHandle h;
+        if ((r = cu.d.cuMemCreate(&h, page, &p, 0)) != XVCUDA_SUCCESS) break;
+        if ((r = cu.d.cuMemMap((XVCUdeviceptr)(addr + made * page), page, 0, h, 0)) != XVCUDA_SUCCESS) {
+            call = "cuMemMap";
+            cu.d.cuMemRelease(h);
+            break;
+        }
+        if ((r = cu.d.cuMemRelease(h)) != XVCUDA_SUCCESS) { call = "cuMemRelease"; made++; break; }
+    }
+    if (r == XVCUDA_SUCCESS) {
+        XVCUmemAccessDesc desc[XV_MAX_DEVICES];
+        size_t k = 0;
+        desc[k].location.type = XVCU_MEM_LOCATION_TYPE_DEVICE;
+        desc[k].location.id = device;
+        desc[k++].flags = XVCU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        for (int d = 0; d < XV_MAX_DEVICES; d++) {
+            if (d == device || !(peers >> d & 1)) continue;
+            desc[k].location.type = XVCU_MEM_LOCATION_TYPE_DEVICE;
+            desc[k].location.id = d;
+            desc[k++].flags = XVCU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        }
+        r = cu.d.cuMemSetAccess((XVCUdeviceptr)addr, bytes, desc, k);
+        call = "cuMemSetAccess";
+    }
+    if (r != XVCUDA_SUCCESS) {
+        XVCUresult failed = r;
+        size_t undone = 0;
+        XVCUresult u = cu_unmap_pages(addr, made, page, &undone);
+        char tail[160];
+        if (u == XVCUDA_SUCCESS)
+            snprintf(tail, sizeof tail, " at page %zu of %zu (%zu B pages on device %d)", made, n, page, device);
+        else   /* the driver is broken: say what stays mapped */
+            snprintf(tail, sizeof tail, " at page %zu of %zu; undoing it failed too (%s): %zu B stay mapped at 0x%zx",
+                     made, n, cu_name(u), (made - undone) * page, (size_t)(addr + undone * page));
+        st = cu_fail(failed, call, tail);
+    }
+    if (exchanged) cu.d.cuThreadExchangeStreamCaptureMode(&mode);
+    cu_leave(&s);
+    return st;
+}
+
+static int cu_unmap(void *ctx, int device, uintptr_t addr, size_t bytes, size_t page, size_t *done)
+{
+    (void)ctx;
+    *done = 0;
+    if (!page || bytes % page || addr % page)
+        return fail(XV_INVALID, "unmap: %zu B at 0x%zx is not whole %zu B pages", bytes, (size_t)addr, page);
+    CuScope s;
+    int st = cu_enter(device, &s);
+    if (st != XV_OK) return st;
+    /* cuMemUnmap need not wait for the kernels still using the pages (cudaFree does): wait for them here */
+    XVCUresult r = cu.d.cuCtxSynchronize();
+    size_t pages = 0;
+    if (r == XVCUDA_SUCCESS) {
+        r = cu_unmap_pages(addr, bytes / page, page, &pages);
+        if (r != XVCUDA_SUCCESS) {
+            char tail[128];
+            snprintf(tail, sizeof tail, " at page %zu of %zu (0x%zx)", pages, bytes / page,
+                     (size_t)(addr + pages * page));
+            st = cu_fail(r, "cuMemUnmap", tail);
+        }
+    } else {
+        st = cu_fail(r, "cuCtxSynchronize", " before unmapping");
+    }
+    cu_leave(&s);
+    *done = pages * page;
+    return st;
+}
+
+static int cu_capturing(void *ctx, int device, intptr_t stream)
+{
+    (void)ctx;
+    CuScope s;
+    int st = cu_enter(device, &s);
+    if (st != XV_OK) return -st;
+    int status = 0;
+    XVCUresult r = cu.d.cuStreamIsCapturing((XVCUstream)stream, &status);
+    cu_leave(&s);
+    if (r == XVCUDA_ERROR_STREAM_CAPTURE_IMPLICIT) return 1;   /* the legacy stream beside a global capture */
+    if (r != XVCUDA_SUCCESS) return -cu_fail(r, "cuStreamIsCapturing", NULL);
+    return status != XVCU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+/* The devices whose contexts can access `device`'s memory (cuDeviceCanAccessPeer(peer, device)); asked once per
+ * device by the core, so no cache.  A device past the 64 a mask holds is left out. */
+static int cu_peers(void *ctx, int device, uint64_t *mask)
+{
+    (void)ctx;
+    *mask = 0;
+    pthread_once(&cu.once, cu_load);
+    if (cu.status != XV_OK) return fail(cu.status, "%s", cu.why);
+    int n = 0;
+    XVCUdevice dev, other;
+    XVCUresult r = cu.d.cuDeviceGetCount(&n);
+    if (r != XVCUDA_SUCCESS) return cu_fail(r, "cuDeviceGetCount", NULL);
+    if ((r = cu.d.cuDeviceGet(&dev, device)) != XVCUDA_SUCCESS) return cu_fail(r, "cuDeviceGet", NULL);
+    for (int d = 0; d < n && d < XV_MAX_DEVICES; d++) {
+        int can = 0;
+        if (d == device) continue;
+        if ((r = cu.d.cuDeviceGet(&other, d)) != XVCUDA_SUCCESS ||
+            (r = cu.d.cuDeviceCanAccessPeer(&can, other, dev)) != XVCUDA_SUCCESS)
+            return cu_fail(r, "cuDeviceCanAccessPeer", NULL);
+        if (can) *mask |= (uint64_t)1 << d;
+    }
+    return XV_OK;
+}
+
+static const XvOps cuda_ops = {XV_ABI, "cuda", cu_granularity, cu_reserve, cu_release, cu_map, cu_unmap,
+                               cu_capturing, op_message, cu_peers};
+
+int xv_cuda_open(XvVmm *out)
+{
+    pthread_once(&cu.once, cu_load);
+    out->ops = &cuda_ops;
+    out->ctx = NULL;
+    if (cu.status != XV_OK) return fail(cu.status, "%s", cu.why);
+    return XV_OK;
+}
