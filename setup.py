@@ -10,10 +10,9 @@ setup(
     ext_modules=[
         Extension(
             "xpool._core",
-            sources=["xpool/_alloc.c", "xpool/_pages.c", "xpool/_module.c", "xpool/_torch.c", "xpool/_segments.c",
-                     "xpool/_expandable.c"],
-            depends=["xpool/_core.h", "xpool/_hot.h", "xpool/_pages.h", "xpool/_segments.h", "xpool/_expandable.h",
-                     "xpool/_vmm.h"],
+            sources=["xpool/_segments.c", "xpool/_expandable.c", "xpool/_pool.c", "xpool/_ladder.c",
+                     "xpool/_blocks.c", "xpool/_pages.c", "xpool/_alloc.c", "xpool/_torch.c", "xpool/_module.c"],
+            depends=["xpool/_core.h", "xpool/_hot.h", "xpool/_segments.h", "xpool/_expandable.h", "xpool/_vmm.h"],
             extra_compile_args=CFLAGS,
         ),
         Extension(

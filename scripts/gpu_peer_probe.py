@@ -152,7 +152,7 @@ def map_cost(trials=7, maps=256):
                 keep += [cupy.empty(page, dtype=cupy.uint8) for _ in range(maps)]
                 cupy.cuda.Device().synchronize()
                 dt = time.perf_counter() - t0
-                st = pool.stats(0).iloc[0]
+                st = pool.stats(0)
                 rows.append(dict(trial=trial, peer_access=arm, maps=int(st.device_maps) - 1, s_per_miss=dt / maps,
                                  page_bytes=page))
                 del keep

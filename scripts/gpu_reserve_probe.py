@@ -56,7 +56,7 @@ def one(workload: str, seed: int, frac: float, recipe: str, when: str = "start")
     probes = []
 
     def after_step():
-        s = pool.stats(0).iloc[0]
+        s = pool.stats(0)
         probes.append((int(s["device_maps"] + s["device_unmaps"]), int(s["peak_bytes_requested"])))
     w = WORKLOADS[workload]
     if when == "start":
@@ -65,7 +65,7 @@ def one(workload: str, seed: int, frac: float, recipe: str, when: str = "start")
     w.fn(w.steps, w.warmup, seed, window, True, False, after_step=after_step,
          after_build=make_reserve if when == "build" else lambda: None)
     torch.cuda.synchronize()
-    s = pool.stats(0).iloc[0]
+    s = pool.stats(0)
     st = steady_state(probes, w.warmup)
     ms, util = 1e3 * window.seconds / w.steps, window.util.get(0, float("nan"))
     return dict(workload=workload, seed=seed, frac=frac, reserve_bytes=reserve, recipe=recipe if reserve else "",
@@ -76,7 +76,7 @@ def one(workload: str, seed: int, frac: float, recipe: str, when: str = "start")
                 demand_peak_step=st["demand_peak_step"], device_maps=int(s["device_maps"]),
                 device_unmaps=int(s["device_unmaps"]), ms_per_step=ms, gpu_util_mean=util,
                 bound=step_bound(util, float("nan"), ms),
-                release_on_miss=pool.settings.release_on_miss, scheme=pool.scheme, steps=w.steps, warmup=w.warmup)
+                release_on_miss=pool.settings.release_on_miss, scheme=pool.settings.scheme, steps=w.steps, warmup=w.warmup)
 
 
 def main(argv=None) -> int:

@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default="cupy_mix,torch_varlen,gpt_varlen,gpt_b4,test_b4,test_b32_perparam,"
                                           "torch_fixed,gpt_b32,resnet_varres,resnet_fixed")
-    p.add_argument("--scheme", default="expandable", choices=xpool.SCHEMES)
+    p.add_argument("--scheme", default="expandable", choices=xpool.settings.SCHEMES)
     p.add_argument("--out", default="data", help="directory for memory_trace_dyn_<workload>.csv.gz")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (default 0); seed s > 0 writes "
                                                 "memory_trace_dyn_<workload>_s<s>.csv.gz")

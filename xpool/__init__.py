@@ -1,13 +1,13 @@
-"""xpool: a measured, per-device caching allocator for CuPy and PyTorch (best fit in segments by default).
+"""xpool: a measured, per-device caching allocator for CuPy and PyTorch.
 
     import xpool
-    pool = xpool.install()            # cupy now allocates through xpool
+    pool = xpool.install()            # CuPy now allocates through xpool
     ...
-    xpool.stats()                     # exact counters, one row per device
+    xpool.stats()                     # exact counters per device (a Snapshot; .frame() for pandas)
     xpool.enable_torch()              # PyTorch's CUDA tensors from the same pool (before torch's first one)
 
-Settings (``xpool.Settings``: scheme, limit, debug mode, ...) come from arguments, else ``XPOOL_*`` variables.
-``xpool.testing`` is for benchmarks and tests.
+Five settings (``xpool.Settings``: scheme, limit, debug, timeline, classes_per_doubling) come from arguments, else
+``XPOOL_*`` variables. ``xpool.backends``, ``xpool.errors`` and ``xpool.testing`` hold the rest.
 """
 from __future__ import annotations
 
@@ -17,26 +17,41 @@ except ImportError as e:  # a source checkout that was never built
     raise ImportError("xpool's C core (xpool._core) is not built: run `pip install -e .` or "
                       "`python setup.py build_ext --inplace` in the repository (needs a C compiler)") from e
 
-from .backends import Backend, CupyBackend, DeviceOutOfMemory, HostBackend
-from .cupy_adapter import MemoryPool, current, install, installed, uninstall, use
-from .errors import CorruptionError, CorruptionWarning, IpcUnsupportedError, OutOfMemoryError, RequestTooLargeError
+from .backends import HostBackend
+from .cupy_adapter import MemoryPool, current, install, uninstall, use
+from .errors import CorruptionError, OutOfMemoryError
 from .pool import Pool
-from .settings import SCHEMES, Settings
-from .sizeclass import size_class
+from .settings import Settings
 from .stats import Snapshot
 from .torch_allocator import enable as enable_torch   # imports torch only when called
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = [
-    "size_class", "Pool", "MemoryPool", "Backend", "HostBackend", "CupyBackend", "install", "uninstall",
-    "installed", "current", "use", "empty_cache", "stats", "snapshot", "OutOfMemoryError",
-    "CorruptionError", "CorruptionWarning", "DeviceOutOfMemory", "RequestTooLargeError", "Snapshot",
-    "enable_torch", "Settings", "SCHEMES", "IpcUnsupportedError",
+    "Pool", "MemoryPool", "Settings", "HostBackend", "install", "uninstall", "use", "current", "enable_torch",
+    "empty_cache", "stats", "OutOfMemoryError", "CorruptionError",
 ]
 
+# names of earlier versions, and where each lives now (a module __getattr__ says so)
+_MOVED = {
+    "snapshot": "xpool.stats() returns the same cheap Snapshot",
+    "Snapshot": "xpool.stats.Snapshot",
+    "size_class": "xpool.sizeclass.size_class",
+    "Backend": "xpool.backends.Backend",
+    "CupyBackend": "xpool.backends.CupyBackend",
+    "DeviceOutOfMemory": "xpool.backends.DeviceOutOfMemory",
+    "installed": "xpool.current() (or xpool.cupy_adapter.installed())",
+    "CorruptionWarning": "xpool.errors.CorruptionWarning",
+    "RequestTooLargeError": "xpool.errors.RequestTooLargeError",
+    "IpcUnsupportedError": "xpool.errors.IpcUnsupportedError",
+    "SCHEMES": "xpool.settings.SCHEMES",
+}
+del Snapshot
 
-def _pool() -> Pool | None:
-    return current()
+
+def __getattr__(name):
+    if name in _MOVED:
+        raise AttributeError(f"xpool.{name} moved: use {_MOVED[name]}")
+    raise AttributeError(f"module 'xpool' has no attribute {name!r}")
 
 
 def empty_cache() -> int:
@@ -50,29 +65,19 @@ def empty_cache() -> int:
     Raises:
         Exception: a failed ``backend.free`` (see ``Pool.empty_cache``).
     """
-    pool = _pool()
+    pool = current()
     return pool.empty_cache() if pool else 0
 
 
 def stats():
-    """The current pool's exact counters.
+    """The current pool's exact counters (this thread's ``with xpool.use()`` pool, else the installed one).
 
     Returns:
-        pandas.DataFrame: one row per device (no rows when xpool is not in use).
-
-    Raises:
-        ImportError: pandas is not installed (``snapshot()`` needs no pandas).
+        xpool.stats.Snapshot: per device, summed as attributes (``xpool.stats().device_mallocs``), differenced by
+        ``-``; ``.frame()`` gives a pandas DataFrame. Empty, and saying so, when no pool is in use.
     """
-    from .stats import frame
-    pool = _pool()
-    return pool.stats() if pool else frame([])
-
-
-def snapshot() -> Snapshot:
-    """Cheap counters of the current pool.
-
-    Returns:
-        Snapshot: ``(after - before).device_mallocs`` and the like (empty when xpool is not in use).
-    """
-    pool = _pool()
-    return pool.snapshot() if pool else Snapshot({})
+    pool = current()
+    if pool is None:
+        from .stats import Snapshot
+        return Snapshot({}, note="no xpool pool in use: xpool.install(), xpool.use() or xpool.enable_torch() make one")
+    return pool.stats()

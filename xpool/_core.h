@@ -1,68 +1,58 @@
 /*
- * xpool._core: the C core of xpool's caching allocator, as one extension module built from
- *   _alloc.c     the allocator: size classes, tables, device pools, statistics, timeline, the schemes,
- *                the alloc and free paths (CuPy's C hooks among them), giving back, the recovery ladder
- *   _pages.c     scheme expandable's pages: unmapped on giving back, mapped by its try of the ladder, its miss
- *                (what it and _alloc.c share, no other file: _pages.h)
- *   _segments.c  the segments scheme's ranges: best fit, split, merge (no locks, no Python)
- *   _expandable.c  scheme expandable's range manager: address ranges, mapped pages, plans (no locks, no Python)
- *   _module.c    the CPython binding: the Allocation and Allocator types, argument parsing, module init
- *   _torch.c     PyTorch's pluggable-allocator entry points (xpool_torch_malloc, xpool_torch_free, ...)
- * This header holds what they share; _hot.h the hit path's operations, static, so both entry paths have
- * them inlined.  Only PyInit__core and the xpool_torch_* functions are exported
- * (setup.py builds with -fvisibility=hidden), so calls between the files are direct calls.
+ * xpool._core: the C core of xpool's caching allocator, one extension module.  Its files, bottom up (a file
+ * calls only the files above it in this list by name; a scheme is reached through its table, XpScheme):
  *
- * Layers, bottom up (as in CuPy's memory.pyx):
- *   size_class()  a pure function: request bytes -> class bytes
- *   Block         one device allocation of one class size (scheme seed), or a range of a
- *                 segment (scheme segments: best fit, split, merged again; _segments.c)
+ *   _segments.c   best fit in segments: free ranges in a treap, split and merged (no locks, no Python)
+ *   _expandable.c scheme expandable's range manager: address ranges, mapped pages, plans (no locks, no Python)
+ *   _pool.c       what every path shares: per-thread stream keys, the device pools, the debug hook, the streams a
+ *                 pool serves and whether one captures, the out-of-memory error
+ *   _ladder.c     the recovery ladder (Note [Recovery ladder]): try; free the cache, retry; collect, retry; raise
+ *   _blocks.c     schemes seed and segments: blocks that are backend allocations (or ranges of them)
+ *   _pages.c      scheme expandable: blocks cut from pages mapped into reserved address ranges
+ *   _alloc.c      the entry paths: allocate and free (CuPy's C hooks among them), giving back
+ *   _torch.c      PyTorch's pluggable-allocator entry points, without the GIL where they can
+ *   _module.c     the CPython binding: the Allocation and Allocator types, argument parsing, module init
+ * _hot.h holds the hit path's operations, static, so each entry path has them inlined; _vmm.h the ops table of
+ * CUDA's virtual memory (_vmm_cuda.c, another module: xpool._vmm).  Only PyInit__core and the xpool_torch_*
+ * functions are exported (setup.py builds with -fvisibility=hidden).
+ *
+ * Data, bottom up (as in CuPy's memory.pyx):
+ *   size_class()  a pure function: request bytes -> class bytes (scheme seed)
+ *   Block         a device allocation of one class (seed), a range of a segment (segments), or a range of mapped
+ *                 pages (expandable)
  *   PtrTable      open-addressing map ptr -> Block, for the blocks in use
- *   BinTable      open-addressing map (stream, class) -> Bin, a LIFO stack of free Blocks
- *   DevicePool    one per device: the tables, the free ranges, the statistics, the limit, one mutex
- *   Allocator     the Python object: the device registry, the backend, the timeline
+ *   BinTable      open-addressing map (stream, class) -> Bin, a LIFO stack of free Blocks (seed)
+ *   FreeTree      free ranges by (stream, size, ptr) (segments, expandable)
+ *   DevicePool    one per device: the tables, the statistics, the limit, one mutex
+ *   Allocator     the Python object: the device pools, the backend, the scheme, the timeline, the debug hook
  *
- * The raw device allocate/free functions are never called from C directly:
- * they belong to a Python "backend" object (CuPy's runtime on a GPU, real host
- * memory in the tests), called only on a miss, on giving back and on out-of-memory
- * recovery.  The hit path is pure C.
+ * Schemes (Note [Schemes]).  How blocks are made is one choice per Allocator: its XpScheme table (xp_seed,
+ * xp_segments, xp_expandable) holds every difference on the miss side; the hit side switches on A->scheme in
+ * _hot.h, inlined.  The raw device calls belong to a Python backend object (backend.malloc/free: CuPy's runtime,
+ * host memory in the tests), or, for scheme expandable, to the ops table backend.vmm() hands over (called from
+ * C).  Neither is called on a hit.  Every scheme releases nothing on a miss: memory goes back on empty_cache(),
+ * trim(), the ladder and the pool's end (docs/decisions/0001-one-release-rule-per-scheme.md).
  *
- * Schemes (Note [Schemes]).  How blocks are made is one choice per Allocator (Allocator.scheme), made in
- * five scheme_* functions: the hit side in _hot.h (scheme_block_size, scheme_take), the miss side in
- * _alloc.c (scheme_make, scheme_take_idle, scheme_give_back).  Everything else is shared.  A new scheme is
- * an XP_SCHEME_* id below, its name (and its fields) in xpool/settings.py, the fields read in
- * read_settings (_module.c), and a case in each scheme_* function; the others' hit paths do not change.
- * Scheme expandable's blocks are not device allocations of the backend but ranges of pages it maps into
- * reserved address ranges (Note [Expandable segments]): it makes them through the virtual-memory ops the
- * backend hands over (backend.vmm(), kept in Allocator.vmm; _vmm.h), called from C, and gives pages back in
- * its own release (vm_release in _pages.c, which release_cached turns to); the ladder, the limit, the
- * statistics, the timeline, debug mode and the entry points are the shared ones.
+ * Concurrency.  Every entry point runs with the GIL held (CuPy calls its C hooks from Cython with it), and the
+ * module tells a free-threaded CPython so (Py_MOD_GIL_USED).  PyTorch's hooks (_torch.c) are the exception: they
+ * run without the GIL; their hit and free paths touch only C structures under the pool lock, scheme expandable's
+ * miss runs in C, and every path that runs Python takes the GIL first.
  *
- * Concurrency.  Every entry point runs with the GIL held (CuPy calls the
- * CFunctionAllocator hooks from Cython with the GIL), and the module says so
- * to free-threaded CPython (Py_MOD_GIL_USED): the debug hook's Python state,
- * the hook and backend references and the fork bookkeeping rely on it.  The
- * mutexes guard the C structures and document ownership.  PyTorch's hooks
- * (xpool_torch_malloc/free, _torch.c) are the exception: PyTorch calls them without the
- * GIL; their hit and free paths (_hot.h, as the others') touch only C structures under
- * the pool mutex, and every path that runs Python takes the GIL first.
- * Lock order: Allocator.registry_lock, Allocator.debug_lock: each alone;
- * DevicePool.lock -> Allocator.timeline_lock.  No lock is ever held while
- * Python code runs (backend calls, debug hooks, gc): a Python call may switch
- * threads, and a thread blocked on a C mutex while holding the GIL would
- * deadlock with the holder waiting for the GIL.
+ * Locks, and their order.  Each is taken alone, but DevicePool.lock -> Timeline.lock:
+ *   Allocator.registry_lock  the device pools' creation and default limit
+ *   Allocator.debug_lock     the debug hook and its tail, swapped together
+ *   Allocator.pin_lock       scheme expandable: pins (debug mode's check reads blocks) against unmaps
+ *   DevicePool.lock          everything of one device's pool; then, inside it, Timeline.lock
+ *   ended_lock (_pool.c)     which threads' stream keys have ended
+ * No lock is ever held while Python runs (backend calls, hooks, gc) or while a device op runs: a Python call may
+ * switch threads, and a thread blocked on a C mutex with the GIL would deadlock with a holder waiting for it.
  *
- * The limit.  Every byte the backend may hold for a device is counted while
- * the pool lock is dropped around a backend call: bytes_pending from before a
- * device malloc until its block is recorded, bytes_releasing from when a block
- * leaves the cache until the backend has freed it.  So threads sharing a
- * device cannot pass the limit check together, and the device never holds
- * more than the limit.
+ * The limit.  Every byte the backend may hold for a device is counted while the pool lock is dropped around a
+ * device call: bytes_pending from before a malloc (or map) until its block is recorded, bytes_releasing from when
+ * a block leaves the cache until the device has it back.  Threads sharing a device cannot pass the limit together.
  *
- * Inputs are checked once, where they enter: a request's size and device by the entry point that
- * receives it (Allocator.allocate, CuPy's hook, PyTorch's hook; xp_free checks the device of a free), the
- * settings by xpool.Settings (the core reads only a Settings of the package that loaded it); the functions
- * below the entry points take them as given.  The recovery ladder is one function (device_malloc, Note
- * [Recovery ladder]), the device's capacity asked in one place (pool_capacity).
+ * Inputs are checked once, where they enter (the entry points; settings in xpool/settings.py); the functions
+ * below them take them as given.
  */
 #ifndef XPOOL_CORE_H
 #define XPOOL_CORE_H
@@ -84,24 +74,12 @@
 #define XP_MAX_CLASSES_PER_DOUBLING 64
 #define XP_STREAM_PER_THREAD 2            /* cudaStreamPerThread's handle value */
 #define XP_MAX_DEBUG_TAIL (1 << 20)       /* canary bytes; keeps request + tail far from wrapping */
+#define XP_SMALL_SEGMENT (2u << 20)       /* segments: a block up to 1 MiB starts a 2 MiB segment, shared by later
+                                             small blocks (Note [Small segments]); a larger one's is its size */
 #define XP_EXPORT __attribute__((visibility("default")))   /* symbols PyTorch looks up by name */
 
-/* How blocks are made (Allocator.scheme; names in xpool/settings.py).  Note [Schemes] */
+/* How blocks are made (names in xpool/settings.py).  Note [Schemes] */
 enum { XP_SCHEME_SEGMENTS = 0, XP_SCHEME_SEED = 1, XP_SCHEME_EXPANDABLE = 2, XP_SCHEMES = 3 };
-extern const char *const xp_scheme_names[XP_SCHEMES];
-
-/* peer_access of scheme expandable: which other devices a map makes its pages accessible to (names in
- * xpool/settings.py).  Note [Expandable segments]: peer access */
-enum { XP_PEERS_NONE = 0, XP_PEERS_ALL = 1, XP_PEER_CHOICES = 2 };
-extern const char *const xp_peer_names[XP_PEER_CHOICES];
-
-/* release_on_miss: what a miss of scheme segments (release_for_miss) or expandable (vm_try) gives back first */
-enum { XP_RELEASE_NEVER = 0, XP_RELEASE_HIGH_WATER = 1, XP_RELEASE_ALWAYS = 2, XP_RELEASE_BOUNDED = 3,
-       XP_RELEASE_GROWTH = 4, XP_RELEASE_UNTIL_CHURN = 5, XP_RELEASE_PEAK = 6, XP_RELEASE_CHOICES = 7 };
-extern const char *const xp_release_names[XP_RELEASE_CHOICES];
-#define XP_MISS_BUDGET 1    /* bytes misses may give back, in high-water marks, until empty_cache
-                               (Note [Release on miss]) */
-#define XP_CHURN_RING 8     /* "until_churn", "peak": the page runs misses unmapped that a map is checked against */
 
 /* Who a block was handed to: CuPy's C hooks, PyTorch's pluggable-allocator hooks, Allocator.allocate(). */
 enum { ORIGIN_CUPY = 0, ORIGIN_TORCH = 1, ORIGIN_PYTHON = 2, XP_ORIGINS = 3 };
@@ -128,9 +106,7 @@ static inline void PyErr_SetRaisedException(PyObject *exc)
 }
 #endif
 
-/* ------------------------------------------------------------------ tables */
-
-/* Block (a class block, or a range of a segment) is defined in _segments.h */
+/* ------------------------------------------------------------------ tables (Block: _segments.h) */
 
 #define TOMBSTONE ((Block *)1)
 
@@ -161,20 +137,20 @@ typedef struct {
     uint64_t device_maps, device_unmaps;   /* scheme expandable: ops.map / ops.unmap calls that succeeded */
     uint64_t oom_recoveries, oom_errors;
     uint64_t blocks_in_use, blocks_cached;
-    uint64_t bytes_in_use;            /* class bytes of blocks in use */
+    uint64_t bytes_in_use;            /* bytes of blocks in use (their class or range) */
     uint64_t bytes_requested;         /* requested bytes of blocks in use */
-    uint64_t bytes_cached;            /* class bytes of free blocks */
-    uint64_t bytes_pending;           /* reserved for device mallocs in flight */
-    uint64_t bytes_releasing;         /* taken from the cache, the backend's free not yet returned (scheme
-                                         expandable: mapped bytes a map or unmap plan holds) */
+    uint64_t bytes_cached;            /* bytes of free blocks */
+    uint64_t bytes_pending;           /* counted for device mallocs (maps) in flight */
+    uint64_t bytes_releasing;         /* out of the cache, not yet back on the device (expandable: mapped bytes a
+                                         plan holds) */
     uint64_t peak_bytes_in_use, peak_bytes_requested, peak_bytes_reserved;
-    /* class bytes in use by origin; [ORIGIN_CUPY] stays 0: CuPy's share is bytes_in_use less the
-     * others, so CuPy's path pays no counter for it (see origin_in/origin_out) */
+    /* bytes in use by origin; [ORIGIN_CUPY] stays 0: CuPy's share is bytes_in_use less the others, so CuPy's
+     * path pays no counter for it (origin_in/origin_out) */
     uint64_t bytes_in_use_by[XP_ORIGINS];
 } Stats;
 
-/* Device allocations a pool holds for one stream key: the streams it knows on a device, which it asks before
- * giving anything back there (Note [Capture: every stream of a device]). */
+/* Device allocations a pool holds for one stream key: the streams asked before anything goes back there
+ * (Note [Capture: every stream of a device]). */
 typedef struct {
     intptr_t key;
     uint64_t allocations;
@@ -188,34 +164,17 @@ typedef struct DevicePool {
     size_t n_streams, streams_cap;
     PtrTable live;          /* blocks in use, by pointer */
     BinTable bins;          /* free blocks, by (stream, class) (scheme seed) */
-    FreeTree segs;          /* free ranges of segments (scheme segments), by (stream, size, ptr); scheme
-                               expandable: its free mapped blocks */
+    FreeTree segs;          /* free ranges (segments); free mapped blocks (expandable) */
     XeDevice *vm;           /* scheme expandable: the address ranges and their pages (NULL until vm_ready) */
     _Atomic int vm_ready;   /* vm is set: read without the lock by PyTorch's GIL-free miss */
     Stats st;
     uint64_t limit;         /* bytes the device may hold for this pool, pending mallocs included; 0 = none */
     uint64_t capacity;      /* the device's total bytes, asked once (pool_capacity); 0 = unknown */
-    uint64_t high_water;    /* most bytes committed by a device malloc of this pool (release_for_miss);
-                               reset_peaks leaves it alone: it is the pool's own, not a statistic */
-    uint64_t miss_released; /* bytes misses gave back since the last empty_cache (release_for_miss) */
-    int miss_release_off;   /* they passed XP_MISS_BUDGET marks: misses give nothing back until empty_cache */
-    uint64_t requested_high;    /* most bytes requested before the last reset_peaks (XP_RELEASE_BOUNDED's mark,
-                                   with the peak since: miss_mark); like high_water, not a statistic */
-    struct { uintptr_t addr; uint64_t bytes, most; } miss_unmapped[XP_CHURN_RING];   /* "until_churn", "peak":
-                                   the last runs misses unmapped, with the demand's most at the time (Note [Release
-                                   on miss: until_churn], Note [Release on miss: peak]) */
-    unsigned miss_unmapped_n;   /* runs recorded so far (the ring's next slot, modulo XP_CHURN_RING) */
-    uint64_t churned_at;        /* "until_churn", "peak": a miss mapped pages a miss had unmapped while the demand's
-                                   most was this (under "peak": within release_bound of it); 0 none: until the
-                                   demand passes it, misses under the most give nothing back */
     struct DevicePool *older;   /* in a fork()ed child: the parent's pool it replaced (forked_pools) */
 } DevicePool;
 
 /* Bytes the device holds for the pool: in use, cached, and being given back. */
-static inline uint64_t reserved(const Stats *s)
-{
-    return s->bytes_in_use + s->bytes_cached + s->bytes_releasing;
-}
+static inline uint64_t reserved(const Stats *s) { return s->bytes_in_use + s->bytes_cached + s->bytes_releasing; }
 
 /* What the limit is checked against: reserved plus device mallocs in flight. */
 static inline uint64_t committed(const Stats *s) { return reserved(s) + s->bytes_pending; }
@@ -235,7 +194,7 @@ typedef struct {
     uint64_t size;
     uint64_t bytes_in_use;
     uint64_t bytes_cached;
-    int32_t origin;         /* the block's origin; -1 for an event without a block (oom) */
+    int32_t origin;         /* the block's origin; -1 for an event without a block (oom, map, unmap) */
     int32_t unused;
 } Event;
 
@@ -249,9 +208,11 @@ typedef struct {
 
 /* ------------------------------------------------------------------ the Allocator object */
 
-/* CuPy's `intptr_t get_stream_ptr(int device)` (cupy_backends.cuda.stream): the current stream of a
- * device, as this thread set it; it may raise (no CUDA driver), returning -1 (Cython 3) or 0 (Cython 0.29). */
+/* CuPy's `intptr_t get_stream_ptr(int device)`: the current stream of a device, as this thread set it; it may
+ * raise (no CUDA driver), returning -1 (Cython 3) or 0 (Cython 0.29). */
 typedef intptr_t (*stream_fn_t)(int device);
+
+struct XpScheme;
 
 typedef struct {
     PyObject_HEAD
@@ -261,57 +222,47 @@ typedef struct {
     PyObject *weakreflist;
     stream_fn_t stream_fn;    /* a device's current stream, from CuPy; NULL: stream 0 unless given */
     int n_devices;            /* the backend's devices (at most XP_MAX_DEVICES): set once, read without a lock */
-    int scheme;               /* XP_SCHEME_*: how blocks are made */
+    int scheme;               /* XP_SCHEME_*: the hit side's switch */
+    const struct XpScheme *ops;   /* the same scheme's miss side */
     unsigned k;               /* scheme seed: classes per doubling above 1 MiB */
-    size_t segment_round;     /* scheme segments: a new segment for a block above 1 MiB: rounded up to this */
-    size_t small_segment;     /* scheme segments: a new segment for a block up to 1 MiB: rounded up to this */
-    int release_on_miss;      /* scheme segments: XP_RELEASE_*: which whole free segments of its stream a miss
-                                 gives back first (release_for_miss) */
-    uint64_t release_idle;    /* XP_RELEASE_HIGH_WATER: a miss gives back only segments whole and free for at
-                                 least this many requests (release_for_miss) */
-    double release_bound;     /* XP_RELEASE_BOUNDED, _GROWTH, _UNTIL_CHURN, _PEAK: a miss gives back what would
-                                 take committed bytes above this many times the most bytes ever requested
-                                 (miss_mark); _PEAK: only a miss whose demand is within it of that most */
-    int tells_capture;        /* the backend has .capturing(device, stream): stream_capturing asks it */
+    int tells_capture;        /* the backend has .capturing(device, stream) */
     int tells_alive;          /* the backend has .stream_alive(device, stream): asked before another stream's
-                                 capture state (a destroyed stream must never be asked: Note [Capture: every
-                                 stream of a device]) */
+                                 capture state (a destroyed stream must never be asked) */
     PyObject *vmm_capsule;    /* scheme expandable: backend.vmm(), kept alive while its ops are used */
     XvVmm vmm;                /* scheme expandable: the ops table in it (_vmm.h), called from C */
-    int peer_access;          /* scheme expandable: XP_PEERS_*: XP_PEERS_ALL maps pages for every device that can
-                                 access the pool's device (vm_init asks ops.peers once per device) */
-    /* scheme expandable: debug mode's check() reads live blocks from a listing that may be stale; while it
-     * reads (pins), nothing is unmapped (a block freed meanwhile keeps its pages), and the other way round */
+    /* scheme expandable: debug mode's check() reads live blocks from a listing that may be stale; while it reads
+     * (pins), nothing is unmapped (a block freed meanwhile keeps its pages), and the other way round */
     pthread_mutex_t pin_lock;
     pthread_cond_t pin_cv;
     int pins, unmapping;      /* guarded by pin_lock */
     int forked;               /* set in a fork()ed child */
-    pthread_mutex_t debug_lock;     /* guards debug_hook and debug_tail: set_debug swaps them together */
-    PyObject *debug_hook;     /* NULL, or .on_alloc(info) / .on_free(info) / .on_reuse(info) */
+    pthread_mutex_t debug_lock;     /* guards debug_hook and debug_tail: set_hook swaps them together */
+    PyObject *debug_hook;     /* NULL, or .on_alloc(info) / .on_free(info) / .on_reuse(info) / .on_segment(info) */
     size_t debug_tail;        /* bytes of canary room added in debug mode */
     _Atomic int debug_on;     /* debug_hook != NULL; read without the lock, so the hot path pays one load */
-    pthread_mutex_t registry_lock;  /* guards creation of pools[], default_limit and default_fraction;
-                                       lookups read pools[] atomically */
+    pthread_mutex_t registry_lock;  /* guards creation of pools[], default_limit and default_fraction */
     uint64_t default_limit;   /* the limit of a device's pool when it is created; 0 = none */
     double default_fraction;  /* > 0: instead, that share of the device's memory */
     _Atomic(DevicePool *) pools[XP_MAX_DEVICES];
-    /* In a fork()ed child: the parent's pools (linked by .older), whose blocks may still die here;
-     * written only by forget_pools_after_fork, in the child before it has other threads. */
+    /* In a fork()ed child: the parent's pools (linked by .older), whose blocks may still die here; written only
+     * by forget_pools_after_fork, in the child before it has other threads. */
     DevicePool *forked_pools[XP_MAX_DEVICES];
     Timeline tl;
 } Allocator;
 
-/* Per-thread stream keys (Note [Per-thread stream keys]).  cudaStreamPerThread is one handle for a different
- * stream in each thread: its blocks are keyed by thread, or a block freed on one thread's stream would be
- * reused on another's.  A thread's key is handed to it on first use, from a process-wide count, and never
- * to another thread (a key from the thread's id would be: the system reuses ids as threads end); keys are
- * negative, so no stream handle is one.  xp_thread_key_ended says whether the key's thread has ended. */
+/* ------------------------------------------------------------------ per-thread stream keys (_pool.c)
+ *
+ * Note [Per-thread stream keys].  cudaStreamPerThread is one handle for a different stream in each thread: its
+ * blocks are keyed by thread, or a block freed on one thread's stream would be reused on another's.  A thread's
+ * key is handed to it on first use, from a process-wide count, and never to another thread (a key from the
+ * thread's id would be: ids are reused as threads end); keys are negative, so no stream handle is one.  A key
+ * ends with its thread: with the thread's Python state where it has one (before Thread.join() returns), else
+ * with its POSIX thread-specific data. */
 extern _Thread_local intptr_t xp_own_thread_key;   /* this thread's key; 0 until its first use */
 intptr_t xp_new_thread_key(void);
 int xp_thread_key_ended(intptr_t key);
 
-/* The free-list key of a stream handle: the handle itself, or this thread's key for cudaStreamPerThread.
- * Every entry point keys alike (CuPy's, PyTorch's, Allocator.allocate), so blocks are shared per stream. */
+/* The free-list key of a stream handle: the handle itself, or this thread's key for cudaStreamPerThread. */
 static inline intptr_t stream_key(intptr_t stream)
 {
     if (stream != XP_STREAM_PER_THREAD) return stream;
@@ -319,8 +270,8 @@ static inline intptr_t stream_key(intptr_t stream)
     return key ? key : xp_new_thread_key();
 }
 
-/* The stream handle of a free-list key, when this thread can name it: a handle is its own; this thread's key
- * is cudaStreamPerThread; -1 for another thread's key (its per-thread stream has no handle here). */
+/* The stream handle of a key, when this thread can name it: a handle is its own; this thread's key is
+ * cudaStreamPerThread; -1 for another thread's key (its per-thread stream has no handle here). */
 static inline intptr_t stream_handle(intptr_t key)
 {
     if (key >= 0) return key;
@@ -328,10 +279,10 @@ static inline intptr_t stream_handle(intptr_t key)
 }
 
 /* ------------------------------------------------------------------ the GIL, taken only when needed
-
+ *
  * An operation that may run without the GIL (PyTorch's miss of scheme expandable) or that drops it around
- * blocking device calls (an ops.map or ops.unmap: the unmap synchronises the device) says where it stands in
- * an XpGil.  Never take it (xp_gil_take) with a pool lock held: the holder of the GIL may be waiting for it. */
+ * blocking device calls (an unmap synchronises the device) says where it stands in an XpGil.  Never take it
+ * (xp_gil_take) with a pool lock held: the holder of the GIL may be waiting for that lock. */
 typedef struct {
     int held;                 /* this thread holds the GIL now */
     int caller_held;          /* it held it when the operation began, and must at the end */
@@ -364,37 +315,70 @@ static inline void xp_gil_end(XpGil *g)
     if (g->ensured) { PyGILState_Release(g->state); g->ensured = 0; g->held = 0; }
 }
 
-/* ------------------------------------------------------------------ _alloc.c, for the other files */
+/* ------------------------------------------------------------------ the recovery ladder (_ladder.c) */
 
-int xp_alloc_module_init(void);   /* with the GIL, once: what the ladder calls (gc.collect) */
+enum { TRY_GOT = 0, TRY_FAILED = -1, TRY_NO_ROOM = 1 };   /* what one try came to */
+#define VM_NO_HOST_MEMORY 100         /* VmFault.status: the host had no memory for the bookkeeping */
 
-size_t xp_size_class(size_t n, unsigned k);   /* size classes; n <= XP_MAX_REQUEST + XP_MAX_DEBUG_TAIL */
+/* What a failed device op said, kept for the error raised later, with the GIL. */
+typedef struct {
+    int status;               /* 0: none; an XvStatus; VM_NO_HOST_MEMORY */
+    char why[256];
+} VmFault;
 
-/* The ValueError for a request of n > XP_MAX_REQUEST bytes ("larger than any device"). */
-void xp_refuse_request(unsigned long long n);
+/* One request's way up the ladder. */
+typedef struct {
+    size_t requested, size;     /* the request; the bytes of the device allocation (expandable: of the block) */
+    size_t exact;               /* the block's own bytes: what size falls back to when a shared segment does not
+                                   fit (Note [Small segments]); size itself otherwise */
+    intptr_t stream;            /* the request's stream key */
+    int step;                   /* 0: the first try; 1, 2: after freeing the cache (and collecting) */
+    int reserved;               /* size counts in bytes_pending: from the try that passed the limit on */
+    int over_limit;             /* the limit refused, and size is larger than the limit itself */
+    int by_device;              /* what refused the last try: the device (a MemoryError), else the limit */
+    PyObject *cause;            /* the backend's MemoryError of the last try, or NULL */
+    uintptr_t ptr;              /* seed, segments: the device allocation the try got */
+    int origin;                 /* expandable: who the block is handed to */
+    PyObject *hook;             /* expandable: the debug hook (a borrowed reference), or NULL */
+    Block *block;               /* expandable: the block the try that got it made */
+    int no_range;               /* expandable: the address space refused a range: emptied ranges go back too */
+    VmFault oom;                /* expandable: why the device refused the last try (the error's cause) */
+    VmFault fault;              /* expandable: an op that failed for another reason (raised by climb) */
+} Climb;
 
-/* The allocation path: the block (in use), or NULL with an exception set.  device in [0, XP_MAX_DEVICES)
- * and requested <= XP_MAX_REQUEST, checked by the caller.  origin: who the block is handed to (ORIGIN_CUPY:
- * the caller gives it a reference to A). */
-Block *xp_alloc(Allocator *A, int device, intptr_t stream, size_t requested, int origin);
+/* One request's way up the ladder: TRY_GOT, or TRY_FAILED with an exception (the GIL held then). */
+int climb(Allocator *A, DevicePool *pool, Climb *c, XpGil *g);
+int xp_ladder_module_init(void);   /* with the GIL, once: gc.collect */
 
-/* The free path: the block goes back to its own device's pool, to the cache of the stream it was handed
- * out on.  Returns
- *   0  done;
- *   1  with the debug hook's exception: the block was taken back, but the hook
- *      raised (it found damage, or could not poison the block: the block then
- *      goes back to the device rather than into the cache unpoisoned);
- *   2  a block the parent process handed out, dying in a fork()ed child: forgotten;
- *  -1  with an exception: a bad device, or a pointer this pool did not hand out (nothing changed).
- * *holds_ref: the block held a reference to A (it was handed to CuPy); the caller drops it, last. */
-int xp_free(Allocator *A, int device, uintptr_t ptr, int *holds_ref);
+/* ------------------------------------------------------------------ a scheme's miss side (Note [Schemes]) */
 
-/* CuPy's CFunctionAllocator hooks (Allocator.cfunctions() hands their addresses out). */
-void *cupy_malloc(void *param, size_t size, int device);
-void cupy_free(void *param, void *ptr, int device);
+typedef struct XpScheme {
+    const char *name;
+    /* A miss: a new block of `size` bytes in use (counted), or NULL with an exception.  With the GIL. */
+    Block *(*make)(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, size_t size, PyObject *hook,
+                   int origin);
+    /* One try of the ladder: TRY_GOT, TRY_NO_ROOM (the limit or the device refused), TRY_FAILED. */
+    int (*try_)(Allocator *A, DevicePool *pool, Climb *c, XpGil *g);
+    /* The ladder's "free the cache": everything cached on the device back to it.  0, or TRY_FAILED. */
+    int (*free_cache)(Allocator *A, DevicePool *pool, Climb *c, XpGil *g);
+    /* Cached bytes back to the device until at most `keep` stay cached (of one stream, unless all_streams);
+     * `empty`: empty_cache (expandable: the emptied address ranges too).  Bytes given back, or -1. */
+    long long (*release)(Allocator *A, DevicePool *pool, int all_streams, intptr_t stream, uint64_t keep, int empty,
+                         XpGil *g);
+    /* 1 when nothing may go back to the device now (a stream of it captures, or may), 0 when it may, -1 with the
+     * backend's exception.  With the GIL, no pool lock. */
+    int (*captures)(Allocator *A, DevicePool *pool, intptr_t key);
+    /* A new block whose hand-out failed (its debug hook raised; its bytes on bytes_releasing): back to the device
+     * unless a stream captures (then cached), keeping the exception set. */
+    void (*discard)(Allocator *A, DevicePool *pool, Block *b);
+} XpScheme;
 
-/* ValueError unless 0 <= device < A->n_devices (the backend's devices); 0 when it is.  Every entry point asks
- * it before anything is made or counted for the device. */
+extern const XpScheme xp_seed, xp_segments, xp_expandable;
+
+/* ------------------------------------------------------------------ _pool.c */
+
+int xp_pool_module_init(void);   /* with the GIL, once */
+/* ValueError unless 0 <= device < A->n_devices; 0 when it is. */
 int xp_check_device(const Allocator *A, int device);
 /* A device's pool, made on first use (NULL with an exception); device checked by the caller. */
 DevicePool *pool_get(Allocator *A, int device);
@@ -402,55 +386,74 @@ static inline DevicePool *pool_lookup(Allocator *A, int device)
 {
     return atomic_load_explicit(&A->pools[device], memory_order_acquire);
 }
+/* The device's total bytes (0: unknown), asked of the backend once, with the GIL. */
+uint64_t pool_capacity(Allocator *A, DevicePool *pool);
+/* The same, as the first miss asked it, without calling Python (0: not asked, or unknown). */
+uint64_t pool_known_capacity(DevicePool *pool);
 
-/* Cached blocks back to the device until at most `keep` bytes stay cached (of one stream, or all when
- * all_streams).  Returns bytes released; -1 with the first failed free's exception.  Scheme expandable: whole
- * free pages unmapped (nothing while a stream of the device captures), the address ranges kept. */
-long long release_cached(Allocator *A, DevicePool *pool, int all_streams, intptr_t stream, uint64_t keep);
-/* 1 when nothing may go back to the device now: a stream of it captures, or may (Note [Capture: every
- * stream of a device]); 0 when it may; -1 with the backend's exception.  With the GIL, no pool lock (scheme
- * expandable: the ops answer, from C; no GIL needed, never -1). */
-int device_captures(Allocator *A, DevicePool *pool, intptr_t key);
-/* empty_cache() of one device: release_cached of everything; scheme expandable gives the address ranges left
- * with nothing mapped back too.  g: whether the GIL may be let go around device ops. */
-long long empty_cache(Allocator *A, DevicePool *pool, XpGil *g);
-
-/* empty_cache(): misses may give back again (Note [Release on miss]).  forget_misses: the same, pool lock held. */
-void reset_miss_budget(DevicePool *pool);
-void forget_misses(DevicePool *pool);
-uint64_t miss_mark(const Allocator *A, const DevicePool *pool, size_t requested);
-int miss_may_release(const Allocator *A, const DevicePool *pool, size_t requested);
-/* "until_churn" (pool lock held): a miss unmapped [addr, addr + bytes); a miss will map [addr, addr + bytes). */
-void note_miss_unmap(DevicePool *pool, uintptr_t addr, uint64_t bytes);
-void note_miss_map(const Allocator *A, DevicePool *pool, uintptr_t addr, uint64_t bytes);
-
-/* Requests a free segment (expandable: a free block's pages) must have stayed unchanged before a miss may give it
- * back: release_idle under "high_water"; every other rule takes any age (Note [Release on miss]). */
-static inline uint64_t miss_min_idle(const Allocator *A)
-{
-    return A->release_on_miss == XP_RELEASE_HIGH_WATER ? A->release_idle : 0;
-}
-
+/* The debug hook (a new reference, NULL when off) and its tail as one pair; drop_hook() drops it keeping any
+ * exception set; set_hook() swaps hook (None: off) and tail together; call_hook() calls hook.<name>(info), -1
+ * with its exception set if it raised. */
 PyObject *block_info(const Block *b, size_t requested);
-
-/* The debug hook (a new reference, NULL when off) and its tail, as one pair; drop_hook() drops it keeping
- * any exception set; set_hook() swaps hook (None: off) and tail together. */
 PyObject *debug_snapshot(Allocator *A, size_t *tail);
 void drop_hook(PyObject *hook);
 void set_hook(Allocator *A, PyObject *hook, size_t tail);
+int call_hook(PyObject *hook, const char *name, const Block *b, size_t requested);
 
-/* ------------------------------------------------------------------ _pages.c, for the other files */
+/* The stream keys holding device allocations (pool lock held): `key`'s entry, made when `make`; NULL if none. */
+StreamUse *stream_use(DevicePool *pool, intptr_t key, int make);
+void stream_use_gone(DevicePool *pool, intptr_t key);   /* a device allocation of `key` went back */
+/* Whether a stream of keys[0..k) captures (keys[0]: the legacy stream, keys[1]: the request's), each asked through
+ * `ask`; another thread's per-thread stream counts as capturing while that thread lives.  Its first nonzero answer
+ * (-1: its error). */
+int streams_capture(Allocator *A, int device, const intptr_t *keys, size_t k, int (*ask)(Allocator *, int, intptr_t));
+/* captures() of the schemes whose device calls are backend.malloc/free (the backend's .capturing). */
+int backend_captures(Allocator *A, DevicePool *pool, intptr_t key);
+static inline int device_captures(Allocator *A, DevicePool *pool, intptr_t key)
+{
+    return A->ops->captures(A, pool, key);
+}
+
+/* Raises xpool.OutOfMemoryError for a request (reason: what refused), chained to `cause` (stolen).  -1. */
+int raise_oom(Allocator *A, DevicePool *pool, size_t requested, size_t size, const char *reason, PyObject *cause);
+
+/* ------------------------------------------------------------------ _pages.c, for _torch.c and _module.c */
 
 /* Scheme expandable, PyTorch's miss (debug mode off, the device's ranges made: pool->vm_ready): a new block of
- * `requested` bytes through the ladder, the request and the miss counted.  Runs without the GIL unless the
- * ladder must collect garbage or raise: then it takes it (g says so); NULL with the exception set, the GIL
- * held.  The caller ends with xp_gil_end(g). */
+ * `requested` bytes, the request and the miss counted.  Runs without the GIL unless the ladder must collect garbage
+ * or raise: then it takes it (g says so); NULL with the exception set, the GIL held.  The caller ends with
+ * xp_gil_end(g). */
 Block *xp_vm_alloc(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, int origin, XpGil *g);
-/* Pins the pages of scheme expandable (on) or lets them go (off): while any pin holds, nothing is unmapped.
- * With the GIL; it is let go while a pin waits for an unmap in flight. */
+/* Pins the pages of scheme expandable (on) or lets them go (off): while any pin holds, nothing is unmapped. */
 void xp_pin_pages(Allocator *A, int on);
 /* The address range of scheme expandable holding ptr on the device: 1 with *base, *bytes; 0 when none does. */
 int xp_vm_range_of(Allocator *A, int device, uintptr_t ptr, uintptr_t *base, size_t *bytes);
+/* Scheme expandable: the backend's virtual-memory ops (backend.vmm()) into A->vmm; -1 with an exception. */
+int xp_vm_open(Allocator *A, PyObject *backend);
+
+/* ------------------------------------------------------------------ _alloc.c, for _torch.c and _module.c */
+
+size_t xp_size_class(size_t n, unsigned k);   /* size classes; n <= XP_MAX_REQUEST + XP_MAX_DEBUG_TAIL */
+void xp_refuse_request(unsigned long long n); /* the ValueError for n > XP_MAX_REQUEST */
+
+/* The allocation path: the block (in use), or NULL with an exception set.  device and requested checked by the
+ * caller.  origin: who the block is handed to (ORIGIN_CUPY: the caller gives it a reference to A). */
+Block *xp_alloc(Allocator *A, int device, intptr_t stream, size_t requested, int origin);
+/* The free path: the block goes back to its own device's pool, to the cache of its stream.  Returns 0 done;
+ * 1 with the debug hook's exception (the block was taken back, but the hook raised: found damage, or could not
+ * poison it, and then it went back to the device); 2 a block the parent process handed out, dying in a fork()ed
+ * child: forgotten; -1 with an exception: a bad device, or a pointer this pool did not hand out (nothing changed).
+ * *holds_ref: the block held a reference to A (it was handed to CuPy); the caller drops it, last. */
+int xp_free(Allocator *A, int device, uintptr_t ptr, int *holds_ref);
+
+/* CuPy's CFunctionAllocator hooks (Allocator.cfunctions() hands their addresses out). */
+void *cupy_malloc(void *param, size_t size, int device);
+void cupy_free(void *param, void *ptr, int device);
+
+/* Cached bytes back to the device until at most `keep` stay (of one stream, or all when all_streams); with
+ * `empty` and keep 0, empty_cache().  Nothing while a stream of the device captures.  Bytes, or -1. */
+long long xp_release(Allocator *A, DevicePool *pool, int all_streams, intptr_t stream, uint64_t keep, int empty,
+                     XpGil *g);
 
 /* ------------------------------------------------------------------ _torch.c, for _module.c */
 

@@ -50,30 +50,16 @@ void xe_destroy(XeDevice *x)
 
 /* ------------------------------------------------------------------ the hit path */
 
-/* A free block's age (Block.whole_since) is when it last changed: cut, merged, mapped.  A miss at the high-water
- * mark unmaps only blocks older than min_idle requests (release_for_miss in _core.c says why). */
-Block *xe_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d)
-{
-    Block *b = seg_take(t, stream, size, d);
-    if (b && b->next_addr && b->next_addr->waiting) b->next_addr->whole_since = t->clock;   /* the rest of a cut */
-    return b;
-}
+Block *xe_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d) { return seg_take(t, stream, size, d); }
 
-Block *xe_put(FreeTree *t, Block *b, SegDelta *d)
-{
-    b = seg_put(t, b, d);
-    b->whole_since = t->clock;
-    return b;
-}
+Block *xe_put(FreeTree *t, Block *b, SegDelta *d) { return seg_put(t, b, d); }
 
-/* A free piece back into the tree, merged with its free neighbours, aged from now. */
+/* A free piece back into the tree, merged with its free neighbours. */
 static Block *put_free(FreeTree *t, Block *b, XeDelta *d)
 {
     b->vm_state = XE_MAPPED;
     b->is_free = b->waiting = 0;
-    b = seg_put(t, b, &d->free);
-    b->whole_since = t->clock;
-    return b;
+    return seg_put(t, b, &d->free);
 }
 
 /* ------------------------------------------------------------------ chains and unmapped lists */
@@ -354,7 +340,6 @@ typedef struct {
 typedef struct {
     const XeDevice *x;
     const XeRelease *spec;
-    uint64_t clock;
     Candidate *c;
     size_t n, cap;
     int oom;
@@ -371,7 +356,7 @@ static int collect(Block *b, void *arg)
     Candidates *s = arg;
     if (b->vm_state != XE_MAPPED || (!s->spec->all_streams && b->stream != s->spec->stream)) return 0;
     size_t w = whole_pages(b, s->x->page);
-    if (s->clock - b->whole_since < s->spec->min_idle || !w) return 0;
+    if (!w) return 0;
     if (s->n == s->cap) {
         size_t cap = s->cap ? 2 * s->cap : 64;
         Candidate *c = realloc(s->c, cap * sizeof *c);
@@ -411,14 +396,13 @@ static int plan_run(XeDevice *x, FreeTree *t, Block *f, size_t bytes, XeUnmapPla
         free(spare);
         return -1;
     }
-    uint64_t age = f->whole_since;
     seg_unfile(t, f, &d->free);
     f->vm_state = XE_UNMAPPING;   /* pieces cut from it keep this until they are put back */
     if (tail) cut(f, e - f->ptr, tail);
     if (mid != f) cut(f, a - f->ptr, mid);
     mid->vm_state = XE_UNMAPPING;
-    if (mid != f) put_free(t, f, d)->whole_since = age;   /* unchanged free memory keeps its age */
-    if (tail) put_free(t, tail, d)->whole_since = age;
+    if (mid != f) put_free(t, f, d);
+    if (tail) put_free(t, tail, d);
     d->held += (int64_t)bytes;
     r->in_flight++;
     plan->runs[plan->n++] = (XeUnmapRun){r, mid, a, bytes, spare};
@@ -431,7 +415,7 @@ int xe_plan_unmap(XeDevice *x, FreeTree *t, const XeRelease *spec, XeUnmapPlan *
     memset(plan, 0, sizeof *plan);
     if (!spec->need) return 0;
     seg_flush(t);
-    Candidates s = {x, spec, t->clock, NULL, 0, 0, 0};
+    Candidates s = {x, spec, NULL, 0, 0, 0};
     seg_each_free(t, collect, &s);
     int rc = s.oom ? -1 : 0;
     if (s.n) qsort(s.c, s.n, sizeof *s.c, by_pages);   /* by whole-page bytes, then address: deterministic */

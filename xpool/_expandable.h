@@ -1,15 +1,15 @@
 /*
- * xpool._expandable: the range manager of the expandable scheme (Note [Expandable segments] in NOTES.md).
+ * xpool._expandable: the range manager of the expandable scheme (Note [Expandable segments] in _pages.c).
  *
  * Per (device, stream), one large reserved address range (more when one fills up), its pages mapped as the
  * pool grows.  Every byte of a range lies in exactly one Block of its chain (Block.prev_addr/next_addr, by
  * address): mapped blocks, in use or free, and runs of unmapped pages.  The free mapped blocks are the
  * ordinary free ranges of _segments.c, in the device's FreeTree: a hit is seg_take's best fit, split and
- * merge (xe_take/xe_put add a free block's age), so the hit path is the scheme xpool's.  Unmapped runs are
+ * merge (xe_take/xe_put), so the hit path is scheme segments'.  Unmapped runs are
  * Blocks of the chain too, kept apart from the tree in their range's own list, so a free block never merges
  * with one (seg_put merges only with free neighbours).
  *
- * Only a miss maps pages, and only releases unmap them.  Both are planned under the core's pool lock, the
+ * Only a miss maps pages, and only releases (empty_cache, trim, the ladder) unmap them.  Both are planned under the core's pool lock, the
  * device ops (_vmm.h) are called after (with the lock dropped, if the core likes), and a finish call commits
  * or rolls back, under the lock again.  While a plan is in flight its pieces are out of every list, so other
  * threads' takes, puts and plans never touch them; the bytes of mapped pieces count on XeDelta.held (the
@@ -107,8 +107,6 @@ typedef struct {
     intptr_t stream;
     uint64_t need;         /* at least this many bytes, as few whole pages as cover it: the smallest free block
                               that covers it alone, else the largest first; UINT64_MAX: every whole free page */
-    uint64_t min_idle;     /* only free blocks unchanged for this many requests (FreeTree.clock) */
-    int for_miss;          /* a miss gives these back: "until_churn" and "peak" remember them (note_miss_unmap) */
 } XeRelease;
 
 /* A range's size for a device of `capacity` bytes: 1.125x it (as PyTorch), whole pages, at least one page. */
@@ -121,7 +119,7 @@ int xe_init(XeDevice *x, int device, size_t page, size_t range_bytes, uint64_t p
  * the FreeTree's and the core's. */
 void xe_destroy(XeDevice *x);
 
-/* The hit path: seg_take / seg_put, and the block's age for min_idle. */
+/* The hit path: seg_take / seg_put on the device's free mapped blocks. */
 Block *xe_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d);
 Block *xe_put(FreeTree *t, Block *b, SegDelta *d);
 

@@ -1,11 +1,16 @@
 /*
- * xpool._core: the hot path's operations on a device pool's C structures (Note [Hit path] in NOTES.md).
+ * xpool._core: the hot path's operations on a device pool's C structures.
  *
  * Static, in a header, so that each file that runs a hit or a free has them inlined beside its entry point:
  * _alloc.c (CuPy's hooks, Allocator.allocate, with the GIL) and _torch.c (PyTorch's entry points, without
  * it).  Nothing here locks, calls Python or the backend: the callers hold the pool lock.  The schemes' hit
- * side is here (scheme_block_size, scheme_take, cache_block); their miss side is in _alloc.c, scheme expandable's
- * pages in _pages.c (Note [Schemes]).
+ * side is here (scheme_block_size, scheme_take, cache_block); their miss side is their XpScheme table.
+ *
+ * Note [Hit path].  A hit is one lock, a table lookup (seed: the bin of its stream and class, LIFO; segments and
+ * expandable: the best fit in the free-range treap, or the exact-size cache beside it, FreeTree.recent) and an
+ * insert into the live table; a free the reverse.  No Python, no backend call, no allocation in the common case
+ * (Blocks of merged ranges are kept for the next split).  CuPy's hook is given the device, so it asks CuPy's
+ * per-device current stream directly (cupy_backends' get_stream_ptr) rather than cudaGetDevice first.
  */
 #ifndef XPOOL_HOT_H
 #define XPOOL_HOT_H
@@ -203,7 +208,7 @@ static void cache_block(DevicePool *pool, Block *b)
     b->requested = 0;
     if (b->in_segment) {   /* merges with free neighbours: b may be freed, never use it after this */
         SegDelta d = {0, 0};
-        if (pool->vm) xe_put(&pool->segs, b, &d);   /* scheme expandable: its age starts again too */
+        if (pool->vm) xe_put(&pool->segs, b, &d);
         else seg_put(&pool->segs, b, &d);
         apply_delta(&pool->st, d);
         return;

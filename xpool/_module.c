@@ -1,5 +1,5 @@
-/* xpool._core: the CPython binding (the Allocation and Allocator types, argument parsing, module init).
- * The allocator itself is _alloc.c; see _core.h. */
+/* xpool._core: the CPython binding (the Allocation and Allocator types, argument parsing, module init); see
+ * _core.h for the layers. */
 #include "_core.h"
 
 #include <structmember.h>
@@ -88,36 +88,8 @@ static int nbytes_arg(PyObject *o, void *out)
  * this build (under whatever name: xlab.builds loads two side by side) says which class it trusts. */
 static PyObject *core_module;
 
-/* The index of `name` among `names`, or -1. */
-static int choice(const char *name, const char *const *names, int n)
-{
-    for (int i = 0; i < n; i++)
-        if (!strcmp(name, names[i])) return i;
-    return -1;
-}
-
-/* settings.<name> as a C string among `names` (its index), or -1 with an error. */
-static int read_choice(PyObject *settings, const char *name, const char *const *names, int n)
-{
-    PyObject *v = PyObject_GetAttrString(settings, name);
-    if (!v) return -1;
-    const char *s = PyUnicode_Check(v) ? PyUnicode_AsUTF8(v) : NULL;
-    int i = s ? choice(s, names, n) : -1;
-    if (i < 0 && !PyErr_Occurred())
-        PyErr_Format(PyExc_ValueError, "settings.%s: unknown value %R", name, v);
-    Py_DECREF(v);
-    return i;
-}
-
-/* settings.<name> as a float (checked when the settings were made), or -1 with an error. */
-static int read_double(PyObject *settings, const char *name, double *out)
-{
-    PyObject *v = PyObject_GetAttrString(settings, name);
-    if (!v) return -1;
-    *out = PyFloat_AsDouble(v);
-    Py_DECREF(v);
-    return *out == -1.0 && PyErr_Occurred() ? -1 : 0;
-}
+static const char *const scheme_names[XP_SCHEMES] = {"segments", "seed", "expandable"};
+static const XpScheme *const scheme_ops[XP_SCHEMES] = {&xp_segments, &xp_seed, &xp_expandable};
 
 /* settings.<name> as an unsigned integer, or -1 with an error. */
 static int read_u64(PyObject *settings, const char *name, unsigned long long *out)
@@ -127,6 +99,22 @@ static int read_u64(PyObject *settings, const char *name, unsigned long long *ou
     int ok = u64_arg(v, out, name);
     Py_DECREF(v);
     return ok ? 0 : -1;
+}
+
+/* settings.scheme's index in scheme_names, or -1 with an error. */
+static int read_scheme(PyObject *settings)
+{
+    PyObject *v = PyObject_GetAttrString(settings, "scheme");
+    if (!v) return -1;
+    const char *s = PyUnicode_Check(v) ? PyUnicode_AsUTF8(v) : NULL;
+    int i = XP_SCHEMES;
+    while (s && i-- > 0 && strcmp(s, scheme_names[i])) ;
+    if (!s || i < 0) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "settings.scheme: unknown value %R", v);
+        i = -1;
+    }
+    Py_DECREF(v);
+    return i;
 }
 
 /* Reads what the core needs of a resolved xpool.Settings (every field was checked when it was made);
@@ -142,23 +130,11 @@ static int read_settings(Allocator *self, PyObject *settings, unsigned long long
                               "this core), got %R", (PyObject *)Py_TYPE(settings));
         return -1;
     }
-    unsigned long long k = 1, small = 0, round = 0, idle = 0, limit = 0;
-    double bound = 0;
-    int scheme = read_choice(settings, "scheme", xp_scheme_names, XP_SCHEMES), release = 0, peers = XP_PEERS_NONE;
-    if (scheme < 0) return -1;
-    if (scheme == XP_SCHEME_EXPANDABLE &&
-        (peers = read_choice(settings, "peer_access", xp_peer_names, XP_PEER_CHOICES)) < 0)
+    unsigned long long k = 1, limit = 0;
+    int scheme = read_scheme(settings);
+    if (scheme < 0 || (scheme == XP_SCHEME_SEED && read_u64(settings, "classes_per_doubling", &k) < 0) ||
+        read_u64(settings, "timeline", timeline) < 0)
         return -1;
-    if (scheme == XP_SCHEME_SEED) {
-        if (read_u64(settings, "classes_per_doubling", &k) < 0) return -1;
-    } else if ((scheme == XP_SCHEME_SEGMENTS && (read_u64(settings, "small_segment", &small) < 0 ||
-                                                 read_u64(settings, "segment_round", &round) < 0)) ||
-               read_u64(settings, "release_idle", &idle) < 0 ||   /* segments and expandable */
-               read_double(settings, "release_bound", &bound) < 0 ||
-               (release = read_choice(settings, "release_on_miss", xp_release_names, XP_RELEASE_CHOICES)) < 0) {
-        return -1;
-    }
-    if (read_u64(settings, "timeline", timeline) < 0) return -1;
     PyObject *lim = PyObject_GetAttrString(settings, "limit");   /* bytes (int), or a share (float) */
     if (!lim) return -1;
     double fraction = PyFloat_Check(lim) ? PyFloat_AsDouble(lim) : 0;
@@ -166,51 +142,12 @@ static int read_settings(Allocator *self, PyObject *settings, unsigned long long
     Py_DECREF(lim);
     if (!ok) return -1;
     self->scheme = scheme;
+    self->ops = scheme_ops[scheme];
     self->k = (unsigned)k;
-    self->small_segment = (size_t)small;
-    self->segment_round = (size_t)round;
-    self->release_on_miss = release;
-    self->release_idle = idle;
-    self->release_bound = bound;
-    self->peer_access = peers;
     self->default_limit = limit;
     self->default_fraction = fraction;
     Py_INCREF(settings);
     Py_XSETREF(self->settings, settings);
-    return 0;
-}
-
-/* Scheme expandable: the backend's virtual-memory ops (backend.vmm(), a capsule of _vmm.h's XvVmm), kept in the
- * Allocator.  A backend without them is refused, naming the scheme and the backend. */
-static int read_vmm(Allocator *self, PyObject *backend)
-{
-    PyObject *vmm = PyObject_GetAttrString(backend, "vmm");
-    if (!vmm) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "scheme 'expandable' needs a backend with virtual memory (a vmm() method, as "
-                     "xpool.CupyBackend and xpool.HostBackend have); %.100s has none: use scheme 'segments' with it",
-                     Py_TYPE(backend)->tp_name);
-        return -1;
-    }
-    PyObject *cap = PyObject_CallNoArgs(vmm);
-    Py_DECREF(vmm);
-    if (!cap) {
-        PyObject *exc = PyErr_GetRaisedException();
-        PyErr_Format(PyExc_RuntimeError, "scheme 'expandable': %.100s.vmm() failed: %S", Py_TYPE(backend)->tp_name, exc);
-        PyObject *err = PyErr_GetRaisedException();
-        PyException_SetCause(err, exc);
-        PyErr_SetRaisedException(err);
-        return -1;
-    }
-    XvVmm *v = PyCapsule_IsValid(cap, XV_CAPSULE) ? PyCapsule_GetPointer(cap, XV_CAPSULE) : NULL;
-    if (!v || !v->ops || v->ops->abi != XV_ABI) {
-        PyErr_Format(PyExc_TypeError, "scheme 'expandable': %.100s.vmm() must return an '" XV_CAPSULE "' capsule of "
-                     "ABI %d, got %R", Py_TYPE(backend)->tp_name, XV_ABI, cap);
-        Py_DECREF(cap);
-        return -1;
-    }
-    self->vmm = *v;
-    Py_XSETREF(self->vmm_capsule, cap);
     return 0;
 }
 
@@ -323,7 +260,7 @@ static int Allocator_init(Allocator *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     if (read_settings(self, settings, &timeline) < 0) return -1;
-    if (self->scheme == XP_SCHEME_EXPANDABLE && read_vmm(self, backend) < 0) return -1;
+    if (self->scheme == XP_SCHEME_EXPANDABLE && xp_vm_open(self, backend) < 0) return -1;
     Py_INCREF(backend); Py_XSETREF(self->backend, backend);
     Py_INCREF(factory); Py_XSETREF(self->error_factory, factory);
     self->tells_capture = PyObject_HasAttrString(backend, "capturing");
@@ -384,7 +321,7 @@ static void Allocator_dealloc(Allocator *self)
             /* a block whose free fails now is lost to the process: nothing is left to retry it */
             XpGil g = XP_GIL_HELD;
             g.may_drop = 0;   /* a dealloc keeps the GIL */
-            if (self->backend && empty_cache(self, pool, &g) < 0) PyErr_WriteUnraisable(NULL);
+            if (self->backend && self->ops->release(self, pool, 1, 0, 0, 1, &g) < 0) PyErr_WriteUnraisable(NULL);
             pool_destroy(pool);
         }
         for (DevicePool *p = self->forked_pools[d], *older; p; p = older) {   /* our copies only */
@@ -525,26 +462,16 @@ static PyObject *Allocator_devices(Allocator *self, PyObject *unused)
     return out;
 }
 
-/* reset_peaks(device, history=False): the peak gauges to the current levels; history: also what the release rules
- * remember of the program so far (the most bytes requested and committed, the miss budget, until_churn's ring), so
- * the pool treats what follows as a new program (Note [Release on miss: until_churn]). */
-static PyObject *Allocator_reset_peaks(Allocator *self, PyObject *args, PyObject *kwds)
+/* reset_peaks(device): the peak gauges to the current levels. */
+static PyObject *Allocator_reset_peaks(Allocator *self, PyObject *args)
 {
-    static char *kwlist[] = {"device", "history", NULL};
-    int device, history = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i|p", kwlist, &device, &history)) return NULL;
+    int device;
+    if (!PyArg_ParseTuple(args, "i", &device)) return NULL;
     DevicePool *pool = pool_arg(self, device, 0);
     if (PyErr_Occurred()) return NULL;
     if (pool) {
         pthread_mutex_lock(&pool->lock);
         pool->st.peak_bytes_in_use = pool->st.bytes_in_use;
-        if (history) {                      /* one locked section: no miss sees half a new program */
-            pool->requested_high = pool->st.bytes_requested;
-            pool->high_water = committed(&pool->st);
-            forget_misses(pool);
-        } else if (pool->st.peak_bytes_requested > pool->requested_high) {
-            pool->requested_high = pool->st.peak_bytes_requested;
-        }
         pool->st.peak_bytes_requested = pool->st.bytes_requested;
         pool->st.peak_bytes_reserved = reserved(&pool->st);
         pthread_mutex_unlock(&pool->lock);
@@ -567,18 +494,9 @@ static PyObject *Allocator_release(Allocator *self, PyObject *args, PyObject *kw
     if (!pool) return PyLong_FromLong(0);
     long long s = 0;
     if (stream != Py_None && !stream_arg(stream, &s)) return NULL;
-    intptr_t key = stream_key((intptr_t)s);
-    int capturing = device_captures(self, pool, key);   /* then nothing goes back here: the capture would end */
-    if (capturing) return capturing < 0 ? NULL : PyLong_FromLong(0);
-    long long n;
-    if (stream == Py_None && !keep) {   /* empty_cache() */
-        reset_miss_budget(pool);
-        XpGil g = XP_GIL_HELD;
-        n = empty_cache(self, pool, &g);
-        xp_gil_end(&g);
-    } else {
-        n = release_cached(self, pool, stream == Py_None, key, keep);
-    }
+    XpGil g = XP_GIL_HELD;
+    long long n = xp_release(self, pool, stream == Py_None, stream_key((intptr_t)s), keep, 1, &g);
+    xp_gil_end(&g);
     return n < 0 ? NULL : PyLong_FromLongLong(n);
 }
 
@@ -769,7 +687,7 @@ static PyObject *Allocator_get_tail(Allocator *self, void *closure)
 }
 static PyObject *Allocator_get_scheme(Allocator *self, void *closure)
 {
-    return PyUnicode_FromString(xp_scheme_names[self->scheme]);
+    return PyUnicode_FromString(scheme_names[self->scheme]);
 }
 static PyObject *Allocator_get_settings(Allocator *self, void *closure)
 {
@@ -802,8 +720,7 @@ static PyMethodDef Allocator_methods[] = {
     {"free_ptr", (PyCFunction)Allocator_free_ptr, METH_VARARGS, "free_ptr(device, ptr): give a block back by address"},
     {"stats", (PyCFunction)Allocator_stats, METH_VARARGS, "stats(device) -> dict of exact counters"},
     {"devices", (PyCFunction)Allocator_devices, METH_NOARGS, "devices that have a pool"},
-    {"reset_peaks", (PyCFunction)(void (*)(void))Allocator_reset_peaks, METH_VARARGS | METH_KEYWORDS,
-     "reset_peaks(device, history=False)"},
+    {"reset_peaks", (PyCFunction)Allocator_reset_peaks, METH_VARARGS, "reset_peaks(device): peaks to the levels now"},
     {"release", (PyCFunction)(void (*)(void))Allocator_release, METH_VARARGS | METH_KEYWORDS,
      "release(device, stream=None, keep=0) -> bytes given back to the device"},
     {"set_limit", (PyCFunction)Allocator_set_limit, METH_VARARGS, "set_limit(device, limit); 0: none"},
@@ -879,7 +796,7 @@ static struct PyModuleDef core_module_def = {
 PyMODINIT_FUNC PyInit__core(void)
 {
     if (PyType_Ready(&AllocatorType) < 0 || PyType_Ready(&AllocationType) < 0) return NULL;
-    if (xp_alloc_module_init() < 0) return NULL;
+    if (xp_pool_module_init() < 0 || xp_ladder_module_init() < 0) return NULL;
     py_zero = PyLong_FromLong(0);
     if (!py_zero) return NULL;
     PyObject *m = PyModule_Create(&core_module_def);

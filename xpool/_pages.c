@@ -1,21 +1,22 @@
-/* xpool._core: scheme expandable's pages (Note [Expandable segments]): unmapped when cached pages go back, mapped
- * by a miss's try of the recovery ladder, and that miss itself.  What _alloc.c and this file share: _pages.h;
- * the layers, the GIL rules and the lock order: _core.h. */
+/* xpool._core: scheme expandable, blocks cut from pages mapped into reserved address ranges (see _core.h for the
+ * layers and the locks; the range manager is _expandable.c).
+ *
+ * Note [Expandable segments].  As PyTorch's expandable segments: per (device, stream), one address range reserved
+ * up front (1.125x the device's memory, so one suffices), its pages (the device's granularity, 2 MiB on an H200)
+ * mapped as the pool grows.  Blocks are cut from the mapped free space by the best fit of scheme segments (the hit
+ * path is the same); a miss maps the fewest pages that make room at the lowest address where free space and
+ * unmapped pages of its stream hold the request, so memory one segment would strand next to another is reused.
+ * Pages are mapped only by a miss (a try of the ladder) and unmapped only by empty_cache, trim and the ladder,
+ * whole free pages, never one holding a byte in use.  The ops (_vmm.h) are called from C, without the pool lock,
+ * with the GIL let go around them when it is held: an unmap synchronises the device, as cudaFree does.  Plans and
+ * their finishes run under the pool lock; while a plan is in flight its mapped bytes count on bytes_releasing, so
+ * reserved is always the mapped bytes.  Every device that can access the pool's device (cuDeviceCanAccessPeer) gets
+ * access to the pages, as cudaMalloc's memory is reachable once peer access is on.  Blocks cannot be shared by CUDA
+ * IPC (cuMemCreate makes no shareable handle): Pool.check_ipc says so before cudaIpcGetMemHandle fails. */
 #include "_hot.h"
-#include "_pages.h"
 
 #include <stdarg.h>
 #include <stdio.h>
-
-/* ------------------------------------------------------------------ scheme expandable: pages back (Note [Expandable segments])
- *
- * The scheme's memory is pages mapped into address ranges reserved per (device, stream) (pool->vm, the range
- * manager of _expandable.c); blocks are cut from the mapped free space by the same best fit as scheme segments
- * (xe_take / xe_put on the hit path, _hot.h).  Pages are mapped only by a miss (vm_try, a try of the ladder) and
- * unmapped only here, whole free pages, never one holding a byte in use.  The ops (_vmm.h) are called from C,
- * without the pool lock, with the GIL let go around them when it is held (XpGil): the unmap synchronises the
- * device, as cudaFree does.  Plans and their finishes run under the pool lock; while a plan is in flight its
- * mapped bytes count on bytes_releasing, so reserved is always the mapped bytes. */
 
 #define VM_UNKNOWN_CAPACITY ((uint64_t)1 << 40)   /* a device whose size cannot be asked: ranges of 1.125 TiB */
 
@@ -30,13 +31,10 @@ static void vm_fault(VmFault *f, int status, const char *fmt, ...)
     va_end(ap);
 }
 
-void vm_raise(const DevicePool *pool, const VmFault *f)
+static void vm_raise(const DevicePool *pool, const VmFault *f)
 {
-    if (f->status == VM_NO_HOST_MEMORY)
-        PyErr_Format(PyExc_MemoryError, "xpool (scheme expandable, device %d): %s", pool->device, f->why);
-    else
-        PyErr_Format(f->status == XV_OOM ? PyExc_MemoryError : PyExc_RuntimeError,
-                     "xpool (scheme expandable, device %d): %s", pool->device, f->why);
+    PyErr_Format(f->status == VM_NO_HOST_MEMORY || f->status == XV_OOM ? PyExc_MemoryError : PyExc_RuntimeError,
+                 "xpool (scheme expandable, device %d): %s", pool->device, f->why);
 }
 
 /* A call's change of the range manager's counters, added to the pool's.  Pool lock held. */
@@ -56,19 +54,17 @@ static void vm_event(Allocator *A, DevicePool *pool, int event, intptr_t stream,
     timeline_record(&A->tl, event, pool, &run, 0);
 }
 
+/* ------------------------------------------------------------------ captures, pins */
+
 /* The ops' capture query: a failed one counts as capturing (giving nothing back is always safe). */
 static int ops_capturing(Allocator *A, int device, intptr_t handle)
 {
     return A->vmm.ops->capturing(A->vmm.ctx, device, handle) != 0;
 }
 
-/* device_captures of scheme expandable: 1 when nothing may be unmapped on the device now, ops.capturing asked
- * of the streams device_captures asks (the legacy stream, where a global-mode capture of a blocking stream
- * shows, `key`'s stream) and every stream with a range here: the unmap synchronises the device, which would end
- * any capture on it, as cudaFree would (Note [Capture: every stream of a device]).  Another thread's per-thread
- * stream cannot be asked from this thread: it counts as capturing while that thread lives; so does a query that
- * fails (giving nothing back is always safe).  C only (no GIL needed, never -1), no pool lock held. */
-int vm_captures(Allocator *A, DevicePool *pool, intptr_t key)
+/* XpScheme.captures: the ops asked about the streams backend_captures asks (Note [Capture: every stream of a
+ * device]) and every stream with a range here.  C only: no GIL needed, never -1. */
+static int vm_captures(Allocator *A, DevicePool *pool, intptr_t key)
 {
     pthread_mutex_lock(&pool->lock);
     size_t n = pool->vm ? pool->vm->n_ranges : 0, k = 0;
@@ -120,16 +116,45 @@ static void vm_unmap_end(Allocator *A)
     pthread_mutex_unlock(&A->pin_lock);
 }
 
-/* Unmaps the whole free pages `spec` allows, then (give_ranges: empty_cache) gives back the address ranges left
- * with nothing mapped.  Nothing while a stream of the device captures (vm_captures, for a request on `key`).
- * Returns the bytes unmapped; the first failed op is kept in *f (every run is still tried; what a failed unmap
- * left mapped stays, free and counted).  No pool lock held; the GIL is let go around the ops when g allows. */
-uint64_t vm_release(Allocator *A, DevicePool *pool, const XeRelease *spec, intptr_t key, int give_ranges,
-                    XpGil *g, VmFault *f)
+/* ------------------------------------------------------------------ pages back */
+
+/* Gives back the address ranges left with nothing mapped (empty_cache, or the ladder when the address space ran
+ * out); the first failed op in *f. */
+static void vm_give_ranges(Allocator *A, DevicePool *pool, XpGil *g, VmFault *f)
 {
-    if (!atomic_load_explicit(&pool->vm_ready, memory_order_acquire) || vm_captures(A, pool, key)) return 0;
     const XvOps *ops = A->vmm.ops;
-    void *ctx = A->vmm.ctx;
+    for (;;) {
+        XeRange *empty[64];
+        pthread_mutex_lock(&pool->lock);
+        size_t n = xe_take_empty(pool->vm, empty, 64);
+        pthread_mutex_unlock(&pool->lock);
+        if (!n) return;
+        xp_gil_drop(g);
+        int failed = 0;
+        for (size_t i = 0; i < n; i++) {
+            int st = ops->release(A->vmm.ctx, pool->device, empty[i]->base, empty[i]->bytes);
+            if (st != XV_OK) {
+                vm_fault(f, st, "%s", ops->message(A->vmm.ctx));
+                failed = 1;   /* it is back on the device's list: taking it again would loop */
+            }
+            XeDelta e = {0};
+            pthread_mutex_lock(&pool->lock);
+            xe_release_finish(pool->vm, empty[i], st == XV_OK, &e);
+            pthread_mutex_unlock(&pool->lock);
+        }
+        if (failed) return;
+    }
+}
+
+/* Unmaps the whole free pages `spec` allows, then (give_ranges) gives back the address ranges left with nothing
+ * mapped.  Returns the bytes unmapped; the first failed op is kept in *f (every run is still tried; what a failed
+ * unmap left mapped stays, free and counted).  The caller asked whether a stream captures.  No pool lock held; the
+ * GIL is let go around the ops when g allows. */
+static uint64_t vm_release(Allocator *A, DevicePool *pool, const XeRelease *spec, int give_ranges, XpGil *g,
+                           VmFault *f)
+{
+    if (!atomic_load_explicit(&pool->vm_ready, memory_order_acquire)) return 0;
+    const XvOps *ops = A->vmm.ops;
     XeDevice *x = pool->vm;
     XeUnmapPlan plan;
     XeDelta d = {0};
@@ -144,73 +169,96 @@ uint64_t vm_release(Allocator *A, DevicePool *pool, const XeRelease *spec, intpt
     for (size_t i = 0; i < plan.n; i++) {
         size_t done = 0;
         XeUnmapRun run = plan.runs[i];
-        int st = ops->unmap(ctx, pool->device, run.addr, run.bytes, x->page, &done);
-        if (st != XV_OK) vm_fault(f, st, "%s", ops->message(ctx));
+        int st = ops->unmap(A->vmm.ctx, pool->device, run.addr, run.bytes, x->page, &done);
+        if (st != XV_OK) vm_fault(f, st, "%s", ops->message(A->vmm.ctx));
         XeDelta e = {0};
         pthread_mutex_lock(&pool->lock);
         xe_unmap_finish(x, &pool->segs, &plan, i, done, &e);
         vm_apply(pool, e);
         if (done) vm_event(A, pool, EV_UNMAP, run.range->stream, run.addr, done);
-        if (done && spec->for_miss) note_miss_unmap(pool, run.addr, done);
         pthread_mutex_unlock(&pool->lock);
         unmapped += done;
     }
     xe_unmap_plan_free(&plan);
-    while (give_ranges) {
-        XeRange *empty[64];
-        pthread_mutex_lock(&pool->lock);
-        size_t n = xe_take_empty(x, empty, 64);
-        pthread_mutex_unlock(&pool->lock);
-        if (!n) break;
-        xp_gil_drop(g);
-        for (size_t i = 0; i < n; i++) {
-            int st = ops->release(ctx, pool->device, empty[i]->base, empty[i]->bytes);
-            if (st != XV_OK) {
-                vm_fault(f, st, "%s", ops->message(ctx));
-                give_ranges = 0;          /* it is back on the device's list: taking it again would loop */
-            }
-            XeDelta e = {0};
-            pthread_mutex_lock(&pool->lock);
-            xe_release_finish(x, empty[i], st == XV_OK, &e);
-            pthread_mutex_unlock(&pool->lock);
-        }
-    }
+    if (give_ranges) vm_give_ranges(A, pool, g, f);
     vm_unmap_end(A);
     return unmapped;
 }
 
-/* release_cached / empty_cache of scheme expandable: whole free pages until at most `keep` bytes stay cached
- * (of one stream, or all), and, when give_ranges, the emptied address ranges.  Bytes unmapped; -1 with the first
- * failed op's error (the rest was still tried). */
-long long vm_release_cached(Allocator *A, DevicePool *pool, int all_streams, intptr_t stream, uint64_t keep,
-                            int give_ranges, XpGil *g)
+/* XpScheme.release: whole free pages until at most `keep` bytes stay cached (of one stream, or all), and, when
+ * `empty`, the emptied address ranges.  Bytes unmapped; -1 with the first failed op's error (the rest was tried). */
+static long long vm_release_cached(Allocator *A, DevicePool *pool, int all_streams, intptr_t stream, uint64_t keep,
+                                   int empty, XpGil *g)
 {
     pthread_mutex_lock(&pool->lock);
     uint64_t cached = pool->st.bytes_cached;
     pthread_mutex_unlock(&pool->lock);
-    XeRelease spec = {all_streams, stream, keep ? (cached > keep ? cached - keep : 0) : UINT64_MAX, 0};
+    XeRelease spec = {all_streams, stream, keep ? (cached > keep ? cached - keep : 0) : UINT64_MAX};
     VmFault f = {0};
-    uint64_t n = vm_release(A, pool, &spec, stream, give_ranges, g, &f);
+    uint64_t n = vm_release(A, pool, &spec, empty, g, &f);
     if (!f.status) return (long long)n;
     xp_gil_take(g);
     vm_raise(pool, &f);
     return -1;
 }
 
-/* The device's bytes as the first miss asked them (vm_init), without calling Python again. */
-uint64_t vm_capacity(DevicePool *pool)
+/* XpScheme.free_cache: every whole free page of the device; the ranges stay, unless the address space ran out. */
+static int vm_free_cache(Allocator *A, DevicePool *pool, Climb *c, XpGil *g)
 {
-    pthread_mutex_lock(&pool->lock);
-    uint64_t capacity = pool->capacity;
-    pthread_mutex_unlock(&pool->lock);
-    return capacity;
+    XeRelease all = {1, 0, UINT64_MAX};
+    vm_release(A, pool, &all, c->no_range, g, &c->fault);
+    if (c->fault.status) return TRY_FAILED;
+    c->no_range = 0;
+    return 0;
 }
 
-const char *const xp_peer_names[XP_PEER_CHOICES] = {"none", "all"};
+/* XpScheme.discard: a block of mapped pages is never a device allocation of its own: it is cached. */
+static void vm_discard(Allocator *A, DevicePool *pool, Block *b)
+{
+    (void)A;
+    pthread_mutex_lock(&pool->lock);
+    pool->st.bytes_releasing -= b->size;
+    b->poisoned = 0;
+    cache_block(pool, b);
+    pthread_mutex_unlock(&pool->lock);
+}
 
-/* The device's range manager, made on its first miss (with the GIL): its page is the device's granularity, a
- * range 1.125x the device's memory, its peers (peer_access "all") every device that can access it.  0, or -1
- * with an exception. */
+/* ------------------------------------------------------------------ the device's ranges */
+
+int xp_vm_open(Allocator *A, PyObject *backend)
+{
+    PyObject *vmm = PyObject_GetAttrString(backend, "vmm");
+    if (!vmm) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "scheme 'expandable' needs a backend with virtual memory (a vmm() method, as "
+                     "xpool.backends.CupyBackend has); %.100s has none: use scheme 'segments' with it",
+                     Py_TYPE(backend)->tp_name);
+        return -1;
+    }
+    PyObject *cap = PyObject_CallNoArgs(vmm);
+    Py_DECREF(vmm);
+    if (!cap) {
+        PyObject *exc = PyErr_GetRaisedException();
+        PyErr_Format(PyExc_RuntimeError, "scheme 'expandable': %.100s.vmm() failed: %S", Py_TYPE(backend)->tp_name, exc);
+        PyObject *err = PyErr_GetRaisedException();
+        PyException_SetCause(err, exc);
+        PyErr_SetRaisedException(err);
+        return -1;
+    }
+    XvVmm *v = PyCapsule_IsValid(cap, XV_CAPSULE) ? PyCapsule_GetPointer(cap, XV_CAPSULE) : NULL;
+    if (!v || !v->ops || v->ops->abi != XV_ABI) {
+        PyErr_Format(PyExc_TypeError, "scheme 'expandable': %.100s.vmm() must return an '" XV_CAPSULE "' capsule of "
+                     "ABI %d, got %R", Py_TYPE(backend)->tp_name, XV_ABI, cap);
+        Py_DECREF(cap);
+        return -1;
+    }
+    A->vmm = *v;
+    Py_XSETREF(A->vmm_capsule, cap);
+    return 0;
+}
+
+/* The device's range manager, made on its first miss (with the GIL): its page is the device's granularity, a range
+ * 1.125x the device's memory, its peers every device that can access it.  0, or -1 with an exception. */
 static int vm_init(Allocator *A, DevicePool *pool)
 {
     size_t page = 0;
@@ -220,8 +268,7 @@ static int vm_init(Allocator *A, DevicePool *pool)
     char why[256] = "";
     Py_BEGIN_ALLOW_THREADS
     st = A->vmm.ops->granularity(A->vmm.ctx, pool->device, &page);
-    if (st == XV_OK && A->peer_access == XP_PEERS_ALL &&
-        (st = A->vmm.ops->peers(A->vmm.ctx, pool->device, &peers)) != XV_OK)
+    if (st == XV_OK && (st = A->vmm.ops->peers(A->vmm.ctx, pool->device, &peers)) != XV_OK)
         what = "cannot tell which devices may access";
     if (st != XV_OK) snprintf(why, sizeof why, "%s", A->vmm.ops->message(A->vmm.ctx));
     Py_END_ALLOW_THREADS
@@ -260,68 +307,119 @@ int xp_vm_range_of(Allocator *A, int device, uintptr_t ptr, uintptr_t *base, siz
     return r != NULL;
 }
 
-/* ------------------------------------------------------------------ scheme expandable: pages mapped (a ladder's try) */
+/* ------------------------------------------------------------------ pages mapped (a try of the ladder) */
 
-/* Bytes a miss of scheme expandable should unmap first, its maps counted already in `after` (0: none;
- * UINT64_MAX: every whole free page of its stream), as release_on_miss says: Note [Release on miss], the same
- * rule and budget as scheme segments, in pages.  Pool lock held. */
-static uint64_t vm_miss_excess(Allocator *A, DevicePool *pool, uint64_t after, size_t requested)
-{
-    if (A->release_on_miss == XP_RELEASE_NEVER || !pool->st.blocks_cached) return 0;
-    if (A->release_on_miss == XP_RELEASE_ALWAYS) return UINT64_MAX;
-    uint64_t mark = miss_mark(A, pool, requested);
-    if (pool->miss_released > XP_MISS_BUDGET * mark) pool->miss_release_off = 1;
-    if (after <= mark || pool->miss_release_off || !miss_may_release(A, pool, requested)) return 0;
-    return after - mark;
-}
-
-/* One try of scheme expandable: plan where the block goes (the lowest address where free space and unmapped
- * pages of its stream hold it; a new address range when none does), count the pages it maps against the limit
- * (under the lock, with the plan, so threads cannot pass the limit together), at the first try unmap what a
- * miss gives back (release_on_miss), map the pages and make the block, in use and counted.  TRY_GOT with
- * c->block; TRY_NO_ROOM when the limit or the device (out of memory, or of address space) refuses; TRY_FAILED
- * with c->fault (or, in debug mode, the hook's exception set).  A plan of several runs whose k-th map fails
- * keeps the runs mapped before it, as free cached pages. */
-int vm_try(Allocator *A, DevicePool *pool, Climb *c, XpGil *g)
+/* Plans where the block goes: the lowest address where free space and unmapped pages of its stream hold it, a new
+ * address range reserved when none does.  TRY_GOT with the pool lock held and *p planned; TRY_NO_ROOM (the address
+ * space refused a range) or TRY_FAILED (c->fault) without it. */
+static int plan_block(Allocator *A, DevicePool *pool, Climb *c, XeMapPlan *p, XpGil *g)
 {
     const XvOps *ops = A->vmm.ops;
-    void *ctx = A->vmm.ctx;
     XeDevice *x = pool->vm;
-    XeMapPlan p;
     for (;;) {
         XeDelta d = {0};
         pthread_mutex_lock(&pool->lock);
-        if (xe_plan_map(x, &pool->segs, c->stream, c->size, &p, &d) < 0) {
+        if (xe_plan_map(x, &pool->segs, c->stream, c->size, p, &d) < 0) {
             pthread_mutex_unlock(&pool->lock);
             vm_fault(&c->fault, VM_NO_HOST_MEMORY, "no host memory to plan a map of %zu B", c->size);
             return TRY_FAILED;
         }
         vm_apply(pool, d);
-        if (p.range) break;   /* the lock stays held */
+        if (p->range) return TRY_GOT;   /* the lock stays held */
         pthread_mutex_unlock(&pool->lock);
         uintptr_t base = 0;
         xp_gil_drop(g);
-        int st = ops->reserve(ctx, pool->device, p.new_range, x->page, &base);
+        int st = ops->reserve(A->vmm.ctx, pool->device, p->new_range, x->page, &base);
         if (st != XV_OK) {
-            vm_fault(st == XV_OOM ? &c->oom : &c->fault, st, "%s", ops->message(ctx));
+            vm_fault(st == XV_OOM ? &c->oom : &c->fault, st, "%s", ops->message(A->vmm.ctx));
             if (st != XV_OOM) return TRY_FAILED;
             c->by_device = c->no_range = 1;
             return TRY_NO_ROOM;
         }
         XeDelta e = {0};
         pthread_mutex_lock(&pool->lock);
-        XeRange *r = xe_add_range(x, c->stream, base, p.new_range, &e);
+        XeRange *r = xe_add_range(x, c->stream, base, p->new_range, &e);
         pthread_mutex_unlock(&pool->lock);
         if (!r) {
-            ops->release(ctx, pool->device, base, p.new_range);
+            ops->release(A->vmm.ctx, pool->device, base, p->new_range);
             vm_fault(&c->fault, VM_NO_HOST_MEMORY, "no host memory to keep an address range");
             return TRY_FAILED;
         }
     }
+}
+
+/* Maps the plan's runs in order (the GIL let go); the number that succeeded, the failure's status in *st (kept in
+ * c).  In debug mode new pages are poisoned, as a freed block is, before anyone sees them; a hook that raises
+ * leaves its exception in *exc. */
+static size_t map_runs(Allocator *A, DevicePool *pool, Climb *c, XeMapPlan *p, XpGil *g, int *st, PyObject **exc)
+{
+    const XvOps *ops = A->vmm.ops;
+    XeDevice *x = pool->vm;
+    xp_gil_drop(g);
+    size_t ok = 0;
+    for (*st = XV_OK; ok < p->n_maps; ok++) {
+        *st = ops->map(A->vmm.ctx, pool->device, p->map[ok].addr, p->map[ok].bytes, x->page, x->peers);
+        if (*st != XV_OK) {
+            vm_fault(*st == XV_OOM ? &c->oom : &c->fault, *st, "%s", ops->message(A->vmm.ctx));
+            return ok;
+        }
+    }
+    if (!c->hook) return ok;
+    xp_gil_take(g);
+    p->poisoned = 1;
+    for (size_t i = 0; i < p->n_maps && !*exc; i++) {
+        Block run = {.ptr = p->map[i].addr, .size = p->map[i].bytes, .stream = c->stream, .device = pool->device,
+                     .origin = c->origin};
+        if (call_hook(c->hook, "on_segment", &run, 0) < 0) {
+            *exc = PyErr_GetRaisedException();
+            p->poisoned = 0;
+        }
+    }
+    return ok;
+}
+
+/* Finishes the plan after `ok` maps: the block in use and counted, or NULL (not every map succeeded, the hook
+ * raised, or no room in the live table: what was mapped stays, cached).  The events: the maps, then the miss, each
+ * with the counters as they stand once the block is counted. */
+static Block *finish_block(Allocator *A, DevicePool *pool, Climb *c, XeMapPlan *p, size_t ok, int keep, int *no_room)
+{
+    XeDelta e = {0};
+    pthread_mutex_lock(&pool->lock);
+    pool->st.bytes_pending -= p->map_bytes;
+    Block *b = xe_map_finish(pool->vm, &pool->segs, p, ok, &e);
+    vm_apply(pool, e);
+    note_peaks(&pool->st);
+    if (b && (!keep || (*no_room = ptrtable_insert(&pool->live, b) < 0))) {   /* not handed out: cached, mapped */
+        cache_block(pool, b);
+        b = NULL;
+    }
+    if (b) {
+        b->requested = c->requested;
+        b->serial = pool->st.requests;
+        b->origin = c->origin; b->handed_out = c->hook == NULL; b->guarded = 0;
+        if (c->step) pool->st.oom_recoveries++;
+        count_in_use(A, pool, b, 0);
+    }
+    for (size_t i = 0; i < ok; i++) vm_event(A, pool, EV_MAP, c->stream, p->map[i].addr, p->map[i].bytes);
+    if (b) timeline_record(&A->tl, EV_MISS, pool, b, b->requested);
+    pthread_mutex_unlock(&pool->lock);
+    return b;
+}
+
+/* XpScheme.try_: plan where the block goes, count the pages it maps against the limit (under the lock, with the
+ * plan, so threads cannot pass the limit together), map them and make the block.  TRY_GOT with c->block;
+ * TRY_NO_ROOM when the limit or the device (out of memory, or of address space) refuses; TRY_FAILED with c->fault
+ * (or, in debug mode, the hook's exception set).  A plan of several runs whose k-th map fails keeps the runs mapped
+ * before it, as free cached pages. */
+static int vm_try(Allocator *A, DevicePool *pool, Climb *c, XpGil *g)
+{
+    XeMapPlan p;
+    int r = plan_block(A, pool, c, &p, g);
+    if (r != TRY_GOT) return r;
     uint64_t limit = pool->limit, after = committed(&pool->st) + p.map_bytes;
     if (limit && after > limit) {   /* the plan goes back as it was */
         XeDelta e = {0};
-        xe_map_finish(x, &pool->segs, &p, 0, &e);
+        xe_map_finish(pool->vm, &pool->segs, &p, 0, &e);
         vm_apply(pool, e);
         pthread_mutex_unlock(&pool->lock);
         c->by_device = 0;
@@ -329,63 +427,12 @@ int vm_try(Allocator *A, DevicePool *pool, Climb *c, XpGil *g)
         return TRY_NO_ROOM;
     }
     pool->st.bytes_pending += p.map_bytes;
-    for (size_t i = 0; c->step == 0 && i < p.n_maps; i++) note_miss_map(A, pool, p.map[i].addr, p.map[i].bytes);
-    uint64_t need = c->step == 0 ? vm_miss_excess(A, pool, after, c->requested) : 0;
     pthread_mutex_unlock(&pool->lock);
-    if (need) {   /* a failed unmap leaves its pages cached: the miss goes on */
-        XeRelease idle = {0, c->stream, need, miss_min_idle(A), 1};
-        VmFault ignored = {0};
-        uint64_t got = vm_release(A, pool, &idle, c->stream, 0, g, &ignored);
-        pthread_mutex_lock(&pool->lock);
-        pool->miss_released += got;   /* what the device got back: a failed unmap spends no budget */
-        pthread_mutex_unlock(&pool->lock);
-    }
-    xp_gil_drop(g);
-    size_t ok = 0;
-    int st = XV_OK;
-    for (; ok < p.n_maps; ok++) {
-        st = ops->map(ctx, pool->device, p.map[ok].addr, p.map[ok].bytes, x->page, x->peers);
-        if (st != XV_OK) {
-            vm_fault(st == XV_OOM ? &c->oom : &c->fault, st, "%s", ops->message(ctx));
-            break;
-        }
-    }
     PyObject *exc = NULL;
-    if (st == XV_OK && c->hook) {   /* debug mode: new pages are poisoned, as a freed block is, before anyone sees them */
-        xp_gil_take(g);
-        p.poisoned = 1;
-        for (size_t i = 0; i < p.n_maps && !exc; i++) {
-            Block run = {.ptr = p.map[i].addr, .size = p.map[i].bytes, .stream = c->stream, .device = pool->device,
-                         .origin = c->origin};
-            if (call_hook(c->hook, "on_segment", &run, 0) < 0) {
-                exc = PyErr_GetRaisedException();
-                p.poisoned = 0;
-            }
-        }
-    }
+    int st;
+    size_t ok = map_runs(A, pool, c, &p, g, &st, &exc);
     int no_room = 0;
-    XeDelta e = {0};
-    pthread_mutex_lock(&pool->lock);
-    pool->st.bytes_pending -= p.map_bytes;
-    Block *b = xe_map_finish(x, &pool->segs, &p, ok, &e);
-    vm_apply(pool, e);
-    note_peaks(&pool->st);
-    if (b && (exc || (no_room = ptrtable_insert(&pool->live, b) < 0))) {   /* not handed out: cached, mapped */
-        cache_block(pool, b);
-        b = NULL;
-    }
-    if (b) {
-        if (committed(&pool->st) > pool->high_water) pool->high_water = committed(&pool->st);
-        b->requested = c->requested;
-        b->serial = pool->st.requests;
-        b->origin = c->origin; b->handed_out = c->hook == NULL; b->guarded = 0;
-        if (c->step) pool->st.oom_recoveries++;
-        count_in_use(A, pool, b, 0);
-    }
-    /* the maps, then the miss, each with the counters as they stand once the block is counted */
-    for (size_t i = 0; i < ok; i++) vm_event(A, pool, EV_MAP, c->stream, p.map[i].addr, p.map[i].bytes);
-    if (b) timeline_record(&A->tl, EV_MISS, pool, b, b->requested);
-    pthread_mutex_unlock(&pool->lock);
+    Block *b = finish_block(A, pool, c, &p, ok, st == XV_OK && !exc, &no_room);
     if (b) {
         c->block = b;
         return TRY_GOT;
@@ -403,20 +450,28 @@ int vm_try(Allocator *A, DevicePool *pool, Climb *c, XpGil *g)
     return TRY_NO_ROOM;
 }
 
-/* ------------------------------------------------------------------ scheme expandable: new blocks */
+/* ------------------------------------------------------------------ new blocks */
 
-/* Scheme expandable: a new block of mapped pages, up the ladder (climb, whose tries are vm_try); the hit found
- * no free space of its stream that fits.  NULL with an exception (the GIL held then). */
+/* A new block of mapped pages up the ladder (its tries are vm_try); the hit found no free space of its stream that
+ * fits.  A block larger than the whole device raises at once (reason too_large).  NULL with an exception (the GIL
+ * held then). */
 static Block *vm_climb(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, size_t size,
                        PyObject *hook, int origin, XpGil *g)
 {
+    uint64_t capacity = pool_known_capacity(pool);
+    if (capacity && size > capacity) {   /* no freeing or retrying can help: bad input */
+        xp_gil_take(g);
+        raise_oom(A, pool, requested, size, "too_large", NULL);
+        return NULL;
+    }
     Climb c = {.requested = requested, .size = size, .exact = size, .stream = stream, .origin = origin,
                .hook = hook};
-    return climb(A, pool, stream, &c, NULL, g) == TRY_GOT ? c.block : NULL;
+    return climb(A, pool, &c, g) == TRY_GOT ? c.block : NULL;
 }
 
-Block *vm_make(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, size_t size,
-               PyObject *hook, int origin)
+/* XpScheme.make (with the GIL). */
+static Block *vm_make(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, size_t size,
+                      PyObject *hook, int origin)
 {
     if (!atomic_load_explicit(&pool->vm_ready, memory_order_acquire) && vm_init(A, pool) < 0) return NULL;
     XpGil g = XP_GIL_HELD;
@@ -434,3 +489,5 @@ Block *xp_vm_alloc(Allocator *A, DevicePool *pool, intptr_t stream, size_t reque
     return vm_climb(A, pool, stream, requested, scheme_block_size(A, requested), NULL, origin, g);
 }
 
+const XpScheme xp_expandable = {"expandable", vm_make, vm_try, vm_free_cache, vm_release_cached, vm_captures,
+                                vm_discard};

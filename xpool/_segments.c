@@ -219,7 +219,6 @@ static Block *tree_fit(const FreeTree *t, intptr_t stream, size_t size)
 
 Block *seg_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d)
 {
-    t->clock++;
     size_t i = recent_slot(stream, size);
     Block *w = t->recent[i];
     Block *best = tree_fit(t, stream, size);   /* the least key >= (stream, size, 0) in the tree */
@@ -276,19 +275,17 @@ Block *seg_put(FreeTree *t, Block *b, SegDelta *d)
         d->free_ranges -= 1;
         b = p;
     }
-    if (is_whole(b)) b->whole_since = t->clock;   /* its segment is all free from now */
     wait_free(t, b);   /* merged with every free neighbour: none is left */
     return b;
 }
 
-/* Whole free segments (of one stream, or all), listed in (stream, size, ptr) order: those whole and free for at
-   least min_idle requests, until `cached` (counted down by each one listed) is down to `keep` or `out` is full.
+/* Whole free segments (of one stream, or all), listed in (stream, size, ptr) order until `cached` (counted down by
+   each one listed) is down to `keep` or `out` is full.
    From the index (the tree's whole segments) merged with the whole ones waiting in recent[], sorted: the order a
    walk of every free range gave.  Listed first and taken out after: the walk must not see the index change. */
 typedef struct {
     int all_streams;
     intptr_t stream;
-    uint64_t clock, min_idle;
     uint64_t keep, cached;
     Block **out;
     size_t n, cap;
@@ -302,10 +299,8 @@ static int consider(WholeScan *s, Block *x)
 {
     s->visits++;
     if (s->cached <= s->keep || s->n >= s->cap) return 1;
-    if (s->clock - x->whole_since >= s->min_idle) {
-        s->out[s->n++] = x;
-        s->cached -= x->size;
-    }
+    s->out[s->n++] = x;
+    s->cached -= x->size;
     return 0;
 }
 
@@ -367,7 +362,7 @@ int seg_any_whole(const FreeTree *t, int all_streams, intptr_t stream)
 void seg_take_whole(FreeTree *t, int all_streams, intptr_t stream, uint64_t keep, uint64_t *cached,
                     Block **out, size_t *n, size_t cap, SegDelta *d)
 {
-    WholeScan s = {all_streams, stream, t->clock, 0, keep, *cached, out, *n, cap, 0};
+    WholeScan s = {all_streams, stream, keep, *cached, out, *n, cap, 0};
     collect_whole(t, &s);
     take_all(t, out + *n, s.n - *n, d);
     *n = s.n;
@@ -420,27 +415,4 @@ void seg_destroy(FreeTree *t)
         free(b);
     }
     t->n_spare = 0;
-}
-
-void seg_take_whole_need(FreeTree *t, intptr_t stream, uint64_t need, uint64_t min_idle, Block **out, size_t *n,
-                         size_t cap, SegDelta *d)
-{
-    WholeScan s = {0, stream, t->clock, min_idle, 0, UINT64_MAX, out, *n, cap, 0};   /* no byte budget */
-    collect_whole(t, &s);                /* in (size, ptr) order: ascending sizes */
-    size_t first = *n, m = s.n - first, k = 0;
-    Block **c = out + first;
-    /* the smallest one that covers `need` alone; else the largest first until they do */
-    size_t i;
-    for (i = 0; i < m && c[i]->size < need; i++) ;
-    if (i < m) {
-        c[0] = c[i]; k = 1;
-    } else {                             /* the largest: the tail c[j..m) */
-        uint64_t got = 0;
-        size_t j = m;
-        while (j > 0 && got < need) got += c[--j]->size;
-        k = m - j;
-        memmove(c, c + j, k * sizeof(Block *));
-    }
-    take_all(t, c, k, d);
-    *n = first + k;
 }

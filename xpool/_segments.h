@@ -7,13 +7,21 @@
  * stream, split when the range is larger; a range given back merges with free
  * neighbours of its segment, so a segment whose ranges are all free is one
  * free Block again, and only such whole segments go back to the backend
- * (empty_cache, the OOM ladder, and a miss: Note [Release on miss], _alloc.c).
+ * (empty_cache, trim, the OOM ladder).
+ *
+ * Note [Schemes].  seed: one device allocation per block, of its size class
+ * (the design's classes: up to 1 MiB multiples of 512 B, above k classes per
+ * doubling); segments: best fit in segments, split and merged (this file);
+ * expandable: the same best fit in pages mapped into reserved address ranges
+ * (_expandable.c).  The schemes differ on the miss side only (XpScheme).
  *
  * Ranges never cross segments (the neighbours are linked per segment) and a
  * segment serves one stream, so reuse stays stream-ordered as with the size
  * classes.  The tree is ordered by (stream, size, ptr): best fit is one
  * descent, O(log n) expected (a treap, its priorities hashed from the
- * address, so replays are deterministic).
+ * address, so replays are deterministic).  Note [Whole free segments]: the
+ * whole free segments are indexed apart (FreeTree.whole), so giving them
+ * back walks those alone, never the free ranges of partly used segments.
  *
  * Nothing here locks, calls Python or the backend: the core calls these under
  * its DevicePool.lock and does the backend calls itself.
@@ -51,8 +59,6 @@ typedef struct Block {
     struct Block *prev_addr, *next_addr;   /* neighbours in the same segment, by address */
     struct Block *left, *right;            /* children in the FreeTree while free */
     struct Block *wright;                  /* the other child in FreeTree.whole (wleft: above) */
-    uint64_t whole_since;   /* a whole free segment: FreeTree.clock when it last became one (its idle age);
-                             * 112 bytes in all, as before the index (Note [Whole free segments]) */
 } Block;
 
 /* Slots of the exact-size cache (at most 64: FreeTree.occupied is their bitmap), and how many waiting ranges
@@ -80,11 +86,9 @@ typedef struct {
                              * a split and a merge per alloc/free pair would otherwise cost a malloc
                              * and a free each */
     size_t n_spare;
-    uint64_t clock;         /* calls of seg_take (one per request of the pool): the clock of Block.whole_since */
     /* The whole free segments filed in the tree, by (stream, size, ptr) as the tree: with the whole ones
-     * waiting in recent[], what a miss or a ladder may give back.  A search for them walks these alone, never
-     * the free ranges of partly used segments, which may be many (a miss above the high-water mark walked
-     * every free range: 8.8 ms at 1e5; Note [Whole free segments]). */
+     * waiting in recent[], what empty_cache, trim and the ladder may give back.  A search for them walks these
+     * alone, never the free ranges of partly used segments, which may be many. */
     Block *whole;
     size_t n_whole;
     uint64_t whole_visits;  /* nodes of `whole` the searches for segments to give back have visited (a cost
@@ -129,11 +133,6 @@ void seg_flush(FreeTree *t);
  * in t->recent.  Returns the free range that now holds it. */
 Block *seg_put(FreeTree *t, Block *b, SegDelta *d);
 
-/* Whole free segments of `stream` that have been whole and free for at least `min_idle` requests (ticks of
- * t->clock), taken out into out[*n..] (room for `cap`): the smallest one of at least `need` bytes, or else the
- * largest first until `need` bytes are covered (or none are left).  O(log n + whole free segments of `stream`). */
-void seg_take_whole_need(FreeTree *t, intptr_t stream, uint64_t need, uint64_t min_idle, Block **out, size_t *n,
-                         size_t cap, SegDelta *d);
 /* Takes whole free segments (of `stream` only, unless all_streams) out, in (stream, size, ptr) order, appending
  * them to out[*n] (room for `cap`), until the free bytes `*cached` drop to `keep` or none is left.
  * O(log n + whole free segments walked). */

@@ -18,8 +18,8 @@ _state_lock = threading.Lock()    # guards _installed and _previous
 _installed = None                 # the MemoryPool install() put in place
 _previous = None                  # CuPy's allocator before install()
 _scoped = threading.local()       # .pool: the pool of this thread's innermost `with use()` block
-_NEEDS_CUPY = ('xpool allocates GPU memory for CuPy, and CuPy is not installed: pip install "xpool[cuda12]" for '
-               'CUDA 12, "xpool[cuda13]" for CUDA 13')
+_NEEDS_CUPY = ("xpool allocates GPU memory for CuPy, and CuPy is not installed: pip install cupy-cuda12x (CUDA 12) "
+               "or cupy-cuda13x (CUDA 13); from an xpool checkout, pip install '.[cuda12]' or '.[cuda13]' does it too")
 
 
 def _capsule_fn(module, name: str, signature: bytes) -> int:

@@ -10,9 +10,9 @@ import weakref
 from . import _core
 from .debug import DEFAULT_TAIL, DebugHook
 from .errors import make_error
-from .settings import ENV, Settings, check_timeline, parse_debug, resolve
+from .settings import ENV, Settings, resolve
 from .sizeclass import check_nbytes
-from .stats import Snapshot, frame
+from .stats import Snapshot
 from .timeline import events_frame
 
 # every C allocator alive, for the fork handler; the cores, not the Pool wrappers: CuPy may hold a pool's
@@ -59,9 +59,8 @@ class Pool:
         settings (xpool.Settings): how the pool works; None: from the keyword
             settings, the ``XPOOL_*`` variables and the defaults.
         **fields: settings as keywords, over ``settings``: ``scheme``,
-            ``classes_per_doubling``, ``limit``, ``debug``, ``timeline``,
-            ``small_segment``, ``segment_round``, ``release_on_miss``,
-            ``release_idle`` (see ``xpool.Settings``).
+            ``classes_per_doubling``, ``limit``, ``debug``, ``timeline``
+            (see ``xpool.Settings``).
 
     Raises:
         TypeError: ``backend`` lacks one of the methods of ``Backend``, or a
@@ -79,7 +78,7 @@ class Pool:
         if missing:
             raise TypeError(f"backend must provide {', '.join(BACKEND_METHODS)}; "
                             f"{type(backend).__name__} lacks {', '.join(missing)}")
-        self.backend = backend
+        self._backend = backend
         self.settings = settings
         count = backend.device_count()   # asked once, not per call
         if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
@@ -87,18 +86,10 @@ class Pool:
         self._n_devices = min(int(count), _core.MAX_DEVICES)
         self._core = _core.Allocator(backend, make_error, settings, stream_lookup, self._n_devices)
         self._hook = None
-        self._apply_debug(settings.debug)
+        if settings.debug:
+            self._hook = DebugHook(backend, settings.debug)
+            self._core.set_debug(self._hook, DEFAULT_TAIL)
         _live_cores.add(self._core)
-
-    @property
-    def scheme(self) -> str:
-        """How blocks are made: ``"segments"``, ``"seed"`` or ``"expandable"`` (``settings.scheme``)."""
-        return self.settings.scheme
-
-    @property
-    def classes_per_doubling(self) -> int | None:
-        """Scheme seed's classes per doubling; None under another scheme."""
-        return self.settings.classes_per_doubling
 
     # --- allocation (the CuPy adapter has its own C-level path)
     def allocate(self, nbytes: int, device: int | None = None, stream: int | None = None):
@@ -124,49 +115,6 @@ class Pool:
         """
         return self._core.allocate(nbytes, self._device(device), self._stream(stream))   # nbytes checked there
 
-    def reserve(self, nbytes: int, device: int | None = None, stream: int | None = None) -> int:
-        """Make the device hold ``nbytes`` for the program in all: the bytes in use now and one free block of the rest.
-
-        A program that knows its peak (a dry run's ``stats()["peak_bytes_requested"]``) and reserves a little more
-        before its first step, before or after building its model, starts its steps with that memory in one piece:
-        on the ResNets at varying image sizes, 1.03 times the peak under scheme expandable made no device call in
-        steady state on any seed, where the pool made 1-4 without (NOTES.md, Note [Expandable segments], "A reserve
-        up front"; not a rule for every program).
-
-        The block, ``nbytes`` less the device's bytes in use, is allocated and given back (under scheme expandable
-        its pages stay mapped as one free run; under segments it is one cached segment), then the peak gauges and
-        what the release rules remember of the program are reset, as ``reset_peak_stats(device, history=True)``
-        does, so nothing counts the reservation as a request: call it before the program's first step. When the
-        bytes in use already reach ``nbytes`` nothing is taken and nothing reset. Like any cached memory,
-        ``empty_cache``/``trim``, the out-of-memory ladder and the release rules may give it back.
-
-        Args:
-            nbytes (int): bytes the device should hold for the program, those in use included.
-            device (int): the device; None: the backend's current device.
-            stream (int): the stream the program allocates on (a block is reused only on its stream); None: the
-                backend's current stream (CuPy's; a PyTorch program on a stream of its own passes
-                ``torch.cuda.current_stream().cuda_stream``).
-
-        Returns:
-            int: the bytes of the block taken (rounded up as a request of that size is), 0 when none was.
-
-        Raises:
-            ValueError: bad ``nbytes``, ``device`` or ``stream``.
-            xpool.OutOfMemoryError: the device or the limit refused the block; nothing is kept or reset.
-        """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes <= 0:
-            raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
-        d = self._device(device)
-        s = self._stream(stream)
-        rest = int(nbytes) - self._core.stats(d)["bytes_in_use"]
-        if rest <= 0:
-            return 0
-        block = self._core.allocate(rest, d, s)
-        size = block.size
-        block.release()
-        self.reset_peak_stats(d, history=True)
-        return size
-
     def _device(self, device):
         if device is None:
             return self._current_device()
@@ -177,7 +125,7 @@ class Pool:
 
     def _current_device(self) -> int:
         """The backend's current device, checked: a bad answer is named, not passed on."""
-        d = self.backend.current_device()
+        d = self._backend.current_device()
         if isinstance(d, bool) or not isinstance(d, numbers.Integral) or not 0 <= d < self._n_devices:
             raise ValueError(f"backend.current_device() must return an int in [0, {self._n_devices}) "
                              f"(backend.device_count()), got {d!r}")
@@ -185,66 +133,39 @@ class Pool:
 
     def _stream(self, stream):
         if stream is None:
-            return _stream_handle(self.backend.current_stream(), "backend.current_stream() must return")
+            return _stream_handle(self._backend.current_stream(), "backend.current_stream() must return")
         return _stream_handle(stream, "stream must be")
 
     def _devices(self, device):
-        return self.devices() if device is None else [self._device(device)]
+        return self._core.devices() if device is None else [self._device(device)]
 
     # --- statistics
-    def devices(self) -> list[int]:
-        """Devices this pool has served, in order.
-
-        Returns:
-            list[int]: every device with a pool (served, or asked about).
-        """
-        return self._core.devices()
-
-    def stats(self, device: int | None = None):
-        """Exact counters, one row per device.
+    def stats(self, device: int | None = None) -> Snapshot:
+        """Exact counters of every device served (or one), as they stand: cheap, no pandas needed.
 
         Args:
             device (int): one device; None: every device served.
 
         Returns:
-            pandas.DataFrame: columns ``xpool.stats.COLUMNS`` (requests, hits,
-            device_mallocs, bytes_in_use, bytes_cached, bytes_reserved, peaks,
-            limit, ...).
+            xpool.stats.Snapshot: ``snap.device_mallocs`` (summed over devices), ``snap[device]["bytes_cached"]``,
+            ``(after - before).device_mallocs`` for what happened between two, ``snap.frame()`` a DataFrame.
 
         Raises:
             ValueError: bad ``device``.
         """
-        return frame([self._core.stats(d) for d in self._devices(device)])
+        return Snapshot({d: self._core.stats(d) for d in self._devices(device)})
 
-    def snapshot(self) -> Snapshot:
-        """Cheap copy of every device's counters; subtract two to get per-step activity.
-
-        Returns:
-            xpool.Snapshot: ``(after - before).device_mallocs`` and the like.
-        """
-        return Snapshot({d: self._core.stats(d) for d in self._core.devices()})
-
-    def reset_peak_stats(self, device: int | None = None, *, history: bool = False) -> None:
+    def reset_peak_stats(self, device: int | None = None) -> None:
         """Set the peak gauges to the current levels.
 
-        The release rules (``release_on_miss``) measure a miss against the most bytes the program has requested
-        and committed, which outlive a peak reset: a program that once held that much may hold it again.
-
         Args:
             device (int): one device; None: every device served.
-            history (bool): also forget what the release rules remember of the program so far (those most bytes,
-                the miss budget, ``"until_churn"``'s record of churn), so the pool treats what follows as a new
-                program: a benchmark running one program after another in a process, or a program entering a
-                phase whose demand has nothing to do with the last one's.
 
         Raises:
             ValueError: bad ``device``.
-            TypeError: ``history`` not a bool.
         """
-        if not isinstance(history, bool):
-            raise TypeError(f"history must be a bool, not {type(history).__name__}")
         for d in self._devices(device):
-            self._core.reset_peaks(d, history)
+            self._core.reset_peaks(d)
 
     # --- giving memory back
     def empty_cache(self, device: int | None = None) -> int:
@@ -321,7 +242,7 @@ class Pool:
             if (isinstance(fraction, bool) or not isinstance(fraction, numbers.Real)
                     or not 0 <= fraction <= 1):
                 raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
-            total = self.backend.total_memory(d)
+            total = self._backend.total_memory(d)
             size = max(1, int(fraction * total)) if fraction > 0 else 0
         self._core.set_limit(d, check_nbytes(size or 0, "size"))
 
@@ -337,34 +258,6 @@ class Pool:
         return self._core.stats(self._device(device))["limit"]
 
     # --- diagnostics
-    def set_debug(self, mode) -> None:
-        """Turn debug mode on or off (see ``xpool.debug``).
-
-        Blocks that already exist are checked only for what debug mode did to
-        them: a block handed out before gets no canary check, a block cached
-        before gets no poison check.
-
-        Args:
-            mode: ``"raise"``, ``"warn"``, True (= ``"raise"``), or None/False: off.
-
-        Raises:
-            ValueError: an unknown mode.
-        """
-        self._apply_debug(parse_debug(mode))
-
-    def _apply_debug(self, mode) -> None:
-        if not mode:
-            self._hook = None
-            self._core.set_debug(None, 0)
-        else:
-            self._hook = DebugHook(self.backend, mode)
-            self._core.set_debug(self._hook, DEFAULT_TAIL)
-
-    @property
-    def debug(self):
-        """The debug mode: ``"raise"``, ``"warn"`` or None."""
-        return self._hook.mode if self._hook else None
-
     def check(self) -> None:
         """In debug mode, report damage found so far and scan live blocks' canaries.
 
@@ -390,20 +283,8 @@ class Pool:
         if problems:
             raise CorruptionError("\n".join(problems))
 
-    def enable_timeline(self, capacity: int = 1_000_000) -> None:
-        """Record every malloc/free into a ring of ``capacity`` events.
-
-        Args:
-            capacity (int): events kept (0 turns recording off and drops them).
-
-        Raises:
-            ValueError: ``capacity`` is not an int in [0, 2**40].
-            MemoryError: the host cannot hold that many events.
-        """
-        self._core.timeline_enable(check_timeline(capacity))
-
     def timeline(self):
-        """The recorded events.
+        """The events recorded so far (the ``timeline`` setting: how many the ring keeps; 0 records none).
 
         Returns:
             pandas.DataFrame: one row per event (``xpool.timeline``);
@@ -446,10 +327,28 @@ class Pool:
         return self._core.live_blocks(self._device(device))
 
     def __repr__(self):
-        return f"<{type(self).__name__} {self.settings!r} devices={self.devices()} debug={self.debug}>"
+        return f"<{type(self).__name__} {self.settings!r} devices={self._core.devices()}>"
+
+    def __getattr__(self, name):
+        if name in _REMOVED:
+            raise AttributeError(f"{type(self).__name__}.{name} was removed: {_REMOVED[name]}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 settings_signature(Pool.__init__, ("backend", "settings"))
+
+# members of earlier versions, and what replaced each (Pool.__getattr__ says so)
+_REMOVED = {
+    "snapshot": "stats() returns the same cheap Snapshot",
+    "devices": "list(pool.stats()) gives the devices served",
+    "scheme": "read pool.settings.scheme",
+    "classes_per_doubling": "read pool.settings.classes_per_doubling",
+    "set_debug": "debug mode is a setting: make the pool with debug='raise' or 'warn' (XPOOL_DEBUG)",
+    "debug": "read pool.settings.debug",
+    "enable_timeline": "the timeline is a setting: make the pool with timeline=<events kept> (XPOOL_TIMELINE)",
+    "reserve": "the lab's xlab.reserve.reserve(pool, nbytes) makes one free block up front",
+    "backend": "keep the backend you made the pool with",
+}
 
 
 def _after_fork_in_child() -> None:

@@ -1,4 +1,4 @@
-"""Exact statistics: counters per device, cheap snapshots and their differences."""
+"""Exact statistics: a pool's counters per device, as a Snapshot; the difference of two is what happened between."""
 from __future__ import annotations
 
 import importlib
@@ -13,6 +13,8 @@ GAUGES = ("blocks_in_use", "blocks_cached", "bytes_in_use", "bytes_requested", "
           "bytes_reserved", "peak_bytes_in_use", "peak_bytes_requested", "peak_bytes_reserved",
           "limit", "bytes_in_use_cupy", "bytes_in_use_torch", "bytes_in_use_python")
 COLUMNS = ("device",) + COUNTERS + GAUGES
+_SHOWN = ("requests", "hits", "device_mallocs", "device_frees", "device_maps", "device_unmaps", "bytes_in_use",
+          "bytes_cached", "bytes_reserved", "peak_bytes_reserved")
 
 
 def pandas(what: str):
@@ -20,39 +22,62 @@ def pandas(what: str):
     try:
         return importlib.import_module("pandas")
     except ImportError as e:
-        raise ImportError(f"xpool: {what} returns a pandas DataFrame; install pandas "
-                          f"(Pool.snapshot() and _core.stats() need none)") from e
+        raise ImportError(f"xpool: {what} returns a pandas DataFrame; pip install pandas") from e
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Counters of every device at one moment; ``later - earlier`` gives the activity between.
+    """A pool's counters on every device it has served, at one moment (``xpool.stats()``, ``Pool.stats()``).
 
-    Counters (``COUNTERS``) are differenced, gauges (``GAUGES``) keep the later value; either is
-    read summed over the devices as an attribute (``snap.device_mallocs``) or with ``total(name)``.
+    ``snap.device_mallocs`` or ``snap["device_mallocs"]`` (any of ``COUNTERS`` or ``GAUGES``) is the sum over the
+    devices; ``snap[device]`` one device's dict; ``later - earlier`` the activity between (counters differenced, gauges the later value);
+    ``snap.frame()`` a pandas DataFrame, one row per device. Needs no pandas otherwise.
+
+    Attributes:
+        per_device (dict): device -> {name: int}.
+        note (str): why it is empty, when it is (no pool in use).
     """
 
-    per_device: dict = field(default_factory=dict)   # device -> {name: int}
+    per_device: dict = field(default_factory=dict)
+    note: str = ""
 
     def __sub__(self, earlier: "Snapshot") -> "Snapshot":
         out = {}
         for dev, now in self.per_device.items():
             before = earlier.per_device.get(dev, {})
-            out[dev] = {k: (now[k] - before.get(k, 0) if k in COUNTERS else now[k])
-                        for k in now if k != "device"}
+            out[dev] = {k: (now[k] - before.get(k, 0) if k in COUNTERS else now[k]) for k in now}
         return Snapshot(out)
+
+    def __getitem__(self, key):
+        """``snap[device]``: one device's dict; ``snap["bytes_cached"]``: a counter summed over the devices."""
+        return self.total(key) if isinstance(key, str) else self.per_device[key]
+
+    def __iter__(self):
+        return iter(self.per_device)
+
+    def __len__(self) -> int:
+        return len(self.per_device)
 
     def total(self, name: str) -> int:
         """Sum of one counter or gauge over the devices."""
+        if name not in COUNTERS and name not in GAUGES:
+            raise ValueError(f"name must be a counter or gauge of xpool.stats.COLUMNS, got {name!r}")
         return sum(d[name] for d in self.per_device.values())
 
     def __getattr__(self, name):
         if name in COUNTERS or name in GAUGES:
             return self.total(name)
-        raise AttributeError(name)
+        raise AttributeError(f"'Snapshot' has no attribute {name!r} (the counters: xpool.stats.COLUMNS)")
 
+    def frame(self):
+        """One row per device, the columns of ``COLUMNS`` (needs pandas)."""
+        pd = pandas("Snapshot.frame()")
+        return pd.DataFrame([{"device": d, **c} for d, c in self.per_device.items()], columns=list(COLUMNS))
 
-def frame(rows: list[dict]):
-    """One row per device, in a fixed column order."""
-    pd = pandas("stats()")
-    return pd.DataFrame(rows, columns=list(COLUMNS))
+    def __repr__(self):
+        if not self.per_device:
+            return f"<xpool Snapshot: {self.note or 'no device served yet'}>"
+        head = ["device", *_SHOWN]
+        rows = [[str(d), *(f"{c.get(k, 0):,}" for k in _SHOWN)] for d, c in self.per_device.items()]
+        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+        return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in [head, *rows])

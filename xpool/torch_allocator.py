@@ -11,7 +11,7 @@ from the Allocator CuPy uses, so a block one framework frees is reused by the ot
 stream). Importing xpool does not import torch; this module imports it only inside `enable()`.
 
 The pool `enable()` makes (none given, none installed for CuPy) is scheme expandable unless a scheme is set
-(`FRONTEND_DEFAULTS` in xpool/settings.py; Note [The default scheme per front end] in NOTES.md).
+(`FRONTEND_SCHEMES` in xpool/settings.py), as PyTorch's own expandable segments.
 """
 from __future__ import annotations
 

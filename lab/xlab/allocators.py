@@ -316,7 +316,7 @@ class XPool(Allocator):
         return xpool.MemoryPool(**self._settings)     # the arm's own settings: same scheme, same debug mode
 
     def _stat(self, device, key, pool=None):
-        counters = (pool or self.pool).snapshot().per_device.get(device)
+        counters = (pool or self.pool).stats().per_device.get(device)
         return counters.get(key, 0) if counters else 0     # a build before the expandable scheme has no maps
 
     def device_mallocs(self, device):   # the expandable scheme's maps are its device allocations
@@ -331,7 +331,7 @@ class XPool(Allocator):
 
     def check(self):
         for p in [self.pool, *self._private]:
-            if p.debug:
+            if p.settings.debug:
                 p.check()
 
     def trim(self, devices=()):

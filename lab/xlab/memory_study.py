@@ -497,12 +497,12 @@ def replay_rule(tl: pd.DataFrame, rule: str, reserve=0, after: int = 0, events: 
     asked, rows = 0, _rows(trace)
 
     def probe(step):                                      # _drive calls it with None before the first event
-        s = pool.stats(0).iloc[0]
+        s = pool.stats(0)
         probes[step] = (s["device_maps"], s["device_unmaps"],
                         max(s["peak_bytes_requested"], reset["peak_bytes_requested"]))
     live, unmatched = _drive(pool, rows[:after], probe) if reserve else ({}, 0)
     if reserve:
-        s = pool.stats(0).iloc[0]
+        s = pool.stats(0)
         reset.update({k: int(s[k]) for k in reset})
         asked = reserve(s) if callable(reserve) else reserve
         pool.reserve(asked, device, stream)
@@ -510,7 +510,7 @@ def replay_rule(tl: pd.DataFrame, rule: str, reserve=0, after: int = 0, events: 
             probe(rows[after - 1][-1])                    # its step's counts include the reserve's, as in a program
     live, more = _drive(pool, rows[after if reserve else 0:], probe, live)
     unmatched += more
-    s = pool.stats(0).iloc[0].copy()
+    s = pool.stats(0).copy()
     for k in reset:
         s[k] = max(s[k], reset[k])
     extra = {}

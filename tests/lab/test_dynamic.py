@@ -34,7 +34,7 @@ def test_unknown_workloads_and_arms_are_named():
 
 def test_xpool_arms_are_xpools_schemes_and_missing_ones_are_skipped(capsys):
     import xpool
-    assert dynamic.xpool_arms() == tuple(f"xpool_{s}" for s in xpool.SCHEMES) + (
+    assert dynamic.xpool_arms() == tuple(f"xpool_{s}" for s in xpool.settings.SCHEMES) + (
         "xpool_expandable_bounded", "xpool_expandable_growth", "xpool_expandable_until_churn",
         "xpool_expandable_peak")
     _, per = dynamic.resolve(["cupy_mix", "torch_fixed"], ["xpool_nosuch", "xpool", "cupy_pool", "torch"])
@@ -237,7 +237,7 @@ def test_xpool_device_calls_are_its_mallocs_and_frees():
     blocks = [alloc.pool.allocate(n) for n in (1000, 5 << 20, 300_000, 40 << 20)]
     del blocks
     alloc.pool.empty_cache()
-    backend = alloc.pool.backend
+    backend = alloc.pool._backend
     assert backend.frees > 0
     assert dynamic.device_calls(alloc) == backend.mallocs + backend.frees
 

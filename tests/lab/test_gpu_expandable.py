@@ -37,7 +37,7 @@ def page():
 
 
 def row(pool):
-    return pool.stats(0).iloc[0]
+    return pool.stats(0)
 
 
 def test_training_is_bit_identical_to_raw_under_the_expandable_scheme_and_its_debug_mode():
@@ -55,7 +55,7 @@ def test_blocks_are_mapped_device_memory_that_kernels_and_cublas_use(vm):
     s = row(vm)
     assert s.device_maps > 0 and s.device_mallocs == 0 and s.bytes_reserved % page() == 0
     assert s.bytes_reserved == s.bytes_in_use + s.bytes_cached
-    with pytest.raises(xpool.IpcUnsupportedError):
+    with pytest.raises(xpool.errors.IpcUnsupportedError):
         vm.check_ipc(a.data.ptr)
 
 
@@ -106,15 +106,15 @@ def test_training_maps_and_unmaps_nothing_once_warm(vm, batch, foreach):
     per_step = []
     for i in range(10):
         if i == 5:
-            before = vm.snapshot()
-        last = vm.snapshot()
+            before = vm.stats()
+        last = vm.stats()
         x, y = get_batch(data, cfg.batch_size, cfg.block_size, i, xp=cp)
         loss, grads = model.loss_and_grads(x, y)
         opt.step(grads)
         cp.cuda.Device().synchronize()
-        d = vm.snapshot() - last
+        d = vm.stats() - last
         per_step.append((int(d.device_maps), int(d.device_unmaps)))
-    delta = vm.snapshot() - before
+    delta = vm.stats() - before
     assert delta.requests > 100, per_step
     assert delta.device_maps == delta.device_unmaps == 0, f"device (maps, unmaps) per step: {per_step}"
     assert delta.device_mallocs == delta.device_frees == 0
@@ -131,13 +131,13 @@ def test_varying_lengths_hold_little_more_than_they_request(vm):
     lengths = (256, 64, 192, 128, 224, 96, 160, 32, 256, 128, 200, 80)
     for i, T in enumerate(lengths):
         if i == 5:
-            before = vm.snapshot()
+            before = vm.stats()
         x, y = get_batch(data, cfg.batch_size, T, i, xp=cp)
         loss, grads = model.loss_and_grads(x, y)
         opt.step(grads)
         del x, y, loss, grads
         cp.cuda.Device().synchronize()
-    d, s = vm.snapshot() - before, row(vm)
+    d, s = vm.stats() - before, row(vm)
     assert s.peak_bytes_reserved <= 1.05 * s.peak_bytes_requested, (s.peak_bytes_reserved, s.peak_bytes_requested)
     assert d.device_maps == d.device_unmaps == 0
 
@@ -172,7 +172,7 @@ def test_a_miss_maps_pages_while_its_stream_captures(vm, mode):
     """A graph's private pool misses during the capture: the map (and a first range's reserve) run in relaxed
     mode for the thread, so the capture goes on, in every capture mode; nothing is unmapped meanwhile."""
     side = cp.cuda.Stream(non_blocking=True)
-    before = vm.snapshot()
+    before = vm.stats()
     with side:
         side.begin_capture(getattr(cp.cuda.runtime, MODES[mode]))
         try:
@@ -182,7 +182,7 @@ def test_a_miss_maps_pages_while_its_stream_captures(vm, mode):
             graph = side.end_capture()
         graph.launch(side)
         side.synchronize()
-    d = vm.snapshot() - before
+    d = vm.stats() - before
     assert int(b[-1]) == 7 and d.device_maps >= 1 and d.device_unmaps == 0
 
 
@@ -232,7 +232,7 @@ def test_nothing_is_unmapped_while_a_stream_of_the_pool_captures(vm):
         del a                                           # 64 MiB of free pages of `side`
         side.synchronize()
         vm.set_limit(128 * MiB)
-        before = vm.snapshot()
+        before = vm.stats()
         side.begin_capture()
         try:
             assert vm.empty_cache() == 0 and vm.trim(0) == 0
@@ -245,11 +245,11 @@ def test_nothing_is_unmapped_while_a_stream_of_the_pool_captures(vm):
         graph.launch(side)
         side.synchronize()
     assert e.value.reason == "limit_capturing" and int(b[-1]) == 9
-    assert (vm.snapshot() - before).device_unmaps == 0
+    assert (vm.stats() - before).device_unmaps == 0
     # not capturing: 64 MiB in use (keep, b), a's last 48 MiB free but too small; 56 more fit the limit only once
     # those pages go back (112 + 56 > 128 > 64 + 56)
     assert cp.empty(56 * MiB, dtype=cp.uint8).nbytes == 56 * MiB
-    assert (vm.snapshot() - before).device_unmaps >= 1
+    assert (vm.stats() - before).device_unmaps >= 1
     vm.set_limit(0)
     del b, keep
 
@@ -268,11 +268,11 @@ def test_captured_training_with_an_expandable_private_pool_is_bit_identical_to_e
 
 
 def test_install_serves_cupy_from_the_expandable_scheme():
-    assert xpool.installed() is None
+    assert xpool.cupy_adapter.installed() is None
     pool = xpool.install(scheme="expandable")
     try:
         a = cp.ones(10 * MiB, dtype=cp.float32)
-        assert xpool.installed().scheme == "expandable" and float(a.sum()) == 10 * MiB
+        assert xpool.cupy_adapter.installed().scheme == "expandable" and float(a.sum()) == 10 * MiB
         assert row(pool).device_maps > 0
         del a
     finally:
@@ -290,7 +290,7 @@ def test_an_nccl_all_reduce_reads_and_writes_expandable_memory(vm):
     stream.synchronize()
     assert bool((y == x).all())
     for ptr in (x.data.ptr, y.data.ptr):
-        with pytest.raises(xpool.IpcUnsupportedError):
+        with pytest.raises(xpool.errors.IpcUnsupportedError):
             vm.check_ipc(ptr)                           # the buffers were the scheme's mapped pages
 
 
@@ -334,7 +334,7 @@ def test_with_peer_access_none_another_gpus_copy_is_refused():
 
 def test_cuda_ipc_refuses_expandable_memory_and_check_ipc_says_why_first(vm):
     a = cp.empty(4 * MiB, dtype=cp.uint8)
-    with pytest.raises(xpool.IpcUnsupportedError, match="cudaIpcGetMemHandle refuses"):
+    with pytest.raises(xpool.errors.IpcUnsupportedError, match="cudaIpcGetMemHandle refuses"):
         vm.check_ipc(a.data.ptr)
     with pytest.raises(cp.cuda.runtime.CUDARuntimeError):
         cp.cuda.runtime.ipcGetMemHandle(a.data.ptr)      # what check_ipc spares a user
@@ -352,7 +352,7 @@ def test_debug_mode_poisons_new_pages_and_catches_an_overrun():
         a = cp.zeros(100, dtype=cp.uint8)
         info = next(b for b in p.live_blocks(0) if b["ptr"] == a.data.ptr)
         end = info["ptr"] + info["size"]
-        rest = p.backend.read(0, end, 4096)
+        rest = p._backend.read(0, end, 4096)
         assert rest == bytes([xpool.debug.POISON]) * 4096      # the new page's free rest is poisoned
         wide = cp.ndarray((101,), cp.uint8, memptr=cp.cuda.MemoryPointer(
             cp.cuda.UnownedMemory(a.data.ptr, 101, None, 0), 0))

@@ -50,12 +50,12 @@ def test_replays_make_no_device_calls_in_either_pool(pool):
     step = CapturedStep(model, private.malloc)
     for i in range(8):
         if i == 3:
-            before, before_private = pool.snapshot(), private.snapshot()
+            before, before_private = pool.stats(), private.stats()
         x, y = get_batch(data, cfg.batch_size, cfg.block_size, i, xp=cp)
         loss, grads = step(x, y)
         opt.step(grads)
     cp.cuda.Device().synchronize()
-    d, dp = pool.snapshot() - before, private.snapshot() - before_private
+    d, dp = pool.stats() - before, private.stats() - before_private
     assert d.device_mallocs == 0 and d.device_frees == 0
     assert dp.requests == 0, "the private pool is the graph's alone: replays allocate nothing from it"
     assert dp.device_mallocs == 0 and dp.device_frees == 0
@@ -112,17 +112,17 @@ def test_a_capture_with_the_installed_pool_is_not_ended_by_a_give_back(pool):
         for _ in range(70):                             # idle for more than 64 requests: a miss may give it back
             cp.empty(512, dtype=cp.uint8)
         side.synchronize()
-        assert pool.backend.capturing(0, side.ptr) is False
-        before = pool.snapshot()
+        assert pool._backend.capturing(0, side.ptr) is False
+        before = pool.stats()
         side.begin_capture()
         try:
-            assert pool.backend.capturing(0, side.ptr) is True
+            assert pool._backend.capturing(0, side.ptr) is True
             b = cp.empty(6 * MiB, dtype=cp.uint8)       # a miss above the mark, inside the capture
             b.fill(7)
         finally:
             graph = side.end_capture()
         graph.launch(side)
         side.synchronize()
-    d = pool.snapshot() - before
+    d = pool.stats() - before
     assert d.device_frees == 0 and d.device_mallocs == 1
     assert int(b[-1]) == 7

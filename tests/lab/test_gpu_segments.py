@@ -41,16 +41,16 @@ def test_training_makes_no_device_mallocs_once_warm(pool, batch, foreach):
     per_step = []                          # (device mallocs, device frees) of each step, for the message
     for i in range(10):                    # 5 warm-up steps, as the experiments run, then 5 warm ones
         if i == 5:
-            before = pool.snapshot()
-        last = pool.snapshot()
+            before = pool.stats()
+        last = pool.stats()
         step(i)
         cp.cuda.Device().synchronize()
-        d = pool.snapshot() - last
+        d = pool.stats() - last
         per_step.append((int(d.device_mallocs), int(d.device_frees)))
-    delta = pool.snapshot() - before
+    delta = pool.stats() - before
     assert delta.requests > 100, per_step
     assert delta.device_mallocs == 0 and delta.device_frees == 0, f"device (mallocs, frees) per step: {per_step}"
-    s = pool.stats(0).iloc[0]
+    s = pool.stats(0)
     assert s.bytes_reserved == s.bytes_in_use + s.bytes_cached
 
 
@@ -101,7 +101,7 @@ def test_empty_cache_gives_whole_segments_back_to_the_device(pool):
     free_before = cp.cuda.runtime.memGetInfo()[0]
     assert pool.empty_cache() == 256 * MiB
     assert cp.cuda.runtime.memGetInfo()[0] - free_before >= 200 * MiB
-    s = pool.stats(0).iloc[0]
+    s = pool.stats(0)
     assert s.bytes_reserved == 2 * MiB and s.bytes_in_use == MiB and int(keep.size) == MiB
 
 
@@ -110,13 +110,13 @@ def test_a_miss_gives_the_streams_idle_whole_free_segments_back(pool):
     a = cp.empty(64 * MiB, dtype=cp.uint8)             # request 2
     del a
     b = cp.empty(128 * MiB, dtype=cp.uint8)            # fits no free range; the 64 MiB segment was freed 1 request
-    s = pool.stats(0).iloc[0]                          # ago: part of the working set, it stays
+    s = pool.stats(0)                          # ago: part of the working set, it stays
     assert (s.device_mallocs, s.device_frees, s.bytes_reserved) == (3, 0, 194 * MiB)
     for _ in range(64):                                # requests 4-67: cut from keep's segment, the best fit
         cp.empty(512, dtype=cp.uint8)
     del b
     c = cp.empty(256 * MiB, dtype=cp.uint8)            # the 64 MiB segment, idle 66 requests, goes back first;
-    s = pool.stats(0).iloc[0]                          # b's, freed 1 request ago, stays
+    s = pool.stats(0)                          # b's, freed 1 request ago, stays
     assert (s.device_mallocs, s.device_frees, s.bytes_reserved) == (4, 1, (2 + 128 + 256) * MiB)
     assert np.isfinite(float(cp.ones(4, cp.float32).sum())) and c.nbytes == 256 * MiB and keep.nbytes == 512
 

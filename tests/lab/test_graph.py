@@ -205,7 +205,7 @@ def test_xpool_graph_pools_are_private_counted_and_released(host_pools):
     assert alloc.graph_pool_bytes(0) is None         # no private pool yet
     p1, p2 = alloc.graph_pool(), alloc.graph_pool()
     assert p1 is not p2 and p1 is not alloc.pool
-    assert p1.scheme == alloc.pool.scheme == "seed"
+    assert p1.settings.scheme == alloc.pool.settings.scheme == "seed"
     from cupy.cuda import memory
     param, malloc_fn, free_fn = p2._core.cfunctions()
     # a block of a private pool (CuPy's memory object on device 0) counts there, and in the arm's device mallocs

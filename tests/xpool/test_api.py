@@ -6,7 +6,8 @@ import pytest
 
 import xpool
 from faults import AddressBackend, FaultyBackend
-from xpool import Backend, CupyBackend, HostBackend, Pool
+from xpool import HostBackend, Pool
+from xpool.backends import Backend, CupyBackend
 from xpool.pool import BACKEND_METHODS
 
 PROTOCOL_METHODS = sorted(n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_"))

@@ -31,7 +31,7 @@ def make(capacity=None, **kw):
 
 
 def counters(pool):
-    s = pool.stats().iloc[0]
+    s = pool.stats()
     return s.device_mallocs, s.device_frees, s.bytes_reserved
 
 
@@ -59,11 +59,11 @@ def test_out_of_memory_while_capturing_keeps_the_cache_and_says_why():
     with pytest.raises(xpool.OutOfMemoryError, match="capturing a CUDA graph") as e:
         pool.allocate(5 * MiB, stream=5)
     assert e.value.reason == "device_capturing" and counters(pool) == before
-    s = pool.stats().iloc[0]
+    s = pool.stats()
     assert s.bytes_cached == 4 * MiB and s.bytes_in_use == 3 * MiB and s.oom_recoveries == 0
     backend.capturing_streams = set()
     fits = pool.allocate(5 * MiB, stream=5)     # not capturing: the ladder frees the cache and retries
-    assert fits.size == 5 * MiB and pool.stats().iloc[0].oom_recoveries == 1
+    assert fits.size == 5 * MiB and pool.stats().oom_recoveries == 1
     del held
 
 
@@ -75,7 +75,7 @@ def test_the_limit_while_capturing_keeps_the_cache_and_says_why():
     with pytest.raises(xpool.OutOfMemoryError, match="the xpool limit refused .* capturing") as e:
         pool.allocate(7 * MiB, stream=5)        # too big for the cached 6 MiB: a miss, 13 MiB against 8
     assert e.value.reason == "limit_capturing"
-    assert counters(pool) == (1, 0, 6 * MiB) and pool.stats().iloc[0].bytes_cached == 6 * MiB
+    assert counters(pool) == (1, 0, 6 * MiB) and pool.stats().bytes_cached == 6 * MiB
 
 
 def test_a_capture_holds_back_every_stream_of_its_device_and_no_other_device():
@@ -89,7 +89,7 @@ def test_a_capture_holds_back_every_stream_of_its_device_and_no_other_device():
     pool.allocate(6 * MiB, stream=1)            # above the mark: would give stream 1's 3 MiB back first
     assert counters(pool) == (3, 0, 11 * MiB) and (0, 5) in backend.asked
     pool.allocate(6 * MiB, device=1, stream=1)  # device 1 has no capturing stream: gives back as usual
-    assert pool.stats(1).iloc[0].device_frees == 1
+    assert pool.stats(1).device_frees == 1
     del five
 
 
@@ -115,12 +115,12 @@ def test_a_stream_the_backend_cannot_vouch_for_is_never_asked():
     backend.capturing_streams = {5}
     pool.allocate(6 * MiB, stream=1)            # gives stream 1's 3 MiB back: 5 was not asked, so not seen
     assert (0, 5) in backend.vouched and (0, 5) not in backend.asked
-    assert pool.stats().iloc[0].device_frees == 1
+    assert pool.stats().device_frees == 1
     pool.allocate(3 * MiB, stream=1).release()
     backend.alive = {5}                         # now vouched for: asked, capturing, nothing goes back
-    frees = pool.stats().iloc[0].device_frees
+    frees = pool.stats().device_frees
     pool.allocate(9 * MiB, stream=1)
-    assert (0, 5) in backend.asked and pool.stats().iloc[0].device_frees == frees
+    assert (0, 5) in backend.asked and pool.stats().device_frees == frees
     del five
 
 
@@ -163,7 +163,7 @@ def test_a_failing_capturing_query_fails_the_allocation_and_leaks_nothing():
     backend.fail = RuntimeError("cudaStreamIsCapturing failed")
     with pytest.raises(RuntimeError, match="cudaStreamIsCapturing failed"):
         pool.allocate(6 * MiB, stream=5)
-    s = pool.stats().iloc[0]
+    s = pool.stats()
     assert (s.device_mallocs, s.device_frees, s.bytes_in_use, s.bytes_cached) == (1, 0, 0, 3 * MiB)
     assert backend.used(0) == 3 * MiB
     backend.fail = None
@@ -174,7 +174,7 @@ def test_a_backend_without_capturing_is_never_asked():
     pool = Pool(HostBackend(), **EAGER)
     pool.allocate(3 * MiB).release()
     pool.allocate(6 * MiB)                       # gives back as before
-    assert pool.stats().iloc[0].device_frees == 1
+    assert pool.stats().device_frees == 1
 
 
 def test_a_miss_that_gives_nothing_back_asks_nothing():

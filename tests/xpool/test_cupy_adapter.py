@@ -36,7 +36,7 @@ def test_blocks_return_to_their_device_pool():
     pool = xpool.MemoryPool(backend=HostBackend())
     mp = cupy_alloc(pool, 5000, device=3)
     del mp
-    assert pool.stats(3).iloc[0].blocks_cached == 1
+    assert pool.stats(3).blocks_cached == 1
 
 
 def test_oom_propagates_through_cupy_as_xpool_error():
@@ -71,15 +71,15 @@ def test_install_twice_is_an_error_and_uninstall_restores():
     before = cupy.cuda.get_allocator()
     pool = xpool.install(xpool.MemoryPool(backend=HostBackend()))
     try:
-        assert cupy.cuda.get_allocator() == pool.malloc and xpool.installed() is pool
+        assert cupy.cuda.get_allocator() == pool.malloc and xpool.cupy_adapter.installed() is pool
         with pytest.raises(RuntimeError, match="already installed"):
             xpool.install()
     finally:
         xpool.uninstall()
-    assert cupy.cuda.get_allocator() == before and xpool.installed() is None
+    assert cupy.cuda.get_allocator() == before and xpool.cupy_adapter.installed() is None
     with pytest.raises(TypeError, match="MemoryPool"):
         xpool.install(object())
-    assert xpool.installed() is None
+    assert xpool.cupy_adapter.installed() is None
 
 
 def test_use_is_scoped_to_the_block():
@@ -147,7 +147,7 @@ def test_a_stream_lookup_that_raises_propagates_and_hands_out_nothing():
     pool = pool_with_stream_lookup(HostBackend(), fails)
     with pytest.raises(SystemError):
         cupy_alloc(pool, 4096)
-    assert pool._core.live_blocks(0) == [] and pool.snapshot().requests == 0
+    assert pool._core.live_blocks(0) == [] and pool.stats().requests == 0
 
 
 def test_cupy_stream_lookup_without_a_gpu_raises_cupys_error():
@@ -160,7 +160,7 @@ def test_cupy_stream_lookup_without_a_gpu_raises_cupys_error():
     pool = pool_with_stream_lookup(HostBackend(), xpool.testing.cupy_stream_lookup())
     with pytest.raises(CUDARuntimeError):
         cupy_alloc(pool, 4096)
-    assert pool._core.live_blocks(0) == [] and pool.snapshot().requests == 0
+    assert pool._core.live_blocks(0) == [] and pool.stats().requests == 0
 
 
 def test_per_thread_default_stream_is_keyed_by_thread():
@@ -187,8 +187,8 @@ def test_module_functions_follow_the_pool_in_use():
         assert xpool.current() is pool
         mp = cupy_alloc(pool, 3000)
         del mp
-        assert xpool.stats().iloc[0].bytes_cached == 2 << 20        # its whole segment, merged again
-        assert xpool.snapshot().requests == 1
+        assert xpool.stats().bytes_cached == 2 << 20        # its whole segment, merged again
+        assert xpool.stats().requests == 1
         assert xpool.empty_cache() == 2 << 20
     assert xpool.current() is None
 
@@ -211,4 +211,4 @@ def test_install_without_a_gpu_says_so():
     import xpool
     with pytest.raises(RuntimeError, match="needs a CUDA GPU.*HostBackend"):
         xpool.install()
-    assert xpool.installed() is None                  # nothing half-installed
+    assert xpool.cupy_adapter.installed() is None                  # nothing half-installed

@@ -66,7 +66,7 @@ def test_warn_mode_warns_instead():
     pool = make("warn")
     a = pool.allocate(10)
     ctypes.memset(a.ptr + 10, 0x00, 5)
-    with pytest.warns(xpool.CorruptionWarning, match="write past the end"):
+    with pytest.warns(xpool.errors.CorruptionWarning, match="write past the end"):
         del a
     pool.allocate(10)                         # nothing pending
 
@@ -87,10 +87,10 @@ def test_clean_use_reports_nothing():
 
 def test_debug_from_environment(monkeypatch):
     monkeypatch.setenv("XPOOL_DEBUG", "warn")
-    assert Pool(HostBackend()).debug == "warn"
+    assert Pool(HostBackend()).settings.debug == "warn"
     monkeypatch.setenv("XPOOL_DEBUG", "0")
-    assert Pool(HostBackend()).debug is None
-    assert Pool(HostBackend(), debug=True).debug == "raise"
+    assert Pool(HostBackend()).settings.debug is None
+    assert Pool(HostBackend(), debug=True).settings.debug == "raise"
 
 
 def test_debug_off_adds_no_tail():
@@ -111,7 +111,7 @@ def test_forked_child_gets_a_fresh_pool():
     def child():                              # must not reuse the parent's block
         st = pool.stats()
         b = pool.allocate(4096)
-        return "ok" if len(st) == 0 and b.ptr != keep and pool.stats().iloc[0].misses == 1 else "reused"
+        return "ok" if len(st) == 0 and b.ptr != keep and pool.stats().misses == 1 else "reused"
 
     assert in_forked_child(child) == "ok"
     assert pool.allocate(4096).ptr == keep    # the parent's pool is untouched
@@ -151,7 +151,7 @@ def test_parent_blocks_dying_in_a_child_are_ignored_quietly():
         sys.unraisablehook = seen.append
         held.clear()                          # CuPy's memory object dies here
         direct.release()                      # an inherited block: nothing to give back here
-        return "ok" if not seen and pool.devices() == [] else repr(seen)
+        return "ok" if not seen and list(pool.stats()) == [] else repr(seen)
 
     assert in_forked_child(child) == "ok"
-    assert pool.stats().iloc[0].blocks_in_use == 2   # the parent's pool is untouched
+    assert pool.stats().blocks_in_use == 2   # the parent's pool is untouched

@@ -35,14 +35,14 @@ def stats(pool, device=0):
 
 
 def total(pool, name):
-    return sum(stats(pool, d)[name] for d in pool.devices())
+    return sum(stats(pool, d)[name] for d in list(pool.stats()))
 
 
 def audit(pool, backend):
     """Reserved is what the twin maps, device by device; the device calls are the twin's; nothing in flight;
     nothing unmapped while a device captured; no backend allocation at all."""
     twin = backend.twin
-    for d in pool.devices():
+    for d in list(pool.stats()):
         s = stats(pool, d)
         assert s["bytes_reserved"] == twin.mapped_bytes(d), (d, s, twin.mapped_bytes(d))
         assert s["bytes_in_use"] + s["bytes_cached"] == s["bytes_reserved"], s
@@ -68,7 +68,7 @@ def test_the_scheme_comes_from_the_argument_or_the_environment(monkeypatch):
     s = Settings(scheme="expandable")
     assert (s.scheme, s.release_on_miss, s.release_idle, s.small_segment, s.segment_round) == \
            ("expandable", "never", 64, None, None)
-    assert "expandable" in xpool.SCHEMES
+    assert "expandable" in xpool.settings.SCHEMES
     with pytest.raises(ValueError, match="^small_segment=4096 applies to scheme 'segments' only"):
         Settings(scheme="expandable", small_segment=4096)
     monkeypatch.setenv("XPOOL_SCHEME", "expandable")
@@ -76,7 +76,7 @@ def test_the_scheme_comes_from_the_argument_or_the_environment(monkeypatch):
     s = Settings()
     assert (s.scheme, s.release_idle, s.source("release_idle")) == ("expandable", 10, "XPOOL_RELEASE_IDLE")
     pool = Pool(TwinBackend())
-    assert pool.scheme == pool._core.scheme == "expandable"
+    assert pool.settings.scheme == pool._core.scheme == "expandable"
     monkeypatch.setenv("XPOOL_SEGMENT_ROUND", "4096")
     with pytest.raises(ValueError, match="^XPOOL_SEGMENT_ROUND='4096' applies to scheme 'segments' only.*"
                                          "XPOOL_SCHEME is 'expandable'"):
@@ -230,9 +230,9 @@ def test_free_all_blocks_of_one_stream_leaves_the_other_streams_pages():
     class S:
         ptr = 1
     pool.free_all_blocks(stream=S())
-    assert stats(pool)["bytes_cached"] == 2 * P and len(pool.backend.twin.ranges()) == 2
+    assert stats(pool)["bytes_cached"] == 2 * P and len(pool._backend.twin.ranges()) == 2
     pool.free_all_blocks()
-    assert pool.backend.twin.pages() == [] and pool.backend.twin.ranges() == []
+    assert pool._backend.twin.pages() == [] and pool._backend.twin.ranges() == []
 
 
 # --- the limit
@@ -367,7 +367,7 @@ def test_out_of_memory_raises_with_the_reason_and_the_twins_words():
         pool.allocate(2 * P)
     assert e.value.reason == "device" and isinstance(e.value.__cause__, MemoryError)
     assert "out of memory at page 1 of 2" in str(e.value.__cause__)
-    with pytest.raises(xpool.RequestTooLargeError):
+    with pytest.raises(xpool.errors.RequestTooLargeError):
         pool.allocate(5 * P)
     s = stats(pool)
     assert (s["oom_errors"], s["bytes_in_use"], s["blocks_in_use"]) == (2, 3 * P, 1)
@@ -750,7 +750,7 @@ def test_a_reserve_names_a_bad_device_or_stream_and_takes_nothing(kw, message):
     pool, backend = make()
     with pytest.raises(ValueError, match=message):
         pool.reserve(4 * P, **kw)
-    assert backend.twin.mapped_bytes(0) == backend.twin.mapped_bytes(1) == 0 and pool.stats()["requests"].sum() == 0
+    assert backend.twin.mapped_bytes(0) == backend.twin.mapped_bytes(1) == 0 and pool.stats()["requests"] == 0
 
 
 def test_a_reserve_the_device_refuses_raises_out_of_memory_and_keeps_nothing():
@@ -919,10 +919,10 @@ def test_the_timeline_records_maps_and_unmaps():
 
 def test_snapshots_count_maps_and_unmaps():
     pool, backend = make()
-    before = pool.snapshot()
+    before = pool.stats()
     pool.allocate(2 * P).release()
     pool.empty_cache()
-    d = pool.snapshot() - before
+    d = pool.stats() - before
     assert (d.device_maps, d.device_unmaps, d.device_mallocs, d.device_frees) == (1, 1, 0, 0)
     assert {"device_maps", "device_unmaps"} <= set(pool.stats().columns)
 
@@ -1025,7 +1025,7 @@ def test_ipc_of_an_expandable_block_is_refused_with_a_clear_error():
     pool, backend = make()
     a = pool.allocate(3 * P)
     for ptr in (a.ptr, a.ptr + P + 17):
-        with pytest.raises(xpool.IpcUnsupportedError, match="CUDA IPC cannot share.*scheme 'segments'") as e:
+        with pytest.raises(xpool.errors.IpcUnsupportedError, match="CUDA IPC cannot share.*scheme 'segments'") as e:
             pool.check_ipc(ptr, device=0)
         assert (e.value.device, e.value.ptr) == (0, ptr) and e.value.base <= ptr < e.value.base + e.value.nbytes
     again = pickle.loads(pickle.dumps(e.value))
@@ -1042,12 +1042,12 @@ def test_the_cupy_drop_in_serves_cupys_memory_objects():
     pool = xpool.MemoryPool(scheme="expandable", backend=TwinBackend(granularity=P))
     param, malloc_fn, free_fn = pool._core.cfunctions()
     mem = cupy_memory.CFunctionAllocatorMemory(5000, param, malloc_fn, free_fn, 0)
-    assert mem.size == 5000 and pool.backend.twin.is_mapped(mem.ptr)
+    assert mem.size == 5000 and pool._backend.twin.is_mapped(mem.ptr)
     assert (pool.used_bytes(), pool.total_bytes()) == (5120, P)
     del mem
     assert pool.used_bytes() == 0 and pool.n_free_blocks() == 1
     pool.free_all_blocks()
-    assert pool.backend.twin.pages() == [] and pool.total_bytes() == 0
+    assert pool._backend.twin.pages() == [] and pool.total_bytes() == 0
 
 
 # --- PyTorch's entry points: the miss needs no GIL
@@ -1227,7 +1227,7 @@ class PoolModel(RuleBasedStateMachine):
         audit(self.pool, self.backend)
         for a, _ in self.live:
             assert self.twin.is_mapped(a.ptr) and self.twin.is_mapped(a.ptr + a.size - 1)
-        if self.pool.debug:
+        if self.pool.settings.debug:
             self.pool.check()
 
     def teardown(self):
@@ -1243,7 +1243,7 @@ class PoolModel(RuleBasedStateMachine):
         self.pool.empty_cache()
         audit(self.pool, self.backend)
         assert self.twin.pages() == [] and self.twin.ranges() == []
-        if self.pool.debug:
+        if self.pool.settings.debug:
             assert self.pool._hook.found == []
 
 

@@ -33,7 +33,7 @@ def test_the_limit_ladder_on_another_stream_leaves_a_capture_intact():
         with s2:
             held = cp.empty(8 * MiB, cp.uint8)
         pool.set_limit(size=pool.total_bytes() + 2 * MiB)
-        before = pool.snapshot()
+        before = pool.stats()
         with s1:
             _captured_increment(s1, z)
             with s2:
@@ -41,7 +41,7 @@ def test_the_limit_ladder_on_another_stream_leaves_a_capture_intact():
                     cp.empty(4 * MiB, cp.uint8)     # only freeing s1's segment would make room
             graph = s1.end_capture()                # raises if a cudaFree ended the capture
         assert e.value.reason == "limit_capturing"
-        assert (pool.snapshot() - before).device_frees == 0
+        assert (pool.stats() - before).device_frees == 0
         graph.launch(s1)
         s1.synchronize()
         assert int(z.sum()) == 1024
@@ -59,20 +59,20 @@ def test_a_growing_miss_on_another_stream_gives_nothing_back_during_a_capture():
         with s2:
             cp.empty(3 * MiB, cp.uint8).fill(1)     # s2's whole free 3 MiB segment, at the high-water mark
             s2.synchronize()
-        before = pool.snapshot()
+        before = pool.stats()
         with s1:
             _captured_increment(s1, z)
             with s2:
                 big = cp.empty(6 * MiB, cp.uint8)   # above the mark: would give s2's segment back first
             graph = s1.end_capture()
-        assert (pool.snapshot() - before).device_frees == 0
+        assert (pool.stats() - before).device_frees == 0
         graph.launch(s1)
         s1.synchronize()
         assert int(z.sum()) == 1024
         del big
         with s2:                                    # no capture now: the next growing miss gives back as before
             cp.empty(12 * MiB, cp.uint8)
-        assert (pool.snapshot() - before).device_frees >= 1
+        assert (pool.stats() - before).device_frees >= 1
     pool.free_all_blocks()
 
 
@@ -104,7 +104,7 @@ for i in range(20):
     gc.collect()
     pool.empty_cache()
 cp.cuda.set_allocator(None)
-print("ok", pool.stats(0).iloc[0].bytes_reserved)
+print("ok", pool.stats(0).bytes_reserved)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.split() == ["ok", "0"], out.stdout + out.stderr

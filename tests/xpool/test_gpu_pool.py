@@ -44,10 +44,10 @@ def test_warm_loop_makes_no_device_mallocs(pool):
         return float(z.sum()) + float(cp.sort(y)[-1])
 
     step()
-    before = pool.snapshot()
+    before = pool.stats()
     for _ in range(20):
         step()
-    delta = pool.snapshot() - before
+    delta = pool.stats() - before
     assert delta.requests > 20 and delta.device_mallocs == 0 and delta.hits == delta.requests
 
 
@@ -135,7 +135,7 @@ def test_device_oom_recovers_by_freeing_the_cache(pool):
         a = cp.empty(chunk, dtype=cp.uint8)
         del a                                          # cached, not free on the device
     b = cp.empty(int(free * 0.7), dtype=cp.uint8)      # only fits once the cache is released
-    assert pool.stats(0).iloc[0].oom_recoveries == 1
+    assert pool.stats(0).oom_recoveries == 1
     del b
     with pytest.raises(xpool.OutOfMemoryError, match="device 0"):
         cp.empty(total * 2, dtype=cp.uint8)

@@ -5,7 +5,8 @@ import gc
 import pytest
 
 import xpool
-from xpool import DeviceOutOfMemory, HostBackend, Pool
+from xpool import HostBackend, Pool
+from xpool.backends import DeviceOutOfMemory
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -118,7 +119,7 @@ def test_a_request_larger_than_the_limit_raises_at_once_and_keeps_the_cache():
 def test_a_request_larger_than_the_device_raises_at_once_and_keeps_the_cache():
     backend = Scripted(capacity=8 * MiB)
     pool = seeded(backend)
-    with pytest.raises(xpool.RequestTooLargeError):
+    with pytest.raises(xpool.errors.RequestTooLargeError):
         pool.allocate(16 * MiB)
     assert backend.log == [] and counters(pool).bytes_cached == MiB
 

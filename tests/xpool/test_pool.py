@@ -31,7 +31,7 @@ def test_freed_block_is_reused_for_same_class():
     del a
     b = pool.allocate(700)           # same 1024 B class
     assert b.ptr == ptr and backend.mallocs == 1
-    s = pool.stats().iloc[0]
+    s = pool.stats()
     assert (s.requests, s.hits, s.misses, s.device_mallocs) == (2, 1, 1, 1)
     assert (s.bytes_in_use, s.bytes_requested, s.bytes_cached) == (1024, 700, 0)
 
@@ -41,7 +41,7 @@ def test_other_class_misses():
     a = pool.allocate(1000)
     del a
     b = pool.allocate(2000)
-    assert backend.mallocs == 2 and pool.stats().iloc[0].blocks_cached == 1
+    assert backend.mallocs == 2 and pool.stats().blocks_cached == 1
 
 
 def test_block_freed_on_a_stream_is_reused_only_on_that_stream():
@@ -61,7 +61,7 @@ def test_devices_have_separate_pools():
     del a
     b = pool.allocate(4096, device=2)
     assert b.device == 2 and backend.mallocs == 2
-    assert pool.devices() == [1, 2]
+    assert list(pool.stats()) == [1, 2]
     st = pool.stats().set_index("device")
     assert st.loc[1, "blocks_cached"] == 1 and st.loc[2, "blocks_in_use"] == 1
 
@@ -80,7 +80,7 @@ def test_release_is_idempotent_and_reported():
     a.release()
     a.release()
     assert a.ptr == 0 and "released" in repr(a)
-    assert pool.stats().iloc[0].frees == 1
+    assert pool.stats().frees == 1
 
 
 def test_block_released_on_another_thread_returns_to_its_own_device():
@@ -108,9 +108,9 @@ def test_snapshot_difference_counts_step_activity():
     pool, _ = make()
     keep = [pool.allocate(n) for n in (100, 2000, 3 * MiB)]
     del keep
-    s0 = pool.snapshot()
+    s0 = pool.stats()
     step = [pool.allocate(n) for n in (100, 2000, 3 * MiB, 5 * MiB)]
-    d = pool.snapshot() - s0
+    d = pool.stats() - s0
     assert (d.requests, d.hits, d.misses, d.device_mallocs) == (4, 3, 1, 1)
     assert d.bytes_in_use == sum(b.size for b in step)   # gauges keep the later value
     del step
@@ -122,11 +122,11 @@ def test_empty_cache_and_trim_give_memory_back():
     del blocks
     assert backend.used(0) == 7 * MiB
     released = pool.trim(3 * MiB)
-    st = pool.stats().iloc[0]
+    st = pool.stats()
     assert st.bytes_cached <= 3 * MiB and released == 7 * MiB - st.bytes_cached
     assert pool.empty_cache() == st.bytes_cached
     assert backend.used(0) == 0 and backend.mallocs == backend.frees == 3
-    assert pool.stats().iloc[0].device_frees == 3
+    assert pool.stats().device_frees == 3
 
 
 def test_oom_frees_the_cache_and_retries():
@@ -134,7 +134,7 @@ def test_oom_frees_the_cache_and_retries():
     small = [pool.allocate(4 * KiB) for _ in range(128)]   # 512 KiB, then cached
     del small
     big = pool.allocate(768 * KiB)
-    st = pool.stats().iloc[0]
+    st = pool.stats()
     assert st.oom_recoveries == 1 and st.bytes_cached == 0 and big.size == 768 * KiB
 
 
@@ -152,7 +152,7 @@ def test_oom_collects_garbage_cycles_before_giving_up():
         b = pool.allocate(900 * KiB)
     finally:
         gc.enable()
-    assert b.size == 900 * KiB and pool.stats().iloc[0].oom_recoveries == 1
+    assert b.size == 900 * KiB and pool.stats().oom_recoveries == 1
 
 
 def test_oom_raises_a_clear_error_and_leaves_live_blocks_intact():
@@ -168,7 +168,7 @@ def test_oom_raises_a_clear_error_and_leaves_live_blocks_intact():
         assert part in msg, msg
     assert (err.requested, err.bytes_in_use, err.reason) == (600 * KiB, 600 * KiB, "device")
     assert ctypes.string_at(live.ptr, live.requested) == b"\x5a" * live.requested
-    st = pool.stats().iloc[0]
+    st = pool.stats()
     assert (st.oom_errors, st.blocks_in_use, st.bytes_in_use) == (1, 1, 600 * KiB)
     import pickle
     again = pickle.loads(pickle.dumps(err))
@@ -183,7 +183,7 @@ def test_limit_caps_reserved_bytes():
     cached = pool.allocate(512 * KiB)
     del cached
     b = pool.allocate(1 * MiB)                       # fits only once the cache is released
-    assert pool.stats().iloc[0].bytes_cached == 0
+    assert pool.stats().bytes_cached == 0
     with pytest.raises(xpool.OutOfMemoryError, match="limit 2.00 MiB") as info:
         pool.allocate(1)
     assert info.value.reason == "limit"
@@ -218,7 +218,7 @@ def test_bad_sizes(bad):
     pool, backend = make()
     with pytest.raises(ValueError, match="nbytes"):
         pool.allocate(bad)
-    assert backend.mallocs == 0 and pool.devices() == []
+    assert backend.mallocs == 0 and list(pool.stats()) == []
 
 
 @pytest.mark.parametrize("bad", [-1, 64, "0", 1.0, True])
@@ -271,10 +271,10 @@ def test_peaks_and_reset():
     pool, _ = make()
     a, b = pool.allocate(3000), pool.allocate(5000)
     del a, b
-    st = pool.stats().iloc[0]
+    st = pool.stats()
     assert (st.peak_bytes_in_use, st.peak_bytes_requested, st.peak_bytes_reserved) == (8192, 8000, 8192)
     pool.reset_peak_stats()
-    st = pool.stats().iloc[0]
+    st = pool.stats()
     assert (st.peak_bytes_in_use, st.peak_bytes_requested, st.peak_bytes_reserved) == (0, 0, 8192)
 
 
@@ -303,7 +303,7 @@ def test_request_larger_than_the_device_is_bad_input_and_flushes_nothing():
     with pytest.raises(ValueError, match="nbytes=5,000,000 .* larger than device 0") as info:
         pool.allocate(5_000_000)
     assert isinstance(info.value, xpool.OutOfMemoryError)     # CuPy code catching OOM still does
-    st = pool.stats().iloc[0]
+    st = pool.stats()
     assert (st.blocks_cached, st.device_frees, backend.mallocs) == (1, 0, 1)
 
 

@@ -27,7 +27,7 @@ class PoolModel(RuleBasedStateMachine):
 
     @rule(n=SIZES, device=st.integers(0, 2), stream=st.integers(0, 2))
     def allocate(self, n, device, stream):
-        cls = xpool.size_class(n, self.k)
+        cls = xpool.sizeclass.size_class(n, self.k)
         key = (device, stream, cls)
         c = self.counts[device]
         c["requests"] += 1
@@ -64,15 +64,15 @@ class PoolModel(RuleBasedStateMachine):
 
     @rule(device=st.integers(0, 2))
     def empty_cache(self, device):
-        if device in self.pool.devices():
+        if device in list(self.pool.stats()):
             self.pool.empty_cache(device)
         for k in [k for k in self.free if k[0] == device]:
             self.counts[device]["device_frees"] += self.free.pop(k)
 
     @invariant()
     def counters_match_the_model(self):
-        for d in self.pool.devices():
-            s = self.pool.stats(d).iloc[0]
+        for d in list(self.pool.stats()):
+            s = self.pool.stats(d)
             for name in ("requests", "hits", "misses", "device_mallocs", "device_frees", "frees",
                          "oom_errors", "oom_recoveries"):
                 assert s[name] == self.counts[d][name], (name, d)

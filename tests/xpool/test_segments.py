@@ -32,10 +32,10 @@ def test_blocks_are_cut_from_one_segment_and_merge_back_whole():
     a, b, c = pool.allocate(1000), pool.allocate(300 * KiB), pool.allocate(5000)
     assert backend.mallocs == 1 and a.size == 1024 and b.size == 300 * KiB and c.size == 5120
     assert b.ptr == a.ptr + a.size and c.ptr == b.ptr + b.size           # cut in address order
-    s = pool.stats().iloc[0]
+    s = pool.stats()
     assert (s.bytes_in_use, s.bytes_reserved, s.blocks_cached) == (a.size + b.size + c.size, SEGMENT, 1)
     del b                                  # a hole between two live ranges
-    assert pool.stats().iloc[0].blocks_cached == 2
+    assert pool.stats().blocks_cached == 2
     del a, c                               # all three merge with the rest: one whole segment
     cached = pool._core.cached_blocks(0)
     assert [(x["ptr"], x["size"]) for x in cached] == list(segments(backend).items())
@@ -69,7 +69,7 @@ def test_devices_have_their_own_segments():
     b = pool.allocate(MiB, device=1)
     assert backend.mallocs == 2 and a.device == 0 and b.device == 1
     del a
-    assert pool.stats(1).iloc[0].bytes_cached == SEGMENT - MiB   # device 0's free range is not device 1's
+    assert pool.stats(1).bytes_cached == SEGMENT - MiB   # device 0's free range is not device 1's
 
 
 def test_empty_cache_gives_back_whole_free_segments_only():
@@ -79,7 +79,7 @@ def test_empty_cache_gives_back_whole_free_segments_only():
     del other
     before = backend.used(0)
     assert pool.empty_cache() == 3 * MiB and backend.used(0) == before - 3 * MiB
-    s = pool.stats().iloc[0]
+    s = pool.stats()
     assert (s.bytes_reserved, s.bytes_cached, s.device_frees) == (SEGMENT, SEGMENT - MiB, 1)
     del live
     assert pool.trim(0) == SEGMENT and backend.used(0) == 0
@@ -91,7 +91,7 @@ def test_a_miss_above_the_high_water_mark_gives_the_streams_whole_free_segments_
     other = pool.allocate(3 * MiB, stream=7)
     del small, other
     big = pool.allocate(6 * MiB)           # fits no free range: stream 0's whole segment goes first
-    s = pool.stats().iloc[0]
+    s = pool.stats()
     assert (s.device_mallocs, s.device_frees) == (3, 1)
     assert s.bytes_reserved == backend.used(0) == 6 * MiB + 3 * MiB    # stream 7's stays
     assert big.size == 6 * MiB
@@ -104,7 +104,7 @@ def test_a_miss_below_the_high_water_mark_gives_nothing_back():
     pool.empty_cache()                     # 3 MiB reserved
     del b                                  # a whole free 3 MiB segment, too small for ...
     c = pool.allocate(4 * MiB)             # ... this miss: 3 + 4 MiB stay below the mark, it is kept
-    s = pool.stats().iloc[0]
+    s = pool.stats()
     assert (s.device_mallocs, s.device_frees, s.bytes_reserved) == (3, 1, 7 * MiB) and c.size == 4 * MiB
     assert backend.used(0) == 7 * MiB
 
@@ -131,14 +131,14 @@ def test_misses_stop_giving_back_past_the_high_water_mark_in_bytes_until_empty_c
     for n in range(2, 12):                 # each miss above the mark: the last segment goes back ...
         a = pool.allocate(n * MiB)
         del a
-    s = pool.stats().iloc[0]
+    s = pool.stats()
     # ... until 2 + 3 = 5 MiB given back pass the mark, 4 MiB: from then on misses only add
     assert s.device_frees == 2 and backend.used(0) == sum(range(4, 12)) * MiB
     pool.empty_cache()                     # and misses may give back again
     for n in (60, 61):                     # 61 + 60 MiB pass the mark, 60 MiB
         a = pool.allocate(n * MiB)
         del a
-    assert pool.stats().iloc[0].device_frees == 2 + 8 + 1 and backend.used(0) == 61 * MiB
+    assert pool.stats().device_frees == 2 + 8 + 1 and backend.used(0) == 61 * MiB
 
 
 def test_release_on_miss_all_gives_back_every_whole_free_segment():
@@ -148,7 +148,7 @@ def test_release_on_miss_all_gives_back_every_whole_free_segment():
     pool.empty_cache()
     del b
     pool.allocate(4 * MiB)                 # below the mark, yet b's segment goes back
-    assert pool.stats().iloc[0].device_frees == 2 and backend.used(0) == 4 * MiB
+    assert pool.stats().device_frees == 2 and backend.used(0) == 4 * MiB
 
 
 def test_a_bounded_miss_gives_back_young_segments_over_the_bound():
@@ -159,7 +159,7 @@ def test_a_bounded_miss_gives_back_young_segments_over_the_bound():
         a, z = pool.allocate(8 * MiB), pool.allocate(1000)
         del a                              # whole and free just now
         b = pool.allocate(9 * MiB)         # 2 + 8 + 9 MiB > 1.5 x (9 MiB + 1000 B): a's segment goes back
-        assert pool.stats().iloc[0].device_frees == frees, rule
+        assert pool.stats().device_frees == frees, rule
         assert backend.used(0) == (2 + 9 + 8 * (1 - frees)) * MiB
         del b, z
 
@@ -172,11 +172,11 @@ def test_a_growth_miss_gives_back_only_when_the_demand_reaches_a_new_high():
         a, c, z = pool.allocate(8 * MiB), pool.allocate(6 * MiB), pool.allocate(1000)   # the most: 14 MiB + 1000 B
         del a, c                           # two whole free segments
         b = pool.allocate(9 * MiB)         # 2 + 8 + 6 + 9 MiB > 1.5 x 14 MiB, but 9 MiB + 1000 B is no new high
-        assert pool.stats().iloc[0].device_frees == frees, rule
+        assert pool.stats().device_frees == frees, rule
         assert backend.used(0) == (2 + 8 + 9 + 6 * (1 - frees)) * MiB, rule
         d = pool.allocate(9 * MiB)         # 18 MiB + 1000 B: a new high, so growth gives back too (a's 8 MiB)
-        assert pool.stats().iloc[0].device_frees == frees + 1, rule
-        assert pool.stats().iloc[0].bytes_reserved <= 1.5 * pool.stats().iloc[0].peak_bytes_requested, rule
+        assert pool.stats().device_frees == frees + 1, rule
+        assert pool.stats().bytes_reserved <= 1.5 * pool.stats().peak_bytes_requested, rule
         del b, d, z
 
 
@@ -191,7 +191,7 @@ def test_a_peak_miss_gives_back_only_within_the_bound_of_the_most():
         a, c, z = pool.allocate(8 * MiB), pool.allocate(8 * MiB), pool.allocate(1000)   # the most: 16 MiB + 1000 B
         del a, c                           # two whole free segments
         b = pool.allocate(size * MiB)      # neither holds it: a segment of its own, over 1.3 x the most
-        assert pool.stats().iloc[0].device_frees == frees, (rule, size)
+        assert pool.stats().device_frees == frees, (rule, size)
         assert backend.used(0) == (2 + size + 8 * (2 - frees)) * MiB, (rule, size)
         del b, z
 
@@ -206,7 +206,7 @@ def test_a_peak_reset_with_history_lets_growth_give_back_against_the_demand_sinc
         del a, c
         pool.reset_peak_stats(history=history)
         b = pool.allocate(9 * MiB)
-        assert pool.stats().iloc[0].device_frees == frees, history
+        assert pool.stats().device_frees == frees, history
         assert backend.used(0) == (2 + 9 + 14 * (frees == 0)) * MiB, history
         del b, z
 
@@ -222,7 +222,7 @@ def test_release_on_miss_can_be_turned_off():
     a = pool.allocate(3 * MiB)
     del a
     pool.allocate(6 * MiB)
-    assert pool.stats().iloc[0].device_frees == 0 and backend.used(0) == 9 * MiB
+    assert pool.stats().device_frees == 0 and backend.used(0) == 9 * MiB
 
 
 @pytest.mark.parametrize("hits,given_back", [(0, False), (62, False), (63, True)])
@@ -234,7 +234,7 @@ def test_a_miss_gives_back_only_segments_whole_and_free_for_64_requests(hits, gi
     for _ in range(hits):                  # requests 3..: cut from keep's segment, the best fit
         pool.allocate(KiB)
     big = pool.allocate(6 * MiB)           # a miss above the mark; the 3 MiB segment idle for hits + 1 requests
-    s = pool.stats().iloc[0]
+    s = pool.stats()
     assert s.device_frees == int(given_back) and big.size == 6 * MiB and keep.size
     assert s.bytes_reserved == backend.used(0) == (2 + 6 + (0 if given_back else 3)) * MiB
 
@@ -261,12 +261,12 @@ def test_limit_and_oom_ladder_free_whole_segments_and_retry():
     other = pool.allocate(3 * MiB, stream=1)
     del other                              # a whole free segment of stream 1: only the ladder frees it
     c = pool.allocate(4 * MiB, stream=0)   # the device has 2 MiB left: free the cache, retry
-    s = pool.stats().iloc[0]
+    s = pool.stats()
     assert (s.oom_recoveries, s.device_frees) == (1, 1) and backend.used(0) == 7 * MiB
     with pytest.raises(xpool.OutOfMemoryError):
         pool.allocate(4 * MiB)
     assert keep.size == 3 * MiB and c.size == 4 * MiB
-    s = pool.stats().iloc[0]
+    s = pool.stats()
     assert s.bytes_in_use == 7 * MiB and s.bytes_reserved == backend.used(0)
 
 
@@ -304,11 +304,11 @@ def test_the_rest_of_a_new_segment_starts_poisoned():
 
 def test_scheme_is_chosen_by_name_and_classes_per_doubling_needs_seed(monkeypatch):
     backend = HostBackend()
-    assert Pool(backend).scheme == "segments" and Pool(backend).classes_per_doubling is None
-    assert Pool(backend, scheme="xpool").scheme == "segments"        # the old name of the default
-    assert Pool(backend, scheme="seed").classes_per_doubling == 1
+    assert Pool(backend).settings.scheme == "segments" and Pool(backend).settings.classes_per_doubling is None
+    assert Pool(backend, scheme="xpool").settings.scheme == "segments"        # the old name of the default
+    assert Pool(backend, scheme="seed").settings.classes_per_doubling == 1
     seed = Pool(backend, scheme="seed", classes_per_doubling=4)
-    assert seed.scheme == "seed" and seed.allocate(4 * MiB + 1).size == 5 * MiB
+    assert seed.settings.scheme == "seed" and seed.allocate(4 * MiB + 1).size == 5 * MiB
     with pytest.raises(ValueError, match="classes_per_doubling=4 applies to scheme 'seed' only"):
         Pool(backend, classes_per_doubling=4)                       # no longer selects seed by itself
     with pytest.raises(ValueError, match="classes_per_doubling"):
@@ -316,9 +316,9 @@ def test_scheme_is_chosen_by_name_and_classes_per_doubling_needs_seed(monkeypatc
     with pytest.raises(ValueError, match="scheme"):
         Pool(backend, scheme="arena")
     monkeypatch.setenv("XPOOL_SCHEME", "seed")
-    assert Pool(backend).scheme == "seed"
+    assert Pool(backend).settings.scheme == "seed"
     monkeypatch.setenv("XPOOL_SCHEME", "xpool")
-    assert Pool(backend).scheme == "segments"
+    assert Pool(backend).settings.scheme == "segments"
     monkeypatch.setenv("XPOOL_SCHEME", "buddy")
     with pytest.raises(ValueError, match="XPOOL_SCHEME"):
         Pool(backend)
@@ -327,7 +327,7 @@ def test_scheme_is_chosen_by_name_and_classes_per_doubling_needs_seed(monkeypatc
     with pytest.raises(ValueError, match="XPOOL_CLASSES_PER_DOUBLING='4' applies to scheme 'seed' only"):
         Pool(backend)
     monkeypatch.setenv("XPOOL_SCHEME", "seed")
-    assert Pool(backend).classes_per_doubling == 4 and Pool(backend, scheme="segments").scheme == "segments"
+    assert Pool(backend).settings.classes_per_doubling == 4 and Pool(backend, scheme="segments").settings.scheme == "segments"
     with pytest.raises(ValueError, match="segment_round"):
         Pool(backend, scheme="segments", segment_round=1000)
 
@@ -341,12 +341,12 @@ def test_forked_child_starts_without_the_parents_segments():
     def child():
         b = pool.allocate(4096)            # must not be cut from the parent's segment
         a.release()                        # the parent's block: nothing to give back here
-        s = pool.stats().iloc[0]
+        s = pool.stats()
         inside = a.ptr <= b.ptr < a.ptr + SEGMENT
         return "ok" if not inside and (s.device_mallocs, s.blocks_in_use) == (1, 1) else "reused"
 
     assert in_forked_child(child) == "ok"
-    assert pool.stats().iloc[0].blocks_in_use == 1 and a.ptr
+    assert pool.stats().blocks_in_use == 1 and a.ptr
 
 
 SIZES = st.one_of(st.integers(0, 64 * KiB), st.integers(MiB - 4 * KiB, 3 * MiB),
@@ -408,7 +408,7 @@ class SegmentModel(RuleBasedStateMachine):
 
     @invariant()
     def ranges_tile_the_segments(self):
-        for device in self.pool.devices():
+        for device in list(self.pool.stats()):
             s = self.pool._core.stats(device)
             mine = [a for a in self.live if a.device == device]
             cached = self.pool._core.cached_blocks(device)
@@ -443,7 +443,7 @@ class SegmentModel(RuleBasedStateMachine):
     def release_all(self):
         while self.live:
             self.live.pop().release()
-        for device in self.pool.devices():
+        for device in list(self.pool.stats()):
             assert self.pool._core.stats(device)["bytes_in_use"] == 0
             # with nothing in use, every segment is one free range again, and all of them go back
             cached = self.pool._core.cached_blocks(device)
@@ -504,11 +504,11 @@ def test_a_miss_whose_give_back_fails_raises_and_keeps_the_segment_cached():
     backend.fail_frees = 1
     with pytest.raises(InjectedFault):
         pool.allocate(4 * MiB)             # 3 + 4 MiB pass the mark: the 3 MiB segment should go back
-    s = pool.stats().iloc[0]
+    s = pool.stats()
     assert (s.bytes_reserved, s.bytes_cached, s.bytes_in_use, s.device_frees) == (3 * MiB, 3 * MiB, 0, 0)
     assert backend.used(0) == 3 * MiB
     b = pool.allocate(4 * MiB)             # tried again: now it goes back
-    s = pool.stats().iloc[0]
+    s = pool.stats()
     assert (s.device_frees, s.bytes_reserved) == (1, 4 * MiB) and backend.used(0) == 4 * MiB and b.size
 
 
@@ -519,11 +519,11 @@ def test_a_freed_range_with_nothing_to_merge_comes_back_to_its_size_and_counts_a
     a = pool.allocate(12 * MiB)            # a whole segment: nothing to merge with once free
     ptr = a.ptr
     del a
-    s = pool.stats().iloc[0]
+    s = pool.stats()
     assert (s.blocks_cached, s.bytes_cached) == (1, 12 * MiB)
     assert [(c["ptr"], c["size"]) for c in pool._core.cached_blocks(0)] == [(ptr, 12 * MiB)]
     b = pool.allocate(12 * MiB)
-    assert b.ptr == ptr and backend.mallocs == 1 and pool.stats().iloc[0].hits == 1
+    assert b.ptr == ptr and backend.mallocs == 1 and pool.stats().hits == 1
 
 
 def test_the_lowest_free_range_of_a_size_is_taken_first_as_without_the_fast_path():
@@ -539,7 +539,7 @@ def test_the_lowest_free_range_of_a_size_is_taken_first_as_without_the_fast_path
     r3.release()                           # x3 waits, x1 goes to the tree
     r = pool.allocate(64 * KiB)            # best fit (lowest address) beats the waiting one
     assert r.ptr == low and backend.mallocs == 1
-    assert pool.stats().iloc[0].blocks_cached == 2   # x3's hole and the segment's rest
+    assert pool.stats().blocks_cached == 2   # x3's hole and the segment's rest
 
 
 def test_a_range_freed_next_to_a_waiting_one_merges_with_it():
@@ -551,7 +551,7 @@ def test_a_range_freed_next_to_a_waiting_one_merges_with_it():
     del a                                  # waits: its neighbour is in use
     del b                                  # frees next to it: one range again
     assert [(c["ptr"], c["size"]) for c in pool._core.cached_blocks(0)] == [(ptr, 512 * KiB)]
-    assert pool.stats().iloc[0].blocks_cached == 1
+    assert pool.stats().blocks_cached == 1
     assert pool.allocate(512 * KiB).ptr == ptr and backend.mallocs == 1
 
 
@@ -560,7 +560,7 @@ def test_empty_cache_gives_back_a_waiting_whole_segment():
     a = pool.allocate(12 * MiB)
     del a                                  # waits in the exact-size cache
     assert pool.empty_cache() == 12 * MiB and backend.used(0) == 0
-    assert pool.stats().iloc[0].blocks_cached == 0
+    assert pool.stats().blocks_cached == 0
 
 
 def test_a_miss_gives_back_a_waiting_whole_segment_above_the_mark():
@@ -568,7 +568,7 @@ def test_a_miss_gives_back_a_waiting_whole_segment_above_the_mark():
     a = pool.allocate(3 * MiB)
     del a                                  # waits; the mark is 3 MiB
     big = pool.allocate(6 * MiB)           # no fit: the waiting 3 MiB segment goes back first
-    s = pool.stats().iloc[0]
+    s = pool.stats()
     assert (s.device_mallocs, s.device_frees, s.bytes_reserved) == (2, 1, 6 * MiB) and big.size == 6 * MiB
 
 
@@ -578,7 +578,7 @@ def test_time_pairs_runs_pairs_through_a_c_allocator_in_c():
     pool, backend = make()
     param, malloc, free = testing.cfunctions(pool)
     assert _probes.time_pairs(param, malloc, free, 12 * MiB, 1000) > 0
-    s = pool.stats().iloc[0]
+    s = pool.stats()
     assert (s.requests, s.hits, s.device_mallocs, s.blocks_in_use) == (1000, 999, 1, 0)
     assert _probes.time_pairs(*_probes.noop_cfunctions(4096), 4096, 10) >= 0
     with pytest.raises(ValueError, match="pairs"):
@@ -651,6 +651,6 @@ def test_every_request_gets_the_best_fit_of_all_free_ranges_waiting_or_filed(ops
             a = live.pop(i % len(live))
             model.give_back(a.ptr)
             a.release()
-    s = pool.stats().iloc[0]
+    s = pool.stats()
     assert (s.blocks_cached, s.bytes_cached) == (len(model.free), sum(model.free.values()))
     assert sorted((c["ptr"], c["size"]) for c in pool._core.cached_blocks(0)) == sorted(model.free.items())

@@ -100,7 +100,7 @@ def test_a_bad_limit_variable_is_refused_naming_the_variable(monkeypatch, text):
 def test_debug_variable_values(monkeypatch, text, mode):
     monkeypatch.setenv("XPOOL_DEBUG", text)
     assert Settings().debug == mode
-    assert Pool(TwinBackend()).debug == (mode or None)
+    assert Pool(TwinBackend()).settings.debug == (mode or None)
 
 
 @pytest.mark.parametrize("text", ["2", "loud", "yes please"])
@@ -205,9 +205,9 @@ def test_pool_takes_settings_or_keywords_or_both():
     base = Settings(scheme="seed", classes_per_doubling=2)
     assert Pool(TwinBackend(), base).settings is base
     pool = Pool(TwinBackend(), base, debug="warn")
-    assert pool.settings == dataclasses.replace(base, debug="warn") and pool.debug == "warn"
-    assert Pool(TwinBackend(), scheme="seed").scheme == "seed"
-    assert xpool.MemoryPool(base, backend=TwinBackend()).classes_per_doubling == 2
+    assert pool.settings == dataclasses.replace(base, debug="warn") and pool.settings.debug == "warn"
+    assert Pool(TwinBackend(), scheme="seed").settings.scheme == "seed"
+    assert xpool.MemoryPool(base, backend=TwinBackend()).settings.classes_per_doubling == 2
 
 
 def test_install_and_use_take_a_settings_in_place_of_a_pool():

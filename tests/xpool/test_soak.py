@@ -92,7 +92,7 @@ def soak(seed: int, workers: int, ops: int, debug):
 
     def inspect(rng):
         pool.check()                                 # debug mode: must never report a false corruption
-        pool.snapshot()
+        pool.stats()
         pool.live_blocks(device=rng.randrange(DEVICES))
 
     def limit(rng):
@@ -445,7 +445,7 @@ def soak_paths(seed: int, workers: int, ops: int, scheme: str, debug):
                         pool.set_limit(size=rng.randrange(LIMIT // 2, LIMIT + 1), device=rng.randrange(DEVICES))
                     else:
                         pool.check()
-                        pool.snapshot()
+                        pool.stats()
             except InjectedFault:
                 pass
             except Exception as e:  # noqa: BLE001 - surfaced below
@@ -579,7 +579,7 @@ def soak_expandable(seed: int, workers: int, ops: int, debug, capturing_device):
 
     def inspect(rng):
         pool.check()
-        pool.snapshot()
+        pool.stats()
         for d in range(DEVICES):
             most[d] = max(most[d], twin.mapped_bytes(d))
 

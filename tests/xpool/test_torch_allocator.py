@@ -36,7 +36,7 @@ def pool():
     p = xpool.Pool(TwinBackend())
     p._core.bind_torch()
     yield p
-    for d in p.devices():
+    for d in list(p.stats()):
         assert p._core.stats(d)["bytes_in_use_torch"] == 0, "a test left a torch block in use"
     p.empty_cache()
 
@@ -68,7 +68,7 @@ def test_counters_are_exact_through_the_torch_path(pool):
     assert (s["requests"], s["hits"], s["device_mallocs"], s["bytes_requested"]) == (2, 1, 1, 600)
     assert [b["origin"] for b in pool.live_blocks(0)] == ["torch"]
     torch_free(ptr, 600)
-    assert pool.backend.mallocs == 1 and pool.backend.frees == 0
+    assert pool._backend.mallocs == 1 and pool._backend.frees == 0
 
 
 def _run_sequence(pool, alloc, free):
@@ -176,12 +176,12 @@ def test_python_threads_without_the_gil_keep_the_counters_exact(pool):
                        "bytes_in_use", "bytes_requested", "bytes_in_use_torch")}
     assert total["requests"] == total["frees"] == threads * pairs
     assert total["hits"] + total["misses"] == total["requests"]
-    assert total["device_mallocs"] == total["misses"] == total["blocks_cached"] == pool.backend.mallocs
+    assert total["device_mallocs"] == total["misses"] == total["blocks_cached"] == pool._backend.mallocs
     assert total["bytes_in_use"] == total["bytes_requested"] == total["bytes_in_use_torch"] == 0
 
 
 def test_the_oom_ladder_runs_before_torch_sees_an_error(pool):
-    pool.backend.capacity = 1 << 20
+    pool._backend.capacity = 1 << 20
     cached = torch_malloc(512 << 10)
     torch_free(cached)                                  # 512 KiB cached
     ptr = torch_malloc(700 << 10)                       # fits only once the cache is given back
@@ -201,7 +201,7 @@ def test_bad_requests_are_refused_with_the_argument_named(pool):
             torch_malloc(1000, device=device)
     with pytest.raises(MemoryError, match="larger than any device"):
         torch_malloc(1 << 62)
-    assert stats(pool)["requests"] == 0 and pool.backend.mallocs == 0
+    assert stats(pool)["requests"] == 0 and pool._backend.mallocs == 0
 
 
 def test_bad_frees_are_reported_and_change_nothing(pool, monkeypatch):
@@ -272,7 +272,7 @@ def harness(tmp_path_factory):
 
 def test_an_oom_reaches_a_cxx_caller_as_std_exception(pool, harness):
     """PyTorch turns a std::exception from its allocator into a Python RuntimeError with what()."""
-    pool.backend.capacity = 1 << 20
+    pool._backend.capacity = 1 << 20
     out, msg = ctypes.c_void_p(), ctypes.create_string_buffer(1024)
     assert harness.call_malloc(addr(MALLOC), 600 << 10, 0, None, ctypes.byref(out), msg, 1024) == 0
     keep = out.value
@@ -293,7 +293,7 @@ def test_threads_python_never_saw_allocate_and_free(pool, harness):
     s = stats(pool)
     assert s["requests"] == s["frees"] == threads * pairs
     assert s["hits"] + s["misses"] == s["requests"]
-    assert 3 <= s["device_mallocs"] == s["misses"] == s["blocks_cached"] == pool.backend.mallocs
+    assert 3 <= s["device_mallocs"] == s["misses"] == s["blocks_cached"] == pool._backend.mallocs
     assert s["device_mallocs"] <= 3 * threads          # at most one miss per class per thread
     assert s["bytes_in_use"] == s["bytes_in_use_torch"] == s["bytes_requested"] == 0
 
@@ -385,7 +385,7 @@ def test_enable_installs_one_pool_for_both(fresh_enable):
     fake = FakeTorch()
     fresh_enable.setitem(sys.modules, "torch", fake)
     pool = xpool.enable_torch(xpool.MemoryPool(backend=TwinBackend()))
-    assert xpool.installed() is pool and _core.torch_bound() is pool._core
+    assert xpool.cupy_adapter.installed() is pool and _core.torch_bound() is pool._core
     assert fake.changed == [(_core.__file__, "xpool_torch_malloc", "xpool_torch_free")]
     assert xpool.enable_torch() is pool and torch_allocator.enabled() is pool   # again: the same pool
     with pytest.raises(RuntimeError, match="already ran with another pool"):
@@ -411,14 +411,14 @@ def test_enable_explains_why_it_cannot(fresh_enable, fake, message):
     fresh_enable.setitem(sys.modules, "torch", FakeTorch(**fake))
     with pytest.raises(RuntimeError, match=message):
         xpool.enable_torch(xpool.MemoryPool(backend=TwinBackend()))
-    assert xpool.installed() is None and torch_allocator.enabled() is None   # nothing left half done
+    assert xpool.cupy_adapter.installed() is None and torch_allocator.enabled() is None   # nothing left half done
 
 
 def test_enable_without_torch_says_to_install_it(fresh_enable):
     fresh_enable.setitem(sys.modules, "torch", None)      # `import torch` raises ImportError
     with pytest.raises(ImportError, match="needs PyTorch"):
         xpool.enable_torch()
-    assert xpool.installed() is None
+    assert xpool.cupy_adapter.installed() is None
 
 
 def test_enable_on_this_cpu_only_torch_names_the_problem(fresh_enable):
@@ -471,12 +471,12 @@ def made(fresh_enable):
 
 def test_the_pool_enable_makes_is_expandable_and_says_why(made):
     pool = xpool.enable_torch(limit="1GiB")
-    assert pool.scheme == "expandable" and pool.settings.release_on_miss == "peak"
+    assert pool.settings.scheme == "expandable" and pool.settings.release_on_miss == "peak"
     assert pool.settings.source("scheme") == pool.settings.source("release_on_miss") == "default (torch)"
     assert pool.settings.source("limit") == "limit"
     assert "default (torch)" in pool.settings.describe()
     torch_free(torch_malloc(3 << 20))                  # it serves PyTorch's entry points from mapped pages
-    assert pool.snapshot().device_maps >= 1 and xpool.installed() is pool
+    assert pool.stats().device_maps >= 1 and xpool.cupy_adapter.installed() is pool
 
 
 @pytest.mark.parametrize("how, scheme", [
@@ -489,20 +489,20 @@ def test_a_scheme_that_is_set_wins_over_the_torch_default(made, how, scheme):
         made.setenv("XPOOL_SCHEME", "segments")
         how = {}
     pool = xpool.enable_torch(**how)
-    assert pool.scheme == scheme and pool.settings.source("scheme") != "default (torch)"
+    assert pool.settings.scheme == scheme and pool.settings.source("scheme") != "default (torch)"
     assert pool.settings.source("release_on_miss") != "default (torch)"   # the torch rule is scheme expandable's
 
 
 def test_the_pool_installed_for_cupy_is_shared_whatever_its_scheme(made):
     pool = xpool.install(xpool.MemoryPool(backend=TwinBackend()))
-    assert xpool.enable_torch() is pool and pool.scheme == "segments"
+    assert xpool.enable_torch() is pool and pool.settings.scheme == "segments"
 
 
 def test_without_virtual_memory_the_torch_default_falls_back_with_a_warning(made):
     made.setattr(torch_allocator, "_backend", NoVmmBackend)
     with pytest.warns(RuntimeWarning, match="needs CUDA's virtual memory management.*using scheme 'segments'"):
         pool = xpool.enable_torch()
-    assert pool.scheme == "segments" and pool.settings.source("scheme") == "default"
+    assert pool.settings.scheme == "segments" and pool.settings.source("scheme") == "default"
     assert pool.settings.release_on_miss == "high_water"      # segments' own rule, not the torch front end's
 
 
@@ -510,17 +510,17 @@ def test_without_virtual_memory_a_scheme_asked_for_is_an_error(made):
     made.setattr(torch_allocator, "_backend", NoVmmBackend)
     with pytest.raises(RuntimeError, match="vmm\\(\\) failed"):
         xpool.enable_torch(scheme="expandable")
-    assert xpool.installed() is None and torch_allocator.enabled() is None
+    assert xpool.cupy_adapter.installed() is None and torch_allocator.enabled() is None
 
 
 def test_a_segments_variable_without_a_scheme_names_the_torch_default(made):
     made.setenv("XPOOL_SMALL_SEGMENT", "4MiB")
     with pytest.raises(ValueError, match="XPOOL_SCHEME is unset \\(the default of torch: 'expandable'\\)"):
         xpool.enable_torch()
-    assert xpool.installed() is None
+    assert xpool.cupy_adapter.installed() is None
 
 
 def test_a_pool_and_settings_together_are_refused(made):
     with pytest.raises(ValueError, match="not both"):
         xpool.enable_torch(xpool.MemoryPool(backend=TwinBackend()), limit="1GiB")
-    assert xpool.installed() is None
+    assert xpool.cupy_adapter.installed() is None

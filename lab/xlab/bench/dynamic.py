@@ -88,11 +88,11 @@ COLUMNS = ["trial", "workload", "dynamic", "framework", "allocator", "peak_reser
 
 # --- arms
 def xpool_arms() -> tuple:
-    """`xpool_<scheme>` for every scheme this xpool has (xpool.SCHEMES), and the expandable scheme with
+    """`xpool_<scheme>` for every scheme this xpool has (xpool.settings.SCHEMES), and the expandable scheme with
     release_on_miss "bounded", "growth", "until_churn" and "peak" (`xpool_expandable_<rule>`)."""
     rules = tuple(f"xpool_expandable_{r}" for r in ("bounded", "growth", "until_churn", "peak")) \
-        if "expandable" in xpool.SCHEMES else ()
-    return tuple(f"xpool_{s}" for s in xpool.SCHEMES) + rules
+        if "expandable" in xpool.settings.SCHEMES else ()
+    return tuple(f"xpool_{s}" for s in xpool.settings.SCHEMES) + rules
 
 
 def resolve(workloads=None, arms=None, cpu: bool = False) -> tuple[list, dict]:
@@ -126,7 +126,7 @@ def device_calls(alloc, device: int = 0):
     if hasattr(alloc, "device_calls"):
         return alloc.device_calls(device)
     if isinstance(alloc, registry.XPool):
-        counters = alloc.pool.snapshot().per_device.get(device, {})
+        counters = alloc.pool.stats().per_device.get(device, {})
         return sum(int(counters.get(k, 0)) for k in DEVICE_CALLS)
     if isinstance(alloc, registry.CupyTorch):
         stats = alloc.torch.cuda.memory_stats(device)
@@ -217,7 +217,7 @@ def _torch_arm(arm, workloads, opts) -> list:
     for w in workloads:
         if is_xpool:
             alloc.pool.reset_peak_stats(history=True)
-            at_start = alloc.pool.snapshot().per_device.get(0, {}).get("bytes_reserved", 0)
+            at_start = alloc.pool.stats().per_device.get(0, {}).get("bytes_reserved", 0)
         else:
             if gpu:
                 torch.cuda.reset_peak_memory_stats(0)

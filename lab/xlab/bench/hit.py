@@ -61,7 +61,7 @@ def make_arms(gpu: bool) -> dict:
     """{arm: run(nbytes, calls) -> ns} of what this machine can time; under "_keep" what they keep alive."""
     from xlab import _probes
     from xpool import testing
-    backend = xpool.CupyBackend() if gpu else xpool.HostBackend()
+    backend = xpool.backends.CupyBackend() if gpu else xpool.HostBackend()
     core = testing.pool_with_stream_lookup(backend, 0)
     noop = _probes.noop_cfunctions(1 << 20)        # hands out a made-up pointer: nothing touches it
     arms, keep = {}, [core]

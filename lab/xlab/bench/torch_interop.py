@@ -67,8 +67,8 @@ def time_train(torch, steps: int, warmup: int, batch_size: int | None):
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
-    pool = xpool.installed()
-    before = pool.snapshot() if pool else None
+    pool = xpool.cupy_adapter.installed()
+    before = pool.stats() if pool else None
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
@@ -76,7 +76,7 @@ def time_train(torch, steps: int, warmup: int, batch_size: int | None):
     dt = time.perf_counter() - t0
     if pool is None:
         return B * T * steps / dt, B, (None, None)
-    d = pool.snapshot() - before
+    d = pool.stats() - before
     calls = d.device_mallocs + d.device_frees + d.device_maps + d.device_unmaps
     return B * T * steps / dt, B, (d.device_mallocs / steps, calls / steps)
 
@@ -94,10 +94,10 @@ def worker(arm: str, pairs: int, steps: int, warmup: int, batch_size: int | None
                  pairs=pairs) for n in SIZES]
     tps, B, (mallocs, calls) = time_train(torch, steps, warmup, batch_size)
     peak = (torch.cuda.max_memory_reserved() if arm == "torch" else
-            xpool.installed().stats(0).iloc[0].peak_bytes_reserved)
+            xpool.cupy_adapter.installed().stats(0).peak_bytes_reserved)
     rows.append(dict(case="train_step", value=tps, unit="tokens_per_s", steps=steps, batch_size=B,
                      device_mallocs_per_step=mallocs, device_calls_per_step=calls, peak_reserved_bytes=int(peak)))
-    scheme = xpool.installed().scheme if arm != "torch" else ""     # the pool enable_torch() made
+    scheme = xpool.cupy_adapter.installed().scheme if arm != "torch" else ""     # the pool enable_torch() made
     for r in rows:
         r.update(arm=arm, scheme=scheme, torch=torch.__version__)
     return rows
@@ -201,7 +201,7 @@ def mixed_worker(arm: str, steps: int, out_csv: str | None) -> dict:
                 "peak_reserved_cupy": int(cupy.get_default_memory_pool().total_bytes())}
     if out_csv:
         in_use_by_origin(pool.timeline()).to_csv(out_csv, index=False)
-    return {"arm": arm, "peak_reserved": int(pool.stats(0).iloc[0].peak_bytes_reserved)}
+    return {"arm": arm, "peak_reserved": int(pool.stats(0).peak_bytes_reserved)}
 
 
 def mixed_memory(steps: int = 4, timeout: float = 180.0):

@@ -32,7 +32,7 @@ def run(arm, warmup, steps):
     for i in range(warmup + steps):
         if i == warmup:
             torch.cuda.synchronize()
-            before = pool.snapshot() if pool else None
+            before = pool.stats() if pool else None
             if pool:
                 pool.enable_timeline(2_000_000)            # the warm steps only
         loss, total, x = mixed_step(torch, cupy, model, opt, x)
@@ -44,11 +44,11 @@ def run(arm, warmup, steps):
         h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
     out = {"arm": arm, "digest": h.hexdigest(), "losses": [float(v) for v in losses]}
     if pool:
-        delta = pool.snapshot() - before
-        s = pool.stats(0).iloc[0]
+        delta = pool.stats() - before
+        s = pool.stats(0)
         out.update(device_mallocs_warm=int(delta.device_mallocs), device_frees_warm=int(delta.device_frees),
                    device_maps_warm=int(delta.device_maps), device_unmaps_warm=int(delta.device_unmaps),
-                   scheme=pool.scheme, requests_warm=int(delta.requests),
+                   scheme=pool.settings.scheme, requests_warm=int(delta.requests),
                    params_in_virtual_memory=all(pool._core.vm_range(0, p.data_ptr()) is not None
                                                 for p in model.parameters()),
                    peak_reserved=int(s.peak_bytes_reserved), bytes_in_use_torch=int(s.bytes_in_use_torch),
@@ -89,7 +89,7 @@ def oom():
     except Exception as e:      # noqa: BLE001 - reported
         out["error_type"], out["error"] = type(e).__name__, str(e)
     out["after"] = float((keep * 2).sum())                 # the allocator still serves
-    out["oom_errors"] = int(xpool.installed().stats(0).iloc[0].oom_errors)
+    out["oom_errors"] = int(xpool.cupy_adapter.installed().stats(0).oom_errors)
     return out
 
 
@@ -101,7 +101,7 @@ def late():
         xpool.enable_torch()
         return {"arm": "late", "error": None}
     except RuntimeError as e:
-        return {"arm": "late", "error": str(e), "installed": xpool.installed() is not None}
+        return {"arm": "late", "error": str(e), "installed": xpool.cupy_adapter.installed() is not None}
 
 
 def main(argv=None):

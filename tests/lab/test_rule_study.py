@@ -1,0 +1,93 @@
+"""xlab.rule_study and xlab.research (lab): the research build loaded beside the product, the replays that
+data/release_rules.csv holds, and the rule per scheme that docs/decisions/0001 records."""
+import pathlib
+import re
+
+import pandas as pd
+import pytest
+
+import xpool
+from xlab import memory_study as ms
+from xlab import rule_study as rs
+from xlab.research import ResearchBuildError, load_research, research_build
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CSV = ROOT / "data" / "release_rules.csv"
+RECORD = ROOT / "docs" / "decisions" / "0001-one-release-rule-per-scheme.md"
+KEYS = ["trace", "scheme", "rule"]
+NUMERIC = ["seed", "peak_bytes_requested", "peak_bytes_reserved", "reserved_over_requested", "device_calls",
+           "steady_calls", "steady_unmaps", "steady_steps", "steady_calls_per_step", "calls_after_warmup",
+           "demand_peak_step", "warmup", "steps", "events", "unmatched_frees"]
+
+
+@pytest.fixture(scope="module")
+def research():
+    return load_research()
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return pd.read_csv(CSV)
+
+
+def test_the_research_build_loads_beside_the_product_with_every_rule(research):
+    assert research is not xpool and research.__name__ == "xpool_research"
+    assert research.pool.Pool is not xpool.pool.Pool
+    assert set(research.settings.RELEASE_ON_MISS) == {r for rules in rs.RULES.values() for r in rules}
+    assert research_build() == research_build() == ROOT / "build" / "research-5bcaad4"
+    pool = rs.make_pool(research, "expandable", "until_churn")
+    assert isinstance(pool, research.pool.Pool) and pool.settings.release_on_miss == "until_churn"
+    assert pool.settings.release_idle == 64 and pool.settings.release_bound == 1.05
+
+
+def test_a_commit_the_repository_lacks_is_a_clear_error():
+    with pytest.raises(ResearchBuildError, match="is not in the repository"):
+        research_build("0" * 40)
+
+
+def test_the_study_refuses_settings_from_the_environment(research, monkeypatch):
+    monkeypatch.setenv("XPOOL_RELEASE_IDLE", "8")
+    with pytest.raises(ValueError, match="unset XPOOL_RELEASE_IDLE"):
+        rs.trace_rows("gpt_b32_gpu", rs.RESEARCH_COMMIT, [("segments", "never")])
+
+
+def test_two_small_traces_replay_to_the_csvs_rows_exactly(rows):
+    pairs = [("segments", "high_water"), ("expandable", "peak")]
+    got = pd.DataFrame([r for name in ("gpt_b32_gpu", "cupy_mix_s4")
+                        for r in rs.trace_rows(name, rs.RESEARCH_COMMIT, pairs)])
+    want = got[KEYS].merge(rows, on=KEYS, how="left")
+    assert len(want) == 4 and (want["build"] == rs.RESEARCH_COMMIT).all()
+    pd.testing.assert_frame_equal(got[NUMERIC], want[NUMERIC], check_exact=True, check_dtype=False)
+
+
+def test_the_csv_holds_every_trace_under_every_pair_once(rows):
+    expected = {(t, s, r) for t in rs.trace_names() for s, r in rs.pairs(rs.RESEARCH_COMMIT)}
+    assert len(rows) == len(expected) and set(map(tuple, rows[KEYS].to_numpy())) == expected
+    groups = rows.drop_duplicates("trace")["trace_group"].value_counts().to_dict()
+    assert groups == {"tuned": 33, "held_out": len(ms.HELD_OUT_TRACES)}
+    assert rows.loc[rows["fixed_shape"], "trace"].nunique() == 16
+
+
+def test_the_expandable_rows_are_the_gpus_runs(rows):
+    """Each dynamic trace, under the rule the H200 ran it with, replays to that run's peaks and device calls."""
+    for name in (*ms.DYN_TRACES, *ms.HELD_OUT_TRACES):
+        gpu = pd.read_csv(ROOT / "data" / f"memory_trace_dyn_{name}.csv.gz", nrows=1).iloc[0]
+        row = rows[(rows["trace"] == name) & (rows["scheme"] == gpu["scheme"]) &
+                   (rows["rule"] == gpu["release_on_miss"])].iloc[0]
+        assert (row["peak_bytes_reserved"], row["peak_bytes_requested"], row["device_calls"]) == (
+            gpu["gpu_peak_bytes_reserved"], gpu["gpu_peak_bytes_requested"], gpu["gpu_device_calls"]), name
+
+
+def test_the_product_build_replays_one_builtin_rule_per_scheme():
+    got = rs.trace_rows("gpt_b32_gpu", rs.PRODUCT)
+    assert [(r["scheme"], r["rule"], r["build"]) for r in got] == [
+        ("segments", "builtin", "product"), ("expandable", "builtin", "product")]
+
+
+def test_the_decision_record_states_the_summarys_choice_and_its_table(rows):
+    text = RECORD.read_text()
+    decision = text.split("## Decision", 1)[1].split("\n## ", 1)[0]
+    stated = dict(re.findall(r"^(segments|expandable): (\w+)$", decision, re.M))
+    table = rs.summary(rows)
+    assert stated == rs.choose(table)
+    assert rs.markdown(table) in text.split("## Evidence", 1)[1]
