@@ -65,7 +65,8 @@ static Block *alloc_block(Allocator *A, int device, intptr_t stream, size_t requ
     pool->st.misses++;
     pthread_mutex_unlock(&pool->lock);
     b = A->ops->make(A, pool, stream, requested, size, hook, origin);
-    if (b && hook && prepare(pool, b, hook, "on_alloc") < 0) {
+    /* a new block made of freed, poisoned bytes (scheme expandable joins them) is checked as a reused one */
+    if (b && hook && prepare(pool, b, hook, b->poisoned ? "on_reuse" : "on_alloc") < 0) {
         take_back(A, pool, b, is_allocation(b));   /* a range: the rest of its segment may be in use already */
         return NULL;
     }

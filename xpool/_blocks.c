@@ -125,6 +125,7 @@ static int free_cache(Allocator *A, DevicePool *pool, Climb *c, XpGil *g)
  * TRY_FAILED with any other error. */
 static int try_once(Allocator *A, DevicePool *pool, Climb *c)
 {
+    c->refused = c->size;
     if (!c->reserved) {
         pthread_mutex_lock(&pool->lock);
         uint64_t limit = pool->limit;

@@ -334,7 +334,9 @@ typedef struct {
     intptr_t stream;            /* the request's stream key */
     int step;                   /* 0: the first try; 1, 2: after freeing the cache (and collecting) */
     int reserved;               /* size counts in bytes_pending: from the try that passed the limit on */
-    int over_limit;             /* the limit refused, and size is larger than the limit itself */
+    int over_limit;             /* the limit refused, and what it refused is larger than the limit itself */
+    size_t refused;             /* the bytes the last try asked of the limit or the device (expandable: the pages it
+                                   maps, whole pages; the others: size) */
     int by_device;              /* what refused the last try: the device (a MemoryError), else the limit */
     PyObject *cause;            /* the backend's MemoryError of the last try, or NULL */
     uintptr_t ptr;              /* seed, segments: the device allocation the try got */

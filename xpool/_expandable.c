@@ -33,9 +33,19 @@ int xe_init(XeDevice *x, int device, size_t page, size_t range_bytes, uint64_t p
     return 0;
 }
 
+static void free_runs(Block *b)
+{
+    while (b) {
+        free_runs(b->left);
+        Block *r = b->right;
+        free(b);
+        b = r;
+    }
+}
+
 static void range_free(XeRange *r)
 {
-    for (Block *b = r->unmapped, *n; b; b = n) { n = b->right; free(b); }
+    free_runs(r->runs);
     free(r);
 }
 
@@ -50,17 +60,6 @@ void xe_destroy(XeDevice *x)
 
 /* ------------------------------------------------------------------ the hit path */
 
-Block *xe_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d) { return seg_take(t, stream, size, d); }
-
-Block *xe_put(FreeTree *t, Block *b, SegDelta *d) { return seg_put(t, b, d); }
-
-/* A free piece back into the tree, merged with its free neighbours. */
-static Block *put_free(FreeTree *t, Block *b, XeDelta *d)
-{
-    b->vm_state = XE_MAPPED;
-    b->is_free = b->waiting = 0;
-    return seg_put(t, b, &d->free);
-}
 
 /* ------------------------------------------------------------------ chains and unmapped lists */
 
@@ -100,14 +99,176 @@ static void swallow(Block *b, Block *n)
     free(n);
 }
 
-static void list_remove(XeRange *r, Block *b)
+/* ------------------------------------------------------------------ the index of unmapped runs
+ *
+ * Note [Unmapped runs].  A miss wants the lowest address of its stream's ranges where free space and unmapped pages
+ * hold the request (fit_at).  Each unmapped run u carries its span (run_span): the most a plan starting at u can
+ * join, the free block before it, u, and up to XE_PLAN_MAPS runs with the free blocks between them, as fit_at walks
+ * them; each range keeps its runs in a treap by address whose nodes carry the most span below them (run_max), so
+ * the leftmost run that holds a request is one descent, O(log n) in the range's runs, where a walk of them was O(n).
+ * A block that changes (cut, merged, freed, taken, mapped, unmapped) changes the spans of the runs whose walk
+ * passes it: the run after it, and the runs at most 2 x XE_PLAN_MAPS chain steps before it (touch); each is
+ * refreshed by one descent.  On the hit path that is a few pointer loads unless a run is near. */
+
+static uint32_t run_prio(uintptr_t ptr)
 {
-    if (b->left) b->left->right = b->right; else r->unmapped = b->right;
-    if (b->right) b->right->left = b->left;
-    b->left = b->right = NULL;
+    uint64_t v = (uint64_t)ptr * 0x9e3779b97f4a7c15ULL;
+    return (uint32_t)(v >> 32);
 }
 
-/* b (out of every list) becomes unmapped pages, merged with unmapped chain neighbours. */
+static inline int is_run(const Block *b) { return b && b->vm_state == XE_UNMAPPED; }
+
+/* What a plan starting at run u can join: fit_at's walk, to its end. */
+static size_t span_at(const Block *u)
+{
+    size_t got = is_free(u->prev_addr) ? u->prev_addr->size : 0;
+    size_t runs = 0;
+    for (const Block *x = u; is_run(x) && runs < XE_PLAN_MAPS; runs++) {
+        got += x->size;
+        const Block *f = x->next_addr;
+        if (!is_free(f)) break;
+        got += f->size;
+        x = f->next_addr;
+    }
+    return got;
+}
+
+static void pull(Block *n)
+{
+    size_t m = n->run_span;
+    if (n->left && n->left->run_max > m) m = n->left->run_max;
+    if (n->right && n->right->run_max > m) m = n->right->run_max;
+    n->run_max = m;
+}
+
+static Block *runs_insert(Block *root, Block *n)
+{
+    if (!root) { n->left = n->right = NULL; pull(n); return n; }
+    if (n->ptr < root->ptr) {
+        root->left = runs_insert(root->left, n);
+        if (root->left->prio > root->prio) {   /* rotate right */
+            Block *l = root->left;
+            root->left = l->right; l->right = root;
+            pull(root); pull(l);
+            return l;
+        }
+    } else {
+        root->right = runs_insert(root->right, n);
+        if (root->right->prio > root->prio) {  /* rotate left */
+            Block *r = root->right;
+            root->right = r->left; r->left = root;
+            pull(root); pull(r);
+            return r;
+        }
+    }
+    pull(root);
+    return root;
+}
+
+static Block *runs_join(Block *a, Block *b)   /* every key of a before every key of b */
+{
+    if (!a) return b;
+    if (!b) return a;
+    if (a->prio > b->prio) { a->right = runs_join(a->right, b); pull(a); return a; }
+    b->left = runs_join(a, b->left);
+    pull(b);
+    return b;
+}
+
+static Block *runs_remove(Block *root, Block *n)
+{
+    if (!root) return NULL;
+    if (root == n) {
+        Block *j = runs_join(n->left, n->right);
+        n->left = n->right = NULL;
+        return j;
+    }
+    if (n->ptr < root->ptr) root->left = runs_remove(root->left, n);
+    else root->right = runs_remove(root->right, n);
+    pull(root);
+    return root;
+}
+
+/* n's span again, and the most spans on the path down to it. */
+static void runs_refresh(Block *root, Block *n)
+{
+    if (!root) return;
+    if (root != n) runs_refresh(n->ptr < root->ptr ? root->left : root->right, n);
+    else n->run_span = span_at(n);
+    pull(root);
+}
+
+/* The lowest-addressed run of the treap whose span holds `size`, or NULL. */
+static Block *runs_first_fit(Block *x, size_t size)
+{
+    while (x && x->run_max >= size) {
+        if (x->left && x->left->run_max >= size) x = x->left;
+        else if (x->run_span >= size) return x;
+        else x = x->right;
+    }
+    return NULL;
+}
+
+static void run_add(XeRange *r, Block *b)
+{
+    b->prio = run_prio(b->ptr);
+    b->run_span = span_at(b);
+    r->runs = runs_insert(r->runs, b);
+}
+
+static void run_drop(XeRange *r, Block *b) { r->runs = runs_remove(r->runs, b); }
+
+/* The spans of the runs whose walk passes b (b changed): the run after it (or after the free block after it), b if
+ * a run, and the runs before it within 2 x XE_PLAN_MAPS chain steps of runs and free blocks. */
+static void touch(XeRange *r, Block *b)
+{
+    Block *after = b->next_addr;
+    if (after && !is_run(after) && is_free(after)) after = after->next_addr;
+    if (is_run(after)) runs_refresh(r->runs, after);
+    Block *x = b;
+    for (int steps = 0; x && steps <= 2 * XE_PLAN_MAPS; steps++, x = x->prev_addr) {
+        if (is_run(x)) runs_refresh(r->runs, x);
+        else if (x != b && !is_free(x)) break;
+    }
+}
+
+/* touch() on the hot path, where the range is found only when a run is near b. */
+static void touch_near(XeDevice *x, Block *b)
+{
+    Block *n = b->next_addr, *p = b->prev_addr;
+    int near = is_run(n) || (is_free(n) && is_run(n->next_addr)) || is_run(p) || (is_free(p) && is_run(p->prev_addr));
+    XeRange *r = near && x ? xe_range_of(x, b->ptr) : NULL;
+    if (r) touch(r, b);
+}
+
+Block *xe_take(XeDevice *x, FreeTree *t, intptr_t stream, size_t size, SegDelta *d)
+{
+    Block *b = seg_take(t, stream, size, d);
+    if (b) {
+        touch_near(x, b);
+        if (is_free(b->next_addr)) touch_near(x, b->next_addr);   /* the rest of a cut */
+    }
+    return b;
+}
+
+Block *xe_put(XeDevice *x, FreeTree *t, Block *b, SegDelta *d)
+{
+    b = seg_put(t, b, d);
+    touch_near(x, b);
+    return b;
+}
+
+/* A free piece back into the tree, merged with its free neighbours, the spans near it kept. */
+static Block *put_free(XeRange *r, FreeTree *t, Block *b, XeDelta *d)
+{
+    b->vm_state = XE_MAPPED;
+    b->is_free = b->waiting = 0;
+    b = seg_put(t, b, &d->free);
+    touch(r, b);
+    return b;
+}
+
+/* b (out of every index) becomes unmapped pages, merged with unmapped chain neighbours, indexed. */
 static void make_unmapped(XeRange *r, Block *b)
 {
     b->vm_state = XE_UNMAPPED;
@@ -115,21 +276,17 @@ static void make_unmapped(XeRange *r, Block *b)
     b->requested = 0;
     b->poisoned = 0;
     Block *p = b->prev_addr, *n = b->next_addr;
-    if (p && p->vm_state == XE_UNMAPPED) {   /* p is listed already: it takes b in */
+    if (is_run(p)) {          /* p is indexed already: it takes b in (its key, its address, stays) */
         swallow(p, b);
         b = p;
-    } else {                                 /* listed in address order */
-        Block *before = NULL;
-        for (Block *u = r->unmapped; u && u->ptr < b->ptr; u = u->right) before = u;
-        b->left = before;
-        b->right = before ? before->right : r->unmapped;
-        if (b->right) b->right->left = b;
-        if (before) before->right = b; else r->unmapped = b;
+    } else {
+        run_add(r, b);
     }
-    if (n && n->vm_state == XE_UNMAPPED) {
-        list_remove(r, n);
+    if (is_run(n)) {
+        run_drop(r, n);
         swallow(b, n);
     }
+    touch(r, b);
 }
 
 /* ------------------------------------------------------------------ ranges */
@@ -182,7 +339,8 @@ XeRange *xe_add_range(XeDevice *x, intptr_t stream, uintptr_t base, size_t bytes
     b->device = x->device;
     b->in_segment = 1;
     b->vm_state = XE_UNMAPPED;
-    r->first = r->unmapped = b;
+    r->first = b;
+    run_add(r, b);
     if (insert_range(x, r) < 0) { free(b); free(r); return NULL; }
     d->ranges += 1;
     return r;
@@ -219,6 +377,7 @@ static int fit_at(Block *u, size_t size, XeMapPlan *p)
     if (is_free(u->prev_addr)) {
         p->piece[p->n_pieces++] = u->prev_addr;
         got = u->prev_addr->size;
+        if (got >= size) return 0;   /* the free block alone holds it (freed since the hit looked): no map */
     }
     for (Block *x = u; x && x->vm_state == XE_UNMAPPED && runs < XE_PLAN_MAPS; runs++) {
         p->piece[p->n_pieces++] = x;
@@ -239,8 +398,8 @@ int xe_plan_map(XeDevice *x, FreeTree *t, intptr_t stream, size_t size, XeMapPla
     XeRange *r = NULL;
     for (size_t i = 0; i < x->n_ranges && !r; i++) {
         if (x->ranges[i]->stream != stream) continue;
-        for (Block *u = x->ranges[i]->unmapped; u; u = u->right)
-            if (fit_at(u, size, p) == 0) { r = x->ranges[i]; break; }
+        Block *u = runs_first_fit(x->ranges[i]->runs, size);
+        if (u && fit_at(u, size, p) == 0) r = x->ranges[i];   /* the span said so: the walk agrees */
     }
     if (!r) {
         p->n_pieces = 0;
@@ -255,8 +414,8 @@ int xe_plan_map(XeDevice *x, FreeTree *t, intptr_t stream, size_t size, XeMapPla
     size_t keep = last->vm_state == XE_UNMAPPED ? up(need_end - last->ptr, x->page) : last->size;
     if (keep < last->size && !(tail = new_piece(r, x->device))) return -1;
     if (p->ptr + size < last->ptr + keep && !(spare = new_piece(r, x->device))) { free(tail); return -1; }
-    if (tail) {                                  /* the run's rest stays listed, in place of what is mapped */
-        list_remove(r, last);
+    if (tail) {                                  /* the run's rest stays indexed, in place of what is mapped */
+        run_drop(r, last);
         last->vm_state = XE_MAPPING;
         cut(last, keep, tail);
         make_unmapped(r, tail);
@@ -264,7 +423,7 @@ int xe_plan_map(XeDevice *x, FreeTree *t, intptr_t stream, size_t size, XeMapPla
     for (size_t i = 0; i < p->n_pieces; i++) {
         Block *b = p->piece[i];
         if (b->vm_state == XE_UNMAPPED || b->vm_state == XE_MAPPING) {
-            if (b->vm_state == XE_UNMAPPED) list_remove(r, b);
+            if (b->vm_state == XE_UNMAPPED) run_drop(r, b);
             b->vm_state = XE_MAPPING;
             p->map[p->n_maps].addr = b->ptr;
             p->map[p->n_maps++].bytes = b->size;
@@ -275,6 +434,8 @@ int xe_plan_map(XeDevice *x, FreeTree *t, intptr_t stream, size_t size, XeMapPla
             d->held += (int64_t)b->size;
         }
     }
+    touch(r, first);
+    touch(r, last);
     p->range = r;
     p->spare = spare;
     r->in_flight++;
@@ -303,7 +464,7 @@ Block *xe_map_finish(XeDevice *x, FreeTree *t, XeMapPlan *p, size_t maps_ok, XeD
         m = 0;
         for (size_t i = 0; i < p->n_pieces; i++) back[i] = p->piece[i]->vm_state == XE_MAPPING && m++ >= maps_ok;
         for (size_t i = 0; i < p->n_pieces; i++) if (back[i]) make_unmapped(r, p->piece[i]);
-        for (size_t i = 0; i < p->n_pieces; i++) if (!back[i]) put_free(t, p->piece[i], d);
+        for (size_t i = 0; i < p->n_pieces; i++) if (!back[i]) put_free(r, t, p->piece[i], d);
         free(p->spare);
         p->spare = NULL;
         return NULL;
@@ -312,6 +473,9 @@ Block *xe_map_finish(XeDevice *x, FreeTree *t, XeMapPlan *p, size_t maps_ok, XeD
      * block the plan joined (its own poison) */
     const Block *last = p->piece[p->n_pieces - 1];
     int rest_poisoned = last->vm_state == XE_HELD ? last->poisoned : p->poisoned;
+    p->all_poisoned = 1;                         /* every byte of the block freed or new, and poisoned */
+    for (size_t i = 0; i < p->n_pieces; i++)
+        if (!(p->piece[i]->vm_state == XE_HELD ? p->piece[i]->poisoned : p->poisoned)) p->all_poisoned = 0;
     Block *b = p->piece[0];                      /* every piece joins the first */
     for (size_t i = 1; i < p->n_pieces; i++) swallow(b, p->piece[i]);
     b->vm_state = XE_MAPPED;
@@ -323,10 +487,11 @@ Block *xe_map_finish(XeDevice *x, FreeTree *t, XeMapPlan *p, size_t maps_ok, XeD
         p->spare = NULL;
         cut(b, p->size, rest);
         rest->poisoned = rest_poisoned;
-        put_free(t, rest, d);
+        put_free(r, t, rest, d);
     }
     free(p->spare);
     p->spare = NULL;
+    touch(r, b);
     return b;
 }
 
@@ -401,8 +566,9 @@ static int plan_run(XeDevice *x, FreeTree *t, Block *f, size_t bytes, XeUnmapPla
     if (tail) cut(f, e - f->ptr, tail);
     if (mid != f) cut(f, a - f->ptr, mid);
     mid->vm_state = XE_UNMAPPING;
-    if (mid != f) put_free(t, f, d);
-    if (tail) put_free(t, tail, d);
+    if (mid != f) put_free(r, t, f, d);
+    if (tail) put_free(r, t, tail, d);
+    touch(r, mid);
     d->held += (int64_t)bytes;
     r->in_flight++;
     plan->runs[plan->n++] = (XeUnmapRun){r, mid, a, bytes, spare};
@@ -448,14 +614,14 @@ void xe_unmap_finish(XeDevice *x, FreeTree *t, XeUnmapPlan *plan, size_t i, size
     x->mapped -= done;
     d->mapped -= (int64_t)done;
     d->unmap_pages += (int64_t)(done / x->page);
-    if (done == run->bytes) d->unmaps += 1;
+    if (done) d->unmaps += 1;    /* a call that unmapped pages, a failed one's prefix too: as the timeline shows */
     if (done && done < run->bytes) {             /* the prefix is unmapped, the rest stays mapped and free */
         Block *rest = run->spare;
         run->spare = NULL;
         cut(b, done, rest);
-        put_free(t, rest, d);
+        put_free(r, t, rest, d);
     } else if (!done) {
-        put_free(t, b, d);
+        put_free(r, t, b, d);
     }
     if (done) make_unmapped(r, b);
     r->in_flight--;
@@ -511,6 +677,39 @@ static int check_free(Block *b, void *arg)
     return 0;
 }
 
+typedef struct {
+    const Block *next;     /* the chain's next run the index must hold */
+    int wrong;
+    char *why;
+    size_t n;
+} RunScan;
+
+static const Block *next_run(const Block *b)
+{
+    while (b && !is_run(b)) b = b->next_addr;
+    return b;
+}
+
+/* The index in order against the chain's runs, with each node's span, most span and priority. */
+static void check_runs(const Block *node, const Block *parent, RunScan *s)
+{
+    if (!node || s->wrong) return;
+    check_runs(node->left, node, s);
+    if (s->wrong) return;
+    size_t most = node->run_span;
+    if (node->left && node->left->run_max > most) most = node->left->run_max;
+    if (node->right && node->right->run_max > most) most = node->right->run_max;
+    if (node != s->next)
+        s->wrong = bad(s->why, s->n, "the index of runs holds 0x%zx where the chain's next run is 0x%zx",
+                       (size_t)node->ptr, (size_t)(s->next ? s->next->ptr : 0));
+    else if (node->run_span != span_at(node) || node->run_max != most || (parent && node->prio > parent->prio))
+        s->wrong = bad(s->why, s->n, "run 0x%zx: span %zu (walk: %zu), most %zu (children: %zu), or its priority, "
+                       "is off", (size_t)node->ptr, node->run_span, span_at(node), node->run_max, most);
+    else
+        s->next = next_run(node->next_addr);
+    check_runs(node->right, node, s);
+}
+
 int xe_check(const XeDevice *x, const FreeTree *t, char *why, size_t n)
 {
     uint64_t mapped = 0;
@@ -522,7 +721,11 @@ int xe_check(const XeDevice *x, const FreeTree *t, char *why, size_t n)
         if (r->base % x->page || r->bytes % x->page) return bad(why, n, "range 0x%zx is not whole pages", (size_t)r->base);
         uintptr_t at = r->base;
         size_t in_range = 0, pieces = 0;
-        const Block *prev = NULL, *u = r->unmapped;
+        const Block *prev = NULL;
+        RunScan rs = {next_run(r->first), 0, why, n};
+        check_runs(r->runs, NULL, &rs);
+        if (rs.wrong) return -1;
+        if (rs.next) return bad(why, n, "run 0x%zx of range 0x%zx is not indexed", (size_t)rs.next->ptr, (size_t)r->base);
         for (const Block *b = r->first; b; prev = b, b = b->next_addr) {
             int st = b->vm_state;
             if (b->ptr != at || b->prev_addr != prev || !b->size || b->size % 512 || !b->in_segment ||
@@ -533,10 +736,8 @@ int xe_check(const XeDevice *x, const FreeTree *t, char *why, size_t n)
             if (pages && (b->ptr % x->page || b->size % x->page))
                 return bad(why, n, "block 0x%zx (state %d) is not whole pages", (size_t)b->ptr, st);
             if (st == XE_UNMAPPED) {
-                if (b != u) return bad(why, n, "unmapped run 0x%zx is not next in its range's list", (size_t)b->ptr);
                 if (prev && prev->vm_state == XE_UNMAPPED)
                     return bad(why, n, "unmapped runs 0x%zx and 0x%zx are not merged", (size_t)prev->ptr, (size_t)b->ptr);
-                u = u->right;
             } else if (st != XE_MAPPED) {
                 pieces++;
             }
@@ -552,7 +753,6 @@ int xe_check(const XeDevice *x, const FreeTree *t, char *why, size_t n)
             at += b->size;
         }
         if (at != r->base + r->bytes) return bad(why, n, "range 0x%zx: its chain ends at 0x%zx", (size_t)r->base, (size_t)at);
-        if (u) return bad(why, n, "range 0x%zx lists unmapped run 0x%zx outside its chain", (size_t)r->base, (size_t)u->ptr);
         if (in_range != r->mapped)
             return bad(why, n, "range 0x%zx maps %zu B, it counts %zu B", (size_t)r->base, in_range, r->mapped);
         if (pieces && !r->in_flight) return bad(why, n, "range 0x%zx has plan pieces and no plan", (size_t)r->base);

@@ -34,7 +34,7 @@
 /* Block.vm_state of a range's blocks */
 enum {
     XE_MAPPED = 0,     /* mapped: in use (the core's) or free (the FreeTree's) */
-    XE_UNMAPPED = 1,   /* whole unmapped pages, in its range's unmapped list (linked by left/right) */
+    XE_UNMAPPED = 1,   /* whole unmapped pages, in its range's index of runs (a treap by address: left/right) */
     XE_MAPPING = 2,    /* whole unmapped pages a map plan is mapping */
     XE_UNMAPPING = 3,  /* whole free pages an unmap plan is unmapping (their bytes on XeDelta.held) */
     XE_HELD = 4,       /* a free block a map plan joins to its new pages (its bytes on XeDelta.held) */
@@ -45,7 +45,7 @@ typedef struct XeRange {
     size_t bytes;
     intptr_t stream;       /* every block of it is of this stream */
     Block *first;          /* the chain; the Block at base is never freed while the range lives */
-    Block *unmapped;       /* its XE_UNMAPPED blocks by address: left = previous, right = next */
+    Block *runs;           /* its XE_UNMAPPED blocks: a treap by address with each subtree's most span (run_max) */
     size_t mapped;         /* bytes of XE_MAPPED, XE_HELD and XE_UNMAPPING blocks */
     unsigned in_flight;    /* plans holding pieces of it: it is not given back while any does */
 } XeRange;
@@ -65,7 +65,7 @@ typedef struct {
     SegDelta free;         /* blocks_cached, bytes_cached: the free mapped blocks */
     int64_t held;          /* bytes_releasing: mapped bytes out of the cache while a plan is in flight */
     int64_t mapped;        /* the mapped bytes: reserved is always in use + cached + held = mapped */
-    int64_t maps, unmaps;  /* ops.map / ops.unmap calls that succeeded: the device calls */
+    int64_t maps, unmaps;  /* ops.map calls that succeeded, ops.unmap calls that unmapped pages: the device calls */
     int64_t map_pages, unmap_pages;
     int64_t ranges;        /* ranges added less ranges given back */
 } XeDelta;
@@ -85,6 +85,8 @@ typedef struct {
     Block *spare;          /* for the free rest after the block: taken now, so the finish cannot fail */
     int poisoned;          /* set by the caller before the finish: the maps' pages were filled with poison (debug
                               mode), so the free rest of them is filed poisoned, as a freed block is */
+    int all_poisoned;      /* set by a finish that made the block: every byte of it was poison (freed blocks it
+                              joined, new pages), so debug mode checks it as a reused block */
 } XeMapPlan;
 
 typedef struct {
@@ -119,14 +121,15 @@ int xe_init(XeDevice *x, int device, size_t page, size_t range_bytes, uint64_t p
  * the FreeTree's and the core's. */
 void xe_destroy(XeDevice *x);
 
-/* The hit path: seg_take / seg_put on the device's free mapped blocks. */
-Block *xe_take(FreeTree *t, intptr_t stream, size_t size, SegDelta *d);
-Block *xe_put(FreeTree *t, Block *b, SegDelta *d);
+/* The hit path: seg_take / seg_put on the device's free mapped blocks, the spans of the unmapped runs near the block
+ * kept (O(1) unless a run is near, then O(log n)). */
+Block *xe_take(XeDevice *x, FreeTree *t, intptr_t stream, size_t size, SegDelta *d);
+Block *xe_put(XeDevice *x, FreeTree *t, Block *b, SegDelta *d);
 
 /* Plans a miss of `size` bytes (> 0, a multiple of 512) on `stream`: the lowest address of the stream's ranges
  * where a free block, unmapped runs after it and free blocks between them hold `size` bytes together, mapping
- * as few pages as that takes (growing at the end is the last run's case).  0 (see p->range), -1 without host
- * memory (nothing changed). */
+ * as few pages as that takes (growing at the end is the last run's case); O(ranges x log runs).  0 (see
+ * p->range), -1 without host memory (nothing changed). */
 int xe_plan_map(XeDevice *x, FreeTree *t, intptr_t stream, size_t size, XeMapPlan *p, XeDelta *d);
 /* Finishes a plan whose first `maps_ok` maps succeeded.  All of them: returns the block, in use (requested
  * 0, its size exactly p->size), the rest of the new pages free.  Fewer: NULL; the pages that were mapped stay

@@ -208,7 +208,7 @@ static void cache_block(DevicePool *pool, Block *b)
     b->requested = 0;
     if (b->in_segment) {   /* merges with free neighbours: b may be freed, never use it after this */
         SegDelta d = {0, 0};
-        if (pool->vm) xe_put(&pool->segs, b, &d);
+        if (pool->vm) xe_put(pool->vm, &pool->segs, b, &d);
         else seg_put(&pool->segs, b, &d);
         apply_delta(&pool->st, d);
         return;
@@ -234,7 +234,7 @@ static inline Block *scheme_take(Allocator *A, DevicePool *pool, intptr_t stream
     }
     case XP_SCHEME_EXPANDABLE: {
         SegDelta d = {0, 0};
-        Block *b = xe_take(&pool->segs, stream, size, &d);
+        Block *b = xe_take(pool->vm, &pool->segs, stream, size, &d);
         apply_delta(&pool->st, d);
         return b;
     }

@@ -39,14 +39,14 @@ static int give_up(Allocator *A, DevicePool *pool, Climb *c, const char *reason,
     if (!cause && c->by_device && c->oom.status)   /* scheme expandable: the op's own words */
         cause = PyObject_CallFunction(PyExc_MemoryError, "s", c->oom.why);
     PyErr_Clear();   /* a failure to make the cause leaves the error without one */
-    raise_oom(A, pool, c->requested, c->size, reason, cause);
+    raise_oom(A, pool, c->requested, c->refused ? c->refused : c->size, reason, cause);
     return TRY_FAILED;
 }
 
 /* A step of the ladder: free this device's cache (after gc.collect() when `collect`), then try again. */
 static int free_cache_and_retry(Allocator *A, DevicePool *pool, Climb *c, int collect, XpGil *g)
 {
-    if (c->over_limit) return give_up(A, pool, c, "limit", g);
+    if (c->over_limit) return give_up(A, pool, c, "limit_too_small", g);   /* no freeing can help */
     int capturing = device_captures(A, pool, c->stream);
     if (capturing < 0) return TRY_FAILED;
     if (capturing) return give_up(A, pool, c, c->by_device ? "device_capturing" : "limit_capturing", g);

@@ -397,11 +397,35 @@ static Block *finish_block(Allocator *A, DevicePool *pool, Climb *c, XeMapPlan *
         b->requested = c->requested;
         b->serial = pool->st.requests;
         b->origin = c->origin; b->handed_out = c->hook == NULL; b->guarded = 0;
+        b->poisoned = c->hook && p->all_poisoned;   /* debug mode checks a block of freed bytes for writes */
         if (c->step) pool->st.oom_recoveries++;
         count_in_use(A, pool, b, 0);
     }
     for (size_t i = 0; i < ok; i++) vm_event(A, pool, EV_MAP, c->stream, p->map[i].addr, p->map[i].bytes);
     if (b) timeline_record(&A->tl, EV_MISS, pool, b, b->requested);
+    pthread_mutex_unlock(&pool->lock);
+    return b;
+}
+
+/* A block freed since the hit looked (another thread's free, a dead array the ladder's gc.collect() freed) may hold
+ * the request now: taken as a hit would take it, the miss maps nothing.  The block in use and counted, or NULL. */
+static Block *late_hit(Allocator *A, DevicePool *pool, Climb *c)
+{
+    SegDelta d = {0, 0};
+    pthread_mutex_lock(&pool->lock);
+    Block *b = xe_take(pool->vm, &pool->segs, c->stream, c->size, &d);
+    apply_delta(&pool->st, d);
+    if (b && ptrtable_insert(&pool->live, b) < 0) {   /* back where it was: the plan maps instead */
+        cache_block(pool, b);
+        b = NULL;
+    }
+    if (b) {
+        b->requested = c->requested;
+        b->serial = pool->st.requests;
+        b->origin = c->origin; b->handed_out = c->hook == NULL; b->guarded = 0;
+        if (c->step) pool->st.oom_recoveries++;
+        count_in_use(A, pool, b, EV_MISS);
+    }
     pthread_mutex_unlock(&pool->lock);
     return b;
 }
@@ -413,10 +437,12 @@ static Block *finish_block(Allocator *A, DevicePool *pool, Climb *c, XeMapPlan *
  * before it, as free cached pages. */
 static int vm_try(Allocator *A, DevicePool *pool, Climb *c, XpGil *g)
 {
+    if ((c->block = late_hit(A, pool, c))) return TRY_GOT;
     XeMapPlan p;
     int r = plan_block(A, pool, c, &p, g);
     if (r != TRY_GOT) return r;
     uint64_t limit = pool->limit, after = committed(&pool->st) + p.map_bytes;
+    c->refused = p.map_bytes;
     if (limit && after > limit) {   /* the plan goes back as it was */
         XeDelta e = {0};
         xe_map_finish(pool->vm, &pool->segs, &p, 0, &e);

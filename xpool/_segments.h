@@ -59,6 +59,8 @@ typedef struct Block {
     struct Block *prev_addr, *next_addr;   /* neighbours in the same segment, by address */
     struct Block *left, *right;            /* children in the FreeTree while free */
     struct Block *wright;                  /* the other child in FreeTree.whole (wleft: above) */
+    size_t run_span, run_max;  /* scheme expandable, an unmapped run: the most a plan starting at it can join, and
+                                * the most of that in its subtree of the range's index (Note [Unmapped runs]) */
 } Block;
 
 /* Slots of the exact-size cache (at most 64: FreeTree.occupied is their bitmap), and how many waiting ranges

@@ -20,6 +20,8 @@ import threading
 import traceback
 import warnings
 
+import numpy as np   # here, not in _first_mismatch: a block freed at interpreter exit can import nothing
+
 from .errors import CorruptionError, CorruptionWarning
 
 POISON = 0xFF
@@ -155,6 +157,5 @@ class DebugHook:
 
 def _first_mismatch(data: bytes, byte: int):
     """Index of the first byte that is not `byte`, or None."""
-    import numpy as np
     bad = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) != byte)
     return int(bad[0]) if bad.size else None

@@ -35,13 +35,16 @@ class OutOfMemoryError(_cupy_oom_base()):
     Attributes:
         device (int): the device.
         requested (int): bytes asked for.
-        size (int): the size class that was refused.
+        size (int): the bytes refused: the block's (its size class, or its range), or, under scheme expandable,
+            the whole pages its map needed.
         bytes_in_use (int), bytes_cached (int): the device's counters when it was raised.
         limit (int): the device's limit (0: none).
-        reason (str): ``"device"`` (the backend refused), ``"limit"`` (xpool's limit),
-            ``"too_large"`` (larger than the whole device: ``RequestTooLargeError``), or ``"device_capturing"``
-            / ``"limit_capturing"`` (refused while a stream of the device was, or may have been, captured into
-            a CUDA graph: the cache was not freed, since cudaFree would end the capture).
+        reason (str): ``"device"`` (the backend refused after the cache was freed and the request retried),
+            ``"limit"`` (xpool's limit, likewise), ``"limit_too_small"`` (the limit itself is smaller than what
+            the request needs: nothing was freed), ``"too_large"`` (larger than the whole device:
+            ``RequestTooLargeError``), or ``"device_capturing"`` / ``"limit_capturing"`` (refused while a stream
+            of the device was, or may have been, captured into a CUDA graph: nothing was freed, since cudaFree
+            would end the capture).
     """
 
     def __init__(self, device, requested, size, bytes_in_use, bytes_cached, limit, reason="device"):
@@ -50,19 +53,23 @@ class OutOfMemoryError(_cupy_oom_base()):
             bytes_in_use, bytes_cached, limit, reason)
         # CuPy's own OutOfMemoryError keeps these three for pickling
         self._size, self._total, self._limit = requested, bytes_in_use, limit
+        levels = (f"in use {human(bytes_in_use)}, cached {human(bytes_cached)}, "
+                  f"limit {human(limit) if limit else 'none'}")
         if reason == "too_large":
-            msg = (f"xpool: nbytes={requested:,} (class {size:,} B) is larger than device {device} "
+            msg = (f"xpool: nbytes={requested:,} ({size:,} B) is larger than device {device} "
                    f"({human(bytes_in_use + bytes_cached)} in use or cached); no freeing can make it fit")
+        elif reason == "limit_too_small":
+            msg = (f"xpool: out of memory on device {device}: the xpool limit ({human(limit)}) is smaller than the "
+                   f"{human(size)} this request of {requested:,} B needs; nothing was freed, no freeing can make it "
+                   f"fit: raise the limit ({levels})")
         else:
             capturing = reason.endswith("_capturing")
             what = "the xpool limit" if reason.startswith("limit") else f"device {device}"
-            cached = ("kept: a stream of the device is capturing a CUDA graph (or may be: another thread's "
-                      "per-thread stream), which a cudaFree would end; capture with a private pool warmed by one "
-                      "run first" if capturing else "freed and retried")
-            msg = (f"xpool: out of memory on device {device}: {what} refused {human(size)} "
-                   f"(request {requested:,} B, class {size:,} B); in use {human(bytes_in_use)}, "
-                   f"cached {human(bytes_cached)} ({cached}), "
-                   f"limit {human(limit) if limit else 'none'}")
+            cached = ("nothing was freed: a stream of the device is capturing a CUDA graph (or may be: another "
+                      "thread's per-thread stream), which a cudaFree would end; capture with a private pool warmed by "
+                      "one run first" if capturing else "the cache was freed and the request retried")
+            msg = (f"xpool: out of memory on device {device}: {what} refused {human(size)} for a request of "
+                   f"{requested:,} B; {cached} ({levels})")
         MemoryError.__init__(self, msg)
 
     def __reduce__(self):

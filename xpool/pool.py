@@ -297,8 +297,7 @@ class Pool:
         (CuPy's ``cupy.cuda.runtime.ipcGetMemHandle``) on memory of this pool.
 
         Blocks of the expandable scheme live in pages mapped by CUDA's virtual memory management, made with no
-        shareable handle; ``cudaIpcGetMemHandle`` refuses them (Note [Expandable segments]). Blocks of the other
-        schemes are ordinary ``cudaMalloc`` memory.
+        shareable handle; ``cudaIpcGetMemHandle`` refuses them. Blocks of the other schemes are ``cudaMalloc``'s.
 
         Args:
             ptr (int): an address the pool handed out (or any address inside such a block).
@@ -309,8 +308,10 @@ class Pool:
             ValueError: bad ``ptr`` or ``device``.
         """
         from .errors import IpcUnsupportedError
+        if isinstance(ptr, bool) or not isinstance(ptr, numbers.Integral) or not 0 <= ptr < (1 << 64):
+            raise ValueError(f"ptr must be a device address, an int in [0, 2**64), got {type(ptr).__name__} {ptr!r}")
         d = self._device(device)
-        found = self._core.vm_range(d, ptr)
+        found = self._core.vm_range(d, int(ptr))
         if found is not None:
             raise IpcUnsupportedError(d, ptr, *found)
 

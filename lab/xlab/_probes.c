@@ -5,8 +5,11 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <time.h>
+
+#include "_vmm.h"   /* xpool's ops table (xpool/_vmm.h): the null ops below are one */
 
 #define MAX_DEVICES 64   /* xpool's: a device id beyond it is an error there too */
 
@@ -141,7 +144,68 @@ static PyObject *py_time_calls(PyObject *mod, PyObject *args)
     return PyLong_FromLongLong(ns);
 }
 
+/* ------------------------------------------------------------------ null virtual-memory ops
+ *
+ * An ops table of xpool/_vmm.h that touches nothing: reserve hands out addresses from a counter, map and unmap
+ * succeed at once, nothing captures.  What a benchmark of the expandable scheme then times is xpool's own work (its
+ * plans, its bookkeeping) alone, with no host memory and none of the twin's O(pages) bookkeeping under it. */
+typedef struct {
+    size_t page;
+    _Atomic uintptr_t next;
+} NullVmm;
+
+static const char *null_message(void *ctx) { (void)ctx; return ""; }
+static int null_granularity(void *ctx, int device, size_t *bytes) { *bytes = ((NullVmm *)ctx)->page; return XV_OK; }
+static int null_reserve(void *ctx, int device, size_t bytes, size_t align, uintptr_t *addr)
+{
+    NullVmm *v = ctx;
+    size_t a = align ? align : v->page;
+    uintptr_t at = atomic_fetch_add(&v->next, (bytes + a - 1) / a * a + a);
+    *addr = (at + a - 1) / a * a;
+    return XV_OK;
+}
+static int null_release(void *ctx, int device, uintptr_t addr, size_t bytes) { return XV_OK; }
+static int null_map(void *ctx, int device, uintptr_t addr, size_t bytes, size_t page, uint64_t peers) { return XV_OK; }
+static int null_unmap(void *ctx, int device, uintptr_t addr, size_t bytes, size_t page, size_t *done)
+{
+    *done = bytes;
+    return XV_OK;
+}
+static int null_capturing(void *ctx, int device, intptr_t stream) { return 0; }
+static int null_peers(void *ctx, int device, uint64_t *mask) { *mask = 0; return XV_OK; }
+
+static const XvOps null_ops = {XV_ABI, "null", null_granularity, null_reserve, null_release, null_map, null_unmap,
+                               null_capturing, null_message, null_peers};
+
+static void null_vmm_free(PyObject *capsule)
+{
+    XvVmm *v = PyCapsule_GetPointer(capsule, XV_CAPSULE);
+    if (v) { free(v->ctx); free(v); }
+}
+
+static PyObject *py_null_vmm(PyObject *mod, PyObject *args)
+{
+    Py_ssize_t page = 1 << 16;
+    if (!PyArg_ParseTuple(args, "|n", &page)) return NULL;
+    if (page < 512 || (page & (page - 1))) {
+        PyErr_Format(PyExc_ValueError, "page must be a power of two of at least 512 B, got %zd", page);
+        return NULL;
+    }
+    XvVmm *v = malloc(sizeof *v);
+    NullVmm *ctx = malloc(sizeof *ctx);
+    if (!v || !ctx) { free(v); free(ctx); return PyErr_NoMemory(); }
+    ctx->page = (size_t)page;
+    atomic_init(&ctx->next, (uintptr_t)1 << 40);   /* far from any host address: nothing is ever stored there */
+    v->ops = &null_ops;
+    v->ctx = ctx;
+    PyObject *cap = PyCapsule_New(v, XV_CAPSULE, null_vmm_free);
+    if (!cap) { free(ctx); free(v); }
+    return cap;
+}
+
 static PyMethodDef module_methods[] = {
+    {"null_vmm", py_null_vmm, METH_VARARGS,
+     "null_vmm(page=65536) -> an 'xpool.vmm' capsule of ops that touch nothing (benchmarks of xpool's own work)"},
     {"time_pairs", py_time_pairs, METH_VARARGS,
      "time_pairs(param, malloc, free, nbytes, pairs, device=0) -> ns: malloc+free pairs timed in C"},
     {"time_calls", py_time_calls, METH_VARARGS,

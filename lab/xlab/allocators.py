@@ -17,15 +17,14 @@ import threading
 from collections import defaultdict
 
 import xpool
-from xpool.settings import DEFAULTS as XPOOL_DEFAULTS, FRONTEND_DEFAULTS
+from xpool.settings import DEFAULTS as XPOOL_DEFAULTS, FRONTEND_SCHEMES
 
 KIB, MIB = 1 << 10, 1 << 20
 
 # xpool.MemoryPool's default scheme: the `xpool` arm names it, so $XPOOL_SCHEME cannot move the arm
 DEFAULT_SCHEME = XPOOL_DEFAULTS["scheme"]
-# the scheme of the pool xpool.enable_torch() makes: the default a PyTorch program gets, and its release rule
-TORCH_DEFAULT_SCHEME = FRONTEND_DEFAULTS["torch"]["scheme"]
-TORCH_DEFAULT_RULE = FRONTEND_DEFAULTS["torch"].get("release_on_miss")
+# the scheme of the pool xpool.enable_torch() makes: the default a PyTorch program gets
+TORCH_DEFAULT_SCHEME = FRONTEND_SCHEMES["torch"]
 
 
 class NoGPU(RuntimeError):
@@ -316,7 +315,9 @@ class XPool(Allocator):
         return xpool.MemoryPool(**self._settings)     # the arm's own settings: same scheme, same debug mode
 
     def _stat(self, device, key, pool=None):
-        counters = (pool or self.pool).stats().per_device.get(device)
+        pool = pool or self.pool
+        # a build before the freeze (xlab.builds) counts through snapshot(); this one through stats()
+        counters = (pool.snapshot() if hasattr(type(pool), "snapshot") else pool.stats()).per_device.get(device)
         return counters.get(key, 0) if counters else 0     # a build before the expandable scheme has no maps
 
     def device_mallocs(self, device):   # the expandable scheme's maps are its device allocations
@@ -516,12 +517,10 @@ def _xp(name, label, color, marker, lw=2.6, ls="-", **kw):
     return Arm(name, label, color, marker, XPool, tuple(kw.items()), exact=True, can_capture=True, lw=lw, ls=ls)
 
 
-def _xe(rule, what, color, ls):
-    """The expandable scheme under release_on_miss `rule` (`what` a miss then gives back); the label names the pool
-    xpool.enable_torch() makes when it is this one."""
-    mine = TORCH_DEFAULT_SCHEME == "expandable" and TORCH_DEFAULT_RULE == rule
-    return _xp(f"xpool_expandable_{rule}", f"xpool, expandable scheme, {what}" + " (enable_torch()'s pool)" * mine,
-               color, "*", ls=ls, scheme="expandable", release_on_miss=rule)
+def _legacy(name, label, color, marker, ls):
+    """An arm of earlier CSV rows that no build of today makes (a release rule the product no longer has: the lab
+    replays those through the research build, xlab.research): its label and style, so old rows stay readable."""
+    return Arm(name, f"{label} (before the freeze, 5bcaad4)", color, marker, framework="legacy", ls=ls)
 
 
 # The house order (before -> peers -> xpool -> the rest): figures and tables list arms in this order.
@@ -545,17 +544,19 @@ ARMS = (
         scheme="seed", classes_per_doubling=1),
     _xp("xpool_expandable", "xpool, expandable scheme (pages mapped into reserved ranges; a miss unmaps nothing)",
         "#bcbd22", "*", scheme="expandable"),
-    _xe("bounded", "misses unmap over 1.05× the most requested", "#dbdb8d", "--"),
-    _xe("growth", "misses at a new demand high unmap over 1.05× the most requested", "#8c8c00", "-."),
-    _xe("until_churn", "misses unmap over 1.05× the most requested until a miss maps pages a miss unmapped",
-        "#5c5c00", ":"),
-    _xe("peak", "peak misses unmap over 1.05× the most requested until they churn", "#a55194", "-"),
-    Arm("xpool_norelease", "xpool, segments never given back on a miss (replayed)", "#e377c2", "P",
-        framework="replay", ls=":"),
-    Arm("xpool_release_all", "xpool, every whole free segment given back on a miss (replayed)", "#ff9896", "d",
-        framework="replay", ls="--"),
-    Arm("xpool_release_fresh", "xpool, segments given back on a miss however recently freed (replayed)",
-        "#f7b6d2", "v", framework="replay", ls="--"),
+    _legacy("xpool_expandable_bounded", "xpool, expandable, misses unmap over 1.05× the most requested",
+            "#dbdb8d", "*", "--"),
+    _legacy("xpool_expandable_growth", "xpool, expandable, misses at a new demand high unmap over 1.05× the most "
+            "requested", "#8c8c00", "*", "-."),
+    _legacy("xpool_expandable_until_churn", "xpool, expandable, misses unmap over 1.05× the most requested until "
+            "they churn", "#5c5c00", "*", ":"),
+    _legacy("xpool_expandable_peak", "xpool, expandable, peak misses unmap over 1.05× the most requested until they "
+            "churn", "#a55194", "*", "-"),
+    _legacy("xpool_norelease", "xpool, segments never given back on a miss (replayed)", "#e377c2", "P", ":"),
+    _legacy("xpool_release_all", "xpool, every whole free segment given back on a miss (replayed)", "#ff9896", "d",
+            "--"),
+    _legacy("xpool_release_fresh", "xpool, segments given back on a miss however recently freed (replayed)",
+            "#f7b6d2", "v", "--"),
     Arm("cupy_pool_model", "CuPy MemoryPool (model, replayed)", "#1f77b4", "o", framework="replay", ls="--"),
     Arm("noop", "floor: Python allocator doing no work", "#000000", ".", Noop, ls=":", lw=1.2),
     Arm("c_noop", "floor: C allocator doing no work", "#555555", ".", CNoop, ls="--", lw=1.2),
@@ -593,7 +594,7 @@ SETS = {
     "gate": ("raw", "cupy_pool", "xpool", "xpool_seed", "xpool_k4", "xpool_debug", "xpool_expandable",
              "xpool_expandable_debug"),   # raw first: the reference
     "varlen": ("xpool", "xpool_seed", "xpool_expandable", "cupy_pool"),
-    "schemes": ("xpool", "xpool_norelease", "xpool_release_all", "xpool_seed", "xpool_expandable", "cupy_pool_model"),
+    "schemes": ("xpool", "xpool_seed", "xpool_expandable", "cupy_pool_model"),
     "host": ("xpool", "xpool_seed", "c_noop"),
     # the peers (+ xpool's schemes); PyTorch's expandable segments serve the CuPy workloads too, the one allocator
     # with pages mapped into reserved ranges before xpool's (Note [Dynamic-shape benchmark])

@@ -250,16 +250,19 @@ def replay_pool(allocator: str):
     """A fresh pool of one of SCHEME_ALLOCATORS over a backend that touches no memory (or CuPy's model)."""
     if allocator == "cupy_pool_model":
         return CupyPoolModel()
-    kw = {"xpool": dict(scheme="xpool"),
-          "xpool_norelease": dict(scheme="xpool", release_on_miss="never"),
-          "xpool_release_all": dict(scheme="xpool", release_on_miss="always"),
-          # the high-water rule before release_idle: a miss may give back a segment freed just before it
-          "xpool_release_fresh": dict(scheme="xpool", release_idle=0),
+    kw = {"xpool": dict(scheme="segments"),
           "xpool_seed": dict(scheme="seed", classes_per_doubling=1),
           "xpool_expandable": dict(scheme="expandable")}
     if allocator not in kw:
-        raise ValueError(f"allocator must be one of {(*SCHEME_ALLOCATORS, 'xpool_release_fresh')}, got {allocator!r}")
+        raise ValueError(f"allocator must be one of {SCHEME_ALLOCATORS}, got {allocator!r}")
     return Pool(AddressSpaceBackend(), limit=0, debug=False, timeline=0, **kw[allocator])
+
+
+def stats_row(pool, device: int = 0) -> dict:
+    """One device's counters of a pool of this build (a Snapshot) or of a build before the freeze (a DataFrame:
+    the research build, xlab.research), as a dict."""
+    st = pool.stats(device)
+    return dict(st[device]) if hasattr(st, "per_device") else st.iloc[0].to_dict()
 
 
 def _replay_events(timeline: pd.DataFrame) -> pd.DataFrame:
@@ -313,8 +316,9 @@ def _counters(pool) -> dict:
                     device_frees=0, peak_bytes_requested=sum(pool.peak_requested.values()),
                     peak_bytes_reserved=sum(pool.peak_reserved.values()))
     st = pool.stats()
-    total = {c: int(st[c].sum()) for c in ("requests", "device_mallocs", "device_maps", "device_frees", "device_unmaps",
-                                           "peak_bytes_requested", "peak_bytes_reserved")}
+    names = ("requests", "device_mallocs", "device_maps", "device_frees", "device_unmaps", "peak_bytes_requested",
+             "peak_bytes_reserved")
+    total = {c: int(st[c] if hasattr(st, "per_device") else st[c].sum()) for c in names}
     return dict(requests=total["requests"], device_mallocs=total["device_mallocs"] + total["device_maps"],
                 device_frees=total["device_frees"] + total["device_unmaps"],
                 peak_bytes_requested=total["peak_bytes_requested"], peak_bytes_reserved=total["peak_bytes_reserved"])
@@ -469,12 +473,37 @@ def events_before_step(tl: pd.DataFrame, step: int) -> int:
     return int((_replay_events(tl)["step"].to_numpy() < step).sum())
 
 
-def replay_rule(tl: pd.DataFrame, rule: str, reserve=0, after: int = 0, events: bool = False) -> dict:
-    """A dynamic trace under scheme expandable with release_on_miss `rule`, 2 MiB pages over the host twin (the
-    replays equal the GPU's runs to the byte and the call); with `reserve` bytes, `pool.reserve(reserve)` on the
-    trace's first stream before its event `after` (0: before anything; `build_events(tl)`: after the program's
-    build): the bytes in use and a free block of the rest, allocated and freed, then the peaks and the rules' history
-    reset: its pages stay mapped as one free run, and neither the gauges nor the release rules remember the request.
+def _rule_pool(rule: str | None, events: bool):
+    """A fresh pool of scheme expandable over the host twin: the product's (rule None or "never", its one rule), or
+    the research build's under release_on_miss `rule` (xlab.research: the rules the product no longer has)."""
+    capacity = 10_000_000 if events else 0
+    if rule in (None, "never"):
+        return Pool(AddressSpaceBackend(), scheme="expandable", limit=0, timeline=capacity)
+    from xlab import rule_study
+    from xlab.research import load_research
+    research = load_research()
+    pool = rule_study.make_pool(research, "expandable", rule)
+    if events:
+        pool.enable_timeline(capacity)
+    return pool
+
+
+def _reserve(pool, nbytes: int, device: int, stream: int) -> None:
+    """A reserve up front in the pool's own build: the research build's Pool.reserve (which also forgot its release
+    rule's history), or the lab's xlab.reserve for this build."""
+    if hasattr(type(pool), "reserve"):
+        pool.reserve(nbytes, device, stream)
+    else:
+        from xlab.reserve import reserve
+        reserve(pool, nbytes, device, stream)
+
+
+def replay_rule(tl: pd.DataFrame, rule: str | None = None, reserve=0, after: int = 0, events: bool = False) -> dict:
+    """A dynamic trace under scheme expandable, 2 MiB pages over the host twin (the replays equal the GPU's runs to
+    the byte and the call): the product's one rule (`rule` None or "never"), or another release rule through the
+    research build (`_rule_pool`); with `reserve` bytes, a reserve up front (xlab.reserve) on the trace's first stream
+    before its event `after` (0: before anything; `build_events(tl)`: after the program's build): the bytes in use and
+    a free block of the rest, allocated and freed, then the peaks reset: its pages stay mapped as one free run.
     `reserve` may be a function of the pool's stats row at that moment (a reserve from the peak seen so far, made
     mid-run); the peaks reported are then the most of the run's, before the reset and after:
     - ratio: peak reserved / peak requested;
@@ -487,9 +516,7 @@ def replay_rule(tl: pd.DataFrame, rule: str, reserve=0, after: int = 0, events: 
     and the counts they come from; with `events`, also the pool's timeline (`timeline`: every request, free, map
     and unmap, for a study of the replay's maps) and `probes` ({step: (maps, unmaps, peak requested) at its end})."""
     from xlab.bench.dynamic import steady_state
-    pool = Pool(AddressSpaceBackend(), scheme="expandable", limit=0, timeline=0, release_on_miss=rule)
-    if events:
-        pool.enable_timeline(10_000_000)
+    pool = _rule_pool(rule, events)
     trace = _replay_events(tl)
     device, stream = int(trace["device"].iloc[0]), int(trace["stream"].iloc[0])
     probes = {}                                           # step -> (maps, unmaps, peak requested) at its end
@@ -497,20 +524,20 @@ def replay_rule(tl: pd.DataFrame, rule: str, reserve=0, after: int = 0, events: 
     asked, rows = 0, _rows(trace)
 
     def probe(step):                                      # _drive calls it with None before the first event
-        s = pool.stats(0)
+        s = stats_row(pool)
         probes[step] = (s["device_maps"], s["device_unmaps"],
                         max(s["peak_bytes_requested"], reset["peak_bytes_requested"]))
     live, unmatched = _drive(pool, rows[:after], probe) if reserve else ({}, 0)
     if reserve:
-        s = pool.stats(0)
+        s = stats_row(pool)
         reset.update({k: int(s[k]) for k in reset})
         asked = reserve(s) if callable(reserve) else reserve
-        pool.reserve(asked, device, stream)
+        _reserve(pool, asked, device, stream)
         if after:
             probe(rows[after - 1][-1])                    # its step's counts include the reserve's, as in a program
     live, more = _drive(pool, rows[after if reserve else 0:], probe, live)
     unmatched += more
-    s = pool.stats(0).copy()
+    s = stats_row(pool)
     for k in reset:
         s[k] = max(s[k], reset[k])
     extra = {}
@@ -615,9 +642,8 @@ def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warm
     tl["step"] = np.searchsorted(np.asarray(marks), np.arange(len(tl)), side="right") - 1
     tl = tl[TIMELINE_COLUMNS].copy()
     stats = pool.stats()
-    tl.attrs.update(k=k, peak_bytes_reserved=int(stats["peak_bytes_reserved"].sum()),
-                    peak_bytes_requested=int(stats["peak_bytes_requested"].sum()),
-                    device_mallocs=int(stats["device_mallocs"].sum()), requests=int(stats["requests"].sum()))
+    tl.attrs.update(k=k, peak_bytes_reserved=stats.peak_bytes_reserved, peak_bytes_requested=stats.peak_bytes_requested,
+                    device_mallocs=stats.device_mallocs, requests=stats.requests)
     return tl
 
 

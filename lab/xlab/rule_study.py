@@ -160,10 +160,10 @@ def replay(pool, tl: pd.DataFrame, warmup: int, steps: int) -> dict:
     probes = {}                                   # step -> _counts at its end (None: before the first event)
 
     def probe(step):
-        probes[step] = _counts(pool.stats(0).iloc[0])
+        probes[step] = _counts(ms.stats_row(pool))
 
     live, unmatched = ms._drive(pool, ms._rows(events), probe)
-    stats = pool.stats(0).iloc[0]
+    stats = ms.stats_row(pool)
     live.clear()
     per_step = [probes[k] for k in range(warmup + steps)]
     calls = steady_state([(c, p) for c, _, p in per_step], warmup)

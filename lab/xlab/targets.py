@@ -23,7 +23,7 @@ import pandas as pd
 import xpool
 
 from . import intervals as iv, sources
-from .allocators import DEFAULT_SCHEME, SETS, TORCH_DEFAULT_RULE as TORCH_RULE, TORCH_DEFAULT_SCHEME
+from .allocators import DEFAULT_SCHEME, SETS, TORCH_DEFAULT_SCHEME
 from .bench.dynamic import WORKLOADS, xpool_arms
 
 
@@ -56,9 +56,9 @@ DYN, XD, PEERS = "dynamic_shapes", ("xpool", f"xpool_{DEFAULT_SCHEME}"), SETS["d
 DYN_HELD_OUT = "dynamic_heldout"          # the CSV of xlab.bench.dynamic's held-out workloads
 # a PyTorch workload's default arm: the pool xpool.enable_torch() makes (its scheme, and its release rule when the
 # front end sets one: xpool_expandable_peak)
-XDT = f"xpool_{TORCH_DEFAULT_SCHEME}" + (f"_{TORCH_RULE}" if TORCH_RULE else "")
+XDT = f"xpool_{TORCH_DEFAULT_SCHEME}"
 # the dynamic headlines' two defaults: (key suffix, label, arm, framework of the workloads)
-TORCH_LABEL = f" for PyTorch ({TORCH_DEFAULT_SCHEME}{f', {TORCH_RULE}' if TORCH_RULE else ''})"
+TORCH_LABEL = f" for PyTorch ({TORCH_DEFAULT_SCHEME})"
 DEFAULT_ARMS = (("", f" ({DEFAULT_SCHEME})", XD, "cupy"), ("_torch", TORCH_LABEL, XDT, "torch"))
 MS, PCT, K = dict(fmt="{:.1f}", unit=" ms"), dict(fmt="{:.0f}", unit="%"), dict(fmt="{:.1f}", unit="k", scale=1e-3)
 W2T, W2P = dict(mode="threads", world=2), dict(mode="processes", world=2)

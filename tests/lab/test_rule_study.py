@@ -91,3 +91,28 @@ def test_the_decision_record_states_the_summarys_choice_and_its_table(rows):
     table = rs.summary(rows)
     assert stated == rs.choose(table)
     assert rs.markdown(table) in text.split("## Evidence", 1)[1]
+
+
+AFTER = ROOT / "data" / "release_rules_product.csv"
+SAME = ["peak_bytes_requested", "peak_bytes_reserved", "device_calls", "steady_calls", "steady_unmaps", "steady_steps",
+        "calls_after_warmup", "demand_peak_step", "events", "unmatched_frees"]
+
+
+def test_the_frozen_product_replays_every_trace_as_the_chosen_rule_did_before(rows):
+    """Before/after the freeze: data/release_rules_product.csv (the product, rule builtin) holds, on every trace and
+    scheme, exactly the research build's rows of the rule chosen for it (never), so the freeze changed no measured
+    behaviour of the chosen rule."""
+    after = pd.read_csv(AFTER)
+    chosen = rs.choose(rs.summary(rows))
+    before = rows[rows["rule"] == rows["scheme"].map(chosen)]
+    assert set(after["rule"]) == {"builtin"} and len(after) == len(before) == 2 * len(rs.trace_names())
+    merged = before.merge(after, on=["trace", "scheme"], suffixes=("", "_after"), validate="one_to_one")
+    for col in SAME:
+        pd.testing.assert_series_equal(merged[col], merged[f"{col}_after"], check_names=False, check_dtype=False)
+
+
+def test_two_small_traces_replay_through_the_product_to_its_csvs_rows():
+    after = pd.read_csv(AFTER)
+    got = pd.DataFrame([r for name in ("gpt_b32_gpu", "cupy_mix_s4") for r in rs.trace_rows(name, rs.PRODUCT)])
+    want = got[KEYS].merge(after, on=KEYS, how="left")
+    pd.testing.assert_frame_equal(got[NUMERIC], want[NUMERIC], check_exact=True, check_dtype=False)

@@ -88,11 +88,9 @@ COLUMNS = ["trial", "workload", "dynamic", "framework", "allocator", "peak_reser
 
 # --- arms
 def xpool_arms() -> tuple:
-    """`xpool_<scheme>` for every scheme this xpool has (xpool.settings.SCHEMES), and the expandable scheme with
-    release_on_miss "bounded", "growth", "until_churn" and "peak" (`xpool_expandable_<rule>`)."""
-    rules = tuple(f"xpool_expandable_{r}" for r in ("bounded", "growth", "until_churn", "peak")) \
-        if "expandable" in xpool.settings.SCHEMES else ()
-    return tuple(f"xpool_{s}" for s in xpool.settings.SCHEMES) + rules
+    """`xpool_<scheme>` for every scheme this xpool has (xpool.settings.SCHEMES); rows of the release rules xpool had
+    before the freeze (`xpool_expandable_<rule>`) stay readable (xlab.allocators: legacy arms)."""
+    return tuple(f"xpool_{s}" for s in xpool.settings.SCHEMES)
 
 
 def resolve(workloads=None, arms=None, cpu: bool = False) -> tuple[list, dict]:
@@ -202,9 +200,8 @@ def _cupy_arm(arm, workloads, opts) -> list:
 
 
 def _torch_arm(arm, workloads, opts) -> list:
-    """One allocator for the process (PyTorch keeps its first), emptied with its peaks reset between workloads (an
-    xpool pool's history too, so its release rules meet each workload as a program of its own, as run alone; before
-    40f5ea4 the later workloads were measured against torch_varlen's demand); one run per workload,
+    """One allocator for the process (PyTorch keeps its first), emptied with its peaks reset between workloads; one run
+    per workload,
     probed every step (a read of the counters costs well under 1% of a 17-50 ms step)."""
     import torch
     alloc, gpu = registry.make(arm), opts["gpu"]
@@ -216,7 +213,7 @@ def _torch_arm(arm, workloads, opts) -> list:
     out = []
     for w in workloads:
         if is_xpool:
-            alloc.pool.reset_peak_stats(history=True)
+            alloc.pool.reset_peak_stats()
             at_start = alloc.pool.stats().per_device.get(0, {}).get("bytes_reserved", 0)
         else:
             if gpu:
@@ -267,10 +264,9 @@ def _version(*names) -> str | None:
 
 
 def release_rule(arm) -> str | None:
-    """The release_on_miss an xpool arm ran with (its settings over the environment's), None for the others: the
-    rows say which rule ran, whatever a later default is."""
-    row = registry.arm(arm)
-    return xpool.Settings(**dict(row.kwargs)).release_on_miss if row.make is registry.XPool else None
+    """The release rule an xpool arm ran with, None for the others: the rows say which rule ran, whatever a later
+    build does. Since the freeze every scheme has one, "never" (docs/decisions/0001-one-release-rule-per-scheme.md)."""
+    return "never" if registry.arm(arm).make is registry.XPool else None
 
 
 def build_row(trial, position, workload, arm, timed, counted, at_start, opts) -> dict:
