@@ -71,8 +71,11 @@ def spec(name):
 def record(name, scheme, gpu, small, seed=0) -> pd.DataFrame:
     """One workload under a fresh pool with its timeline on: the trace (one row per event, with its step)."""
     framework, fn, steps, warmup = spec(name)
-    pool = (xpool.MemoryPool(scheme=scheme, timeline=CAPACITY) if gpu else     # on a CPU: no request reaches it
-            xpool.Pool(xpool.HostBackend(), scheme=scheme, timeline=CAPACITY))
+    if gpu:
+        pool = xpool.MemoryPool(scheme=scheme, timeline=CAPACITY)
+    else:                                                   # on a CPU: no request reaches it
+        from xpool_twin import TwinBackend                 # the tests' host twin holds scheme expandable
+        pool = xpool.Pool(TwinBackend(), scheme=scheme, timeline=CAPACITY)
     marks, sync = [], (lambda: None)
     if framework == "torch":
         import torch
@@ -94,13 +97,12 @@ def record(name, scheme, gpu, small, seed=0) -> pd.DataFrame:
         raise RuntimeError(f"{name}: the timeline dropped {tl.attrs['dropped']} events; raise CAPACITY")
     tl["step"] = np.searchsorted(np.asarray(marks, dtype=np.int64), tl["t_ns"].to_numpy(), side="right")
     st = pool.stats()
-    calls = sum(int(st[c].sum()) for c in ("device_mallocs", "device_frees", "device_maps", "device_unmaps")
-                if c in st)
+    calls = st.device_mallocs + st.device_frees + st.device_maps + st.device_unmaps
     return tl[TIMELINE_COLUMNS].assign(
-        workload=name, scheme=scheme, release_on_miss=pool.settings.release_on_miss, steps=steps, warmup=warmup,
+        workload=name, scheme=scheme, release_on_miss="never", steps=steps, warmup=warmup,   # every scheme's one rule
         seed=seed, batch=info["batch"], shape=info["shape"],
-        gpu_peak_bytes_reserved=int(st["peak_bytes_reserved"].sum()),
-        gpu_peak_bytes_requested=int(st["peak_bytes_requested"].sum()), gpu_device_calls=calls,
+        gpu_peak_bytes_reserved=st.peak_bytes_reserved, gpu_peak_bytes_requested=st.peak_bytes_requested,
+        gpu_device_calls=calls,
         **provenance(experiment="dynamic_trace"))
 
 

@@ -85,8 +85,7 @@ enum { XP_SCHEME_SEGMENTS = 0, XP_SCHEME_SEED = 1, XP_SCHEME_EXPANDABLE = 2, XP_
 enum { ORIGIN_CUPY = 0, ORIGIN_TORCH = 1, ORIGIN_PYTHON = 2, XP_ORIGINS = 3 };
 extern const char *const origin_names[XP_ORIGINS];
 
-#if PY_VERSION_HEX < 0x030C0000
-/* The 3.12 exception API, for 3.10 and 3.11. */
+#if PY_VERSION_HEX < 0x030C0000   /* the 3.12 exception API, for 3.11 */
 static inline PyObject *PyErr_GetRaisedException(void)
 {
     PyObject *type, *value, *tb;
@@ -107,7 +106,6 @@ static inline void PyErr_SetRaisedException(PyObject *exc)
 #endif
 
 /* ------------------------------------------------------------------ tables (Block: _segments.h) */
-
 #define TOMBSTONE ((Block *)1)
 
 typedef struct {
@@ -173,10 +171,9 @@ typedef struct DevicePool {
     struct DevicePool *older;   /* in a fork()ed child: the parent's pool it replaced (forked_pools) */
 } DevicePool;
 
-/* Bytes the device holds for the pool: in use, cached, and being given back. */
+/* Bytes the device holds for the pool (in use, cached, being given back); with device calls in flight, what the
+ * limit is checked against. */
 static inline uint64_t reserved(const Stats *s) { return s->bytes_in_use + s->bytes_cached + s->bytes_releasing; }
-
-/* What the limit is checked against: reserved plus device mallocs in flight. */
 static inline uint64_t committed(const Stats *s) { return reserved(s) + s->bytes_pending; }
 
 /* ------------------------------------------------------------------ timeline */
@@ -208,10 +205,8 @@ typedef struct {
 
 /* ------------------------------------------------------------------ the Allocator object */
 
-/* CuPy's `intptr_t get_stream_ptr(int device)`: the current stream of a device, as this thread set it; it may
- * raise (no CUDA driver), returning -1 (Cython 3) or 0 (Cython 0.29). */
+/* CuPy's `intptr_t get_stream_ptr(int device)`: a device's current stream; on error -1 (Cython 3) or 0, raised. */
 typedef intptr_t (*stream_fn_t)(int device);
-
 struct XpScheme;
 
 typedef struct {
@@ -279,10 +274,8 @@ static inline intptr_t stream_handle(intptr_t key)
 }
 
 /* ------------------------------------------------------------------ the GIL, taken only when needed
- *
- * An operation that may run without the GIL (PyTorch's miss of scheme expandable) or that drops it around
- * blocking device calls (an unmap synchronises the device) says where it stands in an XpGil.  Never take it
- * (xp_gil_take) with a pool lock held: the holder of the GIL may be waiting for that lock. */
+ * An operation that may run without the GIL (PyTorch's miss of scheme expandable) or that drops it around device
+ * calls says where it stands in an XpGil.  Never take it with a pool lock held: its holder may wait for that lock. */
 typedef struct {
     int held;                 /* this thread holds the GIL now */
     int caller_held;          /* it held it when the operation began, and must at the end */

@@ -347,18 +347,6 @@ static void take_all(FreeTree *t, Block **blocks, size_t k, SegDelta *d)
     for (size_t i = 0; i < k; i++) seg_unfile(t, blocks[i], d);
 }
 
-int seg_any_whole(const FreeTree *t, int all_streams, intptr_t stream)
-{
-    for (uint64_t bits = t->occupied; bits; bits &= bits - 1) {
-        const Block *b = t->recent[__builtin_ctzll(bits)];
-        if (is_whole(b) && (all_streams || b->stream == stream)) return 1;
-    }
-    if (all_streams) return t->whole != NULL;
-    for (const Block *x = t->whole; x; x = x->stream < stream ? x->wright : x->wleft)
-        if (x->stream == stream) return 1;
-    return 0;
-}
-
 void seg_take_whole(FreeTree *t, int all_streams, intptr_t stream, uint64_t keep, uint64_t *cached,
                     Block **out, size_t *n, size_t cap, SegDelta *d)
 {

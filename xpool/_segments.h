@@ -100,11 +100,6 @@ typedef struct {
 /* Whether any free range waits, in the tree or in recent[]. */
 static inline int seg_any_free(const FreeTree *t) { return t->root || t->n_recent; }
 
-/* At most how many whole free segments there are (room for a list of them). */
-static inline size_t seg_whole_max(const FreeTree *t) { return t->n_whole + t->n_recent; }
-
-/* Whether `stream` (or any stream, when all_streams) has a whole free segment: O(log n). */
-int seg_any_whole(const FreeTree *t, int all_streams, intptr_t stream);
 
 /* Change of the core's counters caused by one call (the core's Stats stay the one source of truth). */
 typedef struct {

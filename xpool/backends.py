@@ -21,78 +21,37 @@ class DeviceOutOfMemory(MemoryError):
 class Backend(Protocol):
     """The raw device memory under a `Pool`: write these eight methods for any device.
 
-    The pool calls ``malloc`` only on a cache miss, ``free`` only when it gives
-    cached blocks back (``empty_cache``, ``trim``, out-of-memory recovery, the
-    pool's end), ``fill``/``read`` only in debug mode, and never calls a method
-    for memory it did not get from ``malloc``.
+    Units: bytes; addresses as ints; devices as ints in ``[0, device_count())``; streams as opaque int handles.
+    The pool calls ``malloc`` only on a miss, ``free`` only when it gives cached blocks back (``empty_cache``,
+    ``trim``, the out-of-memory ladder, its end), ``fill``/``read`` only in debug mode, never for memory it did not
+    get from ``malloc``; from any thread, with the GIL and none of its locks held, so a method may block or release
+    the GIL. The limit counts a block's bytes from before ``malloc`` until ``free`` returns.
 
-    Units: sizes in bytes; addresses as ints; devices as ints in
-    ``[0, device_count())``; streams as opaque int handles (0: the default).
-
-    Thread-safety: any method may be called from several threads at once, on
-    the same device or others, with the GIL held.  The pool holds none of its
-    locks during a call, so a method may block, release the GIL, or call back
-    into the pool.  The pool's limit counts a block's bytes from before
-    ``malloc`` is called until ``free`` has returned, so a backend never holds
-    more for the pool than its limit.
-
-    Out of memory: ``malloc`` raises a ``MemoryError`` (``DeviceOutOfMemory``
-    is one) when the device has no room.  That, and only that, starts the
-    pool's recovery ladder: free this device's cache and retry; then
-    ``gc.collect()``, free the cache again and retry; then raise
-    ``xpool.OutOfMemoryError`` chained to the backend's error.  Any other
-    exception from ``malloc`` reaches the caller at once, and nothing is
-    counted.
-
-    Failed frees: ``free`` either frees the whole block and returns, or raises
-    and frees nothing.  After a raise the pool keeps the block cached (still
-    counted as reserved, so its counters keep matching what the device holds)
-    and tries it again on the next release; the exception reaches the caller
-    of ``empty_cache``/``trim`` (or the allocation whose recovery it was) after
-    the other blocks have been tried.
-
-    CUDA graphs (optional): a backend with ``capturing(device, stream) -> bool`` (``CupyBackend`` has it) lets
-    the pool see captures. Before giving anything back on a device the pool asks it about the legacy stream (0:
-    True there means some stream of the device captures in global mode), the request's stream, and every
-    stream the pool holds memory for on the device (``2`` is the calling thread's per-thread stream); while any
-    says True nothing goes back on that device (a miss only adds, out of memory raises without freeing the
-    cache, ``empty_cache`` gives nothing back there), since a ``free`` that synchronises would end the capture.
-    The pool asks before give-backs only, never on a hit.
-
-    Fork: in a ``fork()``ed child the pool starts empty and never calls
-    ``free`` for the parent's blocks; a backend with locks must make them
-    usable in the child (``os.register_at_fork``).
-
-    Virtual memory (optional): a backend with ``vmm() -> PyCapsule`` can hold the expandable scheme's memory.
-    The capsule, named ``"xpool.vmm"``, wraps the C ops table of ``xpool/_vmm.h``: reserve an address range,
-    map pages of the device's granularity into it (all or nothing; out of memory told apart from other
-    failures), unmap them, give the range back. The pool calls those from C, without the GIL, on misses and
-    releases only, and keeps the capsule for as long as it uses them. ``CupyBackend`` offers CUDA's
-    (``cuMemCreate``/``cuMemMap``, the driver loaded at run time); the tests have a host twin of their own.
+    - Out of memory: ``malloc`` raises a ``MemoryError`` (``DeviceOutOfMemory`` is one) when the device has no room;
+      that alone starts the recovery ladder (free the cache, retry; collect garbage, free, retry; raise
+      ``xpool.OutOfMemoryError`` chained to it). Any other exception reaches the caller at once, nothing counted.
+    - A ``free`` either frees the whole block or raises and frees nothing: the block then stays cached and counted,
+      and is tried again by the next release.
+    - CUDA graphs (optional): ``capturing(device, stream) -> bool``. Before giving anything back on a device the pool
+      asks the legacy stream (0), the request's and every stream it holds memory for (``stream_alive(device,
+      stream)``, when present, vouches a stream may be asked); while any captures nothing goes back there.
+    - Fork: in a ``fork()``ed child the pool starts empty and never frees the parent's blocks.
+    - Virtual memory (optional): ``vmm() -> PyCapsule`` named ``"xpool.vmm"`` of the C ops table in
+      ``xpool/_vmm.h`` (reserve a range, map and unmap pages, give it back) holds the expandable scheme; the pool
+      calls it from C, without the GIL. ``CupyBackend`` has CUDA's.
     """
 
     def malloc(self, device: int, nbytes: int) -> int:
-        """Allocate ``nbytes`` (> 0, a multiple of 512) on ``device``.
-
-        Returns:
-            int: the block's address, > 0, aligned to at least 512 bytes.
-
-        Raises:
-            MemoryError: the device has no room (starts the recovery ladder).
-        """
+        """``nbytes`` (> 0, a multiple of 512) on ``device``: the address, > 0, aligned to 512 B at least."""
 
     def free(self, device: int, ptr: int, nbytes: int) -> None:
-        """Free the block ``malloc(device, nbytes)`` returned as ``ptr``.
-
-        Raises:
-            Exception: the block was not freed (the pool keeps it cached).
-        """
+        """Free what ``malloc(device, nbytes)`` returned as ``ptr``; raise (freeing nothing) on failure."""
 
     def fill(self, device: int, ptr: int, nbytes: int, byte: int) -> None:
-        """Set ``nbytes`` bytes from address ``ptr`` to ``byte`` (debug mode), finished on return."""
+        """Set ``nbytes`` bytes from ``ptr`` to ``byte`` (debug mode), finished on return."""
 
     def read(self, device: int, ptr: int, nbytes: int) -> bytes:
-        """Copy ``nbytes`` bytes from address ``ptr`` to the host (debug mode), after pending writes."""
+        """Copy ``nbytes`` bytes from ``ptr`` to the host (debug mode), after pending writes."""
 
     def current_device(self) -> int:
         """The calling thread's current device."""
@@ -270,9 +229,8 @@ class CupyBackend:
 
     def stream_alive(self, device: int, stream: int) -> bool:
         """Whether `stream`'s capture state may be asked: the legacy and per-thread streams, this thread's current
-        stream, or a stream whose CuPy object, seen at a request, still lives.  A stream the pool holds memory for
-        may have been destroyed since; asking it is undefined (cuStreamIsCapturing crashed in the driver), so an
-        unknown one is not asked (NOTES.md, Note [Capture: every stream of a device])."""
+        stream, or a stream whose CuPy object, seen at a request, still lives (asking a destroyed one is undefined:
+        Note [Capture: every stream of a device] in xpool/_pool.c)."""
         if stream in (0, 1, 2):
             return True
         import cupy

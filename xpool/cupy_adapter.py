@@ -57,7 +57,7 @@ class MemoryPool(Pool):
 
     CuPy's methods (malloc, free_all_blocks, used_bytes, free_bytes,
     total_bytes, n_free_blocks, set_limit, get_limit) act on the current
-    device, as CuPy's do; xpool's own (stats, snapshot, timeline, trim...) are
+    device, as CuPy's do; xpool's own (stats, timeline, trim...) are
     inherited from Pool.  ``malloc(size)`` returns a ``cupy.cuda.MemoryPointer``
     and raises ``xpool.OutOfMemoryError`` (a CuPy ``OutOfMemoryError``).
 
@@ -117,35 +117,19 @@ class MemoryPool(Pool):
         self._core.release(d, stream)
 
     def used_bytes(self) -> int:
-        """Bytes in use on the current device.
-
-        Returns:
-            int: class bytes of the blocks in use.
-        """
+        """Bytes in use on the current device (the blocks' classes or ranges)."""
         return self._core.stats(self._current_device())["bytes_in_use"]
 
     def free_bytes(self) -> int:
-        """Bytes cached on the current device.
-
-        Returns:
-            int: class bytes of the cached blocks.
-        """
+        """Bytes cached on the current device."""
         return self._core.stats(self._current_device())["bytes_cached"]
 
     def total_bytes(self) -> int:
-        """Bytes the current device holds for this pool.
-
-        Returns:
-            int: in use + cached (+ being given back).
-        """
+        """Bytes the current device holds for this pool: in use, cached, being given back."""
         return self._core.stats(self._current_device())["bytes_reserved"]
 
     def n_free_blocks(self) -> int:
-        """Blocks cached on the current device.
-
-        Returns:
-            int: how many.
-        """
+        """Blocks cached on the current device."""
         return self._core.stats(self._current_device())["blocks_cached"]
 
 

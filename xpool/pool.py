@@ -274,7 +274,7 @@ class Pool:
         problems = [str(e) for e in hook.take_pending()]
         self._core.pin_pages(True)   # a block freed meanwhile keeps its pages mapped (scheme expandable)
         try:
-            for d in self.devices():
+            for d in self._core.devices():
                 def still_live(damaged, d=d):   # other threads may free blocks while their canaries are read
                     return {(b["ptr"], b["serial"]) for b in self._core.live_blocks(d)}
                 problems += hook.check_live(self._core.live_blocks(d), still_live)

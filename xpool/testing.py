@@ -19,35 +19,19 @@ __all__ = ["cfunctions", "allocate_function", "pool_with_stream_lookup", "cupy_s
 
 
 def cfunctions(pool: Pool) -> tuple[int, int, int]:
-    """The pool's C allocation hooks: ``(param, malloc, free)`` as ints.
+    """The pool's C allocation hooks ``(param, malloc, free)`` as ints, valid while the pool lives.
 
-    ``malloc`` is ``void *malloc(void *param, size_t size, int device)`` and ``free`` is
-    ``void free(void *param, void *ptr, int device)``, the functions ``xpool.MemoryPool`` hands to CuPy's
-    ``cupy.cuda.memory.CFunctionAllocator(param, malloc, free, owner)`` (pass the pool as ``owner``: it must
-    outlive every block). They call Python (so need the GIL), key blocks by the pool's stream lookup (stream
-    0 without one), and report a failure as ``(void *)-1`` with a Python exception set.
-
-    Args:
-        pool: an xpool.Pool or MemoryPool.
-
-    Returns:
-        tuple[int, int, int]: valid while the pool lives.
+    ``void *malloc(void *param, size_t size, int device)`` and ``void free(void *param, void *ptr, int device)``,
+    as ``xpool.MemoryPool`` hands them to CuPy's ``CFunctionAllocator(param, malloc, free, owner)`` (the pool as
+    ``owner``). They need the GIL, key blocks by the pool's stream lookup (stream 0 without one), and report a
+    failure as ``(void *)-1`` with a Python exception set.
     """
     return pool._core.cfunctions()
 
 
 def allocate_function(pool: Pool):
-    """The C core's ``allocate(nbytes, device, stream) -> Allocation``, without the Python layer's defaults.
-
-    Every argument must be given (no current device or stream is asked of the backend); the C core checks
-    ``nbytes`` and ``device``. For replays that time the core alone (``xlab.memory_study``).
-
-    Args:
-        pool: an xpool.Pool.
-
-    Returns:
-        A callable.
-    """
+    """The C core's ``allocate(nbytes, device, stream) -> Allocation``, every argument given (no current device or
+    stream asked of the backend; the core checks them): for replays that time the core alone."""
     return pool._core.allocate
 
 
@@ -109,43 +93,19 @@ def _executable(address: int) -> bool:
 
 
 def release_scan_visits(pool: Pool, device: int = 0) -> int:
-    """How much searching for segments to give back has cost on one device, as a count.
-
-    Scheme segments: a miss above the high-water mark, the recovery ladder and ``empty_cache``/``trim`` look
-    for whole free segments to give back in an index of those alone; this counts the index nodes they have
-    visited, so a test or benchmark can show the cost does not grow with the free ranges of partly used
-    segments (0 under scheme seed, or before any search).
-
-    Args:
-        pool: an xpool.Pool.
-        device: the device.
-
-    Returns:
-        int: nodes visited since the pool was made.
-    """
+    """Nodes of the index of whole free segments (scheme segments) that the searches for segments to give back
+    (``empty_cache``, ``trim``, the ladder) have visited on one device since the pool was made: their cost as a
+    count, which does not grow with the free ranges of partly used segments (Note [Whole free segments])."""
     return pool._core.release_scan_visits(pool._device(device))
 
 
 def cupy_stream_lookup() -> int:
-    """Address of CuPy's ``intptr_t get_stream_ptr(int device)``: a device's current stream, the lookup
-    ``xpool.MemoryPool`` gives its hooks.
-
-    Raises:
-        ImportError: CuPy is not installed.
-        RuntimeError: this CuPy does not export it with that signature.
-    """
+    """Address of CuPy's ``intptr_t get_stream_ptr(int device)``, the lookup ``xpool.MemoryPool`` gives its hooks.
+    ImportError without CuPy; RuntimeError when this CuPy does not export it with that signature."""
     return _current_stream_fn()
 
 
 def capsule_function(module, name: str, signature: bytes) -> int:
-    """Address of the C function `name` a Cython module exports in ``__pyx_capi__``, its signature checked.
-
-    Args:
-        module: the module (``cupy.cuda.stream``, ``cupy_backends.cuda.stream``).
-        name: the function's name.
-        signature: its C signature as Cython writes it, e.g. ``b"intptr_t (void)"``.
-
-    Raises:
-        RuntimeError: the module does not export it with that signature.
-    """
+    """Address of the C function `name` a Cython module exports in ``__pyx_capi__``, its signature (as Cython writes
+    it, e.g. ``b"intptr_t (void)"``) checked: RuntimeError when the module does not export it so."""
     return _capsule_fn(module, name, signature)

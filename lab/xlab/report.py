@@ -393,7 +393,7 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
     values = {**targets.values(data), "counts": targets.counts(now), "fig": links, "host_bound_util": HOST_BOUND_UTIL,
               "targets_table": "\n".join(targets.table(now)) or "_No targets measured yet._",
               "history_table": "\n".join(targets.table(then)), "replay": _replay(data),
-              "torch_scheme": targets.TORCH_DEFAULT_SCHEME, "torch_rule": targets.TORCH_RULE}
+              "torch_scheme": targets.TORCH_DEFAULT_SCHEME, "torch_rule": "never"}
     for name, fn in (("bounds_table", bounds_table), ("projection_table", projection_table), ("gil_table", gil_table),
                      ("graph_table", graph_table), ("graph_notes", graph_notes), ("replication", replication),
                      ("dynamic_table", dynamic_table), ("dynamic_seeds", dynamic_seeds), ("dynamic_floor", dynamic_floor),

@@ -316,38 +316,28 @@ def test_host_mode_times_the_c_core_on_a_cpu(tmp_path):
 
 
 def test_host_pool_busy_leaves_ranges_free_and_in_use():
-    pool = bench.host_pool("xpool", busy=True)
+    pool = bench.host_pool("segments", busy=True)
     s = pool._core.stats(0)
     assert s["blocks_in_use"] == 150 and s["blocks_cached"] > 10
 
 
-def test_gil_probe_threads_share_one_window():
-    # Pure Python on 4 threads under one GIL cannot do more than one thread's work in the same window: each
-    # thread's window is the shared one, not its own from whenever it first got the GIL.
-    from xlab.bench import gil
-    Rank = _stand_in_rank(lambda arm: gil._python_op)
-    one, _ = gil._run([Rank()], "python", 0.3)
-    four, _ = gil._run([Rank() for _ in range(4)], "python", 0.3)
-    assert four < 1.3 * one, (one, four)
-
-
-def test_miss_scan_rows_carry_every_configuration_and_provenance(tmp_path):
-    """scripts/miss_scan.py: one row per (free ranges, arm, trial), trials interleaved, with provenance."""
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "miss_scan.py"
-    spec = importlib.util.spec_from_file_location("miss_scan", path)
-    miss_scan = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(miss_scan)
-    out = tmp_path / "miss_scan.csv"
-    df = miss_scan.run(n_ranges=(10, 200), trials=5, misses=2, out=str(out))
-    assert out.is_file() and len(df) == 2 * 2 * 5
-    assert set(df.release_on_miss) == {"high_water", "never"} and set(df.n_free_ranges) == {10, 200}
-    assert (df.us_per_miss > 0).all() and {"commit", "date", "gpu", "trials"} <= set(df.columns)
-    pool, keep = miss_scan.pool_with_free_ranges(50, {})
-    assert pool.stats().blocks_cached >= 50 and len(keep) == 50
+def test_miss_cost_rows_carry_every_configuration_and_provenance(tmp_path):
+    """xlab.bench.miss_cost: one row per (build, scheme, layout, n, trial), trials in turns, with provenance; the
+    pools hold the fragments asked for; counts are checked on the command line."""
+    from xlab.bench import miss_cost
+    out = tmp_path / "miss_cost.csv"
+    df = miss_cost.run(out=str(out), sizes=(10, 40), trials=2, before=None, misses=3)
+    assert out.is_file() and len(df) == 2 * len(miss_cost.KINDS) * 2
+    assert list(df.columns[:len(miss_cost.COLUMNS)]) == miss_cost.COLUMNS and (df.us_per_miss > 0).all()
+    assert (df.device_calls == 3).all() and {"commit", "date", "gpu", "page"} <= set(df.columns)
+    import xpool
+    pool, keep = miss_cost._fragmented(xpool, "expandable", "holes", 25)
+    st = pool.stats(0)[0]
+    assert st["bytes_in_use"] == 25 * miss_cost.PAGE and st["bytes_cached"] == 0 and len(keep) == 25
+    summary = miss_cost.summary(df)
+    assert set(summary["n"].astype(str)) >= {"10", "40", "40 / 10"}
     with pytest.raises(SystemExit):
-        miss_scan.main(["--trials", "3"])   # a median with an interval needs >= 5
+        miss_cost.main(["--trials", "0"])
 
 
 @pytest.mark.parametrize("argv,message", [(["--trials", "0"], "--trials: must be >= 1, got 0"),

@@ -24,7 +24,7 @@ def test_the_other_build_runs_beside_this_one(other):
     mine, theirs = xpool.Pool(xpool.HostBackend()), other.Pool(other.HostBackend(), scheme="seed")
     a, b = mine.allocate(MiB), theirs.allocate(MiB)
     assert (mine.stats().device_mallocs, theirs.stats().device_mallocs) == (1, 1)
-    assert mine.scheme == "segments" and theirs.scheme == "seed"
+    assert mine.settings.scheme == "segments" and theirs.settings.scheme == "seed"
     del a, b
     with pytest.raises(TypeError, match="of the package that loaded this core"):
         xpool._core.Allocator(xpool.HostBackend(), None, other.Settings())   # each core trusts its own
@@ -57,9 +57,9 @@ def test_the_benchmarks_other_build_arms_use_its_memory_pool(other, monkeypatch)
     assert alloc.other_build_arms(root) == ("xpool_before", "xpool_seed_before")
     arms = {name: make() for name, make in alloc.OTHER_BUILD.items()}
     assert [a.name for a in arms.values()] == ["xpool_before", "xpool_seed_before"]
-    assert made == [dict(scheme="xpool", debug=False), dict(scheme="seed", debug=False)]
+    assert made == [dict(scheme="segments", debug=False), dict(scheme="seed", debug=False)]
     arms["xpool_before"].graph_pool()
-    assert made[-1] == dict(scheme="xpool", debug=False)
+    assert made[-1] == dict(scheme="segments", debug=False)
 
 
 def test_the_other_builds_table_pairs_its_arms_by_trial():

@@ -34,9 +34,7 @@ def test_unknown_workloads_and_arms_are_named():
 
 def test_xpool_arms_are_xpools_schemes_and_missing_ones_are_skipped(capsys):
     import xpool
-    assert dynamic.xpool_arms() == tuple(f"xpool_{s}" for s in xpool.settings.SCHEMES) + (
-        "xpool_expandable_bounded", "xpool_expandable_growth", "xpool_expandable_until_churn",
-        "xpool_expandable_peak")
+    assert dynamic.xpool_arms() == tuple(f"xpool_{s}" for s in xpool.settings.SCHEMES)
     _, per = dynamic.resolve(["cupy_mix", "torch_fixed"], ["xpool_nosuch", "xpool", "cupy_pool", "torch"])
     assert "skipping xpool_nosuch: this xpool has no such scheme" in capsys.readouterr().out
     assert per == {"cupy": ("xpool", "cupy_pool"), "torch": ("xpool", "torch")}

@@ -239,8 +239,9 @@ def other_build_arms(path) -> tuple:
     """Make the build at `path` (built in place) known to measure() as xpool_before, xpool_seed_before."""
     from xlab.builds import load_xpool
     package = load_xpool(path, "xpool_before")
-    # "xpool" names the default scheme in every build: the old name, and an alias of "segments" since #20
-    arms = {"xpool_before": "xpool", "xpool_seed_before": "seed"}
+    # the default scheme: "segments", or "xpool", its name in a build before the segments scheme had that name
+    default = "segments" if "segments" in getattr(package.settings, "SCHEMES", ()) else "xpool"
+    arms = {"xpool_before": default, "xpool_seed_before": "seed"}
     for name, scheme in arms.items():
         OTHER_BUILD[name] = lambda scheme=scheme, name=name: OtherBuildPool(package, scheme, name)
     return tuple(arms)
@@ -287,7 +288,7 @@ def measure_host(sizes=SIZES, trials=TRIALS, target_s=TARGET_S / 3, windows=WIND
     """Samples of the C core's pairs over host memory, arms interleaved and rotated as on the GPU."""
     from xlab import _probes
     from xpool import testing
-    pools = {(a, sc): host_pool("seed" if a == "xpool_seed" else "xpool", sc == "busy")
+    pools = {(a, sc): host_pool("seed" if a == "xpool_seed" else "segments", sc == "busy")
              for a in HOST_ARMS if a != "c_noop" for sc in HOST_SCENARIOS}
     noop = _probes.noop_cfunctions(1 << 20)
 
