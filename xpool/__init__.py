@@ -1,10 +1,8 @@
 """xpool: a measured, per-device caching allocator for CuPy and PyTorch.
 
-    import xpool
-    pool = xpool.install()            # CuPy now allocates through xpool
-    ...
-    xpool.stats()                     # exact counters per device (a Snapshot; .frame() for pandas)
-    xpool.enable_torch()              # PyTorch's CUDA tensors from the same pool (before torch's first one)
+    import xpool pool = xpool.install()            # CuPy now allocates through xpool ... xpool.stats()
+    # exact counters per device (a Snapshot; .frame() for pandas) xpool.enable_torch()              # PyTorch's CUDA
+    tensors from the same pool (before torch's first one)
 
 Five settings (``xpool.Settings``: scheme, limit, debug, timeline, classes_per_doubling) come from arguments, else
 ``XPOOL_*`` variables. ``xpool.backends``, ``xpool.errors`` and ``xpool.testing`` hold the rest.
@@ -22,7 +20,7 @@ from .cupy_adapter import MemoryPool, current, install, uninstall, use
 from .errors import CorruptionError, OutOfMemoryError
 from .pool import Pool
 from .settings import Settings
-from .stats import Snapshot
+from .counters import Snapshot
 from .torch_allocator import enable as enable_torch   # imports torch only when called
 
 __version__ = "0.2.0"
@@ -34,7 +32,7 @@ __all__ = [
 # names of earlier versions, and where each lives now (a module __getattr__ says so)
 _MOVED = {
     "snapshot": "xpool.stats() returns the same cheap Snapshot",
-    "Snapshot": "xpool.stats.Snapshot",
+    "Snapshot": "xpool.counters.Snapshot",
     "size_class": "xpool.sizeclass.size_class",
     "Backend": "xpool.backends.Backend",
     "CupyBackend": "xpool.backends.CupyBackend",
@@ -73,11 +71,11 @@ def stats():
     """The current pool's exact counters (this thread's ``with xpool.use()`` pool, else the installed one).
 
     Returns:
-        xpool.stats.Snapshot: per device, summed as attributes (``xpool.stats().device_mallocs``), differenced by
+        xpool.counters.Snapshot: per device, summed as attributes (``xpool.stats().device_mallocs``), differenced by
         ``-``; ``.frame()`` gives a pandas DataFrame. Empty, and saying so, when no pool is in use.
     """
     pool = current()
     if pool is None:
-        from .stats import Snapshot
+        from .counters import Snapshot
         return Snapshot({}, note="no xpool pool in use: xpool.install(), xpool.use() or xpool.enable_torch() make one")
     return pool.stats()

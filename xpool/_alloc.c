@@ -194,7 +194,16 @@ long long xp_release(Allocator *A, DevicePool *pool, int all_streams, intptr_t s
     return A->ops->release(A, pool, all_streams, stream, keep, empty && !keep && all_streams, g);
 }
 
-/* ------------------------------------------------------------------ CuPy's CFunctionAllocator hooks */
+/* ------------------------------------------------------------------ CuPy's CFunctionAllocator hooks
+ *
+ * Note [CuPy's hooks].  xpool.MemoryPool.malloc is CuPy's own CFunctionAllocator calling these two functions: CuPy
+ * builds its memory object in Cython, xpool keeps its tables in C behind one mutex per device (docs/decisions/0004).
+ * The stream is CuPy's C get_stream_ptr(device), reached through its __pyx_capi__ capsule (signature checked):
+ * CuPy's own pool asks get_current_stream_ptr(), which looks up one thread-local more and asks CUDA for the current
+ * device first.  CuPy (Cython 3) checks for a Python error when a hook returns (void *)-1, so an OutOfMemoryError
+ * raised here comes out of cupy.empty intact; the lookup may raise too (-1 with an error set), and a lookup answering
+ * a negative number without one is refused (no handle is negative: those are per-thread keys).  CuPy's memory object
+ * does not keep the allocator alive, so each block handed to CuPy holds a reference to it. */
 
 /* void *malloc(void *param, size_t size, int device): CuPy (Cython 3) checks for a Python error when this returns
  * (void *)-1, so an exception set here propagates out of cupy's allocation as-is. */
@@ -209,7 +218,7 @@ void *cupy_malloc(void *param, size_t size, int device)
     intptr_t stream = 0;
     if (A->stream_fn) {
         /* the device's own current stream: CuPy's get_current_stream_ptr() would first ask CUDA which device is
-         * current (cudaGetDevice) and look up a second thread-local, and the device is given (Note [Hit path]) */
+         * current (cudaGetDevice) and look up a second thread-local, and the device is given */
         stream = A->stream_fn(device);
         if (PyErr_Occurred()) return (void *)(intptr_t)-1;   /* CuPy 14 fails with -1, CuPy 13 with 0 */
         if (stream < 0) {

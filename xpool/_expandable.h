@@ -155,9 +155,5 @@ void xe_release_finish(XeDevice *x, XeRange *r, int released, XeDelta *d);
 
 /* The range holding ptr, or NULL (e.g. to refuse a CUDA IPC handle for such a block). */
 XeRange *xe_range_of(const XeDevice *x, uintptr_t ptr);
-/* Calls fn(range, block, arg) on every block of every range, by address; stops when fn returns nonzero. */
-int xe_each_block(const XeDevice *x, int (*fn)(const XeRange *, const Block *, void *), void *arg);
-/* Checks every invariant of the ranges and of the tree's blocks of this device: 0, or -1 with why. */
-int xe_check(const XeDevice *x, const FreeTree *t, char *why, size_t n);
 
 #endif

@@ -10,9 +10,13 @@
  * whole free pages, never one holding a byte in use.  The ops (_vmm.h) are called from C, without the pool lock,
  * with the GIL let go around them when it is held: an unmap synchronises the device, as cudaFree does.  Plans and
  * their finishes run under the pool lock; while a plan is in flight its mapped bytes count on bytes_releasing, so
- * reserved is always the mapped bytes.  Every device that can access the pool's device (cuDeviceCanAccessPeer) gets
- * access to the pages, as cudaMalloc's memory is reachable once peer access is on.  Blocks cannot be shared by CUDA
- * IPC (cuMemCreate makes no shareable handle): Pool.check_ipc says so before cudaIpcGetMemHandle fails. */
+ * reserved is always the mapped bytes.  Blocks cannot be shared by CUDA IPC (cuMemCreate makes no shareable
+ * handle): Pool.check_ipc says so before cudaIpcGetMemHandle fails.
+ *
+ * Note [Expandable segments: peer access].  A map makes its pages readable and writable for every device that can
+ * access the pool's device (ops.peers: cuDeviceCanAccessPeer, asked once per device), as cudaMalloc's memory is
+ * reachable from a peer once peer access is on: a copy to another GPU or a kernel reading another GPU's array works
+ * as with CuPy's pool.  It is behaviour, not a setting (docs/decisions/0007). */
 #include "_hot.h"
 
 #include <stdarg.h>

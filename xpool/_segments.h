@@ -1,5 +1,5 @@
 /*
- * xpool._segments: the ranges of the `segments` scheme (Note [Schemes] in NOTES.md).
+ * xpool._segments: the ranges of the `segments` scheme.
  *
  * A segment is one backend allocation.  It is cut into ranges, each a Block:
  * in use (in the core's live table) or free (in the device's FreeTree).  A

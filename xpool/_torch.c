@@ -1,5 +1,6 @@
 /* xpool._core: PyTorch's CUDAPluggableAllocator entry points (see _core.h).
  *
+ * Note [PyTorch's entry points].
  * torch.cuda.memory.CUDAPluggableAllocator(xpool._core.__file__, "xpool_torch_malloc", "xpool_torch_free")
  * serves PyTorch's CUDA tensors from the same Allocator as CuPy (xpool.enable_torch() sets it up), so a
  * block one framework frees is reused by the other: same device, same stream handle (PyTorch passes its

@@ -54,7 +54,7 @@ typedef struct XvOps {
     const char *(*message)(void *ctx);
     /* *mask: the devices other than `device` whose kernels and copies can reach its memory directly (CUDA:
      * cuDeviceCanAccessPeer from each of them; the twin: every other device unless set otherwise), a bit per
-     * device.  What map's `peers` may name for peer access (Note [Expandable segments]: peer access). */
+     * device.  What map's `peers` may name (Note [Expandable segments: peer access] in _pages.c). */
     int (*peers)(void *ctx, int device, uint64_t *mask);
 } XvOps;
 

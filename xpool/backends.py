@@ -1,8 +1,7 @@
 """Raw allocate/free backends: the only code that touches device memory.
 
-`Backend` is the contract (a `typing.Protocol`); `HostBackend` (host memory
-standing in for devices, for tests and CPU machines) and `CupyBackend`
-(cudaMalloc/cudaFree through CuPy) implement it.
+`Backend` is the contract (a `typing.Protocol`); `HostBackend` (host memory standing in for devices, for tests and CPU
+machines) and `CupyBackend` (cudaMalloc/cudaFree through CuPy) implement it.
 """
 from __future__ import annotations
 
@@ -83,11 +82,9 @@ if hasattr(os, "register_at_fork"):
 class HostBackend:
     """Real host memory standing in for devices, so the whole core runs on a CPU.
 
-    The current device and stream are per thread, like CUDA's.  Usable in a
-    ``fork()``ed child.  It keeps its own accounting to check a pool against:
-    ``used(device)``, ``high_water[device]``, ``mallocs``, ``frees``.  It has no
-    ``vmm()``: the expandable scheme needs CUDA's virtual memory (the tests run
-    it over a host twin of their own).
+    The current device and stream are per thread, like CUDA's.  Usable in a ``fork()``ed child.  It keeps its own
+    accounting to check a pool against: ``used(device)``, ``high_water[device]``, ``mallocs``, ``frees``.  It has no
+    ``vmm()``: the expandable scheme needs CUDA's virtual memory (the tests run it over a host twin of their own).
 
     Args:
         capacity (int): bytes per "device"; past it ``malloc`` raises

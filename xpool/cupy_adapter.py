@@ -1,8 +1,7 @@
 """CuPy adapter: xpool.MemoryPool with CuPy's pool method names, install/uninstall/use.
 
-The allocation path never runs Python: `MemoryPool.malloc` is CuPy's own
-CFunctionAllocator calling xpool's C functions, so CuPy builds its memory
-object in Cython and xpool's core does the free-list work in C.
+The allocation path never runs Python: `MemoryPool.malloc` is CuPy's own CFunctionAllocator calling xpool's C
+functions, so CuPy builds its memory object in Cython and xpool's core does the free-list work in C.
 """
 from __future__ import annotations
 
@@ -45,8 +44,8 @@ def _current_stream_fn() -> int:
 
     The one CuPy's own pool calls, `cupy.cuda.stream.get_current_stream_ptr()`, gives the same stream but
     first looks up a thread-local of its own and asks CUDA for the current device (cudaGetDevice), only to
-    call this one; the hook is given the device, so the allocation path skips both (NOTES.md,
-    Note [Hit path]). `with stream:` and `stream.use()` set what this returns (cupy.cuda.stream's set_current_stream).
+    call this one; the hook is given the device, so the allocation path skips both (Note [CuPy's hooks] in
+    xpool/_alloc.c). `with stream:` and `stream.use()` set what this returns.
     """
     from cupy_backends.cuda import stream as backends_stream
     return _capsule_fn(backends_stream, "get_stream_ptr", b"intptr_t (int)")
@@ -55,11 +54,10 @@ def _current_stream_fn() -> int:
 class MemoryPool(Pool):
     """Drop-in for cupy.cuda.MemoryPool: `cupy.cuda.set_allocator(xpool.MemoryPool().malloc)`.
 
-    CuPy's methods (malloc, free_all_blocks, used_bytes, free_bytes,
-    total_bytes, n_free_blocks, set_limit, get_limit) act on the current
-    device, as CuPy's do; xpool's own (stats, timeline, trim...) are
-    inherited from Pool.  ``malloc(size)`` returns a ``cupy.cuda.MemoryPointer``
-    and raises ``xpool.OutOfMemoryError`` (a CuPy ``OutOfMemoryError``).
+    CuPy's methods (malloc, free_all_blocks, used_bytes, free_bytes, total_bytes, n_free_blocks, set_limit, get_limit)
+    act on the current device, as CuPy's do; xpool's own (stats, timeline, trim...) are inherited from Pool.
+    ``malloc(size)`` returns a ``cupy.cuda.MemoryPointer`` and raises ``xpool.OutOfMemoryError`` (a CuPy
+    ``OutOfMemoryError``).
 
     Args:
         settings (xpool.Settings), **fields: as for ``xpool.Pool``.
@@ -117,19 +115,35 @@ class MemoryPool(Pool):
         self._core.release(d, stream)
 
     def used_bytes(self) -> int:
-        """Bytes in use on the current device (the blocks' classes or ranges)."""
+        """Bytes in use on the current device.
+
+        Returns:
+            int: the bytes of the blocks in use (their classes or ranges).
+        """
         return self._core.stats(self._current_device())["bytes_in_use"]
 
     def free_bytes(self) -> int:
-        """Bytes cached on the current device."""
+        """Bytes cached on the current device.
+
+        Returns:
+            int: the bytes of the cached blocks.
+        """
         return self._core.stats(self._current_device())["bytes_cached"]
 
     def total_bytes(self) -> int:
-        """Bytes the current device holds for this pool: in use, cached, being given back."""
+        """Bytes the current device holds for this pool.
+
+        Returns:
+            int: in use, cached and being given back.
+        """
         return self._core.stats(self._current_device())["bytes_reserved"]
 
     def n_free_blocks(self) -> int:
-        """Blocks cached on the current device."""
+        """Blocks cached on the current device.
+
+        Returns:
+            int: how many.
+        """
         return self._core.stats(self._current_device())["blocks_cached"]
 
 

@@ -6,13 +6,11 @@ CuPy's, PyTorch's and RMM's pools reuse memory silently; here, in debug mode,
 - on reuse the poison is checked, so a write after free is caught;
 - every request gets `tail` extra bytes, filled with a canary checked when the
   block comes back, so a write past the requested length is caught.
-The C core calls on_alloc / on_reuse / on_free / on_segment outside its locks, on a block no
-other thread can reach: on_alloc / on_reuse before the block is listed by
-`live_blocks()` (so `Pool.check()` never reads a canary not yet written), on_free
-after it left that list and before it is cached.  Each block's info says what
-debug mode did to it (`guarded`: canary written when handed out; `poisoned`:
-poison written when cached), so turning debug mode on in a pool that already
-holds blocks checks only what it prepared.
+The C core calls on_alloc / on_reuse / on_free / on_segment outside its locks, on a block no other thread can reach:
+on_alloc / on_reuse before the block is listed by `live_blocks()` (so `Pool.check()` never reads a canary not yet
+written), on_free after it left that list and before it is cached.  Each block's info says what debug mode did to it
+(`guarded`: canary written when handed out; `poisoned`: poison written when cached), so turning debug mode on in a
+pool that already holds blocks checks only what it prepared.
 """
 from __future__ import annotations
 

@@ -95,8 +95,7 @@ class IpcUnsupportedError(RuntimeError):
     shareable handle, and ``cudaIpcGetMemHandle`` refuses memory of CUDA's virtual memory management.
 
     Attributes:
-        device (int), ptr (int): the block.
-        base (int), nbytes (int): the reserved address range holding it.
+        device (int), ptr (int): the block. base (int), nbytes (int): the reserved address range holding it.
     """
 
     def __init__(self, device, ptr, base, nbytes):

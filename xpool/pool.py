@@ -12,7 +12,7 @@ from .debug import DEFAULT_TAIL, DebugHook
 from .errors import make_error
 from .settings import ENV, Settings, resolve
 from .sizeclass import check_nbytes
-from .stats import Snapshot
+from .counters import Snapshot
 from .timeline import events_frame
 
 # every C allocator alive, for the fork handler; the cores, not the Pool wrappers: CuPy may hold a pool's
@@ -49,9 +49,8 @@ def settings_signature(init, positional=("settings",), keywords=()):
 class Pool:
     """A per-device caching allocator over a raw backend.
 
-    Freed blocks stay cached per device and stream and are handed out again;
-    the backend is called only on a miss, when the cache is given back, and
-    on out-of-memory recovery.  Every method may be called from any thread.
+    Freed blocks stay cached per device and stream and are handed out again; the backend is called only on a miss,
+    when the cache is given back, and on out-of-memory recovery.  Every method may be called from any thread.
 
     Args:
         backend: the raw allocate/free functions, an ``xpool.backends.Backend``
@@ -59,12 +58,10 @@ class Pool:
         settings (xpool.Settings): how the pool works; None: from the keyword
             settings, the ``XPOOL_*`` variables and the defaults.
         **fields: settings as keywords, over ``settings``: ``scheme``,
-            ``classes_per_doubling``, ``limit``, ``debug``, ``timeline``
-            (see ``xpool.Settings``).
+            ``classes_per_doubling``, ``limit``, ``debug``, ``timeline`` (see ``xpool.Settings``).
 
     Raises:
-        TypeError: ``backend`` lacks one of the methods of ``Backend``, or a
-            keyword is no setting.
+        TypeError: ``backend`` lacks one of the methods of ``Backend``, or a keyword is no setting.
         ValueError: a bad setting, naming the argument or variable.
     """
 
@@ -102,9 +99,8 @@ class Pool:
                 only there.  None: the backend's current stream.
 
         Returns:
-            xpool._core.Allocation: ``.ptr``, ``.size`` (its class),
-            ``.requested``, ``.device``, ``.stream``; the block goes back to
-            the pool when ``.release()`` is called or the object dies.
+            xpool._core.Allocation: ``.ptr``, ``.size`` (its class), ``.requested``, ``.device``, ``.stream``; the
+            block goes back to the pool when ``.release()`` is called or the object dies.
 
         Raises:
             ValueError: bad ``nbytes``, ``device`` or ``stream``.
@@ -147,7 +143,7 @@ class Pool:
             device (int): one device; None: every device served.
 
         Returns:
-            xpool.stats.Snapshot: ``snap.device_mallocs`` (summed over devices), ``snap[device]["bytes_cached"]``,
+            xpool.counters.Snapshot: ``snap.device_mallocs`` (summed over devices), ``snap[device]["bytes_cached"]``,
             ``(after - before).device_mallocs`` for what happened between two, ``snap.frame()`` a DataFrame.
 
         Raises:
@@ -179,9 +175,8 @@ class Pool:
 
         Raises:
             ValueError: bad ``device``.
-            Exception: the first error of ``backend.free``; every cached block
-                is still tried, and a block whose free failed stays cached
-                (counted, retried by the next call).
+            Exception: the first error of ``backend.free``; every cached block is still tried, and a block whose free
+                failed stays cached (counted, retried by the next call).
         """
         return self._release(self._devices(device), 0)
 
@@ -219,11 +214,9 @@ class Pool:
                   device: int | None = None) -> None:
         """Cap the bytes one device may hold for this pool (in use + cached + in flight).
 
-        The cap holds with threads sharing the device: bytes are counted
-        against it before the backend is asked, and cached bytes being given
-        back count until the backend has freed them.  Lowering it below what
-        is in use frees nothing in use; allocations fail until enough is
-        released.
+        The cap holds with threads sharing the device: bytes are counted against it before the backend is asked, and
+        cached bytes being given back count until the backend has freed them.  Lowering it below what is in use frees
+        nothing in use; allocations fail until enough is released.
 
         Args:
             size (int): bytes; None or 0 removes the limit.
@@ -287,8 +280,7 @@ class Pool:
         """The events recorded so far (the ``timeline`` setting: how many the ring keeps; 0 records none).
 
         Returns:
-            pandas.DataFrame: one row per event (``xpool.timeline``);
-            ``attrs["dropped"]``: events lost to the ring.
+            pandas.DataFrame: one row per event (``xpool.timeline``); ``attrs["dropped"]``: events lost to the ring.
         """
         return events_frame(*self._core.timeline_events())
 

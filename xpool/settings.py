@@ -3,14 +3,13 @@
     s = xpool.Settings(scheme="seed", limit="8GiB")     # or xpool.Pool(backend, scheme="seed", limit="8GiB")
     print(s.describe())                                # each value, where it came from, what it does
 
-Each field comes from the argument when one is given, else from its ``XPOOL_*`` environment variable (``ENV``),
-else from its default. Every value is checked here, once; a bad one raises a ``ValueError`` that names the argument
-or the variable it came from, e.g. ``ValueError: XPOOL_MEMORY_LIMIT='0.4B': not a whole number of bytes``. A
-setting that no longer exists (``REMOVED``) raises a ``ValueError`` saying what replaced it. The C core reads the
-resolved object.
+Each field comes from the argument when one is given, else from its ``XPOOL_*`` environment variable (``ENV``), else
+from its default. Every value is checked here, once; a bad one raises a ``ValueError`` that names the argument or the
+variable it came from, e.g. ``ValueError: XPOOL_MEMORY_LIMIT='0.4B': not a whole number of bytes``. A setting that no
+longer exists (``REMOVED``) raises a ``ValueError`` saying what replaced it. The C core reads the resolved object.
 
-``classes_per_doubling`` belongs to scheme seed: given for another scheme it is an error, and it is None in a
-resolved Settings of another scheme.
+``classes_per_doubling`` belongs to scheme seed: given for another scheme it is an error (its variable too, unless a
+scheme argument overrides the environment), and it is None in a resolved Settings of another scheme.
 """
 from __future__ import annotations
 
@@ -90,8 +89,7 @@ class Settings:
             or text: ``"8GiB"``, ``"500MB"``, ``"1073741824"``, ``"50%"``.
         debug (str or bool): ``"raise"``, ``"warn"`` or False (``XPOOL_DEBUG``: also ``1``/``on``, ``0``/``off``);
             True means ``"raise"``. See ``xpool.debug``.
-        timeline (int): allocation events kept in a ring (``XPOOL_TIMELINE``; 0: off); ``Pool.timeline()`` reads
-            them.
+        timeline (int): allocation events kept in a ring (``XPOOL_TIMELINE``; 0: off); ``Pool.timeline()`` reads them.
 
     Args:
         frontend (str or None): whose default scheme fills a scheme left None: xpool's (None) or ``"torch"``, the
@@ -131,9 +129,11 @@ class Settings:
                 if given is not None:
                     raise ValueError(f"classes_per_doubling={given!r} applies to scheme 'seed' only, and this "
                                      f"pool's scheme is {resolved['scheme']!r}: give scheme='seed' with it")
-                if name in env and "scheme" in env:
-                    raise ValueError(f"{ENV[name]}={env[name]!r} applies to scheme 'seed' only, and "
-                                     f"{ENV['scheme']} is {env['scheme']!r}")
+                if name in env and sources["scheme"] != "scheme":   # the environment is one configuration
+                    said = (f"{ENV['scheme']} is {env['scheme']!r}" if "scheme" in env else
+                            f"the scheme is {resolved['scheme']!r} ({sources['scheme']})")
+                    raise ValueError(f"{ENV[name]}={env[name]!r} applies to scheme 'seed' only, and {said}: set "
+                                     f"{ENV['scheme']}=seed with it")
                 resolved[name], sources[name] = None, "n/a"
                 continue
             if given is not None:

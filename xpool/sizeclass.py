@@ -43,10 +43,9 @@ def check_classes_per_doubling(k) -> int:
 def size_class(nbytes: int, classes_per_doubling: int = 1) -> int:
     """Bytes actually reserved for an nbytes request.
 
-    Up to 1 MiB: the next multiple of 512 B (at least 512).  Above: with k
-    classes per doubling, the classes between p and 2p (p a power of two) are
-    p + j*p/k for j = 1..k, each rounded up to 512 B; k=1 is the next power of
-    two.  k=4 bounds the waste at 25 % of p, about 20 % of the class.
+    Up to 1 MiB: the next multiple of 512 B (at least 512).  Above: with k classes per doubling, the classes between p
+    and 2p (p a power of two) are p + j*p/k for j = 1..k, each rounded up to 512 B; k=1 is the next power of two.  k=4
+    bounds the waste at 25 % of p, about 20 % of the class.
 
     Args:
         nbytes (int): the request, 0 to 2**48.

@@ -40,12 +40,11 @@ def pool_with_stream_lookup(backend, stream_lookup, settings: Settings | None = 
 
     Args:
         backend: as for ``xpool.Pool``.
-        stream_lookup: 0 (every block on stream 0), a ctypes function of type
-            ``CFUNCTYPE(c_ssize_t, c_int)`` (kept alive by the pool), or the address of a C function
-            ``intptr_t lookup(int device)`` returning the device's current stream (``cupy_stream_lookup()``
-            is CuPy's, which ``MemoryPool`` uses); it may set a Python error. An address is checked to lie in
-            executable memory of this process (``/proc/self/maps``), so a stray int is refused rather than
-            called; that it is such a function is the caller's word.
+        stream_lookup: 0 (every block on stream 0), a ctypes function of type ``CFUNCTYPE(c_ssize_t, c_int)`` (kept
+            alive by the pool), or the address of a C function ``intptr_t lookup(int device)`` returning the device's
+            current stream (``cupy_stream_lookup()`` is CuPy's, which ``MemoryPool`` uses); it may set a Python error.
+            An address is checked to lie in executable memory of this process (``/proc/self/maps``), so a stray int is
+            refused rather than called; that it is such a function is the caller's word.
         settings, **fields: as for ``xpool.Pool``.
 
     Returns:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _core
-from .stats import pandas
+from .counters import pandas
 
 EVENT_DTYPE = np.dtype([
     ("t_ns", "<i8"), ("device", "<i4"), ("event", "<i4"), ("stream", "<i8"), ("ptr", "<u8"),

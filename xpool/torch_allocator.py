@@ -1,9 +1,7 @@
 """One pool for CuPy and PyTorch: PyTorch's CUDA tensors through xpool.
 
-    import torch, xpool
-    pool = xpool.enable_torch()        # first thing, before PyTorch's first CUDA allocation
-    ...                                # cupy and torch now draw from one pool
-    pool.stats()[["bytes_in_use_cupy", "bytes_in_use_torch"]]
+    import torch, xpool pool = xpool.enable_torch()        # first thing, before PyTorch's first CUDA allocation ...
+    # cupy and torch now draw from one pool pool.stats()[["bytes_in_use_cupy", "bytes_in_use_torch"]]
 
 PyTorch's `CUDAPluggableAllocator` loads two C functions by name from xpool's core (`xpool._core`):
 `xpool_torch_malloc(size, device, stream)` and `xpool_torch_free(ptr, size, device, stream)`. They serve

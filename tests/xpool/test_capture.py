@@ -8,7 +8,6 @@ import xpool
 from xpool import HostBackend, Pool
 
 MiB = 1 << 20
-EAGER = dict(release_idle=0)    # a miss may give back a segment freed just before it
 
 
 class CapturingBackend(HostBackend):
@@ -35,18 +34,19 @@ def counters(pool):
     return s.device_mallocs, s.device_frees, s.bytes_reserved
 
 
-def test_a_miss_on_a_capturing_stream_gives_nothing_back():
-    pool, backend = make(**EAGER)
-    small = pool.allocate(3 * MiB, stream=5)
-    del small                                # a whole free 3 MiB segment of stream 5, at the mark
+def test_nothing_goes_back_while_a_stream_captures():
+    pool, backend = make()
+    five = pool.allocate(2 * MiB, stream=5)     # stream 5 holds a segment: the pool asks about it
+    pool.allocate(3 * MiB, stream=5).release()  # a whole free 3 MiB segment of stream 5
     backend.capturing_streams = {5}
-    big = pool.allocate(6 * MiB, stream=5)   # above the mark: would give the 3 MiB back, but stream 5 captures
-    assert counters(pool) == (2, 0, 9 * MiB) and backend.used(0) == 9 * MiB and big.size == 6 * MiB
-    assert (0, 5) in backend.asked
+    assert pool.empty_cache() == 0 and pool.trim(0) == 0
+    assert counters(pool) == (2, 0, 5 * MiB) and backend.used(0) == 5 * MiB and (0, 5) in backend.asked
+    big = pool.allocate(6 * MiB, stream=5)      # a miss adds, capturing or not
+    assert counters(pool) == (3, 0, 11 * MiB) and big.size == 6 * MiB
     backend.capturing_streams = set()
-    del big
-    again = pool.allocate(10 * MiB, stream=5)   # capture over: the miss gives back as before
-    assert counters(pool)[1] >= 1 and again.size == 10 * MiB
+    assert pool.empty_cache() == 3 * MiB        # capture over: the cache goes back
+    assert counters(pool) == (3, 1, 8 * MiB)
+    del five, big
 
 
 def test_out_of_memory_while_capturing_keeps_the_cache_and_says_why():
@@ -80,16 +80,16 @@ def test_the_limit_while_capturing_keeps_the_cache_and_says_why():
 
 def test_a_capture_holds_back_every_stream_of_its_device_and_no_other_device():
     """Nothing goes back on a device while a stream of it captures (cudaFree synchronises the whole device):
-    stream 1's miss keeps its segment while stream 5, which holds a block there, captures; device 1 is free."""
-    pool, backend = make(**EAGER)
+    stream 1's cache stays while stream 5, which holds a block there, captures; device 1 is free."""
+    pool, backend = make()
     five = pool.allocate(2 * MiB, stream=5)     # stream 5 holds a segment on device 0: the pool asks about it
     pool.allocate(3 * MiB, stream=1).release()
     pool.allocate(3 * MiB, device=1, stream=1).release()
     backend.capturing_streams = {5}
-    pool.allocate(6 * MiB, stream=1)            # above the mark: would give stream 1's 3 MiB back first
-    assert counters(pool) == (3, 0, 11 * MiB) and (0, 5) in backend.asked
-    pool.allocate(6 * MiB, device=1, stream=1)  # device 1 has no capturing stream: gives back as usual
-    assert pool.stats(1).device_frees == 1
+    assert pool.empty_cache(device=0) == 0 and (0, 5) in backend.asked
+    assert counters(pool) == (3, 0, 8 * MiB)
+    assert pool.empty_cache(device=1) == 3 * MiB  # device 1 has no capturing stream: gives back as usual
+    assert pool.stats(1).device_frees == 1 and pool.stats(0).device_frees == 0
     del five
 
 
@@ -109,18 +109,17 @@ def test_a_stream_the_backend_cannot_vouch_for_is_never_asked():
     """The pool holds memory for stream 5, whose handle may since have been destroyed (asking it crashed the
     driver on an H200): only the legacy and the request's streams are asked unless the backend vouches for 5."""
     backend = VouchingBackend()
-    pool = Pool(backend, **EAGER)
+    pool = Pool(backend)
     five = pool.allocate(2 * MiB, stream=5)
     pool.allocate(3 * MiB, stream=1).release()
     backend.capturing_streams = {5}
-    pool.allocate(6 * MiB, stream=1)            # gives stream 1's 3 MiB back: 5 was not asked, so not seen
+    assert pool.empty_cache() == 3 * MiB        # 5 was not asked, so its capture was not seen
     assert (0, 5) in backend.vouched and (0, 5) not in backend.asked
     assert pool.stats().device_frees == 1
     pool.allocate(3 * MiB, stream=1).release()
     backend.alive = {5}                         # now vouched for: asked, capturing, nothing goes back
-    frees = pool.stats().device_frees
-    pool.allocate(9 * MiB, stream=1)
-    assert (0, 5) in backend.asked and pool.stats().device_frees == frees
+    assert pool.empty_cache() == 0
+    assert (0, 5) in backend.asked and pool.stats().device_frees == 1
     del five
 
 
@@ -150,35 +149,52 @@ def test_cupy_backend_vouches_only_for_streams_whose_objects_live(monkeypatch):
 
 
 def test_the_per_thread_stream_is_asked_by_its_handle():
-    pool, backend = make(**EAGER)
-    pool.allocate(3 * MiB, stream=2).release()   # cudaStreamPerThread: keyed per thread inside the pool
+    pool, backend = make()
+    held = pool.allocate(2 * MiB, stream=2)      # cudaStreamPerThread: keyed per thread inside the pool
+    pool.allocate(3 * MiB, stream=2).release()
     backend.capturing_streams = {2}
-    pool.allocate(6 * MiB, stream=2)
+    assert pool.empty_cache() == 0
     assert (0, 2) in backend.asked and counters(pool)[1] == 0
+    del held
 
 
-def test_a_failing_capturing_query_fails_the_allocation_and_leaks_nothing():
-    pool, backend = make(**EAGER)
+def test_a_failing_capturing_query_fails_the_release_and_leaks_nothing():
+    pool, backend = make()
     pool.allocate(3 * MiB, stream=5).release()
     backend.fail = RuntimeError("cudaStreamIsCapturing failed")
     with pytest.raises(RuntimeError, match="cudaStreamIsCapturing failed"):
-        pool.allocate(6 * MiB, stream=5)
+        pool.empty_cache()
     s = pool.stats()
     assert (s.device_mallocs, s.device_frees, s.bytes_in_use, s.bytes_cached) == (1, 0, 0, 3 * MiB)
     assert backend.used(0) == 3 * MiB
     backend.fail = None
-    assert pool.allocate(6 * MiB, stream=5).size == 6 * MiB
+    assert pool.empty_cache() == 3 * MiB and backend.used(0) == 0
+
+
+def test_a_failing_capturing_query_fails_the_ladder_and_leaks_nothing():
+    pool, backend = make(capacity=8 * MiB)
+    pool.allocate(3 * MiB, stream=5).release()
+    backend.fail = RuntimeError("cudaStreamIsCapturing failed")
+    with pytest.raises(RuntimeError, match="cudaStreamIsCapturing failed"):
+        pool.allocate(6 * MiB, stream=5)         # 3 + 6 > 8: the ladder must ask before it frees the cache
+    s = pool.stats()
+    assert (s.device_mallocs, s.device_frees, s.bytes_in_use, s.bytes_cached) == (1, 0, 0, 3 * MiB)
+    assert backend.used(0) == 3 * MiB
+    backend.fail = None
+    assert pool.allocate(6 * MiB, stream=5).size == 6 * MiB and pool.stats().oom_recoveries == 1
 
 
 def test_a_backend_without_capturing_is_never_asked():
-    pool = Pool(HostBackend(), **EAGER)
+    pool = Pool(HostBackend())
     pool.allocate(3 * MiB).release()
-    pool.allocate(6 * MiB)                       # gives back as before
+    assert pool.empty_cache() == 3 * MiB         # gives back as before
     assert pool.stats().device_frees == 1
 
 
-def test_a_miss_that_gives_nothing_back_asks_nothing():
-    pool, backend = make(**EAGER)
-    pool.allocate(3 * MiB, stream=5)             # misses below the mark: nothing to give back, no question
+def test_a_miss_asks_nothing():
+    pool, backend = make()
+    pool.allocate(3 * MiB, stream=5).release()   # a miss never gives back: no question
+    pool.allocate(6 * MiB, stream=5)
     pool.allocate(1000, stream=5)
+    pool.allocate(1000, stream=7)
     assert backend.asked == []

@@ -89,7 +89,7 @@ def test_debug_from_environment(monkeypatch):
     monkeypatch.setenv("XPOOL_DEBUG", "warn")
     assert Pool(HostBackend()).settings.debug == "warn"
     monkeypatch.setenv("XPOOL_DEBUG", "0")
-    assert Pool(HostBackend()).settings.debug is None
+    assert Pool(HostBackend()).settings.debug is False
     assert Pool(HostBackend(), debug=True).settings.debug == "raise"
 
 
@@ -115,15 +115,6 @@ def test_forked_child_gets_a_fresh_pool():
 
     assert in_forked_child(child) == "ok"
     assert pool.allocate(4096).ptr == keep    # the parent's pool is untouched
-
-
-def test_debug_cost_benchmark_writes_rows_with_provenance(tmp_path):
-    from xlab.bench import debug_cost
-    out = tmp_path / "cost.csv"
-    df = debug_cost.run(sizes=(4096,), pairs=20, repeats=1, out=str(out))
-    assert out.is_file() and set(df.debug) == {"off", "raise"}
-    assert {"gpu", "commit", "date"} <= set(df.columns)
-    assert df.set_index("debug").loc["raise", "ratio_vs_off"] > 1    # poisoning and canaries are not free
 
 
 @needs_fork

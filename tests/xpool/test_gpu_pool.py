@@ -179,8 +179,8 @@ def test_block_released_on_another_thread_returns_to_its_device(pool):
     t = threading.Thread(target=other)
     t.start()
     t.join()
-    st = pool.stats().set_index("device")
-    assert st.loc[1, "blocks_cached"] == 1 and st.loc[1, "blocks_in_use"] == 0
+    st = pool.stats()
+    assert st[1]["blocks_cached"] == 1 and st[1]["blocks_in_use"] == 0
     with cp.cuda.Device(1):
         assert cp.empty(1 << 20, dtype=cp.uint8).data.ptr == ptr
 

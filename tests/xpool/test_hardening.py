@@ -16,13 +16,13 @@ import pytest
 import xpool
 from faults import AddressBackend, FaultyBackend, InjectedFault, in_child
 from xpool import HostBackend, Pool
-from xpool.debug import CANARY, POISON
+from xpool.debug import CANARY, DEFAULT_TAIL, POISON, DebugHook
 
 
 @pytest.fixture(autouse=True)
 def _design_scheme(monkeypatch):
     """These tests spell out the bytes of the design's size classes: they run under scheme seed.  Scheme
-    xpool (the default: segments) has its own in tests/xpool/test_segments.py."""
+    segments (the default) has its own in tests/xpool/test_segments.py."""
     monkeypatch.setenv("XPOOL_SCHEME", "seed")
 
 
@@ -63,7 +63,7 @@ def test_limit_argument_holds_on_every_device():
         assert pool.get_limit(device=d) == MiB
         with pytest.raises(xpool.OutOfMemoryError) as info:
             pool.allocate(2 * MiB, device=d)
-        assert info.value.reason == "limit"
+        assert info.value.reason == "limit_too_small"     # larger than the limit itself: refused at once
     assert pool._backend.mallocs == 0
 
 
@@ -191,14 +191,21 @@ def test_check_reports_nothing_while_other_threads_allocate():
     assert errors == [] and pool._hook.found == []
 
 
-# 6. debug mode turned on in a pool that already holds blocks
+def swap_debug_hook(pool, mode):
+    """The core's hook swapped under a pool that holds blocks (debug mode is a setting of the pool; the core
+    still takes a new hook at any time, and the blocks say what the hook they met prepared)."""
+    pool._hook = DebugHook(pool._backend, mode) if mode else None
+    pool._core.set_debug(pool._hook, DEFAULT_TAIL if mode else 0)
+
+
+# 6. a debug hook set in a core that already holds blocks
 def test_debug_mode_turned_on_late_reports_nothing_for_older_blocks():
     pool = Pool(HostBackend(), debug=False)
     live = pool.allocate(1000)                   # handed out without a canary
     cached = pool.allocate(3000)
     ctypes.memset(cached.ptr, 0x22, 3000)
     del cached                                   # cached without poison
-    pool.set_debug("raise")
+    swap_debug_hook(pool, "raise")
     pool.check()
     again = pool.allocate(3000)                  # reuses the unpoisoned block
     del live                                     # freed without a canary check
@@ -278,11 +285,11 @@ def test_in_a_forked_child_an_unknown_pointer_drops_no_reference():
     assert in_child(child) == "ok"
 
 
-# code read: one allocation uses one debug hook, even if set_debug swaps it meanwhile
+# code read: one allocation uses one debug hook, even if the core's set_debug swaps it meanwhile
 def test_an_allocation_uses_the_debug_hook_it_started_with():
     class SwitchingBackend(HostBackend):
         def malloc(self, device, nbytes):
-            pool.set_debug(None)                 # another thread turns debug mode off meanwhile
+            swap_debug_hook(pool, None)          # another thread takes the hook away meanwhile
             return super().malloc(device, nbytes)
 
     pool = Pool(SwitchingBackend(), debug="raise")
@@ -363,7 +370,7 @@ def test_a_request_larger_than_the_limit_leaves_the_cache_alone():
     del cached
     with pytest.raises(xpool.OutOfMemoryError) as info:
         pool.allocate(3 * MiB)
-    assert info.value.reason == "limit"
+    assert info.value.reason == "limit_too_small"
     st = pool.stats()
     assert (st.blocks_cached, st.device_frees) == (1, 0)
 

@@ -10,6 +10,7 @@ import xpool
 from xpool import HostBackend, Pool
 
 CAPACITY = 12 << 20   # small enough that OOM recovery and OOM errors happen
+
 SIZES = st.one_of(st.integers(0, 8192), st.sampled_from([1 << 20, (1 << 20) + 1, 3 << 20, 5 << 20]))
 
 
@@ -97,4 +98,4 @@ class PoolModel(RuleBasedStateMachine):
 
 
 PoolModel.TestCase.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
-TestPoolModel = PoolModel.TestCase
+TestPoolModel = pytest.mark.usefixtures("frozen_gc")(PoolModel.TestCase)

@@ -1,4 +1,4 @@
-"""Scheme xpool (the default): blocks cut from segments by best fit, split, merged again; over host memory."""
+"""Scheme segments (the default): blocks cut from segments by best fit, split, merged again; over host memory."""
 import ctypes
 import os
 
@@ -12,9 +12,6 @@ from xpool.debug import POISON
 
 KiB, MiB = 1 << 10, 1 << 20
 SEGMENT = 2 * MiB              # a block up to 1 MiB starts a segment of this size; a larger one, of its own
-# the high-water mark's rule alone: a miss may give back a segment freed just before it (the default waits
-# until it has been whole and free for 64 requests: the tests of release_idle below)
-EAGER = dict(release_idle=0)
 
 
 def make(capacity=None, n_devices=8, **kw):
@@ -85,18 +82,6 @@ def test_empty_cache_gives_back_whole_free_segments_only():
     assert pool.trim(0) == SEGMENT and backend.used(0) == 0
 
 
-def test_a_miss_above_the_high_water_mark_gives_the_streams_whole_free_segments_back_first():
-    pool, backend = make(**EAGER)
-    small = pool.allocate(3 * MiB)
-    other = pool.allocate(3 * MiB, stream=7)
-    del small, other
-    big = pool.allocate(6 * MiB)           # fits no free range: stream 0's whole segment goes first
-    s = pool.stats()
-    assert (s.device_mallocs, s.device_frees) == (3, 1)
-    assert s.bytes_reserved == backend.used(0) == 6 * MiB + 3 * MiB    # stream 7's stays
-    assert big.size == 6 * MiB
-
-
 def test_a_miss_below_the_high_water_mark_gives_nothing_back():
     pool, backend = make()
     a, b = pool.allocate(8 * MiB), pool.allocate(3 * MiB)    # the mark: 11 MiB
@@ -109,139 +94,31 @@ def test_a_miss_below_the_high_water_mark_gives_nothing_back():
     assert backend.used(0) == 7 * MiB
 
 
-def test_a_miss_gives_back_only_what_keeps_it_at_the_mark_best_fitting_first():
-    pool, backend = make(**EAGER)
-    other = pool.allocate(6 * MiB, stream=1)
-    a, b = pool.allocate(3 * MiB), pool.allocate(5 * MiB)   # the mark: 14 MiB
-    del other
-    pool.empty_cache()                     # 8 MiB reserved
-    del a, b
-    c = pool.allocate(7 * MiB)             # 8 + 7 MiB: 1 MiB above the mark; the 3 MiB segment covers it
-    assert sorted(segments(backend).values()) == [5 * MiB, 7 * MiB] and c.size == 7 * MiB
-    d = pool.allocate(9 * MiB)             # 12 + 9 MiB: 7 MiB above 14; only 5 MiB is whole and free
-    assert sorted(segments(backend).values()) == [7 * MiB, 9 * MiB] and d.size == 9 * MiB
-    e, f = pool.allocate(2 * MiB), pool.allocate(2 * MiB)       # a mark of 20 MiB
-    del c, d, e, f                         # whole and free: 7, 9 and 2 x 2 MiB
-    g = pool.allocate(10 * MiB)            # 20 + 10 MiB: 10 MiB above; the largest first: 9, then 7
-    assert sorted(segments(backend).values()) == [2 * MiB, 2 * MiB, 10 * MiB] and g.size == 10 * MiB
-
-
-def test_misses_stop_giving_back_past_the_high_water_mark_in_bytes_until_empty_cache():
-    pool, backend = make(**EAGER)
-    for n in range(2, 12):                 # each miss above the mark: the last segment goes back ...
-        a = pool.allocate(n * MiB)
-        del a
-    s = pool.stats()
-    # ... until 2 + 3 = 5 MiB given back pass the mark, 4 MiB: from then on misses only add
-    assert s.device_frees == 2 and backend.used(0) == sum(range(4, 12)) * MiB
-    pool.empty_cache()                     # and misses may give back again
-    for n in (60, 61):                     # 61 + 60 MiB pass the mark, 60 MiB
-        a = pool.allocate(n * MiB)
-        del a
-    assert pool.stats().device_frees == 2 + 8 + 1 and backend.used(0) == 61 * MiB
-
-
-def test_release_on_miss_all_gives_back_every_whole_free_segment():
-    pool, backend = make(release_on_miss="always")
-    a, b = pool.allocate(8 * MiB), pool.allocate(3 * MiB)
-    del a
-    pool.empty_cache()
-    del b
-    pool.allocate(4 * MiB)                 # below the mark, yet b's segment goes back
-    assert pool.stats().device_frees == 2 and backend.used(0) == 4 * MiB
-
-
-def test_a_bounded_miss_gives_back_young_segments_over_the_bound():
-    """release_on_miss "bounded": a miss that would take the pool above release_bound times the most bytes ever
-    requested gives back whole free segments first, however recently freed ("high_water" waits 64 requests)."""
-    for rule, frees in (("high_water", 0), ("bounded", 1), ("growth", 1)):   # growth: 9 MiB + 1000 B is a new high
-        pool, backend = make(release_on_miss=rule, release_bound=1.5)
-        a, z = pool.allocate(8 * MiB), pool.allocate(1000)
-        del a                              # whole and free just now
-        b = pool.allocate(9 * MiB)         # 2 + 8 + 9 MiB > 1.5 x (9 MiB + 1000 B): a's segment goes back
-        assert pool.stats().device_frees == frees, rule
-        assert backend.used(0) == (2 + 9 + 8 * (1 - frees)) * MiB
-        del b, z
-
-
-def test_a_growth_miss_gives_back_only_when_the_demand_reaches_a_new_high():
-    """release_on_miss "growth": as "bounded", but a miss that keeps the bytes requested within their most ever
-    gives back nothing (Note [Release on miss: growth]), so a program repeating a demand it has met only adds."""
-    for rule, frees in (("bounded", 1), ("growth", 0)):
-        pool, backend = make(release_on_miss=rule, release_bound=1.5)
-        a, c, z = pool.allocate(8 * MiB), pool.allocate(6 * MiB), pool.allocate(1000)   # the most: 14 MiB + 1000 B
-        del a, c                           # two whole free segments
-        b = pool.allocate(9 * MiB)         # 2 + 8 + 6 + 9 MiB > 1.5 x 14 MiB, but 9 MiB + 1000 B is no new high
-        assert pool.stats().device_frees == frees, rule
-        assert backend.used(0) == (2 + 8 + 9 + 6 * (1 - frees)) * MiB, rule
-        d = pool.allocate(9 * MiB)         # 18 MiB + 1000 B: a new high, so growth gives back too (a's 8 MiB)
-        assert pool.stats().device_frees == frees + 1, rule
-        assert pool.stats().bytes_reserved <= 1.5 * pool.stats().peak_bytes_requested, rule
-        del b, d, z
-
-
-def test_a_peak_miss_gives_back_only_within_the_bound_of_the_most():
-    """release_on_miss "peak" under scheme segments: as "bounded", but only a miss that brings the bytes requested
-    within release_bound of their most ever (Note [Release on miss: peak]): with the most 16 MiB + 1000 B and the
-    bound 1.3, a 13 MiB miss is at the peak (1.3 x 13 MiB >= the most) and gives back, a 9 MiB one is below it and
-    gives back nothing, where "bounded" gives back on both and "growth" on neither (no new high)."""
-    for rule, size, frees in (("bounded", 13, 2), ("peak", 13, 2), ("growth", 13, 0), ("bounded", 9, 1),
-                              ("peak", 9, 0), ("growth", 9, 0)):
-        pool, backend = make(release_on_miss=rule, release_bound=1.3)
-        a, c, z = pool.allocate(8 * MiB), pool.allocate(8 * MiB), pool.allocate(1000)   # the most: 16 MiB + 1000 B
-        del a, c                           # two whole free segments
-        b = pool.allocate(size * MiB)      # neither holds it: a segment of its own, over 1.3 x the most
-        assert pool.stats().device_frees == frees, (rule, size)
-        assert backend.used(0) == (2 + size + 8 * (2 - frees)) * MiB, (rule, size)
-        del b, z
-
-
-def test_a_peak_reset_with_history_lets_growth_give_back_against_the_demand_since():
-    """reset_peak_stats(history=True) under scheme segments: the most bytes ever requested are forgotten, so the miss
-    of the test above is a new high of the demand since, 9 MiB + 1000 B, and gives back both free segments to stay
-    within 1.5 times that (without it, nothing: 9 MiB is no new high)."""
-    for history, frees in ((False, 0), (True, 2)):
-        pool, backend = make(release_on_miss="growth", release_bound=1.5)
-        a, c, z = pool.allocate(8 * MiB), pool.allocate(6 * MiB), pool.allocate(1000)
-        del a, c
-        pool.reset_peak_stats(history=history)
-        b = pool.allocate(9 * MiB)
-        assert pool.stats().device_frees == frees, history
-        assert backend.used(0) == (2 + 9 + 14 * (frees == 0)) * MiB, history
-        del b, z
-
-
-@pytest.mark.parametrize("bad", [-1, 5])
-def test_release_on_miss_is_checked(bad):
-    with pytest.raises(ValueError, match="release_on_miss"):
-        make(release_on_miss=bad)
-
-
-def test_release_on_miss_can_be_turned_off():
-    pool, backend = make(release_on_miss="never")
-    a = pool.allocate(3 * MiB)
-    del a
-    pool.allocate(6 * MiB)
-    assert pool.stats().device_frees == 0 and backend.used(0) == 9 * MiB
-
-
-@pytest.mark.parametrize("hits,given_back", [(0, False), (62, False), (63, True)])
-def test_a_miss_gives_back_only_segments_whole_and_free_for_64_requests(hits, given_back):
+def test_a_miss_only_adds_above_the_mark_too():
+    """The one release rule: a miss gives nothing back, however far above the most the pool ever held and
+    however long a whole free segment has waited; empty_cache, trim and the ladder do."""
     pool, backend = make()
-    keep = pool.allocate(KiB)              # request 1: a 2 MiB segment
-    a = pool.allocate(3 * MiB)             # request 2; the mark: 5 MiB
-    del a                                  # whole and free from here
-    for _ in range(hits):                  # requests 3..: cut from keep's segment, the best fit
-        pool.allocate(KiB)
-    big = pool.allocate(6 * MiB)           # a miss above the mark; the 3 MiB segment idle for hits + 1 requests
+    keep = pool.allocate(KiB)              # a 2 MiB segment
+    a = pool.allocate(3 * MiB)
+    del a                                  # a whole free 3 MiB segment
+    for _ in range(100):                   # it waits: hits elsewhere
+        pool.allocate(KiB).release()
+    for n in range(4, 12):                 # each miss above every mark before it
+        pool.allocate(n * MiB).release()
     s = pool.stats()
-    assert s.device_frees == int(given_back) and big.size == 6 * MiB and keep.size
-    assert s.bytes_reserved == backend.used(0) == (2 + 6 + (0 if given_back else 3)) * MiB
+    assert s.device_frees == 0 and s.device_mallocs == 2 + 8
+    assert s.bytes_reserved == backend.used(0) == (2 + 3 + sum(range(4, 12))) * MiB
+    assert pool.empty_cache() == (3 + sum(range(4, 12))) * MiB and keep.size
 
 
-def test_release_idle_is_checked():
-    with pytest.raises(ValueError, match="release_idle"):
-        make(release_idle=-1)
+def test_a_segment_is_its_blocks_size_rounded_to_512_bytes():
+    pool, backend = make()
+    a = pool.allocate(MiB + 1)             # above 1 MiB: a segment of its own, rounded to 512 B
+    assert a.size == MiB + 512 and list(segments(backend).values()) == [MiB + 512]
+    b = pool.allocate(MiB)                 # up to 1 MiB: a 2 MiB segment, shared by later small blocks
+    c = pool.allocate(MiB - 512)
+    assert sorted(segments(backend).values()) == [MiB + 512, SEGMENT] and c.ptr == b.ptr + MiB
+    del a, b, c
 
 
 def test_segment_rounding_gives_way_to_a_small_device_and_to_the_limit():
@@ -305,7 +182,8 @@ def test_the_rest_of_a_new_segment_starts_poisoned():
 def test_scheme_is_chosen_by_name_and_classes_per_doubling_needs_seed(monkeypatch):
     backend = HostBackend()
     assert Pool(backend).settings.scheme == "segments" and Pool(backend).settings.classes_per_doubling is None
-    assert Pool(backend, scheme="xpool").settings.scheme == "segments"        # the old name of the default
+    with pytest.raises(ValueError, match="'xpool' is scheme 'segments' now"):
+        Pool(backend, scheme="xpool")                               # the old name of the default
     assert Pool(backend, scheme="seed").settings.classes_per_doubling == 1
     seed = Pool(backend, scheme="seed", classes_per_doubling=4)
     assert seed.settings.scheme == "seed" and seed.allocate(4 * MiB + 1).size == 5 * MiB
@@ -318,17 +196,17 @@ def test_scheme_is_chosen_by_name_and_classes_per_doubling_needs_seed(monkeypatc
     monkeypatch.setenv("XPOOL_SCHEME", "seed")
     assert Pool(backend).settings.scheme == "seed"
     monkeypatch.setenv("XPOOL_SCHEME", "xpool")
-    assert Pool(backend).settings.scheme == "segments"
+    with pytest.raises(ValueError, match="XPOOL_SCHEME='xpool'.*'xpool' is scheme 'segments' now"):
+        Pool(backend)
     monkeypatch.setenv("XPOOL_SCHEME", "buddy")
     with pytest.raises(ValueError, match="XPOOL_SCHEME"):
         Pool(backend)
-    monkeypatch.delenv("XPOOL_SCHEME")
-    monkeypatch.setenv("XPOOL_CLASSES_PER_DOUBLING", "4")
-    with pytest.raises(ValueError, match="XPOOL_CLASSES_PER_DOUBLING='4' applies to scheme 'seed' only"):
-        Pool(backend)
     monkeypatch.setenv("XPOOL_SCHEME", "seed")
-    assert Pool(backend).settings.classes_per_doubling == 4 and Pool(backend, scheme="segments").settings.scheme == "segments"
-    with pytest.raises(ValueError, match="segment_round"):
+    monkeypatch.setenv("XPOOL_CLASSES_PER_DOUBLING", "4")
+    assert Pool(backend).settings.classes_per_doubling == 4   # the variables' cases: tests/xpool/test_settings.py
+    monkeypatch.delenv("XPOOL_SCHEME")
+    monkeypatch.delenv("XPOOL_CLASSES_PER_DOUBLING")
+    with pytest.raises(ValueError, match="segment_round.*was removed"):
         Pool(backend, scheme="segments", segment_round=1000)
 
 
@@ -358,11 +236,12 @@ class SegmentModel(RuleBasedStateMachine):
     after every step the pool's ranges must tile the backend's allocations exactly."""
 
     CAPACITY = 16 * MiB
+    DEBUG = False
 
     def __init__(self):
         super().__init__()
         self.backend = HostBackend(capacity=self.CAPACITY, n_devices=2)
-        self.pool = Pool(self.backend)
+        self.pool = Pool(self.backend, debug=self.DEBUG)
         self.live = []
 
     @rule(n=SIZES, device=st.integers(0, 1), stream=st.integers(0, 1))
@@ -370,7 +249,8 @@ class SegmentModel(RuleBasedStateMachine):
         m = n + self.pool._core.debug_tail         # debug mode's canary room
         size = max(512, -(-m // 512) * 512)
         bound = min(self.pool.get_limit(device) or self.CAPACITY, self.CAPACITY)
-        mallocs = self.pool._core.stats(device)["device_mallocs"]
+        before = self.pool._core.stats(device)
+        mallocs = before["device_mallocs"]
         try:
             a = self.pool.allocate(n, device=device, stream=stream)
         except xpool.OutOfMemoryError:
@@ -384,8 +264,11 @@ class SegmentModel(RuleBasedStateMachine):
             return
         self.live.append(a)
         assert (a.size, a.requested, a.device, a.stream) == (size, n, device, stream)
-        if self.pool._core.stats(device)["device_mallocs"] > mallocs:     # the pool grew: within bounds
+        after = self.pool._core.stats(device)
+        if after["device_mallocs"] > mallocs:     # the pool grew: within bounds
             assert self.backend.used(device) <= bound
+        if after["oom_recoveries"] == before["oom_recoveries"]:   # the one release rule: a miss only adds
+            assert after["device_frees"] == before["device_frees"]
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 10_000))
@@ -455,7 +338,7 @@ class SegmentModel(RuleBasedStateMachine):
         self.live.clear()
 
 
-TestSegmentModel = SegmentModel.TestCase
+TestSegmentModel = pytest.mark.usefixtures("frozen_gc")(SegmentModel.TestCase)
 TestSegmentModel.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 
 
@@ -463,9 +346,7 @@ class DebugSegmentModel(SegmentModel):
     """The same, in debug mode: split, merged and new ranges keep poison and canaries consistent (a false
     alarm raises CorruptionError out of allocate)."""
 
-    def __init__(self):
-        super().__init__()
-        self.pool.set_debug("raise")
+    DEBUG = "raise"
 
     @invariant()
     def no_damage_found(self):
@@ -473,7 +354,7 @@ class DebugSegmentModel(SegmentModel):
         assert not self.pool._hook.found
 
 
-TestDebugSegmentModel = DebugSegmentModel.TestCase
+TestDebugSegmentModel = pytest.mark.usefixtures("frozen_gc")(DebugSegmentModel.TestCase)
 TestDebugSegmentModel.settings = settings(max_examples=15, stateful_step_count=30, deadline=None)
 
 
@@ -495,21 +376,22 @@ def test_pytorchs_gil_free_path_cuts_and_merges_ranges_too():
     assert pool.empty_cache() == SEGMENT and backend.used(0) == 0
 
 
-def test_a_miss_whose_give_back_fails_raises_and_keeps_the_segment_cached():
+def test_a_ladder_whose_give_back_fails_raises_and_keeps_the_segment_cached():
     from faults import FaultyBackend, InjectedFault
-    backend = FaultyBackend()
-    pool = Pool(backend, **EAGER)
+    backend = FaultyBackend(capacity=6 * MiB)
+    pool = Pool(backend)
     a = pool.allocate(3 * MiB)
-    del a                                  # whole and free; the mark: 3 MiB
+    del a                                  # a whole free 3 MiB segment
     backend.fail_frees = 1
     with pytest.raises(InjectedFault):
-        pool.allocate(4 * MiB)             # 3 + 4 MiB pass the mark: the 3 MiB segment should go back
+        pool.allocate(4 * MiB)             # 3 + 4 MiB > 6: the ladder's free of the 3 MiB segment fails
     s = pool.stats()
     assert (s.bytes_reserved, s.bytes_cached, s.bytes_in_use, s.device_frees) == (3 * MiB, 3 * MiB, 0, 0)
-    assert backend.used(0) == 3 * MiB
+    assert backend.used(0) == 3 * MiB and s.oom_errors == 0
     b = pool.allocate(4 * MiB)             # tried again: now it goes back
     s = pool.stats()
-    assert (s.device_frees, s.bytes_reserved) == (1, 4 * MiB) and backend.used(0) == 4 * MiB and b.size
+    assert (s.device_frees, s.bytes_reserved, s.oom_recoveries) == (1, 4 * MiB, 1)
+    assert backend.used(0) == 4 * MiB and b.size
 
 
 # --- the exact-size fast path (FreeTree.recent): where a freed range waits changes no decision
@@ -563,32 +445,18 @@ def test_empty_cache_gives_back_a_waiting_whole_segment():
     assert pool.stats().blocks_cached == 0
 
 
-def test_a_miss_gives_back_a_waiting_whole_segment_above_the_mark():
-    pool, backend = make(**EAGER)
+def test_the_ladder_gives_back_a_waiting_whole_segment():
+    pool, backend = make(capacity=8 * MiB)
     a = pool.allocate(3 * MiB)
-    del a                                  # waits; the mark is 3 MiB
-    big = pool.allocate(6 * MiB)           # no fit: the waiting 3 MiB segment goes back first
+    del a                                  # waits in the exact-size cache
+    big = pool.allocate(6 * MiB)           # the device refuses 3 + 6 MiB: the ladder frees the waiting segment
     s = pool.stats()
-    assert (s.device_mallocs, s.device_frees, s.bytes_reserved) == (2, 1, 6 * MiB) and big.size == 6 * MiB
-
-
-def test_time_pairs_runs_pairs_through_a_c_allocator_in_c():
-    from xlab import _probes
-    from xpool import testing
-    pool, backend = make()
-    param, malloc, free = testing.cfunctions(pool)
-    assert _probes.time_pairs(param, malloc, free, 12 * MiB, 1000) > 0
-    s = pool.stats()
-    assert (s.requests, s.hits, s.device_mallocs, s.blocks_in_use) == (1000, 999, 1, 0)
-    assert _probes.time_pairs(*_probes.noop_cfunctions(4096), 4096, 10) >= 0
-    with pytest.raises(ValueError, match="pairs"):
-        _probes.time_pairs(param, malloc, free, 4096, -1)
-    with pytest.raises(ValueError, match="malloc"):
-        _probes.time_pairs(param, 0, free, 4096, 1)
+    assert (s.device_mallocs, s.device_frees, s.bytes_reserved, s.oom_recoveries) == (2, 1, 6 * MiB, 1)
+    assert big.size == 6 * MiB and backend.used(0) == 6 * MiB
 
 
 class _BestFitModel:
-    """Scheme xpool's decisions in plain Python, for one stream: the free range of least (size, address) that
+    """Scheme segments' decisions in plain Python, for one stream: the free range of least (size, address) that
     fits, cut at its start, the rest kept free; a freed range merges with free neighbours of its segment."""
 
     def __init__(self):
@@ -631,16 +499,16 @@ class _BestFitModel:
 def test_every_request_gets_the_best_fit_of_all_free_ranges_waiting_or_filed(ops):
     """The exact-size cache (FreeTree.recent) changes where free ranges are kept, never which range a request
     gets: the least (size, address) of every free range of its stream that fits, as a plain model says."""
-    from xlab.memory_study import AddressSpaceBackend
-    backend = AddressSpaceBackend()                     # addresses in order: the same case, the same run
-    pool = Pool(backend, release_on_miss="never")
+    from faults import AddressBackend
+    backend = AddressBackend()                          # addresses in order: the same case, the same run
+    pool = Pool(backend)
     model, live = _BestFitModel(), []
     for alloc, n, i in ops:
         if alloc or not live:             # two allocs to one free: the pool grows, ranges of a size recur
-            mallocs = backend.mallocs
+            mallocs = pool.stats().device_mallocs
             expect = model.fit(n)
             a = pool.allocate(n)
-            if backend.mallocs > mallocs:               # a new segment: no free range fitted
+            if pool.stats().device_mallocs > mallocs:   # a new segment: no free range fitted
                 assert expect is None
                 model.new_segment(a.ptr, SEGMENT if n <= MiB else n, a.size)
             else:

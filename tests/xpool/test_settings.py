@@ -22,10 +22,8 @@ def clean_environment(monkeypatch):
 def test_defaults_are_the_segments_scheme_with_nothing_on():
     s = Settings()
     assert (s.scheme, s.limit, s.debug, s.timeline) == ("segments", 0, False, 0)
-    assert (s.small_segment, s.segment_round, s.release_on_miss, s.release_idle) == (2 * MiB, 512, "high_water", 64)
-    assert s.classes_per_doubling is None and s.source("classes_per_doubling") == "n/a"
-    assert s.peer_access is None and s.source("peer_access") == "n/a"         # scheme expandable's
-    assert all(s.source(name) == "default" for name in ENV if name not in ("classes_per_doubling", "peer_access"))
+    assert s.classes_per_doubling is None and s.source("classes_per_doubling") == "n/a"   # scheme seed's
+    assert all(s.source(name) == "default" for name in ENV if name != "classes_per_doubling")
 
 
 def test_repr_shows_what_applies_and_round_trips():
@@ -39,10 +37,11 @@ def test_describe_lists_value_source_and_meaning(monkeypatch):
     monkeypatch.setenv("XPOOL_DEBUG", "warn")
     text = Settings(limit="50%").describe()
     lines = {line.split()[0]: line for line in text.splitlines()}
-    assert set(lines) == set(ENV) - {"classes_per_doubling", "peer_access"}
+    assert set(lines) == set(ENV) - {"classes_per_doubling"}
     assert "0.5 of each device" in lines["limit"] and " limit " in lines["limit"]
     assert "'warn'" in lines["debug"] and "XPOOL_DEBUG" in lines["debug"]
-    assert "default" in lines["small_segment"] and "2097152 B" in lines["small_segment"]
+    assert "'segments'" in lines["scheme"] and "default" in lines["scheme"] and "best fit" in lines["scheme"]
+    assert "classes_per_doubling" in Settings(scheme="seed").describe()
 
 
 def test_an_argument_beats_the_environment_which_beats_the_default(monkeypatch):
@@ -51,7 +50,7 @@ def test_an_argument_beats_the_environment_which_beats_the_default(monkeypatch):
     s = Settings(limit="2GiB")
     assert (s.limit, s.source("limit")) == (2 * GiB, "limit")
     assert (s.timeline, s.source("timeline")) == (100, "XPOOL_TIMELINE")
-    assert (s.release_idle, s.source("release_idle")) == (DEFAULTS["release_idle"], "default")
+    assert (s.debug, s.source("debug")) == (DEFAULTS["debug"], "default")
 
 
 def test_a_blank_variable_counts_as_unset(monkeypatch):
@@ -100,7 +99,7 @@ def test_a_bad_limit_variable_is_refused_naming_the_variable(monkeypatch, text):
 def test_debug_variable_values(monkeypatch, text, mode):
     monkeypatch.setenv("XPOOL_DEBUG", text)
     assert Settings().debug == mode
-    assert Pool(TwinBackend()).settings.debug == (mode or None)
+    assert Pool(TwinBackend()).settings.debug == mode
 
 
 @pytest.mark.parametrize("text", ["2", "loud", "yes please"])
@@ -111,86 +110,65 @@ def test_a_bad_debug_variable_is_refused_naming_it(monkeypatch, text):
 
 
 @pytest.mark.parametrize("name, value, why", [
-    ("small_segment", 1000, "multiple of 512"), ("small_segment", 0, r"in \[512, "), ("small_segment", "1.25KiB",
-                                                                                       "multiple of 512"),
-    ("segment_round", -512, r"in \[512, "), ("segment_round", "big", "expected bytes"),
-    ("segment_round", 512.0, "got float"),
-    ("release_on_miss", 1, "expected one of 'never', 'high_water', 'always', 'bounded', 'growth'"),
-    ("release_on_miss", "sometimes", "expected one of"), ("release_idle", -1, r"in \[0, "),
-    ("release_idle", "64", "got str"), ("timeline", -5, r"in \[0, "), ("timeline", 2**63, r"in \[0, "),
-    ("timeline", 1.0, "got float"), ("classes_per_doubling", 0, r"in \[1, 64\]"), ("scheme", "arena", "expected one of"),
-    ("release_bound", 0.99, "from 1 to 1e6"), ("release_bound", "lots", "from 1 to 1e6"),
-    ("release_bound", True, "from 1 to 1e6"), ("release_bound", float("nan"), "from 1 to 1e6"),
-    ("peer_access", "some", "expected one of 'all', 'none'"), ("peer_access", True, "expected one of 'all', 'none'"),
+    ("timeline", -5, r"in \[0, "), ("timeline", 2**63, r"in \[0, "), ("timeline", 1.0, "got float"),
+    ("timeline", "many", "expected a whole number"), ("classes_per_doubling", 0, r"in \[1, 64\]"),
+    ("classes_per_doubling", 65, r"in \[1, 64\]"), ("classes_per_doubling", True, "not a bool"),
+    ("scheme", "arena", "expected one of 'segments', 'seed', 'expandable'"), ("scheme", 3, "expected one of"),
+    ("debug", "loud", "expected a debug mode"), ("debug", 2, "expected a debug mode"),
 ])
 def test_every_field_is_checked_naming_the_argument(name, value, why):
     fields = {name: value}
     if name == "classes_per_doubling":
         fields["scheme"] = "seed"
-    if name == "peer_access":
-        fields["scheme"] = "expandable"
-    if name == "release_idle" and isinstance(value, str):
-        why = "expected a whole number"             # an argument's text is read as a number, as a variable's
-        fields[name] = "sixty-four"
     with pytest.raises(ValueError, match=rf"^{name}=.*: .*{why}"):
         Settings(**fields)
 
 
-@pytest.mark.parametrize("var, text", [("XPOOL_SMALL_SEGMENT", "1000"), ("XPOOL_SEGMENT_ROUND", "0"),
-                                       ("XPOOL_RELEASE_ON_MISS", "2"), ("XPOOL_RELEASE_IDLE", "-1"),
-                                       ("XPOOL_TIMELINE", "1e6"), ("XPOOL_TIMELINE", str(2**63)),
-                                       ("XPOOL_SCHEME", "buddy"), ("XPOOL_RELEASE_BOUND", "0.5"),
-                                       ("XPOOL_RELEASE_BOUND", "1.05x")])
+@pytest.mark.parametrize("var, text", [("XPOOL_TIMELINE", "1e6"), ("XPOOL_TIMELINE", str(2**63)),
+                                       ("XPOOL_SCHEME", "buddy"), ("XPOOL_MEMORY_LIMIT", "lots"),
+                                       ("XPOOL_DEBUG", "loud")])
 def test_every_variable_is_checked_naming_it(monkeypatch, var, text):
     monkeypatch.setenv(var, text)
     with pytest.raises(ValueError, match=f"^{var}='{text}': "):
         Settings()
 
 
-def test_segment_tunables_take_byte_text(monkeypatch):
-    assert Settings(small_segment="4MiB", segment_round="1MiB").small_segment == 4 * MiB
-    monkeypatch.setenv("XPOOL_SMALL_SEGMENT", "3KiB")
-    monkeypatch.setenv("XPOOL_RELEASE_ON_MISS", "never")
-    s = Settings()
-    assert (s.small_segment, s.release_on_miss) == (3 * KiB, "never")
-
-
-def test_the_release_bound_takes_numbers_and_text(monkeypatch):
-    assert Settings(release_bound=2).release_bound == 2.0 and Settings().release_bound == 1.05
-    monkeypatch.setenv("XPOOL_RELEASE_BOUND", " 1.2 ")
-    monkeypatch.setenv("XPOOL_RELEASE_ON_MISS", "bounded")
-    s = Settings(scheme="expandable")
-    assert (s.release_on_miss, s.release_bound, s.source("release_bound")) == ("bounded", 1.2, "XPOOL_RELEASE_BOUND")
-    with pytest.raises(ValueError, match="^release_bound=1.1 applies to schemes 'segments' and 'expandable' only"):
-        Settings(scheme="seed", release_bound=1.1)
-
-
-def test_the_old_scheme_name_is_an_alias(monkeypatch):
-    assert Settings(scheme="xpool").scheme == "segments"
-    monkeypatch.setenv("XPOOL_SCHEME", "xpool")
-    assert Settings().scheme == "segments"
-
-
-def test_a_schemes_own_fields_need_that_scheme():
+def test_classes_per_doubling_needs_scheme_seed():
     with pytest.raises(ValueError, match=r"^classes_per_doubling=4 applies to scheme 'seed' only.*scheme='seed'"):
         Settings(classes_per_doubling=4)
-    with pytest.raises(ValueError, match="^small_segment=4096 applies to scheme 'segments' only"):
-        Settings(scheme="seed", small_segment=4096)
+    with pytest.raises(ValueError, match=r"^classes_per_doubling=2 applies to scheme 'seed' only.*'expandable'"):
+        Settings(scheme="expandable", classes_per_doubling=2)
     s = Settings(scheme="seed", classes_per_doubling=4)
-    assert (s.small_segment, s.release_on_miss) == (None, None)
+    assert (s.classes_per_doubling, s.source("classes_per_doubling")) == (4, "classes_per_doubling")
 
 
-def test_a_schemes_variable_needs_xpool_scheme_to_name_that_scheme(monkeypatch):
+def test_the_seed_variable_follows_the_pools_scheme(monkeypatch):
     monkeypatch.setenv("XPOOL_CLASSES_PER_DOUBLING", "4")
-    with pytest.raises(ValueError, match="^XPOOL_CLASSES_PER_DOUBLING='4' applies to scheme 'seed' only.*"
-                                         "set XPOOL_SCHEME=seed"):
-        Settings(scheme="seed")
+    s = Settings(scheme="seed")
+    assert (s.classes_per_doubling, s.source("classes_per_doubling")) == (4, "XPOOL_CLASSES_PER_DOUBLING")
     monkeypatch.setenv("XPOOL_SCHEME", "seed")
     assert Settings().classes_per_doubling == 4
-    assert Settings(scheme="segments").source("classes_per_doubling") == "n/a"   # an argument overrides
-    monkeypatch.setenv("XPOOL_RELEASE_IDLE", "10")
-    with pytest.raises(ValueError, match="^XPOOL_RELEASE_IDLE='10' applies to schemes 'segments' and 'expandable' "
-                                         "only.*set XPOOL_SCHEME=segments"):
+    monkeypatch.setenv("XPOOL_SCHEME", "expandable")
+    with pytest.raises(ValueError, match="^XPOOL_CLASSES_PER_DOUBLING='4' applies to scheme 'seed' only, and "
+                                         "XPOOL_SCHEME is 'expandable'"):
+        Settings()
+
+
+def test_a_scheme_argument_overrides_the_seed_variables(monkeypatch):
+    """XPOOL_SCHEME=seed with XPOOL_CLASSES_PER_DOUBLING, and a pool made with scheme='segments': the argument
+    wins over the variables, and classes_per_doubling, scheme seed's, does not apply."""
+    monkeypatch.setenv("XPOOL_SCHEME", "seed")
+    monkeypatch.setenv("XPOOL_CLASSES_PER_DOUBLING", "4")
+    s = Settings(scheme="segments")
+    assert (s.scheme, s.classes_per_doubling, s.source("classes_per_doubling")) == ("segments", None, "n/a")
+
+
+def test_the_seed_variable_alone_is_refused_not_dropped(monkeypatch):
+    """XPOOL_CLASSES_PER_DOUBLING set while nothing names a scheme: the pool is scheme segments, so the variable
+    would be dropped without a word; it is refused, naming the variable (as "given for another scheme it is an
+    error", xpool/settings.py)."""
+    monkeypatch.setenv("XPOOL_CLASSES_PER_DOUBLING", "4")
+    with pytest.raises(ValueError, match="^XPOOL_CLASSES_PER_DOUBLING='4' applies to scheme 'seed' only"):
         Settings()
 
 
@@ -220,8 +198,7 @@ def test_install_and_use_take_a_settings_in_place_of_a_pool():
 
 
 def test_pool_refuses_a_positional_k_and_unknown_settings_by_name():
-    with pytest.raises(TypeError, match=r"settings must be an xpool.Settings, got int 4 .classes_per_doubling is a "
-                                        r"keyword now: Pool\(..., scheme='seed', classes_per_doubling=4\)"):
+    with pytest.raises(TypeError, match=r"settings must be an xpool.Settings, got int 4"):
         Pool(TwinBackend(), 4)
     with pytest.raises(TypeError, match="Pool.. got no setting 'classes'; the settings are scheme, "):
         Pool(TwinBackend(), classes=4)
@@ -234,15 +211,6 @@ def test_the_signatures_list_every_setting():
         params = inspect.signature(cls).parameters
         assert set(ENV) <= set(params) and params["settings"].default is None
         assert all(params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in ENV)
-
-
-def test_the_core_reads_the_segments_tunables():
-    backend = TwinBackend()
-    pool = Pool(backend, small_segment="4MiB", segment_round="1MiB")
-    pool.allocate(4096)
-    assert backend.used(0) == 4 * MiB                    # a small block's segment
-    pool.allocate(11 * MiB // 2)
-    assert backend.used(0) == 10 * MiB                   # 5.5 MiB: no free range fits; rounded up to 6 MiB
 
 
 def test_the_core_reads_scheme_k_limit_and_timeline():
@@ -261,81 +229,96 @@ def test_the_core_takes_only_a_settings():
         _core.Allocator(TwinBackend(), make_error, {"scheme": "seed"})
 
 
-def test_a_timeline_too_large_for_the_host_says_so():
+def test_a_timeline_too_large_for_the_host_says_so(monkeypatch):
     with pytest.raises(MemoryError, match=r"a timeline of \d+ events needs \d+ bytes"):
         Pool(TwinBackend(), timeline=1 << 40)
-    pool = Pool(TwinBackend())
-    with pytest.raises(ValueError, match="capacity"):
-        pool.enable_timeline(2**63)
+    monkeypatch.setenv("XPOOL_TIMELINE", str(1 << 40))
     with pytest.raises(MemoryError, match="needs"):
-        pool.enable_timeline(1 << 40)
+        Pool(TwinBackend())
 
 
 def test_every_field_has_its_variable_default_help_and_parser():
-    """What a new field (or a new scheme's) must come with."""
+    """What a new field must come with; the surface stays small: five settings, each with its variable."""
     from xpool import settings
     fields = [f.name for f in dataclasses.fields(Settings)]
     assert fields == list(ENV) == list(DEFAULTS) == list(settings.HELP) == list(settings._PARSERS)
-    owned = [name for names in settings.SCHEME_FIELDS.values() for name in names]
-    assert set(settings.SCHEME_FIELDS) == set(settings.SCHEMES) and set(owned) <= set(fields)
-    assert all(len(names) == len(set(names)) for names in settings.SCHEME_FIELDS.values())
+    assert fields == ["scheme", "classes_per_doubling", "limit", "debug", "timeline"]
+    assert all(var == "XPOOL_" + name.upper() for name, var in ENV.items() if name != "limit")
+    assert ENV["limit"] == "XPOOL_MEMORY_LIMIT"
+    assert settings.SCHEMES == ("segments", "seed", "expandable")
 
 
-def test_a_front_ends_defaults_fill_only_what_nothing_else_set(monkeypatch):
+def test_a_front_ends_default_scheme_fills_only_what_nothing_else_set(monkeypatch):
     s = Settings(frontend="torch")
-    assert (s.scheme, s.release_on_miss, s.small_segment) == ("expandable", "peak", None)
-    assert s.source("scheme") == "default (torch)" and s.source("release_on_miss") == "default (torch)"
+    assert (s.scheme, s.source("scheme")) == ("expandable", "default (torch)")
     assert Settings(frontend="torch", scheme="seed").scheme == "seed"
-    assert Settings(frontend="torch", release_on_miss="never").release_on_miss == "never"
     monkeypatch.setenv("XPOOL_SCHEME", "segments")
-    s = Settings(frontend="torch")             # the front end's release rule is its scheme's: segments keeps its own
-    assert (s.source("scheme"), s.release_on_miss, s.source("release_on_miss")) == ("XPOOL_SCHEME", "high_water",
-                                                                                  "default")
-    monkeypatch.setenv("XPOOL_SCHEME", "expandable")
-    assert Settings(frontend="torch").release_on_miss == "peak"
-    monkeypatch.setenv("XPOOL_RELEASE_ON_MISS", "bounded")
-    assert Settings(frontend="torch").source("release_on_miss") == "XPOOL_RELEASE_ON_MISS"
+    s = Settings(frontend="torch")
+    assert (s.scheme, s.source("scheme")) == ("segments", "XPOOL_SCHEME")
     monkeypatch.delenv("XPOOL_SCHEME")
-    monkeypatch.delenv("XPOOL_RELEASE_ON_MISS")
     kept = dataclasses.replace(Settings(frontend="torch"), debug="warn")   # resolved values carry over
     assert kept.scheme == "expandable" and kept.debug == "warn"
     with pytest.raises(ValueError, match="frontend must be None or one of 'torch', got 'cupy'"):
         Settings(frontend="cupy")
     with pytest.raises(TypeError):
-        Settings("seed", None, 0, False, 0, None, None, None, None, None, None, "torch")   # keyword only
-    assert Settings("seed").scheme == "seed"                                     # positional fields as before
+        Settings("seed", None, 0, False, 0, "torch")                          # keyword only
+    assert Settings("seed").scheme == "seed"                                 # positional fields as before
 
 
-def test_until_churn_is_the_expandable_schemes_only_and_says_so(monkeypatch):
-    """release_on_miss "until_churn" watches which pages a miss maps: scheme expandable only, a clear error naming
-    where the value came from otherwise."""
-    assert Settings(scheme="expandable", release_on_miss="until_churn").release_on_miss == "until_churn"
-    with pytest.raises(ValueError, match=r"release_on_miss='until_churn' needs scheme 'expandable'.*'segments'"):
-        Settings(scheme="segments", release_on_miss="until_churn")
-    monkeypatch.setenv("XPOOL_RELEASE_ON_MISS", "until_churn")
-    with pytest.raises(ValueError, match=r"XPOOL_RELEASE_ON_MISS='until_churn' needs scheme 'expandable'"):
-        Settings()
-    monkeypatch.setenv("XPOOL_SCHEME", "expandable")
-    assert Settings().release_on_miss == "until_churn"
+# --- settings and values of earlier versions: refused, naming what replaced them
+
+RULE = "one built-in release rule (docs/decisions/0001-one-release-rule-per-scheme.md)"
+REPLACED = {                                     # a removed setting -> words its error must say
+    "release_on_miss": RULE,
+    "release_idle": RULE,
+    "release_bound": RULE,
+    "small_segment": "blocks up to 1 MiB in shared 2 MiB segments, a constant",
+    "segment_round": "rounds a larger block's segment up to 512 B, a constant",
+    "peer_access": "maps its pages for every device that can access the pool's device",
+}
+OLD_VALUES = {"release_on_miss": "high_water", "release_idle": 64, "release_bound": 1.05,
+              "small_segment": 2 * MiB, "segment_round": 512, "peer_access": "all"}
 
 
-def test_peer_access_is_the_expandable_schemes_and_every_peer_by_default(monkeypatch):
-    """peer_access: which other devices a map makes the pool's pages reachable from (scheme expandable only):
-    "all" by default, the pool enable_torch() makes included; "none" from the argument or XPOOL_PEER_ACCESS."""
-    s = Settings(scheme="expandable")
-    assert (s.peer_access, s.source("peer_access")) == ("all", "default")
-    assert Settings(frontend="torch").peer_access == "all"
-    assert Settings(scheme="expandable", peer_access=" None ").peer_access == "none"
-    assert "peer_access" in s.describe() and "'all'" in s.describe()
-    with pytest.raises(ValueError, match="^peer_access='none' applies to scheme 'expandable' only"):
-        Settings(peer_access="none")
-    monkeypatch.setenv("XPOOL_SCHEME", "expandable")
-    monkeypatch.setenv("XPOOL_PEER_ACCESS", "none")
-    assert (Settings().peer_access, Settings().source("peer_access")) == ("none", "XPOOL_PEER_ACCESS")
-    monkeypatch.setenv("XPOOL_PEER_ACCESS", "some")
-    with pytest.raises(ValueError, match="^XPOOL_PEER_ACCESS='some': expected one of 'all', 'none'"):
-        Settings()
-    monkeypatch.setenv("XPOOL_SCHEME", "segments")
-    monkeypatch.setenv("XPOOL_PEER_ACCESS", "all")
-    with pytest.raises(ValueError, match="^XPOOL_PEER_ACCESS='all' applies to scheme 'expandable' only"):
+def test_every_removed_setting_is_listed():
+    from xpool import settings
+    assert set(settings.REMOVED) == set(REPLACED) and not set(settings.REMOVED) & set(ENV)
+
+
+@pytest.mark.parametrize("name", sorted(REPLACED))
+def test_a_removed_setting_as_a_keyword_names_itself_and_its_replacement(name):
+    value = OLD_VALUES[name]
+    for make, who in ((lambda: Settings(**{name: value}), "Settings"),
+                      (lambda: Pool(TwinBackend(), **{name: value}), "Pool"),
+                      (lambda: Pool(TwinBackend(), Settings(), **{name: value}), "Pool"),
+                      (lambda: xpool.MemoryPool(backend=TwinBackend(), **{name: value}), "MemoryPool")):
+        with pytest.raises(ValueError) as e:
+            make()
+        msg = str(e.value)
+        assert msg.startswith(f"{who}({name}=...): the setting {name!r} was removed"), msg
+        assert REPLACED[name] in msg, msg
+
+
+@pytest.mark.parametrize("name", sorted(REPLACED))
+def test_a_removed_settings_variable_names_itself_and_its_replacement(monkeypatch, name):
+    var = f"XPOOL_{name.upper()}"
+    monkeypatch.setenv(var, str(OLD_VALUES[name]))
+    for make in (Settings, lambda: Pool(TwinBackend()), lambda: Settings(scheme="expandable")):
+        with pytest.raises(ValueError) as e:
+            make()
+        msg = str(e.value)
+        assert msg.startswith(f"{var}={str(OLD_VALUES[name])!r}: the setting {name!r} was removed"), msg
+        assert REPLACED[name] in msg and f"unset {var}" in msg, msg
+    monkeypatch.setenv(var, "  ")                # blank: unset, as for every variable
+    assert Settings().scheme == "segments"
+
+
+def test_the_old_scheme_name_is_refused_naming_the_new_one(monkeypatch):
+    for value in ("xpool", " XPOOL "):
+        with pytest.raises(ValueError, match=rf"^scheme={value!r}: 'xpool' is scheme 'segments' now"):
+            Settings(scheme=value)
+        with pytest.raises(ValueError, match="'xpool' is scheme 'segments' now"):
+            Pool(TwinBackend(), scheme=value)
+    monkeypatch.setenv("XPOOL_SCHEME", "xpool")
+    with pytest.raises(ValueError, match="^XPOOL_SCHEME='xpool': 'xpool' is scheme 'segments' now"):
         Settings()

@@ -502,7 +502,7 @@ def test_soak_capture_per_thread_streams_and_torch(seed, workers, ops, scheme, d
 def soak_expandable(seed: int, workers: int, ops: int, debug, capturing_device):
     backend = TwinBackend(capacity=2 * LIMIT, n_devices=DEVICES, granularity=64 * KiB)
     twin = backend.twin
-    pool = Pool(backend, scheme="expandable", limit=LIMIT, debug=debug, release_idle=8)
+    pool = Pool(backend, scheme="expandable", limit=LIMIT, debug=debug)
     pool._core.bind_torch()
     t_malloc, t_free, t_last = _torch_entry_points()
     if capturing_device is not None:
@@ -623,7 +623,10 @@ def assert_twin(pool, twin):
         maps += st["device_maps"]
         unmaps += st["device_unmaps"]
     c = twin.counters()
-    assert (maps, unmaps) == (c["maps"], c["unmaps"]) and c["unmaps_while_capturing"] == 0, c
+    # device_unmaps counts every unmap call that unmapped pages, a failed call's prefix too (the twin counts such a
+    # call among its unmap_failures)
+    assert maps == c["maps"] and c["unmaps"] <= unmaps <= c["unmaps"] + c["unmap_failures"], (maps, unmaps, c)
+    assert c["unmaps_while_capturing"] == 0, c
 
 
 @pytest.mark.slow

@@ -70,13 +70,12 @@ def test_threads_with_cross_thread_release():
     assert errors == []
 
     stats = pool.stats()
-    assert (stats.bytes_in_use == 0).all() and (stats.bytes_requested == 0).all()
-    assert (stats.blocks_in_use == 0).all()
-    assert (stats.requests == stats.hits + stats.misses).all()
-    assert (stats.frees == stats.requests).all()
-    assert (stats.device_mallocs - stats.device_frees == stats.blocks_cached).all()
-    for row in stats.itertuples():
-        assert row.bytes_reserved == row.bytes_cached == backend.used(row.device)
-    assert stats.device_mallocs.sum() == backend.mallocs
+    for device in stats:
+        s = stats[device]
+        assert s["bytes_in_use"] == s["bytes_requested"] == s["blocks_in_use"] == 0, device
+        assert s["requests"] == s["hits"] + s["misses"] and s["frees"] == s["requests"], device
+        assert s["device_mallocs"] - s["device_frees"] == s["blocks_cached"], device
+        assert s["bytes_reserved"] == s["bytes_cached"] == backend.used(device), device
+    assert stats.device_mallocs == backend.mallocs
     pool.empty_cache()
     assert all(backend.used(d) == 0 for d in range(DEVICES)) and backend.frees == backend.mallocs

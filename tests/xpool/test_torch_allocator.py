@@ -23,7 +23,7 @@ from xpool import torch_allocator
 @pytest.fixture(autouse=True)
 def _design_scheme(monkeypatch):
     """These tests spell out the bytes of the design's size classes: they run under scheme seed.  Scheme
-    xpool (the default: segments) has its own in tests/xpool/test_segments.py."""
+    segments (the default) has its own in tests/xpool/test_segments.py."""
     monkeypatch.setenv("XPOOL_SCHEME", "seed")
 
 
@@ -253,14 +253,15 @@ def test_without_a_bound_pool_the_error_says_what_to_call():
     assert "call xpool.enable_torch() before PyTorch's first CUDA allocation" in out.stdout
 
 
-def test_debug_mode_checks_torch_blocks_too(pool):
-    pool.set_debug("raise")
+def test_debug_mode_checks_torch_blocks_too():
+    pool = xpool.Pool(TwinBackend(), debug="raise")
+    pool._core.bind_torch()
     ptr = torch_malloc(1000)
     ctypes.memset(ptr + 1000, 0, 8)                     # past the requested bytes: the canary
     torch_free(ptr)
     with pytest.raises(xpool.CorruptionError, match="1000"):
         pool.check()
-    pool.set_debug(None)
+    assert pool._core.stats(0)["bytes_in_use_torch"] == 0
 
 
 # --- a C++ caller, as PyTorch is
@@ -436,19 +437,6 @@ def test_importing_xpool_does_not_import_torch():
     assert out.returncode == 0, out.stderr
 
 
-def test_the_labs_torch_probe_times_hits_through_the_entry_points(pool):
-    from xlab import _probes
-    torch_free(torch_malloc(4096))                      # cached: every timed pair hits
-    before = stats(pool)
-    assert _probes.time_torch_pairs(addr(TRY_MALLOC), addr(FREE), 4096, 1000) > 0
-    s = stats(pool)
-    assert (s["requests"] - before["requests"], s["hits"] - before["hits"], s["misses"] - before["misses"]) == \
-        (1000, 1000, 0)
-    assert _probes.time_torch_pairs(addr(TRY_MALLOC), addr(FREE), 1 << 62, 5) == 0   # refused: no pair
-    with pytest.raises(ValueError, match="pairs"):
-        _probes.time_torch_pairs(addr(TRY_MALLOC), addr(FREE), 4096, -1)
-
-
 # --- the pool enable() makes: scheme expandable unless one is set (Note [The default scheme per front end])
 
 class NoVmmBackend(TwinBackend):
@@ -471,8 +459,7 @@ def made(fresh_enable):
 
 def test_the_pool_enable_makes_is_expandable_and_says_why(made):
     pool = xpool.enable_torch(limit="1GiB")
-    assert pool.settings.scheme == "expandable" and pool.settings.release_on_miss == "peak"
-    assert pool.settings.source("scheme") == pool.settings.source("release_on_miss") == "default (torch)"
+    assert pool.settings.scheme == "expandable" and pool.settings.source("scheme") == "default (torch)"
     assert pool.settings.source("limit") == "limit"
     assert "default (torch)" in pool.settings.describe()
     torch_free(torch_malloc(3 << 20))                  # it serves PyTorch's entry points from mapped pages
@@ -490,7 +477,6 @@ def test_a_scheme_that_is_set_wins_over_the_torch_default(made, how, scheme):
         how = {}
     pool = xpool.enable_torch(**how)
     assert pool.settings.scheme == scheme and pool.settings.source("scheme") != "default (torch)"
-    assert pool.settings.source("release_on_miss") != "default (torch)"   # the torch rule is scheme expandable's
 
 
 def test_the_pool_installed_for_cupy_is_shared_whatever_its_scheme(made):
@@ -503,7 +489,6 @@ def test_without_virtual_memory_the_torch_default_falls_back_with_a_warning(made
     with pytest.warns(RuntimeWarning, match="needs CUDA's virtual memory management.*using scheme 'segments'"):
         pool = xpool.enable_torch()
     assert pool.settings.scheme == "segments" and pool.settings.source("scheme") == "default"
-    assert pool.settings.release_on_miss == "high_water"      # segments' own rule, not the torch front end's
 
 
 def test_without_virtual_memory_a_scheme_asked_for_is_an_error(made):
@@ -513,11 +498,11 @@ def test_without_virtual_memory_a_scheme_asked_for_is_an_error(made):
     assert xpool.cupy_adapter.installed() is None and torch_allocator.enabled() is None
 
 
-def test_a_segments_variable_without_a_scheme_names_the_torch_default(made):
-    made.setenv("XPOOL_SMALL_SEGMENT", "4MiB")
-    with pytest.raises(ValueError, match="XPOOL_SCHEME is unset \\(the default of torch: 'expandable'\\)"):
+def test_a_removed_variable_is_refused_and_nothing_is_installed(made):
+    made.setenv("XPOOL_RELEASE_ON_MISS", "peak")
+    with pytest.raises(ValueError, match="^XPOOL_RELEASE_ON_MISS='peak': the setting 'release_on_miss' was removed"):
         xpool.enable_torch()
-    assert xpool.cupy_adapter.installed() is None
+    assert xpool.cupy_adapter.installed() is None and torch_allocator.enabled() is None
 
 
 def test_a_pool_and_settings_together_are_refused(made):

@@ -61,13 +61,13 @@ class Snapshot:
     def total(self, name: str) -> int:
         """Sum of one counter or gauge over the devices."""
         if name not in COUNTERS and name not in GAUGES:
-            raise ValueError(f"name must be a counter or gauge of xpool.stats.COLUMNS, got {name!r}")
+            raise ValueError(f"name must be a counter or gauge of xpool.counters.COLUMNS, got {name!r}")
         return sum(d[name] for d in self.per_device.values())
 
     def __getattr__(self, name):
         if name in COUNTERS or name in GAUGES:
             return self.total(name)
-        raise AttributeError(f"'Snapshot' has no attribute {name!r} (the counters: xpool.stats.COLUMNS)")
+        raise AttributeError(f"'Snapshot' has no attribute {name!r} (the counters: xpool.counters.COLUMNS)")
 
     def frame(self):
         """One row per device, the columns of ``COLUMNS`` (needs pandas)."""
