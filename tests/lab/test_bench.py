@@ -331,25 +331,6 @@ def test_gil_probe_threads_share_one_window():
     assert four < 1.3 * one, (one, four)
 
 
-def test_miss_scan_rows_carry_every_configuration_and_provenance(tmp_path):
-    """scripts/miss_scan.py: one row per (free ranges, arm, trial), trials interleaved, with provenance."""
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "miss_scan.py"
-    spec = importlib.util.spec_from_file_location("miss_scan", path)
-    miss_scan = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(miss_scan)
-    out = tmp_path / "miss_scan.csv"
-    df = miss_scan.run(n_ranges=(10, 200), trials=5, misses=2, out=str(out))
-    assert out.is_file() and len(df) == 2 * 2 * 5
-    assert set(df.release_on_miss) == {"high_water", "never"} and set(df.n_free_ranges) == {10, 200}
-    assert (df.us_per_miss > 0).all() and {"commit", "date", "gpu", "trials"} <= set(df.columns)
-    pool, keep = miss_scan.pool_with_free_ranges(50, {})
-    assert pool.stats().iloc[0].blocks_cached >= 50 and len(keep) == 50
-    with pytest.raises(SystemExit):
-        miss_scan.main(["--trials", "3"])   # a median with an interval needs >= 5
-
-
 @pytest.mark.parametrize("argv,message", [(["--trials", "0"], "--trials: must be >= 1, got 0"),
                                           (["--sizes", "4096", "0"], "--sizes: must be >= 1, got 0"),
                                           (["--window-s", "0"], "--window-s: must be > 0.0, got 0"),

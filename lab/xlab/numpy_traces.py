@@ -6,33 +6,33 @@ their CuPy branch over NumPy arrays (the GPU's requests). The traces of NUMPY_TR
 `data/memory_trace_numpy_*.csv.gz` and `data/memory_trace_cupy_path_*.csv.gz` (xlab.memory_study.TRACES), each
 row carrying its settings and provenance.
 
-    python scripts/record_numpy_traces.py                     # CPU, ~5 min: every trace of NUMPY_TRACES into data/
-    python scripts/record_numpy_traces.py --names gpt_b4_numpy --out-dir build/traces
+    python -m xlab.numpy_traces                     # CPU, ~5 min: every trace of NUMPY_TRACES into data/
+    python -m xlab.numpy_traces --names gpt_b4_numpy --out-dir build/traces
+
+The keep-previous-step traces (`data/memory_trace_cupy_path_b32{,_perparam}_keep.csv.gz`, at 449409c) are
+`record_numpy_timeline(batch=32, block_sizes=(256,) * 10, cupy_path=True, keep_previous=True)` (and
+`foreach=False`), written with their settings but outside NUMPY_TRACES: the scheme study does not replay them.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import pathlib
-import sys
 
 import numpy as np
 import pandas as pd
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tapegpt import fused, kernels, load_corpus  # noqa: E402
-from xlab.memory_study import TIMELINE_COLUMNS, TRACES, VARLEN, _config, _train  # noqa: E402
-from xlab.paths import write_csv  # noqa: E402
-from xlab.provenance import provenance  # noqa: E402
+from tapegpt import fused, kernels, load_corpus
+from xlab.memory_study import TIMELINE_COLUMNS, TRACES, VARLEN, _config, _train
+from xlab.paths import write_csv
+from xlab.provenance import provenance
 
 NUMPY_TRACES = {   # name -> record_numpy_timeline arguments
     "gpt_b4_numpy": dict(batch=4, block_sizes=(256,) * 10),
     "gpt_b32_numpy": dict(batch=32, block_sizes=(256,) * 10),
     "gpt_varlen_numpy": dict(batch=8, block_sizes=VARLEN),
     # per-parameter AdamW remakes every moment array each step (m, v: fresh arrays, the old ones freed after):
-    # the arrays walk through memory, the case of the late device mallocs (NOTES.md, #14)
+    # the arrays walk through memory: the late device mallocs no release rule removes
     "gpt_b32_perparam_numpy": dict(batch=32, block_sizes=(256,) * 10, foreach=False),
     # the fused ops' CuPy branch over NumPy, kernels not run (record_numpy_timeline(cupy_path=True)): the GPU's
     # requests, which the traces above (NumPy formulas, their temporaries) do not show

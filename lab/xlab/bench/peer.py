@@ -12,9 +12,11 @@ Each case runs in a process of its own (a fault poisons a CUDA context), under a
 - ``torch_copy``: ``tensor.to("cuda:1")`` of a tensor from the pool ``enable_torch`` makes on GPU 0.
 
 With ``--map-cost``, also what peer access costs a miss (``map_cost``: seconds per one-page miss under
-``peer_access`` "all" and "none", interleaved trials).
+``peer_access`` "all" and "none", interleaved trials). Why the setting exists:
+docs/decisions/0007-peer-access-on-every-map.md.
 
-    python scripts/gpu_peer_probe.py --out build/peer.csv --peer-accesses 'null;"none"' --map-cost build/cost.csv
+    python -m xlab.bench.peer --out build/peer.csv --peer-accesses 'null;"none"' --map-cost build/cost.csv
+    (data/peer_probe.csv, data/peer_map_cost.csv; data/peer_probe_before.csv is the probe before the setting)
 """
 from __future__ import annotations
 
@@ -81,13 +83,14 @@ def nccl_rank(scheme, peer_access):
 def nccl_procs(scheme, peer_access):
     from cupy.cuda import nccl
     uid = json.dumps(list(nccl.get_unique_id()))
-    ps = [subprocess.Popen([sys.executable, __file__, "--case", "nccl_rank", "--scheme", scheme,
+    ps = [subprocess.Popen([sys.executable, "-m", "xlab.bench.peer", "--case", "nccl_rank", "--scheme", scheme,
                             "--peer-access", json.dumps(peer_access)],
                            env=dict(os.environ, PROBE_RANK=str(r), PROBE_UID=uid),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in ps]
     res = [_last_json(o) for o in outs]
-    return dict(ok=all(x.get("ok") for x in res), detail="; ".join(x.get("detail", o[-300:]) for x, o in zip(res, outs)))
+    return dict(ok=all(x.get("ok") for x in res),
+                detail="; ".join(x.get("detail", o[-300:]) for x, o in zip(res, outs)))
 
 
 def cupy_kernel(scheme, peer_access):
@@ -138,9 +141,8 @@ def map_cost(trials=7, maps=256):
     import time
     import cupy
     import xpool
-    from xpool import _vmm
     rows, arms = [], ["all", "none"]
-    page = _vmm.Ops(_vmm.cuda_vmm()).granularity(0)
+    page = _page()
     for trial in range(trials):
         for arm in arms[trial % 2:] + arms[:trial % 2]:
             pool = xpool.MemoryPool(scheme="expandable", peer_access=arm)
@@ -157,6 +159,19 @@ def map_cost(trials=7, maps=256):
                 del keep
             pool.empty_cache()
     return dict(ok=all(r["maps"] == maps for r in rows), detail="map cost", rows=rows)
+
+
+def _page() -> int:
+    """The device's page under scheme expandable: the bytes one 1-byte miss maps (public stats only)."""
+    import cupy
+    import xpool
+    pool = xpool.MemoryPool(scheme="expandable")
+    with xpool.use(pool):
+        x = cupy.empty(1, dtype=cupy.uint8)
+        page = int(pool.stats(0).iloc[0].bytes_reserved)
+        del x
+    pool.empty_cache()
+    return page
 
 
 CASES = {f.__name__: f for f in (nccl_threads, nccl_procs, cupy_kernel, cupy_copy, torch_copy, nccl_rank, map_cost)}
@@ -199,15 +214,16 @@ def main(argv=None):
                 for extra in envs:
                     env = dict(os.environ, NCCL_NVLS_ENABLE="0", **extra)
                     try:
-                        cp = subprocess.run([sys.executable, __file__, "--case", case, "--scheme", scheme,
-                                             "--peer-access", pa], env=env, capture_output=True, text=True,
-                                            timeout=180)
+                        cp = subprocess.run([sys.executable, "-m", "xlab.bench.peer", "--case", case,
+                                             "--scheme", scheme, "--peer-access", pa], env=env, capture_output=True,
+                                            text=True, timeout=180)
                         rc, out = cp.returncode, cp.stdout + cp.stderr
                     except subprocess.TimeoutExpired as e:
                         rc, out = "timeout", str(e.stdout or "")[-500:]
                     res = _last_json(out)
-                    row = dict(case=case, scheme=scheme, peer_access=pa, env=" ".join(f"{k}={v}" for k, v in extra.items()),
-                               rc=rc, ok=bool(res.get("ok")), detail=res.get("detail") or out.strip()[-400:].replace("\n", " | "))
+                    row = dict(case=case, scheme=scheme, peer_access=pa,
+                               env=" ".join(f"{k}={v}" for k, v in extra.items()), rc=rc, ok=bool(res.get("ok")),
+                               detail=res.get("detail") or out.strip()[-400:].replace("\n", " | "))
                     print(row, flush=True)
                     rows.append(row)
     df = pd.DataFrame(rows)
@@ -215,8 +231,8 @@ def main(argv=None):
         df[k] = v
     df.to_csv(a.out, index=False)
     if a.map_cost:      # in a process of its own, after the cases
-        cp = subprocess.run([sys.executable, __file__, "--case", "map_cost"], capture_output=True, text=True,
-                            timeout=300)
+        cp = subprocess.run([sys.executable, "-m", "xlab.bench.peer", "--case", "map_cost"], capture_output=True,
+                            text=True, timeout=300)
         res = _last_json(cp.stdout)
         if not res.get("rows"):
             print(cp.stdout[-2000:], cp.stderr[-2000:])

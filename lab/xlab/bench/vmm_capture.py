@@ -1,4 +1,4 @@
-"""Which virtual-memory calls are legal while a stream captures a CUDA graph (Note [Expandable segments]): the
+"""Which virtual-memory calls are legal while a stream captures a CUDA graph (scheme expandable's ops): the
 driver's own answer, with the calls made raw through libcuda (ctypes), each with and without the thread's capture
 mode exchanged to relaxed (cuThreadExchangeStreamCaptureMode, what xpool's ops do around a map and a reserve).
 
@@ -10,7 +10,9 @@ the probed call runs in that thread (same_thread) or in another (other_thread) w
 Then the capturing thread launches a kernel into the capture and ends it: `capture_ok` says whether the capture
 survived (ended without error and its graph, launched, wrote what it should).
 
-    python3 scripts/gpu_vmm_capture_probe.py --out $OUT      (~5 s on one H200: vmm_capture_probe.csv, a table)
+    python -m xlab.bench.vmm_capture --out $OUT      (~5 s on one H200: vmm_capture_probe.csv, a table)
+
+What its answer decided: docs/decisions/0006-nothing-goes-back-while-a-stream-captures.md.
 """
 from __future__ import annotations
 
@@ -22,10 +24,7 @@ import threading
 
 import pandas as pd
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from xlab.provenance import provenance  # noqa: E402
+from xlab.provenance import provenance
 
 c_int, c_size_t, c_ull, c_void_p = ctypes.c_int, ctypes.c_size_t, ctypes.c_ulonglong, ctypes.c_void_p
 

@@ -1,4 +1,4 @@
-"""The reserve recipe on the GPU (#22; NOTES.md, Note [Expandable segments], "A reserve up front"): the ResNets at
+"""The reserve recipe on the GPU (`xpool.Pool.reserve`): the ResNets at
 varying image sizes (the benchmark's and the held-out one at batch 64) through the pool `xpool.enable_torch()` makes,
 plain and with `frac` times the program's peak requested bytes reserved, seeds 0-4, the arms in turn (rotated by
 seed), each run in a process of its own. The reserve is `pool.reserve` (`--recipe pool.reserve`, the default) or the
@@ -10,10 +10,10 @@ data/dynamic_heldout.csv; the largest image comes first, so every seed's is the 
 reserved / peak requested, device calls in the benchmark's steady state (xlab.bench.dynamic.steady_state), maps and
 unmaps in all, and ms per step over the timed steps (after the warm-up; the window synchronises the device at both
 ends, and the per-step counter reads are in every arm alike), with NVML's GPU utilisation over that window and what
-it says bounds the steps (since the twentieth session; xlab.experiments.train.step_bound).
+it says bounds the steps (xlab.experiments.train.step_bound; rows since 5200ab5).
 
-    python scripts/gpu_reserve_probe.py --out build/reserve_probe.csv
-    python scripts/gpu_reserve_probe.py --when start,build --out build/reserve_probe.csv
+    python -m xlab.bench.reserve --out build/reserve_probe.csv
+    python -m xlab.bench.reserve --when start,build --out build/reserve_probe.csv     # data/reserve_probe.csv
 """
 from __future__ import annotations
 
@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     for w in a.workloads.split(","):
         for seed in (int(s) for s in a.seeds.split(",")):
             for frac, when in arms[seed % len(arms):] + arms[:seed % len(arms)]:
-                cp = subprocess.run([sys.executable, __file__, "--one", json.dumps([w, seed, frac, a.recipe, when])],
+                cp = subprocess.run([sys.executable, "-m", "xlab.bench.reserve", "--one",
+                                     json.dumps([w, seed, frac, a.recipe, when])],
                                     capture_output=True, text=True, timeout=300)
                 line = [x for x in cp.stdout.splitlines() if x.startswith("{")]
                 if cp.returncode or not line:

@@ -1,19 +1,21 @@
 """Record the allocation timelines of the dynamic-shape benchmark's workloads on a GPU, for replay on a CPU.
 
 Each workload runs once, in a process of its own (PyTorch keeps its first allocator), under an xpool pool of
-`--scheme` (its default settings) with its timeline on; every request and free goes to `data/memory_trace_dyn_<workload>.csv.gz` with
-the step it belongs to (events before the first step's end are step 0) and the run's provenance, in the columns
-`xlab.memory_study` replays (its TRACES). The GPU's own peaks and device calls ride along (`gpu_*` columns), so a
-replay on the host twin can be checked against the run it came from.
+`--scheme` (its default settings) with its timeline on; every request and free goes to
+`data/memory_trace_dyn_<workload>.csv.gz` with the step it belongs to (events before the first step's end are step
+0) and the run's provenance, in the columns `xlab.memory_study` replays (its DYN_TRACES and HELD_OUT_TRACES). The
+GPU's own peaks and device calls ride along (`gpu_*` columns), so a replay on the host twin can be checked against
+the run it came from.
 
 Besides the benchmark's workloads, `test_b4` and `test_b32_perparam` are the loop of
 `tests/lab/test_gpu_expandable.py::test_training_maps_and_unmaps_nothing_once_warm` (10 steps, the previous step's
 loss and grads alive while the next one runs). Under `--scheme segments` the GPU's timeline holds every device
-malloc (a miss) and free (a release) itself; the ninth session's are `data/segments_trace_dyn_test_*.csv.gz`.
+malloc (a miss) and free (a release) itself; `data/segments_trace_dyn_test_*.csv.gz` are such timelines (recorded
+at 8443035).
 
-    python scripts/record_dynamic_traces.py                       # every workload, scheme expandable, into data/
-    python scripts/record_dynamic_traces.py --workloads torch_varlen --seeds 1,2    # other realizations: ..._s1 ...
-    python scripts/record_dynamic_traces.py --workloads cupy_mix --cpu --out build/traces   # the code, on a CPU
+    python -m xlab.bench.dynamic_traces                     # every workload, scheme expandable, into data/
+    python -m xlab.bench.dynamic_traces --workloads torch_varlen --seeds 1,2    # other realizations: ..._s1 ...
+    python -m xlab.bench.dynamic_traces --workloads cupy_mix --cpu --out build/traces   # the code, on a CPU
 """
 from __future__ import annotations
 
