@@ -1,7 +1,7 @@
 """The range manager of the expandable scheme (xpool/_expandable.c) under a one-device test pool
 (tests/xpool/fixtures/expandable_harness.c) over the host twin: placement, what is mapped and unmapped, exact
 counters, faults.  Every test audits the manager against the twin's own bookkeeping.
-Note [Expandable segments] in NOTES.md."""
+Note [Expandable segments] in xpool/_expandable.h."""
 import ctypes
 
 import pytest
