@@ -19,8 +19,16 @@
 #              11 trials interleaved (core_split_gpu.csv)                ~1.5 min             150 s
 # torch        opt-in, not in the default list: PyTorch and CuPy sharing xpool, its GPU tests then the interop
 #              benchmark                                                 ~5 min               440 s
-# expandable   opt-in (#22): the expandable scheme's GPU tests (tests/lab/test_gpu_expandable.py, PyTorch's included),
-#              then the capture-legality probe (vmm_capture_probe.csv)   ~3 min               300 s
+# expandable   opt-in: the expandable scheme's GPU tests (tests/lab/test_gpu_expandable.py, PyTorch's included),
+#              then the capture-legality probe (xlab.bench.vmm_capture: vmm_capture_probe.csv)   ~3 min   300 s
+# dynamic      opt-in: the dynamic-shape benchmark (xlab.bench.dynamic: dynamic_shapes.csv), every workload and arm;
+#              it outlasts one 9-minute command: run the stage again to resume it          ~11 min   540 s a call
+# heldout      opt-in: its held-out PyTorch workloads (dynamic_heldout.csv), resumable as dynamic      540 s
+# traces       opt-in: the request traces of the dynamic workloads for the CPU replays (xlab.bench.dynamic_traces:
+#              data/memory_trace_dyn_<workload>.csv.gz; SEEDS, default 0, e.g. SEEDS=1,2,3,4)          540 s
+# reserve      opt-in: pool.reserve on the ResNets at varying sizes (xlab.bench.reserve: reserve_probe.csv) 540 s
+# peer         opt-in, two GPUs: cross-GPU uses of pool memory and what peer access costs a miss
+#              (xlab.bench.peer: peer_probe.csv, peer_map_cost.csv)                                    420 s
 # (expected times from the H200 step times at 70fd21b, before the fused kernels: 90 ms per batch-32 step, 48 ms
 # per batch-4 step, raw about 4x; the fused kernels shorten the host-bound ones.)
 #
@@ -44,7 +52,8 @@ OUT=${OUT:-build/gpu}
 DATA=${DATA:-data}       # data/rerun for the second run on a fresh machine (issue #12; the report compares them)
 mkdir -p "$OUT" "$DATA"
 LOG="$OUT/gpu_suite.log"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+# the three packages from this checkout, installed or not: xpool (the root), xlab (lab/), tapegpt (workload/)
+export PYTHONPATH=$PWD:$PWD/lab:$PWD/workload PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared hosts (see the device notes); NCCL inherits this in every process
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # a deeper launch queue (CUDA 12.8+; ignored before): a launch that finds it full blocks, with the GIL held when
@@ -73,7 +82,8 @@ stage() {   # stage NAME SECONDS CMD...: time-limited (a hang dumps every thread
 }
 
 { nvidia-smi -L; python3 -c "import cupy; print('cupy', cupy.__version__, 'cuda', cupy.cuda.runtime.runtimeGetVersion())"; } 2>&1 | tee -a "$LOG"
-python3 setup.py build_ext --inplace -q >>"$LOG" 2>&1 || { echo "build failed" | tee -a "$LOG"; exit 1; }
+{ python3 setup.py build_ext --inplace -q && (cd lab && python3 setup.py build_ext --inplace -q); } >>"$LOG" 2>&1 ||
+    { echo "build failed" | tee -a "$LOG"; exit 1; }
 PY="python3 -X faulthandler"
 RESUME=${RESUME:-}
 TRAIN="--trials $TRIALS --no-progress ${STEPS:+--steps $STEPS} ${WARMUP:+--warmup $WARMUP} ${RESUME:+--resume}"
@@ -109,8 +119,15 @@ for s in $stages; do
         torch)       stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/lab/test_torch_gpu.py
                      stage torch-bench 200 $PY -m xlab.bench.torch_interop --out "$DATA"/torch_interop.csv ;;
         expandable)  stage expandable 240 $PY -m pytest -q -p no:warnings -m gpu tests/lab/test_gpu_expandable.py
-                     stage vmm-capture 60 $PY scripts/gpu_vmm_capture_probe.py --out "$OUT" ;;
-        *) echo "unknown stage $s (stages: tests bench single correctness debugcost ddp sweep memory gil hit split torch torch-tests torch-bench expandable)" | tee -a "$LOG"
+                     stage vmm-capture 60 $PY -m xlab.bench.vmm_capture --out "$DATA" ;;
+        dynamic)     stage dynamic 540 $PY -m xlab.bench.dynamic --out "$DATA"/dynamic_shapes.csv ;;
+        heldout)     stage heldout 540 $PY -m xlab.bench.dynamic --workloads torch_varlen_b32,torch_fixed_b32,resnet_varres_b64 \
+                         --out "$DATA"/dynamic_heldout.csv ;;
+        traces)      stage traces 540 $PY -m xlab.bench.dynamic_traces --seeds "${SEEDS:-0}" --out "$DATA" ;;
+        reserve)     stage reserve 540 $PY -m xlab.bench.reserve --when start,build --out "$DATA"/reserve_probe.csv ;;
+        peer)        stage peer 420 $PY -m xlab.bench.peer --peer-accesses 'null;"none"' --out "$DATA"/peer_probe.csv \
+                         --map-cost "$DATA"/peer_map_cost.csv ;;
+        *) echo "unknown stage $s (stages: tests bench single correctness debugcost ddp sweep memory gil hit split torch torch-tests torch-bench expandable dynamic heldout traces reserve peer)" | tee -a "$LOG"
            status=1 ;;
     esac
 done

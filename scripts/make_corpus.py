@@ -1,4 +1,4 @@
-"""Build tapegpt/corpus.txt: Python standard-library source in a fixed, sorted file order."""
+"""Build workload/tapegpt/corpus.txt: Python standard-library source in a fixed, sorted file order."""
 import argparse
 import pathlib
 import sysconfig
@@ -29,7 +29,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"])
     ap.add_argument("--limit", type=int, default=DEFAULT_LIMIT)
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[1] / "tapegpt" / "corpus.txt"))
+    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[1] / "workload" / "tapegpt" /
+                                         "corpus.txt"))
     args = ap.parse_args()
     data = build(args.stdlib, args.limit)
     pathlib.Path(args.out).write_bytes(data)

@@ -1,5 +1,5 @@
 """The arms the lab compares, in one table (ARMS), and the allocators behind them: what each column means, its
-families (xpool_k<N>, _debug, _graph) and how each allocator counts are in NOTES.md, Note [The arms table].
+families (xpool_k<N>, _debug, _graph) and how each allocator counts are in Note [The arms table], above Arm.
 
     alloc = make("cupy_pool"); alloc.install(); ...; alloc.uninstall(); alloc.release([0])
     arm("xpool_k4_debug").label, arm("raw").color, parse(["raw", "xpool"])   # names are checked once, here
@@ -76,7 +76,7 @@ class Allocator:
         """Called after every training step on `device`."""
 
     def device_mallocs(self, device: int):
-        """Counters on `device`: None where this allocator does not count (NOTES.md, Note [The arms table])."""
+        """Counters on `device`: None where this allocator does not count (Note [The arms table])."""
         return None
 
     peak_reserved = peak_requested = graph_pool_bytes = device_mallocs
@@ -427,7 +427,29 @@ class Host(Allocator):
         pass
 
 
-# --- the dynamic-shape benchmark's arms (xlab.bench.dynamic; Note [Dynamic-shape benchmark])
+# --- the dynamic-shape benchmark's arms (xlab.bench.dynamic; Note [Dynamic-shape benchmark] in xlab/bench/dynamic.py)
+
+# Note [Dynamic-shape benchmark: device calls]
+# device_calls_per_step (the rows' counted_in says from which run) sums, per arm:
+# - xpool: device_mallocs + device_frees (+ device_maps + device_unmaps) from its own snapshot: for the CuPy
+#   workloads in the counting run (its bytes from the timed run, which are the same), for PyTorch's in their one run;
+# - PyTorch (torch, torch_expandable): num_device_alloc + num_device_free of torch.cuda.memory_stats(). In
+#   c10/cuda/CUDACachingAllocator.cpp num_device_alloc grows in alloc_block (a cudaMalloc) and in map_block (an
+#   expandable segment mapping a range of pages: one count per range), num_device_free in release_block and
+#   unmap_block. The arm checks memory_snapshot()'s is_expandable, so a setting that did not take fails the arm
+#   (_check_torch_setting, also for the arm that hands CuPy PyTorch's blocks);
+# - PyTorch's expandable segments serving CuPy (cupy_torch_expandable): torch_expandable installed as CuPy's
+#   allocator in a process of its own, counted as PyTorch's arms are: the one peer that maps pages into reserved
+#   ranges, as xpool's expandable scheme does;
+# - RMM (rmm_pool): PoolMemoryResource(CudaMemoryResource, initial_pool_size=0) under a StatisticsResourceAdaptor
+#   (cudaMallocs = total_count, cudaFrees = total_count - current_count, reserved = peak_bytes) and a second one
+#   above the pool (peak requested). Starting empty it grows by max(request, pool size); RMM's default, half the
+#   free memory at once, would make the ratio meaningless. Bytes from the timed run, calls from the counting run;
+# - CuPy's pool: its cudaMallocs through a memory hook (it calls cudaFree only in free_all_blocks and on out of
+#   memory, so frees are 0 mid-run), peak requested from the hook, in a second, counting run;
+# - CuPy's async pool: every cudaMallocAsync and cudaFreeAsync (each block wrapped, as raw's counting variant does)
+#   and the live requested bytes in a counting run; peak reserved from the device pool's
+#   cudaMemPoolAttrReservedMemHigh (reset at install). The driver's own mapping behind the pool is not seen.
 class RmmPool(Allocator):
     """RMM's pool (PoolMemoryResource over CudaMemoryResource, empty at first) through rmm_cupy_allocator, counted by a
     StatisticsResourceAdaptor under it (cudaMallocs, cudaFrees, reserved bytes) and one above it (requested bytes)."""
@@ -491,6 +513,30 @@ class TorchExpandable(CupyTorch):
         set_settings = (getattr(self.torch._C, "_accelerator_setAllocatorSettings", None)   # and where it was
                         or self.torch.cuda.memory._set_allocator_settings)               # imported before
         set_settings(self.SETTING)
+
+
+# Note [The arms table]
+# Each row of ARMS is one arm: its name; how to make it (`make`: an Allocator class, or None for an arm that is not
+# installed into CuPy: a framework's own allocator measured in its own process, a CPU replay's model, a piece of a
+# benchmark); its label and style in every figure and table; and what it can do:
+# - exact: counts device mallocs and peaks exactly and for free, so the timed run itself gives the counts;
+# - device_calls_when_warm: calls cudaMalloc/cudaFree (or their stream-ordered forms) on requests a warm cache would
+#   serve: threads-mode training fences collectives for those only (Note [The fence] in xlab/experiments/train.py);
+# - can_capture: a `_graph` variant exists, whose private pools make no device call once warm;
+# - framework: whose requests it serves (cupy, torch, replay, bench, gil, numpy).
+# Families resolve from the rows: xpool_k<N> (scheme seed, N classes per doubling), <xpool arm>_debug (debug mode:
+# poison and canaries), <pool>_graph (each training step's forward and backward captured once as a CUDA graph over
+# a private pool of the same kind and replayed every step: tapegpt.graph.CapturedStep). CSVs written before an arm
+# was renamed are read through `canonical` (LEGACY).
+# Counters are per device, None where an allocator cannot count exactly:
+# - raw: the counting variant (install(counting=True)) wraps CuPy's _malloc so each block's malloc and free is seen
+#   (requested = reserved: there is no cache);
+# - cupy_pool: device mallocs and live requested bytes from a CuPy MemoryHook, entered per thread only while
+#   counting (hooks cost time); reserved bytes from total_bytes() after every step (it only grows between
+#   free_all_blocks calls, so the last sample is the peak);
+# - xpool arms: the pool's own exact counters; cupy_torch, torch: PyTorch's (torch.cuda.memory_stats);
+# - _graph arms: the private pools' device mallocs count with the arm's; their bytes are graph_pool_bytes;
+# - the dynamic-shape benchmark's peers: Note [Dynamic-shape benchmark: device calls], above RmmPool.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -597,7 +643,7 @@ SETS = {
     "schemes": ("xpool", "xpool_seed", "xpool_expandable", "cupy_pool_model"),
     "host": ("xpool", "xpool_seed", "c_noop"),
     # the peers (+ xpool's schemes); PyTorch's expandable segments serve the CuPy workloads too, the one allocator
-    # with pages mapped into reserved ranges before xpool's (Note [Dynamic-shape benchmark])
+    # with pages mapped into reserved ranges before xpool's (Note [Dynamic-shape benchmark: device calls])
     "dynamic": ("cupy_pool", "cupy_async", "rmm_pool", "cupy_torch_expandable", "torch", "torch_expandable"),
 }
 # Names older CSVs used, by the CSV's `bench` column: (bench, old name) -> arm

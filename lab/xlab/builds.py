@@ -1,5 +1,5 @@
 """Another build of xpool beside this one, in the same process, to time two builds with every trial interleaved
-(xlab.bench.alloc --xpool-path, scripts/core_split_host.py): `load_xpool("build/core_before").MemoryPool(...)`.
+(xlab.bench.alloc --xpool-path): `load_xpool("build/core_before").MemoryPool(...)`.
 The package is imported from PATH/xpool under another name; its imports are relative, so it loads its own C core.
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Medians with 95% bootstrap intervals over trials, ratios of paired trials, and a verdict on a target: the lab's one
-place for statistics over repeated measurements (NOTES.md, "How the lab measures"). Trial t of arm A and trial t of
-arm B ran back to back (interleaved: A B C D, A B C D, ...), so a ratio between arms is computed over those pairs,
-which cancels the drift they share. The bootstrap is seeded: the same CSV always gives the same interval. With one
-trial there is no interval: the bounds are NaN and `judge` says "single run".
+place for statistics over repeated measurements (docs/decisions/0008-how-the-lab-measures.md). Trial t of arm A and
+trial t of arm B ran back to back (interleaved: A B C D, A B C D, ...), so a ratio between arms is computed over
+those pairs, which cancels the drift they share. The bootstrap is seeded: the same CSV always gives the same
+interval. With one trial there is no interval: the bounds are NaN and `judge` says "single run".
 """
 from __future__ import annotations
 

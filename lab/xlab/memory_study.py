@@ -4,7 +4,7 @@ A program's requests do not depend on the allocator, so replaying a recorded tim
 order, through a pool over a backend that touches no memory (`AddressSpaceBackend`) reproduces that pool's
 decisions exactly. GPU: `measure_waste` (the seed scheme at each k, its counters and timeline), `measure_varlen`
 (sequence lengths changing every step). CPU: `scheme_study` replays every recorded trace through each scheme (the
-NumPy ones recorded by scripts/record_numpy_traces.py).
+NumPy ones recorded by `python -m xlab.numpy_traces`).
 
     python -m xlab.memory_study --out-dir data     # GPU: memory_timeline.csv, memory_waste.csv, memory_varlen.csv
     python -m xlab.memory_study --schemes          # CPU: data/memory_schemes.csv (then `make report`: its figure)
@@ -222,7 +222,7 @@ def waste_table(measured: pd.DataFrame | None = None, replayed: pd.DataFrame | N
 
 # --- CPU: the allocation schemes on every recorded trace
 # name -> its file under data/: the GPU's recording (CuPy, batch 32, setup + 2 steps; before the fused model), and
-# the CPU's (scripts/record_numpy_traces.py's NUMPY_TRACES: their settings; every row of a file also carries them)
+# the CPU's (xlab.numpy_traces.NUMPY_TRACES: their settings; every row of a file also carries them)
 TRACES = {
     "gpt_b32_gpu": "memory_timeline.csv",
     "gpt_b4_numpy": "memory_trace_numpy_b4.csv.gz",
@@ -428,9 +428,10 @@ def load_traces(data_dir=None, names=None) -> dict:
     return {name: pd.read_csv(path) for name, path in files.items() if path.is_file()}
 
 
-# The H200's traces of the dynamic-shape benchmark's workloads (scripts/record_dynamic_traces.py,
+# The H200's traces of the dynamic-shape benchmark's workloads (python -m xlab.bench.dynamic_traces,
 # data/memory_trace_dyn_<name>.csv.gz; _s<k>: the realization of seed k), and of its held-out ones with gpt_varlen's
-# other realizations.  The release rules' trace tests and replays (Note [Release on miss: peak]) run over these.
+# other realizations.  The release rules' trace tests and replays (docs/decisions/0001-one-release-rule-per-scheme.md)
+# run over these.
 DYN_TRACES = ("cupy_mix", "torch_varlen", "gpt_varlen", "gpt_b4", "test_b4", "test_b32_perparam", "torch_fixed",
               "gpt_b32", "resnet_varres", "resnet_fixed",
               *(f"{w}_s{s}" for w in ("cupy_mix", "torch_varlen", "resnet_varres") for s in (1, 2, 3, 4)))
@@ -451,7 +452,7 @@ def build_events(tl: pd.DataFrame) -> int:
     """How many of a dynamic trace's events build the program (the model, its parameters), by their blocks: step 0's
     leading events up to the last block that outlives step 2, before the first 20 events in a row that make none
     (the first step's own work). The traces do not mark the build; the PyTorch workloads' runs with a reserve made
-    after it (`scripts/gpu_reserve_probe.py --when build`) check this boundary against the GPU's."""
+    after it (`python -m xlab.bench.reserve --when build`) check this boundary against the GPU's."""
     ev = _replay_events(tl)
     alloc, ptr, step = ev["alloc"].to_numpy(), ev["ptr"].to_numpy(), ev["step"].to_numpy()
     made, freed_at = {}, {}
@@ -557,19 +558,6 @@ def replay_rule(tl: pd.DataFrame, rule: str | None = None, reserve=0, after: int
                 device_calls=s["device_maps"] + s["device_unmaps"],
                 peak_bytes_reserved=s["peak_bytes_reserved"], peak_bytes_requested=s["peak_bytes_requested"],
                 unmatched_frees=unmatched, **extra)
-
-
-def trace_study(doc: str, rows, experiment: str, default_out: str, argv=None) -> int:
-    """The command line of a replay study over the dynamic traces (scripts/reserve_replay.py and its kind):
-    `rows(name)` for each trace of --traces (default: DYN_TRACES and HELD_OUT_TRACES), with provenance, to --out."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=default_out)
-    p.add_argument("--traces", help="comma-separated (default: DYN_TRACES and HELD_OUT_TRACES)")
-    a = p.parse_args(argv)
-    names = a.traces.split(",") if a.traces else DYN_TRACES + HELD_OUT_TRACES
-    out = [r for name in names for r in rows(name)]
-    pd.DataFrame(out).assign(**provenance(experiment=experiment)).to_csv(a.out, index=False)
-    return 0
 
 
 def scheme_study(traces: dict, allocators=SCHEME_ALLOCATORS, repeats: int = 7) -> pd.DataFrame:

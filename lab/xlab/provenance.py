@@ -8,6 +8,18 @@ import platform
 import subprocess
 
 
+# Note [Commits not in the repository]
+# A row's commit is the HEAD of the checkout that measured it (or $XPOOL_COMMIT: a device machine's copy of the tree
+# may carry a stale .git, so the GPU scripts set it). A few CSVs name commits this repository does not have: rows
+# measured in a branch's worktree at its HEAD before the branch was rebased onto main, so the commit that ran was
+# rewritten and the file landed minutes later in its rebased form (the traces data/memory_trace_*.csv.gz recorded
+# at 55e7e8b, 470072e and 8747672, also named in memory_schemes.csv's trace_commit, landed in 924512e, 4e9da9f and
+# 30f9bd2; a C-core timing at 06b3f1f, in the record since, in 012dbeb; the commit log's author dates follow the
+# measurements). The report prints such a commit with the one it landed in
+# (xlab.sources.REWRITTEN: "rebased away; landed as ..."), and tests/lab/test_report.py fails on any other commit a
+# CSV names that the repository lacks.
+
+
 @functools.lru_cache(maxsize=1)
 def git_commit() -> str:
     """Short commit of the working tree ('+dirty' when it has changes), or $XPOOL_COMMIT, or 'unknown'."""

@@ -1,6 +1,6 @@
 """Where every figure, target and headline reads its rows: lineages of CSVs (KINDS), and the runs they come from.
 `current` keeps, for each arm and configuration of a lineage, the rows of the newest CSV that has them; the older
-rows are its history (NOTES.md, Note [Newest data of its kind]). Every row says where it came from (`csv`: the CSV,
+rows are its history (docs/decisions/0009-newest-csv-of-its-kind.md). Every row says where it came from (`csv`: the CSV,
 `run`: its commit). A second run on a fresh machine (data/rerun/, data/graph/rerun/) is read the same way.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ KINDS = {
 }
 ARM_COLUMNS = ("allocator", "arm")
 # Commits some CSVs name that are not in this repository: a helper's commit before its branch was rebased onto
-# main (NOTES.md, Note [Commits not in the repository]); the commit the file landed in stands in for it.
+# main (Note [Commits not in the repository] in xlab/provenance.py); the commit the file landed in stands in for it.
 REWRITTEN = {"06b3f1f1f9cf": "012dbeb", "55e7e8bbc053": "924512e", "470072ec67b5": "4e9da9f",
              "8747672b68f9": "30f9bd2"}
 

@@ -67,7 +67,7 @@ W2T, W2P = dict(mode="threads", world=2), dict(mode="processes", world=2)
 def _dynamic() -> list:
     """#22's targets per workload of xlab.bench.dynamic: xpool's default (a PyTorch workload's: the pool
     enable_torch() makes), its best arm for memory, and the device calls of the expandable arms (what "bounded"
-    trades for memory: Note [Release on miss: expandable])."""
+    trades for memory: docs/decisions/0001-one-release-rule-per-scheme.md)."""
     schemes = xpool_arms()
     rows = []
     for w, spec in WORKLOADS.items():      # a held-out workload: its own CSV, and "held out" in its targets' names
@@ -168,7 +168,7 @@ TARGETS = (
       over=("allocator", "mode", "world", "batch"), fmt="{:.2g}", exact=True),
     # dynamic shapes (issue #22)
     *_dynamic(),
-    # the reserve recipe on the ResNets at varying sizes (scripts/gpu_reserve_probe.py): not the default's targets,
+    # the reserve recipe on the ResNets at varying sizes (python -m xlab.bench.reserve): not the default's targets,
     # which stay above; what a program that knows its peak can do with the public API
     T("reserve_ror", "#22, ResNets at varying image sizes through enable_torch()'s pool with 1.03× the peak reserved "
       "before the first step (pool.reserve before or after the model is built, and by hand): peak reserved / peak "

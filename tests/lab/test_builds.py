@@ -1,5 +1,5 @@
 """xlab.builds: another build of xpool loaded beside this one (how a change to the core is timed against the build
-before it, interleaved in one process: xlab.bench.alloc --xpool-path, scripts/core_split_host.py)."""
+before it, interleaved in one process: xlab.bench.alloc --xpool-path)."""
 import shutil
 
 import pytest

@@ -3,7 +3,6 @@ arithmetic, resuming, each arm's device-call count over stand-ins, the workloads
 real paths run on a GPU (marked)."""
 import math
 import os
-import pathlib
 import sys
 import types
 
@@ -457,30 +456,10 @@ def test_quick_run_on_the_gpu(tmp_path):
     assert df.gpu_util_mean.between(0, 100).all() and set(df.bound) <= {"host", "gpu"}   # NVML over every row
 
 
-def test_host_speed_probe_csv_is_what_its_log_gives():
-    """data/host_speed_probe.csv (Note [Pinned arms]) is scripts/host_speed_table.py over its committed log: each
-    step log matched to its benchmark row (a mismatch stops the script), the numbers recomputed."""
-    import importlib.util
-    root = pathlib.Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("host_speed_table", root / "scripts" / "host_speed_table.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    got = mod.table(root / "data" / "logs" / "eleventh_host_speed.tgz")
-    committed = pd.read_csv(root / "data" / "host_speed_probe.csv")
-    assert list(got.columns) == list(committed.columns) and len(got) == len(committed) == 60
-    for col in ("ms_per_step", "host_ms_per_step", "step_ms_p50", "step_cpu_ms_p50"):
-        assert np.allclose(got[col], committed[col], atol=1e-3), col
-    timed = committed[committed.run == "timed"]
-    gpt = timed[timed.workload == "gpt_b4"]
-    assert np.allclose(gpt.host_ms_per_step, gpt.ms_per_step, rtol=0.01)      # host-bound: CPU time is wall time
-    assert gpt.ms_per_step.max() > 1.5 * gpt.ms_per_step.min()                # the spread the note describes
-
-
 def test_record_dynamic_traces_writes_a_trace_per_seed_and_names_a_bad_seed(tmp_path, capsys):
-    """scripts/record_dynamic_traces.py --seeds: seed 0 keeps the file name the replays read, seed s > 0 adds _s<s>,
-    and each trace says its seed (on a CPU the pool sees no request: the code, not a trace)."""
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "scripts"))
-    import record_dynamic_traces as rec
+    """python -m xlab.bench.dynamic_traces --seeds: seed 0 keeps the file name the replays read, seed s > 0 adds
+    _s<s>, and each trace says its seed (on a CPU the pool sees no request: the code, not a trace)."""
+    from xlab.bench import dynamic_traces as rec
     assert rec.main(["--workloads", "cupy_mix", "--cpu", "--seeds", "0,3", "--out", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["memory_trace_dyn_cupy_mix.csv.gz",
                                                           "memory_trace_dyn_cupy_mix_s3.csv.gz"]
@@ -493,7 +472,7 @@ def test_record_dynamic_traces_writes_a_trace_per_seed_and_names_a_bad_seed(tmp_
 
 def test_the_held_out_workloads_stay_out_of_the_default_set_and_have_targets_of_their_own():
     """The held-out PyTorch programs (other batches, lengths and image sizes than the release rules were chosen on:
-    Note [Release on miss: peak]) run only when named, write data/dynamic_heldout.csv, and are judged there."""
+    docs/decisions/0001) run only when named, write data/dynamic_heldout.csv, and are judged there."""
     from xlab import targets
     held = [w for w, spec in dynamic.WORKLOADS.items() if spec.held_out]
     assert held == ["torch_varlen_b32", "torch_fixed_b32", "resnet_varres_b64"]

@@ -1,4 +1,4 @@
-"""Scheme expandable on a real GPU (Note [Expandable segments]): CUDA's virtual memory management through
+"""Scheme expandable on a real GPU (Note [Expandable segments] in xpool): CUDA's virtual memory management through
 CupyBackend.vmm(), under CuPy, CUDA graphs, PyTorch (xpool.enable_torch) and NCCL.  The CPU twin of each check is
 tests/xpool/test_expandable_pool.py."""
 import json
@@ -90,7 +90,7 @@ GROWS = pytest.mark.xfail(strict=True, reason=(
     "on an H200 (0edc20636cd1 and 4f7e0ee8266f, release_on_miss never), a loop that keeps the previous step's "
     "loss and grads alive while the next one runs still grows after the 5 warm-up steps: batch 4 maps 1 page run "
     "at steps 7 and 8, batch 32 with per-parameter AdamW 1 at step 5, then nothing, and unmaps none (replayed to "
-    "the call from data/memory_trace_dyn_test_*.csv.gz): NOTES.md, Note [Release on miss: expandable]"))
+    "the call from data/memory_trace_dyn_test_*.csv.gz)"))
 
 
 @pytest.mark.parametrize("batch,foreach", [pytest.param(4, True, marks=GROWS), (32, True),
@@ -295,8 +295,8 @@ def test_an_nccl_all_reduce_reads_and_writes_expandable_memory(vm):
 
 
 def _peer_case(case, peer_access=None):
-    """One case of scripts/gpu_peer_probe.py in a process of its own (a fault poisons a context): its JSON."""
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_peer_probe.py"), "--case", case,
+    """One case of xlab.bench.peer in a process of its own (a fault poisons a context): its JSON."""
+    r = subprocess.run([sys.executable, "-m", "xlab.bench.peer", "--case", case,
                         "--scheme", "expandable", "--peer-access", json.dumps(peer_access)],
                        capture_output=True, text=True, timeout=240, cwd=ROOT,
                        env=dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONPATH=ROOT))

@@ -21,8 +21,7 @@ def test_training_is_bit_identical_under_both_schemes_and_debug_mode():
     # Measured on an H200 (commit ee5bd130e6da): device (mallocs, frees) per step [(155, 16), (1, 4), (1, 7),
     # (1, 7), (0, 0), (1, 10), (0, 0), ...]. The per-parameter update remakes every moment array each step and the
     # arrays walk through memory. Replayed on the CuPy-path trace (gpt_b32_perparam_cupy_path_numpy) with a miss
-    # giving back only segments idle for 64 requests: steps 6 and 9 still miss; never giving back, step 6 does
-    # (NOTES.md). Issue #14 stays open on it.
+    # giving back only segments idle for 64 requests: steps 6 and 9 still miss; never giving back, step 6 does.
     pytest.param(32, False, marks=pytest.mark.xfail(reason="late device mallocs: moments remade every step walk "
                                                            "through memory (#14)", strict=False)),
 ])

@@ -1,19 +1,11 @@
 """The scheme study: replays through each scheme, CuPy's pool modelled, NumPy traces recorded on the CPU."""
-import importlib.util
-import pathlib
-
 import numpy as np
-import pandas as pd
 import pytest
 
 import xpool
 from xlab import memory_study
+from xlab import numpy_traces as recorder
 from xlab.memory_study import SCHEME_ALLOCATORS, AddressSpaceBackend, CupyPoolModel, replay_allocator
-
-_SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "record_numpy_traces.py"
-_spec = importlib.util.spec_from_file_location("record_numpy_traces", _SCRIPT)
-recorder = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(recorder)
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -176,7 +168,7 @@ def test_per_parameter_adamw_on_numpy_makes_no_device_malloc_once_warm():
 
 
 @pytest.mark.xfail(strict=True, reason="#14: per-parameter AdamW's moments, remade every step, walk through memory; "
-                                       "even never giving back misses at step 6 (NOTES.md)")
+                                       "even never giving back misses at step 6")
 def test_per_parameter_adamw_makes_no_device_malloc_once_warm():
     """The CPU twin of the GPU test's xfail (test_gpu_segments, batch 32, per-parameter AdamW), on the CuPy-path
     trace: replayed, steps 6 and 9 each make a device malloc and give idle segments back (19, 13); with
@@ -192,26 +184,3 @@ def test_trace_labels_are_short_and_say_where_the_trace_was_recorded():
     assert plots.trace_label("gpt_b32_gpu") == "b32\n(GPU)" and plots.trace_label("random") == "random"
     assert plots.trace_label("gpt_varlen_cupy_path_numpy") == "varlen\n(CuPy path)"
 
-
-def test_hidden_buffer_study_csv_is_what_its_script_gives():
-    """data/hidden_buffer_replay.csv (NOTES.md, Note [Expandable segments], "A hidden buffer") is
-    scripts/hidden_buffer_replay.py's: two traces' rows recomputed to the byte and the call (the script checks each
-    trace's plain walk against replay_rule itself); and the study's claims: no trace makes a steady call more with a
-    buffer, and no buffer reaches 0 on every target trace."""
-    root = pathlib.Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("hidden_buffer_replay", root / "scripts" / "hidden_buffer_replay.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    committed = pd.read_csv(root / "data" / "hidden_buffer_replay.csv")
-    assert len(committed) == len(memory_study.DYN_TRACES + memory_study.HELD_OUT_TRACES) * 2 * len(mod.AHEAD)
-    cols = ["rule", "buffer_pages", "peak_bytes_requested", "peak_bytes_held", "steady_calls", "device_calls"]
-    for name in ("resnet_varres_s3", "torch_fixed_b32"):
-        got = pd.DataFrame(mod.rows(name))[cols].reset_index(drop=True)
-        want = committed[committed.trace == name][cols].reset_index(drop=True)
-        pd.testing.assert_frame_equal(got, want, check_dtype=False)
-    plain = committed[committed.buffer_pages == 0].set_index(["trace", "rule"])
-    for k, g in committed[committed.buffer_pages > 0].groupby("buffer_pages"):
-        g = g.set_index(["trace", "rule"])
-        assert (g.steady_calls <= plain.loc[g.index].steady_calls).all(), k
-        targets = g[g.index.get_level_values(0).str.startswith(("resnet_varres", "torch_fixed_b32"))]
-        assert (targets.steady_calls > 0).any(), k

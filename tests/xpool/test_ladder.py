@@ -1,4 +1,4 @@
-"""The recovery ladder (NOTES.md, Note [Recovery ladder]): try; free this device's cache and retry; collect
+"""The recovery ladder (Note [Recovery ladder] in xpool/_alloc.c): try; free this device's cache and retry; collect
 garbage, free the cache and retry; raise. The limit and the device's out-of-memory climb the same steps."""
 import gc
 

@@ -1,6 +1,6 @@
 """The virtual-memory ops of the expandable scheme (xpool/_vmm.c): the host twin's pages, bookkeeping and
 faults; the CUDA ops over a fake driver (tests/xpool/fixtures/fake_libcuda.c) and against the real cuda.h.
-Note [Expandable segments] in NOTES.md."""
+Note [Expandable segments] in xpool/_expandable.h."""
 import ctypes
 import ctypes.util
 import os

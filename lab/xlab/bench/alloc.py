@@ -5,8 +5,8 @@ host memory on a CPU; `--xpool-path`: another build of xpool timed beside this o
     python -m xlab.bench.alloc [--quick] [--trials 7] [--sweep size] [--out data/alloc_microbench.csv]
 
 Each (arm, case) is calibrated to about `target_s` seconds per trial, timed as `windows` windows; the arms that
-keep a cached block take turns window by window, those that call the device on every pair run alone (NOTES.md,
-Note [The microbenchmark's interleaving]). ratio_vs_cupy_pool: CuPy's pool's time over the arm's in the same trial.
+keep a cached block take turns window by window, those that call the device on every pair run alone (Note [The
+microbenchmark's interleaving], below). ratio_vs_cupy_pool: CuPy's pool's time over the arm's in the same trial.
 """
 from __future__ import annotations
 
@@ -28,6 +28,24 @@ from xlab.bench import at_least, gc_paused
 from xlab.intervals import fmt_bytes
 from xlab.paths import publish
 from xlab.provenance import provenance
+
+# Note [The microbenchmark's interleaving]
+# A pair costs a few hundred nanoseconds, and the lent machines have slow spells of seconds in which every arm, the
+# floors too, runs up to 2x slower. Two samples of a ratio taken seconds apart measure the spell, not the arms: an
+# arm timed through all cases before the next arm, or an arm's windows of a case timed in one go before the next
+# arm's, put one arm in a spell and not the other (on the H200 a ratio moved by up to 1.8x that way). So the cached
+# arms of a size case (the pools, the floors) take turns window by window: WINDOWS windows of about
+# TARGET_S / WINDOWS seconds per arm, the order rotated each round and each trial, an arm's trial time the median of
+# its windows. A spell then lands on every arm alike; one that starts or ends inside a case can still put one arm's
+# median window in it and not the other's, and the median over trials takes such a trial as an outlier. Each arm
+# warms its own cache (untimed) for each case, and again for SWITCH_WARM pairs whenever it is installed for a
+# window. Ratios are taken per trial (docs/decisions/0008-how-the-lab-measures.md).
+# Arms that call the device on every pair (raw, raw_held, cupy_async) run alone, each after the others have
+# trimmed their caches: what a raw cudaMalloc + cudaFree costs depends on the device's state. Timed beside other
+# arms' cached blocks, or in a process whose pool holds blocks, a raw pair is a few microseconds; alone on an empty
+# device it is about a hundred (the driver's bookkeeping for a first or last allocation is the plausible cause).
+# So `raw` is timed alone, and `raw_held` keeps one 512-byte block alive while timed, to show whether one live
+# block is what makes a pair cheap.
 
 SIZES = (4 * KIB, 64 * KIB, MIB, 12 * MIB, 96 * MIB)
 THREADS = (1, 4, 8)
@@ -436,7 +454,7 @@ def main(argv=None) -> int:
     if args.allocators and "cupy_pool" not in args.allocators:
         ap.error("the ratios need cupy_pool among --allocators")
     if args.host and args.xpool_path:
-        ap.error("--xpool-path times CuPy's path on a GPU; on a CPU, scripts/core_split_host.py compares two builds")
+        ap.error("--xpool-path times CuPy's path on a GPU")
     if args.host:
         run_host(args.out or "data/alloc_core_host.csv", args.trials, args.target_s, sizes=args.sizes)
         return 0

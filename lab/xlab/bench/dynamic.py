@@ -1,13 +1,14 @@
 """Dynamic shapes (issue #22): peak reserved / peak requested, device calls per step and ms per step of every
 allocator on workloads whose shapes change every step, beside fixed-shape controls. Trial t runs one process per
 (framework, arm), in an order rotated by t, forked from this one (which never starts CUDA); one CSV row per (trial,
-workload, arm), appended as each process ends. What each arm counts as a device call, and why the processes are cut
-this way: NOTES.md, Note [Dynamic-shape benchmark].
+workload, arm), appended as each process ends. Why the processes are cut this way, and what steady state means:
+Note [Dynamic-shape benchmark], below; what each arm counts as a device call: Note [Dynamic-shape benchmark: device
+calls] in xlab/allocators.py.
 
     python -m xlab.bench.dynamic                     # every workload and arm, 5 trials: data/dynamic_shapes.csv
     python -m xlab.bench.dynamic --quick             # 1 trial, 3 steps: a smoke test
     python -m xlab.bench.dynamic --workloads torch_varlen,torch_fixed        # a piece (a rerun resumes)
-    python -m xlab.bench.dynamic --same-seed         # every trial on the seed itself (before the thirteenth session)
+    python -m xlab.bench.dynamic --same-seed         # every trial on the seed itself (the rows before a38a5d9)
 
 Trial t draws its shapes, sizes and data from seed + t, the same for every arm of the trial: a trial is one more
 realization of each dynamic workload, so its bytes and device calls vary between trials and are judged on their
@@ -46,6 +47,58 @@ from . import dynamic_workloads as wl
 from .alloc import rotated
 
 
+# Note [Dynamic-shape benchmark]
+# Workloads (dynamic_workloads.py): cupy_mix, rfft (15 lengths, all in CuPy's plan cache once warm), sort, cumsum
+# and fp32 matmul of sizes drawn log-uniformly up to 16 MiB, six a step, each result kept 2^U(0,5) steps (inputs are
+# views of one array, so only results allocate); gpt_varlen, tapegpt's GPT at batch 16 with a length drawn in 32-256
+# every step, gpt_b32 and gpt_b4 at length 256; torch_varlen, a causal pre-norm nn.TransformerEncoder (6 layers,
+# 512 wide, batch 16, AdamW, bf16 autocast) at lengths in buckets of 64 up to 512, torch_fixed at 256; resnet_varres,
+# a ResNet-18 written out (torchvision's layout; torchvision is not in the device image) in channels_last under bf16
+# autocast with SGD, batch 32 of random images whose side is drawn in 128-224 px by 32, resnet_fixed at 224 px. The
+# held-out workloads (held_out=True) run only when named.
+# Steady state: every workload's first warm-up step has its largest shape, and later shapes are new draws, never
+# larger: a pool is judged on shapes it has not seen, never on one larger than it has. But where results outlive
+# their step (cupy_mix) the demand keeps setting new highs long after the largest step, and a pool that grows then
+# meets demand it has not met. So the counting run probes every step (steady_state: the device calls so far and the
+# peak requested so far), and each row has demand_peak_step (the last step that raised the peak requested),
+# steady_steps (the timed steps after it) and device_calls_per_steady_step, what "0 device calls in steady state" is
+# judged on; device_calls_per_step (every timed step) stays beside it. Every CuPy arm has a second, counting run (a
+# read costs microseconds inside a millisecond step); PyTorch's one run is both, at well under 1% of a step.
+# Processes: PyTorch picks its allocator once per process, so each PyTorch arm needs its own, and a fresh CUDA
+# context drops what libraries cache from the allocator (cuBLAS workspaces, FFT plans, the driver's async pool).
+# Trial t starts one process per (framework, arm), order rotated by t, each forked from the runner, which imports
+# torch, CuPy and tapegpt once and never starts CUDA (under pytest, whose conftest asks CuPy for the GPU count, use
+# start="spawn"). In a process a CuPy workload gets a fresh allocator (everything released between workloads, FFT
+# plans cleared); PyTorch workloads share the arm's allocator, emptied, its cuBLAS workspaces freed and its peaks
+# reset between them with reset_peak_stats(history=True), so each is judged against its own demand, as a process of
+# its own would be (reserved_at_start_bytes says what it still held). A process per (trial, workload, arm) would add a
+# CUDA context per workload for no cleaner state. A full run (5 trials, every arm) outlasts one 10-minute device
+# call, so it resumes: a rerun measures only the trials its CSV lacks.
+
+# Note [Trials are realizations]
+# Trial t draws its shapes, sizes and data from seed + t (for_trial), the same for every arm of the trial, so arms stay
+# paired by trial and each trial is another realization of every workload; the rows' `seed` says which, and
+# --same-seed runs every trial on the seed itself. Bytes and device calls then vary between trials as times do and
+# are judged the same way: a value the trials agree on as it is, one that differs on its median and 95% interval
+# (xlab.targets). Why: docs/decisions/0010-trials-are-realizations.md. The fixed-shape workloads change only their
+# data with the seed. `python -m xlab.bench.dynamic_traces --seeds` records other realizations for the replays.
+
+# Note [Pinned arms]
+# Where a step is bound by the host (cupy_mix, gpt_varlen, gpt_b4, every PyTorch workload on the H200), ms per step
+# has wide intervals, and the cause is the machine: on the lent H200 host (16 KVM vCPUs) the same program at the same
+# shapes ran at levels of host speed that held for seconds and switched within a run, with nothing else running
+# (gpt_b4 took 14.5 to 27.3 ms a step from one process to the next, host_speed_probe.csv at f8122c0); longer windows
+# did not narrow it. Pinning every arm's process to
+# given CPUs (--cpus, run(cpus=...): os.sched_setaffinity in the child, the rows' `pinned` part of the key, so a
+# pinned run is a measurement of its own) did not halve that spread in a probe on one, two and other CPUs, so full
+# runs are unpinned; the option stays for machines whose cores differ. What bounds each row: the rows carry
+# host_ms_per_step (the main thread's CPU time per timed step) and gpu_util_mean (NVML over the window:
+# xlab.nvml.UtilSampler, device 0 every 25 ms), and `bound` is train.step_bound's: from NVML where it was sampled,
+# else from the thread time, which only a CuPy row can use (PyTorch runs backward on its autograd thread, which the
+# main thread's time does not count). A counting run has no sampler. The probes' CSVs and logs (host_speed_probe.csv,
+# pin_probe.csv) are in the record at tag record-2026-12-05.
+
+
 @dataclass(frozen=True)
 class Workload:
     framework: str     # "cupy" or "torch": which arms run it
@@ -57,8 +110,8 @@ class Workload:
 
 
 # The held-out workloads (`--workloads torch_varlen_b32,...`, data/dynamic_heldout.csv): PyTorch programs of other
-# batches, lengths and image sizes than those the release rules were replayed on and chosen by (Note [Release on
-# miss: peak]), so a default is also judged on programs it was not fitted to.
+# batches, lengths and image sizes than those the release rules were replayed on and chosen by
+# (docs/decisions/0001-one-release-rule-per-scheme.md), so a default is also judged on programs it was not fitted to.
 WORKLOADS = {
     "cupy_mix": Workload("cupy", True, wl.cupy_mix, 200, 30),
     "gpt_varlen": Workload("cupy", True, partial(wl.gpt, batch=16, lo=32, hi=256), 20, 5),

@@ -1,4 +1,4 @@
-"""The dynamic-shape benchmark's workloads (xlab.bench.dynamic; NOTES.md, Note [Dynamic-shape benchmark]):
+"""The dynamic-shape benchmark's workloads (xlab.bench.dynamic; Note [Dynamic-shape benchmark] there):
 `warmup` steps, then `steps` steps inside `window` (an xlab.experiments.train.Window), all drawn from `seed`, so
 every arm of every trial sees the same requests; the first warm-up step has the largest shape. `small`: sizes and
 models that run in seconds on a CPU.
@@ -108,8 +108,8 @@ def torch_lm(steps, warmup, seed, window, gpu=True, small=False, after_step=lamb
     """The PyTorch language model (see the module doc) on the shipped corpus, lengths(lo, hi) tokens a step, in
     multiples of 64 (length buckets, as training loops batch them): with any length, the H200's quick run took
     ~190 ms a step under every allocator alike against ~20 ms at a fixed length (per-shape work in PyTorch, not
-    allocation), which would drown the allocators' differences (NOTES, the fifth session's runs). after_build():
-    called once the model and its optimizer are made."""
+    allocation), which would drown the allocators' differences (the H200's run at 4566408; its log is in the record,
+    tag record-2026-12-05). after_build(): called once the model and its optimizer are made."""
     import torch
     from torch import nn
 
@@ -167,7 +167,7 @@ def resnet(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda
            hi: int | None = None, batch: int = 32, multiple: int = 32, after_build=lambda: None) -> dict:
     """ResNet-18 (see the module doc) on random images of lengths(lo, hi) pixels a side, in multiples of 32 (the
     network's stride), drawn from seed on the device; 100 classes. after_build(): called once the model and its
-    optimizer are made (a reserve made there: scripts/gpu_reserve_probe.py --when build)."""
+    optimizer are made (a reserve made there: python -m xlab.bench.reserve --when build)."""
     import torch
     from torch import nn
 

@@ -1,5 +1,5 @@
 """What dispatching threads cost each other under one GIL: ops per second from 1, 2, 4 and 8 threads, per op kind
-(the arms table's rows of framework "gil"); why and how: NOTES.md, Note [GIL probe].
+(the arms table's rows of framework "gil"); why and how: Note [GIL probe], below.
 
     python -m xlab.bench.gil [--trials 5] [--seconds 0.5] [--out data/gil_probe.csv]
 """
@@ -17,6 +17,20 @@ import pandas as pd
 from xlab.paths import publish
 from xlab.provenance import provenance
 
+# Note [GIL probe]
+# Thread-per-GPU training dispatches every op from Python, under one GIL. CuPy releases the GIL around each driver
+# call (`with nogil: cuLaunchKernel(...)`), so a rank thread gives the GIL up at every launch; a peer thread waiting
+# for it wakes, and the two trade the lock hundreds of times per step (the convoy effect). This probe measures that
+# cost directly: each op runs in a loop for `seconds` on 1 thread, then on 2, 4 and 8 threads (thread t on GPU
+# t mod #GPUs, each on its own stream), all threads sharing one timed window, and reports ops per second in all.
+# Without contention N threads would do N times one thread's ops; pure Python work (`python`) can do at most 1x;
+# below 1x, handing the GIL over costs more than it lets run in parallel.
+# The ops (each one a training step dispatches hundreds of times), and what each holds of the GIL, are rows of the
+# arms table (framework "gil"): pure Python; empty and 8-argument kernel launches through CuPy and through
+# ctypes.PyDLL (GIL held; the 8 arguments packed by struct into cuLaunchKernel's CU_LAUNCH_PARAM_BUFFER_POINTER
+# buffer); `x + x` on 1-element arrays; a 16x16 GEMM by tapegpt.blas, by ctypes.PyDLL on CuPy's cuBLAS handle, and
+# by cupy.matmul. Trials interleave the arms; sys.getswitchinterval() is recorded and varied with
+# --switch-intervals. Why tapegpt.launch keeps the GIL for its launches: its module docstring.
 ARMS = ("python", "launch", "launch_gil", "launch8", "launch8_gil", "add", "gemm", "gemm_gil", "matmul")
 TRIALS = 5
 THREADS = (1, 2, 4, 8)

@@ -1,6 +1,6 @@
 """Where one alloc+free pair's time goes on CuPy's path: xpool against the floor of CuPy's C-callback path, piece by
-piece (#14: the hit path must cost no more than CuPy's pool). The arms, the pieces and the differences taken:
-NOTES.md, Note [Hit path breakdown].
+piece (the hit path must cost no more than CuPy's pool). The arms, the pieces and the differences taken:
+Note [Hit path breakdown], below.
 
     python -m xlab.bench.hit [--trials 9] [--sizes 4096 12582912] [--out data/hit_breakdown.csv]
 """
@@ -23,6 +23,26 @@ from xlab.intervals import fmt_bytes, fmt_ci
 from xlab.paths import publish
 from xlab.provenance import has_gpu, provenance
 
+# Note [Hit path breakdown]
+# Arms timed in place, ns per pair (a CuPy memory object made through the arm, then dropped):
+# - c_noop: CuPy's CFunctionAllocator calling C functions that do nothing: the floor of any allocator that plugs in
+#   as xpool does (CuPy builds its memory object in Cython either way);
+# - xpool_core: xpool's hooks with no stream lookup (every block on stream 0): free lists, counters, the pool mutex,
+#   the allocator's reference per block, the exception checks;
+# - xpool: xpool as shipped: + CuPy's get_stream_ptr(device) on every malloc (GPU only);
+# - xpool_old_lookup: + CuPy's get_current_stream_ptr() instead (what CuPy's own pool calls): a thread-local and a
+#   cudaGetDevice more (GPU only);
+# - cupy_pool: CuPy's MemoryPool (GPU only).
+# Pieces timed in C alone, nothing around them: core_c (xpool_core's pair, xlab._probes.time_pairs), lookup_c and
+# old_lookup_c (one call of each lookup, xlab._probes.time_calls; GPU only). The breakdown subtracts arms paired by
+# trial: core in place = xpool_core - c_noop, lookup in place = xpool - xpool_core, old lookup = xpool_old_lookup -
+# xpool_core, CuPy's pool above the floor = cupy_pool - c_noop.
+# On a GPU a pair is allocator.malloc(n) + del (cupy.empty adds the same ndarray to every arm); on a CPU, where CuPy
+# cannot ask CUDA for the current device, it is CFunctionAllocatorMemory + MemoryPointer, what
+# CFunctionAllocator.malloc makes, over host memory. Within a trial the arms take turns window by window (order
+# rotated each round and each trial; Note [The microbenchmark's interleaving] in xlab/bench/alloc.py), an arm's
+# time in the trial is the median of its windows, and the garbage collector is off while timing. What the GPU's
+# breakdown decided: docs/decisions/0004-c-hot-path-through-cupys-cfunctionallocator.md.
 SIZES = (4 * KIB, 12 * MIB)
 TRIALS = 9
 WINDOWS = 5

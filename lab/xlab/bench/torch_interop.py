@@ -1,6 +1,6 @@
 """PyTorch through xpool against PyTorch's own caching allocator (`empty_del`: µs per torch.empty+del pair by
 size; `train_step`: the parity model's tokens/s), and the memory of a mixed CuPy/PyTorch loop for notebook 02; the
-cases and why each arm runs in a process of its own: NOTES.md, Note [PyTorch interop benchmark].
+cases and why each arm runs in a process of its own: Note [PyTorch interop benchmark], below.
 
     python -m xlab.bench.torch_interop [--trials 5] [--out data/torch_interop.csv]     # ~2-3 min on one H200
 """
@@ -20,7 +20,22 @@ from xlab import intervals
 from xlab.paths import write_csv
 
 # xpool: the pool enable_torch() makes (scheme expandable); xpool_segments: the same with scheme segments, CuPy's
-# default, beside it (the default per front end: NOTES.md, Note [The default scheme per front end])
+# default, beside it (the default per front end: docs/decisions/0002-segments-for-cupy.md and
+# 0003-expandable-for-pytorch.md)
+# Note [PyTorch interop benchmark]
+# Two cases, each arm in a fresh process (PyTorch picks its allocator once per process), the arms alternating and
+# swapping which goes first from trial to trial:
+# - empty_del: µs per `a = torch.empty(n, dtype=uint8, device="cuda"); del a` pair at three sizes (host-bound: the
+#   allocator's path plus PyTorch's tensor construction);
+# - train_step: tokens/s of the parity model (tapegpt's torch twin of the GPT, reference size, AdamW) over timed
+#   steps after warm-up (the GPU is busy for most of a step, so this shows whether the allocator costs a training
+#   loop anything).
+# One CSV row per (trial, arm, case, size) with provenance. The arms: torch (PyTorch's own allocator; CSVs before
+# the arms table call it `native`), xpool (xpool.enable_torch()'s pool) and xpool_segments (the same, scheme
+# segments). For notebook 02, mixed_memory() runs a mixed loop (a PyTorch MLP step, then CuPy matmuls on its weights
+# through DLPack, feeding the next step) under xpool and under the frameworks' own pools, each in a fresh process,
+# and plot_mixed_memory draws each framework's bytes in the one pool over time beside the two pools' summed
+# peak.
 ARMS = ("torch", "xpool", "xpool_segments")
 MIXED_ARMS = ("torch", "xpool")          # the mixed loop's memory: one pool against the two frameworks' own
 SIZES = (4096, 1 << 20, 64 << 20)

@@ -1,5 +1,5 @@
 """Data-parallel training over 1..N GPUs (global batch = per-GPU batch x N), NCCL all-reduce of gradients, in two
-modes: one thread per GPU in one process, or one process per GPU (NOTES.md, Note [Data-parallel modes]).
+modes: one thread per GPU in one process, or one process per GPU (Note [Data-parallel modes], below).
 
 How it reads: `run` -> for each world, a mode's arms (`threads_arms`: a ThreadGroup; `launch`: rank processes
 running `rank_main`) -> runner.run_arm for each (trial, allocator) around rank functions built from
@@ -39,6 +39,20 @@ from xlab.provenance import git_commit, provenance
 from . import runner, train
 from .single_gpu import TRIALS
 
+# Note [Data-parallel modes]
+# Two modes, the same allocators, trials interleaved across them (A B C D, A B C D, ...):
+# - threads: one process, one Python thread per GPU, one NCCL communicator per thread (ThreadGroup: ncclCommInitRank
+#   from each thread, NCCL's one-device-per-thread pattern; the calls release the GIL). The all-reduce is fenced
+#   (train.Fenced, Note [The fence] in train.py) during warm-up, and in the timed steps only for allocators that
+#   call the device once warm: a cudaMalloc/cudaFree during a peer's NCCL kernel deadlocks. The gradient
+#   all-reduce is not overlapped with the backward pass: the tape runs backward as one call with no per-gradient
+#   hook, so buckets on a side stream would need the workload changed.
+# - processes: one process per GPU, started by mpirun (mpi4py) where it exists, else by multiprocessing spawn; each
+#   rank runs the interleaved trials itself, so launch, CUDA and NCCL start-up are paid once.
+# World 1 is the plain one-GPU loop in both modes (no communicator, no all-reduce), so a speedup is over training
+# on one GPU, not over a one-rank all-reduce. Every run carries its checks: the loss curve against a single-GPU
+# run on the same global batch (loss_rel_diff_max <= 1e-6) and the parameters across ranks after the run
+# (param_rank_diff_max < 1e-6). NVLink multicast stays off: NCCL_NVLS_ENABLE=0 in every process (no_multicast).
 BARRIER_TIMEOUT = 600      # seconds: a rank that waits longer than this has lost a peer
 
 
@@ -259,7 +273,7 @@ def merge_ranks(per_rank: list) -> list:
 def run(modes=("threads", "processes"), worlds=(1, 2), allocators=None, batch=32, steps=6, warmup=3,
         count_steps=3, config=None, launcher="auto", out="data/ddp_scaling.csv", cpu=False, progress=True,
         trials=TRIALS, resume=False):
-    """Data-parallel training (NOTES.md, Note [Data-parallel modes]): one row per (mode, world, trial, allocator),
+    """Data-parallel training (Note [Data-parallel modes]): one row per (mode, world, trial, allocator),
     written to `out` (None: none) after each block. cpu: threads mode on NumPy (tests the code, measures nothing);
     resume: keep the (world, mode) blocks an interrupted run of this commit and these settings completed."""
     no_multicast()

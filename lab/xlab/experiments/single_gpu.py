@@ -1,7 +1,7 @@
 """One GPU, reference config: steady-state tokens/s, host and GPU ms per step, what bounds the step, GPU
 utilisation, device mallocs per step and peak memory for each allocator, each run from a fresh pool and a fresh
-model (same seed); `trials` trials interleaved across the allocators and batches. The columns: NOTES.md, Note [The
-timed window].
+model (same seed); `trials` trials interleaved across the allocators and batches. The columns: Note [The timed
+window] in xlab/experiments/train.py.
 
     df = single_gpu.run()                        # writes data/single_gpu.csv, one row per (trial, batch, allocator)
     python -m xlab.experiments single --steps 10 --trials 5

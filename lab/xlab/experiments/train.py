@@ -1,5 +1,5 @@
 """One rank's training run and the row it becomes: the pieces the experiments' runner (runner.py) composes. What a
-run times and records: NOTES.md, Note [The timed window].
+run times and records: Note [The timed window], above run_rank.
 
 Data-parallel ranks flatten their gradients and the loss into one buffer, sum it over the ranks (one all-reduce
 per step) and scale by 1/world. Everything here runs on NumPy too, with `HostComm` standing in for NCCL, so the
@@ -158,6 +158,18 @@ def fence_always() -> bool:
     return value == "always"
 
 
+# Note [The fence]
+# In threads mode NCCL turns peer access on between the GPUs of one process; then a cudaMalloc or cudaFree waits
+# for the peers too, so a rank allocating while a peer's NCCL kernel waits for that rank's launch deadlocks (seen
+# on two H200s with raw cudaMalloc and with CuPy's pool during warm-up). Fenced meets the other ranks, runs the
+# collective and waits for it: no rank is inside its step while a collective is in flight. The fence costs the
+# overlap of one rank's host work with another's GPU work, so it is armed only where it is needed: during warm-up
+# for every allocator (pools call cudaMalloc while they fill), and in the timed steps only for allocators that
+# still call the device once warm (device_calls_when_warm: raw, cudaMallocAsync); a pool that makes no device call
+# once warm cannot meet that deadlock. bcast (the checks after the run) is always fenced: the check allocates fresh
+# buffers. $XLAB_FENCE=always keeps every all-reduce fenced whatever the allocator (the rows' `fenced` says so).
+
+
 class Fenced:
     """A communicator for rank threads: meet, run the collective, wait for it, while armed (Note [The fence])."""
 
@@ -276,9 +288,27 @@ def synchronizer(xp, device):
     return (lambda: None) if xp is np else xp.cuda.Device(device).synchronize
 
 
+# Note [The timed window]
+# One rank's run is a fresh model and optimiser (seed SEED), `warmup` steps, a timed window of `steps` steps, then
+# `dispatch_steps` dispatch probes. Per step the window records: wall time; the dispatching thread's CPU time
+# (time.thread_time: the host's work; it excludes waiting for the GIL and includes spinning in a synchronising CUDA
+# call); the step's span on the GPU's stream (CUDA events before and after each step); and NVML's utilisation over the
+# window (bound: gpu when the GPU was busy at least HOST_BOUND_UTIL % of it, else host; thread time alone cannot tell,
+# since a host ahead of the GPU fills the launch queue and spins in the driver). Python's garbage collector stays on
+# in every arm alike; its pauses inside the window are timed (gc.callbacks) and recorded: freezing it would change the
+# workload's memory (the tape's cycles would live to the window's end). A dispatch probe is a step started on an idle
+# device, whose thread CPU time is the host's work without waiting. The rows (COLUMNS, shared by the one-GPU and
+# data-parallel experiments): tokens_per_s over the timed steps; host_ms_per_step, dispatch_ms_per_step,
+# gpu_ms_per_step, gpu_util_mean, bound; device_mallocs_per_step after warm-up (raw and cupy_pool: counted in a
+# separate counting run in trial 0, since counting costs them time); peak reserved and requested bytes over the whole
+# run (model, warm-up and steps); loss_rel_diff_max against the first allocator's loss curve at the same batch (or a
+# one-GPU run on the same global batch). GPU clocks are not locked (they cannot be on the lent machines): interleaving
+# is the control (docs/decisions/0008-how-the-lab-measures.md).
+
+
 def run_rank(alloc, cfg, data, batch, steps, warmup, *, xp=np, device=0, rank=0, world=1, comm=None,
              barrier=None, sampler=None, dispatch_steps: int = 0) -> dict:
-    """One rank (NOTES.md, Note [The timed window]): a dict of host values (seconds, losses, peaks, ...). alloc is
+    """One rank (Note [The timed window]): a dict of host values (seconds, losses, peaks, ...). alloc is
     installed by the caller; comm: None for one rank, a Fenced one disarmed after warm-up unless the allocator calls
     the device once warm; barrier, sampler: the window's edges, NVML (rank 0). Losses stay on the device until read."""
     window = Window(lambda: alloc.device_mallocs(device), synchronizer(xp, device), barrier, sampler)
