@@ -1,4 +1,4 @@
-"""Build xpool's C core (xpool._core) and its virtual-memory ops (xpool._vmm); the rest is Python."""
+"""Build xpool's C core (xpool._core, CUDA's virtual-memory ops among it); the rest is Python."""
 from setuptools import Extension, setup
 
 CFLAGS = ["-O2", "-std=c11", "-Wall", "-Wno-unused-function",
@@ -11,14 +11,10 @@ setup(
         Extension(
             "xpool._core",
             sources=["xpool/_segments.c", "xpool/_expandable.c", "xpool/_pool.c", "xpool/_ladder.c",
-                     "xpool/_blocks.c", "xpool/_pages.c", "xpool/_alloc.c", "xpool/_torch.c", "xpool/_module.c"],
-            depends=["xpool/_core.h", "xpool/_hot.h", "xpool/_segments.h", "xpool/_expandable.h", "xpool/_vmm.h"],
-            extra_compile_args=CFLAGS,
-        ),
-        Extension(
-            "xpool._vmm",
-            sources=["xpool/_vmm_module.c", "xpool/_vmm_cuda.c"],
-            depends=["xpool/_vmm.h", "xpool/_vmm_cuda.h"],
+                     "xpool/_blocks.c", "xpool/_pages.c", "xpool/_alloc.c", "xpool/_torch.c", "xpool/_module.c",
+                     "xpool/_vmm_cuda.c"],
+            depends=["xpool/_core.h", "xpool/_hot.h", "xpool/_segments.h", "xpool/_expandable.h", "xpool/_vmm.h",
+                     "xpool/_vmm_cuda.h"],
             extra_compile_args=CFLAGS,
         ),
     ]

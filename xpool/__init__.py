@@ -1,11 +1,13 @@
 """xpool: a measured, per-device caching allocator for CuPy and PyTorch.
 
-    import xpool pool = xpool.install()            # CuPy now allocates through xpool ... xpool.stats()
-    # exact counters per device (a Snapshot; .frame() for pandas) xpool.enable_torch()              # PyTorch's CUDA
-    tensors from the same pool (before torch's first one)
+    import xpool
+    pool = xpool.install()            # CuPy now allocates through xpool
+    ...
+    xpool.stats()                     # exact counters per device (a Snapshot; .frame() for pandas)
+    xpool.enable_torch()              # PyTorch's CUDA tensors from the same pool (before torch's first one)
 
 Five settings (``xpool.Settings``: scheme, limit, debug, timeline, classes_per_doubling) come from arguments, else
-``XPOOL_*`` variables. ``xpool.backends``, ``xpool.errors`` and ``xpool.testing`` hold the rest.
+``XPOOL_*`` variables. ``xpool.backends`` and ``xpool.errors`` hold the rest.
 """
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ except ImportError as e:  # a source checkout that was never built
     raise ImportError("xpool's C core (xpool._core) is not built: run `pip install -e .` or "
                       "`python setup.py build_ext --inplace` in the repository (needs a C compiler)") from e
 
-from .backends import HostBackend
 from .cupy_adapter import MemoryPool, current, install, uninstall, use
 from .errors import CorruptionError, OutOfMemoryError
 from .pool import Pool
@@ -25,7 +26,7 @@ from .torch_allocator import enable as enable_torch   # imports torch only when 
 
 __version__ = "0.2.0"
 __all__ = [
-    "Pool", "MemoryPool", "Settings", "HostBackend", "install", "uninstall", "use", "current", "enable_torch",
+    "Pool", "MemoryPool", "Settings", "install", "uninstall", "use", "current", "enable_torch",
     "empty_cache", "stats", "OutOfMemoryError", "CorruptionError",
 ]
 
@@ -42,6 +43,8 @@ _MOVED = {
     "RequestTooLargeError": "xpool.errors.RequestTooLargeError",
     "IpcUnsupportedError": "xpool.errors.IpcUnsupportedError",
     "SCHEMES": "xpool.settings.SCHEMES",
+    "HostBackend": "the tests' host doubles (tests/xpool/fixtures/twin: xpool_twin.HostBackend)",
+    "testing": "the tests' fixture package (tests/xpool/fixtures/twin: xpool_twin.testing)",
 }
 del Snapshot
 

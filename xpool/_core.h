@@ -12,9 +12,9 @@
  *   _alloc.c      the entry paths: allocate and free (CuPy's C hooks among them), giving back
  *   _torch.c      PyTorch's pluggable-allocator entry points, without the GIL where they can
  *   _module.c     the CPython binding: the Allocation and Allocator types, argument parsing, module init
- * _hot.h holds the hit path's operations, static, so each entry path has them inlined; _vmm.h the ops table of
- * CUDA's virtual memory (_vmm_cuda.c, another module: xpool._vmm).  Only PyInit__core and the xpool_torch_*
- * functions are exported (setup.py builds with -fvisibility=hidden).
+ *   _vmm_cuda.c   CUDA's virtual-memory ops (_vmm.h's table), the driver loaded at run time; calls no other file
+ * _hot.h holds the hit path's operations, static, so each entry path has them inlined.  Only PyInit__core and the
+ * xpool_torch_* functions are exported (setup.py builds with -fvisibility=hidden).
  *
  * Data, bottom up (as in CuPy's memory.pyx):
  *   size_class()  a pure function: request bytes -> class bytes (scheme seed)
@@ -44,6 +44,7 @@
  *   Allocator.pin_lock       scheme expandable: pins (debug mode's check reads blocks) against unmaps
  *   DevicePool.lock          everything of one device's pool; then, inside it, Timeline.lock
  *   ended_lock (_pool.c)     which threads' stream keys have ended
+ *   cu.lock (_vmm_cuda.c)    the lazy retain of each device's primary context
  * No lock is ever held while Python runs (backend calls, hooks, gc) or while a device op runs: a Python call may
  * switch threads, and a thread blocked on a C mutex with the GIL would deadlock with a holder waiting for it.
  *
@@ -108,31 +109,15 @@ static inline void PyErr_SetRaisedException(PyObject *exc)
 /* ------------------------------------------------------------------ tables (Block: _segments.h) */
 #define TOMBSTONE ((Block *)1)
 
-typedef struct {
-    Block **slots;
-    size_t cap;             /* power of two */
-    size_t used;            /* live entries */
-    size_t filled;          /* live + tombstones */
-} PtrTable;
-
-typedef struct Bin {
-    intptr_t stream;
-    size_t size;
-    Block *top;
-    size_t count;
-} Bin;
-
-typedef struct {
-    Bin **slots;
-    size_t cap;
-    size_t used;
-} BinTable;
+typedef struct { Block **slots; size_t cap, used, filled; } PtrTable;   /* cap a power of two; filled: + tombstones */
+typedef struct Bin { intptr_t stream; size_t size; Block *top; size_t count; } Bin;   /* a LIFO stack of free Blocks */
+typedef struct { Bin **slots; size_t cap, used; } BinTable;
 
 /* ------------------------------------------------------------------ device pools */
 
 typedef struct {
     uint64_t requests, hits, misses, device_mallocs, device_frees, frees;
-    uint64_t device_maps, device_unmaps;   /* scheme expandable: ops.map / ops.unmap calls that succeeded */
+    uint64_t device_maps, device_unmaps;   /* scheme expandable: maps that succeeded, unmaps that unmapped pages */
     uint64_t oom_recoveries, oom_errors;
     uint64_t blocks_in_use, blocks_cached;
     uint64_t bytes_in_use;            /* bytes of blocks in use (their class or range) */
@@ -147,12 +132,8 @@ typedef struct {
     uint64_t bytes_in_use_by[XP_ORIGINS];
 } Stats;
 
-/* Device allocations a pool holds for one stream key: the streams asked before anything goes back there
- * (Note [Capture: every stream of a device]). */
-typedef struct {
-    intptr_t key;
-    uint64_t allocations;
-} StreamUse;
+/* Device allocations a pool holds for one stream key: the streams asked before anything goes back there. */
+typedef struct { intptr_t key; uint64_t allocations; } StreamUse;
 
 typedef struct DevicePool {
     pthread_mutex_t lock;
@@ -372,86 +353,67 @@ extern const XpScheme xp_seed, xp_segments, xp_expandable;
 
 /* ------------------------------------------------------------------ _pool.c */
 
-int xp_pool_module_init(void);   /* with the GIL, once */
-/* ValueError unless 0 <= device < A->n_devices; 0 when it is. */
-int xp_check_device(const Allocator *A, int device);
-/* A device's pool, made on first use (NULL with an exception); device checked by the caller. */
-DevicePool *pool_get(Allocator *A, int device);
+int xp_pool_module_init(void);                              /* with the GIL, once */
+int xp_check_device(const Allocator *A, int device);       /* ValueError unless 0 <= device < A->n_devices */
+DevicePool *pool_get(Allocator *A, int device);            /* made on first use; NULL with an exception */
 static inline DevicePool *pool_lookup(Allocator *A, int device)
 {
     return atomic_load_explicit(&A->pools[device], memory_order_acquire);
 }
-/* The device's total bytes (0: unknown), asked of the backend once, with the GIL. */
-uint64_t pool_capacity(Allocator *A, DevicePool *pool);
-/* The same, as the first miss asked it, without calling Python (0: not asked, or unknown). */
-uint64_t pool_known_capacity(DevicePool *pool);
+uint64_t pool_capacity(Allocator *A, DevicePool *pool);    /* the device's bytes (0: unknown), asked once, GIL held */
+uint64_t pool_known_capacity(DevicePool *pool);            /* the same as asked so far, without Python */
 
-/* The debug hook (a new reference, NULL when off) and its tail as one pair; drop_hook() drops it keeping any
- * exception set; set_hook() swaps hook (None: off) and tail together; call_hook() calls hook.<name>(info), -1
- * with its exception set if it raised. */
+/* The debug hook: a new reference with its tail (NULL when off), dropped keeping any exception set, swapped with its
+ * tail (None: off), called as hook.<name>(info) (-1 with its exception). */
 PyObject *block_info(const Block *b, size_t requested);
 PyObject *debug_snapshot(Allocator *A, size_t *tail);
 void drop_hook(PyObject *hook);
 void set_hook(Allocator *A, PyObject *hook, size_t tail);
 int call_hook(PyObject *hook, const char *name, const Block *b, size_t requested);
 
-/* The stream keys holding device allocations (pool lock held): `key`'s entry, made when `make`; NULL if none. */
+/* The stream keys holding device allocations (pool lock held): `key`'s entry (made when `make`), and one gone. */
 StreamUse *stream_use(DevicePool *pool, intptr_t key, int make);
-void stream_use_gone(DevicePool *pool, intptr_t key);   /* a device allocation of `key` went back */
-/* Whether a stream of keys[0..k) captures (keys[0]: the legacy stream, keys[1]: the request's), each asked through
- * `ask`; another thread's per-thread stream counts as capturing while that thread lives.  Its first nonzero answer
- * (-1: its error). */
+void stream_use_gone(DevicePool *pool, intptr_t key);
+/* Whether a stream of keys[0..k) captures (keys[0] the legacy stream, keys[1] the request's), each asked through
+ * `ask`; another thread's per-thread stream captures while it lives.  The first nonzero answer (-1: an error). */
 int streams_capture(Allocator *A, int device, const intptr_t *keys, size_t k, int (*ask)(Allocator *, int, intptr_t));
-/* captures() of the schemes whose device calls are backend.malloc/free (the backend's .capturing). */
-int backend_captures(Allocator *A, DevicePool *pool, intptr_t key);
+int backend_captures(Allocator *A, DevicePool *pool, intptr_t key);   /* captures() over backend.capturing */
 static inline int device_captures(Allocator *A, DevicePool *pool, intptr_t key)
 {
     return A->ops->captures(A, pool, key);
 }
-
 /* Raises xpool.OutOfMemoryError for a request (reason: what refused), chained to `cause` (stolen).  -1. */
 int raise_oom(Allocator *A, DevicePool *pool, size_t requested, size_t size, const char *reason, PyObject *cause);
 
 /* ------------------------------------------------------------------ _pages.c, for _torch.c and _module.c */
 
-/* Scheme expandable, PyTorch's miss (debug mode off, the device's ranges made: pool->vm_ready): a new block of
- * `requested` bytes, the request and the miss counted.  Runs without the GIL unless the ladder must collect garbage
- * or raise: then it takes it (g says so); NULL with the exception set, the GIL held.  The caller ends with
- * xp_gil_end(g). */
+/* PyTorch's miss of scheme expandable (debug off, pool->vm_ready): a new block, the request and miss counted, without
+ * the GIL unless the ladder collects or raises (g says; NULL with the exception, GIL held); end with xp_gil_end(g). */
 Block *xp_vm_alloc(Allocator *A, DevicePool *pool, intptr_t stream, size_t requested, int origin, XpGil *g);
-/* Pins the pages of scheme expandable (on) or lets them go (off): while any pin holds, nothing is unmapped. */
-void xp_pin_pages(Allocator *A, int on);
-/* The address range of scheme expandable holding ptr on the device: 1 with *base, *bytes; 0 when none does. */
-int xp_vm_range_of(Allocator *A, int device, uintptr_t ptr, uintptr_t *base, size_t *bytes);
-/* Scheme expandable: the backend's virtual-memory ops (backend.vmm()) into A->vmm; -1 with an exception. */
-int xp_vm_open(Allocator *A, PyObject *backend);
+void xp_pin_pages(Allocator *A, int on);   /* while a pin holds, nothing is unmapped */
+int xp_vm_range_of(Allocator *A, int device, uintptr_t ptr, uintptr_t *base, size_t *bytes);   /* 1: ptr's range */
+int xp_vm_open(Allocator *A, PyObject *backend);   /* backend.vmm()'s ops into A->vmm; -1 with an exception */
 
 /* ------------------------------------------------------------------ _alloc.c, for _torch.c and _module.c */
 
 size_t xp_size_class(size_t n, unsigned k);   /* size classes; n <= XP_MAX_REQUEST + XP_MAX_DEBUG_TAIL */
 void xp_refuse_request(unsigned long long n); /* the ValueError for n > XP_MAX_REQUEST */
-
-/* The allocation path: the block (in use), or NULL with an exception set.  device and requested checked by the
- * caller.  origin: who the block is handed to (ORIGIN_CUPY: the caller gives it a reference to A). */
+/* A block in use, or NULL with an exception (device and requested checked by the caller; ORIGIN_CUPY: the caller
+ * gives it a reference to A). */
 Block *xp_alloc(Allocator *A, int device, intptr_t stream, size_t requested, int origin);
-/* The free path: the block goes back to its own device's pool, to the cache of its stream.  Returns 0 done;
- * 1 with the debug hook's exception (the block was taken back, but the hook raised: found damage, or could not
- * poison it, and then it went back to the device); 2 a block the parent process handed out, dying in a fork()ed
- * child: forgotten; -1 with an exception: a bad device, or a pointer this pool did not hand out (nothing changed).
- * *holds_ref: the block held a reference to A (it was handed to CuPy); the caller drops it, last. */
+/* A block back to its own device's pool, to its stream's cache: 0; 1 with the debug hook's exception (taken back;
+ * a block it could not poison went back to the device); 2 a block of the parent process, in a fork()ed child:
+ * forgotten; -1 with an exception (a bad device, a pointer not handed out): nothing changed.  *holds_ref: the block
+ * held a reference to A (handed to CuPy), which the caller drops, last. */
 int xp_free(Allocator *A, int device, uintptr_t ptr, int *holds_ref);
-
-/* CuPy's CFunctionAllocator hooks (Allocator.cfunctions() hands their addresses out). */
-void *cupy_malloc(void *param, size_t size, int device);
+void *cupy_malloc(void *param, size_t size, int device);   /* CuPy's CFunctionAllocator hooks */
 void cupy_free(void *param, void *ptr, int device);
-
-/* Cached bytes back to the device until at most `keep` stay (of one stream, or all when all_streams); with
- * `empty` and keep 0, empty_cache().  Nothing while a stream of the device captures.  Bytes, or -1. */
+/* Cached bytes back until at most `keep` stay (one stream's, or all); `empty` with keep 0: empty_cache().  Nothing
+ * while a stream of the device captures.  Bytes, or -1. */
 long long xp_release(Allocator *A, DevicePool *pool, int all_streams, intptr_t stream, uint64_t keep, int empty,
                      XpGil *g);
 
 /* ------------------------------------------------------------------ _torch.c, for _module.c */
-
 PyObject *Allocator_bind_torch(Allocator *self, PyObject *unused);
 PyObject *py_torch_bound(PyObject *mod, PyObject *unused);
 

@@ -1,27 +1,26 @@
 /*
  * xpool._expandable: the range manager of the expandable scheme (Note [Expandable segments] in _pages.c).
  *
- * Per (device, stream), one large reserved address range (more when one fills up), its pages mapped as the
- * pool grows.  Every byte of a range lies in exactly one Block of its chain (Block.prev_addr/next_addr, by
- * address): mapped blocks, in use or free, and runs of unmapped pages.  The free mapped blocks are the
- * ordinary free ranges of _segments.c, in the device's FreeTree: a hit is seg_take's best fit, split and
- * merge (xe_take/xe_put), so the hit path is scheme segments'.  Unmapped runs are
- * Blocks of the chain too, kept apart from the tree in their range's own list, so a free block never merges
- * with one (seg_put merges only with free neighbours).
+ * Per (device, stream), one large reserved address range (more when one fills up), its pages mapped as the pool
+ * grows.  Every byte of a range lies in exactly one Block of its chain (Block.prev_addr/next_addr, by address):
+ * mapped blocks, in use or free, and runs of unmapped pages.  The free mapped blocks are the ordinary free ranges of
+ * _segments.c, in the device's FreeTree: a hit is seg_take's best fit, split and merge (xe_take/xe_put), so the hit
+ * path is scheme segments'.  Unmapped runs are Blocks of the chain too, kept apart from the tree in their range's own
+ * list, so a free block never merges with one (seg_put merges only with free neighbours).
  *
- * Only a miss maps pages, and only releases (empty_cache, trim, the ladder) unmap them.  Both are planned under the core's pool lock, the
- * device ops (_vmm.h) are called after (with the lock dropped, if the core likes), and a finish call commits
- * or rolls back, under the lock again.  While a plan is in flight its pieces are out of every list, so other
- * threads' takes, puts and plans never touch them; the bytes of mapped pieces count on XeDelta.held (the
- * core keeps them on bytes_releasing, so reserved stays the mapped bytes throughout).
+ * Only a miss maps pages, and only releases (empty_cache, trim, the ladder) unmap them.  Both are planned under the
+ * core's pool lock, the device ops (_vmm.h) are called after (with the lock dropped, if the core likes), and a finish
+ * call commits or rolls back, under the lock again.  While a plan is in flight its pieces are out of every list, so
+ * other threads' takes, puts and plans never touch them; the bytes of mapped pieces count on XeDelta.held (the core
+ * keeps them on bytes_releasing, so reserved stays the mapped bytes throughout).
  *
  *   miss:     xe_plan_map -> (range NULL: ops.reserve(new_range), xe_add_range, plan again)
  *             -> ops.map for each of plan.map[] in order -> xe_map_finish(maps that succeeded)
  *   release:  xe_plan_unmap -> for each run: ops.unmap -> xe_unmap_finish(bytes it unmapped)
  *             -> (empty_cache) xe_take_empty -> ops.release -> xe_release_finish
  *
- * A page is never unmapped while any byte of it belongs to a block in use or held by a plan: only whole
- * pages inside one free block are planned.  Nothing here locks, calls Python or a device op.
+ * A page is never unmapped while any byte of it belongs to a block in use or held by a plan: only whole pages inside
+ * one free block are planned.  Nothing here locks, calls Python or a device op.
  */
 #ifndef XPOOL_EXPANDABLE_H
 #define XPOOL_EXPANDABLE_H

@@ -54,10 +54,9 @@ static inline size_t mix(uint64_t x)
 
 #define PTRTABLE_MIN_CAP 256
 
-/* Rehashes into a table sized for the live entries alone, dropping the
- * tombstones: at most a quarter full afterwards, so the next rehash is at
- * least cap/4 inserts away (amortised O(1)), and a table whose blocks came and
- * went at ever new addresses stays as small as what is alive. */
+/* Rehashes into a table sized for the live entries alone, dropping the tombstones: at most a quarter full afterwards,
+ * so the next rehash is at least cap/4 inserts away (amortised O(1)), and a table whose blocks came and went at ever
+ * new addresses stays as small as what is alive. */
 static int ptrtable_rehash(PtrTable *t)
 {
     size_t cap = PTRTABLE_MIN_CAP;

@@ -9,8 +9,7 @@
 
 static PyObject *py_zero;
 
-/* A non-negative int argument as uint64, or an error naming it: PyArg's "K"
- * would take -1 as 2**64-1. */
+/* A non-negative int argument as uint64, or an error naming it: PyArg's "K" would take -1 as 2**64-1. */
 static int u64_arg(PyObject *o, unsigned long long *out, const char *name)
 {
     PyObject *n = PyNumber_Index(o);
@@ -339,9 +338,8 @@ static void Allocator_dealloc(Allocator *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* In a child made by fork() the parent's device memory is not ours to use or
- * free: forget every pool without touching the backend, and make the locks new
- * (one may have been held by a parent thread that does not exist here). */
+/* In a child made by fork() the parent's device memory is not ours to use or free: forget every pool without touching
+ * the backend, and make the locks new (one may have been held by a parent thread that does not exist here). */
 static PyObject *Allocator_forget_after_fork(Allocator *self, PyObject *unused)
 {
     pthread_mutex_init(&self->registry_lock, NULL);
@@ -636,14 +634,6 @@ static int timeline_resize(Allocator *self, Py_ssize_t cap)
     return 0;
 }
 
-static PyObject *Allocator_timeline_enable(Allocator *self, PyObject *args)
-{
-    Py_ssize_t cap;
-    if (!PyArg_ParseTuple(args, "n", &cap)) return NULL;
-    if (timeline_resize(self, cap) < 0) return NULL;
-    Py_RETURN_NONE;
-}
-
 /* timeline_events() -> (bytes of the events in time order, events dropped) */
 static PyObject *Allocator_timeline_events(Allocator *self, PyObject *unused)
 {
@@ -678,24 +668,13 @@ static PyObject *Allocator_set_debug(Allocator *self, PyObject *args)
 /* ------------------------------------------------------------------ the type */
 
 static PyObject *Allocator_get_k(Allocator *self, void *closure) { return PyLong_FromUnsignedLong(self->k); }
+static PyObject *Allocator_get_scheme(Allocator *A, void *c) { return PyUnicode_FromString(scheme_names[A->scheme]); }
+static PyObject *Allocator_get_settings(Allocator *A, void *c) { return Py_NewRef(A->settings ? A->settings : Py_None); }
 static PyObject *Allocator_get_tail(Allocator *self, void *closure)
 {
     size_t tail;
-    PyObject *hook = debug_snapshot(self, &tail);
-    Py_XDECREF(hook);
+    Py_XDECREF(debug_snapshot(self, &tail));
     return PyLong_FromSize_t(tail);
-}
-static PyObject *Allocator_get_scheme(Allocator *self, void *closure)
-{
-    return PyUnicode_FromString(scheme_names[self->scheme]);
-}
-static PyObject *Allocator_get_settings(Allocator *self, void *closure)
-{
-    return Py_NewRef(self->settings ? self->settings : Py_None);
-}
-static PyObject *Allocator_get_backend(Allocator *self, void *closure)
-{
-    return Py_NewRef(self->backend ? self->backend : Py_None);
 }
 static PyObject *Allocator_get_hook(Allocator *self, void *closure)
 {
@@ -709,7 +688,6 @@ static PyGetSetDef Allocator_getset[] = {
     {"scheme", (getter)Allocator_get_scheme, NULL, "'segments', 'seed' or 'expandable': how blocks are made"},
     {"settings", (getter)Allocator_get_settings, NULL, "the xpool.Settings it was made with"},
     {"debug_tail", (getter)Allocator_get_tail, NULL, "canary bytes added to each request in debug mode"},
-    {"backend", (getter)Allocator_get_backend, NULL, "the raw allocate/free backend"},
     {"debug_hook", (getter)Allocator_get_hook, NULL, "the debug hook, or None"},
     {NULL}
 };
@@ -734,8 +712,6 @@ static PyMethodDef Allocator_methods[] = {
      "table_sizes(device) -> (live table slots, live blocks, bin table slots)"},
     {"release_scan_visits", (PyCFunction)Allocator_release_scan_visits, METH_VARARGS,
      "release_scan_visits(device) -> nodes the searches for whole free segments to give back have visited"},
-    {"timeline_enable", (PyCFunction)Allocator_timeline_enable, METH_VARARGS,
-     "timeline_enable(capacity): record events into a ring of that size (0: off)"},
     {"timeline_events", (PyCFunction)Allocator_timeline_events, METH_NOARGS,
      "timeline_events() -> (raw event bytes, events dropped)"},
     {"set_debug", (PyCFunction)Allocator_set_debug, METH_VARARGS, "set_debug(hook_or_None, tail_bytes)"},
@@ -763,6 +739,49 @@ static PyTypeObject AllocatorType = {
     .tp_weaklistoffset = offsetof(Allocator, weakreflist),
 };
 
+/* ------------------------------------------------------------------ CUDA's virtual-memory ops (_vmm_cuda.c)
+ * cuda_vmm(): the driver's ops as a capsule named "xpool.vmm" (CupyBackend.vmm()); a failed op raises VmmError
+ * (VmmOutOfMemory, a MemoryError too, for XV_OOM) with .status and .done.  The tests' host twin makes capsules of
+ * the same ABI (tests/xpool/fixtures/twin). */
+
+static PyObject *VmmError, *VmmOutOfMemory;
+static XvVmm cuda_ops;
+
+static PyObject *py_cuda_vmm(PyObject *mod, PyObject *unused)
+{
+    int st;
+    Py_BEGIN_ALLOW_THREADS
+    st = xv_cuda_open(&cuda_ops);
+    Py_END_ALLOW_THREADS
+    if (st == XV_OK) return PyCapsule_New(&cuda_ops, XV_CAPSULE, NULL);
+    PyObject *type = st == XV_OOM ? VmmOutOfMemory : VmmError;
+    PyObject *exc = PyObject_CallFunction(type, "s", *xv_message() ? xv_message() : "virtual memory op failed");
+    PyObject *code = exc ? PyLong_FromLong(st) : NULL;
+    if (code && PyObject_SetAttrString(exc, "status", code) == 0 && PyObject_SetAttrString(exc, "done", py_zero) == 0)
+        PyErr_SetObject(type, exc);
+    Py_XDECREF(code);
+    Py_XDECREF(exc);
+    return NULL;
+}
+
+/* The exceptions and status codes of the ops, on the module; -1 with an exception. */
+static int add_vmm(PyObject *m)
+{
+    VmmError = PyErr_NewExceptionWithDoc("xpool._core.VmmError", "A virtual-memory op failed (.status, .done).",
+                                         PyExc_RuntimeError, NULL);
+    PyObject *bases = VmmError ? PyTuple_Pack(2, VmmError, PyExc_MemoryError) : NULL;
+    VmmOutOfMemory = bases ? PyErr_NewExceptionWithDoc("xpool._core.VmmOutOfMemory", "No physical memory (or address "
+                                                       "space) for a map or reserve.", bases, NULL) : NULL;
+    Py_XDECREF(bases);
+    if (!VmmOutOfMemory || PyModule_AddObjectRef(m, "VmmError", VmmError) < 0 ||
+        PyModule_AddObjectRef(m, "VmmOutOfMemory", VmmOutOfMemory) < 0) return -1;
+    const char *names[] = {"OK", "OOM", "INVALID", "UNAVAILABLE", "ERROR"};
+    for (int i = 0; i <= XV_ERROR; i++)
+        if (PyModule_AddIntConstant(m, names[i], i) < 0) return -1;
+    return PyModule_AddStringConstant(m, "CAPSULE", XV_CAPSULE) < 0 || PyModule_AddIntConstant(m, "ABI", XV_ABI) < 0
+           ? -1 : 0;
+}
+
 /* ------------------------------------------------------------------ module */
 
 static PyObject *py_size_class(PyObject *mod, PyObject *args)
@@ -785,6 +804,8 @@ static PyObject *py_size_class(PyObject *mod, PyObject *args)
 static PyMethodDef module_methods[] = {
     {"size_class", py_size_class, METH_VARARGS, "size_class(nbytes, k=1): the C twin of xpool.size_class"},
     {"torch_bound", py_torch_bound, METH_NOARGS, "the Allocator PyTorch's hooks serve from, or None"},
+    {"cuda_vmm", py_cuda_vmm, METH_NOARGS,
+     "The CUDA driver's ops as an 'xpool.vmm' capsule; VmmError (status UNAVAILABLE) without a usable driver."},
     {NULL}
 };
 
@@ -806,7 +827,7 @@ PyMODINIT_FUNC PyInit__core(void)
      * the GIL (see Concurrency in _core.h): a free-threaded interpreter keeps it on for us. */
     if (PyUnstable_Module_SetGIL(m, Py_MOD_GIL_USED) < 0) { Py_DECREF(m); return NULL; }
 #endif
-    if (PyModule_AddObjectRef(m, "Allocator", (PyObject *)&AllocatorType) < 0 ||
+    if (add_vmm(m) < 0 || PyModule_AddObjectRef(m, "Allocator", (PyObject *)&AllocatorType) < 0 ||
         PyModule_AddObjectRef(m, "Allocation", (PyObject *)&AllocationType) < 0 ||
         PyModule_AddIntConstant(m, "MAX_DEVICES", XP_MAX_DEVICES) < 0 ||
         PyModule_AddIntConstant(m, "EVENT_SIZE", sizeof(Event)) < 0 ||

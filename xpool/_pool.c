@@ -218,15 +218,14 @@ int call_hook(PyObject *hook, const char *name, const Block *b, size_t requested
 
 /* ------------------------------------------------------------------ the streams a pool serves
  *
- * Note [Capture: every stream of a device].  While a stream of a device captures a CUDA graph, nothing may go
- * back to that device: cudaFree (and an unmap) synchronises the device, which ends every capture on it
- * (cudaErrorStreamCaptureUnsupported) and loses the graph.  So before anything goes back the pool asks the
- * legacy stream (which reports a global-mode capture of any stream of the device), the request's stream, and
- * every stream holding memory of the pool there; a stream the pool holds memory for may have been destroyed
- * since, and asking it is undefined (cuStreamIsCapturing crashed in the driver on an H200), so such a stream is
- * asked only when the backend vouches it lives (.stream_alive).  Another thread's per-thread stream cannot be
- * asked from this thread: it counts as capturing until that thread ends.  Asked before give-backs only, never on
- * a hit, never on a miss. */
+ * Note [Capture: every stream of a device].  While a stream of a device captures a CUDA graph, nothing may go back to
+ * that device: cudaFree (and an unmap) synchronises the device, which ends every capture on it
+ * (cudaErrorStreamCaptureUnsupported) and loses the graph.  So before anything goes back the pool asks the legacy
+ * stream (which reports a global-mode capture of any stream of the device), the request's stream, and every stream
+ * holding memory of the pool there; a stream the pool holds memory for may have been destroyed since, and asking it
+ * is undefined (cuStreamIsCapturing crashed in the driver on an H200), so such a stream is asked only when the
+ * backend vouches it lives (.stream_alive).  Another thread's per-thread stream cannot be asked from this thread: it
+ * counts as capturing until that thread ends.  Asked before give-backs only, never on a hit, never on a miss. */
 
 StreamUse *stream_use(DevicePool *pool, intptr_t key, int make)
 {

@@ -1,30 +1,25 @@
 /*
  * xpool._segments: the ranges of the `segments` scheme.
  *
- * A segment is one backend allocation.  It is cut into ranges, each a Block:
- * in use (in the core's live table) or free (in the device's FreeTree).  A
- * request is served from the best-fitting free range of a segment of its own
- * stream, split when the range is larger; a range given back merges with free
- * neighbours of its segment, so a segment whose ranges are all free is one
- * free Block again, and only such whole segments go back to the backend
+ * A segment is one backend allocation.  It is cut into ranges, each a Block: in use (in the core's live table) or
+ * free (in the device's FreeTree).  A request is served from the best-fitting free range of a segment of its own
+ * stream, split when the range is larger; a range given back merges with free neighbours of its segment, so a segment
+ * whose ranges are all free is one free Block again, and only such whole segments go back to the backend
  * (empty_cache, trim, the OOM ladder).
  *
- * Note [Schemes].  seed: one device allocation per block, of its size class
- * (the design's classes: up to 1 MiB multiples of 512 B, above k classes per
- * doubling); segments: best fit in segments, split and merged (this file);
- * expandable: the same best fit in pages mapped into reserved address ranges
- * (_expandable.c).  The schemes differ on the miss side only (XpScheme).
+ * Note [Schemes].  seed: one device allocation per block, of its size class (the design's classes: up to 1 MiB
+ * multiples of 512 B, above k classes per doubling); segments: best fit in segments, split and merged (this file);
+ * expandable: the same best fit in pages mapped into reserved address ranges (_expandable.c).  The schemes differ on
+ * the miss side only (XpScheme).
  *
- * Ranges never cross segments (the neighbours are linked per segment) and a
- * segment serves one stream, so reuse stays stream-ordered as with the size
- * classes.  The tree is ordered by (stream, size, ptr): best fit is one
- * descent, O(log n) expected (a treap, its priorities hashed from the
- * address, so replays are deterministic).  Note [Whole free segments]: the
- * whole free segments are indexed apart (FreeTree.whole), so giving them
- * back walks those alone, never the free ranges of partly used segments.
+ * Ranges never cross segments (the neighbours are linked per segment) and a segment serves one stream, so reuse stays
+ * stream-ordered as with the size classes.  The tree is ordered by (stream, size, ptr): best fit is one descent,
+ * O(log n) expected (a treap, its priorities hashed from the address, so replays are deterministic).  Note [Whole
+ * free segments]: the whole free segments are indexed apart (FreeTree.whole), so giving them back walks those alone,
+ * never the free ranges of partly used segments.
  *
- * Nothing here locks, calls Python or the backend: the core calls these under
- * its DevicePool.lock and does the backend calls itself.
+ * Nothing here locks, calls Python or the backend: the core calls these under its DevicePool.lock and does the
+ * backend calls itself.
  */
 #ifndef XPOOL_SEGMENTS_H
 #define XPOOL_SEGMENTS_H

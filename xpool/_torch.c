@@ -1,25 +1,23 @@
 /* xpool._core: PyTorch's CUDAPluggableAllocator entry points (see _core.h).
  *
- * Note [PyTorch's entry points].
- * torch.cuda.memory.CUDAPluggableAllocator(xpool._core.__file__, "xpool_torch_malloc", "xpool_torch_free")
- * serves PyTorch's CUDA tensors from the same Allocator as CuPy (xpool.enable_torch() sets it up), so a
- * block one framework frees is reused by the other: same device, same stream handle (PyTorch passes its
+ * Note [PyTorch's entry points]. torch.cuda.memory.CUDAPluggableAllocator(xpool._core.__file__, "xpool_torch_malloc",
+ * "xpool_torch_free") serves PyTorch's CUDA tensors from the same Allocator as CuPy (xpool.enable_torch() sets it
+ * up), so a block one framework frees is reused by the other: same device, same stream handle (PyTorch passes its
  * current cudaStream_t; CuPy's current stream pointer is the same handle for the same stream).
  *
- * PyTorch calls these without the GIL, from any thread (its autograd engine runs backward in its own
- * threads).  The hit path and the free path touch only C structures under the pool's mutex, so they run
- * without the GIL (take_nogil, free_nogil, over _hot.h); everything that can call Python (a miss:
- * backend, OOM ladder, gc; debug hooks; error reports) takes it with PyGILState_Ensure, holding no mutex,
- * as the rest of the core does.  Scheme expandable's miss maps pages through the backend's ops, from C: it
- * runs without the GIL too (miss_nogil) and takes it only if the ladder must collect garbage or raise. */
+ * PyTorch calls these without the GIL, from any thread (its autograd engine runs backward in its own threads).  The
+ * hit path and the free path touch only C structures under the pool's mutex, so they run without the GIL (take_nogil,
+ * free_nogil, over _hot.h); everything that can call Python (a miss: backend, OOM ladder, gc; debug hooks; error
+ * reports) takes it with PyGILState_Ensure, holding no mutex, as the rest of the core does.  Scheme expandable's miss
+ * maps pages through the backend's ops, from C: it runs without the GIL too (miss_nogil) and takes it only if the
+ * ladder must collect garbage or raise. */
 #include "_hot.h"
 
 #include <dlfcn.h>
 #include <stdio.h>
 
-/* The Allocator PyTorch allocates from (Allocator.bind_torch).  Its reference is never dropped: a PyTorch
- * thread may be inside it without the GIL at any moment, and PyTorch cannot change allocators once it has
- * allocated anyway. */
+/* The Allocator PyTorch allocates from (Allocator.bind_torch).  Its reference is never dropped: a PyTorch thread may
+ * be inside it without the GIL at any moment, and PyTorch cannot change allocators once it has allocated anyway. */
 static _Atomic(Allocator *) torch_allocator;
 static _Thread_local char torch_error[1024];   /* why this thread's last xpool_torch_* call failed */
 

@@ -1,5 +1,5 @@
 /*
- * The few CUDA driver types, values and signatures _vmm.c uses, declared here so xpool builds without CUDA
+ * The few CUDA driver types, values and signatures _vmm_cuda.c uses, declared here so xpool builds without CUDA
  * headers and links no CUDA library (the driver is loaded at run time).  Prefixed XVCU_ so that
  * tests/xpool/fixtures/vmm_cuda_layout.c can include this beside <cuda.h> and check every layout and value against
  * it (tests/xpool/test_vmm.py::test_cuda_declarations_match_cuda_h).  They are the CUDA 12.0 ABI, unchanged in 13.
@@ -25,28 +25,18 @@ typedef int XVCUstreamCaptureMode;
 typedef int XVCUdriverProcAddressQueryResult;
 
 enum {
-    XVCUDA_SUCCESS = 0,
-    XVCUDA_ERROR_INVALID_VALUE = 1,
-    XVCUDA_ERROR_OUT_OF_MEMORY = 2,
-    XVCUDA_ERROR_NOT_INITIALIZED = 3,
-    XVCUDA_ERROR_DEINITIALIZED = 4,
-    XVCUDA_ERROR_STUB_LIBRARY = 34,
-    XVCUDA_ERROR_NO_DEVICE = 100,
-    XVCUDA_ERROR_INVALID_DEVICE = 101,
-    XVCUDA_ERROR_NOT_FOUND = 500,
-    XVCUDA_ERROR_NOT_SUPPORTED = 801,
+    XVCUDA_SUCCESS = 0, XVCUDA_ERROR_INVALID_VALUE = 1, XVCUDA_ERROR_OUT_OF_MEMORY = 2,
+    XVCUDA_ERROR_NOT_INITIALIZED = 3, XVCUDA_ERROR_DEINITIALIZED = 4, XVCUDA_ERROR_STUB_LIBRARY = 34, XVCUDA_ERROR_NO_DEVICE = 100,
+    XVCUDA_ERROR_INVALID_DEVICE = 101, XVCUDA_ERROR_NOT_FOUND = 500, XVCUDA_ERROR_NOT_SUPPORTED = 801,
     XVCUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906,
 };
-
-enum { XVCU_MEM_ALLOCATION_TYPE_PINNED = 0x1 };
-enum { XVCU_MEM_HANDLE_TYPE_NONE = 0x0 };
-enum { XVCU_MEM_LOCATION_TYPE_DEVICE = 0x1 };
-enum { XVCU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3 };
-enum { XVCU_MEM_ALLOC_GRANULARITY_MINIMUM = 0x0, XVCU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 0x1 };
-enum { XVCU_STREAM_CAPTURE_STATUS_NONE = 0 };
-enum { XVCU_STREAM_CAPTURE_MODE_RELAXED = 2 };
-enum { XVCU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102 };
-enum { XVCU_GET_PROC_ADDRESS_DEFAULT = 0 };
+enum {
+    XVCU_MEM_ALLOCATION_TYPE_PINNED = 0x1, XVCU_MEM_HANDLE_TYPE_NONE = 0x0, XVCU_MEM_LOCATION_TYPE_DEVICE = 0x1,
+    XVCU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3, XVCU_MEM_ALLOC_GRANULARITY_MINIMUM = 0x0,
+    XVCU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 0x1, XVCU_STREAM_CAPTURE_STATUS_NONE = 0,
+    XVCU_STREAM_CAPTURE_MODE_RELAXED = 2, XVCU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102,
+    XVCU_GET_PROC_ADDRESS_DEFAULT = 0,
+};
 
 typedef struct {
     int type;                        /* CUmemLocationType */

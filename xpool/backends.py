@@ -1,13 +1,12 @@
 """Raw allocate/free backends: the only code that touches device memory.
 
-`Backend` is the contract (a `typing.Protocol`); `HostBackend` (host memory standing in for devices, for tests and CPU
-machines) and `CupyBackend` (cudaMalloc/cudaFree through CuPy) implement it.
+`Backend` is the contract (a `typing.Protocol`); `CupyBackend` (cudaMalloc/cudaFree through CuPy, and CUDA's virtual
+memory) implements it.  The tests' host backends (tests/xpool/fixtures/twin: xpool_twin.HostBackend, TwinBackend) run
+a pool over host memory.
 """
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
 import weakref
 from typing import Protocol, runtime_checkable
 
@@ -63,131 +62,6 @@ class Backend(Protocol):
 
     def total_memory(self, device: int) -> int:
         """The device's total bytes (for ``fraction`` limits and too-large requests)."""
-
-
-# every HostBackend alive, so a fork()ed child can replace their locks
-_host_backends: "weakref.WeakSet[HostBackend]" = weakref.WeakSet()
-
-
-def _host_backends_after_fork_in_child() -> None:
-    # a parent thread may have held a backend's lock at the fork: it would never be released here
-    for backend in list(_host_backends):
-        backend._lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_host_backends_after_fork_in_child)
-
-
-class HostBackend:
-    """Real host memory standing in for devices, so the whole core runs on a CPU.
-
-    The current device and stream are per thread, like CUDA's.  Usable in a ``fork()``ed child.  It keeps its own
-    accounting to check a pool against: ``used(device)``, ``high_water[device]``, ``mallocs``, ``frees``.  It has no
-    ``vmm()``: the expandable scheme needs CUDA's virtual memory (the tests run it over a host twin of their own).
-
-    Args:
-        capacity (int): bytes per "device"; past it ``malloc`` raises
-            ``DeviceOutOfMemory``, as a full device would.  None: unbounded.
-        n_devices (int): how many devices it pretends to have.
-    """
-
-    def __init__(self, capacity: int | None = None, n_devices: int = 8):
-        self.capacity = capacity
-        self.n_devices = n_devices
-        self._libc = ctypes.CDLL(None)
-        self._libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
-                                              ctypes.c_size_t]
-        self._libc.free.argtypes = [ctypes.c_void_p]
-        self._lock = threading.Lock()        # guards _live, _used, high_water, mallocs, frees
-        self._live: dict[int, tuple[int, int]] = {}   # ptr -> (device, nbytes)
-        self._used = [0] * n_devices
-        self.high_water = [0] * n_devices    # the most bytes each device ever held
-        self._local = threading.local()
-        self.mallocs = 0                     # raw calls, to check the core's counters against
-        self.frees = 0
-        _host_backends.add(self)
-
-    @property
-    def capacity(self) -> int | None:
-        """Bytes per device (None: unbounded)."""
-        return self._capacity
-
-    @capacity.setter
-    def capacity(self, value: int | None) -> None:
-        self._capacity = value
-
-    # the current device and stream, per thread
-    def current_device(self) -> int:
-        return getattr(self._local, "device", 0)
-
-    def set_device(self, device: int) -> None:
-        self._check_device(device)
-        self._local.device = device
-
-    def current_stream(self) -> int:
-        return getattr(self._local, "stream", 0)
-
-    def set_stream(self, stream: int) -> None:
-        self._local.stream = stream
-
-    def device_count(self) -> int:
-        return self.n_devices
-
-    def total_memory(self, device: int) -> int:
-        self._check_device(device)
-        return self.capacity if self.capacity is not None else 1 << 40
-
-    def _check_device(self, device: int) -> None:
-        if not 0 <= device < self.n_devices:
-            raise ValueError(f"device must be in [0, {self.n_devices}), got {device}")
-
-    def malloc(self, device: int, nbytes: int) -> int:
-        self._check_device(device)
-        with self._lock:
-            if self.capacity is not None and self._used[device] + nbytes > self.capacity:
-                raise DeviceOutOfMemory(
-                    f"host device {device}: {nbytes} B requested, "
-                    f"{self.capacity - self._used[device]} B free")
-            self._used[device] += nbytes
-            self.high_water[device] = max(self.high_water[device], self._used[device])
-        out = ctypes.c_void_p()
-        if self._libc.posix_memalign(ctypes.byref(out), 512, max(nbytes, 1)) != 0:
-            with self._lock:
-                self._used[device] -= nbytes
-            raise DeviceOutOfMemory(f"posix_memalign refused {nbytes} B")
-        with self._lock:
-            self._live[out.value] = (device, nbytes)
-            self.mallocs += 1
-        return out.value
-
-    def free(self, device: int, ptr: int, nbytes: int) -> None:
-        with self._lock:
-            owner = self._live.pop(ptr, None)
-            if owner != (device, nbytes):
-                if owner is not None:
-                    self._live[ptr] = owner
-                raise ValueError(f"host backend: free of unknown block 0x{ptr:x} "
-                                 f"({nbytes} B on device {device}); it holds {owner}")
-            self._used[device] -= nbytes
-            self.frees += 1
-        self._libc.free(ptr)
-
-    def fill(self, device: int, ptr: int, nbytes: int, byte: int) -> None:
-        ctypes.memset(ptr, byte, nbytes)
-
-    def read(self, device: int, ptr: int, nbytes: int) -> bytes:
-        return ctypes.string_at(ptr, nbytes)
-
-    def used(self, device: int) -> int:
-        """Bytes this backend holds on ``device`` now."""
-        with self._lock:
-            return self._used[device]
-
-    def live(self) -> dict[int, tuple[int, int]]:
-        """Every block held now: ``{ptr: (device, nbytes)}``."""
-        with self._lock:
-            return dict(self._live)
 
 
 class CupyBackend:
@@ -275,8 +149,8 @@ class CupyBackend:
         """CUDA's virtual memory management for the expandable scheme: a PyCapsule ``"xpool.vmm"`` of the
         driver's cuMemAddressReserve/cuMemCreate/cuMemMap/cuMemSetAccess/cuMemUnmap, called from C in each
         device's primary context (CuPy's).  Raises ``xpool._vmm.VmmError`` when the driver or device cannot."""
-        from . import _vmm
-        return _vmm.cuda_vmm()
+        from . import _core
+        return _core.cuda_vmm()
 
     def fill(self, device: int, ptr: int, nbytes: int, byte: int) -> None:
         with _on_device(self._rt, device):

@@ -52,23 +52,20 @@ def _current_stream_fn() -> int:
 
 
 class MemoryPool(Pool):
-    """Drop-in for cupy.cuda.MemoryPool: `cupy.cuda.set_allocator(xpool.MemoryPool().malloc)`.
+    """Drop-in for cupy.cuda.MemoryPool: ``cupy.cuda.set_allocator(xpool.MemoryPool().malloc)``.
 
     CuPy's methods (malloc, free_all_blocks, used_bytes, free_bytes, total_bytes, n_free_blocks, set_limit, get_limit)
-    act on the current device, as CuPy's do; xpool's own (stats, timeline, trim...) are inherited from Pool.
-    ``malloc(size)`` returns a ``cupy.cuda.MemoryPointer`` and raises ``xpool.OutOfMemoryError`` (a CuPy
-    ``OutOfMemoryError``).
+    act on the current device, as CuPy's do; xpool's own come from Pool.  ``malloc(size)`` returns a
+    ``cupy.cuda.MemoryPointer`` and raises ``xpool.OutOfMemoryError`` (a CuPy ``OutOfMemoryError``).
 
     Args:
         settings (xpool.Settings), **fields: as for ``xpool.Pool``.
-        backend: the raw memory (default ``CupyBackend()``; ``HostBackend()``
-            runs CuPy's C allocator path over host memory, for tests).
+        backend: the raw memory (default ``CupyBackend()``; the tests' host backends run CuPy's C path on a CPU).
 
     Raises:
         ImportError: CuPy is not installed (the message says what to install).
         RuntimeError: no CUDA GPU or driver CuPy can use (with the default backend).
-        TypeError: a keyword is no setting.
-        ValueError: a bad setting, naming it.
+        TypeError, ValueError: a keyword is no setting, or a bad setting.
     """
 
     def __init__(self, settings: Settings | None = None, *, backend=None, **fields):
@@ -83,11 +80,9 @@ class MemoryPool(Pool):
                 gpus = backend.device_count()
             except Exception as e:       # CuPy's CUDARuntimeError: no driver, or one too old for this CuPy
                 raise RuntimeError(f"xpool.MemoryPool needs a CUDA GPU and its driver; CuPy cannot use one here "
-                                   f"({e}). On a CPU, xpool.Pool(xpool.HostBackend()) runs the pool over host "
-                                   "memory") from e
+                                   f"({e})") from e
             if gpus == 0:
-                raise RuntimeError("xpool.MemoryPool needs a CUDA GPU: none is visible (CUDA_VISIBLE_DEVICES?). On "
-                                   "a CPU, xpool.Pool(xpool.HostBackend()) runs the pool over host memory")
+                raise RuntimeError("xpool.MemoryPool needs a CUDA GPU: none is visible (CUDA_VISIBLE_DEVICES?)")
         # blocks are keyed by CuPy's current stream; other backends (host memory) use stream 0
         self._start(backend, settings, _current_stream_fn() if isinstance(backend, CupyBackend) else 0)
 
@@ -99,11 +94,8 @@ class MemoryPool(Pool):
         self.malloc = self._cfa.malloc     # malloc(size) -> cupy.cuda.MemoryPointer
 
     def free_all_blocks(self, stream=None) -> None:
-        """Give the current device's cached blocks back (CuPy's name for ``empty_cache``).
-
-        Args:
-            stream (cupy.cuda.Stream or int): only the blocks cached for this stream (a CuPy stream, or a
-                stream handle as ``allocate`` takes); None: all.
+        """Give the current device's cached blocks back (CuPy's name for ``empty_cache``): only those cached for
+        ``stream`` (a ``cupy.cuda.Stream`` or a handle) when one is given.
 
         Raises:
             ValueError: ``stream`` is neither.
@@ -162,12 +154,8 @@ def _pool_from(pool, kwargs) -> MemoryPool:
 
 
 def install(pool: MemoryPool | Settings | None = None, **kwargs) -> MemoryPool:
-    """Make xpool CuPy's allocator, process-wide.
-
-    Args:
-        pool (MemoryPool): the pool to install; None (or an ``xpool.Settings``): a new one from the settings
-            and ``kwargs``.
-        **kwargs: ``MemoryPool`` settings (``settings=``, or the fields of ``xpool.Settings`` as keywords).
+    """Make xpool CuPy's allocator, process-wide: ``pool``, or (None, or an ``xpool.Settings``) a new ``MemoryPool``
+    from the settings and ``kwargs`` (its settings as keywords).
 
     Returns:
         MemoryPool: the installed pool.
@@ -227,12 +215,8 @@ def current() -> MemoryPool | None:
 
 @contextlib.contextmanager
 def use(pool: MemoryPool | Settings | None = None, **kwargs):
-    """``with xpool.use() as pool:`` -- xpool for this thread inside the block, then the previous allocator.
-
-    Args:
-        pool (MemoryPool): the pool to use; None (or an ``xpool.Settings``): a new one from the settings and
-            ``kwargs``.
-        **kwargs: ``MemoryPool`` settings.
+    """``with xpool.use() as pool:``: ``pool`` (or, None or an ``xpool.Settings``, a new one from the settings and
+    ``kwargs``) for this thread inside the block, then the allocator before.
 
     Yields:
         MemoryPool: the pool in use.

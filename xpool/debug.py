@@ -1,16 +1,12 @@
 """Debug mode: poison freed blocks, guard the tail with a canary, remember where blocks came from.
 
-CuPy's, PyTorch's and RMM's pools reuse memory silently; here, in debug mode,
-- a freed block is filled with 0xFF bytes, which read as NaN in every float
-  dtype (and -1 in signed ints), so a use-after-free read shows up at once;
-- on reuse the poison is checked, so a write after free is caught;
-- every request gets `tail` extra bytes, filled with a canary checked when the
-  block comes back, so a write past the requested length is caught.
-The C core calls on_alloc / on_reuse / on_free / on_segment outside its locks, on a block no other thread can reach:
-on_alloc / on_reuse before the block is listed by `live_blocks()` (so `Pool.check()` never reads a canary not yet
-written), on_free after it left that list and before it is cached.  Each block's info says what debug mode did to it
-(`guarded`: canary written when handed out; `poisoned`: poison written when cached), so turning debug mode on in a
-pool that already holds blocks checks only what it prepared.
+CuPy's, PyTorch's and RMM's pools reuse memory silently; in debug mode a freed block is filled with 0xFF bytes (NaN in
+every float dtype, -1 in signed ints), so a use-after-free read shows at once; the poison is checked on reuse, so a
+write after free is caught; every request gets `tail` extra bytes of canary, checked when the block comes back, so a
+write past the requested length is caught.  The C core calls on_alloc / on_reuse / on_free / on_segment outside its
+locks, on a block no other thread can reach: on_alloc / on_reuse before the block is listed by `live_blocks()` (so
+`Pool.check()` never reads a canary not yet written), on_free after it left that list and before it is cached; a
+block's info says what debug mode did to it (`guarded`, `poisoned`).
 """
 from __future__ import annotations
 

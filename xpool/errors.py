@@ -29,21 +29,17 @@ def human(nbytes: int) -> str:
 class OutOfMemoryError(_cupy_oom_base()):
     """The device (or the limit) refused an allocation even after the cache was freed.
 
-    A subclass of CuPy's ``OutOfMemoryError`` when CuPy is installed (else of ``MemoryError``), so
-    code written for CuPy's pool catches it.  Its ``__cause__`` is the backend's last ``MemoryError``.
+    A subclass of CuPy's ``OutOfMemoryError`` when CuPy is installed (else of ``MemoryError``), so code written for
+    CuPy's pool catches it.  Its ``__cause__`` is the backend's last ``MemoryError``.
 
     Attributes:
-        device (int): the device.
-        requested (int): bytes asked for.
-        size (int): the bytes refused: the block's (its size class, or its range), or, under scheme expandable,
-            the whole pages its map needed.
-        bytes_in_use (int), bytes_cached (int): the device's counters when it was raised.
-        limit (int): the device's limit (0: none).
-        reason (str): ``"device"`` (the backend refused after the cache was freed and the request retried),
-            ``"limit"`` (xpool's limit, likewise), ``"limit_too_small"`` (the limit itself is smaller than what
-            the request needs: nothing was freed), ``"too_large"`` (larger than the whole device:
-            ``RequestTooLargeError``), or ``"device_capturing"`` / ``"limit_capturing"`` (refused while a stream
-            of the device was, or may have been, captured into a CUDA graph: nothing was freed, since cudaFree
+        device, requested (int): the device; the bytes asked for.
+        size (int): the bytes refused: the block's, or, under scheme expandable, the whole pages its map needed.
+        bytes_in_use, bytes_cached, limit (int): the device's counters when it was raised; its limit (0: none).
+        reason (str): ``"device"`` or ``"limit"`` (refused after the cache was freed and the request retried),
+            ``"limit_too_small"`` (the limit is smaller than the request needs: nothing was freed), ``"too_large"``
+            (larger than the whole device: ``RequestTooLargeError``), ``"device_capturing"`` / ``"limit_capturing"``
+            (refused while a stream of the device captures a CUDA graph, or may: nothing was freed, since cudaFree
             would end the capture).
     """
 

@@ -53,12 +53,11 @@ class Pool:
     when the cache is given back, and on out-of-memory recovery.  Every method may be called from any thread.
 
     Args:
-        backend: the raw allocate/free functions, an ``xpool.backends.Backend``
-            (``HostBackend()`` in tests, ``CupyBackend()`` on a GPU).
-        settings (xpool.Settings): how the pool works; None: from the keyword
-            settings, the ``XPOOL_*`` variables and the defaults.
-        **fields: settings as keywords, over ``settings``: ``scheme``,
-            ``classes_per_doubling``, ``limit``, ``debug``, ``timeline`` (see ``xpool.Settings``).
+        backend: the raw allocate/free functions, an ``xpool.backends.Backend`` (``xpool.backends.CupyBackend()``
+            on a GPU; the tests' host doubles on a CPU).
+        settings (xpool.Settings): how the pool works; None: from the keywords, the ``XPOOL_*`` variables and the
+            defaults.
+        **fields: settings as keywords, over ``settings`` (see ``xpool.Settings``).
 
     Raises:
         TypeError: ``backend`` lacks one of the methods of ``Backend``, or a keyword is no setting.
@@ -70,7 +69,7 @@ class Pool:
 
     def _start(self, backend, settings: Settings, stream_lookup: int) -> None:
         """Sets the pool up; stream_lookup: 0, or the address of `intptr_t fn(int device)` giving a device's
-        current stream (MemoryPool's CuPy lookup; xpool.testing.pool_with_stream_lookup)."""
+        current stream (MemoryPool's CuPy lookup; the tests' pool_with_stream_lookup)."""
         missing = [m for m in BACKEND_METHODS if not callable(getattr(backend, m, None))]
         if missing:
             raise TypeError(f"backend must provide {', '.join(BACKEND_METHODS)}; "
@@ -90,23 +89,17 @@ class Pool:
 
     # --- allocation (the CuPy adapter has its own C-level path)
     def allocate(self, nbytes: int, device: int | None = None, stream: int | None = None):
-        """A block of at least ``nbytes`` bytes.
-
-        Args:
-            nbytes (int): bytes wanted (0 gives the smallest class).
-            device (int): the device; None: the backend's current device.
-            stream (int): the stream handle the block is used on; it is reused
-                only there.  None: the backend's current stream.
+        """A block of at least ``nbytes`` bytes (0: the smallest) on ``device`` (None: the backend's current one), for
+        use on ``stream`` (a handle; None: the backend's current stream): it is reused only there.
 
         Returns:
-            xpool._core.Allocation: ``.ptr``, ``.size`` (its class), ``.requested``, ``.device``, ``.stream``; the
-            block goes back to the pool when ``.release()`` is called or the object dies.
+            xpool._core.Allocation: ``.ptr``, ``.size``, ``.requested``, ``.device``, ``.stream``; the block goes back
+            to the pool on ``.release()`` or when the object dies.
 
         Raises:
             ValueError: bad ``nbytes``, ``device`` or ``stream``.
-            xpool.OutOfMemoryError: the device or the limit refused the block
-                after the cache was freed and garbage collected
-                (``RequestTooLargeError`` if larger than the whole device).
+            xpool.OutOfMemoryError: the device or the limit refused the block after the cache was freed and garbage
+                collected (``xpool.errors.RequestTooLargeError``: larger than the whole device).
             xpool.CorruptionError: debug mode found damage (see ``check``).
         """
         return self._core.allocate(nbytes, self._device(device), self._stream(stream))   # nbytes checked there
@@ -137,10 +130,7 @@ class Pool:
 
     # --- statistics
     def stats(self, device: int | None = None) -> Snapshot:
-        """Exact counters of every device served (or one), as they stand: cheap, no pandas needed.
-
-        Args:
-            device (int): one device; None: every device served.
+        """Exact counters of one ``device`` or (None) every device served, as they stand: cheap, no pandas needed.
 
         Returns:
             xpool.counters.Snapshot: ``snap.device_mallocs`` (summed over devices), ``snap[device]["bytes_cached"]``,
@@ -152,10 +142,7 @@ class Pool:
         return Snapshot({d: self._core.stats(d) for d in self._devices(device)})
 
     def reset_peak_stats(self, device: int | None = None) -> None:
-        """Set the peak gauges to the current levels.
-
-        Args:
-            device (int): one device; None: every device served.
+        """Set the peak gauges of one ``device`` (None: every device served) to the current levels.
 
         Raises:
             ValueError: bad ``device``.
@@ -165,10 +152,7 @@ class Pool:
 
     # --- giving memory back
     def empty_cache(self, device: int | None = None) -> int:
-        """Give every cached block back to the device(s).
-
-        Args:
-            device (int): one device; None: every device served.
+        """Give every cached block of one ``device`` (None: every device served) back to it.
 
         Returns:
             int: bytes given back.
@@ -181,11 +165,7 @@ class Pool:
         return self._release(self._devices(device), 0)
 
     def trim(self, keep_bytes: int, device: int | None = None) -> int:
-        """Give cached blocks back until at most ``keep_bytes`` stay cached per device.
-
-        Args:
-            keep_bytes (int): cached bytes to keep on each device.
-            device (int): one device; None: every device served.
+        """Give cached blocks back until at most ``keep_bytes`` stay cached on one ``device`` (None: each served).
 
         Returns:
             int: bytes given back.
@@ -212,18 +192,15 @@ class Pool:
     # --- limits
     def set_limit(self, size: int | None = None, fraction: float | None = None,
                   device: int | None = None) -> None:
-        """Cap the bytes one device may hold for this pool (in use + cached + in flight).
-
-        The cap holds with threads sharing the device: bytes are counted against it before the backend is asked, and
-        cached bytes being given back count until the backend has freed them.  Lowering it below what is in use frees
-        nothing in use; allocations fail until enough is released.
+        """Cap the bytes one device may hold for this pool (in use + cached + in flight), with threads sharing it:
+        bytes count before the backend is asked, and until it has freed them.  Lowering it frees nothing in use.
 
         Args:
             size (int): bytes; None or 0 removes the limit.
-            fraction (float): instead of ``size``, a share of the device's
-                memory in [0, 1]; any positive share is at least 1 byte.
-            device (int): the device; None: the current device (as CuPy's
-                ``set_limit``).  ``Pool(limit=...)`` sets every device's.
+            fraction (float): instead of ``size``, a share of the device's memory in [0, 1] (a positive one is at least
+                1 byte).
+            device (int): the device; None: the current device (as CuPy's ``set_limit``; the ``limit`` setting sets
+                every device's).
 
         Raises:
             ValueError: bad ``size``, ``fraction`` or ``device``, or both given.
@@ -240,10 +217,7 @@ class Pool:
         self._core.set_limit(d, check_nbytes(size or 0, "size"))
 
     def get_limit(self, device: int | None = None) -> int:
-        """The limit of one device.
-
-        Args:
-            device (int): the device; None: the current device.
+        """The limit of one ``device`` (None: the current one).
 
         Returns:
             int: bytes, 0 when there is none.
@@ -252,10 +226,8 @@ class Pool:
 
     # --- diagnostics
     def check(self) -> None:
-        """In debug mode, report damage found so far and scan live blocks' canaries.
-
-        Safe while other threads allocate and free: a block is scanned only
-        once its canary is written and until it is freed.
+        """In debug mode, report damage found so far and scan live blocks' canaries (safe while other threads allocate
+        and free: a block is scanned once its canary is written and until it is freed).
 
         Raises:
             xpool.CorruptionError: a write past a block's end or after its free.
@@ -285,18 +257,12 @@ class Pool:
         return events_frame(*self._core.timeline_events())
 
     def check_ipc(self, ptr: int, device: int | None = None) -> None:
-        """Raise if CUDA IPC cannot share the block at ``ptr``: call it before ``cudaIpcGetMemHandle``
-        (CuPy's ``cupy.cuda.runtime.ipcGetMemHandle``) on memory of this pool.
-
-        Blocks of the expandable scheme live in pages mapped by CUDA's virtual memory management, made with no
-        shareable handle; ``cudaIpcGetMemHandle`` refuses them. Blocks of the other schemes are ``cudaMalloc``'s.
-
-        Args:
-            ptr (int): an address the pool handed out (or any address inside such a block).
-            device (int): its device; None: the current device.
+        """Raise if CUDA IPC cannot share the block at ``ptr`` (an address in a block of the pool, on ``device``; None:
+        the current one): call it before ``cudaIpcGetMemHandle``. The expandable scheme's pages are made with no shareable
+        handle, and ``cudaIpcGetMemHandle`` refuses them; the other schemes' blocks are ``cudaMalloc``'s.
 
         Raises:
-            xpool.IpcUnsupportedError: the block is in the expandable scheme's virtual memory.
+            xpool.errors.IpcUnsupportedError: the block is in the expandable scheme's virtual memory.
             ValueError: bad ``ptr`` or ``device``.
         """
         from .errors import IpcUnsupportedError
@@ -308,14 +274,10 @@ class Pool:
             raise IpcUnsupportedError(d, ptr, *found)
 
     def live_blocks(self, device: int | None = None) -> list[dict]:
-        """The blocks handed out on one device.
-
-        Args:
-            device (int): the device; None: the current device.
+        """The blocks handed out on one ``device`` (None: the current one).
 
         Returns:
-            list[dict]: ``device, ptr, size, requested, stream, serial,
-            guarded, poisoned`` per block.
+            list[dict]: ``device, ptr, size, requested, stream, serial, guarded, poisoned`` per block.
         """
         return self._core.live_blocks(self._device(device))
 

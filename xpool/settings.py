@@ -72,28 +72,27 @@ _ON = ("1", "on", "true", "yes")
 class Settings:
     """Everything a pool is configured with, resolved and checked.
 
-    Fields left None are resolved: the ``XPOOL_*`` variable of ``ENV``, else the default. A resolved Settings
-    holds normalised values (``limit="8GiB"`` becomes 8589934592). Keywords over a Settings
-    (``xpool.Pool(backend, s, debug="warn")``) replace those fields alone.
+    Fields left None are resolved: the ``XPOOL_*`` variable of ``ENV``, else the default; a resolved Settings holds
+    normalised values (``limit="8GiB"`` becomes 8589934592), and keywords over it (``xpool.Pool(backend, s, debug="warn")``)
+    replace those fields alone.
 
     Attributes:
-        scheme (str): how blocks are made (``XPOOL_SCHEME``): ``"segments"`` (CuPy's default): best fit in segments
-            of one ``cudaMalloc`` each, split and merged; ``"expandable"`` (the default of ``xpool.enable_torch()``):
-            best fit in pages mapped into one reserved address range per stream as the pool grows (CUDA's virtual
-            memory; needs a backend with ``vmm()``; no CUDA IPC of its blocks); ``"seed"``: the design's size
-            classes, one ``cudaMalloc`` per block, kept as the reference.
+        scheme (str): how blocks are made (``XPOOL_SCHEME``): ``"segments"`` (CuPy's default), best fit in segments of one
+            ``cudaMalloc`` each; ``"expandable"`` (``xpool.enable_torch()``'s default), best fit in pages mapped into one
+            reserved address range per stream (CUDA's virtual memory; no CUDA IPC of its blocks); ``"seed"``, the
+            design's size classes, one ``cudaMalloc`` per block, kept as the reference.
         classes_per_doubling (int): scheme seed: classes between p and 2p above 1 MiB, 1 to 64
             (``XPOOL_CLASSES_PER_DOUBLING``; default 1, powers of two).
         limit (int or float): bytes each device may hold for the pool, in use, cached and in flight
-            (``XPOOL_MEMORY_LIMIT``): an int (0: no limit), a float in (0, 1] (that share of each device's memory),
-            or text: ``"8GiB"``, ``"500MB"``, ``"1073741824"``, ``"50%"``.
-        debug (str or bool): ``"raise"``, ``"warn"`` or False (``XPOOL_DEBUG``: also ``1``/``on``, ``0``/``off``);
-            True means ``"raise"``. See ``xpool.debug``.
+            (``XPOOL_MEMORY_LIMIT``): an int (0: none), a float in (0, 1] (that share of each device), or text
+            (``"8GiB"``, ``"500MB"``, ``"50%"``).
+        debug (str or bool): ``"raise"``, ``"warn"`` or False (``XPOOL_DEBUG``: also ``1``/``on``, ``0``/``off``); True
+            is ``"raise"``. See ``xpool.debug``.
         timeline (int): allocation events kept in a ring (``XPOOL_TIMELINE``; 0: off); ``Pool.timeline()`` reads them.
 
     Args:
-        frontend (str or None): whose default scheme fills a scheme left None: xpool's (None) or ``"torch"``, the
-            pool ``xpool.enable_torch()`` makes (``FRONTEND_SCHEMES``); its source then says ``"default (torch)"``.
+        frontend (str or None): whose default scheme fills a scheme left None: xpool's (None) or ``"torch"``
+            (``FRONTEND_SCHEMES``); its source then says ``"default (torch)"``.
 
     Raises:
         ValueError: a bad value, or a removed setting, naming the argument or variable it came from.
@@ -326,16 +325,6 @@ def _debug(value, source: str):
 
 _PARSERS = {"scheme": _scheme, "classes_per_doubling": _classes, "limit": _limit, "debug": _debug,
             "timeline": _timeline}
-
-
-def check_timeline(capacity, name: str = "capacity") -> int:
-    """Events a timeline keeps; a ValueError naming ``name``."""
-    return _timeline(capacity, name)
-
-
-def parse_debug(mode, name: str = "mode"):
-    """A debug mode: ``"raise"``, ``"warn"``, or False (off); a ValueError naming ``name``."""
-    return False if mode is None else _debug(mode, name)
 
 
 def _shown(name: str, value) -> str:

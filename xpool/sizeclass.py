@@ -1,4 +1,4 @@
-"""Size classes: the pure function that decides how many bytes a request really takes."""
+"""Size classes (scheme seed): how many bytes a request really takes; the checks of a byte count."""
 from __future__ import annotations
 
 import operator
@@ -41,35 +41,14 @@ def check_classes_per_doubling(k) -> int:
 
 
 def size_class(nbytes: int, classes_per_doubling: int = 1) -> int:
-    """Bytes actually reserved for an nbytes request.
+    """Bytes scheme seed reserves for an ``nbytes`` request (the C core's function, its arguments checked here).
 
     Up to 1 MiB: the next multiple of 512 B (at least 512).  Above: with k classes per doubling, the classes between p
     and 2p (p a power of two) are p + j*p/k for j = 1..k, each rounded up to 512 B; k=1 is the next power of two.  k=4
     bounds the waste at 25 % of p, about 20 % of the class.
 
-    Args:
-        nbytes (int): the request, 0 to 2**48.
-        classes_per_doubling (int): k, 1 to 64.
-
-    Returns:
-        int: the class size in bytes, a multiple of 512 and >= nbytes.
-
     Raises:
-        ValueError: bad ``nbytes`` or ``classes_per_doubling``, naming it.
+        ValueError: bad ``nbytes`` (0 to 2**48) or ``classes_per_doubling`` (1 to 64), naming it.
     """
-    n = check_nbytes(nbytes)
-    k = check_classes_per_doubling(classes_per_doubling)
-    if n <= SMALL_MAX:
-        return max(ALIGN, -(-n // ALIGN) * ALIGN)
-    p = 1 << ((n - 1).bit_length() - 1)      # p < n <= 2p
-    j = -(-(n - p) * k // p)                 # least j with p + j*p/k >= n
-    # rounding class j-1 up to 512 B may already cover n (p/k >= 16 KiB: one step at most)
-    if j > 1 and _klass(p, j - 1, k) >= n:
-        j -= 1
-    return _klass(p, j, k)
-
-
-def _klass(p: int, j: int, k: int) -> int:
-    """The j-th of the k classes between p and 2p."""
-    cls = p + -(-j * p // k)
-    return -(-cls // ALIGN) * ALIGN
+    from . import _core
+    return _core.size_class(check_nbytes(nbytes), check_classes_per_doubling(classes_per_doubling))

@@ -1,15 +1,16 @@
 """One pool for CuPy and PyTorch: PyTorch's CUDA tensors through xpool.
 
-    import torch, xpool pool = xpool.enable_torch()        # first thing, before PyTorch's first CUDA allocation ...
-    # cupy and torch now draw from one pool pool.stats()[["bytes_in_use_cupy", "bytes_in_use_torch"]]
+    import torch, xpool
+    pool = xpool.enable_torch()        # first thing, before PyTorch's first CUDA allocation
+    ...                                # cupy and torch now draw from one pool
+    pool.stats().bytes_in_use_torch
 
 PyTorch's `CUDAPluggableAllocator` loads two C functions by name from xpool's core (`xpool._core`):
-`xpool_torch_malloc(size, device, stream)` and `xpool_torch_free(ptr, size, device, stream)`. They serve
-from the Allocator CuPy uses, so a block one framework frees is reused by the other (same device and
-stream). Importing xpool does not import torch; this module imports it only inside `enable()`.
-
-The pool `enable()` makes (none given, none installed for CuPy) is scheme expandable unless a scheme is set
-(`FRONTEND_SCHEMES` in xpool/settings.py), as PyTorch's own expandable segments.
+`xpool_torch_malloc(size, device, stream)` and `xpool_torch_free(ptr, size, device, stream)`. They serve from the
+Allocator CuPy uses, so a block one framework frees is reused by the other (same device and stream); Note [PyTorch's
+entry points] in xpool/_torch.c.  Importing xpool does not import torch; this module imports it only in `enable()`.
+The pool `enable()` makes (none given, none installed for CuPy) is scheme expandable unless a scheme is set, as
+PyTorch's own expandable segments (docs/decisions/0003).
 """
 from __future__ import annotations
 
@@ -44,16 +45,10 @@ def enabled():
 
 
 def enable(pool=None, **settings):
-    """Serve PyTorch's CUDA allocations from xpool's pool (CuPy's, installed here if it is not yet).
-
-    Must run before PyTorch's first CUDA allocation; the choice holds for the life of the process.
-    Calling it again returns the same pool.
-
-    Args:
-        pool (MemoryPool): the pool to share; None: the installed one, else a new one from ``settings``,
-            whose scheme, unless one is set (``scheme=``, ``settings=``, ``XPOOL_SCHEME``), is ``"expandable"``
-            (``"segments"`` with a warning where the driver or device has no virtual memory management).
-        **settings: ``MemoryPool`` settings, as for ``xpool.install()``.
+    """Serve PyTorch's CUDA allocations from xpool's pool (CuPy's, installed here if it is not yet): ``pool``, else the
+    installed one, else a new one from ``settings`` (``MemoryPool``'s), scheme ``"expandable"`` unless one is set
+    (``"segments"``, with a warning, where the driver or device has no virtual memory management).  Must run before
+    PyTorch's first CUDA allocation; it holds for the life of the process; calling it again returns the same pool.
 
     Returns:
         MemoryPool: the pool PyTorch and CuPy now allocate from.

@@ -28,7 +28,7 @@ from xlab.paths import publish, write_csv
 from xlab.provenance import provenance
 from xpool.pool import Pool
 from xpool.sizeclass import ALIGN, size_class
-from xpool.testing import allocate_function
+from xpool_twin.testing import allocate_function
 from xpool_twin import TwinBackend
 
 KS = (1, 2, 4, 8)

@@ -5,6 +5,7 @@ import shutil
 import pytest
 
 import xpool
+import xpool_twin
 from xlab.builds import load_xpool
 
 MiB = 1 << 20
@@ -21,13 +22,13 @@ def other(tmp_path_factory):
 
 def test_the_other_build_runs_beside_this_one(other):
     assert other._core is not xpool._core and other.Settings is not xpool.Settings
-    mine, theirs = xpool.Pool(xpool.HostBackend()), other.Pool(other.HostBackend(), scheme="seed")
+    mine, theirs = xpool.Pool(xpool_twin.HostBackend()), other.Pool(other.HostBackend(), scheme="seed")
     a, b = mine.allocate(MiB), theirs.allocate(MiB)
     assert (mine.stats().device_mallocs, theirs.stats().device_mallocs) == (1, 1)
     assert mine.settings.scheme == "segments" and theirs.settings.scheme == "seed"
     del a, b
     with pytest.raises(TypeError, match="of the package that loaded this core"):
-        xpool._core.Allocator(xpool.HostBackend(), None, other.Settings())   # each core trusts its own
+        xpool._core.Allocator(xpool_twin.HostBackend(), None, other.Settings())   # each core trusts its own
 
 
 def test_loading_is_idempotent_and_refuses_this_build_and_taken_names(other, tmp_path):

@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 import xpool
+import xpool_twin
 from xlab import allocators as registry
 from xlab.bench import dynamic, dynamic_workloads as wl
 from xlab.experiments.train import Window
@@ -230,7 +231,7 @@ def test_row_gives_device_calls_per_steady_step():
 
 def test_xpool_device_calls_are_its_mallocs_and_frees():
     alloc = object.__new__(registry.XPool)
-    alloc.pool = xpool.Pool(xpool.HostBackend())
+    alloc.pool = xpool.Pool(xpool_twin.HostBackend())
     blocks = [alloc.pool.allocate(n) for n in (1000, 5 << 20, 300_000, 40 << 20)]
     del blocks
     alloc.pool.empty_cache()

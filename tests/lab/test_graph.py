@@ -1,3 +1,4 @@
+import xpool_twin
 """tapegpt.graph.CapturedStep's protocol on a CPU, over a stand-in for CuPy's streams and graphs, and the registry's
 `_graph` arms. The GPU tests (test_gpu_graph.py) check the real capture, bit for bit."""
 import contextlib
@@ -177,7 +178,7 @@ def host_pools(monkeypatch):
     import functools
 
     import xpool
-    monkeypatch.setattr("xpool.MemoryPool", functools.partial(xpool.MemoryPool, backend=xpool.HostBackend()))
+    monkeypatch.setattr("xpool.MemoryPool", functools.partial(xpool.MemoryPool, backend=xpool_twin.HostBackend()))
 
 
 def test_graph_arms_are_pools_with_the_name_given(host_pools):

@@ -5,7 +5,9 @@ import ctypes
 import pytest
 
 import xpool
-from xpool import HostBackend, Pool, _core, testing
+from xpool import Pool, _core
+from xpool_twin import testing
+from xpool_twin import HostBackend
 from xpool_twin import TwinBackend
 
 MiB = 1 << 20

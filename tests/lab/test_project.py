@@ -120,19 +120,20 @@ def private_uses(source: str) -> list[str]:
 
 def test_the_private_use_check_finds_each_kind():
     bad = ("import xpool._core\nfrom xpool import _core\nfrom xpool.cupy_adapter import _capsule_fn\n"
-           "import xpool\nfrom xpool import testing, Pool\n"
-           "xpool.cupy_adapter._current_stream_fn()\npool._core.cfunctions()\ntesting._capsule_fn\n"
+           "import xpool\nfrom xpool import cupy_adapter, Pool\n"
+           "xpool.cupy_adapter._current_stream_fn()\npool._core.cfunctions()\ncupy_adapter._capsule_fn\n"
            "Pool(b, _segments={})\nf(_stream_fn=0)\nxpool.MemoryPool(_private=1)\n")
     assert len(private_uses(bad)) == 9
-    good = ("import xpool\nfrom xpool import testing\nfrom xpool.sizeclass import ALIGN\n"
+    good = ("import xpool\nfrom xpool_twin import testing\nfrom xpool.sizeclass import ALIGN\n"
             "testing.cfunctions(pool)\nxpool.Pool(b, release_idle=0)\nobj._other = 1\nf(_own=1)\n"
             "import numpy as np\nnp._core.multiarray\n")
     assert private_uses(good) == []
 
 
 def test_the_lab_and_the_workload_use_only_xpools_public_api():
-    """xlab and tapegpt configure and measure pools through xpool's public API (xpool.Settings, xpool.testing),
-    never its private names (tests/ may, where they test internals)."""
+    """xlab and tapegpt configure and measure pools through xpool's public API (xpool.Settings; the C hooks
+    through the tests' fixture package, xpool_twin.testing), never its private names (tests/ may, where they test
+    internals)."""
     problems = []
     for pkg in ("xlab", "tapegpt"):
         for path in sorted(PACKAGES[pkg].rglob("*.py")):

@@ -63,7 +63,8 @@ def test_in_use_by_origin_follows_both_frameworks():
     import ctypes
 
     import xpool
-    from xpool import HostBackend, _core
+    from xpool import _core
+    from xpool_twin import HostBackend
     pool = xpool.Pool(HostBackend(), timeline=1000)
     pool._core.bind_torch()
     lib = ctypes.CDLL(_core.__file__)

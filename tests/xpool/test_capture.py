@@ -5,7 +5,8 @@ GPU test of the captured training step is tests/lab/test_gpu_graph.py."""
 import pytest
 
 import xpool
-from xpool import HostBackend, Pool
+from xpool import Pool
+from xpool_twin import HostBackend
 
 MiB = 1 << 20
 

@@ -7,7 +7,8 @@ import pytest
 
 import xpool
 from faults import in_child as in_forked_child
-from xpool import HostBackend, Pool
+from xpool import Pool
+from xpool_twin import HostBackend
 from xpool.debug import CANARY, POISON
 
 

@@ -15,7 +15,8 @@ import pytest
 
 import xpool
 from faults import AddressBackend, FaultyBackend, InjectedFault, in_child
-from xpool import HostBackend, Pool
+from xpool import Pool
+from xpool_twin import HostBackend
 from xpool.debug import CANARY, DEFAULT_TAIL, POISON, DebugHook
 
 

@@ -14,8 +14,10 @@ import threading
 import pytest
 
 import xpool
-import xpool.testing
-from xpool import HostBackend, Pool, _core
+import xpool_twin
+import xpool_twin.testing
+from xpool import Pool, _core
+from xpool_twin import HostBackend
 
 KiB, MiB = 1 << 10, 1 << 20
 PER_THREAD = 2                                  # cudaStreamPerThread's handle
@@ -316,8 +318,8 @@ def test_4_torch_path_a_new_thread_never_gets_a_dead_threads_per_thread_block(to
 def test_4_cupy_path_a_new_thread_never_gets_a_dead_threads_per_thread_block():
     cupy_memory = pytest.importorskip("cupy.cuda.memory")
     fn = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int)(lambda device: PER_THREAD)
-    pool = xpool.testing.pool_with_stream_lookup(HostBackend(), ctypes.cast(fn, ctypes.c_void_p).value)
-    param, malloc_fn, free_fn = xpool.testing.cfunctions(pool)
+    pool = xpool_twin.testing.pool_with_stream_lookup(HostBackend(), ctypes.cast(fn, ctypes.c_void_p).value)
+    param, malloc_fn, free_fn = xpool_twin.testing.cfunctions(pool)
 
     def alloc_free():
         mem = cupy_memory.CFunctionAllocatorMemory(4096, param, malloc_fn, free_fn, 0)
@@ -381,17 +383,17 @@ def test_6_a_growing_miss_searches_nothing_to_give_back():
     for _ in range(8):
         size += 512                                 # each one larger than any before
         pool.allocate(size).release()
-    assert xpool.testing.release_scan_visits(pool, 0) == 0     # a miss only adds: the one release rule
+    assert xpool_twin.testing.release_scan_visits(pool, 0) == 0     # a miss only adds: the one release rule
     assert (pool.stats() - before).device_frees == 0
 
 
 def _scan_visits_per_release(n_ranges, releases=8):
     pool, keep = _pool_with_free_ranges(n_ranges)
-    visits0 = xpool.testing.release_scan_visits(pool, 0)
+    visits0 = xpool_twin.testing.release_scan_visits(pool, 0)
     for i in range(releases):
         pool.allocate(8 * MiB + 512 * i).release()  # one whole free segment beside the partly used ones
         assert pool.empty_cache() == 8 * MiB + 512 * i
-    return (xpool.testing.release_scan_visits(pool, 0) - visits0) / releases
+    return (xpool_twin.testing.release_scan_visits(pool, 0) - visits0) / releases
 
 
 def test_6_empty_cache_does_not_walk_the_free_ranges_of_partly_used_segments():
@@ -418,7 +420,7 @@ def test_7_torch_path_refuses_an_unknown_device_before_counting(torch_pool, monk
 def test_7_cupy_path_refuses_an_unknown_device_before_counting():
     cupy_memory = pytest.importorskip("cupy.cuda.memory")
     pool = Pool(HostBackend(n_devices=2))
-    param, malloc_fn, free_fn = xpool.testing.cfunctions(pool)
+    param, malloc_fn, free_fn = xpool_twin.testing.cfunctions(pool)
     with pytest.raises(ValueError, match=r"device must be .*\[0, 2\).* got 5"):
         cupy_memory.CFunctionAllocatorMemory(100, param, malloc_fn, free_fn, 5)
     assert list(pool.stats()) == []
@@ -533,11 +535,11 @@ def test_8_garbage_current_stream_is_refused_naming_it(stream):
 
 @pytest.mark.parametrize("lookup", ["1", "4096", "id(object())"])
 def test_8_a_bad_stream_lookup_is_refused_not_called(lookup):
-    code = ("import xpool, xpool.testing\n"
+    code = ("import xpool, xpool_twin, xpool_twin.testing\n"
             "try:\n"
-            f"    p = xpool.testing.pool_with_stream_lookup(xpool.HostBackend(), {lookup})\n"
+            f"    p = xpool_twin.testing.pool_with_stream_lookup(xpool_twin.HostBackend(), {lookup})\n"
             "    import cupy.cuda.memory as m\n"
-            "    param, f, g = xpool.testing.cfunctions(p)\n"
+            "    param, f, g = xpool_twin.testing.cfunctions(p)\n"
             "    m.CFunctionAllocatorMemory(100, param, f, g, 0)\n"
             "except (TypeError, ValueError) as e:\n"
             "    print('refused:', e)\n")

@@ -5,7 +5,8 @@ import gc
 import pytest
 
 import xpool
-from xpool import HostBackend, Pool
+from xpool import Pool
+from xpool_twin import HostBackend
 
 
 @pytest.fixture(autouse=True)

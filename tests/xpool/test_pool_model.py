@@ -7,7 +7,8 @@ from hypothesis import event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import xpool
-from xpool import HostBackend, Pool
+from xpool import Pool
+from xpool_twin import HostBackend
 
 CAPACITY = 12 << 20   # small enough that OOM recovery and OOM errors happen
 

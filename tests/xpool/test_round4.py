@@ -13,7 +13,7 @@ import threading
 import pytest
 
 import xpool
-import xpool.testing
+import xpool_twin.testing
 from xpool import CorruptionError, OutOfMemoryError, Pool, Settings
 from xpool_twin import TwinBackend
 
@@ -202,8 +202,8 @@ def test_a_stream_lookup_that_answers_a_negative_number_is_refused():
     """A stream lookup of pool_with_stream_lookup answering -1 (no error set): CuPy's hook refuses it rather than
     key the block with another thread's per-thread key."""
     lookup = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int)(lambda device: -1)
-    pool = xpool.testing.pool_with_stream_lookup(TwinBackend(), lookup)
-    param, malloc, _ = xpool.testing.cfunctions(pool)
+    pool = xpool_twin.testing.pool_with_stream_lookup(TwinBackend(), lookup)
+    param, malloc, _ = xpool_twin.testing.cfunctions(pool)
     c_malloc = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(malloc)
     with pytest.raises(ValueError, match="not a stream handle"):    # with the GIL, as CuPy calls it
         c_malloc(param, 512, 0)

@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import xpool
-from xpool import HostBackend, Pool
+from xpool import Pool
+from xpool_twin import HostBackend
 from xpool.debug import POISON
 
 KiB, MiB = 1 << 10, 1 << 20

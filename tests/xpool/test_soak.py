@@ -15,7 +15,7 @@ import time
 import pytest
 
 import xpool
-import xpool.testing
+import xpool_twin.testing
 from xpool_twin import TwinBackend
 from faults import FaultyBackend, InjectedFault
 from xpool import Pool
@@ -274,9 +274,9 @@ def soak_paths(seed: int, workers: int, ops: int, scheme: str, debug):
                                      seed=seed)
     current = threading.local()                     # the stream CuPy's hook sees, per thread
     lookup = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int)(lambda device: getattr(current, "stream", 0))
-    pool = xpool.testing.pool_with_stream_lookup(backend, lookup, scheme=scheme, limit=LIMIT, debug=debug)
+    pool = xpool_twin.testing.pool_with_stream_lookup(backend, lookup, scheme=scheme, limit=LIMIT, debug=debug)
     pool._core.bind_torch()
-    param, malloc_fn, free_fn = xpool.testing.cfunctions(pool)
+    param, malloc_fn, free_fn = xpool_twin.testing.cfunctions(pool)
     t_malloc, t_free, t_last = _torch_entry_points()
     menu = [random_size(random.Random(seed * 7 + j)) for j in range(24)]
     gate, stop = Gate(), threading.Event()

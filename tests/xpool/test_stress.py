@@ -4,7 +4,8 @@ import queue
 import random
 import threading
 
-from xpool import HostBackend, Pool
+from xpool import Pool
+from xpool_twin import HostBackend
 
 THREADS, DEVICES, OPS = 8, 3, 1500
 

@@ -22,6 +22,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 import xpool
+import xpool_twin
 from xlab import allocators as registry, intervals
 from xlab.allocators import KIB, MIB, NoGPU
 from xlab.bench import at_least, gc_paused
@@ -290,7 +291,7 @@ HOST_COLUMNS = ["allocator", "scenario", "size_bytes", "trial", "ns_per_pair", "
 def host_pool(scheme: str, busy: bool, seed: int = 0):
     """An xpool.Pool of `scheme` over host memory: alone, or busy (300 blocks of 512 B - 16 MiB made, every other one
     freed, as a training step leaves ranges free and in use; the population kept in `_population`)."""
-    pool = xpool.Pool(xpool.HostBackend(), scheme=scheme)
+    pool = xpool.Pool(xpool_twin.HostBackend(), scheme=scheme)
     pool._population = []
     if busy:
         rng = random.Random(seed)
@@ -305,7 +306,7 @@ def host_pool(scheme: str, busy: bool, seed: int = 0):
 def measure_host(sizes=SIZES, trials=TRIALS, target_s=TARGET_S / 3, windows=WINDOWS, progress=True):
     """Samples of the C core's pairs over host memory, arms interleaved and rotated as on the GPU."""
     from xlab import _probes
-    from xpool import testing
+    from xpool_twin import testing
     pools = {(a, sc): host_pool("seed" if a == "xpool_seed" else "segments", sc == "busy")
              for a in HOST_ARMS if a != "c_noop" for sc in HOST_SCENARIOS}
     noop = _probes.noop_cfunctions(1 << 20)

@@ -10,7 +10,8 @@ import time
 
 import pandas as pd
 
-from xpool import HostBackend, Pool
+from xpool import Pool
+from xpool_twin import HostBackend
 from xlab.paths import publish
 from xlab.provenance import provenance
 

@@ -15,6 +15,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 import xpool
+import xpool_twin
 from xlab import intervals
 from xlab.allocators import KIB, MIB
 from xlab.bench import at_least, gc_paused
@@ -80,8 +81,8 @@ def pair_runner(arm, gpu: bool):
 def make_arms(gpu: bool) -> dict:
     """{arm: run(nbytes, calls) -> ns} of what this machine can time; under "_keep" what they keep alive."""
     from xlab import _probes
-    from xpool import testing
-    backend = xpool.backends.CupyBackend() if gpu else xpool.HostBackend()
+    from xpool_twin import testing
+    backend = xpool.backends.CupyBackend() if gpu else xpool_twin.HostBackend()
     core = testing.pool_with_stream_lookup(backend, 0)
     noop = _probes.noop_cfunctions(1 << 20)        # hands out a made-up pointer: nothing touches it
     arms, keep = {}, [core]
