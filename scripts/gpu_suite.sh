@@ -52,8 +52,9 @@ OUT=${OUT:-build/gpu}
 DATA=${DATA:-data}       # data/rerun for the second run on a fresh machine (issue #12; the report compares them)
 mkdir -p "$OUT" "$DATA"
 LOG="$OUT/gpu_suite.log"
-# the three packages from this checkout, installed or not: xpool (the root), xlab (lab/), tapegpt (workload/)
-export PYTHONPATH=$PWD:$PWD/lab:$PWD/workload PYTHONUNBUFFERED=1
+# the packages from this checkout, installed or not: xpool (the root), xlab (lab/), tapegpt (workload/), and the
+# tests' fixture package xpool_twin (tests/xpool/fixtures/twin: the host doubles and xpool_twin.testing)
+export PYTHONPATH=$PWD:$PWD/lab:$PWD/workload:$PWD/tests/xpool/fixtures/twin PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared hosts (see the device notes); NCCL inherits this in every process
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # a deeper launch queue (CUDA 12.8+; ignored before): a launch that finds it full blocks, with the GIL held when
@@ -82,7 +83,8 @@ stage() {   # stage NAME SECONDS CMD...: time-limited (a hang dumps every thread
 }
 
 { nvidia-smi -L; python3 -c "import cupy; print('cupy', cupy.__version__, 'cuda', cupy.cuda.runtime.runtimeGetVersion())"; } 2>&1 | tee -a "$LOG"
-{ python3 setup.py build_ext --inplace -q && (cd lab && python3 setup.py build_ext --inplace -q); } >>"$LOG" 2>&1 ||
+{ python3 setup.py build_ext --inplace -q && (cd lab && python3 setup.py build_ext --inplace -q) &&
+  (cd tests/xpool/fixtures/twin && python3 setup.py build_ext --inplace -q); } >>"$LOG" 2>&1 ||
     { echo "build failed" | tee -a "$LOG"; exit 1; }
 PY="python3 -X faulthandler"
 RESUME=${RESUME:-}
