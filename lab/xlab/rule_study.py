@@ -9,7 +9,7 @@ memory (2 MiB pages for scheme expandable), exact to the byte and the call. One 
     python -m xlab.rule_study                     # data/release_rules.csv, then its summary and the chosen rules
     python -m xlab.rule_study --summary           # the summary of data/release_rules.csv, replaying nothing
     python -m xlab.rule_study --summary --markdown    # its table in docs/decisions/0001-one-release-rule-per-scheme.md
-    python -m xlab.rule_study --build product --out build/release_rules_product.csv
+    python -m xlab.rule_study --build product --out data/release_rules_product.csv
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ RULES = {                  # the research build's rules per scheme (until_churn:
 # "never", and until_churn's and peak's churn ring has 8 entries: constants, not counted.
 PARAMETERS = {"never": 0, "always": 0, "high_water": 1, "bounded": 1, "growth": 1, "until_churn": 1, "peak": 1}
 # The recorded traces besides memory_study's DYN_TRACES, HELD_OUT_TRACES and TRACES: the keep-previous-step loop
-# (scripts/expandable_variants.py's KEEP_TRACES). data/segments_trace_dyn_test_*.csv.gz are not replayed: they are
+# (KEEP_TRACES below). data/segments_trace_dyn_test_*.csv.gz are not replayed: they are
 # test_b4's and test_b32_perparam's request streams again, recorded under scheme segments.
 KEEP_TRACES = {"gpt_b32_keep_cupy_path_numpy": "memory_trace_cupy_path_b32_keep.csv.gz",
                "gpt_b32_perparam_keep_cupy_path_numpy": "memory_trace_cupy_path_b32_perparam_keep.csv.gz"}
@@ -278,13 +278,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--build", default=RESEARCH_COMMIT,
                    help=f"a commit for the research build, or {PRODUCT!r} (default: {RESEARCH_COMMIT})")
-    p.add_argument("--out", help=f"CSV to write (default: {DEFAULT_OUT}, or build/release_rules_product.csv)")
+    p.add_argument("--out", help=f"CSV to write (default: {DEFAULT_OUT}, or data/release_rules_product.csv)")
     p.add_argument("--traces", help="comma-separated trace names (default: every recorded trace)")
     p.add_argument("--jobs", type=int, help="worker processes (default: one per CPU)")
     p.add_argument("--summary", action="store_true", help="summarise the CSV at --out; replay nothing")
     p.add_argument("--markdown", action="store_true", help="print the summary as the decision record's table")
     a = p.parse_args(argv)
-    out = a.out or (DEFAULT_OUT if a.build != PRODUCT else "build/release_rules_product.csv")
+    out = a.out or (DEFAULT_OUT if a.build != PRODUCT else "data/release_rules_product.csv")
     if a.summary:
         df = pd.read_csv(out)
     else:

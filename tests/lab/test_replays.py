@@ -40,7 +40,7 @@ def test_a_loop_keeping_the_previous_step_alive_maps_and_unmaps_nothing_once_war
 
 @pytest.mark.parametrize("workload", DYN + HELD_OUT)
 def test_the_h200s_traces_replay_to_its_counters_and_the_bound_holds(workload):
-    """The H200's request traces (scripts/record_dynamic_traces.py): the host twin with 2 MiB pages reproduces the
+    """The H200's request traces (xlab.bench.dynamic_traces): the host twin with 2 MiB pages reproduces the
     recording run's peaks and device calls to the byte under the rule it ran (its release_on_miss column: the
     product's own, or the research build's); under "bounded" (1.05) peak reserved stays within the bound on every
     trace but the CuPy loop's, whose misses spend the give-back budget."""
@@ -59,7 +59,7 @@ def test_a_reserve_of_1_03_times_the_peak_stops_the_resnets_steady_maps(workload
     """On every realization of the ResNets at varying image sizes (the benchmark's and the held-out one at batch
     64), under "peak" (the research build's rule that enable_torch()'s pool had), the maps of a recurring peak whose
     free space lies in pieces (0-4 in steady state) stop when 1.03 times the program's peak requested bytes are
-    reserved up front, for 1.0273 times that peak (data/reserve_replay.csv, scripts/reserve_replay.py)."""
+    reserved up front, for 1.0273 times that peak (the replays of the record at tag record-2026-12-05)."""
     tl = m.dyn_trace(workload)
     plain = m.replay_rule(tl, "peak")
     peak = plain["peak_bytes_requested"]
@@ -73,9 +73,10 @@ def test_a_reserve_of_1_03_times_the_peak_stops_the_resnets_steady_maps(workload
 
 
 def test_a_reserve_from_the_peak_so_far_made_mid_run_is_no_reserve_up_front():
-    """The reserve needs the peak before the first step (NOTES.md, "A reserve up front", "Without a dry run?"): on
-    the ResNet at varying sizes, 1.03 times the peak seen after the first step (its largest image) leaves the steady
-    maps (the first step's layout is already in pieces), and after the warm-up it stops them at about 1.08."""
+    """The reserve needs the peak before the first step (the record at tag record-2026-12-05: NOTES.md, "A reserve
+    up front", "Without a dry run?"): on the ResNet at varying sizes, 1.03 times the peak seen after the first step
+    (its largest image) leaves the steady maps (the first step's layout is already in pieces), and after the warm-up
+    it stops them at about 1.08."""
     tl = m.dyn_trace("resnet_varres_s3")
     so_far = lambda s: int(1.03 * s["peak_bytes_requested"]) // m.DYN_PAGE * m.DYN_PAGE     # noqa: E731
     plain = m.replay_rule(tl, "peak")
@@ -93,7 +94,7 @@ def _probe_rows():
 
 @pytest.mark.parametrize("row", _probe_rows())
 def test_every_gpu_run_of_the_reserve_probe_equals_its_replay(row):
-    """data/reserve_probe.csv (scripts/gpu_reserve_probe.py on the H200): every run, plain or with a reserve (by
+    """data/reserve_probe.csv (xlab.bench.reserve on the H200): every run, plain or with a reserve (by
     hand or pool.reserve) before anything ("start") or after the model is built ("build", at the replay's
     build_events), made the peaks and device calls the host twin makes on that seed's trace, to the byte and the
     call."""
