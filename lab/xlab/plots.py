@@ -653,8 +653,8 @@ def dynamic_calls(df: pd.DataFrame) -> Figure:
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
             ax.set_ylabel(ax.get_ylabel() + " (symlog scale)")
     return _finish(fig, "Dynamic shapes: device calls per step once the demand stops rising (lower is better)", df,
-                   "Steady state: the timed steps after the step where the demand last rose (NOTES.md, Note "
-                   "[Dynamic-shape benchmark]). " + _dynamic_note(df))
+                   "Steady state: the timed steps after the step where the demand last rose; a device call: a "
+                   "cudaMalloc, cudaFree, map or unmap. " + _dynamic_note(df))
 
 
 def dynamic_speed(df: pd.DataFrame) -> Figure:
@@ -677,7 +677,7 @@ def _seeds_note(d: pd.DataFrame) -> str:
     if len(seeds) < 2:
         return ""
     return (f" Each trial on a seed of its own ({seeds[0]}-{seeds[-1]}), the same for every allocator: another "
-            "realization of each workload (Note [Trials are realizations]).")
+            "realization of each workload.")
 
 
 # --- every figure from data/: the one writer of figures/

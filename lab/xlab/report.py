@@ -401,8 +401,7 @@ def dynamic_seeds(data: pathlib.Path) -> str:
                 "realization's, the same in every trial")
     pairs = "; ".join(f"trial {t}: seed {'/'.join(map(str, v))}" for t, v in per.items())
     return (f"each trial on a seed of its own ({pairs}), the "
-            "same for every arm of the trial: each trial another realization of every workload (NOTES.md, Note "
-            "[Trials are realizations]), so bytes and calls vary between trials where the realizations differ, and "
+            "same for every arm of the trial: each trial another realization of every workload, so bytes and calls vary between trials where the realizations differ, and "
             "a value without an interval is one every trial gave")
 
 
@@ -429,7 +428,7 @@ def dynamic_floor(data: pathlib.Path) -> str:
             f"{', '.join(str(seed(t)) for t in least.index)}); under best fit, xpool's, {each(best.reindex(least.index))} "
             f"(`placement_variants.csv` at {sources.run_label(mix)}). A release rule that gave back every free page at "
             f"once would hold that much, so none reaches 1.05 on {over} of the {len(least)} with any of these "
-            "placements (NOTES.md, Note [Release on miss: expandable], \"Placement\").")
+            "placements.")
 
 
 # --- the summary at the head of the report, and README's results table: rows of SUMMARY, measured

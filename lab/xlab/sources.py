@@ -1,7 +1,9 @@
 """Where every figure, target and headline reads its rows: lineages of CSVs (KINDS), and the runs they come from.
 `current` keeps, for each arm and configuration of a lineage, the rows of the newest CSV that has them; the older
-rows are its history (NOTES.md, Note [Newest data of its kind]). Every row says where it came from (`csv`: the CSV,
-`run`: its commit). A second run on a fresh machine (data/rerun/, data/graph/rerun/) is read the same way.
+rows are its history. `of_kind` finds every CSV of a lineage's benchmark, listed in the lineage or not, so that the
+rule "each row reads the newest CSV of its kind" is checked (xlab.targets.stale). Every row says where it came from
+(`csv`: the CSV, `run`: its commit). A second run on a fresh machine (data/rerun/, data/graph/rerun/) is read only
+against its first run.
 """
 from __future__ import annotations
 
@@ -44,8 +46,8 @@ CONFIG = ("steps", "warmup", "launch", "launcher", "gemm", "fused", "adamw", "co
 # agree?"), never as a newer CSV of its kind
 SECOND_RUN = "rerun"
 ARM_COLUMNS = ("allocator", "arm")
-# Commits some CSVs name that are not in this repository: a helper's commit before its branch was rebased onto
-# main (NOTES.md, Note [Commits not in the repository]); the commit the file landed in stands in for it.
+# Commits some CSVs name that are not in this repository: a commit on a branch before it was rebased onto main;
+# the commit the file landed in stands in for it.
 REWRITTEN = {"06b3f1f1f9cf": "012dbeb", "55e7e8bbc053": "924512e", "470072ec67b5": "4e9da9f",
              "8747672b68f9": "30f9bd2"}
 
