@@ -327,11 +327,11 @@ def replication(data: pathlib.Path, where: str = "data") -> str:
     if not (data / RERUN).is_dir():
         return ""
     first, second = _ratios(data), _ratios(data / RERUN)
-    rows, inside, close, apart = [], 0, 0, []
+    rows, inside, close, apart = [], 0, 0, {}
     for name in [n for n in first if n in second]:
         a, b = first[name], second[name]
         if a.rules != b.rules:            # not a repeat: the runs measured other pools (or one does not say which)
-            apart.append(f"{name} (first run: {a.rules or 'not recorded'}; second run: {b.rules or 'not recorded'})")
+            apart.setdefault((a.rules or "not recorded", b.rules or "not recorded"), []).append(name)
             continue
         ok = (a.lo <= b.value <= a.hi) if math.isfinite(a.lo) else None
         change = b.value / a.value - 1 if a.value else math.nan
@@ -348,8 +348,9 @@ def replication(data: pathlib.Path, where: str = "data") -> str:
             f"{inside} of {len(rows)} ratios fall inside the first run's 95% interval; {close} of {len(rows)} medians "
             "within 5% of the first run's. Where one falls outside, the row says **no**; the change column says by how "
             "much (an interval of paired trials can be far narrower than the difference between two machines)."
-            + (f"\n\nNot compared, because the two runs did not measure the same pool by what their CSVs say: "
-               f"{'; '.join(apart)}." if apart else "") + "\n\n"
+            + "".join(f"\n\nNot compared, because the two runs did not measure the same pool by what their CSVs "
+                      f"say (first run: {first_pool}; second run: {second_pool}): {', '.join(names)}."
+                      for (first_pool, second_pool), names in apart.items()) + "\n\n"
             + _md(["ratio", "first run", "second run", "change", "inside"], rows))
 
 

@@ -202,7 +202,9 @@ def test_the_readmes_advice_rests_on_the_verdicts():
     assert "slower on two GPUs than on one" in _readme()
     for key in ("ddp_threads_vs_cupy", "vs_cupy_32", "torch_step", "dyn_vs_cupy_worst", "dyn_vs_expandable_worst"):
         assert v[key].verdict == iv.NOISE, key                                          # "within noise"
-    assert v["hit_worst"].verdict in (iv.NOISE, iv.MET) and v["hit_best"].lo > 1     # alloc+free: never slower
+    import dataclasses
+    sizes = targets.measure(dataclasses.replace(targets.BY_KEY["hit_worst"], pick="each"), ROOT / "data")[0].each
+    assert v["hit_worst"].verdict == iv.NOISE and sum(m.lo > 1 for m in sizes) > len(sizes) / 2   # faster at most
     assert v["dyn_vs_torch_worst"].verdict == iv.MET                                 # PyTorch's default holds more
     assert v["dyn_vs_expandable_worst"].value < 1                                    # expandable segments: its median
 
