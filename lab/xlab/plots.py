@@ -590,7 +590,7 @@ DYNAMIC_XPOOL = tuple(a for a in targets.PRODUCT_ARMS if a != "xpool_seed")
 def _dynamic_panels(df: pd.DataFrame, value: str, ylabel: str, fmt, span=None, prepare=None):
     """A figure of two panels (CuPy programs above, PyTorch's below): `value` per workload and arm, bars, the front
     end's default arm labelled as such and outlined, each panel's legend beside it (no commit in a label)."""
-    fig, axes = _figure(2, 1, size=(13.5, 10))
+    fig, axes = _figure(2, 1, size=(14, 10))
     shapes = {w: "varying" if str(v) == "True" else "fixed" for w, v in zip(df["workload"], df["dynamic"])}
     for ax, (f, title, default) in zip(axes[:, 0], DYNAMIC_FRONT_ENDS):
         rows = df[(df["framework"] == f) & (~df["allocator"].astype(str).str.startswith("xpool")
@@ -612,7 +612,8 @@ def _dynamic_panels(df: pd.DataFrame, value: str, ylabel: str, fmt, span=None, p
         handles, labels = ax.get_legend_handles_labels()
         if ax.get_legend():
             ax.get_legend().remove()
-        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8.5, frameon=False)
+        ax.legend(handles, [textwrap.fill(t, 52) for t in labels], loc="upper left", bbox_to_anchor=(1.01, 1),
+                  fontsize=8.5, frameon=False)
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=11, loc="left")
     return fig, axes

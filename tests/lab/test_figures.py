@@ -78,7 +78,7 @@ def legend(fig, ax) -> dict:
     for leg in [ax.get_legend(), *fig.legends]:
         if leg is not None:
             for text, handle in zip(leg.get_texts(), leg.legend_handles):
-                out.setdefault(_key(handle), text.get_text())
+                out.setdefault(_key(handle), text.get_text().replace("\n", " "))     # a long label, wrapped
     return out
 
 
@@ -288,7 +288,7 @@ def _dynamic_check(fig, data, expected):
         arms = set(rows["allocator"])
         drawn = [((arm_of(lab, arms), t.partition("\n")[0]), h) for lab, t, h in read_bars(fig, ax)]
         check(drawn, expected(rows), ax.get_title(loc="left"))
-        texts = [t.get_text() for t in ax.get_legend().get_texts()]
+        texts = [t.get_text().replace("\n", " ") for t in ax.get_legend().get_texts()]
         marked = [t for t in texts if "default" in t and not t.startswith("CuPy MemoryPool")]
         assert len(marked) == 1 and marked[0].startswith(arm_label(default) + " ·"), texts
         assert not any(re.search(r"\b[0-9a-f]{7,}\b", t) for t in texts), texts       # no commit in a legend
