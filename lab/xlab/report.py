@@ -438,7 +438,7 @@ def _goal(m: targets.Measured) -> str:
     if m.goal is None:
         return ""
     if r.stat == "all":
-        return "every one"
+        return "all pass"
     sign = ("≥" if r.higher else "≤") if r.goal else "="
     return f"{sign} {iv.fmt_ci(m.goal, math.nan, math.nan, r.fmt, r.unit, exact=True)}"
 

@@ -642,3 +642,24 @@ def test_a_notebook_names_the_csvs_whose_rows_it_shows(trial_data):
     assert "single_gpu_recheck.csv" in nbu.shown_from("single_gpu", trial_data)
     assert "graph/ddp_scaling.csv" not in nbu.shown_from("single_gpu", trial_data)
     assert nbu.shown_from("memory_waste", trial_data).startswith("in ")       # a CSV of its own: itself
+
+
+def test_what_bounds_a_step_is_read_from_the_rows_not_typed(trial_data):
+    """"One thread per GPU is bound by the host" was typed into the template; the page now says what the rows'
+    `bound` column says (defect 9 of #44), and the template types neither claim."""
+    df = pd.read_csv(trial_data / "ddp_scaling.csv")
+    two = (df["mode"] == "threads") & (df["world"] == 2) & (df["allocator"] == "xpool")
+    for bound in ("host", "gpu"):
+        df.loc[two, "bound"] = bound
+        df.to_csv(trial_data / "ddp_scaling.csv", index=False)
+        assert f"over the timed window: {bound}." in _section(_page(trial_data), "Two GPUs")
+    template = report.TEMPLATE.read_text()
+    assert "bound by the host" not in template and "every seed" not in template
+
+
+def test_no_target_rests_on_a_number_from_outside_the_repository():
+    """A goal is the issue's number; a target never cites a commit or a file outside the repository for its goal
+    (the 91.2k tokens/s "at 8ea8461" of shared/ANCHORS.md, defect 6 of #44)."""
+    for r in targets.TARGETS:
+        assert not re.search(r"\b[0-9a-f]{7,40}\b", r.text) and "shared/" not in r.text, r.key
+        assert not ("tokens/s" in r.text and isinstance(r.goal, float) and r.goal > 10), r.key    # no absolute rate
