@@ -5,13 +5,15 @@ give (computed here with pandas, from the newest CSV of each kind that has the a
 The readback knows nothing of how a figure is drawn: bars are the axes' BarContainer patches, points the data of
 its Line2D artists; which arm an artist is comes from the legend (its handle's colour, hatch and marker), which
 configuration from the nearest tick label."""
+import itertools
 import math
-import re
 import pathlib
+import re
 
 import numpy as np
 import pandas as pd
 import pytest
+import seaborn as sns
 from matplotlib.colors import to_hex
 from matplotlib.container import BarContainer, ErrorbarContainer
 from matplotlib.patches import Patch
@@ -503,7 +505,6 @@ def test_graph_steps_caption_names_only_the_csvs_it_draws(data, tmp_path):
 
 def _overlapping_labels(fig) -> list:
     """Pairs of texts inside one axes (value labels, notes) whose boxes overlap on the canvas ('1.0031.0031.003')."""
-    import itertools
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     out = []
@@ -535,7 +536,6 @@ def test_the_overlap_check_finds_labels_drawn_on_top_of_each_other():
     df = pd.DataFrame(dict(arm=["a", "b", "c"] * 2, label=["a", "b", "c"] * 2, x=[0] * 6, v=[1.003] * 6))
     for rotate, overlapping in ((0, True), (90, False)):
         fig, [[ax]] = plots._figure(1, 1, size=(1.2, 3))
-        import seaborn as sns
         sns.barplot(df, x="x", y="v", hue="label", ax=ax, errorbar=None)
         for c in ax.containers:
             for p in c.patches:
