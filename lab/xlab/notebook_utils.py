@@ -110,6 +110,22 @@ def describe_provenance(df: pd.DataFrame | None) -> str:
            f"{p['date']}"
 
 
+def shown_from(name: str, data=None) -> str:
+    """Which committed CSVs the rows shown for data/NAME.csv come from: NAME.csv itself, with its provenance, or,
+    where it is one CSV of a lineage (xlab.sources.KINDS), the CSVs its lineages' newest rows come from (what
+    `rows` and the figures show: the lineage of its name, else every lineage it is in), each with its commit, and
+    their machines and dates."""
+    folder = data_dir(data)
+    kinds = [name] if name in sources.KINDS else [k for k, (members, _) in sources.KINDS.items()
+                                                   if any(n == name for n, _ in members)]
+    shown = [df for k in kinds if (df := sources.current(folder, k)) is not None]
+    if not shown:
+        return f"in {folder / f'{name}.csv'}, {describe_provenance(sources.read(folder, name))}"
+    rows = pd.concat(shown, ignore_index=True)
+    return (f"of {name}.csv's kind, the newest rows of each arm: {sources.sources(rows).replace('`', '')}; "
+            f"{describe_provenance(rows)}")
+
+
 def load_csv(name: str, data=None) -> pd.DataFrame | None:
     """data/NAME.csv as its readers take it (xlab.sources.read), or None if it is not there."""
     return sources.read(data_dir(data), name)
@@ -149,7 +165,7 @@ def load_or_measure(name: str, measure_fn, gpu_available: bool, data=None, measu
         print(f"{reason}, and {path} is missing: nothing to show, its figure is skipped.{hint}")
         return None
     df = sources.read(data_dir(data), name)
-    print(f"{reason}: showing the committed measurements in {path}, {describe_provenance(df)}.")
+    print(f"{reason}: showing the committed measurements {shown_from(name, data)}.")
     df.attrs["source"] = "committed"
     return df
 

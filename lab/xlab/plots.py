@@ -22,7 +22,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from . import allocators, intervals, sources
+from . import allocators, intervals, sources, targets
 from .intervals import fmt_bytes
 
 PROVENANCE = ("gpu", "driver", "cuda", "cupy", "commit", "date")
@@ -57,7 +57,7 @@ def caption(df: pd.DataFrame, note: str = "") -> str:
         where = ("a CPU, no GPU (NumPy)" if str(p["gpu"]).startswith("none") else
                  f"{p['gpu']} · driver {p['driver']} · CUDA {p['cuda']}")
         lines.append(f"Measured on {where} · CuPy {p['cupy']} · commit {p['commit']} · {p['date']}")
-    return "\n".join(lines + ([note] if note else []))
+    return "\n".join(lines + textwrap.wrap(note, 190))
 
 
 def trials_note(df: pd.DataFrame, keys) -> str:
@@ -98,12 +98,11 @@ def _ci(values):
 
 
 def labelled(df: pd.DataFrame, col: str = "allocator") -> pd.DataFrame:
-    """The rows with `arm` and `label` (the table's label, with the commit when from several CSVs)."""
+    """The rows with `arm` and `label` (the arms table's label). No commit in a label: a figure's rows hold each arm
+    and configuration once (xlab.sources.current), and its caption names each CSV, its commit and its arms."""
     df = df.copy()
     df["arm"] = df[col].astype(str)
-    many = "run" in df and df["run"].nunique() > 1
-    df["label"] = [allocators.label(a) + (f" · {r}" if many else "") for a, r in
-                   zip(df["arm"], df["run"] if "run" in df else [""] * len(df))]
+    df["label"] = [allocators.label(a) for a in df["arm"]]
     return df
 
 
@@ -254,20 +253,21 @@ def alloc_cost(df: pd.DataFrame) -> Figure:
     _logy(ax)
     ax.set(xlabel="request size (bytes, log scale)", ylabel="µs per alloc/free pair (log scale; lower is faster)",
            title="Cost of a = cupy.empty(n, uint8); del a, one thread")
-    r = d[~d["arm"].isin(["raw", "raw_held", "cupy_pool"])].dropna(subset=["time_vs_cupy_pool"])
+    r = d[~d["arm"].isin(["raw", "raw_held", "cupy_pool"])].dropna(subset=["ratio_vs_cupy_pool"])
     if len(r):
-        lines(rel, r, "size_bytes", "time_vs_cupy_pool")
+        lines(rel, r, "size_bytes", "ratio_vs_cupy_pool")
         rel.axhline(1.0, color=allocators.arm("cupy_pool").color, lw=1.6)
         rel.text(0.01, 1.0, "CuPy MemoryPool = 1", transform=rel.get_yaxis_transform(), va="bottom", fontsize=8)
         rel.set_ylim(bottom=0)
     else:
         _empty(rel, "CuPy MemoryPool not measured: no reference")
     _log2(rel, sizes, fmt_bytes)
-    rel.set(xlabel="request size (bytes, log scale)", ylabel="time per pair / CuPy MemoryPool's, same trial (below 1: "
-            "faster)", title="Relative to the default CuPy pool (raw cudaMalloc left out: off the scale)")
+    rel.set(xlabel="request size (bytes, log scale)", ylabel="speed-up over CuPy MemoryPool (×; above 1: faster)",
+            title="Relative to the default CuPy pool (raw cudaMalloc left out: off the scale)")
     return _finish(fig, "Allocator cost per allocation: xpool against its peers and raw cudaMalloc", d,
                    trials_note(d, ["arm", "size_bytes", "csv"]) + " Each point times many alloc/free pairs "
-                   "through CuPy's array path.", legend_from=[ax, rel])
+                   "through CuPy's array path. Right: speed-up = CuPy MemoryPool's time / the arm's in the same trial, the "
+                   "median of the per-trial ratios.", legend_from=[ax, rel])
 
 
 def alloc_threads(df: pd.DataFrame, size_bytes: int = 65536) -> Figure:
@@ -373,19 +373,20 @@ def ddp_scaling(df: pd.DataFrame) -> Figure:
 
 
 def ddp_before_after(df: pd.DataFrame) -> Figure:
-    """At the largest world: speedup and GPU utilisation per mode and arm, before (raw) and after (a pool)."""
-    d = df[df["mode"] != "single"]
+    """At the largest world: speedup and GPU utilisation per mode and arm, before (raw) and after (a pool), every
+    arm from one run: the newest CSV that measured raw cudaMalloc (sources.one_run)."""
+    d = sources.one_run(df[df["mode"] != "single"], ("raw",))
     world = int(d["world"].max())
     top = labelled(d[d["world"] == world])
     modes = _modes(top)
     fig, [[sp, ut]] = _figure(1, 2, size=(13.5, 5.8))
-    for ax, col, ylabel, fmt in ((sp, "speedup", f"speedup on {world} GPUs over 1 GPU (×)", lambda v: f"{v:.2f}×"),
+    for ax, col, ylabel, fmt in ((sp, "speedup", f"speed-up on {world} GPUs over 1 GPU (×)", lambda v: f"{v:.2f}×"),
                                  (ut, "gpu_util_mean", "mean GPU utilisation (%)", lambda v: f"{v:.0f}%")):
         bars(ax, top.dropna(subset=[col]), "mode", col, modes, fmt=fmt, labels=lambda m: MODES[m])
         ax.set_ylabel(ylabel)
     sp.axhline(world, color="black", ls="--", lw=0.8)
     sp.text(-0.45, world, f"ideal {world}×", va="bottom", fontsize=8)
-    sp.set_title(f"Speedup on {world} GPUs: before (raw cudaMalloc) → after (a pool)", fontsize=10)
+    sp.set_title(f"Speed-up on {world} GPUs: before (raw cudaMalloc) → after (a pool)", fontsize=10)
     ut.set_title(f"GPU utilisation on {world} GPUs", fontsize=10)
     ut.set_ylim(0, 110)
     return _finish(fig, f"{world} GPUs: what the allocator changes", top, trials_note(top, ["mode", "arm"]),
@@ -549,51 +550,126 @@ def memory_timeline(df: pd.DataFrame, step: int | None = None) -> Figure:
                    legend_from=[whole], ncol=4)     # above the axes: inside, it hid the rug of misses
 
 
-# --- dynamic shapes
+# --- dynamic shapes: three figures (memory, device calls, speed), a panel per front end, its default marked
 def _calls_label(v: float) -> str:
     """A count per step, short enough to sit over its bar: 966, 21, 2.5, 0.37, 0.067, 0."""
     return f"{v:.0f}" if v >= 10 or v == 0 else f"{v:.2g}"
 
 
-DYNAMIC_PANELS = (("reserved_over_requested", "peak reserved / peak requested (dotted: 1.05)", "{:.3f}".format, 1.05),
-                  ("device_calls_per_steady_step", "device calls per step in steady state (symlog scale)",
-                   _calls_label, None),
-                  ("device_calls_per_step", "device calls per timed step (symlog scale)", _calls_label, None),
-                  ("ratio", "ms per step / the fastest peer's, paired by trial (dotted: 1)", "{:.2f}".format, 1.0))
+def speedups(df: pd.DataFrame, peers=allocators.SETS["dynamic"], by=("workload",), metric: str = "ms_per_step",
+             arm: str = "allocator") -> pd.DataFrame:
+    """Each arm's speed-up over the fastest peer of its group (the peer of the lowest median time): the ratio of the
+    two medians over paired trials, the peer's time over the arm's (above 1: the arm is faster), with its 95%
+    bootstrap interval (intervals.ratio_ci); the reference itself is 1. Columns: by, arm, speedup, speedup_lo,
+    speedup_hi, n_pairs, reference."""
+    by, rows = list(by), []
+    for key, g in df.groupby(by, sort=False):
+        key = key if isinstance(key, tuple) else (key,)
+        ref = intervals.best(g[g[arm].isin(peers)], metric, arm, higher=False)
+        if ref is None:
+            continue
+        base = g[g[arm] == ref].groupby("trial")[metric].median()
+        for name, a in g.groupby(arm, sort=False):
+            mine = a.groupby("trial")[metric].median()
+            common = mine.index.intersection(base.index)
+            v, lo, hi, n = intervals.ratio_ci(base.loc[common].to_numpy(), mine.loc[common].to_numpy())
+            rows.append({**dict(zip(by, key)), arm: name, "speedup": v, "speedup_lo": lo, "speedup_hi": hi,
+                         "n_pairs": n, "reference": ref})
+    return pd.DataFrame(rows, columns=by + [arm, "speedup", "speedup_lo", "speedup_hi", "n_pairs", "reference"])
+
+
+# (framework, panel title, its default arm): the default is what a program of that front end gets
+DYNAMIC_FRONT_ENDS = (("cupy", "CuPy programs", targets.XD), ("torch", "PyTorch programs", targets.XDT))
+DEFAULT_MARK = " · xpool's default for {}"     # its label, after the arm's: what a program of that front end gets
+# xpool's arms drawn: its schemes as the product has them (the seed scheme, the reference design, holds far more
+# than the peak and would flatten every other bar: it and the release rules decision 0001 retired are in the
+# report's table); the rest of each panel is its front end's peers
+DYNAMIC_XPOOL = tuple(a for a in targets.PRODUCT_ARMS if a != "xpool_seed")
+
+
+def _dynamic_panels(df: pd.DataFrame, value: str, ylabel: str, fmt, span=None, prepare=None):
+    """A figure of two panels (CuPy programs above, PyTorch's below): `value` per workload and arm, bars, the front
+    end's default arm labelled as such and outlined, each panel's legend beside it (no commit in a label)."""
+    fig, axes = _figure(2, 1, size=(14, 10))
+    shapes = {w: "varying" if str(v) == "True" else "fixed" for w, v in zip(df["workload"], df["dynamic"])}
+    for ax, (f, title, default) in zip(axes[:, 0], DYNAMIC_FRONT_ENDS):
+        rows = df[(df["framework"] == f) & (~df["allocator"].astype(str).str.startswith("xpool")
+                                            | df["allocator"].isin(DYNAMIC_XPOOL))]
+        order = list(dict.fromkeys(rows["workload"]))
+        rows = prepare(rows) if prepare else rows
+        if value not in rows or rows[value].isna().all():
+            _empty(ax, f"no {value} measured")
+            continue
+        d = labelled(rows.dropna(subset=[value]))
+        d.loc[d["arm"] == default, "label"] += DEFAULT_MARK.format(title.split()[0])
+        bars(ax, d, "workload", value, order, fmt=fmt, labels=lambda w: f"{w}\n({shapes[w]} shapes)", rotate=90,
+             span=span)
+        _, _, arms = _hue(d)
+        for c, lab in zip(ax.containers, _hue(d)[0]):
+            if arms[lab] == default:
+                for p in c.patches:
+                    p.set_linewidth(2.2)
+        handles, labels = ax.get_legend_handles_labels()
+        if ax.get_legend():
+            ax.get_legend().remove()
+        ax.legend(handles, [textwrap.fill(t, 52) for t in labels], loc="upper left", bbox_to_anchor=(1.01, 1),
+                  fontsize=8.5, frameon=False)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=11, loc="left")
+    return fig, axes
+
+
+def _dynamic_note(d: pd.DataFrame) -> str:
+    return ("xpool's default (thick outline) is what a program of that front end gets: xpool.install()'s scheme for "
+            "CuPy, the pool xpool.enable_torch() makes for PyTorch. "
+            + trials_note(d, ["workload", "allocator"]) + _seeds_note(d))
 
 
 def dynamic_shapes(df: pd.DataFrame) -> Figure:
-    """Per workload and arm, CuPy's left and PyTorch's right: peak reserved / peak requested, device calls per step
-    in steady state and per timed step, and ms per step over the fastest peer's (ratio of medians over paired
-    trials, as the targets judge)."""
-    d = labelled(df)
-    ratio = labelled(intervals.paired_best(d, "ms_per_step", "allocator", allocators.SETS["dynamic"], ["workload"],
-                                           higher=False))
-    shapes = {w: "varying" if str(v) == "True" else "fixed" for w, v in zip(d["workload"], d["dynamic"])}
-    frameworks = [f for f in ("cupy", "torch") if f in set(d["framework"])]
-    n = [d.loc[d["framework"] == f, "workload"].nunique() for f in frameworks]
-    fig, axes = _figure(len(DYNAMIC_PANELS), len(frameworks), size=(4 + 2.8 * sum(n), 17),
-                        gridspec_kw=dict(width_ratios=n))
-    for j, f in enumerate(frameworks):
-        order = list(dict.fromkeys(d.loc[d["framework"] == f, "workload"]))
-        axes[0][j].set_title(f"{'CuPy' if f == 'cupy' else 'PyTorch'} workloads", fontsize=11)
-        for ax, (col, ylabel, fmt, line) in zip(axes[:, j], DYNAMIC_PANELS):
-            rows = (ratio if col == "ratio" else d)
-            rows = rows[rows["workload"].isin(order)].dropna(subset=[col]) if col in rows else rows.iloc[:0]
-            if not len(rows):          # (a CSV from before the steady-state probes has no such column)
-                _empty(ax, f"no {col} measured")
-                continue
-            bars(ax, rows, "workload", col, order, fmt=fmt, labels=lambda w: f"{w}\n({shapes[w]} shapes)",
-                 span=("ratio_lo", "ratio_hi") if col == "ratio" else None)
-            ax.set_ylabel(ylabel)
-            if line:
-                ax.axhline(line, color="black", ls=":", lw=1)
-            if col.startswith("device_calls"):
-                ax.set_yscale("symlog", linthresh=1)      # 0 for a warm pool, hundreds for cudaMallocAsync
-    return _finish(fig, "Dynamic shapes: memory held, device calls and speed of each allocator", d,
-                   "A device call: a cudaMalloc, cudaFree, map or unmap; steady state: the timed steps after the "
-                   "step where the demand last rose (NOTES.md, Note [Dynamic-shape benchmark]). "
-                   + trials_note(d, ["workload", "allocator"]) + _seeds_note(d), legend_from=list(axes.flat), ncol=4)
+    """Memory held under changing shapes: peak reserved over peak requested, less one, per workload and arm."""
+    d = df.assign(held_pct=100 * (df["reserved_over_requested"] - 1))
+    d["held_pct"] = d["held_pct"].clip(lower=0.01)         # a log scale: a pool holding just its peak sits at 0.01%
+    fig, axes = _dynamic_panels(d, "held_pct", "peak reserved / peak requested − 1 (%, log scale)",
+                                lambda v: f"{v:.0f}%" if v >= 10 else f"{v:.2g}%")
+    for ax in axes[:, 0]:
+        if ax.has_data():
+            heights = [p.get_height() for p in ax.patches if np.isfinite(p.get_height()) and p.get_height() > 0]
+            hi = ax.get_ylim()[1]
+            _logy(ax)
+            ax.set_ylim(min(heights) / 2, hi * 3)     # room above the tallest bar for its label
+            ax.axhline(5.0, color="black", ls=":", lw=1)
+    return _finish(fig, "Dynamic shapes: memory held beyond the peak the program asked for (lower is better)", df,
+                   "Held: peak reserved / peak requested − 1; dotted: the goal 1.05. " + _dynamic_note(df))
+
+
+def dynamic_calls(df: pd.DataFrame) -> Figure:
+    """Device calls (cudaMalloc, cudaFree, map, unmap) per step in steady state, per workload and arm."""
+    fig, axes = _dynamic_panels(df, "device_calls_per_steady_step", "device calls per step in steady state",
+                                _calls_label)
+    for ax in axes[:, 0]:
+        if ax.has_data() and ax.get_ylim()[1] > 10:   # 0 for a warm pool, hundreds for cudaMallocAsync
+            top = ax.get_ylim()[1]
+            ax.set_yscale("symlog", linthresh=1)
+            ax.set_ylim(0, top * 12)                  # room above the tallest bar for its label
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.set_ylabel(ax.get_ylabel() + " (symlog scale)")
+    return _finish(fig, "Dynamic shapes: device calls per step once the demand stops rising (lower is better)", df,
+                   "Steady state: the timed steps after the step where the demand last rose; a device call: a "
+                   "cudaMalloc, cudaFree, map or unmap. " + _dynamic_note(df))
+
+
+def dynamic_speed(df: pd.DataFrame) -> Figure:
+    """Each arm's speed-up over the fastest peer of its workload (speedups), with its interval."""
+    fig, axes = _dynamic_panels(df, "speedup", "speed-up over the fastest peer (×)",
+                                "{:.2f}".format, span=("speedup_lo", "speedup_hi"),
+                                prepare=lambda rows: speedups(rows).merge(
+                                    rows[["workload", "allocator"]].drop_duplicates(), on=["workload", "allocator"]))
+    for ax in axes[:, 0]:
+        if ax.has_data():
+            ax.axhline(1.0, color="black", ls=":", lw=1)
+    return _finish(fig, "Dynamic shapes: speed against the fastest peer of each workload (higher is better)", df,
+                   "Speed-up: the fastest peer's ms per step over the arm's, the ratio of the two medians over paired "
+                   "trials (above 1: the arm is faster). " + _dynamic_note(df))
 
 
 def _seeds_note(d: pd.DataFrame) -> str:
@@ -602,7 +678,7 @@ def _seeds_note(d: pd.DataFrame) -> str:
     if len(seeds) < 2:
         return ""
     return (f" Each trial on a seed of its own ({seeds[0]}-{seeds[-1]}), the same for every allocator: another "
-            "realization of each workload (Note [Trials are realizations]).")
+            "realization of each workload.")
 
 
 # --- every figure from data/: the one writer of figures/
@@ -622,12 +698,26 @@ FIGURES = {
     "memory_schemes": ("memory_schemes.csv", memory_schemes),
     "graph_steps": ("graph", graph_steps),
     "dynamic_shapes": ("dynamic_shapes", dynamic_shapes),
+    "dynamic_calls": ("dynamic_shapes", dynamic_calls),
+    "dynamic_speed": ("dynamic_shapes", dynamic_speed),
 }
 
 
+# figures that compare arms within one run: drawn from every CSV of their lineage, each picking its run itself
+WHOLE_LINEAGE = {"ddp_before_after"}
+
+
+def rows(name: str, data_dir: str | os.PathLike = "data") -> pd.DataFrame | None:
+    """The rows figure `name` is drawn from: xlab.sources.current of its lineage (or all of it: WHOLE_LINEAGE)."""
+    if name in WHOLE_LINEAGE:
+        parts = sources.frames(pathlib.Path(data_dir), FIGURES[name][0])
+        return pd.concat(parts, ignore_index=True) if parts else None
+    return sources.current(pathlib.Path(data_dir), FIGURES[name][0])
+
+
 def draw(name: str, data_dir: str | os.PathLike = "data") -> Figure | None:
-    """Figure `name` drawn from the rows xlab.sources.current gives of its lineage, or None when they are missing."""
-    df = sources.current(pathlib.Path(data_dir), FIGURES[name][0])
+    """Figure `name` drawn from its rows (`rows`), or None when they are missing."""
+    df = rows(name, data_dir)
     return None if df is None else FIGURES[name][1](df)
 
 

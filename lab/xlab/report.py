@@ -1,16 +1,18 @@
-"""Run every notebook through papermill, rebuild figures/ from data/*.csv, write the one-page report.
+"""Run every notebook through papermill, rebuild figures/ from data/*.csv, write the report and README's results.
 
     python -m xlab.report              # notebooks with their defaults (on a GPU they measure, into build/)
     python -m xlab.report --cpu-quick  # CPU mode with small parameters: what CI runs, a few minutes
 
 Executed notebooks go to build/notebooks/; the report to build/report.md and, committed, report/REPORT.md (without
-the notebooks' run status). The page is the template xlab/report.md filled from the CSVs: headlines and targets
+the notebooks' run status); README.md's results table (between its RESULTS markers) is rewritten from the same
+rows. The page is the template xlab/report.md filled from the CSVs: the summary (SUMMARY), the numbers and targets
 from xlab.targets, the tables from xlab.sources' rows; nothing but what the CSVs say (no run date or timing), so an
-unchanged data/ gives an unchanged report.
+unchanged data/ gives an unchanged report and README.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.resources
 import math
 import os
@@ -39,7 +41,60 @@ CPU_QUICK = {
 }
 TEMPLATE = importlib.resources.files("xlab") / "report.md"       # package data: the page's template
 GIL_ARM = "add"    # the GIL probe's op that stands for a training step's ops: an allocation and one launch
-RERUN = "rerun"    # data/rerun/: the same suite run again on a fresh machine (DATA=data/rerun)
+RERUN = sources.SECOND_RUN    # data/rerun/: the same suite run again on a fresh machine (DATA=data/rerun)
+# README.md's generated results table sits between these two lines
+RESULTS = ("<!-- RESULTS: written by `make report` from the targets (lab/xlab/report.py); do not edit by hand -->",
+           "<!-- END RESULTS -->")
+
+
+@dataclasses.dataclass(frozen=True)
+class Headline:
+    """A row of the report's summary: a target (value, interval, verdict) with the numbers of the same run set beside
+    it, the figure that shows it, and whether README's results table has it too."""
+
+    question: str              # the report's section it sums up
+    text: str                  # what is measured, in words
+    key: str                   # a row of targets.TARGETS with a goal
+    figure: str                # a name of plots.FIGURES
+    beside: tuple = ()         # (words, key) of rows measured in the same CSV
+    readme: bool = False
+
+
+H = Headline
+SUMMARY = (
+    H("Correctness", "training under every allocator is bit-identical to raw cudaMalloc", "gate", "correctness",
+      readme=True),
+    H("Allocation cost", "speed-up of an alloc+free through CuPy over CuPy's pool, at xpool's worst request size",
+      "hit_worst", "alloc_cost", (("at its best size", "hit_best"),), readme=True),
+    H("One GPU", "speed-up of GPT training over CuPy's pool, one GPU, batch 32", "vs_cupy_32", "single_gpu",
+      (("over raw cudaMalloc", "vs_raw"),), readme=True),
+    H("One GPU", "peak reserved / peak requested, one GPU, batch 32", "ror_32", "single_gpu",
+      (("CuPy's pool", "ror_32_cupy"),), readme=True),
+    H("Two GPUs", "speed-up of two GPUs over one, one thread per GPU", "ddp_threads", "ddp_before_after",
+      (("raw cudaMalloc", "ddp_raw"), ("CuPy's pool", "ddp_threads_cupy")), readme=True),
+    H("Two GPUs", "speed-up over CuPy's pool, two GPUs, one thread per GPU", "ddp_threads_vs_cupy",
+      "ddp_before_after"),
+    H("Two GPUs", "speed-up of two GPUs over one, one process per GPU", "ddp_procs", "ddp_scaling",
+      (("raw cudaMalloc", "ddp_raw_procs"),)),
+    H("The step as a CUDA graph", "speed-up of two GPUs over one, one thread per GPU, the step captured as a CUDA "
+      "graph", "graph_threads", "graph_steps", (("eager xpool", "graph_threads_x"), ("raw cudaMalloc", "graph_raw"))),
+    H("PyTorch through xpool", "speed-up of a PyTorch training step over PyTorch's own allocator", "torch_step",
+      "torch_interop", readme=True),
+    H("Dynamic shapes", "CuPy's pool's peak reserved / peak requested over CuPy's default's, shapes that change "
+      "every step, worst workload", "dyn_vs_cupy_worst", "dynamic_shapes", readme=True),
+    H("Dynamic shapes", "PyTorch's expandable segments' peak reserved / peak requested over PyTorch's default's, "
+      "shapes that change every step, worst workload", "dyn_vs_expandable_worst", "dynamic_shapes",
+      (("PyTorch's allocator without them", "dyn_vs_torch_worst"),), readme=True),
+    H("Dynamic shapes", "peak reserved / peak requested, shapes that change every step, CuPy's default, worst "
+      "workload", "dyn_worst", "dynamic_shapes"),
+    H("Dynamic shapes", "the same, PyTorch's default", "dyn_worst_torch", "dynamic_shapes"),
+    H("Dynamic shapes", "device calls per step in steady state, CuPy's default, worst workload", "dyn_calls_worst",
+      "dynamic_calls"),
+    H("Dynamic shapes", "the same, PyTorch's default", "dyn_calls_worst_torch", "dynamic_calls"),
+    H("Dynamic shapes", "speed-up over the fastest peer, CuPy's default, worst workload", "dyn_speed_worst",
+      "dynamic_speed"),
+    H("Dynamic shapes", "the same, PyTorch's default", "dyn_speed_worst_torch", "dynamic_speed"),
+)
 
 
 def notebooks(root: pathlib.Path | None = None, only=None) -> list[pathlib.Path]:
@@ -239,23 +294,23 @@ def graph_notes(data: pathlib.Path) -> dict:
 # --- a second run on a fresh machine (issue #12): do its ratios fall inside the first run's intervals?
 T = targets.T
 REPLICATED = (     # every ratio the targets rest on, per group; measured in a folder and in its rerun/
-    T("r1", "one GPU, {at} / CuPy pool, tokens/s", "single_gpu.csv", "tokens_per_s", ref=dict(allocator="cupy_pool"),
+    T("r1", "one GPU, {at}: speed-up over CuPy's pool, tokens/s", "single_gpu.csv", "tokens_per_s", ref=dict(allocator="cupy_pool"),
       over=("batch", "allocator"), pick="each", unit="×"),
-    T("r2", "one GPU, {at} / CuPy pool, tokens/s", "single_gpu_b4.csv", "tokens_per_s",
+    T("r2", "one GPU, {at}: speed-up over CuPy's pool, tokens/s", "single_gpu_b4.csv", "tokens_per_s",
       ref=dict(allocator="cupy_pool"), over=("batch", "allocator"), pick="each", unit="×"),
     T("r3", "2 GPUs, {at}: speedup", "ddp_scaling.csv", "speedup", where=dict(world=2),
       over=("mode", "batch", "allocator"), pick="each", unit="×"),
     T("r4", "batch sweep, 2 GPUs, {at}: speedup", "batch_sweep.csv", "speedup", where=dict(world=2),
       over=("mode", "batch", "allocator"), pick="each", unit="×"),
-    T("r5", "microbenchmark, {at}: CuPy pool's time / the arm's", "alloc_microbench.csv", "ratio_vs_cupy_pool",
+    T("r5", "microbenchmark, {at}: speed-up over CuPy's pool", "alloc_microbench.csv", "ratio_vs_cupy_pool",
       tuple(a for a in allocators.SETS["bench"] if a != "cupy_pool"), where=dict(sweep="size"),
       over=("size_bytes", "allocator"), pick="each", unit="×"),
-    T("r6", "alloc+free sweep (final hit path), {at}: CuPy pool's time / xpool's", "alloc_hit_sweep.csv",
+    T("r6", "alloc+free sweep, {at}: xpool's speed-up over CuPy's pool", "alloc_hit_sweep.csv",
       "ratio_vs_cupy_pool", "xpool", over=("size_bytes",), pick="each", unit="×"),
-    T("r7", "PyTorch empty_del, {at}: PyTorch's allocator's time / xpool's", "torch_interop.csv", "value", "torch",
-      where=dict(case="empty_del"), ref=dict(arm="xpool"), over=("size_bytes",), pick="each", unit="×"),
-    T("r8", "PyTorch train_step: xpool / PyTorch's allocator, tokens/s", "torch_interop.csv", "value", "xpool",
-      where=dict(case="train_step"), ref=dict(arm="torch"), unit="×"),
+    T("r7", "PyTorch empty_del, {at}: xpool's speed-up over PyTorch's allocator", "torch_interop.csv", "value", "xpool",
+      where=dict(case="empty_del"), ref=dict(arm="torch"), over=("size_bytes",), pick="each", unit="×", flip=True),
+    T("r8", "PyTorch train_step: xpool's speed-up over PyTorch's allocator, tokens/s", "torch_interop.csv", "value",
+      "xpool", where=dict(case="train_step"), ref=dict(arm="torch"), unit="×"),
     T("r9", "GIL probe (add), {at}: N threads / 1 thread, ops per second", "gil_probe.csv", "speedup", "add",
       where=dict(threads=(2, 4, 8)), over=("threads",), pick="each", unit="×"),
 )
@@ -272,9 +327,12 @@ def replication(data: pathlib.Path, where: str = "data") -> str:
     if not (data / RERUN).is_dir():
         return ""
     first, second = _ratios(data), _ratios(data / RERUN)
-    rows, inside, close = [], 0, 0
+    rows, inside, close, apart = [], 0, 0, {}
     for name in [n for n in first if n in second]:
         a, b = first[name], second[name]
+        if a.rules != b.rules:            # not a repeat: the runs measured other pools (or one does not say which)
+            apart.setdefault((a.rules or "not recorded", b.rules or "not recorded"), []).append(name)
+            continue
         ok = (a.lo <= b.value <= a.hi) if math.isfinite(a.lo) else None
         change = b.value / a.value - 1 if a.value else math.nan
         inside += bool(ok)
@@ -285,18 +343,51 @@ def replication(data: pathlib.Path, where: str = "data") -> str:
     if not rows:
         return ""
     runs = lambda d: ", ".join(sorted({m.src for m in d.values()}))     # noqa: E731
-    return (f"A second run of the suite on a fresh machine (`{where}/{RERUN}/`: {runs(second)}; first run: "
-            f"{runs({n: first[n] for n in second if n in first})}): {inside} of {len(rows)} ratios fall inside the "
-            f"first run's 95% interval; {close} of {len(rows)} medians within 5% of the first run's. Where one falls "
-            "outside, the row says **no**; the change column says by how much (an interval of paired trials can be "
-            "far narrower than the difference between two machines).\n\n"
+    return (f"A second run of the suite on a fresh machine: `{where}/{RERUN}/` ({runs(second)}) against the first "
+            f"run ({runs({n: first[n] for n in second if n in first})}).\n\n"
+            f"{inside} of {len(rows)} ratios fall inside the first run's 95% interval; {close} of {len(rows)} medians "
+            "within 5% of the first run's. Where one falls outside, the row says **no**; the change column says by how "
+            "much (an interval of paired trials can be far narrower than the difference between two machines)."
+            + "".join(f"\n\nNot compared, because the two runs did not measure the same pool by what their CSVs "
+                      f"say (first run: {first_pool}; second run: {second_pool}): {', '.join(names)}."
+                      for (first_pool, second_pool), names in apart.items()) + "\n\n"
             + _md(["ratio", "first run", "second run", "change", "inside"], rows))
 
 
+def _dynamic_rows(df: pd.DataFrame) -> str:
+    """The dynamic benchmark's table (xlab.bench.dynamic.summary, the CLI's), its time column given as the speed-up
+    over the fastest peer (plots.speedups: the one direction of every ratio)."""
+    s = dynamic_summary(df)
+    sp = plots.speedups(df).set_index(["workload", "allocator"])
+    cells = ["the fastest peer" if (w, a) in sp.index and sp.loc[(w, a), "reference"] == a else
+             f"{iv.fmt_ci(*sp.loc[(w, a), ['speedup', 'speedup_lo', 'speedup_hi']], '{:.3f}', '×')} "
+             f"({sp.loc[(w, a), 'reference']})" if (w, a) in sp.index else "n/a"
+             for w, a in zip(s["workload"], s["allocator"])]
+    at = list(s.columns).index("ms vs the fastest peer")
+    s = s.drop(columns="ms vs the fastest peer")
+    s.insert(at, "speed-up over the fastest peer", cells)
+    return _md(list(s), s.itertuples(index=False))
+
+
 def dynamic_table(data: pathlib.Path) -> str:
-    """Every workload and arm of the dynamic-shape benchmark: xlab.bench.dynamic.summary, the CLI's table."""
+    """Every workload and arm of the dynamic-shape benchmark."""
     df = sources.current(data, "dynamic_shapes")
-    return "" if df is None else _md(list(s := dynamic_summary(df)), s.itertuples(index=False))
+    return "" if df is None else _dynamic_rows(df)
+
+
+def dynamic_heldout(data: pathlib.Path) -> str:
+    """The held-out PyTorch programs: which pools they measured (the product's default for PyTorch or not), and their
+    table."""
+    df = sources.read(data, targets.DYN_HELD_OUT)
+    if df is None or not len(df):
+        return ""
+    arms = allocators.ordered(df["allocator"].unique())
+    missing = "" if targets.XDT in arms else (
+        f" The pool `xpool.enable_torch()` makes now ({targets.XDT}, release rule {targets.PRODUCT_RULE}) is not among "
+        "them: no row below measures it.")
+    return (f"**Held-out PyTorch programs** ({sources.sources(df)}; other batches, lengths and image sizes than the "
+            f"workloads above): the arms {', '.join(arms)}; the xpool arms ran {targets.pools(df, 'allocator')}."
+            f"{missing}\n\n{_dynamic_rows(df)}")
 
 
 def dynamic_seeds(data: pathlib.Path) -> str:
@@ -311,8 +402,7 @@ def dynamic_seeds(data: pathlib.Path) -> str:
                 "realization's, the same in every trial")
     pairs = "; ".join(f"trial {t}: seed {'/'.join(map(str, v))}" for t, v in per.items())
     return (f"each trial on a seed of its own ({pairs}), the "
-            "same for every arm of the trial: each trial another realization of every workload (NOTES.md, Note "
-            "[Trials are realizations]), so bytes and calls vary between trials where the realizations differ, and "
+            "same for every arm of the trial: each trial another realization of every workload, so bytes and calls vary between trials where the realizations differ, and "
             "a value without an interval is one every trial gave")
 
 
@@ -339,7 +429,78 @@ def dynamic_floor(data: pathlib.Path) -> str:
             f"{', '.join(str(seed(t)) for t in least.index)}); under best fit, xpool's, {each(best.reindex(least.index))} "
             f"(`placement_variants.csv` at {sources.run_label(mix)}). A release rule that gave back every free page at "
             f"once would hold that much, so none reaches 1.05 on {over} of the {len(least)} with any of these "
-            "placements (NOTES.md, Note [Release on miss: expandable], \"Placement\").")
+            "placements.")
+
+
+# --- the summary at the head of the report, and README's results table: rows of SUMMARY, measured
+def _goal(m: targets.Measured) -> str:
+    r = m.row
+    if m.goal is None:
+        return ""
+    if r.stat == "all":
+        return "all pass"
+    sign = ("≥" if r.higher else "≤") if r.goal else "="
+    return f"{sign} {iv.fmt_ci(m.goal, math.nan, math.nan, r.fmt, r.unit, exact=True)}"
+
+
+def _value(m: targets.Measured) -> str:
+    return f"{m}" + (f" ({m.at})" if m.at and not m.each else "")
+
+
+def _data(m: targets.Measured) -> str:
+    return m.src + (f" ({m.rules})" if m.rules else "")
+
+
+def anchor(title: str) -> str:
+    """The link anchor GitHub makes of a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+
+
+def headlines(data: pathlib.Path, values: dict | None = None) -> list[dict]:
+    """SUMMARY measured: one dict per headline whose target was measured (question, text, value, verdict, ...)."""
+    values = targets.values(data) if values is None else values
+    out = []
+    for h in SUMMARY:
+        m = values.get(h.key)
+        if m is None:
+            continue
+        beside = [(words, values[k]) for words, k in h.beside if k in values]
+        out.append(dict(headline=h, m=m, beside=beside, value=_value(m),
+                        next_to="; ".join(f"{w}{f' ({b.at})' if b.at and not b.each else ''}: {b}" for w, b in beside),
+                        verdict=f"{m.verdict} ({_goal(m)})", statistic=m.statistic, data=_data(m)))
+    return out
+
+
+def summary_table(data: pathlib.Path, figs: dict, report_dir: pathlib.Path, values: dict | None = None) -> str:
+    """The report's opening table: each headline's value [interval], verdict against its goal, the statistic, the
+    CSV and pool, the figure."""
+    rows = []
+    for r in headlines(data, values):
+        h, fig = r["headline"], figs.get(r["headline"].figure)
+        link = (f"[{h.figure}]({pathlib.Path(os.path.relpath(fig.resolve(), report_dir.resolve())).as_posix()})"
+                if isinstance(fig, pathlib.Path) else h.figure)
+        rows.append((f"[{h.question}](#{anchor(h.question)})", h.text + (f" ({r['next_to']})" if r["next_to"] else ""),
+                     r["value"], r["verdict"], r["statistic"], r["data"], link))
+    return _md(["question", "headline", "value [95% interval]", "verdict (goal)", "statistic", "data (pool measured)",
+                "figure"], rows) if rows else "_Nothing measured yet._"
+
+
+def readme_table(data: pathlib.Path, values: dict | None = None) -> str:
+    """README's results table: the SUMMARY rows marked `readme`, each linking its section of the report."""
+    rows = [(f"[{r['headline'].question}](report/REPORT.md#{anchor(r['headline'].question)})",
+             r["headline"].text + (f" ({r['next_to']})" if r["next_to"] else ""), r["value"], r["verdict"], r["data"])
+            for r in headlines(data, values) if r["headline"].readme]
+    return _md(["", "result", "value [95% interval]", "verdict (goal)", "run (pool measured)"], rows) if rows else \
+        "_Nothing measured yet: `make report` writes this table from `data/`._"
+
+
+def with_results(readme: str, table: str) -> str:
+    """README's text with the table between its RESULTS markers replaced (unchanged where it has no markers)."""
+    start, end = RESULTS
+    if start not in readme or end not in readme:
+        return readme
+    head, rest = readme.split(start, 1)
+    return f"{head}{start}\n{table}\n{end}{rest.split(end, 1)[1]}"
 
 
 def data_table(data: pathlib.Path) -> str:
@@ -390,14 +551,15 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
             links[name] = f"![{name}]({pathlib.Path(os.path.relpath(got.resolve(), report_dir.resolve())).as_posix()})"
         else:
             links[name] = f"_{name}: {got or 'not built'}._"
-    values = {**targets.values(data), "counts": targets.counts(now), "fig": links, "host_bound_util": HOST_BOUND_UTIL,
+    measured = targets.values(data)
+    values = {**measured, "counts": targets.counts(now), "fig": links, "host_bound_util": HOST_BOUND_UTIL,
+              "summary_table": summary_table(data, figs, report_dir, measured),
               "targets_table": "\n".join(targets.table(now)) or "_No targets measured yet._",
-              "history_table": "\n".join(targets.table(then)), "replay": _replay(data),
-              "torch_scheme": targets.TORCH_DEFAULT_SCHEME, "torch_rule": "never"}
+              "history_table": "\n".join(targets.table(then)), "replay": _replay(data)}
     for name, fn in (("bounds_table", bounds_table), ("projection_table", projection_table), ("gil_table", gil_table),
                      ("graph_table", graph_table), ("graph_notes", graph_notes), ("replication", replication),
                      ("dynamic_table", dynamic_table), ("dynamic_seeds", dynamic_seeds), ("dynamic_floor", dynamic_floor),
-                     ("data_table", data_table)):
+                     ("dynamic_heldout", dynamic_heldout), ("data_table", data_table)):
         try:
             if name != "graph_notes":
                 values[name] = fn(data)
@@ -427,6 +589,8 @@ def main(argv=None) -> int:
     p.add_argument("--figures", default=None, help="figure folder (default: figures/)")
     p.add_argument("--build", default=None, help="where executed notebooks and report.md go (default: build/)")
     p.add_argument("--report-dir", default=None, help="where REPORT.md is copied (default: report/)")
+    p.add_argument("--readme", default=None, help="the README whose results table is rewritten (default: the "
+                   "repository's README.md when --data is not given, else none)")
     args = p.parse_args(argv)
     root = paths.repo_root()
     data, figures, build, report_dir = (pathlib.Path(v) if v else root / name for v, name in (
@@ -447,6 +611,11 @@ def main(argv=None) -> int:
     # build/report.md says how this run's notebooks went; the committed page holds only what data/ says
     (build / "report.md").write_text(render(data, runs, figs, report_dir))
     (report_dir / "REPORT.md").write_text(render(data, [], figs, report_dir))
+    readme = pathlib.Path(args.readme) if args.readme else None if args.data else root / "README.md"
+    if readme is not None and readme.is_file():
+        text = readme.read_text()
+        if (new := with_results(text, readme_table(data))) != text:
+            readme.write_text(new)
     print(f"report: {build / 'report.md'} and {report_dir / 'REPORT.md'} ({time.perf_counter() - t0:.0f} s in all)")
     failed = [r["notebook"] for r in runs if not r["ok"]]
     if failed:

@@ -1,7 +1,9 @@
 """Where every figure, target and headline reads its rows: lineages of CSVs (KINDS), and the runs they come from.
 `current` keeps, for each arm and configuration of a lineage, the rows of the newest CSV that has them; the older
-rows are its history (docs/decisions/0009-newest-csv-of-its-kind.md). Every row says where it came from (`csv`: the CSV,
-`run`: its commit). A second run on a fresh machine (data/rerun/, data/graph/rerun/) is read the same way.
+rows are its history (docs/decisions/0009-newest-csv-of-its-kind.md). `of_kind` finds every CSV of a lineage's benchmark, listed in the lineage or not, so that the
+rule "each row reads the newest CSV of its kind" is checked (xlab.targets.stale). Every row says where it came from
+(`csv`: the CSV, `run`: its commit). A second run on a fresh machine (data/rerun/, data/graph/rerun/) is read only
+against its first run.
 """
 from __future__ import annotations
 
@@ -12,12 +14,20 @@ import pandas as pd
 
 from . import allocators
 
-# lineage -> ((CSV, {column: value} selection), ...), the columns naming one configuration
+# lineage -> ((CSV, {column: value} selection), ...), the columns naming one configuration. The first CSV's selection
+# is the lineage's own: it picks the rows of any CSV of the same benchmark (`benchmark`), in the lineage or not.
+_ALLOC_ARMS = ("raw", "raw_held", "noop", "c_noop", "cupy_pool", "cupy_torch", "cupy_async", "xpool", "xpool_seed",
+               "xpool_expandable")   # core_split_gpu.csv's builds from before the split (xpool_before, ...) are not
+_ONE_GPU_ARMS = ("raw", "cupy_pool", "xpool", "xpool_seed")       # the eager arms of the graph runs' one-GPU CSV
 KINDS = {
-    "alloc_size": ((("alloc_microbench", {"sweep": "size"}), ("alloc_hit_sweep", {})), ("size_bytes",)),
+    # core_split_gpu (f748abb): the same sweep after the core was split into its files, a build from before beside it
+    "alloc_size": ((("alloc_microbench", {"sweep": "size"}), ("alloc_hit_sweep", {}), ("alloc_hit_sweep_repeat", {}),
+                    ("core_split_gpu", {"sweep": "size", "allocator": _ALLOC_ARMS})), ("size_bytes",)),
     "alloc_threads": ((("alloc_microbench", {"sweep": "threads"}), ("alloc_hit_threads", {})),
                       ("size_bytes", "threads")),
-    "single_gpu": ((("single_gpu", {}), ("single_gpu_recheck", {})), ("batch",)),
+    # graph/single_gpu (07fc8b1): raw, CuPy's pool and xpool again at batch 32, beside the graph arms
+    "single_gpu": ((("single_gpu", {}), ("single_gpu_recheck", {}), ("graph/single_gpu", {"allocator": _ONE_GPU_ARMS})),
+                   ("batch",)),
     # NVML's utilisation needs windows longer than its sample period (1/6 s to 1 s): 250 steps at batch 4
     "busy_b4": ((("single_gpu", {"batch": 4}), ("single_gpu_recheck", {"batch": 4}),
                  ("graph/single_gpu_b4", {"batch": 4})), ("batch",)),
@@ -29,9 +39,15 @@ KINDS = {
     "correctness": ((("correctness_cpu", {}), ("correctness_gpu", {})), ("device", "check")),
     "dynamic_shapes": ((("dynamic_shapes", {}),), ("workload",)),
 }
+# Columns that say what a benchmark ran rather than how long it was timed: rows that differ in one of them are
+# another configuration of the benchmark, not a newer measurement of the same one (a 250-step window, CuPy's launches)
+CONFIG = ("steps", "warmup", "launch", "launcher", "gemm", "fused", "adamw", "config", "block_size", "n_layer", "quick")
+# A folder of a second run of the suite on a fresh machine: read only against its first run ("Does a second run
+# agree?"), never as a newer CSV of its kind
+SECOND_RUN = "rerun"
 ARM_COLUMNS = ("allocator", "arm")
-# Commits some CSVs name that are not in this repository: a helper's commit before its branch was rebased onto
-# main (Note [Commits not in the repository] in xlab/provenance.py); the commit the file landed in stands in for it.
+# Commits some CSVs name that are not in this repository: a commit on a branch before it was rebased onto main
+# (Note [Commits not in the repository] in xlab/provenance.py); the commit the file landed in stands in for it.
 REWRITTEN = {"06b3f1f1f9cf": "012dbeb", "55e7e8bbc053": "924512e", "470072ec67b5": "4e9da9f",
              "8747672b68f9": "30f9bd2"}
 
@@ -45,8 +61,6 @@ def read(data: pathlib.Path, name: str) -> pd.DataFrame | None:
 def prepare(df: pd.DataFrame, csv: str) -> pd.DataFrame:
     """A CSV's rows as every reader takes them: today's arm names, the derived columns, where they came from."""
     df = allocators.canonical(df)
-    if "ratio_vs_cupy_pool" in df and "us_per_pair" in df:        # the benchmarks: this arm's time over CuPy's
-        df["time_vs_cupy_pool"] = 1 / df["ratio_vs_cupy_pool"]
     if "class_over_requested" in df:
         df["class_waste_pct"] = 100 * (df["class_over_requested"] - 1)
     if "check" in df and "passed" in df:
@@ -140,3 +154,59 @@ def sources(df: pd.DataFrame) -> str:
         arms = f" ({', '.join(allocators.ordered(g[col].unique()))})" if col and len(groups) > 1 else ""
         parts.append(f"`{name}` at {g['run'].iloc[0]}{arms}")
     return "; ".join(parts)
+
+
+# --- the benchmark a CSV is a run of: "the newest CSV of its kind" is checked over every CSV of the benchmark
+def benchmark(df: pd.DataFrame, name: str) -> str:
+    """What a CSV is a run of: its `experiment` ('experiment ddp'), else its `bench` ('bench alloc'), else its own name
+    (a CSV whose rows do not say is a benchmark of its own)."""
+    for col in ("experiment", "bench"):
+        if col in df and df[col].notna().any():
+            return f"{col} {'/'.join(sorted(pd.unique(df[col].dropna().astype(str))))}"
+    return name.removesuffix(".csv")
+
+
+def every_csv(data: pathlib.Path) -> dict[str, pd.DataFrame]:
+    """{name: rows} of every CSV under data (a second run's folders left out: SECOND_RUN), as `read` gives them."""
+    data = pathlib.Path(data)
+    return {n: read(data, n) for n in sorted(p.relative_to(data).with_suffix("").as_posix() for p in data.rglob("*.csv")
+                                             if SECOND_RUN not in p.relative_to(data).parts[:-1])}
+
+
+def of_kind(data: pathlib.Path, kind: str, csvs: dict | None = None) -> dict[str, pd.DataFrame]:
+    """{name: rows} of every CSV under data that is a run of the benchmark of lineage `kind` (its CSVs' `benchmark`),
+    in the lineage or not, each with the lineage's own selection (its first CSV's) applied."""
+    csvs = every_csv(data) if csvs is None else csvs
+    members = [name for name, _ in lineage(kind)[0]]
+    kinds = {benchmark(csvs[n], n) for n in members if csvs.get(n) is not None}
+    base = lineage(kind)[0][0][1]
+    return {n: select(df, {k: v for k, v in base.items() if k != "allocator"}) for n, df in csvs.items()
+            if df is not None and benchmark(df, n) in kinds}
+
+
+def newest_date(df: pd.DataFrame) -> str:
+    """The latest timestamp of these rows ('' where the CSV has none)."""
+    return str(df["date"].dropna().astype(str).max()) if "date" in df and df["date"].notna().any() else ""
+
+
+def same_configuration(a: pd.DataFrame, b: pd.DataFrame) -> bool:
+    """Whether two sets of rows ran one configuration: every CONFIG column both have shares a value."""
+    for col in CONFIG:
+        if col in a and col in b and a[col].notna().any() and b[col].notna().any():
+            if not set(a[col].dropna().astype(str)) & set(b[col].dropna().astype(str)):
+                return False
+    return True
+
+
+def one_run(df: pd.DataFrame, arms) -> pd.DataFrame:
+    """The rows of the newest CSV among `df`'s that holds every one of `arms` (a comparison within one run): `df`'s
+    rows of that CSV alone; `df` itself when no CSV holds them all."""
+    col = arm_column(df)
+    if col is None or "csv" not in df:
+        return df
+    holding = [c for c, g in df.groupby("csv", sort=False) if set(arms) <= set(g[col])]
+    if not holding:
+        return df
+    newest = max(holding, key=lambda c: (df.loc[df["csv"] == c, "order"].max() if "order" in df else 0,
+                                         newest_date(df[df["csv"] == c])))
+    return df[df["csv"] == newest]

@@ -5,12 +5,15 @@ give (computed here with pandas, from the newest CSV of each kind that has the a
 The readback knows nothing of how a figure is drawn: bars are the axes' BarContainer patches, points the data of
 its Line2D artists; which arm an artist is comes from the legend (its handle's colour, hatch and marker), which
 configuration from the nearest tick label."""
+import itertools
 import math
 import pathlib
+import re
 
 import numpy as np
 import pandas as pd
 import pytest
+import seaborn as sns
 from matplotlib.colors import to_hex
 from matplotlib.container import BarContainer, ErrorbarContainer
 from matplotlib.patches import Patch
@@ -47,11 +50,13 @@ def _draw(name, data):
     return draw(name, data)
 
 
-def newest(data, *csvs, arm="allocator", keys=()):
-    """What a figure must show: for each arm (and configuration), the rows of the last CSV listed that has it."""
+def newest(data, *csvs, arm="allocator", keys=(), arms=None):
+    """What a figure must show: for each arm (and configuration), the rows of the last CSV listed that has it (of
+    `arms` only, where given)."""
     frames = [pd.read_csv(data / f"{c}.csv").assign(_order=i) for i, c in enumerate(csvs)
               if (data / f"{c}.csv").is_file()]
     df = canonical(pd.concat(frames, ignore_index=True))      # the names of today (allocators.LEGACY)
+    df = df if arms is None else df[df[arm].isin(arms)]
     by = [arm, *keys]
     return df[df["_order"] == df.groupby(by)["_order"].transform("max")]
 
@@ -75,7 +80,7 @@ def legend(fig, ax) -> dict:
     for leg in [ax.get_legend(), *fig.legends]:
         if leg is not None:
             for text, handle in zip(leg.get_texts(), leg.legend_handles):
-                out.setdefault(_key(handle), text.get_text())
+                out.setdefault(_key(handle), text.get_text().replace("\n", " "))     # a long label, wrapped
     return out
 
 
@@ -145,20 +150,41 @@ def test_every_figure_is_checked():
 
 
 def check_ddp_before_after(fig, data):
-    df = newest(data, "ddp_scaling", "ddp_expandable", keys=("mode", "world"))
+    """Every arm from one run: the newest CSV of the lineage that measured raw cudaMalloc, all of its arms."""
+    runs = [c for c in ("ddp_scaling", "ddp_expandable") if (data / f"{c}.csv").is_file()
+            and "raw" in set(pd.read_csv(data / f"{c}.csv")["allocator"])]
+    df = canonical(pd.read_csv(data / f"{runs[-1]}.csv"))
     top = df[(df["mode"] != "single") & (df["world"] == df["world"].max())]
     sp, ut = fig.axes[:2]
     bar_panel(fig, sp, top, "mode", "speedup", MODES.__getitem__)
     bar_panel(fig, ut, top, "mode", "gpu_util_mean", MODES.__getitem__)
+    data_line = fig._supxlabel.get_text().splitlines()[0]
+    assert data_line.count(".csv") == 1 and f"{runs[-1]}.csv" in data_line          # one run, named
+
+
+_ONE_GPU_ARMS = ("raw", "cupy_pool", "xpool", "xpool_seed")
 
 
 def check_single_gpu(fig, data):
-    df = newest(data, "single_gpu", "single_gpu_recheck", keys=("batch",))
+    df = newest(data, "single_gpu", "single_gpu_recheck", "graph/single_gpu", keys=("batch",),
+                arms=_ONE_GPU_ARMS)
     cols = ["tokens_per_s", "host_ms_per_step", "gpu_ms_per_step", "gpu_util_mean", "device_mallocs_per_step",
             "reserved_over_requested"]
     for ax, col in zip(fig.axes, cols):
         bar_panel(fig, ax, df.dropna(subset=[col]), "batch", col, lambda t: int(t.split()[1]))
-    assert any(" · " in t for t in legend(fig, fig.axes[0]).values())     # arms of two runs: labelled with the run
+    data_lines = fig._supxlabel.get_text().split("Measured on")[0]       # arms of several runs: the caption says whose
+    for csv in ("single_gpu.csv", "single_gpu_recheck.csv"):
+        assert f"{csv} at " in data_lines
+
+
+def test_no_legend_names_a_commit(data):
+    """Labels are the arms'; the caption names each CSV, its commit and its arms (the old dynamic figure's legend
+    carried commit hashes)."""
+    for name in plots.FIGURES:
+        fig = plots.draw(name, data)
+        texts = [t.get_text() for leg in [*fig.legends, *(ax.get_legend() for ax in fig.axes)] if leg is not None
+                 for t in leg.get_texts()]
+        assert not any("synthetic" in t or re.search(r"\b[0-9a-f]{7,12}\b", t) for t in texts), (name, texts)
 
 
 def check_graph_steps(fig, data):
@@ -170,13 +196,19 @@ def check_graph_steps(fig, data):
         bar_panel(fig, ax, rows, "batch", col, lambda t: int(t.split()[1]))
 
 
+_ALLOC_ARMS = ("raw", "raw_held", "noop", "c_noop", "cupy_pool", "cupy_torch", "cupy_async", "xpool", "xpool_seed",
+               "xpool_expandable")
+
+
 def check_alloc_cost(fig, data):
-    df = newest(data, "alloc_microbench", "alloc_hit_sweep", keys=("size_bytes",))
+    df = newest(data, "alloc_microbench", "alloc_hit_sweep", "alloc_hit_sweep_repeat", "core_split_gpu",
+                keys=("size_bytes",), arms=_ALLOC_ARMS)
     df = df[df["sweep"] == "size"]
     cost, rel = fig.axes[:2]
     line_panel(fig, cost, df, "size_bytes", "us_per_pair")
-    r = df[~df["allocator"].isin(["raw", "raw_held", "cupy_pool"])].assign(t=lambda f: 1 / f["ratio_vs_cupy_pool"])
-    line_panel(fig, rel, r, "size_bytes", "t")
+    r = df[~df["allocator"].isin(["raw", "raw_held", "cupy_pool"])]       # speed-up: CuPy's time / the arm's
+    line_panel(fig, rel, r, "size_bytes", "ratio_vs_cupy_pool")
+    assert "above 1: faster" in rel.get_ylabel()
     assert [t.get_text() for t in cost.get_xticklabels()] == [plots.fmt_bytes(n) for n in sorted(df["size_bytes"].unique())]
 
 
@@ -241,26 +273,55 @@ def check_memory_timeline(fig, data):
     assert "seed scheme" in (fig.legends[0].get_title().get_text() if fig.legends else fig._suptitle.get_text())
 
 
-def check_dynamic_shapes(fig, data):
+_DYN_PEERS = ("cupy_pool", "cupy_async", "rmm_pool", "cupy_torch_expandable", "torch", "torch_expandable")
+_DYN_XPOOL = ("xpool_segments", "xpool_expandable")          # the product's schemes drawn (the seed scheme is not)
+_DEFAULTS = {"CuPy programs": ("cupy", "xpool_segments"), "PyTorch programs": ("torch", "xpool_expandable")}
+
+
+def _dynamic_check(fig, data, expected):
+    """Both panels: their bars are `expected(rows of the panel's front end)` per (workload, arm); the front end's
+    default is marked (its label says so, its bars outlined thicker) and no legend names a commit."""
     df = pd.read_csv(data / "dynamic_shapes.csv")
-    per = df.groupby(["workload", "allocator", "trial"])["ms_per_step"].median()
-    peers = ("cupy_pool", "cupy_async", "rmm_pool", "cupy_torch_expandable", "torch", "torch_expandable")
-    ratio = []                       # each arm's ms over the fastest peer's: ratio of medians of paired trials
-    for w, g in df.groupby("workload"):
-        ref = per[w][g[g["allocator"].isin(peers)].groupby("allocator")["ms_per_step"].median().idxmin()]
-        for a in g["allocator"].unique():
-            common = per[w][a].index.intersection(ref.index)
-            ratio.append(dict(workload=w, allocator=a, r=per[w][a][common].median() / ref[common].median()))
-    ratio = pd.DataFrame(ratio)
-    frameworks = list(dict.fromkeys(df["framework"]))
-    for j, f in enumerate(frameworks):
-        sub = df[df["framework"] == f]
-        ror, steady, calls, speed = fig.axes[j::len(frameworks)]
-        tick = str.partition                                     # 'cupy_mix\n(varying shapes)' -> 'cupy_mix'
-        for ax, rows, col in ((ror, sub, "reserved_over_requested"), (steady, sub, "device_calls_per_steady_step"),
-                              (calls, sub, "device_calls_per_step"),
-                              (speed, ratio[ratio["workload"].isin(set(sub["workload"]))], "r")):
-            bar_panel(fig, ax, rows, "workload", col, lambda t: tick(t, "\n")[0])
+    df = df[df["allocator"].isin(_DYN_PEERS + _DYN_XPOOL)]
+    assert [ax.get_title(loc="left") for ax in fig.axes] == list(_DEFAULTS)
+    for ax in fig.axes:
+        f, default = _DEFAULTS[ax.get_title(loc="left")]
+        rows = df[df["framework"] == f]
+        arms = set(rows["allocator"])
+        drawn = [((arm_of(lab, arms), t.partition("\n")[0]), h) for lab, t, h in read_bars(fig, ax)]
+        check(drawn, expected(rows), ax.get_title(loc="left"))
+        texts = [t.get_text().replace("\n", " ") for t in ax.get_legend().get_texts()]
+        marked = [t for t in texts if "default" in t and not t.startswith("CuPy MemoryPool")]
+        assert len(marked) == 1 and marked[0].startswith(arm_label(default) + " ·"), texts
+        assert not any(re.search(r"\b[0-9a-f]{7,}\b", t) for t in texts), texts       # no commit in a legend
+        widths = {arm_of(lab, arms): p.get_linewidth() for c, lab in zip(ax.containers, texts) for p in c.patches}
+        assert widths[default] > max(w for a, w in widths.items() if a != default)
+
+
+def check_dynamic_shapes(fig, data):
+    def held(rows):
+        pct = rows.assign(h=(100 * (rows["reserved_over_requested"] - 1)).clip(lower=0.01))
+        return {k: v for k, v in pct.groupby(["allocator", "workload"])["h"].median().items()}
+    _dynamic_check(fig, data, held)
+
+
+def check_dynamic_calls(fig, data):
+    _dynamic_check(fig, data, lambda rows: dict(rows.groupby(["allocator", "workload"])
+                                                ["device_calls_per_steady_step"].median().items()))
+
+
+def check_dynamic_speed(fig, data):
+    def speedup(rows):
+        """The fastest peer's median ms over each arm's, over the trials both ran (ratio of medians)."""
+        per = rows.groupby(["workload", "allocator", "trial"])["ms_per_step"].median()
+        out = {}
+        for w, g in rows.groupby("workload"):
+            ref = g[g["allocator"].isin(_DYN_PEERS)].groupby("allocator")["ms_per_step"].median().idxmin()
+            for a in g["allocator"].unique():
+                common = per[w][a].index.intersection(per[w][ref].index)
+                out[(a, w)] = per[w][ref][common].median() / per[w][a][common].median()
+        return out
+    _dynamic_check(fig, data, speedup)
 
 
 def check_correctness(fig, data):
@@ -440,3 +501,44 @@ def test_graph_steps_caption_names_only_the_csvs_it_draws(data, tmp_path):
     ddp.assign(mode="processes").to_csv(tmp_path / "graph/ddp_processes.csv", index=False)
     text = _all_text(plots.draw("graph_steps", tmp_path))
     assert "graph/ddp_scaling.csv" in text and "ddp_processes" not in text
+
+
+def _overlapping_labels(fig) -> list:
+    """Pairs of texts inside one axes (value labels, notes) whose boxes overlap on the canvas ('1.0031.0031.003')."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    out = []
+    for ax in fig.axes:
+        boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in ax.texts if t.get_text() and t.get_visible()]
+        for (a, p), (b, q) in itertools.combinations(boxes, 2):
+            if p.x0 < q.x1 - 1 and q.x0 < p.x1 - 1 and p.y0 < q.y1 - 1 and q.y0 < p.y1 - 1:
+                out.append((ax.get_title(loc="left") or ax.get_title(), a, b))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(plots.FIGURES))
+def test_no_two_labels_overlap(name, data):
+    assert _overlapping_labels(plots.draw(name, data)) == []
+
+
+@pytest.mark.parametrize("name", sorted(plots.FIGURES))
+def test_no_two_labels_overlap_in_the_committed_figures(name):
+    data = pathlib.Path(__file__).resolve().parents[2] / "data"
+    fig = plots.draw(name, data)
+    if fig is None:
+        pytest.skip(f"no committed CSV for {name}")
+    assert _overlapping_labels(fig) == []
+
+
+def test_the_overlap_check_finds_labels_drawn_on_top_of_each_other():
+    """The check itself: three bars too narrow for their unrotated labels overlap (the old dynamic figure's
+    '1.0031.0031.003'), and the same labels rotated do not."""
+    df = pd.DataFrame(dict(arm=["a", "b", "c"] * 2, label=["a", "b", "c"] * 2, x=[0] * 6, v=[1.003] * 6))
+    for rotate, overlapping in ((0, True), (90, False)):
+        fig, [[ax]] = plots._figure(1, 1, size=(1.2, 3))
+        sns.barplot(df, x="x", y="v", hue="label", ax=ax, errorbar=None)
+        for c in ax.containers:
+            for p in c.patches:
+                ax.annotate("1.003", (p.get_x() + p.get_width() / 2, p.get_height()), xytext=(0, 3), fontsize=7,
+                            textcoords="offset points", ha="center", va="bottom", rotation=rotate)
+        assert bool(_overlapping_labels(fig)) == overlapping
