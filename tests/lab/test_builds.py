@@ -22,7 +22,7 @@ def other(tmp_path_factory):
 
 def test_the_other_build_runs_beside_this_one(other):
     assert other._core is not xpool._core and other.Settings is not xpool.Settings
-    mine, theirs = xpool.Pool(xpool_twin.HostBackend()), other.Pool(other.HostBackend(), scheme="seed")
+    mine, theirs = xpool.Pool(xpool_twin.HostBackend()), other.Pool(xpool_twin.HostBackend(), scheme="seed")
     a, b = mine.allocate(MiB), theirs.allocate(MiB)
     assert (mine.stats().device_mallocs, theirs.stats().device_mallocs) == (1, 1)
     assert mine.settings.scheme == "segments" and theirs.settings.scheme == "seed"
