@@ -104,19 +104,23 @@ def test_empty_cache_gives_whole_segments_back_to_the_device(pool):
     assert s.bytes_reserved == 2 * MiB and s.bytes_in_use == MiB and int(keep.size) == MiB
 
 
-def test_a_miss_gives_the_streams_idle_whole_free_segments_back(pool):
-    keep = cp.empty(512, dtype=cp.uint8)               # request 1: a 2 MiB segment
-    a = cp.empty(64 * MiB, dtype=cp.uint8)             # request 2
+def test_a_miss_only_adds_and_empty_cache_gives_the_whole_free_segments_back(pool):
+    """The one release rule (docs/decisions/0001-one-release-rule-per-scheme.md): a miss that fits no free range
+    makes a segment and gives none back, however long the others have idled; empty_cache gives back every whole free
+    segment, and no segment a block still uses."""
+    keep = cp.empty(512, dtype=cp.uint8)               # a 2 MiB segment, shared by later small blocks
+    a = cp.empty(64 * MiB, dtype=cp.uint8)
     del a
-    b = cp.empty(128 * MiB, dtype=cp.uint8)            # fits no free range; the 64 MiB segment was freed 1 request
-    s = pool.stats(0)                          # ago: part of the working set, it stays
-    assert (s.device_mallocs, s.device_frees, s.bytes_reserved) == (3, 0, 194 * MiB)
-    for _ in range(64):                                # requests 4-67: cut from keep's segment, the best fit
+    b = cp.empty(128 * MiB, dtype=cp.uint8)            # fits no free range: a segment of its own
+    for _ in range(64):                                # cut from keep's segment: 64 MiB's idles
         cp.empty(512, dtype=cp.uint8)
     del b
-    c = cp.empty(256 * MiB, dtype=cp.uint8)            # the 64 MiB segment, idle 66 requests, goes back first;
-    s = pool.stats(0)                          # b's, freed 1 request ago, stays
-    assert (s.device_mallocs, s.device_frees, s.bytes_reserved) == (4, 1, (2 + 128 + 256) * MiB)
+    c = cp.empty(256 * MiB, dtype=cp.uint8)            # a miss again: it adds, and gives nothing back
+    s = pool.stats(0)
+    assert (s.device_mallocs, s.device_frees, s.bytes_reserved) == (4, 0, (2 + 64 + 128 + 256) * MiB)
+    assert pool.empty_cache() == (64 + 128) * MiB
+    s = pool.stats(0)
+    assert (s.device_frees, s.bytes_reserved) == (2, (2 + 256) * MiB)
     assert np.isfinite(float(cp.ones(4, cp.float32).sum())) and c.nbytes == 256 * MiB and keep.nbytes == 512
 
 

@@ -16,8 +16,13 @@ def test_limit_argument_is_per_device_and_a_share_of_each():
     total = cp.cuda.runtime.memGetInfo()[1]
     assert abs(pool.get_limit() - total / 100) <= 1
     with xpool.use(pool), pytest.raises(xpool.OutOfMemoryError) as info:
-        cp.empty(total // 50, dtype=cp.uint8)
-    assert info.value.reason == "limit"
+        cp.empty(total // 50, dtype=cp.uint8)          # alone larger than the limit
+    assert info.value.reason == "limit_too_small"
+    with xpool.use(pool):
+        held = cp.empty(total // 160, dtype=cp.uint8)  # 0.625%: fits; a second one does not, beside it
+        with pytest.raises(xpool.OutOfMemoryError) as info:
+            cp.empty(total // 160, dtype=cp.uint8)
+    assert info.value.reason == "limit" and held.nbytes == total // 160
 
 
 @pytest.mark.multigpu
