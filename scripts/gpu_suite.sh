@@ -40,7 +40,8 @@
 # A stage stopped by its limit keeps what it finished (its CSV is rewritten after every run); finish it later
 # with RESUME=1 bash scripts/gpu_suite.sh STAGE (single, ddp, sweep: only the missing trials run; never fewer).
 # Each stage writes its own CSV in data/ (every row: GPU, driver, CUDA, CuPy, commit, date and the run's
-# parameters) and copies it, with the stage's log, to $OUT (default build/gpu) as soon as it ends.
+# parameters) and copies it (the CSVs it wrote, no others), with the stage's log, to $OUT (default build/gpu) as soon
+# as it ends.
 # Knobs: TRIALS (default 5), BENCH_TRIALS (bench; default 7), STEPS/WARMUP (single and ddp), WORLDS (ddp; default
 # "1 2", "1 2 4 8" on eight GPUs), DDP_ALLOCATORS and DDP_MODES (ddp; default: single's allocators, both modes),
 # SWEEP_ALLOCATORS (sweep; default raw, cupy_pool, xpool),
@@ -72,12 +73,14 @@ status=0
 stage() {   # stage NAME SECONDS CMD...: time-limited (a hang dumps every thread's stack), logged, CSVs copied out
     local name=$1 limit=$2; shift 2
     echo "=== $name ($(date -u +%T), limit ${limit}s): $*" | tee -a "$LOG"
-    local t0=$SECONDS
+    local t0=$SECONDS stamp="$OUT/.start_$name"
+    touch "$stamp"
     timeout -s ABRT "$limit" "$@" 2>&1 | tee "$OUT/$name.log" >>"$LOG"
     local rc=${PIPESTATUS[0]}
     echo "=== $name: rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
     tail -n 25 "$OUT/$name.log"
-    cp "$DATA"/*.csv "$OUT"/ 2>/dev/null
+    find "$DATA" -name '*.csv' -newer "$stamp" -exec cp {} "$OUT"/ \;   # the CSVs this stage wrote, no others
+    rm -f "$stamp"
     [ "$rc" = 0 ] || status=1
     return "$rc"
 }
