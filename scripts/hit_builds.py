@@ -1,4 +1,3 @@
-import xpool_twin
 """The hit path of two builds, over host memory: malloc+free pairs through each build's CuPy hooks and PyTorch's
 entry points, timed in C (xlab._probes), both builds loaded in one process and interleaved.
 

@@ -1,4 +1,3 @@
-import xpool_twin
 """tapegpt.graph.CapturedStep's protocol on a CPU, over a stand-in for CuPy's streams and graphs, and the registry's
 `_graph` arms. The GPU tests (test_gpu_graph.py) check the real capture, bit for bit."""
 import contextlib
@@ -7,6 +6,7 @@ import types
 
 import numpy as np
 import pytest
+import xpool_twin
 
 from tapegpt import GPT, get_batch, load_corpus
 from tapegpt import graph as graph_mod
