@@ -83,9 +83,15 @@ typedef struct {
                              * a split and a merge per alloc/free pair would otherwise cost a malloc
                              * and a free each */
     size_t n_spare;
-    /* The whole free segments filed in the tree, by (stream, size, ptr) as the tree: with the whole ones
-     * waiting in recent[], what empty_cache, trim and the ladder may give back.  A search for them walks these
-     * alone, never the free ranges of partly used segments, which may be many. */
+    /* Note [Whole free segments]  Only whole free segments go back to the device (empty_cache, trim, the
+     * ladder), and finding them must not cost more as free ranges inside partly used segments pile up.  `whole`
+     * indexes the whole free segments filed in the tree: a second treap over the same Blocks (wleft/wright), by
+     * (stream, size, ptr) as the tree, kept where the tree files or unfiles a whole range.  The whole ones waiting
+     * in recent[] (at most SEG_RECENT, Note [Hit path]) stay out of it and are scanned beside it, in key order: a
+     * search costs O(log n + SEG_RECENT + whole free segments of the stream), never O(free ranges).  Waiting ones
+     * stay out because indexing them grew a Block to three cache lines and cost the hit path a treap insert and
+     * remove; wleft shares the bin link `next`, which a free range never uses.  The cost as a count:
+     * xpool_twin.testing.release_scan_visits (the tests' fixture package). */
     Block *whole;
     size_t n_whole;
     uint64_t whole_visits;  /* nodes of `whole` the searches for segments to give back have visited (a cost

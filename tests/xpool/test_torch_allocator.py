@@ -437,7 +437,7 @@ def test_importing_xpool_does_not_import_torch():
     assert out.returncode == 0, out.stderr
 
 
-# --- the pool enable() makes: scheme expandable unless one is set (Note [The default scheme per front end])
+# --- the pool enable() makes: scheme expandable unless one is set (docs/decisions/0003-expandable-for-pytorch.md)
 
 class NoVmmBackend(TwinBackend):
     """Host memory whose driver, like an old one, has no virtual memory management."""
