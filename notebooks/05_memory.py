@@ -56,7 +56,7 @@ timeline = nbu.load_csv("memory_timeline", run.out if measured is not None and m
 
 # %%
 replayed = memory_study.replay_waste(timeline, ks) if timeline is not None else None
-nbu.table(memory_study.waste_table(measured, replayed))
+nbu.table(memory_study.waste_table(measured, replayed), sources=(measured, timeline))
 
 # %%
 nbu.figure("memory_waste", measured if measured is not None else replayed, run=run)

@@ -94,8 +94,8 @@ class Param:
         return None
 
 
-# Every parameter of every notebook (a name means the same in each), its range and where it acts; the generator
-# (xlab.notebooks) writes each parameter's comment from here, `setup` checks the values against it.
+# Every parameter of every notebook (a name means the same in each), its range and where it acts: `setup` checks the
+# values against it, and each parameter's comment in its notebook ends with what it allows (a test keeps them equal).
 PARAMETERS = {
     "data_dir": Param(folder=True),
     "publish": Param(),
@@ -355,9 +355,13 @@ def summary(df: pd.DataFrame | None, by, columns):
     return _html(tables.summary(df, by, columns))
 
 
-def table(df: pd.DataFrame | None, full: pd.DataFrame | None = None, group: str | None = None, lines=None):
-    """Any frame for people (xlab.tables.table): its full rows folded under it, long ones folded by `group`."""
-    return _html(tables.table(df, full=full, group=group, lines=lines))
+def table(df: pd.DataFrame | None, full: pd.DataFrame | None = None, group: str | None = None, lines=None,
+          sources=()):
+    """Any frame for people (xlab.tables.table): its full rows folded under it, long ones folded by `group`, the CSVs
+    it joins (`sources`: frames as the lab reads them) named with their commits and dates above it."""
+    named = [tables.source_of(f) for f in sources if f is not None and len(f)]
+    return _html(tables.table(df, full=full, group=group, lines=lines,
+                              caption=f"Rows from {'; '.join(named)}." if named else ""))
 
 
 def with_units(df: pd.DataFrame | None) -> pd.DataFrame | None:
@@ -383,13 +387,14 @@ def correctness_summary(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def verdict(checks: pd.DataFrame):
-    """The pass counts per device and family (correctness_summary), one line per device, every check a click away."""
+    """The pass counts per device and family (correctness_summary), a line per device with where its checks come
+    from, every check a click away."""
     head = correctness_summary(checks)
-    lines = {d: f"{d}: {g['checks'].sum():,} checks in {len(g)} families, {g['failed'].sum():,} failed"
-             for d, g in head.groupby("device", sort=False)}
-    full = checks.assign(csv=checks["csv"].fillna("this run") if "csv" in checks else "this run")
-    return table(head, full=full[["device", "check", "measured", "threshold", "passed", "csv"]], group="device",
-                 lines=lines)
+    full = sources.with_device(checks.assign(csv=checks["csv"].fillna("this run") if "csv" in checks else "this run"))
+    lines = {d: f"{d}: {g['checks'].sum():,} checks in {len(g)} families, {g['failed'].sum():,} failed "
+                f"({tables.source_of(full[full['device'] == d])})" for d, g in head.groupby("device", sort=False)}
+    shown = [c for c in ("device", "check", "measured", "threshold", "passed", "csv", "commit", "date") if c in full]
+    return table(head, full=full[shown], group="device", lines=lines)
 
 
 def assert_all_passed(df: pd.DataFrame) -> None:

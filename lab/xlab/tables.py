@@ -29,7 +29,7 @@ COLUMNS = {
     "reserved_over_requested": "reserved/requested (×)",
     "us_per_pair": "µs/pair",
     "ns_per_pair": "ns/pair",
-    "ratio_vs_cupy_pool": "CuPy pool's µs/pair ÷ this (×)",
+    "ratio_vs_cupy_pool": "vs CuPy pool (×)",
     "kpairs_per_s": "thousand pairs/s",
     "speedup": "speedup (×)",
     "size_bytes": "request size",
