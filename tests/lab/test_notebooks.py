@@ -46,6 +46,18 @@ def as_ipynb(name: str, folder: pathlib.Path) -> pathlib.Path:
     return path
 
 
+def fresh_clone(clone: pathlib.Path) -> pathlib.Path:
+    """A clone of the committed tree as `make setup` leaves it, built with this environment: the allocator's C core
+    copied in, the notebooks paired by the Makefile's own rule (this venv's jupytext; the venv itself left alone)."""
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    for so in (ROOT / "xpool").glob("_core*.so"):
+        shutil.copy(so, clone / "xpool")
+    venv = pathlib.Path(sys.executable).parent.parent
+    subprocess.run(["make", "-C", str(clone), "notebooks", f"VENV={venv}", "-o", f"{venv}/.installed"], check=True,
+                   capture_output=True)
+    return clone
+
+
 @pytest.fixture
 def repo_env(monkeypatch):
     """A kernel started from a notebook outside the checkout finds the checkout (xlab.paths)."""
@@ -244,13 +256,7 @@ def _header_command(name: str) -> str:
 def test_a_fresh_clone_pairs_runs_and_stays_clean(tmp_path):
     """What a new user does: clone, `make setup`'s pairing, run a notebook as its header says (and once in place, as
     JupyterLab would save it), rebuild the report; nothing tracked moves."""
-    clone = tmp_path / "clone"
-    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
-    for so in (ROOT / "xpool").glob("_core*.so"):              # what `make setup` builds in the clone
-        shutil.copy(so, clone / "xpool")
-    venv = pathlib.Path(sys.executable).parent.parent
-    subprocess.run(["make", "-C", str(clone), "notebooks", f"VENV={venv}", "-o", f"{venv}/.installed"], check=True,
-                   capture_output=True)
+    clone = fresh_clone(tmp_path / "clone")
     assert all((clone / "notebooks" / f"{n}.ipynb").is_file() for n in NAMES)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XPOOL_REPO")}
     env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
