@@ -19,12 +19,11 @@ $(VENV)/.installed: pyproject.toml setup.py lab/pyproject.toml lab/setup.py work
 	touch $@
 
 # The notebooks: git holds notebooks/NN_*.py, their cells alone; JupyterLab and papermill open the .ipynb paired with
-# each, which git ignores, outputs and all (docs/decisions/0050-notebooks-in-git.md). A missing .ipynb, or one older
-# than its .py, gets the .py's cells (its outputs kept); make never writes a .py.
-NOTEBOOKS := $(patsubst %.py,%.ipynb,$(wildcard notebooks/[0-9][0-9]_*.py))
-notebooks: $(NOTEBOOKS)
-notebooks/%.ipynb: notebooks/%.py $(VENV)/.installed
-	$(BIN)/jupytext --quiet --update --to ipynb $<
+# each, which git ignores, outputs and all (docs/decisions/0050-notebooks-in-git.md). A missing .ipynb, or one whose
+# cells differ from its .py's, gets the .py's cells (its outputs kept); the others are left alone (one open in
+# JupyterLab is not rewritten under it), and no .py is written.
+notebooks: $(VENV)/.installed
+	$(BIN)/python -m xlab.notebook_utils
 
 # every test (the allocator's, the workload's, the lab's); GPU tests skip where no GPU is visible
 test: setup

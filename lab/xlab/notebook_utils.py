@@ -11,6 +11,8 @@ import difflib
 import importlib
 import os
 import pathlib
+import subprocess
+import sys
 import tempfile
 
 import pandas as pd
@@ -133,29 +135,52 @@ class Run:
     publish: bool
 
 
-def _code(path: pathlib.Path) -> list[tuple[str, bool]]:
-    """(source, tagged `parameters`) of each code cell of a notebook, .py (jupytext) or .ipynb."""
+def _read(path: pathlib.Path) -> list[tuple[str, str, tuple]]:
+    """(cell type, source, tags) of each cell of a notebook, .py (jupytext) or .ipynb: what pairing keeps equal."""
     import jupytext
-    nb = jupytext.read(path)
-    return [(c.source, "parameters" in c.metadata.get("tags", [])) for c in nb.cells if c.cell_type == "code"]
+    return [(c.cell_type, c.source, tuple(c.metadata.get("tags", ()))) for c in jupytext.read(path).cells]
 
 
 def _cells(name: str) -> list[tuple[str, bool]]:
-    """The code cells of notebooks/NAME.py, the notebook as git holds it."""
-    return _code(paths.repo_root() / "notebooks" / f"{name}.py")
+    """(source, tagged `parameters`) of each code cell of notebooks/NAME.py, the notebook as git holds it."""
+    return [(src, "parameters" in tags) for kind, src, tags in _read(paths.repo_root() / "notebooks" / f"{name}.py")
+            if kind == "code"]
+
+
+def unpaired(folder: pathlib.Path | None = None) -> list[pathlib.Path]:
+    """The notebooks/NN_*.py whose .ipynb is missing or holds other cells (a .py changed since they were paired)."""
+    folder = folder or paths.repo_root() / "notebooks"
+    return [py for py in sorted(folder.glob("[0-9][0-9]_*.py"))
+            if not py.with_suffix(".ipynb").is_file() or _read(py.with_suffix(".ipynb")) != _read(py)]
+
+
+def pair(folder: pathlib.Path | None = None) -> list[str]:
+    """Bring each unpaired .ipynb up to date from its .py (jupytext --update: its outputs kept) where the .py is the
+    newer, and leave the others untouched: one open in JupyterLab is not rewritten under it, and one edited since
+    without jupytext keeps its edits (said, with how to take them to the .py). `make setup` runs this; it writes no
+    .py. A line for each notebook it wrote or left unpaired."""
+    said = []
+    for py in unpaired(folder):
+        ipynb = py.with_suffix(".ipynb")
+        if ipynb.is_file() and ipynb.stat().st_mtime > py.stat().st_mtime:
+            said.append(f"left {ipynb.name} alone: it has cells its .py lacks (`jupytext --sync notebooks/{ipynb.name}` "
+                        f"writes them to the .py; deleting the .ipynb drops them)")
+            continue
+        subprocess.run([sys.executable, "-m", "jupytext", "--quiet", "--update", "--to", "ipynb", str(py)], check=True)
+        said.append(f"paired {ipynb.name} with {py.name}")
+    return said
 
 
 def stale(name: str) -> str:
-    """A line saying notebooks/NAME.ipynb runs other cells than NAME.py (a .py changed by git since `make setup`
-    paired them), or "". JupyterLab (with jupytext) reads the .py itself: checked only outside it."""
+    """A line saying notebooks/NAME.ipynb holds other cells than NAME.py, or "": papermill runs the .ipynb. JupyterLab
+    (with jupytext) reads the .py itself: checked only outside it."""
     if os.environ.get("JPY_SESSION_NAME"):
         return ""
-    folder = paths.repo_root() / "notebooks"
-    ipynb = folder / f"{name}.ipynb"
-    if not ipynb.is_file() or _code(ipynb) == _cells(name):
+    py = paths.repo_root() / "notebooks" / f"{name}.py"
+    if not py.with_suffix(".ipynb").is_file() or py not in unpaired(py.parent):
         return ""
-    return (f"notebooks/{name}.ipynb differs from notebooks/{name}.py, the notebook git holds: `make setup` (or "
-            f"`jupytext --update --to ipynb notebooks/{name}.py`) brings the .ipynb up to date.")
+    return (f"notebooks/{name}.ipynb holds other cells than notebooks/{name}.py, the notebook git holds: `make setup` "
+            f"takes a newer .py's to the .ipynb, `jupytext --sync notebooks/{name}.ipynb` a newer .ipynb's to the .py.")
 
 
 def schema(name: str) -> dict:
@@ -405,3 +430,7 @@ def assert_all_passed(df: pd.DataFrame) -> None:
                           for r in failed.itertuples())
         raise AssertionError(f"{len(failed)} correctness check(s) failed:\n{lines}")
     print(f"All {len(df)} checks passed.")
+
+
+if __name__ == "__main__":          # python -m xlab.notebook_utils: pair the notebooks (make setup)
+    print("\n".join(pair()) or "notebooks: every .ipynb holds its .py's cells")

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pandas as pd
 import pytest
@@ -275,8 +276,9 @@ def test_a_fresh_clone_pairs_runs_and_stays_clean(tmp_path):
     assert status == "", status
 
 
-def test_a_stale_pair_is_named(tmp_path, monkeypatch):
-    """Outside JupyterLab (papermill), an .ipynb whose cells differ from its .py says how to bring it up to date."""
+@pytest.fixture
+def tiny_repo(tmp_path, monkeypatch):
+    """A checkout (as xlab.paths finds one) holding notebooks/05_memory.py as committed: its notebooks folder."""
     (tmp_path / "lab" / "xlab").mkdir(parents=True)
     (tmp_path / "pyproject.toml").write_text("")
     folder = tmp_path / "notebooks"
@@ -284,14 +286,41 @@ def test_a_stale_pair_is_named(tmp_path, monkeypatch):
     (folder / "05_memory.py").write_text(committed("05_memory"))
     monkeypatch.setenv("XPOOL_REPO", str(tmp_path))
     monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
-    assert nbu.stale("05_memory") == ""                          # no pair yet: nothing to say
-    nb = notebook("05_memory")
-    nbformat.write(nb, folder / "05_memory.ipynb")
-    assert nbu.stale("05_memory") == ""
+    return folder
+
+
+def _edit(path: pathlib.Path, when: float) -> None:
+    """Add a line to the notebook's first unparameterised code cell (.py or .ipynb), dated `when`."""
+    nb = jupytext.read(path)
     next(c for c in nb.cells if c.cell_type == "code" and "tags" not in c.metadata).source += "\nx = 1"
-    nbformat.write(nb, folder / "05_memory.ipynb")
-    assert "make setup" in nbu.stale("05_memory")
-    monkeypatch.setenv("JPY_SESSION_NAME", str(folder / "05_memory.ipynb"))
+    jupytext.write(nb, path, fmt="py:percent" if path.suffix == ".py" else None)
+    os.utime(path, (when, when))
+
+
+def test_make_setup_pairs_each_notebook_and_leaves_the_paired_alone(tiny_repo):
+    py, ipynb = tiny_repo / "05_memory.py", tiny_repo / "05_memory.ipynb"
+    assert nbu.pair() == ["paired 05_memory.ipynb with 05_memory.py"] and ipynb.is_file()
+    nb = nbformat.read(ipynb, as_version=4)
+    nb.cells[-1].outputs = [nbformat.v4.new_output("stream", name="stdout", text="kept\n")]
+    nbformat.write(nb, ipynb)
+    os.utime(ipynb, (1e9, 1e9))
+    assert nbu.pair() == [] and ipynb.stat().st_mtime == 1e9        # in step: not rewritten (open in JupyterLab)
+    _edit(py, 2e9)                                                   # a .py changed by git pull: the .ipynb follows
+    assert nbu.pair() == ["paired 05_memory.ipynb with 05_memory.py"] and nbu.unpaired() == []
+    assert "kept" in ipynb.read_text() and "x = 1" in ipynb.read_text()     # its outputs kept
+    _edit(ipynb, 3e9)                                                # edited without jupytext: kept, and said
+    assert nbu.pair()[0].startswith("left 05_memory.ipynb alone")
+    assert any("x = 1\nx = 1" in c.source for c in nbformat.read(ipynb, as_version=4).cells)
+
+
+def test_a_stale_pair_is_named_outside_jupyterlab(tiny_repo, monkeypatch):
+    """papermill runs the .ipynb: one whose cells differ from its .py's says so, and how to bring them in step."""
+    assert nbu.stale("05_memory") == ""                          # no pair yet: nothing to say
+    nbu.pair()
+    assert nbu.stale("05_memory") == ""
+    _edit(tiny_repo / "05_memory.py", time.time() + 10)
+    assert "`make setup`" in nbu.stale("05_memory")
+    monkeypatch.setenv("JPY_SESSION_NAME", str(tiny_repo / "05_memory.ipynb"))
     assert nbu.stale("05_memory") == ""                          # JupyterLab reads the .py itself
 
 
