@@ -6,9 +6,9 @@ BIN := $(VENV)/bin
 CUDA_MAJOR := $(shell nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -1)
 CUPY ?= cupy-cuda$(if $(filter 13 14 15,$(CUDA_MAJOR)),13,12)x>=13.0
 
-.PHONY: setup test test-xpool report gpu clean
+.PHONY: setup notebooks test test-xpool report gpu clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed notebooks
 
 # the allocator (.), the tests' host twin (tests/xpool/fixtures/twin), the workload (workload/), the lab with the notebooks' and the tests' tools (lab/), CuPy
 $(VENV)/.installed: pyproject.toml setup.py lab/pyproject.toml lab/setup.py workload/pyproject.toml \
@@ -17,6 +17,13 @@ $(VENV)/.installed: pyproject.toml setup.py lab/pyproject.toml lab/setup.py work
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e . -e ./tests/xpool/fixtures/twin -e ./workload -e "./lab[notebooks,dev]" "$(CUPY)"
 	touch $@
+
+# The notebooks: git holds notebooks/NN_*.py, their cells alone; JupyterLab and papermill open the .ipynb paired with
+# each, which git ignores, outputs and all (docs/decisions/0050-notebooks-in-git.md). A missing .ipynb, or one whose
+# cells differ from its .py's, gets the .py's cells (its outputs kept); the others are left alone (one open in
+# JupyterLab is not rewritten under it), and no .py is written.
+notebooks: $(VENV)/.installed
+	$(BIN)/python -m xlab.notebook_utils
 
 # every test (the allocator's, the workload's, the lab's); GPU tests skip where no GPU is visible
 test: setup

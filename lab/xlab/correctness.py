@@ -10,6 +10,7 @@ import os
 
 import numpy as np
 import pandas as pd
+from tqdm.auto import tqdm
 
 import xpool
 from tapegpt import AdamW, GPT, GPTConfig, checks, load_corpus
@@ -30,14 +31,14 @@ def transparency_config() -> GPTConfig:
 
 
 def transparency_gate(steps: int = 50, cfg: GPTConfig | None = None, allocators=GATE_ALLOCATORS,
-                      seed: int = 0) -> pd.DataFrame:
+                      seed: int = 0, progress: bool = False) -> pd.DataFrame:
     """Train on CuPy under each allocator (the reference first): one row per allocator with `identical_to_<first>`
     (losses and parameters bit-identical) and `debug_error` (what a debug-mode pool raised, or '')."""
     import cupy
     cfg = cfg or transparency_config()
     data = load_corpus()
     rows = []
-    for name in allocators:
+    for name in tqdm(allocators, desc="transparency gate", disable=not progress):
         alloc = registry.make(name)
         alloc.install()
         row = dict(allocator=name, steps=steps, debug_error="")
@@ -82,14 +83,17 @@ def _as_rows(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def run_correctness(device: str = "cpu", with_torch: bool = True, transparency_steps: int = 50,
-                    out: str | os.PathLike | None = None) -> pd.DataFrame:
-    """The checks on the CPU (NumPy) or the GPU (CuPy, and the bitwise transparency gate), with provenance."""
+                    out: str | os.PathLike | None = None, progress: bool = False) -> pd.DataFrame:
+    """The checks on the CPU (NumPy) or the GPU (CuPy, and the bitwise transparency gate), with provenance;
+    `progress`: a progress bar over the checks (tqdm)."""
+    def bar(todo):
+        return tqdm(todo, desc=f"checks ({device})", disable=not progress)
     if device == "cpu":
-        frames = [checks.run_all(np, with_torch=with_torch)]
+        frames = [checks.run_all(np, with_torch=with_torch, progress=bar)]
     elif device == "gpu":
         import cupy
-        frames = [checks.run_all(cupy, with_torch=False),
-                  transparency_rows(transparency_gate(steps=transparency_steps))]
+        frames = [checks.run_all(cupy, with_torch=False, progress=bar),
+                  transparency_rows(transparency_gate(steps=transparency_steps, progress=progress))]
     else:
         raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
     df = pd.concat([_as_rows(f) for f in frames], ignore_index=True)

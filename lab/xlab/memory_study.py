@@ -638,8 +638,9 @@ def record_step_timeline(k: int = 1, config=None, batch: int | None = None, warm
 def measure_waste(ks=KS, config=None, batch: int | None = None, warmup: int = 1, seed: int = 0):
     """GPU: each k trained under xpool: (waste rows, the timeline recorded at ks[0])."""
     cfg = _config(config, batch)
+    from tqdm.auto import tqdm
     rows, first = [], None
-    for k in ks:
+    for k in tqdm(ks, desc="size-class settings"):
         tl = record_step_timeline(int(k), cfg, warmup=warmup, seed=seed)
         first = tl if first is None else first
         rows.append(_waste_row(int(k), "measured", _step_requests(tl), tl.attrs))

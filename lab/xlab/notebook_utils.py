@@ -9,17 +9,119 @@ import builtins
 import dataclasses
 import difflib
 import importlib
-import json
+import os
 import pathlib
+import subprocess
+import sys
 import tempfile
 
 import pandas as pd
 
-from . import allocators, intervals, paths, plots, sources
+from . import paths, plots, sources, tables
 from .correctness import run_correctness, transparency_rows  # noqa: F401 - the notebooks' names
 from .provenance import has_gpu, provenance
 
 _IPYTHON = {"In", "Out", "get_ipython", "exit", "quit", "open", "display"}
+
+
+class ParameterError(ValueError, TypeError):
+    """A notebook parameter of the wrong type, out of its range, or unknown. In a notebook it shows as one line that
+    names the parameter and what it allows (IPython's `_render_traceback_`), not a traceback; papermill exits 1 with
+    that line last."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[1;31mParameterError\x1b[0m: {self}"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """What one notebook parameter allows beside its annotated type: numbers (a list's items) from `lo` to `hi`,
+    or one of `choices` ('module:attribute' is imported when checked; a dict gives its keys), or what `check`
+    ('module:function', raising ValueError) accepts, described by `what`; a list empty or not; a str naming a
+    folder. `only`: "gpu" where it sets what a GPU measures (a CPU ignores it and says so), "cpu" where it acts only
+    without a GPU."""
+
+    lo: float | None = None
+    hi: float | None = None
+    choices: tuple | str | None = None
+    check: str = ""
+    what: str = ""
+    nonempty: bool = False
+    folder: bool = False
+    only: str = ""
+
+    def options(self) -> tuple:
+        found = _resolve(self.choices) if isinstance(self.choices, str) else self.choices
+        return tuple(found) if isinstance(found, (tuple, list, dict)) else (found,)
+
+    def allowed(self, ann: str) -> str:
+        """'1 to 10,000', 'threads or processes', 'True or False', ...: the range a comment and a message give."""
+        if ann == "bool":
+            return "True or False"
+        if self.folder:
+            return "a folder of CSVs, or empty for data/"
+        if self.what:
+            what = self.what
+        elif self.choices is not None:
+            names = [f"{v:,}" if isinstance(v, int) else str(v) for v in self.options()]
+            what = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+        elif self.lo is not None:
+            what = f"{self.lo:,} to {self.hi:,}"
+        else:
+            what = "any"
+        if ann.startswith("list"):
+            return f"{what} each" + (", at least one" if self.nonempty else ", or empty for the default")
+        return what
+
+    def problem(self, ann: str, value) -> str | None:
+        """None where `value` (of its annotated type) is allowed, else what is wrong with it ("" where the range
+        says it all)."""
+        items = value if ann.startswith("list") else [value]
+        if ann.startswith("list") and self.nonempty and not items:
+            return ""
+        if self.folder:
+            return "no such folder" if value and not pathlib.Path(value).is_dir() else None
+        if self.choices is not None:
+            bad = [v for v in items if v not in self.options()]
+            return (f"{bad[0]!r} is not one of {', '.join(map(str, self.options()))}" if self.what else "") \
+                if bad else None
+        if self.check:
+            try:
+                _resolve(self.check)(items)
+            except ValueError as e:
+                return str(e)
+            return None
+        if self.lo is not None and any(not self.lo <= v <= self.hi for v in items):
+            return ""
+        return None
+
+
+# Every parameter of every notebook (a name means the same in each), its range and where it acts: `setup` checks the
+# values against it, and each parameter's comment in its notebook ends with what it allows (a test keeps them equal).
+PARAMETERS = {
+    "data_dir": Param(folder=True),
+    "publish": Param(),
+    "measure": Param(only="gpu"),
+    "cpu_check": Param(only="cpu"),
+    "quick": Param(only="gpu"),
+    "with_torch": Param(),
+    "fail_on_error": Param(),
+    "transparency_steps": Param(1, 10_000, only="gpu"),
+    "threads_size_bytes": Param(choices="xlab.bench.alloc:THREAD_SIZE"),
+    "steps": Param(1, 10_000, only="gpu"),
+    "warmup": Param(0, 1_000, only="gpu"),
+    "trials": Param(1, 100, only="gpu"),
+    "batch": Param(1, 4_096, only="gpu"),
+    "batches": Param(1, 4_096, nonempty=True, only="gpu"),
+    "worlds": Param(1, 64, nonempty=True, only="gpu"),
+    "modes": Param(choices=("threads", "processes"), nonempty=True, only="gpu"),
+    "allocators": Param(check="xlab.allocators:parse", what="arms of xlab.allocators.ARMS", only="gpu"),
+    "sweep": Param(only="gpu"),
+    "graph": Param(only="gpu"),
+    "ks": Param(1, 64, nonempty=True),          # xpool's classes_per_doubling: 1 to 64
+    "workloads": Param(choices="xlab.bench.dynamic:WORKLOADS", what="workloads of xlab.bench.dynamic.WORKLOADS",
+                       only="gpu"),
+}
 
 
 @dataclasses.dataclass
@@ -33,10 +135,52 @@ class Run:
     publish: bool
 
 
-def _cells(name: str) -> list[str]:
-    nb = json.loads((paths.repo_root() / "notebooks" / f"{name}.ipynb").read_text())
-    return [("".join(c["source"]), "parameters" in c.get("metadata", {}).get("tags", []))
-            for c in nb["cells"] if c["cell_type"] == "code"]
+def _read(path: pathlib.Path) -> list[tuple[str, str, tuple]]:
+    """(cell type, source, tags) of each cell of a notebook, .py (jupytext) or .ipynb: what pairing keeps equal."""
+    import jupytext
+    return [(c.cell_type, c.source, tuple(c.metadata.get("tags", ()))) for c in jupytext.read(path).cells]
+
+
+def _cells(name: str) -> list[tuple[str, bool]]:
+    """(source, tagged `parameters`) of each code cell of notebooks/NAME.py, the notebook as git holds it."""
+    return [(src, "parameters" in tags) for kind, src, tags in _read(paths.repo_root() / "notebooks" / f"{name}.py")
+            if kind == "code"]
+
+
+def unpaired(folder: pathlib.Path | None = None) -> list[pathlib.Path]:
+    """The notebooks/NN_*.py whose .ipynb is missing or holds other cells (a .py changed since they were paired)."""
+    folder = folder or paths.repo_root() / "notebooks"
+    return [py for py in sorted(folder.glob("[0-9][0-9]_*.py"))
+            if not py.with_suffix(".ipynb").is_file() or _read(py.with_suffix(".ipynb")) != _read(py)]
+
+
+def pair(folder: pathlib.Path | None = None) -> list[str]:
+    """Bring each unpaired .ipynb up to date from its .py (jupytext --update: its outputs kept) where the .py is the
+    newer, and leave the others untouched: one open in JupyterLab is not rewritten under it, and one edited since
+    without jupytext keeps its edits (said, with how to take them to the .py). `make setup` runs this; it writes no
+    .py. A line for each notebook it wrote or left unpaired."""
+    said = []
+    for py in unpaired(folder):
+        ipynb = py.with_suffix(".ipynb")
+        if ipynb.is_file() and ipynb.stat().st_mtime > py.stat().st_mtime:
+            said.append(f"left {ipynb.name} alone: it has cells its .py lacks (`jupytext --sync notebooks/{ipynb.name}` "
+                        f"writes them to the .py; deleting the .ipynb drops them)")
+            continue
+        subprocess.run([sys.executable, "-m", "jupytext", "--quiet", "--update", "--to", "ipynb", str(py)], check=True)
+        said.append(f"paired {ipynb.name} with {py.name}")
+    return said
+
+
+def stale(name: str) -> str:
+    """A line saying notebooks/NAME.ipynb holds other cells than NAME.py, or "": papermill runs the .ipynb. JupyterLab
+    (with jupytext) reads the .py itself: checked only outside it."""
+    if os.environ.get("JPY_SESSION_NAME"):
+        return ""
+    py = paths.repo_root() / "notebooks" / f"{name}.py"
+    if not py.with_suffix(".ipynb").is_file() or py not in unpaired(py.parent):
+        return ""
+    return (f"notebooks/{name}.ipynb holds other cells than notebooks/{name}.py, the notebook git holds: `make setup` "
+            f"takes a newer .py's to the .ipynb, `jupytext --sync notebooks/{name}.ipynb` a newer .ipynb's to the .py.")
 
 
 def schema(name: str) -> dict:
@@ -61,16 +205,18 @@ def _coerce(name: str, ann: str, value):
             items = None
         if items is None or not all(isinstance(v, kinds[base]) and not (isinstance(v, bool) and base != "bool")
                                     for v in items):
-            raise TypeError(f"parameter {name!r} must be a {ann} ({example[ann]}), got {value!r}")
+            raise ParameterError(f"parameter {name!r} must be a {ann} ({example[ann]}), got {value!r}")
         return list(items)
     if not isinstance(value, kinds[ann]) or (isinstance(value, bool) and ann != "bool"):
-        raise TypeError(f"parameter {name!r} must be {ann} ({example[ann]}), got {type(value).__name__} {value!r}")
+        raise ParameterError(f"parameter {name!r} must be {ann} ({example[ann]}), got {type(value).__name__} "
+                             f"{value!r}")
     return float(value) if ann == "float" else value
 
 
-def setup(name: str, namespace: dict) -> Run:
-    """Check this notebook's parameters in `namespace`, each brought to its annotated type, arms checked, and say what
-    the run is on. TypeError: a wrong type (named); ValueError: an unknown parameter (the closest named) or arm."""
+def check_parameters(name: str, namespace: dict, gpu: bool) -> list[str]:
+    """Bring each parameter of notebook `name` in `namespace` to its annotated type and check it against PARAMETERS;
+    the parameters this machine ignores (set away from their default: GPU-only ones on a CPU, CPU-only ones on a
+    GPU). ParameterError: an unknown parameter (the closest named), a wrong type, a value out of range."""
     params = schema(name)
     assigned = {t.id for src, _ in _cells(name) for node in ast.walk(ast.parse(src))
                 if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) for t in [node]}
@@ -79,14 +225,33 @@ def setup(name: str, namespace: dict) -> Run:
                 or not isinstance(value, (int, float, str, bool, list, tuple, dict))):
             continue
         close = difflib.get_close_matches(key, params, n=1)
-        raise ValueError(f"unknown parameter {key!r} for notebook {name}" + (f" (did you mean {close[0]!r}?)"
-                         if close else "") + f"; its parameters: {', '.join(params)}")
-    for key, (ann, _) in params.items():
-        namespace[key] = _coerce(key, ann, namespace[key])
-    if "allocators" in params:
-        allocators.parse(namespace["allocators"])
+        raise ParameterError(f"unknown parameter {key!r} for notebook {name}" + (f" (did you mean {close[0]!r}?)"
+                             if close else "") + f"; its parameters: {', '.join(params)}")
+    ignored = []
+    for key, (ann, default) in params.items():
+        value = namespace[key] = _coerce(key, ann, namespace[key])
+        spec = PARAMETERS[key]
+        why = spec.problem(ann, value)
+        if why is not None:
+            raise ParameterError(f"parameter {key!r} ({ann}) must be {spec.allowed(ann)}; got {value!r}"
+                                 + (f": {why}" if why else ""))
+        if spec.only and (spec.only == "gpu") != gpu and value != default:
+            ignored.append(f"{key}={value!r}")
+    return ignored
+
+
+def setup(name: str, namespace: dict) -> Run:
+    """Check this notebook's parameters in `namespace` (check_parameters: types, ranges, arms), say which this
+    machine ignores and what the run is on."""
+    gpu = has_gpu()
+    ignored = check_parameters(name, namespace, gpu)
+    if note := stale(name):
+        print(f"Note: {note}")
+    if ignored:
+        print(f"Ignored here ({'a GPU measures; they act only without one' if gpu else 'no GPU; they set what a GPU measures'}): "
+              f"{', '.join(ignored)}.")
     publish = bool(namespace.get("publish", False))
-    run = Run(name, has_gpu(), data_dir(namespace.get("data_dir")),
+    run = Run(name, gpu, data_dir(namespace.get("data_dir")),
               paths.data_dir() if publish else paths.build_dir() / "data", publish)
     info = provenance()
     where = f"GPU: {info['gpu']} x{info['n_gpus']}" if info["n_gpus"] else "no GPU (CPU mode)"
@@ -213,22 +378,39 @@ def figure(name: str, *frames, run: Run | None = None, **kwargs):
     return show(plots.FIGURES[name][1](pd.concat(frames, ignore_index=True), **kwargs))
 
 
-def summary(df: pd.DataFrame | None, by, columns, fmt: str = "{:.3g}"):
-    """Medians [95% interval] of `columns` per group of `by`, every row a click away; None without rows."""
-    if df is None or not len(df):
+# --- tables for people (xlab.tables), as inline HTML
+def _html(text: str | None):
+    """Inline HTML in IPython (the text itself outside it); None stays None, so a cell shows nothing."""
+    if text is None:
         return None
-    by, rows = list(by), []
-    for key, g in df.groupby(by, sort=False):
-        cells = {c: intervals.fmt_ci(*intervals.median_ci(g[c])[:3], fmt) for c in columns if c in g}
-        rows.append({**dict(zip(by, key)), **cells, "trials": len(g)})
-    return details(pd.DataFrame(rows), df)
+    try:
+        from IPython.display import HTML
+    except ImportError:
+        return text
+    return HTML(text)
 
 
-def details(head: pd.DataFrame, full: pd.DataFrame):
-    """A summary table with the full rows folded under it (click to open)."""
-    from IPython.display import HTML
-    return HTML(head.to_html(index=False) + f"<details><summary>All {len(full)} rows</summary>"
-                f"{full.to_html(index=False, max_rows=2000)}</details>")
+def summary(df: pd.DataFrame | None, by, columns):
+    """Medians [95% intervals] of `columns` per group of `by`, where each row comes from, long tables folded per
+    group, every row a click away (xlab.tables.summary); None without rows."""
+    return _html(tables.summary(df, by, columns))
+
+
+def table(df: pd.DataFrame | None, full: pd.DataFrame | None = None, group: str | None = None, lines=None,
+          sources=()):
+    """Any frame for people (xlab.tables.table): its full rows folded under it, long ones folded by `group`, the CSVs
+    it joins (`sources`: frames as the lab reads them) named with their commits and dates above it."""
+    named = [tables.source_of(f) for f in sources if f is not None and len(f)]
+    return _html(tables.table(df, full=full, group=group, lines=lines,
+                              caption=f"Rows from {'; '.join(named)}." if named else ""))
+
+
+def with_units(df: pd.DataFrame | None) -> pd.DataFrame | None:
+    """A frame of `value` and `unit` columns with one column per unit, named by it (NaN in the other rows), so each
+    table can name its unit: torch_interop.csv's value -> us_per_pair, tokens_per_s."""
+    if df is None or "unit" not in df:
+        return df
+    return df.assign(**{str(u): df["value"].where(df["unit"] == u) for u in df["unit"].dropna().unique()})
 
 
 # --- correctness (notebook 01)
@@ -245,6 +427,17 @@ def correctness_summary(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({"checks": g.size(), "passed": g.sum(), "failed": g.size() - g.sum()}).reset_index()
 
 
+def verdict(checks: pd.DataFrame):
+    """The pass counts per device and family (correctness_summary), a line per device with where its checks come
+    from, every check a click away."""
+    head = correctness_summary(checks)
+    full = sources.with_device(checks.assign(csv=checks["csv"].fillna("this run") if "csv" in checks else "this run"))
+    lines = {d: f"{d}: {g['checks'].sum():,} checks in {len(g)} families, {g['failed'].sum():,} failed "
+                f"({tables.source_of(full[full['device'] == d])})" for d, g in head.groupby("device", sort=False)}
+    shown = [c for c in ("device", "check", "measured", "threshold", "passed", "csv", "commit", "date") if c in full]
+    return table(head, full=full[shown], group="device", lines=lines)
+
+
 def assert_all_passed(df: pd.DataFrame) -> None:
     """Raise AssertionError naming each failed check of df (failing the notebook, so papermill and CI fail)."""
     failed = df[~df["passed"].astype(bool)]
@@ -253,3 +446,7 @@ def assert_all_passed(df: pd.DataFrame) -> None:
                           for r in failed.itertuples())
         raise AssertionError(f"{len(failed)} correctness check(s) failed:\n{lines}")
     print(f"All {len(df)} checks passed.")
+
+
+if __name__ == "__main__":          # python -m xlab.notebook_utils: pair the notebooks (make setup)
+    print("\n".join(pair()) or "notebooks: every .ipynb holds its .py's cells")

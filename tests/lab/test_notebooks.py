@@ -1,27 +1,68 @@
-"""Notebooks as a user meets them: committed without outputs, in step with their generator, parameters documented
-and checked, every one runs through papermill in CPU mode (with SYNTHETIC CSVs, and with none at all), shows its
-figures inline and its tables as summaries, and a run leaves a fresh clone's `git status` clean."""
-import json
+"""Notebooks as a user meets them: git holds each as a plain-text .py (jupytext) and ignores the .ipynb paired with
+it, so a run and its save leave the tree clean; parameters documented with their ranges and checked at setup in one
+line; tables for people; progress bars; every notebook through papermill in CPU mode (with SYNTHETIC CSVs, and with
+none at all), and a fresh clone's `git status` clean after a run. The tests read the notebooks as git's index holds
+them (what a commit takes), never the working copy a JupyterLab session changes."""
 import os
 import pathlib
 import re
 import shutil
 import subprocess
 import sys
+import time
 
-import numpy as np
 import pandas as pd
 import pytest
 
 nbformat = pytest.importorskip("nbformat")   # absent on the GPU machines; the CPU suite has it
+jupytext = pytest.importorskip("jupytext")
 
+from jupytext.config import load_jupytext_config
 from lab_fixtures import synthetic
 from xlab import notebook_utils as nbu
-from xlab import plots, report
+from xlab import report, tables
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-NAMES = [p.stem for p in NOTEBOOKS]
+NAMES = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
+FIGURE_CELLS = {"01_correctness": 1, "02_allocator_microbench": 3, "03_single_gpu": 1, "04_multi_gpu": 4,
+                "05_memory": 3, "06_dynamic_shapes": 1}
+PROGRESS = {"01_correctness", "03_single_gpu", "04_multi_gpu", "06_dynamic_shapes"}   # cells over ~5 s on a CPU
+
+
+def committed(name: str) -> str:
+    """notebooks/NAME.py as git's index holds it (the file itself outside a git checkout)."""
+    r = subprocess.run(["git", "show", f":notebooks/{name}.py"], cwd=ROOT, capture_output=True, text=True)
+    return r.stdout if r.returncode == 0 else (ROOT / "notebooks" / f"{name}.py").read_text()
+
+
+def notebook(name: str):
+    return jupytext.reads(committed(name), fmt="py:percent")
+
+
+def as_ipynb(name: str, folder: pathlib.Path) -> pathlib.Path:
+    """The committed notebook as the .ipynb `make setup` pairs with it, in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.ipynb"
+    nbformat.write(notebook(name), path)
+    return path
+
+
+def fresh_clone(clone: pathlib.Path) -> pathlib.Path:
+    """A clone of the committed tree as `make setup` leaves it, built with this environment: the allocator's C core
+    copied in, the notebooks paired by the Makefile's own rule (this venv's jupytext; the venv itself left alone)."""
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    for so in (ROOT / "xpool").glob("_core*.so"):
+        shutil.copy(so, clone / "xpool")
+    venv = pathlib.Path(sys.executable).parent.parent
+    subprocess.run(["make", "-C", str(clone), "notebooks", f"VENV={venv}", "-o", f"{venv}/.installed"], check=True,
+                   capture_output=True)
+    return clone
+
+
+@pytest.fixture
+def repo_env(monkeypatch):
+    """A kernel started from a notebook outside the checkout finds the checkout (xlab.paths)."""
+    monkeypatch.setenv("XPOOL_REPO", str(ROOT))
 
 
 def test_the_six_notebooks_exist():
@@ -30,37 +71,62 @@ def test_the_six_notebooks_exist():
     assert set(report.CPU_QUICK) == set(NAMES)
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=NAMES)
-def test_committed_notebook_is_clean(path):
-    nb = nbformat.read(path, as_version=4)
-    nbformat.validate(nb)
+def test_git_holds_the_text_notebooks_and_ignores_their_pairs():
+    files = subprocess.run(["git", "ls-files", "notebooks"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert sorted(files) == sorted([f"notebooks/{n}.py" for n in NAMES] + ["notebooks/.gitignore",
+                                                                          "notebooks/jupytext.toml"])
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *(f"notebooks/{n}.ipynb" for n in NAMES)],
+                             cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert ignored == [f"notebooks/{n}.ipynb" for n in NAMES]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_save_writes_the_committed_text_again(name):
+    """What JupyterLab (jupytext's contents manager) writes on a save, outputs, counts and kernel metadata included,
+    is the committed .py byte for byte: a run and its autosave change no tracked file."""
+    config = load_jupytext_config(str(ROOT / "notebooks"))
+    text = committed(name)
+    nb = jupytext.reads(text, fmt="py:percent")
+    assert jupytext.writes(nb, fmt="py:percent", config=config) == text
+    nb.metadata["language_info"] = {"name": "python", "version": "3.11.7", "codemirror_mode": {"name": "ipython"}}
+    nb.metadata["kernelspec"]["display_name"] = "Python 3 (ipykernel)"
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
+    for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
+        cell.execution_count = i + 1
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="a line\n"),
+                        nbformat.v4.new_output("display_data", {"image/png": "iVBORw0KGgo=", "text/plain": "<img>"})]
+        cell.metadata.update(execution={"iopub.status.idle": "2026-12-05T00:00:00Z"}, scrolled=True)
+    assert jupytext.writes(nb, fmt="py:percent", config=config) == text
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_parameters_cell_first_and_the_kernel_named(name):
+    nb = notebook(name)
     assert nb.metadata["kernelspec"]["name"] == "python3"
+    assert set(nb.metadata) <= {"kernelspec", "jupytext"}                     # no language_info, no widget state
     code = [c for c in nb.cells if c.cell_type == "code"]
-    assert all(c.outputs == [] and c.execution_count is None for c in code), "strip outputs before committing"
     tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(tagged) == 1 and tagged[0] is code[0], "one parameters cell, the first code cell"
+    assert "nbu.setup(" in code[1].source, "the cell after the parameters checks them"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=NAMES)
-def test_every_parameter_is_annotated_and_commented(path):
-    """`papermill --help-notebook` documents each parameter: type, literal default and a comment."""
+@pytest.mark.parametrize("name", NAMES)
+def test_every_parameter_is_annotated_commented_and_ranged(name):
+    """`papermill --help-notebook` documents each parameter: type, literal default, what it sets and its range (the
+    range nbu.PARAMETERS checks, and where it acts)."""
     from papermill.translators import PythonTranslator
-    cell = next(c for c in nbformat.read(path, as_version=4).cells if "parameters" in c.metadata.get("tags", []))
+    cell = next(c for c in notebook(name).cells if "parameters" in c.metadata.get("tags", []))
     lines = [ln for ln in cell.source.splitlines() if ln.strip()]
     params = PythonTranslator.inspect(cell)
     assert len(params) == len(lines)
-    assert all(p.inferred_type_name != "None" and p.help for p in params)
     assert {"data_dir", "publish"} <= {p.name for p in params}
     assert next(p for p in params if p.name == "publish").default == "False"        # writes build/ unless asked
-
-
-def test_notebooks_match_their_generator():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import make_notebooks
-    finally:
-        sys.path.pop(0)
-    assert make_notebooks.main(["--check"]) == 0, "run `python scripts/make_notebooks.py`"
+    for p in params:
+        spec = nbu.PARAMETERS[p.name]
+        where = {"gpu": "; GPU only", "cpu": "; without a GPU only"}.get(spec.only, "")
+        assert p.inferred_type_name != "None" and p.help.endswith(f"; {spec.allowed(p.inferred_type_name)}{where}"), \
+            f"{name}: {p.name}'s comment should end with its range: {spec.allowed(p.inferred_type_name)}{where}"
 
 
 def _outputs(path) -> str:
@@ -73,82 +139,126 @@ def _outputs(path) -> str:
     return "\n".join(out)
 
 
-def _images(path) -> int:
+def _count(path, mime: str) -> int:
     nb = nbformat.read(path, as_version=4)
-    return sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
+    return sum(mime in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
 
 
-FIGURE_CELLS = {"01_correctness": 1, "02_allocator_microbench": 3, "03_single_gpu": 1, "04_multi_gpu": 4,
-                "05_memory": 3, "06_dynamic_shapes": 1}
+def _html(path) -> str:
+    nb = nbformat.read(path, as_version=4)
+    return "\n".join(o["data"]["text/html"] for c in nb.cells for o in c.get("outputs", [])
+                     if "text/html" in o.get("data", {}))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=NAMES)
-def test_notebook_runs_in_cpu_mode_with_committed_data(path, tmp_path):
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_runs_in_cpu_mode_with_committed_data(name, tmp_path, repo_env):
     data = tmp_path / "data"
     synthetic.write_all(data, trials=5)
     before = {p: p.stat().st_mtime_ns for p in (ROOT / "data").rglob("*")} | \
         {p: p.stat().st_mtime_ns for p in (ROOT / "figures").rglob("*")}
-    r = report.run_notebook(path, tmp_path / "out", dict(report.CPU_QUICK[path.stem], data_dir=str(data)))
+    r = report.run_notebook(as_ipynb(name, tmp_path / "nb"), tmp_path / "out",
+                            dict(report.CPU_QUICK[name], data_dir=str(data)))
     assert r["ok"], r["error"]
     text = _outputs(r["output"])
     assert "Traceback" not in text and "<Figure size" not in text and "IProgress not found" not in text
-    if path.stem != "01_correctness" or "correctness_gpu.csv" in text:
+    if name != "01_correctness" or "correctness_gpu.csv" in text:
         assert "SYNTHETIC GPU" in text and "2000-01-01" in text   # it says which machine and date
-    assert _images(r["output"]) == FIGURE_CELLS[path.stem]      # every figure inline
+    assert _count(r["output"], "image/png") == FIGURE_CELLS[name]      # every figure inline
+    assert (_count(r["output"], "application/vnd.jupyter.widget-view+json") > 0) == (name in PROGRESS)
+    html = _html(r["output"])
+    assert not re.search(r"\d[eE][+-]\d", html), "a table in scientific notation"
+    if name == "03_single_gpu":
+        assert "Ignored here (no GPU" in text and "steps=3" in text        # CPU_QUICK's GPU-only parameters
+        assert "tokens/s" in html and re.search(r"\d,\d{3} \[\d", html)     # units, separators, intervals
     after = {p: p.stat().st_mtime_ns for p in (ROOT / "data").rglob("*")} | \
         {p: p.stat().st_mtime_ns for p in (ROOT / "figures").rglob("*")}
     assert after == before                                     # nothing committed was written
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=NAMES)
-def test_notebook_runs_in_cpu_mode_without_data(path, tmp_path):
-    params = dict(report.CPU_QUICK[path.stem], data_dir=str(tmp_path / "data"))
-    r = report.run_notebook(path, tmp_path / "out", params)
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_runs_in_cpu_mode_without_data(name, tmp_path, repo_env):
+    (tmp_path / "data").mkdir()
+    params = dict(report.CPU_QUICK[name], data_dir=str(tmp_path / "data"))
+    r = report.run_notebook(as_ipynb(name, tmp_path / "nb"), tmp_path / "out", params)
     assert r["ok"], r["error"]
     assert "missing" in _outputs(r["output"])
 
 
-def test_parameters_are_checked_naming_the_parameter_and_its_type():
-    def ns(**kw):
-        return {**{k: v for k, (_, v) in nbu.schema("03_single_gpu").items()}, **kw}
-    g = ns(batches=4, allocators="xpool")                     # papermill -p batches 4 -p allocators xpool
+def _defaults(name: str, **kw) -> dict:
+    return {**{k: v for k, (_, v) in nbu.schema(name).items()}, **kw}
+
+
+def test_parameters_are_brought_to_their_types():
+    g = _defaults("03_single_gpu", batches=4, allocators="xpool")      # papermill -p batches 4 -p allocators xpool
     nbu.setup("03_single_gpu", g)
     assert g["batches"] == [4] and g["allocators"] == ["xpool"]
-    g = ns(batches="4,8")
+    g = _defaults("03_single_gpu", batches="4,8")
     nbu.setup("03_single_gpu", g)
     assert g["batches"] == [4, 8]
-    with pytest.raises(TypeError, match=r"parameter 'batches' must be a list\[int\].*got 'four'"):
-        nbu.setup("03_single_gpu", ns(batches="four"))
-    with pytest.raises(TypeError, match="parameter 'steps' must be int .*got str '10'"):
-        nbu.setup("03_single_gpu", ns(steps="10"))
-    with pytest.raises(TypeError, match="parameter 'measure' must be bool"):
-        nbu.setup("03_single_gpu", ns(measure=1))
-    with pytest.raises(ValueError, match="unknown parameter 'batchs' for notebook 03_single_gpu .did you mean 'batches'"):
-        nbu.setup("03_single_gpu", ns(batchs=4))
-    with pytest.raises(ValueError, match="unknown allocator 'xpoool'"):
-        nbu.setup("03_single_gpu", ns(allocators=["xpoool"]))
+
+
+@pytest.mark.parametrize("name, values, message", [
+    ("03_single_gpu", dict(steps=-5), r"parameter 'steps' \(int\) must be 1 to 10,000; got -5$"),
+    ("03_single_gpu", dict(trials=0), r"parameter 'trials' \(int\) must be 1 to 100; got 0$"),
+    ("02_allocator_microbench", dict(threads_size_bytes=-1), r"'threads_size_bytes' \(int\) must be 65,536; got -1$"),
+    ("05_memory", dict(ks=0), r"'ks' \(list\[int\]\) must be 1 to 64 each, at least one; got \[0\]$"),
+    ("05_memory", dict(ks=[]), r"'ks' .* at least one; got \[\]$"),
+    ("04_multi_gpu", dict(modes="thread"), r"'modes' .* must be threads or processes each, at least one"),
+    ("06_dynamic_shapes", dict(workloads="cupy_mixx"), r"'workloads' .*: 'cupy_mixx' is not one of cupy_mix, "),
+    ("03_single_gpu", dict(allocators=["xpoool"]), r"'allocators' .*unknown allocator 'xpoool'"),
+    ("03_single_gpu", dict(data_dir="/no/such/folder"), r"'data_dir' .*: no such folder$"),
+    ("03_single_gpu", dict(batches="four"), r"parameter 'batches' must be a list\[int\].*got 'four'"),
+    ("03_single_gpu", dict(steps="10"), r"parameter 'steps' must be int .*got str '10'"),
+    ("03_single_gpu", dict(measure=1), r"parameter 'measure' must be bool"),
+    ("03_single_gpu", dict(batchs=4), r"unknown parameter 'batchs' for notebook 03_single_gpu .did you mean 'batches'"),
+])
+def test_a_bad_parameter_is_named_with_its_range_in_one_line(name, values, message):
+    with pytest.raises(nbu.ParameterError, match=message) as e:
+        nbu.setup(name, _defaults(name, **values))
+    shown = e.value._render_traceback_()
+    assert len(shown) == 1 and "\n" not in shown[0] and "ParameterError" in shown[0]
+
+
+def test_parameters_a_machine_ignores_are_named():
+    g = _defaults("03_single_gpu", steps=3, batches=[4])
+    assert nbu.check_parameters("03_single_gpu", g, gpu=False) == ["steps=3", "batches=[4]"]
+    assert nbu.check_parameters("03_single_gpu", _defaults("03_single_gpu"), gpu=False) == []   # defaults: silent
+    assert nbu.check_parameters("03_single_gpu", _defaults("03_single_gpu", cpu_check=False), gpu=True) == \
+        ["cpu_check=False"]
 
 
 @pytest.mark.slow
-def test_a_mistyped_parameter_fails_the_run_and_says_which(tmp_path):
-    r = report.run_notebook(ROOT / "notebooks" / "05_memory.ipynb", tmp_path, dict(measure=False, kss=4))
+def test_a_bad_parameter_stops_papermill_at_setup_with_one_line(tmp_path, repo_env):
+    """papermill exits non-zero, the message last on its stderr; in the notebook the error is one line, in the
+    setup cell (the one after the parameters)."""
+    nb = as_ipynb("05_memory", tmp_path / "nb")
+    out = tmp_path / "out.ipynb"
+    r = subprocess.run([sys.executable, "-m", "papermill", str(nb), str(out), "-p", "ks", "0", "--cwd",
+                        str(nb.parent)], capture_output=True, text=True, env={**os.environ})
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines()[-1] == \
+        "ParameterError: parameter 'ks' (list[int]) must be 1 to 64 each, at least one; got [0]"
+    cells = [c for c in nbformat.read(out, as_version=4).cells if c.cell_type == "code"]
+    errors = [(i, o) for i, c in enumerate(cells) for o in c.outputs if o.output_type == "error"]
+    assert len(errors) == 1 and "nbu.setup(" in cells[errors[0][0]].source
+    assert len(errors[0][1].traceback) == 1
+    r = report.run_notebook(nb, tmp_path / "typo", dict(measure=False, kss=4))
     assert not r["ok"] and "unknown parameter 'kss'" in r["error"] and "did you mean 'ks'" in r["error"]
 
 
 def _header_command(name: str) -> str:
-    cell = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4).cells[0].source
-    return re.search(r"`(mkdir -p build/notebooks && papermill [^`]+)`", cell)[1]
+    md = notebook(name).cells[0].source
+    return re.search(r"`(mkdir -p build/notebooks && papermill [^`]+)`", md)[1]
 
 
 @pytest.mark.slow
-def test_a_fresh_clone_runs_the_header_command_and_make_report_and_stays_clean(tmp_path):
-    """What a new user does: clone, run a notebook as its header says, rebuild the report; nothing committed moves."""
-    clone = tmp_path / "clone"
-    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
-    for so in (ROOT / "xpool").glob("_core*.so"):              # what `make setup` builds in the clone
-        shutil.copy(so, clone / "xpool")
+def test_a_fresh_clone_pairs_runs_and_stays_clean(tmp_path):
+    """What a new user does: clone, `make setup`'s pairing, run a notebook as its header says (and once in place, as
+    JupyterLab would save it), rebuild the report; nothing tracked moves."""
+    clone = fresh_clone(tmp_path / "clone")
+    assert all((clone / "notebooks" / f"{n}.ipynb").is_file() for n in NAMES)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XPOOL_REPO")}
     env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     env["PYTHONPATH"] = str(clone)
@@ -156,10 +266,99 @@ def test_a_fresh_clone_runs_the_header_command_and_make_report_and_stays_clean(t
         subprocess.run(_header_command(name).replace("papermill", "papermill -p measure False", 1), shell=True,
                        cwd=clone, env=env, check=True, capture_output=True)
         assert (clone / "build" / "notebooks" / f"{name}.ipynb").is_file()
+    inplace = "notebooks/05_memory.ipynb"
+    subprocess.run(["papermill", inplace, inplace, "-p", "measure", "False", "--cwd", "notebooks"], cwd=clone,
+                   env=env, check=True, capture_output=True)
+    assert '"output_type"' in (clone / inplace).read_text()     # outputs on disk, in the file git ignores
     subprocess.run([sys.executable, "-m", "xlab.report", "--no-notebooks"], cwd=clone, env=env, check=True,
                    capture_output=True)
     status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True).stdout
     assert status == "", status
+
+
+@pytest.fixture
+def tiny_repo(tmp_path, monkeypatch):
+    """A checkout (as xlab.paths finds one) holding notebooks/05_memory.py as committed: its notebooks folder."""
+    (tmp_path / "lab" / "xlab").mkdir(parents=True)
+    (tmp_path / "pyproject.toml").write_text("")
+    folder = tmp_path / "notebooks"
+    folder.mkdir()
+    (folder / "05_memory.py").write_text(committed("05_memory"))
+    monkeypatch.setenv("XPOOL_REPO", str(tmp_path))
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    return folder
+
+
+def _edit(path: pathlib.Path, when: float) -> None:
+    """Add a line to the notebook's first unparameterised code cell (.py or .ipynb), dated `when`."""
+    nb = jupytext.read(path)
+    next(c for c in nb.cells if c.cell_type == "code" and "tags" not in c.metadata).source += "\nx = 1"
+    jupytext.write(nb, path, fmt="py:percent" if path.suffix == ".py" else None)
+    os.utime(path, (when, when))
+
+
+def test_make_setup_pairs_each_notebook_and_leaves_the_paired_alone(tiny_repo):
+    py, ipynb = tiny_repo / "05_memory.py", tiny_repo / "05_memory.ipynb"
+    assert nbu.pair() == ["paired 05_memory.ipynb with 05_memory.py"] and ipynb.is_file()
+    nb = nbformat.read(ipynb, as_version=4)
+    nb.cells[-1].outputs = [nbformat.v4.new_output("stream", name="stdout", text="kept\n")]
+    nbformat.write(nb, ipynb)
+    os.utime(ipynb, (1e9, 1e9))
+    assert nbu.pair() == [] and ipynb.stat().st_mtime == 1e9        # in step: not rewritten (open in JupyterLab)
+    _edit(py, 2e9)                                                   # a .py changed by git pull: the .ipynb follows
+    assert nbu.pair() == ["paired 05_memory.ipynb with 05_memory.py"] and nbu.unpaired() == []
+    assert "kept" in ipynb.read_text() and "x = 1" in ipynb.read_text()     # its outputs kept
+    _edit(ipynb, 3e9)                                                # edited without jupytext: kept, and said
+    assert nbu.pair()[0].startswith("left 05_memory.ipynb alone")
+    assert any("x = 1\nx = 1" in c.source for c in nbformat.read(ipynb, as_version=4).cells)
+
+
+def test_a_stale_pair_is_named_outside_jupyterlab(tiny_repo, monkeypatch):
+    """papermill runs the .ipynb: one whose cells differ from its .py's says so, and how to bring them in step."""
+    assert nbu.stale("05_memory") == ""                          # no pair yet: nothing to say
+    nbu.pair()
+    assert nbu.stale("05_memory") == ""
+    _edit(tiny_repo / "05_memory.py", time.time() + 10)
+    assert "`make setup`" in nbu.stale("05_memory")
+    monkeypatch.setenv("JPY_SESSION_NAME", str(tiny_repo / "05_memory.ipynb"))
+    assert nbu.stale("05_memory") == ""                          # JupyterLab reads the .py itself
+
+
+# --- tables for people
+def test_numbers_for_people():
+    assert [tables.number(v) for v in (92843.2, 0.02587, 1.4949, 482, 0, 1234567.8, float("nan"))] == \
+        ["92,800", "0.0259", "1.49", "482", "0", "1,230,000", "n/a"]
+    assert tables.number(1.234e-9) == "1.23×10⁻⁹"
+    assert tables.interval(92843, 79812, 94832) == "92,800 [79,800, 94,800]"
+    assert tables.interval(1.001, 1.0004, 1.0016) == "1.001 [1.000, 1.002]"         # bounds that differ print apart
+    assert tables.interval(482, float("nan"), float("nan")) == "482 (single run)"
+    assert [tables.cell("size_bytes", 4096.0), tables.cell("trial", 3.0), tables.cell("passed", True),
+            tables.cell("date", "2026-11-30T01:02:03Z"), tables.cell("tokens_per_s", 92843.2)] == \
+        ["4 KiB", "3", "yes", "2026-11-30", "92,800"]
+    assert tables.label("tokens_per_s") == "tokens/s" and tables.label("some_column") == "some column"
+
+
+def test_a_summary_names_units_and_the_source_of_each_row():
+    rows = synthetic.single_gpu()
+    old = rows.assign(csv="single_gpu.csv", commit="aaaaaaa", run="aaaaaaa", date="2026-11-30T00:00:00Z")
+    new = rows.assign(csv="single_gpu_recheck.csv", commit="bbbbbbb", run="bbbbbbb", date="2026-12-01T00:00:00Z",
+                      batch=rows["batch"] + 1000)
+    html = tables.summary(pd.concat([old, new], ignore_index=True), ["batch", "allocator"], ["tokens_per_s"])
+    assert "<th>tokens/s</th>" in html and "<th>batch (sequences)</th>" in html
+    assert "single_gpu.csv · aaaaaaa · 2026-11-30" in html and "single_gpu_recheck.csv · bbbbbbb · 2026-12-01" in html
+    one = tables.summary(old, ["batch", "allocator"], ["tokens_per_s"])
+    assert "Rows from single_gpu.csv · aaaaaaa · 2026-11-30." in one and tables.SOURCE not in one
+    assert f"All {len(old)} rows" in one                                      # every row a click away
+
+
+def test_a_long_table_folds_by_its_first_key():
+    df = pd.DataFrame({"workload": [f"w{i // 5}" for i in range(40)], "allocator": [f"a{i % 5}" for i in range(40)],
+                       "trial": 0, "ms_per_step": [float(i) for i in range(40)]})
+    html = tables.summary(df, ["workload", "allocator"], ["ms_per_step"])
+    folds = re.findall(r"<summary>(.*?)</summary>", html)
+    assert len(folds) == 8 + 1 and folds[0] == "workload w0: 5 allocators; median ms/step from 0 (a0) to 4.00 (a4)"
+    assert tables.summary(df.head(10), ["workload", "allocator"], ["ms_per_step"]).count("<summary>") == 1
+    assert tables.summary(None, ["workload"], ["ms_per_step"]) is None
 
 
 def test_describe_provenance_names_machine_and_date():
@@ -207,10 +406,3 @@ def test_transparency_rows():
     rows = nbu.transparency_rows(gate)
     assert list(rows["passed"]) == [True, False] and list(rows["measured"]) == [0.0, 1.0]
     assert (rows["threshold"] == 0).all() and rows["check"].str.startswith("transparency").all()
-
-
-def test_notebook_json_is_diff_friendly():
-    for path in NOTEBOOKS:
-        text = path.read_text()
-        assert text.endswith("\n") and json.loads(text)["nbformat"] == 4
-        assert '"outputs": []' in text and '"execution_count": null' in text

@@ -585,18 +585,20 @@ def fused_vs_unfused(xp=np, steps=20, tol=1e-4):
                         tol, xp, final_rel_diff=float(df.rel_diff.iloc[-1]))])
 
 
-def run_all(xp=np, with_torch=True):
-    """Every check in one tidy frame (check, measured, threshold, passed, xp)."""
+def run_all(xp=np, with_torch=True, progress=None):
+    """Every check in one tidy frame (check, measured, threshold, passed, xp). `progress` wraps the list of checks
+    as they run (e.g. tqdm.auto.tqdm, for a progress bar)."""
     import pandas as pd
-    g = grad_check_all(xp).rename(columns={"max_rel_err": "measured", "tol": "threshold"})
-    frames = [g, matmul_reference(xp), fp32_vs_fp64(xp), overfit(xp), checkpoint_roundtrip(xp),
-              batch_consistency(xp), closed_loop(xp), get_batch_checks(xp), fused_kernel_parity(xp, "float64"),
-              fused_kernel_parity(xp, "float32"), adamw_bitwise(xp, "float64"), adamw_bitwise(xp, "float32"),
-              fused_vs_unfused(xp)]
+    todo = [lambda: grad_check_all(xp).rename(columns={"max_rel_err": "measured", "tol": "threshold"}),
+            lambda: matmul_reference(xp), lambda: fp32_vs_fp64(xp), lambda: overfit(xp),
+            lambda: checkpoint_roundtrip(xp), lambda: batch_consistency(xp), lambda: closed_loop(xp),
+            lambda: get_batch_checks(xp), lambda: fused_kernel_parity(xp, "float64"),
+            lambda: fused_kernel_parity(xp, "float32"), lambda: adamw_bitwise(xp, "float64"),
+            lambda: adamw_bitwise(xp, "float32"), lambda: fused_vs_unfused(xp)]
     if with_torch:
-        frames += [torch_parity(dtype, fused=f) for dtype in ("float64", "float32") for f in (False, True)]
-        frames.append(adamw_isolated_parity())
-    return pd.concat(frames, ignore_index=True)
+        todo += [lambda d=dtype, f=f: torch_parity(d, fused=f) for dtype in ("float64", "float32") for f in (False, True)]
+        todo.append(adamw_isolated_parity)
+    return pd.concat([check() for check in (progress or iter)(todo)], ignore_index=True)
 
 
 def main(argv=None):

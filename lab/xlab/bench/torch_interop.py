@@ -224,10 +224,11 @@ def mixed_memory(steps: int = 4, timeout: float = 180.0):
     import tempfile
 
     import pandas as pd
+    from tqdm.auto import tqdm
     peaks = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "mixed.csv")
-        for arm in MIXED_ARMS:
+        for arm in tqdm(MIXED_ARMS, desc="mixed loop"):
             peaks[arm] = _worker([sys.executable, "-m", "xlab.bench.torch_interop", "--mixed", arm, "--steps",
                                   str(steps), "--mixed-out", path], f"mixed loop, arm {arm}", timeout)
         mem = pd.read_csv(path)

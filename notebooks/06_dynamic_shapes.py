@@ -1,0 +1,69 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 06 · Dynamic shapes: memory held, device calls and speed when the shapes change every step
+#
+# Workloads whose shapes change every step (a CuPy loop of FFTs, sorts, cumsums and matmuls of random sizes whose
+# results live a random number of steps; tapegpt's GPT and a PyTorch `TransformerEncoder` language model trained at a
+# sequence length drawn every step; a ResNet-18 at an image size drawn every step), beside fixed-shape controls (the
+# GPT at batch 32 and 4, the PyTorch model at one length, the ResNet at 224 px), under every peer (CuPy's `MemoryPool` and `MemoryAsyncPool`, RMM's pool; PyTorch's caching allocator with
+# and without `expandable_segments:True`) and every xpool scheme: peak reserved over peak requested, device calls per
+# timed step and per step in steady state (after the demand's last new high), and ms per step over the fastest peer's
+# in the same trial. Trials interleaved, each arm a process of
+# its own. Measured by `python -m xlab.bench.dynamic` (`data/dynamic_shapes.csv`); on a GPU this notebook runs a quick
+# pass by default (one trial of a few steps: checks the code, not numbers to quote).
+#
+# **Run it.** In JupyterLab (`.venv/bin/jupyter lab`, open `notebooks/06_dynamic_shapes.ipynb`, Run > Run All Cells), or in batch
+# from the repository's root with the environment active (`. .venv/bin/activate`):
+# `mkdir -p build/notebooks && papermill notebooks/06_dynamic_shapes.ipynb build/notebooks/06_dynamic_shapes.ipynb -p quick False`
+# (`papermill --help-notebook notebooks/06_dynamic_shapes.ipynb` lists the parameters and their ranges; the cell after them checks
+# them; `python -m xlab.report` runs every notebook).
+# On a GPU machine it measures and writes its CSV to `build/data/` (with `-p publish True`: to `data/`, and redraws
+# `figures/`); without a GPU it shows the committed CSVs, newest of each kind, and says which machine and date they
+# come from. A run writes nothing outside `build/` unless asked. Git holds this notebook as `notebooks/06_dynamic_shapes.py`, its
+# cells alone; the `.ipynb` beside it, outputs and all, stays on your disk (`make setup` pairs the two; JupyterLab
+# saves both). Long tables open a group at a click; "All rows" gives every row.
+
+# %% tags=["parameters"]
+quick: bool = True  # one trial of a few steps; False: the full run (every trial and step); True or False; GPU only
+workloads: list[str] = []  # workloads (empty: all but the held-out ones); workloads of xlab.bench.dynamic.WORKLOADS each, or empty for the default; GPU only
+allocators: list[str] = []  # arms (empty: every peer and every xpool scheme); arms of xlab.allocators.ARMS each, or empty for the default; GPU only
+measure: bool = True  # measure now; True or False; GPU only
+cpu_check: bool = True  # run the benchmark's code on NumPy and PyTorch's CPU (measures nothing); True or False; without a GPU only
+data_dir: str = ""  # folder of the committed CSVs shown; a folder of CSVs, or empty for data/
+publish: bool = False  # write what this run measures to data/ and redraw figures/ (default: build/ only); True or False
+
+# %%
+import pandas as pd
+
+from xlab import notebook_utils as nbu
+from xlab.bench import dynamic
+
+run = nbu.setup("06_dynamic_shapes", globals())  # checks the parameters; a GPU measures now, a CPU shows the committed CSVs
+
+# %% [markdown]
+# ## Without a GPU: the benchmark's code on the CPU, small models (checks the code, measures nothing)
+
+# %%
+if cpu_check and not run.gpu:
+    nbu.cpu_smoke("xlab.bench.dynamic:run", workloads=["cupy_mix", "torch_fixed"], trials=1, steps=2, warmup=1,
+                  start="spawn")
+
+# %% [markdown]
+# ## Measurements (medians over trials [95% interval]; every trial a click away)
+
+# %%
+measured = nbu.load_or_measure("dynamic_shapes", "xlab.bench.dynamic:run", run.gpu, run.data, measure, out=run.out,
+                               how_to_measure="python -m xlab.bench.dynamic", workloads=workloads or None,
+                               arms=allocators or None, start="spawn", **(dynamic.QUICK if quick else {}))
+rows = nbu.rows("dynamic_shapes", run, measured)
+nbu.table(dynamic.summary(rows), full=rows, group="workload") if rows is not None else None
+
+# %%
+nbu.figure("dynamic_shapes", rows, run=run)
