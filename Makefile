@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml setup.py lab/pyproject.toml lab/setup.py work
 	touch $@
 
 # The notebooks: git holds notebooks/NN_*.py, their cells alone; JupyterLab and papermill open the .ipynb paired with
-# each, which git ignores, outputs and all (docs/decisions/0050-notebooks-in-git.md). A missing .ipynb, or one whose
+# each, which git ignores, outputs and all (docs/decisions/0011-notebooks-in-git.md). A missing .ipynb, or one whose
 # cells differ from its .py's, gets the .py's cells (its outputs kept); the others are left alone (one open in
 # JupyterLab is not rewritten under it), and no .py is written.
 notebooks: $(VENV)/.installed
