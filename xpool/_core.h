@@ -354,11 +354,23 @@ extern const XpScheme xp_seed, xp_segments, xp_expandable;
 /* ------------------------------------------------------------------ _pool.c */
 
 int xp_pool_module_init(void);                              /* with the GIL, once */
-int xp_check_device(const Allocator *A, int device);       /* ValueError unless 0 <= device < A->n_devices */
-DevicePool *pool_get(Allocator *A, int device);            /* made on first use; NULL with an exception */
+/* The hit path's checks and lookups are inline here, their rare sides in _pool.c: a call across files costs a hit
+ * and a free a few percent (scripts/hit_builds.py).  ValueError unless 0 <= device < A->n_devices; a device's pool,
+ * made on first use (NULL with an exception). */
+int xp_refuse_device(const Allocator *A, int device);
+static inline int xp_check_device(const Allocator *A, int device)
+{
+    return device >= 0 && device < A->n_devices ? 0 : xp_refuse_device(A, device);
+}
 static inline DevicePool *pool_lookup(Allocator *A, int device)
 {
     return atomic_load_explicit(&A->pools[device], memory_order_acquire);
+}
+DevicePool *pool_make(Allocator *A, int device);
+static inline DevicePool *pool_get(Allocator *A, int device)
+{
+    DevicePool *pool = pool_lookup(A, device);
+    return pool ? pool : pool_make(A, device);
 }
 uint64_t pool_capacity(Allocator *A, DevicePool *pool);    /* the device's bytes (0: unknown), asked once, GIL held */
 uint64_t pool_known_capacity(DevicePool *pool);            /* the same as asked so far, without Python */
@@ -366,8 +378,17 @@ uint64_t pool_known_capacity(DevicePool *pool);            /* the same as asked 
 /* The debug hook: a new reference with its tail (NULL when off), dropped keeping any exception set, swapped with its
  * tail (None: off), called as hook.<name>(info) (-1 with its exception). */
 PyObject *block_info(const Block *b, size_t requested);
-PyObject *debug_snapshot(Allocator *A, size_t *tail);
-void drop_hook(PyObject *hook);
+PyObject *debug_hook_ref(Allocator *A, size_t *tail);
+static inline PyObject *debug_snapshot(Allocator *A, size_t *tail)
+{
+    *tail = 0;
+    return atomic_load_explicit(&A->debug_on, memory_order_acquire) ? debug_hook_ref(A, tail) : NULL;
+}
+void drop_hook_ref(PyObject *hook);
+static inline void drop_hook(PyObject *hook)
+{
+    if (hook) drop_hook_ref(hook);
+}
 void set_hook(Allocator *A, PyObject *hook, size_t tail);
 int call_hook(PyObject *hook, const char *name, const Block *b, size_t requested);
 

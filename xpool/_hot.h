@@ -35,8 +35,10 @@ static inline size_t size_class(size_t n, unsigned k)
     if (n <= XP_SMALL_MAX)
         return n == 0 ? XP_ALIGN : round_up(n, XP_ALIGN);
     /* p: the largest power of two below n, so p < n <= 2p */
-    size_t p = (size_t)1 << (63 - __builtin_clzll((unsigned long long)(n - 1)));
-    size_t j = ((n - p) * k + p - 1) / p;          /* least j with p + j p / k >= n */
+    unsigned shift = 63 - __builtin_clzll((unsigned long long)(n - 1));
+    size_t p = (size_t)1 << shift;
+    if (k == 1) return 2 * p;                       /* the design's classes, the next power of two: no division */
+    size_t j = ((n - p) * k + p - 1) >> shift;      /* least j with p + j p / k >= n */
     /* class j is p + ceil(j p / k) rounded up to 512 B; the rounding can make
      * class j-1 large enough already (p / k >= 16 KiB, so one step at most) */
     if (j > 1 && klass(p, j - 1, k) >= n) j--;

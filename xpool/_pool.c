@@ -93,9 +93,8 @@ int xp_pool_module_init(void)
 
 /* ------------------------------------------------------------------ device pools */
 
-int xp_check_device(const Allocator *A, int device)
+int xp_refuse_device(const Allocator *A, int device)
 {
-    if (device >= 0 && device < A->n_devices) return 0;
     PyErr_Format(PyExc_ValueError, "device must be in [0, %d) (the backend's devices), got %d", A->n_devices,
                  device);
     return -1;
@@ -111,10 +110,9 @@ static int device_capacity(Allocator *A, int device, uint64_t *out)
     return PyErr_Occurred() ? -1 : 0;
 }
 
-DevicePool *pool_get(Allocator *A, int device)
+DevicePool *pool_make(Allocator *A, int device)
 {
-    DevicePool *pool = pool_lookup(A, device);
-    if (pool) return pool;
+    DevicePool *pool;
     pthread_mutex_lock(&A->registry_lock);
     uint64_t limit = A->default_limit, capacity = 0;
     double fraction = A->default_fraction;
@@ -170,10 +168,8 @@ PyObject *block_info(const Block *b, size_t requested)
 }
 
 /* An operation uses the hook it started with, even if set_hook swaps it while a hook call lets another run. */
-PyObject *debug_snapshot(Allocator *A, size_t *tail)
+PyObject *debug_hook_ref(Allocator *A, size_t *tail)
 {
-    *tail = 0;
-    if (!atomic_load_explicit(&A->debug_on, memory_order_acquire)) return NULL;
     pthread_mutex_lock(&A->debug_lock);
     PyObject *hook = A->debug_hook;
     Py_XINCREF(hook);
@@ -183,9 +179,8 @@ PyObject *debug_snapshot(Allocator *A, size_t *tail)
 }
 
 /* The snapshot's reference may be the hook's last, and freeing it may run Python code. */
-void drop_hook(PyObject *hook)
+void drop_hook_ref(PyObject *hook)
 {
-    if (!hook) return;
     PyObject *exc = PyErr_GetRaisedException();
     Py_DECREF(hook);
     if (exc) PyErr_SetRaisedException(exc);
