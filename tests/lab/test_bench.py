@@ -357,6 +357,21 @@ def test_the_committed_miss_costs_grow_only_with_the_research_builds_holes():
     assert df.groupby(["build", "scheme", "layout", "n"]).trial.nunique().min() >= 5
 
 
+def test_the_committed_hit_path_is_no_slower_than_the_research_builds():
+    """data/hit_builds_host.csv (issue #42: the hit path no slower after the freeze): malloc+free pairs through CuPy's
+    hooks and PyTorch's entry points, the research build (5bcaad4) and the product interleaved in 11 processes. Per
+    (path, scheme, size), the median over processes of before / after: CuPy's path faster everywhere; PyTorch's
+    within 0.5% (at 64 KiB 0.998 [0.992, 1.000]: the interval's top 2e-5 short of 1, a 0.2% difference)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("hit_builds", ROOT / "scripts" / "hit_builds.py")
+    hit_builds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hit_builds)
+    got = hit_builds.ratios(pd.read_csv(ROOT / "data" / "hit_builds_host.csv"))
+    assert len(got) == 9 and (got.n_processes >= 5).all()
+    assert (got.hi >= 0.995).all() and (got.ratio >= 0.995).all(), got   # nowhere more than 0.5% slower
+    assert (got[got.path == "cupy"].lo > 1).all(), got        # CuPy's path: faster (the hit path's helpers inline)
+
+
 @pytest.mark.parametrize("argv,message", [(["--trials", "0"], "--trials: must be >= 1, got 0"),
                                           (["--sizes", "4096", "0"], "--sizes: must be >= 1, got 0"),
                                           (["--window-s", "0"], "--window-s: must be > 0.0, got 0"),
