@@ -43,10 +43,11 @@ WASTE_COLUMNS = ["k", "source", "requests", "requested_bytes", "class_bytes", "c
                  "device_mallocs", "unmatched_frees"]
 
 
-class AddressSpaceBackend(TwinBackend):
-    """HostBackend's devices and streams, but malloc hands out aligned address ranges that never overlap
-    and touches no memory: a replay of a GPU's many GiB costs nothing on the host.  The expandable scheme's
-    pages are the tests' host twin's (xpool_twin: vmm()), of the H200's granularity: mapped, never touched."""
+class AddressSpace:
+    """A host backend's devices and streams, but malloc hands out aligned address ranges that never overlap and
+    touches no memory: a replay of a GPU's many GiB costs nothing on the host.  Mixed into a host backend with a
+    twin (AddressSpaceBackend here; the research build's in xlab.rule_study), whose expandable pages are of the
+    H200's granularity: mapped, never touched."""
 
     def __init__(self, n_devices: int = 64, granularity: int = 2 << 20):
         super().__init__(capacity=None, n_devices=n_devices, granularity=granularity)
@@ -66,6 +67,10 @@ class AddressSpaceBackend(TwinBackend):
         raise RuntimeError("AddressSpaceBackend holds no memory: replay with debug mode off")
 
     read = fill
+
+
+class AddressSpaceBackend(AddressSpace, TwinBackend):
+    """AddressSpace over the tests' host twin (xpool_twin.TwinBackend): the product's replays."""
 
 
 # --- CPU (or GPU): replay

@@ -95,36 +95,15 @@ def trace_info(name: str, tl: pd.DataFrame) -> dict:
 # --- the pools
 @functools.lru_cache(maxsize=None)
 def backend_class(pkg):
-    """memory_study.AddressSpaceBackend over package `pkg`'s host backend with a host twin (the research build's
-    HostBackend has one of its own; the product's is the tests' xpool_twin.TwinBackend): malloc hands out address
-    ranges that never overlap and touches no memory; the expandable scheme's pages are the twin's, of the H200's
-    2 MiB granularity, mapped, never touched."""
+    """memory_study.AddressSpace over package `pkg`'s host backend with a host twin (the research build's
+    HostBackend has one of its own; the product's is the tests' xpool_twin.TwinBackend)."""
     research = getattr(pkg.backends, "HostBackend", None)   # the product's host doubles left it for the tests
     if research is not None and hasattr(research, "vmm"):
         base = research
     else:
         from xpool_twin import TwinBackend as base
 
-    class AddressSpaceBackend(base):
-        def __init__(self, n_devices: int = 64, granularity: int = ms.DYN_PAGE):
-            super().__init__(capacity=None, n_devices=n_devices, granularity=granularity)
-            self._next = 1 << 12
-
-        def malloc(self, device: int, nbytes: int) -> int:
-            self._check_device(device)
-            self.mallocs += 1
-            ptr, self._next = self._next, self._next + (-(-max(nbytes, 1) // 4096) + 1) * 4096
-            return ptr
-
-        def free(self, device: int, ptr: int, nbytes: int) -> None:
-            self.frees += 1
-
-        def fill(self, device: int, ptr: int, nbytes: int, byte: int) -> None:
-            raise RuntimeError("AddressSpaceBackend holds no memory: replay with debug mode off")
-
-        read = fill
-
-    return AddressSpaceBackend
+    return type("AddressSpaceBackend", (ms.AddressSpace, base), {})
 
 
 def make_pool(pkg, scheme: str, rule: str):
