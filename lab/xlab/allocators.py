@@ -437,7 +437,7 @@ class Host(Allocator):
 #   c10/cuda/CUDACachingAllocator.cpp num_device_alloc grows in alloc_block (a cudaMalloc) and in map_block (an
 #   expandable segment mapping a range of pages: one count per range), num_device_free in release_block and
 #   unmap_block. The arm checks memory_snapshot()'s is_expandable, so a setting that did not take fails the arm
-#   (_check_torch_setting, also for the arm that hands CuPy PyTorch's blocks);
+#   (check_torch_setting, also for the arm that hands CuPy PyTorch's blocks);
 # - PyTorch's expandable segments serving CuPy (cupy_torch_expandable): torch_expandable installed as CuPy's
 #   allocator in a process of its own, counted as PyTorch's arms are: the one peer that maps pages into reserved
 #   ranges, as xpool's expandable scheme does;
