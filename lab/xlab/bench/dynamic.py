@@ -334,13 +334,18 @@ def arm_process(framework, arm, workloads, trial, position, opts) -> list:
         os.sched_setaffinity(0, opts["cpus"])      # exactly these CPUs, or OSError
     opts, t0 = for_trial(opts, trial), time.perf_counter()
     runs = (_cupy_arm if framework == "cupy" else _torch_arm)(arm, workloads, opts)
-    prov = provenance(experiment="dynamic_shapes", torch=_version("torch"), rmm=_version("rmm-cu13", "rmm-cu12"),
-                      process_s=round(time.perf_counter() - t0, 2), start=opts["start"])
+    prov = provenance(experiment="dynamic_shapes", **library_versions(), process_s=round(time.perf_counter() - t0, 2),
+                      start=opts["start"])
     return [{**build_row(trial, position, w, arm, timed, counted, at_start, opts), **prov}
             for w, timed, counted, at_start in runs]
 
 
-def _version(*names) -> str | None:
+def library_versions() -> dict:
+    """The versions of PyTorch and RMM (None: not installed), for the rows beside xlab.provenance's CuPy."""
+    return dict(torch=package_version("torch"), rmm=package_version("rmm-cu13", "rmm-cu12"))
+
+
+def package_version(*names) -> str | None:
     """The first of these distributions installed: its version."""
     for name in names:
         try:
