@@ -360,6 +360,30 @@ def test_a_capped_run_stops_at_its_first_out_of_memory_error():
     assert done.run["steady"]["steady_steps"] == 0 and done.run["requested"] >= 18 << 20    # probed every step
 
 
+def test_a_cupy_arms_runs_each_get_a_fresh_allocator_capped_before_it_runs(monkeypatch):
+    """CupyRuns: every run makes the arm's allocator anew, sets its cap, runs, releases it: a run under a 10 MiB
+    cap stops at its fourth 3 MiB step, the next one (no cap) finishes on a pool of its own."""
+    made = []
+
+    def make(name):
+        alloc = object.__new__(registry.XPool)
+        registry.Allocator.__init__(alloc)
+        alloc.pool, alloc.name = xpool.Pool(xpool_twin.HostBackend()), name
+        made.append(alloc)
+        return alloc
+    monkeypatch.setattr(registry, "make", make)
+    monkeypatch.setattr(registry.Allocator, "install", lambda self, counting=False: None)
+    monkeypatch.setattr(registry.Allocator, "uninstall", lambda self: None)
+
+    def grows(steps, warmup, seed, window, gpu, small, after_step):
+        return _growing(made[-1].pool)(steps, warmup, seed, window, gpu, small, after_step)
+    spec = dynamic.Workload("cupy", True, grows, 4, 2)
+    runs = dynamic_scale.CupyRuns("xpool_segments", _opts(specs={"gpt_varlen": spec}))
+    capped, free = runs.run("gpt_varlen", 10 << 20), runs.run("gpt_varlen", 0)
+    assert (capped.run, capped.steps_done) == (None, 3) and (free.run is not None, free.steps_done) == (True, 6)
+    assert len(made) == 2 and all(a.pool is None for a in made)          # each released after its run
+
+
 def test_out_of_memory_errors_are_told_from_other_errors():
     import cupy.cuda.memory
     import torch
