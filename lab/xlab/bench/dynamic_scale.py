@@ -76,8 +76,9 @@ class Scaled:
 #   160-188 MiB, so x216 (= 2^3 x 3^3: FFT lengths cuFFT is fast at) peaks at 33.8-39.6 GiB.
 # A scaled step stays within ~0.3 s on an H200 (from FLOPs and bytes, to be measured): gpt at 256 x 256 tokens is
 # ~9 TFLOP in FP32 (tapegpt uses no TF32), ~0.2 s; the language model at 512 x 512 tokens ~35 TFLOP in bf16, ~0.1 s;
-# the ResNet at 2816 x 224^2 px ~16 TFLOP in bf16 plus its memory-bound layers, ~0.3 s at its largest side and
-# ~0.2 s on average; cupy_mix ~10-20 ms (a radix sort of at most 906M floats, a matmul of at most 0.25 TFLOP).
+# the ResNet at 2816 images of 224 px ~31 TFLOP in bf16 and ~0.2 TB through its memory-bound layers, ~0.2-0.3 s at
+# its largest side, 0.64x that on average; cupy_mix ~10-20 ms (a radix sort of at most 906M floats, a matmul of at
+# most 0.25 TFLOP), its first step (every op at its largest, every FFT planned) ~0.1-0.2 s.
 SCALED = {
     "cupy_mix": Scaled(216, 32, 64),
     "gpt_varlen": Scaled(16, 3, 5),
@@ -99,9 +100,10 @@ TIMED = ("device_calls_per_step", "device_calls_per_steady_step", "ms_per_step",
 
 
 # Note [Scaled runs]
-# Steps: a model's demand peaks once its largest shape runs with the gradients and optimizer state alive (the
-# benchmark's demand_peak_step: 0-2), so 3 warm-up steps, 5 timed; cupy_mix's live set is stationary once the first
-# step's results (kept up to 32 steps) are gone: 32 warm-up, 64 timed.
+# Steps: a model's first step has its largest shape, so its demand is within 0.5% of its peak from then on (what
+# a later step at that shape adds, the optimizer's state made by the first step and the gradients kept into the
+# next forward, is 0.07-0.15 GiB of 33): 3 warm-up steps, 5 timed. cupy_mix's live set is stationary once the
+# first step's results (kept up to 32 steps) are gone: 32 warm-up, 64 timed (its peaks: Note [Scaled workloads]).
 # One run per (arm, workload, cap) both times and counts: its per-step probes (dynamic.steady_state) cost
 # microseconds against 10-300 ms steps, where the benchmark's separate timed and counting CuPy runs would double the
 # device time; NVML samples every run's timed window (`bound`).
