@@ -2,6 +2,7 @@
 workloads' sizes and their estimates against the committed rows, the plan's order and resuming, the caps and their
 setters, a capped run stopped by its first out-of-memory error, both CSVs from a --cpu run, the summaries."""
 import math
+import pathlib
 import sys
 import types
 
@@ -469,3 +470,33 @@ def test_cap_summary_counts_the_trials_each_allocator_finished():
                                                         s.completed, s.trials)}
     assert got[("gpt_varlen", 1.05, "cupy_pool")] == (2, 5) and got[("gpt_varlen", 1.05, "xpool_segments")] == (5, 5)
     assert got[("cupy_mix", 1.25, "cupy_pool")] == (5, 5) and s.is_default.sum() == 4
+
+
+# --- GPU: each arm's cap, in a process of its own (tests/lab/lab_fixtures/cap_probe.py)
+
+PROBE = pathlib.Path(__file__).parent / "lab_fixtures" / "cap_probe.py"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arm, framework", [
+    *((a, "cupy") for a in ("cupy_pool", "cupy_async", "rmm_pool", "cupy_torch_expandable", "xpool_segments",
+                            "xpool_seed", "xpool_expandable")),
+    *((a, "torch") for a in ("torch", "torch_expandable", "xpool_expandable"))])
+def test_each_arms_cap_refuses_past_it_on_the_gpu(arm, framework):
+    """Under a 256 MiB cap the arm's allocator holds three or four 64 MiB blocks (a PyTorch fraction of the device
+    may round under the fourth, its expandable segments map 20 MiB at a time), refuses the next with an error
+    is_oom knows, and never reserved more than the cap (Note [Memory caps])."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    if arm == "rmm_pool" and importlib.util.find_spec("rmm") is None:
+        pytest.skip("RMM is not installed")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(PROBE), "--arm", arm, "--framework", framework], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["is_oom"] and out["refused_at"] in (3, 4), out
+    assert 0 < out["peak_reserved"] <= 256 << 20, out
