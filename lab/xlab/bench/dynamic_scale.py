@@ -94,7 +94,8 @@ SCALE_KEYS = dynamic.KEYS
 CAP_COLUMNS = ["trial", "workload", "framework", "allocator", "is_default", "cap_over_peak_requested", "cap_bytes",
                "peak_requested_bytes", "completed", "oom", "steps_done", "device_calls_per_step",
                "device_calls_per_steady_step", "ms_per_step", "host_ms_per_step", "gpu_util_mean", "bound",
-               "peak_reserved_bytes", "steps", "warmup", "seed", "scale", "position", "oom_error"]
+               "peak_reserved_bytes", "reserved_at_start_bytes", "steps", "warmup", "seed", "scale", "position",
+               "oom_error"]
 CAP_KEYS = ("trial", "workload", "allocator", "cap_over_peak_requested", "steps", "warmup", "seed", "commit")
 TIMED = ("device_calls_per_step", "device_calls_per_steady_step", "ms_per_step", "host_ms_per_step", "gpu_util_mean")
 
@@ -394,7 +395,8 @@ def scale_row(trial, position, workload, arm, out: Outcome, opts) -> dict:
 
 def cap_row(trial, position, workload, arm, over, cap, peak, out: Outcome, opts) -> dict:
     """A capped run's row (CAP_COLUMNS): whether it finished, the steps it did, and, where it finished, its device
-    calls, time and what bounds it; the peak reserved bytes either way."""
+    calls, time and what bounds it; the peak reserved bytes either way, and what the allocator still held when the
+    run began (a PyTorch arm's: what the runs before it left)."""
     framework, (steps, warmup, seed) = dynamic.spec_of(workload, opts).framework, dynamic.run_settings(workload, opts)
     done = out.run is not None
     timed = dynamic.build_row(trial, position, workload, arm, out.run, out.run, out.at_start, opts) if done else {}
@@ -402,7 +404,8 @@ def cap_row(trial, position, workload, arm, over, cap, peak, out: Outcome, opts)
                 is_default=is_default(arm, framework), cap_over_peak_requested=over, cap_bytes=cap or math.nan,
                 peak_requested_bytes=peak, completed=done, oom=not done, steps_done=out.steps_done,
                 **{k: timed.get(k, math.nan) for k in TIMED}, bound=timed.get("bound", ""),
-                peak_reserved_bytes=out.peak_reserved, steps=steps, warmup=warmup, seed=seed,
+                peak_reserved_bytes=out.peak_reserved, reserved_at_start_bytes=out.at_start, steps=steps,
+                warmup=warmup, seed=seed,
                 scale=SCALED[workload].factor, position=position, oom_error=out.oom_error)
 
 
