@@ -24,6 +24,15 @@
 # dynamic      opt-in: the dynamic-shape benchmark (xlab.bench.dynamic: dynamic_shapes.csv), every workload and arm;
 #              it outlasts one 9-minute command: run the stage again to resume it          ~11 min   540 s a call
 # heldout      opt-in: its held-out PyTorch workloads (dynamic_heldout.csv), resumable as dynamic      540 s
+# scale-caps   opt-in (#46): each arm's memory cap on the GPU, an arm a process (tests/lab/test_dynamic_scale.py's
+#              GPU test: three or four 64 MiB blocks under 256 MiB, then an error is_oom knows)   ~1 min   120 s
+# scale        opt-in (#46): the dynamic workloads at 33-40 GiB requested, then under caps of 1.05x, 1.10x, 1.25x
+#              their peak requested (xlab.bench.dynamic_scale: dynamic_scale.csv, memory_cap.csv), 7 CuPy and 5
+#              PyTorch arms x 5 trials (TRIALS, CAPS); ~17 min estimated (Note [Scaled runs]): run the stage again
+#              to resume it, two or three calls. RMM is not in the device image: install its wheels on PYTHONPATH
+#              first (pip install --no-deps --target /tmp/site ...; PYTHONPATH=/tmp/site:$PYTHONPATH bash ...),
+#              or its arm is skipped. With scale-caps in one call: SCALE_LIMIT=420 bash scripts/gpu_suite.sh
+#              scale-caps scale                                                            ~17 min   540 s a call
 # traces       opt-in: the request traces of the dynamic workloads for the CPU replays (xlab.bench.dynamic_traces:
 #              data/memory_trace_dyn_<workload>.csv.gz; SEEDS, default 0, e.g. SEEDS=1,2,3,4)          540 s
 # reserve      opt-in: pool.reserve on the ResNets at varying sizes (xlab.bench.reserve: reserve_probe.csv) 540 s
@@ -44,7 +53,8 @@
 # as it ends.
 # Knobs: TRIALS (default 5), BENCH_TRIALS (bench; default 7), STEPS/WARMUP (single and ddp), WORLDS (ddp; default
 # "1 2", "1 2 4 8" on eight GPUs), DDP_ALLOCATORS and DDP_MODES (ddp; default: single's allocators, both modes),
-# SWEEP_ALLOCATORS (sweep; default raw, cupy_pool, xpool),
+# SWEEP_ALLOCATORS (sweep; default raw, cupy_pool, xpool), CAPS (scale; default 1.05,1.1,1.25), SCALE_LIMIT (scale's
+# seconds, default 540),
 # RESUME=1, XPOOL_ADAMW (default foreach, the flat-buffer AdamW; rows record it), DATA (default data; DATA=data/rerun
 # for the second run on a fresh machine: the report checks its ratios against the first run's intervals).
 set -uo pipefail
@@ -55,7 +65,8 @@ mkdir -p "$OUT" "$DATA"
 LOG="$OUT/gpu_suite.log"
 # the packages from this checkout, installed or not: xpool (the root), xlab (lab/), tapegpt (workload/), and the
 # tests' fixture package xpool_twin (tests/xpool/fixtures/twin: the host doubles and xpool_twin.testing)
-export PYTHONPATH=$PWD:$PWD/lab:$PWD/workload:$PWD/tests/xpool/fixtures/twin PYTHONUNBUFFERED=1
+# (after them, the caller's PYTHONPATH: packages installed beside the image's, RMM's wheels for the scale stage)
+export PYTHONPATH=$PWD:$PWD/lab:$PWD/workload:$PWD/tests/xpool/fixtures/twin${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared hosts (see the device notes); NCCL inherits this in every process
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # a deeper launch queue (CUDA 12.8+; ignored before): a launch that finds it full blocks, with the GIL held when
@@ -97,7 +108,8 @@ for s in $stages; do
     case $s in
         tests)       stage tests 240 $PY -m pytest -q -p no:warnings -m "gpu or multigpu" tests \
                          -k "not transparency_gate_raw" --ignore=tests/lab/test_torch_gpu.py \
-                         --ignore=tests/lab/test_gpu_expandable.py ${TESTS_IGNORE:-} ;;
+                         --ignore=tests/lab/test_gpu_expandable.py --ignore=tests/lab/test_dynamic_scale.py \
+                         ${TESTS_IGNORE:-} ;;
         bench)       stage bench 150 $PY -m xlab.bench.alloc --trials "${BENCH_TRIALS:-7}" --out "$DATA"/alloc_microbench.csv ;;
         single)      stage single 150 $PY -m xlab.experiments single $TRAIN --out "$DATA"/single_gpu.csv ;;
         correctness) stage correctness 150 $PY -m xlab.correctness --gpu --out "$DATA"/correctness_gpu.csv ;;
@@ -128,11 +140,14 @@ for s in $stages; do
         dynamic)     stage dynamic 540 $PY -m xlab.bench.dynamic --out "$DATA"/dynamic_shapes.csv ;;
         heldout)     stage heldout 540 $PY -m xlab.bench.dynamic --workloads torch_varlen_b32,torch_fixed_b32,resnet_varres_b64 \
                          --out "$DATA"/dynamic_heldout.csv ;;
+        scale-caps)  stage scale-caps 120 $PY -m pytest -q -p no:warnings -m gpu tests/lab/test_dynamic_scale.py ;;
+        scale)       stage scale "${SCALE_LIMIT:-540}" $PY -m xlab.bench.dynamic_scale --trials "$TRIALS" ${CAPS:+--caps "$CAPS"} \
+                         --out "$DATA"/dynamic_scale.csv --cap-out "$DATA"/memory_cap.csv ;;
         traces)      stage traces 540 $PY -m xlab.bench.dynamic_traces --seeds "${SEEDS:-0}" --out "$DATA" ;;
         reserve)     stage reserve 540 $PY -m xlab.bench.reserve --when start,build --out "$DATA"/reserve_probe.csv ;;
         peer)        stage peer 420 $PY -m xlab.bench.peer --peer-accesses 'null;"none"' --out "$DATA"/peer_probe.csv \
                          --map-cost "$DATA"/peer_map_cost.csv ;;
-        *) echo "unknown stage $s (stages: tests bench single correctness debugcost ddp sweep memory gil hit split torch torch-tests torch-bench expandable dynamic heldout traces reserve peer)" | tee -a "$LOG"
+        *) echo "unknown stage $s (stages: tests bench single correctness debugcost ddp sweep memory gil hit split torch torch-tests torch-bench expandable dynamic heldout scale-caps scale traces reserve peer)" | tee -a "$LOG"
            status=1 ;;
     esac
 done

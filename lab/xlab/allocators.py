@@ -40,6 +40,13 @@ def require_gpus(n: int = 1, what: str = "this measurement") -> None:
                     f"(CPU-only machine? the CPU paths are the unit tests and --cpu-smoke)")
 
 
+def limit_bytes(nbytes) -> int:
+    """`nbytes` as a memory limit in bytes (0: none); ValueError naming it unless a whole number >= 0."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes must be a whole number of bytes >= 0 (0: no limit), got {nbytes!r}")
+    return nbytes
+
+
 class Allocator:
     """While installed, CuPy allocates through `malloc_fn()`; counters read per device (None: not counted)."""
 
@@ -88,6 +95,11 @@ class Allocator:
 
     def trim(self, devices=()) -> None:
         """Give cached blocks back but stay usable (so no arm is timed beside another's cache)."""
+
+    def set_limit(self, nbytes: int, device: int = 0) -> None:
+        """Cap the bytes this allocator may hold on `device`, in use and cached, the way it allows (0: no cap; Note
+        [Memory caps]); ValueError for an allocator that has no cap."""
+        raise ValueError(f"allocator {self.name!r} has no memory limit")
 
     def check(self) -> None:
         """Raise what a debug mode found (xpool.CorruptionError); nothing for allocators without one."""
@@ -242,6 +254,11 @@ class CupyPool(_Counted):
         import cupy
         return cupy.cuda.MemoryPool()
 
+    def set_limit(self, nbytes, device=0):
+        import cupy
+        with cupy.cuda.Device(device):
+            self.pool.set_limit(size=limit_bytes(nbytes))
+
     def graph_pool_bytes(self, device):
         import cupy
         if not self._private:
@@ -274,6 +291,12 @@ class CupyAsync(_Counted):
             with cupy.cuda.Device(d):
                 cupy.cuda.Device(d).synchronize()
                 self.pool.free_all_blocks()
+
+    def set_limit(self, nbytes, device=0):
+        """CuPy's soft limit of the device's pool: Note [Memory caps]."""
+        import cupy
+        with cupy.cuda.Device(device):
+            self.pool.set_limit(size=limit_bytes(nbytes))
 
     def install(self, counting: bool = False) -> None:
         from cupy.cuda import runtime
@@ -335,6 +358,9 @@ class XPool(Allocator):
             if p.settings.debug:
                 p.check()
 
+    def set_limit(self, nbytes, device=0):
+        self.pool.set_limit(size=limit_bytes(nbytes), device=device)
+
     def trim(self, devices=()):
         for p in [self.pool, *self._private]:
             p.empty_cache()
@@ -370,6 +396,11 @@ class CupyTorch(Allocator):
     device_mallocs = functools.partialmethod(_stat, key="segment.all.allocated")   # cudaMallocs since the start
     peak_reserved = functools.partialmethod(_stat, key="reserved_bytes.all.peak")
     peak_requested = functools.partialmethod(_stat, key="requested_bytes.all.peak")
+
+    def set_limit(self, nbytes, device=0):
+        cuda = self.torch.cuda
+        total = cuda.mem_get_info(device)[1]               # cudaMemGetInfo's total, what the fraction is of
+        cuda.set_per_process_memory_fraction(min(1.0, limit_bytes(nbytes) / total) if nbytes else 1.0, device)
 
     def install(self, counting=False):
         self.torch.cuda.init()      # PyTorch's allocator knows no device before CUDA is initialised
@@ -426,6 +457,10 @@ class Host(Allocator):
     def uninstall(self):
         pass
 
+    def set_limit(self, nbytes, device=0):
+        """Nothing to cap: the NumPy stand-in allocates nothing of its own."""
+        limit_bytes(nbytes)
+
 
 # --- the dynamic-shape benchmark's arms (xlab.bench.dynamic; Note [Dynamic-shape benchmark] in xlab/bench/dynamic.py)
 
@@ -437,7 +472,7 @@ class Host(Allocator):
 #   c10/cuda/CUDACachingAllocator.cpp num_device_alloc grows in alloc_block (a cudaMalloc) and in map_block (an
 #   expandable segment mapping a range of pages: one count per range), num_device_free in release_block and
 #   unmap_block. The arm checks memory_snapshot()'s is_expandable, so a setting that did not take fails the arm
-#   (_check_torch_setting, also for the arm that hands CuPy PyTorch's blocks);
+#   (check_torch_setting, also for the arm that hands CuPy PyTorch's blocks);
 # - PyTorch's expandable segments serving CuPy (cupy_torch_expandable): torch_expandable installed as CuPy's
 #   allocator in a process of its own, counted as PyTorch's arms are: the one peer that maps pages into reserved
 #   ranges, as xpool's expandable scheme does;
@@ -450,6 +485,31 @@ class Host(Allocator):
 # - CuPy's async pool: every cudaMallocAsync and cudaFreeAsync (each block wrapped, as raw's counting variant does)
 #   and the live requested bytes in a counting run; peak reserved from the device pool's
 #   cudaMemPoolAttrReservedMemHigh (reset at install). The driver's own mapping behind the pool is not seen.
+
+# Note [Memory caps]
+# A cap of C bytes (xlab.bench.dynamic_scale's runs under a cap) bounds what an allocator holds on the device, in
+# use and cached, as a GPU of C bytes would; set_limit sets it the way each allocator allows (0 lifts it). What
+# libraries take beside the allocator (the CUDA context, cuBLAS's and cuFFT's handles) is not capped, for any arm.
+# - xpool: its `limit` (Pool.set_limit on the device, what the setting sets on every device): bytes in use, cached
+#   and in flight; past it the ladder empties the cache and retries, then OutOfMemoryError (reason "limit"), which
+#   PyTorch receives as a RuntimeError naming it (xpool/_torch.c).
+# - CuPy's MemoryPool: set_limit(size=C) bounds total_bytes(); past it the pool frees its free blocks, retries,
+#   then OutOfMemoryError.
+# - CuPy's MemoryAsyncPool (CuPy 13 and 14, cupy/cuda/memory.pyx): set_limit(size=C) is a soft limit: it sets the
+#   device pool's cudaMemPoolAttrReleaseThreshold to C (the pool keeps at most C across a synchronisation), and
+#   CuPy's malloc raises OutOfMemoryError, without a retry, when the pool's free bytes cannot hold a request and its
+#   reserved bytes (cudaMemPoolAttrReservedMemCurrent) plus the request pass C. Allocations made from the driver's
+#   pool by other code are not bounded, which is why CuPy calls it soft; here CuPy is its one user.
+# - RMM: LimitingResourceAdaptor(upstream, C) between the pool and the device (the pool's upstream), so it bounds
+#   what the pool takes from the device; over the pool it would bound the requested bytes, which never pass the
+#   uncapped run's peak, so it would never act. Past it the pool tries smaller growths, then out_of_memory
+#   (Python's MemoryError). PoolMemoryResource's maximum_pool_size would do the same.
+# - PyTorch's caching allocator (torch, torch_expandable, and cupy_torch_expandable serving CuPy):
+#   torch.cuda.set_per_process_memory_fraction(C / total), total cudaMemGetInfo's: alloc_block refuses a new segment,
+#   or a mapping of expandable segments, when reserved + its size passes fraction x total
+#   (c10/cuda/CUDACachingAllocator.cpp); malloc then frees the cached blocks and retries, then torch.OutOfMemoryError.
+#   It holds for the process: set before every run, 1.0 to lift it.
+# - numpy (the CPU's stand-in): nothing to cap.
 class RmmPool(Allocator):
     """RMM's pool (PoolMemoryResource over CudaMemoryResource, empty at first) through rmm_cupy_allocator, counted by a
     StatisticsResourceAdaptor under it (cudaMallocs, cudaFrees, reserved bytes) and one above it (requested bytes)."""
@@ -459,13 +519,27 @@ class RmmPool(Allocator):
 
     def __init__(self):
         super().__init__()
+        self._mr_before = None
+        self._build(0)
+
+    def _build(self, limit: int) -> None:
+        """The resources, device up: statistics (cudaMalloc and cudaFree), RMM's limiting adaptor where `limit` is
+        set (Note [Memory caps]), the pool, statistics (requests)."""
         try:
             import rmm.mr
         except ImportError as e:
             raise ImportError(f"allocator 'rmm_pool' needs RMM (pip install rmm-cu13 or rmm-cu12): {e}") from e
         self.upstream = rmm.mr.StatisticsResourceAdaptor(rmm.mr.CudaMemoryResource())
-        self.pool = rmm.mr.PoolMemoryResource(self.upstream, initial_pool_size=0)
+        below = rmm.mr.LimitingResourceAdaptor(self.upstream, limit) if limit else self.upstream
+        self.pool = rmm.mr.PoolMemoryResource(below, initial_pool_size=0)
         self.top = rmm.mr.StatisticsResourceAdaptor(self.pool)
+
+    def set_limit(self, nbytes, device=0):
+        """RMM's limiting adaptor takes its limit when made, under the pool: the resources are made anew, so only
+        before install (ValueError after)."""
+        if self._mr_before is not None:
+            raise ValueError("rmm_pool: set the limit before install (the limiting adaptor sits under the pool)")
+        self._build(limit_bytes(nbytes))
 
     def malloc_fn(self):
         from rmm.allocators.cupy import rmm_cupy_allocator
@@ -481,6 +555,7 @@ class RmmPool(Allocator):
         import rmm.mr
         super().uninstall()
         rmm.mr.set_current_device_resource(self._mr_before)
+        self._mr_before = None
 
     def device_calls(self, device):
         c = self.upstream.allocation_counts

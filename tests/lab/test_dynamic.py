@@ -197,9 +197,9 @@ def test_measure_samples_nvml_over_the_timed_run_only(monkeypatch):
     monkeypatch.setitem(dynamic.WORKLOADS, "gpt_b4", dynamic.Workload("cupy", False, fn, 2, 1))
     _FakeSampler.made.clear()
     opts = dict(steps=None, warmup=None, seed=0, gpu=True, small=True)
-    timed = dynamic._measure(_FakeAlloc(), "gpt_b4", opts, lambda: None, probe=False, timed=True)
-    counting = dynamic._measure(_FakeAlloc(), "gpt_b4", opts, lambda: None, probe=True, timed=False)
-    on_cpu = dynamic._measure(_FakeAlloc(), "gpt_b4", dict(opts, gpu=False), lambda: None, probe=False)
+    timed = dynamic.measure(_FakeAlloc(), "gpt_b4", opts, lambda: None, probe=False, timed=True)
+    counting = dynamic.measure(_FakeAlloc(), "gpt_b4", opts, lambda: None, probe=True, timed=False)
+    on_cpu = dynamic.measure(_FakeAlloc(), "gpt_b4", dict(opts, gpu=False), lambda: None, probe=False)
     assert timed["gpu_util"] == 63.0 and math.isnan(counting["gpu_util"]) and math.isnan(on_cpu["gpu_util"])
     assert len(_FakeSampler.made) == 1 and _FakeSampler.made[0].devices == [0] and _FakeSampler.made[0].started
 
@@ -255,11 +255,11 @@ def test_an_arm_of_pytorchs_allocator_whose_setting_did_not_take_fails(arm, expa
     alloc = object.__new__(registry.arm(arm).make)
     alloc.torch = types.SimpleNamespace(cuda=types.SimpleNamespace(
         memory_snapshot=lambda: [{"is_expandable": expandable}, {"is_expandable": expandable}]))
-    dynamic._check_torch_setting(alloc, arm, gpu=False)          # nothing to ask on a CPU
+    dynamic.check_torch_setting(alloc, arm, gpu=False)          # nothing to ask on a CPU
     with pytest.raises(RuntimeError, match=f"arm '{arm}' ran with expandable segments \\[{expandable}\\]"):
-        dynamic._check_torch_setting(alloc, arm, gpu=True)
+        dynamic.check_torch_setting(alloc, arm, gpu=True)
     alloc.torch.cuda.memory_snapshot = lambda: [{"is_expandable": not expandable}]
-    dynamic._check_torch_setting(alloc, arm, gpu=True)           # the setting took
+    dynamic.check_torch_setting(alloc, arm, gpu=True)           # the setting took
 
 
 def test_pytorchs_expandable_segments_serve_the_cupy_workloads_too():

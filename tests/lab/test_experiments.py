@@ -365,6 +365,15 @@ def test_window_counts_and_times():
     assert w.device_mallocs == 4 and w.seconds >= 0 and calls == ["sync", "barrier", "sync", "barrier"]
 
 
+def test_window_stopped_by_an_error_stops_its_sampler():
+    s = nvml.UtilSampler([0], interval=0.001, read=lambda: {0: 50.0})
+    w = train.Window(lambda: 0, lambda: None, sampler=s)
+    with pytest.raises(MemoryError):
+        with w:
+            raise MemoryError("out of memory")
+    assert s._thread is None and math.isnan(w.seconds) and w.util == {}
+
+
 def test_sampler_means_per_device():
     readings = iter([{0: 50.0, 1: 10.0}, {0: 100.0, 1: 30.0}] + [{0: 75.0, 1: 20.0}] * 1000)
     s = nvml.UtilSampler([0, 1], interval=0.001, read=lambda: next(readings))

@@ -154,9 +154,17 @@ def resolve(workloads=None, arms=None, cpu: bool = False) -> tuple[list, dict]:
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad:
         raise ValueError(f"unknown workload(s) {', '.join(bad)}; known: {', '.join(WORKLOADS)}")
-    frameworks = list(dict.fromkeys(WORKLOADS[w].framework for w in workloads))
+    per = arms_for(dict.fromkeys(WORKLOADS[w].framework for w in workloads), arms, cpu)
+    if not per:
+        raise ValueError(f"no arm of {', '.join(arms)} runs the workloads {', '.join(workloads)}")
+    return workloads, per
+
+
+def arms_for(frameworks, arms=None, cpu: bool = False) -> dict:
+    """{framework: its arms} of `arms` (None: every peer and xpool scheme; cpu: NumPy's stand-in), frameworks without
+    one left out; an `xpool_<scheme>` this xpool lacks is skipped with a message. ValueError: an unknown arm."""
     if cpu:
-        return workloads, {f: ("numpy",) for f in frameworks}
+        return {f: ("numpy",) for f in frameworks}
     have = xpool_arms()
     if arms:
         known = PEERS["cupy"] + PEERS["torch"] + ("xpool",) + have   # `xpool`: the default scheme, by name
@@ -167,9 +175,7 @@ def resolve(workloads=None, arms=None, cpu: bool = False) -> tuple[list, dict]:
             print(f"skipping {', '.join(a for a in arms if a not in known)}: this xpool has no such scheme (its arms: "
                   f"{', '.join(have)})")
     per = {f: tuple(a for a in (arms or PEERS[f] + have) if a in PEERS[f] + ("xpool",) + have) for f in frameworks}
-    if not any(per.values()):
-        raise ValueError(f"no arm of {', '.join(arms)} runs the workloads {', '.join(workloads)}")
-    return workloads, {f: a for f, a in per.items() if a}
+    return {f: a for f, a in per.items() if a}
 
 
 def device_calls(alloc, device: int = 0):
@@ -186,8 +192,15 @@ def device_calls(alloc, device: int = 0):
 
 
 # --- one process: one arm over its workloads
-def _settings(workload, opts) -> tuple:
-    spec = WORKLOADS[workload]
+def spec_of(workload, opts) -> Workload:
+    """The workload of that name in the run's table: opts["specs"] where a benchmark brings its own
+    (xlab.bench.dynamic_scale's scaled workloads), else WORKLOADS."""
+    return opts.get("specs", WORKLOADS)[workload]
+
+
+def run_settings(workload, opts) -> tuple:
+    """(steps, warm-up steps, seed) of a run of `workload`: the options' where they set them, else its own."""
+    spec = spec_of(workload, opts)
     return opts["steps"] or spec.steps, opts["warmup"] or spec.warmup, opts["seed"]
 
 
@@ -213,13 +226,14 @@ def steady_state(probes: list, warmup: int) -> dict:
                 device_calls_steady=calls[-1] - calls[first - 1] if first < len(probes) else math.nan)
 
 
-def _measure(alloc, workload, opts, sync, probe: bool, timed: bool = True) -> dict:
+def measure(alloc, workload, opts, sync, probe: bool, timed: bool = True, probes: list | None = None) -> dict:
     """One run of `workload`; probe: read the device calls and the peak requested after every step (a cost inside
-    the timed window, so only in runs that count: steady_state); timed: the run whose time the row reports, over
-    which NVML samples the GPU's utilisation on a GPU (a thread reading it every 25 ms: what bounds the step)."""
-    steps, warmup, seed = _settings(workload, opts)
+    the timed window, so only in runs that count: steady_state) into `probes` (the caller's list, if given: a run
+    an error stopped leaves there the steps it finished); timed: the run whose time the row reports, over which
+    NVML samples the GPU's utilisation on a GPU (a thread reading it every 25 ms: what bounds the step)."""
+    steps, warmup, seed = run_settings(workload, opts)
     sampler = UtilSampler([0]) if timed and opts["gpu"] else None
-    window, probes = Window(lambda: device_calls(alloc), sync, sampler=sampler), []
+    window, probes = Window(lambda: device_calls(alloc), sync, sampler=sampler), [] if probes is None else probes
 
     def after_step():
         alloc.sample(0)
@@ -227,7 +241,8 @@ def _measure(alloc, workload, opts, sync, probe: bool, timed: bool = True) -> di
             probes.append((device_calls(alloc), alloc.peak_requested(0)))
 
     with alloc.tracking():
-        info = WORKLOADS[workload].fn(steps, warmup, seed, window, opts["gpu"], opts["small"], after_step=after_step)
+        info = spec_of(workload, opts).fn(steps, warmup, seed, window, opts["gpu"], opts["small"],
+                                          after_step=after_step)
     return dict(info, seconds=window.seconds, host_seconds=window.host_seconds, calls=window.device_mallocs,
                 gc_seconds=window.gc.seconds, gpu_util=window.util.get(0, math.nan),
                 reserved=alloc.peak_reserved(0), requested=alloc.peak_requested(0),
@@ -246,8 +261,8 @@ def _cupy_arm(arm, workloads, opts) -> list:
         runs = []
         for counting in (False, True):
             with installed(arm, counting, [0]) as alloc:
-                runs.append(_measure(alloc, w, opts, sync, probe=counting, timed=not counting))
-                _check_torch_setting(alloc, arm, opts["gpu"])     # cupy_torch_expandable: before its cache goes
+                runs.append(measure(alloc, w, opts, sync, probe=counting, timed=not counting))
+                check_torch_setting(alloc, arm, opts["gpu"])     # cupy_torch_expandable: before its cache goes
         out.append((w, runs[0], runs[-1], 0))
     return out
 
@@ -257,33 +272,52 @@ def _torch_arm(arm, workloads, opts) -> list:
     per workload,
     probed every step (a read of the counters costs well under 1% of a 17-50 ms step)."""
     import torch
-    alloc, gpu = registry.make(arm), opts["gpu"]
-    is_xpool = isinstance(alloc, registry.XPool)
-    if is_xpool:
-        xpool.enable_torch(pool=alloc.pool)
-    else:
-        alloc.install()
+    alloc, gpu = torch_allocator(arm), opts["gpu"]
     out = []
     for w in workloads:
-        if is_xpool:
-            alloc.pool.reset_peak_stats()
-            at_start = alloc.pool.stats().per_device.get(0, {}).get("bytes_reserved", 0)
-        else:
-            if gpu:
-                torch.cuda.reset_peak_memory_stats(0)
-            at_start = torch.cuda.memory_stats(0)["reserved_bytes.all.current"] if gpu else math.nan
-        run = _measure(alloc, w, opts, torch.cuda.synchronize if gpu else (lambda: None), probe=True)
-        _check_torch_setting(alloc, arm, gpu)
+        at_start = torch_reset(alloc, gpu)
+        run = measure(alloc, w, opts, torch.cuda.synchronize if gpu else (lambda: None), probe=True)
+        check_torch_setting(alloc, arm, gpu)
         out.append((w, run, run, at_start))
-        gc.collect()
-        if gpu:
-            torch.cuda.synchronize()
-            torch._C._cuda_clearCublasWorkspaces()     # allocator memory: the next workload starts empty
-            alloc.pool.empty_cache() if is_xpool else torch.cuda.empty_cache()
+        torch_empty(alloc, gpu)
     return out
 
 
-def _check_torch_setting(alloc, arm, gpu) -> None:
+def torch_allocator(arm):
+    """The arm's allocator serving PyTorch in this process (xpool's pool through enable_torch), made and installed."""
+    alloc = registry.make(arm)
+    if isinstance(alloc, registry.XPool):
+        xpool.enable_torch(pool=alloc.pool)
+    else:
+        alloc.install()
+    return alloc
+
+
+def torch_reset(alloc, gpu) -> float:
+    """Reset the peaks of the allocator serving PyTorch, so the next run is judged on its own demand; the bytes it
+    still reserves (NaN on a CPU)."""
+    import torch
+    if isinstance(alloc, registry.XPool):
+        alloc.pool.reset_peak_stats()
+        return alloc.pool.stats().per_device.get(0, {}).get("bytes_reserved", 0)
+    if not gpu:
+        return math.nan
+    torch.cuda.reset_peak_memory_stats(0)
+    return torch.cuda.memory_stats(0)["reserved_bytes.all.current"]
+
+
+def torch_empty(alloc, gpu) -> None:
+    """Give back everything the allocator serving PyTorch caches, cuBLAS's workspaces included (allocator memory):
+    the next run starts empty."""
+    import torch
+    gc.collect()
+    if gpu:
+        torch.cuda.synchronize()
+        torch._C._cuda_clearCublasWorkspaces()
+        alloc.pool.empty_cache() if isinstance(alloc, registry.XPool) else torch.cuda.empty_cache()
+
+
+def check_torch_setting(alloc, arm, gpu) -> None:
     """For an arm of PyTorch's allocator, raise unless its segments are expandable exactly when the arm says so: the
     setting took, or the arm measured the other allocator."""
     if gpu and isinstance(alloc, registry.CupyTorch):
@@ -300,13 +334,18 @@ def arm_process(framework, arm, workloads, trial, position, opts) -> list:
         os.sched_setaffinity(0, opts["cpus"])      # exactly these CPUs, or OSError
     opts, t0 = for_trial(opts, trial), time.perf_counter()
     runs = (_cupy_arm if framework == "cupy" else _torch_arm)(arm, workloads, opts)
-    prov = provenance(experiment="dynamic_shapes", torch=_version("torch"), rmm=_version("rmm-cu13", "rmm-cu12"),
-                      process_s=round(time.perf_counter() - t0, 2), start=opts["start"])
+    prov = provenance(experiment="dynamic_shapes", **library_versions(), process_s=round(time.perf_counter() - t0, 2),
+                      start=opts["start"])
     return [{**build_row(trial, position, w, arm, timed, counted, at_start, opts), **prov}
             for w, timed, counted, at_start in runs]
 
 
-def _version(*names) -> str | None:
+def library_versions() -> dict:
+    """The versions of PyTorch and RMM (None: not installed), for the rows beside xlab.provenance's CuPy."""
+    return dict(torch=package_version("torch"), rmm=package_version("rmm-cu13", "rmm-cu12"))
+
+
+def package_version(*names) -> str | None:
     """The first of these distributions installed: its version."""
     for name in names:
         try:
@@ -329,7 +368,7 @@ def build_row(trial, position, workload, arm, timed, counted, at_start, opts) ->
     sampled (since the twentieth session), else from the thread's time for the CuPy workloads, whose host work is all
     on that thread; a PyTorch row without NVML says nothing: PyTorch runs backward on its autograd thread, which that
     time does not count (Note [Pinned arms])."""
-    spec, (steps, warmup, seed) = WORKLOADS[workload], _settings(workload, opts)
+    spec, (steps, warmup, seed) = spec_of(workload, opts), run_settings(workload, opts)
     reserved, requested, calls = (math.nan if v is None else v for v in (
         counted["reserved"] if timed["reserved"] is None else timed["reserved"],
         counted["requested"] if timed["requested"] is None else timed["requested"], counted["calls"]))
@@ -360,7 +399,7 @@ def plan(trials, workloads, per_framework, opts, done=frozenset(), commit="") ->
     jobs, wanted = [], set()
     for t in range(trials):
         for pos, (f, a) in enumerate(rotated(units, t)):
-            keys = {w: tuple(map(str, (t, w, a, *_settings(w, for_trial(opts, t)), pinned(opts), commit)))
+            keys = {w: tuple(map(str, (t, w, a, *run_settings(w, for_trial(opts, t)), pinned(opts), commit)))
                     for w in workloads if WORKLOADS[w].framework == f}
             wanted |= set(keys.values())
             todo = [w for w, k in keys.items() if k not in done]

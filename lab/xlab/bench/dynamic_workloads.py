@@ -3,7 +3,8 @@
 every arm of every trial sees the same requests; the first warm-up step has the largest shape. `small`: sizes and
 models that run in seconds on a CPU.
 
-- cupy_mix: rfft, sort, cumsum and matmul of random sizes, OPS a step, each result kept 2**U(0, 5) steps.
+- cupy_mix: rfft, sort, cumsum and matmul of random sizes, OPS a step, each result kept 2**U(0, 5) steps; `scale`
+  makes every result that many times larger (xlab.bench.dynamic_scale).
 - gpt: tapegpt's GPT (reference config) trained on CuPy at lengths(lo, hi) tokens a step.
 - torch_lm: a causal pre-norm torch.nn.TransformerEncoder (6 layers, d_model 512, 8 heads), AdamW, bf16 autocast.
 - resnet: a ResNet-18 (basic blocks 2-2-2-2, 64-512 channels, written out here: no torchvision), channels_last,
@@ -44,10 +45,15 @@ def _xp(gpu):
     return importlib.import_module("cupy") if gpu else np
 
 
-def cupy_mix(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda: None) -> dict:
-    """CuPy arrays of random sizes and mixed lifetimes; the inputs views of one array, so only results allocate."""
+def cupy_mix(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda: None, *, scale: int = 1) -> dict:
+    """CuPy arrays of random sizes and mixed lifetimes; the inputs views of one array, so only results allocate.
+    scale: every request `scale` times the benchmark's, from the same draws (Note [cupy_mix at scale])."""
+    if isinstance(scale, bool) or not isinstance(scale, int) or scale < 1:
+        raise ValueError(f"scale must be a whole number >= 1, got {scale!r}")
     xp, rng = _xp(gpu), np.random.default_rng([seed, 2])
     n_max, m_max, ffts = (1 << 12, 64, (256, 384, 640)) if small else (1 << 22, 2048, FFT_LENGTHS)
+    n_max, ffts = n_max * scale, tuple(n * scale for n in ffts)
+    side, k_max = round(m_max * scale ** 0.5), max(16, round(m_max / scale ** 0.5))
     base = xp.linspace(-1, 1, n_max, dtype=np.float32)
     ring = []                                             # (last step it lives, array)
 
@@ -55,7 +61,7 @@ def cupy_mix(steps, warmup, seed, window, gpu=True, small=False, after_step=lamb
         if kind == 0:
             return xp.fft.rfft(base[:ffts[j]])
         if kind == 3:
-            m, k, n = (max(16, int(m_max * x)) for x in f)
+            m, k, n = (max(16, int(top * x)) for top, x in zip((side, k_max, side), f))
             return base[:m * k].reshape(m, k) @ base[:k * n].reshape(k, n)
         n = max(512, int(n_max * f[0]))
         return xp.sort(base[:n]) if kind == 1 else xp.cumsum(base[:n])
@@ -72,7 +78,20 @@ def cupy_mix(steps, warmup, seed, window, gpu=True, small=False, after_step=lamb
     ring.clear()
     if gpu:
         xp.fft.config.get_plan_cache().clear()           # its plans hold work areas from the allocator
-    return dict(batch=0, shape=f"{OPS} ops/step, up to {n_max} floats, matmul up to {m_max}")
+    return dict(batch=0, shape=f"{OPS} ops/step, up to {n_max} floats, matmul up to {side}"
+                + (f" (k up to {k_max})" if k_max != side else ""))
+
+
+# Note [cupy_mix at scale]
+# cupy_mix(scale=s) draws what scale 1 draws (the same kinds, fractions, FFT indices and lifetimes from the seed) and
+# makes every request s times larger: the base array and the sort and cumsum lengths times s, each FFT length times s
+# (rfft's result grows with it; 15 lengths stay within CuPy's plan cache of 16 plans, memsize unlimited by default,
+# so once warm no plan is made and no work area allocated; an s whose prime factors are 2, 3 and 5 keeps them
+# lengths cuFFT is fast at), and the matmul's m and n times sqrt(s) each, so its m x n result is s times larger while
+# k shrinks by sqrt(s): a tall-skinny product whose inputs (views of the base) stay today's size and whose FLOPs grow
+# by sqrt(s) only (the largest at s = 216: 2 x 30099^2 x 139 = 0.25 TFLOP, ~5 ms in FP32 on an H200, where a square
+# one of that result would be 55 TFLOP). So the live bytes of every step are s times scale 1's to within the
+# rounding of sizes and of cuFFT's work areas, and scale 1 is the benchmark as it was (the same sizes and `shape`).
 
 
 def gpt(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda: None, *, batch: int, lo: int,

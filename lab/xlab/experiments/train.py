@@ -249,7 +249,9 @@ class Window:
 
     def __exit__(self, exc_type, *_):
         self.gc.__exit__()
-        if exc_type is not None:
+        if exc_type is not None:              # a run stopped (an out-of-memory error under a cap): no time, and
+            if self.sampler:                  # no NVML thread left polling beside the next run
+                self.sampler.stop()
             return False
         h1 = self._h1 if self._h1 is not None else time.thread_time()
         self.sync()
