@@ -49,7 +49,7 @@ ARM_COLUMNS = ("allocator", "arm")
 # Commits some CSVs name that are not in this repository: a commit on a branch before it was rebased onto main
 # (Note [Commits not in the repository] in xlab/provenance.py); the commit the file landed in stands in for it.
 REWRITTEN = {"06b3f1f1f9cf": "012dbeb", "55e7e8bbc053": "924512e", "470072ec67b5": "4e9da9f",
-             "8747672b68f9": "30f9bd2"}
+             "8747672b68f9": "30f9bd2", "0750f17d9e74": "120c7ca"}
 
 
 def read(data: pathlib.Path, name: str) -> pd.DataFrame | None:
