@@ -500,3 +500,16 @@ def test_each_arms_cap_refuses_past_it_on_the_gpu(arm, framework):
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["is_oom"] and out["refused_at"] in (3, 4), out
     assert 0 < out["peak_reserved"] <= 256 << 20, out
+
+
+def test_the_committed_scaled_rows_peak_where_the_estimate_said():
+    """data/dynamic_scale.csv, where it is committed: every row at 30 GiB requested or more, each workload's peaks
+    within 2% of Note [Scaled workloads]'s estimate (a model's later steps add a little to its first step's peak)."""
+    path = data_dir() / "dynamic_scale.csv"
+    if not path.is_file():
+        pytest.skip("no scaled rows committed")
+    rows = pd.read_csv(path)
+    assert (rows["peak_requested_bytes"] >= dynamic_scale.AT_LEAST).all()
+    for name, g in rows.groupby("workload"):
+        low, high = dynamic_scale.estimated_peak(name)
+        assert 0.98 * low <= g["peak_requested_bytes"].min() <= g["peak_requested_bytes"].max() <= 1.02 * high, name
