@@ -56,6 +56,33 @@ def expected_0002() -> list[str]:
             *(table_row(df, w, CUPY_ARMS) for w in CUPY_WORKLOADS)]
 
 
+SCALE_ARMS = ("xpool_segments", "xpool_expandable", "cupy_torch_expandable")
+
+
+def expected_0002_at_scale() -> list[str]:
+    """0002's check at scale: memory held per CuPy workload and arm, trials finished under the 1.10x cap, the
+    refused request's error, expandable's ms per step over segments' paired by trial."""
+    df, caps = csv("dynamic_scale.csv"), csv("memory_cap.csv")
+    caps = caps[caps.cap_over_peak_requested == 1.1]
+    done = lambda w, a: caps[(caps.workload == w) & (caps.allocator == a)].completed      # noqa: E731
+    out = [f"`dynamic_scale.csv` and `memory_cap.csv` at {sources.run_label(df)}",
+           *(f"| {w}{label} | " + " | ".join(ci(df[(df.workload == w) & (df.allocator == a)].reserved_over_requested)
+                                              for a in SCALE_ARMS) + " |"
+             for w, label in (("cupy_mix", ": peak reserved / peak requested"), ("gpt_varlen", ": the same"))),
+           "trials finished under a cap of 1.10× the peak requested | " + " | ".join(
+               "; ".join(f"{done(w, a).sum()} of {len(done(w, a))}" for w in ("cupy_mix", "gpt_varlen"))
+               for a in SCALE_ARMS) + " |"]
+    error = caps[(caps.workload == "cupy_mix") & (caps.allocator == "xpool_segments")].oom_error.dropna()
+    said = [m.group(0) for m in map(re.compile(r"in use [\d.]+ GiB, cached [\d.]+ GiB").search, error) if m]
+    out.append(said[0] if said else "(no refused request's error in memory_cap.csv)")
+    for w in ("cupy_mix", "gpt_varlen"):
+        ms = df[df.workload == w].pivot_table(index="trial", columns="allocator", values="ms_per_step").dropna(
+            subset=["xpool_segments", "xpool_expandable"])
+        r, lo, hi, _ = iv.ratio_ci(ms.xpool_expandable.to_numpy(), ms.xpool_segments.to_numpy())
+        out.append(f"{w} {iv.fmt_ci(r, lo, hi, '{:.3f}', '×')}")
+    return out
+
+
 def expected_0003() -> list[str]:
     df = csv("dynamic_shapes.csv")
     rows = df[df.workload.isin(TORCH_WORKLOADS)]
@@ -142,7 +169,7 @@ def expected_usage() -> list[str]:
             f"xpool_k1's {ci(at('xpool_k1', 4096), '{:.1f}')} µs at 4 KiB"]
 
 
-EXPECTED = {"usage": expected_usage, "0002": expected_0002, "0003": expected_0003, "0004": expected_0004, "0006": expected_0006,
+EXPECTED = {"usage": expected_usage, "0002": lambda: expected_0002() + expected_0002_at_scale(), "0003": expected_0003, "0004": expected_0004, "0006": expected_0006,
             "0007": expected_0007, "0008": expected_0008, "0009": expected_0009, "0010": expected_0010}
 
 
