@@ -641,7 +641,7 @@ def _dynamic_note(d: pd.DataFrame) -> str:
 
 def _scale_note(d: pd.DataFrame) -> str:
     """_dynamic_note for the scaled rows: their trials as a run under way has them (bench_scale.trials_said)."""
-    return (f"{_DEFAULT_NOTE}Medians of interleaved trials, bars their 95% bootstrap intervals; trials: "
+    return (f"{_DEFAULT_NOTE}Medians of interleaved trials, bars their 95% bootstrap intervals; the rows hold "
             f"{bench_scale.trials_said(d)}." + _seeds_note(d))
 
 
@@ -699,7 +699,7 @@ def memory_cap(df: pd.DataFrame) -> Figure:
                    "not run). The cap is a multiple of the uncapped run's peak requested bytes, set as each allocator "
                    "allows (xpool's limit, CuPy's pool limit, RMM's limiting adaptor, PyTorch's per-process memory "
                    "fraction); a run stops at its first out-of-memory error. " + _DEFAULT_NOTE
-                   + f"Trials: {bench_scale.trials_said(df)}." + _seeds_note(df))
+                   + f"The rows hold {bench_scale.trials_said(df)}." + _seeds_note(df))
 
 
 def _cap_grid(ax, s: pd.DataFrame, default: str, title: str) -> None:

@@ -43,9 +43,8 @@ CPU_QUICK = {
 TEMPLATE = importlib.resources.files("xlab") / "report.md"       # package data: the page's template
 GIL_ARM = "add"    # the GIL probe's op that stands for a training step's ops: an allocation and one launch
 RERUN = sources.SECOND_RUN    # data/rerun/: the same suite run again on a fresh machine (DATA=data/rerun)
-# Issue #46's section, the figure of its memory headlines, and how its rows are measured
+# Issue #46's section, and the figure of its memory headlines
 SCALE_SECTION, SCALED_FIGURE = "At the scale users run them", "dynamic_scale"
-MEASURE_SCALE = "`bash scripts/gpu_suite.sh scale` (`python -m xlab.bench.dynamic_scale`) on one H200"
 # README.md's generated results table sits between these two lines
 RESULTS = ("<!-- RESULTS: written by `make report` from the targets (lab/xlab/report.py); do not edit by hand -->",
            "<!-- END RESULTS -->")
@@ -443,12 +442,7 @@ def dynamic_floor(data: pathlib.Path) -> str:
 def scale_runs(data: pathlib.Path, kind: str = targets.SCALE) -> str:
     """What `kind`'s scaled rows (targets.SCALE or CAP) are: their CSV and commit, machine and date, their trials
     (a run under way: how many so far) and caps; or that none is measured yet, and what measures them."""
-    df = sources.current(data, kind)
-    if df is None:
-        return f"Not measured yet: {MEASURE_SCALE} writes `data/{kind}.csv`."
-    caps = (f"; caps of {', '.join(f'{c:.2f}×' for c in sorted(df['cap_over_peak_requested'].unique()))} the peak "
-            "requested" if "cap_over_peak_requested" in df else "")
-    return f"Rows: {sources.sources(df)} ({sources.where(df)}), {bench_scale.trials_said(df)}{caps}."
+    return bench_scale.said(sources.current(data, kind), kind)
 
 
 def cap_runs(data: pathlib.Path) -> str:
@@ -504,6 +498,18 @@ def cap_table(data: pathlib.Path) -> str:
         if len(grid):
             parts.append(f"{title}:\n\n" + _md(list(grid), grid.itertuples(index=False)))
     return "\n\n".join(parts)
+
+
+def under_way(now: list) -> dict:
+    """{"under_way": a sentence} where some targets rest on a run under way (targets.counts: fewer trials than their
+    goal speaks of), else {} (the template's line goes)."""
+    c = targets.counts(now)
+    if not c["under_way"]:
+        return {}
+    few = (f", {c['few']} of them on too few for an interval (a verdict that opens \"{targets.FEW}\")"
+           if c["few"] else "")
+    return {"under_way": f"{c['under_way']} of them rest on a run under way, fewer trials than their goal speaks of"
+                         f"{few}: each verdict says how many."}
 
 
 # --- the summary at the head of the report, and README's results table: rows of SUMMARY, measured
@@ -656,14 +662,15 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
     values = {**measured, "counts": targets.counts(now), "fig": links, "host_bound_util": HOST_BOUND_UTIL,
               "summary_table": summary_table(data, figs, report_dir, measured),
               "targets_table": "\n".join(targets.table(now)) or "_No targets measured yet._",
-              "history_table": "\n".join(targets.table(then)), "replay": _replay(data)}
+              "history_table": "\n".join(targets.table(then)), "replay": _replay(data), **under_way(now)}
     values.update(_spans(data))
     for name, fn in (("bounds_table", bounds_table), ("projection_table", projection_table), ("gil_table", gil_table),
                      ("graph_table", graph_table), ("graph_notes", graph_notes), ("replication", replication),
-                     ("dynamic_table", dynamic_table), ("dynamic_seeds", dynamic_seeds), ("dynamic_floor", dynamic_floor),
-                     ("dynamic_heldout", dynamic_heldout), ("scale_runs", scale_runs), ("cap_runs", cap_runs),
-                     ("scale_targets", scale_targets), ("cap_targets", cap_targets), ("scale_vs_peers", scale_vs_peers),
-                     ("scale_table", scale_table), ("cap_table", cap_table), ("data_table", data_table)):
+                     ("dynamic_table", dynamic_table), ("dynamic_seeds", dynamic_seeds),
+                     ("dynamic_floor", dynamic_floor), ("dynamic_heldout", dynamic_heldout), ("scale_runs", scale_runs),
+                     ("cap_runs", cap_runs), ("scale_targets", scale_targets), ("cap_targets", cap_targets),
+                     ("scale_vs_peers", scale_vs_peers), ("scale_table", scale_table), ("cap_table", cap_table),
+                     ("data_table", data_table)):
         try:
             if name != "graph_notes":
                 values[name] = fn(data)

@@ -17,7 +17,8 @@ the arm is what a user of that front end gets from xpool by default (default_arm
 report and notebook 06: summary (reserved/requested, device calls per steady step, the speed-up over the fastest
 peer, what bounds a step), defaults_vs_peers (each default against the best peer, paired by trial), cap_summary and
 cap_grid (trials finished per cap), trials_said (how many trials a run under way holds: an interval needs
-INTERVAL_TRIALS) and requested (the scale, in GiB).
+INTERVAL_TRIALS), requested (the scale, in GiB) and said (what a CSV's rows are, or that none is measured yet).
+measure is run for a notebook: the scaled rows returned, the cap rows written beside them.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from xlab import allocators as registry
-from xlab import intervals
+from xlab import intervals, sources
 from xlab.paths import data_dir, write_csv
 from xlab.provenance import git_commit, gpu_info, provenance
 from xpool.settings import DEFAULTS, FRONTEND_SCHEMES
@@ -504,7 +505,10 @@ def run(workloads=None, arms=None, trials: int = TRIALS, caps=CAPS, steps: int |
 # --- results
 INTERVAL_TRIALS = 3      # fewer trials than this (a run under way): a median without an interval, "n/a" in its place
 SUMMARY_METRICS = (("reserved_over_requested", "reserved/requested", "{:.3f}"),
-                   ("device_calls_per_steady_step", "calls/steady step", "{:.3g}"), ("ms_per_step", "ms/step", "{:.2f}"))
+                   ("device_calls_per_steady_step", "calls/steady step", "{:.3g}"),
+                   ("ms_per_step", "ms/step", "{:.2f}"))
+# what measures the rows on a GPU, for a page or notebook that has none of them yet
+HOW_TO_MEASURE = "`bash scripts/gpu_suite.sh scale` (`python -m xlab.bench.dynamic_scale`) on one H200"
 
 
 def _ci(value: float, lo: float, hi: float, n: int, fmt: str, unit: str = "") -> str:
@@ -611,7 +615,8 @@ def trials_said(df: pd.DataFrame) -> str:
     per = df.groupby([c for c in ("workload", "allocator", "cap_over_peak_requested") if c in df])["trial"].nunique()
     text = f"{n} trials" if n >= TRIALS else f"{n} of {TRIALS} trials so far"
     if per.min() != per.max():
-        text += f" ({per.min()}-{per.max()} per {'workload, arm and cap' if 'cap_over_peak_requested' in df else 'workload and arm'})"
+        each = "workload, arm and cap" if "cap_over_peak_requested" in df else "workload and arm"
+        text += f" ({per.min()}-{per.max()} per {each})"
     if per.min() < INTERVAL_TRIALS:
         text += f"; an interval needs {INTERVAL_TRIALS} trials: none where fewer ran"
     return text
@@ -624,6 +629,23 @@ def requested(df: pd.DataFrame) -> str:
         return "no peak requested counted"
     lo, hi = (f"{v / GIB:.2g}" for v in (peaks.min(), peaks.max()))
     return f"{lo if lo == hi else f'{lo}-{hi}'} GiB requested"
+
+
+def said(df: pd.DataFrame | None, name: str = "dynamic_scale") -> str:
+    """What the rows of data/NAME.csv (dynamic_scale or memory_cap) are, for the report and notebook 06: their CSV
+    and commit, machine and date, their trials (a run under way: how many so far) and caps; without rows, that none
+    is measured yet and what measures them (HOW_TO_MEASURE)."""
+    if df is None or not len(df):
+        return f"Not measured yet: {HOW_TO_MEASURE} writes `data/{name}.csv`."
+    caps = (f"; caps of {', '.join(f'{c:.2f}×' for c in sorted(df['cap_over_peak_requested'].unique()))} the peak "
+            "requested" if "cap_over_peak_requested" in df else "")
+    return f"Rows: {sources.sources(df)} ({sources.where(df)}), {trials_said(df)}{caps}."
+
+
+def measure(out=OUT, **kwargs) -> pd.DataFrame:
+    """run's scaled rows into `out`, its cap rows into memory_cap.csv beside it: what a notebook measures through
+    notebook_utils.load_or_measure (one CSV a call)."""
+    return run(out=out, cap_out=pathlib.Path(out).with_name(pathlib.Path(CAP_OUT).name), **kwargs)[0]
 
 
 def _caps_arg(text: str) -> tuple:
