@@ -721,7 +721,8 @@ def _cap_grid(ax, s: pd.DataFrame, default: str, title: str) -> None:
     for w in dict.fromkeys(w for w, _ in cols):
         js = [j for j, (x, _) in enumerate(cols) if x == w]
         ax.text(np.mean(js), 1.01, w, transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=9.5)
-        ax.axvline(max(js) + 0.5, color="white", lw=4)
+        if max(js) < len(cols) - 1:                 # a white line between two workloads' caps
+            ax.axvline(max(js) + 0.5, color="white", lw=4)
     if default in arms:
         ax.add_patch(Rectangle((-0.5, arms.index(default) - 0.5), len(cols), 1, fill=False, lw=2.5, ec="black",
                                zorder=3))

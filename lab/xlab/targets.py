@@ -61,7 +61,8 @@ class T:
     ref: dict | None = None
     over: tuple = ()
     pick: str = "worst"                   # worst, best or each group of `over`
-    stat: str = "median"                  # median (with interval), max or min (exact), all (k of n pass)
+    stat: str = "median"                  # median (with interval), max or min (exact), all (k of n pass), share
+    # (with `ref`: k of n paired trials whose ratio to the reference, the way `flip` takes it, is at least 1)
     fmt: str = "{:.2f}"
     unit: str = ""
     scale: float = 1.0
