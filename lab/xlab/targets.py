@@ -549,17 +549,20 @@ def _one(r: T, df: pd.DataFrame, col: str | None, group: dict) -> Measured | Non
 
 def _goal_of(r: T, rows: pd.DataFrame, col: str | None):
     """(value, words) of a goal that is other rows: their median (stat all: the share that pass, 'arm: k of n'), the
-    best arm's where they are several; None without rows."""
+    best arm's where they are several (stat all: of two with one share, the one with more that pass); None without
+    rows."""
     rows = rows.dropna(subset=[r.metric])
     if not len(rows):
         return None
     arm = rows[col] if col else pd.Series("", index=rows.index)
-    per = rows[r.metric].astype(float).groupby(arm).agg("mean" if r.stat == "all" else "median") * r.scale
-    best = per.idxmax() if r.higher else per.idxmin()
+    per = rows[r.metric].astype(float).groupby(arm).agg(["mean", "sum", "median"]) * r.scale
     if r.stat == "all":
+        best = per.sort_values(["mean", "sum"], ascending=not r.higher, kind="stable").index[0]
         n = int((arm == best).sum())
-        return float(per[best]), f"{best}: {round(per[best] * n)} of {n}"
-    return float(per[best]), iv.fmt_ci(per[best], math.nan, math.nan, r.fmt, r.unit, exact=True)
+        return float(per.loc[best, "mean"]), f"{best}: {round(per.loc[best, 'sum'])} of {n}"
+    best = per["median"].idxmax() if r.higher else per["median"].idxmin()
+    return float(per.loc[best, "median"]), iv.fmt_ci(per.loc[best, "median"], math.nan, math.nan, r.fmt, r.unit,
+                                                     exact=True)
 
 
 def _groups(r: T, parts) -> list:

@@ -584,7 +584,11 @@ def test_the_cap_targets_judge_every_trial_and_the_peer_that_finished_most(trial
     assert (format(done), done.verdict, format(peers), peers.verdict) == ("5 of 5", iv.MET, "5 of 5", iv.MET)
     assert peers.goal == pytest.approx(0.8) and peers.goal_text == "torch_expandable: 4 of 5"
     assert "the peer that finished most (torch_expandable: 4 of 5)" in targets.text(peers)
+    assert rows["cap_peers_cupy_mix"].goal_text == "cupy_torch_expandable: 5 of 5"      # of two, the first by name
     df = pd.read_csv(trial_data / "memory_cap.csv")
+    df[~((df["allocator"] == "cupy_torch_expandable") & (df["trial"] == 4))].to_csv(trial_data / "memory_cap.csv",
+                                                                                     index=False)
+    assert _by_key(trial_data)["cap_peers_cupy_mix"].goal_text == "rmm_pool: 5 of 5"   # 5 of 5 finish more than 4 of 4
     mine = (df["allocator"] == targets.XDT) & (df["workload"] == "torch_varlen")
     df.loc[mine & (df["cap_over_peak_requested"] == 1.05), "completed"] = False      # a cap not judged
     df.to_csv(trial_data / "memory_cap.csv", index=False)
