@@ -17,7 +17,9 @@
 # timed step and per step in steady state (after the demand's last new high), and ms per step over the fastest peer's
 # in the same trial. Trials interleaved, each arm a process of
 # its own. Measured by `python -m xlab.bench.dynamic` (`data/dynamic_shapes.csv`); on a GPU this notebook runs a quick
-# pass by default (one trial of a few steps: checks the code, not numbers to quote).
+# pass by default (one trial of a few steps: checks the code, not numbers to quote). Its last two sections show the
+# same workloads at the scale users run them (33-40 GiB requested) and under memory caps (issue #46,
+# `python -m xlab.bench.dynamic_scale`; with `scale=True` a GPU measures them too).
 #
 # **Run it.** In JupyterLab (`.venv/bin/jupyter lab`, open `notebooks/06_dynamic_shapes.ipynb`, Run > Run All Cells), or in batch
 # from the repository's root with the environment active (`. .venv/bin/activate`):
@@ -35,6 +37,7 @@ quick: bool = True  # one trial of a few steps; False: the full run (every trial
 workloads: list[str] = []  # workloads (empty: all but the held-out ones); workloads of xlab.bench.dynamic.WORKLOADS each, or empty for the default; GPU only
 allocators: list[str] = []  # arms (empty: every peer and every xpool scheme); arms of xlab.allocators.ARMS each, or empty for the default; GPU only
 measure: bool = True  # measure now; True or False; GPU only
+scale: bool = False  # measure the scaled runs and their memory caps too (quick: one trial; else ~17 min on an H200); True or False; GPU only
 cpu_check: bool = True  # run the benchmark's code on NumPy and PyTorch's CPU (measures nothing); True or False; without a GPU only
 data_dir: str = ""  # folder of the committed CSVs shown; a folder of CSVs, or empty for data/
 publish: bool = False  # write what this run measures to data/ and redraw figures/ (default: build/ only); True or False
@@ -43,7 +46,7 @@ publish: bool = False  # write what this run measures to data/ and redraw figure
 import pandas as pd
 
 from xlab import notebook_utils as nbu
-from xlab.bench import dynamic
+from xlab.bench import dynamic, dynamic_scale
 
 run = nbu.setup("06_dynamic_shapes", globals())  # checks the parameters; a GPU measures now, a CPU shows the committed CSVs
 
@@ -67,3 +70,43 @@ nbu.table(dynamic.summary(rows), full=rows, group="workload") if rows is not Non
 
 # %%
 nbu.figure("dynamic_shapes", rows, run=run)
+
+# %% [markdown]
+# ## At the scale users run them (issue #46)
+#
+# The dynamic workloads again, each grown to a peak requested of 33-40 GiB (`xlab.bench.dynamic_scale.SCALED`),
+# under every peer and xpool scheme, trials interleaved: at the benchmark's own size a 2 MiB page is a sizeable share
+# of the demand; at this size the release rule decides. Measured by `python -m xlab.bench.dynamic_scale`
+# (`data/dynamic_scale.csv`, and the capped runs below into `data/memory_cap.csv`); on a GPU this notebook measures
+# them with `scale=True`. A run under way shows the trials it has, without an interval under three.
+
+# %%
+scaled = nbu.load_or_measure("dynamic_scale", "xlab.bench.dynamic_scale:measure", run.gpu, run.data,
+                             measure and scale, out=run.out, how_to_measure="this notebook with scale=True",
+                             skipped="scale=False" if measure else "measure=False", arms=allocators or None,
+                             start="spawn", **(dynamic_scale.QUICK if quick else {}))
+big = nbu.rows("dynamic_scale", run, scaled)
+print(dynamic_scale.said(big))
+nbu.table(dynamic_scale.summary(big), full=big, group="workload") if big is not None else None
+
+# %%
+nbu.table(dynamic_scale.defaults_vs_peers(big)) if big is not None else None
+
+# %%
+nbu.figure("dynamic_scale", big, run=run)
+
+# %% [markdown]
+# ## Under a memory cap: does the job fit?
+#
+# Each scaled workload under caps of 1.05×, 1.10× and 1.25× its uncapped run's peak requested, set the way each
+# allocator allows (Note [Memory caps] in `xlab/allocators.py`); a run stops at its first out-of-memory error. Per
+# front end, the trials each arm finished of those it ran.
+
+# %%
+capped = nbu.rows("memory_cap", run, scaled)
+print(dynamic_scale.said(capped, "memory_cap"))
+for framework in capped["framework"].unique() if capped is not None else ():
+    display(nbu.table(dynamic_scale.cap_grid(capped, framework), full=capped[capped["framework"] == framework]))
+
+# %%
+nbu.figure("memory_cap", capped, run=run)

@@ -121,6 +121,7 @@ PARAMETERS = {
     "ks": Param(1, 64, nonempty=True),          # xpool's classes_per_doubling: 1 to 64
     "workloads": Param(choices="xlab.bench.dynamic:WORKLOADS", what="workloads of xlab.bench.dynamic.WORKLOADS",
                        only="gpu"),
+    "scale": Param(only="gpu"),
 }
 
 
@@ -305,9 +306,11 @@ def _resolve(fn):
 
 
 def load_or_measure(name: str, measure_fn, gpu_available: bool, data=None, measure: bool = True,
-                    how_to_measure: str = "", out=None, **kwargs) -> pd.DataFrame | None:
+                    how_to_measure: str = "", out=None, skipped: str = "measure=False",
+                    **kwargs) -> pd.DataFrame | None:
     """Measure on a GPU into `out`/NAME.csv (default build/data/) by measure_fn(out=<csv>, **kwargs), else load the
-    committed data/NAME.csv, and say which (attrs['source']); None with neither."""
+    committed data/NAME.csv, and say which (attrs['source']; `skipped`: why a GPU did not measure); None with
+    neither."""
     if gpu_available and measure:
         path = pathlib.Path(out or paths.build_dir() / "data") / f"{name}.csv"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -320,7 +323,7 @@ def load_or_measure(name: str, measure_fn, gpu_available: bool, data=None, measu
         print(f"Measured now and written to {path}: {describe_provenance(df)}.")
         df.attrs["source"] = "measured"
         return df
-    reason = "No GPU here" if not gpu_available else "measure=False"
+    reason = "No GPU here" if not gpu_available else skipped
     path = data_dir(data) / f"{name}.csv"
     if not path.is_file():
         if not how_to_measure and isinstance(measure_fn, str):

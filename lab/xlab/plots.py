@@ -19,10 +19,13 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import LinearSegmentedColormap
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from . import allocators, intervals, sources, targets
+from .bench import dynamic_scale as bench_scale
 from .intervals import fmt_bytes
 
 PROVENANCE = ("gpu", "driver", "cuda", "cupy", "commit", "date")
@@ -97,6 +100,12 @@ def _ci(values):
     return intervals.median_ci(values)[1:3]
 
 
+def _ci_of(least: int):
+    """seaborn's errorbar: _ci's interval, none (NaN) over fewer than `least` trials."""
+    return lambda values: _ci(values) if np.isfinite(np.asarray(values, dtype=float)).sum() >= least else \
+        (np.nan, np.nan)
+
+
 def labelled(df: pd.DataFrame, col: str = "allocator") -> pd.DataFrame:
     """The rows with `arm` and `label` (the arms table's label). No commit in a label: a figure's rows hold each arm
     and configuration once (xlab.sources.current), and its caption names each CSV, its commit and its arms."""
@@ -113,11 +122,11 @@ def _hue(df):
     return order, {lab: allocators.arm(arms[lab]).color for lab in order}, arms
 
 
-def bars(ax, df, x, y, order, fmt=fmt_si, labels=None, log=False, rotate=0, span=None):
-    """Grouped bars of y by x and arm, medians with intervals (or `span`'s columns), values labelled."""
+def bars(ax, df, x, y, order, fmt=fmt_si, labels=None, log=False, rotate=0, span=None, errorbar=_ci):
+    """Grouped bars of y by x and arm, medians with intervals (`errorbar`'s, or `span`'s columns), values labelled."""
     hue_order, palette, arms = _hue(df)
     sns.barplot(df, x=x, y=y, hue="label", order=order, hue_order=hue_order, palette=palette, ax=ax,
-                estimator=np.median, errorbar=None if span else _ci, err_kws=dict(linewidth=1, color="0.15"),
+                estimator=np.median, errorbar=None if span else errorbar, err_kws=dict(linewidth=1, color="0.15"),
                 capsize=0.15, saturation=1)
     for box, lab in zip(ax.containers, hue_order) if span else ():
         r = df[df["label"] == lab].groupby(x)[[y, *span]].median().reindex(order)
@@ -587,11 +596,14 @@ DEFAULT_MARK = " · xpool's default for {}"     # its label, after the arm's: wh
 DYNAMIC_XPOOL = tuple(a for a in targets.PRODUCT_ARMS if a != "xpool_seed")
 
 
-def _dynamic_panels(df: pd.DataFrame, value: str, ylabel: str, fmt, span=None, prepare=None):
+def _dynamic_panels(df: pd.DataFrame, value: str, ylabel: str, fmt, span=None, prepare=None, ticks=None,
+                    errorbar=_ci):
     """A figure of two panels (CuPy programs above, PyTorch's below): `value` per workload and arm, bars, the front
-    end's default arm labelled as such and outlined, each panel's legend beside it (no commit in a label)."""
+    end's default arm labelled as such and outlined, each panel's legend beside it (no commit in a label). ticks:
+    {workload: its tick label} (default: the workload and whether its shapes vary)."""
     fig, axes = _figure(2, 1, size=(14, 10))
-    shapes = {w: "varying" if str(v) == "True" else "fixed" for w, v in zip(df["workload"], df["dynamic"])}
+    ticks = ticks or {w: f"{w}\n({'varying' if str(v) == 'True' else 'fixed'} shapes)"
+                      for w, v in zip(df["workload"], df["dynamic"])}
     for ax, (f, title, default) in zip(axes[:, 0], DYNAMIC_FRONT_ENDS):
         rows = df[(df["framework"] == f) & (~df["allocator"].astype(str).str.startswith("xpool")
                                             | df["allocator"].isin(DYNAMIC_XPOOL))]
@@ -602,8 +614,8 @@ def _dynamic_panels(df: pd.DataFrame, value: str, ylabel: str, fmt, span=None, p
             continue
         d = labelled(rows.dropna(subset=[value]))
         d.loc[d["arm"] == default, "label"] += DEFAULT_MARK.format(title.split()[0])
-        bars(ax, d, "workload", value, order, fmt=fmt, labels=lambda w: f"{w}\n({shapes[w]} shapes)", rotate=90,
-             span=span)
+        bars(ax, d, "workload", value, order, fmt=fmt, labels=ticks.__getitem__, rotate=90, span=span,
+             errorbar=errorbar)
         _, _, arms = _hue(d)
         for c, lab in zip(ax.containers, _hue(d)[0]):
             if arms[lab] == default:
@@ -619,18 +631,27 @@ def _dynamic_panels(df: pd.DataFrame, value: str, ylabel: str, fmt, span=None, p
     return fig, axes
 
 
+_DEFAULT_NOTE = ("xpool's default (thick outline) is what a program of that front end gets: xpool.install()'s "
+                 "scheme for CuPy, the pool xpool.enable_torch() makes for PyTorch. ")
+
+
 def _dynamic_note(d: pd.DataFrame) -> str:
-    return ("xpool's default (thick outline) is what a program of that front end gets: xpool.install()'s scheme for "
-            "CuPy, the pool xpool.enable_torch() makes for PyTorch. "
-            + trials_note(d, ["workload", "allocator"]) + _seeds_note(d))
+    return _DEFAULT_NOTE + trials_note(d, ["workload", "allocator"]) + _seeds_note(d)
 
 
-def dynamic_shapes(df: pd.DataFrame) -> Figure:
-    """Memory held under changing shapes: peak reserved over peak requested, less one, per workload and arm."""
+def _scale_note(d: pd.DataFrame) -> str:
+    """_dynamic_note for the scaled rows: their trials as a run under way has them (bench_scale.trials_said)."""
+    return (f"{_DEFAULT_NOTE}Medians of interleaved trials, bars their 95% bootstrap intervals; the rows hold "
+            f"{bench_scale.trials_said(d)}." + _seeds_note(d))
+
+
+def _held(df: pd.DataFrame, title: str, note: str, **panels) -> Figure:
+    """Memory held, peak reserved over peak requested less one (log scale), per workload and arm in the two front
+    ends' panels (_dynamic_panels, `panels` its options), the goal 1.05 dotted."""
     d = df.assign(held_pct=100 * (df["reserved_over_requested"] - 1))
     d["held_pct"] = d["held_pct"].clip(lower=0.01)         # a log scale: a pool holding just its peak sits at 0.01%
     fig, axes = _dynamic_panels(d, "held_pct", "peak reserved / peak requested − 1 (%, log scale)",
-                                lambda v: f"{v:.0f}%" if v >= 10 else f"{v:.2g}%")
+                                lambda v: f"{v:.0f}%" if v >= 10 else f"{v:.2g}%", **panels)
     for ax in axes[:, 0]:
         if ax.has_data():
             heights = [p.get_height() for p in ax.patches if np.isfinite(p.get_height()) and p.get_height() > 0]
@@ -638,8 +659,75 @@ def dynamic_shapes(df: pd.DataFrame) -> Figure:
             _logy(ax)
             ax.set_ylim(min(heights) / 2, hi * 3)     # room above the tallest bar for its label
             ax.axhline(5.0, color="black", ls=":", lw=1)
-    return _finish(fig, "Dynamic shapes: memory held beyond the peak the program asked for (lower is better)", df,
-                   "Held: peak reserved / peak requested − 1; dotted: the goal 1.05. " + _dynamic_note(df))
+    return _finish(fig, title, df, "Held: peak reserved / peak requested − 1; dotted: the goal 1.05. " + note)
+
+
+def dynamic_shapes(df: pd.DataFrame) -> Figure:
+    """Memory held under changing shapes: peak reserved over peak requested, less one, per workload and arm."""
+    return _held(df, "Dynamic shapes: memory held beyond the peak the program asked for (lower is better)",
+                 _dynamic_note(df))
+
+
+def dynamic_scale(df: pd.DataFrame) -> Figure:
+    """dynamic_shapes at the scale users run them (xlab.bench.dynamic_scale): each dynamic workload grown to a peak
+    requested of tens of GiB, its factor and size under its name; intervals over INTERVAL_TRIALS trials or more."""
+    ticks = {w: f"{w}\n(×{g['scale'].iloc[0]}, {bench_scale.requested(g)})" for w, g in df.groupby("workload")}
+    return _held(df, f"Dynamic shapes at {bench_scale.requested(df)}: memory held beyond the peak the program asked "
+                 "for (lower is better)", _scale_note(df), ticks=ticks,
+                 errorbar=_ci_of(bench_scale.INTERVAL_TRIALS))
+
+
+# a cell of memory_cap: the share of trials that finished, from none (red) to every one (green), light enough for
+# its text
+CAP_COLORS = LinearSegmentedColormap.from_list("finished", ["#f4a6a6", "#fff2a8", "#a8e0a0"])
+
+
+def memory_cap(df: pd.DataFrame) -> Figure:
+    """Which allocator finishes the job under a memory cap (xlab.bench.dynamic_scale): per front end, a grid of its
+    arms by workload and cap, each cell the trials that finished of those run ('k/n'), coloured by that share, the
+    front end's default labelled and outlined."""
+    fig, axes = _figure(2, 1, size=(12, 10))
+    for ax, (f, title, default) in zip(axes[:, 0], DYNAMIC_FRONT_ENDS):
+        s = bench_scale.cap_summary(df[df["framework"] == f])
+        if s.empty:
+            _empty(ax, f"no workload of {title} ran under a cap")
+            continue
+        _cap_grid(ax, s, default, title)
+    caps = ", ".join(f"{c:.2f}×" for c in sorted(df["cap_over_peak_requested"].unique()))
+    return _finish(fig, f"Under a memory cap: which allocator finishes the job (caps of {caps} its peak requested)", df,
+                   "A cell: the trials that finished under the cap of those run (green: every one, red: none, grey: "
+                   "not run). The cap is a multiple of the uncapped run's peak requested bytes, set as each allocator "
+                   "allows (xpool's limit, CuPy's pool limit, RMM's limiting adaptor, PyTorch's per-process memory "
+                   "fraction); a run stops at its first out-of-memory error. " + _DEFAULT_NOTE
+                   + f"The rows hold {bench_scale.trials_said(df)}." + _seeds_note(df))
+
+
+def _cap_grid(ax, s: pd.DataFrame, default: str, title: str) -> None:
+    """One front end's panel of memory_cap from its bench_scale.cap_summary rows: arms down, (workload, cap) across,
+    each workload named above its caps."""
+    cols = list(dict.fromkeys(zip(s["workload"], s["cap_over_peak_requested"])))
+    arms = allocators.ordered(s["allocator"])
+    share = np.full((len(arms), len(cols)), np.nan)
+    for r in s.itertuples():
+        i, j = arms.index(r.allocator), cols.index((r.workload, r.cap_over_peak_requested))
+        share[i, j] = r.completed / r.trials
+        ax.text(j, i, f"{r.completed}/{r.trials}", ha="center", va="center", fontsize=9)
+    ax.imshow(np.ma.masked_invalid(share), cmap=CAP_COLORS, vmin=0, vmax=1, aspect="auto")
+    ax.set_facecolor("0.88")                        # a cell not run
+    ax.set_xticks(range(len(cols)), [f"{c:.2f}×" for _, c in cols])
+    ax.set_yticks(range(len(arms)), [textwrap.fill(allocators.label(a) + (DEFAULT_MARK.format(title.split()[0])
+                                                                          if a == default else ""), 48)
+                                     for a in arms], fontsize=8.5)
+    for w in dict.fromkeys(w for w, _ in cols):
+        js = [j for j, (x, _) in enumerate(cols) if x == w]
+        ax.text(np.mean(js), 1.01, w, transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=9.5)
+        if max(js) < len(cols) - 1:                 # a white line between two workloads' caps
+            ax.axvline(max(js) + 0.5, color="white", lw=4)
+    if default in arms:
+        ax.add_patch(Rectangle((-0.5, arms.index(default) - 0.5), len(cols), 1, fill=False, lw=2.5, ec="black",
+                               zorder=3))
+    ax.set_xlabel("cap over the uncapped run's peak requested bytes")
+    ax.set_title(title, fontsize=11, loc="left", pad=20)
 
 
 def dynamic_calls(df: pd.DataFrame) -> Figure:
@@ -700,6 +788,8 @@ FIGURES = {
     "dynamic_shapes": ("dynamic_shapes", dynamic_shapes),
     "dynamic_calls": ("dynamic_shapes", dynamic_calls),
     "dynamic_speed": ("dynamic_shapes", dynamic_speed),
+    "dynamic_scale": ("dynamic_scale", dynamic_scale),
+    "memory_cap": ("memory_cap", memory_cap),
 }
 
 

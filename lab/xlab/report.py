@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from . import allocators, intervals as iv, paths, plots, sources, targets
+from .bench import dynamic_scale as bench_scale
 from .bench.dynamic import summary as dynamic_summary
 from .experiments.train import HOST_BOUND_UTIL, step_bound
 from .memory_study import replay_waste
@@ -42,6 +43,8 @@ CPU_QUICK = {
 TEMPLATE = importlib.resources.files("xlab") / "report.md"       # package data: the page's template
 GIL_ARM = "add"    # the GIL probe's op that stands for a training step's ops: an allocation and one launch
 RERUN = sources.SECOND_RUN    # data/rerun/: the same suite run again on a fresh machine (DATA=data/rerun)
+# Issue #46's section, and the figure of its memory headlines
+SCALE_SECTION, SCALED_FIGURE = "At the scale users run them", "dynamic_scale"
 # README.md's generated results table sits between these two lines
 RESULTS = ("<!-- RESULTS: written by `make report` from the targets (lab/xlab/report.py); do not edit by hand -->",
            "<!-- END RESULTS -->")
@@ -94,6 +97,9 @@ SUMMARY = (
     H("Dynamic shapes", "speed-up over the fastest peer, CuPy's default, worst workload", "dyn_speed_worst",
       "dynamic_speed"),
     H("Dynamic shapes", "the same, PyTorch's default", "dyn_speed_worst_torch", "dynamic_speed"),
+    H("Under a memory cap", f"trials finished under a {targets.CAP_JUDGED:.2f}× cap of the peak requested, CuPy's "
+      "default, worst workload", "cap_worst", "memory_cap"),
+    H("Under a memory cap", "the same, PyTorch's default", "cap_worst_torch", "memory_cap"),
 )
 
 
@@ -432,15 +438,91 @@ def dynamic_floor(data: pathlib.Path) -> str:
             "placements.")
 
 
+# --- dynamic shapes at the scale users run them, and under a memory cap (issue #46)
+def scale_runs(data: pathlib.Path, kind: str = targets.SCALE) -> str:
+    """What `kind`'s scaled rows (targets.SCALE or CAP) are: their CSV and commit, machine and date, their trials
+    (a run under way: how many so far) and caps; or that none is measured yet, and what measures them."""
+    return bench_scale.said(sources.current(data, kind), kind)
+
+
+def cap_runs(data: pathlib.Path) -> str:
+    return scale_runs(data, targets.CAP)
+
+
+def issue_targets(data: pathlib.Path, kind: str) -> str:
+    """Issue #46's per-workload targets on `kind`'s rows, as the targets table gives them, each "not measured"
+    where its rows are not there (a run under way)."""
+    rows = []
+    for r in targets.TARGETS:
+        if r.kind == kind and r.goal is not None and not r.over:
+            got = targets.measure(r, data)
+            rows.append(got[0] if got else targets.Measured(r, src="—", goal=math.nan))     # judged: not measured
+    return "\n".join(targets.table(rows))
+
+
+def scale_targets(data: pathlib.Path) -> str:
+    return issue_targets(data, targets.SCALE) if sources.current(data, targets.SCALE) is not None else ""
+
+
+def cap_targets(data: pathlib.Path) -> str:
+    return issue_targets(data, targets.CAP) if sources.current(data, targets.CAP) is not None else ""
+
+
+def scale_vs_peers(data: pathlib.Path) -> str:
+    """xpool's default against the best peer per scaled workload, paired by trial (bench_scale.defaults_vs_peers)."""
+    df = sources.current(data, targets.SCALE)
+    if df is None:
+        return ""
+    s = bench_scale.defaults_vs_peers(df).rename(columns={"best_peer": "best peer",
+                                                          "trials_no_more": "trials it reserved no more"})
+    return _md(list(s), s.itertuples(index=False))
+
+
+def scale_table(data: pathlib.Path) -> str:
+    """Every scaled workload and arm (bench_scale.summary)."""
+    df = sources.current(data, targets.SCALE)
+    if df is None:
+        return ""
+    s = bench_scale.summary(df)
+    return _md(list(s), s.itertuples(index=False))
+
+
+def cap_table(data: pathlib.Path) -> str:
+    """Per front end, the trials each arm finished under each cap, of those it ran (bench_scale.cap_grid)."""
+    df = sources.current(data, targets.CAP)
+    if df is None:
+        return ""
+    parts = []
+    for f, title, _ in plots.DYNAMIC_FRONT_ENDS:
+        grid = bench_scale.cap_grid(df, f)
+        if len(grid):
+            parts.append(f"{title}:\n\n" + _md(list(grid), grid.itertuples(index=False)))
+    return "\n\n".join(parts)
+
+
+def under_way(now: list) -> dict:
+    """{"under_way": a sentence} where some targets rest on a run under way (targets.counts: fewer trials than their
+    goal speaks of), else {} (the template's line goes)."""
+    c = targets.counts(now)
+    if not c["under_way"]:
+        return {}
+    few = (f", {c['few']} of them on too few for an interval (a verdict that opens \"{targets.FEW}\")"
+           if c["few"] else "")
+    return {"under_way": f"{c['under_way']} of them rest on a run under way, fewer trials than their goal speaks of"
+                         f"{few}: each verdict says how many."}
+
+
 # --- the summary at the head of the report, and README's results table: rows of SUMMARY, measured
 def _goal(m: targets.Measured) -> str:
     r = m.row
     if m.goal is None:
         return ""
-    if r.stat == "all":
-        return "all pass"
+    if r.stat == "all" and not isinstance(r.goal, dict):
+        return targets.PASSING[r.metric][1]
     sign = ("≥" if r.higher else "≤") if r.goal else "="
-    return f"{sign} {iv.fmt_ci(m.goal, math.nan, math.nan, r.fmt, r.unit, exact=True)}"
+    if r.stat == "share":
+        return f"{sign} {round(m.goal * r.trials)} of {r.trials}"
+    return f"{sign} {m.goal_text or iv.fmt_ci(m.goal, math.nan, math.nan, r.fmt, r.unit, exact=True)}"
 
 
 def _value(m: targets.Measured) -> str:
@@ -459,15 +541,39 @@ def anchor(title: str) -> str:
 def headlines(data: pathlib.Path, values: dict | None = None) -> list[dict]:
     """SUMMARY measured: one dict per headline whose target was measured (question, text, value, verdict, ...)."""
     values = targets.values(data) if values is None else values
-    out = []
-    for h in SUMMARY:
-        m = values.get(h.key)
-        if m is None:
-            continue
-        beside = [(words, values[k]) for words, k in h.beside if k in values]
-        out.append(dict(headline=h, m=m, beside=beside, value=_value(m),
-                        next_to="; ".join(f"{w}{f' ({b.at})' if b.at and not b.each else ''}: {b}" for w, b in beside),
-                        verdict=f"{m.verdict} ({_goal(m)})", statistic=m.statistic, data=_data(m)))
+    spans = _spans(data)
+    return [r for h in SUMMARY if (r := _headline(h, values, spans)) is not None]
+
+
+def _headline(h: Headline, values: dict, spans: dict) -> dict | None:
+    """One headline measured: its twin on the scaled rows (targets.AT_SCALE_TWIN) where that is measured, the scale
+    in its words, its section and figure, and the benchmark's size's value beside it; else its own row; None when
+    neither is measured."""
+    twin = targets.AT_SCALE_TWIN.get(h.key)
+    scaled = twin in values
+    m = values.get(twin if scaled else h.key)
+    if m is None:
+        return None
+    keys = [(words, targets.AT_SCALE_TWIN.get(k, k) if scaled else k) for words, k in h.beside]
+    beside = [(words, values[k]) for words, k in keys if k in values]
+    said = [f"{w}{f' ({b.at})' if b.at and not b.each else ''}: {b}" for w, b in beside]
+    if scaled and h.key in values:
+        said.append(f"at the benchmark's size, {spans['small_words']}: {_value(values[h.key])}")
+    return dict(headline=h, m=m, beside=beside, value=_value(m), next_to="; ".join(said),
+                question=SCALE_SECTION if scaled else h.question,
+                text=f"{h.text}, at {spans['scale_words']}" if scaled else h.text,
+                figure=SCALED_FIGURE if scaled else h.figure,
+                verdict=f"{m.verdict} ({_goal(m)})", statistic=m.statistic, data=_data(m))
+
+
+def _spans(data: pathlib.Path) -> dict:
+    """The peak requested bytes, in words, of the scaled rows (scale_words: '33-40 GiB requested') and of the
+    benchmark's workloads of changing shapes (small_words), those whose CSV is there."""
+    out = {}
+    for key, kind, where in (("scale_words", targets.SCALE, {}), ("small_words", targets.DYN, {"dynamic": True})):
+        df = sources.current(data, kind)
+        if df is not None and len(df := sources.select(df, where)):
+            out[key] = bench_scale.requested(df)
     return out
 
 
@@ -476,19 +582,20 @@ def summary_table(data: pathlib.Path, figs: dict, report_dir: pathlib.Path, valu
     CSV and pool, the figure."""
     rows = []
     for r in headlines(data, values):
-        h, fig = r["headline"], figs.get(r["headline"].figure)
-        link = (f"[{h.figure}]({pathlib.Path(os.path.relpath(fig.resolve(), report_dir.resolve())).as_posix()})"
-                if isinstance(fig, pathlib.Path) else h.figure)
-        rows.append((f"[{h.question}](#{anchor(h.question)})", h.text + (f" ({r['next_to']})" if r["next_to"] else ""),
-                     r["value"], r["verdict"], r["statistic"], r["data"], link))
+        name, fig = r["figure"], figs.get(r["figure"])
+        link = (f"[{name}]({pathlib.Path(os.path.relpath(fig.resolve(), report_dir.resolve())).as_posix()})"
+                if isinstance(fig, pathlib.Path) else name)
+        rows.append((f"[{r['question']}](#{anchor(r['question'])})",
+                     r["text"] + (f" ({r['next_to']})" if r["next_to"] else ""), r["value"], r["verdict"],
+                     r["statistic"], r["data"], link))
     return _md(["question", "headline", "value [95% interval]", "verdict (goal)", "statistic", "data (pool measured)",
                 "figure"], rows) if rows else "_Nothing measured yet._"
 
 
 def readme_table(data: pathlib.Path, values: dict | None = None) -> str:
     """README's results table: the SUMMARY rows marked `readme`, each linking its section of the report."""
-    rows = [(f"[{r['headline'].question}](report/REPORT.md#{anchor(r['headline'].question)})",
-             r["headline"].text + (f" ({r['next_to']})" if r["next_to"] else ""), r["value"], r["verdict"], r["data"])
+    rows = [(f"[{r['question']}](report/REPORT.md#{anchor(r['question'])})",
+             r["text"] + (f" ({r['next_to']})" if r["next_to"] else ""), r["value"], r["verdict"], r["data"])
             for r in headlines(data, values) if r["headline"].readme]
     return _md(["", "result", "value [95% interval]", "verdict (goal)", "run (pool measured)"], rows) if rows else \
         "_Nothing measured yet: `make report` writes this table from `data/`._"
@@ -555,11 +662,15 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
     values = {**measured, "counts": targets.counts(now), "fig": links, "host_bound_util": HOST_BOUND_UTIL,
               "summary_table": summary_table(data, figs, report_dir, measured),
               "targets_table": "\n".join(targets.table(now)) or "_No targets measured yet._",
-              "history_table": "\n".join(targets.table(then)), "replay": _replay(data)}
+              "history_table": "\n".join(targets.table(then)), "replay": _replay(data), **under_way(now)}
+    values.update(_spans(data))
     for name, fn in (("bounds_table", bounds_table), ("projection_table", projection_table), ("gil_table", gil_table),
                      ("graph_table", graph_table), ("graph_notes", graph_notes), ("replication", replication),
-                     ("dynamic_table", dynamic_table), ("dynamic_seeds", dynamic_seeds), ("dynamic_floor", dynamic_floor),
-                     ("dynamic_heldout", dynamic_heldout), ("data_table", data_table)):
+                     ("dynamic_table", dynamic_table), ("dynamic_seeds", dynamic_seeds),
+                     ("dynamic_floor", dynamic_floor), ("dynamic_heldout", dynamic_heldout), ("scale_runs", scale_runs),
+                     ("cap_runs", cap_runs), ("scale_targets", scale_targets), ("cap_targets", cap_targets),
+                     ("scale_vs_peers", scale_vs_peers), ("scale_table", scale_table), ("cap_table", cap_table),
+                     ("data_table", data_table)):
         try:
             if name != "graph_notes":
                 values[name] = fn(data)

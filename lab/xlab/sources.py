@@ -38,6 +38,10 @@ KINDS = {
                ("graph/ddp_processes", {})), ("mode", "world", "batch")),
     "correctness": ((("correctness_cpu", {}), ("correctness_gpu", {})), ("device", "check")),
     "dynamic_shapes": ((("dynamic_shapes", {}),), ("workload",)),
+    # issue #46 (xlab.bench.dynamic_scale): the dynamic workloads at 33-40 GiB requested, and under memory caps. Each
+    # its own benchmark (its rows' `experiment`), never read as a newer run of dynamic_shapes or of each other
+    "dynamic_scale": ((("dynamic_scale", {}),), ("workload",)),
+    "memory_cap": ((("memory_cap", {}),), ("workload", "cap_over_peak_requested")),
 }
 # Columns that say what a benchmark ran rather than how long it was timed: rows that differ in one of them are
 # another configuration of the benchmark, not a newer measurement of the same one (a 250-step window, CuPy's launches)

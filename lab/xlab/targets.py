@@ -19,6 +19,11 @@ allocators, the other's over xpool's (above 1: xpool holds less).
 
 To add a target: one `T(...)` line (goal and direction set); to quote a number in the report: a row without a goal,
 its key in report.md's template ({key}: the value [interval]; {key.src}: its CSV and commit).
+
+Issue #46's rows read the scaled runs (xlab.bench.dynamic_scale: SCALE, CAP), each only where its rows exist; they
+name the trials their goal speaks of (`trials`): measured on fewer, a run under way, the verdict says how many, and
+under INTERVAL_TRIALS the value has no interval. Beside a median, two statistics count: `all`, the share of rows that
+pass (k of n), and `share`, the share of paired trials whose ratio to the reference is at least 1 (k of n).
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import pandas as pd
 from . import intervals as iv, sources
 from .allocators import DEFAULT_SCHEME, SETS, TORCH_DEFAULT_SCHEME
 from .bench.dynamic import WORKLOADS
+from .bench.dynamic_scale import INTERVAL_TRIALS, SCALED, TRIALS as SCALE_TRIALS
 
 # The product's schemes, and their one release rule (docs/decisions/0001-one-release-rule-per-scheme.md: a miss
 # gives nothing back). The dynamic benchmark's arm of a scheme as the product has it is xpool_<scheme>: xpool_expandable
@@ -55,7 +61,8 @@ class T:
     ref: dict | None = None
     over: tuple = ()
     pick: str = "worst"                   # worst, best or each group of `over`
-    stat: str = "median"                  # median (with interval), max or min (exact), all (k of n pass)
+    stat: str = "median"                  # median (with interval), max or min (exact), all (k of n pass), share
+    # (with `ref`: k of n paired trials whose ratio to the reference, the way `flip` takes it, is at least 1)
     fmt: str = "{:.2f}"
     unit: str = ""
     scale: float = 1.0
@@ -63,6 +70,7 @@ class T:
     bound: str | None = None              # what bounds the steps, when the rows do not say
     along: tuple = ()                     # arms that must be in the same CSV (same selection): one run
     flip: bool = False                    # with `ref`: the reference's median over the arm's (a time as a speed-up)
+    trials: int = 0                       # the trials its goal speaks of: measured on fewer, the verdict says so
 
 
 X, XS, XG, CP = "xpool", "xpool_seed", "xpool_graph", "cupy_pool"
@@ -78,6 +86,14 @@ MS, PCT = dict(fmt="{:.1f}", unit=" ms"), dict(fmt="{:.0f}", unit="%")
 W2T, W2P = dict(mode="threads", world=2), dict(mode="processes", world=2)
 SPEEDUP = dict(unit="×", flip=True)       # a time metric against a reference: the reference's time over the arm's
 HELD = dict(metric="reserved_over_requested", fmt="{:.3f}", exact=True, bound="—")
+# issue #46: the scaled runs' lineages, the cap its targets judge, its "in at least 4 of 5 trials", and its words
+SCALE, CAP = "dynamic_scale", "memory_cap"
+CAP_JUDGED, NO_MORE_IN = 1.10, 4
+AT_SCALE = dict(trials=SCALE_TRIALS)
+AT_SCALE_TAG = "#46, at the scale users run them"
+# a metric that passes or not (stat "all"): what its value counts, and its goal of every row
+PASSING = {"passed": ("checks passing", "all pass"), "completed": ("trials finished", "every trial finishes")}
+FEW = "no interval"                       # a verdict on several trials, fewer than INTERVAL_TRIALS: a median alone
 
 
 def _dynamic() -> list:
@@ -112,26 +128,91 @@ def _dynamic_summary() -> list:
     segments' memory over the default's (the worst workload), and its worst speed-up over the fastest peer."""
     rows = []
     for k, label, arm, f in DEFAULT_ARMS:
-        varying = dict(dynamic=True, framework=f)
         rows += [
-            T(f"dyn_worst{k}", f"#22, shapes that change every step: xpool's default{label}: peak reserved / peak "
-              "requested ≤ 1.05, every workload (worst: {at})", DYN, arm=arm, goal=1.05, higher=False, where=varying,
-              over=("workload",), **HELD),
+            _held_worst(k, label, arm, f),
             T(f"dyn_speed_worst{k}", f"#22: xpool's default{label}: speed-up over the fastest peer ≥ 1, every workload "
               "(worst: {at}; ms per step, paired by trial)", DYN, "ms_per_step", arm, 1.0, where=dict(framework=f),
               ref=dict(allocator=PEERS), over=("workload",), fmt="{:.3f}", **SPEEDUP),
             T(f"dyn_calls_worst{k}", f"#22: xpool's default{label}: device calls per step in steady state = 0, every "
               "workload, fixed shapes or not (worst: {at})", DYN, "device_calls_per_steady_step", arm, 0.0, False,
               where=dict(framework=f), over=("workload",), fmt="{:.3g}", exact=True, bound="—")]
-    for key, f, peer, who in (("dyn_vs_cupy_worst", "cupy", CP, "CuPy MemoryPool's"),
-                              ("dyn_vs_torch_worst", "torch", "torch", "PyTorch's allocator's"),
-                              ("dyn_vs_expandable_worst", "torch", "torch_expandable", "PyTorch's expandable segments'")):
+    return rows + _held_vs_peers()
+
+
+def _held_worst(k, label, arm, f, kind=DYN, key="dyn", tag="#22, shapes that change every step", **extra) -> T:
+    """The default of front end `f`'s worst memory held over its workloads of changing shapes (`kind`'s rows)."""
+    return T(f"{key}_worst{k}", f"{tag}: xpool's default{label}: peak reserved / peak requested ≤ 1.05, every "
+             "workload (worst: {at})", kind, arm=arm, goal=1.05, higher=False, where=dict(dynamic=True, framework=f),
+             over=("workload",), **HELD, **extra)
+
+
+def _held_vs_peers(kind=DYN, key="dyn", tag="#22, shapes that change every step", **extra) -> list:
+    """A peer's memory held over the default's, worst workload of changing shapes: CuPy's pool, PyTorch's allocator
+    and its expandable segments (`kind`'s rows)."""
+    rows = []
+    for name, f, peer, who in (("cupy", "cupy", CP, "CuPy MemoryPool's"),
+                               ("torch", "torch", "torch", "PyTorch's allocator's"),
+                               ("expandable", "torch", "torch_expandable", "PyTorch's expandable segments'")):
         arm = XD if f == "cupy" else XDT
-        rows.append(T(key, f"#22, shapes that change every step: {who} peak reserved / peak requested over xpool's "
-                      f"default for {'CuPy' if f == 'cupy' else 'PyTorch'} ({arm}) ≥ 1, every workload (worst: {{at}}; "
-                      "paired by trial)", DYN, arm=arm, goal=1.0, where=dict(dynamic=True, framework=f),
-                      ref=dict(allocator=peer), over=("workload",), unit="×", **{**HELD, "flip": True}))
+        rows.append(T(f"{key}_vs_{name}_worst", f"{tag}: {who} peak reserved / peak requested over xpool's default for "
+                      f"{'CuPy' if f == 'cupy' else 'PyTorch'} ({arm}) ≥ 1, every workload (worst: {{at}}; paired by "
+                      "trial)", kind, arm=arm, goal=1.0, where=dict(dynamic=True, framework=f),
+                      ref=dict(allocator=peer), over=("workload",), unit="×", **{**HELD, "flip": True}, **extra))
     return rows
+
+
+def _held_each(kind=DYN, key="dyn", **extra) -> list:
+    """Numbers the report quotes: each default's memory held per workload of changing shapes, and PyTorch's
+    expandable segments' (`kind`'s rows)."""
+    return [*(T(f"{key}_h_ror{k}", f"xpool's default{label}: peak reserved / requested by dynamic workload", kind,
+                arm=arm, where=dict(dynamic=True, framework=f), over=("workload",), pick="each", **HELD, **extra)
+              for k, label, arm, f in DEFAULT_ARMS),
+            T(f"{key}_h_expandable", "the same, PyTorch's expandable segments", kind, arm="torch_expandable",
+              where=dict(dynamic=True), over=("workload",), pick="each", **HELD, **extra)]
+
+
+def _at_scale() -> list:
+    """#46's targets per scaled workload, for xpool's default of its front end: on the scaled rows, memory held
+    (≤ 1.05), no more than the best peer in at least NO_MORE_IN of the trials, no device call in steady state (the
+    CSV counts unmaps with mallocs, frees and maps: a count of 0 is no unmap) and the speed-up over the fastest peer;
+    under the CAP_JUDGED cap, every trial finished and no peer finishing more."""
+    rows = []
+    for w in SCALED:
+        xd, fe = (XDT, "PyTorch") if WORKLOADS[w].framework == "torch" else (XD, "CuPy")
+        name, on = f"xpool's default for {fe} ({xd})", dict(where=dict(workload=w), **AT_SCALE)
+        under = dict(where=dict(workload=w, cap_over_peak_requested=CAP_JUDGED), stat="all", exact=True, bound="—",
+                     **AT_SCALE)
+        rows += [
+            T(f"scale_ror_{w}", f"#46, {w} at scale: {name}: peak reserved / peak requested ≤ 1.05", SCALE, arm=xd,
+              goal=1.05, higher=False, **HELD, **on),
+            T(f"scale_no_more_{w}", f"#46, {w} at scale: {name} reserves no more than the best peer ({{ref}}) in at "
+              f"least {NO_MORE_IN} of {SCALE_TRIALS} trials (peak reserved bytes, paired by trial)", SCALE,
+              "peak_reserved_bytes", xd, NO_MORE_IN / SCALE_TRIALS, ref=dict(allocator=PEERS), stat="share", flip=True,
+              bound="—", **on),
+            T(f"scale_calls_{w}", f"#46, {w} at scale: {name}: no unmap in steady state, device calls per step = 0 "
+              "(the CSV counts cudaMalloc, cudaFree, map and unmap together)", SCALE, "device_calls_per_steady_step",
+              xd, 0.0, False, fmt="{:.3g}", exact=True, bound="—", **on),
+            T(f"scale_ms_{w}", f"#46, {w} at scale: {name}: speed-up over the fastest peer ({{ref}}) ≥ 1 or within "
+              "noise (ms per step, paired by trial)", SCALE, "ms_per_step", xd, 1.0, ref=dict(allocator=PEERS),
+              fmt="{:.3f}", **SPEEDUP, **on),
+            T(f"cap_done_{w}", f"#46, {w} under a {CAP_JUDGED:.2f}× cap: {name} finishes every trial", CAP,
+              "completed", xd, 1.0, **under),
+            T(f"cap_peers_{w}", f"#46, {w} under a {CAP_JUDGED:.2f}× cap: no peer finishes more trials than {name}; "
+              "the peer that finished most", CAP, "completed", xd, dict(allocator=PEERS), **under)]
+    return rows
+
+
+def _at_scale_summary() -> list:
+    """Per front end, over its scaled workloads: the default's worst memory held and a peer's memory held over the
+    default's (the #22 rows on the scaled rows), and the default finishing every trial under the CAP_JUDGED cap."""
+    rows = []
+    for k, label, arm, f in DEFAULT_ARMS:
+        rows += [_held_worst(k, label, arm, f, SCALE, "scale", AT_SCALE_TAG, **AT_SCALE),
+                 T(f"cap_worst{k}", f"#46, under a {CAP_JUDGED:.2f}× cap: xpool's default{label} finishes every "
+                   "trial, every workload (worst: {at})", CAP, "completed", arm, 1.0,
+                   where=dict(framework=f, cap_over_peak_requested=CAP_JUDGED), over=("workload",), stat="all",
+                   exact=True, bound="—", **AT_SCALE)]
+    return rows + _held_vs_peers(SCALE, "scale", AT_SCALE_TAG, **AT_SCALE)
 
 
 TARGETS = (
@@ -203,6 +284,9 @@ TARGETS = (
     # dynamic shapes (issue #22)
     *_dynamic(),
     *_dynamic_summary(),
+    # dynamic shapes at the scale users run them, and under a memory cap (issue #46)
+    *_at_scale(),
+    *_at_scale_summary(),
     # the reserve recipe on the ResNets at varying sizes (python -m xlab.bench.reserve): not the default's targets,
     # which stay above; what a program that knows its peak can do with the public API
     T("reserve_ror", "#22, ResNets at varying image sizes through enable_torch()'s pool with 1.03× the peak reserved "
@@ -270,11 +354,8 @@ TARGETS = (
       over=("k",), pick="each", fmt="{:.2f}", unit="×", exact=True),
     T("varlen_cupy", "CuPy's pool, varying lengths", "memory_varlen.csv", "reserved_over_requested", CP, fmt="{:.3f}",
       exact=True),
-    *(T(f"dyn_h_ror{k}", f"xpool's default{label}: peak reserved / requested by dynamic workload", DYN,
-        arm=arm, where=dict(dynamic=True, framework=f), over=("workload",), pick="each", **HELD)
-      for k, label, arm, f in DEFAULT_ARMS),
-    T("dyn_h_expandable", "the same, PyTorch's expandable segments", DYN, arm="torch_expandable",
-      where=dict(dynamic=True), over=("workload",), pick="each", **HELD),
+    *_held_each(),
+    *_held_each(SCALE, "scale", **AT_SCALE),
     *(T(f"dyn_h_calls{k}", f"xpool's default{label}: device calls per step in steady state, by dynamic workload", DYN,
         "device_calls_per_steady_step", arm, where=dict(dynamic=True, framework=f), over=("workload",), pick="each",
         fmt="{:.3g}", exact=True) for k, label, arm, f in DEFAULT_ARMS),
@@ -285,6 +366,10 @@ TARGETS = (
       X, where=dict(case="empty_del"), ref=dict(arm="torch"), over=("size_bytes",), pick="each", **SPEEDUP),
 )
 BY_KEY = {t.key: t for t in TARGETS}
+# each #22 row of memory held and its twin on the scaled rows (issue #46): what the report's memory headlines read
+# where the twin is measured (a headline of device calls or speed keeps the benchmark's size: #22's own targets)
+AT_SCALE_TWIN = {k: twin for k, r in BY_KEY.items() if k.startswith("dyn_") and r.metric == HELD["metric"]
+                 and (twin := "scale_" + k[len("dyn_"):]) in BY_KEY}
 
 
 @dataclasses.dataclass
@@ -315,9 +400,17 @@ class Measured:
         r = self.row
         if self.each:
             return ", ".join(f"{m.at}: {m:{spec}}" for m in self.each)
-        if r.stat == "all":
+        if r.stat in ("all", "share"):
             return "n/a" if not self.n else f"{round(self.value * self.n)} of {self.n}"
+        if self._few:
+            return iv.fmt_ci(self.value, math.nan, math.nan, spec or r.fmt, r.unit, self.goal, exact=True) + " [n/a]"
         return iv.fmt_ci(self.value, self.lo, self.hi, spec or r.fmt, r.unit, self.goal, exact=self._exact)
+
+    @property
+    def _few(self) -> bool:
+        """Several trials of a row that names its trials, too few for an interval (INTERVAL_TRIALS): a run under
+        way."""
+        return bool(self.row.trials) and 1 < self.n < INTERVAL_TRIALS
 
     @property
     def _exact(self) -> bool:
@@ -327,23 +420,35 @@ class Measured:
 
     @property
     def verdict(self) -> str:
+        """intervals.judge's; measured on fewer trials than the row's goal speaks of, with how many (several
+        without an interval are not a single run)."""
         if self.goal is None:
             return ""
-        return iv.judge(self.value, self.lo, self.hi, self.goal, self.row.higher, exact=self._exact)
+        said = iv.judge(self.value, self.lo, self.hi, self.goal, self.row.higher, exact=self._exact)
+        if not self.under_way:
+            return said
+        return f"{said.replace(iv.SINGLE, FEW) if self._few else said} ({self.n} of {self.row.trials} trials)"
+
+    @property
+    def under_way(self) -> bool:
+        """Measured on fewer trials than the row's goal speaks of (`trials`): a run under way."""
+        return 0 < self.n < self.row.trials
 
     @property
     def statistic(self) -> str:
         """What the value is, named for what it is computed as."""
         r = self.row
         if r.stat == "all":
-            return "checks passing"
+            return PASSING[r.metric][0]
+        if r.stat == "share":
+            return "paired trials where it holds"
         if r.stat in ("max", "min"):
             return f"the {'most' if r.stat == 'max' else 'least'} over the rows"
         if r.ref is not None:
             return "ratio of the two medians over paired trials"
         if r.metric in PER_TRIAL_RATIOS:
             return "median of per-trial ratios"
-        return "value (the same in every trial)" if self._exact else "median over trials"
+        return "value (the same in every trial)" if self._exact and not self._few else "median over trials"
 
 
 # columns that hold a ratio per trial (the benchmark divided trial t by trial t): their median is a median of ratios
@@ -369,6 +474,8 @@ def _value(r: T, mine: pd.DataFrame, ref: pd.DataFrame | None):
     b = ref.groupby("trial")[r.metric].median() if "trial" in ref else ref[r.metric].reset_index(drop=True)
     common = a.index.intersection(b.index)
     a, b = a.loc[common].to_numpy(float), b.loc[common].to_numpy(float)
+    if r.stat == "share":                 # the pairs whose ratio, the way `flip` takes it, is at least 1
+        return (float((b >= a if r.flip else a >= b).mean()) if len(a) else math.nan), math.nan, math.nan, len(a)
     return iv.ratio_ci(b, a) if r.flip else iv.ratio_ci(a, b)
 
 
@@ -422,20 +529,40 @@ def _one(r: T, df: pd.DataFrame, col: str | None, group: dict) -> Measured | Non
     if r.ref and col in r.ref and set(mine[col]) <= {r.ref[col]}:
         return None                                   # the reference over itself
     used = pd.concat([mine, ref]) if ref is not None else mine
-    m = Measured(r, *_value(r, mine, ref), src=sources.sources(mine), where=sources.where(mine),
+    value, lo, hi, n = _value(r, mine, ref)
+    if r.trials and n < INTERVAL_TRIALS:              # a run under way: no interval over so few trials
+        lo = hi = math.nan
+    m = Measured(r, value, lo, hi, n, src=sources.sources(mine), where=sources.where(mine),
                  bound=_bound(r, mine, ref), ref=ref[col].iloc[0] if ref is not None and col in ref else "",
                  steps="/".join(str(int(s)) for s in pd.unique(mine["steps"].dropna())) if "steps" in mine else "",
                  csv=str(df["csv"].iloc[0]) if "csv" in df else "", date=sources.newest_date(used), rows=used,
                  rules=pools(used, col))
     if isinstance(r.goal, dict):
-        g = sources.select(df, {**r.where, **group, **r.goal})[r.metric].dropna()
-        if not len(g):
+        goal = _goal_of(r, sources.select(df, {**r.where, **group, **r.goal}), col)
+        if goal is None:
             return None
-        m.goal = float(g.median() * r.scale)
-        m.goal_text = iv.fmt_ci(m.goal, math.nan, math.nan, r.fmt, r.unit, exact=True)
+        m.goal, m.goal_text = goal
     else:
         m.goal = r.goal
     return m
+
+
+def _goal_of(r: T, rows: pd.DataFrame, col: str | None):
+    """(value, words) of a goal that is other rows: their median (stat all: the share that pass, 'arm: k of n'), the
+    best arm's where they are several (stat all: of two with one share, the one with more that pass); None without
+    rows."""
+    rows = rows.dropna(subset=[r.metric])
+    if not len(rows):
+        return None
+    arm = rows[col] if col else pd.Series("", index=rows.index)
+    per = rows[r.metric].astype(float).groupby(arm).agg(["mean", "sum", "median"]) * r.scale
+    if r.stat == "all":
+        best = per.sort_values(["mean", "sum"], ascending=not r.higher, kind="stable").index[0]
+        n = int((arm == best).sum())
+        return float(per.loc[best, "mean"]), f"{best}: {round(per.loc[best, 'sum'])} of {n}"
+    best = per["median"].idxmax() if r.higher else per["median"].idxmin()
+    return float(per.loc[best, "median"]), iv.fmt_ci(per.loc[best, "median"], math.nan, math.nan, r.fmt, r.unit,
+                                                     exact=True)
 
 
 def _groups(r: T, parts) -> list:
@@ -536,13 +663,17 @@ def text(m: Measured) -> str:
 
 def table(rows: list[Measured]) -> list[str]:
     """Markdown: one line per judged target, with the CSV and commit its value came from."""
-    out = [f"| {text(m)} | {m} | {'**missed**' if m.verdict == iv.MISSED else m.verdict} | {m.bound} | {m.src} |"
+    out = [f"| {text(m)} | {m} | {f'**{m.verdict}**' if m.verdict.startswith(iv.MISSED) else m.verdict} | {m.bound} "
+           f"| {m.src} |"
            for m in rows]
     return ["| target | measured | verdict | bound | data |", "|---|---|---|---|---|"] + out if out else []
 
 
 def counts(rows: list[Measured]) -> dict:
-    """How many targets are met, missed, within noise, or single runs."""
+    """How many targets are met, missed, within noise, single runs, or several trials too few for an interval
+    (`few`), a verdict counted by what it opens with; and how many of them rest on a run under way (`under_way`:
+    fewer trials than their goal speaks of, the verdict says how many)."""
     v = [m.verdict for m in rows]
-    return {"targets": len(v), "met": v.count(iv.MET), "missed": v.count(iv.MISSED), "noise": v.count(iv.NOISE),
-            "single": sum(x.startswith(iv.SINGLE) for x in v)}
+    return {"targets": len(v), **{k: sum(x.startswith(said) for x in v) for k, said in (
+                ("met", iv.MET), ("missed", iv.MISSED), ("noise", iv.NOISE), ("single", iv.SINGLE), ("few", FEW))},
+            "under_way": sum(m.under_way for m in rows)}

@@ -14,7 +14,7 @@ import time
 import urllib.request
 
 import pytest
-from test_notebooks import FIGURE_CELLS, NAMES, PROGRESS, fresh_clone
+from test_notebooks import NAMES, PROGRESS, figures_from, fresh_clone
 
 pytestmark = pytest.mark.slow
 
@@ -153,7 +153,7 @@ def test_run_all_in_jupyterlab_then_autosave_leaves_the_tree_clean(name, lab, br
             image.scroll_into_view_if_needed()
         seen = page.evaluate(PAGE)
         assert seen["errors"] == [] and seen["stderr"] == [], seen["errors"] + seen["stderr"]
-        assert len(seen["images"]) == FIGURE_CELLS[name] and all(seen["images"]), seen["images"]
+        assert len(seen["images"]) == figures_from(name, clone / "data") and all(seen["images"]), seen["images"]
         assert seen["broken"] == 0 and bool(seen["bars"]) == (name in PROGRESS), seen     # tqdm's bars, drawn
         assert all("100%" in bar for bar in seen["bars"]), seen["bars"]
         assert all("e+" not in t for t in seen["tables"])

@@ -472,6 +472,48 @@ def test_cap_summary_counts_the_trials_each_allocator_finished():
     assert got[("cupy_mix", 1.25, "cupy_pool")] == (5, 5) and s.is_default.sum() == 4
 
 
+def test_a_run_under_way_is_said_with_its_trials_and_shows_no_interval():
+    """Summaries of a run under way (fewer than INTERVAL_TRIALS trials): medians with "[n/a]" in place of their
+    interval, and how many of the five trials the rows hold; a workload of fewer trials than the rest is said."""
+    from xlab import sources
+    gib = dynamic_scale.GIB
+    rows = _scaled_rows().assign(peak_requested_bytes=lambda d: np.where(d["workload"] == "cupy_mix", 37, 33.2) * gib,
+                                 device_calls_per_steady_step=0.0, ms_per_step=lambda d: 10.0 + d["trial"],
+                                 gpu_util_mean=95.0, bound="gpu")
+    two = rows[rows["trial"] < 2]
+    assert dynamic_scale.trials_said(rows) == "5 trials"
+    assert dynamic_scale.trials_said(two) == "2 of 5 trials so far; an interval needs 3 trials: none where fewer ran"
+    uneven = rows[~((rows["trial"] == 4) & (rows["workload"] == "cupy_mix"))]
+    assert dynamic_scale.trials_said(uneven) == "5 trials (4-5 per workload and arm)"
+    full, under_way = dynamic_scale.summary(rows), dynamic_scale.summary(two)
+    assert list(full["allocator"][:3]) == ["cupy_pool", "rmm_pool", "xpool_segments"]       # the arms table's order
+    assert full["reserved/requested"].str.contains(r"\[\d").all() and (full["trials"] == 5).all()
+    assert under_way["reserved/requested"].str.endswith("[n/a]").all() and (under_way["trials"] == 2).all()
+    assert list(under_way["xpool's default"]) == ["", "", "yes", "", "yes"]
+    assert (under_way["bound (GPU busy)"] == "gpu (95% [n/a])").all()
+    assert dynamic_scale.requested(rows) == "33-37 GiB requested"
+    assert dynamic_scale.requested(rows[rows["workload"] == "cupy_mix"]) == "37 GiB requested"
+    assert dynamic_scale.said(None) == \
+        f"Not measured yet: {dynamic_scale.HOW_TO_MEASURE} writes `data/dynamic_scale.csv`."
+    said = dynamic_scale.said(sources.prepare(two.assign(commit="abc1234", gpu="H200", date="2026-12-06"),
+                                              "dynamic_scale.csv"))
+    assert said == "Rows: `dynamic_scale.csv` at abc1234 (H200, 2026-12-06), 2 of 5 trials so far; an interval " \
+                   "needs 3 trials: none where fewer ran."
+
+
+def test_the_cap_grid_is_a_row_per_workload_and_cap_a_column_per_arm():
+    rows = [dict(trial=t, workload="cupy_mix", framework="cupy", allocator=a, is_default=a == "xpool_segments",
+                 cap_over_peak_requested=c, completed=a == "xpool_segments" or t == 0)
+            for t in range(2) for c in (1.1, 1.25) for a in ("xpool_segments", "cupy_pool")]
+    grid = dynamic_scale.cap_grid(pd.DataFrame(rows), "cupy")
+    assert list(grid.columns) == ["workload", "cap", "cupy_pool", "xpool_segments (default)"]
+    assert grid.values.tolist() == [["cupy_mix", "1.10×", "1/2", "2/2"], ["cupy_mix", "1.25×", "1/2", "2/2"]]
+    assert dynamic_scale.cap_grid(pd.DataFrame(rows), "torch").empty
+    said = dynamic_scale.said(pd.DataFrame(rows).assign(csv="memory_cap.csv", run="abc1234"), "memory_cap")
+    assert said.endswith(", 2 of 5 trials so far; an interval needs 3 trials: none where fewer ran; caps of 1.10×, "
+                         "1.25× the peak requested.")
+
+
 # --- GPU: each arm's cap, in a process of its own (tests/lab/lab_fixtures/cap_probe.py)
 
 PROBE = pathlib.Path(__file__).parent / "lab_fixtures" / "cap_probe.py"

@@ -278,10 +278,10 @@ _DYN_XPOOL = ("xpool_segments", "xpool_expandable")          # the product's sch
 _DEFAULTS = {"CuPy programs": ("cupy", "xpool_segments"), "PyTorch programs": ("torch", "xpool_expandable")}
 
 
-def _dynamic_check(fig, data, expected):
+def _dynamic_check(fig, data, expected, csv="dynamic_shapes"):
     """Both panels: their bars are `expected(rows of the panel's front end)` per (workload, arm); the front end's
     default is marked (its label says so, its bars outlined thicker) and no legend names a commit."""
-    df = pd.read_csv(data / "dynamic_shapes.csv")
+    df = pd.read_csv(data / f"{csv}.csv")
     df = df[df["allocator"].isin(_DYN_PEERS + _DYN_XPOOL)]
     assert [ax.get_title(loc="left") for ax in fig.axes] == list(_DEFAULTS)
     for ax in fig.axes:
@@ -303,6 +303,70 @@ def check_dynamic_shapes(fig, data):
         pct = rows.assign(h=(100 * (rows["reserved_over_requested"] - 1)).clip(lower=0.01))
         return {k: v for k, v in pct.groupby(["allocator", "workload"])["h"].median().items()}
     _dynamic_check(fig, data, held)
+
+
+def check_dynamic_scale(fig, data):
+    """The scaled runs (issue #46) as dynamic_shapes draws the benchmark's: memory held per workload and arm, each
+    workload's tick naming its factor and its peak requested, the title the span of peaks."""
+    def held(rows):
+        pct = rows.assign(h=(100 * (rows["reserved_over_requested"] - 1)).clip(lower=0.01))
+        return {k: v for k, v in pct.groupby(["allocator", "workload"])["h"].median().items()}
+    _dynamic_check(fig, data, held, "dynamic_scale")
+    df = pd.read_csv(data / "dynamic_scale.csv")
+
+    def gib(rows):
+        lo, hi = (f"{v / 2**30:.2g}" for v in (rows["peak_requested_bytes"].min(), rows["peak_requested_bytes"].max()))
+        return lo if lo == hi else f"{lo}-{hi}"
+    for ax in fig.axes:
+        for t in ax.get_xticklabels():
+            w, _, said = t.get_text().partition("\n")
+            rows = df[df["workload"] == w]
+            assert said == f"(×{rows['scale'].iloc[0]}, {gib(rows)} GiB requested)"
+    title = fig.legends[0].get_title().get_text() if fig.legends else fig._suptitle.get_text()
+    assert title.startswith(f"Dynamic shapes at {gib(df)} GiB requested:")
+
+
+def read_grid(ax) -> dict:
+    """{(arm label, workload, cap tick): (cell text, its colour's value)} of a grid panel (memory_cap): the cells'
+    texts where the image has them, the rows' labels from the y ticks, each column's cap from its x tick and its
+    workload from the names above the columns (white lines part them)."""
+    rows = [t.get_text().replace("\n", " ") for t in ax.get_yticklabels()]
+    caps = [t.get_text() for t in ax.get_xticklabels()]
+    heads = sorted((t.get_position()[0], t.get_text()) for t in ax.texts if not re.fullmatch(r"\d+/\d+", t.get_text()))
+    parts = sorted(ln.get_xdata()[0] for ln in ax.lines)
+    image = ax.images[0].get_array()
+    out = {}
+    for t in ax.texts:
+        if re.fullmatch(r"\d+/\d+", t.get_text()):
+            j, i = (int(round(v)) for v in t.get_position())
+            workload = heads[sum(p < j for p in parts)][1]
+            out[(rows[i], workload, caps[j])] = (t.get_text(), float(image[i, j]))
+    return out
+
+
+def check_memory_cap(fig, data):
+    """Each front end's grid: every cell is the trials its arm finished under its cap of those it ran, coloured by
+    that share; the default's row is labelled and outlined; the title names the caps."""
+    df = pd.read_csv(data / "memory_cap.csv")
+    assert [ax.get_title(loc="left") for ax in fig.axes] == list(_DEFAULTS)
+    for ax in fig.axes:
+        f, default = _DEFAULTS[ax.get_title(loc="left")]
+        rows = df[df["framework"] == f]
+        arms = set(rows["allocator"])
+        drawn = {(arm_of(lab, arms), w, c): cell for (lab, w, c), cell in read_grid(ax).items()}
+        expected = {}
+        for (a, w, c), g in rows.groupby(["allocator", "workload", "cap_over_peak_requested"]):
+            k, n = int(g["completed"].sum()), g["trial"].nunique()
+            expected[(a, w, f"{c:.2f}×")] = (f"{k}/{n}", k / n)
+        assert drawn == expected, ax.get_title(loc="left")
+        labels = [t.get_text().replace("\n", " ") for t in ax.get_yticklabels()]
+        marked = [t for t in labels if "xpool's default" in t]
+        assert len(marked) == 1 and arm_of(marked[0], arms) == default
+        (box,) = [p for p in ax.patches if p.get_linewidth() > 2]                     # the default's row outlined
+        assert box.get_y() + box.get_height() / 2 == pytest.approx([arm_of(t, arms) for t in labels].index(default))
+    caps = ", ".join(f"{c:.2f}×" for c in sorted(df["cap_over_peak_requested"].unique()))
+    title = fig.legends[0].get_title().get_text() if fig.legends else fig._suptitle.get_text()
+    assert f"caps of {caps} its peak requested" in title
 
 
 def check_dynamic_calls(fig, data):
@@ -393,6 +457,25 @@ def test_build_all_skips_missing_csvs_and_writes_only_where_told(tmp_path):
     built = plots.build_all(tmp_path / "nothing", tmp_path / "figures")
     assert all(str(v).startswith("skipped") for v in built.values())
     assert not (tmp_path / "figures").exists()
+
+
+def test_the_scaled_figures_wait_for_their_csvs_and_show_a_run_under_way(data, tmp_path):
+    """Issue #46's figures: not built without their CSVs (nothing written), and from a run under way (two trials,
+    one cap) its medians without an interval, the caption saying how many trials; five trials draw intervals."""
+    synthetic.write_all(tmp_path / "none", trials=5, scaled=0)
+    for name in ("dynamic_scale", "memory_cap"):
+        assert str(plots.build(name, tmp_path / "none", tmp_path / "figures")).startswith("skipped")
+    assert not (tmp_path / "figures").exists()
+    synthetic.write_all(tmp_path / "partial", trials=5, scaled=2, caps=(1.10,))
+    fig = plots.draw("dynamic_scale", tmp_path / "partial")
+    check_dynamic_scale(fig, tmp_path / "partial")
+    assert not any(_interval_tops(ax) for ax in fig.axes)
+    assert "2 of 5 trials so far; an interval needs 3 trials" in _all_text(fig)
+    assert all(_interval_tops(ax) for ax in plots.draw("dynamic_scale", data).axes)
+    fig = plots.draw("memory_cap", tmp_path / "partial")
+    check_memory_cap(fig, tmp_path / "partial")
+    assert {t.get_text() for ax in fig.axes for t in ax.get_xticklabels()} == {"1.10×"}
+    assert "2 of 5 trials so far" in _all_text(fig)
 
 
 def test_saved_figures_are_reproducible(data, tmp_path):

@@ -12,6 +12,7 @@ import xpool
 from lab_fixtures import synthetic
 from xlab import intervals as iv
 from xlab import memory_study, paths, plots, report, sources, targets
+from xlab.bench import dynamic_scale
 from xlab.memory_study import AddressSpaceBackend, replay, replay_waste, waste_table
 
 # ---------------------------------------------------------------------------------------------------------
@@ -155,7 +156,8 @@ def test_no_number_in_the_headlines_or_the_targets_is_not_from_a_csv(trial_data,
     moved = tmp_path / "moved"
     shutil.copytree(trial_data, moved)
     keys = {"batch", "world", "trial", "threads", "size_bytes", "k", "steps", "warmup", "n_gpus", "block_size",
-            "n_layer", "n_embd", "count_steps", "requested", "ptr", "stream", "device", "step", "threshold"}
+            "n_layer", "n_embd", "count_steps", "requested", "ptr", "stream", "device", "step", "threshold",
+            "cap_over_peak_requested"}
     for path in moved.rglob("*.csv"):
         df = pd.read_csv(path)
         factor = np.random.default_rng(len(df)).uniform(1.03, 1.05, len(df))     # no two rows alike
@@ -165,7 +167,7 @@ def test_no_number_in_the_headlines_or_the_targets_is_not_from_a_csv(trial_data,
     before, after = targets.values(trial_data), targets.values(moved)
     assert set(before) == set(after) and len(before) > 50
     for key, m in before.items():
-        if m.row.stat == "all" or m.value == 0 or m.each:
+        if m.row.stat in ("all", "share") or m.value == 0 or m.each:
             continue
         assert m.value != after[key].value, f"{key}: {format(m)} did not move with the CSVs"
     for key in ("sweep", "waste", "torch_empty"):
@@ -462,10 +464,172 @@ def test_the_dynamic_section_and_headline_are_there_only_with_the_csv(trial_data
     assert "| [Dynamic shapes](#dynamic-shapes) |" in _section(page, "Summary")
     (trial_data / "dynamic_shapes.csv").write_text(df[~df["allocator"].str.startswith("xpool_expandable")].to_csv())
     dyn = _section(_page(trial_data), "Dynamic shapes")       # without PyTorch's default: its sentences go
-    assert "PyTorch programs" not in dyn.split("![")[0] and f"CuPy programs {_held(df, 'xpool_segments', framework='cupy')};" in dyn
+    scaled, own = dyn.split("What follows is the benchmark's own size")           # the scaled rows' still have it
+    assert "PyTorch programs" in scaled and "PyTorch programs" not in own.split("![")[0]
+    assert f"CuPy programs {_held(df, 'xpool_segments', framework='cupy')};" in own
     (trial_data / "dynamic_shapes.csv").unlink()
     page = _page(trial_data)
     assert "Dynamic shapes" not in page and "#22" not in page
+
+
+# --- issue #46: the scaled runs and the memory caps, not measured yet, a run under way, or done
+
+def _scaled(data, trials, caps=(1.05, 1.10, 1.25)):
+    """data's scaled CSVs replaced by `trials` SYNTHETIC trials under `caps` (0: none, as before the GPU ran them)."""
+    for name in ("dynamic_scale", "memory_cap"):
+        (data / f"{name}.csv").unlink(missing_ok=True)
+    if trials:
+        synthetic.dynamic_scale(trials).to_csv(data / "dynamic_scale.csv", index=False)
+        synthetic.memory_cap(trials, caps).to_csv(data / "memory_cap.csv", index=False)
+    return data
+
+
+def _held_worst(df, arm, framework):
+    """(value, workload) of an arm's worst median peak reserved / peak requested over a front end's workloads."""
+    per = df[(df["allocator"] == arm) & (df["framework"] == framework)].groupby("workload")["reserved_over_requested"]
+    return per.median().max(), per.median().idxmax()
+
+
+def test_without_the_scaled_csvs_their_sections_say_not_measured_yet(trial_data):
+    """Before the GPU runs them: each section says what measures its CSV, no #46 row is judged or quoted, and the
+    memory headlines read the benchmark's own size."""
+    page = _page(_scaled(trial_data, 0))
+    for title, name in (("At the scale users run them", "dynamic_scale"), ("Under a memory cap", "memory_cap")):
+        assert _section(page, title).strip() == \
+            f"Not measured yet: {dynamic_scale.HOW_TO_MEASURE} writes `data/{name}.csv`."
+    assert "#46" not in page and "of 5 trials" not in page and "run under way" not in page
+    summary = _section(page, "Summary")
+    assert "](#at-the-scale-users-run-them)" not in summary and "](#under-a-memory-cap)" not in summary
+    assert "| [Dynamic shapes](#dynamic-shapes) | peak reserved / peak requested, shapes that change every step, " \
+           "CuPy's default, worst workload |" in summary
+    assert "At the scale users run them (" not in _section(page, "Dynamic shapes")
+    heads = {r["headline"].key: r for r in report.headlines(trial_data)}
+    assert heads["dyn_worst"]["m"].row.key == "dyn_worst" and "cap_worst" not in heads
+
+
+def test_the_memory_headlines_read_the_scaled_rows_where_they_are_measured(trial_data):
+    """Five trials under three caps: the memory headlines are the scaled rows' (the benchmark's size beside them),
+    the device-call and speed headlines stay #22's, and both sections hold their targets, tables and figures."""
+    page = _page(trial_data)
+    df, small = pd.read_csv(trial_data / "dynamic_scale.csv"), pd.read_csv(trial_data / "dynamic_shapes.csv")
+    heads = {r["headline"].key: r for r in report.headlines(trial_data)}
+    values = targets.values(trial_data)
+    for key, arm, framework in (("dyn_worst", targets.XD, "cupy"), ("dyn_worst_torch", targets.XDT, "torch")):
+        r = heads[key]
+        value, workload = _held_worst(df, arm, framework)
+        assert r["m"].row.key == targets.AT_SCALE_TWIN[key] and r["m"].row.kind == targets.SCALE
+        assert r["m"].value == pytest.approx(value) and r["m"].at == workload
+        assert r["question"] == report.SCALE_SECTION and r["figure"] == "dynamic_scale"
+        assert r["text"].endswith(f", at {dynamic_scale.requested(df)}")
+        assert f"at the benchmark's size, {dynamic_scale.requested(small[small['dynamic']])}: " \
+               f"{report._value(values[key])}" in r["next_to"]
+    assert heads["dyn_vs_expandable_worst"]["m"].row.key == "scale_vs_expandable_worst"
+    torch = values["scale_vs_torch_worst"]                                  # set beside it: the scaled row too
+    assert heads["dyn_vs_expandable_worst"]["next_to"].startswith(f"PyTorch's allocator without them ({torch.at}): "
+                                                                  f"{torch}; at the benchmark's size")
+    for key in ("dyn_calls_worst", "dyn_speed_worst_torch"):            # not memory: the benchmark's own size
+        assert heads[key]["m"].row.key == key and heads[key]["question"] == "Dynamic shapes"
+    assert heads["cap_worst_torch"]["value"] == "5 of 5 (resnet_varres)" and \
+        heads["cap_worst_torch"]["verdict"] == "met (every trial finishes)"
+    summary = _section(page, "Summary")
+    assert summary.count("| [At the scale users run them](#at-the-scale-users-run-them) |") == 4
+    assert summary.count("| [Under a memory cap](#under-a-memory-cap) |") == 2
+    scale, cap = _section(page, "At the scale users run them"), _section(page, "Under a memory cap")
+    assert scale.startswith("\nRows: `dynamic_scale.csv` at synthetic (SYNTHETIC GPU") and ", 5 trials." in scale
+    assert scale.count("| #46, ") == 4 * len(dynamic_scale.SCALED)
+    assert "| torch_varlen | xpool_expandable | yes |" in scale
+    assert "caps of 1.05×, 1.10×, 1.25× the peak requested" in cap and "PyTorch programs:" in cap
+    assert "| torch_varlen | 1.10× | 0/5 | 4/5 | 5/5 | 0/5 | 5/5 |" in cap        # torch_expandable's last trial stops
+    assert cap.count("| #46, ") == 2 * len(dynamic_scale.SCALED)
+    assert "of 5 trials)" not in page and "run under way" not in page
+    assert f"At the scale users run them ({dynamic_scale.requested(df)}; `dynamic_scale.csv` at synthetic)" in \
+        _section(page, "Dynamic shapes")
+
+
+def test_a_run_under_way_says_how_many_trials_and_gives_no_interval(trial_data):
+    """Two of five trials under the judged cap alone: medians without an interval ("[n/a]"), each verdict saying
+    "k of 5 trials", the caps not run named nowhere, and the targets' counts saying how many rest on it."""
+    rows = _by_key(_scaled(trial_data, 2, (1.10,)))
+    m = rows["scale_ror_torch_varlen"]
+    assert format(m) == "1.022 [n/a]" and m.verdict == f"{iv.MET} (2 of 5 trials)" and math.isnan(m.lo)
+    ms = rows["scale_ms_torch_varlen"]
+    assert ms.verdict.startswith(f"{targets.FEW} (the median ") and ms.verdict.endswith(" (2 of 5 trials)")
+    assert format(ms).endswith("× [n/a]") and ms.bound == "gpu"                     # NVML's busy share says gpu
+    assert (format(rows["scale_no_more_torch_varlen"]), rows["scale_no_more_torch_varlen"].verdict) == \
+        ("0 of 2", f"{iv.MISSED} (2 of 5 trials)")
+    assert (format(rows["cap_done_torch_varlen"]), rows["cap_done_torch_varlen"].verdict) == \
+        ("2 of 2", f"{iv.MET} (2 of 5 trials)")
+    assert rows["cap_peers_torch_varlen"].goal_text == "torch_expandable: 1 of 2"      # its trial 1 stopped
+    page = _page(trial_data)
+    scale, cap = _section(page, "At the scale users run them"), _section(page, "Under a memory cap")
+    assert "2 of 5 trials so far; an interval needs 3 trials: none where fewer ran." in scale
+    assert "caps of 1.10× the peak requested." in cap and "1.05×" not in cap and "1.25×" not in cap
+    assert not re.search(r"\[\d", scale + cap) and "[n/a]" in scale                 # no interval anywhere
+    now = targets.judged(trial_data)[0]
+    c = targets.counts(now)
+    assert c["under_way"] == sum(m.row.kind in (targets.SCALE, targets.CAP) for m in now) > 0
+    assert c["met"] + c["missed"] + c["noise"] + c["single"] + c["few"] == c["targets"] and c["few"] > 0
+    assert f"{c['under_way']} of them rest on a run under way, fewer trials than their goal speaks of, {c['few']} " \
+           "of them on too few for an interval" in _section(page, "Targets")
+    one = _by_key(_scaled(trial_data, 1, (1.10,)))["scale_ms_torch_varlen"]
+    assert format(one).endswith("(single run)") and one.verdict.startswith(iv.SINGLE)
+    assert one.verdict.endswith(" (1 of 5 trials)")
+
+
+def test_the_cap_targets_judge_every_trial_and_the_peer_that_finished_most(trial_data):
+    """Under the 1.10x cap: the default finishes every trial (a trial it did not finish misses it, the worst
+    workload named), and no peer finishes more (a tie meets it); a cap not judged changes neither."""
+    rows = _by_key(trial_data)
+    done, peers = rows["cap_done_torch_varlen"], rows["cap_peers_torch_varlen"]
+    assert (format(done), done.verdict, format(peers), peers.verdict) == ("5 of 5", iv.MET, "5 of 5", iv.MET)
+    assert peers.goal == pytest.approx(0.8) and peers.goal_text == "torch_expandable: 4 of 5"
+    assert "the peer that finished most (torch_expandable: 4 of 5)" in targets.text(peers)
+    assert rows["cap_peers_cupy_mix"].goal_text == "cupy_torch_expandable: 5 of 5"      # of two, the first by name
+    df = pd.read_csv(trial_data / "memory_cap.csv")
+    df[~((df["allocator"] == "cupy_torch_expandable") & (df["trial"] == 4))].to_csv(trial_data / "memory_cap.csv",
+                                                                                     index=False)
+    assert _by_key(trial_data)["cap_peers_cupy_mix"].goal_text == "rmm_pool: 5 of 5"   # 5 of 5 finish more than 4 of 4
+    mine = (df["allocator"] == targets.XDT) & (df["workload"] == "torch_varlen")
+    df.loc[mine & (df["cap_over_peak_requested"] == 1.05), "completed"] = False      # a cap not judged
+    df.to_csv(trial_data / "memory_cap.csv", index=False)
+    assert _by_key(trial_data)["cap_done_torch_varlen"].verdict == iv.MET
+    for failed, verdict in (((3,), iv.MET), ((1, 3), iv.MISSED)):        # 4 of 5 ties the peer, 3 of 5 is fewer
+        df.loc[mine & (df["cap_over_peak_requested"] == 1.1), "completed"] = ~df["trial"].isin(failed)
+        df.to_csv(trial_data / "memory_cap.csv", index=False)
+        rows = _by_key(trial_data)
+        k = 5 - len(failed)
+        assert (format(rows["cap_done_torch_varlen"]), rows["cap_done_torch_varlen"].verdict) == \
+            (f"{k} of 5", iv.MISSED)
+        assert rows["cap_peers_torch_varlen"].verdict == verdict
+        worst = rows["cap_worst_torch"]
+        assert (format(worst), worst.at, worst.verdict) == (f"{k} of 5", "torch_varlen", iv.MISSED)
+        assert rows["cap_done_resnet_varres"].verdict == iv.MET
+    head = {r["headline"].key: r for r in report.headlines(trial_data)}["cap_worst_torch"]
+    assert head["value"] == "3 of 5 (torch_varlen)" and head["verdict"] == "missed (every trial finishes)"
+
+
+def test_no_more_than_the_best_peer_counts_the_paired_trials(trial_data):
+    """`share`: the trials, paired, in which the default reserved no more bytes than the best peer (the lowest median
+    peak reserved), a tie counted; met at 4 of 5. bench_scale.defaults_vs_peers counts the same."""
+    df = pd.read_csv(trial_data / "dynamic_scale.csv")
+    w = df["workload"] == "torch_varlen"
+    peer = df[w & (df["allocator"] == "torch_expandable")].set_index("trial")["peak_reserved_bytes"]
+    mine = w & (df["allocator"] == targets.XDT)
+    for more_in, shown, verdict in (((4,), "4 of 5", iv.MET), ((2, 4), "3 of 5", iv.MISSED), ((), "5 of 5", iv.MET)):
+        factor = np.where(df.loc[mine, "trial"].isin(more_in), 1.01, np.where(df.loc[mine, "trial"] == 0, 1.0, 0.99))
+        df.loc[mine, "peak_reserved_bytes"] = df.loc[mine, "trial"].map(peer).to_numpy() * factor
+        df.loc[mine, "reserved_over_requested"] = df.loc[mine, "peak_reserved_bytes"] / df["peak_requested_bytes"]
+        df.to_csv(trial_data / "dynamic_scale.csv", index=False)
+        m = _by_key(trial_data)["scale_no_more_torch_varlen"]
+        assert (format(m), m.verdict, m.ref, m.statistic) == (shown, verdict, "torch_expandable",
+                                                             "paired trials where it holds")
+        vs = dynamic_scale.defaults_vs_peers(df).set_index("workload")
+        assert vs.loc["torch_varlen", "trials_no_more"] == int(shown[0])
+    df.loc[w & (df["allocator"] == "torch"), "peak_reserved_bytes"] = 1.0         # the best peer follows the bytes
+    df.to_csv(trial_data / "dynamic_scale.csv", index=False)
+    m = _by_key(trial_data)["scale_no_more_torch_varlen"]
+    assert (m.ref, format(m), m.verdict) == ("torch", "0 of 5", iv.MISSED)
+    assert report._goal(m) == "≥ 4 of 5"
 
 
 def test_two_different_bounds_never_print_as_one():

@@ -13,9 +13,12 @@ xlab/allocators.py; how the runs are cut, and what they cost on an H200: Note [S
     python -m xlab.bench.dynamic_scale --cpu --out build/s.csv --cap-out build/c.csv    # the code, on a CPU
 
 The rows' `scale` is the factor over the benchmark's size (its batch; cupy_mix: its arrays), `is_default` whether
-the arm is what a user of that front end gets from xpool by default (default_arm). Summaries: dynamic.summary over
-the scaled rows (reserved/requested, device calls per steady step, ms per step against the fastest peer),
-defaults_vs_peers (each default against the best peer, paired by trial) and cap_summary (trials finished per cap).
+the arm is what a user of that front end gets from xpool by default (default_arm). Summaries, for the CLI, the
+report and notebook 06: summary (reserved/requested, device calls per steady step, the speed-up over the fastest
+peer, what bounds a step), defaults_vs_peers (each default against the best peer, paired by trial), cap_summary and
+cap_grid (trials finished per cap), trials_said (how many trials a run under way holds: an interval needs
+INTERVAL_TRIALS), requested (the scale, in GiB) and said (what a CSV's rows are, or that none is measured yet).
+measure is run for a notebook: the scaled rows returned, the cap rows written beside them.
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from xlab import allocators as registry
-from xlab import intervals
+from xlab import intervals, sources
 from xlab.paths import data_dir, write_csv
 from xlab.provenance import git_commit, gpu_info, provenance
 from xpool.settings import DEFAULTS, FRONTEND_SCHEMES
@@ -500,6 +503,63 @@ def run(workloads=None, arms=None, trials: int = TRIALS, caps=CAPS, steps: int |
 
 
 # --- results
+INTERVAL_TRIALS = 3      # fewer trials than this (a run under way): a median without an interval, "n/a" in its place
+SUMMARY_METRICS = (("reserved_over_requested", "reserved/requested", "{:.3f}"),
+                   ("device_calls_per_steady_step", "calls/steady step", "{:.3g}"),
+                   ("ms_per_step", "ms/step", "{:.2f}"))
+# what measures the rows on a GPU, for a page or notebook that has none of them yet
+HOW_TO_MEASURE = "`bash scripts/gpu_suite.sh scale` (`python -m xlab.bench.dynamic_scale`) on one H200"
+
+
+def _ci(value: float, lo: float, hi: float, n: int, fmt: str, unit: str = "") -> str:
+    """intervals.fmt_ci's 'median [interval]', the interval 'n/a' over fewer than INTERVAL_TRIALS trials."""
+    if n >= INTERVAL_TRIALS or not math.isfinite(value):
+        return intervals.fmt_ci(value, lo, hi, fmt, unit)
+    return f"{fmt.format(value)}{unit} [n/a]"
+
+
+def _median(values, fmt: str = "{:.3f}", unit: str = "") -> str:
+    return _ci(*intervals.median_ci(values), fmt, unit)
+
+
+def _ordered(df: pd.DataFrame, keys) -> pd.DataFrame:
+    """The rows by `keys`, workloads in SCALED's order and arms in the arms table's."""
+    rank = {"workload": list(SCALED).index, "allocator": registry.ordered(df["allocator"]).index}
+    return df.sort_values(list(keys), key=lambda c: c.map(rank[c.name]) if c.name in rank else c, kind="stable")
+
+
+def summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Per scaled workload and arm: whether it is its front end's default, medians [95% intervals] of memory held,
+    device calls per steady step and ms per step, the speed-up over the fastest peer (its ms per step over the arm's,
+    paired by trial: above 1 the arm is faster), what bounds the steps (their `bound`, NVML's GPU busy) and the
+    trials; an interval "n/a" over fewer than INTERVAL_TRIALS trials."""
+    speed, rows = _speedups(df), []
+    for (w, a), g in _ordered(df, ["workload", "allocator"]).groupby(["workload", "allocator"], sort=False):
+        rows.append({"workload": w, "allocator": a, "xpool's default": "yes" if a == default_arm(g["framework"].iloc[0])
+                     else "", **{label: _median(g[col], fmt) for col, label, fmt in SUMMARY_METRICS},
+                     "speed-up over the fastest peer": speed.get((w, a), "n/a"), "bound (GPU busy)": _bound(g),
+                     "trials": g["trial"].nunique()})
+    return pd.DataFrame(rows)
+
+
+def _speedups(df: pd.DataFrame) -> dict:
+    """{(workload, arm): 'speed-up [interval] (the fastest peer)'}, the fastest peer itself 'the fastest peer'."""
+    out = {}
+    for r in intervals.paired_best(df, "ms_per_step", "allocator", dynamic.PEERS_ALL, ["workload"], False).itertuples():
+        out[r.workload, r.allocator] = "the fastest peer" if r.allocator == r.reference else \
+            f"{_ci(1 / r.ratio, 1 / r.ratio_hi, 1 / r.ratio_lo, r.n_pairs, '{:.3f}', '×')} ({r.reference})"
+    return out
+
+
+def _bound(g: pd.DataFrame) -> str:
+    """What bounds these rows' steps: their `bound`s ('gpu', 'host', 'gpu/host') and NVML's GPU busy share,
+    'gpu (97% [95, 98])'; "n/a" without either."""
+    kinds = "/".join(sorted({b for b in g["bound"].dropna().astype(str) if b}))
+    util = g["gpu_util_mean"].dropna()
+    busy = _median(util, "{:.0f}", "%") if len(util) else ""
+    return f"{kinds} ({busy})" if kinds and busy else kinds or busy or "n/a"
+
+
 def defaults_vs_peers(df: pd.DataFrame) -> pd.DataFrame:
     """Per scaled workload, xpool's default for its front end (default_arm) against the best peer (the lowest
     median reserved/requested), paired by trial: in how many trials the default reserved no more, and both
@@ -517,13 +577,10 @@ def defaults_vs_peers(df: pd.DataFrame) -> pd.DataFrame:
         trials = a.index.intersection(b.index)
         rows.append({"workload": w, "default": default_arm(framework), "best_peer": peer,
                      "trials_no_more": int((a[trials] <= b[trials]).sum()), "trials": len(trials),
-                     "reserved/requested": _median(mine), "peer reserved/requested": _median(theirs)})
+                     "reserved/requested": _median(mine["reserved_over_requested"]),
+                     "peer reserved/requested": _median(theirs["reserved_over_requested"])})
     return pd.DataFrame(rows, columns=["workload", "default", "best_peer", "trials_no_more", "trials",
                                        "reserved/requested", "peer reserved/requested"])
-
-
-def _median(rows: pd.DataFrame) -> str:
-    return intervals.fmt_ci(*intervals.median_ci(rows["reserved_over_requested"])[:3], "{:.3f}")
 
 
 def cap_summary(df: pd.DataFrame) -> pd.DataFrame:
@@ -533,9 +590,62 @@ def cap_summary(df: pd.DataFrame) -> pd.DataFrame:
     out = (df.assign(completed=df["completed"].astype(bool))
            .groupby(keys, sort=False).agg(is_default=("is_default", "first"), completed=("completed", "sum"),
                                           trials=("trial", "nunique")).reset_index())
-    rank = {"workload": list(SCALED).index, "allocator": registry.ordered(out["allocator"]).index}
-    return out.sort_values(keys, key=lambda c: c.map(rank[c.name]) if c.name in rank else c,
-                           kind="stable").reset_index(drop=True)
+    return _ordered(out, keys).reset_index(drop=True)
+
+
+def cap_grid(df: pd.DataFrame, framework: str) -> pd.DataFrame:
+    """cap_summary of `framework`'s workloads as a grid: a row per workload and cap, a column per arm (its front
+    end's default named so), each cell the trials it finished of those it ran, 'k/n' ('' where it did not run)."""
+    s = cap_summary(df[df["framework"] == framework])
+    if s.empty:
+        return pd.DataFrame()
+    s = s.assign(cell=s["completed"].astype(str) + "/" + s["trials"].astype(str),
+                 cap=[f"{c:.2f}×" for c in s["cap_over_peak_requested"]])
+    grid = s.pivot_table(index=["workload", "cap"], columns="allocator", values="cell", aggfunc="first", sort=False)
+    default = default_arm(framework)
+    grid = grid[registry.ordered(grid.columns)].fillna("").rename(columns={default: f"{default} (default)"})
+    return grid.reset_index().rename_axis(columns=None)
+
+
+def trials_said(df: pd.DataFrame) -> str:
+    """How many trials the rows hold: '5 trials', or for a run under way '2 of 5 trials so far', with the spread
+    per workload and arm (and cap) where it differs, and, where some have fewer than INTERVAL_TRIALS, that they
+    have no interval."""
+    n = df["trial"].nunique()
+    per = df.groupby([c for c in ("workload", "allocator", "cap_over_peak_requested") if c in df])["trial"].nunique()
+    text = f"{n} trials" if n >= TRIALS else f"{n} of {TRIALS} trials so far"
+    if per.min() != per.max():
+        each = "workload, arm and cap" if "cap_over_peak_requested" in df else "workload and arm"
+        text += f" ({per.min()}-{per.max()} per {each})"
+    if per.min() < INTERVAL_TRIALS:
+        text += f"; an interval needs {INTERVAL_TRIALS} trials: none where fewer ran"
+    return text
+
+
+def requested(df: pd.DataFrame) -> str:
+    """The peak requested bytes the rows ran at, in GiB: '33-40 GiB requested' ('34 GiB requested': one size)."""
+    peaks = df["peak_requested_bytes"].dropna()
+    if peaks.empty:
+        return "no peak requested counted"
+    lo, hi = (f"{v / GIB:.2g}" for v in (peaks.min(), peaks.max()))
+    return f"{lo if lo == hi else f'{lo}-{hi}'} GiB requested"
+
+
+def said(df: pd.DataFrame | None, name: str = "dynamic_scale") -> str:
+    """What the rows of data/NAME.csv (dynamic_scale or memory_cap) are, for the report and notebook 06: their CSV
+    and commit, machine and date, their trials (a run under way: how many so far) and caps; without rows, that none
+    is measured yet and what measures them (HOW_TO_MEASURE)."""
+    if df is None or not len(df):
+        return f"Not measured yet: {HOW_TO_MEASURE} writes `data/{name}.csv`."
+    caps = (f"; caps of {', '.join(f'{c:.2f}×' for c in sorted(df['cap_over_peak_requested'].unique()))} the peak "
+            "requested" if "cap_over_peak_requested" in df else "")
+    return f"Rows: {sources.sources(df)} ({sources.where(df)}), {trials_said(df)}{caps}."
+
+
+def measure(out=OUT, **kwargs) -> pd.DataFrame:
+    """run's scaled rows into `out`, its cap rows into memory_cap.csv beside it: what a notebook measures through
+    notebook_utils.load_or_measure (one CSV a call)."""
+    return run(out=out, cap_out=pathlib.Path(out).with_name(pathlib.Path(CAP_OUT).name), **kwargs)[0]
 
 
 def _caps_arg(text: str) -> tuple:
@@ -573,14 +683,11 @@ def main(argv=None) -> int:
     df, caps = run(split(a.workloads), split(a.arms), caps=a.caps, seed=a.seed, out=a.out, cap_out=a.cap_out,
                    fresh=a.fresh, cpu=a.cpu, start=a.start, **{**(QUICK if a.quick else {}), **kw})
     if len(df):
-        print(dynamic.summary(df).to_string(index=False))
+        print(summary(df).to_string(index=False))
         vs = defaults_vs_peers(df)
         print(vs.to_string(index=False) if len(vs) else "(no default and peer ran the same workload)")
-    if len(caps):
-        s = cap_summary(caps)
-        s["finished"] = s["completed"].astype(str) + "/" + s["trials"].astype(str)
-        print(s.pivot_table(index=["workload", "cap_over_peak_requested"], columns="allocator", values="finished",
-                            aggfunc="first", sort=False).to_string())
+    for framework in caps["framework"].unique() if len(caps) else ():
+        print(cap_grid(caps, framework).to_string(index=False))
     return 1 if df.attrs.get("failed") else 0
 
 
