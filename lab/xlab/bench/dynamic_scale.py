@@ -106,7 +106,8 @@ TIMED = ("device_calls_per_step", "device_calls_per_steady_step", "ms_per_step",
 # Note [Scaled runs]
 # Steps: a model's first step has its largest shape, so its demand is within 0.5% of its peak from then on (what
 # a later step at that shape adds, the optimizer's state made by the first step and the gradients kept into the
-# next forward, is 0.07-0.15 GiB of 33): 3 warm-up steps, 5 timed. cupy_mix's live set is stationary once the
+# next forward, is 0.07-0.15 GiB of 33; measured at f7709ef, dynamic_scale.csv: every model's peak within 1.3% of
+# Note [Scaled workloads]'s estimate, torch_varlen's 0.3-0.4 GiB above it): 3 warm-up steps, 5 timed. cupy_mix's live set is stationary once the
 # first step's results (kept up to 32 steps) are gone: 32 warm-up, 64 timed (its peaks: Note [Scaled workloads]).
 # One run per (arm, workload, cap) both times and counts: its per-step probes (dynamic.steady_state) cost
 # microseconds against 10-300 ms steps, where the benchmark's separate timed and counting CuPy runs would double the
