@@ -102,8 +102,8 @@ def browser(lab, tmp_path_factory):
 
 def _shut_down_kernels(base: str, token: str) -> None:
     headers = {"Authorization": f"token {token}"}
-    sessions = json.load(urllib.request.urlopen(urllib.request.Request(f"{base}/api/sessions", headers=headers)))
-    for s in sessions:
+    running = json.load(urllib.request.urlopen(urllib.request.Request(f"{base}/api/sessions", headers=headers)))
+    for s in running:
         urllib.request.urlopen(urllib.request.Request(f"{base}/api/sessions/{s['id']}", method="DELETE",
                                                       headers=headers))
 

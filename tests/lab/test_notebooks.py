@@ -2,7 +2,7 @@
 it, so a run and its save leave the tree clean; parameters documented with their ranges and checked at setup in one
 line; tables for people; progress bars; every notebook through papermill in CPU mode (with SYNTHETIC CSVs, and with
 none at all), and a fresh clone's `git status` clean after a run. The tests read the notebooks as git's index holds
-them (what a commit takes), never the working copy a JupyterLab session changes."""
+them (what a commit takes), never the working copy JupyterLab's autosave changes."""
 import os
 import pathlib
 import re

@@ -206,7 +206,7 @@ def run_settings(workload, opts) -> tuple:
 
 def for_trial(opts, trial: int) -> dict:
     """The options of trial `trial`: its seed is the run's seed + trial, unless opts["same_seed"] (every trial on the
-    run's seed, the benchmark before the thirteenth session)."""
+    run's seed, the benchmark before d5211c4)."""
     return opts if opts.get("same_seed") else {**opts, "seed": opts["seed"] + trial}
 
 
@@ -365,7 +365,7 @@ def build_row(trial, position, workload, arm, timed, counted, at_start, opts) ->
     """One row: bytes from the run that counted them, device calls from the counting run, time from the timed.
     host_ms_per_step: the main thread's CPU time per timed step (to the last dispatch, Window); gpu_util_mean: NVML's
     utilisation over the timed window (NaN: not sampled). `bound` (train.step_bound) on a GPU from NVML where it was
-    sampled (since the twentieth session), else from the thread's time for the CuPy workloads, whose host work is all
+    sampled (since 8f95231), else from the thread's time for the CuPy workloads, whose host work is all
     on that thread; a PyTorch row without NVML says nothing: PyTorch runs backward on its autograd thread, which that
     time does not count (Note [Pinned arms])."""
     spec, (steps, warmup, seed) = spec_of(workload, opts), run_settings(workload, opts)
