@@ -185,6 +185,13 @@ static void count_in_use(Allocator *A, DevicePool *pool, Block *b, int event)
     if (event) timeline_record(&A->tl, event, pool, b, b->requested);
 }
 
+/* Stamps a block taken from the cache as the current request's (requested, serial, origin, hook).  Lock held. */
+static inline void stamp_handed_out(DevicePool *pool, Block *b, size_t requested, int origin, int hooked)
+{
+    b->requested = requested; b->serial = pool->st.requests;
+    b->origin = origin; b->handed_out = !hooked; b->guarded = 0;
+}
+
 /* ------------------------------------------------------------------ schemes: the hit side (Note [Schemes]) */
 
 /* Bytes a block takes: its class (seed), or the request rounded up to 512 B, cut from a segment
@@ -266,9 +273,7 @@ static inline Block *take_hit(Allocator *A, DevicePool *pool, intptr_t stream, s
         return NULL;
     }
     pool->st.requests++;
-    b->requested = requested;
-    b->serial = pool->st.requests;
-    b->origin = origin; b->handed_out = !hooked; b->guarded = 0;
+    stamp_handed_out(pool, b, requested, origin, hooked);
     pool->st.hits++;
     count_in_use(A, pool, b, EV_HIT);
     return b;

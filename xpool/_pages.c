@@ -398,9 +398,7 @@ static Block *finish_block(Allocator *A, DevicePool *pool, Climb *c, XeMapPlan *
         b = NULL;
     }
     if (b) {
-        b->requested = c->requested;
-        b->serial = pool->st.requests;
-        b->origin = c->origin; b->handed_out = c->hook == NULL; b->guarded = 0;
+        stamp_handed_out(pool, b, c->requested, c->origin, c->hook != NULL);
         b->poisoned = c->hook && p->all_poisoned;   /* debug mode checks a block of freed bytes for writes */
         if (c->step) pool->st.oom_recoveries++;
         count_in_use(A, pool, b, 0);
@@ -424,9 +422,7 @@ static Block *late_hit(Allocator *A, DevicePool *pool, Climb *c)
         b = NULL;
     }
     if (b) {
-        b->requested = c->requested;
-        b->serial = pool->st.requests;
-        b->origin = c->origin; b->handed_out = c->hook == NULL; b->guarded = 0;
+        stamp_handed_out(pool, b, c->requested, c->origin, c->hook != NULL);
         if (c->step) pool->st.oom_recoveries++;
         count_in_use(A, pool, b, EV_MISS);
     }
