@@ -75,6 +75,9 @@ def expected_0002_at_scale() -> list[str]:
     error = caps[(caps.workload == "cupy_mix") & (caps.allocator == "xpool_segments")].oom_error.dropna()
     said = [m.group(0) for m in map(re.compile(r"in use [\d.]+ GiB, cached [\d.]+ GiB").search, error) if m]
     out.append(said[0] if said else "(no refused request's error in memory_cap.csv)")
+    busy = {a: df[(df.workload == "cupy_mix") & (df.allocator == a)].gpu_util_mean for a in SCALE_ARMS[:2]}
+    out.append("(expandable's steps {:.0f}-{:.0f}% GPU-busy, segments' {:.1f}-{:.1f}%)".format(
+        *busy["xpool_expandable"].agg(["min", "max"]), *busy["xpool_segments"].agg(["min", "max"])))
     for w in ("cupy_mix", "gpt_varlen"):
         ms = df[df.workload == w].pivot_table(index="trial", columns="allocator", values="ms_per_step").dropna(
             subset=["xpool_segments", "xpool_expandable"])
@@ -169,8 +172,8 @@ def expected_usage() -> list[str]:
             f"xpool_k1's {ci(at('xpool_k1', 4096), '{:.1f}')} µs at 4 KiB"]
 
 
-EXPECTED = {"usage": expected_usage, "0002": lambda: expected_0002() + expected_0002_at_scale(), "0003": expected_0003, "0004": expected_0004, "0006": expected_0006,
-            "0007": expected_0007, "0008": expected_0008, "0009": expected_0009, "0010": expected_0010}
+EXPECTED = {"usage": expected_usage, "0002": lambda: expected_0002() + expected_0002_at_scale(),
+            "0003": expected_0003, "0004": expected_0004, "0006": expected_0006, "0007": expected_0007, "0008": expected_0008, "0009": expected_0009, "0010": expected_0010}
 
 
 @pytest.mark.parametrize("number", sorted(EXPECTED))
