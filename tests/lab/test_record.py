@@ -173,7 +173,8 @@ def expected_usage() -> list[str]:
 
 
 EXPECTED = {"usage": expected_usage, "0002": lambda: expected_0002() + expected_0002_at_scale(),
-            "0003": expected_0003, "0004": expected_0004, "0006": expected_0006, "0007": expected_0007, "0008": expected_0008, "0009": expected_0009, "0010": expected_0010}
+            "0003": expected_0003, "0004": expected_0004, "0006": expected_0006, "0007": expected_0007,
+            "0008": expected_0008, "0009": expected_0009, "0010": expected_0010}
 
 
 @pytest.mark.parametrize("number", sorted(EXPECTED))
