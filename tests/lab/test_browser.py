@@ -61,7 +61,8 @@ def lab(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     token = "xlab-browser-test"
-    env = {k: v for k, v in os.environ.items() if k not in ("XPOOL_REPO", "JPY_SESSION_NAME")}
+    # none of a Jupyter this test may run under (its JPY_* variables), nor a repository pinned by XPOOL_REPO
+    env = {k: v for k, v in os.environ.items() if k != "XPOOL_REPO" and not k.startswith("JPY_")}
     env.update(PYTHONPATH=str(clone), JUPYTER_CONFIG_DIR=str(tmp / "config"), JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
                JUPYTER_DATA_DIR=str(tmp / "data"))
     log = open(tmp / "jupyterlab.log", "w")
@@ -112,9 +113,9 @@ def _write_settings(folder: pathlib.Path) -> None:
 
 def _shut_down_kernels(base: str, token: str) -> None:
     headers = {"Authorization": f"token {token}"}
-    running = json.load(urllib.request.urlopen(urllib.request.Request(f"{base}/api/sessions", headers=headers)))
-    for s in running:
-        urllib.request.urlopen(urllib.request.Request(f"{base}/api/sessions/{s['id']}", method="DELETE",
+    running = json.load(urllib.request.urlopen(urllib.request.Request(f"{base}/api/kernels", headers=headers)))
+    for k in running:
+        urllib.request.urlopen(urllib.request.Request(f"{base}/api/kernels/{k['id']}", method="DELETE",
                                                       headers=headers))
 
 
