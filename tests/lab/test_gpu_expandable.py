@@ -33,7 +33,7 @@ def vm():
 
 
 def page():
-    return __import__("xpool_twin").Ops(xpool._vmm.cuda_vmm()).granularity(cp.cuda.Device().id)
+    return __import__("xpool_twin").Ops(xpool.backends.CupyBackend().vmm()).granularity(cp.cuda.Device().id)
 
 
 def row(pool):
@@ -272,7 +272,7 @@ def test_install_serves_cupy_from_the_expandable_scheme():
     pool = xpool.install(scheme="expandable")
     try:
         a = cp.ones(10 * MiB, dtype=cp.float32)
-        assert xpool.cupy_adapter.installed().scheme == "expandable" and float(a.sum()) == 10 * MiB
+        assert xpool.cupy_adapter.installed().settings.scheme == "expandable" and float(a.sum()) == 10 * MiB
         assert row(pool).device_maps > 0
         del a
     finally:
@@ -367,12 +367,17 @@ def test_debug_mode_poisons_new_pages_and_catches_an_overrun():
         p.empty_cache()
 
 
-def test_the_timeline_shows_the_maps_and_unmaps(vm):
-    vm.enable_timeline(10_000)
-    a = cp.empty(40 * MiB, dtype=cp.uint8)
-    del a
-    cp.cuda.Device().synchronize()
-    vm.empty_cache()
+def test_the_timeline_shows_the_maps_and_unmaps():
+    prev = cp.cuda.get_allocator()
+    vm = xpool.MemoryPool(scheme="expandable", timeline=10_000)
+    cp.cuda.set_allocator(vm.malloc)
+    try:
+        a = cp.empty(40 * MiB, dtype=cp.uint8)
+        del a
+        cp.cuda.Device().synchronize()
+        vm.empty_cache()
+    finally:
+        cp.cuda.set_allocator(prev)
     tl = vm.timeline()
     maps, unmaps = tl[tl.event == "map"], tl[tl.event == "unmap"]
     assert maps["size"].sum() >= 40 * MiB and unmaps["size"].sum() == maps["size"].sum()

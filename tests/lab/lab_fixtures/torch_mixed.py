@@ -25,7 +25,7 @@ def run(arm, warmup, steps):
     pool = None
     if arm == "xpool":
         import xpool
-        pool = xpool.enable_torch()
+        pool = xpool.enable_torch(timeline=2_000_000)      # the warm steps' events are those after `seen`
     torch.use_deterministic_algorithms(True)
     model, opt, x = mixed_setup(torch)
     losses, sums = [], []
@@ -33,8 +33,7 @@ def run(arm, warmup, steps):
         if i == warmup:
             torch.cuda.synchronize()
             before = pool.stats() if pool else None
-            if pool:
-                pool.enable_timeline(2_000_000)            # the warm steps only
+            seen = len(pool.timeline()) if pool else 0      # events of the warm-up, left out of cross_reuse
         loss, total, x = mixed_step(torch, cupy, model, opt, x)
         losses.append(loss)
         sums.append(total)
@@ -52,7 +51,7 @@ def run(arm, warmup, steps):
                    params_in_virtual_memory=all(pool._core.vm_range(0, p.data_ptr()) is not None
                                                 for p in model.parameters()),
                    peak_reserved=int(s.peak_bytes_reserved), bytes_in_use_torch=int(s.bytes_in_use_torch),
-                   bytes_in_use_cupy=int(s.bytes_in_use_cupy), **cross_reuse(pool.timeline()))
+                   bytes_in_use_cupy=int(s.bytes_in_use_cupy), **cross_reuse(pool.timeline().iloc[seen:]))
         try:
             torch.cuda.memory_allocated()
             out["torch_memory_stats"] = "works"
