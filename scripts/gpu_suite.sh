@@ -72,6 +72,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # a deeper launch queue (CUDA 12.8+; ignored before): a launch that finds it full blocks, with the GIL held when
 # tapegpt.launch makes it (the training loops keep two steps in flight at most, far below either depth)
 export CUDA_SCALE_LAUNCH_QUEUES=${CUDA_SCALE_LAUNCH_QUEUES:-4x}
+# the commit every row records: $XPOOL_COMMIT, else .xpool_commit (git ignores it), else the checkout's HEAD. A lent
+# device machine's copy of the tree keeps the git HEAD of its session's first commit, not the tree's: before such a
+# run write `git rev-parse --short=12 HEAD > .xpool_commit` and carry it (runs/README.md)
 export XPOOL_COMMIT=${XPOOL_COMMIT:-$(cat .xpool_commit 2>/dev/null || git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 TRIALS=${TRIALS:-5}
 STEPS=${STEPS:-}

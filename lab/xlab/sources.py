@@ -95,13 +95,23 @@ def lineage(kind: str):
     return KINDS.get(kind) or (((kind.removesuffix(".csv"), {}),), ())
 
 
+# Lineages whose benchmark resumes a CSV with the rows its commit lacks (xlab.bench.dynamic_scale), so that one CSV
+# holds several runs: each run (commit) of such a CSV is read as a CSV of the lineage of its own, the newest run of an
+# arm and configuration superseding the older ones (never pooled with them: one comparison, one run)
+RUNS_IN_ONE_CSV = {"dynamic_scale", "memory_cap"}
+
+
 def frames(data: pathlib.Path, kind: str) -> list[pd.DataFrame]:
-    """The lineage's CSVs under data, each selected, oldest first by their rows' dates (`order` 0, 1, ...)."""
+    """The lineage's CSVs under data, each selected, oldest first by their rows' dates (`order` 0, 1, ...); a CSV of a
+    RUNS_IN_ONE_CSV lineage is one part per run."""
     found = []
     for i, (name, where) in enumerate(lineage(kind)[0]):
         df = read(data, name)
-        if df is not None and len(df := select(df, where)):
-            found.append(((str(df["date"].max()) if "date" in df else "", i), df))
+        if df is None or not len(df := select(df, where)):
+            continue
+        runs = ([g.assign(run=run_label(g)) for _, g in df.groupby("commit", sort=False)]
+                if kind in RUNS_IN_ONE_CSV and "commit" in df else [df])
+        found += [((str(g["date"].max()) if "date" in g else "", i), g) for g in runs]
     return [df.assign(order=i) for i, (_, df) in enumerate(sorted(found, key=lambda f: f[0]))]
 
 
