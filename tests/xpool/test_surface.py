@@ -658,10 +658,13 @@ pool = xpool.MemoryPool(limit="50%")
 before = [active(i) for i in range(n)]
 pool.stats(d); lim = pool.get_limit(d); pool.used_bytes()
 assert lim == cupy.cuda.runtime.getDeviceProperties(d)["totalGlobalMem"] // 2, lim
-print(before, [active(i) for i in range(n)], list(pool.stats()))
+import json
+print(json.dumps({"before": before, "after": [active(i) for i in range(n)], "served": list(pool.stats()),
+                  "current": cupy.cuda.runtime.getDevice()}))
 """)
-    before, after, served = out.split("] ")
-    assert before == after.split("]")[0] and "[]" in out.split()[-1], out
+    import json
+    got = json.loads(out)
+    assert got["after"] == got["before"] and got["served"] == [] and got["current"] == 0, got
 
 
 @GPU
@@ -687,8 +690,8 @@ def test_gpu_2_ended_threads_per_thread_blocks_go_back_on_cuda():
             t = threading.Thread(target=work, args=(i,))
             t.start()
             t.join()
-    st = pool.stats()
-    assert st.bytes_reserved <= 4 * MiB and st.device_mallocs == 50, st
+    st = pool.stats()              # each thread: its 3 MiB segment and a small one (the sum); unmended, 250 MiB
+    assert st.bytes_reserved <= 8 * MiB and st.hits == 0, st
     pool.empty_cache()
 
 
