@@ -49,7 +49,7 @@ static void take_back(Allocator *A, DevicePool *pool, Block *b, int to_device)
  * device captures or may (0006: another live thread's per-thread stream), so then also what they cached since.
  * The hit and the free pay nothing; PyTorch's GIL-free miss of scheme expandable (_pages.c) skips it.  A failed
  * free leaves its block cached and counted, for the next miss. */
-__attribute__((noinline)) static void give_back_ended(Allocator *A, DevicePool *pool, intptr_t stream)
+__attribute__((noinline, cold)) static void give_back_ended(Allocator *A, DevicePool *pool, intptr_t stream)
 {
     size_t n = 0, ended = 0;
     pthread_mutex_lock(&pool->lock);
