@@ -680,16 +680,21 @@ def test_gpu_2_ended_threads_per_thread_blocks_go_back_on_cuda():
     """Issue #50 item 2 on CUDA: 50 threads in turn, each 3 MiB on its per-thread default stream (CuPy's
     cupy.cuda.Stream.ptds), reserve no more than one thread's, and results stay right."""
     cp = _gpu()
-    pool = xpool.MemoryPool()
-    with xpool.use(pool):
-        def work(i):
-            with cp.cuda.Stream.ptds:
-                a = cp.full(3 * MiB // 4, i, dtype=cp.int32)
-                assert int(a.sum()) == i * (3 * MiB // 4)
+    pool = xpool.install(xpool.MemoryPool())          # process-wide: use() would be this thread's alone
+    results = []
+
+    def work(i):
+        with cp.cuda.Stream.ptds:
+            a = cp.full(3 * MiB // 4, i, dtype=cp.int32)
+            results.append(int(a.sum()) == i * (3 * MiB // 4))
+    try:
         for i in range(50):
             t = threading.Thread(target=work, args=(i,))
             t.start()
             t.join()
+    finally:
+        xpool.uninstall()
+    assert results == [True] * 50
     st = pool.stats()              # each thread: its 3 MiB segment and a small one (the sum); unmended, 250 MiB
     assert st.bytes_reserved <= 8 * MiB and st.hits == 0, st
     pool.empty_cache()
