@@ -89,6 +89,7 @@ def _fork_and_run(child, timeout=20.0) -> str:
     return "hung"
 
 
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded")   # Python 3.12+: the point of the test
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 def test_1_a_fork_while_install_holds_its_lock_leaves_the_child_able_to_install(monkeypatch):
     """A thread is inside install(), holding its lock (held in a hook of CuPy's set_allocator, which runs under it),
@@ -124,6 +125,7 @@ def test_1_a_fork_while_install_holds_its_lock_leaves_the_child_able_to_install(
         t.join(10)
 
 
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded")   # Python 3.12+: the point of the test
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 def test_1_a_fork_while_enable_torch_holds_its_lock_leaves_the_child_able_to_enable(monkeypatch):
     """The same for enable_torch()'s lock: the hook is its torch check, run under the lock; in the child the next
