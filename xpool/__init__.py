@@ -79,6 +79,11 @@ def stats():
     """
     pool = current()
     if pool is None:
+        import importlib.util
         from .counters import Snapshot
-        return Snapshot({}, note="no xpool pool in use: xpool.install(), xpool.use() or xpool.enable_torch() make one")
+        from .cupy_adapter import _NEEDS_CUPY
+        note = "no xpool pool in use: xpool.install(), xpool.use() or xpool.enable_torch() make one"
+        if importlib.util.find_spec("cupy") is None:
+            note += f"; {_NEEDS_CUPY}"
+        return Snapshot({}, note=note)
     return pool.stats()

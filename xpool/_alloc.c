@@ -40,6 +40,39 @@ static void take_back(Allocator *A, DevicePool *pool, Block *b, int to_device)
     if (to_device) A->ops->discard(A, pool, b);
 }
 
+/* Note [Ended threads' streams].  A block cached for a per-thread stream key is reused only by that thread (0005):
+ * once the thread has ended, nothing can hand it out again.  Rule: at a miss, before the device is asked for more,
+ * the blocks cached for ended threads' keys on that device go back to it (seed: blocks; segments: wholly free
+ * segments; expandable: free pages, and emptied ranges).  Not reused on the request's stream instead: the ended
+ * thread's work is not known to be finished, and a give-back waits for it.  Bound: the device holds at most what its
+ * live streams hold plus what ended threads cached since its last miss; nothing goes back while a stream of the
+ * device captures or may (0006: another live thread's per-thread stream), so then also what they cached since.
+ * The hit and the free pay nothing; PyTorch's GIL-free miss of scheme expandable (_pages.c) skips it.  A failed
+ * free leaves its block cached and counted, for the next miss. */
+__attribute__((noinline, cold)) static void give_back_ended(Allocator *A, DevicePool *pool, intptr_t stream)
+{
+    size_t n = 0, ended = 0;
+    pthread_mutex_lock(&pool->lock);
+    XeDevice *vm = atomic_load_explicit(&pool->vm_ready, memory_order_acquire) ? pool->vm : NULL;
+    size_t keys = vm ? vm->n_ranges : pool->n_streams;   /* the stream keys holding device memory here */
+    intptr_t *found = keys ? malloc(keys * sizeof(intptr_t)) : NULL;
+    for (size_t i = 0; found && i < keys; i++) {
+        intptr_t key = vm ? vm->ranges[i]->stream : pool->streams[i].key;
+        if (key < 0 && key != stream && key != xp_own_thread_key) found[n++] = key;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    for (size_t i = 0; i < n; i++)
+        if (xp_thread_key_ended(found[i])) found[ended++] = found[i];
+    if (ended && device_captures(A, pool, stream) == 0)
+        for (size_t j = 0; j < ended; j++) {   /* a key twice (two ranges): its second release finds nothing */
+            XpGil g = XP_GIL_HELD;
+            A->ops->release(A, pool, 0, found[j], 0, vm != NULL, &g);
+            xp_gil_end(&g);
+        }
+    PyErr_Clear();
+    free(found);
+}
+
 static Block *alloc_block(Allocator *A, int device, intptr_t stream, size_t requested, size_t size, PyObject *hook,
                           int origin)
 {
@@ -64,6 +97,7 @@ static Block *alloc_block(Allocator *A, int device, intptr_t stream, size_t requ
     }
     pool->st.misses++;
     pthread_mutex_unlock(&pool->lock);
+    give_back_ended(A, pool, stream);   /* Note [Ended threads' streams] */
     b = A->ops->make(A, pool, stream, requested, size, hook, origin);
     /* a new block made of freed, poisoned bytes (scheme expandable joins them) is checked as a reused one */
     if (b && hook && prepare(pool, b, hook, b->poisoned ? "on_reuse" : "on_alloc") < 0) {

@@ -100,12 +100,19 @@ int xp_refuse_device(const Allocator *A, int device)
     return -1;
 }
 
-/* The device's total bytes, from backend.total_memory(device); -1 with its error. */
+/* The device's total bytes, from backend.total_memory(device); -1 with its error, or a ValueError naming the call
+ * for an answer that is no int in [1, 2**48]. */
 static int device_capacity(Allocator *A, int device, uint64_t *out)
 {
     PyObject *r = PyObject_CallMethod(A->backend, "total_memory", "i", device);
     if (!r) return -1;
-    *out = PyLong_AsUnsignedLongLong(r);
+    PyObject *n = PyBool_Check(r) ? NULL : PyNumber_Index(r);
+    *out = n ? PyLong_AsUnsignedLongLong(n) : 0;
+    Py_XDECREF(n);
+    PyErr_Clear();
+    if (*out < 1 || *out > XP_MAX_REQUEST)
+        PyErr_Format(PyExc_ValueError, "backend.total_memory(%d) must return the device's bytes, an int in [1, "
+                     "2**48], got %.100s %R", device, Py_TYPE(r)->tp_name, r);
     Py_DECREF(r);
     return PyErr_Occurred() ? -1 : 0;
 }
@@ -311,12 +318,14 @@ int raise_oom(Allocator *A, DevicePool *pool, size_t requested, size_t size, con
     pthread_mutex_lock(&pool->lock);
     Stats s = pool->st;
     pool->st.oom_errors++;
-    uint64_t limit = pool->limit;
+    uint64_t limit = pool->limit, capacity = pool->capacity;
     timeline_record(&A->tl, EV_OOM, pool, NULL, requested);
     pthread_mutex_unlock(&pool->lock);
-    PyObject *err = PyObject_CallFunction(A->error_factory, "inKKKKs", pool->device, (Py_ssize_t)requested,
+    /* the device's bytes (0: unknown) and the scheme, for a request larger than the device */
+    PyObject *err = PyObject_CallFunction(A->error_factory, "inKKKKsKs", pool->device, (Py_ssize_t)requested,
                                           (unsigned long long)size, (unsigned long long)s.bytes_in_use,
-                                          (unsigned long long)s.bytes_cached, (unsigned long long)limit, reason);
+                                          (unsigned long long)s.bytes_cached, (unsigned long long)limit, reason,
+                                          (unsigned long long)capacity, A->ops->name);
     if (err) {
         if (cause) PyException_SetCause(err, cause);
         PyErr_SetObject((PyObject *)Py_TYPE(err), err);

@@ -115,8 +115,9 @@ class CupyBackend:
         return self._rt.getDeviceCount()
 
     def total_memory(self, device: int) -> int:
-        with _on_device(self._rt, device):
-            return self._rt.memGetInfo()[1]
+        """The device's bytes from its properties (cudaGetDeviceProperties): a read that neither makes the device
+        current nor creates a context on it, as cudaMemGetInfo would."""
+        return int(self._rt.getDeviceProperties(device)["totalGlobalMem"])
 
     def malloc(self, device: int, nbytes: int) -> int:
         with _on_device(self._rt, device):

@@ -42,6 +42,8 @@ class Snapshot:
     note: str = ""
 
     def __sub__(self, earlier: "Snapshot") -> "Snapshot":
+        if not isinstance(earlier, Snapshot):
+            return NotImplemented    # Python's TypeError: unsupported operand type(s) for -
         out = {}
         for dev, now in self.per_device.items():
             before = earlier.per_device.get(dev, {})

@@ -7,18 +7,59 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
+import re
 import threading
+import warnings
 
 from .backends import CupyBackend
 from .pool import Pool, _stream_handle, settings_signature
-from .settings import Settings, resolve
+from .settings import ENV, Settings, resolve
 
-_state_lock = threading.Lock()    # guards _installed and _previous
+_state_lock = threading.Lock()    # guards _installed and _previous; held only for the swap (never across CUDA)
 _installed = None                 # the MemoryPool install() put in place
 _previous = None                  # CuPy's allocator before install()
 _scoped = threading.local()       # .pool: the pool of this thread's innermost `with use()` block
 _NEEDS_CUPY = ("xpool allocates GPU memory for CuPy, and CuPy is not installed: pip install cupy-cuda12x (CUDA 12) "
                "or cupy-cuda13x (CUDA 13); from an xpool checkout, pip install '.[cuda12]' or '.[cuda13]' does it too")
+CUPY_LIMIT_ENV = "CUPY_GPU_MEMORY_LIMIT"
+# in a fork()ed child: a parent thread may have held the lock (inside install()), and is not there to release it
+os.register_at_fork(after_in_child=lambda: globals().update(_state_lock=threading.Lock()))
+
+
+def _cupy():
+    """cupy, or the ImportError every entry point raises without it (the same words)."""
+    try:
+        from cupy.cuda import memory  # noqa: F401 - the part xpool uses
+    except ImportError as e:
+        raise ImportError(f"{_NEEDS_CUPY} ({e})") from e
+
+
+def gpu_count(backend) -> None:
+    """The RuntimeError every entry point raises where CuPy has no GPU or driver (backend.device_count())."""
+    try:
+        why = "none is visible: CUDA_VISIBLE_DEVICES?" if backend.device_count() <= 0 else None
+    except Exception as e:               # CuPy's CUDARuntimeError: no driver, or one too old for this CuPy
+        why = e
+    if why is None:
+        return
+    raise RuntimeError(f"xpool needs a CUDA GPU and its driver, and CuPy cannot use one here ({why}); without a "
+                       "GPU, xpool.Pool runs over a backend of your own (xpool.backends)")
+
+
+def _cupy_limit(settings: Settings) -> Settings:
+    """``settings`` with CuPy's ``CUPY_GPU_MEMORY_LIMIT`` as CuPy's pool reads it (bytes, ``"1073741824"``, or a share
+    of each device, ``"50%"``) where no xpool setting gives a limit; a ValueError, naming xpool's, if CuPy can't."""
+    text = os.environ.get(CUPY_LIMIT_ENV, "").strip()
+    if not text or settings.source("limit") != "default":
+        return settings
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)%|(\d+)", text)
+    if not m or m[1] and float(m[1]) > 100:
+        raise ValueError(f"{CUPY_LIMIT_ENV}={text!r}: CuPy reads whole bytes ('1073741824') or a share up to 100% "
+                         f"('50%'); or give xpool's limit (limit= or {ENV['limit']}: '8GiB', '50%')")
+    out = resolve(settings, {"limit": (float(m[1]) / 100 or 0) if m[1] else int(m[2])})
+    object.__setattr__(out, "_sources", {**out._sources, "limit": CUPY_LIMIT_ENV})   # a new Settings, unshared
+    return out
 
 
 def _capsule_fn(module, name: str, signature: bytes) -> int:
@@ -54,9 +95,11 @@ def _current_stream_fn() -> int:
 class MemoryPool(Pool):
     """Drop-in for cupy.cuda.MemoryPool: ``cupy.cuda.set_allocator(xpool.MemoryPool().malloc)``.
 
-    CuPy's methods (malloc, free_all_blocks, used_bytes, free_bytes, total_bytes, n_free_blocks, set_limit, get_limit)
-    act on the current device, as CuPy's do; xpool's own come from Pool.  ``malloc(size)`` returns a
-    ``cupy.cuda.MemoryPointer`` and raises ``xpool.OutOfMemoryError`` (a CuPy ``OutOfMemoryError``).
+    CuPy's methods (malloc, free_all_blocks, free_all_free, used_bytes, free_bytes, total_bytes, n_free_blocks,
+    set_limit, get_limit) act on the current device, as CuPy's do; xpool's own come from Pool.  ``malloc(size)``
+    returns a ``cupy.cuda.MemoryPointer`` and raises ``xpool.OutOfMemoryError`` (a CuPy ``OutOfMemoryError``).
+    CuPy's ``CUPY_GPU_MEMORY_LIMIT`` is read when the pool is made, as CuPy's pool reads it, where no xpool setting
+    gives a limit (``limit=`` and ``XPOOL_MEMORY_LIMIT`` win).
 
     Args:
         settings (xpool.Settings), **fields: as for ``xpool.Pool``.
@@ -65,24 +108,15 @@ class MemoryPool(Pool):
     Raises:
         ImportError: CuPy is not installed (the message says what to install).
         RuntimeError: no CUDA GPU or driver CuPy can use (with the default backend).
-        TypeError, ValueError: a keyword is no setting, or a bad setting.
+        TypeError, ValueError: a keyword is no setting, or a bad setting (``CUPY_GPU_MEMORY_LIMIT`` among them).
     """
 
     def __init__(self, settings: Settings | None = None, *, backend=None, **fields):
-        settings = resolve(settings, fields, type(self).__name__)
-        try:
-            from cupy.cuda.memory import CFunctionAllocator  # noqa: F401 - CuPy present?
-        except ImportError as e:
-            raise ImportError(f"{_NEEDS_CUPY} ({e})") from e
+        settings = _cupy_limit(resolve(settings, fields, type(self).__name__))
+        _cupy()
         if backend is None:
             backend = CupyBackend()
-            try:
-                gpus = backend.device_count()
-            except Exception as e:       # CuPy's CUDARuntimeError: no driver, or one too old for this CuPy
-                raise RuntimeError(f"xpool.MemoryPool needs a CUDA GPU and its driver; CuPy cannot use one here "
-                                   f"({e})") from e
-            if gpus == 0:
-                raise RuntimeError("xpool.MemoryPool needs a CUDA GPU: none is visible (CUDA_VISIBLE_DEVICES?)")
+            gpu_count(backend)
         # blocks are keyed by CuPy's current stream; other backends (host memory) use stream 0
         self._start(backend, settings, _current_stream_fn() if isinstance(backend, CupyBackend) else 0)
 
@@ -106,13 +140,18 @@ class MemoryPool(Pool):
             stream = _stream_handle(getattr(stream, "ptr", stream), "stream must be a cupy.cuda.Stream or")
         self._core.release(d, stream)
 
+    def free_all_free(self) -> None:
+        """(Deprecated, as in CuPy) ``free_all_blocks()``: warns a DeprecationWarning with CuPy's words."""
+        warnings.warn("free_all_free is deprecated. Use free_all_blocks instead.", DeprecationWarning, stacklevel=2)
+        self.free_all_blocks()
+
     def used_bytes(self) -> int:
-        """Bytes in use on the current device.
+        """Bytes in use on the current device (0 on a device never served: nothing is made there).
 
         Returns:
             int: the bytes of the blocks in use (their classes or ranges).
         """
-        return self._core.stats(self._current_device())["bytes_in_use"]
+        return self._gauges(self._current_device())["bytes_in_use"]
 
     def free_bytes(self) -> int:
         """Bytes cached on the current device.
@@ -120,7 +159,7 @@ class MemoryPool(Pool):
         Returns:
             int: the bytes of the cached blocks.
         """
-        return self._core.stats(self._current_device())["bytes_cached"]
+        return self._gauges(self._current_device())["bytes_cached"]
 
     def total_bytes(self) -> int:
         """Bytes the current device holds for this pool.
@@ -128,7 +167,7 @@ class MemoryPool(Pool):
         Returns:
             int: in use, cached and being given back.
         """
-        return self._core.stats(self._current_device())["bytes_reserved"]
+        return self._gauges(self._current_device())["bytes_reserved"]
 
     def n_free_blocks(self) -> int:
         """Blocks cached on the current device.
@@ -136,7 +175,7 @@ class MemoryPool(Pool):
         Returns:
             int: how many.
         """
-        return self._core.stats(self._current_device())["blocks_cached"]
+        return self._gauges(self._current_device())["blocks_cached"]
 
 
 settings_signature(MemoryPool.__init__, keywords=("backend",))
@@ -153,54 +192,68 @@ def _pool_from(pool, kwargs) -> MemoryPool:
     return pool
 
 
+def _swap_global(memory, allocator):
+    """CuPy's process-wide allocator set to ``allocator``, also inside this thread's ``with xpool.use():`` (CuPy
+    refuses a change, and get_allocator() answers the block's, while the thread-local one is set: it is set aside
+    meanwhile).  Returns the one before."""
+    scoped = memory._get_thread_local_allocator()
+    memory._set_thread_local_allocator(None)
+    try:
+        previous = memory.get_allocator()
+        memory.set_allocator(allocator)
+        return previous
+    finally:
+        memory._set_thread_local_allocator(scoped)
+
+
 def install(pool: MemoryPool | Settings | None = None, **kwargs) -> MemoryPool:
     """Make xpool CuPy's allocator, process-wide: ``pool``, or (None, or an ``xpool.Settings``) a new ``MemoryPool``
-    from the settings and ``kwargs`` (its settings as keywords).
+    from the settings and ``kwargs`` (its settings as keywords).  Inside a ``with xpool.use():`` block the block's
+    pool stays this thread's until the block ends.
 
     Returns:
         MemoryPool: the installed pool.
 
     Raises:
-        RuntimeError: xpool is already installed.
+        ImportError: CuPy is not installed (the message says what to install).
+        RuntimeError: xpool is already installed, or no CUDA GPU or driver CuPy can use.
         ValueError: both a pool and settings given, or a bad setting.
         TypeError: ``pool`` is not an ``xpool.MemoryPool``.
     """
     global _installed, _previous
-    try:
-        import cupy
-    except ImportError as e:
-        raise ImportError(f"{_NEEDS_CUPY} ({e})") from e
+    _cupy()
+    from cupy.cuda import memory
+    already = ("xpool is already installed; call xpool.uninstall() first "
+               "(or use `with xpool.use(): ...` for a scoped pool)")
+    if _installed is not None:       # before a pool is made for nothing
+        raise RuntimeError(already)
+    pool = _pool_from(pool, kwargs)  # outside the lock: CUDA's first call may take seconds
     with _state_lock:
         if _installed is not None:
-            raise RuntimeError("xpool is already installed; call xpool.uninstall() first "
-                               "(or use `with xpool.use(): ...` for a scoped pool)")
-        pool = _pool_from(pool, kwargs)
-        _previous = cupy.cuda.get_allocator()
-        cupy.cuda.set_allocator(pool.malloc)
-        _installed = pool
+            raise RuntimeError(already)
+        _previous, _installed = _swap_global(memory, pool.malloc), pool
         return pool
 
 
 def uninstall() -> None:
-    """Put back the allocator CuPy had before ``install()`` (nothing happens if none is installed).
+    """Put back the allocator CuPy had before ``install()`` (nothing happens if none is installed; without CuPy
+    none can be).  Also inside a ``with xpool.use():`` block, whose pool stays this thread's until the block ends.
 
     Cached blocks stay until the pool dies or ``empty_cache()`` is called on it.
     """
     global _installed, _previous
-    import cupy
+    if _installed is None:           # without CuPy, never installed
+        return
+    from cupy.cuda import memory
     with _state_lock:
         if _installed is None:
             return
-        cupy.cuda.set_allocator(_previous)
+        _swap_global(memory, _previous)
         _installed, _previous = None, None
 
 
 def installed() -> MemoryPool | None:
-    """The installed pool.
-
-    Returns:
-        MemoryPool or None.
-    """
+    """The installed pool, or None."""
     return _installed
 
 
@@ -222,8 +275,9 @@ def use(pool: MemoryPool | Settings | None = None, **kwargs):
         MemoryPool: the pool in use.
 
     Raises:
-        ValueError, TypeError: as ``install``.
+        ImportError, RuntimeError, ValueError, TypeError: as ``install``.
     """
+    _cupy()
     from cupy.cuda import memory
     pool = _pool_from(pool, kwargs)
     prev, prev_pool = memory._get_thread_local_allocator(), getattr(_scoped, "pool", None)

@@ -34,6 +34,7 @@ class OutOfMemoryError(_cupy_oom_base()):
 
     Attributes:
         device, requested (int): the device; the bytes asked for.
+        capacity (int): the device's total bytes as the pool knows them (0: not asked); scheme (str): the pool's.
         size (int): the bytes refused: the block's, or, under scheme expandable, the whole pages its map needed.
         bytes_in_use, bytes_cached, limit (int): the device's counters when it was raised; its limit (0: none).
         reason (str): ``"device"`` or ``"limit"`` (refused after the cache was freed and the request retried),
@@ -43,17 +44,20 @@ class OutOfMemoryError(_cupy_oom_base()):
             would end the capture).
     """
 
-    def __init__(self, device, requested, size, bytes_in_use, bytes_cached, limit, reason="device"):
+    def __init__(self, device, requested, size, bytes_in_use, bytes_cached, limit, reason="device",
+                 capacity=0, scheme=None):
         self.device, self.requested, self.size = device, requested, size
         self.bytes_in_use, self.bytes_cached, self.limit, self.reason = (
             bytes_in_use, bytes_cached, limit, reason)
+        self.capacity, self.scheme = capacity, scheme
         # CuPy's own OutOfMemoryError keeps these three for pickling
         self._size, self._total, self._limit = requested, bytes_in_use, limit
         levels = (f"in use {human(bytes_in_use)}, cached {human(bytes_cached)}, "
                   f"limit {human(limit) if limit else 'none'}")
         if reason == "too_large":
-            msg = (f"xpool: nbytes={requested:,} ({size:,} B) is larger than device {device} "
-                   f"({human(bytes_in_use + bytes_cached)} in use or cached); no freeing can make it fit")
+            seed = ", its size class under scheme 'seed' (classes_per_doubling)" if scheme == "seed" else ""
+            msg = (f"xpool: nbytes={requested:,} needs a block of {human(size)} ({size:,} B{seed}), larger than "
+                   f"device {device}, which has {human(capacity)} ({capacity:,} B) in all; no freeing can make it fit")
         elif reason == "limit_too_small":
             msg = (f"xpool: out of memory on device {device}: the xpool limit ({human(limit)}) is smaller than the "
                    f"{human(size)} this request of {requested:,} B needs; nothing was freed, no freeing can make it "
@@ -70,7 +74,7 @@ class OutOfMemoryError(_cupy_oom_base()):
 
     def __reduce__(self):
         return (type(self), (self.device, self.requested, self.size, self.bytes_in_use,
-                             self.bytes_cached, self.limit, self.reason))
+                             self.bytes_cached, self.limit, self.reason, self.capacity, self.scheme))
 
     def __str__(self):
         return self.args[0]
@@ -80,10 +84,10 @@ class RequestTooLargeError(OutOfMemoryError, ValueError):
     """A request larger than the whole device: bad input (ValueError) that CuPy code sees as OOM too."""
 
 
-def make_error(device, requested, size, bytes_in_use, bytes_cached, limit, reason):
-    """The C core's error factory."""
+def make_error(device, requested, size, bytes_in_use, bytes_cached, limit, reason, capacity=0, scheme=None):
+    """The C core's error factory (capacity: the device's bytes, 0 unknown; scheme: the pool's)."""
     cls = RequestTooLargeError if reason == "too_large" else OutOfMemoryError
-    return cls(device, requested, size, bytes_in_use, bytes_cached, limit, reason)
+    return cls(device, requested, size, bytes_in_use, bytes_cached, limit, reason, capacity, scheme)
 
 
 class IpcUnsupportedError(RuntimeError):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 import operator
 import os
@@ -11,8 +12,8 @@ from . import _core
 from .debug import DEFAULT_TAIL, DebugHook
 from .errors import make_error
 from .settings import ENV, Settings, resolve
-from .sizeclass import check_nbytes
-from .counters import Snapshot
+from .sizeclass import MAX_REQUEST, check_nbytes
+from .counters import COUNTERS, GAUGES, Snapshot
 from .timeline import events_frame
 
 # every C allocator alive, for the fork handler; the cores, not the Pool wrappers: CuPy may hold a pool's
@@ -128,9 +129,28 @@ class Pool:
     def _devices(self, device):
         return self._core.devices() if device is None else [self._device(device)]
 
+    def _gauges(self, d: int) -> dict:
+        """Device d's counters, read without side effects: a device never served answers zeros and the limit its
+        pool would start with (a share: backend.total_memory, which CupyBackend asks without a context)."""
+        if d in self._core.devices():
+            return self._core.stats(d)
+        limit = self.settings.limit
+        limit = max(1, int(limit * self._total_memory(d))) if isinstance(limit, float) and limit else limit
+        return {**dict.fromkeys((*COUNTERS, *GAUGES, "bytes_pending", "bytes_releasing"), 0), "device": d,
+                "limit": limit}
+
+    def _total_memory(self, d: int) -> int:
+        """backend.total_memory(d), checked: a bad answer is named, not passed on."""
+        n = self._backend.total_memory(d)
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= MAX_REQUEST:
+            raise ValueError(f"backend.total_memory({d}) must return the device's bytes, an int in [1, 2**48], "
+                             f"got {type(n).__name__} {n!r}")
+        return int(n)
+
     # --- statistics
     def stats(self, device: int | None = None) -> Snapshot:
         """Exact counters of one ``device`` or (None) every device served, as they stand: cheap, no pandas needed.
+        A read: a device never served answers zeros, and no device pool is made there.
 
         Returns:
             xpool.counters.Snapshot: ``snap.device_mallocs`` (summed over devices), ``snap[device]["bytes_cached"]``,
@@ -139,7 +159,7 @@ class Pool:
         Raises:
             ValueError: bad ``device``.
         """
-        return Snapshot({d: self._core.stats(d) for d in self._devices(device)})
+        return Snapshot({d: self._gauges(d) for d in self._devices(device)})
 
     def reset_peak_stats(self, device: int | None = None) -> None:
         """Set the peak gauges of one ``device`` (None: every device served) to the current levels.
@@ -196,14 +216,15 @@ class Pool:
         bytes count before the backend is asked, and until it has freed them.  Lowering it frees nothing in use.
 
         Args:
-            size (int): bytes; None or 0 removes the limit.
+            size (int or float): bytes; None or 0 removes the limit.  A float is taken as CuPy's ``set_limit`` takes
+                it, ``int(size)`` (``2.5e9``: 2500000000 B); a bool, text or any other type is refused.
             fraction (float): instead of ``size``, a share of the device's memory in [0, 1] (a positive one is at least
                 1 byte).
             device (int): the device; None: the current device (as CuPy's ``set_limit``; the ``limit`` setting sets
                 every device's).
 
         Raises:
-            ValueError: bad ``size``, ``fraction`` or ``device``, or both given.
+            ValueError: bad ``size``, ``fraction`` or ``device``, or both given, or a bad ``backend.total_memory``.
         """
         if size is not None and fraction is not None:
             raise ValueError("give size or fraction, not both")
@@ -212,17 +233,16 @@ class Pool:
             if (isinstance(fraction, bool) or not isinstance(fraction, numbers.Real)
                     or not 0 <= fraction <= 1):
                 raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
-            total = self._backend.total_memory(d)
-            size = max(1, int(fraction * total)) if fraction > 0 else 0
-        self._core.set_limit(d, check_nbytes(size or 0, "size"))
+            size = max(1, int(fraction * self._total_memory(d))) if fraction > 0 else 0
+        self._core.set_limit(d, _limit_bytes(size))
 
     def get_limit(self, device: int | None = None) -> int:
-        """The limit of one ``device`` (None: the current one).
+        """The limit of one ``device`` (None: the current one); a read, as ``stats``.
 
         Returns:
             int: bytes, 0 when there is none.
         """
-        return self._core.stats(self._device(device))["limit"]
+        return self._gauges(self._device(device))["limit"]
 
     # --- diagnostics
     def check(self) -> None:
@@ -291,6 +311,14 @@ class Pool:
 
 
 settings_signature(Pool.__init__, ("backend", "settings"))
+
+
+def _limit_bytes(size) -> int:
+    """set_limit's size: None -> 0 (none); an int; a finite float >= 0 as int(size) (CuPy's); a ValueError naming
+    it for anything else (a bool, text, a list: never "no limit")."""
+    if isinstance(size, float) and math.isfinite(size) and size >= 0:
+        size = int(size)
+    return check_nbytes(0 if size is None else size, "size")
 
 # members of earlier versions, and what replaced each (Pool.__getattr__ says so)
 _REMOVED = {

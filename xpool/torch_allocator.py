@@ -14,6 +14,7 @@ PyTorch's own expandable segments (docs/decisions/0003).
 """
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 
@@ -23,9 +24,11 @@ from .settings import Settings
 ALLOC_FN = "xpool_torch_malloc"
 FREE_FN = "xpool_torch_free"
 
-_lock = threading.Lock()     # guards _enabled
+_lock = threading.Lock()     # guards _enabled; never held across `import torch`
 _enabled = None              # (MemoryPool, torch's CUDAPluggableAllocator) once enable() succeeded
 _backend = None              # the backend of the pool enable() makes (tests); None: CuPy's (CupyBackend)
+# in a fork()ed child: a parent thread may have held the lock (inside enable()), and is not there to release it
+os.register_at_fork(after_in_child=lambda: globals().update(_lock=threading.Lock()))
 
 TOO_LATE = ("PyTorch's CUDA allocator is already initialised in this process (something ran on CUDA "
             "through PyTorch before xpool.enable_torch()), and PyTorch cannot change allocators after "
@@ -54,17 +57,21 @@ def enable(pool=None, **settings):
         MemoryPool: the pool PyTorch and CuPy now allocate from.
 
     Raises:
-        RuntimeError: PyTorch already allocated on CUDA, or xpool runs another pool for CuPy or PyTorch.
-        ImportError: PyTorch is not installed.
+        RuntimeError: PyTorch already allocated on CUDA, or is a CPU-only build, or xpool runs another pool for CuPy
+            or PyTorch, or there is no GPU (``install()``'s words).
+        ImportError: PyTorch or CuPy (``install()``'s words) is not installed.
     """
     global _enabled
+    if _enabled is None:                 # outside the lock: an import may take seconds
+        from .cupy_adapter import _cupy
+        _cupy(), _import_torch()         # without CuPy, install()'s words
     with _lock:
         if _enabled is not None:
             if (pool is not None and pool is not _enabled[0]) or settings:
                 raise RuntimeError("xpool.enable_torch() already ran with another pool; PyTorch keeps "
                                    "its allocator for the life of the process")
             return _enabled[0]
-        torch = _import_torch()
+        torch = _import_torch()          # imported: the checks again, cheap
         from .cupy_adapter import install, installed
         current = installed()
         if current is not None and (pool is not None and pool is not current or settings):
@@ -102,6 +109,9 @@ def _new_pool(settings: dict):
     from .cupy_adapter import MemoryPool
     from ._vmm import VmmError
     backend = _backend() if _backend is not None else None
+    if backend is None:                  # no GPU: install()'s words, before the virtual memory is probed
+        from .cupy_adapter import gpu_count
+        gpu_count(CupyBackend())
     if "settings" in settings:
         return MemoryPool(backend=backend, **settings)
     resolved = Settings(frontend="torch", **settings)

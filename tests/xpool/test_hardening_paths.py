@@ -302,9 +302,14 @@ def _threads_in_turn(n, alloc_free):
     return ptrs
 
 
-def _assert_no_block_of_a_dead_thread_reused(ptrs):
-    reused = [i for i, p in enumerate(ptrs) if p in ptrs[:i]]
-    assert reused == [], f"{len(reused)} of {len(ptrs)} threads got a block freed by a thread that had ended"
+def _assert_no_block_of_a_dead_thread_reused(ptrs, pool):
+    """No thread was handed a block cached for another thread's stream: every request missed.  An address may come
+    again, from the device, once the pool gave the dead thread's block back at a miss (Note [Ended threads' streams]
+    in xpool/_alloc.c): each repeat needs a give-back before it."""
+    st = pool.stats()
+    assert st.hits == 0, f"{st.hits} of {len(ptrs)} threads got a block freed by a thread that had ended"
+    repeats = sum(p in ptrs[:i] for i, p in enumerate(ptrs))
+    assert repeats <= st.device_frees, (repeats, st.device_frees)
 
 
 def test_4_torch_path_a_new_thread_never_gets_a_dead_threads_per_thread_block(torch_pool):
@@ -312,7 +317,7 @@ def test_4_torch_path_a_new_thread_never_gets_a_dead_threads_per_thread_block(to
         p = torch_malloc(4096, stream=PER_THREAD)
         FREE(p, 4096, 0, PER_THREAD)
         return p
-    _assert_no_block_of_a_dead_thread_reused(_threads_in_turn(50, alloc_free))
+    _assert_no_block_of_a_dead_thread_reused(_threads_in_turn(50, alloc_free), torch_pool)
 
 
 def test_4_cupy_path_a_new_thread_never_gets_a_dead_threads_per_thread_block():
@@ -324,7 +329,7 @@ def test_4_cupy_path_a_new_thread_never_gets_a_dead_threads_per_thread_block():
     def alloc_free():
         mem = cupy_memory.CFunctionAllocatorMemory(4096, param, malloc_fn, free_fn, 0)
         return mem.ptr                              # freed when mem dies, on return
-    _assert_no_block_of_a_dead_thread_reused(_threads_in_turn(50, alloc_free))
+    _assert_no_block_of_a_dead_thread_reused(_threads_in_turn(50, alloc_free), pool)
 
 
 def test_4_python_path_a_new_thread_never_gets_a_dead_threads_per_thread_block():
@@ -336,8 +341,10 @@ def test_4_python_path_a_new_thread_never_gets_a_dead_threads_per_thread_block()
         a.release()
         return p
     ptrs = _threads_in_turn(50, record)
-    _assert_no_block_of_a_dead_thread_reused(ptrs)
-    assert pool.empty_cache() == 50 * 2 * MiB and pool._backend.live() == {}   # a dead thread's cache goes back
+    _assert_no_block_of_a_dead_thread_reused(ptrs, pool)
+    # each dead thread's cache went back at the next thread's miss; the last one's at empty_cache()
+    assert pool.stats().device_frees == 49
+    assert pool.empty_cache() == 2 * MiB and pool._backend.live() == {}
 
 
 # ------------------------------------------------------------------ 5. out of memory for a small block that fits
