@@ -36,6 +36,9 @@
 # traces       opt-in: the request traces of the dynamic workloads for the CPU replays (xlab.bench.dynamic_traces:
 #              data/memory_trace_dyn_<workload>.csv.gz; SEEDS, default 0, e.g. SEEDS=1,2,3,4)          540 s
 # reserve      opt-in: pool.reserve on the ResNets at varying sizes (xlab.bench.reserve: reserve_probe.csv) 540 s
+# growth       opt-in (#49): growing to ~28 GB in 1,500 kept requests (xlab.bench.growth: growth.csv), xpool
+#              expandable and segments, PyTorch's expandable segments, cudaMallocAsync's pool, CuPy's pool, a process
+#              per trial and arm, 5 trials interleaved (TRIALS); needs ~30 GB free on GPU 0       ~1.5 min   150 s
 # peer         opt-in, two GPUs: cross-GPU uses of pool memory and what peer access costs a miss
 #              (xlab.bench.peer: peer_probe.csv, peer_map_cost.csv)                                    420 s
 # (expected times from the H200 step times at 70fd21b, before the fused kernels: 90 ms per batch-32 step, 48 ms
@@ -148,9 +151,10 @@ for s in $stages; do
                          --out "$DATA"/dynamic_scale.csv --cap-out "$DATA"/memory_cap.csv ;;
         traces)      stage traces 540 $PY -m xlab.bench.dynamic_traces --seeds "${SEEDS:-0}" --out "$DATA" ;;
         reserve)     stage reserve 540 $PY -m xlab.bench.reserve --when start,build --out "$DATA"/reserve_probe.csv ;;
+        growth)      stage growth 150 $PY -m xlab.bench.growth --trials "$TRIALS" --out "$DATA"/growth.csv ;;
         peer)        stage peer 420 $PY -m xlab.bench.peer --peer-accesses 'null;"none"' --out "$DATA"/peer_probe.csv \
                          --map-cost "$DATA"/peer_map_cost.csv ;;
-        *) echo "unknown stage $s (stages: tests bench single correctness debugcost ddp sweep memory gil hit split torch torch-tests torch-bench expandable dynamic heldout scale-caps scale traces reserve peer)" | tee -a "$LOG"
+        *) echo "unknown stage $s (stages: tests bench single correctness debugcost ddp sweep memory gil hit split torch torch-tests torch-bench expandable dynamic heldout scale-caps scale traces reserve growth peer)" | tee -a "$LOG"
            status=1 ;;
     esac
 done

@@ -117,7 +117,7 @@ typedef struct { Bin **slots; size_t cap, used; } BinTable;
 
 typedef struct {
     uint64_t requests, hits, misses, device_mallocs, device_frees, frees;
-    uint64_t device_maps, device_unmaps;   /* scheme expandable: maps that succeeded, unmaps that unmapped pages */
+    uint64_t device_maps, device_unmaps;   /* scheme expandable: ops calls that mapped, unmapped a run of handles */
     uint64_t oom_recoveries, oom_errors;
     uint64_t blocks_in_use, blocks_cached;
     uint64_t bytes_in_use;            /* bytes of blocks in use (their class or range) */

@@ -30,7 +30,45 @@ int xe_init(XeDevice *x, int device, size_t page, size_t range_bytes, uint64_t p
     x->page = page;
     x->peers = peers;
     x->range_bytes = range_bytes ? up(range_bytes, page) : page;
+    x->small_request = (size_t)1 << 20;   /* Note [Handles] */
+    x->large_handle = (size_t)20 << 20;
     return 0;
+}
+
+/* Note [Handles].  A handle is one physical allocation (cuMemCreate) of whole pages, mapped and unmapped whole: two
+ * driver calls a handle and one a run (cuMemSetAccess) to map (docs/decisions/0013).  As PyTorch's segment_size_
+ * (2 MiB for requests up to 1 MiB, else 20 MiB): a miss of at most small_request maps pages, a larger one handles
+ * of max(large_handle, size / 16), whole pages, at most 1 GiB, each run tiled from its start (the last the rest).
+ * Only the pages a block reaches are mapped.  An edge bit per page boundary marks each mapped handle's first page
+ * and the page after its last: a release unmaps whole handles only, the top ones of a free block first. */
+size_t xe_handle_bytes(const XeDevice *x, size_t size)
+{
+    if (size <= x->small_request) return x->page;
+    size_t h = size / 16 < x->large_handle ? x->large_handle : size / 16;
+    return up(h < ((size_t)1 << 30) ? h : (size_t)1 << 30, x->page);
+}
+
+static inline size_t page_of(const XeDevice *x, const XeRange *r, uintptr_t a) { return (a - r->base) / x->page; }
+static inline int edge(const XeRange *r, size_t i) { return r->edges[i >> 6] >> (i & 63) & 1; }
+
+/* A run of `bytes` at addr mapped in handles of `handle` bytes (the last the rest), or unmapped (handle 0). */
+static void edges_mark(const XeDevice *x, XeRange *r, uintptr_t addr, size_t bytes, size_t handle)
+{
+    size_t lo = page_of(x, r, addr), n = bytes / x->page, h = handle / x->page;
+    for (size_t k = 0, i = lo; k <= n; i = lo + ++k)
+        r->edges[i >> 6] = (r->edges[i >> 6] & ~((uint64_t)1 << (i & 63))) |
+                           (uint64_t)(!k || k == n || (h && k % h == 0)) << (i & 63);
+}
+
+/* The whole handles inside [a, e) of a mapped stretch: [*lo, *hi); 0 when there are none. */
+static int whole_handles(const XeDevice *x, const XeRange *r, uintptr_t a, uintptr_t e, uintptr_t *lo, uintptr_t *hi)
+{
+    size_t i = (a - r->base + x->page - 1) / x->page, j = page_of(x, r, e);
+    while (i < j && !edge(r, i)) i++;
+    while (j > i && !edge(r, j)) j--;
+    *lo = r->base + i * x->page;
+    *hi = r->base + j * x->page;
+    return j > i;
 }
 
 static void free_runs(Block *b)
@@ -46,6 +84,7 @@ static void free_runs(Block *b)
 static void range_free(XeRange *r)
 {
     free_runs(r->runs);
+    free(r->edges);
     free(r);
 }
 
@@ -57,9 +96,6 @@ void xe_destroy(XeDevice *x)
     x->n_ranges = x->cap_ranges = 0;
     x->mapped = 0;
 }
-
-/* ------------------------------------------------------------------ the hit path */
-
 
 /* ------------------------------------------------------------------ chains and unmapped lists */
 
@@ -329,7 +365,8 @@ XeRange *xe_add_range(XeDevice *x, intptr_t stream, uintptr_t base, size_t bytes
 {
     XeRange *r = calloc(1, sizeof *r);
     Block *b = r ? calloc(1, sizeof *b) : NULL;
-    if (!b) { free(r); return NULL; }
+    if (b) r->edges = calloc(bytes / x->page / 64 + 1, sizeof(uint64_t));
+    if (!b || !r->edges) { free(b); if (r) free(r->edges); free(r); return NULL; }
     r->base = base;
     r->bytes = bytes;
     r->stream = stream;
@@ -341,7 +378,7 @@ XeRange *xe_add_range(XeDevice *x, intptr_t stream, uintptr_t base, size_t bytes
     b->vm_state = XE_UNMAPPED;
     r->first = b;
     run_add(r, b);
-    if (insert_range(x, r) < 0) { free(b); free(r); return NULL; }
+    if (insert_range(x, r) < 0) { free(b); free(r->edges); free(r); return NULL; }
     d->ranges += 1;
     return r;
 }
@@ -395,6 +432,7 @@ int xe_plan_map(XeDevice *x, FreeTree *t, intptr_t stream, size_t size, XeMapPla
 {
     memset(p, 0, sizeof *p);
     p->size = size;
+    p->handle = xe_handle_bytes(x, size);
     XeRange *r = NULL;
     for (size_t i = 0; i < x->n_ranges && !r; i++) {
         if (x->ranges[i]->stream != stream) continue;
@@ -454,7 +492,8 @@ Block *xe_map_finish(XeDevice *x, FreeTree *t, XeMapPlan *p, size_t maps_ok, XeD
         x->mapped += b->size;
         d->mapped += (int64_t)b->size;
         d->maps += 1;
-        d->map_pages += (int64_t)(b->size / x->page);
+        d->map_pages += (int64_t)((b->size + p->handle - 1) / p->handle);
+        edges_mark(x, r, b->ptr, b->size, p->handle);
     }
     r->in_flight--;
     if (maps_ok < p->n_maps) {
@@ -499,7 +538,8 @@ Block *xe_map_finish(XeDevice *x, FreeTree *t, XeMapPlan *p, size_t maps_ok, XeD
 
 typedef struct {
     Block *b;
-    size_t pages;          /* bytes of its whole pages */
+    size_t pages;          /* bytes of its whole handles: [lo, hi) */
+    uintptr_t lo, hi;
 } Candidate;
 
 typedef struct {
@@ -510,18 +550,12 @@ typedef struct {
     int oom;
 } Candidates;
 
-static size_t whole_pages(const Block *b, size_t page)
-{
-    uintptr_t a = up(b->ptr, page), e = down(end_of(b), page);
-    return e > a ? e - a : 0;
-}
-
 static int collect(Block *b, void *arg)
 {
     Candidates *s = arg;
     if (b->vm_state != XE_MAPPED || (!s->spec->all_streams && b->stream != s->spec->stream)) return 0;
-    size_t w = whole_pages(b, s->x->page);
-    if (!w) return 0;
+    uintptr_t lo, hi;
+    if (!whole_handles(s->x, xe_range_of(s->x, b->ptr), b->ptr, end_of(b), &lo, &hi)) return 0;
     if (s->n == s->cap) {
         size_t cap = s->cap ? 2 * s->cap : 64;
         Candidate *c = realloc(s->c, cap * sizeof *c);
@@ -529,7 +563,7 @@ static int collect(Block *b, void *arg)
         s->c = c;
         s->cap = cap;
     }
-    s->c[s->n++] = (Candidate){b, w};
+    s->c[s->n++] = (Candidate){b, hi - lo, lo, hi};
     return 0;
 }
 
@@ -540,11 +574,20 @@ static int by_pages(const void *a, const void *b)
     return x->b->ptr < y->b->ptr ? -1 : x->b->ptr > y->b->ptr;
 }
 
-/* Plans the top `bytes` of f's whole pages: f splits into free head, unmapping middle, free tail. */
-static int plan_run(XeDevice *x, FreeTree *t, Block *f, size_t bytes, XeUnmapPlan *plan, XeDelta *d)
+/* The start of the fewest top handles of c that hold `need` bytes (all of them when they hold no more). */
+static uintptr_t top_handles(const XeDevice *x, const Candidate *c, uint64_t need)
+{
+    const XeRange *r = xe_range_of(x, c->lo);
+    size_t lo = page_of(x, r, c->lo), at = page_of(x, r, c->hi) - up((size_t)need, x->page) / x->page;
+    while (need < c->pages && at > lo && !edge(r, at)) at--;
+    return need < c->pages ? r->base + at * x->page : c->lo;
+}
+
+/* Plans [a, e) of f, whole handles: f splits into free head, unmapping middle, free tail. */
+static int plan_run(XeDevice *x, FreeTree *t, Block *f, uintptr_t a, uintptr_t e, XeUnmapPlan *plan, XeDelta *d)
 {
     XeRange *r = xe_range_of(x, f->ptr);
-    uintptr_t e = down(end_of(f), x->page), a = e - bytes;
+    size_t bytes = e - a;
     if (plan->n == plan->cap) {
         size_t cap = plan->cap ? 2 * plan->cap : 16;
         XeUnmapRun *runs = realloc(plan->runs, cap * sizeof *runs);
@@ -584,19 +627,19 @@ int xe_plan_unmap(XeDevice *x, FreeTree *t, const XeRelease *spec, XeUnmapPlan *
     Candidates s = {x, spec, NULL, 0, 0, 0};
     seg_each_free(t, collect, &s);
     int rc = s.oom ? -1 : 0;
-    if (s.n) qsort(s.c, s.n, sizeof *s.c, by_pages);   /* by whole-page bytes, then address: deterministic */
+    if (s.n) qsort(s.c, s.n, sizeof *s.c, by_pages);   /* by whole-handle bytes, then address: deterministic */
     uint64_t left = spec->need;
     size_t i = 0;
     if (left != UINT64_MAX)                   /* the smallest one that covers the need alone */
         while (i < s.n && s.c[i].pages < left) i++;
     if (left == UINT64_MAX || i == s.n) {     /* else the largest first */
         for (size_t k = s.n; k-- > 0 && left && rc == 0;) {
-            size_t w = s.c[k].pages;
-            size_t take = left == UINT64_MAX || w <= left ? w : up((size_t)left, x->page);
-            if (plan_run(x, t, s.c[k].b, take, plan, d) < 0) rc = -1;
+            uintptr_t a = top_handles(x, &s.c[k], left);
+            size_t take = s.c[k].hi - a;
+            if (plan_run(x, t, s.c[k].b, a, s.c[k].hi, plan, d) < 0) rc = -1;
             else if (left != UINT64_MAX) left -= take < left ? take : left;
         }
-    } else if (plan_run(x, t, s.c[i].b, up((size_t)left, x->page), plan, d) < 0) {
+    } else if (plan_run(x, t, s.c[i].b, top_handles(x, &s.c[i], left), s.c[i].hi, plan, d) < 0) {
         rc = -1;
     }
     free(s.c);
@@ -613,7 +656,8 @@ void xe_unmap_finish(XeDevice *x, FreeTree *t, XeUnmapPlan *plan, size_t i, size
     r->mapped -= done;
     x->mapped -= done;
     d->mapped -= (int64_t)done;
-    d->unmap_pages += (int64_t)(done / x->page);
+    for (size_t k = page_of(x, r, run->addr), e = k + done / x->page; k < e; k++) d->unmap_pages += edge(r, k);
+    if (done) edges_mark(x, r, run->addr, done, 0);   /* handles: an edge at each one's first page */
     if (done) d->unmaps += 1;    /* a call that unmapped pages, a failed one's prefix too: as the timeline shows */
     if (done && done < run->bytes) {             /* the prefix is unmapped, the rest stays mapped and free */
         Block *rest = run->spare;

@@ -19,8 +19,8 @@
  *   release:  xe_plan_unmap -> for each run: ops.unmap -> xe_unmap_finish(bytes it unmapped)
  *             -> (empty_cache) xe_take_empty -> ops.release -> xe_release_finish
  *
- * A page is never unmapped while any byte of it belongs to a block in use or held by a plan: only whole pages inside
- * one free block are planned.  Nothing here locks, calls Python or a device op.
+ * A page is never unmapped while any byte of it belongs to a block in use or held by a plan: only whole handles
+ * (Note [Handles] in _expandable.c) inside one free block are planned.  Nothing here locks, calls Python or ops.
  */
 #ifndef XPOOL_EXPANDABLE_H
 #define XPOOL_EXPANDABLE_H
@@ -46,6 +46,7 @@ typedef struct XeRange {
     Block *first;          /* the chain; the Block at base is never freed while the range lives */
     Block *runs;           /* its XE_UNMAPPED blocks: a treap by address with each subtree's most span (run_max) */
     size_t mapped;         /* bytes of XE_MAPPED, XE_HELD and XE_UNMAPPING blocks */
+    uint64_t *edges;       /* a bit per page boundary (bytes / page + 1): where a handle begins or ends */
     unsigned in_flight;    /* plans holding pieces of it: it is not given back while any does */
 } XeRange;
 
@@ -54,6 +55,7 @@ typedef struct {
     size_t page;           /* the unit of physical memory: ops.granularity(device), a power of two */
     uint64_t peers;        /* the other devices every map makes its pages accessible to (ops.map's peers) */
     size_t range_bytes;    /* a new range's size, whole pages (xe_range_bytes) */
+    size_t small_request, large_handle;   /* the handle rule's (xe_handle_bytes; 1 MiB, 20 MiB) */
     XeRange **ranges;      /* by base address */
     size_t n_ranges, cap_ranges;
     uint64_t mapped;       /* over all ranges */
@@ -65,7 +67,7 @@ typedef struct {
     int64_t held;          /* bytes_releasing: mapped bytes out of the cache while a plan is in flight */
     int64_t mapped;        /* the mapped bytes: reserved is always in use + cached + held = mapped */
     int64_t maps, unmaps;  /* ops.map calls that succeeded, ops.unmap calls that unmapped pages: the device calls */
-    int64_t map_pages, unmap_pages;
+    int64_t map_pages, unmap_pages;   /* handles (Note [Handles]: one or more pages each) */
     int64_t ranges;        /* ranges added less ranges given back */
 } XeDelta;
 
@@ -77,6 +79,7 @@ typedef struct {
     uintptr_t ptr;         /* the block it makes: [ptr, ptr + size) */
     size_t size;
     struct { uintptr_t addr; size_t bytes; } map[XE_PLAN_MAPS];   /* the ops.map calls, in this order */
+    size_t handle;         /* ops.map's handle size for each (the last handle of a run the rest) */
     size_t n_maps;
     size_t map_bytes;      /* their sum: what the limit counts as pending until the finish */
     Block *piece[2 * XE_PLAN_MAPS + 1];   /* XE_HELD and XE_MAPPING blocks, by address */
@@ -106,13 +109,14 @@ typedef struct {
 typedef struct {
     int all_streams;       /* else only blocks of `stream` */
     intptr_t stream;
-    uint64_t need;         /* at least this many bytes, as few whole pages as cover it: the smallest free block
-                              that covers it alone, else the largest first; UINT64_MAX: every whole free page */
+    uint64_t need;         /* at least this many bytes, as few whole handles as cover it: the smallest free block
+                              that covers it alone, else the largest first; UINT64_MAX: every whole free handle */
 } XeRelease;
 
 /* A range's size for a device of `capacity` bytes: 1.125x it (as PyTorch), whole pages, at least one page. */
 size_t xe_range_bytes(uint64_t capacity, size_t page);
 
+size_t xe_handle_bytes(const XeDevice *x, size_t size);   /* a miss's handle size (Note [Handles]) */
 /* 0, or -1 for a page that is not a power of two of at least 512 B. */
 int xe_init(XeDevice *x, int device, size_t page, size_t range_bytes, uint64_t peers);
 /* Frees the manager's own memory (ranges, unmapped runs) without calling an op: the core has given back
@@ -127,8 +131,8 @@ Block *xe_put(XeDevice *x, FreeTree *t, Block *b, SegDelta *d);
 
 /* Plans a miss of `size` bytes (> 0, a multiple of 512) on `stream`: the lowest address of the stream's ranges
  * where a free block, unmapped runs after it and free blocks between them hold `size` bytes together, mapping
- * as few pages as that takes (growing at the end is the last run's case); O(ranges x log runs).  0 (see
- * p->range), -1 without host memory (nothing changed). */
+ * as few pages as that takes, in handles of xe_handle_bytes (growing at the end is the last run's case); O(ranges
+ * x log runs).  0 (see p->range), -1 without host memory (nothing changed). */
 int xe_plan_map(XeDevice *x, FreeTree *t, intptr_t stream, size_t size, XeMapPlan *p, XeDelta *d);
 /* Finishes a plan whose first `maps_ok` maps succeeded.  All of them: returns the block, in use (requested
  * 0, its size exactly p->size), the rest of the new pages free.  Fewer: NULL; the pages that were mapped stay
@@ -138,7 +142,7 @@ Block *xe_map_finish(XeDevice *x, FreeTree *t, XeMapPlan *p, size_t maps_ok, XeD
 /* Adds a range ops.reserve made for `stream` (whole pages).  NULL without host memory (give it back). */
 XeRange *xe_add_range(XeDevice *x, intptr_t stream, uintptr_t base, size_t bytes, XeDelta *d);
 
-/* Plans a release: takes whole free pages out of the tree, per spec.  0; -1 without host memory (the runs
+/* Plans a release: takes whole free handles out of the tree, per spec.  0; -1 without host memory (the runs
  * planned so far are in the plan, still to be finished). */
 int xe_plan_unmap(XeDevice *x, FreeTree *t, const XeRelease *spec, XeUnmapPlan *plan, XeDelta *d);
 /* Finishes run i after ops.unmap unmapped `done` bytes of it (all on success, a prefix on failure: the rest

@@ -3,7 +3,7 @@
  *
  * Note [Expandable segments].  As PyTorch's expandable segments: per (device, stream), one address range reserved
  * up front (1.125x the device's memory, so one suffices), its pages (the device's granularity, 2 MiB on an H200)
- * mapped as the pool grows.  Blocks are cut from the mapped free space by the best fit of scheme segments (the hit
+ * mapped as the pool grows, in handles of a size chosen per request (Note [Handles] in _expandable.c).  Blocks are cut from the mapped free space by the best fit of scheme segments (the hit
  * path is the same); a miss maps the fewest pages that make room at the lowest address where free space and
  * unmapped pages of its stream hold the request, so memory one segment would strand next to another is reused.
  * Pages are mapped only by a miss (a try of the ladder) and unmapped only by empty_cache, trim and the ladder,
@@ -173,7 +173,7 @@ static uint64_t vm_release(Allocator *A, DevicePool *pool, const XeRelease *spec
     for (size_t i = 0; i < plan.n; i++) {
         size_t done = 0;
         XeUnmapRun run = plan.runs[i];
-        int st = ops->unmap(A->vmm.ctx, pool->device, run.addr, run.bytes, x->page, &done);
+        int st = ops->unmap(A->vmm.ctx, pool->device, run.addr, run.bytes, 0, &done);   /* its handles as mapped */
         if (st != XV_OK) vm_fault(f, st, "%s", ops->message(A->vmm.ctx));
         XeDelta e = {0};
         pthread_mutex_lock(&pool->lock);
@@ -362,7 +362,7 @@ static size_t map_runs(Allocator *A, DevicePool *pool, Climb *c, XeMapPlan *p, X
     xp_gil_drop(g);
     size_t ok = 0;
     for (*st = XV_OK; ok < p->n_maps; ok++) {
-        *st = ops->map(A->vmm.ctx, pool->device, p->map[ok].addr, p->map[ok].bytes, x->page, x->peers);
+        *st = ops->map(A->vmm.ctx, pool->device, p->map[ok].addr, p->map[ok].bytes, p->handle, x->peers);
         if (*st != XV_OK) {
             vm_fault(*st == XV_OOM ? &c->oom : &c->fault, *st, "%s", ops->message(A->vmm.ctx));
             return ok;

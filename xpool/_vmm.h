@@ -9,9 +9,9 @@
  * (backend.vmm(), see xpool/backends.py).  Every op is thread-safe and may block (the CUDA ops synchronise
  * the device before unmapping, as cudaFree does); the core calls them without its pool lock.
  *
- * Units: bytes; addresses as uintptr_t.  `page` is the unit of physical memory: one physical allocation per
- * page, a multiple of granularity(device); a range, every address and every size given to map/unmap are
- * multiples of it, and unmap must use the page its pages were mapped with (CUDA unmaps whole mappings only).
+ * Units: bytes; addresses as uintptr_t.  A range, every address and every size given to map/unmap are multiples
+ * of granularity(device).  Physical memory comes in handles (one physical allocation each) of a size the core
+ * chooses per map (Note [Handles] in _expandable.c), mapped and unmapped whole: CUDA unmaps whole mappings only.
  */
 #ifndef XPOOL_VMM_H
 #define XPOOL_VMM_H
@@ -20,7 +20,7 @@
 #include <stdint.h>
 
 #define XV_CAPSULE "xpool.vmm"
-#define XV_ABI 2
+#define XV_ABI 3
 
 typedef enum {
     XV_OK = 0,
@@ -39,14 +39,14 @@ typedef struct XvOps {
     int (*reserve)(void *ctx, int device, size_t bytes, size_t align, uintptr_t *addr);
     /* Gives back a range reserve() returned, exactly [addr, addr + bytes), with nothing mapped in it. */
     int (*release)(void *ctx, int device, uintptr_t addr, size_t bytes);
-    /* Creates bytes/page physical pages on `device`, maps them at [addr, addr + bytes) inside a reserved range
-     * and makes them read/write for `device` and every device whose bit is set in `peers`.  All or nothing: on
-     * failure nothing stays mapped or created. */
-    int (*map)(void *ctx, int device, uintptr_t addr, size_t bytes, size_t page, uint64_t peers);
-    /* Unmaps [addr, addr + bytes) page by page, freeing the physical memory, after the device has finished
-     * its queued work.  *done: bytes unmapped from addr on (all of them on XV_OK; a prefix on failure, the
-     * rest still mapped). */
-    int (*unmap)(void *ctx, int device, uintptr_t addr, size_t bytes, size_t page, size_t *done);
+    /* Creates physical handles of `handle` bytes on `device` (the last one the rest), maps them at [addr, addr +
+     * bytes) inside a reserved range and makes the run read/write for `device` and every device whose bit is set in
+     * `peers` (CUDA: one cuMemSetAccess).  All or nothing: on failure nothing stays mapped or created. */
+    int (*map)(void *ctx, int device, uintptr_t addr, size_t bytes, size_t handle, uint64_t peers);
+    /* Unmaps the handles that tile [addr, addr + bytes) (`handle` nonzero: each of that size), freeing them, after
+     * the device has finished its queued work.  *done: bytes unmapped from addr on, whole handles (all of them on
+     * XV_OK; a prefix on failure, the rest still mapped). */
+    int (*unmap)(void *ctx, int device, uintptr_t addr, size_t bytes, size_t handle, size_t *done);
     /* 1 when `stream` of `device` captures a CUDA graph (the host twin: any stream of a device set capturing),
      * 0 when not, or a negative XvStatus. */
     int (*capturing)(void *ctx, int device, intptr_t stream);

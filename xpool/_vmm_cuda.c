@@ -81,6 +81,14 @@ static int cu_fail(XVCUresult r, const char *call, const char *tail)
     return fail(cu_status(r), "%s failed: %s (%s)%s", call, cu_name(r), cu_string(r), tail ? tail : "");
 }
 
+/* Every handle a map made, by address: an unmap unmaps the mappings of its run and releases their handles, as
+ * PyTorch's unmapHandles does, so a map costs two driver calls a handle and one a run (cuMemSetAccess), an unmap
+ * one a run (cuCtxSynchronize) and two a handle (Note [Handles] in _expandable.c).  A fork()ed child's lock is new. */
+typedef struct { uintptr_t addr; size_t bytes; XVCUmemGenericAllocationHandle h; int device; } CuMapping;
+static struct { pthread_mutex_t lock; CuMapping *m; size_t n, cap; } maps = {PTHREAD_MUTEX_INITIALIZER, NULL, 0, 0};
+
+static void maps_after_fork_in_child(void) { pthread_mutex_init(&maps.lock, NULL); }
+
 /* Without these the ops still work: maps run in the thread's own capture mode, errors go unnamed. */
 static int optional(const char *sym)
 {
@@ -139,6 +147,7 @@ static void cu_load(void)
         cu.status = XV_UNAVAILABLE;
         return;
     }
+    pthread_atfork(NULL, NULL, maps_after_fork_in_child);
     cu.status = XV_OK;
 }
 
@@ -250,102 +259,131 @@ static int cu_release(void *ctx, int device, uintptr_t addr, size_t bytes)
     return r == XVCUDA_SUCCESS ? XV_OK : cu_fail(r, "cuMemAddressFree", NULL);
 }
 
-/* Unmaps n pages from addr on, each one mapping; the first failure stops it.  Pages counted in *done. */
-static XVCUresult cu_unmap_pages(uintptr_t addr, size_t n, size_t page, size_t *done)
+static size_t maps_at(uintptr_t addr)   /* the first mapping at or after addr; lock held */
 {
-    for (size_t i = 0; i < n; i++) {
-        XVCUresult r = cu.d.cuMemUnmap((XVCUdeviceptr)(addr + i * page), page);
-        if (r != XVCUDA_SUCCESS) return r;
-        (*done)++;
+    size_t lo = 0, hi = maps.n;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (maps.m[mid].addr < addr) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+static int maps_add(const CuMapping *m, size_t n)   /* n mappings end to end: 0, or -1 without host memory */
+{
+    pthread_mutex_lock(&maps.lock);
+    size_t cap = maps.cap ? maps.cap : 256, at;
+    while (cap < maps.n + n) cap *= 2;
+    CuMapping *a = cap > maps.cap ? realloc(maps.m, cap * sizeof *a) : maps.m;
+    if (a && (maps.m = a, maps.cap = cap, at = maps_at(m[0].addr), 1)) {
+        memmove(&a[at + n], &a[at], (maps.n - at) * sizeof *a);
+        memcpy(&a[at], m, n * sizeof *m);
+        maps.n += n;
+    }
+    pthread_mutex_unlock(&maps.lock);
+    return a ? 0 : -1;
+}
+
+/* Unmaps and releases m[0..n) in order, counting them in *done; the first failure stops it (*call: which). */
+static XVCUresult cu_undo(const CuMapping *m, size_t n, size_t *done, const char **call)
+{
+    for (XVCUresult r; *done < n; (*done)++) {
+        if ((r = cu.d.cuMemUnmap((XVCUdeviceptr)m[*done].addr, m[*done].bytes)) != XVCUDA_SUCCESS) {
+            *call = "cuMemUnmap";
+            return r;
+        }
+        if ((r = cu.d.cuMemRelease(m[*done].h)) != XVCUDA_SUCCESS) { *call = "cuMemRelease"; (*done)++; return r; }
     }
     return XVCUDA_SUCCESS;
 }
 
-static int cu_map(void *ctx, int device, uintptr_t addr, size_t bytes, size_t page, uint64_t peers)
+/* One access call over the run: `device` and every peer in one list of descriptors. */
+static XVCUresult cu_access(int device, uintptr_t addr, size_t bytes, uint64_t peers)
+{
+    XVCUmemAccessDesc desc[XV_MAX_DEVICES];
+    size_t k = 0;
+    for (int d = -1; d < XV_MAX_DEVICES; d++) {
+        if (d >= 0 && (d == device || !(peers >> d & 1))) continue;
+        desc[k].location.type = XVCU_MEM_LOCATION_TYPE_DEVICE;
+        desc[k].location.id = d < 0 ? device : d;
+        desc[k++].flags = XVCU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    }
+    return cu.d.cuMemSetAccess((XVCUdeviceptr)addr, bytes, desc, k);
+}
+
+static int cu_map(void *ctx, int device, uintptr_t addr, size_t bytes, size_t handle, uint64_t peers)
 {
     (void)ctx;
-    if (!page || bytes % page || addr % page)
-        return fail(XV_INVALID, "map: %zu B at 0x%zx is not whole %zu B pages", bytes, (size_t)addr, page);
+    if (!handle || !bytes) return fail(XV_INVALID, "map: %zu B in %zu B handles", bytes, handle);
+    size_t n = (bytes + handle - 1) / handle, made = 0, undone = 0;   /* the last handle the rest */
+    CuMapping *m = malloc(n * sizeof *m);
+    if (!m) return fail(XV_OOM, "map: no host memory for %zu handles", n);
     CuScope s;
     int st = cu_enter(device, &s);
-    if (st != XV_OK) return st;
+    if (st != XV_OK) { free(m); return st; }
     /* Relaxed for this thread: a map while a stream captures (a graph's private pool) is legal then. */
     int mode = XVCU_STREAM_CAPTURE_MODE_RELAXED;
     int exchanged = cu.d.cuThreadExchangeStreamCaptureMode &&
                     cu.d.cuThreadExchangeStreamCaptureMode(&mode) == XVCUDA_SUCCESS;
     XVCUmemAllocationProp p = cu_prop(device);
-    size_t n = bytes / page, made = 0;
-    XVCUresult r = XVCUDA_SUCCESS;
-    const char *call = "cuMemCreate";
+    XVCUresult r = XVCUDA_SUCCESS, u = XVCUDA_SUCCESS;
+    const char *call = "cuMemCreate", *ucall = "";
     for (; made < n; made++) {
-        /* One physical allocation per page, its handle released once mapped: the mapping keeps the memory and
-         * cuMemUnmap frees it, so no handle table is kept (cuMemRelease's contract). */
-        XVCUmemGenericAllocationHandle h;
-        if ((r = cu.d.cuMemCreate(&h, page, &p, 0)) != XVCUDA_SUCCESS) break;
-        if ((r = cu.d.cuMemMap((XVCUdeviceptr)(addr + made * page), page, 0, h, 0)) != XVCUDA_SUCCESS) {
+        size_t sz = made + 1 < n ? handle : bytes - made * handle;
+        m[made] = (CuMapping){addr + made * handle, sz, 0, device};
+        if ((r = cu.d.cuMemCreate(&m[made].h, sz, &p, 0)) != XVCUDA_SUCCESS) break;
+        if ((r = cu.d.cuMemMap((XVCUdeviceptr)m[made].addr, sz, 0, m[made].h, 0)) != XVCUDA_SUCCESS) {
             call = "cuMemMap";
-            cu.d.cuMemRelease(h);
+            cu.d.cuMemRelease(m[made].h);
             break;
         }
-        if ((r = cu.d.cuMemRelease(h)) != XVCUDA_SUCCESS) { call = "cuMemRelease"; made++; break; }
     }
-    if (r == XVCUDA_SUCCESS) {
-        XVCUmemAccessDesc desc[XV_MAX_DEVICES];
-        size_t k = 0;
-        desc[k].location.type = XVCU_MEM_LOCATION_TYPE_DEVICE;
-        desc[k].location.id = device;
-        desc[k++].flags = XVCU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-        for (int d = 0; d < XV_MAX_DEVICES; d++) {
-            if (d == device || !(peers >> d & 1)) continue;
-            desc[k].location.type = XVCU_MEM_LOCATION_TYPE_DEVICE;
-            desc[k].location.id = d;
-            desc[k++].flags = XVCU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-        }
-        r = cu.d.cuMemSetAccess((XVCUdeviceptr)addr, bytes, desc, k);
-        call = "cuMemSetAccess";
+    if (r == XVCUDA_SUCCESS && (r = cu_access(device, addr, bytes, peers)) != XVCUDA_SUCCESS) call = "cuMemSetAccess";
+    int no_host = r == XVCUDA_SUCCESS && maps_add(m, n) < 0;
+    if (r != XVCUDA_SUCCESS || no_host) {
+        if ((u = cu_undo(m, made, &undone, &ucall)) == XVCUDA_SUCCESS) ucall = "";
+        char tail[200];   /* a broken driver's undo says what stays mapped */
+        snprintf(tail, sizeof tail, " at handle %zu of %zu (%zu B handles on device %d)%s%s%s", made, n, handle,
+                 device, *ucall ? "; undoing it failed too: " : "", ucall, *ucall ? cu_name(u) : "");
+        st = no_host ? fail(XV_OOM, "map: no host memory to record %zu handles", n) : cu_fail(r, call, tail);
     }
-    if (r != XVCUDA_SUCCESS) {
-        XVCUresult failed = r;
-        size_t undone = 0;
-        XVCUresult u = cu_unmap_pages(addr, made, page, &undone);
-        char tail[160];
-        if (u == XVCUDA_SUCCESS)
-            snprintf(tail, sizeof tail, " at page %zu of %zu (%zu B pages on device %d)", made, n, page, device);
-        else   /* the driver is broken: say what stays mapped */
-            snprintf(tail, sizeof tail, " at page %zu of %zu; undoing it failed too (%s): %zu B stay mapped at 0x%zx",
-                     made, n, cu_name(u), (made - undone) * page, (size_t)(addr + undone * page));
-        st = cu_fail(failed, call, tail);
-    }
+    free(m);
     if (exchanged) cu.d.cuThreadExchangeStreamCaptureMode(&mode);
     cu_leave(&s);
     return st;
 }
 
-static int cu_unmap(void *ctx, int device, uintptr_t addr, size_t bytes, size_t page, size_t *done)
+static int cu_unmap(void *ctx, int device, uintptr_t addr, size_t bytes, size_t handle, size_t *done)
 {
     (void)ctx;
     *done = 0;
-    if (!page || bytes % page || addr % page)
-        return fail(XV_INVALID, "unmap: %zu B at 0x%zx is not whole %zu B pages", bytes, (size_t)addr, page);
     CuScope s;
     int st = cu_enter(device, &s);
     if (st != XV_OK) return st;
+    pthread_mutex_lock(&maps.lock);
+    size_t at = maps_at(addr), n = 0, k = 0;
+    for (uintptr_t a = addr; a < addr + bytes || !bytes; n++, a += maps.m[at + n - 1].bytes) {   /* they tile it */
+        const CuMapping *m = at + n < maps.n ? &maps.m[at + n] : NULL;
+        if (!bytes || !m || m->addr != a || m->device != device || (handle && m->bytes != handle) ||
+            m->bytes > addr + bytes - a) {
+            pthread_mutex_unlock(&maps.lock);
+            cu_leave(&s);
+            return fail(XV_INVALID, "unmap: 0x%zx is not a whole mapping of device %d inside [0x%zx, +%zu)",
+                        (size_t)a, device, (size_t)addr, bytes);
+        }
+    }
     /* cuMemUnmap need not wait for the kernels still using the pages (cudaFree does): wait for them here */
     XVCUresult r = cu.d.cuCtxSynchronize();
-    size_t pages = 0;
-    if (r == XVCUDA_SUCCESS) {
-        r = cu_unmap_pages(addr, bytes / page, page, &pages);
-        if (r != XVCUDA_SUCCESS) {
-            char tail[128];
-            snprintf(tail, sizeof tail, " at page %zu of %zu (0x%zx)", pages, bytes / page,
-                     (size_t)(addr + pages * page));
-            st = cu_fail(r, "cuMemUnmap", tail);
-        }
-    } else {
-        st = cu_fail(r, "cuCtxSynchronize", " before unmapping");
-    }
+    const char *call = "cuCtxSynchronize";
+    if (r == XVCUDA_SUCCESS) r = cu_undo(&maps.m[at], n, &k, &call);
+    for (size_t i = 0; i < k; i++) *done += maps.m[at + i].bytes;
+    memmove(&maps.m[at], &maps.m[at + k], (maps.n - at - k) * sizeof *maps.m);
+    maps.n -= k;
+    pthread_mutex_unlock(&maps.lock);
+    char tail[128];
+    snprintf(tail, sizeof tail, " at handle %zu of %zu (0x%zx)", k, n, (size_t)(addr + *done));
+    if (r != XVCUDA_SUCCESS) st = cu_fail(r, call, k || strcmp(call, "cuCtxSynchronize") ? tail : " before unmapping");
     cu_leave(&s);
-    *done = pages * page;
     return st;
 }
 

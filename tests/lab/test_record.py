@@ -175,9 +175,25 @@ def expected_usage() -> list[str]:
             f"xpool_k1's {ci(at('xpool_k1', 4096), '{:.1f}')} µs at 4 KiB"]
 
 
+def expected_0013() -> list[str]:
+    """The growth sequence's driver calls under each rule (xlab.bench.growth's models; the twin and a fake driver
+    check xpool's in tests/xpool)."""
+    from xlab.bench import growth
+    sizes = growth.sequence()
+    now, ahead, torch = (growth.xpool_driver_calls(sizes), growth.xpool_driver_calls(sizes, ahead=True),
+                         growth.pytorch_driver_calls(sizes))
+    row = lambda name, r: f"| {name} | {r['handles']:,} | {r['maps']:,} | {r['calls']:,} |"
+    return [row("xpool before (a handle a page, 3 calls each)", growth.xpool_driver_calls(sizes, page_handles=True)),
+            row("xpool now", now),
+            row("PyTorch's rules (`pytorch_driver_calls`)", torch), row("what-if: xpool mapping whole handles", ahead),
+            f"{now['calls'] / now['maps']:.2f} against {torch['calls'] / torch['maps']:.2f} calls per mapping miss",
+            f"PyTorch maps {now['maps'] - torch['maps']} fewer times",
+            f"makes {100 * (1 - torch['calls'] / now['calls']):.0f}% fewer calls"]
+
+
 EXPECTED = {"usage": expected_usage, "0002": lambda: expected_0002() + expected_0002_at_scale(),
             "0003": expected_0003, "0004": expected_0004, "0006": expected_0006, "0007": expected_0007,
-            "0008": expected_0008, "0009": expected_0009, "0010": expected_0010}
+            "0008": expected_0008, "0009": expected_0009, "0010": expected_0010, "0013": expected_0013}
 
 
 @pytest.mark.parametrize("number", sorted(EXPECTED))

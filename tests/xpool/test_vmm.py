@@ -330,14 +330,14 @@ def test_cuda_map_failing_at_the_nth_page_leaves_nothing(fake_driver):
             raise SystemExit("no error")
         except MemoryError as e:
             assert e.status == _vmm.OOM and "cuMemMap failed: CUDA_ERROR_OUT_OF_MEMORY" in str(e), e
-            assert "page 5 of 8" in str(e), e
+            assert "handle 5 of 8" in str(e), e
         assert get("fake_live_allocations") == 0 and get("fake_pages_mapped") == 0
         put("fake_capacity_pages", 3)
         try:
             ops.map(0, a, 4 * G)
             raise SystemExit("no error")
         except MemoryError as e:
-            assert "cuMemCreate failed" in str(e) and "page 3 of 4" in str(e), e
+            assert "cuMemCreate failed" in str(e) and "handle 3 of 4" in str(e), e
         assert get("fake_live_allocations") == 0 and get("fake_pages_mapped") == 0
         put("fake_capacity_pages", 1 << 20)
         put("fake_fail_access", 1)
@@ -352,15 +352,23 @@ def test_cuda_map_failing_at_the_nth_page_leaves_nothing(fake_driver):
     """)
 
 
-def test_cuda_unmap_of_what_is_not_mapped_fails_with_a_prefix(fake_driver):
+def test_cuda_unmap_of_what_is_not_mapped_fails_and_unmaps_nothing(fake_driver):
     _fake(fake_driver, """
         a = ops.reserve(0, 64 * G)
         ops.map(0, a, 2 * G)
         try:
-            ops.unmap(0, a, 4 * G)                # pages 2 and 3 are not mapped
+            ops.unmap(0, a, 4 * G)                # pages 2 and 3 are not mapped: checked before anything is unmapped
             raise SystemExit("no error")
         except _vmm.VmmError as e:
-            assert e.done == 2 * G and "at page 2 of 4" in str(e), e
+            assert e.done == 0 and e.status == _vmm.INVALID and "0x%x is not a whole mapping" % (a + 2 * G) in str(e), e
+        assert get("fake_pages_mapped") == 2 and get("fake_syncs") == 0
+        ops.map(0, a + 2 * G, 4 * G, page=2 * G)  # two handles of 2 pages
+        try:
+            ops.unmap(0, a + 2 * G, 3 * G, page=0)  # half a handle: CUDA unmaps whole mappings only
+            raise SystemExit("no error")
+        except _vmm.VmmError as e:
+            assert e.done == 0 and e.status == _vmm.INVALID, e
+        assert ops.unmap(0, a, 6 * G, page=0) == 6 * G   # every handle as it was mapped, whatever its size
         assert get("fake_pages_mapped") == 0 and get("fake_live_allocations") == 0
         try:
             ops.release(0, a + G, 8 * G)
@@ -436,3 +444,76 @@ def test_cupy_backend_offers_cuda_or_says_why_not():
                                                  or "virtual memory" in str(e)), e
     else:
         assert xpool_twin.Ops(capsule).name == "cuda"
+
+
+# --- driver calls per map and unmap (Note [Handles] in xpool/_expandable.c), counted by the fake driver
+
+CALLS = ("fake_create_calls", "fake_map_calls", "fake_access_calls", "fake_release_calls", "fake_unmap_calls",
+         "fake_syncs")
+
+
+def test_cuda_map_makes_two_calls_a_handle_and_one_access_call_a_run(fake_driver):
+    _fake(fake_driver, f"""
+        calls = lambda: [get(n) for n in {CALLS!r}]
+        a = ops.reserve(0, 64 * G)
+        ops.map(0, a, 40 * G, page=8 * G, peers=0b10)     # 5 handles of 8 pages: not 40 of one
+        assert calls() == [5, 5, 1, 0, 0, 0] and get("fake_pages_mapped") == 5   # one access call, both devices
+        assert get("fake_last_access_count", ctypes.c_int) == 2
+        ops.map(0, a + 40 * G, 10 * G, page=4 * G)        # 4 + 4 + 2 pages: the last handle the rest
+        assert calls() == [8, 8, 2, 0, 0, 0] and get("fake_live_allocations") == 8
+        assert ops.unmap(0, a, 50 * G) == 50 * G           # both runs, each handle as mapped: one synchronisation
+        assert calls() == [8, 8, 2, 8, 8, 1] and get("fake_live_allocations") == 0
+        ops.release(0, a, 64 * G)
+    """)
+
+
+def test_cuda_map_failing_midway_releases_every_handle_it_made(fake_driver):
+    _fake(fake_driver, """
+        a = ops.reserve(0, 64 * G)
+        put("fake_fail_map_at", 2)                          # the third handle's cuMemMap
+        try:
+            ops.map(0, a, 40 * G, page=8 * G)
+            raise SystemExit("no error")
+        except MemoryError as e:
+            assert "handle 2 of 5" in str(e), e
+        assert get("fake_live_allocations") == 0 and get("fake_pages_mapped") == 0
+        ops.map(0, a, 40 * G, page=8 * G)                   # the same addresses map again: nothing was left there
+        assert ops.unmap(0, a, 40 * G, page=8 * G) == 40 * G and get("fake_live_allocations") == 0
+        ops.release(0, a, 64 * G)
+    """)
+
+
+def test_growth_through_the_cuda_ops_counts_the_calls_the_rule_says(fake_driver, tmp_path):
+    """The lab's growth sequence at a tenth (150 requests to 2.8 GB) through the range manager (the expandable
+    harness) over the CUDA ops on the fake driver at an H100's 2 MiB granularity: the memory calls the driver sees
+    are the lab's model of xpool's rule (xlab.bench.growth.xpool_driver_calls), no cuMemRelease until the unmap,
+    then each handle unmapped and released once.  (The fake's default granularity is 64 KiB; an H100's is 2 MiB.)"""
+    pytest.importorskip("xlab.bench.growth")
+    sys.path.insert(0, str(FIXTURES.parent))
+    from fixtures import expandable as E
+    E.build(tmp_path)
+    _fake(fake_driver, f"""
+        import sys
+        sys.path.insert(0, {str(FIXTURES.parent)!r})
+        from fixtures import expandable as E
+        from xlab.bench import growth
+        put("fake_granularity", 2 << 20)
+        lib = E.build({str(tmp_path)!r})
+        pool = E.Pool(lib, _vmm.cuda_vmm(), 0, range_bytes=4 << 30)
+        assert pool.page == 2 << 20
+        sizes = growth.sequence(150, 2_800_000_000)
+        before = {{n: get(n) for n in {CALLS!r}}}
+        ptrs = [pool.alloc(n) for n in sizes]
+        made = {{n: get(n) - before[n] for n in {CALLS!r}}}
+        mine = sum(made[n] for n in {CALLS[:4]!r})
+        model = growth.xpool_driver_calls(sizes)
+        assert made["fake_release_calls"] == made["fake_unmap_calls"] == made["fake_syncs"] == 0, made
+        assert (made["fake_create_calls"], made["fake_access_calls"], mine) == \\
+               (model["handles"], model["maps"], model["calls"]), (made, model)
+        for p in ptrs:
+            pool.free(p)
+        assert pool.release() > 0 and get("fake_live_allocations") == 0 and get("fake_pages_mapped") == 0
+        assert get("fake_unmap_calls") - before["fake_unmap_calls"] == model["handles"]   # each handle, once
+        assert get("fake_release_calls") - before["fake_release_calls"] == model["handles"]
+        pool.destroy()
+    """)
