@@ -43,12 +43,13 @@ data_dir: str = ""  # folder of the committed CSVs shown; a folder of CSVs, or e
 publish: bool = False  # write what this run measures to data/ and redraw figures/ (default: build/ only); True or False
 
 # %%
-import pandas as pd
-
 from xlab import notebook_utils as nbu
-from xlab.bench import dynamic, dynamic_scale
 
 run = nbu.setup("06_dynamic_shapes", globals())  # checks the parameters; a GPU measures now, a CPU shows the committed CSVs
+
+import pandas as pd
+
+from xlab.bench import dynamic, dynamic_scale
 
 # %% [markdown]
 # ## Without a GPU: the benchmark's code on the CPU, small models (checks the code, measures nothing)

@@ -107,7 +107,6 @@ PARAMETERS = {
     "with_torch": Param(),
     "fail_on_error": Param(),
     "transparency_steps": Param(1, 10_000, only="gpu"),
-    "threads_size_bytes": Param(choices="xlab.bench.alloc:THREAD_SIZE"),
     "steps": Param(1, 10_000, only="gpu"),
     "warmup": Param(0, 1_000, only="gpu"),
     "trials": Param(1, 100, only="gpu"),
@@ -191,12 +190,19 @@ def schema(name: str) -> dict:
             for n in ast.parse(source).body if isinstance(n, ast.AnnAssign)}
 
 
-def _coerce(name: str, ann: str, value):
+def _example(name: str, ann: str, default) -> str:
+    """How papermill passes this parameter, from its own name and default: '-p worlds 2, or -y "worlds: [2, 1]"'."""
+    if ann.startswith("list"):
+        items = [str(v) for v in default] or ["..."]
+        return f"-p {name} {items[0]}, or -y '{name}: [{', '.join(items)}]'"
+    return f"-p {name} {default if default != '' else '...'}"
+
+
+def _coerce(name: str, ann: str, value, default=None):
     """The value as its annotation wants it; papermill's `-p x 4` (a scalar, or 'a,b') stands for a list too."""
     kinds = {"int": int, "float": (int, float), "str": str, "bool": bool}
     base = ann.removeprefix("list[").removesuffix("]")
-    example = {"list[int]": "-p batches 4, or -y 'batches: [32, 4]'", "list[str]": "-p allocators xpool",
-               "int": "-p steps 10", "float": "-p seconds 0.5", "bool": "-p measure False", "str": "-p data_dir data"}
+    example = {ann: _example(name, ann, default)}
     if ann.startswith("list"):
         items = value.replace(",", " ").split() if isinstance(value, str) else value
         items = items if isinstance(items, (list, tuple)) else [items]
@@ -214,23 +220,46 @@ def _coerce(name: str, ann: str, value):
     return float(value) if ann == "float" else value
 
 
+def injected(namespace: dict) -> list[str]:
+    """The names papermill's injected cells assigned in this run (IPython's `In`, the cells run so far): the cells
+    starting "# Parameters" (papermill's translator writes them, tagged `injected-parameters`) run between the
+    parameters cell and the current one. A name the notebook assigns in a later cell (`-p rows 4`) is caught here,
+    where the namespace alone cannot tell it from the notebook's own; none outside IPython or in JupyterLab."""
+    inputs = namespace.get("In")
+    if not isinstance(inputs, list):
+        return []
+    names = []
+    for source in reversed(inputs[:-1]):              # In[-1]: the cell running now (the setup cell)
+        if not str(source).lstrip().startswith("# Parameters"):
+            break
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        names = [t.id for node in tree.body if isinstance(node, ast.Assign)
+                 for t in node.targets if isinstance(t, ast.Name)] + names
+    return list(dict.fromkeys(names))
+
+
 def check_parameters(name: str, namespace: dict, gpu: bool) -> list[str]:
     """Bring each parameter of notebook `name` in `namespace` to its annotated type and check it against PARAMETERS;
     the parameters this machine ignores (set away from their default: GPU-only ones on a CPU, CPU-only ones on a
-    GPU). ParameterError: an unknown parameter (the closest named), a wrong type, a value out of range."""
+    GPU). ParameterError: an unknown parameter (the closest named: one papermill injected, or any name in the namespace
+    the notebook never assigns), a wrong type, a value out of range."""
     params = schema(name)
     assigned = {t.id for src, _ in _cells(name) for node in ast.walk(ast.parse(src))
                 if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) for t in [node]}
-    for key, value in list(namespace.items()):
-        if (key.startswith("_") or key in params or key in assigned or key in _IPYTHON or hasattr(builtins, key)
-                or not isinstance(value, (int, float, str, bool, list, tuple, dict))):
-            continue
+    strays = [k for k in injected(namespace) if k not in params] + [
+        key for key, value in namespace.items()
+        if not (key.startswith("_") or key in params or key in assigned or key in _IPYTHON or hasattr(builtins, key)
+                or not isinstance(value, (int, float, str, bool, list, tuple, dict)))]
+    for key in strays:
         close = difflib.get_close_matches(key, params, n=1)
         raise ParameterError(f"unknown parameter {key!r} for notebook {name}" + (f" (did you mean {close[0]!r}?)"
                              if close else "") + f"; its parameters: {', '.join(params)}")
     ignored = []
     for key, (ann, default) in params.items():
-        value = namespace[key] = _coerce(key, ann, namespace[key])
+        value = namespace[key] = _coerce(key, ann, namespace[key], default)
         spec = PARAMETERS[key]
         why = spec.problem(ann, value)
         if why is not None:

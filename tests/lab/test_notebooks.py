@@ -230,7 +230,7 @@ def test_parameters_are_brought_to_their_types():
 @pytest.mark.parametrize("name, values, message", [
     ("03_single_gpu", dict(steps=-5), r"parameter 'steps' \(int\) must be 1 to 10,000; got -5$"),
     ("03_single_gpu", dict(trials=0), r"parameter 'trials' \(int\) must be 1 to 100; got 0$"),
-    ("02_allocator_microbench", dict(threads_size_bytes=-1), r"'threads_size_bytes' \(int\) must be 65,536; got -1$"),
+    ("04_multi_gpu", dict(batch=0), r"parameter 'batch' \(int\) must be 1 to 4,096; got 0$"),
     ("05_memory", dict(ks=0), r"'ks' \(list\[int\]\) must be 1 to 64 each, at least one; got \[0\]$"),
     ("05_memory", dict(ks=[]), r"'ks' .* at least one; got \[\]$"),
     ("04_multi_gpu", dict(modes="thread"), r"'modes' .* must be threads or processes each, at least one"),
