@@ -167,8 +167,21 @@ def pair(folder: pathlib.Path | None = None) -> list[str]:
                         f"writes them to the .py; deleting the .ipynb drops them)")
             continue
         subprocess.run([sys.executable, "-m", "jupytext", "--quiet", "--update", "--to", "ipynb", str(py)], check=True)
+        _with_language_info(ipynb)
         said.append(f"paired {ipynb.name} with {py.name}")
     return said
+
+
+def _with_language_info(ipynb: pathlib.Path) -> None:
+    """Give the .ipynb the language_info its kernel (this environment's ipykernel) reports. JupyterLab sets the
+    kernel's into the notebook once it starts, and a change there marks the tab unsaved: without it every notebook
+    opened dirty. The .py never holds it (jupytext.toml's metadata filter)."""
+    import nbformat
+    from ipykernel.ipkernel import IPythonKernel
+    nb = nbformat.read(ipynb, as_version=4)
+    if nb.metadata.get("language_info") != IPythonKernel.language_info:
+        nb.metadata["language_info"] = dict(IPythonKernel.language_info)
+        nbformat.write(nb, ipynb)
 
 
 def stale(name: str) -> str:
