@@ -100,3 +100,16 @@ nbu.summary(graph_rows, ["mode", "world", "batch", "allocator"], ["tokens_per_s"
 
 # %%
 nbu.figure("graph_steps", graph_rows, run=run)
+
+# %% [markdown]
+# ## One set-up, two runs
+#
+# The first two figures (the `ddp` CSVs) and the graph figure (`graph/`) both show the eager arms with one thread per
+# GPU at this batch: the same set-up, measured in different runs. Each row below says which run an answer comes from
+# and what that run was (`bound`: what limited a step, the host's dispatch or the GPU); the line above it names what
+# differs between the runs. Read each figure's ratios against peers of its own run only.
+
+# %%
+same, said = nbu.same_setup(ddp, graph_rows, where=dict(mode="threads", world=2, batch=batch))
+print(said or "No set-up shared by the figures' runs.")
+nbu.table(same) if same is not None else None

@@ -312,10 +312,13 @@ def describe_provenance(df: pd.DataFrame | None) -> str:
     """'measured on <gpu> (driver ..., CUDA ..., CuPy ...), commit ..., <date>' from the provenance columns."""
     if df is None or not len(df):
         return "no measurements"
-    p = plots.provenance_summary(df)
-    machine = "a machine without a GPU" if str(p["gpu"]).startswith(("none", "unknown")) else p["gpu"]
-    return f"measured on {machine} (driver {p['driver']}, CUDA {p['cuda']}, CuPy {p['cupy']}), commit {p['commit']}, " \
-           f"{p['date']}"
+    said = []
+    for _, rows in (df.groupby(df["gpu"].fillna("unknown").astype(str), sort=False) if "gpu" in df else [(0, df)]):
+        p = plots.provenance_summary(rows)          # each machine apart: a GPU's rows and a CPU's never mixed
+        machine = "a machine without a GPU" if str(p["gpu"]).startswith(("none", "unknown")) else p["gpu"]
+        said.append(f"{machine} (driver {p['driver']}, CUDA {p['cuda']}, CuPy {p['cupy']}), commit {p['commit']}, "
+                    f"{p['date']}")
+    return "measured on " + "; and on ".join(said)
 
 
 def shown_from(name: str, data=None) -> str:
@@ -456,6 +459,39 @@ def with_units(df: pd.DataFrame | None) -> pd.DataFrame | None:
     if df is None or "unit" not in df:
         return df
     return df.assign(**{str(u): df["value"].where(df["unit"] == u) for u in df["unit"].dropna().unique()})
+
+
+# --- one set-up in two figures (notebook 04)
+RUN_COLUMNS = ("csv", "commit", "date", "gpu", "steps", "warmup", "bound")
+
+
+def same_setup(*frames, keys=("mode", "world", "batch"), value: str = "speedup", where: dict | None = None):
+    """Where figures drawn from different CSVs show one set-up (`where`: e.g. threads, 2 GPUs, batch 32) under the
+    same arms: a row per run and arm, its median `value` [95% interval] and GPU utilisation, and what the run was
+    (RUN_COLUMNS); and a line naming what differs between the runs. (None, "") where they share none."""
+    from . import intervals as iv
+    rows = [f for f in frames if f is not None and len(f)]
+    if len(rows) < 2:
+        return None, ""
+    arms = set.intersection(*(set(f["allocator"]) for f in rows))
+    both = pd.concat([f[f["allocator"].isin(arms)] for f in rows], ignore_index=True)
+    for k, v in (where or {}).items():
+        both = both[both[k] == v]
+    if both.empty or both["csv"].nunique() < 2:
+        return None, ""
+    shown = [c for c in RUN_COLUMNS if c in both]
+    out = []
+    for (csv, arm), g in both.groupby(["csv", "allocator"], sort=False):
+        med, lo, hi = iv.median_ci(g[value].tolist())[:3]
+        out.append({**{c: ", ".join(sorted(map(str, g[c].dropna().unique()))) for c in shown}, "allocator": arm,
+                    value: f"{med:.2f}× [{lo:.2f}, {hi:.2f}]", "gpu_util_mean": f"{g['gpu_util_mean'].median():.0f}%",
+                    "trials": len(g)})
+    table = pd.DataFrame(out)
+    runs = table.groupby("csv", sort=False)[shown[1:]].agg(lambda v: ", ".join(sorted(set(v))))
+    differ = [c for c in shown[1:] if runs[c].nunique() > 1]
+    said = (f"The same set-up ({', '.join(f'{k} {v}' for k, v in (where or {}).items())}) in {len(runs)} runs: "
+            f"{', '.join(runs.index)}; they differ in {', '.join(differ) or 'nothing recorded'}.")
+    return table[["allocator", value, "gpu_util_mean", "trials", *shown]], said
 
 
 # --- correctness (notebook 01)

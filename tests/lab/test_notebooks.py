@@ -26,7 +26,7 @@ from xlab.bench import dynamic_scale
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NAMES = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
 FIGURE_CELLS = {"01_correctness": 1, "02_allocator_microbench": 3, "03_single_gpu": 1, "04_multi_gpu": 4,
-                "05_memory": 3, "06_dynamic_shapes": 3}
+                "05_memory": 3, "06_dynamic_shapes": 5}
 PROGRESS = {"01_correctness", "03_single_gpu", "04_multi_gpu", "06_dynamic_shapes"}   # cells over ~5 s on a CPU
 # figures whose CSVs the GPU has yet to write (issue #46's scaled runs): drawn only where data/ has them
 WAITING = {"06_dynamic_shapes": ("dynamic_scale", "memory_cap")}
