@@ -37,11 +37,11 @@ data_dir: str = ""  # folder of the committed CSVs shown; a folder of CSVs, or e
 publish: bool = False  # write what this run measures to data/ and redraw figures/ (default: build/ only); True or False
 
 # %%
-import pandas as pd
-
 from xlab import notebook_utils as nbu
 
 run = nbu.setup("01_correctness", globals())  # checks the parameters; a GPU measures now, a CPU shows the committed CSVs
+
+import pandas as pd
 
 # %% [markdown]
 # ## Checks on the CPU (run now)

@@ -31,17 +31,16 @@
 # %% tags=["parameters"]
 quick: bool = False  # fewer trials, short windows (a smoke run, not numbers to quote); True or False; GPU only
 measure: bool = True  # measure now; True or False; GPU only
-threads_size_bytes: int = 65536  # request size of the thread-scaling table and figure (bytes); 65,536
 data_dir: str = ""  # folder of the committed CSVs shown; a folder of CSVs, or empty for data/
 publish: bool = False  # write what this run measures to data/ and redraw figures/ (default: build/ only); True or False
 
 # %%
-import pandas as pd
-
 from xlab import notebook_utils as nbu
-from xlab.bench import torch_interop
 
 run = nbu.setup("02_allocator_microbench", globals())  # checks the parameters; a GPU measures now, a CPU shows the committed CSVs
+
+from xlab.bench import torch_interop
+from xlab.bench.alloc import THREAD_SIZE  # the one request size the threads are measured at
 
 # %%
 bench = nbu.load_or_measure("alloc_microbench", "xlab.bench.alloc:run", run.gpu, run.data, measure, out=run.out,
@@ -63,11 +62,11 @@ nbu.figure("alloc_cost", sizes, run=run)
 
 # %%
 threads = nbu.rows("alloc_threads", run, bench)
-nbu.summary(threads[threads["size_bytes"] == threads_size_bytes] if threads is not None else None,
+nbu.summary(threads[threads["size_bytes"] == THREAD_SIZE] if threads is not None else None,
             ["threads", "allocator"], ["kpairs_per_s"])
 
 # %%
-nbu.figure("alloc_threads", threads, run=run, size_bytes=threads_size_bytes)
+nbu.figure("alloc_threads", threads, run=run, size_bytes=THREAD_SIZE)
 
 # %% [markdown]
 # ## CuPy and PyTorch in one pool

@@ -43,11 +43,11 @@ data_dir: str = ""  # folder of the committed CSVs shown; a folder of CSVs, or e
 publish: bool = False  # write what this run measures to data/ and redraw figures/ (default: build/ only); True or False
 
 # %%
-import pandas as pd
-
 from xlab import notebook_utils as nbu
 
 run = nbu.setup("04_multi_gpu", globals())  # checks the parameters; a GPU measures now, a CPU shows the committed CSVs
+
+import pandas as pd
 
 # %% [markdown]
 # ## Without a GPU: the data-parallel code on NumPy, ranks as threads (checks the code, measures nothing)
@@ -100,3 +100,16 @@ nbu.summary(graph_rows, ["mode", "world", "batch", "allocator"], ["tokens_per_s"
 
 # %%
 nbu.figure("graph_steps", graph_rows, run=run)
+
+# %% [markdown]
+# ## One set-up, two runs
+#
+# The first two figures (the `ddp` CSVs) and the graph figure (`graph/`) both show the eager arms with one thread per
+# GPU at this batch: the same set-up, measured in different runs. Each row below says which run an answer comes from
+# and what that run was (`bound`: what limited a step, the host's dispatch or the GPU); the line above it names what
+# differs between the runs. Read each figure's ratios against peers of its own run only.
+
+# %%
+same, said = nbu.same_setup(ddp, graph_rows, where=dict(mode="threads", world=2, batch=batch))
+print(said or "No set-up shared by the figures' runs.")
+nbu.table(same) if same is not None else None

@@ -37,12 +37,13 @@ data_dir: str = ""  # folder of the committed CSVs shown; a folder of CSVs, or e
 publish: bool = False  # write what this run measures to data/ and redraw figures/ (default: build/ only); True or False
 
 # %%
-import pandas as pd
-
 from xlab import notebook_utils as nbu
-from xlab import memory_study
 
 run = nbu.setup("05_memory", globals())  # checks the parameters; a GPU measures now, a CPU shows the committed CSVs
+
+import pandas as pd
+
+from xlab import memory_study
 
 # %%
 measured = nbu.load_or_measure("memory_waste", "xlab.memory_study:run", run.gpu, run.data, measure, out=run.out,

@@ -43,12 +43,13 @@ data_dir: str = ""  # folder of the committed CSVs shown; a folder of CSVs, or e
 publish: bool = False  # write what this run measures to data/ and redraw figures/ (default: build/ only); True or False
 
 # %%
-import pandas as pd
-
 from xlab import notebook_utils as nbu
-from xlab.bench import dynamic, dynamic_scale
 
 run = nbu.setup("06_dynamic_shapes", globals())  # checks the parameters; a GPU measures now, a CPU shows the committed CSVs
+
+import pandas as pd
+
+from xlab.bench import dynamic, dynamic_scale
 
 # %% [markdown]
 # ## Without a GPU: the benchmark's code on the CPU, small models (checks the code, measures nothing)
@@ -70,6 +71,16 @@ nbu.table(dynamic.summary(rows), full=rows, group="workload") if rows is not Non
 
 # %%
 nbu.figure("dynamic_shapes", rows, run=run)
+
+# %% [markdown]
+# Device calls per step (the `cudaMalloc`s and frees, or maps and unmaps, of each arm) and ms per step over the
+# fastest peer's in the same trial, from the same rows.
+
+# %%
+nbu.figure("dynamic_calls", rows, run=run)
+
+# %%
+nbu.figure("dynamic_speed", rows, run=run)
 
 # %% [markdown]
 # ## At the scale users run them (issue #46)
@@ -98,9 +109,10 @@ nbu.figure("dynamic_scale", big, run=run)
 # %% [markdown]
 # ## Under a memory cap: does the job fit?
 #
-# Each scaled workload under caps of 1.05×, 1.10× and 1.25× its uncapped run's peak requested, set the way each
-# allocator allows (Note [Memory caps] in `xlab/allocators.py`); a run stops at its first out-of-memory error. Per
-# front end, the trials each arm finished of those it ran.
+# Each scaled workload under caps over its uncapped run's peak requested (the line below names the caps the rows
+# hold; `python -m xlab.bench.dynamic_scale --caps` sets them), set the way each allocator allows (Note [Memory caps]
+# in `xlab/allocators.py`); a run stops at its first out-of-memory error. Per front end, the trials each arm finished
+# of those it ran.
 
 # %%
 capped = nbu.rows("memory_cap", run, scaled)

@@ -107,7 +107,6 @@ PARAMETERS = {
     "with_torch": Param(),
     "fail_on_error": Param(),
     "transparency_steps": Param(1, 10_000, only="gpu"),
-    "threads_size_bytes": Param(choices="xlab.bench.alloc:THREAD_SIZE"),
     "steps": Param(1, 10_000, only="gpu"),
     "warmup": Param(0, 1_000, only="gpu"),
     "trials": Param(1, 100, only="gpu"),
@@ -168,8 +167,21 @@ def pair(folder: pathlib.Path | None = None) -> list[str]:
                         f"writes them to the .py; deleting the .ipynb drops them)")
             continue
         subprocess.run([sys.executable, "-m", "jupytext", "--quiet", "--update", "--to", "ipynb", str(py)], check=True)
+        _with_language_info(ipynb)
         said.append(f"paired {ipynb.name} with {py.name}")
     return said
+
+
+def _with_language_info(ipynb: pathlib.Path) -> None:
+    """Give the .ipynb the language_info its kernel (this environment's ipykernel) reports. JupyterLab sets the
+    kernel's into the notebook once it starts, and a change there marks the tab unsaved: without it every notebook
+    opened dirty. The .py never holds it (jupytext.toml's metadata filter)."""
+    import nbformat
+    from ipykernel.ipkernel import IPythonKernel
+    nb = nbformat.read(ipynb, as_version=4)
+    if nb.metadata.get("language_info") != IPythonKernel.language_info:
+        nb.metadata["language_info"] = dict(IPythonKernel.language_info)
+        nbformat.write(nb, ipynb)
 
 
 def stale(name: str) -> str:
@@ -191,12 +203,19 @@ def schema(name: str) -> dict:
             for n in ast.parse(source).body if isinstance(n, ast.AnnAssign)}
 
 
-def _coerce(name: str, ann: str, value):
+def _example(name: str, ann: str, default) -> str:
+    """How papermill passes this parameter, from its own name and default: '-p worlds 2, or -y "worlds: [2, 1]"'."""
+    if ann.startswith("list"):
+        items = [str(v) for v in default] or ["..."]
+        return f"-p {name} {items[0]}, or -y '{name}: [{', '.join(items)}]'"
+    return f"-p {name} {default if default != '' else '...'}"
+
+
+def _coerce(name: str, ann: str, value, default=None):
     """The value as its annotation wants it; papermill's `-p x 4` (a scalar, or 'a,b') stands for a list too."""
     kinds = {"int": int, "float": (int, float), "str": str, "bool": bool}
     base = ann.removeprefix("list[").removesuffix("]")
-    example = {"list[int]": "-p batches 4, or -y 'batches: [32, 4]'", "list[str]": "-p allocators xpool",
-               "int": "-p steps 10", "float": "-p seconds 0.5", "bool": "-p measure False", "str": "-p data_dir data"}
+    example = {ann: _example(name, ann, default)}
     if ann.startswith("list"):
         items = value.replace(",", " ").split() if isinstance(value, str) else value
         items = items if isinstance(items, (list, tuple)) else [items]
@@ -214,23 +233,46 @@ def _coerce(name: str, ann: str, value):
     return float(value) if ann == "float" else value
 
 
+def injected(namespace: dict) -> list[str]:
+    """The names papermill's injected cells assigned in this run (IPython's `In`, the cells run so far): the cells
+    starting "# Parameters" (papermill's translator writes them, tagged `injected-parameters`) run between the
+    parameters cell and the current one. A name the notebook assigns in a later cell (`-p rows 4`) is caught here,
+    where the namespace alone cannot tell it from the notebook's own; none outside IPython or in JupyterLab."""
+    inputs = namespace.get("In")
+    if not isinstance(inputs, list):
+        return []
+    names = []
+    for source in reversed(inputs[:-1]):              # In[-1]: the cell running now (the setup cell)
+        if not str(source).lstrip().startswith("# Parameters"):
+            break
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        names = [t.id for node in tree.body if isinstance(node, ast.Assign)
+                 for t in node.targets if isinstance(t, ast.Name)] + names
+    return list(dict.fromkeys(names))
+
+
 def check_parameters(name: str, namespace: dict, gpu: bool) -> list[str]:
     """Bring each parameter of notebook `name` in `namespace` to its annotated type and check it against PARAMETERS;
     the parameters this machine ignores (set away from their default: GPU-only ones on a CPU, CPU-only ones on a
-    GPU). ParameterError: an unknown parameter (the closest named), a wrong type, a value out of range."""
+    GPU). ParameterError: an unknown parameter (the closest named: one papermill injected, or any name in the namespace
+    the notebook never assigns), a wrong type, a value out of range."""
     params = schema(name)
     assigned = {t.id for src, _ in _cells(name) for node in ast.walk(ast.parse(src))
                 if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) for t in [node]}
-    for key, value in list(namespace.items()):
-        if (key.startswith("_") or key in params or key in assigned or key in _IPYTHON or hasattr(builtins, key)
-                or not isinstance(value, (int, float, str, bool, list, tuple, dict))):
-            continue
+    strays = [k for k in injected(namespace) if k not in params] + [
+        key for key, value in namespace.items()
+        if not (key.startswith("_") or key in params or key in assigned or key in _IPYTHON or hasattr(builtins, key)
+                or not isinstance(value, (int, float, str, bool, list, tuple, dict)))]
+    for key in strays:
         close = difflib.get_close_matches(key, params, n=1)
         raise ParameterError(f"unknown parameter {key!r} for notebook {name}" + (f" (did you mean {close[0]!r}?)"
                              if close else "") + f"; its parameters: {', '.join(params)}")
     ignored = []
     for key, (ann, default) in params.items():
-        value = namespace[key] = _coerce(key, ann, namespace[key])
+        value = namespace[key] = _coerce(key, ann, namespace[key], default)
         spec = PARAMETERS[key]
         why = spec.problem(ann, value)
         if why is not None:
@@ -270,10 +312,13 @@ def describe_provenance(df: pd.DataFrame | None) -> str:
     """'measured on <gpu> (driver ..., CUDA ..., CuPy ...), commit ..., <date>' from the provenance columns."""
     if df is None or not len(df):
         return "no measurements"
-    p = plots.provenance_summary(df)
-    machine = "a machine without a GPU" if str(p["gpu"]).startswith(("none", "unknown")) else p["gpu"]
-    return f"measured on {machine} (driver {p['driver']}, CUDA {p['cuda']}, CuPy {p['cupy']}), commit {p['commit']}, " \
-           f"{p['date']}"
+    said = []
+    for _, rows in (df.groupby(df["gpu"].fillna("unknown").astype(str), sort=False) if "gpu" in df else [(0, df)]):
+        p = plots.provenance_summary(rows)          # each machine apart: a GPU's rows and a CPU's never mixed
+        machine = "a machine without a GPU" if str(p["gpu"]).startswith(("none", "unknown")) else p["gpu"]
+        said.append(f"{machine} (driver {p['driver']}, CUDA {p['cuda']}, CuPy {p['cupy']}), commit {p['commit']}, "
+                    f"{p['date']}")
+    return "measured on " + "; and on ".join(said)
 
 
 def shown_from(name: str, data=None) -> str:
@@ -414,6 +459,39 @@ def with_units(df: pd.DataFrame | None) -> pd.DataFrame | None:
     if df is None or "unit" not in df:
         return df
     return df.assign(**{str(u): df["value"].where(df["unit"] == u) for u in df["unit"].dropna().unique()})
+
+
+# --- one set-up in two figures (notebook 04)
+RUN_COLUMNS = ("csv", "commit", "date", "gpu", "steps", "warmup", "bound")
+
+
+def same_setup(*frames, keys=("mode", "world", "batch"), value: str = "speedup", where: dict | None = None):
+    """Where figures drawn from different CSVs show one set-up (`where`: e.g. threads, 2 GPUs, batch 32) under the
+    same arms: a row per run and arm, its median `value` [95% interval] and GPU utilisation, and what the run was
+    (RUN_COLUMNS); and a line naming what differs between the runs. (None, "") where they share none."""
+    from . import intervals as iv
+    rows = [f for f in frames if f is not None and len(f)]
+    if len(rows) < 2:
+        return None, ""
+    arms = set.intersection(*(set(f["allocator"]) for f in rows))
+    both = pd.concat([f[f["allocator"].isin(arms)] for f in rows], ignore_index=True)
+    for k, v in (where or {}).items():
+        both = both[both[k] == v]
+    if both.empty or both["csv"].nunique() < 2:
+        return None, ""
+    shown = [c for c in RUN_COLUMNS if c in both]
+    out = []
+    for (csv, arm), g in both.groupby(["csv", "allocator"], sort=False):
+        med, lo, hi = iv.median_ci(g[value].tolist())[:3]
+        out.append({**{c: ", ".join(sorted(map(str, g[c].dropna().unique()))) for c in shown}, "allocator": arm,
+                    value: f"{med:.2f}× [{lo:.2f}, {hi:.2f}]", "gpu_util_mean": f"{g['gpu_util_mean'].median():.0f}%",
+                    "trials": len(g)})
+    table = pd.DataFrame(out)
+    runs = table.groupby("csv", sort=False)[shown[1:]].agg(lambda v: ", ".join(sorted(set(v))))
+    differ = [c for c in shown[1:] if runs[c].nunique() > 1]
+    said = (f"The same set-up ({', '.join(f'{k} {v}' for k, v in (where or {}).items())}) in {len(runs)} runs: "
+            f"{', '.join(runs.index)}; they differ in {', '.join(differ) or 'nothing recorded'}.")
+    return table[["allocator", value, "gpu_util_mean", "trials", *shown]], said
 
 
 # --- correctness (notebook 01)

@@ -208,7 +208,8 @@ def family(check: str) -> str:
 
 
 def correctness(df: pd.DataFrame) -> Figure:
-    """Per device and family of checks: the worst error over its threshold (log), and how many pass."""
+    """Per device and family of checks: the worst error over its threshold (a point on a log axis), and how many
+    pass."""
     df = sources.with_device(df)
     df["group"] = df["check"].map(family)
     df["ratio"] = np.where(df["threshold"] > 0, df["measured"] / df["threshold"].where(df["threshold"] > 0), 0.0)
@@ -231,13 +232,17 @@ def correctness(df: pd.DataFrame) -> Figure:
         y = np.arange(len(w))
         ok = (w["passed"] == w["n"]).to_numpy()
         tol = ~w["exact"].to_numpy()
-        ax.barh(y[tol], w["ratio"].clip(lower=lo, upper=hi).to_numpy()[tol] - lo, left=lo, height=0.7,
-                color=np.where(ok, PASS_COLOR, FAIL_COLOR)[tol])
+        # a point, not a bar: on a log axis a bar's length is set by where the axis starts; 0 has no point there
+        shown = tol & (w["ratio"].to_numpy() > 0)
+        ax.scatter(w["ratio"].clip(upper=hi).to_numpy()[shown], y[shown], s=36, zorder=3,
+                   color=np.where(ok, PASS_COLOR, FAIL_COLOR)[shown])
         for yi, r, exact, good, measured in zip(y, w["ratio"], w["exact"], ok, w["measured"]):
-            txt = (("exact: measured 0 ✓" if good else f"exact: measured {measured:g}, must be 0 ✗") if exact else
-                   "0" if r == 0 else "NaN" if not np.isfinite(r) else f"{r:.1g}")
-            ax.annotate(txt, (lo if exact else max(min(r, hi), lo), yi), xytext=(3, 0), textcoords="offset points",
-                        va="center", fontsize=7, color=(PASS_COLOR if good else FAIL_COLOR) if exact else "black")
+            zero = measured == 0            # one label for a zero, exact check or not
+            txt = ("measured 0 ✓" if zero and good else f"measured {measured:g}, must be 0 ✗" if exact else
+                   "NaN" if not np.isfinite(r) else f"{r:.1g}")
+            ax.annotate(txt, (lo if zero or exact else min(r, hi), yi), xytext=(5, 0), textcoords="offset points",
+                        va="center", fontsize=7, color=(PASS_COLOR if good else FAIL_COLOR) if zero or exact
+                        else "black")
         ax.set_yticks(y, [f"{g} ({int(p)} of {int(n)})" for g, p, n in zip(w.index, w["passed"], w["n"])],
                       fontsize=7.5)
         ax.set(xscale="log", xlim=(lo, hi), ylim=(-0.7, len(w) - 0.3))
@@ -247,7 +252,7 @@ def correctness(df: pd.DataFrame) -> Figure:
         ax.tick_params(labelbottom=True)
     axes[-1, 0].set_xlabel("worst measured error / threshold in the family (log scale; below 1 passes)")
     return _finish(fig, "Correctness gate: every check's error against its threshold", df,
-                   "A bar: the worst check of a family, in multiples of its threshold (checks passing of the family "
+                   "A point: the worst check of a family, in multiples of its threshold (checks passing of the family "
                    "in brackets); green: every check passes, red: one fails. Every check is a row of the CSV.")
 
 
@@ -493,10 +498,12 @@ def memory_schemes(df: pd.DataFrame) -> Figure:
     d = labelled(df.assign(waste_pct=100 * (df["reserved_over_requested"] - 1)))
     traces = list(dict.fromkeys(d["trace"]))
     fig, [[ax], [cost]] = _figure(2, 1, size=(15, 11))
-    # log scale: the seed scheme's 50-170% beside the segments' 0.2-3% would flatten the bars that matter
-    bars(ax, d.assign(waste_pct=d["waste_pct"].clip(lower=0.01)), "trace", "waste_pct", traces,
-         fmt=lambda v: f"{v:.0f}%" if v >= 10 else f"{v:.1f}%", labels=trace_label, log=True, rotate=90)
-    ax.set(ylabel="peak reserved / peak requested − 1 (%, log)", title="Memory held beyond the arrays' peak, "
+    # a linear axis from 0: a bar's length is what its pool holds beyond the peak (a log axis needs a floor, and the
+    # floor sets the length); the small bars are labelled
+    bars(ax, d, "trace", "waste_pct", traces, fmt=lambda v: f"{v:.0f}%" if v >= 10 else f"{v:.1f}%",
+         labels=trace_label, rotate=90)
+    ax.set_ylim(0, d.groupby(["trace", "arm"])["waste_pct"].median().max() * 1.3)
+    ax.set(ylabel="peak reserved / peak requested − 1 (%)", title="Memory held beyond the arrays' peak, "
            "replayed on the CPU")
     c = d.dropna(subset=["ns_per_pair"])
     if len(c):
@@ -646,18 +653,15 @@ def _scale_note(d: pd.DataFrame) -> str:
 
 
 def _held(df: pd.DataFrame, title: str, note: str, **panels) -> Figure:
-    """Memory held, peak reserved over peak requested less one (log scale), per workload and arm in the two front
+    """Memory held, peak reserved over peak requested less one (linear, from 0), per workload and arm in the two front
     ends' panels (_dynamic_panels, `panels` its options), the goal 1.05 dotted."""
     d = df.assign(held_pct=100 * (df["reserved_over_requested"] - 1))
-    d["held_pct"] = d["held_pct"].clip(lower=0.01)         # a log scale: a pool holding just its peak sits at 0.01%
-    fig, axes = _dynamic_panels(d, "held_pct", "peak reserved / peak requested − 1 (%, log scale)",
+    # a linear axis from 0: a bar's length is what the arm holds beyond the peak (on a log axis it was set by a floor)
+    fig, axes = _dynamic_panels(d, "held_pct", "peak reserved / peak requested − 1 (%)",
                                 lambda v: f"{v:.0f}%" if v >= 10 else f"{v:.2g}%", **panels)
     for ax in axes[:, 0]:
         if ax.has_data():
-            heights = [p.get_height() for p in ax.patches if np.isfinite(p.get_height()) and p.get_height() > 0]
-            hi = ax.get_ylim()[1]
-            _logy(ax)
-            ax.set_ylim(min(heights) / 2, hi * 3)     # room above the tallest bar for its label
+            ax.set_ylim(0, ax.get_ylim()[1] * 1.15)   # room above the tallest bar for its label
             ax.axhline(5.0, color="black", ls=":", lw=1)
     return _finish(fig, title, df, "Held: peak reserved / peak requested − 1; dotted: the goal 1.05. " + note)
 

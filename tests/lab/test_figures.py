@@ -397,13 +397,16 @@ def check_correctness(fig, data):
         ticks = [t.get_text() for t in ax.get_yticklabels()]
         n = sum(int(t.rsplit("(", 1)[1].split(" of ")[1].rstrip(")")) for t in ticks)
         assert n == len(g)                                   # every check is in one family's count
-        widths = {round(p.get_y() + p.get_height() / 2): p.get_x() + p.get_width() for p in ax.patches}
+        points = {round(y): x for c in ax.collections for x, y in c.get_offsets()}    # a point per family, log x
         for i, t in enumerate(ticks):
             fam = t.rsplit(" (", 1)[0]
             rows = g[g["check"].map(plots.family) == fam] if hasattr(plots, "family") else g[g["check"] == fam]
             tol = rows[rows["threshold"] > 0]
             if len(tol) and (tol["measured"] > 0).any():
-                assert widths[i] == pytest.approx((tol["measured"] / tol["threshold"]).max()), t
+                assert points[i] == pytest.approx((tol["measured"] / tol["threshold"]).max()), t
+            elif (rows["measured"] == 0).all():                              # a zero: one label, exact or not
+                assert i not in points and any(tx.get_text() == "measured 0 ✓" and round(tx.xy[1]) == i
+                                               for tx in ax.texts), t
 
 
 CHECKS = {name[len("check_"):]: fn for name, fn in globals().items() if name.startswith("check_")}
@@ -493,8 +496,10 @@ def test_correctness_figure_marks_failures_and_exact_checks(tmp_path):
     labels = [t.get_text() for t in ax.get_yticklabels()]
     assert "PyTorch parity: every parameter's gradient, float64 wte (2 of 2)" not in labels
     assert any(lab.startswith("PyTorch parity: every parameter's gradient") for lab in labels)
-    assert any("exact: measured 0" in t.get_text() for t in ax.texts)
-    assert len({tuple(np.round(p.get_facecolor()[:3], 3)) for p in ax.patches}) == 2        # pass and fail
+    assert any(t.get_text() == "measured 0 ✓" for t in ax.texts)
+    assert not any(t.get_text() in ("0", "exact: measured 0 ✓") for t in ax.texts)           # a zero said one way
+    assert not ax.patches                                                    # points: no bar from the axis's floor
+    assert len({tuple(np.round(c[:3], 3)) for c in ax.collections[0].get_facecolors()}) == 2  # pass and fail
 
 
 def test_correctness_without_a_device_column_says_where_from_the_array_module():

@@ -26,7 +26,7 @@ from xlab.bench import dynamic_scale
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NAMES = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
 FIGURE_CELLS = {"01_correctness": 1, "02_allocator_microbench": 3, "03_single_gpu": 1, "04_multi_gpu": 4,
-                "05_memory": 3, "06_dynamic_shapes": 3}
+                "05_memory": 3, "06_dynamic_shapes": 5}
 PROGRESS = {"01_correctness", "03_single_gpu", "04_multi_gpu", "06_dynamic_shapes"}   # cells over ~5 s on a CPU
 # figures whose CSVs the GPU has yet to write (issue #46's scaled runs): drawn only where data/ has them
 WAITING = {"06_dynamic_shapes": ("dynamic_scale", "memory_cap")}
@@ -230,7 +230,7 @@ def test_parameters_are_brought_to_their_types():
 @pytest.mark.parametrize("name, values, message", [
     ("03_single_gpu", dict(steps=-5), r"parameter 'steps' \(int\) must be 1 to 10,000; got -5$"),
     ("03_single_gpu", dict(trials=0), r"parameter 'trials' \(int\) must be 1 to 100; got 0$"),
-    ("02_allocator_microbench", dict(threads_size_bytes=-1), r"'threads_size_bytes' \(int\) must be 65,536; got -1$"),
+    ("04_multi_gpu", dict(batch=0), r"parameter 'batch' \(int\) must be 1 to 4,096; got 0$"),
     ("05_memory", dict(ks=0), r"'ks' \(list\[int\]\) must be 1 to 64 each, at least one; got \[0\]$"),
     ("05_memory", dict(ks=[]), r"'ks' .* at least one; got \[\]$"),
     ("04_multi_gpu", dict(modes="thread"), r"'modes' .* must be threads or processes each, at least one"),
