@@ -78,9 +78,6 @@ def test_the_scheme_comes_from_the_argument_or_the_environment(monkeypatch):
     assert (Settings().scheme, Settings().source("scheme")) == ("expandable", "XPOOL_SCHEME")
     pool = Pool(TwinBackend())
     assert pool.settings.scheme == pool._core.scheme == "expandable"
-    monkeypatch.setenv("XPOOL_SEGMENT_ROUND", "4096")
-    with pytest.raises(ValueError, match="^XPOOL_SEGMENT_ROUND='4096': the setting 'segment_round' was removed"):
-        Settings()
 
 
 def test_a_backend_without_virtual_memory_is_refused_naming_the_scheme_and_the_backend():
@@ -91,11 +88,11 @@ def test_a_backend_without_virtual_memory_is_refused_naming_the_scheme_and_the_b
 
     class NoDriver(TwinBackend):
         def vmm(self):
-            raise xpool._vmm.VmmError("cannot load the CUDA driver (libcuda.so.1)")
+            raise xpool._core.VmmError("cannot load the CUDA driver (libcuda.so.1)")
 
     with pytest.raises(RuntimeError, match=r"scheme 'expandable': NoDriver.vmm\(\) failed: cannot load") as e:
         Pool(NoDriver(), scheme="expandable")
-    assert isinstance(e.value.__cause__, xpool._vmm.VmmError)
+    assert isinstance(e.value.__cause__, xpool._core.VmmError)
 
     class Junk(TwinBackend):
         def vmm(self):

@@ -183,8 +183,6 @@ def test_the_rest_of_a_new_segment_starts_poisoned():
 def test_scheme_is_chosen_by_name_and_classes_per_doubling_needs_seed(monkeypatch):
     backend = HostBackend()
     assert Pool(backend).settings.scheme == "segments" and Pool(backend).settings.classes_per_doubling is None
-    with pytest.raises(ValueError, match="'xpool' is scheme 'segments' now"):
-        Pool(backend, scheme="xpool")                               # the old name of the default
     assert Pool(backend, scheme="seed").settings.classes_per_doubling == 1
     seed = Pool(backend, scheme="seed", classes_per_doubling=4)
     assert seed.settings.scheme == "seed" and seed.allocate(4 * MiB + 1).size == 5 * MiB
@@ -196,19 +194,12 @@ def test_scheme_is_chosen_by_name_and_classes_per_doubling_needs_seed(monkeypatc
         Pool(backend, scheme="arena")
     monkeypatch.setenv("XPOOL_SCHEME", "seed")
     assert Pool(backend).settings.scheme == "seed"
-    monkeypatch.setenv("XPOOL_SCHEME", "xpool")
-    with pytest.raises(ValueError, match="XPOOL_SCHEME='xpool'.*'xpool' is scheme 'segments' now"):
-        Pool(backend)
     monkeypatch.setenv("XPOOL_SCHEME", "buddy")
     with pytest.raises(ValueError, match="XPOOL_SCHEME"):
         Pool(backend)
     monkeypatch.setenv("XPOOL_SCHEME", "seed")
     monkeypatch.setenv("XPOOL_CLASSES_PER_DOUBLING", "4")
     assert Pool(backend).settings.classes_per_doubling == 4   # the variables' cases: tests/xpool/test_settings.py
-    monkeypatch.delenv("XPOOL_SCHEME")
-    monkeypatch.delenv("XPOOL_CLASSES_PER_DOUBLING")
-    with pytest.raises(ValueError, match="segment_round.*was removed"):
-        Pool(backend, scheme="segments", segment_round=1000)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
