@@ -112,7 +112,7 @@ def worker(arm: str, pairs: int, steps: int, warmup: int, batch_size: int | None
             xpool.cupy_adapter.installed().stats(0).peak_bytes_reserved)
     rows.append(dict(case="train_step", value=tps, unit="tokens_per_s", steps=steps, batch_size=B,
                      device_mallocs_per_step=mallocs, device_calls_per_step=calls, peak_reserved_bytes=int(peak)))
-    scheme = xpool.cupy_adapter.installed().scheme if arm != "torch" else ""     # the pool enable_torch() made
+    scheme = xpool.cupy_adapter.installed().settings.scheme if arm != "torch" else ""     # the pool enable_torch() made
     for r in rows:
         r.update(arm=arm, scheme=scheme, torch=torch.__version__)
     return rows
