@@ -1,4 +1,4 @@
-"""Issue #11 on a real GPU: limits per device and under threads, failed frees, huge requests through CuPy's
+"""The pool under CuPy on a real GPU: limits per device and under threads, failed frees, huge requests through CuPy's
 C path, check() under concurrency (marked: skipped where no GPU is visible)."""
 import threading
 

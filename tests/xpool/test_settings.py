@@ -9,6 +9,8 @@ import xpool
 from xpool import Pool, Settings
 from xpool_twin import TwinBackend
 from xpool.settings import DEFAULTS, ENV
+import numpy as np
+from xpool_twin import HostBackend
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -263,3 +265,72 @@ def test_a_front_ends_default_scheme_fills_only_what_nothing_else_set(monkeypatc
     with pytest.raises(TypeError):
         Settings("seed", None, 0, False, 0, "torch")                          # keyword only
     assert Settings("seed").scheme == "seed"                                 # positional fields as before
+
+
+P = 1 << 16
+
+
+def expandable(**kw):
+    backend = TwinBackend(n_devices=1, granularity=P)
+    return Pool(backend, scheme="expandable", **kw), backend
+
+
+def test_keywords_over_a_settings_replace_those_fields_alone_and_say_so():
+    base = Settings(limit="1GiB", debug="warn")
+    for scheme in ("expandable", "seed", "segments"):
+        pool = Pool(TwinBackend(), base, scheme=scheme)
+        s = pool.settings
+        assert (s.scheme, s.limit, s.debug) == (scheme, 1 << 30, "warn")
+        assert (s.source("scheme"), s.source("limit"), s.source("debug")) == ("scheme", "limit", "debug")
+        assert s.source("timeline") == "default"
+    seed = Settings(scheme="seed", classes_per_doubling=4)
+    assert Pool(TwinBackend(), seed, scheme="segments").settings.classes_per_doubling is None
+    assert xpool.MemoryPool(base, backend=TwinBackend(), scheme="expandable").settings.scheme == "expandable"
+
+
+@pytest.mark.parametrize("value", [[1], {}, {1}, bytearray(b"seed"), 3, 2.5])
+def test_a_scheme_of_the_wrong_kind_names_the_argument(value):
+    with pytest.raises(ValueError, match=r"^scheme=.*expected one of 'segments', 'seed', 'expandable'"):
+        Settings(scheme=value)
+
+
+@pytest.mark.usefixtures("seed_scheme")
+@pytest.mark.parametrize("var, value", [("XPOOL_CLASSES_PER_DOUBLING", "four"),
+                                        ("XPOOL_CLASSES_PER_DOUBLING", "0"),
+                                        ("XPOOL_TIMELINE", "lots"), ("XPOOL_TIMELINE", "-3")])
+def test_bad_environment_settings_name_the_variable(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=var):
+        Pool(HostBackend())
+
+
+@pytest.mark.usefixtures("seed_scheme")
+def test_classes_per_doubling_takes_numpy_integers():
+    pool = Pool(HostBackend(), classes_per_doubling=np.int64(4))
+    assert pool.settings.classes_per_doubling == 4 and type(pool.settings.classes_per_doubling) is int
+    assert pool.allocate(4 * MiB + 1).size == 5 * MiB
+    assert xpool.sizeclass.size_class(4 * MiB + 1, np.int32(4)) == 5 * MiB
+
+
+@pytest.mark.parametrize("value", ["bogus", "2", "maybe", "raise it"])
+def test_a_bad_debug_setting_names_its_variable(value, monkeypatch):
+    monkeypatch.setenv("XPOOL_DEBUG", value)
+    with pytest.raises(ValueError, match="XPOOL_DEBUG"):
+        Pool(HostBackend())
+    monkeypatch.delenv("XPOOL_DEBUG")
+    with pytest.raises(ValueError, match=r"\bdebug\b"):
+        Pool(HostBackend(), debug=value)
+
+
+def test_an_unknown_setting_is_named():
+    with pytest.raises(TypeError, match="no_such_setting"):
+        Pool(HostBackend(), no_such_setting=1)
+
+
+@pytest.mark.parametrize("events", [1 << 60, 1 << 63, 1 << 64])
+def test_a_timeline_too_large_names_its_argument(events, monkeypatch):
+    with pytest.raises((ValueError, MemoryError), match="timeline"):
+        Pool(HostBackend(), timeline=events)
+    monkeypatch.setenv("XPOOL_TIMELINE", str(events))
+    with pytest.raises((ValueError, MemoryError), match="XPOOL_TIMELINE"):
+        Pool(HostBackend())

@@ -106,18 +106,6 @@ def test_block_released_on_another_thread_returns_to_its_own_device():
     assert pool.allocate(5000, device=2).ptr == ptr
 
 
-def test_snapshot_difference_counts_step_activity():
-    pool, _ = make()
-    keep = [pool.allocate(n) for n in (100, 2000, 3 * MiB)]
-    del keep
-    s0 = pool.stats()
-    step = [pool.allocate(n) for n in (100, 2000, 3 * MiB, 5 * MiB)]
-    d = pool.stats() - s0
-    assert (d.requests, d.hits, d.misses, d.device_mallocs) == (4, 3, 1, 1)
-    assert d.bytes_in_use == sum(b.size for b in step)   # gauges keep the later value
-    del step
-
-
 def test_empty_cache_and_trim_give_memory_back():
     pool, backend = make()
     blocks = [pool.allocate(s) for s in (1 * MiB, 2 * MiB, 4 * MiB)]
@@ -258,45 +246,6 @@ def test_freeing_a_foreign_pointer_is_an_error_and_changes_nothing():
     with pytest.raises(ValueError, match="not handed out"):
         pool._core.free_ptr(5, 4096)
     assert pool.stats() == before
-
-
-def test_stats_frame_schema():
-    from xpool.counters import COLUMNS
-    pool, _ = make()
-    pool.allocate(1)
-    pytest.importorskip("pandas")
-    df = pool.stats().frame()
-    assert tuple(df.columns) == COLUMNS and len(df) == 1
-    assert list(xpool.stats().frame().columns) == list(COLUMNS)   # nothing installed: empty, same columns
-    assert len(xpool.stats().frame()) == 0
-
-
-def test_peaks_and_reset():
-    pool, _ = make()
-    a, b = pool.allocate(3000), pool.allocate(5000)
-    del a, b
-    st = pool.stats()
-    assert (st.peak_bytes_in_use, st.peak_bytes_requested, st.peak_bytes_reserved) == (8192, 8000, 8192)
-    pool.reset_peak_stats()
-    st = pool.stats()
-    assert (st.peak_bytes_in_use, st.peak_bytes_requested, st.peak_bytes_reserved) == (0, 0, 8192)
-
-
-def test_timeline_records_every_event_in_a_bounded_ring():
-    pool, _ = make(timeline=4)
-    a = pool.allocate(100)
-    del a
-    b = pool.allocate(100)
-    del b
-    pool.empty_cache()
-    df = pool.timeline()
-    assert list(df.event) == ["free", "alloc_hit", "free", "release"]   # the first miss fell out
-    assert df.attrs["dropped"] == 1
-    assert (df.t_s.diff().dropna() >= 0).all()
-    assert list(df.bytes_reserved) == [512, 512, 512, 0]
-    off, _ = make(timeline=0)
-    off.allocate(1).release()
-    assert len(off.timeline()) == 0 and off.timeline().attrs["dropped"] == 0
 
 
 def test_request_larger_than_the_device_is_bad_input_and_flushes_nothing():
