@@ -2,8 +2,7 @@
 import numpy as np
 import pytest
 
-from faults import FaultyBackend
-from faults import InjectedFault
+from faults import FaultyBackend, InjectedFault
 from xpool import Pool
 from xpool_twin import HostBackend
 

@@ -11,12 +11,9 @@ import pytest
 import xpool
 import xpool_twin
 import xpool_twin.testing
-from fixtures.torch_c import FREE
-from fixtures.torch_c import torch_malloc
-from xpool import Pool
-from xpool import Settings
-from xpool_twin import HostBackend
-from xpool_twin import TwinBackend
+from fixtures.torch_c import FREE, torch_malloc
+from xpool import Pool, Settings
+from xpool_twin import HostBackend, TwinBackend
 
 
 P = 1 << 16

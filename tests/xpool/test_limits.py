@@ -8,10 +8,8 @@ import pytest
 
 import xpool
 from faults import FaultyBackend
-from xpool import OutOfMemoryError
-from xpool import Pool
-from xpool_twin import HostBackend
-from xpool_twin import TwinBackend
+from xpool import OutOfMemoryError, Pool
+from xpool_twin import HostBackend, TwinBackend
 
 
 P = 1 << 16

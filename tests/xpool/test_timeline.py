@@ -2,8 +2,7 @@
 import pytest
 
 from xpool import Pool
-from xpool_twin import HostBackend
-from xpool_twin import TwinBackend
+from xpool_twin import HostBackend, TwinBackend
 
 
 P = 1 << 16
