@@ -1,6 +1,6 @@
 """The public face: the backend contract is a Protocol both shipped backends meet, the public API says what it
-takes, returns and raises, and the surface stays small: 13 names, a Pool of 12 members, a Snapshot of
-counters; the names retired at 0.3.0 are gone, and the CHANGELOG's table says what replaced each."""
+takes, returns and raises, and the surface stays small: 13 names, a Pool of 12 members (a Snapshot's counters:
+tests/xpool/test_stats.py); the names retired at 0.3.0 are gone, and the CHANGELOG's table says what replaced each."""
 import importlib
 import inspect
 import pathlib
@@ -11,10 +11,10 @@ import pytest
 import xpool
 from faults import AddressBackend, FaultyBackend
 from xpool import Pool
-from xpool_twin import HostBackend
 from xpool.backends import Backend, CupyBackend
 from xpool.pool import BACKEND_METHODS
-from xpool.counters import COLUMNS, COUNTERS, GAUGES, Snapshot
+from xpool_twin import HostBackend
+
 
 PROTOCOL_METHODS = sorted(n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_"))
 
@@ -186,84 +186,3 @@ def test_pool_has_at_most_12_public_members():
 def test_an_unknown_pool_member_is_an_ordinary_attribute_error():
     with pytest.raises(AttributeError, match="'Pool' object has no attribute 'nothing_here'"):
         Pool(HostBackend()).nothing_here
-
-
-def test_reset_peak_stats_takes_a_device_alone():
-    assert list(inspect.signature(Pool.reset_peak_stats).parameters) == ["self", "device"]
-    with pytest.raises(TypeError):
-        Pool(HostBackend()).reset_peak_stats(history=True)
-
-
-# --- statistics: a Snapshot, no pandas needed
-
-def _two_devices():
-    pool = Pool(HostBackend(n_devices=3))
-    held = [pool.allocate(1000, device=0), pool.allocate(3 << 20, device=2)]
-    pool.allocate(5000, device=2).release()
-    return pool, held
-
-
-def test_stats_without_a_pool_is_empty_and_says_so():
-    assert xpool.current() is None
-    snap = xpool.stats()
-    assert isinstance(snap, Snapshot) and len(snap) == 0 and list(snap) == []
-    assert "no xpool pool in use" in repr(snap) and "xpool.install()" in repr(snap)
-    assert snap.device_mallocs == 0 and snap["bytes_cached"] == 0
-
-
-def test_stats_with_a_pool_in_use_is_its_snapshot():
-    pool, held = _two_devices()
-    with xpool.use(xpool.MemoryPool(backend=HostBackend())) as mp:
-        mp.allocate(4096).release()
-        assert xpool.stats() == mp.stats() and xpool.stats().requests == 1
-    del pool, held
-
-
-def test_a_snapshot_sums_over_devices_and_gives_each_devices_dict():
-    pool, held = _two_devices()
-    snap = pool.stats()
-    assert list(snap) == [0, 2] and len(snap) == 2
-    assert isinstance(snap[0], dict) and snap[0]["requests"] == 1 and snap[2]["requests"] == 2
-    for name in COUNTERS + GAUGES:
-        assert getattr(snap, name) == snap[name] == snap.total(name) == snap[0][name] + snap[2][name], name
-    assert snap.bytes_in_use == 1024 + (3 << 20) and snap.blocks_in_use == 2
-    assert pool.stats(2) == Snapshot({2: snap[2]})
-    with pytest.raises(KeyError):
-        snap[1]
-    with pytest.raises(ValueError, match="name must be a counter or gauge"):
-        snap["nothing"]
-    with pytest.raises(AttributeError, match="'Snapshot' has no attribute 'nothing'"):
-        snap.nothing
-    del held
-
-
-def test_a_snapshot_difference_counts_activity_and_keeps_the_later_gauges():
-    pool, held = _two_devices()
-    before = pool.stats()
-    a = pool.allocate(5000, device=2)                  # a hit
-    b = pool.allocate(7 << 20, device=0)               # a miss
-    d = pool.stats() - before
-    assert isinstance(d, Snapshot) and list(d) == [0, 2]
-    assert (d[0]["requests"], d[0]["misses"], d[2]["requests"], d[2]["hits"]) == (1, 1, 1, 1)
-    assert (d.requests, d.device_mallocs) == (2, 1)
-    now = pool.stats()
-    assert all(d[dev][g] == now[dev][g] for dev in d for g in GAUGES)   # levels: the later value
-    del a, b, held
-
-
-def test_a_snapshot_frame_is_one_row_per_device():
-    pd = pytest.importorskip("pandas")
-    pool, held = _two_devices()
-    snap = pool.stats()
-    df = snap.frame()
-    assert isinstance(df, pd.DataFrame) and tuple(df.columns) == COLUMNS and list(df.device) == [0, 2]
-    assert df.set_index("device").loc[2, "bytes_cached"] == snap[2]["bytes_cached"]
-    assert int(df.requests.sum()) == snap.requests
-    del held
-
-
-def test_a_snapshots_repr_shows_each_device():
-    pool, held = _two_devices()
-    text = repr(pool.stats())
-    assert text.splitlines()[0].split()[:3] == ["device", "requests", "hits"] and len(text.splitlines()) == 3
-    del held

@@ -10,16 +10,16 @@ import threading
 import time
 
 import pytest
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import xpool
 from faults import AddressBackend, in_child
 from fixtures.torch_c import FREE, LAST_ERROR, MALLOC, TRY_MALLOC, addr, build_harness  # noqa: F401
 from xpool import Pool, Settings
-from xpool_twin import TwinBackend
 from xpool.debug import CANARY, POISON
+from xpool_twin import TwinBackend
+
 
 P = 1 << 16                     # the twin's default granularity: the scheme's page
 MiB = 1 << 20
@@ -507,32 +507,6 @@ def test_another_threads_per_thread_stream_holds_back_what_this_thread_gives():
 
 # --- statistics and the timeline
 
-def test_the_timeline_records_maps_and_unmaps():
-    pool, backend = make(timeline=1000)
-    a = pool.allocate(100_000)
-    b = pool.allocate(3 * P)
-    first = a.ptr
-    a.release()
-    pool.empty_cache()
-    tl = pool.timeline()
-    assert list(tl.event) == ["map", "alloc_miss", "map", "alloc_miss", "free", "unmap"]
-    maps, unmaps = tl[tl.event == "map"], tl[tl.event == "unmap"]
-    assert maps["size"].sum() - unmaps["size"].sum() == backend.twin.mapped_bytes(0)
-    assert list(maps.origin) == ["", ""] and (maps.ptr.iloc[0], maps["size"].iloc[0]) == (first, 2 * P)
-    assert tl.bytes_reserved.iloc[0] == 2 * P             # the map counted with its block
-    assert tl.bytes_reserved.iloc[-1] == backend.twin.mapped_bytes(0) == 4 * P
-    del b
-
-
-def test_snapshots_count_maps_and_unmaps():
-    pool, backend = make()
-    before = pool.stats()
-    pool.allocate(2 * P).release()
-    pool.empty_cache()
-    d = pool.stats() - before
-    assert (d.device_maps, d.device_unmaps, d.device_mallocs, d.device_frees) == (1, 1, 0, 0)
-    assert {"device_maps", "device_unmaps"} <= set(pool.stats()[0])
-
 
 # --- debug mode
 
@@ -659,7 +633,6 @@ def test_the_cupy_drop_in_serves_cupys_memory_objects():
 
 
 # --- PyTorch's entry points: the miss needs no GIL
-
 
 
 @pytest.fixture(scope="module")

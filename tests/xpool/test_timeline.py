@@ -48,3 +48,25 @@ def test_timeline_records_every_event_in_a_bounded_ring():
     off, _ = make(timeline=0)
     off.allocate(1).release()
     assert len(off.timeline()) == 0 and off.timeline().attrs["dropped"] == 0
+
+
+def make_expandable(capacity=None, n_devices=2, granularity=P, **kw):
+    backend = TwinBackend(capacity=capacity, n_devices=n_devices, granularity=granularity)
+    return Pool(backend, scheme="expandable", **kw), backend
+
+
+def test_the_timeline_records_maps_and_unmaps():
+    pool, backend = make_expandable(timeline=1000)
+    a = pool.allocate(100_000)
+    b = pool.allocate(3 * P)
+    first = a.ptr
+    a.release()
+    pool.empty_cache()
+    tl = pool.timeline()
+    assert list(tl.event) == ["map", "alloc_miss", "map", "alloc_miss", "free", "unmap"]
+    maps, unmaps = tl[tl.event == "map"], tl[tl.event == "unmap"]
+    assert maps["size"].sum() - unmaps["size"].sum() == backend.twin.mapped_bytes(0)
+    assert list(maps.origin) == ["", ""] and (maps.ptr.iloc[0], maps["size"].iloc[0]) == (first, 2 * P)
+    assert tl.bytes_reserved.iloc[0] == 2 * P             # the map counted with its block
+    assert tl.bytes_reserved.iloc[-1] == backend.twin.mapped_bytes(0) == 4 * P
+    del b
