@@ -1,4 +1,7 @@
-"""GPU tests are marked and skipped where no GPU is visible; the rest run on a CPU."""
+"""GPU tests are marked and skipped where no GPU is visible; the rest run on a CPU.  ``--deep`` (or
+XPOOL_TESTS_DEEP=1) runs the soaks and the largest hypothesis searches at full size (tests/xpool/faults.py)."""
+import os
+
 import pytest
 
 
@@ -11,6 +14,16 @@ def _n_gpus() -> int:
 
 
 N_GPUS = _n_gpus()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--deep", action="store_true",
+                     help="the soaks and the largest hypothesis searches at full size (also XPOOL_TESTS_DEEP=1)")
+
+
+def pytest_configure(config):
+    if config.getoption("--deep"):
+        os.environ["XPOOL_TESTS_DEEP"] = "1"        # read as the test modules are imported
 
 
 def pytest_collection_modifyitems(config, items):

@@ -18,7 +18,7 @@ import pytest
 import xpool
 import xpool_twin.testing
 from xpool_twin import TwinBackend
-from faults import FaultyBackend, InjectedFault
+from faults import FaultyBackend, InjectedFault, soak_ops
 from xpool import Pool
 import os
 import subprocess
@@ -173,7 +173,7 @@ def stressed():
 ])
 def test_soak(seed, workers, ops, debug):
     with stressed():
-        pool, backend, errors, outcomes = soak(seed, workers, ops, debug)
+        pool, backend, errors, outcomes = soak(seed, workers, soak_ops(ops), debug)
     assert errors == []
     assert_exact(pool, backend)
     # the run did meet what it is meant to survive
@@ -472,7 +472,7 @@ def soak_paths(seed: int, workers: int, ops: int, scheme: str, debug):
 ])
 def test_soak_capture_per_thread_streams_and_torch(seed, workers, ops, scheme, debug):
     with stressed():
-        pool, backend, errors, counts, keys = soak_paths(seed, workers, ops, scheme, debug)
+        pool, backend, errors, counts, keys = soak_paths(seed, workers, soak_ops(ops), scheme, debug)
     assert errors == []
     assert backend.violations == []                  # nothing went back to a device while one of its streams captured
     assert_exact(pool, backend)
@@ -643,7 +643,7 @@ def assert_twin(pool, twin):
 ])
 def test_soak_expandable(seed, workers, ops, debug, capturing_device):
     with stressed():
-        pool, twin, errors, outcomes, most = soak_expandable(seed, workers, ops, debug, capturing_device)
+        pool, twin, errors, outcomes, most = soak_expandable(seed, workers, soak_ops(ops), debug, capturing_device)
     assert errors == []
     assert_twin(pool, twin)
     assert outcomes["allocated"] > 0 and outcomes["refused"] > 0 and outcomes["torch"] > 0

@@ -10,6 +10,7 @@ from hypothesis import event, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import xpool
+from faults import examples
 from xpool import Pool, _core
 from xpool.sizeclass import MAX_REQUEST
 from xpool_twin import HostBackend
@@ -300,14 +301,14 @@ def reference(n: int, k: int) -> int:
 
 
 @given(sizes, ks)
-@settings(max_examples=2000)
+@settings(max_examples=examples(2000))
 def test_class_covers_request_and_is_aligned(n, k):
     c = xpool.sizeclass.size_class(n, k)
     assert c >= max(n, 1) and c % 512 == 0
 
 
 @given(sizes, ks)
-@settings(max_examples=2000)
+@settings(max_examples=examples(2000))
 def test_c_core_agrees_with_the_design(n, k):
     assert _core.size_class(n, k) == xpool.sizeclass.size_class(n, k) == reference(n, k)
 
