@@ -3,6 +3,7 @@ takes, returns and raises, and the surface stays small: 13 names, a Pool of 12 m
 tests/xpool/test_stats.py); the names retired at 0.3.0 are gone, and the CHANGELOG's table says what replaced each."""
 import importlib
 import inspect
+import itertools
 import pathlib
 import re
 
@@ -106,9 +107,9 @@ RETIRED = {
 def _retired_table() -> list[tuple[str, str, str]]:
     """The CHANGELOG's table of retired names: (kind, name, what to use instead) per row."""
     text = (ROOT / "CHANGELOG.md").read_text()
-    table = text.split("| Retired | Use instead |", 1)[1].split("\n\n", 1)[0]
+    table = text.split("| Retired | Use instead |", 1)[1].splitlines()[2:]
     rows = []
-    for line in table.splitlines()[2:]:
+    for line in itertools.takewhile(lambda ln: ln.lstrip().startswith("|"), table):
         retired, use = (cell.strip() for cell in line.strip().strip("|").split("|"))
         m = re.fullmatch(r"`(xpool|Pool)\.(\w+)`|(setting|scheme) `([^`]+)`", retired)
         assert m, line
