@@ -2,13 +2,15 @@
 
 Over host memory, with a backend that says which streams capture (CupyBackend asks cudaStreamIsCapturing); the
 GPU test of the captured training step is tests/lab/test_gpu_graph.py."""
+import sys
+import threading
+
 import pytest
 
 import xpool
 from xpool import Pool
 from xpool_twin import HostBackend
-import sys
-import threading
+
 
 MiB = 1 << 20
 

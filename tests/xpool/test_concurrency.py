@@ -8,8 +8,12 @@ limit (the backend's high-water mark), nothing leaked, and debug mode reported n
 import contextlib
 import ctypes
 import gc
+import os
+import queue
 import random
+import subprocess
 import sys
+import sysconfig
 import threading
 import time
 
@@ -17,14 +21,10 @@ import pytest
 
 import xpool
 import xpool_twin.testing
-from xpool_twin import TwinBackend
 from faults import FaultyBackend, InjectedFault, soak_ops
 from xpool import Pool
-import os
-import subprocess
-import sysconfig
-import queue
-from xpool_twin import HostBackend
+from xpool_twin import HostBackend, TwinBackend
+
 
 KiB, MiB = 1 << 10, 1 << 20
 DEVICES = 4

@@ -1,22 +1,18 @@
 """Debug mode: poison catches use-after-free, canaries catch overruns; the timeline; fork safety."""
 import ctypes
+import subprocess
+import sys
+import textwrap
+import threading
 import warnings
 
 import pytest
 
 import xpool
-from xpool import Pool
-from xpool_twin import HostBackend
-from xpool.debug import CANARY, POISON
-import subprocess
-import sys
-import textwrap
-from xpool import CorruptionError
-from xpool_twin import TwinBackend
-import threading
 from faults import InjectedFault
-from xpool.debug import DEFAULT_TAIL
-from xpool.debug import DebugHook
+from xpool import CorruptionError, Pool
+from xpool.debug import CANARY, DebugHook, DEFAULT_TAIL, POISON
+from xpool_twin import HostBackend, TwinBackend
 
 
 def make(mode="raise"):

@@ -6,8 +6,9 @@ import pytest
 
 import xpool
 from xpool import Pool
-from xpool_twin import HostBackend
 from xpool.backends import DeviceOutOfMemory
+from xpool_twin import HostBackend
+
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -6,11 +6,12 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import xpool
-from xpool import Pool
-from xpool_twin import HostBackend
-from xpool.debug import POISON
 import xpool_twin
 import xpool_twin.testing
+from xpool import Pool
+from xpool.debug import POISON
+from xpool_twin import HostBackend
+
 
 KiB, MiB = 1 << 10, 1 << 20
 SEGMENT = 2 * MiB              # a block up to 1 MiB starts a segment of this size; a larger one, of its own

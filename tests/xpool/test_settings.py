@@ -3,14 +3,14 @@ there with an error naming where the value came from, and read by the C core."""
 import dataclasses
 import inspect
 
+import numpy as np
 import pytest
 
 import xpool
 from xpool import Pool, Settings
-from xpool_twin import TwinBackend
 from xpool.settings import DEFAULTS, ENV
-import numpy as np
-from xpool_twin import HostBackend
+from xpool_twin import HostBackend, TwinBackend
+
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
