@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 CUDA_MAJOR := $(shell nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -1)
 CUPY ?= cupy-cuda$(if $(filter 13 14 15,$(CUDA_MAJOR)),13,12)x>=13.0
 
-.PHONY: setup notebooks test test-xpool report gpu clean
+.PHONY: setup notebooks test test-xpool test-deep report gpu clean
 
 setup: $(VENV)/.installed notebooks
 
@@ -32,6 +32,10 @@ test: setup
 # the allocator's own tests alone: the fast tier
 test-xpool: setup
 	$(BIN)/python -m pytest -q tests/xpool
+
+# every test, the soaks and the largest hypothesis searches at full size (tests/xpool/faults.py: DEEP), before a release
+test-deep: setup
+	$(BIN)/python -m pytest -q --deep
 
 report: setup
 	$(BIN)/python -m xlab.report

@@ -24,35 +24,13 @@ from .settings import Settings
 from .counters import Snapshot
 from .torch_allocator import enable as enable_torch   # imports torch only when called
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 __all__ = [
     "Pool", "MemoryPool", "Settings", "install", "uninstall", "use", "current", "enable_torch",
     "empty_cache", "stats", "OutOfMemoryError", "CorruptionError",
 ]
 
-# names of earlier versions, and where each lives now (a module __getattr__ says so)
-_MOVED = {
-    "snapshot": "xpool.stats() returns the same cheap Snapshot",
-    "Snapshot": "xpool.counters.Snapshot",
-    "size_class": "xpool.sizeclass.size_class",
-    "Backend": "xpool.backends.Backend",
-    "CupyBackend": "xpool.backends.CupyBackend",
-    "DeviceOutOfMemory": "xpool.backends.DeviceOutOfMemory",
-    "installed": "xpool.current() (or xpool.cupy_adapter.installed())",
-    "CorruptionWarning": "xpool.errors.CorruptionWarning",
-    "RequestTooLargeError": "xpool.errors.RequestTooLargeError",
-    "IpcUnsupportedError": "xpool.errors.IpcUnsupportedError",
-    "SCHEMES": "xpool.settings.SCHEMES",
-    "HostBackend": "the tests' host doubles (tests/xpool/fixtures/twin: xpool_twin.HostBackend)",
-    "testing": "the tests' fixture package (tests/xpool/fixtures/twin: xpool_twin.testing)",
-}
 del Snapshot
-
-
-def __getattr__(name):
-    if name in _MOVED:
-        raise AttributeError(f"xpool.{name} moved: use {_MOVED[name]}")
-    raise AttributeError(f"module 'xpool' has no attribute {name!r}")
 
 
 def empty_cache() -> int:

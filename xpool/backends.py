@@ -149,7 +149,7 @@ class CupyBackend:
     def vmm(self):
         """CUDA's virtual memory management for the expandable scheme: a PyCapsule ``"xpool.vmm"`` of the
         driver's cuMemAddressReserve/cuMemCreate/cuMemMap/cuMemSetAccess/cuMemUnmap, called from C in each
-        device's primary context (CuPy's).  Raises ``xpool._vmm.VmmError`` when the driver or device cannot."""
+        device's primary context (CuPy's).  Raises ``xpool._core.VmmError`` when the driver or device cannot."""
         from . import _core
         return _core.cuda_vmm()
 

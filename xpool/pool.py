@@ -304,11 +304,6 @@ class Pool:
     def __repr__(self):
         return f"<{type(self).__name__} {self.settings!r} devices={self._core.devices()}>"
 
-    def __getattr__(self, name):
-        if name in _REMOVED:
-            raise AttributeError(f"{type(self).__name__}.{name} was removed: {_REMOVED[name]}")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
 
 settings_signature(Pool.__init__, ("backend", "settings"))
 
@@ -319,19 +314,6 @@ def _limit_bytes(size) -> int:
     if isinstance(size, float) and math.isfinite(size) and size >= 0:
         size = int(size)
     return check_nbytes(0 if size is None else size, "size")
-
-# members of earlier versions, and what replaced each (Pool.__getattr__ says so)
-_REMOVED = {
-    "snapshot": "stats() returns the same cheap Snapshot",
-    "devices": "list(pool.stats()) gives the devices served",
-    "scheme": "read pool.settings.scheme",
-    "classes_per_doubling": "read pool.settings.classes_per_doubling",
-    "set_debug": "debug mode is a setting: make the pool with debug='raise' or 'warn' (XPOOL_DEBUG)",
-    "debug": "read pool.settings.debug",
-    "enable_timeline": "the timeline is a setting: make the pool with timeline=<events kept> (XPOOL_TIMELINE)",
-    "reserve": "the lab's xlab.reserve.reserve(pool, nbytes) makes one free block up front",
-    "backend": "keep the backend you made the pool with",
-}
 
 
 def _after_fork_in_child() -> None:

@@ -5,8 +5,8 @@
 
 Each field comes from the argument when one is given, else from its ``XPOOL_*`` environment variable (``ENV``), else
 from its default. Every value is checked here, once; a bad one raises a ``ValueError`` that names the argument or the
-variable it came from, e.g. ``ValueError: XPOOL_MEMORY_LIMIT='0.4B': not a whole number of bytes``. A setting that no
-longer exists (``REMOVED``) raises a ``ValueError`` saying what replaced it. The C core reads the resolved object.
+variable it came from, e.g. ``ValueError: XPOOL_MEMORY_LIMIT='0.4B': not a whole number of bytes``. The C core reads
+the resolved object.
 
 ``classes_per_doubling`` belongs to scheme seed: given for another scheme it is an error (its variable too, unless a
 scheme argument overrides the environment), and it is None in a resolved Settings of another scheme.
@@ -14,7 +14,6 @@ scheme argument overrides the environment), and it is None in a resolved Setting
 from __future__ import annotations
 
 import dataclasses
-import functools
 import numbers
 import operator
 import os
@@ -46,20 +45,6 @@ HELP = {
     "debug": "debug mode: poison freed blocks, canary after each block ('raise', 'warn' or False)",
     "timeline": "allocation events kept (0: off)",
 }
-_RULE = ("each scheme has one built-in release rule (docs/decisions/0001-one-release-rule-per-scheme.md); "
-         "the lab studies the others")
-# Settings of earlier versions, and what replaced each: naming one (argument or variable) is a ValueError.
-REMOVED = {
-    "release_on_miss": _RULE,
-    "release_idle": _RULE,
-    "release_bound": _RULE,
-    "small_segment": "scheme segments puts blocks up to 1 MiB in shared 2 MiB segments, a constant",
-    "segment_round": "scheme segments rounds a larger block's segment up to 512 B, a constant",
-    "peer_access": "scheme expandable maps its pages for every device that can access the pool's device, as "
-                   "cudaMalloc's memory is reachable once peer access is on",
-}
-REMOVED_ENV = {name: f"XPOOL_{name.upper()}" for name in REMOVED}
-REMOVED_VALUES = {"scheme": {"xpool": "segments"}}   # an old value -> its name now
 MAX_TIMELINE = 1 << 40                      # events (64 B each): past any host's memory
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
@@ -169,24 +154,6 @@ class Settings:
         return "\n".join(f"{n:<{widths[0]}}  {v:<{widths[1]}}  {s:<{widths[2]}}  {h}" for n, v, s, h in rows)
 
 
-def _refuse_removed(fields: dict, who: str) -> None:
-    """A ValueError for the first removed setting among `fields`, naming it and what replaced it."""
-    for name in fields:
-        if name in REMOVED:
-            raise ValueError(f"{who}({name}=...): the setting {name!r} was removed: {REMOVED[name]}")
-
-
-def _init_refusing_removed(init):
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        _refuse_removed(kwargs, "Settings")
-        init(self, *args, **kwargs)
-    return __init__
-
-
-Settings.__init__ = _init_refusing_removed(Settings.__init__)
-
-
 def resolve(settings: Settings | None, fields: dict, who: str = "Pool") -> Settings:
     """The Settings a pool is made with: ``settings`` with ``fields`` (keyword settings) over it.
 
@@ -196,9 +163,8 @@ def resolve(settings: Settings | None, fields: dict, who: str = "Pool") -> Setti
 
     Raises:
         TypeError: ``settings`` is not a Settings, or a keyword is no setting.
-        ValueError: a bad value, or a removed setting.
+        ValueError: a bad value.
     """
-    _refuse_removed(fields, who)
     unknown = sorted(set(fields) - set(ENV))
     if unknown:
         raise TypeError(f"{who}() got no setting {', '.join(map(repr, unknown))}; the settings are "
@@ -219,11 +185,7 @@ def resolve(settings: Settings | None, fields: dict, who: str = "Pool") -> Setti
 # --- parsers: (value, where it came from) -> the normalised value, or a ValueError naming the source
 
 def _environment() -> dict:
-    """The XPOOL_* variables that are set (blank ones count as unset); a removed one is a ValueError."""
-    for name, var in REMOVED_ENV.items():
-        if os.environ.get(var, "").strip():
-            raise ValueError(f"{var}={os.environ[var]!r}: the setting {name!r} was removed: {REMOVED[name]}; "
-                             f"unset {var}")
+    """The XPOOL_* variables that are set (blank ones count as unset)."""
     return {name: os.environ[var] for name, var in ENV.items() if os.environ.get(var, "").strip()}
 
 
@@ -232,10 +194,8 @@ def _bad(source: str, value, why: str) -> ValueError:
 
 
 def _choice(value, source: str, name: str, choices) -> str:
-    """One of `choices`, given as text in any case; an old value names what replaced it."""
+    """One of `choices`, given as text in any case."""
     s = value.strip().lower() if isinstance(value, str) else None
-    if s in REMOVED_VALUES.get(name, {}):
-        raise _bad(source, value, f"{s!r} is {name} {REMOVED_VALUES[name][s]!r} now")
     if s not in choices:
         raise _bad(source, value, f"expected one of {', '.join(map(repr, choices))}")
     return s

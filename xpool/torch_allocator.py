@@ -107,7 +107,7 @@ def _new_pool(settings: dict):
     management (then with a warning saying so; a device without it fails its first map, naming the device)."""
     from .backends import CupyBackend
     from .cupy_adapter import MemoryPool
-    from ._vmm import VmmError
+    from ._core import VmmError
     backend = _backend() if _backend is not None else None
     if backend is None:                  # no GPU: install()'s words, before the virtual memory is probed
         from .cupy_adapter import gpu_count

@@ -13,3 +13,10 @@ def frozen_gc():
     gc.freeze()
     yield
     gc.unfreeze()
+
+
+@pytest.fixture
+def seed_scheme(monkeypatch):
+    """A test that spells out the bytes of the design's size classes runs under scheme seed (the default, segments,
+    has its own in tests/xpool/test_segments.py)."""
+    monkeypatch.setenv("XPOOL_SCHEME", "seed")

@@ -11,6 +11,21 @@ from xpool.backends import DeviceOutOfMemory
 from xpool_twin import TwinBackend
 
 
+# The CI tier runs the soaks and the largest hypothesis searches smaller; `pytest --deep` (or XPOOL_TESTS_DEEP=1,
+# `make test-deep`) runs them at full size, as before a release.
+DEEP = os.environ.get("XPOOL_TESTS_DEEP", "").strip().lower() not in ("", "0", "no", "off", "false")
+
+
+def soak_ops(ops: int) -> int:
+    """A soak's operations per worker: `ops` in the deep tier, at most 2,000 in CI's."""
+    return ops if DEEP else min(ops, 2000)
+
+
+def examples(n: int) -> int:
+    """A hypothesis search's examples: `n` in the deep tier, a quarter of it (at least 50) in CI's."""
+    return n if DEEP else max(50, n // 4)
+
+
 class InjectedFault(RuntimeError):
     """A failure the test asked the backend for."""
 

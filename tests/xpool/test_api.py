@@ -1,19 +1,21 @@
 """The public face: the backend contract is a Protocol both shipped backends meet, the public API says what it
-takes, returns and raises, and the surface stays small: 13 names, a Pool of 12 members, a Snapshot of
-counters; every name or member of earlier versions says where it went."""
-import functools
+takes, returns and raises, and the surface stays small: 13 names, a Pool of 12 members (a Snapshot's counters:
+tests/xpool/test_stats.py); the names retired at 0.3.0 are gone, and the CHANGELOG's table says what replaced each."""
 import importlib
 import inspect
+import itertools
+import pathlib
+import re
 
 import pytest
 
 import xpool
 from faults import AddressBackend, FaultyBackend
 from xpool import Pool
-from xpool_twin import HostBackend
 from xpool.backends import Backend, CupyBackend
 from xpool.pool import BACKEND_METHODS
-from xpool.counters import COLUMNS, COUNTERS, GAUGES, Snapshot
+from xpool_twin import HostBackend
+
 
 PROTOCOL_METHODS = sorted(n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_"))
 
@@ -78,73 +80,96 @@ def test_the_core_exports_what_the_package_needs_and_no_lab_probe():
     assert sorted(n for n in dir(_core) if not n.startswith("__")) == sorted([
         "Allocation", "Allocator", "EVENT_SIZE", "MAX_CLASSES_PER_DOUBLING", "MAX_DEVICES", "MAX_REQUEST",
         "Settings", "size_class", "torch_bound",
-        # CUDA's virtual-memory ops (xpool._vmm re-exports them)
+        # CUDA's virtual-memory ops (the expandable scheme's)
         "cuda_vmm", "VmmError", "VmmOutOfMemory", "ABI", "CAPSULE", "OK", "OOM", "INVALID", "UNAVAILABLE", "ERROR"])
 
 
-# --- the surface: what is public, and where the names of earlier versions went
+# --- the surface: what is public, and the names retired at 0.3.0
 
 PUBLIC = ["Pool", "MemoryPool", "Settings", "install", "uninstall", "use", "current", "enable_torch",
           "empty_cache", "stats", "OutOfMemoryError", "CorruptionError"]
 POOL_MEMBERS = ["allocate", "check", "check_ipc", "empty_cache", "get_limit", "live_blocks", "reset_peak_stats",
                 "set_limit", "settings", "stats", "timeline", "trim"]
-# a name of earlier versions -> the home its AttributeError must name (an attribute path from xpool)
-MOVED = {
-    "snapshot": "xpool.stats()",
-    "Snapshot": "xpool.counters.Snapshot",
-    "size_class": "xpool.sizeclass.size_class",
-    "Backend": "xpool.backends.Backend",
-    "CupyBackend": "xpool.backends.CupyBackend",
-    "DeviceOutOfMemory": "xpool.backends.DeviceOutOfMemory",
-    "installed": "xpool.cupy_adapter.installed()",
-    "CorruptionWarning": "xpool.errors.CorruptionWarning",
-    "RequestTooLargeError": "xpool.errors.RequestTooLargeError",
-    "IpcUnsupportedError": "xpool.errors.IpcUnsupportedError",
-    "SCHEMES": "xpool.settings.SCHEMES",
-    "HostBackend": "xpool_twin.HostBackend",
-    "testing": "xpool_twin.testing",
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# every name 0.2.0 kept only to raise (xpool._MOVED, xpool.pool._REMOVED, xpool.settings.REMOVED and REMOVED_VALUES,
+# the stubs xpool.testing and xpool._vmm): retired at 0.3.0, each a row of the CHANGELOG's table (decision 0012)
+RETIRED = {
+    "xpool": {"snapshot", "Snapshot", "size_class", "Backend", "CupyBackend", "DeviceOutOfMemory", "installed",
+              "CorruptionWarning", "RequestTooLargeError", "IpcUnsupportedError", "SCHEMES", "HostBackend", "testing",
+              "_vmm"},
+    "Pool": {"snapshot", "devices", "scheme", "classes_per_doubling", "debug", "set_debug", "enable_timeline",
+             "reserve", "backend"},
+    "setting": {"release_on_miss", "release_idle", "release_bound", "small_segment", "segment_round", "peer_access"},
+    "scheme": {'"xpool"'},
 }
-# a Pool member of earlier versions -> words its AttributeError must say
-REMOVED_MEMBERS = {
-    "snapshot": "stats()",
-    "devices": "list(pool.stats())",
-    "scheme": "pool.settings.scheme",
-    "classes_per_doubling": "pool.settings.classes_per_doubling",
-    "debug": "pool.settings.debug",
-    "set_debug": "debug='raise'",
-    "enable_timeline": "timeline=",
-    "reserve": "xlab.reserve.reserve(pool, nbytes)",
-    "backend": "keep the backend you made the pool with",
-}
+
+
+def _retired_table() -> list[tuple[str, str, str]]:
+    """The CHANGELOG's table of retired names: (kind, name, what to use instead) per row."""
+    text = (ROOT / "CHANGELOG.md").read_text()
+    table = text.split("| Retired | Use instead |", 1)[1].splitlines()[2:]
+    rows = []
+    for line in itertools.takewhile(lambda ln: ln.lstrip().startswith("|"), table):
+        retired, use = (cell.strip() for cell in line.strip().strip("|").split("|"))
+        m = re.fullmatch(r"`(xpool|Pool)\.(\w+)`|(setting|scheme) `([^`]+)`", retired)
+        assert m, line
+        rows.append((m[1] or m[3], m[2] or m[4], use))
+    return rows
+
+
+def test_the_changelog_lists_every_retired_name_once():
+    rows = _retired_table()
+    assert len(rows) == len({(kind, name) for kind, name, _ in rows}) == 30
+    assert {kind: {name for k, name, _ in rows if k == kind} for kind in RETIRED} == RETIRED
+
+
+@pytest.mark.parametrize("kind, name, use", _retired_table(), ids=[f"{k}-{n}" for k, n, _ in _retired_table()])
+def test_a_retired_name_is_gone_and_its_replacement_is_there(kind, name, use):
+    pool = Pool(HostBackend())
+    if kind == "xpool":
+        assert name not in dir(xpool)
+        with pytest.raises(AttributeError, match=f"^module 'xpool' has no attribute '{name}'$"):
+            getattr(xpool, name)
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"xpool.{name}")
+    elif kind == "Pool":
+        assert not hasattr(Pool, name)
+        with pytest.raises(AttributeError, match=f"^'Pool' object has no attribute '{name}'$"):
+            getattr(pool, name)
+    elif kind == "setting":
+        assert name not in xpool.settings.ENV
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{name}'"):
+            xpool.Settings(**{name: 1})
+        with pytest.raises(TypeError, match=f"Pool\\(\\) got no setting '{name}'"):
+            Pool(HostBackend(), **{name: 1})
+    else:
+        with pytest.raises(ValueError, match=f"scheme={name.strip(chr(34))!r}: expected one of 'segments'"):
+            xpool.Settings(scheme=name.strip('"'))
+    # the replacement, where it is a path of the package, a twin's or a pool's, is reached as written
+    path = re.match(r"`((?:xpool|xpool_twin|pool)(?:\.\w+)+)(?:\(\))?`", use)
+    if path:
+        head, *attrs = path[1].split(".")
+        obj = pool if head == "pool" else importlib.import_module(head)
+        for attr in attrs:          # an attribute, else a submodule (xpool_twin.testing)
+            obj = getattr(obj, attr) if hasattr(obj, attr) else importlib.import_module(f"{obj.__name__}.{attr}")
+
+
+def test_a_retired_settings_variable_is_not_read(monkeypatch):
+    want = xpool.Settings()
+    for name in RETIRED["setting"]:
+        monkeypatch.setenv(f"XPOOL_{name.upper()}", "1")
+    assert xpool.Settings() == want and Pool(HostBackend()).settings == want
+
+
+def test_the_vmm_names_live_in_the_core():
+    from xpool import _core
+    assert issubclass(_core.VmmOutOfMemory, _core.VmmError) and callable(_core.cuda_vmm)
 
 
 def test_all_is_the_small_public_surface():
     assert xpool.__all__ == PUBLIC and len(xpool.__all__) <= 14
     assert all(hasattr(xpool, name) for name in xpool.__all__)
     assert xpool.stats is xpool.__dict__["stats"] and callable(xpool.stats)
-
-
-@pytest.mark.parametrize("name", sorted(MOVED))
-def test_a_moved_name_says_where_it_lives_now(name):
-    home = MOVED[name]
-    with pytest.raises(AttributeError) as e:
-        getattr(xpool, name)
-    assert f"xpool.{name} moved" in str(e.value) and home in str(e.value), str(e.value)
-    assert name not in dir(xpool)
-
-
-@pytest.mark.parametrize("name", sorted(MOVED))
-def test_a_moved_names_home_is_reached_as_written(name):
-    """The home an AttributeError names is there, reached by the attributes it spells (what a user types)."""
-    path = MOVED[name].removesuffix("()").split(".")
-    assert path[0] in ("xpool", "xpool_twin")              # the host backend lives with the tests' doubles
-    obj = functools.reduce(getattr, path[1:], importlib.import_module(path[0]))
-    assert obj is not None
-
-
-def test_the_moved_testing_module_says_where_it_lives_now():
-    with pytest.raises(ImportError, match=r"moved to the tests' fixture package.*import xpool_twin\.testing"):
-        importlib.import_module("xpool.testing")
 
 
 def test_an_unknown_name_is_an_ordinary_attribute_error():
@@ -159,96 +184,6 @@ def test_pool_has_at_most_12_public_members():
     assert [n for n in dir(pool) if not n.startswith("_")] == POOL_MEMBERS
 
 
-@pytest.mark.parametrize("name", sorted(REMOVED_MEMBERS))
-def test_a_removed_pool_member_says_what_replaced_it(name):
-    pool = Pool(HostBackend())
-    with pytest.raises(AttributeError) as e:
-        getattr(pool, name)
-    assert str(e.value).startswith(f"Pool.{name} was removed") and REMOVED_MEMBERS[name] in str(e.value), str(e.value)
-    assert not hasattr(Pool, name)
-
-
 def test_an_unknown_pool_member_is_an_ordinary_attribute_error():
     with pytest.raises(AttributeError, match="'Pool' object has no attribute 'nothing_here'"):
         Pool(HostBackend()).nothing_here
-
-
-def test_reset_peak_stats_takes_a_device_alone():
-    assert list(inspect.signature(Pool.reset_peak_stats).parameters) == ["self", "device"]
-    with pytest.raises(TypeError):
-        Pool(HostBackend()).reset_peak_stats(history=True)
-
-
-# --- statistics: a Snapshot, no pandas needed
-
-def _two_devices():
-    pool = Pool(HostBackend(n_devices=3))
-    held = [pool.allocate(1000, device=0), pool.allocate(3 << 20, device=2)]
-    pool.allocate(5000, device=2).release()
-    return pool, held
-
-
-def test_stats_without_a_pool_is_empty_and_says_so():
-    assert xpool.current() is None
-    snap = xpool.stats()
-    assert isinstance(snap, Snapshot) and len(snap) == 0 and list(snap) == []
-    assert "no xpool pool in use" in repr(snap) and "xpool.install()" in repr(snap)
-    assert snap.device_mallocs == 0 and snap["bytes_cached"] == 0
-
-
-def test_stats_with_a_pool_in_use_is_its_snapshot():
-    pool, held = _two_devices()
-    with xpool.use(xpool.MemoryPool(backend=HostBackend())) as mp:
-        mp.allocate(4096).release()
-        assert xpool.stats() == mp.stats() and xpool.stats().requests == 1
-    del pool, held
-
-
-def test_a_snapshot_sums_over_devices_and_gives_each_devices_dict():
-    pool, held = _two_devices()
-    snap = pool.stats()
-    assert list(snap) == [0, 2] and len(snap) == 2
-    assert isinstance(snap[0], dict) and snap[0]["requests"] == 1 and snap[2]["requests"] == 2
-    for name in COUNTERS + GAUGES:
-        assert getattr(snap, name) == snap[name] == snap.total(name) == snap[0][name] + snap[2][name], name
-    assert snap.bytes_in_use == 1024 + (3 << 20) and snap.blocks_in_use == 2
-    assert pool.stats(2) == Snapshot({2: snap[2]})
-    with pytest.raises(KeyError):
-        snap[1]
-    with pytest.raises(ValueError, match="name must be a counter or gauge"):
-        snap["nothing"]
-    with pytest.raises(AttributeError, match="'Snapshot' has no attribute 'nothing'"):
-        snap.nothing
-    del held
-
-
-def test_a_snapshot_difference_counts_activity_and_keeps_the_later_gauges():
-    pool, held = _two_devices()
-    before = pool.stats()
-    a = pool.allocate(5000, device=2)                  # a hit
-    b = pool.allocate(7 << 20, device=0)               # a miss
-    d = pool.stats() - before
-    assert isinstance(d, Snapshot) and list(d) == [0, 2]
-    assert (d[0]["requests"], d[0]["misses"], d[2]["requests"], d[2]["hits"]) == (1, 1, 1, 1)
-    assert (d.requests, d.device_mallocs) == (2, 1)
-    now = pool.stats()
-    assert all(d[dev][g] == now[dev][g] for dev in d for g in GAUGES)   # levels: the later value
-    del a, b, held
-
-
-def test_a_snapshot_frame_is_one_row_per_device():
-    pd = pytest.importorskip("pandas")
-    pool, held = _two_devices()
-    snap = pool.stats()
-    df = snap.frame()
-    assert isinstance(df, pd.DataFrame) and tuple(df.columns) == COLUMNS and list(df.device) == [0, 2]
-    assert df.set_index("device").loc[2, "bytes_cached"] == snap[2]["bytes_cached"]
-    assert int(df.requests.sum()) == snap.requests
-    del held
-
-
-def test_a_snapshots_repr_shows_each_device():
-    pool, held = _two_devices()
-    text = repr(pool.stats())
-    assert text.splitlines()[0].split()[:3] == ["device", "requests", "hits"] and len(text.splitlines()) == 3
-    del held

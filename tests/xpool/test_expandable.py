@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from fixtures import expandable as E
-from xpool import _vmm
+from xpool import _core
 import xpool_twin
 
 P = 1 << 16          # the twin's default granularity
@@ -246,7 +246,7 @@ def test_out_of_memory_on_the_nth_page_leaves_nothing_mapped(lib):
     twin, pool = make(lib, capacity=3 * P)
     with pytest.raises(E.HarnessError) as e:
         pool.alloc(5 * P)
-    assert e.value.status == _vmm.OOM and "page 3 of 5" in str(e.value)
+    assert e.value.status == _core.OOM and "page 3 of 5" in str(e.value)
     assert twin.mapped_bytes(0) == 0 and pool.stats()["mapped"] == 0
     assert twin.counters()["map_failures"] == 3  # the first try and two retries after releasing
     audit(twin, pool)
@@ -270,7 +270,7 @@ def test_a_failing_map_that_is_not_out_of_memory_is_not_retried(lib):
     twin.fail_maps(count=1, kind="error", after_pages=2)
     with pytest.raises(E.HarnessError) as e:
         pool.alloc(4 * P)
-    assert e.value.status == _vmm.ERROR and "injected failure at page 2" in str(e.value)
+    assert e.value.status == _core.ERROR and "injected failure at page 2" in str(e.value)
     assert twin.counters()["map_failures"] == 1 and pool.stats()["unmaps"] == 0   # nothing given back for it
     assert pool.stats()["mapped"] == P
     audit(twin, pool)
@@ -319,7 +319,7 @@ def test_a_failing_reserve_is_retried_after_a_release_then_reported(lib):
     twin.fail_reserves(3)
     with pytest.raises(E.HarnessError) as e:
         pool.alloc(P, stream=1)                  # a new stream: a new range, refused three times
-    assert e.value.status == _vmm.OOM
+    assert e.value.status == _core.OOM
     audit(twin, pool)
 
 
@@ -346,7 +346,7 @@ def test_nothing_is_unmapped_while_the_device_captures(lib):
     assert pool.release() == 0 and twin.mapped_bytes(0) == 3 * P
     with pytest.raises(E.HarnessError) as e:
         pool.alloc(3 * P)                        # out of memory: not recovered by unmapping while capturing
-    assert e.value.status == _vmm.OOM
+    assert e.value.status == _core.OOM
     a = pool.alloc(P)                            # a miss that fits still maps
     assert twin.is_mapped(a)
     assert twin.counters()["unmaps_while_capturing"] == 0
@@ -418,7 +418,7 @@ class ExpandableModel(RuleBasedStateMachine):
             ptr = self.pool.alloc(size, stream)
         except E.HarnessError as e:
             assert not fits, "a request that had a free block failed"
-            assert e.status in (_vmm.OOM, _vmm.ERROR, E.ERR_LIMIT), e
+            assert e.status in (_core.OOM, _core.ERROR, E.ERR_LIMIT), e
             return
         if self.pool.stats()["oom_recoveries"] == recoveries:   # the one rule: a miss unmaps nothing
             now = self.twin.counters()

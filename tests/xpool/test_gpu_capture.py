@@ -1,4 +1,4 @@
-"""A capture on one stream while the pool works on another, on a real GPU (issue 21, defect 1).
+"""A capture on one stream while the pool works on another, on a real GPU (the CPU twin: tests/xpool/test_capture.py).
 
 A cudaFree while any stream of the device captures ends that capture; the pool must give nothing back on the
 device then, whichever stream asked. Each test captures a kernel on stream s1 (CuPy's default relaxed mode, so

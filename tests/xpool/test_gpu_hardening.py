@@ -1,4 +1,4 @@
-"""Issue #11 on a real GPU: limits per device and under threads, failed frees, huge requests through CuPy's
+"""The pool under CuPy on a real GPU: limits per device and under threads, failed frees, huge requests through CuPy's
 C path, check() under concurrency (marked: skipped where no GPU is visible)."""
 import threading
 
@@ -6,25 +6,24 @@ import pytest
 
 import xpool
 
-pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 MiB = 1 << 20
 
 
-def test_limit_argument_is_per_device_and_a_share_of_each():
-    pool = xpool.MemoryPool(limit="1%")
-    total = cp.cuda.runtime.memGetInfo()[1]
+def test_limit_argument_is_per_device_and_a_share_of_each(mem):
+    pool = mem.pool(limit="1%")
+    total = mem.total()
     assert abs(pool.get_limit() - total / 100) <= 1
-    with xpool.use(pool), pytest.raises(xpool.OutOfMemoryError) as info:
-        cp.empty(total // 50, dtype=cp.uint8)          # alone larger than the limit
+    with pytest.raises(xpool.OutOfMemoryError) as info:
+        mem.empty(total // 50)                         # alone larger than the limit
     assert info.value.reason == "limit_too_small"
-    with xpool.use(pool):
-        held = cp.empty(total // 160, dtype=cp.uint8)  # 0.625%: fits; a second one does not, beside it
-        with pytest.raises(xpool.OutOfMemoryError) as info:
-            cp.empty(total // 160, dtype=cp.uint8)
+    held = mem.empty(total // 160)                     # 0.625%: fits; a second one does not, beside it
+    with pytest.raises(xpool.OutOfMemoryError) as info:
+        mem.empty(total // 160)
     assert info.value.reason == "limit" and held.nbytes == total // 160
 
 
+@pytest.mark.gpu
 @pytest.mark.multigpu
 def test_limit_argument_holds_on_a_second_gpu():
     pool = xpool.MemoryPool(limit="64MiB")
@@ -37,24 +36,24 @@ def test_limit_argument_holds_on_a_second_gpu():
     assert pool.stats(device=1).peak_bytes_reserved <= 64 * MiB
 
 
-def test_limit_holds_when_threads_share_a_gpu():
+def test_limit_holds_when_threads_share_a_gpu(mem):
     limit = 64 * MiB
-    pool = xpool.MemoryPool(limit=limit)
+    pool = mem.pool(limit=limit)
     errors, barrier = [], threading.Barrier(8)
 
     def worker():
         try:
-            cp.cuda.Device(0).use()
-            with xpool.use(pool):
-                barrier.wait()
-                for _ in range(20):
-                    held = []
-                    for _ in range(3):
-                        try:
-                            held.append(cp.empty(12 * MiB, dtype=cp.uint8))   # 16 MiB class
-                        except xpool.OutOfMemoryError as e:
-                            assert e.reason == "limit"
-                    del held
+            if mem.kind == "cupy":
+                cp.cuda.Device(0).use()
+            barrier.wait()
+            for _ in range(20):
+                held = []
+                for _ in range(3):
+                    try:
+                        held.append(mem.empty(12 * MiB))        # 16 MiB class
+                    except xpool.OutOfMemoryError as e:
+                        assert e.reason == "limit"
+                del held
         except Exception as e:  # noqa: BLE001 - surfaced below
             errors.append(repr(e))
 
@@ -70,8 +69,8 @@ def test_limit_holds_when_threads_share_a_gpu():
     assert pool._core.stats(0)["bytes_reserved"] == 0
 
 
-def test_a_failed_cuda_free_keeps_the_block():
-    class FlakyFree(xpool.backends.CupyBackend):
+def test_a_failed_cuda_free_keeps_the_block(mem):
+    class FlakyFree(mem.backend_class):
         fail_next = 0
 
         def free(self, device, ptr, nbytes):
@@ -80,10 +79,9 @@ def test_a_failed_cuda_free_keeps_the_block():
                 raise RuntimeError("injected: cudaFree failed")
             super().free(device, ptr, nbytes)
 
-    backend = FlakyFree()
-    pool = xpool.MemoryPool(backend=backend, scheme="seed")   # one device allocation per block
-    with xpool.use(pool):
-        arrays = [cp.empty(MiB, dtype=cp.uint8) for _ in range(8)]
+    backend = mem.new_backend(FlakyFree)
+    pool = mem.pool(backend, scheme="seed")                  # one device allocation per block
+    arrays = [mem.empty(MiB) for _ in range(8)]
     del arrays
     backend.fail_next = 1
     with pytest.raises(RuntimeError, match="injected"):
@@ -94,6 +92,7 @@ def test_a_failed_cuda_free_keeps_the_block():
     assert (pool.n_free_blocks(), pool.total_bytes()) == (0, 0)
 
 
+@pytest.mark.gpu
 def test_a_request_near_2_64_through_cupys_c_path_is_refused_in_debug_mode():
     from cupy.cuda import memory
     pool = xpool.MemoryPool(debug="raise")
@@ -103,18 +102,18 @@ def test_a_request_near_2_64_through_cupys_c_path_is_refused_in_debug_mode():
     assert list(pool.stats()) == []
 
 
-def test_check_is_quiet_while_threads_allocate_in_debug_mode():
-    pool = xpool.MemoryPool(debug="raise")
+def test_check_is_quiet_while_threads_allocate_in_debug_mode(mem):
+    pool = mem.pool(debug="raise")
     stop, errors = threading.Event(), []
 
     def churn():
         try:
-            with xpool.use(pool):
-                while not stop.is_set():
-                    a = cp.ones(1000, dtype=cp.float32)
-                    b = cp.empty(70_000, dtype=cp.uint8)
-                    b[:] = 3
-                    del a, b
+            while not stop.is_set():
+                a = mem.empty(4000)
+                mem.fill(a, 1)
+                b = mem.empty(70_000)
+                mem.fill(b, 3)
+                del a, b
         except Exception as e:  # noqa: BLE001 - surfaced below
             errors.append(repr(e))
 

@@ -6,7 +6,6 @@ import pytest
 
 import xpool
 
-pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 
@@ -20,6 +19,7 @@ def workload(seed=0):
     return [x.get().tobytes() for x in out]
 
 
+@pytest.mark.gpu
 def test_results_are_bit_identical_raw_xpool_cupy_pool():
     prev = cp.cuda.get_allocator()
     results = {}
@@ -35,6 +35,7 @@ def test_results_are_bit_identical_raw_xpool_cupy_pool():
     assert results["xpool"] == results["raw"] == results["cupy_pool"] == results["xpool_k4"] == results["xpool_seed"]
 
 
+@pytest.mark.gpu
 def test_warm_loop_makes_no_device_mallocs(pool):
     x = cp.arange(1 << 20, dtype=cp.float32)
 
@@ -51,27 +52,31 @@ def test_warm_loop_makes_no_device_mallocs(pool):
     assert delta.requests > 20 and delta.device_mallocs == 0 and delta.hits == delta.requests
 
 
-def test_array_sees_requested_length_and_block_is_reused(pool):
-    a = cp.empty(1000, dtype=cp.uint8)
-    assert a.nbytes == 1000 and a.data.mem.size == 1000
-    ptr = a.data.ptr
+def test_array_sees_requested_length_and_block_is_reused(mem):
+    mem.pool()
+    a = mem.empty(1000)
+    assert a.nbytes == 1000
+    if mem.kind == "cupy":
+        assert a.obj.data.mem.size == 1000
+    ptr = a.ptr
     del a
-    b = cp.empty(900, dtype=cp.uint8)
-    assert b.data.ptr == ptr
+    b = mem.empty(900)
+    assert b.ptr == ptr
 
 
-def test_streams_do_not_share_blocks(pool):
-    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+def test_streams_do_not_share_blocks(mem):
+    mem.pool()
+    s1, s2 = mem.stream(), mem.stream()
     with s1:
-        a = cp.empty(4096, dtype=cp.uint8)
-        p1 = a.data.ptr
+        a = mem.empty(4096)
+        p1 = a.ptr
         del a
     with s2:
-        b = cp.empty(4096, dtype=cp.uint8)
-        assert b.data.ptr != p1
+        b = mem.empty(4096)
+        assert b.ptr != p1
     with s1:
-        c = cp.empty(4096, dtype=cp.uint8)
-        assert c.data.ptr == p1
+        c = mem.empty(4096)
+        assert c.ptr == p1
 
 
 def stream_key(pool, array, device=0):
@@ -80,6 +85,7 @@ def stream_key(pool, array, device=0):
     return block["stream"]
 
 
+@pytest.mark.gpu
 def test_blocks_are_keyed_by_cupys_current_stream(pool):
     """The hook asks CuPy for the device's current stream on every request (get_stream_ptr(device)): it
     follows `with stream:` (nested), `stream.use()`, and the per-thread default stream (keyed by thread)."""
@@ -118,29 +124,35 @@ def test_blocks_are_keyed_by_cupys_current_stream(pool):
         s.synchronize()
 
 
-def test_limit_and_out_of_memory(pool):
+def test_limit_and_out_of_memory(mem):
+    pool = mem.pool()
     pool.set_limit(size=100 << 20)
-    keep = cp.ones(48 << 20, dtype=cp.uint8)            # a 48 MiB segment
+    keep = mem.empty(48 << 20)                          # a 48 MiB segment
     with pytest.raises(xpool.OutOfMemoryError, match="limit") as info:
-        cp.empty(60 << 20, dtype=cp.uint8)               # 60 MiB more: over the limit
-    assert isinstance(info.value, cp.cuda.memory.OutOfMemoryError)
-    assert int(keep.sum()) == 48 << 20                 # live arrays untouched
+        mem.empty(60 << 20)                             # 60 MiB more: over the limit
+    if mem.kind == "cupy":
+        assert isinstance(info.value, cp.cuda.memory.OutOfMemoryError)
+        keep.obj.fill(1)
+        assert int(keep.obj.sum()) == 48 << 20         # live arrays untouched
+    assert pool.stats(0).bytes_in_use == keep.nbytes
     pool.set_limit(size=0)
 
 
-def test_device_oom_recovers_by_freeing_the_cache(pool):
-    free, total = cp.cuda.runtime.memGetInfo()
+def test_device_oom_recovers_by_freeing_the_cache(mem):
+    pool = mem.pool()
+    free, total = mem.free(), mem.total()
     chunk = int(free * 0.45)
-    with cp.cuda.Stream(non_blocking=True):            # another stream's: a miss here does not give it back
-        a = cp.empty(chunk, dtype=cp.uint8)
+    with mem.stream():                                 # another stream's: a miss here does not give it back
+        a = mem.empty(chunk)
         del a                                          # cached, not free on the device
-    b = cp.empty(int(free * 0.7), dtype=cp.uint8)      # only fits once the cache is released
+    b = mem.empty(int(free * 0.7))                     # only fits once the cache is released
     assert pool.stats(0).oom_recoveries == 1
     del b
     with pytest.raises(xpool.OutOfMemoryError, match="device 0"):
-        cp.empty(total * 2, dtype=cp.uint8)
+        mem.empty(total * 2)
 
 
+@pytest.mark.gpu
 def test_debug_mode_poisons_and_catches_overrun():
     prev = cp.cuda.get_allocator()
     p = xpool.MemoryPool(debug="raise")
@@ -164,6 +176,7 @@ def test_debug_mode_poisons_and_catches_overrun():
         cp.cuda.set_allocator(prev)
 
 
+@pytest.mark.gpu
 @pytest.mark.multigpu
 def test_block_released_on_another_thread_returns_to_its_device(pool):
     with cp.cuda.Device(1):
@@ -185,6 +198,7 @@ def test_block_released_on_another_thread_returns_to_its_device(pool):
         assert cp.empty(1 << 20, dtype=cp.uint8).data.ptr == ptr
 
 
+@pytest.mark.gpu
 @pytest.mark.multigpu
 def test_each_device_allocates_on_its_own_current_stream(pool):
     """A stream made current on device 1 keys device 1's blocks only; device 0 keeps its own current stream."""

@@ -6,8 +6,9 @@ import pytest
 
 import xpool
 from xpool import Pool
-from xpool_twin import HostBackend
 from xpool.backends import DeviceOutOfMemory
+from xpool_twin import HostBackend
+
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -158,3 +159,31 @@ def test_a_failing_free_on_the_way_up_stops_the_ladder_with_its_error():
         pool.allocate(2 * MiB)
     s = counters(pool)
     assert (s.bytes_cached, s.bytes_pending, s.bytes_releasing, s.blocks_cached) == (MiB, 0, 0, 1)   # still cached
+
+
+def assert_exact(pool, backend, device=0):
+    s = pool._core.stats(device)
+    assert s["bytes_pending"] == s["bytes_releasing"] == 0, s
+    assert s["bytes_reserved"] == backend.used(device), (s, backend.used(device))
+    assert s["device_mallocs"] - s["device_frees"] == len([1 for d, _ in backend.live().values() if d == device])
+
+
+def test_a_small_block_that_fits_the_free_memory_is_served():
+    backend = HostBackend(capacity=4 * MiB)
+    pool = Pool(backend)
+    held = pool.allocate(3 * MiB)
+    a = pool.allocate(4 * KiB)                      # the 2 MiB segment does not fit; the exact size does
+    assert a.size == 4 * KiB and backend.used(0) <= 4 * MiB
+    assert_exact(pool, backend)
+    del held, a
+
+
+def test_out_of_memory_for_a_small_block_reports_the_requests_class():
+    backend = HostBackend(capacity=4 * MiB)
+    pool = Pool(backend)
+    held = pool.allocate(4 * MiB - 2 * KiB)
+    with pytest.raises(xpool.OutOfMemoryError) as e:
+        pool.allocate(4 * KiB)                      # not even the exact size fits
+    assert e.value.size == 4 * KiB and "refused 4.00 KiB" in str(e.value) and "2.00 MiB" not in str(e.value)
+    assert_exact(pool, backend)
+    del held

@@ -1,15 +1,17 @@
 """Scheme segments (the default): blocks cut from segments by best fit, split, merged again; over host memory."""
 import ctypes
-import os
 
 import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import xpool
+import xpool_twin
+import xpool_twin.testing
 from xpool import Pool
-from xpool_twin import HostBackend
 from xpool.debug import POISON
+from xpool_twin import HostBackend
+
 
 KiB, MiB = 1 << 10, 1 << 20
 SEGMENT = 2 * MiB              # a block up to 1 MiB starts a segment of this size; a larger one, of its own
@@ -183,8 +185,6 @@ def test_the_rest_of_a_new_segment_starts_poisoned():
 def test_scheme_is_chosen_by_name_and_classes_per_doubling_needs_seed(monkeypatch):
     backend = HostBackend()
     assert Pool(backend).settings.scheme == "segments" and Pool(backend).settings.classes_per_doubling is None
-    with pytest.raises(ValueError, match="'xpool' is scheme 'segments' now"):
-        Pool(backend, scheme="xpool")                               # the old name of the default
     assert Pool(backend, scheme="seed").settings.classes_per_doubling == 1
     seed = Pool(backend, scheme="seed", classes_per_doubling=4)
     assert seed.settings.scheme == "seed" and seed.allocate(4 * MiB + 1).size == 5 * MiB
@@ -196,36 +196,12 @@ def test_scheme_is_chosen_by_name_and_classes_per_doubling_needs_seed(monkeypatc
         Pool(backend, scheme="arena")
     monkeypatch.setenv("XPOOL_SCHEME", "seed")
     assert Pool(backend).settings.scheme == "seed"
-    monkeypatch.setenv("XPOOL_SCHEME", "xpool")
-    with pytest.raises(ValueError, match="XPOOL_SCHEME='xpool'.*'xpool' is scheme 'segments' now"):
-        Pool(backend)
     monkeypatch.setenv("XPOOL_SCHEME", "buddy")
     with pytest.raises(ValueError, match="XPOOL_SCHEME"):
         Pool(backend)
     monkeypatch.setenv("XPOOL_SCHEME", "seed")
     monkeypatch.setenv("XPOOL_CLASSES_PER_DOUBLING", "4")
     assert Pool(backend).settings.classes_per_doubling == 4   # the variables' cases: tests/xpool/test_settings.py
-    monkeypatch.delenv("XPOOL_SCHEME")
-    monkeypatch.delenv("XPOOL_CLASSES_PER_DOUBLING")
-    with pytest.raises(ValueError, match="segment_round.*was removed"):
-        Pool(backend, scheme="segments", segment_round=1000)
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
-def test_forked_child_starts_without_the_parents_segments():
-    from test_debug import in_forked_child
-    pool, backend = make()
-    a = pool.allocate(4096)                # the parent's segment has a live range and a free rest
-
-    def child():
-        b = pool.allocate(4096)            # must not be cut from the parent's segment
-        a.release()                        # the parent's block: nothing to give back here
-        s = pool.stats()
-        inside = a.ptr <= b.ptr < a.ptr + SEGMENT
-        return "ok" if not inside and (s.device_mallocs, s.blocks_in_use) == (1, 1) else "reused"
-
-    assert in_forked_child(child) == "ok"
-    assert pool.stats().blocks_in_use == 1 and a.ptr
 
 
 SIZES = st.one_of(st.integers(0, 64 * KiB), st.integers(MiB - 4 * KiB, 3 * MiB),
@@ -523,3 +499,38 @@ def test_every_request_gets_the_best_fit_of_all_free_ranges_waiting_or_filed(ops
     s = pool.stats()
     assert (s.blocks_cached, s.bytes_cached) == (len(model.free), sum(model.free.values()))
     assert sorted((c["ptr"], c["size"]) for c in pool._core.cached_blocks(0)) == sorted(model.free.items())
+
+
+def _pool_with_free_ranges(n_ranges, **kw):
+    """A pool whose stream 0 has `n_ranges` free 512 B ranges inside partly used 2 MiB segments."""
+    pool = Pool(HostBackend(), **kw)
+    blocks = [pool.allocate(512) for _ in range(2 * n_ranges)]
+    keep = blocks[1::2]                             # every other one stays in use: the rest cannot merge
+    del blocks
+    assert pool._core.stats(0)["blocks_cached"] >= n_ranges
+    return pool, keep
+
+
+def _scan_visits_per_release(n_ranges, releases=8):
+    pool, keep = _pool_with_free_ranges(n_ranges)
+    visits0 = xpool_twin.testing.release_scan_visits(pool, 0)
+    for i in range(releases):
+        pool.allocate(8 * MiB + 512 * i).release()  # one whole free segment beside the partly used ones
+        assert pool.empty_cache() == 8 * MiB + 512 * i
+    return (xpool_twin.testing.release_scan_visits(pool, 0) - visits0) / releases
+
+
+def test_a_growing_miss_searches_nothing_to_give_back():
+    pool, keep = _pool_with_free_ranges(1000)
+    size, before = 8 * MiB, pool.stats()
+    for _ in range(8):
+        size += 512                                 # each one larger than any before
+        pool.allocate(size).release()
+    assert xpool_twin.testing.release_scan_visits(pool, 0) == 0     # a miss only adds: the one release rule
+    assert (pool.stats() - before).device_frees == 0
+
+
+def test_empty_cache_does_not_walk_the_free_ranges_of_partly_used_segments():
+    few, many = _scan_visits_per_release(100), _scan_visits_per_release(10_000)
+    assert many < 10 * max(few, 1), (few, many)     # O(free ranges) would be 100 times as many
+    assert many < 200, many

@@ -3,12 +3,14 @@ there with an error naming where the value came from, and read by the C core."""
 import dataclasses
 import inspect
 
+import numpy as np
 import pytest
 
 import xpool
 from xpool import Pool, Settings
-from xpool_twin import TwinBackend
 from xpool.settings import DEFAULTS, ENV
+from xpool_twin import HostBackend, TwinBackend
+
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -265,60 +267,70 @@ def test_a_front_ends_default_scheme_fills_only_what_nothing_else_set(monkeypatc
     assert Settings("seed").scheme == "seed"                                 # positional fields as before
 
 
-# --- settings and values of earlier versions: refused, naming what replaced them
-
-RULE = "one built-in release rule (docs/decisions/0001-one-release-rule-per-scheme.md)"
-REPLACED = {                                     # a removed setting -> words its error must say
-    "release_on_miss": RULE,
-    "release_idle": RULE,
-    "release_bound": RULE,
-    "small_segment": "blocks up to 1 MiB in shared 2 MiB segments, a constant",
-    "segment_round": "rounds a larger block's segment up to 512 B, a constant",
-    "peer_access": "maps its pages for every device that can access the pool's device",
-}
-OLD_VALUES = {"release_on_miss": "high_water", "release_idle": 64, "release_bound": 1.05,
-              "small_segment": 2 * MiB, "segment_round": 512, "peer_access": "all"}
+P = 1 << 16
 
 
-def test_every_removed_setting_is_listed():
-    from xpool import settings
-    assert set(settings.REMOVED) == set(REPLACED) and not set(settings.REMOVED) & set(ENV)
+def expandable(**kw):
+    backend = TwinBackend(n_devices=1, granularity=P)
+    return Pool(backend, scheme="expandable", **kw), backend
 
 
-@pytest.mark.parametrize("name", sorted(REPLACED))
-def test_a_removed_setting_as_a_keyword_names_itself_and_its_replacement(name):
-    value = OLD_VALUES[name]
-    for make, who in ((lambda: Settings(**{name: value}), "Settings"),
-                      (lambda: Pool(TwinBackend(), **{name: value}), "Pool"),
-                      (lambda: Pool(TwinBackend(), Settings(), **{name: value}), "Pool"),
-                      (lambda: xpool.MemoryPool(backend=TwinBackend(), **{name: value}), "MemoryPool")):
-        with pytest.raises(ValueError) as e:
-            make()
-        msg = str(e.value)
-        assert msg.startswith(f"{who}({name}=...): the setting {name!r} was removed"), msg
-        assert REPLACED[name] in msg, msg
+def test_keywords_over_a_settings_replace_those_fields_alone_and_say_so():
+    base = Settings(limit="1GiB", debug="warn")
+    for scheme in ("expandable", "seed", "segments"):
+        pool = Pool(TwinBackend(), base, scheme=scheme)
+        s = pool.settings
+        assert (s.scheme, s.limit, s.debug) == (scheme, 1 << 30, "warn")
+        assert (s.source("scheme"), s.source("limit"), s.source("debug")) == ("scheme", "limit", "debug")
+        assert s.source("timeline") == "default"
+    seed = Settings(scheme="seed", classes_per_doubling=4)
+    assert Pool(TwinBackend(), seed, scheme="segments").settings.classes_per_doubling is None
+    assert xpool.MemoryPool(base, backend=TwinBackend(), scheme="expandable").settings.scheme == "expandable"
 
 
-@pytest.mark.parametrize("name", sorted(REPLACED))
-def test_a_removed_settings_variable_names_itself_and_its_replacement(monkeypatch, name):
-    var = f"XPOOL_{name.upper()}"
-    monkeypatch.setenv(var, str(OLD_VALUES[name]))
-    for make in (Settings, lambda: Pool(TwinBackend()), lambda: Settings(scheme="expandable")):
-        with pytest.raises(ValueError) as e:
-            make()
-        msg = str(e.value)
-        assert msg.startswith(f"{var}={str(OLD_VALUES[name])!r}: the setting {name!r} was removed"), msg
-        assert REPLACED[name] in msg and f"unset {var}" in msg, msg
-    monkeypatch.setenv(var, "  ")                # blank: unset, as for every variable
-    assert Settings().scheme == "segments"
+@pytest.mark.parametrize("value", [[1], {}, {1}, bytearray(b"seed"), 3, 2.5])
+def test_a_scheme_of_the_wrong_kind_names_the_argument(value):
+    with pytest.raises(ValueError, match=r"^scheme=.*expected one of 'segments', 'seed', 'expandable'"):
+        Settings(scheme=value)
 
 
-def test_the_old_scheme_name_is_refused_naming_the_new_one(monkeypatch):
-    for value in ("xpool", " XPOOL "):
-        with pytest.raises(ValueError, match=rf"^scheme={value!r}: 'xpool' is scheme 'segments' now"):
-            Settings(scheme=value)
-        with pytest.raises(ValueError, match="'xpool' is scheme 'segments' now"):
-            Pool(TwinBackend(), scheme=value)
-    monkeypatch.setenv("XPOOL_SCHEME", "xpool")
-    with pytest.raises(ValueError, match="^XPOOL_SCHEME='xpool': 'xpool' is scheme 'segments' now"):
-        Settings()
+@pytest.mark.usefixtures("seed_scheme")
+@pytest.mark.parametrize("var, value", [("XPOOL_CLASSES_PER_DOUBLING", "four"),
+                                        ("XPOOL_CLASSES_PER_DOUBLING", "0"),
+                                        ("XPOOL_TIMELINE", "lots"), ("XPOOL_TIMELINE", "-3")])
+def test_bad_environment_settings_name_the_variable(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=var):
+        Pool(HostBackend())
+
+
+@pytest.mark.usefixtures("seed_scheme")
+def test_classes_per_doubling_takes_numpy_integers():
+    pool = Pool(HostBackend(), classes_per_doubling=np.int64(4))
+    assert pool.settings.classes_per_doubling == 4 and type(pool.settings.classes_per_doubling) is int
+    assert pool.allocate(4 * MiB + 1).size == 5 * MiB
+    assert xpool.sizeclass.size_class(4 * MiB + 1, np.int32(4)) == 5 * MiB
+
+
+@pytest.mark.parametrize("value", ["bogus", "2", "maybe", "raise it"])
+def test_a_bad_debug_setting_names_its_variable(value, monkeypatch):
+    monkeypatch.setenv("XPOOL_DEBUG", value)
+    with pytest.raises(ValueError, match="XPOOL_DEBUG"):
+        Pool(HostBackend())
+    monkeypatch.delenv("XPOOL_DEBUG")
+    with pytest.raises(ValueError, match=r"\bdebug\b"):
+        Pool(HostBackend(), debug=value)
+
+
+def test_an_unknown_setting_is_named():
+    with pytest.raises(TypeError, match="no_such_setting"):
+        Pool(HostBackend(), no_such_setting=1)
+
+
+@pytest.mark.parametrize("events", [1 << 60, 1 << 63, 1 << 64])
+def test_a_timeline_too_large_names_its_argument(events, monkeypatch):
+    with pytest.raises((ValueError, MemoryError), match="timeline"):
+        Pool(HostBackend(), timeline=events)
+    monkeypatch.setenv("XPOOL_TIMELINE", str(events))
+    with pytest.raises((ValueError, MemoryError), match="XPOOL_TIMELINE"):
+        Pool(HostBackend())

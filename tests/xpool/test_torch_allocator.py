@@ -443,7 +443,7 @@ class NoVmmBackend(TwinBackend):
     """Host memory whose driver, like an old one, has no virtual memory management."""
 
     def vmm(self):
-        from xpool._vmm import VmmError
+        from xpool._core import VmmError
         raise VmmError("cuMemAddressReserve not found (a driver without virtual memory management)")
 
 
@@ -498,9 +498,9 @@ def test_without_virtual_memory_a_scheme_asked_for_is_an_error(made):
     assert xpool.cupy_adapter.installed() is None and torch_allocator.enabled() is None
 
 
-def test_a_removed_variable_is_refused_and_nothing_is_installed(made):
-    made.setenv("XPOOL_RELEASE_ON_MISS", "peak")
-    with pytest.raises(ValueError, match="^XPOOL_RELEASE_ON_MISS='peak': the setting 'release_on_miss' was removed"):
+def test_a_bad_variable_is_refused_and_nothing_is_installed(made):
+    made.setenv("XPOOL_MEMORY_LIMIT", "0.4B")
+    with pytest.raises(ValueError, match="^XPOOL_MEMORY_LIMIT='0.4B': not a whole number of bytes"):
         xpool.enable_torch()
     assert xpool.cupy_adapter.installed() is None and torch_allocator.enabled() is None
 

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from xpool import _vmm
+from xpool import _core
 import xpool_twin
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
@@ -36,9 +36,9 @@ def test_ranges_are_aligned_to_each_devices_granularity(twin, ops):
     a, b = ops.reserve(0, 8 * K64), ops.reserve(1, 8 * K64)
     assert a % K64 == 0 and b % (4 * K64) == 0
     assert twin.ranges() == sorted([(0, a, 8 * K64), (1, b, 8 * K64)], key=lambda r: r[1])
-    with pytest.raises(_vmm.VmmError, match="not whole") as e:
+    with pytest.raises(_core.VmmError, match="not whole") as e:
         ops.reserve(1, 6 * K64)                  # not whole pages of device 1
-    assert e.value.status == _vmm.INVALID
+    assert e.value.status == _core.INVALID
     ops.release(0, a, 8 * K64)
     ops.release(1, b, 8 * K64)
     assert twin.ranges() == [] and twin.counters()["releases"] == 2
@@ -98,9 +98,9 @@ def test_bad_calls_fail_and_change_nothing(twin, ops, what, call):
     ops.map(0, a + K64, 2 * K64)
     before = (twin.pages(), twin.ranges(), twin.mapped_bytes(0))
     maps = twin.counters()["maps"]
-    with pytest.raises(_vmm.VmmError) as e:
+    with pytest.raises(_core.VmmError) as e:
         call(ops, a)
-    assert e.value.status == _vmm.INVALID, (what, str(e.value))
+    assert e.value.status == _core.INVALID, (what, str(e.value))
     if what != "a double unmap":   # the first unmap of that one is legitimate
         assert (twin.pages(), twin.ranges(), twin.mapped_bytes(0)) == before, what
         assert twin.counters()["maps"] == maps
@@ -111,7 +111,7 @@ def test_out_of_memory_on_the_nth_page_leaves_nothing_mapped(twin, ops):
     ops.map(0, a, 10 * K64)                      # capacity 16 pages
     with pytest.raises(MemoryError, match="page 6 of 8") as e:
         ops.map(0, a + 10 * K64, 8 * K64)
-    assert isinstance(e.value, _vmm.VmmOutOfMemory) and e.value.status == _vmm.OOM
+    assert isinstance(e.value, _core.VmmOutOfMemory) and e.value.status == _core.OOM
     assert twin.mapped_bytes(0) == 10 * K64 and len(twin.pages()) == 10
     assert not twin.is_mapped(a + 10 * K64)
     ops.map(0, a + 10 * K64, 6 * K64)            # what fits still fits
@@ -120,13 +120,13 @@ def test_out_of_memory_on_the_nth_page_leaves_nothing_mapped(twin, ops):
     assert twin.capacity(0) is None and twin.counters()["map_failures"] == 1
 
 
-@pytest.mark.parametrize("kind, status", [("oom", _vmm.OOM), ("error", _vmm.ERROR)])
+@pytest.mark.parametrize("kind, status", [("oom", _core.OOM), ("error", _core.ERROR)])
 def test_injected_map_faults_undo_what_they_made(twin, ops, kind, status):
     a = ops.reserve(1, 64 * K64)
     twin.fail_maps(count=2, kind=kind, after_pages=3, skip=1)
     ops.map(1, a, 4 * K64)                       # skipped
     for _ in range(2):
-        with pytest.raises(_vmm.VmmError, match="page 3 of 5") as e:
+        with pytest.raises(_core.VmmError, match="page 3 of 5") as e:
             ops.map(1, a + 4 * K64, 5 * 4 * K64)
         assert e.value.status == status
         assert twin.mapped_bytes(1) == 4 * K64 and not twin.is_mapped(a + 4 * K64)
@@ -138,9 +138,9 @@ def test_an_injected_unmap_fault_unmaps_a_prefix(twin, ops):
     a = ops.reserve(0, 8 * K64)
     ops.map(0, a, 4 * K64)
     twin.fail_unmaps(count=1, after_pages=1)
-    with pytest.raises(_vmm.VmmError, match="page 1 of 4") as e:
+    with pytest.raises(_core.VmmError, match="page 1 of 4") as e:
         ops.unmap(0, a, 4 * K64)
-    assert e.value.done == K64 and e.value.status == _vmm.ERROR
+    assert e.value.done == K64 and e.value.status == _core.ERROR
     assert [p[1] for p in twin.pages()] == [a + K64, a + 2 * K64, a + 3 * K64]
     assert ops.unmap(0, a + K64, 3 * K64) == 3 * K64
     c = twin.counters()
@@ -178,7 +178,7 @@ def test_the_twins_peers_are_every_other_device_unless_set(twin, ops):
     twin.set_peers(0, 0)                         # GPUs without P2P between them
     assert ops.peers(0) == 0 and ops.peers(1) == 0b01
     a = ops.reserve(0, 8 * K64)
-    with pytest.raises(_vmm.VmmError, match="cannot access device 0"):
+    with pytest.raises(_core.VmmError, match="cannot access device 0"):
         ops.map(0, a, K64, peers=0b10)
     assert twin.pages() == []
     twin.set_peers(0, 0b10)
@@ -235,17 +235,17 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
 def _cuda_vmm_error(libcuda: str) -> str:
     """What cuda_vmm() raises, in a process whose driver is `libcuda` (status and message)."""
     return _run("""
-        from xpool import _vmm
+        from xpool import _core
         try:
-            _vmm.cuda_vmm()
-        except _vmm.VmmError as e:
+            _core.cuda_vmm()
+        except _core.VmmError as e:
             print(e.status, e)
     """, XPOOL_LIBCUDA=libcuda).stdout
 
 
 def test_without_a_driver_cuda_vmm_says_why():
     out = _cuda_vmm_error("/nonexistent/libcuda.so.1")
-    assert out.startswith(f"{_vmm.UNAVAILABLE} cannot load the CUDA driver (/nonexistent/libcuda.so.1)"), out
+    assert out.startswith(f"{_core.UNAVAILABLE} cannot load the CUDA driver (/nonexistent/libcuda.so.1)"), out
 
 
 def test_a_library_that_is_no_driver_is_refused():
@@ -253,7 +253,7 @@ def test_a_library_that_is_no_driver_is_refused():
     if not libm:
         pytest.skip("no libm to stand for a library that is no driver")
     out = _cuda_vmm_error(libm)
-    assert out.startswith(f"{_vmm.UNAVAILABLE} {libm} is no CUDA driver"), out
+    assert out.startswith(f"{_core.UNAVAILABLE} {libm} is no CUDA driver"), out
 
 
 @pytest.fixture(scope="module")
@@ -270,13 +270,13 @@ def fake_driver(tmp_path_factory):
 FAKE_PRELUDE = """
     import ctypes, os
     import xpool_twin
-    from xpool import _vmm
+    from xpool import _core
     fake = ctypes.CDLL(os.environ["XPOOL_LIBCUDA"])
     def get(name, kind=ctypes.c_long):
         return kind.in_dll(fake, name).value
     def put(name, value, kind=ctypes.c_long):
         kind.in_dll(fake, name).value = value
-    ops = xpool_twin.Ops(_vmm.cuda_vmm())
+    ops = xpool_twin.Ops(_core.cuda_vmm())
     G = ops.granularity(0)
 """
 
@@ -316,7 +316,7 @@ def test_cuda_peers_are_the_devices_that_can_access_the_device(fake_driver):
         try:
             ops.peers(2)
             raise SystemExit("no error")
-        except _vmm.VmmError as e:
+        except _core.VmmError as e:
             assert "cuDeviceGet" in str(e), e
     """)
 
@@ -329,7 +329,7 @@ def test_cuda_map_failing_at_the_nth_page_leaves_nothing(fake_driver):
             ops.map(0, a, 8 * G)
             raise SystemExit("no error")
         except MemoryError as e:
-            assert e.status == _vmm.OOM and "cuMemMap failed: CUDA_ERROR_OUT_OF_MEMORY" in str(e), e
+            assert e.status == _core.OOM and "cuMemMap failed: CUDA_ERROR_OUT_OF_MEMORY" in str(e), e
             assert "handle 5 of 8" in str(e), e
         assert get("fake_live_allocations") == 0 and get("fake_pages_mapped") == 0
         put("fake_capacity_pages", 3)
@@ -344,8 +344,8 @@ def test_cuda_map_failing_at_the_nth_page_leaves_nothing(fake_driver):
         try:
             ops.map(0, a, 4 * G)
             raise SystemExit("no error")
-        except _vmm.VmmError as e:
-            assert e.status == _vmm.INVALID and "cuMemSetAccess failed" in str(e), e
+        except _core.VmmError as e:
+            assert e.status == _core.INVALID and "cuMemSetAccess failed" in str(e), e
         assert get("fake_live_allocations") == 0 and get("fake_pages_mapped") == 0
         ops.map(0, a, 4 * G)
         assert get("fake_pages_mapped") == 4
@@ -359,21 +359,21 @@ def test_cuda_unmap_of_what_is_not_mapped_fails_and_unmaps_nothing(fake_driver):
         try:
             ops.unmap(0, a, 4 * G)                # pages 2 and 3 are not mapped: checked before anything is unmapped
             raise SystemExit("no error")
-        except _vmm.VmmError as e:
-            assert e.done == 0 and e.status == _vmm.INVALID and "0x%x is not a whole mapping" % (a + 2 * G) in str(e), e
+        except _core.VmmError as e:
+            assert e.done == 0 and e.status == _core.INVALID and "0x%x is not a whole mapping" % (a + 2 * G) in str(e), e
         assert get("fake_pages_mapped") == 2 and get("fake_syncs") == 0
         ops.map(0, a + 2 * G, 4 * G, page=2 * G)  # two handles of 2 pages
         try:
             ops.unmap(0, a + 2 * G, 3 * G, page=0)  # half a handle: CUDA unmaps whole mappings only
             raise SystemExit("no error")
-        except _vmm.VmmError as e:
-            assert e.done == 0 and e.status == _vmm.INVALID, e
+        except _core.VmmError as e:
+            assert e.done == 0 and e.status == _core.INVALID, e
         assert ops.unmap(0, a, 6 * G, page=0) == 6 * G   # every handle as it was mapped, whatever its size
         assert get("fake_pages_mapped") == 0 and get("fake_live_allocations") == 0
         try:
             ops.release(0, a + G, 8 * G)
             raise SystemExit("no error")
-        except _vmm.VmmError:
+        except _core.VmmError:
             pass
         ops.release(0, a, 64 * G)
     """)
@@ -439,8 +439,8 @@ def test_cupy_backend_offers_cuda_or_says_why_not():
     from xpool.backends import CupyBackend
     try:
         capsule = CupyBackend().vmm()
-    except _vmm.VmmError as e:
-        assert e.status == _vmm.UNAVAILABLE and ("CUDA driver" in str(e) or "cuInit" in str(e)
+    except _core.VmmError as e:
+        assert e.status == _core.UNAVAILABLE and ("CUDA driver" in str(e) or "cuInit" in str(e)
                                                  or "virtual memory" in str(e)), e
     else:
         assert xpool_twin.Ops(capsule).name == "cuda"

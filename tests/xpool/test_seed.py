@@ -1,11 +1,18 @@
-"""The pool core over real host memory: reuse, streams, devices, stats, OOM, limits, bad input."""
+"""Scheme seed, the design's size classes: the classes (properties with hypothesis, the documented examples, bad
+input), the pool over them on host memory (reuse, streams, devices, OOM, limits, bad input), and a hypothesis state
+machine of the pool against a model, counter for counter."""
 import ctypes
 import gc
+from collections import defaultdict
 
 import pytest
+from hypothesis import event, given, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import xpool
-from xpool import Pool
+from faults import examples
+from xpool import Pool, _core
+from xpool.sizeclass import MAX_REQUEST
 from xpool_twin import HostBackend
 
 
@@ -104,18 +111,6 @@ def test_block_released_on_another_thread_returns_to_its_own_device():
     st = pool.stats()
     assert st[2]["blocks_cached"] == 1 and list(st) == [2]
     assert pool.allocate(5000, device=2).ptr == ptr
-
-
-def test_snapshot_difference_counts_step_activity():
-    pool, _ = make()
-    keep = [pool.allocate(n) for n in (100, 2000, 3 * MiB)]
-    del keep
-    s0 = pool.stats()
-    step = [pool.allocate(n) for n in (100, 2000, 3 * MiB, 5 * MiB)]
-    d = pool.stats() - s0
-    assert (d.requests, d.hits, d.misses, d.device_mallocs) == (4, 3, 1, 1)
-    assert d.bytes_in_use == sum(b.size for b in step)   # gauges keep the later value
-    del step
 
 
 def test_empty_cache_and_trim_give_memory_back():
@@ -260,45 +255,6 @@ def test_freeing_a_foreign_pointer_is_an_error_and_changes_nothing():
     assert pool.stats() == before
 
 
-def test_stats_frame_schema():
-    from xpool.counters import COLUMNS
-    pool, _ = make()
-    pool.allocate(1)
-    pytest.importorskip("pandas")
-    df = pool.stats().frame()
-    assert tuple(df.columns) == COLUMNS and len(df) == 1
-    assert list(xpool.stats().frame().columns) == list(COLUMNS)   # nothing installed: empty, same columns
-    assert len(xpool.stats().frame()) == 0
-
-
-def test_peaks_and_reset():
-    pool, _ = make()
-    a, b = pool.allocate(3000), pool.allocate(5000)
-    del a, b
-    st = pool.stats()
-    assert (st.peak_bytes_in_use, st.peak_bytes_requested, st.peak_bytes_reserved) == (8192, 8000, 8192)
-    pool.reset_peak_stats()
-    st = pool.stats()
-    assert (st.peak_bytes_in_use, st.peak_bytes_requested, st.peak_bytes_reserved) == (0, 0, 8192)
-
-
-def test_timeline_records_every_event_in_a_bounded_ring():
-    pool, _ = make(timeline=4)
-    a = pool.allocate(100)
-    del a
-    b = pool.allocate(100)
-    del b
-    pool.empty_cache()
-    df = pool.timeline()
-    assert list(df.event) == ["free", "alloc_hit", "free", "release"]   # the first miss fell out
-    assert df.attrs["dropped"] == 1
-    assert (df.t_s.diff().dropna() >= 0).all()
-    assert list(df.bytes_reserved) == [512, 512, 512, 0]
-    off, _ = make(timeline=0)
-    off.allocate(1).release()
-    assert len(off.timeline()) == 0 and off.timeline().attrs["dropped"] == 0
-
-
 def test_request_larger_than_the_device_is_bad_input_and_flushes_nothing():
     pool, backend = make(capacity=4 * MiB)
     cached = pool.allocate(1 * MiB)
@@ -327,3 +283,171 @@ def test_a_backend_missing_methods_is_named():
         Pool(Half())
     with pytest.raises(TypeError, match="backend must provide"):
         Pool(None)
+
+
+sizes = st.one_of(st.integers(0, 4 * MiB), st.integers(0, 1 << 40))
+
+
+ks = st.integers(1, 64)
+
+
+def reference(n: int, k: int) -> int:
+    """The classes as the design states them, in Python: up to 1 MiB the next multiple of 512 B; above, the least of
+    p + ceil(j p / k) (j = 1..k, p < n <= 2p a power of two), rounded up to 512 B, that holds n."""
+    if n <= MiB:
+        return max(512, -(-n // 512) * 512)
+    p = 1 << ((n - 1).bit_length() - 1)
+    return min(c for c in (-(-(p + -(-j * p // k)) // 512) * 512 for j in range(1, k + 1)) if c >= n)
+
+
+@given(sizes, ks)
+@settings(max_examples=examples(2000))
+def test_class_covers_request_and_is_aligned(n, k):
+    c = xpool.sizeclass.size_class(n, k)
+    assert c >= max(n, 1) and c % 512 == 0
+
+
+@given(sizes, ks)
+@settings(max_examples=examples(2000))
+def test_c_core_agrees_with_the_design(n, k):
+    assert _core.size_class(n, k) == xpool.sizeclass.size_class(n, k) == reference(n, k)
+
+
+@given(sizes, ks)
+def test_idempotent_and_monotone(n, k):
+    c = xpool.sizeclass.size_class(n, k)
+    assert xpool.sizeclass.size_class(c, k) == c
+    assert xpool.sizeclass.size_class(n + 1, k) >= c
+
+
+@given(st.integers(MiB + 1, 1 << 40), ks)
+def test_large_waste_is_bounded_by_one_class_step(n, k):
+    # the gap between neighbouring classes above p is p/k (+512 rounding): waste < n/k + 512
+    assert xpool.sizeclass.size_class(n, k) - n < n / k + 512
+
+
+@given(st.integers(MiB + 1, 1 << 40))
+def test_seed_design_is_next_power_of_two(n):
+    c = xpool.sizeclass.size_class(n)
+    assert c & (c - 1) == 0 and c // 2 < n <= c
+
+
+def test_documented_examples():
+    assert xpool.sizeclass.size_class(0) == 512
+    assert xpool.sizeclass.size_class(1) == 512
+    assert xpool.sizeclass.size_class(513) == 1024
+    assert xpool.sizeclass.size_class(MiB) == MiB
+    assert xpool.sizeclass.size_class(MiB + 1) == 2 * MiB
+    # k=4 between 4 and 8 MiB: 5, 6, 7, 8 MiB
+    assert [xpool.sizeclass.size_class(4 * MiB + j * MiB + 1, 4) for j in range(4)] == [5 * MiB, 6 * MiB, 7 * MiB, 8 * MiB]
+    assert xpool.sizeclass.size_class(4 * MiB + 1, 4) == 5 * MiB
+    assert xpool.sizeclass.size_class(5 * MiB, 4) == 5 * MiB
+    # k=3 classes round to 512 B: p + p/3 for p = 2 MiB
+    assert xpool.sizeclass.size_class(2 * MiB + 1, 3) == -(-(2 * MiB + -(-2 * MiB // 3)) // 512) * 512
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "10", None, True, MAX_REQUEST + 1, float("nan")])
+def test_bad_sizes_raise_value_error_naming_the_argument(bad):
+    with pytest.raises(ValueError, match="nbytes"):
+        xpool.sizeclass.size_class(bad)
+
+
+@pytest.mark.parametrize("k", [0, -1, 65, 1.0, "4", True])
+def test_bad_classes_per_doubling(k):
+    with pytest.raises(ValueError, match="classes_per_doubling"):
+        xpool.sizeclass.size_class(1000, k)
+
+
+CAPACITY = 12 << 20   # small enough that OOM recovery and OOM errors happen
+
+
+SIZES = st.one_of(st.integers(0, 8192), st.sampled_from([1 << 20, (1 << 20) + 1, 3 << 20, 5 << 20]))
+
+
+class PoolModel(RuleBasedStateMachine):
+    """The model: live blocks, and a count of free blocks per (device, stream, class)."""
+
+    def __init__(self):
+        super().__init__()
+        self.k = 2
+        self.backend = HostBackend(capacity=CAPACITY, n_devices=3)
+        self.pool = Pool(self.backend, scheme="seed", classes_per_doubling=self.k)
+        self.live = []                                  # Allocation objects
+        self.free = defaultdict(int)                    # (device, stream, class) -> count
+        self.counts = defaultdict(lambda: defaultdict(int))   # device -> counter -> value
+
+    @rule(n=SIZES, device=st.integers(0, 2), stream=st.integers(0, 2))
+    def allocate(self, n, device, stream):
+        cls = xpool.sizeclass.size_class(n, self.k)
+        key = (device, stream, cls)
+        c = self.counts[device]
+        c["requests"] += 1
+        if self.free[key]:
+            self.free[key] -= 1
+            c["hits"] += 1
+        else:
+            c["misses"] += 1
+            in_use = sum(a.size for a in self.live if a.device == device)
+            cached = sum(k[2] * v for k, v in self.free.items() if k[0] == device)
+            if in_use + cached + cls > CAPACITY:        # the device refuses: flush the cache, retry
+                for k in [k for k in self.free if k[0] == device]:
+                    c["device_frees"] += self.free.pop(k)
+                if in_use + cls > CAPACITY:
+                    c["oom_errors"] += 1
+                    event("oom error")
+                    with pytest.raises(xpool.OutOfMemoryError):
+                        self.pool.allocate(n, device=device, stream=stream)
+                    return
+                c["oom_recoveries"] += 1
+                event("oom recovered")
+            c["device_mallocs"] += 1
+        a = self.pool.allocate(n, device=device, stream=stream)
+        assert (a.size, a.requested, a.device, a.stream) == (cls, n, device, stream)
+        self.live.append(a)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 10_000))
+    def release(self, i):
+        a = self.live.pop(i % len(self.live))
+        self.free[(a.device, a.stream, a.size)] += 1
+        self.counts[a.device]["frees"] += 1
+        a.release()
+
+    @rule(device=st.integers(0, 2))
+    def empty_cache(self, device):
+        if device in list(self.pool.stats()):
+            self.pool.empty_cache(device)
+        for k in [k for k in self.free if k[0] == device]:
+            self.counts[device]["device_frees"] += self.free.pop(k)
+
+    @invariant()
+    def counters_match_the_model(self):
+        for d in list(self.pool.stats()):
+            s = self.pool.stats(d)
+            for name in ("requests", "hits", "misses", "device_mallocs", "device_frees", "frees",
+                         "oom_errors", "oom_recoveries"):
+                assert s[name] == self.counts[d][name], (name, d)
+            live = [a for a in self.live if a.device == d]
+            assert s.blocks_in_use == len(live)
+            assert s.bytes_in_use == sum(a.size for a in live)
+            assert s.bytes_requested == sum(a.requested for a in live)
+            cached = {k: v for k, v in self.free.items() if k[0] == d and v}
+            assert s.blocks_cached == sum(cached.values())
+            assert s.bytes_cached == sum(k[2] * v for k, v in cached.items())
+            assert s.bytes_reserved == self.backend.used(d)
+
+    @invariant()
+    def live_blocks_never_overlap(self):
+        spans = sorted((a.ptr, a.ptr + a.size) for a in self.live)
+        assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+
+    def teardown(self):
+        self.live.clear()
+        self.pool.empty_cache()
+        assert sum(self.backend.used(d) for d in range(3)) == 0
+
+
+PoolModel.TestCase.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
+
+
+TestPoolModel = pytest.mark.usefixtures("frozen_gc")(PoolModel.TestCase)

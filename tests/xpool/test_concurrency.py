@@ -1,5 +1,6 @@
-"""The bounded soak of issue #11, run in CI: many threads over several host devices under a per-device limit,
-with injected malloc and free failures and concurrent empty_cache / trim / check / stats / set_limit.
+"""Concurrency: many threads over several host devices, cross-thread releases, the collector, and bounded soaks
+run in CI (a per-device limit, injected malloc and free failures, concurrent empty_cache / trim / check / stats /
+set_limit; capture states and per-thread streams on the PyTorch and CuPy C paths; scheme expandable's pages).
 
 After every run: the pool's counters equal the backend's own accounting, no device ever held more than its
 limit (the backend's high-water mark), nothing leaked, and debug mode reported nothing.
@@ -7,8 +8,12 @@ limit (the backend's high-water mark), nothing leaked, and debug mode reported n
 import contextlib
 import ctypes
 import gc
+import os
+import queue
 import random
+import subprocess
 import sys
+import sysconfig
 import threading
 import time
 
@@ -16,9 +21,10 @@ import pytest
 
 import xpool
 import xpool_twin.testing
-from xpool_twin import TwinBackend
-from faults import FaultyBackend, InjectedFault
+from faults import FaultyBackend, InjectedFault, soak_ops
 from xpool import Pool
+from xpool_twin import HostBackend, TwinBackend
+
 
 KiB, MiB = 1 << 10, 1 << 20
 DEVICES = 4
@@ -167,7 +173,7 @@ def stressed():
 ])
 def test_soak(seed, workers, ops, debug):
     with stressed():
-        pool, backend, errors, outcomes = soak(seed, workers, ops, debug)
+        pool, backend, errors, outcomes = soak(seed, workers, soak_ops(ops), debug)
     assert errors == []
     assert_exact(pool, backend)
     # the run did meet what it is meant to survive
@@ -182,7 +188,7 @@ def test_soak(seed, workers, ops, debug):
     assert_exact(pool, backend)
 
 
-# ------------------------------------------------------------------ issue 21: capture states, per-thread streams,
+# ------------------------------------------------------------------ capture states, per-thread streams,
 # the PyTorch and CuPy C paths
 
 PER_THREAD = 2                       # cudaStreamPerThread: another stream in each thread
@@ -466,7 +472,7 @@ def soak_paths(seed: int, workers: int, ops: int, scheme: str, debug):
 ])
 def test_soak_capture_per_thread_streams_and_torch(seed, workers, ops, scheme, debug):
     with stressed():
-        pool, backend, errors, counts, keys = soak_paths(seed, workers, ops, scheme, debug)
+        pool, backend, errors, counts, keys = soak_paths(seed, workers, soak_ops(ops), scheme, debug)
     assert errors == []
     assert backend.violations == []                  # nothing went back to a device while one of its streams captured
     assert_exact(pool, backend)
@@ -494,7 +500,7 @@ def test_soak_capture_per_thread_streams_and_torch(seed, workers, ops, scheme, d
     assert_exact(pool, backend)
 
 
-# ------------------------------------------------------------------ scheme expandable (issue 22): the host twin's
+# ------------------------------------------------------------------ scheme expandable: the host twin's
 # pages under the same storm, on the Python and PyTorch (no GIL) paths and three streams (the workers' per-thread
 # streams among them, which hold back other threads' unmaps on their devices while the workers live), with map,
 # unmap and reserve faults and a device that captures throughout
@@ -637,7 +643,7 @@ def assert_twin(pool, twin):
 ])
 def test_soak_expandable(seed, workers, ops, debug, capturing_device):
     with stressed():
-        pool, twin, errors, outcomes, most = soak_expandable(seed, workers, ops, debug, capturing_device)
+        pool, twin, errors, outcomes, most = soak_expandable(seed, workers, soak_ops(ops), debug, capturing_device)
     assert errors == []
     assert_twin(pool, twin)
     assert outcomes["allocated"] > 0 and outcomes["refused"] > 0 and outcomes["torch"] > 0
@@ -654,3 +660,163 @@ def test_soak_expandable(seed, workers, ops, debug, capturing_device):
     pool.empty_cache()                               # every worker has ended, no capture is on: all goes back
     assert twin.pages() == [] and twin.ranges() == []
     assert_twin(pool, twin)
+
+
+P = 1 << 16
+
+
+def expandable(**kw):
+    backend = TwinBackend(n_devices=1, granularity=P)
+    return Pool(backend, scheme="expandable", **kw), backend
+
+
+class Cycle:
+    """Holds a block in a reference cycle: only the collector frees it."""
+
+    def __init__(self, block):
+        self.block, self.me = block, self
+
+
+@pytest.mark.parametrize("scheme", ["expandable", "segments"])
+def test_threads_racing_frees_misses_and_the_collector_see_no_spurious_error(scheme, frozen_gc):
+    """Four threads on one stream allocate and free blocks of up to two pages, some left in reference cycles (a
+    thread collects once it has left four), while a fifth collects garbage, under a limit above the most they can
+    hold at once (each thread two blocks, four in cycles and one in flight, each on pages, or in a 2 MiB small
+    segment, of its own): no error of any kind may reach them (a spurious RuntimeError or OutOfMemoryError before),
+    and the counters stay exact."""
+    backend = TwinBackend(n_devices=1, granularity=P)
+    limit = 4 * 7 * 3 * P + 16 * P if scheme == "expandable" else 4 * 7 * (2 << 20) + (8 << 20)
+    pool = Pool(backend, scheme=scheme, limit=limit)
+    errors, stop = [], threading.Event()
+
+    def worker(seed):
+        rng = random.Random(seed)
+        held, cycles = [], 0
+        try:
+            for _ in range(800):
+                if len(held) >= 2 or (held and rng.random() < 0.5):
+                    b = held.pop(rng.randrange(len(held)))
+                    if rng.random() < 0.3:
+                        Cycle(b)                      # garbage now, freed by a collection
+                        cycles += 1
+                    del b
+                    if cycles == 4:
+                        gc.collect()
+                        cycles = 0
+                else:
+                    held.append(pool.allocate(rng.choice([512, P // 3, P, P + 512, 2 * P]), 0, 0))
+        except Exception as e:                        # noqa: BLE001 - every error is the test's failure
+            errors.append(repr(e))
+
+    def collector():
+        while not stop.wait(0.001):
+            gc.collect()
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    c = threading.Thread(target=collector)
+    c.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    c.join()
+    gc.collect()
+    assert errors == []
+    s = pool.stats()
+    assert s.blocks_in_use == 0 and s.bytes_in_use == 0 and s.bytes_requested == 0
+    assert s.bytes_reserved <= limit
+    pool.empty_cache()
+    assert pool.stats().bytes_reserved == 0 and backend.used(0) == 0
+    if scheme == "expandable":
+        assert backend.twin.mapped_bytes(0) == 0
+
+
+# code read: the GIL.  The core declares Py_MOD_GIL_USED; this guards against declaring otherwise
+# without making it safe.
+@pytest.mark.usefixtures("seed_scheme")
+@pytest.mark.skipif(not sysconfig.get_config_var("Py_GIL_DISABLED"), reason="free-threaded CPython only")
+def test_free_threaded_python_keeps_the_gil_for_the_core():
+    from xpool import _core
+    # the extension alone: numpy or CuPy, imported by the package, could turn the GIL on themselves
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('xpool._core', "
+            f"{_core.__file__!r}); spec.loader.exec_module(importlib.util.module_from_spec(spec)); "
+            "print(sys._is_gil_enabled())")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON_GIL"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "True"
+
+
+STRESS_THREADS, STRESS_DEVICES, STRESS_OPS = 8, 3, 1500
+
+
+def test_threads_with_cross_thread_release():
+    backend = HostBackend(n_devices=STRESS_DEVICES)
+    pool = Pool(backend, scheme="seed", classes_per_doubling=4)
+    handoff = queue.Queue()            # blocks whose last reference dies on another thread
+    barrier = threading.Barrier(STRESS_THREADS)
+    errors = []
+
+    def fill(a, tag):
+        ctypes.memset(a.ptr, tag, a.requested)
+
+    def intact(a, tag):
+        return ctypes.string_at(a.ptr, a.requested) == bytes([tag]) * a.requested
+
+    def worker(seed):
+        rng = random.Random(seed)
+        backend.set_device(seed % STRESS_DEVICES)
+        mine = []
+        barrier.wait()
+        try:
+            for _ in range(STRESS_OPS):
+                r = rng.random()
+                if r < 0.5 or not mine:
+                    n = rng.choice([rng.randrange(0, 4096), rng.randrange(4096, 300_000),
+                                    rng.randrange(1 << 20, 3 << 20)])
+                    a = pool.allocate(n, device=rng.randrange(STRESS_DEVICES), stream=rng.randrange(2))
+                    tag = rng.randrange(1, 255)
+                    fill(a, tag)
+                    mine.append((a, tag))
+                elif r < 0.8:
+                    a, tag = mine.pop(rng.randrange(len(mine)))
+                    if not intact(a, tag):
+                        errors.append(f"block 0x{a.ptr:x} overwritten")
+                    a.release() if rng.random() < 0.5 else None
+                    del a
+                else:
+                    handoff.put(mine.pop(rng.randrange(len(mine))))
+                while not handoff.empty() and rng.random() < 0.5:
+                    try:
+                        a, tag = handoff.get_nowait()
+                    except queue.Empty:
+                        break
+                    if not intact(a, tag):
+                        errors.append(f"handed-off block 0x{a.ptr:x} overwritten")
+                    del a
+            for a, tag in mine:
+                if not intact(a, tag):
+                    errors.append(f"block 0x{a.ptr:x} overwritten at the end")
+            mine.clear()
+        except Exception as e:  # noqa: BLE001 - surfaced below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(STRESS_THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    while not handoff.empty():
+        handoff.get_nowait()
+    assert errors == []
+
+    stats = pool.stats()
+    for device in stats:
+        s = stats[device]
+        assert s["bytes_in_use"] == s["bytes_requested"] == s["blocks_in_use"] == 0, device
+        assert s["requests"] == s["hits"] + s["misses"] and s["frees"] == s["requests"], device
+        assert s["device_mallocs"] - s["device_frees"] == s["blocks_cached"], device
+        assert s["bytes_reserved"] == s["bytes_cached"] == backend.used(device), device
+    assert stats.device_mallocs == backend.mallocs
+    pool.empty_cache()
+    assert all(backend.used(d) == 0 for d in range(STRESS_DEVICES)) and backend.frees == backend.mallocs
