@@ -88,12 +88,14 @@ def test_core_h_lists_every_file_and_every_lock():
     assert "DevicePool.lock" in lock_list and "Timeline.lock" in lock_list
 
 
-def test_the_package_is_at_most_7100_lines():
+def test_the_package_is_at_most_7200_lines():
     """7,000 at the freeze (#42); 85 more for Note [Handles] (#49): the ranges' edge bits and the CUDA ops' table of
-    handles, released at their unmap as PyTorch does."""
+    handles, released at their unmap as PyTorch does; about 150 more for the frozen surface's mends (#50: ended
+    threads' streams given back, CuPy's MemoryPool contract, reads without effects, one message per missing piece),
+    and 85 fewer with the retired names (#51, decision 0012)."""
     files = [p for p in XPOOL.iterdir() if p.suffix in (".c", ".h", ".py")]
     total = sum(len(p.read_text().splitlines()) for p in files)
-    assert total <= 7100, f"xpool/ has {total} lines"
+    assert total <= 7200, f"xpool/ has {total} lines"
 
 
 def test_the_public_surface_is_the_frozen_one():
