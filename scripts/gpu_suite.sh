@@ -64,9 +64,9 @@ DATA=${DATA:-data}       # data/rerun for the second run on a fresh machine (iss
 mkdir -p "$OUT" "$DATA"
 LOG="$OUT/gpu_suite.log"
 # the packages from this checkout, installed or not: xpool (the root), xlab (lab/), tapegpt (workload/), and the
-# tests' fixture package xpool_twin (tests/xpool/fixtures/twin: the host doubles and xpool_twin.testing)
+# host twin xpool_twin (twin/: the host doubles and xpool_twin.testing, for the tests and the replays)
 # (after them, the caller's PYTHONPATH: packages installed beside the image's, RMM's wheels for the scale stage)
-export PYTHONPATH=$PWD:$PWD/lab:$PWD/workload:$PWD/tests/xpool/fixtures/twin${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PWD/lab:$PWD/workload:$PWD/twin${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared hosts (see the device notes); NCCL inherits this in every process
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # a deeper launch queue (CUDA 12.8+; ignored before): a launch that finds it full blocks, with the GIL held when
@@ -98,7 +98,7 @@ stage() {   # stage NAME SECONDS CMD...: time-limited (a hang dumps every thread
 
 { nvidia-smi -L; python3 -c "import cupy; print('cupy', cupy.__version__, 'cuda', cupy.cuda.runtime.runtimeGetVersion())"; } 2>&1 | tee -a "$LOG"
 { python3 setup.py build_ext --inplace -q && (cd lab && python3 setup.py build_ext --inplace -q) &&
-  (cd tests/xpool/fixtures/twin && python3 setup.py build_ext --inplace -q); } >>"$LOG" 2>&1 ||
+  (cd twin && python3 setup.py build_ext --inplace -q); } >>"$LOG" 2>&1 ||
     { echo "build failed" | tee -a "$LOG"; exit 1; }
 PY="python3 -X faulthandler"
 RESUME=${RESUME:-}
