@@ -36,8 +36,8 @@
 # traces       opt-in: the request traces of the dynamic workloads for the CPU replays (xlab.bench.dynamic_traces:
 #              data/memory_trace_dyn_<workload>.csv.gz; SEEDS, default 0, e.g. SEEDS=1,2,3,4)          540 s
 # reserve      opt-in: pool.reserve on the ResNets at varying sizes (xlab.bench.reserve: reserve_probe.csv) 540 s
-# peer         opt-in, two GPUs: cross-GPU uses of pool memory and what peer access costs a miss
-#              (xlab.bench.peer: peer_probe.csv, peer_map_cost.csv)                                    420 s
+# peer         opt-in, two GPUs: cross-GPU uses of pool memory (xlab.bench.peer: peer_probe.csv; the map
+#              cost under each peer_access, peer_map_cost.csv, needed the setting: tag record-2026-12-05)   420 s
 # (expected times from the H200 step times at 70fd21b, before the fused kernels: 90 ms per batch-32 step, 48 ms
 # per batch-4 step, raw about 4x; the fused kernels shorten the host-bound ones.)
 #
@@ -145,8 +145,7 @@ for s in $stages; do
                          --out "$DATA"/dynamic_scale.csv --cap-out "$DATA"/memory_cap.csv ;;
         traces)      stage traces 540 $PY -m xlab.bench.dynamic_traces --seeds "${SEEDS:-0}" --out "$DATA" ;;
         reserve)     stage reserve 540 $PY -m xlab.bench.reserve --when start,build --out "$DATA"/reserve_probe.csv ;;
-        peer)        stage peer 420 $PY -m xlab.bench.peer --peer-accesses 'null;"none"' --out "$DATA"/peer_probe.csv \
-                         --map-cost "$DATA"/peer_map_cost.csv ;;
+        peer)        stage peer 420 $PY -m xlab.bench.peer --out "$DATA"/peer_probe.csv ;;
         *) echo "unknown stage $s (stages: tests bench single correctness debugcost ddp sweep memory gil hit split torch torch-tests torch-bench expandable dynamic heldout scale-caps scale traces reserve peer)" | tee -a "$LOG"
            status=1 ;;
     esac

@@ -639,8 +639,8 @@ def _xp(name, label, color, marker, lw=2.6, ls="-", **kw):
 
 
 def _legacy(name, label, color, marker, ls):
-    """An arm of earlier CSV rows that no build of today makes (a release rule the product no longer has: the lab
-    replays those through the research build, xlab.research): its label and style, so old rows stay readable."""
+    """An arm of earlier CSV rows that no build of today makes (a release rule the product no longer has, measured
+    at 5bcaad4: the tag record-2026-12-05 keeps that code): its label and style, so old rows stay readable."""
     return Arm(name, f"{label} (before the freeze, 5bcaad4)", color, marker, framework="legacy", ls=ls)
 
 
