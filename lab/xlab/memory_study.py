@@ -321,7 +321,7 @@ def _counters(pool) -> dict:
     st = pool.stats()
     names = ("requests", "device_mallocs", "device_maps", "device_frees", "device_unmaps", "peak_bytes_requested",
              "peak_bytes_reserved")
-    total = {c: int(st[c] if hasattr(st, "per_device") else st[c].sum()) for c in names}
+    total = {c: int(st[c]) for c in names}
     return dict(requests=total["requests"], device_mallocs=total["device_mallocs"] + total["device_maps"],
                 device_frees=total["device_frees"] + total["device_unmaps"],
                 peak_bytes_requested=total["peak_bytes_requested"], peak_bytes_reserved=total["peak_bytes_reserved"])
@@ -441,7 +441,6 @@ DYN_TRACES = ("cupy_mix", "torch_varlen", "gpt_varlen", "gpt_b4", "test_b4", "te
 HELD_OUT_TRACES = ("torch_varlen_b32", *(f"torch_varlen_b32_s{s}" for s in (1, 2, 3, 4)), "torch_fixed_b32",
                    "resnet_varres_b64", *(f"resnet_varres_b64_s{s}" for s in (1, 2, 3, 4)),
                    *(f"gpt_varlen_s{s}" for s in (1, 2, 3, 4)))
-DYN_PAGE = 2 << 20       # the H200's granularity: AddressSpaceBackend's page
 
 
 def dyn_trace(name: str, data_dir=None) -> pd.DataFrame:
