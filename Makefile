@@ -10,12 +10,12 @@ CUPY ?= cupy-cuda$(if $(filter 13 14 15,$(CUDA_MAJOR)),13,12)x>=13.0
 
 setup: $(VENV)/.installed notebooks
 
-# the allocator (.), the tests' host twin (tests/xpool/fixtures/twin), the workload (workload/), the lab with the notebooks' and the tests' tools (lab/), CuPy
+# the allocator (.), the host twin (twin/: the tests' and the replays' CUDA double), the workload (workload/), the lab with the notebooks' and the tests' tools (lab/), CuPy
 $(VENV)/.installed: pyproject.toml setup.py lab/pyproject.toml lab/setup.py workload/pyproject.toml \
-		$(wildcard xpool/*.c xpool/*.h lab/xlab/*.c tests/xpool/fixtures/twin/xpool_twin/*.[ch])
+		$(wildcard xpool/*.c xpool/*.h lab/xlab/*.c twin/xpool_twin/*.[ch])
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e . -e ./tests/xpool/fixtures/twin -e ./workload -e "./lab[notebooks,dev]" "$(CUPY)"
+	$(BIN)/python -m pip install -q -e . -e ./twin -e ./workload -e "./lab[notebooks,dev]" "$(CUPY)"
 	touch $@
 
 # The notebooks: git holds notebooks/NN_*.py, their cells alone; JupyterLab and papermill open the .ipynb paired with
@@ -45,4 +45,4 @@ gpu:
 	bash scripts/gpu_suite.sh
 
 clean:
-	rm -rf build $(VENV) xpool/*.so lab/xlab/*.so tests/xpool/fixtures/twin/xpool_twin/*.so
+	rm -rf build $(VENV) xpool/*.so lab/xlab/*.so twin/xpool_twin/*.so

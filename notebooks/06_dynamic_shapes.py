@@ -49,6 +49,7 @@ run = nbu.setup("06_dynamic_shapes", globals())  # checks the parameters; a GPU 
 
 import pandas as pd
 
+from xlab import summaries
 from xlab.bench import dynamic, dynamic_scale
 
 # %% [markdown]
@@ -67,7 +68,7 @@ measured = nbu.load_or_measure("dynamic_shapes", "xlab.bench.dynamic:run", run.g
                                how_to_measure="python -m xlab.bench.dynamic", workloads=workloads or None,
                                arms=allocators or None, start="spawn", **(dynamic.QUICK if quick else {}))
 rows = nbu.rows("dynamic_shapes", run, measured)
-nbu.table(dynamic.summary(rows), full=rows, group="workload") if rows is not None else None
+nbu.table(summaries.dynamic_summary(rows), full=rows, group="workload") if rows is not None else None
 
 # %%
 nbu.figure("dynamic_shapes", rows, run=run)
@@ -97,11 +98,11 @@ scaled = nbu.load_or_measure("dynamic_scale", "xlab.bench.dynamic_scale:measure"
                              skipped="scale=False" if measure else "measure=False", arms=allocators or None,
                              start="spawn", **(dynamic_scale.QUICK if quick else {}))
 big = nbu.rows("dynamic_scale", run, scaled)
-print(dynamic_scale.said(big))
-nbu.table(dynamic_scale.summary(big), full=big, group="workload") if big is not None else None
+print(summaries.said(big))
+nbu.table(summaries.scale_summary(big), full=big, group="workload") if big is not None else None
 
 # %%
-nbu.table(dynamic_scale.defaults_vs_peers(big)) if big is not None else None
+nbu.table(summaries.defaults_vs_peers(big)) if big is not None else None
 
 # %%
 nbu.figure("dynamic_scale", big, run=run)
@@ -116,9 +117,9 @@ nbu.figure("dynamic_scale", big, run=run)
 
 # %%
 capped = nbu.rows("memory_cap", run, scaled)
-print(dynamic_scale.said(capped, "memory_cap"))
+print(summaries.said(capped, "memory_cap"))
 for framework in capped["framework"].unique() if capped is not None else ():
-    display(nbu.table(dynamic_scale.cap_grid(capped, framework), full=capped[capped["framework"] == framework]))
+    display(nbu.table(summaries.cap_grid(capped, framework), full=capped[capped["framework"] == framework]))
 
 # %%
 nbu.figure("memory_cap", capped, run=run)

@@ -39,8 +39,8 @@
 # growth       opt-in (#49): growing to ~28 GB in 1,500 kept requests (xlab.bench.growth: growth.csv), xpool
 #              expandable and segments, PyTorch's expandable segments, cudaMallocAsync's pool, CuPy's pool, a process
 #              per trial and arm, 5 trials interleaved (TRIALS); needs ~30 GB free on GPU 0       ~1.5 min   150 s
-# peer         opt-in, two GPUs: cross-GPU uses of pool memory and what peer access costs a miss
-#              (xlab.bench.peer: peer_probe.csv, peer_map_cost.csv)                                    420 s
+# peer         opt-in, two GPUs: cross-GPU uses of pool memory (xlab.bench.peer: peer_probe.csv; the map
+#              cost under each peer_access, peer_map_cost.csv, needed the setting: tag record-2026-12-05)   420 s
 # (expected times from the H200 step times at 70fd21b, before the fused kernels: 90 ms per batch-32 step, 48 ms
 # per batch-4 step, raw about 4x; the fused kernels shorten the host-bound ones.)
 #
@@ -67,9 +67,9 @@ DATA=${DATA:-data}       # data/rerun for the second run on a fresh machine (iss
 mkdir -p "$OUT" "$DATA"
 LOG="$OUT/gpu_suite.log"
 # the packages from this checkout, installed or not: xpool (the root), xlab (lab/), tapegpt (workload/), and the
-# tests' fixture package xpool_twin (tests/xpool/fixtures/twin: the host doubles and xpool_twin.testing)
+# host twin xpool_twin (twin/: the host doubles and xpool_twin.testing, for the tests and the replays)
 # (after them, the caller's PYTHONPATH: packages installed beside the image's, RMM's wheels for the scale stage)
-export PYTHONPATH=$PWD:$PWD/lab:$PWD/workload:$PWD/tests/xpool/fixtures/twin${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PWD/lab:$PWD/workload:$PWD/twin${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared hosts (see the device notes); NCCL inherits this in every process
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # a deeper launch queue (CUDA 12.8+; ignored before): a launch that finds it full blocks, with the GIL held when
@@ -104,7 +104,7 @@ stage() {   # stage NAME SECONDS CMD...: time-limited (a hang dumps every thread
 
 { nvidia-smi -L; python3 -c "import cupy; print('cupy', cupy.__version__, 'cuda', cupy.cuda.runtime.runtimeGetVersion())"; } 2>&1 | tee -a "$LOG"
 { python3 setup.py build_ext --inplace -q && (cd lab && python3 setup.py build_ext --inplace -q) &&
-  (cd tests/xpool/fixtures/twin && python3 setup.py build_ext --inplace -q); } >>"$LOG" 2>&1 ||
+  (cd twin && python3 setup.py build_ext --inplace -q); } >>"$LOG" 2>&1 ||
     { echo "build failed" | tee -a "$LOG"; exit 1; }
 PY="python3 -X faulthandler"
 RESUME=${RESUME:-}
@@ -152,8 +152,7 @@ for s in $stages; do
         traces)      stage traces 540 $PY -m xlab.bench.dynamic_traces --seeds "${SEEDS:-0}" --out "$DATA" ;;
         reserve)     stage reserve 540 $PY -m xlab.bench.reserve --when start,build --out "$DATA"/reserve_probe.csv ;;
         growth)      stage growth 150 $PY -m xlab.bench.growth --trials "$TRIALS" --out "$DATA"/growth.csv ;;
-        peer)        stage peer 420 $PY -m xlab.bench.peer --peer-accesses 'null;"none"' --out "$DATA"/peer_probe.csv \
-                         --map-cost "$DATA"/peer_map_cost.csv ;;
+        peer)        stage peer 420 $PY -m xlab.bench.peer --out "$DATA"/peer_probe.csv ;;
         *) echo "unknown stage $s (stages: tests bench single correctness debugcost ddp sweep memory gil hit split torch torch-tests torch-bench expandable dynamic heldout scale-caps scale traces reserve growth peer)" | tee -a "$LOG"
            status=1 ;;
     esac

@@ -1,9 +1,10 @@
 """The hit path of two builds, over host memory: malloc+free pairs through each build's CuPy hooks and PyTorch's
 entry points, timed in C (xlab._probes), both builds loaded in one process and interleaved.
 
-    python scripts/hit_builds.py --out data/hit_builds_host.csv          # the research build (5bcaad4) against this
+    git worktree add build/before 5bcaad4 && (cd build/before && python setup.py build_ext --inplace -q)
+    python scripts/hit_builds.py --before build/before --out data/hit_builds_host.csv   # 5bcaad4 against this
 
-`--before` is a checkout built in place (default: the lab's research build, xlab.research, made on first use).
+`--before` is a checkout built in place (the committed rows: 5bcaad4, whose code the tag record-2026-12-05 keeps).
 Arms: (build before / after) x (scheme segments / seed) through CuPy's hooks (path `cupy`, with the GIL), and
 (before / after) with scheme segments through PyTorch's entry points (path `torch`: xpool_torch_try_malloc and
 xpool_torch_free, without the GIL); each a fresh Pool over HostBackend with one block cached, so every pair is a
@@ -142,7 +143,7 @@ def table(summary) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python scripts/hit_builds.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--before", default="", help="a checkout built in place (default: the research build)")
+    ap.add_argument("--before", required=True, help="a checkout built in place")
     ap.add_argument("--before-commit", default="5bcaad4", help="its commit, for the CSV (default 5bcaad4)")
     ap.add_argument("--processes", type=int, default=PROCESSES, help=f"fresh processes, one after the other "
                     f"(default {PROCESSES})")
@@ -153,9 +154,6 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", nargs="+", type=int, default=list(SIZES))
     ap.add_argument("--out", default="data/hit_builds_host.csv", help="the CSV ('' for none)")
     args = ap.parse_args(argv)
-    if not args.before:
-        from xlab.research import research_build
-        args.before = str(research_build(args.before_commit))
     if (args.processes < 2 or args.trials < 1 or args.windows < 1 or args.window_s <= 0
             or any(n <= 0 for n in args.sizes)):
         ap.error("--processes >= 2, --trials >= 1, --windows >= 1, --window-s > 0 and positive --sizes")

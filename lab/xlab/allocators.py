@@ -1,5 +1,5 @@
-"""The arms the lab compares, in one table (ARMS), and the allocators behind them: what each column means, its
-families (xpool_k<N>, _debug, _graph) and how each allocator counts are in Note [The arms table], above Arm.
+"""The allocators behind the arms the lab compares: the table of arms (ARMS) is xlab.shared's, what each column
+means, its families (xpool_k<N>, _debug, _graph) and how each allocator counts in its Note [The arms table].
 
     alloc = make("cupy_pool"); alloc.install(); ...; alloc.uninstall(); alloc.release([0])
     arm("xpool_k4_debug").label, arm("raw").color, parse(["raw", "xpool"])   # names are checked once, here
@@ -10,21 +10,15 @@ and report reads it. Counters are per device and None where an allocator cannot 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import re
 import threading
 from collections import defaultdict
 
 import xpool
-from xpool.settings import DEFAULTS as XPOOL_DEFAULTS, FRONTEND_SCHEMES
+# the arms table and its names live in xlab.shared (both floors read it); here, the allocators behind its rows
+from xlab.shared import (ARMS, DEFAULT_SCHEME, KIB, LEGACY, MIB, SETS, TORCH_DEFAULT_SCHEME, Arm,  # noqa: F401
+                         arg, arm, by_scheme, canonical, label, ordered, parse)
 
-KIB, MIB = 1 << 10, 1 << 20
-
-# xpool.MemoryPool's default scheme: the `xpool` arm names it, so $XPOOL_SCHEME cannot move the arm
-DEFAULT_SCHEME = XPOOL_DEFAULTS["scheme"]
-# the scheme of the pool xpool.enable_torch() makes: the default a PyTorch program gets
-TORCH_DEFAULT_SCHEME = FRONTEND_SCHEMES["torch"]
 
 
 class NoGPU(RuntimeError):
@@ -590,228 +584,10 @@ class TorchExpandable(CupyTorch):
         set_settings(self.SETTING)
 
 
-# Note [The arms table]
-# Each row of ARMS is one arm: its name; how to make it (`make`: an Allocator class, or None for an arm that is not
-# installed into CuPy: a framework's own allocator measured in its own process, a CPU replay's model, a piece of a
-# benchmark); its label and style in every figure and table; and what it can do:
-# - exact: counts device mallocs and peaks exactly and for free, so the timed run itself gives the counts;
-# - device_calls_when_warm: calls cudaMalloc/cudaFree (or their stream-ordered forms) on requests a warm cache would
-#   serve: threads-mode training fences collectives for those only (Note [The fence] in xlab/experiments/train.py);
-# - can_capture: a `_graph` variant exists, whose private pools make no device call once warm;
-# - framework: whose requests it serves (cupy, torch, replay, bench, gil, numpy).
-# Families resolve from the rows: xpool_k<N> (scheme seed, N classes per doubling), <xpool arm>_debug (debug mode:
-# poison and canaries), <pool>_graph (each training step's forward and backward captured once as a CUDA graph over
-# a private pool of the same kind and replayed every step: tapegpt.graph.CapturedStep). CSVs written before an arm
-# was renamed are read through `canonical` (LEGACY).
-# Counters are per device, None where an allocator cannot count exactly:
-# - raw: the counting variant (install(counting=True)) wraps CuPy's _malloc so each block's malloc and free is seen
-#   (requested = reserved: there is no cache);
-# - cupy_pool: device mallocs and live requested bytes from a CuPy MemoryHook, entered per thread only while
-#   counting (hooks cost time); reserved bytes from total_bytes() after every step (it only grows between
-#   free_all_blocks calls, so the last sample is the peak);
-# - xpool arms: the pool's own exact counters; cupy_torch, torch: PyTorch's (torch.cuda.memory_stats);
-# - _graph arms: the private pools' device mallocs count with the arm's; their bytes are graph_pool_bytes;
-# - the dynamic-shape benchmark's peers: Note [Dynamic-shape benchmark: device calls], above RmmPool.
-
-
-@dataclasses.dataclass(frozen=True)
-class Arm:
-    """One arm: name, how to make it, label and style, what it can do (see the module docstring)."""
-
-    name: str
-    label: str
-    color: str
-    marker: str = "o"
-    make: type | None = None
-    kwargs: tuple = ()                  # (key, value) pairs passed to `make`
-    framework: str = "cupy"
-    exact: bool = False
-    device_calls_when_warm: bool = False
-    can_capture: bool = False
-    graph: bool = False
-    ls: str = "-"
-    lw: float = 1.6
-    hatch: str | None = None
-
-
-def _xp(name, label, color, marker, lw=2.6, ls="-", **kw):
-    return Arm(name, label, color, marker, XPool, tuple(kw.items()), exact=True, can_capture=True, lw=lw, ls=ls)
-
-
-def _legacy(name, label, color, marker, ls):
-    """An arm of earlier CSV rows that no build of today makes (a release rule the product no longer has: the lab
-    replays those through the research build, xlab.research): its label and style, so old rows stay readable."""
-    return Arm(name, f"{label} (before the freeze, 5bcaad4)", color, marker, framework="legacy", ls=ls)
-
-
-# The house order (before -> peers -> xpool -> the rest): figures and tables list arms in this order.
-ARMS = (
-    Arm("raw", "raw cudaMalloc/cudaFree (no pool)", "#7f7f7f", "X", Raw, device_calls_when_warm=True),
-    Arm("raw_held", "raw, one small block held alive", "#bdbdbd", "P", RawHeld, device_calls_when_warm=True, ls=":"),
-    Arm("cupy_pool", "CuPy MemoryPool (CuPy's default)", "#1f77b4", "o", CupyPool, can_capture=True),
-    Arm("cupy_async", "CuPy MemoryAsyncPool (cudaMallocAsync)", "#6baed6", "s", CupyAsync,
-        device_calls_when_warm=True),
-    Arm("rmm_pool", "RMM pool (PoolMemoryResource, rmm_cupy_allocator)", "#9edae5", "o", RmmPool, exact=True),
-    Arm("cupy_torch", "PyTorch's caching allocator handing CuPy its blocks", "#17becf", "p", CupyTorch, exact=True),
-    Arm("torch", "PyTorch's caching allocator (PyTorch's own tensors)", "#7f7f7f", "p", CupyTorch,
-        framework="torch", exact=True),
-    Arm("torch_expandable", "PyTorch's caching allocator, expandable_segments:True", "#393b79", "P", TorchExpandable,
-        framework="torch", exact=True),
-    Arm("cupy_torch_expandable", "PyTorch's caching allocator, expandable_segments:True, handing CuPy its blocks",
-        "#6b6ecf", "P", TorchExpandable, exact=True),
-    _xp("xpool", f"xpool, default scheme ({DEFAULT_SCHEME})", "#d62728", "D", scheme=DEFAULT_SCHEME),
-    _xp("xpool_segments", "xpool, segments scheme", "#d62728", "D", scheme="segments"),
-    _xp("xpool_seed", "xpool, seed scheme (size classes, k = 1: powers of two)", "#8c564b", "h", lw=2.0, ls="-.",
-        scheme="seed", classes_per_doubling=1),
-    _xp("xpool_expandable", "xpool, expandable scheme (pages mapped into reserved ranges; a miss unmaps nothing)",
-        "#bcbd22", "*", scheme="expandable"),
-    _legacy("xpool_expandable_bounded", "xpool, expandable, misses unmap over 1.05× the most requested",
-            "#dbdb8d", "*", "--"),
-    _legacy("xpool_expandable_growth", "xpool, expandable, misses at a new demand high unmap over 1.05× the most "
-            "requested", "#8c8c00", "*", "-."),
-    _legacy("xpool_expandable_until_churn", "xpool, expandable, misses unmap over 1.05× the most requested until "
-            "they churn", "#5c5c00", "*", ":"),
-    _legacy("xpool_expandable_peak", "xpool, expandable, peak misses unmap over 1.05× the most requested until they "
-            "churn", "#a55194", "*", "-"),
-    _legacy("xpool_norelease", "xpool, segments never given back on a miss (replayed)", "#e377c2", "P", ":"),
-    _legacy("xpool_release_all", "xpool, every whole free segment given back on a miss (replayed)", "#ff9896", "d",
-            "--"),
-    _legacy("xpool_release_fresh", "xpool, segments given back on a miss however recently freed (replayed)",
-            "#f7b6d2", "v", "--"),
-    Arm("cupy_pool_model", "CuPy MemoryPool (model, replayed)", "#1f77b4", "o", framework="replay", ls="--"),
-    Arm("noop", "floor: Python allocator doing no work", "#000000", ".", Noop, ls=":", lw=1.2),
-    Arm("c_noop", "floor: C allocator doing no work", "#555555", ".", CNoop, ls="--", lw=1.2),
-    Arm("numpy", "NumPy (CPU smoke runs: measures nothing)", "#2ca02c", "o", Host, framework="numpy", exact=True),
-    # the pieces of one pair that xlab.bench.hit times in place
-    Arm("xpool_core", "xpool's hooks without the stream lookup", "#ff7f0e", "^", framework="bench"),
-    Arm("xpool_old_lookup", "xpool with CuPy's current-stream lookup", "#ffbb78", "v", framework="bench"),
-    Arm("core_c", "xpool's pair in C alone", "#9467bd", "*", framework="bench"),
-    Arm("lookup_c", "the stream lookup in C alone", "#c5b0d5", "*", framework="bench"),
-    Arm("old_lookup_c", "CuPy's current-stream lookup in C alone", "#c49c94", "*", framework="bench"),
-    # another build of xpool timed beside this one (xlab.bench.alloc --xpool-path; data/core_split_gpu.csv)
-    Arm("xpool_before", "xpool, the build before (--xpool-path), default scheme", "#ff9896", "d", framework="bench"),
-    Arm("xpool_seed_before", "xpool, the build before (--xpool-path), seed scheme", "#c49c94", "d", framework="bench"),
-    # the ops xlab.bench.gil runs on 1..N threads
-    *(Arm(n, t, c, "o", framework="gil") for n, t, c in (
-        ("python", "pure Python (holds the GIL)", "#000000"),
-        ("launch", "empty kernel launch through CuPy (GIL released)", "#1f77b4"),
-        ("launch_gil", "empty kernel launch by ctypes.PyDLL (GIL held)", "#d62728"),
-        ("launch8", "8-argument kernel launch through CuPy (GIL released)", "#6baed6"),
-        ("launch8_gil", "8-argument kernel launch by ctypes.PyDLL (GIL held)", "#ff9896"),
-        ("add", "`x + x`, 1 element, CuPy (allocation + launch, GIL released)", "#2ca02c"),
-        ("gemm", "16×16 GEMM by tapegpt.blas (allocation + cuBLAS call; GIL as tapegpt.launch decides)", "#9467bd"),
-        ("gemm_gil", "cublasGemmEx alone by ctypes.PyDLL (GIL held)", "#8c564b"),
-        ("matmul", "16×16 GEMM, cupy.matmul", "#e377c2"))),
-)
-_TABLE = {a.name: a for a in ARMS}
-_K_COLORS = {1: "#8c564b", 2: "#ff7f0e", 4: "#e6550d", 8: "#fd8d3c"}
-_FAMILY = re.compile(r"(?P<base>.+?)(?P<debug>_debug)?(?P<graph>_graph)?")
-# Arm sets: each experiment's default arms
-SETS = {
-    "single": ("raw", "cupy_pool", "xpool", "xpool_seed"),
-    "ddp": ("raw", "cupy_pool", "xpool", "xpool_seed"),
-    "sweep": ("raw", "cupy_pool", "xpool"),
-    "bench": ("raw", "raw_held", "cupy_pool", "cupy_async", "cupy_torch", "xpool", "xpool_seed", "noop", "c_noop"),
-    "gate": ("raw", "cupy_pool", "xpool", "xpool_seed", "xpool_k4", "xpool_debug", "xpool_expandable",
-             "xpool_expandable_debug"),   # raw first: the reference
-    "varlen": ("xpool", "xpool_seed", "xpool_expandable", "cupy_pool"),
-    "schemes": ("xpool", "xpool_seed", "xpool_expandable", "cupy_pool_model"),
-    "host": ("xpool", "xpool_seed", "c_noop"),
-    # the peers (+ xpool's schemes); PyTorch's expandable segments serve the CuPy workloads too, the one allocator
-    # with pages mapped into reserved ranges before xpool's (Note [Dynamic-shape benchmark: device calls])
-    "dynamic": ("cupy_pool", "cupy_async", "rmm_pool", "cupy_torch_expandable", "torch", "torch_expandable"),
-}
-# Names older CSVs used, by the CSV's `bench` column: (bench, old name) -> arm
-LEGACY = {("alloc", "torch"): "cupy_torch", ("torch_interop", "native"): "torch"}
-
-
-def arm(name: str) -> Arm:
-    """The row of `name`, of ARMS or of a family (xpool_k<N>, _debug, _graph); ValueError if unknown."""
-    if name in _TABLE:
-        return _TABLE[name]
-    m = _FAMILY.fullmatch(str(name))
-    base, debug, graph = m["base"], bool(m["debug"]), bool(m["graph"])
-    k = re.fullmatch(r"xpool_k(\d+)", base)
-    if k:
-        n = int(k[1])
-        row = _xp(base, f"xpool, seed scheme, {n} class{'es' * (n > 1)} per doubling", _K_COLORS.get(n, "#fdae6b"), "^",
-                  ls="--" if n > 1 else "-", scheme="seed", classes_per_doubling=n)
-    elif base in _TABLE and (debug or graph):
-        row = _TABLE[base]
-    else:
-        raise ValueError(f"unknown allocator {base if base not in _TABLE and (debug or graph) else name!r}; "
-                         f"known: {', '.join(_TABLE)}; xpool_k<N> (the seed scheme, N classes per doubling); "
-                         "an xpool arm + _debug; a pool + _graph")
-    if debug:
-        if row.make is not XPool:
-            raise ValueError(f"allocator {name!r}: only xpool arms have a debug mode")
-        row = dataclasses.replace(row, name=row.name + "_debug", label=row.label + ", debug mode (poison + canaries)",
-                                  color="#9467bd", marker="v", ls="-.", lw=1.6,
-                                  kwargs=row.kwargs + (("debug", "raise"),))
-    if graph:
-        if not row.can_capture:
-            capturing = ", ".join(a.name + "_graph" for a in ARMS if a.can_capture)
-            raise ValueError(f"allocator {name!r}: {row.name!r} cannot capture a CUDA graph (only pools can: "
-                             f"{capturing}, ...)")
-        row = dataclasses.replace(row, name=row.name + "_graph", label=row.label + ", step as a CUDA graph",
-                                  graph=True, marker="s", ls="--", hatch="//")
-    return row
-
-
-def parse(names) -> tuple:
-    """Names checked against the table (the command lines' and notebooks' one check), as a tuple."""
-    names = (names,) if isinstance(names, str) else tuple(names)
-    for n in names:
-        arm(n)
-    return names
-
-
-def arg(name: str) -> str:
-    """argparse's `type=` for an arm name: the error names the arm and the known ones."""
-    import argparse
-    try:
-        return arm(name).name
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def ordered(names) -> list:
-    """Arms in the table's order (families after their base), unknown names last, sorted."""
-    names = list(dict.fromkeys(str(n) for n in names))
-    order = {a.name: i for i, a in enumerate(ARMS)}
-
-    def key(n):
-        try:
-            return (order.get(_FAMILY.fullmatch(n)["base"], order["xpool_seed"] + 0.5), n)
-        except (TypeError, KeyError):
-            return (len(ARMS), n)
-    return sorted(names, key=key)
-
-
-def label(name: str) -> str:
-    """The arm's label (the name itself for a name not in the table)."""
-    try:
-        return arm(name).label
-    except ValueError:
-        return str(name)
-
-
-def canonical(df):
-    """A CSV's frame with the arm names of today (LEGACY), by its `bench` column; the same frame if none apply."""
-    col = "allocator" if "allocator" in df else "arm" if "arm" in df else None
-    if col is None or "bench" not in df:
-        return df
-    renames = {old: new for (bench, old), new in LEGACY.items() if (df["bench"] == bench).any()}
-    return df.assign(**{col: df[col].replace(renames)}) if renames else df
-
-
-def by_scheme(df):
-    """The torch interop rows with the arm `xpool` (the pool enable_torch() made) named by the scheme it ran,
-    where the rows say it (`scheme`): xpool_expandable, xpool_segments; older CSVs unchanged."""
-    if "scheme" not in df:
-        return df
-    return df.assign(arm=[f"xpool_{s}" if a == "xpool" and isinstance(s, str) and s else a
-                          for a, s in zip(df["arm"], df["scheme"])])
+def allocator_class(name: str) -> type | None:
+    """The Allocator class that makes arm `name` (its row's `make`), None for an arm the lab does not install."""
+    row = arm(name)
+    return None if row.make is None else globals()[row.make]
 
 
 def make(name: str, **kwargs) -> Allocator:
@@ -819,7 +595,7 @@ def make(name: str, **kwargs) -> Allocator:
     row = arm(name)
     if row.make is None:
         raise ValueError(f"arm {name!r} ({row.framework}) is not an allocator the lab installs into CuPy")
-    alloc = row.make(**dict(row.kwargs), **kwargs)
+    alloc = allocator_class(name)(**dict(row.kwargs), **kwargs)
     alloc.name, alloc.graph = row.name, row.graph
     alloc.free_counting, alloc.can_capture = row.exact, row.can_capture
     alloc.device_calls_when_warm = row.device_calls_when_warm

@@ -26,6 +26,7 @@ from tapegpt import GPT, AdamW, GPTConfig, get_batch, load_corpus
 from xlab import allocators as registry
 from xlab.paths import publish, write_csv
 from xlab.provenance import provenance
+from xlab.reserve import reserve as xlab_reserve
 from xpool.pool import Pool
 from xpool.sizeclass import ALIGN, size_class
 from xpool_twin.testing import allocate_function
@@ -46,8 +47,7 @@ WASTE_COLUMNS = ["k", "source", "requests", "requested_bytes", "class_bytes", "c
 class AddressSpace:
     """A host backend's devices and streams, but malloc hands out aligned address ranges that never overlap and
     touches no memory: a replay of a GPU's many GiB costs nothing on the host.  Mixed into a host backend with a
-    twin (AddressSpaceBackend here; the research build's in xlab.rule_study), whose expandable pages are of the
-    H200's granularity: mapped, never touched."""
+    twin (AddressSpaceBackend), whose expandable pages are of the H200's granularity: mapped, never touched."""
 
     def __init__(self, n_devices: int = 64, granularity: int = 2 << 20):
         super().__init__(capacity=None, n_devices=n_devices, granularity=granularity)
@@ -70,7 +70,7 @@ class AddressSpace:
 
 
 class AddressSpaceBackend(AddressSpace, TwinBackend):
-    """AddressSpace over the tests' host twin (xpool_twin.TwinBackend): the product's replays."""
+    """AddressSpace over the host twin (xpool_twin.TwinBackend): the product's replays."""
 
 
 # --- CPU (or GPU): replay
@@ -264,10 +264,8 @@ def replay_pool(allocator: str):
 
 
 def stats_row(pool, device: int = 0) -> dict:
-    """One device's counters of a pool of this build (a Snapshot) or of a build before the freeze (a DataFrame:
-    the research build, xlab.research), as a dict."""
-    st = pool.stats(device)
-    return dict(st[device]) if hasattr(st, "per_device") else st.iloc[0].to_dict()
+    """One device's counters of a pool (its stats Snapshot's row), as a dict."""
+    return dict(pool.stats(device)[device])
 
 
 def _replay_events(timeline: pd.DataFrame) -> pd.DataFrame:
@@ -323,7 +321,7 @@ def _counters(pool) -> dict:
     st = pool.stats()
     names = ("requests", "device_mallocs", "device_maps", "device_frees", "device_unmaps", "peak_bytes_requested",
              "peak_bytes_reserved")
-    total = {c: int(st[c] if hasattr(st, "per_device") else st[c].sum()) for c in names}
+    total = {c: int(st[c]) for c in names}
     return dict(requests=total["requests"], device_mallocs=total["device_mallocs"] + total["device_maps"],
                 device_frees=total["device_frees"] + total["device_unmaps"],
                 peak_bytes_requested=total["peak_bytes_requested"], peak_bytes_reserved=total["peak_bytes_reserved"])
@@ -443,7 +441,6 @@ DYN_TRACES = ("cupy_mix", "torch_varlen", "gpt_varlen", "gpt_b4", "test_b4", "te
 HELD_OUT_TRACES = ("torch_varlen_b32", *(f"torch_varlen_b32_s{s}" for s in (1, 2, 3, 4)), "torch_fixed_b32",
                    "resnet_varres_b64", *(f"resnet_varres_b64_s{s}" for s in (1, 2, 3, 4)),
                    *(f"gpt_varlen_s{s}" for s in (1, 2, 3, 4)))
-DYN_PAGE = 2 << 20       # the H200's granularity: AddressSpaceBackend's page
 
 
 def dyn_trace(name: str, data_dir=None) -> pd.DataFrame:
@@ -473,41 +470,16 @@ def build_events(tl: pd.DataFrame) -> int:
     return kept[-1] + 1 if kept else 0
 
 
-def events_before_step(tl: pd.DataFrame, step: int) -> int:
-    """How many of a trace's replayed events come before its step `step` (the place of a reserve made after the
-    steps before it)."""
-    return int((_replay_events(tl)["step"].to_numpy() < step).sum())
-
-
-def _rule_pool(rule: str | None, events: bool):
-    """A fresh pool of scheme expandable over the host twin: the product's (rule None or "never", its one rule), or
-    the research build's under release_on_miss `rule` (xlab.research: the rules the product no longer has)."""
-    capacity = 10_000_000 if events else 0
-    if rule in (None, "never"):
-        return Pool(AddressSpaceBackend(), scheme="expandable", limit=0, timeline=capacity)
-    from xlab import rule_study
-    from xlab.research import load_research
-    research = load_research()
-    pool = rule_study.make_pool(research, "expandable", rule)
-    if events:
-        pool.enable_timeline(capacity)
-    return pool
-
-
-def _reserve(pool, nbytes: int, device: int, stream: int) -> None:
-    """A reserve up front in the pool's own build: the research build's Pool.reserve (which also forgot its release
-    rule's history), or the lab's xlab.reserve for this build."""
-    if hasattr(type(pool), "reserve"):
-        pool.reserve(nbytes, device, stream)
-    else:
-        from xlab.reserve import reserve
-        reserve(pool, nbytes, device, stream)
+def _rule_pool(events: bool):
+    """A fresh pool of scheme expandable over the host twin, the product's one rule; its timeline kept with `events`."""
+    return Pool(AddressSpaceBackend(), scheme="expandable", limit=0, timeline=10_000_000 if events else 0)
 
 
 def replay_rule(tl: pd.DataFrame, rule: str | None = None, reserve=0, after: int = 0, events: bool = False) -> dict:
     """A dynamic trace under scheme expandable, 2 MiB pages over the host twin (the replays equal the GPU's runs to
-    the byte and the call): the product's one rule (`rule` None or "never"), or another release rule through the
-    research build (`_rule_pool`); with `reserve` bytes, a reserve up front (xlab.reserve) on the trace's first stream
+    the byte and the call): the product's one rule (`rule` None or "never"; the replays of the rules it no longer
+    has are committed in data/release_rules.csv, xlab.rule_study); with `reserve` bytes, a reserve up front
+    (xlab.reserve) on the trace's first stream
     before its event `after` (0: before anything; `build_events(tl)`: after the program's build): the bytes in use and
     a free block of the rest, allocated and freed, then the peaks reset: its pages stay mapped as one free run.
     `reserve` may be a function of the pool's stats row at that moment (a reserve from the peak seen so far, made
@@ -522,7 +494,10 @@ def replay_rule(tl: pd.DataFrame, rule: str | None = None, reserve=0, after: int
     and the counts they come from; with `events`, also the pool's timeline (`timeline`: every request, free, map
     and unmap, for a study of the replay's maps) and `probes` ({step: (maps, unmaps, peak requested) at its end})."""
     from xlab.bench.dynamic import steady_state
-    pool = _rule_pool(rule, events)
+    if rule not in (None, "never"):
+        raise ValueError(f"rule must be None or 'never' (the product's one rule), got {rule!r}: the replays of the "
+                         "other rules are committed in data/release_rules.csv (xlab.rule_study)")
+    pool = _rule_pool(events)
     trace = _replay_events(tl)
     device, stream = int(trace["device"].iloc[0]), int(trace["stream"].iloc[0])
     probes = {}                                           # step -> (maps, unmaps, peak requested) at its end
@@ -538,7 +513,7 @@ def replay_rule(tl: pd.DataFrame, rule: str | None = None, reserve=0, after: int
         s = stats_row(pool)
         reset.update({k: int(s[k]) for k in reset})
         asked = reserve(s) if callable(reserve) else reserve
-        _reserve(pool, asked, device, stream)
+        xlab_reserve(pool, asked, device, stream)
         if after:
             probe(rows[after - 1][-1])                    # its step's counts include the reserve's, as in a program
     live, more = _drive(pool, rows[after if reserve else 0:], probe, live)

@@ -24,8 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from . import allocators, intervals, sources, targets
-from .bench import dynamic_scale as bench_scale
+from . import intervals, shared, sources, summaries, targets
 from .intervals import fmt_bytes
 
 PROVENANCE = ("gpu", "driver", "cuda", "cupy", "commit", "date")
@@ -111,15 +110,15 @@ def labelled(df: pd.DataFrame, col: str = "allocator") -> pd.DataFrame:
     and configuration once (xlab.sources.current), and its caption names each CSV, its commit and its arms."""
     df = df.copy()
     df["arm"] = df[col].astype(str)
-    df["label"] = [allocators.label(a) for a in df["arm"]]
+    df["label"] = [shared.label(a) for a in df["arm"]]
     return df
 
 
 def _hue(df):
     """hue_order, palette and (label -> arm) of a labelled frame."""
     arms = {lab: a for a, lab in zip(df["arm"], df["label"])}
-    order = sorted(arms, key=lambda lab: (allocators.ordered(arms.values()).index(arms[lab]), lab))
-    return order, {lab: allocators.arm(arms[lab]).color for lab in order}, arms
+    order = sorted(arms, key=lambda lab: (shared.ordered(arms.values()).index(arms[lab]), lab))
+    return order, {lab: shared.arm(arms[lab]).color for lab in order}, arms
 
 
 def bars(ax, df, x, y, order, fmt=fmt_si, labels=None, log=False, rotate=0, span=None, errorbar=_ci):
@@ -142,7 +141,7 @@ def bars(ax, df, x, y, order, fmt=fmt_si, labels=None, log=False, rotate=0, span
             key = round(float(np.mean(x[ok])), 6)
             tops[key] = max(tops.get(key, -np.inf), float(y[ok].max()))
     for c, lab in zip(ax.containers, hue_order):
-        a = allocators.arm(arms[lab])
+        a = shared.arm(arms[lab])
         for p in c.patches:
             h, xc = p.get_height(), p.get_x() + p.get_width() / 2
             p.set_hatch(a.hatch)
@@ -152,7 +151,7 @@ def bars(ax, df, x, y, order, fmt=fmt_si, labels=None, log=False, rotate=0, span
                             textcoords="offset points", ha="center", va="bottom", rotation=rotate)
     for handle, text in zip(*ax.get_legend_handles_labels()):     # what every legend of the figure is made from
         if text in arms:
-            handle.set_hatch(allocators.arm(arms[text]).hatch)
+            handle.set_hatch(shared.arm(arms[text]).hatch)
     if labels:
         ax.set_xticks(range(len(order)), [labels(v) for v in order], fontsize=8.5)
     ax.set_xlabel("")
@@ -163,8 +162,8 @@ def bars(ax, df, x, y, order, fmt=fmt_si, labels=None, log=False, rotate=0, span
 def lines(ax, df, x, y):
     """Lines of y against x per arm: medians with their intervals, styled from the arms table."""
     hue_order, palette, arms = _hue(df)
-    markers = {lab: allocators.arm(arms[lab]).marker or "." for lab in hue_order}
-    dashes = {lab: {"-": "", "--": (4, 2), ":": (1, 2), "-.": (4, 1, 1, 1)}[allocators.arm(arms[lab]).ls]
+    markers = {lab: shared.arm(arms[lab]).marker or "." for lab in hue_order}
+    dashes = {lab: {"-": "", "--": (4, 2), ":": (1, 2), "-.": (4, 1, 1, 1)}[shared.arm(arms[lab]).ls]
               for lab in hue_order}
     sns.lineplot(df, x=x, y=y, hue="label", style="label", hue_order=hue_order, style_order=hue_order,
                  palette=palette, markers=markers, dashes=dashes, estimator=np.median, errorbar=_ci,
@@ -270,7 +269,7 @@ def alloc_cost(df: pd.DataFrame) -> Figure:
     r = d[~d["arm"].isin(["raw", "raw_held", "cupy_pool"])].dropna(subset=["ratio_vs_cupy_pool"])
     if len(r):
         lines(rel, r, "size_bytes", "ratio_vs_cupy_pool")
-        rel.axhline(1.0, color=allocators.arm("cupy_pool").color, lw=1.6)
+        rel.axhline(1.0, color=shared.arm("cupy_pool").color, lw=1.6)
         rel.text(0.01, 1.0, "CuPy MemoryPool = 1", transform=rel.get_yaxis_transform(), va="bottom", fontsize=8)
         rel.set_ylim(bottom=0)
     else:
@@ -301,7 +300,7 @@ def torch_interop(df: pd.DataFrame) -> Figure:
     """PyTorch through xpool against its own allocator: µs per torch.empty+del by size, and tokens/s. The arm
     `xpool` is the pool enable_torch() made: named by its scheme where the rows say it (`scheme`), so a CSV from
     after the torch default became expandable is not drawn as the default scheme's."""
-    d = labelled(allocators.by_scheme(df), "arm")
+    d = labelled(shared.by_scheme(df), "arm")
     fig, [[left, right]] = _figure(1, 2, size=(12, 5.2))
     e = d[d["case"] == "empty_del"]
     sizes = sorted(e["size_bytes"].unique())
@@ -572,7 +571,7 @@ def _calls_label(v: float) -> str:
     return f"{v:.0f}" if v >= 10 or v == 0 else f"{v:.2g}"
 
 
-def speedups(df: pd.DataFrame, peers=allocators.SETS["dynamic"], by=("workload",), metric: str = "ms_per_step",
+def speedups(df: pd.DataFrame, peers=shared.SETS["dynamic"], by=("workload",), metric: str = "ms_per_step",
              arm: str = "allocator") -> pd.DataFrame:
     """Each arm's speed-up over the fastest peer of its group (the peer of the lowest median time): the ratio of the
     two medians over paired trials, the peer's time over the arm's (above 1: the arm is faster), with its 95%
@@ -647,9 +646,9 @@ def _dynamic_note(d: pd.DataFrame) -> str:
 
 
 def _scale_note(d: pd.DataFrame) -> str:
-    """_dynamic_note for the scaled rows: their trials as a run under way has them (bench_scale.trials_said)."""
+    """_dynamic_note for the scaled rows: their trials as a run under way has them (summaries.trials_said)."""
     return (f"{_DEFAULT_NOTE}Medians of interleaved trials, bars their 95% bootstrap intervals; the rows hold "
-            f"{bench_scale.trials_said(d)}." + _seeds_note(d))
+            f"{summaries.trials_said(d)}." + _seeds_note(d))
 
 
 def _held(df: pd.DataFrame, title: str, note: str, **panels) -> Figure:
@@ -675,10 +674,10 @@ def dynamic_shapes(df: pd.DataFrame) -> Figure:
 def dynamic_scale(df: pd.DataFrame) -> Figure:
     """dynamic_shapes at the scale users run them (xlab.bench.dynamic_scale): each dynamic workload grown to a peak
     requested of tens of GiB, its factor and size under its name; intervals over INTERVAL_TRIALS trials or more."""
-    ticks = {w: f"{w}\n(×{g['scale'].iloc[0]}, {bench_scale.requested(g)})" for w, g in df.groupby("workload")}
-    return _held(df, f"Dynamic shapes at {bench_scale.requested(df)}: memory held beyond the peak the program asked "
+    ticks = {w: f"{w}\n(×{g['scale'].iloc[0]}, {summaries.requested(g)})" for w, g in df.groupby("workload")}
+    return _held(df, f"Dynamic shapes at {summaries.requested(df)}: memory held beyond the peak the program asked "
                  "for (lower is better)", _scale_note(df), ticks=ticks,
-                 errorbar=_ci_of(bench_scale.INTERVAL_TRIALS))
+                 errorbar=_ci_of(shared.INTERVAL_TRIALS))
 
 
 # a cell of memory_cap: the share of trials that finished, from none (red) to every one (green), light enough for
@@ -692,7 +691,7 @@ def memory_cap(df: pd.DataFrame) -> Figure:
     front end's default labelled and outlined."""
     fig, axes = _figure(2, 1, size=(12, 10))
     for ax, (f, title, default) in zip(axes[:, 0], DYNAMIC_FRONT_ENDS):
-        s = bench_scale.cap_summary(df[df["framework"] == f])
+        s = summaries.cap_summary(df[df["framework"] == f])
         if s.empty:
             _empty(ax, f"no workload of {title} ran under a cap")
             continue
@@ -703,14 +702,14 @@ def memory_cap(df: pd.DataFrame) -> Figure:
                    "not run). The cap is a multiple of the uncapped run's peak requested bytes, set as each allocator "
                    "allows (xpool's limit, CuPy's pool limit, RMM's limiting adaptor, PyTorch's per-process memory "
                    "fraction); a run stops at its first out-of-memory error. " + _DEFAULT_NOTE
-                   + f"The rows hold {bench_scale.trials_said(df)}." + _seeds_note(df))
+                   + f"The rows hold {summaries.trials_said(df)}." + _seeds_note(df))
 
 
 def _cap_grid(ax, s: pd.DataFrame, default: str, title: str) -> None:
-    """One front end's panel of memory_cap from its bench_scale.cap_summary rows: arms down, (workload, cap) across,
+    """One front end's panel of memory_cap from its summaries.cap_summary rows: arms down, (workload, cap) across,
     each workload named above its caps."""
     cols = list(dict.fromkeys(zip(s["workload"], s["cap_over_peak_requested"])))
-    arms = allocators.ordered(s["allocator"])
+    arms = shared.ordered(s["allocator"])
     share = np.full((len(arms), len(cols)), np.nan)
     for r in s.itertuples():
         i, j = arms.index(r.allocator), cols.index((r.workload, r.cap_over_peak_requested))
@@ -719,7 +718,7 @@ def _cap_grid(ax, s: pd.DataFrame, default: str, title: str) -> None:
     ax.imshow(np.ma.masked_invalid(share), cmap=CAP_COLORS, vmin=0, vmax=1, aspect="auto")
     ax.set_facecolor("0.88")                        # a cell not run
     ax.set_xticks(range(len(cols)), [f"{c:.2f}×" for _, c in cols])
-    ax.set_yticks(range(len(arms)), [textwrap.fill(allocators.label(a) + (DEFAULT_MARK.format(title.split()[0])
+    ax.set_yticks(range(len(arms)), [textwrap.fill(shared.label(a) + (DEFAULT_MARK.format(title.split()[0])
                                                                           if a == default else ""), 48)
                                      for a in arms], fontsize=8.5)
     for w in dict.fromkeys(w for w, _ in cols):

@@ -25,11 +25,10 @@ import time
 import numpy as np
 import pandas as pd
 
-from . import allocators, intervals as iv, paths, plots, sources, targets
-from .bench import dynamic_scale as bench_scale
-from .bench.dynamic import summary as dynamic_summary
-from .experiments.train import HOST_BOUND_UTIL, step_bound
-from .memory_study import replay_waste
+from . import intervals as iv, paths, plots, shared, sources, summaries, targets
+from .memory_study import replay_waste   # the one instrument the report runs: a CPU replay of memory_timeline.csv
+from .shared import HOST_BOUND_UTIL, step_bound
+from .summaries import dynamic_summary
 
 # Small parameters for CI: CPU mode (never measure, even on a GPU) and the fewest steps that run the code.
 CPU_QUICK = {
@@ -170,7 +169,7 @@ def bound_rows(data: pathlib.Path, kind: str = "single_gpu") -> list[dict]:
                         dispatch=m("dispatch_ms_per_step"), stream=m("gpu_ms_per_step"), gc=m("gc_ms_per_step"),
                         util=util, bound=_bound(g),
                         busy=busy if math.isfinite(busy[0]) else (ms[0] * util[0] / 100,) * 3, run=g["run"].iloc[0]))
-    order = allocators.ordered(r["allocator"] for r in out)
+    order = shared.ordered(r["allocator"] for r in out)
     return sorted(out, key=lambda r: (-r["batch"], order.index(r["allocator"])))
 
 
@@ -245,7 +244,7 @@ def gil_table(data: pathlib.Path) -> str:
     if df is None:
         return ""
     threads = sorted(n for n in df["threads"].unique() if n > 1)
-    rows = [(allocators.label(a), _ci(_med(g[g["threads"] == 1]["us_per_op"]), "{:.1f}"),
+    rows = [(shared.label(a), _ci(_med(g[g["threads"] == 1]["us_per_op"]), "{:.1f}"),
              *(_ci(_med(g[g["threads"] == n]["speedup"]), unit="×") for n in threads))
             for a, g in df.groupby("arm", sort=False)]
     return _md(["op", "µs per op, 1 thread", *(f"{n} threads / 1" for n in threads)], rows)
@@ -258,7 +257,7 @@ def graph_table(data: pathlib.Path) -> str:
     df = df[df["mode"] != "processes"]
     rows = []
     for (mode, batch), g in df.groupby(["mode", "batch"], sort=False):
-        for arm in allocators.ordered(g["allocator"].unique()):
+        for arm in shared.ordered(g["allocator"].unique()):
             r = g[g["allocator"] == arm]
             one, two = r[r["world"] == 1], r[r["world"] == 2]
             disp = one["dispatch_ms_per_step"].dropna()
@@ -309,7 +308,7 @@ REPLICATED = (     # every ratio the targets rest on, per group; measured in a f
     T("r4", "batch sweep, 2 GPUs, {at}: speedup", "batch_sweep.csv", "speedup", where=dict(world=2),
       over=("mode", "batch", "allocator"), pick="each", unit="×"),
     T("r5", "microbenchmark, {at}: speed-up over CuPy's pool", "alloc_microbench.csv", "ratio_vs_cupy_pool",
-      tuple(a for a in allocators.SETS["bench"] if a != "cupy_pool"), where=dict(sweep="size"),
+      tuple(a for a in shared.SETS["bench"] if a != "cupy_pool"), where=dict(sweep="size"),
       over=("size_bytes", "allocator"), pick="each", unit="×"),
     T("r6", "alloc+free sweep, {at}: xpool's speed-up over CuPy's pool", "alloc_hit_sweep.csv",
       "ratio_vs_cupy_pool", "xpool", over=("size_bytes",), pick="each", unit="×"),
@@ -361,7 +360,7 @@ def replication(data: pathlib.Path, where: str = "data") -> str:
 
 
 def _dynamic_rows(df: pd.DataFrame) -> str:
-    """The dynamic benchmark's table (xlab.bench.dynamic.summary, the CLI's), its time column given as the speed-up
+    """The dynamic benchmark's table (xlab.summaries.dynamic_summary), its time column given as the speed-up
     over the fastest peer (plots.speedups: the one direction of every ratio)."""
     s = dynamic_summary(df)
     sp = plots.speedups(df).set_index(["workload", "allocator"])
@@ -387,7 +386,7 @@ def dynamic_heldout(data: pathlib.Path) -> str:
     df = sources.read(data, targets.DYN_HELD_OUT)
     if df is None or not len(df):
         return ""
-    arms = allocators.ordered(df["allocator"].unique())
+    arms = shared.ordered(df["allocator"].unique())
     missing = "" if targets.XDT in arms else (
         f" The pool `xpool.enable_torch()` makes now ({targets.XDT}, release rule {targets.PRODUCT_RULE}) is not among "
         "them: no row below measures it.")
@@ -442,7 +441,7 @@ def dynamic_floor(data: pathlib.Path) -> str:
 def scale_runs(data: pathlib.Path, kind: str = targets.SCALE) -> str:
     """What `kind`'s scaled rows (targets.SCALE or CAP) are: their CSV and commit, machine and date, their trials
     (a run under way: how many so far) and caps; or that none is measured yet, and what measures them."""
-    return bench_scale.said(sources.current(data, kind), kind)
+    return summaries.said(sources.current(data, kind), kind)
 
 
 def cap_runs(data: pathlib.Path) -> str:
@@ -469,32 +468,32 @@ def cap_targets(data: pathlib.Path) -> str:
 
 
 def scale_vs_peers(data: pathlib.Path) -> str:
-    """xpool's default against the best peer per scaled workload, paired by trial (bench_scale.defaults_vs_peers)."""
+    """xpool's default against the best peer per scaled workload, paired by trial (summaries.defaults_vs_peers)."""
     df = sources.current(data, targets.SCALE)
     if df is None:
         return ""
-    s = bench_scale.defaults_vs_peers(df).rename(columns={"best_peer": "best peer",
+    s = summaries.defaults_vs_peers(df).rename(columns={"best_peer": "best peer",
                                                           "trials_no_more": "trials it reserved no more"})
     return _md(list(s), s.itertuples(index=False))
 
 
 def scale_table(data: pathlib.Path) -> str:
-    """Every scaled workload and arm (bench_scale.summary)."""
+    """Every scaled workload and arm (summaries.scale_summary)."""
     df = sources.current(data, targets.SCALE)
     if df is None:
         return ""
-    s = bench_scale.summary(df)
+    s = summaries.scale_summary(df)
     return _md(list(s), s.itertuples(index=False))
 
 
 def cap_table(data: pathlib.Path) -> str:
-    """Per front end, the trials each arm finished under each cap, of those it ran (bench_scale.cap_grid)."""
+    """Per front end, the trials each arm finished under each cap, of those it ran (summaries.cap_grid)."""
     df = sources.current(data, targets.CAP)
     if df is None:
         return ""
     parts = []
     for f, title, _ in plots.DYNAMIC_FRONT_ENDS:
-        grid = bench_scale.cap_grid(df, f)
+        grid = summaries.cap_grid(df, f)
         if len(grid):
             parts.append(f"{title}:\n\n" + _md(list(grid), grid.itertuples(index=False)))
     return "\n\n".join(parts)
@@ -573,7 +572,7 @@ def _spans(data: pathlib.Path) -> dict:
     for key, kind, where in (("scale_words", targets.SCALE, {}), ("small_words", targets.DYN, {"dynamic": True})):
         df = sources.current(data, kind)
         if df is not None and len(df := sources.select(df, where)):
-            out[key] = bench_scale.requested(df)
+            out[key] = summaries.requested(df)
     return out
 
 

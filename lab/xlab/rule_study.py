@@ -1,20 +1,20 @@
 """Which release rule each scheme keeps: every recorded trace replayed under every (scheme, release rule) pair.
 
-The rules are the research build's (xlab.research: xpool as at RESEARCH_COMMIT, the last commit with all of them),
-each at its default release_idle and release_bound; `--build product` replays the checkout's own xpool instead, one
-built-in rule per scheme (rule "builtin"), for the comparison before and after the rules leave the product. The
-replays are memory_study's: a trace's requests and frees, in order, through a pool over a backend that touches no
-memory (2 MiB pages for scheme expandable), exact to the byte and the call. One row per trace x scheme x rule.
+data/release_rules.csv holds the replays of every rule through xpool as at RESEARCH_COMMIT (5bcaad4, the last commit
+with all of them; the tag record-2026-12-05 keeps that code), each at its default release_idle and release_bound;
+this module summarises those committed rows and chooses a rule per scheme from them. What it still replays is the
+checkout's own xpool, one built-in rule per scheme (rule "builtin"), for the comparison before and after the rules
+left the product (data/release_rules_product.csv). The replays are memory_study's: a trace's requests and frees, in
+order, through a pool over a backend that touches no memory (2 MiB pages for scheme expandable), exact to the byte
+and the call. One row per trace x scheme x rule.
 
-    python -m xlab.rule_study                     # data/release_rules.csv, then its summary and the chosen rules
-    python -m xlab.rule_study --summary           # the summary of data/release_rules.csv, replaying nothing
+    python -m xlab.rule_study                     # data/release_rules_product.csv: the product's replays
+    python -m xlab.rule_study --summary           # the summary of data/release_rules.csv and the chosen rules
     python -m xlab.rule_study --summary --markdown    # its table in docs/decisions/0001-one-release-rule-per-scheme.md
-    python -m xlab.rule_study --build product --out data/release_rules_product.csv
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
 import pathlib
@@ -27,11 +27,11 @@ from xlab import memory_study as ms
 from xlab.bench.dynamic import steady_state
 from xlab.paths import data_dir, publish
 from xlab.provenance import provenance
-from xlab.research import RESEARCH_COMMIT, load_research, resolve_commit
 
-PRODUCT = "product"        # --build product: the checkout's own xpool
+RESEARCH_COMMIT = "5bcaad4"  # the build whose replays data/release_rules.csv holds (tag record-2026-12-05)
+PRODUCT = "product"        # the build replayed now: the checkout's own xpool
 BUILTIN = "builtin"        # the product's rule: the one its scheme has, no setting
-RULES = {                  # the research build's rules per scheme (until_churn: expandable only)
+RULES = {                  # RESEARCH_COMMIT's rules per scheme (until_churn: expandable only)
     "segments": ("never", "high_water", "always", "bounded", "growth", "peak"),
     "expandable": ("never", "high_water", "always", "bounded", "growth", "until_churn", "peak"),
 }
@@ -45,7 +45,8 @@ KEEP_TRACES = {"gpt_b32_keep_cupy_path_numpy": "memory_trace_cupy_path_b32_keep.
                "gpt_b32_perparam_keep_cupy_path_numpy": "memory_trace_cupy_path_b32_perparam_keep.csv.gz"}
 FILE_TRACES = {**ms.TRACES, **KEEP_TRACES}      # name -> its file under data/
 NEAR_BEST = 0.02           # a rule is near the best on a trace within this much reserved/requested of the least
-DEFAULT_OUT = "data/release_rules.csv"
+DEFAULT_OUT = "data/release_rules.csv"            # RESEARCH_COMMIT's rows, committed
+PRODUCT_OUT = "data/release_rules_product.csv"   # the product's rows: what main() replays
 # A row: the trace (fixed_shape: by its name); the pair; peaks over the whole trace; device calls (mallocs + frees,
 # or maps + unmaps) in all; steady_calls and steady_unmaps, the calls and the gives back (frees, unmaps) over the
 # steady_steps, as memory_study.replay_rule counts them (steady_calls_per_step: their ratio); calls_after_warmup.
@@ -93,25 +94,10 @@ def trace_info(name: str, tl: pd.DataFrame) -> dict:
 
 
 # --- the pools
-@functools.lru_cache(maxsize=None)
-def backend_class(pkg):
-    """memory_study.AddressSpace over package `pkg`'s host backend with a host twin (the research build's
-    HostBackend has one of its own; the product's is the tests' xpool_twin.TwinBackend)."""
-    research = getattr(pkg.backends, "HostBackend", None)   # the product's host doubles left it for the tests
-    if research is not None and hasattr(research, "vmm"):
-        base = research
-    else:
-        from xpool_twin import TwinBackend as base
-
-    return type("AddressSpaceBackend", (ms.AddressSpace, base), {})
-
-
-def make_pool(pkg, scheme: str, rule: str):
-    """A fresh pool of package `pkg`: `scheme` with release_on_miss `rule` at the default release_idle and
-    release_bound, or (rule BUILTIN) the scheme alone, as the product after the freeze takes it."""
-    backend = backend_class(pkg)()
-    kw = {} if rule == BUILTIN else dict(release_on_miss=rule)
-    return pkg.pool.Pool(backend, scheme=scheme, limit=0, timeline=0, debug=False, **kw)
+def make_pool(scheme: str):
+    """A fresh pool of the product's `scheme`, its one built-in rule, over memory_study.AddressSpaceBackend."""
+    import xpool
+    return xpool.pool.Pool(ms.AddressSpaceBackend(), scheme=scheme, limit=0, timeline=0, debug=False)
 
 
 def check_environment(pkg) -> None:
@@ -160,44 +146,44 @@ def replay(pool, tl: pd.DataFrame, warmup: int, steps: int) -> dict:
 
 
 def load_build(build: str):
-    """The package a build names: PRODUCT, this checkout's xpool; else the research build of that commit."""
-    if build == PRODUCT:
-        import xpool
-        return xpool
-    return load_research(build)
+    """The package a build names: PRODUCT, this checkout's xpool; ValueError for any other (RESEARCH_COMMIT's
+    replays are committed in data/release_rules.csv, its code kept by the tag record-2026-12-05)."""
+    if build != PRODUCT:
+        raise ValueError(f"build must be {PRODUCT!r}, got {build!r}: the replays of {RESEARCH_COMMIT} are committed "
+                         f"({DEFAULT_OUT}); its code is at the tag record-2026-12-05")
+    import xpool
+    return xpool
 
 
 def pairs(build: str) -> list:
-    """The (scheme, rule) pairs replayed: every rule of RULES (research build), or each scheme's BUILTIN."""
+    """The (scheme, rule) pairs of a build's rows: each scheme's BUILTIN (PRODUCT), or every rule of RULES (the
+    committed rows of RESEARCH_COMMIT)."""
     if build == PRODUCT:
         return [(scheme, BUILTIN) for scheme in RULES]
     return [(scheme, rule) for scheme, rules in RULES.items() for rule in rules]
 
 
-def trace_rows(name: str, build: str = RESEARCH_COMMIT, which=None) -> list:
-    """The rows of one trace: each (scheme, rule) pair of `which` (default: pairs(build)) replayed over it."""
+def trace_rows(name: str, build: str = PRODUCT) -> list:
+    """The rows of one trace: each scheme of the product replayed over it under its built-in rule."""
     pkg = load_build(build)
     check_environment(pkg)
     tl = load_trace(name)
     info = trace_info(name, tl)
-    return [dict(info, scheme=scheme, rule=rule, build=build, **replay(make_pool(pkg, scheme, rule), tl,
-                                                                       info["warmup"], info["steps"]))
-            for scheme, rule in (which or pairs(build))]
+    return [dict(info, scheme=scheme, rule=rule, build=build, **replay(make_pool(scheme), tl, info["warmup"],
+                                                                       info["steps"]))
+            for scheme, rule in pairs(build)]
 
 
-def study(names=None, build: str = RESEARCH_COMMIT, jobs: int | None = None) -> pd.DataFrame:
-    """Every trace of `names` (default: trace_names()) under every pair of `build`, one process per CPU (jobs),
-    in trace order: COLUMNS with provenance."""
+def study(names=None, jobs: int | None = None) -> pd.DataFrame:
+    """Every trace of `names` (default: trace_names()) through the product, one process per CPU (jobs), in trace
+    order: COLUMNS with provenance."""
     names = list(names or trace_names())
-    if build != PRODUCT:
-        build = resolve_commit(build)[:7]
-    load_build(build)                             # build it once, before the workers look for it
     jobs = jobs or min(len(names), os.cpu_count() or 1)
     if jobs > 1:
         with ProcessPoolExecutor(jobs) as ex:
-            rows = [r for rs in ex.map(trace_rows, names, [build] * len(names)) for r in rs]
+            rows = [r for rs in ex.map(trace_rows, names) for r in rs]
     else:
-        rows = [r for name in names for r in trace_rows(name, build)]
+        rows = [r for name in names for r in trace_rows(name)]
     return pd.DataFrame(rows, columns=COLUMNS).assign(**provenance(experiment="rule_study"))
 
 
@@ -256,27 +242,25 @@ def _sig3(x: float) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--build", default=RESEARCH_COMMIT,
-                   help=f"a commit for the research build, or {PRODUCT!r} (default: {RESEARCH_COMMIT})")
-    p.add_argument("--out", help=f"CSV to write (default: {DEFAULT_OUT}, or data/release_rules_product.csv)")
+    p.add_argument("--out", help=f"CSV to write (default: {PRODUCT_OUT}; with --summary, the CSV read: "
+                                 f"{DEFAULT_OUT})")
     p.add_argument("--traces", help="comma-separated trace names (default: every recorded trace)")
     p.add_argument("--jobs", type=int, help="worker processes (default: one per CPU)")
     p.add_argument("--summary", action="store_true", help="summarise the CSV at --out; replay nothing")
     p.add_argument("--markdown", action="store_true", help="print the summary as the decision record's table")
     a = p.parse_args(argv)
-    out = a.out or (DEFAULT_OUT if a.build != PRODUCT else "data/release_rules_product.csv")
     if a.summary:
-        df = pd.read_csv(out)
+        df = pd.read_csv(a.out or DEFAULT_OUT)
     else:
-        df = study(a.traces.split(",") if a.traces else None, a.build, a.jobs)
-        publish(df, out)
+        df = study(a.traces.split(",") if a.traces else None, a.jobs)
+        publish(df, a.out or PRODUCT_OUT)
     table = summary(df)
     if a.markdown:
         print(markdown(table))
         return 0
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.float_format", "{:.3g}".format):
         print(table.to_string(index=False))
-    if a.build != PRODUCT:
+    if set(df["build"].astype(str)) != {PRODUCT}:
         print("chosen:", ", ".join(f"{scheme}: {rule}" for scheme, rule in choose(table).items()))
     return 0
 

@@ -12,7 +12,7 @@ import re
 
 import pandas as pd
 
-from . import allocators
+from . import shared
 
 # lineage -> ((CSV, {column: value} selection), ...), the columns naming one configuration. The first CSV's selection
 # is the lineage's own: it picks the rows of any CSV of the same benchmark (`benchmark`), in the lineage or not.
@@ -64,7 +64,7 @@ def read(data: pathlib.Path, name: str) -> pd.DataFrame | None:
 
 def prepare(df: pd.DataFrame, csv: str) -> pd.DataFrame:
     """A CSV's rows as every reader takes them: today's arm names, the derived columns, where they came from."""
-    df = allocators.canonical(df)
+    df = shared.canonical(df)
     if "class_over_requested" in df:
         df["class_waste_pct"] = 100 * (df["class_over_requested"] - 1)
     if "check" in df and "passed" in df:
@@ -165,7 +165,7 @@ def sources(df: pd.DataFrame) -> str:
     groups = list(df.groupby(["order", "csv"], sort=True)) if "order" in df else list(df.groupby("csv"))
     for key, g in reversed(groups):
         name = key[-1] if isinstance(key, tuple) else key
-        arms = f" ({', '.join(allocators.ordered(g[col].unique()))})" if col and len(groups) > 1 else ""
+        arms = f" ({', '.join(shared.ordered(g[col].unique()))})" if col and len(groups) > 1 else ""
         parts.append(f"`{name}` at {g['run'].iloc[0]}{arms}")
     return "; ".join(parts)
 

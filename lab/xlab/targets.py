@@ -34,9 +34,8 @@ import pathlib
 import pandas as pd
 
 from . import intervals as iv, sources
-from .allocators import DEFAULT_SCHEME, SETS, TORCH_DEFAULT_SCHEME
-from .bench.dynamic import WORKLOADS
-from .bench.dynamic_scale import INTERVAL_TRIALS, SCALED, TRIALS as SCALE_TRIALS
+from .shared import (DEFAULT_SCHEME, INTERVAL_TRIALS, SCALE_TRIALS, SCALED, SETS, TORCH_DEFAULT_SCHEME,
+                     WORKLOADS)
 
 # The product's schemes, and their one release rule (docs/decisions/0001-one-release-rule-per-scheme.md: a miss
 # gives nothing back). The dynamic benchmark's arm of a scheme as the product has it is xpool_<scheme>: xpool_expandable

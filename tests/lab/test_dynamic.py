@@ -12,7 +12,7 @@ import pytest
 
 import xpool
 import xpool_twin
-from xlab import allocators as registry
+from xlab import allocators as registry, summaries
 from xlab.bench import dynamic, dynamic_workloads as wl
 from xlab.experiments.train import Window
 
@@ -252,7 +252,7 @@ def test_torch_device_calls_are_num_device_alloc_and_free():
 def test_an_arm_of_pytorchs_allocator_whose_setting_did_not_take_fails(arm, expandable):
     """The segments PyTorch made must be expandable exactly when the arm says so (cupy_torch_expandable too: PyTorch's
     expandable segments handing CuPy its blocks), or the arm measured the other allocator."""
-    alloc = object.__new__(registry.arm(arm).make)
+    alloc = object.__new__(registry.allocator_class(arm))
     alloc.torch = types.SimpleNamespace(cuda=types.SimpleNamespace(
         memory_snapshot=lambda: [{"is_expandable": expandable}, {"is_expandable": expandable}]))
     dynamic.check_torch_setting(alloc, arm, gpu=False)          # nothing to ask on a CPU
@@ -264,7 +264,7 @@ def test_an_arm_of_pytorchs_allocator_whose_setting_did_not_take_fails(arm, expa
 
 def test_pytorchs_expandable_segments_serve_the_cupy_workloads_too():
     assert "cupy_torch_expandable" in dynamic.PEERS["cupy"] and "torch_expandable" in dynamic.PEERS["torch"]
-    assert registry.arm("cupy_torch_expandable").make is registry.TorchExpandable
+    assert registry.allocator_class("cupy_torch_expandable") is registry.TorchExpandable
 
 
 def test_rmm_pool_counts_its_upstream(monkeypatch):
@@ -422,7 +422,7 @@ def test_summary_from_rows():
                  ms_per_step=ms * rng.uniform(0.99, 1.01))
             for t in range(5) for w in ("gpt_b4", "cupy_mix")
             for a, r, c, ms in (("xpool", 1.02, 0.0, 9.0), ("rmm_pool", 1.4, 0.0, 12.0), ("cupy_pool", 1.8, 0.0, 10.0))]
-    s = dynamic.summary(pd.DataFrame(rows))
+    s = summaries.dynamic_summary(pd.DataFrame(rows))
     assert list(zip(s.workload, s.allocator))[:3] == [("cupy_mix", "cupy_pool"), ("cupy_mix", "rmm_pool"),
                                                       ("cupy_mix", "xpool")]       # the workloads' and arms' order
     s = s.set_index(["workload", "allocator"])
@@ -506,6 +506,6 @@ def test_summary_says_what_bounds_each_arm_with_nvmls_reading():
                       bound="gpu" if t else "host", gpu_util_mean=math.nan),
                  dict(trial=t, workload="gpt_b4", allocator="cupy_pool", ms_per_step=5.0, bound="",
                       gpu_util_mean=math.nan)]
-    s = dynamic.summary(pd.DataFrame(rows)).set_index(["workload", "allocator"])["bound (GPU busy)"]
+    s = summaries.dynamic_summary(pd.DataFrame(rows)).set_index(["workload", "allocator"])["bound (GPU busy)"]
     assert s[("torch_fixed", "torch")] == "host (22% [20, 24])"
     assert s[("gpt_b32", "cupy_pool")] == "gpu/host" and s[("gpt_b4", "cupy_pool")] == "n/a"

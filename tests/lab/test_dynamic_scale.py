@@ -12,7 +12,7 @@ import pytest
 
 import xpool
 import xpool_twin
-from xlab import allocators as registry
+from xlab import allocators as registry, summaries
 from xlab.bench import dynamic, dynamic_scale, dynamic_workloads as wl
 from xlab.paths import data_dir
 
@@ -90,7 +90,7 @@ class _Device:
 def test_cupys_pools_take_their_set_limit_on_the_device(monkeypatch, arm):
     import cupy
     monkeypatch.setattr(cupy.cuda, "Device", _Device)
-    alloc = object.__new__(registry.arm(arm).make)
+    alloc = object.__new__(registry.allocator_class(arm))
     limits = []
     alloc.pool = types.SimpleNamespace(set_limit=lambda size: limits.append(size))
     _Device.entered.clear()
@@ -103,7 +103,7 @@ def test_cupys_pools_take_their_set_limit_on_the_device(monkeypatch, arm):
 def test_pytorchs_cap_is_its_per_process_memory_fraction(arm):
     """cap / cudaMemGetInfo's total; 0 lifts it (fraction 1)."""
     fractions = []
-    alloc = object.__new__(registry.arm(arm).make)
+    alloc = object.__new__(registry.allocator_class(arm))
     alloc.torch = types.SimpleNamespace(cuda=types.SimpleNamespace(
         mem_get_info=lambda d: (10 << 30, 100 << 30),
         set_per_process_memory_fraction=lambda f, d: fractions.append((f, d))))
@@ -448,7 +448,7 @@ def _scaled_rows():
 
 
 def test_defaults_against_the_best_peer_paired_by_trial():
-    s = dynamic_scale.defaults_vs_peers(_scaled_rows()).set_index("workload")
+    s = summaries.defaults_vs_peers(_scaled_rows()).set_index("workload")
     assert list(s.index) == ["cupy_mix", "torch_varlen"]
     assert s.loc["cupy_mix", "default"] == "xpool_segments" and s.loc["cupy_mix", "best_peer"] == "rmm_pool"
     assert s.loc["torch_varlen", "best_peer"] == "torch_expandable"
@@ -462,7 +462,7 @@ def test_cap_summary_counts_the_trials_each_allocator_finished():
                  completed=a == "xpool_segments" or c == 1.25 or t < 2)
             for t in range(5) for w in ("gpt_varlen", "cupy_mix") for c in (1.25, 1.05)
             for a in ("xpool_segments", "cupy_pool")]
-    s = dynamic_scale.cap_summary(pd.DataFrame(rows))
+    s = summaries.cap_summary(pd.DataFrame(rows))
     assert list(zip(s.workload, s.cap_over_peak_requested, s.allocator))[:4] == [
         ("cupy_mix", 1.05, "cupy_pool"), ("cupy_mix", 1.05, "xpool_segments"),
         ("cupy_mix", 1.25, "cupy_pool"), ("cupy_mix", 1.25, "xpool_segments")]   # the workloads' and arms' order
@@ -481,21 +481,21 @@ def test_a_run_under_way_is_said_with_its_trials_and_shows_no_interval():
                                  device_calls_per_steady_step=0.0, ms_per_step=lambda d: 10.0 + d["trial"],
                                  gpu_util_mean=95.0, bound="gpu")
     two = rows[rows["trial"] < 2]
-    assert dynamic_scale.trials_said(rows) == "5 trials"
-    assert dynamic_scale.trials_said(two) == "2 of 5 trials so far; an interval needs 3 trials: none where fewer ran"
+    assert summaries.trials_said(rows) == "5 trials"
+    assert summaries.trials_said(two) == "2 of 5 trials so far; an interval needs 3 trials: none where fewer ran"
     uneven = rows[~((rows["trial"] == 4) & (rows["workload"] == "cupy_mix"))]
-    assert dynamic_scale.trials_said(uneven) == "5 trials (4-5 per workload and arm)"
-    full, under_way = dynamic_scale.summary(rows), dynamic_scale.summary(two)
+    assert summaries.trials_said(uneven) == "5 trials (4-5 per workload and arm)"
+    full, under_way = summaries.scale_summary(rows), summaries.scale_summary(two)
     assert list(full["allocator"][:3]) == ["cupy_pool", "rmm_pool", "xpool_segments"]       # the arms table's order
     assert full["reserved/requested"].str.contains(r"\[\d").all() and (full["trials"] == 5).all()
     assert under_way["reserved/requested"].str.endswith("[n/a]").all() and (under_way["trials"] == 2).all()
     assert list(under_way["xpool's default"]) == ["", "", "yes", "", "yes"]
     assert (under_way["bound (GPU busy)"] == "gpu (95% [n/a])").all()
-    assert dynamic_scale.requested(rows) == "33-37 GiB requested"
-    assert dynamic_scale.requested(rows[rows["workload"] == "cupy_mix"]) == "37 GiB requested"
-    assert dynamic_scale.said(None) == \
-        f"Not measured yet: {dynamic_scale.HOW_TO_MEASURE} writes `data/dynamic_scale.csv`."
-    said = dynamic_scale.said(sources.prepare(two.assign(commit="abc1234", gpu="H200", date="2026-12-06"),
+    assert summaries.requested(rows) == "33-37 GiB requested"
+    assert summaries.requested(rows[rows["workload"] == "cupy_mix"]) == "37 GiB requested"
+    assert summaries.said(None) == \
+        f"Not measured yet: {summaries.HOW_TO_MEASURE} writes `data/dynamic_scale.csv`."
+    said = summaries.said(sources.prepare(two.assign(commit="abc1234", gpu="H200", date="2026-12-06"),
                                               "dynamic_scale.csv"))
     assert said == "Rows: `dynamic_scale.csv` at abc1234 (H200, 2026-12-06), 2 of 5 trials so far; an interval " \
                    "needs 3 trials: none where fewer ran."
@@ -505,11 +505,11 @@ def test_the_cap_grid_is_a_row_per_workload_and_cap_a_column_per_arm():
     rows = [dict(trial=t, workload="cupy_mix", framework="cupy", allocator=a, is_default=a == "xpool_segments",
                  cap_over_peak_requested=c, completed=a == "xpool_segments" or t == 0)
             for t in range(2) for c in (1.1, 1.25) for a in ("xpool_segments", "cupy_pool")]
-    grid = dynamic_scale.cap_grid(pd.DataFrame(rows), "cupy")
+    grid = summaries.cap_grid(pd.DataFrame(rows), "cupy")
     assert list(grid.columns) == ["workload", "cap", "cupy_pool", "xpool_segments (default)"]
     assert grid.values.tolist() == [["cupy_mix", "1.10×", "1/2", "2/2"], ["cupy_mix", "1.25×", "1/2", "2/2"]]
-    assert dynamic_scale.cap_grid(pd.DataFrame(rows), "torch").empty
-    said = dynamic_scale.said(pd.DataFrame(rows).assign(csv="memory_cap.csv", run="abc1234"), "memory_cap")
+    assert summaries.cap_grid(pd.DataFrame(rows), "torch").empty
+    said = summaries.said(pd.DataFrame(rows).assign(csv="memory_cap.csv", run="abc1234"), "memory_cap")
     assert said.endswith(", 2 of 5 trials so far; an interval needs 3 trials: none where fewer ran; caps of 1.10×, "
                          "1.25× the peak requested.")
 

@@ -20,8 +20,7 @@ jupytext = pytest.importorskip("jupytext")
 from jupytext.config import load_jupytext_config
 from lab_fixtures import synthetic
 from xlab import notebook_utils as nbu
-from xlab import report, tables
-from xlab.bench import dynamic_scale
+from xlab import report, summaries, tables
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NAMES = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
@@ -194,7 +193,7 @@ def test_notebook_runs_in_cpu_mode_without_data(name, tmp_path, repo_env):
     assert "missing" in _outputs(r["output"])
     if name == "06_dynamic_shapes":                 # issue #46's sections: what measures them, no figure
         for csv in ("dynamic_scale", "memory_cap"):
-            assert f"Not measured yet: {dynamic_scale.HOW_TO_MEASURE} writes `data/{csv}.csv`." in _outputs(r["output"])
+            assert f"Not measured yet: {summaries.HOW_TO_MEASURE} writes `data/{csv}.csv`." in _outputs(r["output"])
         assert _count(r["output"], "image/png") == 0
 
 

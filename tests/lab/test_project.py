@@ -236,3 +236,77 @@ def test_the_readmes_settings_are_the_frozen_five():
                 "xpool.snapshot"):
         assert old not in _readme(), old
     assert "docs/decisions/0001-one-release-rule-per-scheme.md" in table
+
+
+# The lab's two floors (issue #51): the instruments write data/*.csv, the analysis reads them; both read the shared
+# names (xlab.shared) and the tools below them, and notebook_utils, the notebooks' face, stands on both.
+ANALYSIS = {"sources", "targets", "tables", "plots", "summaries", "report"}
+BELOW = {"shared", "paths", "provenance", "intervals", "nvml", "builds", "reserve", "__init__", "bench.__init__",
+         "experiments.__init__"}
+TOP = {"notebook_utils"}
+# the one instrument the analysis runs: report's CPU replay of data/memory_timeline.csv (memory_study.replay_waste),
+# whose sentence the report prints; its rows are in no CSV
+ANALYSIS_RUNS = {("report", "memory_study")}
+
+
+def lab_imports(root: pathlib.Path = PACKAGES["xlab"]) -> dict:
+    """{module: the lab modules it imports}, modules named as 'bench.dynamic', every import read (those inside
+    functions too: a late import is an import)."""
+    import ast
+    mods = {".".join(p.relative_to(root).with_suffix("").parts): p for p in root.rglob("*.py")}
+    out = {}
+    for name, path in mods.items():
+        package = name.split(".")[:-1] if not name.endswith("__init__") else name.split(".")[:-1]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = (package[:len(package) - node.level + 1] if node.level else []) + \
+                    (node.module.split(".") if node.module else [])
+                if node.level == 0 and base[:1] != ["xlab"]:
+                    continue
+                base = base[1:] if node.level == 0 else base
+                for alias in node.names:
+                    full = ".".join(base + [alias.name])
+                    found.add(full if full in mods else ".".join(base) or "__init__")
+            elif isinstance(node, ast.Import):
+                found |= {a.name[5:] for a in node.names if a.name.startswith("xlab.") and a.name[5:] in mods}
+        out[name] = {m if m in mods else f"{m}.__init__" for m in found} - {name}
+    return out
+
+
+def floor_problems(imports: dict) -> list:
+    """Each import that crosses the floors the wrong way, and each circle."""
+    def floor(m):
+        return "analysis" if m in ANALYSIS else "below" if m in BELOW else "top" if m in TOP else "instrument"
+    bad = [f"{a} -> {b}" for a, deps in imports.items() for b in deps
+           if (floor(a), floor(b)) in {("instrument", "analysis"), ("below", "instrument"), ("below", "analysis"),
+                                       ("below", "top"), ("instrument", "top"), ("analysis", "top")}
+           or ((floor(a), floor(b)) == ("analysis", "instrument") and (a, b) not in ANALYSIS_RUNS)]
+    seen, circles = {}, []
+
+    def visit(m, path):
+        if m in path:
+            circles.append(" -> ".join(path[path.index(m):] + [m]))
+            return
+        if seen.get(m):
+            return
+        for d in sorted(imports.get(m, ())):
+            visit(d, path + [m])
+        seen[m] = True
+    for m in sorted(imports):
+        visit(m, [])
+    return bad + [f"circle {c}" for c in circles]
+
+
+def test_the_labs_floors_meet_at_the_csvs():
+    """Instruments import no analysis, the analysis no instrument (but report's one replay), nothing below imports
+    above it, and no import circle remains in the lab."""
+    assert floor_problems(lab_imports()) == []
+
+
+def test_the_floor_check_can_fail():
+    assert floor_problems({"plots": {"bench.dynamic"}, "bench.dynamic": {"plots"}}) == [
+        "plots -> bench.dynamic", "bench.dynamic -> plots", "circle bench.dynamic -> plots -> bench.dynamic"]
+    assert floor_problems({"memory_study": {"rule_study"}, "rule_study": {"memory_study"}}) == [
+        "circle memory_study -> rule_study -> memory_study"]
+    assert floor_problems({"shared": {"allocators"}, "report": {"memory_study"}}) == ["shared -> allocators"]

@@ -1,7 +1,7 @@
 """Replays of recorded request traces through the allocator over the tests' host twin (xlab.memory_study): the
-H200's runs reproduced to the byte and the call, and what a reserve up front (xlab.reserve) does to them.  The
-product's own rule is replayed by the product; the release rules it no longer has, by the lab's research build
-(xlab.research).  Moved here from the allocator's tests, which import no lab code."""
+H200's runs reproduced to the byte and the call.  The product's own rule is replayed by the product; the replays of
+the release rules it no longer has are committed (data/release_rules.csv: tests/lab/test_rule_study.py).  Moved here
+from the allocator's tests, which import no lab code."""
 import pathlib
 
 import pandas as pd
@@ -12,7 +12,8 @@ from xlab import memory_study as m
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "data"
 DYN, HELD_OUT = m.DYN_TRACES, m.HELD_OUT_TRACES          # the H200's traces
-RESNETS = tuple(w for w in DYN + HELD_OUT if w.startswith("resnet_varres"))
+# the traces the H200 recorded under the product's rule (gpt_b32's ran under "bounded": its replay is committed)
+NEVER = tuple(w for w in DYN + HELD_OUT if m.dyn_trace(w).iloc[0].release_on_miss == "never")
 
 
 def stats(pool, device=0):
@@ -38,71 +39,20 @@ def test_a_loop_keeping_the_previous_step_alive_maps_and_unmaps_nothing_once_war
     assert pool.empty_cache() > 0 and stats(pool)["bytes_reserved"] == 0
 
 
-@pytest.mark.parametrize("workload", DYN + HELD_OUT)
-def test_the_h200s_traces_replay_to_its_counters_and_the_bound_holds(workload):
-    """The H200's request traces (xlab.bench.dynamic_traces): the host twin with 2 MiB pages reproduces the
-    recording run's peaks and device calls to the byte under the rule it ran (its release_on_miss column: the
-    product's own, or the research build's); under "bounded" (1.05) peak reserved stays within the bound on every
-    trace but the CuPy loop's, whose misses spend the give-back budget."""
+@pytest.mark.parametrize("workload", NEVER)
+def test_the_h200s_traces_replay_to_its_counters(workload):
+    """The H200's request traces (xlab.bench.dynamic_traces) recorded under the product's rule (release_on_miss
+    "never"): the host twin with 2 MiB pages reproduces the recording run's peaks and device calls to the byte."""
     tl = m.dyn_trace(workload)
     gpu = tl.iloc[0]
     ran = m.replay_rule(tl, gpu.release_on_miss)
     assert (ran["peak_bytes_reserved"], ran["peak_bytes_requested"], ran["device_calls"], ran["unmatched_frees"]) == \
         (gpu.gpu_peak_bytes_reserved, gpu.gpu_peak_bytes_requested, gpu.gpu_device_calls, 0)
-    if not workload.startswith("cupy_mix"):
-        bounded = m.replay_rule(tl, "bounded")
-        assert bounded["peak_bytes_reserved"] <= 1.05 * bounded["peak_bytes_requested"], bounded
 
 
-@pytest.mark.parametrize("workload", RESNETS)
-def test_a_reserve_of_1_03_times_the_peak_stops_the_resnets_steady_maps(workload):
-    """On every realization of the ResNets at varying image sizes (the benchmark's and the held-out one at batch
-    64), under "peak" (the research build's rule that enable_torch()'s pool had), the maps of a recurring peak whose
-    free space lies in pieces (0-4 in steady state) stop when 1.03 times the program's peak requested bytes are
-    reserved up front, for 1.0273 times that peak (the replays of the record at tag record-2026-12-05)."""
-    tl = m.dyn_trace(workload)
-    plain = m.replay_rule(tl, "peak")
-    peak = plain["peak_bytes_requested"]
-    reserve = int(1.03 * peak) // m.DYN_PAGE * m.DYN_PAGE
-    for after in (0, m.build_events(tl)):                    # before anything, and after the model's build
-        got = m.replay_rule(tl, "peak", reserve, after)
-        assert got["peak_bytes_requested"] == peak            # the reserve's request is forgotten
-        assert got["steady_calls"] == 0 and got["ratio"] <= 1.03, (after, got)
-    if workload in ("resnet_varres", "resnet_varres_s2", "resnet_varres_s3", "resnet_varres_b64_s1"):
-        assert plain["steady_calls"] >= 2, plain              # what the reserve stops
-
-
-def test_a_reserve_from_the_peak_so_far_made_mid_run_is_no_reserve_up_front():
-    """The reserve needs the peak before the first step (the record at tag record-2026-12-05: NOTES.md, "A reserve
-    up front", "Without a dry run?"): on the ResNet at varying sizes, 1.03 times the peak seen after the first step
-    (its largest image) leaves the steady maps (the first step's layout is already in pieces), and after the warm-up
-    it stops them at about 1.08."""
-    tl = m.dyn_trace("resnet_varres_s3")
-    so_far = lambda s: int(1.03 * s["peak_bytes_requested"]) // m.DYN_PAGE * m.DYN_PAGE     # noqa: E731
-    plain = m.replay_rule(tl, "peak")
-    first = m.replay_rule(tl, "peak", so_far, m.events_before_step(tl, 1))
-    warm = m.replay_rule(tl, "peak", so_far, m.events_before_step(tl, int(tl["warmup"].iloc[0])))
-    assert plain["steady_calls"] == first["steady_calls"] == 4, (plain, first)
-    assert warm["steady_calls"] == 0 and warm["ratio"] > 1.07, warm
-    assert first["peak_bytes_requested"] == warm["peak_bytes_requested"] == plain["peak_bytes_requested"]
-
-
-def _probe_rows():
-    d = pd.read_csv(DATA / "reserve_probe.csv")
-    return [pytest.param(r, id=f"{r.workload}-s{r.seed}-{r.frac}-{r.when}-{r.commit[:7]}") for r in d.itertuples()]
-
-
-@pytest.mark.parametrize("row", _probe_rows())
-def test_every_gpu_run_of_the_reserve_probe_equals_its_replay(row):
-    """data/reserve_probe.csv (xlab.bench.reserve on the H200): every run, plain or with a reserve (by
-    hand or pool.reserve) before anything ("start") or after the model is built ("build", at the replay's
-    build_events), made the peaks and device calls the host twin makes on that seed's trace, to the byte and the
-    call."""
-    tl = m.dyn_trace(row.workload + (f"_s{row.seed}" if row.seed else ""))
-    after = m.build_events(tl) if row.when == "build" else 0
-    got = m.replay_rule(tl, row.release_on_miss, int(row.reserve_bytes), after)
-    assert (got["peak_bytes_reserved"], got["peak_bytes_requested"], got["steady_calls"], got["device_calls"]) == \
-        (row.peak_bytes_reserved, row.peak_bytes_requested, row.steady_calls, row.device_maps + row.device_unmaps)
+def test_a_rule_the_product_no_longer_has_is_a_clear_error():
+    with pytest.raises(ValueError, match="rule must be None or 'never'.*release_rules.csv"):
+        m.replay_rule(m.dyn_trace("gpt_b32"), "bounded")
 
 
 def test_the_build_of_a_trace_is_its_models_parameters():

@@ -11,7 +11,7 @@ import pytest
 import xpool
 from lab_fixtures import synthetic
 from xlab import intervals as iv
-from xlab import memory_study, paths, plots, report, sources, targets
+from xlab import memory_study, paths, plots, report, sources, summaries, targets
 from xlab.bench import dynamic_scale
 from xlab.memory_study import AddressSpaceBackend, replay, replay_waste, waste_table
 
@@ -496,7 +496,7 @@ def test_without_the_scaled_csvs_their_sections_say_not_measured_yet(trial_data)
     page = _page(_scaled(trial_data, 0))
     for title, name in (("At the scale users run them", "dynamic_scale"), ("Under a memory cap", "memory_cap")):
         assert _section(page, title).strip() == \
-            f"Not measured yet: {dynamic_scale.HOW_TO_MEASURE} writes `data/{name}.csv`."
+            f"Not measured yet: {summaries.HOW_TO_MEASURE} writes `data/{name}.csv`."
     assert "#46" not in page and "of 5 trials" not in page and "run under way" not in page
     summary = _section(page, "Summary")
     assert "](#at-the-scale-users-run-them)" not in summary and "](#under-a-memory-cap)" not in summary
@@ -520,8 +520,8 @@ def test_the_memory_headlines_read_the_scaled_rows_where_they_are_measured(trial
         assert r["m"].row.key == targets.AT_SCALE_TWIN[key] and r["m"].row.kind == targets.SCALE
         assert r["m"].value == pytest.approx(value) and r["m"].at == workload
         assert r["question"] == report.SCALE_SECTION and r["figure"] == "dynamic_scale"
-        assert r["text"].endswith(f", at {dynamic_scale.requested(df)}")
-        assert f"at the benchmark's size, {dynamic_scale.requested(small[small['dynamic']])}: " \
+        assert r["text"].endswith(f", at {summaries.requested(df)}")
+        assert f"at the benchmark's size, {summaries.requested(small[small['dynamic']])}: " \
                f"{report._value(values[key])}" in r["next_to"]
     assert heads["dyn_vs_expandable_worst"]["m"].row.key == "scale_vs_expandable_worst"
     torch = values["scale_vs_torch_worst"]                                  # set beside it: the scaled row too
@@ -542,7 +542,7 @@ def test_the_memory_headlines_read_the_scaled_rows_where_they_are_measured(trial
     assert "| torch_varlen | 1.10× | 0/5 | 4/5 | 5/5 | 0/5 | 5/5 |" in cap        # torch_expandable's last trial stops
     assert cap.count("| #46, ") == 2 * len(dynamic_scale.SCALED)
     assert "of 5 trials)" not in page and "run under way" not in page
-    assert f"At the scale users run them ({dynamic_scale.requested(df)}; `dynamic_scale.csv` at synthetic)" in \
+    assert f"At the scale users run them ({summaries.requested(df)}; `dynamic_scale.csv` at synthetic)" in \
         _section(page, "Dynamic shapes")
 
 
@@ -623,7 +623,7 @@ def test_no_more_than_the_best_peer_counts_the_paired_trials(trial_data):
         m = _by_key(trial_data)["scale_no_more_torch_varlen"]
         assert (format(m), m.verdict, m.ref, m.statistic) == (shown, verdict, "torch_expandable",
                                                              "paired trials where it holds")
-        vs = dynamic_scale.defaults_vs_peers(df).set_index("workload")
+        vs = summaries.defaults_vs_peers(df).set_index("workload")
         assert vs.loc["torch_varlen", "trials_no_more"] == int(shown[0])
     df.loc[w & (df["allocator"] == "torch"), "peak_reserved_bytes"] = 1.0         # the best peer follows the bytes
     df.to_csv(trial_data / "dynamic_scale.csv", index=False)

@@ -1,15 +1,14 @@
-"""xlab.rule_study and xlab.research (lab): the research build loaded beside the product, the replays that
-data/release_rules.csv holds, and the rule per scheme that docs/decisions/0001 records."""
+"""xlab.rule_study (lab): the replays that data/release_rules.csv holds (xpool as at 5bcaad4, every release rule;
+the code at the tag record-2026-12-05), the rule per scheme that docs/decisions/0001 records from them, and the
+product's replays (data/release_rules_product.csv) that the freeze changed nothing of the chosen rule's."""
 import pathlib
 import re
 
 import pandas as pd
 import pytest
 
-import xpool
 from xlab import memory_study as ms
 from xlab import rule_study as rs
-from xlab.research import ResearchBuildError, load_research, research_build
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CSV = ROOT / "data" / "release_rules.csv"
@@ -21,43 +20,19 @@ NUMERIC = ["seed", "peak_bytes_requested", "peak_bytes_reserved", "reserved_over
 
 
 @pytest.fixture(scope="module")
-def research():
-    return load_research()
-
-
-@pytest.fixture(scope="module")
 def rows():
     return pd.read_csv(CSV)
 
 
-def test_the_research_build_loads_beside_the_product_with_every_rule(research):
-    assert research is not xpool and research.__name__ == "xpool_research"
-    assert research.pool.Pool is not xpool.pool.Pool
-    assert set(research.settings.RELEASE_ON_MISS) == {r for rules in rs.RULES.values() for r in rules}
-    assert research_build() == research_build() == ROOT / "build" / "research-5bcaad4"
-    pool = rs.make_pool(research, "expandable", "until_churn")
-    assert isinstance(pool, research.pool.Pool) and pool.settings.release_on_miss == "until_churn"
-    assert pool.settings.release_idle == 64 and pool.settings.release_bound == 1.05
+def test_the_study_refuses_settings_from_the_environment(monkeypatch):
+    monkeypatch.setenv("XPOOL_DEBUG", "raise")
+    with pytest.raises(ValueError, match="unset XPOOL_DEBUG"):
+        rs.trace_rows("gpt_b32_gpu")
 
 
-def test_a_commit_the_repository_lacks_is_a_clear_error():
-    with pytest.raises(ResearchBuildError, match="is not in the repository"):
-        research_build("0" * 40)
-
-
-def test_the_study_refuses_settings_from_the_environment(research, monkeypatch):
-    monkeypatch.setenv("XPOOL_RELEASE_IDLE", "8")
-    with pytest.raises(ValueError, match="unset XPOOL_RELEASE_IDLE"):
-        rs.trace_rows("gpt_b32_gpu", rs.RESEARCH_COMMIT, [("segments", "never")])
-
-
-def test_two_small_traces_replay_to_the_csvs_rows_exactly(rows):
-    pairs = [("segments", "high_water"), ("expandable", "peak")]
-    got = pd.DataFrame([r for name in ("gpt_b32_gpu", "cupy_mix_s4")
-                        for r in rs.trace_rows(name, rs.RESEARCH_COMMIT, pairs)])
-    want = got[KEYS].merge(rows, on=KEYS, how="left")
-    assert len(want) == 4 and (want["build"] == rs.RESEARCH_COMMIT).all()
-    pd.testing.assert_frame_equal(got[NUMERIC], want[NUMERIC], check_exact=True, check_dtype=False)
+def test_a_build_other_than_the_product_is_a_clear_error():
+    with pytest.raises(ValueError, match="build must be 'product'.*record-2026-12-05"):
+        rs.trace_rows("gpt_b32_gpu", rs.RESEARCH_COMMIT)
 
 
 def test_the_csv_holds_every_trace_under_every_pair_once(rows):
@@ -100,7 +75,7 @@ SAME = ["peak_bytes_requested", "peak_bytes_reserved", "device_calls", "steady_c
 
 def test_the_frozen_product_replays_every_trace_as_the_chosen_rule_did_before(rows):
     """Before/after the freeze: data/release_rules_product.csv (the product, rule builtin) holds, on every trace and
-    scheme, exactly the research build's rows of the rule chosen for it (never), so the freeze changed no measured
+    scheme, exactly 5bcaad4's committed rows of the rule chosen for it (never), so the freeze changed no measured
     behaviour of the chosen rule."""
     after = pd.read_csv(AFTER)
     chosen = rs.choose(rs.summary(rows))

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 import xpool
 from xlab import allocators as registry
-from xlab import intervals
+from xlab import shared
 from xlab.experiments.runner import installed
 from xlab.experiments.train import Window, step_bound   # with tapegpt: imported once, before the forks (no CUDA)
 from xlab.nvml import UtilSampler
@@ -109,25 +109,27 @@ class Workload:
     held_out: bool = False   # not in the benchmark's default set: programs no release rule was chosen on
 
 
-# The held-out workloads (`--workloads torch_varlen_b32,...`, data/dynamic_heldout.csv): PyTorch programs of other
-# batches, lengths and image sizes than those the release rules were replayed on and chosen by
-# (docs/decisions/0001-one-release-rule-per-scheme.md), so a default is also judged on programs it was not fitted to.
-WORKLOADS = {
-    "cupy_mix": Workload("cupy", True, wl.cupy_mix, 200, 30),
-    "gpt_varlen": Workload("cupy", True, partial(wl.gpt, batch=16, lo=32, hi=256), 20, 5),
-    "gpt_b32": Workload("cupy", False, partial(wl.gpt, batch=32, lo=256), 10, 3),
-    "gpt_b4": Workload("cupy", False, partial(wl.gpt, batch=4, lo=256), 20, 3),
-    "torch_varlen": Workload("torch", True, partial(wl.torch_lm, lo=64, hi=512), 30, 5),
-    "torch_fixed": Workload("torch", False, partial(wl.torch_lm, lo=256), 30, 5),
-    "resnet_varres": Workload("torch", True, partial(wl.resnet, lo=128, hi=224), 30, 5),
-    "resnet_fixed": Workload("torch", False, partial(wl.resnet, lo=224), 30, 5),
-    "torch_varlen_b32": Workload("torch", True, partial(wl.torch_lm, lo=64, hi=320, batch=32, multiple=32), 30, 5,
-                                 held_out=True),
-    "torch_fixed_b32": Workload("torch", False, partial(wl.torch_lm, lo=128, batch=32), 30, 5, held_out=True),
-    "resnet_varres_b64": Workload("torch", True, partial(wl.resnet, lo=64, hi=160, batch=64), 30, 5, held_out=True),
+# How each workload of xlab.shared.WORKLOADS runs (its front end, whether its shapes change and whether it is held
+# out are the shared table's): fn(steps, warmup, seed, window, gpu, small, after_step) -> dict(batch, shape), timed
+# steps, warm-up steps. A workload is a row in both tables.
+RUNS = {
+    "cupy_mix": (wl.cupy_mix, 200, 30),
+    "gpt_varlen": (partial(wl.gpt, batch=16, lo=32, hi=256), 20, 5),
+    "gpt_b32": (partial(wl.gpt, batch=32, lo=256), 10, 3),
+    "gpt_b4": (partial(wl.gpt, batch=4, lo=256), 20, 3),
+    "torch_varlen": (partial(wl.torch_lm, lo=64, hi=512), 30, 5),
+    "torch_fixed": (partial(wl.torch_lm, lo=256), 30, 5),
+    "resnet_varres": (partial(wl.resnet, lo=128, hi=224), 30, 5),
+    "resnet_fixed": (partial(wl.resnet, lo=224), 30, 5),
+    "torch_varlen_b32": (partial(wl.torch_lm, lo=64, hi=320, batch=32, multiple=32), 30, 5),
+    "torch_fixed_b32": (partial(wl.torch_lm, lo=128, batch=32), 30, 5),
+    "resnet_varres_b64": (partial(wl.resnet, lo=64, hi=160, batch=64), 30, 5),
 }
-PEERS_ALL = registry.SETS["dynamic"]
-PEERS = {f: tuple(a for a in PEERS_ALL if registry.arm(a).framework == f) for f in ("cupy", "torch")}
+if set(RUNS) != set(shared.WORKLOADS):
+    raise ImportError(f"xlab.bench.dynamic.RUNS and xlab.shared.WORKLOADS name other workloads: "
+                      f"{sorted(set(RUNS) ^ set(shared.WORKLOADS))}")
+WORKLOADS = {w: Workload(k.framework, k.dynamic, *RUNS[w], held_out=k.held_out) for w, k in shared.WORKLOADS.items()}
+PEERS_ALL, PEERS = shared.DYNAMIC_PEERS, shared.DYNAMIC_PEERS_BY_FRAMEWORK
 DEVICE_CALLS = ("device_mallocs", "device_frees", "device_maps", "device_unmaps")   # xpool's counters, summed
 QUICK = dict(trials=1, steps=3, warmup=2)
 TRIALS, SEED, OUT = 5, 0, "data/dynamic_shapes.csv"
@@ -358,7 +360,7 @@ def package_version(*names) -> str | None:
 def release_rule(arm) -> str | None:
     """The release rule an xpool arm ran with, None for the others: the rows say which rule ran, whatever a later
     build does. Since the freeze every scheme has one, "never" (docs/decisions/0001-one-release-rule-per-scheme.md)."""
-    return "never" if registry.arm(arm).make is registry.XPool else None
+    return "never" if registry.arm(arm).make == "XPool" else None
 
 
 def build_row(trial, position, workload, arm, timed, counted, at_start, opts) -> dict:
@@ -485,44 +487,6 @@ def run(workloads=None, arms=None, trials: int = TRIALS, steps: int | None = Non
     return mine
 
 
-# --- results
-def summary(df: pd.DataFrame) -> pd.DataFrame:
-    """Per (workload, allocator): medians [95% intervals], and ms per step over the fastest peer's (paired)."""
-    keys = ["workload", "allocator"]
-    order = registry.ordered(df["allocator"])
-    df = df.sort_values(keys, key=lambda c: c.map(list(WORKLOADS).index if c.name == "workload" else order.index),
-                        kind="stable")
-    out = df[keys].drop_duplicates().reset_index(drop=True)
-    for col, label, fmt in (("reserved_over_requested", "reserved/requested", "{:.3f}"),
-                            ("device_calls_per_step", "calls/step", "{:.3g}"),
-                            ("device_calls_per_steady_step", "calls/steady step", "{:.3g}"),
-                            ("ms_per_step", "ms/step", "{:.2f}")):
-        if col not in df:                      # a CSV from before the steady-state probes
-            continue
-        s = intervals.summarize(df, keys, col)
-        out[label] = [intervals.fmt_ci(v, lo, hi, fmt) for v, lo, hi in zip(s[col], s[col + "_lo"], s[col + "_hi"])]
-    ratio = {(r.workload, r.allocator): "the fastest peer" if r.allocator == r.reference else
-             f"{intervals.fmt_ci(r.ratio, r.ratio_lo, r.ratio_hi, '{:.3f}', '×')} ({r.reference})" for r in
-             intervals.paired_best(df, "ms_per_step", "allocator", PEERS_ALL, ["workload"], False).itertuples()}
-    out["ms vs the fastest peer"] = [ratio.get(k, "n/a") for k in zip(out["workload"], out["allocator"])]
-    if "bound" in df:
-        out["bound (GPU busy)"] = [_bound_label(g) for _, g in df.groupby(keys, sort=False)]
-    return out.assign(trials=s["n_trials"])
-
-
-def _bound_label(g: pd.DataFrame) -> str:
-    """What bounds one (workload, allocator)'s steps: its rows' bounds ("host", "gpu", both as "gpu/host"), with NVML's
-    GPU utilisation, median [95% interval], where it was sampled: 'host (12% [8, 15])'; "n/a" without either."""
-    kinds = sorted({b for b in g["bound"].dropna().astype(str) if b})
-    util = g["gpu_util_mean"].dropna() if "gpu_util_mean" in g else pd.Series(dtype=float)
-    busy = ""
-    if len(util):
-        med, lo, hi, _ = intervals.median_ci(util)
-        busy = intervals.fmt_ci(med, lo, hi, "{:.0f}", "%")
-    label = "/".join(kinds)
-    return f"{label} ({busy})" if label and busy else label or busy or "n/a"
-
-
 def main(argv=None) -> int:
     """The command line; exit status 1 when an arm failed."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -536,7 +500,6 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="1 trial, 3 steps after 2 warm-up steps: a smoke test")
     p.add_argument("--out", default=OUT, help=f"the CSV (default {OUT})")
     p.add_argument("--fresh", action="store_true", help="discard the CSV's rows instead of resuming")
-    p.add_argument("--figure", help="also draw the figure to this path (.png, .svg)")
     p.add_argument("--cpu", action="store_true", help="NumPy and PyTorch on the CPU, small models: tests the code")
     p.add_argument("--start", default="fork", choices=("fork", "spawn"), help="how the arms' processes start")
     p.add_argument("--cpus", help="pin every arm's process to these CPUs, comma-separated (Note [Pinned arms])")
@@ -547,10 +510,8 @@ def main(argv=None) -> int:
              cpus=split(a.cpus), same_seed=a.same_seed,
              **{**(QUICK if a.quick else {}), **kw})
     if len(df):
-        print(summary(df).to_string(index=False))
-        if a.figure:
-            from xlab import plots, sources
-            plots.dynamic_shapes(sources.prepare(df, pathlib.Path(a.out or "this run").name)).savefig(a.figure)
+        print(f"{len(df)} rows in {a.out}: `python -m xlab.summaries dynamic {a.out}` summarises them (`make report`: "
+              "the figure)")
     return 1 if df.attrs.get("failed") else 0
 
 

@@ -1,10 +1,10 @@
 """Dynamic shapes at the scale users run them, and under a memory cap (issue #46): each dynamic workload of
-xlab.bench.dynamic grown to a peak requested of 33-40 GiB (SCALED, Note [Scaled workloads]), under every peer and
-xpool scheme, trial t on seed + t. One process per (framework, arm, trial), in an order rotated by the trial, runs
-for each of its workloads the uncapped run, whose row goes to data/dynamic_scale.csv and whose peak requested sets
-the caps, then a run under each cap (1.05x, 1.10x, 1.25x that peak), stopped by its first out-of-memory error, into
-data/memory_cap.csv: which allocator finishes the job. How each allocator is capped: Note [Memory caps] in
-xlab/allocators.py; how the runs are cut, and what they cost on an H200: Note [Scaled runs].
+xlab.bench.dynamic grown to a peak requested of 33-40 GiB (SCALED, Note [Scaled workloads]: both in xlab/shared.py),
+under every peer and xpool scheme, trial t on seed + t. One process per (framework, arm, trial), in an order rotated
+by the trial, runs for each of its workloads the uncapped run, whose row goes to data/dynamic_scale.csv and whose
+peak requested sets the caps, then a run under each cap (1.05x, 1.10x, 1.25x that peak), stopped by its first
+out-of-memory error, into data/memory_cap.csv: which allocator finishes the job. How each allocator is capped:
+Note [Memory caps] in xlab/allocators.py; how the runs are cut, and what they cost on an H200: Note [Scaled runs].
 
     python -m xlab.bench.dynamic_scale                  # every scaled workload and arm, 5 trials: both CSVs
     python -m xlab.bench.dynamic_scale --estimate       # the scaled sizes and the peaks the committed rows predict
@@ -13,11 +13,8 @@ xlab/allocators.py; how the runs are cut, and what they cost on an H200: Note [S
     python -m xlab.bench.dynamic_scale --cpu --out build/s.csv --cap-out build/c.csv    # the code, on a CPU
 
 The rows' `scale` is the factor over the benchmark's size (its batch; cupy_mix: its arrays), `is_default` whether
-the arm is what a user of that front end gets from xpool by default (default_arm). Summaries, for the CLI, the
-report and notebook 06: summary (reserved/requested, device calls per steady step, the speed-up over the fastest
-peer, what bounds a step), defaults_vs_peers (each default against the best peer, paired by trial), cap_summary and
-cap_grid (trials finished per cap), trials_said (how many trials a run under way holds: an interval needs
-INTERVAL_TRIALS), requested (the scale, in GiB) and said (what a CSV's rows are, or that none is measured yet).
+the arm is what a user of that front end gets from xpool by default (xlab.shared.default_arm). Their summaries, for
+the report and notebook 06, are the analysis floor's (xlab.summaries: `python -m xlab.summaries scale CSV CAP_CSV`).
 measure is run for a notebook: the scaled rows returned, the cap rows written beside them.
 """
 from __future__ import annotations
@@ -41,55 +38,16 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from xlab import allocators as registry
-from xlab import intervals, sources
 from xlab.paths import data_dir, write_csv
 from xlab.provenance import git_commit, gpu_info, provenance
-from xpool.settings import DEFAULTS, FRONTEND_SCHEMES
+from xlab.shared import AT_LEAST, GIB, SCALE_TRIALS, SCALED, Scaled, default_arm  # noqa: F401 - the module's names
 
 from . import dynamic
 from . import dynamic_workloads as wl
 from .alloc import rotated
 
-GIB = 1 << 30
-AT_LEAST = 30 * GIB          # issue #46: a scaled workload's peak requested bytes
-
-
-@dataclass(frozen=True)
-class Scaled:
-    """A dynamic workload at scale: its size (batch; cupy_mix: its arrays, Note [cupy_mix at scale]) `factor` times
-    the benchmark's, `warmup` steps, then `steps` timed ones (Note [Scaled runs])."""
-    factor: int
-    warmup: int
-    steps: int
-
-
-# Note [Scaled workloads]
-# Each dynamic workload at a size whose peak requested is 33-40 GiB (issue #46: at least 30; the benchmark's peak at
-# 0.18-2.4 GiB, where a 2 MiB page is ~1% of the demand), one constant each in SCALED, the factor over the benchmark's
-# size; lengths, image sides and seeds stay the benchmark's. The bytes come from the committed rows (estimated_peak
-# recomputes them from data/, tests/lab/test_dynamic_scale.py checks them):
-# - A model's peak requested grows linearly in what its largest step holds (`units`). The line through each model's
-#   committed sizes: gpt (gpt_b4, gpt_varlen, gpt_b32, all peaking at T 256) 0.247 GiB + 557,256 B per token, the
-#   three on it; the language model (torch_fixed, torch_varlen and the held-out b32 rows) 0.389 GiB + 134,527 B per
-#   token, all four within 0.04%; the ResNet (32 images of 224 px, 64 of 160 px) 0.210 GiB + 250 B per pixel. The
-#   intercept is what does not grow (parameters, gradients, optimizer state). So gpt_varlen at batch 256 (x16)
-#   peaks at 34.3 GiB, torch_varlen at 512 (x32) at 33.2 GiB, resnet_varres at 2816 (x88) at 33.1 GiB.
-# - cupy_mix's results outlive their step, so its demand keeps setting new highs (the benchmark's rows: last at
-#   step 12-151 of 230). Over the 96 steps a scaled run takes, the five realizations' recorded traces peak at
-#   160-188 MiB, so x216 (= 2^3 x 3^3: FFT lengths cuFFT is fast at) peaks at 33.8-39.6 GiB.
-# A scaled step stays within ~0.3 s on an H200 (from FLOPs and bytes, to be measured): gpt at 256 x 256 tokens is
-# ~9 TFLOP in FP32 (tapegpt uses no TF32), ~0.2 s; the language model at 512 x 512 tokens ~35 TFLOP in bf16, ~0.1 s;
-# the ResNet at 2816 images of 224 px ~31 TFLOP in bf16 and ~0.2 TB through its memory-bound layers, ~0.2-0.3 s at
-# its largest side, 0.64x that on average; cupy_mix ~10-20 ms (a radix sort of at most 906M floats, a matmul of at
-# most 0.25 TFLOP), its first step (every op at its largest, every FFT planned) ~0.1-0.2 s.
-SCALED = {
-    "cupy_mix": Scaled(216, 32, 64),
-    "gpt_varlen": Scaled(16, 3, 5),
-    "torch_varlen": Scaled(32, 3, 5),
-    "resnet_varres": Scaled(88, 3, 5),
-}
 CAPS = (1.05, 1.10, 1.25)
-TRIALS, SEED = 5, 0
+TRIALS, SEED = SCALE_TRIALS, 0
 OUT, CAP_OUT = "data/dynamic_scale.csv", "data/memory_cap.csv"
 QUICK = dict(trials=1, steps=2, warmup=1)
 SCALE_COLUMNS = dynamic.COLUMNS + ["scale", "is_default"]
@@ -222,13 +180,6 @@ def estimates(folder=None) -> pd.DataFrame:
 
 
 # --- arms and caps
-def default_arm(framework: str) -> str:
-    """The arm a user of `framework`'s front end gets from xpool by default: the scheme the front end's pool takes
-    (xpool.settings: FRONTEND_SCHEMES where it has its own, else DEFAULTS), xpool_segments for CuPy and
-    xpool_expandable for PyTorch."""
-    return f"xpool_{FRONTEND_SCHEMES.get(framework, DEFAULTS['scheme'])}"
-
-
 def is_default(arm: str, framework: str) -> bool:
     """Whether `arm` runs xpool as `framework`'s front end does by default (the `xpool` arm too where its scheme is
     that one). A peer never is, its own library's default or not: the question is xpool's default."""
@@ -503,146 +454,6 @@ def run(workloads=None, arms=None, trials: int = TRIALS, caps=CAPS, steps: int |
     return mine, mine_caps
 
 
-# --- results
-INTERVAL_TRIALS = 3      # fewer trials than this (a run under way): a median without an interval, "n/a" in its place
-SUMMARY_METRICS = (("reserved_over_requested", "reserved/requested", "{:.3f}"),
-                   ("device_calls_per_steady_step", "calls/steady step", "{:.3g}"),
-                   ("ms_per_step", "ms/step", "{:.2f}"))
-# what measures the rows on a GPU, for a page or notebook that has none of them yet
-HOW_TO_MEASURE = "`bash scripts/gpu_suite.sh scale` (`python -m xlab.bench.dynamic_scale`) on one H200"
-
-
-def _ci(value: float, lo: float, hi: float, n: int, fmt: str, unit: str = "") -> str:
-    """intervals.fmt_ci's 'median [interval]', the interval 'n/a' over fewer than INTERVAL_TRIALS trials."""
-    if n >= INTERVAL_TRIALS or not math.isfinite(value):
-        return intervals.fmt_ci(value, lo, hi, fmt, unit)
-    return f"{fmt.format(value)}{unit} [n/a]"
-
-
-def _median(values, fmt: str = "{:.3f}", unit: str = "") -> str:
-    return _ci(*intervals.median_ci(values), fmt, unit)
-
-
-def _ordered(df: pd.DataFrame, keys) -> pd.DataFrame:
-    """The rows by `keys`, workloads in SCALED's order and arms in the arms table's."""
-    rank = {"workload": list(SCALED).index, "allocator": registry.ordered(df["allocator"]).index}
-    return df.sort_values(list(keys), key=lambda c: c.map(rank[c.name]) if c.name in rank else c, kind="stable")
-
-
-def summary(df: pd.DataFrame) -> pd.DataFrame:
-    """Per scaled workload and arm: whether it is its front end's default, medians [95% intervals] of memory held,
-    device calls per steady step and ms per step, the speed-up over the fastest peer (its ms per step over the arm's,
-    paired by trial: above 1 the arm is faster), what bounds the steps (their `bound`, NVML's GPU busy) and the
-    trials; an interval "n/a" over fewer than INTERVAL_TRIALS trials."""
-    speed, rows = _speedups(df), []
-    for (w, a), g in _ordered(df, ["workload", "allocator"]).groupby(["workload", "allocator"], sort=False):
-        rows.append({"workload": w, "allocator": a, "xpool's default": "yes" if a == default_arm(g["framework"].iloc[0])
-                     else "", **{label: _median(g[col], fmt) for col, label, fmt in SUMMARY_METRICS},
-                     "speed-up over the fastest peer": speed.get((w, a), "n/a"), "bound (GPU busy)": _bound(g),
-                     "trials": g["trial"].nunique()})
-    return pd.DataFrame(rows)
-
-
-def _speedups(df: pd.DataFrame) -> dict:
-    """{(workload, arm): 'speed-up [interval] (the fastest peer)'}, the fastest peer itself 'the fastest peer'."""
-    out = {}
-    for r in intervals.paired_best(df, "ms_per_step", "allocator", dynamic.PEERS_ALL, ["workload"], False).itertuples():
-        out[r.workload, r.allocator] = "the fastest peer" if r.allocator == r.reference else \
-            f"{_ci(1 / r.ratio, 1 / r.ratio_hi, 1 / r.ratio_lo, r.n_pairs, '{:.3f}', '×')} ({r.reference})"
-    return out
-
-
-def _bound(g: pd.DataFrame) -> str:
-    """What bounds these rows' steps: their `bound`s ('gpu', 'host', 'gpu/host') and NVML's GPU busy share,
-    'gpu (97% [95, 98])'; "n/a" without either."""
-    kinds = "/".join(sorted({b for b in g["bound"].dropna().astype(str) if b}))
-    util = g["gpu_util_mean"].dropna()
-    busy = _median(util, "{:.0f}", "%") if len(util) else ""
-    return f"{kinds} ({busy})" if kinds and busy else kinds or busy or "n/a"
-
-
-def defaults_vs_peers(df: pd.DataFrame) -> pd.DataFrame:
-    """Per scaled workload, xpool's default for its front end (default_arm) against the best peer (the lowest
-    median reserved/requested), paired by trial: in how many trials the default reserved no more, and both
-    reserved/requested medians [95% intervals] (issue #46: no more in at least 4 of 5, and at most 1.05x)."""
-    rows = []
-    for w, g in df.groupby("workload", sort=False):
-        framework = g["framework"].iloc[0]
-        mine = g[g["allocator"] == default_arm(framework)]
-        peers = g[g["allocator"].isin(dynamic.PEERS[framework])]
-        peer = intervals.best(peers, "reserved_over_requested", "allocator", higher=False)
-        if mine.empty or peer is None:
-            continue
-        theirs = peers[peers["allocator"] == peer]
-        a, b = (x.groupby("trial")["peak_reserved_bytes"].median() for x in (mine, theirs))
-        trials = a.index.intersection(b.index)
-        rows.append({"workload": w, "default": default_arm(framework), "best_peer": peer,
-                     "trials_no_more": int((a[trials] <= b[trials]).sum()), "trials": len(trials),
-                     "reserved/requested": _median(mine["reserved_over_requested"]),
-                     "peer reserved/requested": _median(theirs["reserved_over_requested"])})
-    return pd.DataFrame(rows, columns=["workload", "default", "best_peer", "trials_no_more", "trials",
-                                       "reserved/requested", "peer reserved/requested"])
-
-
-def cap_summary(df: pd.DataFrame) -> pd.DataFrame:
-    """Per (workload, cap, allocator): how many trials finished under the cap, of how many ran (issue #46: under a
-    1.10x cap the default finishes every trial of every workload, and no peer finishes more)."""
-    keys = ["workload", "cap_over_peak_requested", "allocator"]
-    out = (df.assign(completed=df["completed"].astype(bool))
-           .groupby(keys, sort=False).agg(is_default=("is_default", "first"), completed=("completed", "sum"),
-                                          trials=("trial", "nunique")).reset_index())
-    return _ordered(out, keys).reset_index(drop=True)
-
-
-def cap_grid(df: pd.DataFrame, framework: str) -> pd.DataFrame:
-    """cap_summary of `framework`'s workloads as a grid: a row per workload and cap, a column per arm (its front
-    end's default named so), each cell the trials it finished of those it ran, 'k/n' ('' where it did not run)."""
-    s = cap_summary(df[df["framework"] == framework])
-    if s.empty:
-        return pd.DataFrame()
-    s = s.assign(cell=s["completed"].astype(str) + "/" + s["trials"].astype(str),
-                 cap=[f"{c:.2f}×" for c in s["cap_over_peak_requested"]])
-    grid = s.pivot_table(index=["workload", "cap"], columns="allocator", values="cell", aggfunc="first", sort=False)
-    default = default_arm(framework)
-    grid = grid[registry.ordered(grid.columns)].fillna("").rename(columns={default: f"{default} (default)"})
-    return grid.reset_index().rename_axis(columns=None)
-
-
-def trials_said(df: pd.DataFrame) -> str:
-    """How many trials the rows hold: '5 trials', or for a run under way '2 of 5 trials so far', with the spread
-    per workload and arm (and cap) where it differs, and, where some have fewer than INTERVAL_TRIALS, that they
-    have no interval."""
-    n = df["trial"].nunique()
-    per = df.groupby([c for c in ("workload", "allocator", "cap_over_peak_requested") if c in df])["trial"].nunique()
-    text = f"{n} trials" if n >= TRIALS else f"{n} of {TRIALS} trials so far"
-    if per.min() != per.max():
-        each = "workload, arm and cap" if "cap_over_peak_requested" in df else "workload and arm"
-        text += f" ({per.min()}-{per.max()} per {each})"
-    if per.min() < INTERVAL_TRIALS:
-        text += f"; an interval needs {INTERVAL_TRIALS} trials: none where fewer ran"
-    return text
-
-
-def requested(df: pd.DataFrame) -> str:
-    """The peak requested bytes the rows ran at, in GiB: '33-40 GiB requested' ('34 GiB requested': one size)."""
-    peaks = df["peak_requested_bytes"].dropna()
-    if peaks.empty:
-        return "no peak requested counted"
-    lo, hi = (f"{v / GIB:.2g}" for v in (peaks.min(), peaks.max()))
-    return f"{lo if lo == hi else f'{lo}-{hi}'} GiB requested"
-
-
-def said(df: pd.DataFrame | None, name: str = "dynamic_scale") -> str:
-    """What the rows of data/NAME.csv (dynamic_scale or memory_cap) are, for the report and notebook 06: their CSV
-    and commit, machine and date, their trials (a run under way: how many so far) and caps; without rows, that none
-    is measured yet and what measures them (HOW_TO_MEASURE)."""
-    if df is None or not len(df):
-        return f"Not measured yet: {HOW_TO_MEASURE} writes `data/{name}.csv`."
-    caps = (f"; caps of {', '.join(f'{c:.2f}×' for c in sorted(df['cap_over_peak_requested'].unique()))} the peak "
-            "requested" if "cap_over_peak_requested" in df else "")
-    return f"Rows: {sources.sources(df)} ({sources.where(df)}), {trials_said(df)}{caps}."
-
-
 def measure(out=OUT, **kwargs) -> pd.DataFrame:
     """run's scaled rows into `out`, its cap rows into memory_cap.csv beside it: what a notebook measures through
     notebook_utils.load_or_measure (one CSV a call)."""
@@ -683,12 +494,9 @@ def main(argv=None) -> int:
     split = (lambda s: [x for x in s.split(",") if x] if s else None)   # noqa: E731
     df, caps = run(split(a.workloads), split(a.arms), caps=a.caps, seed=a.seed, out=a.out, cap_out=a.cap_out,
                    fresh=a.fresh, cpu=a.cpu, start=a.start, **{**(QUICK if a.quick else {}), **kw})
-    if len(df):
-        print(summary(df).to_string(index=False))
-        vs = defaults_vs_peers(df)
-        print(vs.to_string(index=False) if len(vs) else "(no default and peer ran the same workload)")
-    for framework in caps["framework"].unique() if len(caps) else ():
-        print(cap_grid(caps, framework).to_string(index=False))
+    if len(df) or len(caps):
+        print(f"{len(df)} rows in {a.out}, {len(caps)} in {a.cap_out}: `python -m xlab.summaries scale {a.out} "
+              f"{a.cap_out}` summarises them")
     return 1 if df.attrs.get("failed") else 0
 
 

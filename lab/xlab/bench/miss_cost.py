@@ -1,4 +1,4 @@
-"""What a miss costs as a pool fragments, on the host: the frozen core against the build before the freeze.
+"""What a miss costs as a pool fragments, on the host: the frozen core, and another build beside it when asked.
 
 A miss searches what the cache holds: its free ranges (a treap: O(log n)) and, under scheme expandable, to place the
 pages it maps, the unmapped runs (holes) that trim() and the ladder leave (before the freeze a walk of every run,
@@ -12,12 +12,17 @@ scheme, layout, n) take turns, so drift falls on all alike; a trial's value is t
 summary the median over trials with a 95% bootstrap interval, and the ratio of the largest n to the smallest,
 paired by trial.
 
-    python -m xlab.bench.miss_cost                  # data/miss_cost_host.csv (a few minutes on 2 cores)
+    python -m xlab.bench.miss_cost                  # the product alone (a few minutes on 2 cores)
+    python -m xlab.bench.miss_cost --before build/before    # and a checkout built in place (xlab.builds.load_xpool)
+
+data/miss_cost_host.csv holds the product against 5bcaad4, the build before the freeze (its code: the tag
+record-2026-12-05, checked out and built in place as `--before`).
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import pathlib
 import time
 
 import pandas as pd
@@ -72,12 +77,13 @@ class NullBackend:
 
 
 def _builds(before: str | None) -> dict:
-    """{build name: its xpool package}: the product, and the research build when asked."""
+    """{build name: its xpool package}: the product, and the checkout at path `before` (built in place) when asked,
+    named by its folder."""
     import xpool
     builds = {"product": xpool}
     if before:
-        from xlab.research import load_research
-        builds[before] = load_research(before)
+        from xlab.builds import load_xpool
+        builds[pathlib.Path(before).name] = load_xpool(before)
     return builds
 
 
@@ -118,7 +124,7 @@ def one_trial(pkg, scheme: str, layout: str, n: int, misses: int = MISSES) -> tu
     return times[len(times) // 2] / 1e3, made
 
 
-def run(out: str | None = OUT, sizes=SIZES_N, kinds=KINDS, trials: int = TRIALS, before: str | None = "5bcaad4",
+def run(out: str | None = OUT, sizes=SIZES_N, kinds=KINDS, trials: int = TRIALS, before: str | None = None,
         misses: int = MISSES) -> pd.DataFrame:
     """Every (build, scheme, layout, n), trial by trial in turns; the rows (COLUMNS and provenance) to `out`."""
     builds = _builds(before)
@@ -156,7 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--trials", type=int, default=TRIALS)
     ap.add_argument("--misses", type=int, default=MISSES)
     ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES_N))
-    ap.add_argument("--before", default="5bcaad4", help="the research build to compare with ('' for none)")
+    ap.add_argument("--before", default="", help="a checkout built in place to compare with (default: none)")
     a = ap.parse_args(argv)
     for name, v in (("--trials", a.trials), ("--misses", a.misses), *(("--sizes", s) for s in a.sizes)):
         if v < 1:

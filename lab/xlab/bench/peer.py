@@ -11,12 +11,12 @@ Each case runs in a process of its own (a fault poisons a CUDA context), under a
 - ``cupy_copy``: a CuPy copy of GPU 0's array onto GPU 1.
 - ``torch_copy``: ``tensor.to("cuda:1")`` of a tensor from the pool ``enable_torch`` makes on GPU 0.
 
-With ``--map-cost``, also what peer access costs a miss (``map_cost``: seconds per one-page miss under
-``peer_access`` "all" and "none", interleaved trials). Why the setting exists:
-docs/decisions/0007-peer-access-on-every-map.md.
+The product has one behaviour (every peer mapped: docs/decisions/0007-peer-access-on-every-map.md), so a
+``--peer-access`` other than null fails its case. The committed rows under each setting and the map cost under
+"all" and "none" (data/peer_probe.csv, data/peer_map_cost.csv, d07f649; data/peer_probe_before.csv, the probe
+before the setting) were measured on builds with the setting; the tag record-2026-12-05 keeps that code.
 
-    python -m xlab.bench.peer --out build/peer.csv --peer-accesses 'null;"none"' --map-cost build/cost.csv
-    (data/peer_probe.csv, data/peer_map_cost.csv; data/peer_probe_before.csv is the probe before the setting)
+    python -m xlab.bench.peer --out build/peer.csv
 """
 from __future__ import annotations
 
@@ -31,13 +31,13 @@ N = 16 << 20          # float32 elements: 64 MiB
 
 
 def _pool(scheme, peer_access):
-    """The product's pool (peer_access None: its one behaviour, every peer), or the research build's with the
-    setting it had before the freeze (xlab.research)."""
-    if peer_access is None:
-        import xpool
-        return xpool.MemoryPool(scheme=scheme)
-    from xlab.research import load_research
-    return load_research().MemoryPool(scheme=scheme, peer_access=peer_access)
+    """The product's pool: peer_access None, its one behaviour (every peer). ValueError for a setting: the product
+    has none since the freeze; the rows under each setting before it are committed (data/peer_probe.csv,
+    data/peer_map_cost.csv, measured at d07f649; the code at the tag record-2026-12-05)."""
+    if peer_access is not None:
+        raise ValueError(f"peer_access must be None (the product's one behaviour), got {peer_access!r}")
+    import xpool
+    return xpool.MemoryPool(scheme=scheme)
 
 
 def _all_reduce(rank, uid, times=1):
@@ -138,47 +138,7 @@ def torch_copy(scheme, peer_access):
     return dict(ok=bool(y[-1].item() == N - 1 and z[-1].item() == N - 1), detail="tensor.to and copy_ 0 -> 1")
 
 
-def map_cost(trials=7, maps=256):
-    """What peer access costs a miss: `maps` misses of one 2 MiB page each (a map and its cuMemSetAccess) under
-    peer_access "all" and "none", fresh pools, interleaved in rotated order; seconds per miss, one row per
-    (trial, arm).  Host-bound: the driver calls are the work."""
-    import time
-    import cupy
-    import xpool
-    rows, arms = [], ["all", "none"]
-    page = _page()
-    for trial in range(trials):
-        for arm in arms[trial % 2:] + arms[:trial % 2]:
-            pool = _pool("expandable", arm)
-            with xpool.use(pool):
-                keep = [cupy.empty(page, dtype=cupy.uint8)]      # the range is reserved by this first miss
-                cupy.cuda.Device().synchronize()
-                t0 = time.perf_counter()
-                keep += [cupy.empty(page, dtype=cupy.uint8) for _ in range(maps)]
-                cupy.cuda.Device().synchronize()
-                dt = time.perf_counter() - t0
-                st = pool.stats(0).iloc[0]
-                rows.append(dict(trial=trial, peer_access=arm, maps=int(st.device_maps) - 1, s_per_miss=dt / maps,
-                                 page_bytes=page))
-                del keep
-            pool.empty_cache()
-    return dict(ok=all(r["maps"] == maps for r in rows), detail="map cost", rows=rows)
-
-
-def _page() -> int:
-    """The device's page under scheme expandable: the bytes one 1-byte miss maps (public stats only)."""
-    import cupy
-    import xpool
-    pool = xpool.MemoryPool(scheme="expandable")
-    with xpool.use(pool):
-        x = cupy.empty(1, dtype=cupy.uint8)
-        page = int(pool.stats(0).iloc[0].bytes_reserved)
-        del x
-    pool.empty_cache()
-    return page
-
-
-CASES = {f.__name__: f for f in (nccl_threads, nccl_procs, cupy_kernel, cupy_copy, torch_copy, nccl_rank, map_cost)}
+CASES = {f.__name__: f for f in (nccl_threads, nccl_procs, cupy_kernel, cupy_copy, torch_copy, nccl_rank)}
 
 
 def _last_json(out):
@@ -200,11 +160,9 @@ def main(argv=None):
     p.add_argument("--schemes", default="segments,expandable")
     p.add_argument("--peer-accesses", default="null", help="';'-separated JSON values to try")
     p.add_argument("--cases", default="nccl_threads,nccl_procs,cupy_kernel,cupy_copy,torch_copy")
-    p.add_argument("--map-cost", default="", help="CSV for the map cost under peer_access 'all' and 'none'")
     a = p.parse_args(argv)
     if a.case:      # one case, in this process: its result as the last JSON line
-        args = () if a.case == "map_cost" else (a.scheme, json.loads(a.peer_access))
-        print(json.dumps(CASES[a.case](*args)), flush=True)
+        print(json.dumps(CASES[a.case](a.scheme, json.loads(a.peer_access))), flush=True)
         return 0
     import pandas as pd
     from xlab.provenance import provenance
@@ -234,16 +192,6 @@ def main(argv=None):
     for k, v in provenance(experiment="peer_probe").items():
         df[k] = v
     df.to_csv(a.out, index=False)
-    if a.map_cost:      # in a process of its own, after the cases
-        cp = subprocess.run([sys.executable, "-m", "xlab.bench.peer", "--case", "map_cost"], capture_output=True,
-                            text=True, timeout=300)
-        res = _last_json(cp.stdout)
-        if not res.get("rows"):
-            print(cp.stdout[-2000:], cp.stderr[-2000:])
-            return 1
-        cost = pd.DataFrame(res["rows"]).assign(bound="host", **provenance(experiment="peer_map_cost"))
-        cost.to_csv(a.map_cost, index=False)
-        print(cost.groupby("peer_access").s_per_miss.median().mul(1e6).round(1).to_string(), flush=True)
     return 0
 
 

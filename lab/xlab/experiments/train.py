@@ -22,6 +22,7 @@ from tapegpt import blas as tapegpt_blas
 from tapegpt import launch as tapegpt_launch
 from tapegpt.graph import CapturedStep
 from tapegpt.tape import array_module
+from xlab.shared import HOST_BOUND_UTIL, step_bound  # noqa: F401 - the rows' bound, shared with the report
 
 LR, WEIGHT_DECAY, SEED = 3e-4, 0.1, 0
 # The optimizer's form: "foreach" (one flat buffer, a dozen ops per step: the default) or "per_param" (a dozen
@@ -63,7 +64,6 @@ COLUMNS = [
     "loss_rel_diff_max", "param_rank_diff_max", "checks_passed", "launcher", "config", "n_params", "block_size",
     "steps", "warmup", "count_steps", "adamw", "fused", "gemm", "launch", "graph", "graph_pool_bytes"]
 GC_POLICY = "on, pauses timed"   # the `gc` column: the collector runs as usual in every arm; its pauses are shown
-HOST_BOUND_UTIL = 80.0           # % GPU busy below which the GPU waited for the host: the step is host-bound
 
 
 def make_config(config=None) -> GPTConfig:
@@ -393,16 +393,6 @@ def checks_passed(loss_rel_diff_max=None, param_rank_diff_max=None, loss_tol=LOS
     """Every check that was made passed (None: not made; NaN fails)."""
     return ((loss_rel_diff_max is None or bool(loss_rel_diff_max <= loss_tol))        # NaN compares False
             and (param_rank_diff_max is None or bool(param_rank_diff_max < param_tol)))
-
-
-def step_bound(gpu_util: float, host_ms: float, ms_per_step: float) -> str:
-    """What bounds a step: "gpu" when NVML saw the GPU busy at least HOST_BOUND_UTIL %, else "host"; without NVML
-    (thread CPU time counts a synchronising call's spin), "host" when the thread was busy 80% of the time; "" else."""
-    if gpu_util is not None and math.isfinite(gpu_util):
-        return "gpu" if gpu_util >= HOST_BOUND_UTIL else "host"
-    if math.isfinite(host_ms) and math.isfinite(ms_per_step) and ms_per_step > 0:
-        return "host" if host_ms >= 0.8 * ms_per_step else "gpu"
-    return ""
 
 
 # --- rows
