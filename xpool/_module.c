@@ -742,7 +742,7 @@ static PyTypeObject AllocatorType = {
 /* ------------------------------------------------------------------ CUDA's virtual-memory ops (_vmm_cuda.c)
  * cuda_vmm(): the driver's ops as a capsule named "xpool.vmm" (CupyBackend.vmm()); a failed op raises VmmError
  * (VmmOutOfMemory, a MemoryError too, for XV_OOM) with .status and .done.  The tests' host twin makes capsules of
- * the same ABI (tests/xpool/fixtures/twin). */
+ * the same ABI (twin/). */
 
 static PyObject *VmmError, *VmmOutOfMemory;
 static XvVmm cuda_ops;

@@ -3,7 +3,7 @@
  *
  * An ops table the core calls from C, with no Python and no GIL: reserve an address range, map physical
  * pages into it, unmap them, give the range back.  xpool implements it on CUDA's virtual memory management,
- * the driver loaded at run time (xv_cuda_open); the tests implement it on host memory (tests/xpool/fixtures/twin).
+ * the driver loaded at run time (xv_cuda_open); the tests implement it on host memory (twin/).
  *
  * A backend that supports the scheme hands the core a PyCapsule named XV_CAPSULE wrapping an XvVmm
  * (backend.vmm(), see xpool/backends.py).  Every op is thread-safe and may block (the CUDA ops synchronise

@@ -1,7 +1,7 @@
 """Raw allocate/free backends: the only code that touches device memory.
 
 `Backend` is the contract (a `typing.Protocol`); `CupyBackend` (cudaMalloc/cudaFree through CuPy, and CUDA's virtual
-memory) implements it.  The tests' host backends (tests/xpool/fixtures/twin: xpool_twin.HostBackend, TwinBackend) run
+memory) implements it.  The tests' host backends (twin/: xpool_twin.HostBackend, TwinBackend) run
 a pool over host memory.
 """
 from __future__ import annotations

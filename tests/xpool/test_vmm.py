@@ -499,7 +499,7 @@ def test_growth_through_the_cuda_ops_counts_the_calls_the_rule_says(fake_driver,
         from xlab.bench import growth
         put("fake_granularity", 2 << 20)
         lib = E.build({str(tmp_path)!r})
-        pool = E.Pool(lib, _vmm.cuda_vmm(), 0, range_bytes=4 << 30)
+        pool = E.Pool(lib, _core.cuda_vmm(), 0, range_bytes=4 << 30)
         assert pool.page == 2 << 20
         sizes = growth.sequence(150, 2_800_000_000)
         before = {{n: get(n) for n in {CALLS!r}}}
