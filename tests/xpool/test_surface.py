@@ -262,6 +262,47 @@ def test_2_a_live_threads_per_thread_blocks_stay_its_own():
     assert got["again"] == got["ptr"]
 
 
+class FreeFailsOnce(HostBackend):
+    """HostBackend whose next ``fails`` frees raise (having freed nothing)."""
+    fails = 0
+
+    def free(self, device, ptr, nbytes):
+        if self.fails:
+            self.fails -= 1
+            raise RuntimeError("free refused")
+        return super().free(device, ptr, nbytes)
+
+
+@pytest.mark.parametrize("scheme", ("segments", "seed"))
+def test_2_a_failing_free_of_one_ended_thread_holds_back_no_other_threads_blocks(scheme):
+    """Two ended threads' caches, and the miss's first give-back fails: the other thread's block still goes back
+    (the failed free's exception was left set across the next backend.free, which then could not run), and the
+    counters stay the backend's."""
+    backend = FreeFailsOnce()
+    pool = Pool(backend, scheme=scheme)
+    both = threading.Barrier(2)
+
+    def work():
+        backend.set_stream(PER_THREAD)
+        a = pool.allocate(3 * MiB)
+        both.wait(10)                                # both live at once: neither's miss gives the other's back
+        a.release()
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    backend.fails = 1
+    pool.allocate(8 * MiB, stream=5).release()       # the miss: one free fails, the other goes through
+    st = pool.stats()
+    assert (st.device_frees, backend.frees) == (1, 1)
+    assert backend.used(0) == st.bytes_reserved and st.bytes_in_use == 0
+    pool.allocate(8 * MiB, stream=6).release()       # the next miss gives back the one that failed
+    assert pool.stats().device_frees == 2 and backend.used(0) == pool.stats().bytes_reserved
+    pool.empty_cache()
+    assert backend.live() == {}
+
+
 @pytest.mark.parametrize("scheme, asks", [(s, False) for s in SCHEMES] + [("segments", True), ("seed", True)])
 def test_2_soak_rounds_of_short_lived_threads_stay_bounded(scheme, asks):
     """Rounds of 4 concurrent short-lived threads (a thread pool made anew each round), random sizes on their
