@@ -8,12 +8,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import re
 import threading
 import warnings
 
 from .backends import CupyBackend
 from .pool import Pool, _stream_handle, settings_signature
+from .sizeclass import MAX_REQUEST
 from .settings import ENV, Settings, resolve
 
 _state_lock = threading.Lock()    # guards _installed and _previous; held only for the swap (never across CUDA)
@@ -50,14 +50,17 @@ def gpu_count(backend) -> None:
 def _cupy_limit(settings: Settings) -> Settings:
     """``settings`` with CuPy's ``CUPY_GPU_MEMORY_LIMIT`` as CuPy's pool reads it (bytes, ``"1073741824"``, or a share
     of each device, ``"50%"``) where no xpool setting gives a limit; a ValueError, naming xpool's, if CuPy can't."""
-    text = os.environ.get(CUPY_LIMIT_ENV, "").strip()
-    if not text or settings.source("limit") != "default":
+    text = os.environ.get(CUPY_LIMIT_ENV, "")
+    if not text.strip() or settings.source("limit") != "default":
         return settings
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)%|(\d+)", text)
-    if not m or m[1] and float(m[1]) > 100:
+    try:                             # as cupy.cuda.memory._parse_limit_string, and set_limit's range checks
+        limit = float(text[:-1]) / 100 if text.endswith("%") else int(text)
+        if not 0 <= limit <= (1 if isinstance(limit, float) else MAX_REQUEST):
+            raise ValueError
+        out = resolve(settings, {"limit": limit or 0})
+    except ValueError:
         raise ValueError(f"{CUPY_LIMIT_ENV}={text!r}: CuPy reads whole bytes ('1073741824') or a share up to 100% "
-                         f"('50%'); or give xpool's limit (limit= or {ENV['limit']}: '8GiB', '50%')")
-    out = resolve(settings, {"limit": (float(m[1]) / 100 or 0) if m[1] else int(m[2])})
+                         f"('50%'); or give xpool's limit (limit= or {ENV['limit']}: '8GiB', '50%')") from None
     object.__setattr__(out, "_sources", {**out._sources, "limit": CUPY_LIMIT_ENV})   # a new Settings, unshared
     return out
 

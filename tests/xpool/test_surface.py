@@ -15,6 +15,7 @@ import time
 import types
 import warnings
 
+import numpy as np
 import pytest
 
 import xpool
@@ -391,7 +392,8 @@ def test_3_free_all_free_is_cupys_deprecated_alias():
     assert pool.free_bytes() == 0 and pool.total_bytes() == 0
 
 
-@pytest.mark.parametrize("size, stored", [(2.5e9, 2_500_000_000), (1.9, 1), (0.0, 0), (1 << 30, 1 << 30)])
+@pytest.mark.parametrize("size, stored", [(2.5e9, 2_500_000_000), (1.9, 1), (0.0, 0), (1 << 30, 1 << 30),
+                                         (np.float32(3.5), 3), (np.float64(2.5e9), 2_500_000_000)])
 def test_3_set_limit_stores_int_size_as_cupy_does(size, stored):
     pool = xpool.MemoryPool(backend=HostBackend())
     pool.set_limit(size=123)
@@ -399,7 +401,11 @@ def test_3_set_limit_stores_int_size_as_cupy_does(size, stored):
     assert pool.get_limit() == stored
 
 
-@pytest.mark.parametrize("text, expected", [("1048576", 1 * MiB), ("50%", 512 * MiB), ("0", 0), ("100%", 1 << 30)])
+@pytest.mark.parametrize("text, expected", [("1048576", 1 * MiB), ("50%", 512 * MiB), ("0", 0), ("100%", 1 << 30),
+                                            # what else CuPy's int() and float() read
+                                            (" 50 %", 512 * MiB), ("50.%", 512 * MiB), ("5e1%", 512 * MiB),
+                                            (".5%", int(0.005 * (1 << 30))), ("1_048_576", MiB),
+                                            (" 1048576 ", MiB), ("0%", 0)])
 def test_3_cupy_gpu_memory_limit_is_honoured_with_cupys_meaning(text, expected, monkeypatch):
     monkeypatch.setenv("CUPY_GPU_MEMORY_LIMIT", text)
     monkeypatch.delenv("XPOOL_MEMORY_LIMIT", raising=False)
@@ -418,7 +424,8 @@ def test_3_an_xpool_limit_wins_over_cupy_gpu_memory_limit(monkeypatch):
     assert xpool.MemoryPool(backend=HostBackend()).get_limit() == 3 * MiB
 
 
-@pytest.mark.parametrize("text", ["1GiB", "-5", "150%", "lots", "1.5"])
+@pytest.mark.parametrize("text", ["1GiB", "-5", "150%", "lots", "1.5", "nan%", "inf%", "-1%", "%",
+                                  str(1 << 60)])
 def test_3_a_cupy_gpu_memory_limit_cupy_cannot_read_is_refused_naming_xpools_setting(text, monkeypatch):
     monkeypatch.setenv("CUPY_GPU_MEMORY_LIMIT", text)
     monkeypatch.delenv("XPOOL_MEMORY_LIMIT", raising=False)
