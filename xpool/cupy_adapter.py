@@ -148,37 +148,25 @@ class MemoryPool(Pool):
         warnings.warn("free_all_free is deprecated. Use free_all_blocks instead.", DeprecationWarning, stacklevel=2)
         self.free_all_blocks()
 
-    def used_bytes(self) -> int:
-        """Bytes in use on the current device (0 on a device never served: nothing is made there).
+    def _gauge(self, name: str) -> int:   # the current device's; 0 on one never served (nothing is made there)
+        d = self._current_device()
+        return self._core.stats(d)[name] if d in self._core.devices() else 0
 
-        Returns:
-            int: the bytes of the blocks in use (their classes or ranges).
-        """
-        return self._gauges(self._current_device())["bytes_in_use"]
+    def used_bytes(self) -> int:
+        """Bytes in use on the current device: the blocks' (their classes or ranges)."""
+        return self._gauge("bytes_in_use")
 
     def free_bytes(self) -> int:
-        """Bytes cached on the current device.
-
-        Returns:
-            int: the bytes of the cached blocks.
-        """
-        return self._gauges(self._current_device())["bytes_cached"]
+        """Bytes cached on the current device."""
+        return self._gauge("bytes_cached")
 
     def total_bytes(self) -> int:
-        """Bytes the current device holds for this pool.
-
-        Returns:
-            int: in use, cached and being given back.
-        """
-        return self._gauges(self._current_device())["bytes_reserved"]
+        """Bytes the current device holds for this pool: in use, cached and being given back."""
+        return self._gauge("bytes_reserved")
 
     def n_free_blocks(self) -> int:
-        """Blocks cached on the current device.
-
-        Returns:
-            int: how many.
-        """
-        return self._gauges(self._current_device())["blocks_cached"]
+        """Blocks cached on the current device."""
+        return self._gauge("blocks_cached")
 
 
 settings_signature(MemoryPool.__init__, keywords=("backend",))

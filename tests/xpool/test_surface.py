@@ -455,6 +455,16 @@ def test_4_reads_on_a_device_never_served_make_nothing(limit):
     assert ("total_memory" in backend.calls) == (limit == "50%")
 
 
+def test_4_memorypools_byte_gauges_on_a_device_never_served_ask_no_device_size():
+    """used_bytes & co. need no limit: under a share they ask no total_memory, and a backend that answers nonsense
+    to it cannot make them raise."""
+    backend = Counting(Nonsense(-1))
+    pool = xpool.MemoryPool(backend=backend, limit="50%")
+    backend.calls.clear()
+    assert pool.used_bytes() == pool.free_bytes() == pool.total_bytes() == pool.n_free_blocks() == 0
+    assert set(backend.calls) == {"current_device"}
+
+
 def test_4_cupy_backends_total_memory_neither_switches_device_nor_makes_a_context():
     calls = []
 
