@@ -115,6 +115,9 @@ class MemoryPool(Pool):
     """
 
     def __init__(self, settings: Settings | None = None, *, backend=None, **fields):
+        if callable(settings) or "allocator" in fields:   # CuPy's MemoryPool(allocator), such as malloc_managed
+            raise TypeError("allocator: xpool.MemoryPool takes no CuPy allocator (it allocates device memory through "
+                            "its backend); for cupy.cuda.malloc_managed and the like, use cupy.cuda.MemoryPool")
         settings = _cupy_limit(resolve(settings, fields, type(self).__name__))
         _cupy()
         if backend is None:

@@ -384,6 +384,16 @@ def test_3_memorypool_methods_take_cupys_arguments():
     assert pool.get_limit() == 0 and pool.total_bytes() == 0
 
 
+def test_3_cupys_allocator_argument_is_refused_naming_it():
+    """cupy.cuda.MemoryPool(allocator) (managed memory, say) is CuPy's; xpool's says so rather than "settings"."""
+    managed = pytest.importorskip("cupy.cuda.memory").malloc_managed
+    for call in (lambda: xpool.MemoryPool(managed, backend=HostBackend()),
+                 lambda: xpool.MemoryPool(allocator=managed, backend=HostBackend())):
+        with pytest.raises(TypeError, match="^allocator: .*cupy.cuda.MemoryPool"):
+            call()
+    assert isinstance(xpool.MemoryPool(None, backend=HostBackend()), xpool.MemoryPool)   # CuPy's allocator=None
+
+
 def test_3_free_all_free_is_cupys_deprecated_alias():
     pool = xpool.MemoryPool(backend=HostBackend())
     pool.allocate(1000).release()
