@@ -156,19 +156,35 @@ class MemoryPool(Pool):
         return self._core.stats(d)[name] if d in self._core.devices() else 0
 
     def used_bytes(self) -> int:
-        """Bytes in use on the current device: the blocks' (their classes or ranges)."""
+        """Bytes in use on the current device (0 on a device never served: nothing is made there).
+
+        Returns:
+            int: the bytes of the blocks in use (their classes or ranges).
+        """
         return self._gauge("bytes_in_use")
 
     def free_bytes(self) -> int:
-        """Bytes cached on the current device."""
+        """Bytes cached on the current device.
+
+        Returns:
+            int: the bytes of the cached blocks.
+        """
         return self._gauge("bytes_cached")
 
     def total_bytes(self) -> int:
-        """Bytes the current device holds for this pool: in use, cached and being given back."""
+        """Bytes the current device holds for this pool.
+
+        Returns:
+            int: in use, cached and being given back.
+        """
         return self._gauge("bytes_reserved")
 
     def n_free_blocks(self) -> int:
-        """Blocks cached on the current device."""
+        """Blocks cached on the current device.
+
+        Returns:
+            int: how many.
+        """
         return self._gauge("blocks_cached")
 
 
