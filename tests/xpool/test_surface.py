@@ -147,6 +147,7 @@ def test_1_a_fork_while_enable_torch_holds_its_lock_leaves_the_child_able_to_ena
             raise Reached()
         raise Reached()
     monkeypatch.setattr(torch_allocator, "_import_torch", hook)
+    monkeypatch.setattr(torch_allocator, "_new_pool", lambda settings: None)   # made outside the lock: no GPU here
 
     def enabling():
         blocker["ident"] = threading.get_ident()
@@ -167,6 +168,25 @@ def test_1_a_fork_while_enable_torch_holds_its_lock_leaves_the_child_able_to_ena
     finally:
         go.set()
         t.join(10)
+
+
+def test_1_enable_torch_makes_its_pool_outside_its_lock(monkeypatch):
+    """The pool's making (CuPy's first CUDA call, the driver's virtual memory probed) may take seconds: not under the
+    lock, as install() (the fork renewal mends a hang; this, the wait of every other caller)."""
+    pytest.importorskip("cupy.cuda.memory")
+    seen = []
+
+    class Made(Exception):
+        pass
+
+    def new_pool(settings):
+        seen.append(torch_allocator._lock.locked())
+        raise Made()
+    monkeypatch.setattr(torch_allocator, "_import_torch", lambda: None)
+    monkeypatch.setattr(torch_allocator, "_new_pool", new_pool)
+    with pytest.raises(Made):
+        xpool.enable_torch()
+    assert seen == [False] and torch_allocator._enabled is None
 
 
 # ------------------------------------------------------------------ 2. ended threads' per-thread streams
