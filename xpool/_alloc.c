@@ -66,7 +66,8 @@ __attribute__((noinline, cold)) static void give_back_ended(Allocator *A, Device
     if (ended && device_captures(A, pool, stream) == 0)
         for (size_t j = 0; j < ended; j++) {   /* a key twice (two ranges): its second release finds nothing */
             XpGil g = XP_GIL_HELD;
-            A->ops->release(A, pool, 0, found[j], 0, vm != NULL, &g);
+            if (A->ops->release(A, pool, 0, found[j], 0, vm != NULL, &g) < 0)
+                PyErr_Clear();   /* not carried into the next key's backend.free, which could not run */
             xp_gil_end(&g);
         }
     PyErr_Clear();

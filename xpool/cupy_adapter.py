@@ -8,12 +8,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import re
 import threading
 import warnings
 
 from .backends import CupyBackend
 from .pool import Pool, _stream_handle, settings_signature
+from .sizeclass import MAX_REQUEST
 from .settings import ENV, Settings, resolve
 
 _state_lock = threading.Lock()    # guards _installed and _previous; held only for the swap (never across CUDA)
@@ -50,14 +50,17 @@ def gpu_count(backend) -> None:
 def _cupy_limit(settings: Settings) -> Settings:
     """``settings`` with CuPy's ``CUPY_GPU_MEMORY_LIMIT`` as CuPy's pool reads it (bytes, ``"1073741824"``, or a share
     of each device, ``"50%"``) where no xpool setting gives a limit; a ValueError, naming xpool's, if CuPy can't."""
-    text = os.environ.get(CUPY_LIMIT_ENV, "").strip()
-    if not text or settings.source("limit") != "default":
+    text = os.environ.get(CUPY_LIMIT_ENV, "")
+    if not text.strip() or settings.source("limit") != "default":
         return settings
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)%|(\d+)", text)
-    if not m or m[1] and float(m[1]) > 100:
+    try:                             # as cupy.cuda.memory._parse_limit_string, and set_limit's range checks
+        limit = float(text[:-1]) / 100 if text.endswith("%") else int(text)
+        if not 0 <= limit <= (1 if isinstance(limit, float) else MAX_REQUEST):
+            raise ValueError
+        out = resolve(settings, {"limit": limit or 0})
+    except ValueError:
         raise ValueError(f"{CUPY_LIMIT_ENV}={text!r}: CuPy reads whole bytes ('1073741824') or a share up to 100% "
-                         f"('50%'); or give xpool's limit (limit= or {ENV['limit']}: '8GiB', '50%')")
-    out = resolve(settings, {"limit": (float(m[1]) / 100 or 0) if m[1] else int(m[2])})
+                         f"('50%'); or give xpool's limit (limit= or {ENV['limit']}: '8GiB', '50%')") from None
     object.__setattr__(out, "_sources", {**out._sources, "limit": CUPY_LIMIT_ENV})   # a new Settings, unshared
     return out
 
@@ -112,6 +115,9 @@ class MemoryPool(Pool):
     """
 
     def __init__(self, settings: Settings | None = None, *, backend=None, **fields):
+        if callable(settings) or "allocator" in fields:   # CuPy's MemoryPool(allocator), such as malloc_managed
+            raise TypeError("allocator: xpool.MemoryPool takes no CuPy allocator (it allocates device memory through "
+                            "its backend); for cupy.cuda.malloc_managed and the like, use cupy.cuda.MemoryPool")
         settings = _cupy_limit(resolve(settings, fields, type(self).__name__))
         _cupy()
         if backend is None:
@@ -145,13 +151,17 @@ class MemoryPool(Pool):
         warnings.warn("free_all_free is deprecated. Use free_all_blocks instead.", DeprecationWarning, stacklevel=2)
         self.free_all_blocks()
 
+    def _gauge(self, name: str) -> int:   # the current device's; 0 on one never served (nothing is made there)
+        d = self._current_device()
+        return self._core.stats(d)[name] if d in self._core.devices() else 0
+
     def used_bytes(self) -> int:
         """Bytes in use on the current device (0 on a device never served: nothing is made there).
 
         Returns:
             int: the bytes of the blocks in use (their classes or ranges).
         """
-        return self._gauges(self._current_device())["bytes_in_use"]
+        return self._gauge("bytes_in_use")
 
     def free_bytes(self) -> int:
         """Bytes cached on the current device.
@@ -159,7 +169,7 @@ class MemoryPool(Pool):
         Returns:
             int: the bytes of the cached blocks.
         """
-        return self._gauges(self._current_device())["bytes_cached"]
+        return self._gauge("bytes_cached")
 
     def total_bytes(self) -> int:
         """Bytes the current device holds for this pool.
@@ -167,7 +177,7 @@ class MemoryPool(Pool):
         Returns:
             int: in use, cached and being given back.
         """
-        return self._gauges(self._current_device())["bytes_reserved"]
+        return self._gauge("bytes_reserved")
 
     def n_free_blocks(self) -> int:
         """Blocks cached on the current device.
@@ -175,7 +185,7 @@ class MemoryPool(Pool):
         Returns:
             int: how many.
         """
-        return self._gauges(self._current_device())["blocks_cached"]
+        return self._gauge("blocks_cached")
 
 
 settings_signature(MemoryPool.__init__, keywords=("backend",))

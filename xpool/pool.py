@@ -311,7 +311,8 @@ settings_signature(Pool.__init__, ("backend", "settings"))
 def _limit_bytes(size) -> int:
     """set_limit's size: None -> 0 (none); an int; a finite float >= 0 as int(size) (CuPy's); a ValueError naming
     it for anything else (a bool, text, a list: never "no limit")."""
-    if isinstance(size, float) and math.isfinite(size) and size >= 0:
+    if isinstance(size, numbers.Real) and not isinstance(size, numbers.Integral) and math.isfinite(size) \
+            and size >= 0:   # a float, numpy's among them
         size = int(size)
     return check_nbytes(0 if size is None else size, "size")
 

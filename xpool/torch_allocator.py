@@ -62,9 +62,11 @@ def enable(pool=None, **settings):
         ImportError: PyTorch or CuPy (``install()``'s words) is not installed.
     """
     global _enabled
-    if _enabled is None:                 # outside the lock: an import may take seconds
-        from .cupy_adapter import _cupy
+    made = None
+    if _enabled is None:                 # outside the lock: an import, and CUDA's first call, may take seconds
+        from .cupy_adapter import _cupy, installed
         _cupy(), _import_torch()         # without CuPy, install()'s words
+        made = _new_pool(settings) if pool is None and installed() is None else None
     with _lock:
         if _enabled is not None:
             if (pool is not None and pool is not _enabled[0]) or settings:
@@ -82,7 +84,7 @@ def enable(pool=None, **settings):
         if not new:
             pool = current
         else:                            # a pool and settings both given: install() refuses them
-            pool = install(_new_pool(settings)) if pool is None else install(pool, **settings)
+            pool = install(made or _new_pool(settings)) if pool is None else install(pool, **settings)
         try:
             pool._core.bind_torch()
             allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path(), ALLOC_FN, FREE_FN)

@@ -15,6 +15,7 @@ import time
 import types
 import warnings
 
+import numpy as np
 import pytest
 
 import xpool
@@ -146,6 +147,7 @@ def test_1_a_fork_while_enable_torch_holds_its_lock_leaves_the_child_able_to_ena
             raise Reached()
         raise Reached()
     monkeypatch.setattr(torch_allocator, "_import_torch", hook)
+    monkeypatch.setattr(torch_allocator, "_new_pool", lambda settings: None)   # made outside the lock: no GPU here
 
     def enabling():
         blocker["ident"] = threading.get_ident()
@@ -166,6 +168,25 @@ def test_1_a_fork_while_enable_torch_holds_its_lock_leaves_the_child_able_to_ena
     finally:
         go.set()
         t.join(10)
+
+
+def test_1_enable_torch_makes_its_pool_outside_its_lock(monkeypatch):
+    """The pool's making (CuPy's first CUDA call, the driver's virtual memory probed) may take seconds: not under the
+    lock, as install() (the fork renewal mends a hang; this, the wait of every other caller)."""
+    pytest.importorskip("cupy.cuda.memory")
+    seen = []
+
+    class Made(Exception):
+        pass
+
+    def new_pool(settings):
+        seen.append(torch_allocator._lock.locked())
+        raise Made()
+    monkeypatch.setattr(torch_allocator, "_import_torch", lambda: None)
+    monkeypatch.setattr(torch_allocator, "_new_pool", new_pool)
+    with pytest.raises(Made):
+        xpool.enable_torch()
+    assert seen == [False] and torch_allocator._enabled is None
 
 
 # ------------------------------------------------------------------ 2. ended threads' per-thread streams
@@ -262,6 +283,47 @@ def test_2_a_live_threads_per_thread_blocks_stay_its_own():
     assert got["again"] == got["ptr"]
 
 
+class FreeFailsOnce(HostBackend):
+    """HostBackend whose next ``fails`` frees raise (having freed nothing)."""
+    fails = 0
+
+    def free(self, device, ptr, nbytes):
+        if self.fails:
+            self.fails -= 1
+            raise RuntimeError("free refused")
+        return super().free(device, ptr, nbytes)
+
+
+@pytest.mark.parametrize("scheme", ("segments", "seed"))
+def test_2_a_failing_free_of_one_ended_thread_holds_back_no_other_threads_blocks(scheme):
+    """Two ended threads' caches, and the miss's first give-back fails: the other thread's block still goes back
+    (the failed free's exception was left set across the next backend.free, which then could not run), and the
+    counters stay the backend's."""
+    backend = FreeFailsOnce()
+    pool = Pool(backend, scheme=scheme)
+    both = threading.Barrier(2)
+
+    def work():
+        backend.set_stream(PER_THREAD)
+        a = pool.allocate(3 * MiB)
+        both.wait(10)                                # both live at once: neither's miss gives the other's back
+        a.release()
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    backend.fails = 1
+    pool.allocate(8 * MiB, stream=5).release()       # the miss: one free fails, the other goes through
+    st = pool.stats()
+    assert (st.device_frees, backend.frees) == (1, 1)
+    assert backend.used(0) == st.bytes_reserved and st.bytes_in_use == 0
+    pool.allocate(8 * MiB, stream=6).release()       # the next miss gives back the one that failed
+    assert pool.stats().device_frees == 2 and backend.used(0) == pool.stats().bytes_reserved
+    pool.empty_cache()
+    assert backend.live() == {}
+
+
 @pytest.mark.parametrize("scheme, asks", [(s, False) for s in SCHEMES] + [("segments", True), ("seed", True)])
 def test_2_soak_rounds_of_short_lived_threads_stay_bounded(scheme, asks):
     """Rounds of 4 concurrent short-lived threads (a thread pool made anew each round), random sizes on their
@@ -342,6 +404,16 @@ def test_3_memorypool_methods_take_cupys_arguments():
     assert pool.get_limit() == 0 and pool.total_bytes() == 0
 
 
+def test_3_cupys_allocator_argument_is_refused_naming_it():
+    """cupy.cuda.MemoryPool(allocator) (managed memory, say) is CuPy's; xpool's says so rather than "settings"."""
+    managed = pytest.importorskip("cupy.cuda.memory").malloc_managed
+    for call in (lambda: xpool.MemoryPool(managed, backend=HostBackend()),
+                 lambda: xpool.MemoryPool(allocator=managed, backend=HostBackend())):
+        with pytest.raises(TypeError, match="^allocator: .*cupy.cuda.MemoryPool"):
+            call()
+    assert isinstance(xpool.MemoryPool(None, backend=HostBackend()), xpool.MemoryPool)   # CuPy's allocator=None
+
+
 def test_3_free_all_free_is_cupys_deprecated_alias():
     pool = xpool.MemoryPool(backend=HostBackend())
     pool.allocate(1000).release()
@@ -350,7 +422,8 @@ def test_3_free_all_free_is_cupys_deprecated_alias():
     assert pool.free_bytes() == 0 and pool.total_bytes() == 0
 
 
-@pytest.mark.parametrize("size, stored", [(2.5e9, 2_500_000_000), (1.9, 1), (0.0, 0), (1 << 30, 1 << 30)])
+@pytest.mark.parametrize("size, stored", [(2.5e9, 2_500_000_000), (1.9, 1), (0.0, 0), (1 << 30, 1 << 30),
+                                         (np.float32(3.5), 3), (np.float64(2.5e9), 2_500_000_000)])
 def test_3_set_limit_stores_int_size_as_cupy_does(size, stored):
     pool = xpool.MemoryPool(backend=HostBackend())
     pool.set_limit(size=123)
@@ -358,7 +431,11 @@ def test_3_set_limit_stores_int_size_as_cupy_does(size, stored):
     assert pool.get_limit() == stored
 
 
-@pytest.mark.parametrize("text, expected", [("1048576", 1 * MiB), ("50%", 512 * MiB), ("0", 0), ("100%", 1 << 30)])
+@pytest.mark.parametrize("text, expected", [("1048576", 1 * MiB), ("50%", 512 * MiB), ("0", 0), ("100%", 1 << 30),
+                                            # what else CuPy's int() and float() read
+                                            (" 50 %", 512 * MiB), ("50.%", 512 * MiB), ("5e1%", 512 * MiB),
+                                            (".5%", int(0.005 * (1 << 30))), ("1_048_576", MiB),
+                                            (" 1048576 ", MiB), ("0%", 0)])
 def test_3_cupy_gpu_memory_limit_is_honoured_with_cupys_meaning(text, expected, monkeypatch):
     monkeypatch.setenv("CUPY_GPU_MEMORY_LIMIT", text)
     monkeypatch.delenv("XPOOL_MEMORY_LIMIT", raising=False)
@@ -377,7 +454,8 @@ def test_3_an_xpool_limit_wins_over_cupy_gpu_memory_limit(monkeypatch):
     assert xpool.MemoryPool(backend=HostBackend()).get_limit() == 3 * MiB
 
 
-@pytest.mark.parametrize("text", ["1GiB", "-5", "150%", "lots", "1.5"])
+@pytest.mark.parametrize("text", ["1GiB", "-5", "150%", "lots", "1.5", "nan%", "inf%", "-1%", "%",
+                                  str(1 << 60)])
 def test_3_a_cupy_gpu_memory_limit_cupy_cannot_read_is_refused_naming_xpools_setting(text, monkeypatch):
     monkeypatch.setenv("CUPY_GPU_MEMORY_LIMIT", text)
     monkeypatch.delenv("XPOOL_MEMORY_LIMIT", raising=False)
@@ -405,6 +483,16 @@ def test_4_reads_on_a_device_never_served_make_nothing(limit):
     assert got == {0: 0, "4MiB": 4 * MiB, "50%": 32 * MiB}[limit]
     assert set(backend.calls) <= {"current_device", "total_memory"}
     assert ("total_memory" in backend.calls) == (limit == "50%")
+
+
+def test_4_memorypools_byte_gauges_on_a_device_never_served_ask_no_device_size():
+    """used_bytes & co. need no limit: under a share they ask no total_memory, and a backend that answers nonsense
+    to it cannot make them raise."""
+    backend = Counting(Nonsense(-1))
+    pool = xpool.MemoryPool(backend=backend, limit="50%")
+    backend.calls.clear()
+    assert pool.used_bytes() == pool.free_bytes() == pool.total_bytes() == pool.n_free_blocks() == 0
+    assert set(backend.calls) == {"current_device"}
 
 
 def test_4_cupy_backends_total_memory_neither_switches_device_nor_makes_a_context():
