@@ -517,3 +517,27 @@ def test_growth_through_the_cuda_ops_counts_the_calls_the_rule_says(fake_driver,
         assert get("fake_release_calls") - before["fake_release_calls"] == model["handles"]
         pool.destroy()
     """)
+
+
+def test_cuda_unmap_lets_another_threads_map_finish_while_it_synchronises(fake_driver):
+    """An unmap waits for its device (cuCtxSynchronize) without the ops' handle table locked: the device's work may
+    wait on work another thread queues only once its own map returns (NCCL's kernels over two devices, a thread
+    each), so a map that waited for the table behind that synchronisation would never return."""
+    _fake(fake_driver, """
+        import threading, time
+        a, b = ops.reserve(0, 64 * G), ops.reserve(1, 64 * G)
+        ops.map(0, a, 8 * G, page=4 * G)
+        put("fake_sync_waits_for_op_ms", 3000)
+        t = threading.Thread(target=lambda: ops.unmap(0, a, 8 * G))
+        t.start()
+        while get("fake_syncs") == 0:
+            time.sleep(0.001)
+        ops.map(1, b, 8 * G, page=4 * G)                   # device 1's map, while device 0 synchronises
+        t.join()
+        put("fake_sync_waits_for_op_ms", 0)
+        assert get("fake_sync_timeouts") == 0, "the map waited for the unmap's synchronisation"
+        assert get("fake_pages_mapped") == 2 and ops.unmap(1, b, 8 * G) == 8 * G
+        assert get("fake_live_allocations") == 0
+        ops.release(0, a, 64 * G)
+        ops.release(1, b, 64 * G)
+    """)
