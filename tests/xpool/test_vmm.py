@@ -541,3 +541,22 @@ def test_cuda_unmap_lets_another_threads_map_finish_while_it_synchronises(fake_d
         ops.release(0, a, 64 * G)
         ops.release(1, b, 64 * G)
     """)
+
+
+def test_cuda_map_out_of_device_memory_in_a_large_handle_is_a_memory_error_and_leaves_nothing(fake_driver):
+    """cuMemCreate's CUDA_ERROR_OUT_OF_MEMORY for a handle of many pages (the device's bytes, not its handles,
+    run out) is the ops' out of memory, which the pool's ladder answers by releasing and retrying."""
+    _fake(fake_driver, """
+        a = ops.reserve(0, 64 * G)
+        put("fake_capacity_bytes", 20 * G)
+        try:
+            ops.map(0, a, 40 * G, page=8 * G)              # handles 0 and 1 fit, 2 does not
+            raise SystemExit("no error")
+        except MemoryError as e:
+            assert "cuMemCreate" in str(e) and "handle 2 of 5" in str(e) and "OUT_OF_MEMORY" in str(e), e
+        assert get("fake_live_allocations") == 0 and get("fake_pages_mapped") == 0
+        ops.map(0, a, 20 * G, page=8 * G)                  # what fits maps: nothing was kept by the failure
+        assert ops.unmap(0, a, 20 * G) == 20 * G and get("fake_live_allocations") == 0
+        put("fake_capacity_bytes", 1 << 50)
+        ops.release(0, a, 64 * G)
+    """)
