@@ -560,3 +560,27 @@ def test_cuda_map_out_of_device_memory_in_a_large_handle_is_a_memory_error_and_l
         put("fake_capacity_bytes", 1 << 50)
         ops.release(0, a, 64 * G)
     """)
+
+
+def test_cuda_unmap_failing_midway_unmaps_a_prefix_of_whole_handles_and_keeps_the_rest_unmappable(fake_driver):
+    """A cuMemUnmap failing at the third of five handles: the two before it unmapped and released (done says so),
+    the table keeps the other three, which unmap after, each as mapped; nothing leaks."""
+    _fake(fake_driver, """
+        a = ops.reserve(0, 64 * G)
+        ops.map(0, a, 36 * G, page=8 * G)                 # 8 + 8 + 8 + 8 + 4 pages
+        put("fake_fail_unmap_at", get("fake_unmap_calls") + 2)
+        try:
+            ops.unmap(0, a, 36 * G)
+            raise SystemExit("no error")
+        except _vmm.VmmError as e:
+            assert e.done == 16 * G and "cuMemUnmap" in str(e) and "handle 2 of 5" in str(e), (e, e.done)
+        assert get("fake_pages_mapped") == 3 and get("fake_live_allocations") == 3
+        try:
+            ops.unmap(0, a, 8 * G)                          # gone: the table says so before the driver is asked
+            raise SystemExit("no error")
+        except _vmm.VmmError as e:
+            assert "not a whole mapping" in str(e), e
+        assert ops.unmap(0, a + 16 * G, 20 * G) == 20 * G
+        assert get("fake_pages_mapped") == 0 and get("fake_live_allocations") == 0
+        ops.release(0, a, 64 * G)
+    """)
