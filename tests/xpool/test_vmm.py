@@ -293,7 +293,7 @@ def test_cuda_ops_map_one_allocation_per_page_and_free_it_on_unmap(fake_driver):
         assert a % G == 0
         ops.map(0, a, 8 * G, peers=0b10)
         assert get("fake_creates") == 8 and get("fake_pages_mapped") == 8
-        assert get("fake_live_allocations") == 8          # alive through their mappings, handles released
+        assert get("fake_live_allocations") == 8          # alive: each held by its handle until its unmap
         assert get("fake_maps_not_relaxed") == 0          # mapped in relaxed capture mode
         assert get("fake_last_access_count", ctypes.c_int) == 2
         ids = (ctypes.c_int * 8).in_dll(fake, "fake_last_access_ids")
