@@ -37,15 +37,18 @@ int xe_init(XeDevice *x, int device, size_t page, size_t range_bytes, uint64_t p
 
 /* Note [Handles].  A handle is one physical allocation (cuMemCreate) of whole pages, mapped and unmapped whole: two
  * driver calls a handle and one a run (cuMemSetAccess) to map (docs/decisions/0013).  As PyTorch's segment_size_
- * (2 MiB for requests up to 1 MiB, else 20 MiB): a miss of at most small_request maps pages, a larger one handles
- * of max(large_handle, size / 16), whole pages, at most 1 GiB, each run tiled from its start (the last the rest).
- * Only the pages a block reaches are mapped.  An edge bit per page boundary marks each mapped handle's first page
- * and the page after its last: a release unmaps whole handles only, the top ones of a free block first. */
+ * (kSmallBuffer 2 MiB for requests up to 1 MiB, else kLargeBuffer 20 MiB): a miss of at most small_request maps
+ * pages, a larger one handles of large_handle rounded up to whole pages, never larger, each run tiled from its start
+ * (the last the rest).  Only the pages a block reaches are mapped.  An edge bit per page boundary marks each mapped
+ * handle's first page and the page after its last: a release unmaps whole handles inside one free block only, the
+ * top ones first, and a handle holding a byte in use stays mapped whole.  The trade-off: mapping 20 MiB of 2 MiB
+ * pages makes 2 calls, not the 30 of a handle a page (3 each); a full release gives back every free byte but those
+ * in a handle that also holds a byte in use.  Such a handle lies at an edge of its free block, so each edge beside a
+ * block in use strands less than one handle (at most large_handle less a page): at most two a free block, fewer than
+ * 2 large_handle beside each block in use.  Handles of a 16th of the request (up to 1 GiB) stranded up to 1 GiB. */
 size_t xe_handle_bytes(const XeDevice *x, size_t size)
 {
-    if (size <= x->small_request) return x->page;
-    size_t h = size / 16 < x->large_handle ? x->large_handle : size / 16;
-    return up(h < ((size_t)1 << 30) ? h : (size_t)1 << 30, x->page);
+    return size <= x->small_request ? x->page : up(x->large_handle, x->page);
 }
 
 static inline size_t page_of(const XeDevice *x, const XeRange *r, uintptr_t a) { return (a - r->base) / x->page; }

@@ -372,11 +372,20 @@ static int cu_unmap(void *ctx, int device, uintptr_t addr, size_t bytes, size_t 
                         (size_t)a, device, (size_t)addr, bytes);
         }
     }
+    /* The run's handles copied out, the table let go: the synchronisation may wait on work another thread queues
+     * after its own map returns (NCCL's kernels on two devices).  No other op touches this run's entries. */
+    CuMapping *run = malloc(n * sizeof *run);
+    if (run) memcpy(run, &maps.m[at], n * sizeof *run);
+    pthread_mutex_unlock(&maps.lock);
+    if (!run) { cu_leave(&s); return fail(XV_OOM, "unmap: no host memory for %zu handles", n); }
     /* cuMemUnmap need not wait for the kernels still using the pages (cudaFree does): wait for them here */
     XVCUresult r = cu.d.cuCtxSynchronize();
     const char *call = "cuCtxSynchronize";
-    if (r == XVCUDA_SUCCESS) r = cu_undo(&maps.m[at], n, &k, &call);
-    for (size_t i = 0; i < k; i++) *done += maps.m[at + i].bytes;
+    if (r == XVCUDA_SUCCESS) r = cu_undo(run, n, &k, &call);
+    for (size_t i = 0; i < k; i++) *done += run[i].bytes;
+    free(run);
+    pthread_mutex_lock(&maps.lock);
+    at = maps_at(addr);
     memmove(&maps.m[at], &maps.m[at + k], (maps.n - at - k) * sizeof *maps.m);
     maps.n -= k;
     pthread_mutex_unlock(&maps.lock);

@@ -33,13 +33,15 @@ def test_pytorchs_rule_by_hand():
 
 
 def test_xpools_rule_by_hand():
-    # only the pages a block reaches, in handles of 20 MiB (a 16th of a larger request), the last one the rest:
+    # only the pages a block reaches, in handles of 20 MiB (never larger), the last one the rest:
     # 3 MiB: 2 pages, one handle; 3 MiB more: 1 page past the tail; 30 MiB: 15 pages, 20 MiB + 10 MiB;
-    # 512 B: a page (a small request's handle); 1 GiB: 1,022 MiB + 512 B past the tail, 16 handles of 64 MiB
+    # 512 B: a page (a small request's handle); 1 GiB: 1,022 MiB + 512 B past the tail, 512 pages: 51 handles of
+    # 20 MiB and one of 4 MiB
     sizes = [3 * MIB, 3 * MIB, 30 * MIB, 512, 1 << 30]
-    assert bench.xpool_driver_calls(sizes) == {"handles": 1 + 1 + 2 + 1 + 16, "maps": 5, "calls": 2 * 21 + 5}
-    # ahead (the range manager's lab option): whole handles, so 3 MiB more and 512 B fit the tail: 3 maps
-    assert bench.xpool_driver_calls(sizes, ahead=True) == {"handles": 2 + 16, "maps": 3, "calls": 2 * 18 + 3}
+    assert bench.xpool_driver_calls(sizes) == {"handles": 1 + 1 + 2 + 1 + 52, "maps": 5, "calls": 2 * 57 + 5}
+    # ahead (the range manager's lab option): whole handles, so 3 MiB more and 512 B fit the tail: 3 maps, the
+    # 1 GiB run rounded up to 1,040 MiB (52 handles)
+    assert bench.xpool_driver_calls(sizes, ahead=True) == {"handles": 2 + 52, "maps": 3, "calls": 2 * 54 + 3}
     assert bench.xpool_driver_calls([512, 512])["calls"] == 3               # a 2 MiB page, then a hit
     # before handles: a handle a page, released at once (3 calls a page): 2 + 1 + 15 + 1 + 512 pages in 5 runs
     assert bench.xpool_driver_calls(sizes, page_handles=True) == {"handles": 531, "maps": 5, "calls": 3 * 531 + 5}

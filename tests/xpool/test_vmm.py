@@ -293,7 +293,7 @@ def test_cuda_ops_map_one_allocation_per_page_and_free_it_on_unmap(fake_driver):
         assert a % G == 0
         ops.map(0, a, 8 * G, peers=0b10)
         assert get("fake_creates") == 8 and get("fake_pages_mapped") == 8
-        assert get("fake_live_allocations") == 8          # alive through their mappings, handles released
+        assert get("fake_live_allocations") == 8          # alive: each held by its handle until its unmap
         assert get("fake_maps_not_relaxed") == 0          # mapped in relaxed capture mode
         assert get("fake_last_access_count", ctypes.c_int) == 2
         ids = (ctypes.c_int * 8).in_dll(fake, "fake_last_access_ids")
@@ -516,4 +516,71 @@ def test_growth_through_the_cuda_ops_counts_the_calls_the_rule_says(fake_driver,
         assert get("fake_unmap_calls") - before["fake_unmap_calls"] == model["handles"]   # each handle, once
         assert get("fake_release_calls") - before["fake_release_calls"] == model["handles"]
         pool.destroy()
+    """)
+
+
+def test_cuda_unmap_lets_another_threads_map_finish_while_it_synchronises(fake_driver):
+    """An unmap waits for its device (cuCtxSynchronize) without the ops' handle table locked: the device's work may
+    wait on work another thread queues only once its own map returns (NCCL's kernels over two devices, a thread
+    each), so a map that waited for the table behind that synchronisation would never return."""
+    _fake(fake_driver, """
+        import threading, time
+        a, b = ops.reserve(0, 64 * G), ops.reserve(1, 64 * G)
+        ops.map(0, a, 8 * G, page=4 * G)
+        put("fake_sync_waits_for_op_ms", 3000)
+        t = threading.Thread(target=lambda: ops.unmap(0, a, 8 * G))
+        t.start()
+        while get("fake_syncs") == 0:
+            time.sleep(0.001)
+        ops.map(1, b, 8 * G, page=4 * G)                   # device 1's map, while device 0 synchronises
+        t.join()
+        put("fake_sync_waits_for_op_ms", 0)
+        assert get("fake_sync_timeouts") == 0, "the map waited for the unmap's synchronisation"
+        assert get("fake_pages_mapped") == 2 and ops.unmap(1, b, 8 * G) == 8 * G
+        assert get("fake_live_allocations") == 0
+        ops.release(0, a, 64 * G)
+        ops.release(1, b, 64 * G)
+    """)
+
+
+def test_cuda_map_out_of_device_memory_in_a_large_handle_is_a_memory_error_and_leaves_nothing(fake_driver):
+    """cuMemCreate's CUDA_ERROR_OUT_OF_MEMORY for a handle of many pages (the device's bytes, not its handles,
+    run out) is the ops' out of memory, which the pool's ladder answers by releasing and retrying."""
+    _fake(fake_driver, """
+        a = ops.reserve(0, 64 * G)
+        put("fake_capacity_bytes", 20 * G)
+        try:
+            ops.map(0, a, 40 * G, page=8 * G)              # handles 0 and 1 fit, 2 does not
+            raise SystemExit("no error")
+        except MemoryError as e:
+            assert "cuMemCreate" in str(e) and "handle 2 of 5" in str(e) and "OUT_OF_MEMORY" in str(e), e
+        assert get("fake_live_allocations") == 0 and get("fake_pages_mapped") == 0
+        ops.map(0, a, 20 * G, page=8 * G)                  # what fits maps: nothing was kept by the failure
+        assert ops.unmap(0, a, 20 * G) == 20 * G and get("fake_live_allocations") == 0
+        put("fake_capacity_bytes", 1 << 50)
+        ops.release(0, a, 64 * G)
+    """)
+
+
+def test_cuda_unmap_failing_midway_unmaps_a_prefix_of_whole_handles_and_keeps_the_rest_unmappable(fake_driver):
+    """A cuMemUnmap failing at the third of five handles: the two before it unmapped and released (done says so),
+    the table keeps the other three, which unmap after, each as mapped; nothing leaks."""
+    _fake(fake_driver, """
+        a = ops.reserve(0, 64 * G)
+        ops.map(0, a, 36 * G, page=8 * G)                 # 8 + 8 + 8 + 8 + 4 pages
+        put("fake_fail_unmap_at", get("fake_unmap_calls") + 2)
+        try:
+            ops.unmap(0, a, 36 * G)
+            raise SystemExit("no error")
+        except _vmm.VmmError as e:
+            assert e.done == 16 * G and "cuMemUnmap" in str(e) and "handle 2 of 5" in str(e), (e, e.done)
+        assert get("fake_pages_mapped") == 3 and get("fake_live_allocations") == 3
+        try:
+            ops.unmap(0, a, 8 * G)                          # gone: the table says so before the driver is asked
+            raise SystemExit("no error")
+        except _vmm.VmmError as e:
+            assert "not a whole mapping" in str(e), e
+        assert ops.unmap(0, a + 16 * G, 20 * G) == 20 * G
+        assert get("fake_pages_mapped") == 0 and get("fake_live_allocations") == 0
+        ops.release(0, a, 64 * G)
     """)

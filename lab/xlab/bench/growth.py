@@ -101,7 +101,7 @@ def xpool_driver_calls(sizes, granularity: int = 2 * MIB, ahead: bool = False, p
     """The driver calls xpool's expandable scheme makes to grow through `sizes` (each kept) on one stream, from its
     rule (Note [Handles] in xpool/_expandable.c; the CUDA ops in xpool/_vmm_cuda.c): a request is rounded up to
     512 B; the free mapped tail holds it (a hit) or the miss maps the pages it reaches past the tail in handles of
-    xe_handle_bytes(size) (the page up to 1 MiB, else max(20 MiB, size / 16), whole pages, at most 1 GiB), the last
+    xe_handle_bytes(size) (the page up to 1 MiB, else 20 MiB rounded up to whole pages, PyTorch's kLargeBuffer), the last
     one the rest: a cuMemCreate and a cuMemMap per handle, one cuMemSetAccess per run, every peer in its list. The
     range is taken to hold it all. `ahead`: a what-if xpool does not do (docs/decisions/0013), each run mapped up to
     a whole handle as PyTorch maps whole segments. `page_handles`: the rule before (a handle a page, released at once:
@@ -110,7 +110,7 @@ def xpool_driver_calls(sizes, granularity: int = 2 * MIB, ahead: bool = False, p
     for s in sizes:
         n = max(512, _up(int(s), 512))
         if used + n > mapped:
-            h = granularity if n <= 1 << 20 or page_handles else min(_up(max(20 * MIB, n // 16), granularity), 1 << 30)
+            h = granularity if n <= 1 << 20 or page_handles else _up(20 * MIB, granularity)
             run = _up(used + n - mapped, h if ahead else granularity)
             mapped += run
             handles += -(-run // h)
