@@ -572,13 +572,13 @@ def test_cuda_unmap_failing_midway_unmaps_a_prefix_of_whole_handles_and_keeps_th
         try:
             ops.unmap(0, a, 36 * G)
             raise SystemExit("no error")
-        except _vmm.VmmError as e:
+        except _core.VmmError as e:
             assert e.done == 16 * G and "cuMemUnmap" in str(e) and "handle 2 of 5" in str(e), (e, e.done)
         assert get("fake_pages_mapped") == 3 and get("fake_live_allocations") == 3
         try:
             ops.unmap(0, a, 8 * G)                          # gone: the table says so before the driver is asked
             raise SystemExit("no error")
-        except _vmm.VmmError as e:
+        except _core.VmmError as e:
             assert "not a whole mapping" in str(e), e
         assert ops.unmap(0, a + 16 * G, 20 * G) == 20 * G
         assert get("fake_pages_mapped") == 0 and get("fake_live_allocations") == 0
