@@ -77,6 +77,9 @@ class Scaled:
 # - cupy_mix's results outlive their step, so its demand keeps setting new highs (the benchmark's rows: last at
 #   step 12-151 of 230). Over the 96 steps a scaled run takes, the five realizations' recorded traces peak at
 #   160-188 MiB, so x216 (= 2^3 x 3^3: FFT lengths cuFFT is fast at) peaks at 33.8-39.6 GiB.
+# - cupy_fill's requests are its plan (dynamic_workloads.fill_plan: no allocator changes them), so its peak is known
+#   without a run: over 96 steps, 555-609 MiB for seeds 0-4 at the benchmark's size, and x64 (arrays of 1 MiB-1 GiB)
+#   34.7-38.1 GiB; ~3.3 GB written a step, ~2 ms on an H200.
 # A scaled step stays within ~0.3 s on an H200 (from FLOPs and bytes, to be measured): gpt at 256 x 256 tokens is
 # ~9 TFLOP in FP32 (tapegpt uses no TF32), ~0.2 s; the language model at 512 x 512 tokens ~35 TFLOP in bf16, ~0.1 s;
 # the ResNet at 2816 images of 224 px ~31 TFLOP in bf16 and ~0.2 TB through its memory-bound layers, ~0.2-0.3 s at
@@ -87,6 +90,7 @@ SCALED = {
     "gpt_varlen": Scaled(16, 3, 5),
     "torch_varlen": Scaled(32, 3, 5),
     "resnet_varres": Scaled(88, 3, 5),
+    "cupy_fill": Scaled(64, 32, 64),
 }
 CAPS = (1.05, 1.10, 1.25)
 TRIALS, SEED = 5, 0
@@ -194,9 +198,15 @@ def live_peak(timeline: pd.DataFrame, steps: int) -> int:
 def estimated_peak(name: str, folder=None) -> tuple[float, float]:
     """The peak requested bytes SCALED[name]'s runs should reach, (lowest, highest) over the trials' realizations,
     from the benchmark's committed measurements (Note [Scaled workloads]): a model's peak_line at its scaled units;
-    cupy_mix's, its factor times each realization's peak within the scaled run's steps, from the recorded traces
-    (data/memory_trace_dyn_cupy_mix[_s<seed>].csv.gz; its 230-step rows would overstate a 96-step run)."""
+    cupy_fill's, its plan's (wl.plan_peak); cupy_mix's, its factor times each realization's peak within the scaled
+    run's steps, from the recorded traces (data/memory_trace_dyn_cupy_mix[_s<seed>].csv.gz; its 230-step rows would
+    overstate a 96-step run)."""
     spec = SPECS[name]
+    if spec.fn.func is wl.cupy_fill:                    # its requests are its plan
+        steps = spec.warmup + spec.steps
+        peaks = [wl.plan_peak(wl.fill_plan(steps, seed, scale=SCALED[name].factor))
+                 for seed in range(SEED, SEED + TRIALS)]
+        return min(peaks), max(peaks)
     if _knob(spec.fn) == "scale":
         from xlab.memory_study import dyn_trace
         steps = spec.warmup + spec.steps
