@@ -11,7 +11,6 @@ from xlab import memory_study as ms
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CSV = ROOT / "data" / "cupy_default_replays.csv"
-RECORD = ROOT / "docs" / "decisions" / "0013-cupy-default-scheme.md"
 NUMERIC = ["peak_bytes_requested", "peak_bytes_reserved", "reserved_over_requested", "device_calls",
            "device_calls_after_warmup", "steady_calls", "steady_steps", "unmatched_frees", "events",
            "measured_best_peer_ratio", "measured_arm_ratio"]
@@ -62,14 +61,17 @@ def test_the_csv_holds_every_trace_and_candidate_with_provenance(rows):
     for col in ("gpu", "driver", "cuda", "cupy", "commit", "date", "experiment", "trace_commit"):
         assert rows[col].notna().all(), col
     assert set(rows.loc[rows["scale"] > 1, "workload"]) == set(cds.SCALES)
-    assert not rows.loc[rows["scale"] > 1, "exact"].any() and rows.loc[rows["scale"] == 1, "exact"].all()
+    by = rows.groupby(["workload", "scale"])["requests"].agg(set)
+    assert by[("cupy_mix", 1)] == {"gpu"} and by[("cupy_mix", 216)] == {"scaled"}
+    assert by[("cupy_fill", 1)] == by[("cupy_fill", 64)] == {"plan"} and by[("cupy_image", 1)] == {"numpy"}
+    assert set(rows.loc[rows["pool"] == "exact", "candidate"]) == {"expandable"}
 
 
 def test_the_expandable_replays_equal_the_gpus_runs_of_the_same_realization(rows):
     """The traces were recorded on the H200 under scheme expandable's one rule at the commit the benchmark's rows
     carry; scheme expandable's replays are exact there (and CuPy's model on most), so the CSV's measured column is
     the replay's check. Segments' GPU rows are of the rule before 0001 (high_water), so they differ."""
-    exact = rows[(rows["candidate"] == "expandable") & rows["exact"] & rows["measured_arm_ratio"].notna()]
+    exact = rows[(rows["candidate"] == "expandable") & (rows["requests"] == "gpu") & rows["measured_arm_ratio"].notna()]
     assert len(exact) >= 10
     assert (exact["reserved_over_requested"] - exact["measured_arm_ratio"]).abs().max() < 1e-9
 
@@ -83,25 +85,38 @@ def test_the_committed_rows_are_what_the_replays_give_now(rows, trace):
         assert all((math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, rel=1e-12) for x, y in zip(a, b)), col
 
 
-def test_the_summary_counts_the_realizations_at_most_the_best_peer():
-    df = pd.DataFrame(dict(workload="w", scale=1, candidate="expandable", reserved_over_requested=[1.0, 1.2, 1.1],
-                           measured_best_peer_ratio=[1.1, 1.1, math.nan], steady_calls=[0, 1, 0],
-                           device_calls_after_warmup=[0, 2, 0]))
-    s = cds.summary(df).iloc[0]
+def test_the_summary_counts_the_realizations_at_most_the_best_peer_and_at_most_segments():
+    df = pd.DataFrame(dict(workload="w", scale=1, trace=["a", "b", "c"] * 2,
+                           candidate=["expandable"] * 3 + ["segments"] * 3,
+                           reserved_over_requested=[1.0, 1.2, 1.1, 1.05, 1.1, 1.1],
+                           measured_best_peer_ratio=[1.1, 1.1, math.nan] * 2, steady_calls=[0, 1, 0] * 2,
+                           device_calls_after_warmup=[0, 2, 0] * 2))
+    s = cds.summary(df).set_index("candidate").loc["expandable"]
     assert (s.realizations, s.with_peer, s.at_most_best_peer, s.steady_calls) == (3, 2, 1, 1)
+    assert s.at_most_segments == 2                          # a: 1.0 <= 1.05, c: 1.1 <= 1.1; b: 1.2 > 1.1
 
 
-def test_the_decision_record_quotes_the_csv(rows):
-    """0013's table is the summary of the committed CSV, to 3 figures."""
-    text = RECORD.read_text()
-    table = cds.summary(rows).set_index(["workload", "scale", "candidate"])
-    for w in ("cupy_mix", "gpt_varlen", "gpt_b4", "gpt_b32"):
-        r = table.loc[(w, 1, "expandable")]
-        assert f"{r['median']:.3f}" in text, w
-        assert f"{table.loc[(w, 1, 'segments')]['median']:.3f}" in text, w
-    assert "0002" in text and len(text.splitlines()) <= 60
+def test_the_placement_model_with_the_products_placement_is_the_product():
+    """RangeModel(None) cuts every block from the low end, as scheme expandable does: the same peaks and maps as the
+    product over the twin on GPU traces and a plan, so its split_1mib variant differs from the product by the
+    placement alone."""
+    for name in ("gpt_b4", "cupy_mix_s2", "host_cupy_fill"):
+        tl = cds.load_trace(name)
+        info = cds.rule_study.trace_info(name, tl)
+        product = cds.replay(tl, "expandable", info["warmup"], info["steps"])
+        events = ms._replay_events(tl)
+        model = cds.RangeModel(None)
+        ms._drive(model, ms._rows(events))
+        assert (model.peak_reserved[0], model.device_mallocs[0]) == (product["peak_bytes_reserved"],
+                                                                    product["device_calls"]), name
+        split = cds.replay(tl, "expandable_split_1mib", info["warmup"], info["steps"])
+        assert split["peak_bytes_requested"] == product["peak_bytes_requested"]
+    b4 = cds.load_trace("gpt_b4")
+    info = cds.rule_study.trace_info("gpt_b4", b4)
+    assert cds.replay(b4, "expandable_split_1mib", info["warmup"], info["steps"])["reserved_over_requested"] < 1.01
 
 
 def test_every_trace_named_is_one_the_lab_has():
     for name in cds.TRACES:
-        assert (name in ms.DYN_TRACES or name in ms.HELD_OUT_TRACES or name in cds.rule_study.FILE_TRACES), name
+        assert (name in ms.DYN_TRACES or name in ms.HELD_OUT_TRACES or name in cds.rule_study.FILE_TRACES
+                or (name in cds.HOST and (ROOT / "data" / cds.HOST[name]).is_file())), name

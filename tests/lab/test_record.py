@@ -172,9 +172,15 @@ def expected_usage() -> list[str]:
             f"xpool_k1's {ci(at('xpool_k1', 4096), '{:.1f}')} µs at 4 KiB"]
 
 
+def expected_0013() -> list[str]:
+    """0013's table: xlab.cupy_default_study's markdown of its CSV, row by row."""
+    from xlab import cupy_default_study as cds
+    return [f"`{cds.DEFAULT_OUT.rpartition('/')[2]}`", *cds.markdown(csv("cupy_default_replays.csv")).splitlines()]
+
+
 EXPECTED = {"usage": expected_usage, "0002": lambda: expected_0002() + expected_0002_at_scale(),
             "0003": expected_0003, "0004": expected_0004, "0006": expected_0006, "0007": expected_0007,
-            "0008": expected_0008, "0009": expected_0009, "0010": expected_0010}
+            "0008": expected_0008, "0009": expected_0009, "0010": expected_0010, "0013": expected_0013}
 
 
 @pytest.mark.parametrize("number", sorted(EXPECTED))
