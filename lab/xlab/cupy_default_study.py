@@ -33,7 +33,7 @@ One row per (trace, scale, candidate): peak reserved / peak requested, device ca
 unmaps) in all and after the warm-up, steady-state calls (xlab.bench.dynamic.steady_state), with the trace's and
 the run's provenance.
 
-    python -m xlab.cupy_default_study                  # CPU, ~2 min: data/cupy_default_replays.csv and its summary
+    python -m xlab.cupy_default_study                  # CPU, ~15 s: data/cupy_default_replays.csv and its summary
     python -m xlab.cupy_default_study --summary        # the summary of the CSV, replaying nothing
 """
 from __future__ import annotations

@@ -498,6 +498,20 @@ def test_quick_run_on_the_gpu(tmp_path):
     assert df.gpu_util_mean.between(0, 100).all() and set(df.bound) <= {"host", "gpu"}   # NVML over every row
 
 
+
+@pytest.mark.gpu
+def test_the_new_cupy_workloads_on_the_gpu(tmp_path):
+    """#49's cupy_image (cupyx.scipy.ndimage and cuFFT) and cupy_fill under CuPy's pools and xpool's two schemes, a
+    few steps each: cupy_fill's peak requested is its plan's under xpool, which counts requests as made (the plan is
+    its requests: nothing else allocates on the device)."""
+    arms = ["cupy_pool", "cupy_async", "xpool_segments", "xpool_expandable"]
+    df = dynamic.run(["cupy_image", "cupy_fill"], arms, trials=1, steps=3, warmup=2, out=tmp_path / "d.csv",
+                     start="spawn", progress=False)
+    assert not df.attrs["failed"] and len(df) == 2 * len(arms)
+    assert (df.peak_reserved_bytes >= df.peak_requested_bytes).all() and (df.peak_requested_bytes > 0).all()
+    fill = df[(df.workload == "cupy_fill") & df.allocator.str.startswith("xpool")]
+    assert set(fill.peak_requested_bytes) == {wl.plan_peak(wl.fill_plan(5, int(fill.seed.iloc[0])))}
+
 def test_record_dynamic_traces_writes_a_trace_per_seed_and_names_a_bad_seed(tmp_path, capsys):
     """python -m xlab.bench.dynamic_traces --seeds: seed 0 keeps the file name the replays read, seed s > 0 adds
     _s<s>, and each trace says its seed (on a CPU the pool sees no request: the code, not a trace)."""
