@@ -66,6 +66,16 @@ DYN = ("cupy_mix", *(f"cupy_mix_s{s}" for s in range(1, 5)), "gpt_varlen", *(f"g
 HOST = {f"host_{w}{f'_s{k}' if k else ''}": f"memory_trace_host_dyn_{w}{f'_s{k}' if k else ''}.csv.gz"
         for w in ("cupy_fill", "cupy_image") for k in range(5)}
 TRACES = (*DYN, *HOST, *(n for n in rule_study.FILE_TRACES if n != "gpt_b32_gpu"))
+# the GPU's traces of #49's workloads, replayed where `python -m xlab.bench.dynamic_traces --workloads
+# cupy_image,cupy_fill --seeds 0,1,2,3,4` has put them in data/ (memory_trace_dyn_<name>.csv.gz), the GPU's peers
+# beside them from dynamic_shapes.csv as for DYN
+AWAITED = tuple(f"{w}{f'_s{k}' if k else ''}" for w in ("cupy_image", "cupy_fill") for k in range(5))
+
+
+def traces(data=None) -> tuple:
+    """TRACES, and those of AWAITED recorded in `data` (default: the repository's data/)."""
+    folder = pathlib.Path(data or data_dir())
+    return TRACES + tuple(n for n in AWAITED if (folder / f"memory_trace_dyn_{n}.csv.gz").is_file())
 # trace workload -> its scaled run (xlab.bench.dynamic_scale.SCALED: factor, warm-up, steps); cupy_fill's scaled
 # requests are its plan's times the factor (exact), cupy_mix's to within rounding and cuFFT's work areas (a model)
 SCALES = ("cupy_mix", "cupy_fill")
@@ -241,10 +251,11 @@ def trace_rows(name: str, candidates=CANDIDATES, data=None) -> list:
         runs.append((factor, warmup, steps, tl[tl["step"] < warmup + steps]))
     rows = []
     for scale, warmup, steps, events in runs:
-        gpu = measured(info["workload"], info["seed"], scale, data) if name in DYN else {}
+        on_gpu = name in DYN or name in AWAITED
+        gpu = measured(info["workload"], info["seed"], scale, data) if on_gpu else {}
         peers = {p: gpu[p] for p in PEERS if p in gpu and not math.isnan(gpu[p])}
         best = min(peers, key=peers.get) if peers else None
-        requests = first.get("requests_from", "gpu" if name in DYN else "numpy") if scale == 1 else \
+        requests = first.get("requests_from", "gpu" if on_gpu else "numpy") if scale == 1 else \
             "plan" if info["workload"] in EXACT_AT_SCALE else "scaled"
         for cand in candidates:
             r = replay(events, cand, warmup, steps, scale)
@@ -258,9 +269,9 @@ def trace_rows(name: str, candidates=CANDIDATES, data=None) -> list:
     return rows
 
 
-def study(names=TRACES, candidates=CANDIDATES, data=None) -> pd.DataFrame:
-    """Every trace of `names` through every candidate: COLUMNS with the run's provenance."""
-    rows = [r for name in names for r in trace_rows(name, candidates, data)]
+def study(names=None, candidates=CANDIDATES, data=None) -> pd.DataFrame:
+    """Every trace of `names` (default: traces(data)) through every candidate: COLUMNS with the run's provenance."""
+    rows = [r for name in names or traces(data) for r in trace_rows(name, candidates, data)]
     return pd.DataFrame(rows, columns=COLUMNS).assign(**provenance(experiment="cupy_default_replays"))
 
 
@@ -315,17 +326,18 @@ def markdown(df: pd.DataFrame) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=DEFAULT_OUT, help=f"CSV to write (default: {DEFAULT_OUT})")
-    p.add_argument("--traces", help=f"comma-separated trace names (default: all {len(TRACES)})")
+    p.add_argument("--traces", help="comma-separated trace names (default: every one recorded)")
     p.add_argument("--summary", action="store_true", help="summarise the CSV at --out; replay nothing")
     p.add_argument("--markdown", action="store_true", help="print decision 0013's table of the CSV")
     a = p.parse_args(argv)
     if a.summary:
         df = pd.read_csv(a.out)
     else:
-        names = a.traces.split(",") if a.traces else TRACES
-        bad = [n for n in names if n not in TRACES]
+        known = traces()
+        names = a.traces.split(",") if a.traces else known
+        bad = [n for n in names if n not in known]
         if bad:
-            p.error(f"unknown trace(s) {', '.join(bad)}; known: {', '.join(TRACES)}")
+            p.error(f"unknown trace(s) {', '.join(bad)}; known: {', '.join(known)}")
         df = publish(study(names), a.out)
     if a.markdown:
         print(markdown(df))

@@ -46,6 +46,18 @@ def test_a_replay_counts_each_candidates_peaks_and_its_device_calls_after_the_wa
     assert scaled["peak_bytes_requested"] == 48 * mib and scaled["peak_bytes_reserved"] == 48 * mib
 
 
+def test_a_gpu_trace_of_the_new_workloads_joins_the_study_once_recorded(tmp_path):
+    """An AWAITED trace in the data folder is replayed as the GPU's (requests "gpu"), the GPU's peers beside it."""
+    import shutil
+    for f in ("memory_trace_host_dyn_cupy_fill_s3.csv.gz", "dynamic_shapes.csv", "dynamic_scale.csv"):
+        shutil.copy(ROOT / "data" / f, tmp_path / f.replace("host_dyn", "dyn"))
+    assert cds.traces(tmp_path) == (*cds.TRACES, "cupy_fill_s3")
+    rows = pd.DataFrame(cds.trace_rows("cupy_fill_s3", ("expandable",), tmp_path))
+    assert list(rows.scale) == [1, 64] and set(rows.realization) == {3}
+    assert rows.loc[rows.scale == 1, "requests"].item() == "plan"       # the file says how its requests were had
+    assert rows.measured_best_peer.isna().all()                          # no GPU row of cupy_fill yet
+
+
 @pytest.mark.parametrize("bad", [0, 1.5, True, "2"])
 def test_a_bad_scale_or_candidate_is_refused_by_name(bad):
     with pytest.raises(ValueError, match="scale"):
@@ -55,7 +67,7 @@ def test_a_bad_scale_or_candidate_is_refused_by_name(bad):
 
 
 def test_the_csv_holds_every_trace_and_candidate_with_provenance(rows):
-    assert set(rows["trace"]) == set(cds.TRACES)
+    assert set(rows["trace"]) == set(cds.traces())
     assert set(rows["candidate"]) == set(cds.CANDIDATES)
     assert not rows.duplicated(["trace", "scale", "candidate"]).any()
     for col in ("gpu", "driver", "cuda", "cupy", "commit", "date", "experiment", "trace_commit"):
@@ -117,6 +129,7 @@ def test_the_placement_model_with_the_products_placement_is_the_product():
 
 
 def test_every_trace_named_is_one_the_lab_has():
+    assert cds.traces() == cds.TRACES        # no GPU trace of cupy_image or cupy_fill recorded yet
     for name in cds.TRACES:
         assert (name in ms.DYN_TRACES or name in ms.HELD_OUT_TRACES or name in cds.rule_study.FILE_TRACES
                 or (name in cds.HOST and (ROOT / "data" / cds.HOST[name]).is_file())), name
