@@ -103,7 +103,9 @@ class IpcUnsupportedError(RuntimeError):
         super().__init__(
             f"xpool: block 0x{ptr:x} on device {device} lies in the expandable scheme's virtual memory (address range "
             f"0x{base:x}, {human(nbytes)}), which CUDA IPC cannot share: cudaIpcGetMemHandle refuses memory mapped "
-            f"by cuMemMap. Allocate what other processes open from a pool of scheme 'segments' (or 'seed').")
+            f"by cuMemMap. Allocate what other processes open from a pool of scheme 'segments' (or 'seed'): "
+            f"xpool.install(scheme=\"segments\") or MemoryPool(scheme=\"segments\"), or XPOOL_SCHEME=segments in "
+            f"the environment.")
 
     def __reduce__(self):
         return (type(self), (self.device, self.ptr, self.base, self.nbytes))

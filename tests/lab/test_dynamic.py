@@ -370,6 +370,47 @@ def test_cupy_mix_on_numpy_keeps_results_and_repeats_from_the_seed(monkeypatch):
     assert half > 3 and made[:half] == made[half:] and len(set(made)) > 3
 
 
+
+def test_cupy_image_runs_its_seeded_crops_through_scipy_ndimage_on_numpy(monkeypatch):
+    """scipy.ndimage mirrors cupyx.scipy.ndimage: on a CPU the same calls on the planned crops, step 0 the largest
+    (an image and a volume), later steps drawn from the seed, the same on every run."""
+    import scipy.ndimage as ndi
+    seen, blur = [], ndi.gaussian_filter
+    monkeypatch.setattr(ndi, "gaussian_filter", lambda a, s: seen.append((a.shape, s)) or blur(a, s))
+    for _ in range(2):
+        info = wl.cupy_image(8, 2, 3, _window(), gpu=False, small=True)
+    plan = wl.image_plan(10, 3, small=True)
+    assert len(seen) == 2 * sum(map(len, plan)) and seen[:len(seen) // 2] == seen[len(seen) // 2:]
+    assert seen[0] == ((64, 64), 2.0) and seen[1] == ((16, 16, 16), 2.0)
+    sides = {c["side"] for step in plan[1:] for c in step}
+    assert len(sides) > 3 and min(sides) >= 16 and max(sides) <= 64
+    assert any(c["volume"] for step in plan[1:] for c in step) and info["shape"].startswith("crops 16-64 px")
+
+
+def test_cupy_fill_requests_its_plan_and_frees_each_array_after_its_last_step(monkeypatch):
+    made = []
+    xp = types.SimpleNamespace(empty=lambda n, dtype: made.append(n) or np.empty(n, dtype))
+    monkeypatch.setattr(wl, "_xp", lambda gpu: xp)
+    live = []
+    wl.cupy_fill(6, 2, 4, _window(), gpu=False, small=True, after_step=lambda: live.append(sum(made)))
+    plan = wl.fill_plan(8, 4, small=True)
+    assert made == [b for step in plan for b, _ in step] and len(made) == 8 * wl.FILL_ARRAYS
+    assert plan[0][0][0] == wl.FILL_SIZES[1] // 64 and all(wl.FILL_SIZES[0] // 64 <= b <= wl.FILL_SIZES[1] // 64
+                                                            for step in plan for b, _ in step)
+    assert all(i < last <= i + 32 for i, step in enumerate(plan) for _, last in step)
+    assert wl.plan_peak([[(5, 1), (3, 2)], [(4, 1)], [(1, 2)]]) == 12      # 5 + 3 + 4; then 3 + 1
+    assert wl.fill_plan(8, 4, scale=3)[5] == [(3 * b, last) for b, last in wl.fill_plan(8, 4)[5]]
+    with pytest.raises(ValueError, match="scale must be a whole number"):
+        wl.fill_plan(2, 0, scale=0)
+
+
+@pytest.mark.parametrize("name", ["cupy_image", "cupy_fill"])
+def test_the_new_cupy_workloads_are_dynamic_and_met_by_every_cupy_peer(name):
+    spec = dynamic.WORKLOADS[name]
+    assert (spec.framework, spec.dynamic, spec.held_out) == ("cupy", True, False)
+    _, per = dynamic.resolve([name])
+    assert {"cupy_pool", "cupy_async", "rmm_pool", "cupy_torch_expandable", "xpool_segments"} <= set(per["cupy"])
+
 # --- the runner end to end (NumPy, CPU)
 
 def test_run_writes_rows_with_provenance_and_resumes(tmp_path):
@@ -457,6 +498,20 @@ def test_quick_run_on_the_gpu(tmp_path):
     assert df.gpu_util_mean.between(0, 100).all() and set(df.bound) <= {"host", "gpu"}   # NVML over every row
 
 
+
+@pytest.mark.gpu
+def test_the_new_cupy_workloads_on_the_gpu(tmp_path):
+    """#49's cupy_image (cupyx.scipy.ndimage and cuFFT) and cupy_fill under CuPy's pools and xpool's two schemes, a
+    few steps each: cupy_fill's peak requested is its plan's under xpool, which counts requests as made (the plan is
+    its requests: nothing else allocates on the device)."""
+    arms = ["cupy_pool", "cupy_async", "xpool_segments", "xpool_expandable"]
+    df = dynamic.run(["cupy_image", "cupy_fill"], arms, trials=1, steps=3, warmup=2, out=tmp_path / "d.csv",
+                     start="spawn", progress=False)
+    assert not df.attrs["failed"] and len(df) == 2 * len(arms)
+    assert (df.peak_reserved_bytes >= df.peak_requested_bytes).all() and (df.peak_requested_bytes > 0).all()
+    fill = df[(df.workload == "cupy_fill") & df.allocator.str.startswith("xpool")]
+    assert set(fill.peak_requested_bytes) == {wl.plan_peak(wl.fill_plan(5, int(fill.seed.iloc[0])))}
+
 def test_record_dynamic_traces_writes_a_trace_per_seed_and_names_a_bad_seed(tmp_path, capsys):
     """python -m xlab.bench.dynamic_traces --seeds: seed 0 keeps the file name the replays read, seed s > 0 adds
     _s<s>, and each trace says its seed (on a CPU the pool sees no request: the code, not a trace)."""
@@ -471,13 +526,46 @@ def test_record_dynamic_traces_writes_a_trace_per_seed_and_names_a_bad_seed(tmp_
     assert not (tmp_path / "no").exists()
 
 
+def test_cupy_fills_host_trace_is_its_plan_and_replays_like_it(tmp_path, capsys, monkeypatch):
+    """--host: cupy_fill's trace is its plan (every planned request in its step, freed after its last one, the rest in
+    the teardown), so its live peak is the plan's; cupy_image's is NumPy's stand-in, each free matching an alloc."""
+    from xlab.bench import dynamic_traces as rec
+    from xlab.bench.dynamic_scale import live_peak
+    assert rec.main(["--host", "--workloads", "cupy_fill", "--seeds", "2", "--out", str(tmp_path)]) == 0
+    tl = pd.read_csv(tmp_path / "memory_trace_host_dyn_cupy_fill_s2.csv.gz")
+    spec = dynamic.WORKLOADS["cupy_fill"]
+    plan = wl.fill_plan(spec.warmup + spec.steps, 2)
+    allocs = tl[tl.event == "alloc_miss"]
+    assert list(allocs.requested) == [b for step in plan for b, _ in step]
+    assert list(allocs.step) == [i for i, step in enumerate(plan) for _ in step]
+    assert live_peak(tl, 10 ** 6) == wl.plan_peak(plan) and (tl.event == "free").sum() == len(allocs)
+    assert set(tl.requests_from) == {"plan"} and set(tl.seed) == {2} and tl.gpu.iloc[0].startswith("none")
+    monkeypatch.setitem(rec.TESTS, "cupy_image", ("cupy", partial_image(), 3, 2))
+    img = rec.host_trace("cupy_image", 1)
+    made = img[img.event == "alloc_miss"]
+    assert len(made) > 20 and set(img.step) <= set(range(6)) and set(img.requests_from) == {"numpy"}
+    assert set(img.loc[img.event == "free", "ptr"]) <= set(made.ptr)
+    with pytest.raises(ValueError, match="name must be one of cupy_fill, cupy_image"):
+        rec.host_trace("cupy_mix")
+    with pytest.raises(SystemExit):
+        rec.main(["--host", "--workloads", "cupy_mix", "--out", str(tmp_path / "no")])
+    assert "--host records cupy_fill, cupy_image" in capsys.readouterr().err
+
+
+def partial_image():
+    """cupy_image at its small sizes (the test's stand-in for the benchmark's, which take a minute on a CPU)."""
+    def fn(steps, warmup, seed, window, gpu, small, after_step):
+        return wl.cupy_image(steps, warmup, seed, window, gpu, True, after_step)
+    return fn
+
+
 def test_the_held_out_workloads_stay_out_of_the_default_set_and_have_targets_of_their_own():
     """The held-out PyTorch programs (other batches, lengths and image sizes than the release rules were chosen on:
     docs/decisions/0001) run only when named, write data/dynamic_heldout.csv, and are judged there."""
     from xlab import targets
     held = [w for w, spec in dynamic.WORKLOADS.items() if spec.held_out]
     assert held == ["torch_varlen_b32", "torch_fixed_b32", "resnet_varres_b64"]
-    assert not set(held) & set(dynamic.resolve()[0]) and len(dynamic.resolve()[0]) == 8
+    assert not set(held) & set(dynamic.resolve()[0]) and len(dynamic.resolve()[0]) == 10
     assert dynamic.resolve(held)[0] == held
     for w in held:
         t = targets.BY_KEY[f"dyn_ms_{w}"]

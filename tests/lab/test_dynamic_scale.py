@@ -171,8 +171,9 @@ def test_scaled_workloads_are_the_benchmarks_at_their_size():
     assert kw["gpt_varlen"] == dict(batch=256, lo=32, hi=256)                       # 16 x the benchmark's 16
     assert kw["torch_varlen"] == dict(lo=64, hi=512, batch=512)
     assert kw["resnet_varres"] == dict(lo=128, hi=224, batch=2816)
+    assert kw["cupy_fill"] == dict(scale=64)                                        # 1 MiB-1 GiB arrays
     assert [dynamic_scale.units(dynamic_scale.SPECS[w]) for w in dynamic_scale.SCALED] == [
-        216, 256 * 256, 512 * 512, 2816 * 224 ** 2]
+        216, 256 * 256, 512 * 512, 2816 * 224 ** 2, 64]
     with pytest.raises(ValueError, match="workloads: 'gpt_b4' has no scaled size"):
         dynamic_scale.scaled("gpt_b4")
 

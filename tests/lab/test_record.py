@@ -57,7 +57,8 @@ def expected_0002() -> list[str]:
 
 
 SCALE_ARMS = ("xpool_segments", "xpool_expandable", "cupy_torch_expandable")
-SCALE_RUN_0002 = "f7709ef"     # the scaled run 0002 was checked on (later runs are the records that follow it)
+SCALE_RUN_0002 = "f7709ef"
+SCALE_RUN_0014 = "db0b678"     # the full scaled run 0014 quotes (5 trials, three caps, one H100)     # the scaled run 0002 was checked on (later runs are the records that follow it)
 
 
 def expected_0002_at_scale() -> list[str]:
@@ -191,9 +192,31 @@ def expected_0013() -> list[str]:
             f"makes {100 * (1 - torch['calls'] / now['calls']):.0f}% fewer calls"]
 
 
+def expected_0014() -> list[str]:
+    """0014's table: xlab.cupy_default_study's markdown of its CSV, row by row."""
+    from xlab import cupy_default_study as cds
+    out = [f"`{cds.DEFAULT_OUT.rpartition('/')[2]}`", *cds.markdown(csv("cupy_default_replays.csv")).splitlines()]
+    at = lambda d: d[d.commit.astype(str).str.startswith(SCALE_RUN_0014)]      # noqa: E731
+    df, caps = at(csv("dynamic_scale.csv")), at(csv("memory_cap.csv"))
+    peers = ["cupy_pool", "cupy_async", "rmm_pool", "cupy_torch_expandable"]
+    said = []
+    for w in ("cupy_mix", "gpt_varlen"):
+        p = df[df.workload == w].pivot_table(index="trial", columns="allocator", values="reserved_over_requested")
+        best = p[peers].min(axis=1)
+        said.append(f"{w} {(p.xpool_segments <= best).sum()}; {(p.xpool_expandable <= best).sum()} of {len(p)}")
+    out.append(", ".join(said))
+    c = caps[caps.workload == "cupy_mix"].groupby(["allocator", "cap_over_peak_requested"]).completed
+    done = lambda a: ", ".join(str(int(v)) for v in c.sum()[a]) + f" of {int(c.count()[a].iloc[0])}"  # noqa: E731
+    out.append(f"segments {done('xpool_segments')}; expandable {done('xpool_expandable')}")
+    ms = df[df.workload == "cupy_mix"].pivot_table(index="trial", columns="allocator", values="ms_per_step")
+    r, lo, hi, _ = iv.ratio_ci(ms.xpool_expandable.to_numpy(), ms.xpool_segments.to_numpy())
+    out.append(f"{iv.fmt_ci(r, lo, hi, '{:.3f}', '×')} (within noise)" if lo <= 1 <= hi else iv.fmt_ci(r, lo, hi))
+    return out
+
+
 EXPECTED = {"usage": expected_usage, "0002": lambda: expected_0002() + expected_0002_at_scale(),
             "0003": expected_0003, "0004": expected_0004, "0006": expected_0006, "0007": expected_0007,
-            "0008": expected_0008, "0009": expected_0009, "0010": expected_0010, "0013": expected_0013}
+            "0008": expected_0008, "0009": expected_0009, "0010": expected_0010, "0013": expected_0013, "0014": expected_0014}
 
 
 @pytest.mark.parametrize("number", sorted(EXPECTED))

@@ -610,6 +610,8 @@ def test_ipc_of_an_expandable_block_is_refused_with_a_clear_error():
         with pytest.raises(xpool.errors.IpcUnsupportedError, match="CUDA IPC cannot share.*scheme 'segments'") as e:
             pool.check_ipc(ptr, device=0)
         assert (e.value.device, e.value.ptr) == (0, ptr) and e.value.base <= ptr < e.value.base + e.value.nbytes
+        # the setting that fixes it, both ways a program sets it (docs/usage.md: CUDA IPC)
+        assert 'scheme="segments"' in str(e.value) and "XPOOL_SCHEME=segments" in str(e.value)
     again = pickle.loads(pickle.dumps(e.value))
     assert str(again) == str(e.value)
     pool.check_ipc(12345, device=0)                       # no range of this pool: nothing to say

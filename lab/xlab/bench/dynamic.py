@@ -54,7 +54,11 @@ from .alloc import rotated
 # every step, gpt_b32 and gpt_b4 at length 256; torch_varlen, a causal pre-norm nn.TransformerEncoder (6 layers,
 # 512 wide, batch 16, AdamW, bf16 autocast) at lengths in buckets of 64 up to 512, torch_fixed at 256; resnet_varres,
 # a ResNet-18 written out (torchvision's layout; torchvision is not in the device image) in channels_last under bf16
-# autocast with SGD, batch 32 of random images whose side is drawn in 128-224 px by 32, resnet_fixed at 224 px. The
+# autocast with SGD, batch 32 of random images whose side is drawn in 128-224 px by 32, resnet_fixed at 224 px;
+# cupy_image (issue #49), an image and volume pipeline over crops of 256-2048 px (volumes 40-161 a side) drawn every
+# step: gaussian blur, Sobel edges, zoom x0.5-2 (cupyx.scipy.ndimage) and an rfftn of each, results kept 1-7 steps;
+# cupy_fill (#49), 22 arrays a step of 16 KiB-16 MiB drawn log-uniformly, written and kept 2^U(0,5) steps (x64 in
+# dynamic_scale: 1 MiB-1 GiB, most of a GPU). The
 # held-out workloads (held_out=True) run only when named.
 # Steady state: every workload's first warm-up step has its largest shape, and later shapes are new draws, never
 # larger: a pool is judged on shapes it has not seen, never on one larger than it has. But where results outlive
@@ -114,6 +118,8 @@ class Workload:
 # steps, warm-up steps. A workload is a row in both tables.
 RUNS = {
     "cupy_mix": (wl.cupy_mix, 200, 30),
+    "cupy_image": (wl.cupy_image, 60, 10),
+    "cupy_fill": (wl.cupy_fill, 100, 30),
     "gpt_varlen": (partial(wl.gpt, batch=16, lo=32, hi=256), 20, 5),
     "gpt_b32": (partial(wl.gpt, batch=32, lo=256), 10, 3),
     "gpt_b4": (partial(wl.gpt, batch=4, lo=256), 20, 3),

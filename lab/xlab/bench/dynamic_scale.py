@@ -152,9 +152,15 @@ def live_peak(timeline: pd.DataFrame, steps: int) -> int:
 def estimated_peak(name: str, folder=None) -> tuple[float, float]:
     """The peak requested bytes SCALED[name]'s runs should reach, (lowest, highest) over the trials' realizations,
     from the benchmark's committed measurements (Note [Scaled workloads]): a model's peak_line at its scaled units;
-    cupy_mix's, its factor times each realization's peak within the scaled run's steps, from the recorded traces
-    (data/memory_trace_dyn_cupy_mix[_s<seed>].csv.gz; its 230-step rows would overstate a 96-step run)."""
+    cupy_fill's, its plan's (wl.plan_peak); cupy_mix's, its factor times each realization's peak within the scaled
+    run's steps, from the recorded traces (data/memory_trace_dyn_cupy_mix[_s<seed>].csv.gz; its 230-step rows would
+    overstate a 96-step run)."""
     spec = SPECS[name]
+    if spec.fn.func is wl.cupy_fill:                    # its requests are its plan
+        steps = spec.warmup + spec.steps
+        peaks = [wl.plan_peak(wl.fill_plan(steps, seed, scale=SCALED[name].factor))
+                 for seed in range(SEED, SEED + TRIALS)]
+        return min(peaks), max(peaks)
     if _knob(spec.fn) == "scale":
         from xlab.memory_study import dyn_trace
         steps = spec.warmup + spec.steps

@@ -16,6 +16,16 @@ at 8443035).
     python -m xlab.bench.dynamic_traces                     # every workload, scheme expandable, into data/
     python -m xlab.bench.dynamic_traces --workloads torch_varlen --seeds 1,2    # other realizations: ..._s1 ...
     python -m xlab.bench.dynamic_traces --workloads cupy_mix --cpu --out build/traces   # the code, on a CPU
+    python -m xlab.bench.dynamic_traces --host --seeds 0,1,2,3,4    # CPU: cupy_fill's and cupy_image's host traces
+
+Two workloads' requests can be had without a GPU (`--host`, HOST_TRACES), into
+`data/memory_trace_host_dyn_<workload>[_s<seed>].csv.gz` in the same columns (gpu "none", no gpu_* columns):
+cupy_fill's are its plan (dynamic_workloads.fill_plan: an array per planned request, freed at the end of its last step
+in the order the workload drops them, nothing else allocated on the device), so that trace is the GPU's requests
+exactly; cupy_image's are NumPy's and SciPy's on the CPU at the benchmark's size, through NumPy's allocation hook
+(xlab.numpy_traces.NumpyRecorder): the same arrays as cupyx.scipy.ndimage's outputs and the FFTs' results, without
+CuPy's own temporaries and cuFFT's work areas, so it stands in for the GPU's until `scripts/gpu_suite.sh traces`
+records them.
 """
 from __future__ import annotations
 
@@ -108,6 +118,57 @@ def record(name, scheme, gpu, small, seed=0) -> pd.DataFrame:
         **provenance(experiment="dynamic_trace"))
 
 
+HOST_TRACES = ("cupy_fill", "cupy_image")     # --host: exactly (cupy_fill), or NumPy's stand-in (cupy_image)
+
+
+def plan_trace(name: str, seed: int = 0) -> pd.DataFrame:
+    """cupy_fill's requests at the benchmark's size, from its plan: every array made in its step and freed at the end of
+    its last one (the ring's order), the arrays left after the last step freed after it (the teardown)."""
+    from xlab.bench import dynamic_workloads as wl
+    _, _, steps, warmup = spec(name)
+    plan, rows, ring, ids = wl.fill_plan(warmup + steps, seed), [], [], iter(range(1, 1 << 62))
+    for i, made in enumerate(plan + [[]]):
+        last_step = i == len(plan)
+        for b, last in made:
+            ptr = next(ids) << 12
+            rows.append((i, "alloc_miss", ptr, b))
+            ring.append((last, ptr, b))
+        keep = [] if last_step else [r for r in ring if r[0] > i]
+        rows += [(i, "free", ptr, b) for last, ptr, b in ring if last_step or last <= i]
+        ring = keep
+    return pd.DataFrame(rows, columns=["step", "event", "ptr", "requested"])
+
+
+def host_trace(name: str, seed: int = 0) -> pd.DataFrame:
+    """One of HOST_TRACES at the benchmark's size, without a GPU, in record()'s columns (gpu_* left out)."""
+    if name not in HOST_TRACES:
+        raise ValueError(f"name must be one of {', '.join(HOST_TRACES)}, got {name!r}")
+    framework, fn, steps, warmup = spec(name)
+    if name == "cupy_fill":
+        tl, info, how = plan_trace(name, seed), dict(batch=0, shape=""), "plan"
+    else:
+        from xlab.numpy_traces import NumpyRecorder
+        rec, marks = NumpyRecorder(), []
+        with rec:
+            info = fn(steps, warmup, seed, Window(lambda: 0, lambda: None), False, False,
+                      after_step=lambda: marks.append(len(rec.events)))
+        ev = np.array(rec.events, dtype=np.int64).reshape(-1, 3)
+        tl = pd.DataFrame({"step": np.searchsorted(np.asarray(marks), np.arange(len(ev)), side="right"),
+                           "event": np.where(ev[:, 0] == 1, "alloc_miss", "free"), "ptr": ev[:, 1],
+                           "requested": ev[:, 2]})                     # a free: the bytes NumPy frees
+        how = "numpy"
+    if name == "cupy_fill":
+        from xlab.bench import dynamic_workloads as wl
+        lo, hi = wl.FILL_SIZES
+        info = dict(batch=0, shape=f"{wl.FILL_ARRAYS} arrays/step, {lo}-{hi} B")
+    prov = provenance(experiment="dynamic_trace")
+    prov["gpu"] = "none (the plan)" if how == "plan" else "none (NumPy and SciPy on the CPU)"
+    return tl.assign(t_s=0.0, device=0, stream=0, size=tl["requested"], bytes_in_use=0, bytes_cached=0,
+                     bytes_reserved=0)[TIMELINE_COLUMNS].assign(
+        workload=name, scheme="none", release_on_miss="none", steps=steps, warmup=warmup, seed=seed,
+        batch=info["batch"], shape=info["shape"], requests_from=how, **prov)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default="cupy_mix,torch_varlen,gpt_varlen,gpt_b4,test_b4,test_b32_perparam,"
@@ -117,6 +178,8 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0", help="comma-separated seeds (default 0); seed s > 0 writes "
                                                 "memory_trace_dyn_<workload>_s<s>.csv.gz")
     p.add_argument("--cpu", action="store_true", help="NumPy and PyTorch's CPU, small sizes: tests the code")
+    p.add_argument("--host", action="store_true",
+                   help=f"CPU: the host traces of {', '.join(HOST_TRACES)} (--workloads: among them; default both)")
     a = p.parse_args(argv)
     try:
         seeds = [int(x) for x in a.seeds.split(",")]
@@ -126,6 +189,18 @@ def main(argv=None) -> int:
         p.error(f"--seeds must be whole numbers >= 0, comma-separated; got {a.seeds!r}")
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.host:
+        names = HOST_TRACES if a.workloads == p.get_default("workloads") else a.workloads.split(",")
+        bad = [n for n in names if n not in HOST_TRACES]
+        if bad:
+            p.error(f"--host records {', '.join(HOST_TRACES)}; got {', '.join(bad)}")
+        for name, seed in ((n, s) for n in names for s in seeds):
+            tl = host_trace(name, seed)
+            path = out / f"memory_trace_host_dyn_{name}{f'_s{seed}' if seed else ''}.csv.gz"
+            tl.to_csv(path, index=False)
+            print(f"{name}: {len(tl)} events, {tl['step'].max() + 1} steps ({tl['requests_from'].iloc[0]}) -> {path}",
+                  flush=True)
+        return 0
     for name, seed in ((n, s) for n in a.workloads.split(",") for s in seeds):
         t0 = time.perf_counter()
         tl = dynamic.in_process(record, name, a.scheme, not a.cpu, a.cpu, seed)

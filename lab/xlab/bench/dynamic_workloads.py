@@ -5,6 +5,11 @@ models that run in seconds on a CPU.
 
 - cupy_mix: rfft, sort, cumsum and matmul of random sizes, OPS a step, each result kept 2**U(0, 5) steps; `scale`
   makes every result that many times larger (xlab.bench.dynamic_scale).
+- cupy_image: an image and volume pipeline over random crop sizes (cupyx.scipy.ndimage: gaussian blur, Sobel
+  edges, zoom; an FFT of each result), results kept 2**U(0, 3) steps; on a CPU, scipy.ndimage and NumPy's FFT.
+- cupy_fill: a job that fills most of the GPU: FILL_ARRAYS arrays a step of sizes log-uniform in FILL_SIZES, each
+  written and kept 2**U(0, 5) steps (fill_plan: the requests, known without running them); `scale` makes every
+  request that many times larger (x64 in xlab.bench.dynamic_scale: 1 MiB-1 GiB, a peak of 35-38 GiB).
 - gpt: tapegpt's GPT (reference config) trained on CuPy at lengths(lo, hi) tokens a step.
 - torch_lm: a causal pre-norm torch.nn.TransformerEncoder (6 layers, d_model 512, 8 heads), AdamW, bf16 autocast.
 - resnet: a ResNet-18 (basic blocks 2-2-2-2, 64-512 channels, written out here: no torchvision), channels_last,
@@ -19,6 +24,10 @@ import numpy as np
 OPS = 6                          # cupy_mix: operations per step
 FFT_LENGTHS = tuple(sorted(m << k for m in (1, 3, 5) for k in range(12, 17)))   # 15: CuPy's plan cache keeps 16
 LIFETIMES = (0.0, 5.0)           # cupy_mix: a result lives 2**U(0, 5) steps
+IMAGE_SIDES = (256, 2048)        # cupy_image: a crop's side in pixels (small: 16-64); a volume's is side ** (2/3)
+IMAGE_LIFETIMES = (0.0, 3.0)     # cupy_image: a step's results live 2**U(0, 3) steps
+FILL_SIZES = (16 << 10, 16 << 20)   # cupy_fill: bytes of an array (small: 1/64 of these), log-uniform
+FILL_ARRAYS = 22                 # cupy_fill: arrays a step (the count that puts x64 at 35-38 GiB: dynamic_scale)
 
 
 def lengths(n: int, lo: int, hi: int | None, seed: int, multiple: int = 1) -> list[int]:
@@ -92,6 +101,116 @@ def cupy_mix(steps, warmup, seed, window, gpu=True, small=False, after_step=lamb
 # by sqrt(s) only (the largest at s = 216: 2 x 30099^2 x 139 = 0.25 TFLOP, ~5 ms in FP32 on an H200, where a square
 # one of that result would be 55 TFLOP). So the live bytes of every step are s times scale 1's to within the
 # rounding of sizes and of cuFFT's work areas, and scale 1 is the benchmark as it was (the same sizes and `shape`).
+
+
+def _ndimage(gpu):
+    """cupyx.scipy.ndimage on a GPU; scipy.ndimage, which it mirrors, on a CPU."""
+    return importlib.import_module("cupyx.scipy.ndimage" if gpu else "scipy.ndimage")
+
+
+def image_plan(n: int, seed: int, small: bool = False) -> list[list[dict]]:
+    """cupy_image's n steps, drawn from seed: per step the crop's side, whether it is a volume, the blur's sigma and
+    the zoom factor, and each result's lifetime in steps; step 0 is the largest (an image and a volume at the
+    largest side, zoomed x2)."""
+    rng, (lo, hi) = np.random.default_rng([seed, 4]), (16, 64) if small else IMAGE_SIDES
+    plan = []
+    for i in range(n):
+        if i == 0:
+            crops = [(hi, False, 2.0, 2.0), (hi, True, 2.0, 2.0)]
+        else:
+            crops = [(int(rng.integers(lo, hi + 1)), bool(rng.random() < 0.25), float(rng.uniform(0.5, 4.0)),
+                      float(2 ** rng.uniform(-1, 1)))]
+        plan.append([dict(side=side, volume=vol, sigma=sigma, zoom=zoom,
+                          life=int(2 ** rng.uniform(*IMAGE_LIFETIMES))) for side, vol, sigma, zoom in crops])
+    return plan
+
+
+def cupy_image(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda: None) -> dict:
+    """An image and volume pipeline over random crop sizes (image_plan): each crop of a seeded image (a volume's of
+    a seeded volume) blurred (gaussian_filter), its Sobel edge magnitude, that zoomed (order 1), and the zoomed
+    result's magnitude spectrum (rfftn); the zoomed image and its spectrum kept for the crop's lifetime (a queue of
+    results written out later), the rest freed with the step. cuFFT plans a new shape on most steps (CuPy's cache
+    keeps 16): their work areas come from the allocator too, as in a user's pipeline."""
+    xp, ndi = _xp(gpu), _ndimage(gpu)
+    hi = 64 if small else IMAGE_SIDES[1]
+    vhi = round(hi ** (2 / 3))
+    data = np.random.default_rng([seed, 5])
+    image = xp.asarray(data.standard_normal((hi, hi), dtype=np.float32))
+    volume = xp.asarray(data.standard_normal((vhi,) * 3, dtype=np.float32))
+    plan, ring = image_plan(warmup + steps, seed, small), []
+
+    def process(c):
+        src = volume[(slice(0, max(4, round(c["side"] ** (2 / 3)))),) * 3] if c["volume"] else \
+            image[:c["side"], :c["side"]]
+        blur = ndi.gaussian_filter(src, c["sigma"])
+        edges = xp.sqrt(sum(ndi.sobel(blur, axis=a) ** 2 for a in range(blur.ndim)))
+        del blur
+        zoomed = ndi.zoom(edges, c["zoom"], order=1)
+        del edges
+        return zoomed, xp.abs(xp.fft.rfftn(zoomed))
+
+    def step(i, crops):
+        for c in crops:
+            ring.append((i + c["life"], process(c)))
+        ring[:] = [(t, a) for t, a in ring if t > i]
+
+    _loop(step, plan, warmup, window, after_step)
+    ring.clear()
+    if gpu:
+        xp.fft.config.get_plan_cache().clear()           # its plans hold work areas from the allocator
+    lo = 16 if small else IMAGE_SIDES[0]
+    return dict(batch=0, shape=f"crops {lo}-{hi} px (volumes {round(lo ** (2 / 3))}-{vhi} a side), zoom x0.5-2")
+
+
+def fill_plan(n: int, seed: int, small: bool = False, scale: int = 1) -> list[list[tuple[int, int]]]:
+    """cupy_fill's requests over n steps, drawn from seed: per step FILL_ARRAYS (bytes, the last step it lives),
+    bytes log-uniform in FILL_SIZES (small: 1/64 of them) times `scale`, lifetimes 2**U(0, 5) steps (LIFETIMES);
+    step 0's first array is the largest. The same draws at every scale."""
+    if isinstance(scale, bool) or not isinstance(scale, int) or scale < 1:
+        raise ValueError(f"scale must be a whole number >= 1, got {scale!r}")
+    rng = np.random.default_rng([seed, 3])
+    lo, hi = (n_ // 64 for n_ in FILL_SIZES) if small else FILL_SIZES
+    plan = []
+    for i in range(n):
+        sizes = 2 ** rng.uniform(np.log2(lo), np.log2(hi), FILL_ARRAYS)
+        if i == 0:
+            sizes[0] = hi
+        lives = 2 ** rng.uniform(*LIFETIMES, FILL_ARRAYS)
+        plan.append([(int(b) * scale, i + int(t)) for b, t in zip(sizes, lives)])
+    return plan
+
+
+def plan_peak(plan) -> int:
+    """The most bytes a fill_plan keeps live at once (a step's arrays made, then those whose last step it is freed:
+    as cupy_fill runs it)."""
+    live, peak, ring = 0, 0, []
+    for i, made in enumerate(plan):
+        for b, last in made:
+            live += b
+            peak = max(peak, live)
+            ring.append((last, b))
+        live -= sum(b for last, b in ring if last <= i)
+        ring = [(last, b) for last, b in ring if last > i]
+    return peak
+
+
+def cupy_fill(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda: None, *, scale: int = 1) -> dict:
+    """A job that fills most of the GPU with arrays of mixed sizes and lifetimes (fill_plan): each array made
+    (uint8, its planned bytes) and written, kept until its last step; `scale` times the benchmark's bytes."""
+    xp = _xp(gpu)
+    plan, ring = fill_plan(warmup + steps, seed, small, scale), []
+
+    def step(i, made):
+        for b, last in made:
+            a = xp.empty(b, dtype=np.uint8)
+            a.fill(i % 251)
+            ring.append((last, a))
+        ring[:] = [(t, a) for t, a in ring if t > i]
+
+    _loop(step, plan, warmup, window, after_step)
+    ring.clear()
+    lo, hi = ((n // 64 for n in FILL_SIZES) if small else FILL_SIZES)
+    return dict(batch=0, shape=f"{FILL_ARRAYS} arrays/step, {lo * scale}-{hi * scale} B")
 
 
 def gpt(steps, warmup, seed, window, gpu=True, small=False, after_step=lambda: None, *, batch: int, lo: int,
