@@ -441,6 +441,7 @@ DYN_TRACES = ("cupy_mix", "torch_varlen", "gpt_varlen", "gpt_b4", "test_b4", "te
 HELD_OUT_TRACES = ("torch_varlen_b32", *(f"torch_varlen_b32_s{s}" for s in (1, 2, 3, 4)), "torch_fixed_b32",
                    "resnet_varres_b64", *(f"resnet_varres_b64_s{s}" for s in (1, 2, 3, 4)),
                    *(f"gpt_varlen_s{s}" for s in (1, 2, 3, 4)))
+DYN_PAGE = 2 << 20       # the H200's granularity: AddressSpaceBackend's page
 
 
 def dyn_trace(name: str, data_dir=None) -> pd.DataFrame:

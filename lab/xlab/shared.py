@@ -273,6 +273,8 @@ class WorkloadKind:
 # (docs/decisions/0001-one-release-rule-per-scheme.md), so a default is also judged on programs it was not fitted to.
 WORKLOADS = {
     "cupy_mix": WorkloadKind("cupy", True),
+    "cupy_image": WorkloadKind("cupy", True),
+    "cupy_fill": WorkloadKind("cupy", True),
     "gpt_varlen": WorkloadKind("cupy", True),
     "gpt_b32": WorkloadKind("cupy", False),
     "gpt_b4": WorkloadKind("cupy", False),
@@ -317,6 +319,9 @@ class Scaled:
 # - cupy_mix's results outlive their step, so its demand keeps setting new highs (the benchmark's rows: last at
 #   step 12-151 of 230). Over the 96 steps a scaled run takes, the five realizations' recorded traces peak at
 #   160-188 MiB, so x216 (= 2^3 x 3^3: FFT lengths cuFFT is fast at) peaks at 33.8-39.6 GiB.
+# - cupy_fill's requests are its plan (dynamic_workloads.fill_plan: no allocator changes them), so its peak is known
+#   without a run: over 96 steps, 555-609 MiB for seeds 0-4 at the benchmark's size, and x64 (arrays of 1 MiB-1 GiB)
+#   34.7-38.1 GiB; ~3.3 GB written a step, ~2 ms on an H200.
 # A scaled step stays within ~0.3 s on an H200 (from FLOPs and bytes, to be measured): gpt at 256 x 256 tokens is
 # ~9 TFLOP in FP32 (tapegpt uses no TF32), ~0.2 s; the language model at 512 x 512 tokens ~35 TFLOP in bf16, ~0.1 s;
 # the ResNet at 2816 images of 224 px ~31 TFLOP in bf16 and ~0.2 TB through its memory-bound layers, ~0.2-0.3 s at
@@ -327,6 +332,7 @@ SCALED = {
     "gpt_varlen": Scaled(16, 3, 5),
     "torch_varlen": Scaled(32, 3, 5),
     "resnet_varres": Scaled(88, 3, 5),
+    "cupy_fill": Scaled(64, 32, 64),
 }
 SCALE_TRIALS = 5         # the scaled runs' trials
 INTERVAL_TRIALS = 3      # fewer trials than this (a run under way): a median without an interval, "n/a" in its place
