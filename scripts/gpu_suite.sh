@@ -33,7 +33,8 @@
 #              first, and carry .whl (the suite installs it), or its arm is skipped. With scale-caps in one
 #              call: SCALE_LIMIT=420 bash scripts/gpu_suite.sh scale-caps scale            ~17 min   540 s a call
 # traces       opt-in: the request traces of the dynamic workloads for the CPU replays (xlab.bench.dynamic_traces:
-#              data/memory_trace_dyn_<workload>.csv.gz; SEEDS, default 0, e.g. SEEDS=1,2,3,4)          540 s
+#              data/memory_trace_dyn_<workload>.csv.gz; SEEDS, default 0, e.g. SEEDS=1,2,3,4; TRACE_WORKLOADS,
+#              default the benchmark's, e.g. cupy_image,cupy_fill)                                   540 s
 # reserve      opt-in: pool.reserve on the ResNets at varying sizes (xlab.bench.reserve: reserve_probe.csv) 540 s
 # growth       opt-in (#49): growing to ~28 GB in 1,500 kept requests (xlab.bench.growth: growth.csv), xpool
 #              expandable and segments, PyTorch's expandable segments, cudaMallocAsync's pool, CuPy's pool, a process
@@ -155,7 +156,8 @@ for s in $stages; do
         scale-caps)  stage scale-caps 120 $PY -m pytest -q -p no:warnings -m gpu tests/lab/test_dynamic_scale.py ;;
         scale)       stage scale "${SCALE_LIMIT:-540}" $PY -m xlab.bench.dynamic_scale --trials "$TRIALS" ${CAPS:+--caps "$CAPS"} \
                          --out "$DATA"/dynamic_scale.csv --cap-out "$DATA"/memory_cap.csv ;;
-        traces)      stage traces 540 $PY -m xlab.bench.dynamic_traces --seeds "${SEEDS:-0}" --out "$DATA" ;;
+        traces)      stage traces 540 $PY -m xlab.bench.dynamic_traces --seeds "${SEEDS:-0}" --out "$DATA" \
+                         ${TRACE_WORKLOADS:+--workloads "$TRACE_WORKLOADS"} ;;
         reserve)     stage reserve 540 $PY -m xlab.bench.reserve --when start,build --out "$DATA"/reserve_probe.csv ;;
         growth)      stage growth 150 $PY -m xlab.bench.growth --trials "$TRIALS" --out "$DATA"/growth.csv ;;
         peer)        stage peer 420 $PY -m xlab.bench.peer --out "$DATA"/peer_probe.csv ;;
