@@ -172,6 +172,8 @@ def test_run_all_in_jupyterlab_then_autosave_leaves_the_tree_clean(name, lab, br
     try:
         page.goto(f"{base}/lab/workspaces/{name}/tree/notebooks/{name}.ipynb?token={token}")
         page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=180_000)      # the kernel has started
+        page.wait_for_timeout(2000)          # JupyterLab writes the kernel's language_info into the notebook by now
+        assert not page.locator(".lm-TabBar-tab.jp-mod-current.jp-mod-dirty").count(), "unsaved right after opening"
         page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
         page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
         page.wait_for_function(DONE, timeout=900_000, polling=1000)
