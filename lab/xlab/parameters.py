@@ -1,6 +1,7 @@
-"""A notebook's parameters checked before anything else is imported: the standard library and xlab.paths alone, so
-a misspelled or out-of-range `-p` stops the notebook a moment after its kernel is up, not after pandas, matplotlib,
-jupytext and CuPy have loaded (seconds each). Each notebook's cell after its parameters starts with
+"""A notebook's parameters checked before anything else is imported: the standard library and xlab.paths alone (and,
+to check `allocators` or `workloads`, the lab's tables that name them, without CuPy), so a misspelled or
+out-of-range `-p` stops the notebook a moment after its kernel is up, not after pandas, matplotlib, jupytext and CuPy
+have loaded (seconds each). Each notebook's cell after its parameters starts with
 
     from xlab import parameters
     parameters.check("NN_name", globals())
