@@ -37,9 +37,13 @@ data_dir: str = ""  # folder of the committed CSVs shown; a folder of CSVs, or e
 publish: bool = False  # write what this run measures to data/ and redraw figures/ (default: build/ only); True or False
 
 # %%
+from xlab import parameters  # the standard library alone: a bad parameter stops here, a moment after the kernel starts
+
+parameters.check("01_correctness", globals())
+
 from xlab import notebook_utils as nbu
 
-run = nbu.setup("01_correctness", globals())  # checks the parameters; a GPU measures now, a CPU shows the committed CSVs
+run = nbu.setup("01_correctness", globals())  # says what this machine ignores; a GPU measures now, a CPU shows the committed CSVs
 
 import pandas as pd
 

@@ -4,11 +4,7 @@ figure through xlab.plots.build); on a CPU it shows the committed CSV and says w
 """
 from __future__ import annotations
 
-import ast
-import builtins
 import dataclasses
-import difflib
-import importlib
 import os
 import pathlib
 import subprocess
@@ -17,111 +13,11 @@ import tempfile
 
 import pandas as pd
 
-from . import paths, plots, sources, tables
+from . import parameters, paths, plots, sources, tables
 from .correctness import run_correctness, transparency_rows  # noqa: F401 - the notebooks' names
+from .parameters import (PARAMETERS, Param, ParameterError, _resolve, check_parameters, injected,  # noqa: F401
+                         schema)
 from .provenance import has_gpu, provenance
-
-_IPYTHON = {"In", "Out", "get_ipython", "exit", "quit", "open", "display"}
-
-
-class ParameterError(ValueError, TypeError):
-    """A notebook parameter of the wrong type, out of its range, or unknown. In a notebook it shows as one line that
-    names the parameter and what it allows (IPython's `_render_traceback_`), not a traceback; papermill exits 1 with
-    that line last."""
-
-    def _render_traceback_(self) -> list[str]:
-        return [f"\x1b[1;31mParameterError\x1b[0m: {self}"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Param:
-    """What one notebook parameter allows beside its annotated type: numbers (a list's items) from `lo` to `hi`,
-    or one of `choices` ('module:attribute' is imported when checked; a dict gives its keys), or what `check`
-    ('module:function', raising ValueError) accepts, described by `what`; a list empty or not; a str naming a
-    folder. `only`: "gpu" where it sets what a GPU measures (a CPU ignores it and says so), "cpu" where it acts only
-    without a GPU."""
-
-    lo: float | None = None
-    hi: float | None = None
-    choices: tuple | str | None = None
-    check: str = ""
-    what: str = ""
-    nonempty: bool = False
-    folder: bool = False
-    only: str = ""
-
-    def options(self) -> tuple:
-        found = _resolve(self.choices) if isinstance(self.choices, str) else self.choices
-        return tuple(found) if isinstance(found, (tuple, list, dict)) else (found,)
-
-    def allowed(self, ann: str) -> str:
-        """'1 to 10,000', 'threads or processes', 'True or False', ...: the range a comment and a message give."""
-        if ann == "bool":
-            return "True or False"
-        if self.folder:
-            return "a folder of CSVs, or empty for data/"
-        if self.what:
-            what = self.what
-        elif self.choices is not None:
-            names = [f"{v:,}" if isinstance(v, int) else str(v) for v in self.options()]
-            what = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
-        elif self.lo is not None:
-            what = f"{self.lo:,} to {self.hi:,}"
-        else:
-            what = "any"
-        if ann.startswith("list"):
-            return f"{what} each" + (", at least one" if self.nonempty else ", or empty for the default")
-        return what
-
-    def problem(self, ann: str, value) -> str | None:
-        """None where `value` (of its annotated type) is allowed, else what is wrong with it ("" where the range
-        says it all)."""
-        items = value if ann.startswith("list") else [value]
-        if ann.startswith("list") and self.nonempty and not items:
-            return ""
-        if self.folder:
-            return "no such folder" if value and not pathlib.Path(value).is_dir() else None
-        if self.choices is not None:
-            bad = [v for v in items if v not in self.options()]
-            return (f"{bad[0]!r} is not one of {', '.join(map(str, self.options()))}" if self.what else "") \
-                if bad else None
-        if self.check:
-            try:
-                _resolve(self.check)(items)
-            except ValueError as e:
-                return str(e)
-            return None
-        if self.lo is not None and any(not self.lo <= v <= self.hi for v in items):
-            return ""
-        return None
-
-
-# Every parameter of every notebook (a name means the same in each), its range and where it acts: `setup` checks the
-# values against it, and each parameter's comment in its notebook ends with what it allows (a test keeps them equal).
-PARAMETERS = {
-    "data_dir": Param(folder=True),
-    "publish": Param(),
-    "measure": Param(only="gpu"),
-    "cpu_check": Param(only="cpu"),
-    "quick": Param(only="gpu"),
-    "with_torch": Param(),
-    "fail_on_error": Param(),
-    "transparency_steps": Param(1, 10_000, only="gpu"),
-    "steps": Param(1, 10_000, only="gpu"),
-    "warmup": Param(0, 1_000, only="gpu"),
-    "trials": Param(1, 100, only="gpu"),
-    "batch": Param(1, 4_096, only="gpu"),
-    "batches": Param(1, 4_096, nonempty=True, only="gpu"),
-    "worlds": Param(1, 64, nonempty=True, only="gpu"),
-    "modes": Param(choices=("threads", "processes"), nonempty=True, only="gpu"),
-    "allocators": Param(check="xlab.allocators:parse", what="arms of xlab.allocators.ARMS", only="gpu"),
-    "sweep": Param(only="gpu"),
-    "graph": Param(only="gpu"),
-    "ks": Param(1, 64, nonempty=True),          # xpool's classes_per_doubling: 1 to 64
-    "workloads": Param(choices="xlab.bench.dynamic:WORKLOADS", what="workloads of xlab.bench.dynamic.WORKLOADS",
-                       only="gpu"),
-    "scale": Param(only="gpu"),
-}
 
 
 @dataclasses.dataclass
@@ -139,12 +35,6 @@ def _read(path: pathlib.Path) -> list[tuple[str, str, tuple]]:
     """(cell type, source, tags) of each cell of a notebook, .py (jupytext) or .ipynb: what pairing keeps equal."""
     import jupytext
     return [(c.cell_type, c.source, tuple(c.metadata.get("tags", ()))) for c in jupytext.read(path).cells]
-
-
-def _cells(name: str) -> list[tuple[str, bool]]:
-    """(source, tagged `parameters`) of each code cell of notebooks/NAME.py, the notebook as git holds it."""
-    return [(src, "parameters" in tags) for kind, src, tags in _read(paths.repo_root() / "notebooks" / f"{name}.py")
-            if kind == "code"]
 
 
 def unpaired(folder: pathlib.Path | None = None) -> list[pathlib.Path]:
@@ -196,98 +86,12 @@ def stale(name: str) -> str:
             f"takes a newer .py's to the .ipynb, `jupytext --sync notebooks/{name}.ipynb` a newer .ipynb's to the .py.")
 
 
-def schema(name: str) -> dict:
-    """{parameter: (annotation, default)} from the notebook's cell tagged `parameters`."""
-    source = next(src for src, tagged in _cells(name) if tagged)
-    return {n.target.id: (ast.unparse(n.annotation), ast.literal_eval(n.value))
-            for n in ast.parse(source).body if isinstance(n, ast.AnnAssign)}
-
-
-def _example(name: str, ann: str, default) -> str:
-    """How papermill passes this parameter, from its own name and default: '-p worlds 2, or -y "worlds: [2, 1]"'."""
-    if ann.startswith("list"):
-        items = [str(v) for v in default] or ["..."]
-        return f"-p {name} {items[0]}, or -y '{name}: [{', '.join(items)}]'"
-    return f"-p {name} {default if default != '' else '...'}"
-
-
-def _coerce(name: str, ann: str, value, default=None):
-    """The value as its annotation wants it; papermill's `-p x 4` (a scalar, or 'a,b') stands for a list too."""
-    kinds = {"int": int, "float": (int, float), "str": str, "bool": bool}
-    base = ann.removeprefix("list[").removesuffix("]")
-    example = {ann: _example(name, ann, default)}
-    if ann.startswith("list"):
-        items = value.replace(",", " ").split() if isinstance(value, str) else value
-        items = items if isinstance(items, (list, tuple)) else [items]
-        try:
-            items = [int(v) if base == "int" and isinstance(v, str) else v for v in items]
-        except ValueError:
-            items = None
-        if items is None or not all(isinstance(v, kinds[base]) and not (isinstance(v, bool) and base != "bool")
-                                    for v in items):
-            raise ParameterError(f"parameter {name!r} must be a {ann} ({example[ann]}), got {value!r}")
-        return list(items)
-    if not isinstance(value, kinds[ann]) or (isinstance(value, bool) and ann != "bool"):
-        raise ParameterError(f"parameter {name!r} must be {ann} ({example[ann]}), got {type(value).__name__} "
-                             f"{value!r}")
-    return float(value) if ann == "float" else value
-
-
-def injected(namespace: dict) -> list[str]:
-    """The names papermill's injected cells assigned in this run (IPython's `In`, the cells run so far): the cells
-    starting "# Parameters" (papermill's translator writes them, tagged `injected-parameters`) run between the
-    parameters cell and the current one. A name the notebook assigns in a later cell (`-p rows 4`) is caught here,
-    where the namespace alone cannot tell it from the notebook's own; none outside IPython or in JupyterLab."""
-    inputs = namespace.get("In")
-    if not isinstance(inputs, list):
-        return []
-    names = []
-    for source in reversed(inputs[:-1]):              # In[-1]: the cell running now (the setup cell)
-        if not str(source).lstrip().startswith("# Parameters"):
-            break
-        try:
-            tree = ast.parse(source)
-        except SyntaxError:
-            continue
-        names = [t.id for node in tree.body if isinstance(node, ast.Assign)
-                 for t in node.targets if isinstance(t, ast.Name)] + names
-    return list(dict.fromkeys(names))
-
-
-def check_parameters(name: str, namespace: dict, gpu: bool) -> list[str]:
-    """Bring each parameter of notebook `name` in `namespace` to its annotated type and check it against PARAMETERS;
-    the parameters this machine ignores (set away from their default: GPU-only ones on a CPU, CPU-only ones on a
-    GPU). ParameterError: an unknown parameter (the closest named: one papermill injected, or any name in the namespace
-    the notebook never assigns), a wrong type, a value out of range."""
-    params = schema(name)
-    assigned = {t.id for src, _ in _cells(name) for node in ast.walk(ast.parse(src))
-                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) for t in [node]}
-    strays = [k for k in injected(namespace) if k not in params] + [
-        key for key, value in namespace.items()
-        if not (key.startswith("_") or key in params or key in assigned or key in _IPYTHON or hasattr(builtins, key)
-                or not isinstance(value, (int, float, str, bool, list, tuple, dict)))]
-    for key in strays:
-        close = difflib.get_close_matches(key, params, n=1)
-        raise ParameterError(f"unknown parameter {key!r} for notebook {name}" + (f" (did you mean {close[0]!r}?)"
-                             if close else "") + f"; its parameters: {', '.join(params)}")
-    ignored = []
-    for key, (ann, default) in params.items():
-        value = namespace[key] = _coerce(key, ann, namespace[key], default)
-        spec = PARAMETERS[key]
-        why = spec.problem(ann, value)
-        if why is not None:
-            raise ParameterError(f"parameter {key!r} ({ann}) must be {spec.allowed(ann)}; got {value!r}"
-                                 + (f": {why}" if why else ""))
-        if spec.only and (spec.only == "gpu") != gpu and value != default:
-            ignored.append(f"{key}={value!r}")
-    return ignored
-
-
 def setup(name: str, namespace: dict) -> Run:
     """Check this notebook's parameters in `namespace` (check_parameters: types, ranges, arms), say which this
     machine ignores and what the run is on."""
+    parameters.check(name, namespace)               # first: has_gpu imports CuPy
     gpu = has_gpu()
-    ignored = check_parameters(name, namespace, gpu)
+    ignored = parameters.ignored(name, namespace, gpu)
     if note := stale(name):
         print(f"Note: {note}")
     if ignored:
@@ -340,14 +144,6 @@ def shown_from(name: str, data=None) -> str:
 def load_csv(name: str, data=None) -> pd.DataFrame | None:
     """data/NAME.csv as its readers take it (xlab.sources.read), or None if it is not there."""
     return sources.read(data_dir(data), name)
-
-
-def _resolve(fn):
-    """A callable, or 'package.module:function' imported only now (so a CPU never imports GPU code)."""
-    if callable(fn):
-        return fn
-    module, _, name = fn.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def load_or_measure(name: str, measure_fn, gpu_available: bool, data=None, measure: bool = True,

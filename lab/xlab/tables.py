@@ -38,7 +38,7 @@ COLUMNS = {
     "threads": "threads",
     "k": "k (classes per doubling)",
 }
-SOURCE = "source (CSV · commit · date)"
+SOURCE = "source"   # a summary of several CSVs: its rows' numbers of the sources listed above it
 MAX_ROWS = 2000    # the full rows shown at most
 LONG = 16          # a summary of more rows than this is folded, one line per group of its first key
 STYLE = ("<style>.xlab-table td {white-space: nowrap} .xlab-table summary {cursor: pointer; margin: 0.3em 0}"
@@ -160,28 +160,32 @@ def table(df: pd.DataFrame | None, full: pd.DataFrame | None = None, group: str 
 
 
 def summary(df: pd.DataFrame | None, by, columns) -> str | None:
-    """Medians [95% intervals] of `columns` per group of `by` (`interval`), with the trials, each row's source where
-    the rows join several CSVs or commits (else one caption), folded per value of by[0] when long, each fold's line
-    giving the range of the first column's medians and their arms; every row a click away. None without rows."""
+    """Medians [95% intervals] of `columns` per group of `by` (`interval`), with the trials, each row's source (its
+    number in the list of CSVs, commits and dates above the table) where the rows join several CSVs or commits (else
+    one caption), folded per value of by[0] when long, each fold's line giving the range of the first column's medians
+    and their arms; every row a click away. None without rows."""
     if df is None or not len(df):
         return None
     by, columns = list(by), [c for c in columns if c in df]
     arm = sources.arm_column(df)
     several = "csv" in df and df.groupby(["csv", "commit"] if "commit" in df else ["csv"]).ngroups > 1
-    rows, medians = [], []
+    rows, medians, numbered = [], [], {}
     for key, g in df.groupby(by, sort=False, dropna=False):
         key = key if isinstance(key, tuple) else (key,)
         row = dict(zip(by, key))
         stats = {c: intervals.median_ci(g[c])[:3] for c in columns}
         row.update({c: interval(*stats[c]) for c in columns})
         row["trials"] = len(g)
-        if several:
-            row[SOURCE] = source_of(g)
+        if several:         # a number per source, listed above: the CSV, commit and date in each row made it too wide
+            row[SOURCE] = ", ".join(f"[{numbered.setdefault(s, len(numbered) + 1)}]"
+                                    for s in source_of(g).split("; "))
         rows.append(row)
         medians.append({**dict(zip(by, key)), **{c: stats[c][0] for c in columns}})
     out, med = pd.DataFrame(rows), pd.DataFrame(medians)
     lines = _spread_lines(med, by[0], arm, columns[0]) if columns and arm in by and by[0] != arm else None
-    return table(out, full=df, group=by[0], lines=lines, caption="" if several else f"Rows from {source_of(df)}.")
+    caption = ("Rows from " + "; ".join(f"[{n}] {s}" for s, n in numbered.items()) + "." if several
+               else f"Rows from {source_of(df)}.")
+    return table(out, full=df, group=by[0], lines=lines, caption=caption)
 
 
 def _spread_lines(med: pd.DataFrame, group: str, arm: str, column: str) -> dict:

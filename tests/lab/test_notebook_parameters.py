@@ -89,3 +89,53 @@ def test_papermill_exits_non_zero_on_a_name_the_notebook_assigns(tmp_path, monke
     assert r.returncode != 0
     assert r.stderr.strip().splitlines()[-1].startswith(
         "ParameterError: unknown parameter 'threads' for notebook 02_allocator_microbench")
+
+
+HEAVY = ("pandas", "numpy", "matplotlib", "jupytext", "nbformat", "cupy", "torch", "xlab.notebook_utils")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_cell_after_the_parameters_checks_them_before_any_other_import(name):
+    """JupyterLab showed a misspelled parameter 11-28 s after the kernel started: the check ran after pandas,
+    matplotlib, jupytext and CuPy had loaded. The cell after the parameters checks first, with xlab.parameters alone."""
+    code = [c.source for c in notebook(name).cells if c.cell_type == "code"]
+    body = ast.parse(code[1]).body
+    assert ast.unparse(body[0]) == "from xlab import parameters"
+    assert ast.unparse(body[1]) == f"parameters.check({name!r}, globals())"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_check_fails_without_loading_anything_heavy(name, tmp_path):
+    """The setup cell up to its check, run as papermill runs it with a name the notebook assigns, in a fresh
+    interpreter: a ParameterError, and none of HEAVY imported."""
+    stray = internal_name(name)
+    nb = papermill_parameterize.parameterize_notebook(load_notebook_node(str(as_ipynb(name, tmp_path))), {stray: 4})
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    check = "\n".join(code[2].splitlines()[:3])
+    script = f"""
+import sys
+namespace = {{"In": ["", {code[0]!r}, {code[1]!r}, {code[2]!r}]}}
+exec({code[0]!r}, namespace)
+exec({code[1]!r}, namespace)
+try:
+    exec({check!r}, namespace)
+except Exception as e:
+    print(type(e).__name__, e)
+print(sorted(m for m in {HEAVY!r} if m in sys.modules))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=nbu.paths.repo_root())
+    assert r.returncode == 0, r.stderr
+    error, imported = r.stdout.strip().splitlines()
+    assert error.startswith(f"ParameterError unknown parameter {stray!r} for notebook {name}")
+    assert imported == "[]"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_cells_read_without_jupytext_are_jupytexts(name):
+    """xlab.parameters reads a notebook's code cells from its percent-format .py itself (jupytext takes seconds to
+    import): the same sources and the same parameters cell as jupytext reads."""
+    import jupytext
+    from xlab import parameters
+    cells = jupytext.read(nbu.paths.repo_root() / "notebooks" / f"{name}.py").cells
+    assert parameters.code_cells(name) == [(c.source, "parameters" in c.metadata.get("tags", ()))
+                                           for c in cells if c.cell_type == "code"]

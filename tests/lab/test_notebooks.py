@@ -20,7 +20,7 @@ jupytext = pytest.importorskip("jupytext")
 from jupytext.config import load_jupytext_config
 from lab_fixtures import synthetic
 from xlab import notebook_utils as nbu
-from xlab import report, summaries, tables
+from xlab import report, sources, summaries, tables
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NAMES = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
@@ -365,6 +365,35 @@ def test_numbers_for_people():
     assert tables.label("tokens_per_s") == "tokens/s" and tables.label("some_column") == "some column"
 
 
+def first_table(text: str) -> pd.DataFrame:
+    """The first <table> of an HTML text, its cells as text, under its header's names."""
+    from html.parser import HTMLParser
+
+    class Cells(HTMLParser):
+        rows, cell, done = [], None, False
+
+        def handle_starttag(self, tag, attrs):
+            if not self.done and tag == "tr":
+                self.rows.append([])
+            elif not self.done and tag in ("td", "th"):
+                self.cell = ""
+
+        def handle_endtag(self, tag):
+            if tag in ("td", "th") and self.cell is not None:
+                self.rows[-1].append(self.cell.strip())
+                self.cell = None
+            self.done = self.done or tag == "table"
+
+        def handle_data(self, data):
+            if self.cell is not None:
+                self.cell += data
+
+    parser = Cells()
+    parser.rows = []
+    parser.feed(text)
+    return pd.DataFrame(parser.rows[1:], columns=parser.rows[0])
+
+
 def test_a_summary_names_units_and_the_source_of_each_row():
     rows = synthetic.single_gpu()
     old = rows.assign(csv="single_gpu.csv", commit="aaaaaaa", run="aaaaaaa", date="2026-11-30T00:00:00Z")
@@ -372,10 +401,25 @@ def test_a_summary_names_units_and_the_source_of_each_row():
                       batch=rows["batch"] + 1000)
     html = tables.summary(pd.concat([old, new], ignore_index=True), ["batch", "allocator"], ["tokens_per_s"])
     assert "<th>tokens/s</th>" in html and "<th>batch (sequences)</th>" in html
-    assert "single_gpu.csv · aaaaaaa · 2026-11-30" in html and "single_gpu_recheck.csv · bbbbbbb · 2026-12-01" in html
+    assert "[1] single_gpu.csv · aaaaaaa · 2026-11-30; [2] single_gpu_recheck.csv · bbbbbbb · 2026-12-01" in html
+    shown = first_table(html)                                         # each row names its source by number
+    assert set(shown[tables.SOURCE]) == {"[1]", "[2]"}
+    assert shown[tables.SOURCE].tolist() == ["[1]" if int(b.replace(",", "")) < 1000 else "[2]" for b in shown["batch (sequences)"]]
     one = tables.summary(old, ["batch", "allocator"], ["tokens_per_s"])
-    assert "Rows from single_gpu.csv · aaaaaaa · 2026-11-30." in one and tables.SOURCE not in one
+    assert "Rows from single_gpu.csv · aaaaaaa · 2026-11-30." in one and f"<th>{tables.SOURCE}</th>" not in one
     assert f"All {len(old)} rows" in one                                      # every row a click away
+
+
+def test_a_summary_of_several_csvs_fits_beside_jupyterlabs_file_browser():
+    """Notebook 03's first table, its rows from three CSVs, was 1,150 px wide, cut off in a 1,500 px window beside
+    JupyterLab's file browser: each row named its CSV, commit and date. Numbered sources under the table keep its
+    widest row (characters as a proxy for pixels) within what ~1,000 px show."""
+    rows = sources.current(ROOT / "data", "single_gpu")
+    assert rows["csv"].nunique() > 1
+    html = tables.summary(rows, ["batch", "allocator"], ["tokens_per_s", "host_ms_per_step", "gpu_ms_per_step",
+                                                          "gpu_util_mean"])
+    shown = first_table(html)
+    assert max(len(" ".join(map(str, row))) for row in shown.itertuples(index=False)) <= 105
 
 
 def test_a_long_table_folds_by_its_first_key():
