@@ -83,7 +83,7 @@ def lab(tmp_path_factory):
                 time.sleep(0.5)
         else:
             pytest.fail("JupyterLab did not answer in 120 s")
-        yield base, token, clone, tmp / "settings", tmp / "jupyterlab.log"
+        yield base, token, clone, tmp / "settings"
     finally:
         server.terminate()
         try:
@@ -157,9 +157,8 @@ PAGE = """() => {
 
 @pytest.mark.parametrize("name", NAMES)
 def test_run_all_in_jupyterlab_then_autosave_leaves_the_tree_clean(name, lab, browser):
-    base, token, clone, settings, log = lab
+    base, token, clone, settings = lab
     _write_settings(settings)                             # the previous notebook's test switched autosave on
-    logged = log.stat().st_size                           # the server's log, its kernels' stderr in it
     ipynb, text = clone / "notebooks" / f"{name}.ipynb", clone / "notebooks" / f"{name}.py"
     written = text.stat().st_mtime_ns
     page = browser.new_page()
@@ -201,9 +200,3 @@ def test_run_all_in_jupyterlab_then_autosave_leaves_the_tree_clean(name, lab, br
     finally:
         page.close(run_before_unload=False)
         _shut_down_kernels(base, token)
-    # JupyterLab interrupts a kernel it shuts down (SIGINT, then a shutdown request): a kernel busy then, or one whose
-    # SIGINT handler a cell left raising, logs this; the issue saw it after successful runs of 02 and 05
-    with open(log, "rb") as f:
-        f.seek(logged)
-        said = f.read().decode(errors="replace")
-    assert "KeyboardInterrupt" not in said, said[-2000:]
