@@ -14,7 +14,7 @@ import pandas as pd
 
 from xlab import intervals, sources
 from xlab.shared import (DYNAMIC_PEERS as PEERS_ALL, DYNAMIC_PEERS_BY_FRAMEWORK as PEERS, GIB, INTERVAL_TRIALS,
-                         SCALE_TRIALS as TRIALS, SCALED, WORKLOADS, default_arm, ordered)
+                         FRONT_END_NAMES, SCALE_TRIALS as TRIALS, SCALED, WORKLOADS, default_arm, ordered)
 
 
 # --- the dynamic-shape benchmark (xlab.bench.dynamic)
@@ -155,7 +155,7 @@ def cap_grid(df: pd.DataFrame, framework: str) -> pd.DataFrame:
                  cap=[f"{c:.2f}×" for c in s["cap_over_peak_requested"]])
     grid = s.pivot_table(index=["workload", "cap"], columns="allocator", values="cell", aggfunc="first", sort=False)
     default = default_arm(framework)
-    grid = grid[ordered(grid.columns)].fillna("").rename(columns={default: f"{default} (default)"})
+    grid = grid[ordered(grid.columns)].fillna("").rename(columns={default: f"{default}: {FRONT_END_NAMES[framework]}"})
     return grid.reset_index().rename_axis(columns=None)
 
 
