@@ -29,12 +29,12 @@
 # scale        opt-in (#46): the dynamic workloads at 33-40 GiB requested, then under caps of 1.05x, 1.10x, 1.25x
 #              their peak requested (xlab.bench.dynamic_scale: dynamic_scale.csv, memory_cap.csv), 7 CuPy and 5
 #              PyTorch arms x 5 trials (TRIALS, CAPS); ~17 min estimated (Note [Scaled runs]): run the stage again
-#              to resume it, two or three calls. RMM is not in the device image: install its wheels on PYTHONPATH
-#              first (pip install --no-deps --target /tmp/site ...; PYTHONPATH=/tmp/site:$PYTHONPATH bash ...),
-#              or its arm is skipped. With scale-caps in one call: SCALE_LIMIT=420 bash scripts/gpu_suite.sh
-#              scale-caps scale                                                            ~17 min   540 s a call
+#              to resume it, two or three calls. RMM is not in the device image: `bash scripts/fetch_wheels.sh`
+#              first, and carry .whl (the suite installs it), or its arm is skipped. With scale-caps in one
+#              call: SCALE_LIMIT=420 bash scripts/gpu_suite.sh scale-caps scale            ~17 min   540 s a call
 # traces       opt-in: the request traces of the dynamic workloads for the CPU replays (xlab.bench.dynamic_traces:
-#              data/memory_trace_dyn_<workload>.csv.gz; SEEDS, default 0, e.g. SEEDS=1,2,3,4)          540 s
+#              data/memory_trace_dyn_<workload>.csv.gz; SEEDS, default 0, e.g. SEEDS=1,2,3,4; TRACE_WORKLOADS,
+#              default the benchmark's, e.g. cupy_image,cupy_fill)                                   540 s
 # reserve      opt-in: pool.reserve on the ResNets at varying sizes (xlab.bench.reserve: reserve_probe.csv) 540 s
 # growth       opt-in (#49): growing to ~28 GB in 1,500 kept requests (xlab.bench.growth: growth.csv), xpool
 #              expandable and segments, PyTorch's expandable segments, cudaMallocAsync's pool, CuPy's pool, a process
@@ -102,6 +102,13 @@ stage() {   # stage NAME SECONDS CMD...: time-limited (a hang dumps every thread
     return "$rc"
 }
 
+# RMM's wheels: not in the device image, and the device reaches no registry. scripts/fetch_wheels.sh downloads them
+# into .whl/ (git ignores it) on a machine that does; carry .whl to the device, and they go on PYTHONPATH here
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-deps --target "${WHEEL_SITE:-/tmp/xpool_wheels}" .whl/*.whl >>"$LOG" 2>&1 &&
+        export PYTHONPATH=$PYTHONPATH:${WHEEL_SITE:-/tmp/xpool_wheels} ||
+        echo "wheels in .whl/ did not install (RMM's arms will be skipped)" | tee -a "$LOG"
+fi
 { nvidia-smi -L; python3 -c "import cupy; print('cupy', cupy.__version__, 'cuda', cupy.cuda.runtime.runtimeGetVersion())"; } 2>&1 | tee -a "$LOG"
 { python3 setup.py build_ext --inplace -q && (cd lab && python3 setup.py build_ext --inplace -q) &&
   (cd twin && python3 setup.py build_ext --inplace -q); } >>"$LOG" 2>&1 ||
@@ -149,7 +156,8 @@ for s in $stages; do
         scale-caps)  stage scale-caps 120 $PY -m pytest -q -p no:warnings -m gpu tests/lab/test_dynamic_scale.py ;;
         scale)       stage scale "${SCALE_LIMIT:-540}" $PY -m xlab.bench.dynamic_scale --trials "$TRIALS" ${CAPS:+--caps "$CAPS"} \
                          --out "$DATA"/dynamic_scale.csv --cap-out "$DATA"/memory_cap.csv ;;
-        traces)      stage traces 540 $PY -m xlab.bench.dynamic_traces --seeds "${SEEDS:-0}" --out "$DATA" ;;
+        traces)      stage traces 540 $PY -m xlab.bench.dynamic_traces --seeds "${SEEDS:-0}" --out "$DATA" \
+                         ${TRACE_WORKLOADS:+--workloads "$TRACE_WORKLOADS"} ;;
         reserve)     stage reserve 540 $PY -m xlab.bench.reserve --when start,build --out "$DATA"/reserve_probe.csv ;;
         growth)      stage growth 150 $PY -m xlab.bench.growth --trials "$TRIALS" --out "$DATA"/growth.csv ;;
         peer)        stage peer 420 $PY -m xlab.bench.peer --out "$DATA"/peer_probe.csv ;;

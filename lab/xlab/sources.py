@@ -22,12 +22,16 @@ _ONE_GPU_ARMS = ("raw", "cupy_pool", "xpool", "xpool_seed")       # the eager ar
 KINDS = {
     # core_split_gpu (f748abb): the same sweep after the core was split into its files, a build from before beside it
     "alloc_size": ((("alloc_microbench", {"sweep": "size"}), ("alloc_hit_sweep", {}), ("alloc_hit_sweep_repeat", {}),
-                    ("core_split_gpu", {"sweep": "size", "allocator": _ALLOC_ARMS})), ("size_bytes",)),
-    "alloc_threads": ((("alloc_microbench", {"sweep": "threads"}), ("alloc_hit_threads", {})),
+                    ("core_split_gpu", {"sweep": "size", "allocator": _ALLOC_ARMS}),
+                    ("2026-12-07_db0b678/alloc_microbench", {"sweep": "size"})), ("size_bytes",)),
+    "alloc_threads": ((("alloc_microbench", {"sweep": "threads"}), ("alloc_hit_threads", {}),
+                       ("2026-12-07_db0b678/alloc_microbench", {"sweep": "threads"})),
                       ("size_bytes", "threads")),
-    # graph/single_gpu (07fc8b1): raw, CuPy's pool and xpool again at batch 32, beside the graph arms
-    "single_gpu": ((("single_gpu", {}), ("single_gpu_recheck", {}), ("graph/single_gpu", {"allocator": _ONE_GPU_ARMS})),
-                   ("batch",)),
+    # graph/single_gpu (07fc8b1): raw, CuPy's pool and xpool again at batch 32, beside the graph arms. 2026-12-07_db0b678/:
+    # the product as frozen (one release rule per scheme), on one H100 (runs/2026-12-07_db0b678_h100: its logs); its
+    # batch-4 rows are 10-step windows, too short for NVML's busy share (busy_b4 keeps its 250-step runs)
+    "single_gpu": ((("single_gpu", {}), ("single_gpu_recheck", {}), ("graph/single_gpu", {"allocator": _ONE_GPU_ARMS}),
+                    ("2026-12-07_db0b678/single_gpu", {})), ("batch",)),
     # NVML's utilisation needs windows longer than its sample period (1/6 s to 1 s): 250 steps at batch 4
     "busy_b4": ((("single_gpu", {"batch": 4}), ("single_gpu_recheck", {"batch": 4}),
                  ("graph/single_gpu_b4", {"batch": 4})), ("batch",)),
@@ -36,7 +40,8 @@ KINDS = {
     "batch_sweep": ((("batch_sweep", {}), ("graph/batch_sweep", {})), ("mode", "world", "batch")),
     "graph": ((("graph/single_gpu", {}), ("graph/single_gpu_b4", {}), ("graph/ddp_scaling", {}),
                ("graph/ddp_processes", {})), ("mode", "world", "batch")),
-    "correctness": ((("correctness_cpu", {}), ("correctness_gpu", {})), ("device", "check")),
+    "correctness": ((("correctness_cpu", {}), ("correctness_gpu", {}), ("2026-12-07_db0b678/correctness_gpu", {})),
+                    ("device", "check")),
     "dynamic_shapes": ((("dynamic_shapes", {}),), ("workload",)),
     # issue #46 (xlab.bench.dynamic_scale): the dynamic workloads at 33-40 GiB requested, and under memory caps. Each
     # its own benchmark (its rows' `experiment`), never read as a newer run of dynamic_shapes or of each other
