@@ -47,6 +47,8 @@ SCALE_SECTION, SCALED_FIGURE = "At the scale users run them", "dynamic_scale"
 # README.md's generated results table sits between these two lines
 RESULTS = ("<!-- RESULTS: written by `make report` from the targets (lab/xlab/report.py); do not edit by hand -->",
            "<!-- END RESULTS -->")
+WINS = ("<!-- WINS: written by `make report` from the targets (lab/xlab/report.py); do not edit by hand -->",
+        "<!-- END WINS -->")
 MISSES = ("<!-- MISSES: written by `make report` from the targets (lab/xlab/report.py); do not edit by hand -->",
           "<!-- END MISSES -->")
 # the template's line above which the page is REPORT.md and below which its full tables are TABLES.md
@@ -369,6 +371,22 @@ def replication(data: pathlib.Path, where: str = "data") -> str:
             + _md(["ratio", "first run", "second run", "change", "inside"], rows))
 
 
+def _named(s: pd.DataFrame, rows: pd.DataFrame, ref: str = "speed-up over the fastest peer") -> pd.DataFrame:
+    """A per-workload table `s` of `rows` with each arm id in its one name (shared.row_labels, by the workload's front
+    end, with what its rows measured other than the product), the fastest peer's too; "xpool's default" goes, since the
+    name says it (Note [One name per allocator])."""
+    names = {}
+    for w, g in rows.groupby("workload", sort=False):
+        fw = shared.WORKLOADS[w].framework if w in shared.WORKLOADS else None
+        names[w] = shared.row_labels(g.assign(framework=fw) if fw else g)
+    s = s.drop(columns="xpool's default", errors="ignore").copy()
+    s["allocator"] = [names.get(w, {}).get(a, shared.label(a)) for w, a in zip(s["workload"], s["allocator"])]
+    if ref in s:
+        s[ref] = [re.sub(r"\((\w+)\)$", lambda m: f"({shared.label(m[1])})", c) if isinstance(c, str) else c
+                  for c in s[ref]]
+    return s
+
+
 def _dynamic_rows(df: pd.DataFrame) -> str:
     """The dynamic benchmark's table (xlab.summaries.dynamic_summary), its time column given as the speed-up
     over the fastest peer (plots.speedups: the one direction of every ratio)."""
@@ -381,6 +399,7 @@ def _dynamic_rows(df: pd.DataFrame) -> str:
     at = list(s.columns).index("ms vs the fastest peer")
     s = s.drop(columns="ms vs the fastest peer")
     s.insert(at, "speed-up over the fastest peer", cells)
+    s = _named(s, df)
     return _md(list(s), s.itertuples(index=False))
 
 
@@ -495,7 +514,7 @@ def scale_table(data: pathlib.Path) -> str:
     df = sources.current(data, targets.SCALE)
     if df is None:
         return ""
-    s = summaries.scale_summary(df)
+    s = _named(summaries.scale_summary(df), df)
     return _md(list(s), s.itertuples(index=False))
 
 
@@ -507,6 +526,8 @@ def cap_table(data: pathlib.Path) -> str:
     parts = []
     for f, title, _ in plots.DYNAMIC_FRONT_ENDS:
         grid = summaries.cap_grid(df, f)
+        grid = grid.rename(columns={c: shared.label(c.split(":")[0], f) for c in grid.columns
+                                    if c not in ("workload", "cap")})
         if len(grid):
             parts.append(f"{title}:\n\n" + _md(list(grid), grid.itertuples(index=False)))
     return "\n\n".join(parts)
@@ -639,6 +660,11 @@ def _workload(m: targets.Measured) -> str:
     return w if isinstance(w, str) else m.at if m.at in shared.WORKLOADS else ""
 
 
+def _sentence_start(text: str) -> str:
+    """`text` with its first letter capitalised, unless it starts with a name written in lower case (xpool)."""
+    return text if text.startswith("xpool") else text[:1].upper() + text[1:]
+
+
 def misses(data: pathlib.Path, now: list | None = None) -> list[str]:
     """Every missed target as README's sentences: the dynamic ones one sentence per (front end's pool, workload, run),
     each clause a target (a summary row over workloads that repeats a workload's row is left out); every other one a
@@ -666,7 +692,7 @@ def misses(data: pathlib.Path, now: list | None = None) -> list[str]:
         m = ms[0]
         runs = ", ".join(dict.fromkeys(x.src for x in ms))
         if len(key) == 1:
-            out.append(f"{targets.text(m)[0].upper()}{targets.text(m)[1:]}: {m}, missed ({runs}).")
+            out.append(f"{_sentence_start(targets.text(m))}: {m}, missed ({runs}).")
             continue
         arm, w, scaled, _ = key
         who = shared.label(arm, shared.WORKLOADS[w].framework) if arm else "xpool"
@@ -674,6 +700,32 @@ def misses(data: pathlib.Path, now: list | None = None) -> list[str]:
         size = spans.get("scale_words", "scale") if scaled else "the benchmark's size"
         out.append(f"{who}{f' ({said})' if said else ''} on {w} at {size}: " + "; ".join(clauses) + f" ({runs}).")
     return out
+
+
+# README's "When to use it": per peer, the advice and the summary's headlines against that peer (value, verdict,
+# goal), so the wins say what the targets say and cannot drift from the misses listed below them
+WIN_ADVICE = (
+    ("Instead of no pool (raw `cudaMalloc`)", "always: any pool turns a training step that is slower on two GPUs "
+     "than on one into one that scales (the figure)", ()),
+    ("Instead of CuPy's MemoryPool", "for what it adds (statistics, a limit, the debug mode, the timeline, one pool "
+     "with PyTorch), not for a faster step or less memory. `scheme=\"expandable\"` holds less under changing shapes, "
+     "but shares nothing through CUDA IPC ([0014](docs/decisions/0014-cupy-default-scheme.md))",
+     ("hit_worst", "vs_cupy_32", "dyn_vs_cupy_worst")),
+    ("Instead of PyTorch's caching allocator", "when CuPy and PyTorch share a process, or for the same tools; for a "
+     "PyTorch-only program, PyTorch's own allocators are the simpler choice",
+     ("torch_step", "dyn_vs_torch_worst", "dyn_vs_expandable_worst")),
+)
+
+
+def wins_block(data: pathlib.Path, values: dict | None = None) -> str:
+    """README's "When to use it" bullets, between its WINS markers: each peer's advice, then each summary headline
+    against it that is measured, in the summary's words, value and verdict."""
+    got = {r["headline"].key: r for r in headlines(data, values)}
+    out = []
+    for who, advice, keys in WIN_ADVICE:
+        measured = [f"{got[k]['text']}: {got[k]['value']}, {got[k]['verdict']}" for k in keys if k in got]
+        out.append(f"- **{who}**: {advice}." + (f" Measured: {'; '.join(measured)}." if measured else ""))
+    return "\n".join(out)
 
 
 def misses_block(data: pathlib.Path, now: list | None = None) -> str:
@@ -730,6 +782,13 @@ def fill(template: str, values: dict) -> str:
     return re.sub(r"\n{3,}", "\n\n", "\n".join(out))
 
 
+def _runs_said(data: pathlib.Path, figure: str) -> str:
+    """A sentence where figure `figure`'s rows hold several runs (its bars' labels name each), '' where one."""
+    df = plots.rows(figure, data)
+    several = df is not None and "run" in df and df["run"].nunique() > 1
+    return "The figure sets bars of several runs side by side; each bar's label names its run." if several else ""
+
+
 def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib.Path) -> str:
     """The report's markdown (figure links relative to `report_dir`; `runs`: the notebooks' results)."""
     now, then = targets.judged(data)
@@ -746,6 +805,7 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
               "targets_table": "\n".join(targets.table(now)) or "_No targets measured yet._",
               "history_table": "\n".join(targets.table(then)), "replay": _replay(data), **under_way(now)}
     values.update(_spans(data))
+    values["single_gpu_runs"] = _runs_said(data, "single_gpu")
     if (held := measured.get("dyn_h_ror")) is not None:         # the CuPy pool the dynamic benchmark measured
         if held.pool_said:                                       # else its line goes
             values["dyn_retired"] = f"{shared.FRONT_END_NAMES['cupy']} under {held.pool_said}"
@@ -820,6 +880,7 @@ def main(argv=None) -> int:
     if readme is not None and readme.is_file():
         text = readme.read_text()
         new = with_results(with_results(text, readme_table(data)), misses_block(data), MISSES)
+        new = with_results(new, wins_block(data), WINS)
         if new != text:
             readme.write_text(new)
     print(f"report: {build / 'report.md'}, {report_dir / 'REPORT.md'} and TABLES.md ({time.perf_counter() - t0:.0f} s "

@@ -534,7 +534,7 @@ def _bound(r: T, *frames) -> str:
         if f is not None and "bound" in f and f["bound"].notna().any():
             bounds.append((sources.arm_column(f) and f[sources.arm_column(f)].iloc[0], f["bound"].mode().iloc[0]))
     if len({b for _, b in bounds}) > 1:
-        return ", ".join(f"{a} {b}" for a, b in bounds)
+        return ", ".join(f"{_named(a)} {b}" for a, b in bounds)
     return bounds[0][1] if bounds else "—"
 
 
@@ -707,9 +707,24 @@ def values(data: pathlib.Path) -> dict:
 
 def text(m: Measured) -> str:
     """A target's words, its group filled in and its goal's value when the goal is another arm's."""
-    t = m.row.text.replace("{at}", m.at or "—").replace("{steps}", m.steps or "?").replace(
+    t = m.row.text.replace("{at}", _named(m.at) or "—").replace("{steps}", m.steps or "?").replace(
         "{ref}", shared.label(m.ref) if m.ref else "—")
-    return t + (f" ({m.goal_text})" if m.goal_text else "") + (f" [{said}]" if (said := m.pool_said) else "")
+    goal = m.goal_text
+    if goal and ": " in goal:              # 'arm: k of n', the arm in its one name
+        arm, _, got = goal.partition(": ")
+        goal = f"{_named(arm)}: {got}"
+    return t + (f" ({goal})" if goal else "") + (f" [{said}]" if (said := m.pool_said) else "")
+
+
+def _named(at: str | None) -> str | None:
+    """An arm id in its one name (shared.label); a workload, a size or anything else not an arm as it is."""
+    if not at:
+        return at
+    try:
+        shared.arm(at)
+    except ValueError:
+        return at
+    return shared.label(at)
 
 
 def table(rows: list[Measured]) -> list[str]:
