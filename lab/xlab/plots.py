@@ -105,13 +105,15 @@ def _ci_of(least: int):
         (np.nan, np.nan)
 
 
-def labelled(df: pd.DataFrame, col: str = "allocator") -> pd.DataFrame:
+def labelled(df: pd.DataFrame, col: str = "allocator", named: pd.DataFrame | None = None) -> pd.DataFrame:
     """The rows with `arm` and `label`: the arm's one name (xlab.shared.row_labels: its front end's where it is a
     default, what its rows measured other than the product as it ships, and, where the figure's rows hold several
-    runs, each arm's run in place; the caption names each CSV, its commit and its arms)."""
+    runs, each arm's run in place; the caption names each CSV, its commit and its arms). `named`: the measured rows
+    the names are read from, where `df` is computed from them (a speed-up's frame keeps no rule, date or front end)."""
     df = df.copy()
     df["arm"] = df[col].astype(str)
-    names = shared.row_labels(df, "arm", runs=True)
+    src = df if named is None else named.assign(arm=named[col].astype(str))
+    names = shared.row_labels(src, "arm", runs=True)
     df["label"] = df["arm"].map(names)
     return df
 
@@ -615,11 +617,11 @@ def _dynamic_panels(df: pd.DataFrame, value: str, ylabel: str, fmt, span=None, p
         rows = df[(df["framework"] == f) & (~df["allocator"].astype(str).str.startswith("xpool")
                                             | df["allocator"].isin(DYNAMIC_XPOOL))]
         order = list(dict.fromkeys(rows["workload"]))
-        rows = prepare(rows) if prepare else rows
+        measured, rows = rows, prepare(rows) if prepare else rows
         if value not in rows or rows[value].isna().all():
             _empty(ax, f"no {value} measured")
             continue
-        d = labelled(rows.dropna(subset=[value]))         # the default's label names its front end: xpool (CuPy)
+        d = labelled(rows.dropna(subset=[value]), named=measured)     # the default named for its front end
         bars(ax, d, "workload", value, order, fmt=fmt, labels=ticks.__getitem__, rotate=90, span=span,
              errorbar=errorbar)
         _, _, arms = _hue(d)

@@ -562,7 +562,7 @@ def test_a_run_under_way_says_how_many_trials_and_gives_no_interval(trial_data):
     assert rows["cap_peers_torch_varlen"].goal_text == "torch_expandable: 1 of 2"      # its trial 1 stopped
     page = _page(trial_data)
     scale, cap = _section(page, "At the scale users run them"), _section(page, "Under a memory cap")
-    assert "2 of 5 trials so far; an interval needs 3 trials: none where fewer ran." in scale
+    assert "2 of 5 trials so far; an interval needs 5 trials: none where fewer ran." in scale
     assert "caps of 1.10× the peak requested." in cap and "1.05×" not in cap and "1.25×" not in cap
     assert not re.search(r"\[\d", scale + cap) and "[n/a]" in scale                 # no interval anywhere
     now = targets.judged(trial_data)[0]
