@@ -127,7 +127,7 @@ def test_interleaved_order_and_bad_arguments():
         runner.interleaved(2, [])
 
 
-def test_run_arm_counts_once_and_releases():
+def test_run_arm_counts_once_and_releases(monkeypatch):
     made = []
 
     class Fake(allocators.Host):
@@ -142,18 +142,17 @@ def test_run_arm_counts_once_and_releases():
             self.released = True
 
     import dataclasses
-    orig = allocators._TABLE["numpy"]
-    allocators._TABLE["numpy"] = dataclasses.replace(orig, make=Fake, exact=False)
-    try:
-        steps = []
-        ranks = lambda alloc, n: steps.append((alloc.counting, n)) or [{"n": n}]      # noqa: E731
-        m = runner.run_arm("numpy", ranks, 5, 2, [0], count=True)
-        assert steps == [(False, 5), (True, 2)] and m["counted_steps"] == 2 and m["counted"] == [{"n": 2}]
-        m = runner.run_arm("numpy", ranks, 5, 2, [0], count=False)
-        assert m["counted"] is None and m["counted_steps"] == 0
-        assert len(made) == 3 and all(a.released for a in made)
-    finally:
-        allocators._TABLE["numpy"] = orig
+    from xlab import shared
+    # the arms table names each arm's class of xlab.allocators (its `make`): the numpy arm made by Fake here
+    monkeypatch.setattr(allocators, "Fake", Fake, raising=False)
+    monkeypatch.setitem(shared._TABLE, "numpy", dataclasses.replace(shared._TABLE["numpy"], make="Fake", exact=False))
+    steps = []
+    ranks = lambda alloc, n: steps.append((alloc.counting, n)) or [{"n": n}]      # noqa: E731
+    m = runner.run_arm("numpy", ranks, 5, 2, [0], count=True)
+    assert steps == [(False, 5), (True, 2)] and m["counted_steps"] == 2 and m["counted"] == [{"n": 2}]
+    m = runner.run_arm("numpy", ranks, 5, 2, [0], count=False)
+    assert m["counted"] is None and m["counted_steps"] == 0
+    assert len(made) == 3 and all(a.released for a in made)
 
 
 def test_run_threads_reraises_a_rank_failure():

@@ -176,6 +176,18 @@ def expected_usage() -> list[str]:
             f"xpool_k1's {ci(at('xpool_k1', 4096), '{:.1f}')} µs at 4 KiB"]
 
 
+def expected_0012() -> list[str]:
+    """The version the retired names left at: the CHANGELOG's heading over the entry that retires them."""
+    version = None
+    for line in (ROOT / "CHANGELOG.md").read_text().splitlines():
+        if m := re.match(r"## \d{4}-\d\d-\d\d \((\d+\.\d+\.\d+)\)", line):
+            version = m[1]
+        elif line.startswith("- The retired names leave"):
+            break
+    assert version, "the CHANGELOG files the retired names' removal under no version"
+    return [f"Retired names leave at {version}", f"Remove them at {version}"]
+
+
 def expected_0013() -> list[str]:
     """The growth sequence's driver calls under each rule (xlab.bench.growth's models; the twin and a fake driver
     check xpool's in tests/xpool)."""
@@ -210,13 +222,15 @@ def expected_0014() -> list[str]:
     out.append(f"segments {done('xpool_segments')}; expandable {done('xpool_expandable')}")
     ms = df[df.workload == "cupy_mix"].pivot_table(index="trial", columns="allocator", values="ms_per_step")
     r, lo, hi, _ = iv.ratio_ci(ms.xpool_expandable.to_numpy(), ms.xpool_segments.to_numpy())
-    out.append(f"{iv.fmt_ci(r, lo, hi, '{:.3f}', '×')} (within noise)" if lo <= 1 <= hi else iv.fmt_ci(r, lo, hi))
+    out.append(iv.fmt_ci(r, lo, hi, '{:.3f}', '×') + (" (within noise)" if lo <= 1 <= hi else
+                                                      " (slower)" if lo > 1 else " (faster)"))
     return out
 
 
 EXPECTED = {"usage": expected_usage, "0002": lambda: expected_0002() + expected_0002_at_scale(),
             "0003": expected_0003, "0004": expected_0004, "0006": expected_0006, "0007": expected_0007,
-            "0008": expected_0008, "0009": expected_0009, "0010": expected_0010, "0013": expected_0013, "0014": expected_0014}
+            "0008": expected_0008, "0009": expected_0009, "0010": expected_0010, "0012": expected_0012,
+            "0013": expected_0013, "0014": expected_0014}
 
 
 @pytest.mark.parametrize("number", sorted(EXPECTED))
