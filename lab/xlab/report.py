@@ -806,10 +806,20 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
               "history_table": "\n".join(targets.table(then)), "replay": _replay(data), **under_way(now)}
     values.update(_spans(data))
     values["single_gpu_runs"] = _runs_said(data, "single_gpu")
-    if (held := measured.get("dyn_h_ror")) is not None:         # the CuPy pool the dynamic benchmark measured
-        if held.pool_said:                                       # else its line goes
-            values["dyn_retired"] = f"{shared.FRONT_END_NAMES['cupy']} under {held.pool_said}"
-        values["dyn_cupy"] = shared.FRONT_END_NAMES["cupy"] + (f" ({held.pool_said})" if held.pool_said else "")
+    retired = []
+    for key, fw, field in (("dyn_h_ror", "cupy", "dyn_cupy"), ("dyn_h_ror_torch", "torch", "dyn_torch")):
+        if (held := measured.get(key)) is None:                 # the front end's pool the dynamic benchmark measured
+            continue
+        name, said = shared.FRONT_END_NAMES[fw], held.pool_said
+        values[field] = name + (f" ({said})" if said else "")
+        if said:                                                 # an earlier xpool: said in its words
+            retired.append(f"{name} " + "; ".join(q if q == shared.BEFORE_FREEZE else f"under {q}"
+                                                   for q in said.split("; ")))
+    if retired:                                                  # else its line goes
+        values["dyn_retired"] = " and ".join(retired) + (
+            ": the product as it ships is measured [at the scale users run them](#at-the-scale-users-run-them), and "
+            "the summary reads those rows" if "scale_words" in values else ": the product as it ships is not yet measured "
+            "on these workloads")
     for name, fn in (("bounds_table", bounds_table), ("projection_table", projection_table), ("gil_table", gil_table),
                      ("graph_table", graph_table), ("graph_notes", graph_notes), ("replication", replication),
                      ("dynamic_table", dynamic_table), ("dynamic_seeds", dynamic_seeds),
@@ -824,6 +834,8 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
                 values.update(fn(data))
         except (KeyError, ValueError, IndexError, TypeError) as e:     # a malformed CSV costs its section only
             values[name] = f"(could not compute: {type(e).__name__}: {e})"
+    if not values.get("dynamic_seeds"):                          # a CSV that names no seeds: its line goes
+        values.pop("dynamic_seeds", None)
     for key, rows in (("gil_src", sources.read(data, "gil_probe")), ("graph_src", sources.current(data, "graph")),
                       ("dynamic_src", sources.current(data, "dynamic_shapes"))):
         values[key] = sources.sources(rows) if rows is not None else ""
