@@ -94,9 +94,9 @@ SUMMARY = (
     H("Dynamic shapes", f"PyTorch's caching allocator's peak reserved / peak requested over {XT}'s, shapes that "
       "change every step, worst workload", "dyn_vs_torch_worst", "dynamic_shapes"),
     H("Dynamic shapes", f"{XC}'s peak reserved / peak requested, shapes that change every step, worst workload",
-      "dyn_worst", "dynamic_shapes", readme=True),
+      "dyn_worst", "dynamic_shapes"),
     H("Dynamic shapes", f"{XT}'s peak reserved / peak requested, shapes that change every step, worst workload",
-      "dyn_worst_torch", "dynamic_shapes", readme=True),
+      "dyn_worst_torch", "dynamic_shapes"),
     H("Dynamic shapes", f"{XC}: trials with no device call in steady state, worst workload", "dyn_calls_worst",
       "dynamic_calls"),
     H("Dynamic shapes", f"{XT}: trials with no device call in steady state, worst workload",
@@ -105,7 +105,7 @@ SUMMARY = (
     H("Dynamic shapes", f"{XT}'s speed-up over the fastest peer, worst workload", "dyn_speed_worst_torch",
       "dynamic_speed"),
     H("Under a memory cap", f"{XC}: trials finished under a {targets.CAP_JUDGED:.2f}× cap of the peak requested, "
-      "worst workload", "cap_worst", "memory_cap", readme=True),
+      "worst workload", "cap_worst", "memory_cap"),
     H("Under a memory cap", f"{XT}: trials finished under a {targets.CAP_JUDGED:.2f}× cap of the peak requested, "
       "worst workload", "cap_worst_torch", "memory_cap"),
 )

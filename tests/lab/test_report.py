@@ -648,7 +648,7 @@ def test_the_cap_targets_judge_every_trial_and_the_peer_that_finished_most(trial
     done, peers = rows["cap_done_torch_varlen"], rows["cap_peers_torch_varlen"]
     assert (format(done), done.verdict, format(peers), peers.verdict) == ("5 of 5", iv.MET, "5 of 5", iv.MET)
     assert peers.goal == pytest.approx(0.8) and peers.goal_text == "torch_expandable: 4 of 5"
-    assert "the peer that finished most (torch_expandable: 4 of 5)" in targets.text(peers)
+    assert "the peer that finished most (PyTorch's expandable segments: 4 of 5)" in targets.text(peers)   # its name
     assert rows["cap_peers_cupy_mix"].goal_text == "cupy_torch_expandable: 5 of 5"      # of two, the first by name
     df = pd.read_csv(trial_data / "memory_cap.csv")
     df[~((df["allocator"] == "cupy_torch_expandable") & (df["trial"] == 4))].to_csv(trial_data / "memory_cap.csv",
@@ -778,12 +778,18 @@ def test_the_allocation_headline_reads_the_newest_gpu_run_of_the_sweep():
 
 
 def test_a_comparison_and_what_is_set_beside_it_come_from_one_run():
-    """Every summary row's numbers (the headline and those beside it) come from one CSV; a row set beside arms
-    (`along`) reads the newest CSV holding them too (defect 1 of #44: eager threads from one run beside the graph's
-    from another)."""
+    """Every summary row's numbers (its value, and the reference it is a ratio to) come from one CSV, and that CSV
+    holds the arms its row is set beside in its section (`along`); a row set beside arms reads the newest CSV holding
+    them too (defect 1 of #44: eager threads from one run beside the graph's from another)."""
     values = targets.values(COMMITTED)
-    for r in report.headlines(COMMITTED, values):
-        assert all(b.csv == r["m"].csv for _, b in r["beside"]), r["headline"].key
+    heads = report.headlines(COMMITTED, values)
+    assert heads
+    for r in heads:
+        m = r["m"]
+        assert set(m.rows["csv"]) == {m.csv}, r["headline"].key                # the value and its reference: one run
+        if m.row.along:
+            df = sources.select(sources.read(COMMITTED, m.csv.removesuffix(".csv")), m.row.where)
+            assert set(m.row.along) <= set(df[sources.arm_column(df)]), r["headline"].key
     assert values["graph_threads_x"].csv == values["graph_threads"].csv
     assert values["ddp_threads"].csv == values["ddp_raw"].csv
 
@@ -796,8 +802,14 @@ def test_the_report_opens_with_its_summary_and_keeps_paragraphs_short():
     assert len(rows) == len(report.headlines(COMMITTED))
     for line in rows:
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert len(cells) == 7 and cells[3].split(" (")[0] in (iv.MET, iv.MISSED, iv.NOISE)   # a verdict
+        verdict = cells[3].split(" (")[0]
+        assert len(cells) == 7 and verdict in (iv.MET, iv.MISSED, iv.NOISE, targets.PENDING, targets.FEW)
         assert re.search(r"\d", cells[2]) and cells[6].startswith("[")                        # a value, a figure
+        # at most 3 numbers a cell: the value and its interval (its worst workload or size aside), then the goal;
+        # below 5 trials the values are printed instead of an interval
+        value = re.sub(r" \([^()]*\)$", "", cells[2])
+        assert "no interval" in value or len(re.findall(r"\d+(?:\.\d+)?", value)) <= 3, line
+        assert verdict != targets.PENDING or re.match(rf"{targets.PENDING} \(\d+ of \d+\) \(", cells[3]), line
     assert _long_paragraphs(page) == []
 
 
