@@ -834,6 +834,10 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
                 values.update(fn(data))
         except (KeyError, ValueError, IndexError, TypeError) as e:     # a malformed CSV costs its section only
             values[name] = f"(could not compute: {type(e).__name__}: {e})"
+    said = [f"{shared.FRONT_END_NAMES[fw]} {m.pool_said}" for key, fw in (("scale_h_ror", "cupy"),
+            ("scale_h_ror_torch", "torch")) if (m := measured.get(key)) is not None and m.pool_said]
+    values["scale_pool"] = (f"the xpool rows measured an earlier xpool: {'; '.join(said)}" if said else
+                            f"the xpool arms run the product as it ships (release rule {shared.PRODUCT_RULE})")
     if not values.get("dynamic_seeds"):                          # a CSV that names no seeds: its line goes
         values.pop("dynamic_seeds", None)
     for key, rows in (("gil_src", sources.read(data, "gil_probe")), ("graph_src", sources.current(data, "graph")),

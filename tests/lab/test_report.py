@@ -341,8 +341,9 @@ def test_the_old_schema_gives_single_runs_said_so(synthetic_data):
 
 
 def test_a_page_without_data_says_so_and_drops_every_number(tmp_path):
-    page = _page(tmp_path)
-    assert "_No targets measured yet._" in page and "- **" not in page and "{" not in page
+    page, tables = _pages(tmp_path)
+    assert "_Nothing measured yet._" in _section(page, "Summary") and "_No targets measured yet._" in tables
+    assert "- **" not in page + tables and "{" not in page + tables
 
 
 def test_a_malformed_csv_costs_its_lines_not_the_report(trial_data):
@@ -578,6 +579,13 @@ def test_the_memory_headlines_read_the_scaled_rows_where_they_are_measured(trial
     assert summary.count("| [Under a memory cap](#under-a-memory-cap) |") == 2
     scale, cap = _section(page, "At the scale users run them"), _section(page, "Under a memory cap")
     assert scale.startswith("\nRows: `dynamic_scale.csv` at synthetic (SYNTHETIC GPU") and ", 5 trials." in scale
+    # what the xpool rows ran is read from them, not typed: the fixture's predate the freeze
+    assert "the xpool rows measured an earlier xpool: xpool (CuPy) before the freeze; xpool (PyTorch) before the " \
+           "freeze." in scale and "run the product as it ships" not in scale
+    df.assign(date=shared.FREEZE_DAY + "T00:00:00Z").to_csv(trial_data / "dynamic_scale.csv", index=False)
+    assert "the xpool arms run the product as it ships (release rule never)." in \
+        _section(_page(trial_data), "At the scale users run them")
+    df.to_csv(trial_data / "dynamic_scale.csv", index=False)
     full_scale, full_cap = (tables.split(f"\n## {t}\n", 1)[1].split("\n## ", 1)[0]
                             for t in ("At the scale users run them", "Under a memory cap"))
     assert full_scale.count("| #46, ") == 4 * len(dynamic_scale.SCALED) and "| #46, " not in scale
