@@ -702,28 +702,41 @@ def misses(data: pathlib.Path, now: list | None = None) -> list[str]:
     return out
 
 
-# README's "When to use it": per peer, the advice and the summary's headlines against that peer (value, verdict,
-# goal), so the wins say what the targets say and cannot drift from the misses listed below them
+# README's "When to use it": per peer, the advice and the summary's headlines against that peer (each in short words:
+# the summary's own are in README's results table), so the wins say what the targets say and cannot drift from the
+# misses listed below them
 WIN_ADVICE = (
     ("Instead of no pool (raw `cudaMalloc`)", "always: any pool turns a training step that is slower on two GPUs "
      "than on one into one that scales (the figure)", ()),
     ("Instead of CuPy's MemoryPool", "for what it adds (statistics, a limit, the debug mode, the timeline, one pool "
      "with PyTorch), not for a faster step or less memory. `scheme=\"expandable\"` holds less under changing shapes, "
      "but shares nothing through CUDA IPC ([0014](docs/decisions/0014-cupy-default-scheme.md))",
-     ("hit_worst", "vs_cupy_32", "dyn_vs_cupy_worst")),
+     (("hit_worst", "alloc+free, worst size"), ("vs_cupy_32", "training step, batch 32"),
+      ("dyn_vs_cupy_worst", "its memory held over xpool's, changing shapes"))),
     ("Instead of PyTorch's caching allocator", "when CuPy and PyTorch share a process, or for the same tools; for a "
      "PyTorch-only program, PyTorch's own allocators are the simpler choice",
-     ("torch_step", "dyn_vs_torch_worst", "dyn_vs_expandable_worst")),
+     (("torch_step", "training step"), ("dyn_vs_torch_worst", "its memory held over xpool's, changing shapes"),
+      ("dyn_vs_expandable_worst", "PyTorch's expandable segments' memory held over xpool's"))),
 )
 
 
 def wins_block(data: pathlib.Path, values: dict | None = None) -> str:
     """README's "When to use it" bullets, between its WINS markers: each peer's advice, then each summary headline
-    against it that is measured, in the summary's words, value and verdict."""
+    against it that is measured, in short words (the scale of scaled rows, and an earlier xpool's rows, said), its
+    value and verdict."""
     got = {r["headline"].key: r for r in headlines(data, values)}
+    spans = _spans(data)
     out = []
     for who, advice, keys in WIN_ADVICE:
-        measured = [f"{got[k]['text']}: {got[k]['value']}, {got[k]['verdict']}" for k in keys if k in got]
+        measured = []
+        for key, words in keys:
+            if (r := got.get(key)) is None:
+                continue
+            if r["question"] == SCALE_SECTION:
+                words += f", at {spans['scale_words']}"
+            if said := r["m"].pool_said:
+                words += f" ({said}: {NOT_YET})"
+            measured.append(f"{words}: {r['value']}, {r['verdict']}")
         out.append(f"- **{who}**: {advice}." + (f" Measured: {'; '.join(measured)}." if measured else ""))
     return "\n".join(out)
 
