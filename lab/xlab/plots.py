@@ -105,12 +105,16 @@ def _ci_of(least: int):
         (np.nan, np.nan)
 
 
-def labelled(df: pd.DataFrame, col: str = "allocator") -> pd.DataFrame:
-    """The rows with `arm` and `label` (the arms table's label). No commit in a label: a figure's rows hold each arm
-    and configuration once (xlab.sources.current), and its caption names each CSV, its commit and its arms."""
+def labelled(df: pd.DataFrame, col: str = "allocator", named: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The rows with `arm` and `label`: the arm's one name (xlab.shared.row_labels: its front end's where it is a
+    default, what its rows measured other than the product as it ships, and, where the figure's rows hold several
+    runs, each arm's run in place; the caption names each CSV, its commit and its arms). `named`: the measured rows
+    the names are read from, where `df` is computed from them (a speed-up's frame keeps no rule, date or front end)."""
     df = df.copy()
     df["arm"] = df[col].astype(str)
-    df["label"] = [shared.label(a) for a in df["arm"]]
+    src = df if named is None else named.assign(arm=named[col].astype(str))
+    names = shared.row_labels(src, "arm", runs=True)
+    df["label"] = df["arm"].map(names)
     return df
 
 
@@ -270,16 +274,16 @@ def alloc_cost(df: pd.DataFrame) -> Figure:
     if len(r):
         lines(rel, r, "size_bytes", "ratio_vs_cupy_pool")
         rel.axhline(1.0, color=shared.arm("cupy_pool").color, lw=1.6)
-        rel.text(0.01, 1.0, "CuPy MemoryPool = 1", transform=rel.get_yaxis_transform(), va="bottom", fontsize=8)
+        rel.text(0.01, 1.0, "CuPy's MemoryPool = 1", transform=rel.get_yaxis_transform(), va="bottom", fontsize=8)
         rel.set_ylim(bottom=0)
     else:
-        _empty(rel, "CuPy MemoryPool not measured: no reference")
+        _empty(rel, "CuPy's MemoryPool not measured: no reference")
     _log2(rel, sizes, fmt_bytes)
-    rel.set(xlabel="request size (bytes, log scale)", ylabel="speed-up over CuPy MemoryPool (×; above 1: faster)",
-            title="Relative to the default CuPy pool (raw cudaMalloc left out: off the scale)")
+    rel.set(xlabel="request size (bytes, log scale)", ylabel="speed-up over CuPy's MemoryPool (×; above 1: faster)",
+            title="Relative to CuPy's MemoryPool (raw cudaMalloc left out: off the scale)")
     return _finish(fig, "Allocator cost per allocation: xpool against its peers and raw cudaMalloc", d,
                    trials_note(d, ["arm", "size_bytes", "csv"]) + " Each point times many alloc/free pairs "
-                   "through CuPy's array path. Right: speed-up = CuPy MemoryPool's time / the arm's in the same trial, the "
+                   "through CuPy's array path. Right: speed-up = CuPy's MemoryPool's time / the arm's in the same trial, the "
                    "median of the per-trial ratios.", legend_from=[ax, rel])
 
 
@@ -424,7 +428,7 @@ def batch_sweep(df: pd.DataFrame) -> Figure:
                      estimator=np.median, errorbar=_ci, err_style="bars", ax=ms)
         ms.legend(fontsize=8, loc="upper left", title=None)
         _logy(ms)
-        ms.set_title("Where the host bound ends: one GPU, xpool (default scheme)", fontsize=10)
+        ms.set_title("Where the host bound ends: one GPU, xpool (CuPy)", fontsize=10)
     else:
         _empty(ms, "no host ms per step in the CSV")
     ms.set_ylabel("ms per step (log scale)")
@@ -595,7 +599,6 @@ def speedups(df: pd.DataFrame, peers=shared.SETS["dynamic"], by=("workload",), m
 
 # (framework, panel title, its default arm): the default is what a program of that front end gets
 DYNAMIC_FRONT_ENDS = (("cupy", "CuPy programs", targets.XD), ("torch", "PyTorch programs", targets.XDT))
-DEFAULT_MARK = " · xpool's default for {}"     # its label, after the arm's: what a program of that front end gets
 # xpool's arms drawn: its schemes as the product has them (the seed scheme, the reference design, holds far more
 # than the peak and would flatten every other bar: it and the release rules decision 0001 retired are in the
 # report's table); the rest of each panel is its front end's peers
@@ -614,12 +617,11 @@ def _dynamic_panels(df: pd.DataFrame, value: str, ylabel: str, fmt, span=None, p
         rows = df[(df["framework"] == f) & (~df["allocator"].astype(str).str.startswith("xpool")
                                             | df["allocator"].isin(DYNAMIC_XPOOL))]
         order = list(dict.fromkeys(rows["workload"]))
-        rows = prepare(rows) if prepare else rows
+        measured, rows = rows, prepare(rows) if prepare else rows
         if value not in rows or rows[value].isna().all():
             _empty(ax, f"no {value} measured")
             continue
-        d = labelled(rows.dropna(subset=[value]))
-        d.loc[d["arm"] == default, "label"] += DEFAULT_MARK.format(title.split()[0])
+        d = labelled(rows.dropna(subset=[value]), named=measured)     # the default named for its front end
         bars(ax, d, "workload", value, order, fmt=fmt, labels=ticks.__getitem__, rotate=90, span=span,
              errorbar=errorbar)
         _, _, arms = _hue(d)
@@ -637,8 +639,8 @@ def _dynamic_panels(df: pd.DataFrame, value: str, ylabel: str, fmt, span=None, p
     return fig, axes
 
 
-_DEFAULT_NOTE = ("xpool's default (thick outline) is what a program of that front end gets: xpool.install()'s "
-                 "scheme for CuPy, the pool xpool.enable_torch() makes for PyTorch. ")
+_DEFAULT_NOTE = ("xpool (CuPy) and xpool (PyTorch) (thick outline) are what a program of that front end gets from "
+                 "xpool: xpool.install()'s scheme for CuPy, the pool xpool.enable_torch() makes for PyTorch. ")
 
 
 def _dynamic_note(d: pd.DataFrame) -> str:
@@ -695,7 +697,7 @@ def memory_cap(df: pd.DataFrame) -> Figure:
         if s.empty:
             _empty(ax, f"no workload of {title} ran under a cap")
             continue
-        _cap_grid(ax, s, default, title)
+        _cap_grid(ax, s.assign(framework=f), default, title)
     caps = ", ".join(f"{c:.2f}×" for c in sorted(df["cap_over_peak_requested"].unique()))
     return _finish(fig, f"Under a memory cap: which allocator finishes the job (caps of {caps} its peak requested)", df,
                    "A cell: the trials that finished under the cap of those run (green: every one, red: none, grey: "
@@ -718,9 +720,8 @@ def _cap_grid(ax, s: pd.DataFrame, default: str, title: str) -> None:
     ax.imshow(np.ma.masked_invalid(share), cmap=CAP_COLORS, vmin=0, vmax=1, aspect="auto")
     ax.set_facecolor("0.88")                        # a cell not run
     ax.set_xticks(range(len(cols)), [f"{c:.2f}×" for _, c in cols])
-    ax.set_yticks(range(len(arms)), [textwrap.fill(shared.label(a) + (DEFAULT_MARK.format(title.split()[0])
-                                                                          if a == default else ""), 48)
-                                     for a in arms], fontsize=8.5)
+    names = shared.row_labels(s, "allocator")
+    ax.set_yticks(range(len(arms)), [textwrap.fill(names[a], 48) for a in arms], fontsize=8.5)
     for w in dict.fromkeys(w for w, _ in cols):
         js = [j for j, (x, _) in enumerate(cols) if x == w]
         ax.text(np.mean(js), 1.01, w, transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=9.5)

@@ -41,65 +41,77 @@ CPU_QUICK = {
 }
 TEMPLATE = importlib.resources.files("xlab") / "report.md"       # package data: the page's template
 GIL_ARM = "add"    # the GIL probe's op that stands for a training step's ops: an allocation and one launch
-RERUN = sources.SECOND_RUN    # data/rerun/: the same suite run again on a fresh machine (DATA=data/rerun)
+RERUN = sources.SECOND_RUN    # data/rerun/: the same suite run a second time (DATA=data/rerun)
 # Issue #46's section, and the figure of its memory headlines
 SCALE_SECTION, SCALED_FIGURE = "At the scale users run them", "dynamic_scale"
 # README.md's generated results table sits between these two lines
 RESULTS = ("<!-- RESULTS: written by `make report` from the targets (lab/xlab/report.py); do not edit by hand -->",
            "<!-- END RESULTS -->")
+WINS = ("<!-- WINS: written by `make report` from the targets (lab/xlab/report.py); do not edit by hand -->",
+        "<!-- END WINS -->")
+MISSES = ("<!-- MISSES: written by `make report` from the targets (lab/xlab/report.py); do not edit by hand -->",
+          "<!-- END MISSES -->")
+# the template's line above which the page is REPORT.md and below which its full tables are TABLES.md
+TABLES_MARK = "<!-- TABLES -->"
 
 
 @dataclasses.dataclass(frozen=True)
 class Headline:
-    """A row of the report's summary: a target (value, interval, verdict) with the numbers of the same run set beside
-    it, the figure that shows it, and whether README's results table has it too."""
+    """A row of the report's summary: a target (value, interval, verdict), the figure that shows it, and whether
+    README's results table has it too. The numbers measured beside it are the section's, not the summary's: a cell
+    holds the value, its interval and the goal, no more."""
 
     question: str              # the report's section it sums up
     text: str                  # what is measured, in words
     key: str                   # a row of targets.TARGETS with a goal
     figure: str                # a name of plots.FIGURES
-    beside: tuple = ()         # (words, key) of rows measured in the same CSV
     readme: bool = False
 
 
 H = Headline
+XC, XT = shared.FRONT_END_NAMES["cupy"], shared.FRONT_END_NAMES["torch"]
 SUMMARY = (
-    H("Correctness", "training under every allocator is bit-identical to raw cudaMalloc", "gate", "correctness",
+    H("Correctness", "training under every allocator is bit-identical to raw cudaMalloc's", "gate", "correctness",
       readme=True),
-    H("Allocation cost", "speed-up of an alloc+free through CuPy over CuPy's pool, at xpool's worst request size",
-      "hit_worst", "alloc_cost", (("at its best size", "hit_best"),), readme=True),
-    H("One GPU", "speed-up of GPT training over CuPy's pool, one GPU, batch 32", "vs_cupy_32", "single_gpu",
-      (("over raw cudaMalloc", "vs_raw"),), readme=True),
-    H("One GPU", "peak reserved / peak requested, one GPU, batch 32", "ror_32", "single_gpu",
-      (("CuPy's pool", "ror_32_cupy"),), readme=True),
-    H("Two GPUs", "speed-up of two GPUs over one, one thread per GPU", "ddp_threads", "ddp_before_after",
-      (("raw cudaMalloc", "ddp_raw"), ("CuPy's pool", "ddp_threads_cupy")), readme=True),
-    H("Two GPUs", "speed-up over CuPy's pool, two GPUs, one thread per GPU", "ddp_threads_vs_cupy",
+    H("Allocation cost", f"{XC}'s alloc+free speed-up over CuPy's MemoryPool, at its worst request size",
+      "hit_worst", "alloc_cost", readme=True),
+    H("One GPU", f"{XC}'s GPT training speed-up over CuPy's MemoryPool, one GPU, batch 32", "vs_cupy_32",
+      "single_gpu", readme=True),
+    H("One GPU", f"{XC}'s peak reserved / peak requested, one GPU, batch 32", "ror_32", "single_gpu", readme=True),
+    H("Two GPUs", f"{XC}'s speed-up of two GPUs over one, one thread per GPU", "ddp_threads", "ddp_before_after",
+      readme=True),
+    H("Two GPUs", f"{XC}'s speed-up over CuPy's MemoryPool, two GPUs, one thread per GPU", "ddp_threads_vs_cupy",
       "ddp_before_after"),
-    H("Two GPUs", "speed-up of two GPUs over one, one process per GPU", "ddp_procs", "ddp_scaling",
-      (("raw cudaMalloc", "ddp_raw_procs"),)),
-    H("The step as a CUDA graph", "speed-up of two GPUs over one, one thread per GPU, the step captured as a CUDA "
-      "graph", "graph_threads", "graph_steps", (("eager xpool", "graph_threads_x"), ("raw cudaMalloc", "graph_raw"))),
-    H("PyTorch through xpool", "speed-up of a PyTorch training step over PyTorch's own allocator", "torch_step",
+    H("Two GPUs", f"{XC}'s speed-up of two GPUs over one, one process per GPU", "ddp_procs", "ddp_scaling"),
+    H("The step as a CUDA graph", f"{XC}, the step as a CUDA graph: speed-up of two GPUs over one, one thread per "
+      "GPU", "graph_threads", "graph_steps"),
+    H("PyTorch through xpool", f"{XT}'s training-step speed-up over PyTorch's caching allocator", "torch_step",
       "torch_interop", readme=True),
-    H("Dynamic shapes", "CuPy's pool's peak reserved / peak requested over CuPy's default's, shapes that change "
-      "every step, worst workload", "dyn_vs_cupy_worst", "dynamic_shapes", readme=True),
-    H("Dynamic shapes", "PyTorch's expandable segments' peak reserved / peak requested over PyTorch's default's, "
-      "shapes that change every step, worst workload", "dyn_vs_expandable_worst", "dynamic_shapes",
-      (("PyTorch's allocator without them", "dyn_vs_torch_worst"),), readme=True),
-    H("Dynamic shapes", "peak reserved / peak requested, shapes that change every step, CuPy's default, worst "
-      "workload", "dyn_worst", "dynamic_shapes"),
-    H("Dynamic shapes", "the same, PyTorch's default", "dyn_worst_torch", "dynamic_shapes"),
-    H("Dynamic shapes", "device calls per step in steady state, CuPy's default, worst workload", "dyn_calls_worst",
+    H("Dynamic shapes", f"CuPy's MemoryPool's peak reserved / peak requested over {XC}'s, shapes that change every "
+      "step, worst workload", "dyn_vs_cupy_worst", "dynamic_shapes", readme=True),
+    H("Dynamic shapes", f"PyTorch's expandable segments' peak reserved / peak requested over {XT}'s, shapes that "
+      "change every step, worst workload", "dyn_vs_expandable_worst", "dynamic_shapes", readme=True),
+    H("Dynamic shapes", f"PyTorch's caching allocator's peak reserved / peak requested over {XT}'s, shapes that "
+      "change every step, worst workload", "dyn_vs_torch_worst", "dynamic_shapes"),
+    H("Dynamic shapes", f"{XC}'s peak reserved / peak requested, shapes that change every step, worst workload",
+      "dyn_worst", "dynamic_shapes"),
+    H("Dynamic shapes", f"{XT}'s peak reserved / peak requested, shapes that change every step, worst workload",
+      "dyn_worst_torch", "dynamic_shapes"),
+    H("Dynamic shapes", f"{XC}: trials with no device call in steady state, worst workload", "dyn_calls_worst",
       "dynamic_calls"),
-    H("Dynamic shapes", "the same, PyTorch's default", "dyn_calls_worst_torch", "dynamic_calls"),
-    H("Dynamic shapes", "speed-up over the fastest peer, CuPy's default, worst workload", "dyn_speed_worst",
+    H("Dynamic shapes", f"{XT}: trials with no device call in steady state, worst workload",
+      "dyn_calls_worst_torch", "dynamic_calls"),
+    H("Dynamic shapes", f"{XC}'s speed-up over the fastest peer, worst workload", "dyn_speed_worst", "dynamic_speed"),
+    H("Dynamic shapes", f"{XT}'s speed-up over the fastest peer, worst workload", "dyn_speed_worst_torch",
       "dynamic_speed"),
-    H("Dynamic shapes", "the same, PyTorch's default", "dyn_speed_worst_torch", "dynamic_speed"),
-    H("Under a memory cap", f"trials finished under a {targets.CAP_JUDGED:.2f}× cap of the peak requested, CuPy's "
-      "default, worst workload", "cap_worst", "memory_cap"),
-    H("Under a memory cap", "the same, PyTorch's default", "cap_worst_torch", "memory_cap"),
+    H("Under a memory cap", f"{XC}: trials finished under a {targets.CAP_JUDGED:.2f}× cap of the peak requested, "
+      "worst workload", "cap_worst", "memory_cap"),
+    H("Under a memory cap", f"{XT}: trials finished under a {targets.CAP_JUDGED:.2f}× cap of the peak requested, "
+      "worst workload", "cap_worst_torch", "memory_cap"),
 )
+# the words of a headline whose rows measured an earlier xpool than the product as it ships (Note [One name per
+# allocator]): they name what was measured, and say that the product as it ships is not measured there yet
+NOT_YET = "not yet measured on the product as it ships"
 
 
 def notebooks(root: pathlib.Path | None = None, only=None) -> list[pathlib.Path]:
@@ -296,7 +308,7 @@ def graph_notes(data: pathlib.Path) -> dict:
     return out
 
 
-# --- a second run on a fresh machine (issue #12): do its ratios fall inside the first run's intervals?
+# --- a second run of the suite (issue #12): do its ratios fall inside the first run's intervals?
 T = targets.T
 REPLICATED = (     # every ratio the targets rest on, per group; measured in a folder and in its rerun/
     T("r1", "one GPU, {at}: speed-up over CuPy's pool, tokens/s", "single_gpu.csv", "tokens_per_s", ref=dict(allocator="cupy_pool"),
@@ -348,15 +360,31 @@ def replication(data: pathlib.Path, where: str = "data") -> str:
     if not rows:
         return ""
     runs = lambda d: ", ".join(sorted({m.src for m in d.values()}))     # noqa: E731
-    return (f"A second run of the suite on a fresh machine: `{where}/{RERUN}/` ({runs(second)}) against the first "
+    return (f"A second run of the suite: `{where}/{RERUN}/` ({runs(second)}) against the first "
             f"run ({runs({n: first[n] for n in second if n in first})}).\n\n"
             f"{inside} of {len(rows)} ratios fall inside the first run's 95% interval; {close} of {len(rows)} medians "
             "within 5% of the first run's. Where one falls outside, the row says **no**; the change column says by how "
-            "much (an interval of paired trials can be far narrower than the difference between two machines)."
+            "much (an interval of paired trials can be far narrower than the difference between two runs)."
             + "".join(f"\n\nNot compared, because the two runs did not measure the same pool by what their CSVs "
                       f"say (first run: {first_pool}; second run: {second_pool}): {', '.join(names)}."
                       for (first_pool, second_pool), names in apart.items()) + "\n\n"
             + _md(["ratio", "first run", "second run", "change", "inside"], rows))
+
+
+def _named(s: pd.DataFrame, rows: pd.DataFrame, ref: str = "speed-up over the fastest peer") -> pd.DataFrame:
+    """A per-workload table `s` of `rows` with each arm id in its one name (shared.row_labels, by the workload's front
+    end, with what its rows measured other than the product), the fastest peer's too; "xpool's default" goes, since the
+    name says it (Note [One name per allocator])."""
+    names = {}
+    for w, g in rows.groupby("workload", sort=False):
+        fw = shared.WORKLOADS[w].framework if w in shared.WORKLOADS else None
+        names[w] = shared.row_labels(g.assign(framework=fw) if fw else g)
+    s = s.drop(columns="xpool's default", errors="ignore").copy()
+    s["allocator"] = [names.get(w, {}).get(a, shared.label(a)) for w, a in zip(s["workload"], s["allocator"])]
+    if ref in s:
+        s[ref] = [re.sub(r"\((\w+)\)$", lambda m: f"({shared.label(m[1])})", c) if isinstance(c, str) else c
+                  for c in s[ref]]
+    return s
 
 
 def _dynamic_rows(df: pd.DataFrame) -> str:
@@ -371,6 +399,7 @@ def _dynamic_rows(df: pd.DataFrame) -> str:
     at = list(s.columns).index("ms vs the fastest peer")
     s = s.drop(columns="ms vs the fastest peer")
     s.insert(at, "speed-up over the fastest peer", cells)
+    s = _named(s, df)
     return _md(list(s), s.itertuples(index=False))
 
 
@@ -472,8 +501,11 @@ def scale_vs_peers(data: pathlib.Path) -> str:
     df = sources.current(data, targets.SCALE)
     if df is None:
         return ""
-    s = summaries.defaults_vs_peers(df).rename(columns={"best_peer": "best peer",
-                                                          "trials_no_more": "trials it reserved no more"})
+    s = summaries.defaults_vs_peers(df)
+    framework = {w: shared.WORKLOADS[w].framework for w in s["workload"]}
+    s = s.assign(default=[shared.label(a, framework[w]) for a, w in zip(s["default"], s["workload"])],
+                 best_peer=[shared.label(a) for a in s["best_peer"]])
+    s = s.rename(columns={"default": "xpool", "best_peer": "best peer", "trials_no_more": "trials it reserved no more"})
     return _md(list(s), s.itertuples(index=False))
 
 
@@ -482,7 +514,7 @@ def scale_table(data: pathlib.Path) -> str:
     df = sources.current(data, targets.SCALE)
     if df is None:
         return ""
-    s = summaries.scale_summary(df)
+    s = _named(summaries.scale_summary(df), df)
     return _md(list(s), s.itertuples(index=False))
 
 
@@ -494,6 +526,8 @@ def cap_table(data: pathlib.Path) -> str:
     parts = []
     for f, title, _ in plots.DYNAMIC_FRONT_ENDS:
         grid = summaries.cap_grid(df, f)
+        grid = grid.rename(columns={c: shared.label(c.split(":")[0], f) for c in grid.columns
+                                    if c not in ("workload", "cap")})
         if len(grid):
             parts.append(f"{title}:\n\n" + _md(list(grid), grid.itertuples(index=False)))
     return "\n\n".join(parts)
@@ -508,7 +542,7 @@ def under_way(now: list) -> dict:
     few = (f", {c['few']} of them on too few for an interval (a verdict that opens \"{targets.FEW}\")"
            if c["few"] else "")
     return {"under_way": f"{c['under_way']} of them rest on a run under way, fewer trials than their goal speaks of"
-                         f"{few}: each verdict says how many."}
+                         f"{few}: each reads pending (k of N)."}
 
 
 # --- the summary at the head of the report, and README's results table: rows of SUMMARY, measured
@@ -546,23 +580,19 @@ def headlines(data: pathlib.Path, values: dict | None = None) -> list[dict]:
 
 def _headline(h: Headline, values: dict, spans: dict) -> dict | None:
     """One headline measured: its twin on the scaled rows (targets.AT_SCALE_TWIN) where that is measured, the scale
-    in its words, its section and figure, and the benchmark's size's value beside it; else its own row; None when
-    neither is measured."""
+    in its words, its section and figure; else its own row; None when neither is measured. Rows of an earlier xpool
+    than the product as it ships say so in the headline's words, and that the product is not yet measured there."""
     twin = targets.AT_SCALE_TWIN.get(h.key)
     scaled = twin in values
     m = values.get(twin if scaled else h.key)
     if m is None:
         return None
-    keys = [(words, targets.AT_SCALE_TWIN.get(k, k) if scaled else k) for words, k in h.beside]
-    beside = [(words, values[k]) for words, k in keys if k in values]
-    said = [f"{w}{f' ({b.at})' if b.at and not b.each else ''}: {b}" for w, b in beside]
-    if scaled and h.key in values:
-        said.append(f"at the benchmark's size, {spans['small_words']}: {_value(values[h.key])}")
-    return dict(headline=h, m=m, beside=beside, value=_value(m), next_to="; ".join(said),
-                question=SCALE_SECTION if scaled else h.question,
-                text=f"{h.text}, at {spans['scale_words']}" if scaled else h.text,
-                figure=SCALED_FIGURE if scaled else h.figure,
-                verdict=f"{m.verdict} ({_goal(m)})", statistic=m.statistic, data=_data(m))
+    text = f"{h.text}, at {spans['scale_words']}" if scaled else h.text
+    if said := m.pool_said:
+        text += f" ({said}: {NOT_YET})"
+    return dict(headline=h, m=m, value=_value(m), question=SCALE_SECTION if scaled else h.question, text=text,
+                figure=SCALED_FIGURE if scaled else h.figure, verdict=f"{m.verdict} ({_goal(m)})",
+                statistic=m.statistic, data=m.src)
 
 
 def _spans(data: pathlib.Path) -> dict:
@@ -578,31 +608,149 @@ def _spans(data: pathlib.Path) -> dict:
 
 def summary_table(data: pathlib.Path, figs: dict, report_dir: pathlib.Path, values: dict | None = None) -> str:
     """The report's opening table: each headline's value [interval], verdict against its goal, the statistic, the
-    CSV and pool, the figure."""
+    run (CSV and commit), the figure."""
     rows = []
     for r in headlines(data, values):
         name, fig = r["figure"], figs.get(r["figure"])
         link = (f"[{name}]({pathlib.Path(os.path.relpath(fig.resolve(), report_dir.resolve())).as_posix()})"
                 if isinstance(fig, pathlib.Path) else name)
-        rows.append((f"[{r['question']}](#{anchor(r['question'])})",
-                     r["text"] + (f" ({r['next_to']})" if r["next_to"] else ""), r["value"], r["verdict"],
+        rows.append((f"[{r['question']}](#{anchor(r['question'])})", r["text"], r["value"], r["verdict"],
                      r["statistic"], r["data"], link))
-    return _md(["question", "headline", "value [95% interval]", "verdict (goal)", "statistic", "data (pool measured)",
-                "figure"], rows) if rows else "_Nothing measured yet._"
+    return _md(["question", "headline", "value [95% interval]", "verdict (goal)", "statistic", "run", "figure"],
+               rows) if rows else "_Nothing measured yet._"
 
 
 def readme_table(data: pathlib.Path, values: dict | None = None) -> str:
     """README's results table: the SUMMARY rows marked `readme`, each linking its section of the report."""
-    rows = [(f"[{r['question']}](report/REPORT.md#{anchor(r['question'])})",
-             r["text"] + (f" ({r['next_to']})" if r["next_to"] else ""), r["value"], r["verdict"], r["data"])
-            for r in headlines(data, values) if r["headline"].readme]
-    return _md(["", "result", "value [95% interval]", "verdict (goal)", "run (pool measured)"], rows) if rows else \
+    rows = [(f"[{r['question']}](report/REPORT.md#{anchor(r['question'])})", r["text"], r["value"], r["verdict"],
+             r["data"]) for r in headlines(data, values) if r["headline"].readme]
+    return _md(["", "result", "value [95% interval]", "verdict (goal)", "run"], rows) if rows else \
         "_Nothing measured yet: `make report` writes this table from `data/`._"
 
 
-def with_results(readme: str, table: str) -> str:
-    """README's text with the table between its RESULTS markers replaced (unchanged where it has no markers)."""
-    start, end = RESULTS
+# --- README's "When to use it": every measured miss, one sentence per workload and run (or per target)
+def _peer(name: str) -> str:
+    return shared.label(name) if name else "—"
+
+
+def _clause(m: targets.Measured) -> str:
+    """A missed target as a clause of its workload's sentence: what was measured, its value, its goal."""
+    k, r = m.row.key, m.row
+    if r.stat == "all" and r.metric == targets.ZERO:
+        return f"no device call in steady state in {m} trials"
+    if k.startswith("cap_peers"):
+        peer, _, got = m.goal_text.partition(": ")
+        return f"{_peer(peer)} finished {got} there"
+    if r.stat == "all" and r.metric == "completed":
+        return f"{m} trials finished under a {targets.CAP_JUDGED:.2f}× cap of the peak requested"
+    if r.stat == "share":
+        return f"it reserved no more than the best peer ({_peer(m.ref)}) in {m} trials (goal: {_goal(m)})"
+    if "_vs_" in k and r.ref:
+        return f"{_peer(r.ref['allocator'])} held {m} of what it held (goal {_goal(m)})"
+    if r.metric == targets.HELD["metric"]:
+        return f"peak reserved / peak requested {m} (goal {_goal(m)})"
+    if k.startswith(("dyn_ms", "scale_ms", "dyn_speed", "scale_speed")):
+        return f"speed-up over the fastest peer ({_peer(m.ref)}) {m} (goal {_goal(m)})"
+    return f"{targets.text(m)}: {m}"
+
+
+def _workload(m: targets.Measured) -> str:
+    """The workload a dynamic target's value comes from ('' for the other targets)."""
+    w = m.row.where.get("workload")
+    return w if isinstance(w, str) else m.at if m.at in shared.WORKLOADS else ""
+
+
+def _sentence_start(text: str) -> str:
+    """`text` with its first letter capitalised, unless it starts with a name written in lower case (xpool)."""
+    return text if text.startswith("xpool") else text[:1].upper() + text[1:]
+
+
+def misses(data: pathlib.Path, now: list | None = None) -> list[str]:
+    """Every missed target as README's sentences: the dynamic ones one sentence per (front end's pool, workload, run),
+    each clause a target (a summary row over workloads that repeats a workload's row is left out); every other one a
+    sentence of its own. Each names the pool measured (and an earlier rule's, where its rows did) and the run."""
+    now = targets.judged(data)[0] if now is None else now
+    missed = [m for m in now if m.verdict.startswith(iv.MISSED)]
+    spans, groups, order = _spans(data), {}, []
+    for m in missed:
+        w = _workload(m)
+        scaled = m.row.kind in (targets.SCALE, targets.CAP)
+        arm = m.row.arm if isinstance(m.row.arm, str) else m.at
+        if m.row.key.startswith("dyn_ror_best") and arm == shared.default_arm(shared.WORKLOADS[w].framework):
+            continue                       # the front end's own pool is its best scheme: its own row says it
+        key = (arm, w, scaled, "") if w else (m.row.key,)
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        clause = _clause(m)
+        if w and any(c == clause for c, _ in groups[key]):
+            continue                       # a summary row over workloads: its worst workload's row says it
+        groups[key].append((clause, m))
+    out = []
+    for key in order:
+        clauses, ms = [c for c, _ in groups[key]], [m for _, m in groups[key]]
+        m = ms[0]
+        runs = ", ".join(dict.fromkeys(x.src for x in ms))
+        if len(key) == 1:
+            out.append(f"{_sentence_start(targets.text(m))}: {m}, missed ({runs}).")
+            continue
+        arm, w, scaled, _ = key
+        who = shared.label(arm, shared.WORKLOADS[w].framework) if arm else "xpool"
+        said = m.pool_said
+        size = spans.get("scale_words", "scale") if scaled else "the benchmark's size"
+        out.append(f"{who}{f' ({said})' if said else ''} on {w} at {size}: " + "; ".join(clauses) + f" ({runs}).")
+    return out
+
+
+# README's "When to use it": per peer, the advice and the summary's headlines against that peer (each in short words:
+# the summary's own are in README's results table), so the wins say what the targets say and cannot drift from the
+# misses listed below them
+WIN_ADVICE = (
+    ("Instead of no pool (raw `cudaMalloc`)", "always: any pool turns a training step that is slower on two GPUs "
+     "than on one into one that scales (the figure)", ()),
+    ("Instead of CuPy's MemoryPool", "for what it adds (statistics, a limit, the debug mode, the timeline, one pool "
+     "with PyTorch), not for a faster step or less memory. `scheme=\"expandable\"` holds less under changing shapes, "
+     "but shares nothing through CUDA IPC ([0014](docs/decisions/0014-cupy-default-scheme.md))",
+     (("hit_worst", "alloc+free, worst size"), ("vs_cupy_32", "training step, batch 32"),
+      ("dyn_vs_cupy_worst", "its memory held over xpool's, changing shapes"))),
+    ("Instead of PyTorch's caching allocator", "when CuPy and PyTorch share a process, or for the same tools; for a "
+     "PyTorch-only program, PyTorch's own allocators are the simpler choice",
+     (("torch_step", "training step"), ("dyn_vs_torch_worst", "its memory held over xpool's, changing shapes"),
+      ("dyn_vs_expandable_worst", "PyTorch's expandable segments' memory held over xpool's"))),
+)
+
+
+def wins_block(data: pathlib.Path, values: dict | None = None) -> str:
+    """README's "When to use it" bullets, between its WINS markers: each peer's advice, then each summary headline
+    against it that is measured, in short words (the scale of scaled rows, and an earlier xpool's rows, said), its
+    value and verdict."""
+    got = {r["headline"].key: r for r in headlines(data, values)}
+    spans = _spans(data)
+    out = []
+    for who, advice, keys in WIN_ADVICE:
+        measured = []
+        for key, words in keys:
+            if (r := got.get(key)) is None:
+                continue
+            if r["question"] == SCALE_SECTION:
+                words += f", at {spans['scale_words']}"
+            if said := r["m"].pool_said:
+                words += f" ({said}: {NOT_YET})"
+            measured.append(f"{words}: {r['value']}, {r['verdict']}")
+        out.append(f"- **{who}**: {advice}." + (f" Measured: {'; '.join(measured)}." if measured else ""))
+    return "\n".join(out)
+
+
+def misses_block(data: pathlib.Path, now: list | None = None) -> str:
+    """README's list of misses, between its MISSES markers."""
+    got = misses(data, now)
+    return "\n".join(f"- {x}" for x in got) if got else "- No target measured is missed."
+
+
+def with_results(readme: str, table: str, markers=RESULTS) -> str:
+    """README's text with the table between its RESULTS markers (or `markers`) replaced (unchanged where it has no
+    markers)."""
+    start, end = markers
     if start not in readme or end not in readme:
         return readme
     head, rest = readme.split(start, 1)
@@ -647,6 +795,13 @@ def fill(template: str, values: dict) -> str:
     return re.sub(r"\n{3,}", "\n\n", "\n".join(out))
 
 
+def _runs_said(data: pathlib.Path, figure: str) -> str:
+    """A sentence where figure `figure`'s rows hold several runs (its bars' labels name each), '' where one."""
+    df = plots.rows(figure, data)
+    several = df is not None and "run" in df and df["run"].nunique() > 1
+    return "The figure sets bars of several runs side by side; each bar's label names its run." if several else ""
+
+
 def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib.Path) -> str:
     """The report's markdown (figure links relative to `report_dir`; `runs`: the notebooks' results)."""
     now, then = targets.judged(data)
@@ -663,6 +818,21 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
               "targets_table": "\n".join(targets.table(now)) or "_No targets measured yet._",
               "history_table": "\n".join(targets.table(then)), "replay": _replay(data), **under_way(now)}
     values.update(_spans(data))
+    values["single_gpu_runs"] = _runs_said(data, "single_gpu")
+    retired = []
+    for key, fw, field in (("dyn_h_ror", "cupy", "dyn_cupy"), ("dyn_h_ror_torch", "torch", "dyn_torch")):
+        if (held := measured.get(key)) is None:                 # the front end's pool the dynamic benchmark measured
+            continue
+        name, said = shared.FRONT_END_NAMES[fw], held.pool_said
+        values[field] = name + (f" ({said})" if said else "")
+        if said:                                                 # an earlier xpool: said in its words
+            retired.append(f"{name} " + "; ".join(q if q == shared.BEFORE_FREEZE else f"under {q}"
+                                                   for q in said.split("; ")))
+    if retired:                                                  # else its line goes
+        values["dyn_retired"] = " and ".join(retired) + (
+            ": the product as it ships is measured [at the scale users run them](#at-the-scale-users-run-them), and "
+            "the summary reads those rows" if "scale_words" in values else ": the product as it ships is not yet measured "
+            "on these workloads")
     for name, fn in (("bounds_table", bounds_table), ("projection_table", projection_table), ("gil_table", gil_table),
                      ("graph_table", graph_table), ("graph_notes", graph_notes), ("replication", replication),
                      ("dynamic_table", dynamic_table), ("dynamic_seeds", dynamic_seeds),
@@ -677,6 +847,12 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
                 values.update(fn(data))
         except (KeyError, ValueError, IndexError, TypeError) as e:     # a malformed CSV costs its section only
             values[name] = f"(could not compute: {type(e).__name__}: {e})"
+    said = [f"{shared.FRONT_END_NAMES[fw]} {m.pool_said}" for key, fw in (("scale_h_ror", "cupy"),
+            ("scale_h_ror_torch", "torch")) if (m := measured.get(key)) is not None and m.pool_said]
+    values["scale_pool"] = (f"the xpool rows measured an earlier xpool: {'; '.join(said)}" if said else
+                            f"the xpool arms run the product as it ships (release rule {shared.PRODUCT_RULE})")
+    if not values.get("dynamic_seeds"):                          # a CSV that names no seeds: its line goes
+        values.pop("dynamic_seeds", None)
     for key, rows in (("gil_src", sources.read(data, "gil_probe")), ("graph_src", sources.current(data, "graph")),
                       ("dynamic_src", sources.current(data, "dynamic_shapes"))):
         values[key] = sources.sources(rows) if rows is not None else ""
@@ -684,6 +860,12 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
         values["notebooks"] = _md(["notebook", "result"], [(f"`notebooks/{r['notebook']}.ipynb`", "ran" if r["ok"] else
                                                              "FAILED: " + r["error"][:200]) for r in runs])
     return fill(TEMPLATE.read_text(), values)
+
+
+def pages(text: str) -> tuple[str, str]:
+    """(REPORT.md, TABLES.md) of a rendered page: the template's TABLES_MARK line parts them."""
+    page, _, tables = text.partition(TABLES_MARK)
+    return page.rstrip() + "\n", tables.lstrip()
 
 
 def main(argv=None) -> int:
@@ -720,13 +902,18 @@ def main(argv=None) -> int:
         folder.mkdir(parents=True, exist_ok=True)
     # build/report.md says how this run's notebooks went; the committed page holds only what data/ says
     (build / "report.md").write_text(render(data, runs, figs, report_dir))
-    (report_dir / "REPORT.md").write_text(render(data, [], figs, report_dir))
+    page, tables = pages(render(data, [], figs, report_dir))
+    (report_dir / "REPORT.md").write_text(page)
+    (report_dir / "TABLES.md").write_text(tables)
     readme = pathlib.Path(args.readme) if args.readme else None if args.data else root / "README.md"
     if readme is not None and readme.is_file():
         text = readme.read_text()
-        if (new := with_results(text, readme_table(data))) != text:
+        new = with_results(with_results(text, readme_table(data)), misses_block(data), MISSES)
+        new = with_results(new, wins_block(data), WINS)
+        if new != text:
             readme.write_text(new)
-    print(f"report: {build / 'report.md'} and {report_dir / 'REPORT.md'} ({time.perf_counter() - t0:.0f} s in all)")
+    print(f"report: {build / 'report.md'}, {report_dir / 'REPORT.md'} and TABLES.md ({time.perf_counter() - t0:.0f} s "
+          "in all)")
     failed = [r["notebook"] for r in runs if not r["ok"]]
     if failed:
         print(f"FAILED notebooks: {', '.join(failed)}", file=sys.stderr)

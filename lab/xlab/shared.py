@@ -22,6 +22,20 @@ DEFAULT_SCHEME = XPOOL_DEFAULTS["scheme"]
 # the scheme of the pool xpool.enable_torch() makes: the default a PyTorch program gets
 TORCH_DEFAULT_SCHEME = FRONTEND_SCHEMES["torch"]
 
+# Note [One name per allocator]
+# Every table, sentence and figure legend names an allocator by its arm's label here, and nothing else: the product's
+# two defaults by their front end (FRONT_END_NAMES: what xpool.install() gives a CuPy program, what
+# xpool.enable_torch() gives a PyTorch one; `label(arm, framework)`), every peer by its own maker's name (ARMS). No
+# peer is called "default". A row that measured an earlier xpool than the product as it ships says so after the name
+# (`row_labels`: " · " and a qualifier): a release rule decision 0001 retired (its CSV's `release_on_miss`), or a run
+# before the freeze (rows dated before FREEZE_DAY that name no rule: xpool as at or before 5bcaad4, the tag
+# record-2026-12-05, whose release rule of the day the CSV does not say).
+FRONT_END_NAMES = {"cupy": "xpool (CuPy)", "torch": "xpool (PyTorch)"}
+PRODUCT_RULE = "never"       # each scheme's one release rule (docs/decisions/0001-one-release-rule-per-scheme.md)
+FREEZE_DAY = "2026-12-05"    # decision 0001's day: xpool rows dated before it, naming no rule, predate the product
+RETIRED = "release rule {}, retired by decision 0001"
+BEFORE_FREEZE = "before the freeze"
+
 
 # --- the arms
 # Note [The arms table]
@@ -81,24 +95,24 @@ def _legacy(name, label, color, marker, ls):
 
 # The house order (before -> peers -> xpool -> the rest): figures and tables list arms in this order.
 ARMS = (
-    Arm("raw", "raw cudaMalloc/cudaFree (no pool)", "#7f7f7f", "X", "Raw", device_calls_when_warm=True),
-    Arm("raw_held", "raw, one small block held alive", "#bdbdbd", "P", "RawHeld", device_calls_when_warm=True, ls=":"),
-    Arm("cupy_pool", "CuPy MemoryPool (CuPy's default)", "#1f77b4", "o", "CupyPool", can_capture=True),
-    Arm("cupy_async", "CuPy MemoryAsyncPool (cudaMallocAsync)", "#6baed6", "s", "CupyAsync",
+    Arm("raw", "raw cudaMalloc (no pool)", "#7f7f7f", "X", "Raw", device_calls_when_warm=True),
+    Arm("raw_held", "raw cudaMalloc, one small block held alive", "#bdbdbd", "P", "RawHeld", device_calls_when_warm=True, ls=":"),
+    Arm("cupy_pool", "CuPy's MemoryPool", "#1f77b4", "o", "CupyPool", can_capture=True),
+    Arm("cupy_async", "cudaMallocAsync (CuPy's MemoryAsyncPool)", "#6baed6", "s", "CupyAsync",
         device_calls_when_warm=True),
-    Arm("rmm_pool", "RMM pool (PoolMemoryResource, rmm_cupy_allocator)", "#9edae5", "o", "RmmPool", exact=True),
-    Arm("cupy_torch", "PyTorch's caching allocator handing CuPy its blocks", "#17becf", "p", "CupyTorch", exact=True),
-    Arm("torch", "PyTorch's caching allocator (PyTorch's own tensors)", "#7f7f7f", "p", "CupyTorch",
+    Arm("rmm_pool", "RMM's pool", "#9edae5", "o", "RmmPool", exact=True),
+    Arm("cupy_torch", "PyTorch's caching allocator, serving CuPy", "#17becf", "p", "CupyTorch", exact=True),
+    Arm("torch", "PyTorch's caching allocator", "#7f7f7f", "p", "CupyTorch",
         framework="torch", exact=True),
-    Arm("torch_expandable", "PyTorch's caching allocator, expandable_segments:True", "#393b79", "P", "TorchExpandable",
+    Arm("torch_expandable", "PyTorch's expandable segments", "#393b79", "P", "TorchExpandable",
         framework="torch", exact=True),
-    Arm("cupy_torch_expandable", "PyTorch's caching allocator, expandable_segments:True, handing CuPy its blocks",
+    Arm("cupy_torch_expandable", "PyTorch's expandable segments, serving CuPy",
         "#6b6ecf", "P", "TorchExpandable", exact=True),
-    _xp("xpool", f"xpool, default scheme ({DEFAULT_SCHEME})", "#d62728", "D", scheme=DEFAULT_SCHEME),
-    _xp("xpool_segments", "xpool, segments scheme", "#d62728", "D", scheme="segments"),
-    _xp("xpool_seed", "xpool, seed scheme (size classes, k = 1: powers of two)", "#8c564b", "h", lw=2.0, ls="-.",
+    _xp("xpool", FRONT_END_NAMES["cupy"], "#d62728", "D", scheme=DEFAULT_SCHEME),
+    _xp("xpool_segments", "xpool, scheme segments", "#d62728", "D", scheme="segments"),
+    _xp("xpool_seed", "xpool, scheme seed (size classes, k = 1: powers of two)", "#8c564b", "h", lw=2.0, ls="-.",
         scheme="seed", classes_per_doubling=1),
-    _xp("xpool_expandable", "xpool, expandable scheme (pages mapped into reserved ranges; a miss unmaps nothing)",
+    _xp("xpool_expandable", "xpool, scheme expandable",
         "#bcbd22", "*", scheme="expandable"),
     _legacy("xpool_expandable_bounded", "xpool, expandable, misses unmap over 1.05× the most requested",
             "#dbdb8d", "*", "--"),
@@ -108,12 +122,13 @@ ARMS = (
             "they churn", "#5c5c00", "*", ":"),
     _legacy("xpool_expandable_peak", "xpool, expandable, peak misses unmap over 1.05× the most requested until they "
             "churn", "#a55194", "*", "-"),
-    _legacy("xpool_norelease", "xpool, segments never given back on a miss (replayed)", "#e377c2", "P", ":"),
+    Arm("xpool_norelease", "xpool, scheme segments, nothing given back on a miss (the rule xpool (CuPy) ships with, "
+        "replayed)", "#e377c2", "P", framework="legacy", ls=":"),
     _legacy("xpool_release_all", "xpool, every whole free segment given back on a miss (replayed)", "#ff9896", "d",
             "--"),
     _legacy("xpool_release_fresh", "xpool, segments given back on a miss however recently freed (replayed)",
             "#f7b6d2", "v", "--"),
-    Arm("cupy_pool_model", "CuPy MemoryPool (model, replayed)", "#1f77b4", "o", framework="replay", ls="--"),
+    Arm("cupy_pool_model", "CuPy's MemoryPool (model, replayed)", "#1f77b4", "o", framework="replay", ls="--"),
     Arm("noop", "floor: Python allocator doing no work", "#000000", ".", "Noop", ls=":", lw=1.2),
     Arm("c_noop", "floor: C allocator doing no work", "#555555", ".", "CNoop", ls="--", lw=1.2),
     Arm("numpy", "NumPy (CPU smoke runs: measures nothing)", "#2ca02c", "o", "Host", framework="numpy", exact=True),
@@ -124,7 +139,7 @@ ARMS = (
     Arm("lookup_c", "the stream lookup in C alone", "#c5b0d5", "*", framework="bench"),
     Arm("old_lookup_c", "CuPy's current-stream lookup in C alone", "#c49c94", "*", framework="bench"),
     # another build of xpool timed beside this one (xlab.bench.alloc --xpool-path; data/core_split_gpu.csv)
-    Arm("xpool_before", "xpool, the build before (--xpool-path), default scheme", "#ff9896", "d", framework="bench"),
+    Arm("xpool_before", "xpool (CuPy), the build before (--xpool-path)", "#ff9896", "d", framework="bench"),
     Arm("xpool_seed_before", "xpool, the build before (--xpool-path), seed scheme", "#c49c94", "d", framework="bench"),
     # the ops xlab.bench.gil runs on 1..N threads
     *(Arm(n, t, c, "o", framework="gil") for n, t, c in (
@@ -169,7 +184,7 @@ def arm(name: str) -> Arm:
     k = re.fullmatch(r"xpool_k(\d+)", base)
     if k:
         n = int(k[1])
-        row = _xp(base, f"xpool, seed scheme, {n} class{'es' * (n > 1)} per doubling", _K_COLORS.get(n, "#fdae6b"), "^",
+        row = _xp(base, f"xpool, scheme seed, {n} class{'es' * (n > 1)} per doubling", _K_COLORS.get(n, "#fdae6b"), "^",
                   ls="--" if n > 1 else "-", scheme="seed", classes_per_doubling=n)
     elif base in _TABLE and (debug or graph):
         row = _TABLE[base]
@@ -223,12 +238,47 @@ def ordered(names) -> list:
     return sorted(names, key=key)
 
 
-def label(name: str) -> str:
-    """The arm's label (the name itself for a name not in the table)."""
+def label(name: str, framework: str | None = None) -> str:
+    """The arm's one name (Note [One name per allocator]): a front end's default arm, run by that front end, is named
+    for it ("xpool (PyTorch)"), the `xpool` arm (xpool.MemoryPool's default scheme, CuPy's) "xpool (CuPy)", every other
+    arm its label in ARMS (the name itself for a name not in the table)."""
+    if framework in FRONT_END_NAMES and str(name) == default_arm(framework):
+        return FRONT_END_NAMES[framework]
     try:
         return arm(name).label
     except ValueError:
         return str(name)
+
+
+def qualifiers(rows, name: str) -> list:
+    """What an xpool arm's rows measured other than the product as it ships, in words (Note [One name per
+    allocator]): each retired release rule the rows name, else "before the freeze" for rows dated before FREEZE_DAY;
+    [] for rows of the product as it ships and for every other arm (`name`: the arm whose rows they are)."""
+    name = str(name)
+    base = _FAMILY.fullmatch(name)["base"] if name else ""
+    if not name.startswith("xpool") or base not in _TABLE and not base.startswith("xpool_k") or (
+            base in _TABLE and _TABLE[base].make != "XPool"):
+        return []
+    if "release_on_miss" in rows and rows["release_on_miss"].notna().any():
+        return [RETIRED.format(r) for r in sorted(set(rows["release_on_miss"].dropna().astype(str)))
+                if r != PRODUCT_RULE]
+    dates = rows["date"].dropna().astype(str) if "date" in rows else []
+    return [BEFORE_FREEZE] if len(dates) and max(dates)[:10] < FREEZE_DAY else []
+
+
+def row_labels(df, col: str = "allocator", runs: bool = False) -> dict:
+    """{arm: its label in a figure or table of these rows}: `label` (by the rows' front end where they are of one),
+    then " · " and each qualifier of its rows, and with `runs`, where the rows hold several runs, the run of each arm
+    (a figure that sets arms from different runs side by side names each run in place)."""
+    several = runs and "run" in df and df["run"].nunique() > 1
+    out = {}
+    for a, g in df.groupby(col, sort=False):
+        fw = g["framework"].dropna().astype(str).unique() if "framework" in g else []
+        said = qualifiers(g, a)
+        if several:
+            said.append("run " + "/".join(sorted(set(g["run"].astype(str)))))
+        out[str(a)] = " · ".join([label(a, fw[0] if len(fw) == 1 else None), *said])
+    return out
 
 
 def canonical(df):
@@ -335,7 +385,7 @@ SCALED = {
     "cupy_fill": Scaled(64, 32, 64),
 }
 SCALE_TRIALS = 5         # the scaled runs' trials
-INTERVAL_TRIALS = 3      # fewer trials than this (a run under way): a median without an interval, "n/a" in its place
+INTERVAL_TRIALS = 5      # fewer trials than this: no interval is printed, the values are (a median of 3 is no interval)
 
 
 # --- what bounds a step (xlab.experiments.train's rows, the report)

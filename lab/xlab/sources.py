@@ -2,7 +2,7 @@
 `current` keeps, for each arm and configuration of a lineage, the rows of the newest CSV that has them; the older
 rows are its history (docs/decisions/0009-newest-csv-of-its-kind.md). `of_kind` finds every CSV of a lineage's benchmark, listed in the lineage or not, so that the
 rule "each row reads the newest CSV of its kind" is checked (xlab.targets.stale). Every row says where it came from
-(`csv`: the CSV, `run`: its commit). A second run on a fresh machine (data/rerun/, data/graph/rerun/) is read only
+(`csv`: the CSV, `run`: its commit). A second run of the suite (data/rerun/, data/graph/rerun/) is read only
 against its first run.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ KINDS = {
 # Columns that say what a benchmark ran rather than how long it was timed: rows that differ in one of them are
 # another configuration of the benchmark, not a newer measurement of the same one (a 250-step window, CuPy's launches)
 CONFIG = ("steps", "warmup", "launch", "launcher", "gemm", "fused", "adamw", "config", "block_size", "n_layer", "quick")
-# A folder of a second run of the suite on a fresh machine: read only against its first run ("Does a second run
+# A folder of a second run of the suite: read only against its first run ("Does a second run
 # agree?"), never as a newer CSV of its kind
 SECOND_RUN = "rerun"
 ARM_COLUMNS = ("allocator", "arm")
@@ -72,6 +72,9 @@ def prepare(df: pd.DataFrame, csv: str) -> pd.DataFrame:
     df = shared.canonical(df)
     if "class_over_requested" in df:
         df["class_waste_pct"] = 100 * (df["class_over_requested"] - 1)
+    if "device_calls_per_steady_step" in df:       # a trial with no device call in steady state (xlab.targets.ZERO)
+        calls = df["device_calls_per_steady_step"]
+        df = df.assign(zero_steady_calls=(calls == 0).astype(float).where(calls.notna()))
     if "check" in df and "passed" in df:
         df = with_device(df).assign(gate=df["check"].astype(str).str.startswith("transparency"))
     return df.assign(csv=csv, run=run_label(df))

@@ -14,7 +14,7 @@ import pandas as pd
 
 from xlab import intervals, sources
 from xlab.shared import (DYNAMIC_PEERS as PEERS_ALL, DYNAMIC_PEERS_BY_FRAMEWORK as PEERS, GIB, INTERVAL_TRIALS,
-                         SCALE_TRIALS as TRIALS, SCALED, WORKLOADS, default_arm, ordered)
+                         FRONT_END_NAMES, SCALE_TRIALS as TRIALS, SCALED, WORKLOADS, default_arm, ordered)
 
 
 # --- the dynamic-shape benchmark (xlab.bench.dynamic)
@@ -32,9 +32,13 @@ def dynamic_summary(df: pd.DataFrame) -> pd.DataFrame:
         if col not in df:                      # a CSV from before the steady-state probes
             continue
         s = intervals.summarize(df, keys, col)
-        out[label] = [intervals.fmt_ci(v, lo, hi, fmt) for v, lo, hi in zip(s[col], s[col + "_lo"], s[col + "_hi"])]
+        out[label] = [_median(g[col], fmt) for _, g in df.groupby(keys, sort=False)]
+
+    def ratios(r):                             # the arm's ms over the peer's, per trial: the values under 5 pairs
+        return [1 / x for x in _pair_ratios(df[df["workload"] == r.workload], r.allocator, r.reference)] \
+            if r.n_pairs < INTERVAL_TRIALS else ()
     ratio = {(r.workload, r.allocator): "the fastest peer" if r.allocator == r.reference else
-             f"{intervals.fmt_ci(r.ratio, r.ratio_lo, r.ratio_hi, '{:.3f}', '×')} ({r.reference})" for r in
+             f"{_ci(r.ratio, r.ratio_lo, r.ratio_hi, r.n_pairs, '{:.3f}', '×', ratios(r))} ({r.reference})" for r in
              intervals.paired_best(df, "ms_per_step", "allocator", PEERS_ALL, ["workload"], False).itertuples()}
     out["ms vs the fastest peer"] = [ratio.get(k, "n/a") for k in zip(out["workload"], out["allocator"])]
     if "bound" in df:
@@ -47,12 +51,10 @@ def _bound_label(g: pd.DataFrame) -> str:
     GPU utilisation, median [95% interval], where it was sampled: 'host (12% [8, 15])'; "n/a" without either."""
     kinds = sorted({b for b in g["bound"].dropna().astype(str) if b})
     util = g["gpu_util_mean"].dropna() if "gpu_util_mean" in g else pd.Series(dtype=float)
-    busy = ""
-    if len(util):
-        med, lo, hi, _ = intervals.median_ci(util)
-        busy = intervals.fmt_ci(med, lo, hi, "{:.0f}", "%")
+    busy = _median(util, "{:.0f}", "%") if len(util) else ""
     label = "/".join(kinds)
-    return f"{label} ({busy})" if label and busy else label or busy or "n/a"
+    return (f"{label}, busy {busy}" if "(" in busy else f"{label} ({busy})") if label and busy else \
+        label or busy or "n/a"
 
 
 # --- the scaled runs (xlab.bench.dynamic_scale)
@@ -63,15 +65,27 @@ SUMMARY_METRICS = (("reserved_over_requested", "reserved/requested", "{:.3f}"),
 HOW_TO_MEASURE = "`bash scripts/gpu_suite.sh scale` (`python -m xlab.bench.dynamic_scale`) on one H200"
 
 
-def _ci(value: float, lo: float, hi: float, n: int, fmt: str, unit: str = "") -> str:
-    """intervals.fmt_ci's 'median [interval]', the interval 'n/a' over fewer than INTERVAL_TRIALS trials."""
+def _ci(value: float, lo: float, hi: float, n: int, fmt: str, unit: str = "", values=()) -> str:
+    """intervals.fmt_ci's 'median [interval]'; over fewer than INTERVAL_TRIALS trials no interval but the values,
+    sorted, as the targets print them: '1.022 (no interval: 2 trials, 1.020, 1.024)' (one trial: its value alone)."""
     if n >= INTERVAL_TRIALS or not math.isfinite(value):
         return intervals.fmt_ci(value, lo, hi, fmt, unit)
-    return f"{fmt.format(value)}{unit} [n/a]"
+    if n < 2 or not len(values):
+        return f"{fmt.format(value)}{unit}"
+    return (f"{fmt.format(value)}{unit} (no interval: {n} trials, "
+            + ", ".join(fmt.format(v) for v in sorted(values)) + ")")
 
 
 def _median(values, fmt: str = "{:.3f}", unit: str = "") -> str:
-    return _ci(*intervals.median_ci(values), fmt, unit)
+    clean = [float(v) for v in values if math.isfinite(float(v))]
+    return _ci(*intervals.median_ci(values), fmt, unit, clean)
+
+
+def _pair_ratios(g: pd.DataFrame, arm: str, ref: str, value: str = "ms_per_step") -> list:
+    """Per trial both ran: the reference's median `value` over the arm's (the paired ratios behind a speed-up)."""
+    per = g[g["allocator"].isin([arm, ref])].groupby(["trial", "allocator"])[value].median().unstack()
+    per = per.dropna(subset=[c for c in (arm, ref) if c in per])
+    return [] if arm not in per or ref not in per else list(per[ref] / per[arm])
 
 
 def _ordered(df: pd.DataFrame, keys) -> pd.DataFrame:
@@ -97,9 +111,13 @@ def scale_summary(df: pd.DataFrame) -> pd.DataFrame:
 def _speedups(df: pd.DataFrame) -> dict:
     """{(workload, arm): 'speed-up [interval] (the fastest peer)'}, the fastest peer itself 'the fastest peer'."""
     out = {}
+
+    def ratios(r):
+        return _pair_ratios(df[df["workload"] == r.workload], r.allocator, r.reference) \
+            if r.n_pairs < INTERVAL_TRIALS else ()
     for r in intervals.paired_best(df, "ms_per_step", "allocator", PEERS_ALL, ["workload"], False).itertuples():
         out[r.workload, r.allocator] = "the fastest peer" if r.allocator == r.reference else \
-            f"{_ci(1 / r.ratio, 1 / r.ratio_hi, 1 / r.ratio_lo, r.n_pairs, '{:.3f}', '×')} ({r.reference})"
+            f"{_ci(1 / r.ratio, 1 / r.ratio_hi, 1 / r.ratio_lo, r.n_pairs, '{:.3f}', '×', ratios(r))} ({r.reference})"
     return out
 
 
@@ -109,7 +127,8 @@ def _bound(g: pd.DataFrame) -> str:
     kinds = "/".join(sorted({b for b in g["bound"].dropna().astype(str) if b}))
     util = g["gpu_util_mean"].dropna()
     busy = _median(util, "{:.0f}", "%") if len(util) else ""
-    return f"{kinds} ({busy})" if kinds and busy else kinds or busy or "n/a"
+    return (f"{kinds}, busy {busy}" if "(" in busy else f"{kinds} ({busy})") if kinds and busy else \
+        kinds or busy or "n/a"
 
 
 def defaults_vs_peers(df: pd.DataFrame) -> pd.DataFrame:
@@ -155,7 +174,7 @@ def cap_grid(df: pd.DataFrame, framework: str) -> pd.DataFrame:
                  cap=[f"{c:.2f}×" for c in s["cap_over_peak_requested"]])
     grid = s.pivot_table(index=["workload", "cap"], columns="allocator", values="cell", aggfunc="first", sort=False)
     default = default_arm(framework)
-    grid = grid[ordered(grid.columns)].fillna("").rename(columns={default: f"{default} (default)"})
+    grid = grid[ordered(grid.columns)].fillna("").rename(columns={default: f"{default}: {FRONT_END_NAMES[framework]}"})
     return grid.reset_index().rename_axis(columns=None)
 
 

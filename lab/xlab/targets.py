@@ -34,14 +34,16 @@ import pathlib
 import pandas as pd
 
 from . import intervals as iv, sources
-from .shared import (DEFAULT_SCHEME, INTERVAL_TRIALS, SCALE_TRIALS, SCALED, SETS, TORCH_DEFAULT_SCHEME,
+from . import shared
+from .shared import label
+from .shared import (DEFAULT_SCHEME, FRONT_END_NAMES, INTERVAL_TRIALS, PRODUCT_RULE, SCALE_TRIALS, SCALED, SETS,
+                     TORCH_DEFAULT_SCHEME,
                      WORKLOADS)
 
 # The product's schemes, and their one release rule (docs/decisions/0001-one-release-rule-per-scheme.md: a miss
 # gives nothing back). The dynamic benchmark's arm of a scheme as the product has it is xpool_<scheme>: xpool_expandable
 # ran that rule; xpool_segments ran segments' rule of its day (its rows' `release_on_miss` say which: POOL_COLUMNS).
 PRODUCT_SCHEMES = ("segments", "seed", "expandable")
-PRODUCT_RULE = "never"
 POOL_COLUMNS = {"scheme": "scheme", "release_on_miss": "release rule"}    # what a CSV may say of the pool it ran
 
 
@@ -79,8 +81,7 @@ DYN_HELD_OUT = "dynamic_heldout"          # the CSV of xlab.bench.dynamic's held
 XDT = f"xpool_{TORCH_DEFAULT_SCHEME}"     # a PyTorch workload's default arm: the pool xpool.enable_torch() makes
 PRODUCT_ARMS = tuple(f"xpool_{s}" for s in PRODUCT_SCHEMES)
 # the dynamic rows' two defaults: (key suffix, label, arm, framework of the workloads)
-DEFAULT_ARMS = (("", f" for CuPy ({DEFAULT_SCHEME})", XD, "cupy"),
-                ("_torch", f" for PyTorch ({TORCH_DEFAULT_SCHEME})", XDT, "torch"))
+DEFAULT_ARMS = (("", FRONT_END_NAMES["cupy"], XD, "cupy"), ("_torch", FRONT_END_NAMES["torch"], XDT, "torch"))
 MS, PCT = dict(fmt="{:.1f}", unit=" ms"), dict(fmt="{:.0f}", unit="%")
 W2T, W2P = dict(mode="threads", world=2), dict(mode="processes", world=2)
 SPEEDUP = dict(unit="×", flip=True)       # a time metric against a reference: the reference's time over the arm's
@@ -90,9 +91,14 @@ SCALE, CAP = "dynamic_scale", "memory_cap"
 CAP_JUDGED, NO_MORE_IN = 1.10, 4
 AT_SCALE = dict(trials=SCALE_TRIALS)
 AT_SCALE_TAG = "#46, at the scale users run them"
+# the dynamic rows' device calls judged per trial: the share of trials with none in steady state (sources.prepare)
+ZERO = "zero_steady_calls"
+ZERO_CALLS = dict(stat="all", exact=True, bound="—")
 # a metric that passes or not (stat "all"): what its value counts, and its goal of every row
-PASSING = {"passed": ("checks passing", "all pass"), "completed": ("trials finished", "every trial finishes")}
+PASSING = {"passed": ("checks passing", "all pass"), "completed": ("trials finished", "every trial finishes"),
+           ZERO: ("trials with no device call in steady state", "every trial")}
 FEW = "no interval"                       # a verdict on several trials, fewer than INTERVAL_TRIALS: a median alone
+PENDING = "pending"                       # a goal over N trials measured on fewer: "pending (k of N)"
 
 
 def _dynamic() -> list:
@@ -103,14 +109,14 @@ def _dynamic() -> list:
     for w, spec in WORKLOADS.items():      # a held-out workload: its own CSV, and "held out" in its targets' names
         kind, w_ = (DYN_HELD_OUT, f"{w} (held out)") if spec.held_out else (DYN, w)
         xd, on = XDT if spec.framework == "torch" else XD, dict(where=dict(workload=w))
-        name = f"xpool's default for PyTorch: {XDT}" if xd == XDT else f"xpool's default for CuPy: {XD}"
+        name = FRONT_END_NAMES[spec.framework]
         who = (("", name, dict(arm=xd)), ("_best", "the best of xpool's schemes: {at}",
                                          dict(arm=PRODUCT_ARMS, over=("allocator",), pick="best")))
         if spec.dynamic:
             rows += [T(f"dyn_ror{k}_{w}", f"#22, {w_}: peak reserved / peak requested ≤ 1.05 ({n})", kind, goal=1.05,
                        higher=False, **arms, **on, **HELD) for k, n, arms in who]
-            rows.append(T(f"dyn_calls_{w}", f"#22, {w_}: device calls per step in steady state = 0 ({name})", kind,
-                          "device_calls_per_steady_step", xd, 0.0, False, fmt="{:.3g}", exact=True, bound="—", **on))
+            rows.append(T(f"dyn_calls_{w}", f"#22, {w_}: {name}: no device call in steady state, every trial", kind,
+                          ZERO, xd, 1.0, **ZERO_CALLS, **on))
         rows.append(T(f"dyn_ms_{w}", f"#22, {w_}: speed-up over the fastest peer ({{ref}}) ≥ 1 ({name}; ms per step, "
                       "paired by trial)", kind, "ms_per_step", xd, 1.0, ref=dict(allocator=PEERS), fmt="{:.3f}",
                       **SPEEDUP, **on))
@@ -129,32 +135,32 @@ def _dynamic_summary() -> list:
     for k, label, arm, f in DEFAULT_ARMS:
         rows += [
             _held_worst(k, label, arm, f),
-            T(f"dyn_speed_worst{k}", f"#22: xpool's default{label}: speed-up over the fastest peer ≥ 1, every workload "
+            T(f"dyn_speed_worst{k}", f"#22: {label}: speed-up over the fastest peer ≥ 1, every workload "
               "(worst: {at}; ms per step, paired by trial)", DYN, "ms_per_step", arm, 1.0, where=dict(framework=f),
               ref=dict(allocator=PEERS), over=("workload",), fmt="{:.3f}", **SPEEDUP),
-            T(f"dyn_calls_worst{k}", f"#22: xpool's default{label}: device calls per step in steady state = 0, every "
-              "workload, fixed shapes or not (worst: {at})", DYN, "device_calls_per_steady_step", arm, 0.0, False,
-              where=dict(framework=f), over=("workload",), fmt="{:.3g}", exact=True, bound="—")]
+            T(f"dyn_calls_worst{k}", f"#22: {label}: no device call in steady state, every trial of every workload, "
+              "fixed shapes or not (worst: {at})", DYN, ZERO, arm, 1.0, where=dict(framework=f), over=("workload",),
+              **ZERO_CALLS)]
     return rows + _held_vs_peers()
 
 
 def _held_worst(k, label, arm, f, kind=DYN, key="dyn", tag="#22, shapes that change every step", **extra) -> T:
     """The default of front end `f`'s worst memory held over its workloads of changing shapes (`kind`'s rows)."""
-    return T(f"{key}_worst{k}", f"{tag}: xpool's default{label}: peak reserved / peak requested ≤ 1.05, every "
+    return T(f"{key}_worst{k}", f"{tag}: {label}: peak reserved / peak requested ≤ 1.05, every "
              "workload (worst: {at})", kind, arm=arm, goal=1.05, higher=False, where=dict(dynamic=True, framework=f),
              over=("workload",), **HELD, **extra)
 
 
 def _held_vs_peers(kind=DYN, key="dyn", tag="#22, shapes that change every step", **extra) -> list:
-    """A peer's memory held over the default's, worst workload of changing shapes: CuPy's pool, PyTorch's allocator
+    """A peer's memory held over the default's, worst workload of changing shapes: CuPy's pool, PyTorch's caching allocator
     and its expandable segments (`kind`'s rows)."""
     rows = []
-    for name, f, peer, who in (("cupy", "cupy", CP, "CuPy MemoryPool's"),
-                               ("torch", "torch", "torch", "PyTorch's allocator's"),
+    for name, f, peer, who in (("cupy", "cupy", CP, "CuPy's MemoryPool's"),
+                               ("torch", "torch", "torch", "PyTorch's caching allocator's"),
                                ("expandable", "torch", "torch_expandable", "PyTorch's expandable segments'")):
         arm = XD if f == "cupy" else XDT
-        rows.append(T(f"{key}_vs_{name}_worst", f"{tag}: {who} peak reserved / peak requested over xpool's default for "
-                      f"{'CuPy' if f == 'cupy' else 'PyTorch'} ({arm}) ≥ 1, every workload (worst: {{at}}; paired by "
+        rows.append(T(f"{key}_vs_{name}_worst", f"{tag}: {who} peak reserved / peak requested over "
+                      f"{FRONT_END_NAMES[f]}'s ≥ 1, every workload (worst: {{at}}; paired by "
                       "trial)", kind, arm=arm, goal=1.0, where=dict(dynamic=True, framework=f),
                       ref=dict(allocator=peer), over=("workload",), unit="×", **{**HELD, "flip": True}, **extra))
     return rows
@@ -163,7 +169,7 @@ def _held_vs_peers(kind=DYN, key="dyn", tag="#22, shapes that change every step"
 def _held_each(kind=DYN, key="dyn", **extra) -> list:
     """Numbers the report quotes: each default's memory held per workload of changing shapes, and PyTorch's
     expandable segments' (`kind`'s rows)."""
-    return [*(T(f"{key}_h_ror{k}", f"xpool's default{label}: peak reserved / requested by dynamic workload", kind,
+    return [*(T(f"{key}_h_ror{k}", f"{label}: peak reserved / requested by dynamic workload", kind,
                 arm=arm, where=dict(dynamic=True, framework=f), over=("workload",), pick="each", **HELD, **extra)
               for k, label, arm, f in DEFAULT_ARMS),
             T(f"{key}_h_expandable", "the same, PyTorch's expandable segments", kind, arm="torch_expandable",
@@ -178,7 +184,7 @@ def _at_scale() -> list:
     rows = []
     for w in SCALED:
         xd, fe = (XDT, "PyTorch") if WORKLOADS[w].framework == "torch" else (XD, "CuPy")
-        name, on = f"xpool's default for {fe} ({xd})", dict(where=dict(workload=w), **AT_SCALE)
+        name, on = FRONT_END_NAMES[WORKLOADS[w].framework], dict(where=dict(workload=w), **AT_SCALE)
         under = dict(where=dict(workload=w, cap_over_peak_requested=CAP_JUDGED), stat="all", exact=True, bound="—",
                      **AT_SCALE)
         rows += [
@@ -188,9 +194,9 @@ def _at_scale() -> list:
               f"least {NO_MORE_IN} of {SCALE_TRIALS} trials (peak reserved bytes, paired by trial)", SCALE,
               "peak_reserved_bytes", xd, NO_MORE_IN / SCALE_TRIALS, ref=dict(allocator=PEERS), stat="share", flip=True,
               bound="—", **on),
-            T(f"scale_calls_{w}", f"#46, {w} at scale: {name}: no unmap in steady state, device calls per step = 0 "
-              "(the CSV counts cudaMalloc, cudaFree, map and unmap together)", SCALE, "device_calls_per_steady_step",
-              xd, 0.0, False, fmt="{:.3g}", exact=True, bound="—", **on),
+            T(f"scale_calls_{w}", f"#46, {w} at scale: {name}: no unmap in steady state, no device call in any trial "
+              "(the CSV counts cudaMalloc, cudaFree, map and unmap together)", SCALE, ZERO, xd, 1.0, **ZERO_CALLS,
+              **on),
             T(f"scale_ms_{w}", f"#46, {w} at scale: {name}: speed-up over the fastest peer ({{ref}}) ≥ 1 or within "
               "noise (ms per step, paired by trial)", SCALE, "ms_per_step", xd, 1.0, ref=dict(allocator=PEERS),
               fmt="{:.3f}", **SPEEDUP, **on),
@@ -207,47 +213,54 @@ def _at_scale_summary() -> list:
     rows = []
     for k, label, arm, f in DEFAULT_ARMS:
         rows += [_held_worst(k, label, arm, f, SCALE, "scale", AT_SCALE_TAG, **AT_SCALE),
-                 T(f"cap_worst{k}", f"#46, under a {CAP_JUDGED:.2f}× cap: xpool's default{label} finishes every "
+                 T(f"cap_worst{k}", f"#46, under a {CAP_JUDGED:.2f}× cap: {label} finishes every "
                    "trial, every workload (worst: {at})", CAP, "completed", arm, 1.0,
                    where=dict(framework=f, cap_over_peak_requested=CAP_JUDGED), over=("workload",), stat="all",
-                   exact=True, bound="—", **AT_SCALE)]
+                   exact=True, bound="—", **AT_SCALE),
+                 T(f"scale_calls_worst{k}", f"{AT_SCALE_TAG}: {label}: no device call in steady state, every trial "
+                   "of every workload (worst: {at})", SCALE, ZERO, arm, 1.0, where=dict(framework=f),
+                   over=("workload",), **ZERO_CALLS, **AT_SCALE),
+                 T(f"scale_speed_worst{k}", f"{AT_SCALE_TAG}: {label}: speed-up over the fastest peer ≥ 1, every "
+                   "workload (worst: {at}; ms per step, paired by trial)", SCALE, "ms_per_step", arm, 1.0,
+                   where=dict(framework=f), ref=dict(allocator=PEERS), over=("workload",), fmt="{:.3f}", **SPEEDUP,
+                   **AT_SCALE)]
     return rows + _held_vs_peers(SCALE, "scale", AT_SCALE_TAG, **AT_SCALE)
 
 
 TARGETS = (
     # the allocator microbenchmark, through CuPy (cached arms: the newest sweep of the hit path)
-    *(T(f"us_vs_cupy{s}", f"{a}'s speed-up over CuPy MemoryPool ≥ 1/1.05 (at most 5% slower), every size (median of "
+    *(T(f"us_vs_cupy{s}", f"{label(a)}'s speed-up over CuPy's MemoryPool ≥ 1/1.05 (at most 5% slower), every size (median of "
         "per-trial ratios; worst: {at})", "alloc_size", "ratio_vs_cupy_pool", a, 1 / 1.05, over=("size_bytes",),
         unit="×", bound="host") for a, s in BOTH),
-    T("hit_worst", "#14: xpool's alloc+free speed-up over CuPy MemoryPool ≥ 1, every size (median of per-trial "
+    T("hit_worst", "#14: xpool (CuPy)'s alloc+free speed-up over CuPy's MemoryPool ≥ 1, every size (median of per-trial "
       "ratios; worst: {at})", "alloc_size", "ratio_vs_cupy_pool", X, 1.0, over=("size_bytes",), unit="×",
       bound="host"),
-    *(T(f"threads_8{s}", f"{a}: 8 threads' pairs/s over 1 thread's ≥ 1 (64 KiB)", "alloc_threads", "kpairs_per_s", a,
+    *(T(f"threads_8{s}", f"{label(a)}: 8 threads' pairs/s over 1 thread's ≥ 1 (64 KiB)", "alloc_threads", "kpairs_per_s", a,
         1.0, where=dict(threads=8), ref=dict(threads=1), unit="×", bound="host") for a, s in BOTH),
     # one GPU
-    *(T(f"vs_cupy_{b}{s}", f"{'#14: ' * (a == X)}one GPU, batch {b}: {a}'s speed-up over CuPy MemoryPool ≥ 1 "
+    *(T(f"vs_cupy_{b}{s}", f"{'#14: ' * (a == X)}one GPU, batch {b}: {label(a)}'s speed-up over CuPy's MemoryPool ≥ 1 "
         "(tokens/s)", "single_gpu", "tokens_per_s", a, 1.0, where=dict(batch=b), ref=dict(allocator=CP), unit="×")
       for a, s in BOTH for b in (32, 4)),
-    T("dispatch_32", "host ms per step ≤ 12 at batch 32 (xpool; thread CPU time of a step started on an idle "
+    T("dispatch_32", "host ms per step ≤ 12 at batch 32 (xpool (CuPy); thread CPU time of a step started on an idle "
       "device)", "single_gpu", "dispatch_ms_per_step", X, 12.0, False, where=dict(batch=32), bound="host", **MS),
-    T("busy_4", "one GPU, batch 4: GPU busy ≥ 70% (xpool; NVML over {steps}-step windows)", "busy_b4",
+    T("busy_4", "one GPU, batch 4: GPU busy ≥ 70% (xpool (CuPy); NVML over {steps}-step windows)", "busy_b4",
       "gpu_util_mean", X, 70.0, **PCT),
     T("mallocs_all", "device mallocs per step after warm-up, every xpool arm (worst: {at})", "single_gpu",
       "device_mallocs_per_step", (X, XS), 0.0, False, over=("allocator", "batch"), fmt="{:.2g}", exact=True),
-    T("mallocs", "#14: xpool device mallocs per step after warm-up, batch 4 and 32 (worst: {at})", "single_gpu",
+    T("mallocs", "#14: xpool (CuPy) device mallocs per step after warm-up, batch 4 and 32 (worst: {at})", "single_gpu",
       "device_mallocs_per_step", X, 0.0, False, over=("batch",), fmt="{:.2g}", exact=True),
-    T("ror_32", "#14: batch 32: xpool peak reserved / peak requested ≤ 1.05", "single_gpu", "reserved_over_requested",
+    T("ror_32", "#14: batch 32: xpool (CuPy) peak reserved / peak requested ≤ 1.05", "single_gpu", "reserved_over_requested",
       X, 1.05, False, where=dict(batch=32), fmt="{:.3f}", exact=True, along=(CP,)),
-    T("ror_4", "#14: batch 4: xpool peak reserved / peak requested ≤ CuPy MemoryPool's", "single_gpu",
+    T("ror_4", "#14: batch 4: xpool (CuPy) peak reserved / peak requested ≤ CuPy's MemoryPool's", "single_gpu",
       "reserved_over_requested", X, dict(allocator=CP), False, where=dict(batch=4), fmt="{:.3f}", exact=True),
     # several GPUs
-    T("ddp_threads", "2 GPUs, one thread per GPU, batch 32: xpool's speed-up over one GPU ≥ 1.85", "ddp", "speedup", X,
+    T("ddp_threads", "2 GPUs, one thread per GPU, batch 32: xpool (CuPy)'s speed-up over one GPU ≥ 1.85", "ddp", "speedup", X,
       1.85, where=W2T, unit="×", along=("raw", CP)),
     T("ddp_raw", "2 GPUs, one thread per GPU, batch 32: raw's speed-up over one GPU ≤ 1.3 (the cliff stays visible)",
       "ddp", "speedup", "raw", 1.3, False, where=W2T, unit="×", along=(X,)),
-    T("ddp_threads_vs_cupy", "2 GPUs, one thread per GPU, batch 32: xpool's speed-up over CuPy MemoryPool ≥ 1 "
+    T("ddp_threads_vs_cupy", "2 GPUs, one thread per GPU, batch 32: xpool (CuPy)'s speed-up over CuPy's MemoryPool ≥ 1 "
       "(tokens/s)", "ddp", "tokens_per_s", X, 1.0, where=W2T, ref=dict(allocator=CP), unit="×"),
-    T("ddp_procs", "2 GPUs, one process per GPU, batch 32: xpool's speed-up over one GPU ≥ 1.95", "ddp", "speedup", X,
+    T("ddp_procs", "2 GPUs, one process per GPU, batch 32: xpool (CuPy)'s speed-up over one GPU ≥ 1.95", "ddp", "speedup", X,
       1.95, where=W2P, unit="×", along=("raw",)),
     T("ddp_loss", "DDP loss vs one GPU on the same global batch ≤ 1e-6 (max relative difference)", "ddp",
       "loss_rel_diff_max", None, 1e-6, False, stat="max", fmt="{:.1e}", exact=True, bound="—"),
@@ -257,7 +270,7 @@ TARGETS = (
     T("waste_best", "peak reserved / peak requested ≤ 1.10 with the best class setting (seed scheme, {at})",
       "memory_waste.csv", "reserved_over_requested", None, 1.10, False, over=("k",), pick="best", fmt="{:.3f}",
       exact=True, bound="—"),
-    T("varlen", "#14: varying sequence lengths: xpool peak reserved / peak requested ≤ CuPy MemoryPool's (one run "
+    T("varlen", "#14: varying sequence lengths: xpool (CuPy) peak reserved / peak requested ≤ CuPy's MemoryPool's (one run "
       "per arm: exact counters)", "memory_varlen.csv", "reserved_over_requested", X, dict(allocator=CP), False,
       fmt="{:.3f}", exact=True, bound="—"),
     # the step as a CUDA graph
@@ -270,7 +283,7 @@ TARGETS = (
     T("graph_dispatch", "host ms per step ≤ 12 at batch 32 (xpool_graph; thread CPU time of a step started on an "
       "idle device)", "graph", "dispatch_ms_per_step", XG, 12.0, False, where=dict(mode="single", batch=32),
       fmt="{:.2f}", unit=" ms", bound="host", along=(X,)),
-    T("graph_vs_cupy", "one GPU, batch 32: xpool_graph's speed-up over CuPy MemoryPool, eager ≥ 1 (tokens/s)", "graph",
+    T("graph_vs_cupy", "one GPU, batch 32: xpool_graph's speed-up over CuPy's MemoryPool, eager ≥ 1 (tokens/s)", "graph",
       "tokens_per_s", XG, 1.0, where=dict(mode="single", batch=32), ref=dict(allocator=CP), unit="×"),
     T("graph_busy", "one GPU, batch 4: GPU busy ≥ 70% (xpool_graph; NVML over {steps}-step windows)", "graph",
       "gpu_util_mean", XG, 70.0, where=dict(mode="single", batch=4), along=(X,), **PCT),
@@ -278,7 +291,7 @@ TARGETS = (
       "graph", "device_mallocs_per_step", ("cupy_pool_graph", XG), 0.0, False,
       over=("allocator", "mode", "world", "batch"), fmt="{:.2g}", exact=True),
     # PyTorch through xpool
-    T("torch_step", "PyTorch's training step: xpool's speed-up over PyTorch's allocator ≥ 1 (tokens/s)",
+    T("torch_step", "PyTorch's training step: xpool (PyTorch)'s speed-up over PyTorch's caching allocator ≥ 1 (tokens/s)",
       "torch_interop.csv", "value", X, 1.0, where=dict(case="train_step"), ref=dict(arm="torch"), unit="×"),
     # dynamic shapes (issue #22)
     *_dynamic(),
@@ -310,13 +323,13 @@ TARGETS = (
     T("gpu_checks", "GPU checks passing", "correctness", "passed", None, where=dict(device="gpu"), stat="all"),
     *(T(f"us64_{a}", f"{a} µs per pair at 64 KiB", "alloc_size", "us_per_pair", a, where=dict(size_bytes=65536),
         unit=" µs") for a in (X, CP, "cupy_torch", "cupy_async", "raw", "c_noop")),
-    T("hit_best", "xpool's speed-up over CuPy MemoryPool, best size", "alloc_size", "ratio_vs_cupy_pool", X,
+    T("hit_best", "xpool's speed-up over CuPy's MemoryPool, best size", "alloc_size", "ratio_vs_cupy_pool", X,
       over=("size_bytes",), pick="best", unit="×"),
     *(T(f"us4_{a}", f"{a} µs per pair at 4 KiB", "alloc_size", "us_per_pair", a, where=dict(size_bytes=4096),
         unit=" µs") for a in ("raw", "raw_held")),
     *(T(f"k8_{a}", f"{a} thousand pairs/s, 8 threads", "alloc_threads", "kpairs_per_s", a,
         where=dict(threads=8, size_bytes=65536), fmt="{:.0f}", unit="k") for a in (X, CP, "raw")),
-    T("k8_ratio", "xpool's speed-up over CuPy MemoryPool, 8 threads (median of per-trial ratios)", "alloc_threads",
+    T("k8_ratio", "xpool's speed-up over CuPy's MemoryPool, 8 threads (median of per-trial ratios)", "alloc_threads",
       "ratio_vs_cupy_pool", X, where=dict(threads=8, size_bytes=65536), unit="×"),
     T("tps_32_all", "xpool tokens/s, batch 32", "single_gpu", "tokens_per_s", X, where=dict(batch=32), fmt="{:,.0f}",
       along=(CP,)),
@@ -355,19 +368,20 @@ TARGETS = (
       exact=True),
     *_held_each(),
     *_held_each(SCALE, "scale", **AT_SCALE),
-    *(T(f"dyn_h_calls{k}", f"xpool's default{label}: device calls per step in steady state, by dynamic workload", DYN,
+    *(T(f"dyn_h_calls{k}", f"{label}: device calls per step in steady state, by dynamic workload", DYN,
         "device_calls_per_steady_step", arm, where=dict(dynamic=True, framework=f), over=("workload",), pick="each",
         fmt="{:.3g}", exact=True) for k, label, arm, f in DEFAULT_ARMS),
-    *(T(f"dyn_h_ms{k}", f"xpool's default{label}: speed-up over the fastest peer, by workload", DYN, "ms_per_step",
+    *(T(f"dyn_h_ms{k}", f"{label}: speed-up over the fastest peer, by workload", DYN, "ms_per_step",
         arm, where=dict(framework=f), ref=dict(allocator=PEERS), over=("workload",), pick="each", **SPEEDUP)
       for k, label, arm, f in DEFAULT_ARMS),
-    T("torch_empty", "torch.empty+del: xpool's speed-up over PyTorch's allocator, by size", "torch_interop.csv", "value",
+    T("torch_empty", "torch.empty+del: xpool's speed-up over PyTorch's caching allocator, by size", "torch_interop.csv", "value",
       X, where=dict(case="empty_del"), ref=dict(arm="torch"), over=("size_bytes",), pick="each", **SPEEDUP),
 )
 BY_KEY = {t.key: t for t in TARGETS}
 # each #22 row of memory held and its twin on the scaled rows (issue #46): what the report's memory headlines read
 # where the twin is measured (a headline of device calls or speed keeps the benchmark's size: #22's own targets)
-AT_SCALE_TWIN = {k: twin for k, r in BY_KEY.items() if k.startswith("dyn_") and r.metric == HELD["metric"]
+AT_SCALE_TWIN = {k: twin for k, r in BY_KEY.items() if k.startswith("dyn_")
+                 and (r.metric == HELD["metric"] or k.startswith(("dyn_calls_worst", "dyn_speed_worst")))
                  and (twin := "scale_" + k[len("dyn_"):]) in BY_KEY}
 
 
@@ -394,6 +408,8 @@ class Measured:
     rows: pd.DataFrame | None = dataclasses.field(default=None, repr=False)   # the rows read (the arm's, ref's)
     rules: str = ""                       # the release rules the xpool rows ran, where the CSV says
     group: tuple = ()                     # the values of `over` this measurement stands for
+    values: tuple = ()                    # the per-trial values (or paired ratios) behind a median: printed, sorted,
+    # in place of an interval over fewer than INTERVAL_TRIALS trials
 
     def __format__(self, spec: str) -> str:
         r = self.row
@@ -402,14 +418,33 @@ class Measured:
         if r.stat in ("all", "share"):
             return "n/a" if not self.n else f"{round(self.value * self.n)} of {self.n}"
         if self._few:
-            return iv.fmt_ci(self.value, math.nan, math.nan, spec or r.fmt, r.unit, self.goal, exact=True) + " [n/a]"
+            f = spec or r.fmt
+            return (iv.fmt_ci(self.value, math.nan, math.nan, f, r.unit, self.goal, exact=True)
+                    + f" (no interval: {self.n} trials, " + ", ".join(f.format(v) for v in sorted(self.values)) + ")")
         return iv.fmt_ci(self.value, self.lo, self.hi, spec or r.fmt, r.unit, self.goal, exact=self._exact)
 
     @property
+    def pool_said(self) -> str:
+        """What the arm's xpool rows measured other than the product as it ships ('release rule high_water, retired by
+        decision 0001', 'before the freeze'; shared.qualifiers), '' for the product as it ships and for a peer."""
+        rows, arms = self.rows, self.row.arm
+        col = sources.arm_column(rows) if rows is not None else None
+        if col is None or not len(rows):
+            return ""
+        arms = {arms} if isinstance(arms, str) else set(arms or ())
+        if self.group and "allocator" in self.row.over:
+            arms = {self.group[self.row.over.index("allocator")]}
+        said = []
+        for a, g in rows.groupby(col, sort=False):
+            if str(a).startswith("xpool") and (not arms or a in arms):
+                said += [q for q in shared.qualifiers(g, a) if q not in said]
+        return "; ".join(said)
+
+    @property
     def _few(self) -> bool:
-        """Several trials of a row that names its trials, too few for an interval (INTERVAL_TRIALS): a run under
-        way."""
-        return bool(self.row.trials) and 1 < self.n < INTERVAL_TRIALS
+        """A median over several trials, too few for an interval (INTERVAL_TRIALS): its values are printed instead."""
+        return self.row.stat == "median" and 1 < self.n < INTERVAL_TRIALS and not (
+            self.row.exact and len(set(self.values)) <= 1)
 
     @property
     def _exact(self) -> bool:
@@ -423,10 +458,10 @@ class Measured:
         without an interval are not a single run)."""
         if self.goal is None:
             return ""
+        if self.under_way:              # a goal over N trials waits for them
+            return f"{PENDING} ({self.n} of {self.row.trials})"
         said = iv.judge(self.value, self.lo, self.hi, self.goal, self.row.higher, exact=self._exact)
-        if not self.under_way:
-            return said
-        return f"{said.replace(iv.SINGLE, FEW) if self._few else said} ({self.n} of {self.row.trials} trials)"
+        return f"{FEW} ({self.n} trials)" if self._few else said
 
     @property
     def under_way(self) -> bool:
@@ -464,6 +499,7 @@ def _value(r: T, mine: pd.DataFrame, ref: pd.DataFrame | None):
     """(value, lo, hi, n) of a row's statistic over the selected rows (and their reference)."""
     v = mine[r.metric].astype(float) * r.scale
     if r.stat == "all":
+        v = v.dropna()
         return float(v.mean()) if len(v) else math.nan, math.nan, math.nan, len(v)
     if r.stat in ("max", "min"):
         return (float(getattr(v, r.stat)()) if len(v) else math.nan), math.nan, math.nan, len(v)
@@ -478,6 +514,18 @@ def _value(r: T, mine: pd.DataFrame, ref: pd.DataFrame | None):
     return iv.ratio_ci(b, a) if r.flip else iv.ratio_ci(a, b)
 
 
+def _values(r: T, mine: pd.DataFrame, ref: pd.DataFrame | None) -> tuple:
+    """The values a median row's statistic is the median of: each trial's value, or each paired trial's ratio."""
+    if r.stat != "median":
+        return ()
+    if ref is None:
+        return tuple(float(x) for x in (mine[r.metric].astype(float) * r.scale).dropna())
+    a, b = (f.groupby("trial")[r.metric].median() for f in (mine, ref))
+    common = a.index.intersection(b.index)
+    top, bottom = (b, a) if r.flip else (a, b)
+    return tuple(float(x) for x in (top.loc[common] / bottom.loc[common]).dropna())
+
+
 def _bound(r: T, *frames) -> str:
     if r.bound or r.exact or r.stat != "median":
         return r.bound or "—"
@@ -486,7 +534,7 @@ def _bound(r: T, *frames) -> str:
         if f is not None and "bound" in f and f["bound"].notna().any():
             bounds.append((sources.arm_column(f) and f[sources.arm_column(f)].iloc[0], f["bound"].mode().iloc[0]))
     if len({b for _, b in bounds}) > 1:
-        return ", ".join(f"{a} {b}" for a, b in bounds)
+        return ", ".join(f"{_named(a)} {b}" for a, b in bounds)
     return bounds[0][1] if bounds else "—"
 
 
@@ -529,15 +577,18 @@ def _one(r: T, df: pd.DataFrame, col: str | None, group: dict) -> Measured | Non
         return None                                   # the reference over itself
     used = pd.concat([mine, ref]) if ref is not None else mine
     value, lo, hi, n = _value(r, mine, ref)
-    if r.trials and n < INTERVAL_TRIALS:              # a run under way: no interval over so few trials
+    if r.stat == "median" and n < INTERVAL_TRIALS:    # no interval over so few trials: the values are printed
         lo = hi = math.nan
     m = Measured(r, value, lo, hi, n, src=sources.sources(mine), where=sources.where(mine),
                  bound=_bound(r, mine, ref), ref=ref[col].iloc[0] if ref is not None and col in ref else "",
                  steps="/".join(str(int(s)) for s in pd.unique(mine["steps"].dropna())) if "steps" in mine else "",
                  csv=str(df["csv"].iloc[0]) if "csv" in df else "", date=sources.newest_date(used), rows=used,
-                 rules=pools(used, col))
+                 rules=pools(used, col), values=_values(r, mine, ref) if "trial" in mine or ref is None else ())
     if isinstance(r.goal, dict):
-        goal = _goal_of(r, sources.select(df, {**r.where, **group, **r.goal}), col)
+        others = sources.select(df, {**r.where, **group, **r.goal})
+        if "trial" in others and "trial" in mine:     # the goal compares the same trials as the value
+            others = others[others["trial"].isin(set(mine["trial"]))]
+        goal = _goal_of(r, others, col)
         if goal is None:
             return None
         m.goal, m.goal_text = goal
@@ -656,8 +707,24 @@ def values(data: pathlib.Path) -> dict:
 
 def text(m: Measured) -> str:
     """A target's words, its group filled in and its goal's value when the goal is another arm's."""
-    t = m.row.text.replace("{at}", m.at or "—").replace("{steps}", m.steps or "?").replace("{ref}", m.ref or "—")
-    return t + (f" ({m.goal_text})" if m.goal_text else "")
+    t = m.row.text.replace("{at}", _named(m.at) or "—").replace("{steps}", m.steps or "?").replace(
+        "{ref}", shared.label(m.ref) if m.ref else "—")
+    goal = m.goal_text
+    if goal and ": " in goal:              # 'arm: k of n', the arm in its one name
+        arm, _, got = goal.partition(": ")
+        goal = f"{_named(arm)}: {got}"
+    return t + (f" ({goal})" if goal else "") + (f" [{said}]" if (said := m.pool_said) else "")
+
+
+def _named(at: str | None) -> str | None:
+    """An arm id in its one name (shared.label); a workload, a size or anything else not an arm as it is."""
+    if not at:
+        return at
+    try:
+        shared.arm(at)
+    except ValueError:
+        return at
+    return shared.label(at)
 
 
 def table(rows: list[Measured]) -> list[str]:
@@ -674,5 +741,6 @@ def counts(rows: list[Measured]) -> dict:
     fewer trials than their goal speaks of, the verdict says how many)."""
     v = [m.verdict for m in rows]
     return {"targets": len(v), **{k: sum(x.startswith(said) for x in v) for k, said in (
-                ("met", iv.MET), ("missed", iv.MISSED), ("noise", iv.NOISE), ("single", iv.SINGLE), ("few", FEW))},
+                ("met", iv.MET), ("missed", iv.MISSED), ("noise", iv.NOISE), ("single", iv.SINGLE), ("few", FEW),
+                ("pending", PENDING))},
             "under_way": sum(m.under_way for m in rows)}

@@ -483,15 +483,23 @@ def test_a_run_under_way_is_said_with_its_trials_and_shows_no_interval():
                                  gpu_util_mean=95.0, bound="gpu")
     two = rows[rows["trial"] < 2]
     assert summaries.trials_said(rows) == "5 trials"
-    assert summaries.trials_said(two) == "2 of 5 trials so far; an interval needs 3 trials: none where fewer ran"
+    assert summaries.trials_said(two) == "2 of 5 trials so far; an interval needs 5 trials: none where fewer ran"
     uneven = rows[~((rows["trial"] == 4) & (rows["workload"] == "cupy_mix"))]
-    assert summaries.trials_said(uneven) == "5 trials (4-5 per workload and arm)"
+    assert summaries.trials_said(uneven) == \
+        "5 trials (4-5 per workload and arm); an interval needs 5 trials: none where fewer ran"
     full, under_way = summaries.scale_summary(rows), summaries.scale_summary(two)
     assert list(full["allocator"][:3]) == ["cupy_pool", "rmm_pool", "xpool_segments"]       # the arms table's order
     assert full["reserved/requested"].str.contains(r"\[\d").all() and (full["trials"] == 5).all()
-    assert under_way["reserved/requested"].str.endswith("[n/a]").all() and (under_way["trials"] == 2).all()
+    assert (under_way["trials"] == 2).all()
+    assert not under_way.astype(str).apply(lambda c: c.str.contains(r"\[")).any().any()     # no interval anywhere
+    for r in under_way.itertuples():            # no interval over 2 trials: the median, then the two values sorted
+        got = two[(two["workload"] == r.workload) & (two["allocator"] == r.allocator)]
+        vals = sorted(got.groupby("trial")["ms_per_step"].median())
+        assert r[6] == f"{np.median(vals):.2f} (no interval: 2 trials, {vals[0]:.2f}, {vals[1]:.2f})"
+        ror = sorted(got["reserved_over_requested"])
+        assert r[4] == f"{np.median(ror):.3f} (no interval: 2 trials, {ror[0]:.3f}, {ror[1]:.3f})"
     assert list(under_way["xpool's default"]) == ["", "", "yes", "", "yes"]
-    assert (under_way["bound (GPU busy)"] == "gpu (95% [n/a])").all()
+    assert (under_way["bound (GPU busy)"] == "gpu, busy 95% (no interval: 2 trials, 95, 95)").all()
     assert summaries.requested(rows) == "33-37 GiB requested"
     assert summaries.requested(rows[rows["workload"] == "cupy_mix"]) == "37 GiB requested"
     assert summaries.said(None) == \
@@ -499,7 +507,7 @@ def test_a_run_under_way_is_said_with_its_trials_and_shows_no_interval():
     said = summaries.said(sources.prepare(two.assign(commit="abc1234", gpu="H200", date="2026-12-06"),
                                               "dynamic_scale.csv"))
     assert said == "Rows: `dynamic_scale.csv` at abc1234 (H200, 2026-12-06), 2 of 5 trials so far; an interval " \
-                   "needs 3 trials: none where fewer ran."
+                   "needs 5 trials: none where fewer ran."
 
 
 def test_the_cap_grid_is_a_row_per_workload_and_cap_a_column_per_arm():
@@ -507,11 +515,11 @@ def test_the_cap_grid_is_a_row_per_workload_and_cap_a_column_per_arm():
                  cap_over_peak_requested=c, completed=a == "xpool_segments" or t == 0)
             for t in range(2) for c in (1.1, 1.25) for a in ("xpool_segments", "cupy_pool")]
     grid = summaries.cap_grid(pd.DataFrame(rows), "cupy")
-    assert list(grid.columns) == ["workload", "cap", "cupy_pool", "xpool_segments (default)"]
+    assert list(grid.columns) == ["workload", "cap", "cupy_pool", "xpool_segments: xpool (CuPy)"]
     assert grid.values.tolist() == [["cupy_mix", "1.10×", "1/2", "2/2"], ["cupy_mix", "1.25×", "1/2", "2/2"]]
     assert summaries.cap_grid(pd.DataFrame(rows), "torch").empty
     said = summaries.said(pd.DataFrame(rows).assign(csv="memory_cap.csv", run="abc1234"), "memory_cap")
-    assert said.endswith(", 2 of 5 trials so far; an interval needs 3 trials: none where fewer ran; caps of 1.10×, "
+    assert said.endswith(", 2 of 5 trials so far; an interval needs 5 trials: none where fewer ran; caps of 1.10×, "
                          "1.25× the peak requested.")
 
 

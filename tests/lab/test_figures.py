@@ -20,6 +20,7 @@ from matplotlib.patches import Patch
 
 from lab_fixtures import synthetic
 from xlab import plots
+from xlab.shared import FRONT_END_NAMES
 
 try:                                   # the arms table; an older lab named its labels in plots
     from xlab.allocators import by_scheme, canonical, label as arm_label
@@ -61,6 +62,15 @@ def newest(data, *csvs, arm="allocator", keys=(), arms=None):
     return df[df["_order"] == df.groupby(by)["_order"].transform("max")]
 
 
+def newest_run(df, by=("allocator", "workload")):
+    """A CSV that holds several runs (dynamic_scale, memory_cap): for each arm and workload, the rows of its newest
+    run (the commit whose rows are dated last); a CSV of one run as it is."""
+    if "commit" not in df or df["commit"].nunique() < 2:
+        return df
+    dated = df.assign(_d=df["commit"].map(df.groupby("commit")["date"].max()))
+    return df[dated["_d"] == dated.groupby(list(by))["_d"].transform("max")]
+
+
 # --- readback
 
 
@@ -84,11 +94,18 @@ def legend(fig, ax) -> dict:
     return out
 
 
-def arm_of(text: str, arms) -> str:
-    """The arm whose label the legend text is (the longest label it starts with: a label may add the run)."""
-    found = [a for a in arms if text == arm_label(a) or text.startswith(arm_label(a) + " ·")]
+def _name(a: str, framework: str | None = None) -> str:
+    """An arm's one name: its front end's ("xpool (CuPy)") where it is that front end's default, else its label."""
+    from xlab import shared
+    return shared.FRONT_END_NAMES[framework] if framework and a == shared.default_arm(framework) else arm_label(a)
+
+
+def arm_of(text: str, arms, framework: str | None = None) -> str:
+    """The arm whose name the legend text is (the longest it starts with: a label may add qualifiers or the run);
+    `framework`: the front end whose default arm is named for it."""
+    found = [a for a in arms if text == _name(a, framework) or text.startswith(_name(a, framework) + " ·")]
     assert found, f"legend entry {text!r} names none of {sorted(arms)}"
-    return max(found, key=lambda a: len(arm_label(a)))
+    return max(found, key=lambda a: len(_name(a, framework)))
 
 
 def read_bars(fig, ax):
@@ -166,25 +183,33 @@ _ONE_GPU_ARMS = ("raw", "cupy_pool", "xpool", "xpool_seed")
 
 
 def check_single_gpu(fig, data):
-    df = newest(data, "single_gpu", "single_gpu_recheck", "graph/single_gpu", keys=("batch",),
-                arms=_ONE_GPU_ARMS)
+    csvs = ("single_gpu", "single_gpu_recheck", "graph/single_gpu", "2026-12-07_db0b678/single_gpu")
+    df = newest(data, *csvs, keys=("batch",), arms=_ONE_GPU_ARMS)
     cols = ["tokens_per_s", "host_ms_per_step", "gpu_ms_per_step", "gpu_util_mean", "device_mallocs_per_step",
             "reserved_over_requested"]
     for ax, col in zip(fig.axes, cols):
         bar_panel(fig, ax, df.dropna(subset=[col]), "batch", col, lambda t: int(t.split()[1]))
     data_lines = fig._supxlabel.get_text().split("Measured on")[0]       # arms of several runs: the caption says whose
-    for csv in ("single_gpu.csv", "single_gpu_recheck.csv"):
-        assert f"{csv} at " in data_lines
+    for i in sorted(set(df["_order"])):                                   # each CSV whose rows are drawn
+        assert f"{csvs[i]}.csv at " in data_lines
 
 
-def test_no_legend_names_a_commit(data):
+def test_no_legend_names_a_commit_unless_it_sets_runs_side_by_side(data):
     """Labels are the arms'; the caption names each CSV, its commit and its arms (the old dynamic figure's legend
-    carried commit hashes)."""
+    carried commit hashes). Only a figure whose rows hold several runs names, after " · run ", each arm's runs in
+    its legend entry (issue #52: arms of different runs side by side say so in place), and those are runs its rows
+    hold."""
     for name in plots.FIGURES:
         fig = plots.draw(name, data)
         texts = [t.get_text() for leg in [*fig.legends, *(ax.get_legend() for ax in fig.axes)] if leg is not None
                  for t in leg.get_texts()]
-        assert not any("synthetic" in t or re.search(r"\b[0-9a-f]{7,12}\b", t) for t in texts), (name, texts)
+        rows = plots.rows(name, data)
+        runs = set(rows["run"].astype(str)) if rows is not None and "run" in rows else set()
+        for t in texts:
+            label, _, named = t.partition(" · run ")
+            assert not ("synthetic" in label or re.search(r"\b[0-9a-f]{7,12}\b", label)), (name, t)
+            if named:
+                assert len(runs) > 1 and set(named.split("/")) <= runs, (name, t, runs)
 
 
 def check_graph_steps(fig, data):
@@ -202,7 +227,7 @@ _ALLOC_ARMS = ("raw", "raw_held", "noop", "c_noop", "cupy_pool", "cupy_torch", "
 
 def check_alloc_cost(fig, data):
     df = newest(data, "alloc_microbench", "alloc_hit_sweep", "alloc_hit_sweep_repeat", "core_split_gpu",
-                keys=("size_bytes",), arms=_ALLOC_ARMS)
+                "2026-12-07_db0b678/alloc_microbench", keys=("size_bytes",), arms=_ALLOC_ARMS)
     df = df[df["sweep"] == "size"]
     cost, rel = fig.axes[:2]
     line_panel(fig, cost, df, "size_bytes", "us_per_pair")
@@ -213,7 +238,8 @@ def check_alloc_cost(fig, data):
 
 
 def check_alloc_threads(fig, data):
-    df = newest(data, "alloc_microbench", "alloc_hit_threads", keys=("threads",))
+    df = newest(data, "alloc_microbench", "alloc_hit_threads", "2026-12-07_db0b678/alloc_microbench",
+                keys=("threads",))
     line_panel(fig, fig.axes[0], df[(df["sweep"] == "threads") & (df["size_bytes"] == 65536)], "threads",
                "kpairs_per_s")
 
@@ -281,20 +307,21 @@ _DEFAULTS = {"CuPy programs": ("cupy", "xpool_segments"), "PyTorch programs": ("
 def _dynamic_check(fig, data, expected, csv="dynamic_shapes"):
     """Both panels: their bars are `expected(rows of the panel's front end)` per (workload, arm); the front end's
     default is marked (its label says so, its bars outlined thicker) and no legend names a commit."""
-    df = pd.read_csv(data / f"{csv}.csv")
+    df = newest_run(pd.read_csv(data / f"{csv}.csv"))
     df = df[df["allocator"].isin(_DYN_PEERS + _DYN_XPOOL)]
     assert [ax.get_title(loc="left") for ax in fig.axes] == list(_DEFAULTS)
     for ax in fig.axes:
         f, default = _DEFAULTS[ax.get_title(loc="left")]
         rows = df[df["framework"] == f]
         arms = set(rows["allocator"])
-        drawn = [((arm_of(lab, arms), t.partition("\n")[0]), h) for lab, t, h in read_bars(fig, ax)]
+        drawn = [((arm_of(lab, arms, f), t.partition("\n")[0]), h) for lab, t, h in read_bars(fig, ax)]
         check(drawn, expected(rows), ax.get_title(loc="left"))
         texts = [t.get_text().replace("\n", " ") for t in ax.get_legend().get_texts()]
-        marked = [t for t in texts if "default" in t and not t.startswith("CuPy MemoryPool")]
-        assert len(marked) == 1 and marked[0].startswith(arm_label(default) + " ·"), texts
+        marked = [t for t in texts if t.startswith(FRONT_END_NAMES[f])]             # the default: the front end's
+        assert len(marked) == 1 and arm_of(marked[0], arms, f) == default, texts    # name, no other entry has it
+        assert not any("default" in t for t in texts), texts                        # no arm called "default"
         assert not any(re.search(r"\b[0-9a-f]{7,}\b", t) for t in texts), texts       # no commit in a legend
-        widths = {arm_of(lab, arms): p.get_linewidth() for c, lab in zip(ax.containers, texts) for p in c.patches}
+        widths = {arm_of(lab, arms, f): p.get_linewidth() for c, lab in zip(ax.containers, texts) for p in c.patches}
         assert widths[default] > max(w for a, w in widths.items() if a != default)
 
 
@@ -312,7 +339,7 @@ def check_dynamic_scale(fig, data):
         pct = rows.assign(h=(100 * (rows["reserved_over_requested"] - 1)).clip(lower=0.01))
         return {k: v for k, v in pct.groupby(["allocator", "workload"])["h"].median().items()}
     _dynamic_check(fig, data, held, "dynamic_scale")
-    df = pd.read_csv(data / "dynamic_scale.csv")
+    df = newest_run(pd.read_csv(data / "dynamic_scale.csv"))
 
     def gib(rows):
         lo, hi = (f"{v / 2**30:.2g}" for v in (rows["peak_requested_bytes"].min(), rows["peak_requested_bytes"].max()))
@@ -347,23 +374,24 @@ def read_grid(ax) -> dict:
 def check_memory_cap(fig, data):
     """Each front end's grid: every cell is the trials its arm finished under its cap of those it ran, coloured by
     that share; the default's row is labelled and outlined; the title names the caps."""
-    df = pd.read_csv(data / "memory_cap.csv")
+    df = newest_run(pd.read_csv(data / "memory_cap.csv"))
     assert [ax.get_title(loc="left") for ax in fig.axes] == list(_DEFAULTS)
     for ax in fig.axes:
         f, default = _DEFAULTS[ax.get_title(loc="left")]
         rows = df[df["framework"] == f]
         arms = set(rows["allocator"])
-        drawn = {(arm_of(lab, arms), w, c): cell for (lab, w, c), cell in read_grid(ax).items()}
+        drawn = {(arm_of(lab, arms, f), w, c): cell for (lab, w, c), cell in read_grid(ax).items()}
         expected = {}
         for (a, w, c), g in rows.groupby(["allocator", "workload", "cap_over_peak_requested"]):
             k, n = int(g["completed"].sum()), g["trial"].nunique()
             expected[(a, w, f"{c:.2f}×")] = (f"{k}/{n}", k / n)
         assert drawn == expected, ax.get_title(loc="left")
         labels = [t.get_text().replace("\n", " ") for t in ax.get_yticklabels()]
-        marked = [t for t in labels if "xpool's default" in t]
-        assert len(marked) == 1 and arm_of(marked[0], arms) == default
+        marked = [t for t in labels if t.startswith(FRONT_END_NAMES[f])]              # the default: the front end's
+        assert len(marked) == 1 and arm_of(marked[0], arms, f) == default, labels    # name, no other row has it
+        assert not any("default" in t for t in labels), labels                       # no arm called "default"
         (box,) = [p for p in ax.patches if p.get_linewidth() > 2]                     # the default's row outlined
-        assert box.get_y() + box.get_height() / 2 == pytest.approx([arm_of(t, arms) for t in labels].index(default))
+        assert box.get_y() + box.get_height() / 2 == pytest.approx([arm_of(t, arms, f) for t in labels].index(default))
     caps = ", ".join(f"{c:.2f}×" for c in sorted(df["cap_over_peak_requested"].unique()))
     title = fig.legends[0].get_title().get_text() if fig.legends else fig._suptitle.get_text()
     assert f"caps of {caps} its peak requested" in title
@@ -473,12 +501,12 @@ def test_the_scaled_figures_wait_for_their_csvs_and_show_a_run_under_way(data, t
     fig = plots.draw("dynamic_scale", tmp_path / "partial")
     check_dynamic_scale(fig, tmp_path / "partial")
     assert not any(_interval_tops(ax) for ax in fig.axes)
-    assert "2 of 5 trials so far; an interval needs 3 trials" in _all_text(fig)
+    assert "2 of 5 trials so far; an interval needs 5 trials" in " ".join(_all_text(fig).split())
     assert all(_interval_tops(ax) for ax in plots.draw("dynamic_scale", data).axes)
     fig = plots.draw("memory_cap", tmp_path / "partial")
     check_memory_cap(fig, tmp_path / "partial")
     assert {t.get_text() for ax in fig.axes for t in ax.get_xticklabels()} == {"1.10×"}
-    assert "2 of 5 trials so far" in _all_text(fig)
+    assert "2 of 5 trials so far" in " ".join(_all_text(fig).split())
 
 
 def test_saved_figures_are_reproducible(data, tmp_path):

@@ -17,11 +17,15 @@ def test_a_gpus_rows_beside_a_cpus_name_each_machine():
 
 
 def test_the_committed_gpu_checks_are_said_to_come_from_a_gpu():
-    """Notebook 01 names the GPU of every run whose checks it shows (the newest rows of each arm)."""
+    """The rows shown are the newest of each arm over the checks' lineage (the H100 run at db0b678 beside the CPU's):
+    each machine they ran on is named, and a GPU whose rows are not shown is not."""
     said = nbu.shown_from("correctness_gpu")
     shown = sources.current(paths.data_dir(), "correctness")
-    gpus = set(shown[shown["device"] == "gpu"]["gpu"])
-    assert gpus and all(f"on {gpu} (" in said for gpu in gpus), (gpus, said)
+    gpus = set(shown["gpu"].astype(str)) - {"none"}
+    assert gpus and all(f"on {gpu} (" in said for gpu in gpus)
+    assert ("none" in set(shown["gpu"].astype(str))) == ("measured on a machine without a GPU (" in said)
+    older = set(sources.read(paths.data_dir(), "correctness_gpu")["gpu"].astype(str)) - gpus
+    assert not any(f"on {gpu} (" in said for gpu in older)
 
 
 def _run(csv, commit, speedups, steps):

@@ -200,7 +200,7 @@ def test_notebook_runs_in_cpu_mode_without_data(name, tmp_path, repo_env):
 @pytest.mark.slow
 def test_notebook_06_shows_a_scaled_run_under_way(tmp_path, repo_env):
     """Two of five trials of the scaled runs, under the judged cap alone (a run under way): the sections say how
-    many trials so far, without an interval, and draw both figures from them."""
+    many trials so far, without an interval (the values instead), and draw both figures from them."""
     synthetic.write_all(tmp_path / "data", trials=5, scaled=2, caps=(1.10,))
     name = "06_dynamic_shapes"
     r = report.run_notebook(as_ipynb(name, tmp_path / "nb"), tmp_path / "out",
@@ -209,7 +209,8 @@ def test_notebook_06_shows_a_scaled_run_under_way(tmp_path, repo_env):
     text, html = _outputs(r["output"]), _html(r["output"])
     assert "`dynamic_scale.csv` at synthetic (SYNTHETIC GPU" in text and "2 of 5 trials so far" in text
     assert "caps of 1.10× the peak requested" in text and "Not measured yet" not in text
-    assert "[n/a]" in html and "2/2" in html and "1.05×" not in html
+    # no interval below 5 trials: each trial's value instead (issue #52)
+    assert "(no interval: 2 trials, " in html and "[n/a]" not in html and "2/2" in html and "1.05×" not in html
     assert _count(r["output"], "image/png") == FIGURE_CELLS[name]
 
 

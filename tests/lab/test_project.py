@@ -150,14 +150,14 @@ def _blocks(text: str, lang: str) -> list[str]:
 
 
 def test_the_readme_is_short_and_in_a_users_order():
-    """At most 150 lines and 12 KB; what xpool is and when to use it, the before/after figure, the install and quick
-    start (its commands before line 40), the notebooks, the results, xpool in code, the settings, the layout: in that
-    order."""
+    """At most 150 lines and 14 KB (12 KB before issue #52 put every measured miss, generated, beside the wins); what
+    xpool is and when to use it, the before/after figure, the install and quick start (its commands before line 40),
+    the notebooks, the results, xpool in code, the settings, the layout: in that order."""
     readme = _readme()
     lines = readme.splitlines()
-    assert len(lines) <= 150 and len(readme.encode()) <= 12 * 1024
+    assert len(lines) <= 150 and len(readme.encode()) <= 14 * 1024
     intro = readme.split("\n## ", 1)[0]
-    assert "CuPy's `MemoryPool`" in intro and "PyTorch's allocator" in intro and "![" in intro
+    assert "CuPy's MemoryPool" in intro and "PyTorch's caching allocator" in intro and "![" in intro   # one name each
     assert "figures/ddp_before_after.png" in intro
     for command in ("make setup", "jupyter lab", "papermill notebooks/"):
         assert next(i for i, line in enumerate(lines) if command in line) < 40, command
@@ -182,37 +182,51 @@ def readme_section(title: str) -> str:
 
 
 def test_the_readme_quotes_few_measured_numbers_all_generated():
-    """Outside the generated results table the README quotes no measured number (no decimal) but what set-up costs
-    (measured by hand, said so); inside it, at most 20 values (a value with its interval is one), each a row the
-    report computes."""
+    """Outside its generated blocks (the results table, the wins, the misses) the README quotes no measured number (no
+    decimal) but what set-up costs (measured by hand, said so); the blocks are what the report computes from the
+    committed CSVs, the results table at most 8 headlines (a value with its interval is one)."""
     from xlab import report
     readme = _readme()
-    start, end = report.RESULTS
-    outside = readme.split(start)[0] + readme.split(end)[1]
+    data = ROOT / "data"
+    outside = readme
+    for (start, end), block in ((report.RESULTS, report.readme_table(data)), (report.WINS, report.wins_block(data)),
+                                (report.MISSES, report.misses_block(data))):
+        assert outside.count(start) == 1 and outside.split(start, 1)[1].split(end, 1)[0].strip() == block, start
+        outside = outside.split(start)[0] + outside.split(end)[1]
     for block in _blocks(outside, "(?:sh|python)"):
         outside = outside.replace(block, "")
     costs = re.findall(r"^- \*\*Costs\*\* .*hand-measured.*\n(?:  .*\n)*", outside, re.M)
     assert len(costs) == 1
     outside = outside.replace(costs[0], "").replace("Python 3.11 or later", "")
     assert not re.findall(r"\d+\.\d+", outside)
-    rows = [r for r in report.headlines(ROOT / "data") if r["headline"].readme]
-    assert sum(1 + len(r["beside"]) for r in rows) <= 20
+    rows = [r for r in report.headlines(data) if r["headline"].readme]
+    assert 0 < len(rows) <= 8
 
 
 def test_the_readmes_advice_rests_on_the_verdicts():
-    """"When to use it" says where xpool wins, where it is within noise and where a peer's median is better; each
-    claim is the verdict of a target (if one fails, the data changed: rewrite the claim)."""
-    from xlab import intervals as iv, targets
-    v = targets.values(ROOT / "data")
+    """"When to use it" says where xpool wins and where it does not; each claim of its advice (report.WIN_ADVICE, the
+    measured values beside it generated) is the verdict of a target (if one fails, the data changed: rewrite the
+    claim)."""
+    from xlab import intervals as iv, report, sources, targets
+    data = ROOT / "data"
+    v = targets.values(data)
+    heads = {r["headline"].key: r["m"] for r in report.headlines(data, v)}
     assert v["ddp_raw"].hi < 1 < v["ddp_threads"].lo and v["ddp_threads_cupy"].lo > 1     # no pool: slower on two
     assert "slower on two GPUs than on one" in _readme()
-    for key in ("ddp_threads_vs_cupy", "vs_cupy_32", "torch_step", "dyn_vs_cupy_worst", "dyn_vs_expandable_worst"):
-        assert v[key].verdict == iv.NOISE, key                                          # "within noise"
-    import dataclasses
-    sizes = targets.measure(dataclasses.replace(targets.BY_KEY["hit_worst"], pick="each"), ROOT / "data")[0].each
-    assert v["hit_worst"].verdict == iv.NOISE and sum(m.lo > 1 for m in sizes) > len(sizes) / 2   # faster at most
-    assert v["dyn_vs_torch_worst"].verdict == iv.MET                                 # PyTorch's default holds more
-    assert v["dyn_vs_expandable_worst"].value < 1                                    # expandable segments: its median
+    advice = {who: (text, keys) for who, text, keys in report.WIN_ADVICE}
+    text, keys = advice["Instead of CuPy's MemoryPool"]
+    assert "not for a faster step or less memory" in text and {k for k, _ in keys} == {
+        "hit_worst", "vs_cupy_32", "dyn_vs_cupy_worst"}
+    for key in ("vs_cupy_32", "dyn_vs_cupy_worst"):                     # neither faster nor less memory: not met
+        assert not heads[key].verdict.startswith(iv.MET), key
+    scale = sources.current(data, targets.SCALE)                        # expandable holds less under changing shapes
+    cupy = scale[(scale["framework"] == "cupy") & scale["dynamic"]]
+    held = cupy.groupby(["workload", "allocator"])["reserved_over_requested"].median().unstack()
+    assert (held["xpool_expandable"] < held["xpool_segments"]).all()
+    text, keys = advice["Instead of PyTorch's caching allocator"]
+    assert "PyTorch's own allocators are the simpler choice" in text
+    for key, _ in keys:                                                 # xpool (PyTorch) beats neither: no target met
+        assert not heads[key].verdict.startswith(iv.MET), key
 
 
 def test_the_readmes_code_uses_the_public_surface_in_few_lines():

@@ -13,6 +13,7 @@ import pytest
 
 from xlab import intervals as iv
 from xlab import sources
+from xlab.shared import INTERVAL_TRIALS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DATA, DECISIONS = ROOT / "data", ROOT / "docs" / "decisions"
@@ -32,9 +33,29 @@ def csv(name: str) -> pd.DataFrame:
 
 
 def ci(values, fmt="{:.3f}", scale=1.0) -> str:
-    """'1.119 [1.099, 1.148]': the median of one value per trial with its 95% bootstrap interval."""
-    m, lo, hi, _ = iv.median_ci(pd.Series(values, dtype=float) * scale)
+    """'1.119 [1.099, 1.148]': the median of one value per trial with its 95% bootstrap interval (never over fewer
+    than INTERVAL_TRIALS trials: `each` prints those)."""
+    m, lo, hi, n = iv.median_ci(pd.Series(values, dtype=float) * scale)
+    assert n >= INTERVAL_TRIALS, f"an interval over {n} trials: print the values (each)"
     return iv.fmt_ci(m, lo, hi, fmt)
+
+
+def each(values, fmt="{:.3f}", scale=1.0, unit="", median=None) -> str:
+    """'1.481 (1.214, 1.465, 1.496, 1.507)': over fewer than INTERVAL_TRIALS trials, no interval: the median (or
+    `median`, a ratio of medians) and each trial's value, sorted; 'x (every trial)' where they print alike."""
+    v = (pd.Series(values, dtype=float) * scale).dropna()
+    assert 1 < len(v) < INTERVAL_TRIALS, f"{len(v)} trials: an interval (ci) from {INTERVAL_TRIALS}"
+    said = [fmt.format(x) for x in sorted(v)]
+    m = fmt.format(v.median() if median is None else median)
+    return f"{m}{unit} (" + ("every trial" if len(set(said)) == 1 else ", ".join(said)) + ")"
+
+
+def ratio(numerator, denominator, fmt="{:.3f}") -> str:
+    """The ratio of the medians over paired trials, 'r× [lo, hi]' from INTERVAL_TRIALS pairs, else with each pair's
+    ratio (each)."""
+    a, b = (pd.Series(x, dtype=float).reset_index(drop=True) for x in (numerator, denominator))
+    r, lo, hi, n = iv.ratio_ci(a.to_numpy(), b.to_numpy())
+    return iv.fmt_ci(r, lo, hi, fmt, "×") if n >= INTERVAL_TRIALS else each(a / b, fmt, unit="×", median=r)
 
 
 def table_row(df, workload, arms) -> str:
@@ -70,7 +91,7 @@ def expected_0002_at_scale() -> list[str]:
     caps = caps[caps.cap_over_peak_requested == 1.1]
     done = lambda w, a: caps[(caps.workload == w) & (caps.allocator == a)].completed      # noqa: E731
     out = [f"`dynamic_scale.csv` and `memory_cap.csv` at {sources.run_label(df)}",
-           *(f"| {w}{label} | " + " | ".join(ci(df[(df.workload == w) & (df.allocator == a)].reserved_over_requested)
+           *(f"| {w}{label} | " + " | ".join(each(df[(df.workload == w) & (df.allocator == a)].reserved_over_requested)
                                               for a in SCALE_ARMS) + " |"
              for w, label in (("cupy_mix", ": peak reserved / peak requested"), ("gpt_varlen", ": the same"))),
            "trials finished under a cap of 1.10× the peak requested | " + " | ".join(
@@ -85,8 +106,7 @@ def expected_0002_at_scale() -> list[str]:
     for w in ("cupy_mix", "gpt_varlen"):
         ms = df[df.workload == w].pivot_table(index="trial", columns="allocator", values="ms_per_step").dropna(
             subset=["xpool_segments", "xpool_expandable"])
-        r, lo, hi, _ = iv.ratio_ci(ms.xpool_expandable.to_numpy(), ms.xpool_segments.to_numpy())
-        out.append(f"{w} {iv.fmt_ci(r, lo, hi, '{:.3f}', '×')}")
+        out.append(f"{w} {ratio(ms.xpool_expandable, ms.xpool_segments)}")
     return out
 
 
@@ -171,9 +191,9 @@ def expected_usage() -> list[str]:
     df = csv("alloc_debug_cost.csv")
     at = lambda arm, size: df[(df.allocator == arm) & (df.size_bytes == size)].us_per_pair     # noqa: E731
     return [f"`data/alloc_debug_cost.csv` at {sources.run_label(df)}, {df.trial.nunique()} trials",
-            f"xpool_k1_debug took {ci(at('xpool_k1_debug', 4096), '{:.1f}')} µs at 4 KiB",
-            f"{ci(at('xpool_k1_debug', 1 << 20), '{:.1f}')} µs at 1 MiB",
-            f"xpool_k1's {ci(at('xpool_k1', 4096), '{:.1f}')} µs at 4 KiB"]
+            f"xpool_k1_debug took {each(at('xpool_k1_debug', 4096), '{:.1f}', unit=' µs')} at 4 KiB",
+            f"{each(at('xpool_k1_debug', 1 << 20), '{:.1f}', unit=' µs')} at 1 MiB",
+            f"xpool_k1's {each(at('xpool_k1', 4096), '{:.1f}', unit=' µs')} at 4 KiB"]
 
 
 def expected_0012() -> list[str]:

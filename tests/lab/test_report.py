@@ -11,7 +11,7 @@ import pytest
 import xpool
 from lab_fixtures import synthetic
 from xlab import intervals as iv
-from xlab import memory_study, paths, plots, report, sources, summaries, targets
+from xlab import memory_study, paths, plots, report, shared, sources, summaries, targets
 from xlab.bench import dynamic_scale
 from xlab.memory_study import AddressSpaceBackend, replay, replay_waste, waste_table
 
@@ -123,7 +123,13 @@ def trial_data(tmp_path):
 
 
 def _page(data):
-    return report.render(data, [], {}, data)
+    """REPORT.md of `data` (the rendered page above the template's TABLES mark)."""
+    return _pages(data)[0]
+
+
+def _pages(data):
+    """(REPORT.md, TABLES.md) of `data`, as report.main writes them."""
+    return report.pages(report.render(data, [], {}, data))
 
 
 def _rows(data):
@@ -142,12 +148,13 @@ def test_headlines_are_computed_from_the_newest_csvs(trial_data):
     g = pd.read_csv(trial_data / "graph/single_gpu.csv")        # the newest CSV holding both arms at batch 32
     per = {a: g[(g["allocator"] == a) & (g["batch"] == 32)].groupby("trial")["tokens_per_s"].median()
            for a in ("xpool", "cupy_pool")}
-    assert f"over CuPy's pool is {per['xpool'].median() / per['cupy_pool'].median():.2f}×" in one
+    assert (f"xpool (CuPy)'s speed-up over CuPy's MemoryPool is "
+            f"{per['xpool'].median() / per['cupy_pool'].median():.2f}×") in one
     assert "`graph/single_gpu.csv` at synthetic" in one
     df = pd.read_csv(trial_data / "ddp_scaling.csv")         # change a CSV, and the headline follows
     df.loc[(df["mode"] == "threads") & (df["allocator"] == "xpool") & (df["world"] == 2), "speedup"] = 1.99
     df.to_csv(trial_data / "ddp_scaling.csv", index=False)
-    assert "xpool 1.99× [1.99, 1.99]" in _section(_page(trial_data), "Two GPUs")
+    assert "xpool (CuPy) 1.99× [1.99, 1.99]" in _section(_page(trial_data), "Two GPUs")
 
 
 def test_no_number_in_the_headlines_or_the_targets_is_not_from_a_csv(trial_data, tmp_path):
@@ -195,7 +202,13 @@ def test_targets_are_judged_on_the_interval_by_one_rule(trial_data):
         m = _by_key(trial_data)["ddp_threads"]
         assert m.verdict == verdict
     assert format(m).startswith("1.92× [")
-    assert "2 GPUs, one thread per GPU, batch 32: xpool's speed-up over one GPU ≥ 1.85" == targets.text(m)
+    # the fixture's rows are dated before the freeze and name no release rule: the words say so (Note [One name per
+    # allocator]); dated after it, the same rows are the product as it ships and say nothing more
+    assert "2 GPUs, one thread per GPU, batch 32: xpool (CuPy)'s speed-up over one GPU ≥ 1.85 [before the freeze]" \
+        == targets.text(m)
+    df.assign(date=shared.FREEZE_DAY + "T00:00:00Z").to_csv(trial_data / "ddp_scaling.csv", index=False)
+    assert "2 GPUs, one thread per GPU, batch 32: xpool (CuPy)'s speed-up over one GPU ≥ 1.85" == \
+        targets.text(_by_key(trial_data)["ddp_threads"])
     rows = _by_key(trial_data)
     assert rows["busy_4"].src.startswith("`graph/single_gpu_b4.csv`")      # the 250-step windows, newest of the kind
     assert rows["us_vs_cupy"].bound == "host"
@@ -230,22 +243,26 @@ def test_an_interval_that_straddles_the_goal_prints_the_digits_that_show_it():
 
 def test_older_csvs_of_a_kind_are_history_not_verdicts(trial_data):
     now, then = targets.judged(trial_data)
-    key = "#14: xpool device mallocs per step after warm-up, batch 4 and 32 (worst: batch 4)"
+    key = "#14: xpool (CuPy) device mallocs per step after warm-up, batch 4 and 32 (worst: batch 4) [before the freeze]"
     (current,) = [m for m in now if targets.text(m) == key]
     assert "single_gpu_recheck.csv" in current.src
     assert any(targets.text(m) == key and "`single_gpu.csv`" in m.src for m in then)
-    page = _page(trial_data)
-    assert "### History" in page and page.index("### History") > page.index("## Targets")
+    page, tables = _pages(trial_data)
+    assert "### History" not in page and "### History" in tables             # the full tables: TABLES.md
+    assert tables.index("### History") > tables.index("## Targets")
+    assert f"| {key} |" in _section(tables, "Targets").split("### History")[0]
     c = targets.counts(now)
-    assert f"{c['targets']} targets: {c['met']} met, {c['missed']} missed, {c['noise']} within noise" in page
+    assert (f"{c['targets']} targets: {c['met']} met, {c['missed']} missed, {c['noise']} within noise, "
+            f"{c['pending']} pending, {c['few']} without an interval") in _section(page, "Targets")
 
 
 def test_a_target_whose_goal_is_another_arm_says_its_value(trial_data):
-    m = _rows(trial_data)["#14: batch 4: xpool peak reserved / peak requested ≤ CuPy MemoryPool's"
-                          f" ({targets.measure(targets.BY_KEY['ror_4'], trial_data)[0].goal_text})"]
     recheck = pd.read_csv(trial_data / "single_gpu_recheck.csv")
     b4 = recheck[recheck["batch"] == 4]
-    assert m.goal == pytest.approx(b4[b4["allocator"] == "cupy_pool"]["reserved_over_requested"].median())
+    goal = b4[b4["allocator"] == "cupy_pool"]["reserved_over_requested"].median()
+    m = _rows(trial_data)["#14: batch 4: xpool (CuPy) peak reserved / peak requested ≤ CuPy's MemoryPool's"
+                          f" ({goal:.3f}) [before the freeze]"]
+    assert m.goal == pytest.approx(goal)
     assert m.value == pytest.approx(b4[b4["allocator"] == "xpool"]["reserved_over_requested"].median())
 
 
@@ -282,11 +299,12 @@ def test_the_gil_probe_feeds_the_projection_and_its_own_table(trial_data):
     assert p["sharing"] == {2: 0.7, 4: 0.6, 8: 1.0}                   # 8 threads not probed: plain serialisation
     assert ("| `x + x`, 1 element, CuPy (allocation + launch, GIL released) | 10.0 [10.0, 10.0] | 0.70× [0.70, 0.70] "
             "| 0.60×") in report.gil_table(trial_data)
-    assert "### Threads under one GIL" in _page(trial_data)
+    page, tables = _pages(trial_data)
+    assert "## Threads under one GIL" not in page and "## Threads under one GIL\n" in tables     # TABLES.md's
 
 
 def test_a_second_run_is_checked_against_the_first_runs_intervals(trial_data):
-    assert report.replication(trial_data) == "" and "### Does a second run agree" not in _page(trial_data)
+    assert report.replication(trial_data) == "" and "Does a second run agree" not in "".join(_pages(trial_data))
     synthetic.write_all(trial_data / "rerun", trials=5)
     text = report.replication(trial_data)
     assert "| **no** |" not in text and text.count("| yes |") > 20       # the same numbers: every one inside
@@ -299,19 +317,22 @@ def test_a_second_run_is_checked_against_the_first_runs_intervals(trial_data):
     assert re.search(r"\| 2 GPUs, threads, batch 32, xpool: speedup \| [^|]+ \| 1\.95× [^|]+ \| [^|]+ \| \*\*no\*\* \|",
                      text)
     assert re.search(r"\| GIL probe \(add\), threads 2: .* \| \*\*no\*\* \|", text)
-    assert "### Does a second run agree?" in _page(trial_data)
+    page, tables = _pages(trial_data)
+    assert "## Does a second run agree?\n" in tables and "(TABLES.md#does-a-second-run-agree)" in page
 
 
 def test_report_builds_from_trials_with_every_figure(trial_data, tmp_path):
     rc = report.main(["--no-notebooks", "--data", str(trial_data), "--figures", str(tmp_path / "figures"),
                       "--build", str(tmp_path / "build"), "--report-dir", str(tmp_path / "report")])
     assert rc == 0
-    page = (tmp_path / "report" / "REPORT.md").read_text()
-    assert page == (tmp_path / "build" / "report.md").read_text()
+    page, tables = ((tmp_path / "report" / name).read_text() for name in ("REPORT.md", "TABLES.md"))
+    assert (page, tables) == report.pages((tmp_path / "build" / "report.md").read_text())   # the two halves of one
+    assert report.TABLES_MARK not in page + tables and "## Summary\n" in page and "## Targets\n" in tables
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page)
-    assert len(links) == len(plots.FIGURES) and "not built" not in page and "skipped" not in page
+    assert len(links) == len(plots.FIGURES) and "not built" not in page + tables and "skipped" not in page + tables
     assert all((tmp_path / "report" / link).resolve().is_file() for link in links)
-    assert "SYNTHETIC GPU" in page                                   # the data table names the machines
+    assert "SYNTHETIC GPU" in _section(tables, "Data")               # the data table names the machines
+    assert "(TABLES.md#" in page                                     # the report links its full tables
 
 
 def test_the_old_schema_gives_single_runs_said_so(synthetic_data):
@@ -320,14 +341,16 @@ def test_the_old_schema_gives_single_runs_said_so(synthetic_data):
 
 
 def test_a_page_without_data_says_so_and_drops_every_number(tmp_path):
-    page = _page(tmp_path)
-    assert "_No targets measured yet._" in page and "- **" not in page and "{" not in page
+    page, tables = _pages(tmp_path)
+    assert "_Nothing measured yet._" in _section(page, "Summary") and "_No targets measured yet._" in tables
+    assert "- **" not in page + tables and "{" not in page + tables
 
 
 def test_a_malformed_csv_costs_its_lines_not_the_report(trial_data):
     (trial_data / "gil_probe.csv").write_text("arm,threads\nadd,1\n")
-    page = _page(trial_data)
-    assert "could not compute" in page and "xpool's speed-up over CuPy's pool is" in _section(page, "One GPU")
+    page, tables = _pages(trial_data)
+    assert "could not compute" in _section(tables, "Threads under one GIL") and "could not compute" not in page
+    assert "xpool (CuPy)'s speed-up over CuPy's MemoryPool is" in _section(page, "One GPU")
 
 
 def test_main_fails_when_a_notebook_fails(synthetic_data, tmp_path, monkeypatch):
@@ -354,11 +377,13 @@ def test_cpu_quick_parameters_exist_in_the_notebooks():
 
 
 def test_the_committed_report_is_what_the_committed_csvs_give():
-    """report/REPORT.md is rebuilt from data/ by `make report`; committed stale, a fresh clone's `make report`
+    """report/REPORT.md and report/TABLES.md are rebuilt from data/ by `make report`; committed stale, a fresh clone's `make report`
     would change it. Regenerate with `python -m xlab.report --no-notebooks`."""
     root = paths.repo_root()
     figs = {name: root / "figures" / f"{name}.png" for name in plots.FIGURES}
-    assert report.render(root / "data", [], figs, root / "report") == (root / "report" / "REPORT.md").read_text()
+    page, tables = report.pages(report.render(root / "data", [], figs, root / "report"))
+    assert page == (root / "report" / "REPORT.md").read_text()
+    assert tables == (root / "report" / "TABLES.md").read_text()
 
 
 def test_every_commit_a_csv_names_is_in_the_repository_or_said_to_be_rewritten():
@@ -384,8 +409,9 @@ def test_graph_targets_judge_the_graph_runs(trial_data):
     assert "graph_procs" not in rows                                    # no processes CSV: no row
     table = report.graph_table(trial_data)
     assert "| one GPU, batch 4, 250 steps | xpool_graph |" in table and "| threads, batch 32, 10 steps | raw |" in table
-    notes = _page(trial_data)
-    assert "eager xpool reserves at most 4.56 GiB; xpool_graph 410 MiB in the arm's pool plus 4.28 GiB" in notes
+    notes = _section(_pages(trial_data)[1], "The step as a CUDA graph, every run")
+    assert ("eager xpool (CuPy) reserves at most 4.56 GiB; with the graph 410 MiB in its pool plus 4.28 GiB in the "
+            "graph's private pool") in notes
 
 
 def test_dynamic_targets_judge_xpool_against_the_fastest_peer_paired_by_trial(trial_data):
@@ -395,7 +421,7 @@ def test_dynamic_targets_judge_xpool_against_the_fastest_peer_paired_by_trial(tr
     per = {a: w[w["allocator"] == a].groupby("trial")["ms_per_step"].median() for a in set(w["allocator"])}
     fastest = min(("torch", "torch_expandable"), key=lambda a: per[a].median())
     m = rows["dyn_ms_torch_fixed"]
-    assert m.ref == fastest and f"the fastest peer ({fastest})" in targets.text(m)
+    assert m.ref == fastest and f"the fastest peer ({shared.label(fastest)})" in targets.text(m)
     assert m.value == pytest.approx(per[fastest].median() / per[targets.XDT].median())   # enable_torch's: a speed-up
     slower = df["allocator"] == fastest                     # the other peer becomes the fastest: the reference follows
     df.loc[slower & (df["workload"] == "torch_fixed"), "ms_per_step"] *= 1.5
@@ -406,6 +432,9 @@ def test_dynamic_targets_judge_xpool_against_the_fastest_peer_paired_by_trial(tr
     assert rows["dyn_ror_torch_varlen"].value == pytest.approx(1.11, rel=1e-3)     # enable_torch's default's row
     assert rows["dyn_ror_gpt_varlen"].value == pytest.approx(1.31, rel=1e-3)       # CuPy's: the default scheme's
     assert rows["dyn_calls_cupy_mix"].verdict == iv.MISSED and rows["dyn_calls_torch_varlen"].verdict == iv.MET
+    for w, arm in (("cupy_mix", targets.XD), ("torch_varlen", targets.XDT)):     # device calls judged per trial
+        calls = df[(df["workload"] == w) & (df["allocator"] == arm)]["device_calls_per_steady_step"]
+        assert format(rows[f"dyn_calls_{w}"]) == f"{int((calls == 0).sum())} of {len(calls)}"
     assert targets.XDT == "xpool_expandable" and targets.XD == "xpool_segments"
     assert not any(k for k in rows if any(rule in k for rule in ("bounded", "growth", "until_churn", "peak")))
     worst = rows["dyn_vs_expandable_worst"]               # PyTorch's expandable segments' memory over xpool's
@@ -453,22 +482,29 @@ def test_the_dynamic_section_says_whether_its_trials_are_one_realization_or_seve
 
 
 def test_the_dynamic_section_and_headline_are_there_only_with_the_csv(trial_data):
-    page = _page(trial_data)
-    assert "## Dynamic shapes" in page and "| cupy_mix | xpool_segments |" in page
+    page, tables = _pages(trial_data)
+    assert "## Dynamic shapes\n" in page
+    assert "| cupy_mix | xpool (CuPy) · before the freeze |" in _section(tables, "Dynamic shapes, every workload and arm")
     df = pd.read_csv(trial_data / "dynamic_shapes.csv")
     dyn = _section(page, "Dynamic shapes")
     assert f"where PyTorch's expandable segments hold {_held(df, 'torch_expandable')}." in dyn
     assert " [" in _held(df, "torch_expandable")           # the fixture's trials differ: intervals, not values alone
-    assert f"CuPy programs {_held(df, 'xpool_segments', framework='cupy')};" in dyn
-    assert f"PyTorch programs {_held(df, targets.XDT, framework='torch')}, where" in dyn
-    assert "| [Dynamic shapes](#dynamic-shapes) |" in _section(page, "Summary")
+    # each front end's pool in its one name, and (the fixture's rows predating the freeze) what it was
+    assert f"xpool (CuPy) (before the freeze) {_held(df, 'xpool_segments', framework='cupy')};" in dyn
+    assert f"xpool (PyTorch) (before the freeze) {_held(df, targets.XDT, framework='torch')}, where" in dyn
+    assert "This run measured xpool (CuPy) before the freeze and xpool (PyTorch) before the freeze: the product as " \
+           "it ships is measured [at the scale users run them]" in dyn
+    # the scaled rows measured: every headline of the dynamic rows reads them (none reads an earlier xpool's rows)
+    assert "| [Dynamic shapes](#dynamic-shapes) |" not in _section(page, "Summary")
+    assert "| [Dynamic shapes](#dynamic-shapes) |" in _section(_page(_scaled(trial_data, 0)), "Summary")
+    assert "This run measured xpool (CuPy) before the freeze and xpool (PyTorch) before the freeze: the product as " \
+           "it ships is not yet measured on these workloads." in _section(_page(trial_data), "Dynamic shapes")
     (trial_data / "dynamic_shapes.csv").write_text(df[~df["allocator"].str.startswith("xpool_expandable")].to_csv())
     dyn = _section(_page(trial_data), "Dynamic shapes")       # without PyTorch's default: its sentences go
-    scaled, own = dyn.split("What follows is the benchmark's own size")           # the scaled rows' still have it
-    assert "PyTorch programs" in scaled and "PyTorch programs" not in own.split("![")[0]
-    assert f"CuPy programs {_held(df, 'xpool_segments', framework='cupy')};" in own
+    assert "xpool (PyTorch)" not in dyn.split("_dynamic_shapes")[0]
+    assert f"xpool (CuPy) (before the freeze) {_held(df, 'xpool_segments', framework='cupy')};" in dyn
     (trial_data / "dynamic_shapes.csv").unlink()
-    page = _page(trial_data)
+    page = "".join(_pages(trial_data))
     assert "Dynamic shapes" not in page and "#22" not in page
 
 
@@ -500,80 +536,117 @@ def test_without_the_scaled_csvs_their_sections_say_not_measured_yet(trial_data)
     assert "#46" not in page and "of 5 trials" not in page and "run under way" not in page
     summary = _section(page, "Summary")
     assert "](#at-the-scale-users-run-them)" not in summary and "](#under-a-memory-cap)" not in summary
-    assert "| [Dynamic shapes](#dynamic-shapes) | peak reserved / peak requested, shapes that change every step, " \
-           "CuPy's default, worst workload |" in summary
+    # the headline reads the benchmark's own rows, an earlier xpool's (the fixture's predate the freeze): it says so
+    assert "| [Dynamic shapes](#dynamic-shapes) | xpool (CuPy)'s peak reserved / peak requested, shapes that change " \
+           f"every step, worst workload (before the freeze: {report.NOT_YET}) |" in summary
     assert "At the scale users run them (" not in _section(page, "Dynamic shapes")
     heads = {r["headline"].key: r for r in report.headlines(trial_data)}
     assert heads["dyn_worst"]["m"].row.key == "dyn_worst" and "cap_worst" not in heads
 
 
 def test_the_memory_headlines_read_the_scaled_rows_where_they_are_measured(trial_data):
-    """Five trials under three caps: the memory headlines are the scaled rows' (the benchmark's size beside them),
-    the device-call and speed headlines stay #22's, and both sections hold their targets, tables and figures."""
-    page = _page(trial_data)
+    """Five trials under three caps: the headlines of the dynamic rows (memory, device calls, speed) are the scaled
+    rows' (the benchmark's size in its section), and both sections hold their targets, tables and figures."""
+    page, tables = _pages(trial_data)
     df, small = pd.read_csv(trial_data / "dynamic_scale.csv"), pd.read_csv(trial_data / "dynamic_shapes.csv")
     heads = {r["headline"].key: r for r in report.headlines(trial_data)}
     values = targets.values(trial_data)
+    dyn = _section(page, "Dynamic shapes")
+    assert f"at the benchmark's size ({summaries.requested(small[small['dynamic']])}):" in dyn
     for key, arm, framework in (("dyn_worst", targets.XD, "cupy"), ("dyn_worst_torch", targets.XDT, "torch")):
         r = heads[key]
         value, workload = _held_worst(df, arm, framework)
         assert r["m"].row.key == targets.AT_SCALE_TWIN[key] and r["m"].row.kind == targets.SCALE
         assert r["m"].value == pytest.approx(value) and r["m"].at == workload
         assert r["question"] == report.SCALE_SECTION and r["figure"] == "dynamic_scale"
-        assert r["text"].endswith(f", at {summaries.requested(df)}")
-        assert f"at the benchmark's size, {summaries.requested(small[small['dynamic']])}: " \
-               f"{report._value(values[key])}" in r["next_to"]
+        # the fixture's rows predate the freeze: the headline says what it measured
+        assert r["text"].endswith(f", at {summaries.requested(df)} (before the freeze: {report.NOT_YET})")
+        v, w = _held_worst(small[small["dynamic"]], arm, framework)          # the benchmark's size: its section
+        assert f"{w}: {format(values[key])}" in dyn and values[key].value == pytest.approx(v)
     assert heads["dyn_vs_expandable_worst"]["m"].row.key == "scale_vs_expandable_worst"
-    torch = values["scale_vs_torch_worst"]                                  # set beside it: the scaled row too
-    assert heads["dyn_vs_expandable_worst"]["next_to"].startswith(f"PyTorch's allocator without them ({torch.at}): "
-                                                                  f"{torch}; at the benchmark's size")
-    for key in ("dyn_calls_worst", "dyn_speed_worst_torch"):            # not memory: the benchmark's own size
-        assert heads[key]["m"].row.key == key and heads[key]["question"] == "Dynamic shapes"
+    assert heads["dyn_vs_torch_worst"]["m"].row.key == "scale_vs_torch_worst"
+    for key in ("dyn_calls_worst", "dyn_speed_worst_torch"):     # an earlier xpool's rows: the product's read instead
+        assert heads[key]["m"].row.key == targets.AT_SCALE_TWIN[key] and heads[key]["question"] == report.SCALE_SECTION
+    calls = df[(df["allocator"] == targets.XD) & (df["framework"] == "cupy")]
+    worst = calls.groupby("workload")["device_calls_per_steady_step"].apply(lambda c: (c == 0).mean()).idxmin()
+    c = calls[calls["workload"] == worst]["device_calls_per_steady_step"]
+    assert heads["dyn_calls_worst"]["value"] == f"{int((c == 0).sum())} of {len(c)} ({worst})"   # judged per trial
     assert heads["cap_worst_torch"]["value"] == "5 of 5 (resnet_varres)" and \
         heads["cap_worst_torch"]["verdict"] == "met (every trial finishes)"
     summary = _section(page, "Summary")
-    assert summary.count("| [At the scale users run them](#at-the-scale-users-run-them) |") == 4
+    assert summary.count("| [At the scale users run them](#at-the-scale-users-run-them) |") == \
+        sum(r["question"] == report.SCALE_SECTION for r in heads.values()) == 9      # memory 5, calls 2, speed 2
     assert summary.count("| [Under a memory cap](#under-a-memory-cap) |") == 2
     scale, cap = _section(page, "At the scale users run them"), _section(page, "Under a memory cap")
     assert scale.startswith("\nRows: `dynamic_scale.csv` at synthetic (SYNTHETIC GPU") and ", 5 trials." in scale
-    assert scale.count("| #46, ") == 4 * len(dynamic_scale.SCALED)
-    assert "| torch_varlen | xpool_expandable | yes |" in scale
-    assert "caps of 1.05×, 1.10×, 1.25× the peak requested" in cap and "PyTorch programs:" in cap
-    assert "| torch_varlen | 1.10× | 0/5 | 4/5 | 5/5 | 0/5 | 5/5 |" in cap        # torch_expandable's last trial stops
-    assert cap.count("| #46, ") == 2 * len(dynamic_scale.SCALED)
-    assert "of 5 trials)" not in page and "run under way" not in page
-    assert f"At the scale users run them ({summaries.requested(df)}; `dynamic_scale.csv` at synthetic)" in \
-        _section(page, "Dynamic shapes")
+    # what the xpool rows ran is read from them, not typed: the fixture's predate the freeze
+    assert "the xpool rows measured an earlier xpool: xpool (CuPy) before the freeze; xpool (PyTorch) before the " \
+           "freeze." in scale and "run the product as it ships" not in scale
+    df.assign(date=shared.FREEZE_DAY + "T00:00:00Z").to_csv(trial_data / "dynamic_scale.csv", index=False)
+    assert "the xpool arms run the product as it ships (release rule never)." in \
+        _section(_page(trial_data), "At the scale users run them")
+    df.to_csv(trial_data / "dynamic_scale.csv", index=False)
+    full_scale, full_cap = (tables.split(f"\n## {t}\n", 1)[1].split("\n## ", 1)[0]
+                            for t in ("At the scale users run them", "Under a memory cap"))
+    assert full_scale.count("| #46, ") == 4 * len(dynamic_scale.SCALED) and "| #46, " not in scale
+    vs = summaries.defaults_vs_peers(df).set_index("workload")
+    assert f"| torch_varlen | xpool (PyTorch) | PyTorch's expandable segments | " \
+           f"{vs.loc['torch_varlen', 'trials_no_more']} | 5 |" in scale
+    assert "caps of 1.05×, 1.10×, 1.25× the peak requested" in cap
+    assert "| torch_varlen | 1.10× | 0/5 | 4/5 | 5/5 | 0/5 | 5/5 |" in full_cap   # torch_expandable's last trial stops
+    assert full_cap.count("| #46, ") == 2 * len(dynamic_scale.SCALED) and "| #46, " not in cap
+    assert "pending" not in summary and "run under way" not in page + tables
 
 
 def test_a_run_under_way_says_how_many_trials_and_gives_no_interval(trial_data):
-    """Two of five trials under the judged cap alone: medians without an interval ("[n/a]"), each verdict saying
-    "k of 5 trials", the caps not run named nowhere, and the targets' counts saying how many rest on it."""
+    """Two of five trials under the judged cap alone: medians without an interval, each trial's value printed instead,
+    each verdict "pending (k of 5)", the caps not run named nowhere, and the targets' counts saying how many rest on
+    it. A row whose goal names no number of trials, measured on 3, prints its values too: "no interval (3 trials)"."""
     rows = _by_key(_scaled(trial_data, 2, (1.10,)))
+    df = pd.read_csv(trial_data / "dynamic_scale.csv")
+    w = df[df["workload"] == "torch_varlen"]
+    mine = w[w["allocator"] == targets.XDT].set_index("trial")
     m = rows["scale_ror_torch_varlen"]
-    assert format(m) == "1.022 [n/a]" and m.verdict == f"{iv.MET} (2 of 5 trials)" and math.isnan(m.lo)
+    assert format(m) == (f"{mine['reserved_over_requested'].median():.3f} (no interval: 2 trials, "
+                         + ", ".join(f"{v:.3f}" for v in sorted(mine["reserved_over_requested"])) + ")")
+    assert m.verdict == f"{targets.PENDING} (2 of 5)" and math.isnan(m.lo) and math.isnan(m.hi)
     ms = rows["scale_ms_torch_varlen"]
-    assert ms.verdict.startswith(f"{targets.FEW} (the median ") and ms.verdict.endswith(" (2 of 5 trials)")
-    assert format(ms).endswith("× [n/a]") and ms.bound == "gpu"                     # NVML's busy share says gpu
+    peer = w[w["allocator"] == ms.ref].set_index("trial")["ms_per_step"]
+    paired = sorted(peer / mine["ms_per_step"])                                 # the fastest peer's over xpool's
+    assert format(ms) == (f"{peer.median() / mine['ms_per_step'].median():.3f}× (no interval: 2 trials, "
+                          + ", ".join(f"{v:.3f}" for v in paired) + ")")
+    assert ms.verdict == f"{targets.PENDING} (2 of 5)" and ms.bound == "gpu"         # NVML's busy share says gpu
     assert (format(rows["scale_no_more_torch_varlen"]), rows["scale_no_more_torch_varlen"].verdict) == \
-        ("0 of 2", f"{iv.MISSED} (2 of 5 trials)")
+        ("0 of 2", f"{targets.PENDING} (2 of 5)")
     assert (format(rows["cap_done_torch_varlen"]), rows["cap_done_torch_varlen"].verdict) == \
-        ("2 of 2", f"{iv.MET} (2 of 5 trials)")
+        ("2 of 2", f"{targets.PENDING} (2 of 5)")
     assert rows["cap_peers_torch_varlen"].goal_text == "torch_expandable: 1 of 2"      # its trial 1 stopped
+    assert rows["cap_peers_torch_varlen"].verdict == f"{targets.PENDING} (2 of 5)"     # 2 of 2 beats 1 of 2: waits
     page = _page(trial_data)
     scale, cap = _section(page, "At the scale users run them"), _section(page, "Under a memory cap")
-    assert "2 of 5 trials so far; an interval needs 3 trials: none where fewer ran." in scale
+    assert "2 of 5 trials so far; an interval needs 5 trials: none where fewer ran." in scale
     assert "caps of 1.10× the peak requested." in cap and "1.05×" not in cap and "1.25×" not in cap
-    assert not re.search(r"\[\d", scale + cap) and "[n/a]" in scale                 # no interval anywhere
+    assert not re.search(r"\[\d", scale + cap) and "[n/a]" not in scale + cap       # no interval anywhere
+    assert "(no interval: 2 trials, " in scale                                       # the values instead
     now = targets.judged(trial_data)[0]
     c = targets.counts(now)
     assert c["under_way"] == sum(m.row.kind in (targets.SCALE, targets.CAP) for m in now) > 0
-    assert c["met"] + c["missed"] + c["noise"] + c["single"] + c["few"] == c["targets"] and c["few"] > 0
-    assert f"{c['under_way']} of them rest on a run under way, fewer trials than their goal speaks of, {c['few']} " \
-           "of them on too few for an interval" in _section(page, "Targets")
+    assert c["pending"] == c["under_way"]                          # every target of the run under way waits
+    assert c["met"] + c["missed"] + c["noise"] + c["single"] + c["few"] + c["pending"] == c["targets"]
+    assert f"{c['under_way']} of them rest on a run under way, fewer trials than their goal speaks of: each reads " \
+           "pending (k of N)." in _section(page, "Targets")
     one = _by_key(_scaled(trial_data, 1, (1.10,)))["scale_ms_torch_varlen"]
-    assert format(one).endswith("(single run)") and one.verdict.startswith(iv.SINGLE)
-    assert one.verdict.endswith(" (1 of 5 trials)")
+    assert format(one).endswith("(single run)") and one.verdict == f"{targets.PENDING} (1 of 5)"
+    ddp = pd.read_csv(trial_data / "ddp_scaling.csv")            # no trials in its goal: 3 trials, no interval
+    ddp[ddp["trial"] < 3].to_csv(trial_data / "ddp_scaling.csv", index=False)
+    sel = ddp[(ddp["trial"] < 3) & (ddp["mode"] == "threads") & (ddp["allocator"] == "xpool") & (ddp["world"] == 2)]
+    three = _by_key(trial_data)["ddp_threads"]
+    assert three.verdict == f"{targets.FEW} (3 trials)" and math.isnan(three.lo)
+    assert format(three) == (f"{sel['speedup'].median():.2f}× (no interval: 3 trials, "
+                             + ", ".join(f"{v:.2f}" for v in sorted(sel["speedup"])) + ")")
+    c = targets.counts(targets.judged(trial_data)[0])
+    assert c["few"] > 0 and f"{c['few']} without an interval (fewer than 5 trials)" in _section(_page(trial_data),
+                                                                                                "Targets")
 
 
 def test_the_cap_targets_judge_every_trial_and_the_peer_that_finished_most(trial_data):
@@ -583,7 +656,7 @@ def test_the_cap_targets_judge_every_trial_and_the_peer_that_finished_most(trial
     done, peers = rows["cap_done_torch_varlen"], rows["cap_peers_torch_varlen"]
     assert (format(done), done.verdict, format(peers), peers.verdict) == ("5 of 5", iv.MET, "5 of 5", iv.MET)
     assert peers.goal == pytest.approx(0.8) and peers.goal_text == "torch_expandable: 4 of 5"
-    assert "the peer that finished most (torch_expandable: 4 of 5)" in targets.text(peers)
+    assert "the peer that finished most (PyTorch's expandable segments: 4 of 5)" in targets.text(peers)   # its name
     assert rows["cap_peers_cupy_mix"].goal_text == "cupy_torch_expandable: 5 of 5"      # of two, the first by name
     df = pd.read_csv(trial_data / "memory_cap.csv")
     df[~((df["allocator"] == "cupy_torch_expandable") & (df["trial"] == 4))].to_csv(trial_data / "memory_cap.csv",
@@ -713,12 +786,18 @@ def test_the_allocation_headline_reads_the_newest_gpu_run_of_the_sweep():
 
 
 def test_a_comparison_and_what_is_set_beside_it_come_from_one_run():
-    """Every summary row's numbers (the headline and those beside it) come from one CSV; a row set beside arms
-    (`along`) reads the newest CSV holding them too (defect 1 of #44: eager threads from one run beside the graph's
-    from another)."""
+    """Every summary row's numbers (its value, and the reference it is a ratio to) come from one CSV, and that CSV
+    holds the arms its row is set beside in its section (`along`); a row set beside arms reads the newest CSV holding
+    them too (defect 1 of #44: eager threads from one run beside the graph's from another)."""
     values = targets.values(COMMITTED)
-    for r in report.headlines(COMMITTED, values):
-        assert all(b.csv == r["m"].csv for _, b in r["beside"]), r["headline"].key
+    heads = report.headlines(COMMITTED, values)
+    assert heads
+    for r in heads:
+        m = r["m"]
+        assert set(m.rows["csv"]) == {m.csv}, r["headline"].key                # the value and its reference: one run
+        if m.row.along:
+            df = sources.select(sources.read(COMMITTED, m.csv.removesuffix(".csv")), m.row.where)
+            assert set(m.row.along) <= set(df[sources.arm_column(df)]), r["headline"].key
     assert values["graph_threads_x"].csv == values["graph_threads"].csv
     assert values["ddp_threads"].csv == values["ddp_raw"].csv
 
@@ -731,8 +810,14 @@ def test_the_report_opens_with_its_summary_and_keeps_paragraphs_short():
     assert len(rows) == len(report.headlines(COMMITTED))
     for line in rows:
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert len(cells) == 7 and cells[3].split(" (")[0] in (iv.MET, iv.MISSED, iv.NOISE)   # a verdict
+        verdict = cells[3].split(" (")[0]
+        assert len(cells) == 7 and verdict in (iv.MET, iv.MISSED, iv.NOISE, targets.PENDING, targets.FEW)
         assert re.search(r"\d", cells[2]) and cells[6].startswith("[")                        # a value, a figure
+        # at most 3 numbers a cell: the value and its interval (its worst workload or size aside), then the goal;
+        # below 5 trials the values are printed instead of an interval
+        value = re.sub(r" \([^()]*\)$", "", cells[2])
+        assert "no interval" in value or len(re.findall(r"\d+(?:\.\d+)?", value)) <= 3, line
+        assert verdict != targets.PENDING or re.match(rf"{targets.PENDING} \(\d+ of \d+\) \(", cells[3]), line
     assert _long_paragraphs(page) == []
 
 
