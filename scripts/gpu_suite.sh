@@ -76,7 +76,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # tapegpt.launch makes it (the training loops keep two steps in flight at most, far below either depth)
 export CUDA_SCALE_LAUNCH_QUEUES=${CUDA_SCALE_LAUNCH_QUEUES:-4x}
 # the commit every row records: $XPOOL_COMMIT, else .xpool_commit (git ignores it), else the checkout's HEAD. A lent
-# device machine's copy of the tree keeps the git HEAD of its session's first commit, not the tree's: before such a
+# device machine's copy of the tree keeps the git HEAD the working copy began from, not the tree's: before such a
 # run write `git rev-parse --short=12 HEAD > .xpool_commit` and carry it (runs/README.md)
 export XPOOL_COMMIT=${XPOOL_COMMIT:-$(cat .xpool_commit 2>/dev/null || git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 TRIALS=${TRIALS:-5}
