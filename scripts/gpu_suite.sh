@@ -58,7 +58,7 @@
 # "1 2", "1 2 4 8" on eight GPUs), DDP_ALLOCATORS and DDP_MODES (ddp; default: single's allocators, both modes),
 # SWEEP_ALLOCATORS (sweep; default raw, cupy_pool, xpool), CAPS (scale; default 1.05,1.1,1.25), SCALE_LIMIT (scale's
 # seconds, default 540),
-# RESUME=1, XPOOL_ADAMW (default foreach, the flat-buffer AdamW; rows record it), DATA (default data; DATA=data/rerun
+# DYN_WORKLOADS (dynamic; default every workload, e.g. cupy_image,cupy_fill), RESUME=1, XPOOL_ADAMW (default foreach, the flat-buffer AdamW; rows record it), DATA (default data; DATA=data/rerun
 # for the second run on a fresh machine: the report checks its ratios against the first run's intervals).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -150,7 +150,8 @@ for s in $stages; do
                      stage torch-bench 200 $PY -m xlab.bench.torch_interop --out "$DATA"/torch_interop.csv ;;
         expandable)  stage expandable 240 $PY -m pytest -q -p no:warnings -m gpu tests/lab/test_gpu_expandable.py
                      stage vmm-capture 60 $PY -m xlab.bench.vmm_capture --out "$DATA" ;;
-        dynamic)     stage dynamic 540 $PY -m xlab.bench.dynamic --out "$DATA"/dynamic_shapes.csv ;;
+        dynamic)     stage dynamic 540 $PY -m xlab.bench.dynamic ${DYN_WORKLOADS:+--workloads "$DYN_WORKLOADS"} \
+                         --out "$DATA"/dynamic_shapes.csv ;;
         heldout)     stage heldout 540 $PY -m xlab.bench.dynamic --workloads torch_varlen_b32,torch_fixed_b32,resnet_varres_b64 \
                          --out "$DATA"/dynamic_heldout.csv ;;
         scale-caps)  stage scale-caps 120 $PY -m pytest -q -p no:warnings -m gpu tests/lab/test_dynamic_scale.py ;;
