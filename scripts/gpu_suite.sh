@@ -149,7 +149,7 @@ for s in $stages; do
         torch)       stage torch-tests 240 $PY -m pytest -q -p no:warnings -m gpu tests/lab/test_torch_gpu.py
                      stage torch-bench 200 $PY -m xlab.bench.torch_interop --out "$DATA"/torch_interop.csv ;;
         expandable)  stage expandable 240 $PY -m pytest -q -p no:warnings -m gpu tests/lab/test_gpu_expandable.py
-                     stage vmm-capture 60 $PY -m xlab.bench.vmm_capture --out "$DATA" ;;
+                     stage vmm-capture 90 $PY -m xlab.bench.vmm_capture --out "$DATA" ;;
         dynamic)     stage dynamic 540 $PY -m xlab.bench.dynamic ${DYN_WORKLOADS:+--workloads "$DYN_WORKLOADS"} \
                          --out "$DATA"/dynamic_shapes.csv ;;
         heldout)     stage heldout 540 $PY -m xlab.bench.dynamic --workloads torch_varlen_b32,torch_fixed_b32,resnet_varres_b64 \

@@ -1,18 +1,29 @@
-"""Which virtual-memory calls are legal while a stream captures a CUDA graph (scheme expandable's ops): the
-driver's own answer, with the calls made raw through libcuda (ctypes), each with and without the thread's capture
-mode exchanged to relaxed (cuThreadExchangeStreamCaptureMode, what xpool's ops do around a map and a reserve).
+"""Which driver calls are legal while a stream captures a CUDA graph: the driver's own answer, with the calls made raw
+through libcuda (ctypes), each with and without the thread's capture mode exchanged to relaxed
+(cuThreadExchangeStreamCaptureMode, what xpool's ops do around a map and a reserve).
 
-For each capture mode (global, thread-local, relaxed) the capture runs on a non-blocking CuPy stream in one thread;
-the probed call runs in that thread (same_thread) or in another (other_thread) while the capture is open:
-  reserve   cuMemAddressReserve of one page (freed after the capture)
-  map       cuMemCreate + cuMemMap + cuMemSetAccess + cuMemRelease of one page in a range reserved before
-  unmap     cuCtxSynchronize + cuMemUnmap of one page mapped before (what an unmap of xpool's ops does)
+For each capture mode (global, thread-local, relaxed) and capturing stream (non_blocking: a non-blocking CuPy stream,
+as the graph recipe uses; per_thread: the capturing thread's per-thread default stream, as a thread per request has)
+the capture runs in one thread; the probed call runs in that thread (same_thread) or in another (other_thread) while
+the capture is open:
+  reserve        cuMemAddressReserve of one page (freed after the capture)
+  map            cuMemCreate + cuMemMap + cuMemSetAccess + cuMemRelease of one page in a range reserved before
+  unmap          cuCtxSynchronize + cuMemUnmap of one page mapped before (what an unmap of xpool's ops does)
+  unmap_only     cuMemUnmap alone of a page mapped before: whether the unmap or the synchronisation ends a capture
+  free           cuMemFree of a cuMemAlloc'd page (what segments gives back)
+  stream_sync    cuStreamSynchronize of a non-blocking stream that does not capture, with a kernel queued on it
+  event_query    cuEventQuery of an event recorded before the capture on that stream
+  legacy_event   cuEventRecord on the legacy stream, then cuEventQuery: the legacy stream waits for every blocking
+                 stream, the ended threads' per-thread streams among them (issue #50: whether that is a safe way to
+                 know their work is done while another stream captures)
 Then the capturing thread launches a kernel into the capture and ends it: `capture_ok` says whether the capture
-survived (ended without error and its graph, launched, wrote what it should).
+survived (ended without error and its graph, launched, wrote what it should). A query that answers
+CUDA_ERROR_NOT_READY counts as a legal call.
 
-    python -m xlab.bench.vmm_capture --out $OUT      (~5 s on one H200: vmm_capture_probe.csv, a table)
+    python -m xlab.bench.vmm_capture --out $OUT      (~15 s on one H100: vmm_capture_probe.csv, a table)
 
-What its answer decided: docs/decisions/0006-nothing-goes-back-while-a-stream-captures.md.
+What its answer decided: docs/decisions/0006-nothing-goes-back-while-a-stream-captures.md (the unmap rows, on the
+non-blocking stream); the other ops are issue #50's question, not yet run.
 """
 from __future__ import annotations
 
@@ -48,6 +59,10 @@ class Access(ctypes.Structure):        # CUmemAccessDesc
 
 
 RELAXED, MODES = 2, {"global": 0, "thread_local": 1, "relaxed": 2}
+OPS = ("reserve", "map", "unmap", "unmap_only", "free", "stream_sync", "event_query", "legacy_event")
+STREAMS = ("non_blocking", "per_thread")
+NOT_READY = 600   # CUDA_ERROR_NOT_READY: a query's legal answer
+VP = c_void_p
 
 
 class Driver:
@@ -98,14 +113,29 @@ class Driver:
         self.cu.cuThreadExchangeStreamCaptureMode(ctypes.byref(m))
         return m.value
 
+    def alloc(self) -> int:
+        p = c_ull()
+        self.check(self.cu.cuMemAlloc_v2(ctypes.byref(p), c_size_t(self.page)), "alloc")
+        return p.value
 
-def probe(cp, drv: Driver, mode: str, where: str, op: str, exchange: bool) -> dict:
+    def side_stream(self) -> tuple[int, int]:
+        """A non-blocking stream with a kernel-free wait queued on it, and an event recorded on it after."""
+        s, e = VP(), VP()
+        self.check(self.cu.cuStreamCreate(ctypes.byref(s), 1), "stream")
+        self.check(self.cu.cuEventCreate(ctypes.byref(e), 2), "event")   # CU_EVENT_DISABLE_TIMING
+        self.check(self.cu.cuEventRecord(e, s), "record")
+        return s.value, e.value
+
+
+def probe(cp, drv: Driver, mode: str, where: str, op: str, exchange: bool, stream: str = "non_blocking") -> dict:
     base = drv.reserve()                               # the op's page: reserved (and mapped for unmap) beforehand
-    if op == "unmap":
+    if op in ("unmap", "unmap_only"):
         drv.check(max(drv.map_page(base)), "premap")
+    mem = drv.alloc() if op == "free" else 0
+    side_s, side_e = drv.side_stream() if op in ("stream_sync", "event_query") else (0, 0)
     x = cp.zeros(1 << 20, dtype=cp.float32)
     cp.cuda.Device().synchronize()
-    side = cp.cuda.Stream(non_blocking=True)
+    side = cp.cuda.Stream(non_blocking=True) if stream == "non_blocking" else cp.cuda.Stream.ptds
     opened, done, got = threading.Event(), threading.Event(), {}
 
     def call():
@@ -118,8 +148,21 @@ def probe(cp, drv: Driver, mode: str, where: str, op: str, exchange: bool) -> di
                 got["results"] = [r]
             elif op == "map":
                 got["results"] = drv.map_page(base)
-            else:
+            elif op == "unmap":
                 got["results"] = drv.unmap_page(base)
+            elif op == "unmap_only":
+                got["results"] = [drv.cu.cuMemUnmap(c_ull(base), c_size_t(drv.page))]
+            elif op == "free":
+                got["results"] = [drv.cu.cuMemFree_v2(c_ull(mem))]
+            elif op == "stream_sync":
+                got["results"] = [drv.cu.cuStreamSynchronize(VP(side_s))]
+            elif op == "event_query":
+                got["results"] = [drv.cu.cuEventQuery(VP(side_e))]
+            else:   # legacy_event
+                e = VP()
+                drv.check(drv.cu.cuEventCreate(ctypes.byref(e), 2), "event")
+                got["legacy"] = e.value
+                got["results"] = [drv.cu.cuEventRecord(e, VP(0)), drv.cu.cuEventQuery(e)]
         finally:
             if exchange:
                 drv.exchange(old)
@@ -155,16 +198,23 @@ def probe(cp, drv: Driver, mode: str, where: str, op: str, exchange: bool) -> di
     t.join()
     cp.cuda.Device().synchronize()
     results = got.get("results", [])
-    # clean up whatever stayed: a mapped page, the extra range
+    # clean up whatever stayed: a mapped page, the extra range, a buffer, a stream, events
     if op == "map" and results and all(r == 0 for r in results):
         drv.cu.cuMemUnmap(c_ull(base), c_size_t(drv.page))
-    if op == "unmap" and (len(results) < 2 or results[1] != 0):
+    if (op == "unmap" and (len(results) < 2 or results[1] != 0)) or (op == "unmap_only" and results != [0]):
         drv.cu.cuMemUnmap(c_ull(base), c_size_t(drv.page))
+    if op == "free" and results != [0]:
+        drv.cu.cuMemFree_v2(c_ull(mem))
+    if side_s:
+        drv.cu.cuEventDestroy_v2(VP(side_e))
+        drv.cu.cuStreamDestroy_v2(VP(side_s))
+    if got.get("legacy"):
+        drv.cu.cuEventDestroy_v2(VP(got["legacy"]))
     drv.cu.cuMemAddressFree(c_ull(base), c_size_t(drv.page))
     if got.get("extra"):
         drv.cu.cuMemAddressFree(c_ull(got["extra"]), c_size_t(drv.page))
-    return dict(mode=mode, where=where, op=op, exchange_to_relaxed=exchange,
-                calls_ok=bool(results) and all(r == 0 for r in results),
+    return dict(mode=mode, where=where, op=op, exchange_to_relaxed=exchange, stream=stream,
+                calls_ok=bool(results) and all(r in (0, NOT_READY) for r in results),
                 results=" ".join(drv.name(r) for r in results), capture_ok=got.get("capture_ok", False),
                 capture_error=got.get("capture_error", ""))
 
@@ -175,15 +225,15 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     import cupy as cp
     drv = Driver(cp.cuda.Device().id)
-    rows = [probe(cp, drv, mode, where, op, exchange)
-            for mode in MODES for where in ("same_thread", "other_thread") for op in ("reserve", "map", "unmap")
+    rows = [probe(cp, drv, mode, where, op, exchange, stream)
+            for stream in STREAMS for mode in MODES for where in ("same_thread", "other_thread") for op in OPS
             for exchange in (False, True)]
     df = pd.DataFrame(rows).assign(page_bytes=drv.page, **provenance())
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "vmm_capture_probe.csv", index=False)
     with pd.option_context("display.width", 200, "display.max_colwidth", 80):
-        print(df[["mode", "where", "op", "exchange_to_relaxed", "calls_ok", "capture_ok", "results",
+        print(df[["stream", "mode", "where", "op", "exchange_to_relaxed", "calls_ok", "capture_ok", "results",
                   "capture_error"]].to_string(index=False))
     return 0
 
