@@ -804,15 +804,28 @@ def test_gpu_4_total_memory_from_properties_is_memgetinfos_total():
 @GPU
 def test_gpu_2_ended_threads_per_thread_blocks_go_back_on_cuda():
     """Issue #50 item 2 on CUDA: 50 threads in turn, each 3 MiB on its per-thread default stream (CuPy's
-    cupy.cuda.Stream.ptds), reserve no more than one thread's, and results stay right."""
+    cupy.cuda.Stream.ptds), reserve no more than one thread's, and results stay right. No thread is served an ended
+    thread's block (0005): each makes the same device allocations of its own, and its first miss gives back all the
+    ended thread made. A thread may reuse its own blocks: on an H100 at f5a602a the 50 threads made 100 device
+    allocations, 98 frees and 50 hits, where this test's first form had asked for no hit at all."""
     cp = _gpu()
     pool = xpool.install(xpool.MemoryPool())          # process-wide: use() would be this thread's alone
-    results = []
+    results, per = [], []
+
+    def made(st):
+        return st.device_mallocs + st.device_maps
+
+    def given(st):
+        return st.device_frees + st.device_unmaps
 
     def work(i):
         with cp.cuda.Stream.ptds:
+            s0 = pool.stats()
             a = cp.full(3 * MiB // 4, i, dtype=cp.int32)
             results.append(int(a.sum()) == i * (3 * MiB // 4))
+            del a
+            s1 = pool.stats()
+            per.append((made(s1) - made(s0), given(s1) - given(s0)))
     try:
         for i in range(50):
             t = threading.Thread(target=work, args=(i,))
@@ -821,8 +834,10 @@ def test_gpu_2_ended_threads_per_thread_blocks_go_back_on_cuda():
     finally:
         xpool.uninstall()
     assert results == [True] * 50
+    k = per[0][0]
+    assert k >= 1 and per == [(k, 0)] + [(k, k)] * 49, per
     st = pool.stats()              # each thread: its 3 MiB segment and a small one (the sum); unmended, 250 MiB
-    assert st.bytes_reserved <= 8 * MiB and st.hits == 0, st
+    assert st.bytes_reserved <= 8 * MiB, st
     pool.empty_cache()
 
 
