@@ -14,9 +14,18 @@ call: tests/lab/test_replays.py). The candidates:
   scheme expandable's one range and rule, but a block of 1 MiB or more cut from the high end of its best-fit free
   range (`placement_variants.csv`'s split_1mib), so long-lived small blocks and short-lived large ones part. The same
   model with the product's placement (cut from the low end) gives the product's peaks and calls
-  (tests/lab/test_cupy_default_study.py).
+  (tests/lab/test_cupy_default_study.py);
+- torch_expandable_model: PyTorch's expandable segments, modelled (xlab.torch_expandable_model: its small pool of
+  2 MiB pages for requests of 1 MiB or less, 20 MiB pages for the rest, the free block at the top of the mapped part
+  taken last): a peer, its replays equal to the byte to the GPU's peaks of that arm (cupy_torch_expandable) on
+  every trace where both exist (tests/lab/test_torch_expandable_model.py), so it stands in for the peer where the
+  GPU has not measured it (cupy_fill, cupy_image).
 
-The other peers (MemoryAsyncPool, RMM's pool, PyTorch's expandable segments serving CuPy) have no model here: their
+`--variants` replays scheme expandable's variants (xlab.torch_expandable_model.VARIANTS: the product with one of
+PyTorch's rules added at a time) into their own CSV (`data/cupy_default_variants.csv`, VARIANTS_OUT), beside the
+product and the PyTorch model, so the default CSV keeps the candidates alone.
+
+The other peers (MemoryAsyncPool, RMM's pool, PyTorch's expandable segments serving CuPy) are measured: their
 ratios come from the GPU's run of the same workload and seed (`data/dynamic_shapes.csv`, one row per trial, trial t on
 seed t; `data/dynamic_scale.csv` at scale), as measured_best_peer and measured_best_peer_ratio, with the GPU's own
 ratio for the candidate's arm beside it (measured_arm_ratio: the replay's check where both are of one rule).
@@ -35,6 +44,7 @@ the run's provenance.
 
     python -m xlab.cupy_default_study                  # CPU, ~15 s: data/cupy_default_replays.csv and its summary
     python -m xlab.cupy_default_study --summary        # the summary of the CSV, replaying nothing
+    python -m xlab.cupy_default_study --variants       # CPU, ~30 s: data/cupy_default_variants.csv and its summary
 """
 from __future__ import annotations
 
@@ -47,13 +57,20 @@ import pandas as pd
 
 from xlab import memory_study as ms
 from xlab import rule_study
+from xlab import torch_expandable_model as tem
 from xlab.bench.dynamic import steady_state
 from xlab.paths import data_dir, publish
 from xlab.provenance import provenance
 from xpool.pool import Pool
 
-CANDIDATES = ("segments", "expandable", "cupy_pool_model", "expandable_split_1mib")
-ARM = {"segments": "xpool_segments", "expandable": "xpool_expandable", "cupy_pool_model": "cupy_pool"}
+CANDIDATES = ("segments", "expandable", "cupy_pool_model", "expandable_split_1mib", "torch_expandable_model")
+ARM = {"segments": "xpool_segments", "expandable": "xpool_expandable", "cupy_pool_model": "cupy_pool",
+       "torch_expandable_model": "cupy_torch_expandable"}
+# --variants: scheme expandable's variants (xlab.torch_expandable_model.VARIANTS), beside the product and PyTorch's
+VARIANTS = ("expandable", *tem.VARIANTS, "torch_expandable_model", "cupy_pool_model")
+MODEL_PEERS = ("cupy_pool_model", "torch_expandable_model")    # the peers the replays model, for workloads without
+#                                                                the GPU's (MemoryAsyncPool and RMM have no model)
+VARIANTS_OUT = "data/cupy_default_variants.csv"
 PAGE, ALIGN = ms.DYN_PAGE, 512
 PEERS = ("cupy_pool", "cupy_async", "rmm_pool", "cupy_torch_expandable")   # the CuPy peers of issue #49
 # The recorded traces of CuPy programs (the PyTorch front end's default is decision 0003's): the dynamic benchmark's
@@ -162,8 +179,12 @@ def make_pool(candidate: str):
         return ms.CupyPoolModel()
     if candidate == "expandable_split_1mib":
         return RangeModel(1 << 20)
+    if candidate == "torch_expandable_model":
+        return tem.torch_expandable()
+    if candidate in tem.VARIANTS:
+        return tem.ExpandableModel(**tem.VARIANTS[candidate])
     if candidate not in CANDIDATES:
-        raise ValueError(f"candidate must be one of {', '.join(CANDIDATES)}, got {candidate!r}")
+        raise ValueError(f"candidate must be one of {', '.join(CANDIDATES + tuple(tem.VARIANTS))}, got {candidate!r}")
     return Pool(ms.AddressSpaceBackend(), scheme=candidate, limit=0, debug=False, timeline=0)
 
 
@@ -269,10 +290,10 @@ def trace_rows(name: str, candidates=CANDIDATES, data=None) -> list:
     return rows
 
 
-def study(names=None, candidates=CANDIDATES, data=None) -> pd.DataFrame:
+def study(names=None, candidates=CANDIDATES, data=None, experiment="cupy_default_replays") -> pd.DataFrame:
     """Every trace of `names` (default: traces(data)) through every candidate: COLUMNS with the run's provenance."""
     rows = [r for name in names or traces(data) for r in trace_rows(name, candidates, data)]
-    return pd.DataFrame(rows, columns=COLUMNS).assign(**provenance(experiment="cupy_default_replays"))
+    return pd.DataFrame(rows, columns=COLUMNS).assign(**provenance(experiment=experiment))
 
 
 def summary(df: pd.DataFrame) -> pd.DataFrame:
@@ -323,13 +344,49 @@ def markdown(df: pd.DataFrame) -> str:
     return "\n".join([head, *lines])
 
 
+def variants_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """summary() of the variants' CSV, with `at_most_model_peer`: in how many realizations a row held no more than
+    the least of the modelled peers (MODEL_PEERS) on the same trace and scale, the bar where the GPU measured none."""
+    out = summary(df)
+    peer = df[df["candidate"].isin(MODEL_PEERS)].groupby(["trace", "scale"])["reserved_over_requested"].min()
+    at = df.assign(model_peer=[peer.get((t, s), math.nan) for t, s in zip(df["trace"], df["scale"])])
+    at = at.assign(ok=at["reserved_over_requested"] <= at["model_peer"])
+    counts = at.groupby(["workload", "scale", "candidate"], sort=False).agg(
+        at_most_model_peer=("ok", "sum"), model_peer_median=("model_peer", "median"))
+    return out.join(counts, on=["workload", "scale", "candidate"])
+
+
+def variants_markdown(df: pd.DataFrame) -> str:
+    """The variants' table: per workload and scale, each row's median (max) of reserved / requested and in how many
+    realizations it held no more than the best peer (the GPU's where it measured them, else the modelled peers')."""
+    t = variants_summary(df).set_index(["workload", "scale", "candidate"])
+    cands = [c for c in VARIANTS if c in set(df["candidate"]) and c != "expandable_model"]
+    head = ("| workload (scale) | best peer | " + " | ".join(cands) + " |\n|---|---|" + "---|" * len(cands))
+    lines = []
+    for w, scale in RECORD_WORKLOADS:
+        if (w, scale, cands[0]) not in t.index:
+            continue
+        r = {c: t.loc[(w, scale, c)] for c in cands}
+        gpu = int(r[cands[0]]["with_peer"]) > 0
+        peer = r[cands[0]]["best_peer_median" if gpu else "model_peer_median"]
+        n = int(r[cands[0]]["with_peer" if gpu else "realizations"])
+        cells = [f"{r[c]['median']:.3f} ({r[c]['max']:.3f}); "
+                 f"{int(r[c]['at_most_best_peer' if gpu else 'at_most_model_peer'])}/{n}" for c in cands]
+        lines.append(f"| {w} (x{scale}) | {peer:.3f} ({'GPU' if gpu else 'models'}) | " + " | ".join(cells) + " |")
+    return "\n".join([head, *lines])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=DEFAULT_OUT, help=f"CSV to write (default: {DEFAULT_OUT})")
     p.add_argument("--traces", help="comma-separated trace names (default: every one recorded)")
     p.add_argument("--summary", action="store_true", help="summarise the CSV at --out; replay nothing")
     p.add_argument("--markdown", action="store_true", help="print decision 0014's table of the CSV")
+    p.add_argument("--variants", action="store_true",
+                   help=f"replay scheme expandable's variants instead (default --out: {VARIANTS_OUT})")
     a = p.parse_args(argv)
+    if a.variants and a.out == DEFAULT_OUT:
+        a.out = VARIANTS_OUT
     if a.summary:
         df = pd.read_csv(a.out)
     else:
@@ -338,12 +395,12 @@ def main(argv=None) -> int:
         bad = [n for n in names if n not in known]
         if bad:
             p.error(f"unknown trace(s) {', '.join(bad)}; known: {', '.join(known)}")
-        df = publish(study(names), a.out)
+        df = publish(study(names, VARIANTS, experiment="cupy_default_variants") if a.variants else study(names), a.out)
     if a.markdown:
-        print(markdown(df))
+        print(variants_markdown(df) if a.variants else markdown(df))
         return 0
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.float_format", "{:.4g}".format):
-        print(summary(df).to_string(index=False))
+        print((variants_summary(df) if a.variants else summary(df)).to_string(index=False))
     return 0
 
 

@@ -229,7 +229,17 @@ def expected_0013() -> list[str]:
 def expected_0014() -> list[str]:
     """0014's table: xlab.cupy_default_study's markdown of its CSV, row by row."""
     from xlab import cupy_default_study as cds
-    out = [f"`{cds.DEFAULT_OUT.rpartition('/')[2]}`", *cds.markdown(csv("cupy_default_replays.csv")).splitlines()]
+    out = [f"`{cds.DEFAULT_OUT.rpartition('/')[2]}`", *cds.markdown(csv("cupy_default_replays.csv")).splitlines(),
+]
+    v = cds.variants_summary(csv("cupy_default_variants.csv")).set_index(["workload", "scale", "candidate"])
+    at = lambda w, s, c: int(v.loc[(w, s, c), "at_most_best_peer"])        # noqa: E731
+    small, tail, both = "expandable_small_pool", "expandable_tail_last", "expandable_small_pool_tail_last"
+    out += [f"Its small pool alone gives gpt_b4 {v.loc[('gpt_b4', 1, small), 'median']:.3f} but gpt_varlen "
+            f"{v.loc[('gpt_varlen', 1, small), 'median']:.3f} ({at('gpt_varlen', 1, small)} of 5), "
+            f"{int(v.loc[('gpt_varlen', 1, small), 'calls_after_warmup'])} maps after the warm-up",
+            f"cupy_mix {at('cupy_mix', 1, tail)} of 5 at x1 but {at('cupy_mix', 216, tail)} of 5 at x216",
+            f"both, {at('cupy_mix', 1, both)} of 5 but on gpt_varlen ({at('gpt_varlen', 1, both)}) and cupy_mix x216 "
+            f"({at('cupy_mix', 216, both)})"]
     at = lambda d: d[d.commit.astype(str).str.startswith(SCALE_RUN_0014)]      # noqa: E731
     df, caps = at(csv("dynamic_scale.csv")), at(csv("memory_cap.csv"))
     peers = ["cupy_pool", "cupy_async", "rmm_pool", "cupy_torch_expandable"]
