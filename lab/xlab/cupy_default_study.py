@@ -90,9 +90,11 @@ AWAITED = tuple(f"{w}{f'_s{k}' if k else ''}" for w in ("cupy_image", "cupy_fill
 
 
 def traces(data=None) -> tuple:
-    """TRACES, and those of AWAITED recorded in `data` (default: the repository's data/)."""
+    """TRACES, and those of AWAITED recorded in `data` (default: the repository's data/), each in place of its host
+    stand-in (HOST's `host_<name>`): a realization is replayed once, from the best trace of it there is."""
     folder = pathlib.Path(data or data_dir())
-    return TRACES + tuple(n for n in AWAITED if (folder / f"memory_trace_dyn_{n}.csv.gz").is_file())
+    gpu = tuple(n for n in AWAITED if (folder / f"memory_trace_dyn_{n}.csv.gz").is_file())
+    return tuple(t for t in TRACES if t.removeprefix("host_") not in gpu) + gpu
 # trace workload -> its scaled run (xlab.bench.dynamic_scale.SCALED: factor, warm-up, steps); cupy_fill's scaled
 # requests are its plan's times the factor (exact), cupy_mix's to within rounding and cuFFT's work areas (a model)
 SCALES = ("cupy_mix", "cupy_fill")

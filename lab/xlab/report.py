@@ -825,9 +825,15 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
             continue
         name, said = shared.FRONT_END_NAMES[fw], held.pool_said
         values[field] = name + (f" ({said})" if said else "")
+        words = lambda s: "; ".join(q if q == shared.BEFORE_FREEZE else f"under {q}" for q in s.split("; "))  # noqa
         if said:                                                 # an earlier xpool: said in its words
-            retired.append(f"{name} " + "; ".join(q if q == shared.BEFORE_FREEZE else f"under {q}"
-                                                   for q in said.split("; ")))
+            retired.append(f"{name} {words(said)}")
+        elif held.mixed_pools:                                   # on some workloads: each named (the lists say too)
+            on = {}
+            for m in (m for k in (key, key.replace("_ror", "_ms")) if k in measured for m in measured[k].each):
+                if m.pool_said and m.at not in on.get(m.pool_said, []):
+                    on.setdefault(m.pool_said, []).append(m.at)
+            retired += [f"{name} {words(q)} on {', '.join(sorted(ws))}" for q, ws in on.items()]
     if retired:                                                  # else its line goes
         values["dyn_retired"] = " and ".join(retired) + (
             ": the product as it ships is measured [at the scale users run them](#at-the-scale-users-run-them), and "

@@ -34,6 +34,7 @@ FRONT_END_NAMES = {"cupy": "xpool (CuPy)", "torch": "xpool (PyTorch)"}
 PRODUCT_RULE = "never"       # each scheme's one release rule (docs/decisions/0001-one-release-rule-per-scheme.md)
 FREEZE_DAY = "2026-12-05"    # decision 0001's day: xpool rows dated before it, naming no rule, predate the product
 RETIRED = "release rule {}, retired by decision 0001"
+SHIPPED = "the product as it ships"     # a workload's rows of an arm otherwise of an earlier xpool (row_labels)
 BEFORE_FREEZE = "before the freeze"
 
 
@@ -275,6 +276,10 @@ def row_labels(df, col: str = "allocator", runs: bool = False) -> dict:
     for a, g in df.groupby(col, sort=False):
         fw = g["framework"].dropna().astype(str).unique() if "framework" in g else []
         said = qualifiers(g, a)
+        if said and "workload" in g:       # an arm whose rows of some workloads are the product's: those named
+            shipped = [w for w, rows in g.groupby("workload", sort=False) if not qualifiers(rows, a)]
+            if shipped:
+                said[-1] += f" ({', '.join(map(str, shipped))}: {SHIPPED})"
         if several:
             said.append("run " + "/".join(sorted(set(g["run"].astype(str)))))
         out[str(a)] = " · ".join([label(a, fw[0] if len(fw) == 1 else None), *said])

@@ -23,15 +23,18 @@ KINDS = {
     # core_split_gpu (f748abb): the same sweep after the core was split into its files, a build from before beside it
     "alloc_size": ((("alloc_microbench", {"sweep": "size"}), ("alloc_hit_sweep", {}), ("alloc_hit_sweep_repeat", {}),
                     ("core_split_gpu", {"sweep": "size", "allocator": _ALLOC_ARMS}),
-                    ("2026-12-07_db0b678/alloc_microbench", {"sweep": "size"})), ("size_bytes",)),
+                    ("2026-12-07_db0b678/alloc_microbench", {"sweep": "size"}),
+                    ("2026-12-08_f5a602a/alloc_microbench", {"sweep": "size"})), ("size_bytes",)),
     "alloc_threads": ((("alloc_microbench", {"sweep": "threads"}), ("alloc_hit_threads", {}),
-                       ("2026-12-07_db0b678/alloc_microbench", {"sweep": "threads"})),
+                       ("2026-12-07_db0b678/alloc_microbench", {"sweep": "threads"}),
+                       ("2026-12-08_f5a602a/alloc_microbench", {"sweep": "threads"})),
                       ("size_bytes", "threads")),
     # graph/single_gpu (07fc8b1): raw, CuPy's pool and xpool again at batch 32, beside the graph arms. 2026-12-07_db0b678/:
     # the product as frozen (one release rule per scheme), on one H100 (runs/2026-12-07_db0b678_h100: its logs); its
-    # batch-4 rows are 10-step windows, too short for NVML's busy share (busy_b4 keeps its 250-step runs)
+    # batch-4 rows are 10-step windows, too short for NVML's busy share (busy_b4 keeps its 250-step runs).
+    # 2026-12-08_f5a602a/: the product at 0.3.0 on one H100 (runs/2026-12-08_f5a602a_h100), its batch-4 rows as short
     "single_gpu": ((("single_gpu", {}), ("single_gpu_recheck", {}), ("graph/single_gpu", {"allocator": _ONE_GPU_ARMS}),
-                    ("2026-12-07_db0b678/single_gpu", {})), ("batch",)),
+                    ("2026-12-07_db0b678/single_gpu", {}), ("2026-12-08_f5a602a/single_gpu", {})), ("batch",)),
     # NVML's utilisation needs windows longer than its sample period (1/6 s to 1 s): 250 steps at batch 4
     "busy_b4": ((("single_gpu", {"batch": 4}), ("single_gpu_recheck", {"batch": 4}),
                  ("graph/single_gpu_b4", {"batch": 4})), ("batch",)),
@@ -166,7 +169,8 @@ def where(df: pd.DataFrame) -> str:
 
 
 def sources(df: pd.DataFrame) -> str:
-    """'alloc_hit_sweep.csv at 262ba40 (cupy_pool, xpool); ...': each CSV of the rows, its commit, its arms."""
+    """'alloc_hit_sweep.csv at 262ba40 (cupy_pool, xpool); ...': each CSV of the rows, the commits of those rows (not
+    every commit of the CSV: one CSV can hold several runs), its arms."""
     if "csv" not in df:
         return "unknown source"
     col, parts = arm_column(df), []
@@ -174,7 +178,7 @@ def sources(df: pd.DataFrame) -> str:
     for key, g in reversed(groups):
         name = key[-1] if isinstance(key, tuple) else key
         arms = f" ({', '.join(shared.ordered(g[col].unique()))})" if col and len(groups) > 1 else ""
-        parts.append(f"`{name}` at {g['run'].iloc[0]}{arms}")
+        parts.append(f"`{name}` at {run_label(g) if 'commit' in g else g['run'].iloc[0]}{arms}")
     return "; ".join(parts)
 
 

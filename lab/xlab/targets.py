@@ -413,8 +413,10 @@ class Measured:
 
     def __format__(self, spec: str) -> str:
         r = self.row
-        if self.each:
-            return ", ".join(f"{m.at}: {m:{spec}}" for m in self.each)
+        if self.each:                     # groups of other pools than each other's say theirs (pool_said)
+            mixed = self.mixed_pools
+            return ", ".join(f"{m.at}{f' ({m.pool_said})' if mixed and m.pool_said else ''}: {m:{spec}}"
+                             for m in self.each)
         if r.stat in ("all", "share"):
             return "n/a" if not self.n else f"{round(self.value * self.n)} of {self.n}"
         if self._few:
@@ -424,9 +426,18 @@ class Measured:
         return iv.fmt_ci(self.value, self.lo, self.hi, spec or r.fmt, r.unit, self.goal, exact=self._exact)
 
     @property
+    def mixed_pools(self) -> bool:
+        """Whether the groups of a row over several (`each`) measured different pools: the product in some, an earlier
+        xpool in others (one CSV that holds several runs)."""
+        return len({m.pool_said for m in self.each}) > 1
+
+    @property
     def pool_said(self) -> str:
         """What the arm's xpool rows measured other than the product as it ships ('release rule high_water, retired by
-        decision 0001', 'before the freeze'; shared.qualifiers), '' for the product as it ships and for a peer."""
+        decision 0001', 'before the freeze'; shared.qualifiers), '' for the product as it ships and for a peer. A row
+        over groups says it where every group measured the same; where they differ, '' (each group says its own)."""
+        if self.each:
+            return "" if self.mixed_pools else self.each[0].pool_said
         rows, arms = self.rows, self.row.arm
         col = sources.arm_column(rows) if rows is not None else None
         if col is None or not len(rows):

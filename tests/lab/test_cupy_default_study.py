@@ -51,11 +51,15 @@ def test_a_gpu_trace_of_the_new_workloads_joins_the_study_once_recorded(tmp_path
     import shutil
     for f in ("memory_trace_host_dyn_cupy_fill_s3.csv.gz", "dynamic_shapes.csv", "dynamic_scale.csv"):
         shutil.copy(ROOT / "data" / f, tmp_path / f.replace("host_dyn", "dyn"))
-    assert cds.traces(tmp_path) == (*cds.TRACES, "cupy_fill_s3")
+    assert cds.traces(tmp_path) == (*(t for t in cds.TRACES if t != "host_cupy_fill_s3"), "cupy_fill_s3")
     rows = pd.DataFrame(cds.trace_rows("cupy_fill_s3", ("expandable",), tmp_path))
     assert list(rows.scale) == [1, 64] and set(rows.realization) == {3}
     assert rows.loc[rows.scale == 1, "requests"].item() == "plan"       # the file says how its requests were had
-    assert rows.measured_best_peer.isna().all()                          # no GPU row of cupy_fill yet
+    gpu = pd.read_csv(tmp_path / "dynamic_shapes.csv").query("workload == 'cupy_fill' and seed == 3")
+    peers = gpu[gpu.allocator.isin(cds.PEERS)].groupby("allocator")["reserved_over_requested"].median()
+    at1 = rows[rows.scale == 1].iloc[0]
+    assert (at1.measured_best_peer, at1.measured_best_peer_ratio) == (peers.idxmin(), peers.min())
+    assert at1.measured_arm_ratio == gpu.query("allocator == 'xpool_expandable'")["reserved_over_requested"].median()
 
 
 @pytest.mark.parametrize("bad", [0, 1.5, True, "2"])
@@ -75,7 +79,7 @@ def test_the_csv_holds_every_trace_and_candidate_with_provenance(rows):
     assert set(rows.loc[rows["scale"] > 1, "workload"]) == set(cds.SCALES)
     by = rows.groupby(["workload", "scale"])["requests"].agg(set)
     assert by[("cupy_mix", 1)] == {"gpu"} and by[("cupy_mix", 216)] == {"scaled"}
-    assert by[("cupy_fill", 1)] == by[("cupy_fill", 64)] == {"plan"} and by[("cupy_image", 1)] == {"numpy"}
+    assert by[("cupy_fill", 1)] == by[("cupy_image", 1)] == {"gpu"} and by[("cupy_fill", 64)] == {"plan"}
     assert set(rows.loc[rows["pool"] == "exact", "candidate"]) == {"expandable"}
 
 
@@ -129,7 +133,8 @@ def test_the_placement_model_with_the_products_placement_is_the_product():
 
 
 def test_every_trace_named_is_one_the_lab_has():
-    assert cds.traces() == cds.TRACES        # no GPU trace of cupy_image or cupy_fill recorded yet
+    recorded = cds.traces()                  # the GPU's traces of cupy_image and cupy_fill, in place of the host's
+    assert set(cds.AWAITED) <= set(recorded) and not set(recorded) & set(cds.HOST)
     for name in cds.TRACES:
         assert (name in ms.DYN_TRACES or name in ms.HELD_OUT_TRACES or name in cds.rule_study.FILE_TRACES
                 or (name in cds.HOST and (ROOT / "data" / cds.HOST[name]).is_file())), name

@@ -150,12 +150,13 @@ def _blocks(text: str, lang: str) -> list[str]:
 
 
 def test_the_readme_is_short_and_in_a_users_order():
-    """At most 150 lines and 14 KB (12 KB before issue #52 put every measured miss, generated, beside the wins); what
+    """At most 150 lines and 15 KB (12 KB before issue #52 put every measured miss, generated, beside the wins; 14 KB
+    before the GPU measured cupy_image and cupy_fill, four misses more); what
     xpool is and when to use it, the before/after figure, the install and quick start (its commands before line 40),
     the notebooks, the results, xpool in code, the settings, the layout: in that order."""
     readme = _readme()
     lines = readme.splitlines()
-    assert len(lines) <= 150 and len(readme.encode()) <= 14 * 1024
+    assert len(lines) <= 150 and len(readme.encode()) <= 15 * 1024
     intro = readme.split("\n## ", 1)[0]
     assert "CuPy's MemoryPool" in intro and "PyTorch's caching allocator" in intro and "![" in intro   # one name each
     assert "figures/ddp_before_after.png" in intro

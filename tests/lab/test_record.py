@@ -145,6 +145,21 @@ def expected_0006() -> list[str]:
             f"{df['mode'].nunique()} capture modes"]
 
 
+def expected_0005() -> list[str]:
+    """The capture probe's answers to issue #50's open case (0005's last paragraph)."""
+    df = csv("vmm_capture_probe.csv")
+
+    def said(query: str, name: str) -> str:
+        rows = df.query(query)
+        return f"({int(rows.capture_ok.sum())} of {len(rows)} `{name}` rows"
+
+    return [f"`vmm_capture_probe.csv` at {sources.run_label(df)}",
+            said("op == 'unmap_only'", "unmap_only"),
+            said("op == 'legacy_event' and stream == 'per_thread'", "legacy_event"),
+            said("op == 'event_query' and exchange_to_relaxed", "event_query"),
+            said("op == 'free' and exchange_to_relaxed", "free")]
+
+
 def _failing(df, scheme, peer_access=None) -> str:
     g = df[(df.scheme == scheme) & (df.peer_access.isna() if peer_access is None else df.peer_access == peer_access)]
     return ", ".join(f"`{c}`" for c in g[~g.ok].case) or "none"
@@ -223,7 +238,21 @@ def expected_0013() -> list[str]:
             row("PyTorch's rules (`pytorch_driver_calls`)", torch), row("what-if: xpool mapping whole handles", ahead),
             f"{now['calls'] / now['maps']:.2f} against {torch['calls'] / torch['maps']:.2f} calls per mapping miss",
             f"PyTorch maps {now['maps'] - torch['maps']} fewer times",
-            f"makes {100 * (1 - torch['calls'] / now['calls']):.0f}% fewer calls"]
+            f"makes {100 * (1 - torch['calls'] / now['calls']):.0f}% fewer calls"] + expected_0013_gpu()
+
+
+def expected_0013_gpu() -> list[str]:
+    """The GPU's growth run 0013 quotes: medians, the paired ratio to PyTorch's, runs mapped, a request's median."""
+    from xlab.bench import growth
+    s = growth.summary(csv("2026-12-08_f5a602a/growth.csv")).set_index("arm")
+    x, t = s.loc["xpool_expandable"], s.loc["torch_expandable"]
+    ratio = iv.fmt_ci(x.over_torch_expandable, x.ratio_lo, x.ratio_hi, "{:.3f}", "×")
+    noise = "within noise" if x.ratio_lo <= 1 <= x.ratio_hi else "slower" if x.ratio_lo > 1 else "faster"
+    return [f"5 trials interleaved) the growth took {x.total_s:.3f} s under xpool expandable, {t.total_s:.3f} s "
+            "under PyTorch's expandable", f"paired {ratio}, {noise}",
+            f"{s.loc['cupy_async', 'total_s']:.3f} s under cudaMallocAsync",
+            f"{x.device_calls:,.0f} device calls against {t.device_calls:,.0f}",
+            f"a request's median {x.us_per_request:.1f} µs against {t.us_per_request:.1f} µs"]
 
 
 def expected_0014() -> list[str]:
@@ -260,7 +289,7 @@ def expected_0014() -> list[str]:
 
 
 EXPECTED = {"usage": expected_usage, "0002": lambda: expected_0002() + expected_0002_at_scale(),
-            "0003": expected_0003, "0004": expected_0004, "0006": expected_0006, "0007": expected_0007,
+            "0003": expected_0003, "0005": expected_0005, "0004": expected_0004, "0006": expected_0006, "0007": expected_0007,
             "0008": expected_0008, "0009": expected_0009, "0010": expected_0010, "0012": expected_0012,
             "0013": expected_0013, "0014": expected_0014}
 

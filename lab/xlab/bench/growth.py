@@ -265,7 +265,7 @@ def run(out: str | None = OUT, arms=ARMS, trials: int = TRIALS, n: int = N_REQUE
 def summary(df: pd.DataFrame, base: str = "torch_expandable") -> pd.DataFrame:
     """Per arm: median total seconds and µs per request [95% interval], and total seconds over `base`'s, paired by
     trial (> 1: slower than base)."""
-    ok = df[df["error"].fillna("") == ""]
+    ok = df[df["error"].isna() | (df["error"].astype(str) == "")]
     ref = ok[ok["arm"] == base].set_index("trial")["total_s"]
     out = []
     for arm, g in ok.groupby("arm", sort=False):
