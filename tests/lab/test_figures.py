@@ -183,7 +183,8 @@ _ONE_GPU_ARMS = ("raw", "cupy_pool", "xpool", "xpool_seed")
 
 
 def check_single_gpu(fig, data):
-    csvs = ("single_gpu", "single_gpu_recheck", "graph/single_gpu", "2026-12-07_db0b678/single_gpu")
+    csvs = ("single_gpu", "single_gpu_recheck", "graph/single_gpu", "2026-12-07_db0b678/single_gpu",
+            "2026-12-08_f5a602a/single_gpu")
     df = newest(data, *csvs, keys=("batch",), arms=_ONE_GPU_ARMS)
     cols = ["tokens_per_s", "host_ms_per_step", "gpu_ms_per_step", "gpu_util_mean", "device_mallocs_per_step",
             "reserved_over_requested"]
@@ -227,7 +228,8 @@ _ALLOC_ARMS = ("raw", "raw_held", "noop", "c_noop", "cupy_pool", "cupy_torch", "
 
 def check_alloc_cost(fig, data):
     df = newest(data, "alloc_microbench", "alloc_hit_sweep", "alloc_hit_sweep_repeat", "core_split_gpu",
-                "2026-12-07_db0b678/alloc_microbench", keys=("size_bytes",), arms=_ALLOC_ARMS)
+                "2026-12-07_db0b678/alloc_microbench", "2026-12-08_f5a602a/alloc_microbench", keys=("size_bytes",),
+                arms=_ALLOC_ARMS)
     df = df[df["sweep"] == "size"]
     cost, rel = fig.axes[:2]
     line_panel(fig, cost, df, "size_bytes", "us_per_pair")
@@ -239,7 +241,7 @@ def check_alloc_cost(fig, data):
 
 def check_alloc_threads(fig, data):
     df = newest(data, "alloc_microbench", "alloc_hit_threads", "2026-12-07_db0b678/alloc_microbench",
-                keys=("threads",))
+                "2026-12-08_f5a602a/alloc_microbench", keys=("threads",))
     line_panel(fig, fig.axes[0], df[(df["sweep"] == "threads") & (df["size_bytes"] == 65536)], "threads",
                "kpairs_per_s")
 
