@@ -110,16 +110,23 @@ def _write(data, trials):
     return data
 
 
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """The two folders below, written once: each test gets a copy of its own to change."""
+    root = tmp_path_factory.mktemp("written")
+    return {"data": _write(root / "data", 0), "trials": _write(root / "trials", 5)}
+
+
 @pytest.fixture
-def synthetic_data(tmp_path):
+def synthetic_data(tmp_path, written):
     """The old schema: one row per configuration (what data/ held before trials were kept)."""
-    return _write(tmp_path / "data", 0)
+    return shutil.copytree(written["data"], tmp_path / "data")
 
 
 @pytest.fixture
-def trial_data(tmp_path):
+def trial_data(tmp_path, written):
     """Five interleaved trials per configuration, the newer columns, re-check CSVs, the graph runs."""
-    return _write(tmp_path / "trials", 5)
+    return shutil.copytree(written["trials"], tmp_path / "trials")
 
 
 def _page(data):
