@@ -153,6 +153,18 @@ def fingerprint(data: pathlib.Path) -> tuple:
     return str(data.resolve()), h.digest()
 
 
+def lineage_fingerprint(data: pathlib.Path, kind: str) -> tuple:
+    """The bytes of the lineage's CSVs under data (None for one that is not there): what frames(data, kind) reads."""
+    out = []
+    for name, _ in lineage(kind)[0]:
+        try:
+            raw = (pathlib.Path(data) / f"{name}.csv").read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raw = None
+        out.append((name, None if raw is None else hashlib.blake2b(raw, digest_size=20).digest()))
+    return tuple(out)
+
+
 def select(df: pd.DataFrame, where: dict) -> pd.DataFrame:
     """The rows whose columns have these values (a tuple: any of them); none when a column is missing."""
     if not where:

@@ -657,9 +657,24 @@ def stale(r: T, data: pathlib.Path, csvs: dict | None = None) -> list[str]:
     return out
 
 
+# What _per_group gave a row, by the bytes of its lineage's CSVs (it reads those alone, and no Measured names the
+# folder): a page measures a target again only where one of its CSVs changed. The Measured are shared, never changed.
+_PER_GROUP: dict[tuple, tuple] = {}
+
+
 def _per_group(r: T, data: pathlib.Path, first: bool = False) -> list[list[Measured]]:
     """For each group of `over`, the row measured on each CSV of its lineage that has it, newest first (only the
     newest with `first`)."""
+    key = (id(r), first, sources.lineage_fingerprint(data, r.kind))
+    got = _PER_GROUP.get(key)
+    if got is None or got[0] is not r:
+        while len(_PER_GROUP) >= 4096:
+            _PER_GROUP.pop(next(iter(_PER_GROUP)))
+        got = _PER_GROUP[key] = (r, _measure_groups(r, data, first))
+    return [list(f) for f in got[1]]
+
+
+def _measure_groups(r: T, data: pathlib.Path, first: bool) -> list[list[Measured]]:
     parts = sources.frames(data, r.kind)[::-1]
     col = sources.arm_column(parts[0]) if parts else None
     out = []
