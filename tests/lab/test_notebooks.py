@@ -161,8 +161,8 @@ def _committed_files() -> dict:
     return {p: p.stat().st_mtime_ns for folder in ("data", "figures") for p in (ROOT / folder).rglob("*")}
 
 
-# The CPU-mode runs below, each a papermill run of its own kernel: made together, two at a time (the kernels are
-# processes; CI has two cores), before the first test that reads one, and each read and judged by its own test. No
+# The CPU-mode runs below, each a papermill run of its own kernel: made together, two at a time (in two processes;
+# CI has two cores), before the first test that reads one, and each read and judged by its own test. No
 # other test runs while they do (the kernels start from this environment: XPOOL_REPO is the checkout's throughout).
 CPU_RUNS = [(name, "data") for name in NAMES] + [(name, "none") for name in NAMES] + [("06_dynamic_shapes", "scaled")]
 
@@ -172,7 +172,8 @@ def cpu_runs(tmp_path_factory):
     """{(notebook, data): (report.run_notebook's result, the data folder)}, and the committed files' mtimes before:
     data 'data' (SYNTHETIC CSVs, five trials), 'none' (an empty folder), 'scaled' (two of five trials of the scaled
     runs, under the judged cap alone: a run under way)."""
-    from concurrent.futures import ThreadPoolExecutor
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
     jobs = {}
     for name, kind in CPU_RUNS:                    # the folders first, here; the runs alone on the threads
@@ -188,7 +189,8 @@ def cpu_runs(tmp_path_factory):
     before = _committed_files()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XPOOL_REPO", str(ROOT))         # a kernel started outside the checkout finds it (xlab.paths)
-        with ThreadPoolExecutor(max_workers=2) as pool:
+        # processes, not threads: papermill's run changes directory to the notebook's (os.chdir, the whole process)
+        with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = {key: pool.submit(report.run_notebook, *job) for key, job in jobs.items()}
             runs = {key: f.exception() or f.result() for key, f in futures.items()}
     return runs, before
