@@ -907,8 +907,8 @@ def main(argv=None) -> int:
     for folder in (build, report_dir):
         folder.mkdir(parents=True, exist_ok=True)
     # build/report.md says how this run's notebooks went; the committed page holds only what data/ says
-    (build / "report.md").write_text(render(data, runs, figs, report_dir))
-    page, tables = pages(render(data, [], figs, report_dir))
+    (build / "report.md").write_text(text := render(data, runs, figs, report_dir))
+    page, tables = pages(text if not runs else render(data, [], figs, report_dir))
     (report_dir / "REPORT.md").write_text(page)
     (report_dir / "TABLES.md").write_text(tables)
     readme = pathlib.Path(args.readme) if args.readme else None if args.data else root / "README.md"

@@ -7,9 +7,12 @@ against its first run.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import pathlib
 import re
 
+import numpy as np
 import pandas as pd
 
 from . import shared
@@ -64,10 +67,28 @@ REWRITTEN = {"06b3f1f1f9cf": "012dbeb", "55e7e8bbc053": "924512e", "470072ec67b5
              "8747672b68f9": "30f9bd2", "0750f17d9e74": "120c7ca"}
 
 
+# (CSV name, its bytes' digest) -> its prepared rows: a page reads each CSV many times (every target, figure and
+# table of its lineage), and a CSV's rows follow from its name and bytes alone. Bounded: the oldest go first.
+_READ: dict[tuple[str, bytes], pd.DataFrame] = {}
+_READ_MAX = 256
+
+
 def read(data: pathlib.Path, name: str) -> pd.DataFrame | None:
-    """data/NAME.csv with today's arm names (allocators.canonical) and its derived columns; None if missing."""
+    """data/NAME.csv with today's arm names (allocators.canonical) and its derived columns; None if missing.  Each
+    call gets its own copy; a CSV whose bytes were read before is not parsed again."""
     path = pathlib.Path(data) / f"{name}.csv"
-    return prepare(pd.read_csv(path), f"{name}.csv") if path.is_file() else None
+    try:
+        raw = path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    key = (f"{name}.csv", hashlib.blake2b(raw, digest_size=20).digest())
+    df = _READ.get(key)
+    if df is None:
+        df = prepare(pd.read_csv(io.BytesIO(raw)), f"{name}.csv").copy()     # copy: one block per dtype
+        while len(_READ) >= _READ_MAX:
+            _READ.pop(next(iter(_READ)))
+        _READ[key] = df
+    return df.copy()
 
 
 def prepare(df: pd.DataFrame, csv: str) -> pd.DataFrame:
@@ -126,11 +147,37 @@ def frames(data: pathlib.Path, kind: str) -> list[pd.DataFrame]:
     return [df.assign(order=i) for i, (_, df) in enumerate(sorted(found, key=lambda f: f[0]))]
 
 
+def fingerprint(data: pathlib.Path) -> tuple:
+    """The folder and the bytes of every CSV under it (a second run's too): what every reading of it follows from."""
+    data = pathlib.Path(data)
+    h = hashlib.blake2b(digest_size=20)
+    for path in sorted(data.rglob("*.csv")):
+        h.update(path.relative_to(data).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return str(data.resolve()), h.digest()
+
+
+def lineage_fingerprint(data: pathlib.Path, kind: str) -> tuple:
+    """The bytes of the lineage's CSVs under data (None for one that is not there): what frames(data, kind) reads."""
+    out = []
+    for name, _ in lineage(kind)[0]:
+        try:
+            raw = (pathlib.Path(data) / f"{name}.csv").read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raw = None
+        out.append((name, None if raw is None else hashlib.blake2b(raw, digest_size=20).digest()))
+    return tuple(out)
+
+
 def select(df: pd.DataFrame, where: dict) -> pd.DataFrame:
     """The rows whose columns have these values (a tuple: any of them); none when a column is missing."""
+    if not where:
+        return df
+    if any(col not in df for col in where):
+        return df.iloc[:0]
+    keep = np.ones(len(df), dtype=bool)              # one mask, one take (a take per column costs as much as all)
     for col, value in where.items():
-        df = df[df[col].isin(value) if isinstance(value, tuple) else df[col] == value] if col in df else df.iloc[:0]
-    return df
+        keep &= (df[col].isin(value) if isinstance(value, tuple) else df[col] == value).to_numpy(dtype=bool)
+    return df[keep]
 
 
 def day_range(dates) -> str:

@@ -668,9 +668,24 @@ def stale(r: T, data: pathlib.Path, csvs: dict | None = None) -> list[str]:
     return out
 
 
+# What _per_group gave a row, by the bytes of its lineage's CSVs (it reads those alone, and no Measured names the
+# folder): a page measures a target again only where one of its CSVs changed. The Measured are shared, never changed.
+_PER_GROUP: dict[tuple, tuple] = {}
+
+
 def _per_group(r: T, data: pathlib.Path, first: bool = False) -> list[list[Measured]]:
     """For each group of `over`, the row measured on each CSV of its lineage that has it, newest first (only the
     newest with `first`)."""
+    key = (id(r), first, sources.lineage_fingerprint(data, r.kind))
+    got = _PER_GROUP.get(key)
+    if got is None or got[0] is not r:
+        while len(_PER_GROUP) >= 4096:
+            _PER_GROUP.pop(next(iter(_PER_GROUP)))
+        got = _PER_GROUP[key] = (r, _measure_groups(r, data, first))
+    return [list(f) for f in got[1]]
+
+
+def _measure_groups(r: T, data: pathlib.Path, first: bool) -> list[list[Measured]]:
     parts = sources.frames(data, r.kind)[::-1]
     col = sources.arm_column(parts[0]) if parts else None
     out = []
@@ -699,21 +714,46 @@ def _combine(r: T, level: list[Measured]) -> Measured:
     return (min if (r.pick == "worst") == r.higher else max)(level, key=lambda m: m.value)
 
 
+# What judged and values gave for a folder, by the folder and its CSVs' bytes: a page, its README blocks and its
+# tables each ask for them, and the answer follows from those bytes alone. The Measured are shared, never changed.
+_MEMO: dict[tuple, object] = {}
+
+
+def _memo(what: str, data: pathlib.Path, compute):
+    key = (what, sources.fingerprint(data))
+    if key not in _MEMO:
+        while len(_MEMO) >= 64:
+            _MEMO.pop(next(iter(_MEMO)))
+        _MEMO[key] = compute()
+    return _MEMO[key]
+
+
 def judged(data: pathlib.Path) -> tuple[list[Measured], list[Measured]]:
     """(every target measured on its newest data, every target measured on older data: the history)."""
+    now, then = _memo("judged", data, lambda: _judged(data))
+    return list(now), list(then)
+
+
+def _judged(data: pathlib.Path) -> tuple[list[Measured], list[Measured]]:
     now, then = [], []
     for r in TARGETS:
         if r.goal is None:
             continue
-        got = measure(r, data)
-        now += got
-        then += measure(r, data, history=True) if got else []
+        per_group = _per_group(r, data)          # each group on every CSV of the lineage: its newest first
+        if not per_group:
+            continue
+        now.append(_combine(r, [f[0] for f in per_group]))                      # measure(r, data)
+        then += [_combine(r, [f[i] for f in per_group if len(f) > i])          # measure(r, data, history=True)
+                 for i in range(1, max(len(f) for f in per_group))]
     return now, then
 
 
 def values(data: pathlib.Path) -> dict:
     """{key: Measured} of every row measured on its newest data (what the headlines' template reads)."""
-    return {r.key: got[0] for r in TARGETS if (got := measure(r, data))}
+    def compute():
+        known = {m.row.key: m for m in judged(data)[0]}      # the targets, measured already
+        return {r.key: got[0] for r in TARGETS if (got := [known[r.key]] if r.key in known else measure(r, data))}
+    return dict(_memo("values", data, compute))
 
 
 def text(m: Measured) -> str:

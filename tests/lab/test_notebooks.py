@@ -157,15 +157,56 @@ def _html(path) -> str:
                      if "text/html" in o.get("data", {}))
 
 
+def _committed_files() -> dict:
+    return {p: p.stat().st_mtime_ns for folder in ("data", "figures") for p in (ROOT / folder).rglob("*")}
+
+
+# The CPU-mode runs below, each a papermill run of its own kernel: made together, two at a time (in two processes;
+# CI has two cores), before the first test that reads one, and each read and judged by its own test. No
+# other test runs while they do (the kernels start from this environment: XPOOL_REPO is the checkout's throughout).
+CPU_RUNS = [(name, "data") for name in NAMES] + [(name, "none") for name in NAMES] + [("06_dynamic_shapes", "scaled")]
+
+
+@pytest.fixture(scope="module")
+def cpu_runs(tmp_path_factory):
+    """{(notebook, data): (report.run_notebook's result, the data folder)}, and the committed files' mtimes before:
+    data 'data' (SYNTHETIC CSVs, five trials), 'none' (an empty folder), 'scaled' (two of five trials of the scaled
+    runs, under the judged cap alone: a run under way)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = {}
+    for name, kind in CPU_RUNS:                    # the folders first, here; the runs alone on the threads
+        tmp = tmp_path_factory.mktemp(f"{name}_{kind}")
+        data = tmp / "data"
+        if kind == "data":
+            synthetic.write_all(data, trials=5)
+        elif kind == "scaled":
+            synthetic.write_all(data, trials=5, scaled=2, caps=(1.10,))
+        else:
+            data.mkdir()
+        jobs[name, kind] = (as_ipynb(name, tmp / "nb"), tmp / "out", dict(report.CPU_QUICK[name], data_dir=str(data)))
+    before = _committed_files()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XPOOL_REPO", str(ROOT))         # a kernel started outside the checkout finds it (xlab.paths)
+        # processes, not threads: papermill's run changes directory to the notebook's (os.chdir, the whole process)
+        with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {key: pool.submit(report.run_notebook, *job) for key, job in jobs.items()}
+            runs = {key: f.exception() or f.result() for key, f in futures.items()}
+    return runs, before
+
+
+def _run(cpu_runs, name, kind):
+    got = cpu_runs[0][name, kind]
+    if isinstance(got, BaseException):
+        raise got
+    return got
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
-def test_notebook_runs_in_cpu_mode_with_committed_data(name, tmp_path, repo_env):
-    data = tmp_path / "data"
-    synthetic.write_all(data, trials=5)
-    before = {p: p.stat().st_mtime_ns for p in (ROOT / "data").rglob("*")} | \
-        {p: p.stat().st_mtime_ns for p in (ROOT / "figures").rglob("*")}
-    r = report.run_notebook(as_ipynb(name, tmp_path / "nb"), tmp_path / "out",
-                            dict(report.CPU_QUICK[name], data_dir=str(data)))
+def test_notebook_runs_in_cpu_mode_with_committed_data(name, cpu_runs):
+    r = _run(cpu_runs, name, "data")
     assert r["ok"], r["error"]
     text = _outputs(r["output"])
     assert "Traceback" not in text and "<Figure size" not in text and "IProgress not found" not in text
@@ -178,17 +219,13 @@ def test_notebook_runs_in_cpu_mode_with_committed_data(name, tmp_path, repo_env)
     if name == "03_single_gpu":
         assert "Ignored here (no GPU" in text and "steps=3" in text        # CPU_QUICK's GPU-only parameters
         assert "tokens/s" in html and re.search(r"\d,\d{3} \[\d", html)     # units, separators, intervals
-    after = {p: p.stat().st_mtime_ns for p in (ROOT / "data").rglob("*")} | \
-        {p: p.stat().st_mtime_ns for p in (ROOT / "figures").rglob("*")}
-    assert after == before                                     # nothing committed was written
+    assert _committed_files() == cpu_runs[1]                  # nothing committed was written
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
-def test_notebook_runs_in_cpu_mode_without_data(name, tmp_path, repo_env):
-    (tmp_path / "data").mkdir()
-    params = dict(report.CPU_QUICK[name], data_dir=str(tmp_path / "data"))
-    r = report.run_notebook(as_ipynb(name, tmp_path / "nb"), tmp_path / "out", params)
+def test_notebook_runs_in_cpu_mode_without_data(name, cpu_runs):
+    r = _run(cpu_runs, name, "none")
     assert r["ok"], r["error"]
     assert "missing" in _outputs(r["output"])
     if name == "06_dynamic_shapes":                 # issue #46's sections: what measures them, no figure
@@ -198,13 +235,11 @@ def test_notebook_runs_in_cpu_mode_without_data(name, tmp_path, repo_env):
 
 
 @pytest.mark.slow
-def test_notebook_06_shows_a_scaled_run_under_way(tmp_path, repo_env):
+def test_notebook_06_shows_a_scaled_run_under_way(cpu_runs):
     """Two of five trials of the scaled runs, under the judged cap alone (a run under way): the sections say how
     many trials so far, without an interval (the values instead), and draw both figures from them."""
-    synthetic.write_all(tmp_path / "data", trials=5, scaled=2, caps=(1.10,))
     name = "06_dynamic_shapes"
-    r = report.run_notebook(as_ipynb(name, tmp_path / "nb"), tmp_path / "out",
-                            dict(report.CPU_QUICK[name], data_dir=str(tmp_path / "data")))
+    r = _run(cpu_runs, name, "scaled")
     assert r["ok"], r["error"]
     text, html = _outputs(r["output"]), _html(r["output"])
     assert "`dynamic_scale.csv` at synthetic (SYNTHETIC GPU" in text and "2 of 5 trials so far" in text
@@ -281,6 +316,15 @@ def _header_command(name: str) -> str:
     return re.search(r"`(mkdir -p build/notebooks && papermill [^`]+)`", md)[1]
 
 
+def _together(commands, **kw) -> None:
+    """Run the commands at once (two cores), each as subprocess.run(..., check=True, capture_output=True) would."""
+    procs = [(c, subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)) for c in commands]
+    for c, proc in procs:
+        out, err = proc.communicate()
+        if proc.returncode:
+            raise subprocess.CalledProcessError(proc.returncode, c, out, err)
+
+
 @pytest.mark.slow
 def test_a_fresh_clone_pairs_runs_and_stays_clean(tmp_path):
     """What a new user does: clone, `make setup`'s pairing, run a notebook as its header says (and once in place, as
@@ -290,16 +334,15 @@ def test_a_fresh_clone_pairs_runs_and_stays_clean(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XPOOL_REPO")}
     env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     env["PYTHONPATH"] = str(clone)
-    for name in ("05_memory", "03_single_gpu"):
-        subprocess.run(_header_command(name).replace("papermill", "papermill -p measure False", 1), shell=True,
-                       cwd=clone, env=env, check=True, capture_output=True)
+    names = ("05_memory", "03_single_gpu")
+    _together([_header_command(name).replace("papermill", "papermill -p measure False", 1) for name in names],
+              cwd=clone, env=env, shell=True)
+    for name in names:
         assert (clone / "build" / "notebooks" / f"{name}.ipynb").is_file()
-    inplace = "notebooks/05_memory.ipynb"
-    subprocess.run(["papermill", inplace, inplace, "-p", "measure", "False", "--cwd", "notebooks"], cwd=clone,
-                   env=env, check=True, capture_output=True)
+    inplace = "notebooks/05_memory.ipynb"        # beside it, the report (it reads data/, never notebooks/)
+    _together([["papermill", inplace, inplace, "-p", "measure", "False", "--cwd", "notebooks"],
+               [sys.executable, "-m", "xlab.report", "--no-notebooks"]], cwd=clone, env=env)
     assert '"output_type"' in (clone / inplace).read_text()     # outputs on disk, in the file git ignores
-    subprocess.run([sys.executable, "-m", "xlab.report", "--no-notebooks"], cwd=clone, env=env, check=True,
-                   capture_output=True)
     status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True).stdout
     assert status == "", status
 

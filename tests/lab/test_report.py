@@ -110,16 +110,23 @@ def _write(data, trials):
     return data
 
 
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """The two folders below, written once: each test gets a copy of its own to change."""
+    root = tmp_path_factory.mktemp("written")
+    return {"data": _write(root / "data", 0), "trials": _write(root / "trials", 5)}
+
+
 @pytest.fixture
-def synthetic_data(tmp_path):
+def synthetic_data(tmp_path, written):
     """The old schema: one row per configuration (what data/ held before trials were kept)."""
-    return _write(tmp_path / "data", 0)
+    return shutil.copytree(written["data"], tmp_path / "data")
 
 
 @pytest.fixture
-def trial_data(tmp_path):
+def trial_data(tmp_path, written):
     """Five interleaved trials per configuration, the newer columns, re-check CSVs, the graph runs."""
-    return _write(tmp_path / "trials", 5)
+    return shutil.copytree(written["trials"], tmp_path / "trials")
 
 
 def _page(data):
@@ -321,9 +328,20 @@ def test_a_second_run_is_checked_against_the_first_runs_intervals(trial_data):
     assert "## Does a second run agree?\n" in tables and "(TABLES.md#does-a-second-run-agree)" in page
 
 
-def test_report_builds_from_trials_with_every_figure(trial_data, tmp_path):
-    rc = report.main(["--no-notebooks", "--data", str(trial_data), "--figures", str(tmp_path / "figures"),
-                      "--build", str(tmp_path / "build"), "--report-dir", str(tmp_path / "report")])
+@pytest.fixture(scope="module")
+def built(written, tmp_path_factory):
+    """report.main over a copy of the trials (figures, build/ and the report in a folder of their own), a README
+    beside them that names none of them: (that folder, main's exit status). The tests below only read it."""
+    tmp = tmp_path_factory.mktemp("built")
+    trials = shutil.copytree(written["trials"], tmp / "trials")
+    (tmp / "README.md").write_text(f"# x\n{report.RESULTS[0]}\nold\n{report.RESULTS[1]}\n")
+    rc = report.main(["--no-notebooks", "--data", str(trials), "--figures", str(tmp / "figures"),
+                      "--build", str(tmp / "build"), "--report-dir", str(tmp / "report")])
+    return tmp, rc
+
+
+def test_report_builds_from_trials_with_every_figure(built):
+    tmp_path, rc = built
     assert rc == 0
     page, tables = ((tmp_path / "report" / name).read_text() for name in ("REPORT.md", "TABLES.md"))
     assert (page, tables) == report.pages((tmp_path / "build" / "report.md").read_text())   # the two halves of one
@@ -876,12 +894,13 @@ def test_readmes_results_table_is_what_the_report_computes():
     assert report.with_results("a\n" + start + "\nold\n" + end + "\nb", "new") == "a\n" + start + "\nnew\n" + end + "\nb"
 
 
-def test_the_readme_is_rewritten_only_for_the_repositorys_data(trial_data, tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n{report.RESULTS[0]}\nold\n{report.RESULTS[1]}\n")
+def test_the_readme_is_rewritten_only_for_the_repositorys_data(built, tmp_path):
+    folder, rc = built                       # main with --data and no --readme left the README beside it alone
+    readme = pathlib.Path(shutil.copy(folder / "README.md", tmp_path / "README.md"))
+    assert rc == 0 and "old" in readme.read_text()
+    trial_data = folder / "trials"
     args = ["--no-notebooks", "--data", str(trial_data), "--figures", str(tmp_path / "f"), "--build",
             str(tmp_path / "b"), "--report-dir", str(tmp_path / "r")]
-    assert report.main(args) == 0 and "old" in readme.read_text()
     assert report.main(args + ["--readme", str(readme)]) == 0
     assert report.readme_table(trial_data) in readme.read_text() and "old" not in readme.read_text()
 
