@@ -405,7 +405,9 @@ def test_2_overlapping_short_lived_threads_stay_bounded(asks):
         t.join()
     st = pool.stats()
     assert st.bytes_in_use == 0 and backend.used(0) == st.bytes_reserved
-    assert st.bytes_reserved <= 4 * 3 * MiB, st.bytes_reserved
+    # bounded, whatever n: this thread's and the one before it, and threads whose exit lags under load (a thread is
+    # ended when its exit has run: on 2 loaded cores three more were seen once); unbounded, 3 MiB a thread
+    assert st.bytes_reserved <= 6 * 3 * MiB < n * 3 * MiB, st.bytes_reserved
     pool.empty_cache()
     assert backend.live() == {}
 
