@@ -19,7 +19,7 @@ call: tests/lab/test_replays.py). The candidates:
   2 MiB pages for requests of 1 MiB or less, 20 MiB pages for the rest, the free block at the top of the mapped part
   taken last): a peer, its replays equal to the byte to the GPU's peaks of that arm (cupy_torch_expandable) on
   every trace where both exist (tests/lab/test_torch_expandable_model.py), so it stands in for the peer where the
-  GPU has not measured it (cupy_fill, cupy_image).
+  GPU has not measured it.
 
 `--variants` replays scheme expandable's variants (xlab.torch_expandable_model.VARIANTS: the product with one of
 PyTorch's rules added at a time) into their own CSV (`data/cupy_default_variants.csv`, VARIANTS_OUT), beside the

@@ -820,17 +820,21 @@ def render(data: pathlib.Path, runs: list[dict], figs: dict, report_dir: pathlib
     values.update(_spans(data))
     values["single_gpu_runs"] = _runs_said(data, "single_gpu")
     retired = []
-    for key, fw, field in (("dyn_h_ror", "cupy", "dyn_cupy"), ("dyn_h_ror_torch", "torch", "dyn_torch")):
-        if (held := measured.get(key)) is None:                 # the front end's pool the dynamic benchmark measured
+
+    def words(said: str) -> str:                                 # an earlier xpool in its words
+        return "; ".join(q if q == shared.BEFORE_FREEZE else f"under {q}" for q in said.split("; "))
+
+    for keys, fw, field in ((("dyn_h_ror", "dyn_h_ms"), "cupy", "dyn_cupy"),
+                            (("dyn_h_ror_torch", "dyn_h_ms_torch"), "torch", "dyn_torch")):
+        if (held := measured.get(keys[0])) is None:             # the front end's pool the dynamic benchmark measured
             continue
         name, said = shared.FRONT_END_NAMES[fw], held.pool_said
         values[field] = name + (f" ({said})" if said else "")
-        words = lambda s: "; ".join(q if q == shared.BEFORE_FREEZE else f"under {q}" for q in s.split("; "))  # noqa
-        if said:                                                 # an earlier xpool: said in its words
+        if said:
             retired.append(f"{name} {words(said)}")
         elif held.mixed_pools:                                   # on some workloads: each named (the lists say too)
             on = {}
-            for m in (m for k in (key, key.replace("_ror", "_ms")) if k in measured for m in measured[k].each):
+            for m in (m for k in keys if k in measured for m in measured[k].each):
                 if m.pool_said and m.at not in on.get(m.pool_said, []):
                     on.setdefault(m.pool_said, []).append(m.at)
             retired += [f"{name} {words(q)} on {', '.join(sorted(ws))}" for q, ws in on.items()]

@@ -635,8 +635,11 @@ def _groups(r: T, parts) -> list:
 def measure(r: T, data: pathlib.Path, history: bool = False) -> list[Measured]:
     """A row measured on the newest CSV of its lineage with its rows ([] if none); history: on each older one."""
     per_group = _per_group(r, data, first=not history)
-    if not per_group:
-        return []
+    return _levels(r, per_group, history) if per_group else []
+
+
+def _levels(r: T, per_group: list[list[Measured]], history: bool) -> list[Measured]:
+    """The row combined over its groups on the newest CSV of each, or (history) on each older one in turn."""
     if not history:
         return [_combine(r, [f[0] for f in per_group])]
     depth = max(len(f) for f in per_group)
@@ -739,12 +742,10 @@ def _judged(data: pathlib.Path) -> tuple[list[Measured], list[Measured]]:
     for r in TARGETS:
         if r.goal is None:
             continue
-        per_group = _per_group(r, data)          # each group on every CSV of the lineage: its newest first
-        if not per_group:
-            continue
-        now.append(_combine(r, [f[0] for f in per_group]))                      # measure(r, data)
-        then += [_combine(r, [f[i] for f in per_group if len(f) > i])          # measure(r, data, history=True)
-                 for i in range(1, max(len(f) for f in per_group))]
+        per_group = _per_group(r, data)          # each group on every CSV of the lineage, once for both
+        if per_group:
+            now += _levels(r, per_group, history=False)
+            then += _levels(r, per_group, history=True)
     return now, then
 
 
